@@ -1,0 +1,51 @@
+"""hwkv: a hardware-portable hybrid (full + sliding-window) KV cache for LLM inference engines.
+
+`hwkv.current_device` is resolved on first access (cheap probes, no vendor import) and cached.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from hwkv.allocator import ReqToTokenPool
+from hwkv.batch import ForwardBatch, ForwardMode
+from hwkv.layer import AttentionLayer
+from hwkv.loc import KVWriteLoc
+
+__version__ = "0.1.0"
+__all__ = ["ReqToTokenPool", "ForwardBatch", "ForwardMode", "AttentionLayer", "KVWriteLoc",
+           "make_backend", "current_device"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "current_device":
+        from hwkv.devices import current_device
+        return current_device()
+    raise AttributeError(f"module 'hwkv' has no attribute {name!r}")
+
+
+def make_backend(pool: Any, req_to_token_pool: Any, device: Union[None, str, Any] = None, **options: Any) -> Any:
+    """Build the attention backend of `device` (a name, a DeviceSpec, or None for the current one)."""
+    from hwkv import devices
+    from hwkv.errors import DeviceError
+
+    pool_type = str(getattr(pool, "device", "cpu")).split(":")[0]
+    if device is None:
+        spec = devices.current_device()
+        if spec.torch_device != pool_type:  # e.g. a CPU pool on a GPU machine: the pool decides
+            matching = [s for s in devices.discover().values() if s.torch_device == pool_type and s.is_available()]
+            if not matching:
+                raise DeviceError(f"no available device plugin serves pools on {pool_type!r}")
+            spec = max(matching, key=lambda s: s.priority)
+    elif isinstance(device, str):
+        specs = devices.discover()
+        if device not in specs:
+            raise DeviceError(f"unknown device {device!r}; known devices: {sorted(specs)}")
+        spec = specs[device]
+    else:
+        spec = device
+    reason = spec.unavailable_reason()
+    if reason is not None:
+        raise DeviceError(f"device {spec.name!r} is unavailable: {reason}")
+    if spec.torch_device != pool_type:
+        raise DeviceError(f"device {spec.name!r} runs on {spec.torch_device!r} tensors, the pool is on {pool_type!r}")
+    return spec.load_backend_class()(pool, req_to_token_pool, **options)

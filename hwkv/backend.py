@@ -1,0 +1,221 @@
+"""AttentionBackend: the template every device fills in.
+
+The base class owns everything location-related: it translates the write locs once per
+forward (`SWALocCache`), builds the full and window index lists once (window lists already
+hold SWA slots), refills graph buffers before replay, and writes K/V through the pool. A
+subclass supplies only kernels: `forward_decode`, `forward_extend` and optionally
+`init_kernel_metadata`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, Optional, Tuple, Type
+
+import torch
+
+from hwkv.batch import ForwardBatch, ForwardMode
+from hwkv.checks import check_shape
+from hwkv.env import HWKV_DEBUG
+from hwkv.errors import ConfigError, EvictedSlotError, ShapeError
+from hwkv.layer import AttentionLayer
+from hwkv.loc import KVWriteLoc, SWALocCache
+from hwkv.metadata import (ForwardMetadata, KVIndexList, StaticBuffers, alloc_static, check_fits,
+                           fill_list, window_pos0)
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """Options of every backend, validated once. `sliding_window`: the model's SWA window(s) W."""
+
+    sliding_window: Tuple[int, ...] = ()
+    debug: Optional[bool] = None  # None: follow HWKV_DEBUG
+
+    def __post_init__(self) -> None:
+        sw = self.sliding_window
+        sw = () if sw is None else ((sw,) if isinstance(sw, int) else tuple(sw))
+        if any((not isinstance(w, int)) or w < 1 for w in sw):
+            raise ConfigError(f"sliding_window={self.sliding_window!r} must be ints >= 1")
+        object.__setattr__(self, "sliding_window", tuple(sorted(set(sw))))
+
+
+def make_options(cls: Type[BackendOptions], options: Dict[str, Any]) -> BackendOptions:
+    """Build the frozen options object; unknown names raise ConfigError listing the known ones."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigError(f"unknown backend option(s) {unknown}; known options: {sorted(known)}")
+    return cls(**options)
+
+
+class AttentionBackend:
+    """Template: metadata once per forward in the base class, kernels in the subclass."""
+
+    name: ClassVar[str] = "base"
+    graph_adapter: ClassVar[str] = ""  # import string "module:Class" of the device's graph adapter
+    Options: ClassVar[Type[BackendOptions]] = BackendOptions
+
+    def __init__(self, pool: Any, req_to_token_pool: Any, **options: Any) -> None:
+        self.options = make_options(self.Options, options)
+        self.pool = pool
+        self.req_to_token_pool = req_to_token_pool
+        self.device = torch.device(pool.device)
+        self.hybrid = hasattr(pool, "translate_loc_from_full_to_swa")
+        self.windows = self.options.sliding_window
+        if self.hybrid and not self.windows:
+            raise ConfigError("a hybrid SWAKVPool needs the model's window: make_backend(..., sliding_window=W)")
+        self.debug = HWKV_DEBUG.get() if self.options.debug is None else self.options.debug
+        self.loc_cache = SWALocCache(pool)
+        self.window_translations = 0
+        self.forward_metadata: Optional[ForwardMetadata] = None
+        self.static: Optional[StaticBuffers] = None
+
+    # ---- subclass hooks -------------------------------------------------------------------
+    def init_kernel_metadata(self, md: ForwardMetadata, batch: ForwardBatch, graph: bool) -> None:
+        """Kernel-specific fields into `md.extra` (graph=True: only into pre-allocated buffers)."""
+
+    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
+                       md: ForwardMetadata, out: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no decode kernel")
+
+    def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
+                       md: ForwardMetadata, out: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no extend kernel")
+
+    # ---- helpers for subclasses --------------------------------------------------------------
+    def kv_buffers(self, layer: AttentionLayer) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.pool.get_key_buffer(layer.layer_id), self.pool.get_value_buffer(layer.layer_id)
+
+    def is_swa_group(self, layer: AttentionLayer) -> bool:
+        return self.hybrid and self.pool.layers_mapping[layer.layer_id][1]
+
+    # ---- eager metadata ----------------------------------------------------------------------
+    def init_forward_metadata(self, batch: ForwardBatch) -> ForwardMetadata:
+        """Translate the write locs once and build every index list once, for any forward mode."""
+        swa = self.loc_cache.translate(batch.out_cache_loc)
+        write_loc = KVWriteLoc(batch.out_cache_loc, swa)
+        seq = batch.seq_lens.to(torch.int64)
+        ext = batch.extend_lens().to(torch.int64)
+        seq_cpu = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else seq.cpu()
+        ext_cpu = ext.cpu()
+        q_pos0 = seq - ext
+        bs = batch.batch_size
+        i32 = dict(dtype=torch.int32, device=self.device)
+        qo_indptr = torch.zeros(bs + 1, **i32)
+        qo_indptr[1:] = ext.cumsum(0)
+        full = self._eager_list(batch, seq, torch.zeros_like(seq), int(seq_cpu.sum()), None,
+                                int(seq_cpu.max()) if bs else 0)
+        windows = {}
+        for w in self.windows:
+            pos0 = window_pos0(q_pos0, w)
+            pos0_cpu = (seq_cpu - ext_cpu - (w - 1)).clamp(min=0)
+            lens_cpu = seq_cpu - pos0_cpu
+            windows[w] = self._eager_list(batch, seq, pos0, int(lens_cpu.sum()), w,
+                                          int(lens_cpu.max()) if bs else 0)
+        md = ForwardMetadata(write_loc, swa, qo_indptr, q_pos0, full, windows,
+                             int(ext_cpu.max()) if bs else 0, bs, batch.forward_mode.is_decode())
+        self.init_kernel_metadata(md, batch, graph=False)
+        self.forward_metadata = md
+        return md
+
+    def _eager_list(self, batch: ForwardBatch, seq: torch.Tensor, pos0: torch.Tensor, total: int,
+                    window: Optional[int], max_len: int) -> KVIndexList:
+        indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int32, device=self.device)
+        indices = torch.empty(total, dtype=torch.int64, device=self.device)
+        fill_list(self.req_to_token_pool.req_to_token, batch.req_pool_indices, seq, pos0, indptr, indices)
+        swa_slots = False
+        if window is not None and self.hybrid:
+            indices = self._translate_window(indices)
+            swa_slots = True
+            if self.debug:
+                self._check_not_evicted(indices, window)
+        return KVIndexList(indptr, indices, pos0, window, max_len, swa_slots)
+
+    def _translate_window(self, locs: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The one translation of a window list per forward (counted, like SWALocCache's)."""
+        self.window_translations += 1
+        if out is None:
+            return self.pool.translate_loc_from_full_to_swa(locs)
+        return self.pool.translate_loc_from_full_to_swa(locs, out=out)
+
+    @staticmethod
+    def _check_not_evicted(swa_slots: torch.Tensor, window: int) -> None:
+        bad = torch.nonzero(swa_slots <= 0)
+        if bad.numel():
+            raise EvictedSlotError(f"window list (W={window}) entry {int(bad[0])} translates to SWA slot "
+                                   f"{int(swa_slots[bad[0]])}: an in-window token was released")
+
+    # ---- graph metadata ----------------------------------------------------------------------
+    def init_graph_state(self, max_bs: int, max_num_tokens: int, max_context_len: Optional[int] = None) -> None:
+        """Pre-allocate every static buffer (the int64 swa_out_cache_loc buffer included)."""
+        ctx = max_context_len or self.req_to_token_pool.max_context_len
+        if max_bs < 1 or max_num_tokens < max_bs:
+            raise ConfigError(f"max_bs={max_bs} must be >= 1 and max_num_tokens={max_num_tokens} >= max_bs")
+        self.static = alloc_static(max_bs, max_num_tokens, ctx, self.windows, self.device)
+        self.loc_cache.alloc_graph_buffer(max_num_tokens, self.device)
+        self.graph_max_context_len = ctx
+
+    def init_forward_metadata_graph(self, batch: ForwardBatch) -> ForwardMetadata:
+        """Refill the static buffers in place for a (padded) batch: no allocation of index storage,
+        no host sync. Used at capture and before every replay; raises CapacityError when too big."""
+        st = self.static
+        if st is None:
+            raise ConfigError("init_graph_state(max_bs, max_num_tokens) must run before graph metadata")
+        bs, n = batch.batch_size, batch.num_tokens
+        check_fits("batch size", bs, st.max_bs)
+        check_fits("tokens", n, st.max_num_tokens)
+        swa = self.loc_cache.refill(batch.out_cache_loc)
+        write_loc = KVWriteLoc(batch.out_cache_loc, swa)
+        rtt = self.req_to_token_pool.req_to_token
+        seq = st.lens[:bs]
+        seq.copy_(batch.seq_lens)
+        ext = batch.extend_lens().to(torch.int64)
+        q_pos0 = torch.sub(seq, ext, out=st.q_pos0[:bs])
+        qo_indptr = st.qo_indptr[:bs + 1]
+        qo_indptr[:1].zero_()
+        qo_indptr[1:].copy_(ext.cumsum(0))
+        full_pos0 = st.full_pos0[:bs]
+        full_pos0.zero_()
+        fill_list(rtt, batch.req_pool_indices, seq, full_pos0, st.full_indptr[:bs + 1], st.full_indices)
+        full = KVIndexList(st.full_indptr[:bs + 1], st.full_indices, full_pos0, None, self.graph_max_context_len)
+        windows = {}
+        for w in self.windows:
+            pos0 = st.win_pos0[w][:bs]
+            pos0.copy_(window_pos0(q_pos0, w))
+            target = st.win_scratch[w] if self.hybrid else st.win_indices[w]
+            fill_list(rtt, batch.req_pool_indices, seq, pos0, st.win_indptr[w][:bs + 1], target)
+            if self.hybrid:
+                self._translate_window(target, out=st.win_indices[w])
+            windows[w] = KVIndexList(st.win_indptr[w][:bs + 1], st.win_indices[w], pos0, w,
+                                     min(self.graph_max_context_len, w + n - 1), self.hybrid)
+        md = ForwardMetadata(write_loc, swa, qo_indptr, q_pos0, full, windows, n if not
+                             batch.forward_mode.is_decode() else 1, bs, batch.forward_mode.is_decode())
+        self.init_kernel_metadata(md, batch, graph=True)
+        self.forward_metadata = md
+        return md
+
+    # ---- per layer ----------------------------------------------------------------------------
+    def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+                layer: AttentionLayer, batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        """Write this layer's K/V through the pool, then attend: q [T, H, D] -> out [T, H, Dv]."""
+        md = self.forward_metadata
+        if md is None:
+            raise ConfigError("init_forward_metadata(batch) must run before forward")
+        t = batch.num_tokens
+        q = q.view(t, layer.num_heads, layer.head_dim) if q.dim() == 2 else q
+        check_shape("q", q, (t, layer.num_heads, layer.head_dim))
+        if save_kv_cache:
+            if k is None or v is None:
+                raise ShapeError(f"layer {layer.layer_id}: save_kv_cache=True needs k and v")
+            k = k.view(t, layer.num_kv_heads, layer.head_dim) if k.dim() == 2 else k
+            v = v.view(t, layer.num_kv_heads, layer.v_head_dim) if v.dim() == 2 else v
+            self.pool.set_kv_buffer(layer, md.write_loc, k, v, layer.k_scale, layer.v_scale)
+        out = q.new_empty(t, layer.num_heads, layer.v_head_dim)
+        if t == 0:
+            return out
+        kv = md.list_for(layer, self.is_swa_group(layer))
+        if md.is_decode:
+            self.forward_decode(q, layer, kv, md, out)
+        else:
+            self.forward_extend(q, layer, kv, md, out)
+        return out

@@ -1,0 +1,140 @@
+"""GraphRunner: capture one graph per batch-size bucket, pad a batch up to its bucket, replay.
+
+The device supplies a `GraphAdapter` (capture, replay, optional pre-replay host update); the
+backend's base class refills its static metadata buffers before every replay. A batch larger
+than the largest bucket runs eagerly; it is never dropped.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+
+import torch
+
+from hwkv.batch import ForwardBatch, ForwardMode
+from hwkv.errors import ConfigError, ShapeError
+
+ModelFn = Callable[[ForwardBatch, Dict[str, torch.Tensor]], torch.Tensor]
+
+
+class GraphAdapter(Protocol):
+    """What a device provides for graphs."""
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> Tuple[Any, torch.Tensor]:
+        """Record `fn` once; return (graph handle, the output tensor the graph writes)."""
+
+    def replay(self, graph: Any) -> torch.Tensor:
+        """Run the recorded graph; return its output tensor."""
+
+    def pre_replay(self, graph: Any) -> None:
+        """Host-side update some vendors need before each replay (may do nothing)."""
+
+
+class EagerAdapter:
+    """No device graphs: 'capture' keeps the callable, 'replay' calls it over the same static buffers."""
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> Tuple[Any, torch.Tensor]:
+        return fn, fn()
+
+    def replay(self, graph: Any) -> torch.Tensor:
+        return graph()
+
+    def pre_replay(self, graph: Any) -> None:
+        return None
+
+
+@dataclass
+class _Captured:
+    graph: Any
+    out: torch.Tensor
+
+
+class GraphRunner:
+    """Runs a model step (`fn(batch, inputs) -> out [T, ...]`) through captured graphs.
+
+    `inputs` maps names to per-token tensors [T, ...]; `input_shapes` gives their trailing
+    shapes and dtypes so the runner can own static copies. `tokens_per_req` is 1 for decode
+    (or the draft length for TARGET_VERIFY).
+    """
+
+    def __init__(self, backend: Any, fn: ModelFn, batch_sizes: Sequence[int],
+                 input_shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]],
+                 adapter: Optional[GraphAdapter] = None, mode: ForwardMode = ForwardMode.DECODE,
+                 tokens_per_req: int = 1) -> None:
+        if not batch_sizes or min(batch_sizes) < 1:
+            raise ConfigError(f"batch_sizes={list(batch_sizes)} must be non-empty and >= 1")
+        self.backend, self.fn, self.mode, self.tpr = backend, fn, mode, tokens_per_req
+        self.buckets: List[int] = sorted(set(batch_sizes))
+        self.adapter = adapter if adapter is not None else EagerAdapter()
+        dev = backend.device
+        max_bs = self.buckets[-1]
+        max_tokens = max_bs * tokens_per_req
+        backend.init_graph_state(max_bs, max_tokens)
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.req_pool_indices = torch.zeros(max_bs, **i64)
+        self.seq_lens = torch.ones(max_bs, **i64)
+        self.out_cache_loc = torch.zeros(max_tokens, **i64)
+        self.extend_seq_lens = torch.full((max_bs,), tokens_per_req, **i64)
+        self.extend_prefix_lens = torch.zeros(max_bs, **i64)
+        self.inputs = {k: torch.zeros((max_tokens, *shape), dtype=dt, device=dev)
+                       for k, (shape, dt) in input_shapes.items()}
+        self.graphs: Dict[int, _Captured] = {}
+        self.eager_runs = 0
+        self.replays = 0
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        n = bs * self.tpr
+        extend = None if self.mode == ForwardMode.DECODE else self.extend_seq_lens[:bs]
+        prefix = None if self.mode == ForwardMode.DECODE else self.extend_prefix_lens[:bs]
+        return ForwardBatch(self.mode, bs, self.req_pool_indices[:bs], self.seq_lens[:bs],
+                            self.out_cache_loc[:n], prefix, extend)
+
+    def _static_inputs(self, bs: int) -> Dict[str, torch.Tensor]:
+        n = bs * self.tpr
+        return {k: v[:n] for k, v in self.inputs.items()}
+
+    def capture(self) -> None:
+        """Capture every bucket, largest first (so smaller ones can share the largest's memory)."""
+        for bs in reversed(self.buckets):
+            self._pad(bs, 0)
+            batch = self._static_batch(bs)
+            inputs = self._static_inputs(bs)
+            self.backend.init_forward_metadata_graph(batch)
+            self.fn(batch, inputs)  # warm-up outside the graph (kernel compilation, autotuning)
+            graph, out = self.adapter.capture(lambda b=batch, i=inputs: self.fn(b, i))
+            self.graphs[bs] = _Captured(graph, out)
+
+    def _pad(self, bs_pad: int, live: int) -> None:
+        """Padded requests: row 0, length 1, write to the padding slot 0."""
+        self.req_pool_indices[live:bs_pad].zero_()
+        self.seq_lens[live:bs_pad].fill_(self.tpr)
+        self.out_cache_loc[live * self.tpr:bs_pad * self.tpr].zero_()
+        for v in self.inputs.values():
+            v[live * self.tpr:bs_pad * self.tpr].zero_()
+
+    def run(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """Replay the smallest bucket that fits, or run eagerly when the batch is larger than all."""
+        bs = batch.batch_size
+        if batch.num_tokens != bs * self.tpr:
+            raise ShapeError(f"graph mode needs {self.tpr} token(s) per request: {batch.num_tokens} tokens "
+                             f"for {bs} requests")
+        i = bisect.bisect_left(self.buckets, bs)
+        if i == len(self.buckets):
+            self.eager_runs += 1
+            self.backend.init_forward_metadata(batch)
+            return self.fn(batch, inputs)
+        bs_pad = self.buckets[i]
+        n = bs * self.tpr
+        self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
+        self.seq_lens[:bs].copy_(batch.seq_lens)
+        self.out_cache_loc[:n].copy_(batch.out_cache_loc)
+        for k, v in self.inputs.items():
+            v[:n].copy_(inputs[k])
+        self._pad(bs_pad, bs)
+        self.backend.init_forward_metadata_graph(self._static_batch(bs_pad))
+        cap = self.graphs[bs_pad]
+        self.adapter.pre_replay(cap.graph)
+        out = self.adapter.replay(cap.graph)
+        self.replays += 1
+        return out[:n]

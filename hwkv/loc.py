@@ -1,0 +1,82 @@
+"""Where one forward's K/V go, and the one place that translates full locs to SWA slots."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from hwkv.errors import CapacityError, LocError
+
+
+class KVWriteLoc:
+    """The new tokens' full-pool `loc` and their `swa_loc`, built once per forward."""
+
+    __slots__ = ("loc", "swa_loc")
+
+    def __init__(self, loc: torch.Tensor, swa_loc: Optional[torch.Tensor] = None) -> None:
+        if not isinstance(loc, torch.Tensor) or loc.dtype != torch.int64:
+            raise LocError(f"KVWriteLoc.loc must be an int64 tensor, got {getattr(loc, 'dtype', type(loc))}")
+        if swa_loc is not None:
+            if not isinstance(swa_loc, torch.Tensor) or swa_loc.dtype != torch.int64:
+                raise LocError(f"KVWriteLoc.swa_loc must be an int64 tensor, got {getattr(swa_loc, 'dtype', type(swa_loc))}")
+            n, m = loc.shape[0], swa_loc.shape[0]
+            if m < n:
+                raise LocError(f"KVWriteLoc.swa_loc has {m} entries, shorter than loc's {n}")
+            if m > n:
+                swa_loc = swa_loc[:n]  # graph buffers are longer: write exactly the live prefix
+        self.loc = loc
+        self.swa_loc = swa_loc
+
+    def __len__(self) -> int:
+        return int(self.loc.shape[0])
+
+    def __repr__(self) -> str:
+        return f"KVWriteLoc(n={len(self)}, swa={'yes' if self.swa_loc is not None else 'no'})"
+
+
+class SWALocCache:
+    """Translates one forward's write locs exactly once; in graph mode into a static int64 buffer.
+
+    Eager: `translate(loc)` returns a fresh tensor and holds it as `current`.
+    Graph: `refill(loc)` writes the translation into `buffer[:n]`, zeros `buffer[n:]` (so a
+    padded replay never writes a stale live slot) and returns the `[:n]` view.
+    """
+
+    def __init__(self, pool: object) -> None:
+        self.pool = pool
+        self.buffer: Optional[torch.Tensor] = None
+        self.current: Optional[torch.Tensor] = None
+        self.translations = 0
+
+    @property
+    def hybrid(self) -> bool:
+        return hasattr(self.pool, "translate_loc_from_full_to_swa")
+
+    def translate(self, loc: torch.Tensor) -> Optional[torch.Tensor]:
+        """Eager translation (None for a plain, non-hybrid pool: there is nothing to translate)."""
+        if not self.hybrid:
+            self.current = None
+            return None
+        self.translations += 1
+        self.current = self.pool.translate_loc_from_full_to_swa(loc)
+        return self.current
+
+    def alloc_graph_buffer(self, max_num_tokens: int, device: torch.device) -> None:
+        """Pre-allocate the static `swa_out_cache_loc` buffer (once, before capture)."""
+        self.buffer = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
+
+    def refill(self, loc: torch.Tensor) -> Optional[torch.Tensor]:
+        """Graph translation into the static buffer; raises CapacityError when it does not fit."""
+        if not self.hybrid:
+            self.current = None
+            return None
+        if self.buffer is None:
+            raise CapacityError("SWALocCache.refill called before alloc_graph_buffer")
+        n, cap = int(loc.shape[0]), int(self.buffer.shape[0])
+        if n > cap:
+            raise CapacityError(f"{n} tokens do not fit the graph buffer of {cap} tokens; run eagerly")
+        self.translations += 1
+        self.pool.translate_loc_from_full_to_swa(loc, out=self.buffer[:n])
+        self.buffer[n:].zero_()
+        self.current = self.buffer[:n]
+        return self.current

@@ -1,0 +1,113 @@
+"""Per-forward metadata: the write locs and the index lists, built once (eager or into graph buffers)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+
+from hwkv import ops
+from hwkv.errors import CapacityError, ConfigError
+from hwkv.loc import KVWriteLoc
+
+
+@dataclass
+class KVIndexList:
+    """CSR list of key slots per request; key j of request b sits at position pos0[b] + j."""
+
+    indptr: torch.Tensor   # int32 [bs + 1]
+    indices: torch.Tensor  # int64 [capacity]: locs (full) or swa_locs (SWA layers of a hybrid pool)
+    pos0: torch.Tensor     # int64 [bs]
+    window: Optional[int]  # W the list was trimmed to, None for full layers
+    max_len: int           # host-side bound on any request's list length (sizes kernel grids)
+    is_swa_slots: bool = False
+
+
+@dataclass
+class ForwardMetadata:
+    """Everything one forward's layers need; built by AttentionBackend.init_forward_metadata."""
+
+    write_loc: KVWriteLoc
+    swa_out_cache_loc: Optional[torch.Tensor]
+    qo_indptr: torch.Tensor  # int32 [bs + 1]
+    q_pos0: torch.Tensor     # int64 [bs]: position of each request's first query
+    full: KVIndexList
+    windows: Dict[int, KVIndexList]
+    max_q_len: int
+    batch_size: int
+    is_decode: bool
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    def list_for(self, layer: Any, swa_group: bool) -> KVIndexList:
+        """The index list a layer reads: its window's list when it has one, else the full list."""
+        w = layer.window
+        if w is None:
+            if swa_group:
+                raise ConfigError(f"layer {layer.layer_id} sits in the SWA pool but has no sliding_window")
+            return self.full
+        lst = self.windows.get(w)
+        if lst is None:
+            if swa_group:
+                raise ConfigError(f"layer {layer.layer_id} has sliding_window={w} but the backend was built for "
+                                  f"windows {sorted(self.windows)}; pass sliding_window= to make_backend")
+            return self.full  # a windowed layer of the full pool: the kernel's window mask trims it
+        return lst
+
+
+@dataclass
+class StaticBuffers:
+    """Graph-mode buffers, allocated once by init_graph_state and refilled before every replay."""
+
+    max_bs: int
+    max_num_tokens: int
+    qo_indptr: torch.Tensor
+    q_pos0: torch.Tensor
+    lens: torch.Tensor
+    full_indptr: torch.Tensor
+    full_pos0: torch.Tensor
+    full_indices: torch.Tensor
+    win_indptr: Dict[int, torch.Tensor]
+    win_pos0: Dict[int, torch.Tensor]
+    win_indices: Dict[int, torch.Tensor]
+    win_scratch: Dict[int, torch.Tensor]
+
+
+def alloc_static(max_bs: int, max_num_tokens: int, max_context_len: int, windows: Sequence[int],
+                 device: torch.device) -> StaticBuffers:
+    """Buffers large enough for any batch of <= max_bs requests and <= max_num_tokens tokens."""
+    i32 = dict(dtype=torch.int32, device=device)
+    i64 = dict(dtype=torch.int64, device=device)
+    full_cap = max_bs * max_context_len
+    win_cap = {w: min(full_cap, max_num_tokens + max_bs * (w - 1)) for w in windows}
+    return StaticBuffers(
+        max_bs, max_num_tokens,
+        torch.zeros(max_bs + 1, **i32), torch.zeros(max_bs, **i64), torch.zeros(max_bs, **i64),
+        torch.zeros(max_bs + 1, **i32), torch.zeros(max_bs, **i64), torch.zeros(full_cap, **i64),
+        {w: torch.zeros(max_bs + 1, **i32) for w in windows},
+        {w: torch.zeros(max_bs, **i64) for w in windows},
+        {w: torch.zeros(win_cap[w], **i64) for w in windows},
+        {w: torch.zeros(win_cap[w], **i64) for w in windows})
+
+
+def cumsum_into(lens: torch.Tensor, indptr: torch.Tensor) -> torch.Tensor:
+    """indptr[0] = 0, indptr[1:] = cumsum(lens), written in place (int32); no host sync."""
+    indptr[:1].zero_()
+    torch.cumsum(lens, 0, out=indptr[1:]) if indptr.dtype == lens.dtype else indptr[1:].copy_(lens.cumsum(0))
+    return indptr
+
+
+def window_pos0(q_pos0: torch.Tensor, window: int) -> torch.Tensor:
+    """First visible key of each request's first query: max(0, q_pos0 - W + 1)."""
+    return (q_pos0 - (window - 1)).clamp_(min=0)
+
+
+def fill_list(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+              pos0: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor) -> None:
+    """Fill a CSR list of each request's locs from pos0 to seq_len (in place, no host sync)."""
+    cumsum_into(seq_lens - pos0, indptr)
+    ops.fill_kv_indices(req_to_token, req_pool_indices, pos0, indptr, indices)
+
+
+def check_fits(name: str, need: int, cap: int) -> None:
+    if need > cap:
+        raise CapacityError(f"{name} needs {need} entries, the graph buffer holds {cap}; run this batch eagerly")

@@ -1,0 +1,177 @@
+"""KV pools: one layer group (`MHATokenToKVPool`) and the hybrid full + SWA pair (`SWAKVPool`)."""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from hwkv import ops
+from hwkv.checks import check_loc, check_shape
+from hwkv.errors import ConfigError, LocError, MissingSWALocError
+from hwkv.loc import KVWriteLoc
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16) + ops.FP8_DTYPES
+
+
+class MHATokenToKVPool:
+    """K/V buffers of one layer group: `k_buffer[i]`, `v_buffer[i]` are [size + page_size, H, D]."""
+
+    def __init__(self, size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int,
+                 layer_num: int, device: Union[str, torch.device], v_head_dim: Optional[int] = None) -> None:
+        if dtype not in DTYPES:
+            raise ConfigError(f"dtype {dtype} is not supported; use one of {[str(d) for d in DTYPES]}")
+        for name, val, lo in (("size", size, 0), ("page_size", page_size, 1), ("head_num", head_num, 1),
+                              ("head_dim", head_dim, 1), ("layer_num", layer_num, 0)):
+            if not isinstance(val, int) or val < lo:
+                raise ConfigError(f"{name}={val!r} must be an int >= {lo}")
+        if size % page_size:
+            raise ConfigError(f"size={size} must be a multiple of page_size={page_size}")
+        self.size, self.page_size, self.dtype = size, page_size, dtype
+        self.head_num, self.head_dim = head_num, head_dim
+        self.v_head_dim = v_head_dim if v_head_dim is not None else head_dim
+        self.layer_num = layer_num
+        self.device = torch.device(device)
+        rows = size + page_size  # slot 0 (page 0) is the padding slot
+        self.k_buffer: List[torch.Tensor] = [
+            torch.zeros(rows, head_num, head_dim, dtype=dtype, device=self.device) for _ in range(layer_num)]
+        self.v_buffer: List[torch.Tensor] = [
+            torch.zeros(rows, head_num, self.v_head_dim, dtype=dtype, device=self.device) for _ in range(layer_num)]
+
+    def _layer(self, layer_id: int) -> int:
+        if not 0 <= layer_id < self.layer_num:
+            raise ConfigError(f"layer_id {layer_id} out of range [0, {self.layer_num})")
+        return layer_id
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k_buffer[self._layer(layer_id)]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v_buffer[self._layer(layer_id)]
+
+    def get_kv_buffer(self, layer_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
+
+    def bytes_per_token(self) -> int:
+        """K + V bytes one token costs across this group's layers."""
+        item = torch.empty(0, dtype=self.dtype).element_size()
+        return self.layer_num * self.head_num * (self.head_dim + self.v_head_dim) * item
+
+    def set_kv_buffer(self, layer: object, loc: Union[torch.Tensor, KVWriteLoc], cache_k: torch.Tensor,
+                      cache_v: torch.Tensor, k_scale: Optional[float] = None, v_scale: Optional[float] = None,
+                      layer_id_override: Optional[int] = None, swa_loc: Optional[torch.Tensor] = None) -> None:
+        """Write the new tokens' K/V at `loc` (a KVWriteLoc's full locs); caller tensors are untouched."""
+        if isinstance(loc, KVWriteLoc):
+            loc = loc.loc
+        layer_id = self._layer(layer_id_override if layer_id_override is not None else layer.layer_id)
+        check_loc("loc", loc, self.size + self.page_size, self.device)
+        n = loc.shape[0]
+        check_shape("cache_k", cache_k, (n, self.head_num, self.head_dim))
+        check_shape("cache_v", cache_v, (n, self.head_num, self.v_head_dim))
+        ops.store_kv(self.k_buffer[layer_id], self.v_buffer[layer_id], loc, cache_k, cache_v, k_scale, v_scale)
+
+    def check_integrity(self) -> None:
+        """Buffers keep their shapes and dtype (writes never reallocate them)."""
+        for i, (k, v) in enumerate(zip(self.k_buffer, self.v_buffer)):
+            assert k.shape == (self.size + self.page_size, self.head_num, self.head_dim), f"k_buffer[{i}] shape"
+            assert v.shape == (self.size + self.page_size, self.head_num, self.v_head_dim), f"v_buffer[{i}] shape"
+            assert k.dtype == v.dtype == self.dtype, f"layer {i} dtype changed"
+
+
+class SWAKVPool:
+    """Full-attention and SWA layer groups behind one address space of full-pool locs."""
+
+    def __init__(self, size: int, size_swa: int, page_size: int, dtype: torch.dtype, head_num: int,
+                 head_dim: int, swa_attention_layer_ids: Sequence[int], full_attention_layer_ids: Sequence[int],
+                 device: Union[str, torch.device], swa_head_num: Optional[int] = None,
+                 swa_head_dim: Optional[int] = None, swa_v_head_dim: Optional[int] = None,
+                 v_head_dim: Optional[int] = None) -> None:
+        swa_ids, full_ids = list(swa_attention_layer_ids), list(full_attention_layer_ids)
+        both = set(swa_ids) & set(full_ids)
+        if both or len(set(swa_ids)) != len(swa_ids) or len(set(full_ids)) != len(full_ids):
+            raise ConfigError(f"layer ids must be unique and in one group only; repeated: {sorted(both) or 'within a group'}")
+        self.size, self.size_swa, self.page_size, self.dtype = size, size_swa, page_size, dtype
+        self.device = torch.device(device)
+        self.full_kv_pool = MHATokenToKVPool(size, page_size, dtype, head_num, head_dim, len(full_ids),
+                                             device, v_head_dim)
+        swa_d = swa_head_dim if swa_head_dim is not None else head_dim
+        swa_vd = swa_v_head_dim if swa_v_head_dim is not None else (v_head_dim if swa_head_dim is None else swa_d)
+        self.swa_kv_pool = MHATokenToKVPool(size_swa, page_size, dtype, swa_head_num or head_num, swa_d,
+                                            len(swa_ids), device, swa_vd)
+        self.layers_mapping: Dict[int, Tuple[int, bool]] = {}
+        for local, gid in enumerate(full_ids):
+            self.layers_mapping[gid] = (local, False)
+        for local, gid in enumerate(swa_ids):
+            self.layers_mapping[gid] = (local, True)
+        self.full_to_swa_index_mapping: Optional[torch.Tensor] = None  # owned by the allocator
+
+    @property
+    def layer_num(self) -> int:
+        return len(self.layers_mapping)
+
+    def is_swa_layer(self, layer_id: int) -> bool:
+        return self._route(layer_id)[1]
+
+    def _route(self, layer_id: int) -> Tuple[int, bool]:
+        try:
+            return self.layers_mapping[layer_id]
+        except KeyError:
+            raise ConfigError(f"layer_id {layer_id} is in neither group; known ids {sorted(self.layers_mapping)}") from None
+
+    def register_mapping(self, mapping: torch.Tensor) -> None:
+        """Called by the allocator that owns `full_to_swa_index_mapping`."""
+        self.full_to_swa_index_mapping = mapping
+
+    def translate_loc_from_full_to_swa(self, loc: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Plain gather over the allocator's table: int64 SWA slots (0 = none)."""
+        if self.full_to_swa_index_mapping is None:
+            raise ConfigError("SWAKVPool has no full_to_swa_index_mapping: build SWATokenToKVPoolAllocator on it")
+        if out is None:
+            return self.full_to_swa_index_mapping[loc]
+        return torch.index_select(self.full_to_swa_index_mapping, 0, loc, out=out)
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        local, is_swa = self._route(layer_id)
+        return (self.swa_kv_pool if is_swa else self.full_kv_pool).get_key_buffer(local)
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        local, is_swa = self._route(layer_id)
+        return (self.swa_kv_pool if is_swa else self.full_kv_pool).get_value_buffer(local)
+
+    def get_kv_buffer(self, layer_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
+
+    def set_kv_buffer(self, layer: object, loc: Union[torch.Tensor, KVWriteLoc], cache_k: torch.Tensor,
+                      cache_v: torch.Tensor, k_scale: Optional[float] = None, v_scale: Optional[float] = None,
+                      swa_loc: Optional[torch.Tensor] = None) -> None:
+        """SWA layers write the `swa_loc` they are handed (never translated here); full layers `loc`.
+
+        Reads only `layers_mapping`, `full_kv_pool` and `swa_kv_pool` (bare-instance contract).
+        """
+        if isinstance(loc, KVWriteLoc):
+            swa_loc = loc.swa_loc if swa_loc is None else swa_loc
+            loc = loc.loc
+        local, is_swa = self.layers_mapping[layer.layer_id]
+        if not is_swa:
+            self.full_kv_pool.set_kv_buffer(layer, loc, cache_k, cache_v, k_scale, v_scale,
+                                            layer_id_override=local)
+            return
+        if swa_loc is None:
+            raise MissingSWALocError(
+                f"layer {layer.layer_id} is an SWA layer but no swa_loc was given; build a KVWriteLoc "
+                "once per forward (SWALocCache) and pass it")
+        if swa_loc.shape[0] != loc.shape[0]:
+            swa_loc = KVWriteLoc(loc, swa_loc).swa_loc
+        self.swa_kv_pool.set_kv_buffer(layer, swa_loc, cache_k, cache_v, k_scale, v_scale,
+                                       layer_id_override=local)
+
+    def bytes_per_token(self) -> Tuple[int, int]:
+        """(full-group, SWA-group) K + V bytes per token."""
+        return self.full_kv_pool.bytes_per_token(), self.swa_kv_pool.bytes_per_token()
+
+    def check_integrity(self) -> None:
+        self.full_kv_pool.check_integrity()
+        self.swa_kv_pool.check_integrity()
+        m = self.full_to_swa_index_mapping
+        if m is not None:
+            assert m.shape[0] == self.size + self.page_size + 1, "mapping length"
+            assert int(m[-1]) == -1, "mapping[-1] must be -1"

@@ -1,0 +1,34 @@
+"""A slow backend whose kernels are hwkv.reference over the index lists: tests the template alone."""
+from __future__ import annotations
+
+import torch
+
+from hwkv import reference
+from hwkv.backend import AttentionBackend
+from hwkv.layer import AttentionLayer
+from hwkv.metadata import ForwardMetadata, KVIndexList
+
+
+class ReferenceBackend(AttentionBackend):
+    """Per-request loop over `reference.attention`; correct by construction, not fast."""
+
+    name = "reference"
+
+    def _attend(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList, md: ForwardMetadata,
+                out: torch.Tensor) -> None:
+        k_buf, v_buf = self.kv_buffers(layer)
+        indptr, qo = kv.indptr.tolist(), md.qo_indptr.tolist()
+        pos0, qpos0 = kv.pos0.tolist(), md.q_pos0.tolist()
+        for b in range(md.batch_size):
+            idx = kv.indices[indptr[b]:indptr[b + 1]]
+            k = k_buf[idx].float() * (layer.k_scale or 1.0)
+            v = v_buf[idx].float() * (layer.v_scale or 1.0)
+            nq = qo[b + 1] - qo[b]
+            q_pos = torch.arange(qpos0[b], qpos0[b] + nq)
+            k_pos = torch.arange(pos0[b], pos0[b] + idx.numel())
+            o = reference.attention(q[qo[b]:qo[b + 1]], k, v, q_pos, k_pos, layer.scaling, layer.window,
+                                    layer.logit_cap, layer.sinks)
+            out[qo[b]:qo[b + 1]] = o.to(out.dtype)
+
+    forward_decode = _attend
+    forward_extend = _attend
