@@ -138,3 +138,38 @@ class GraphRunner:
         out = self.adapter.replay(cap.graph)
         self.replays += 1
         return out[:n]
+
+
+class TorchDeviceGraphAdapter:
+    """Graphs through `torch.<module>`'s graph class and capture context (CUDA, HIP, MUSA, XPU, NPU).
+
+    One memory pool is shared by every bucket (captured largest first); capture runs on a side
+    stream. The vendor's torch module is looked up on `torch` at use time: the core imports nothing.
+    """
+
+    module: str = "cuda"
+    graph_class: str = "CUDAGraph"
+
+    def __init__(self) -> None:
+        mod = getattr(torch, self.module, None)
+        if mod is None or not hasattr(mod, self.graph_class) or not hasattr(mod, "graph"):
+            raise ConfigError(f"torch.{self.module} has no {self.graph_class}/graph: graphs are unavailable here")
+        self._mod = mod
+        self._pool: Any = None
+        self._stream = mod.Stream()
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> Tuple[Any, torch.Tensor]:
+        g = getattr(self._mod, self.graph_class)()
+        with self._mod.graph(g, pool=self._pool, stream=self._stream):
+            out = fn()
+        if self._pool is None:
+            self._pool = g.pool()
+        return (g, out), out
+
+    def replay(self, graph: Any) -> torch.Tensor:
+        g, out = graph
+        g.replay()
+        return out
+
+    def pre_replay(self, graph: Any) -> None:
+        return None

@@ -1,0 +1,212 @@
+"""The `hwkv` command: `info` (devices and CPU features); room for `verify`, `bench`, `plan`.
+
+Each subcommand is a `Command` in `COMMANDS`: a function adding its arguments and one running it.
+Heavy imports belong inside the run function, so `hwkv info` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import platform
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from hwkv import devices
+from hwkv._amx import cpu_features
+from hwkv.env import HWKV_DEVICE
+from hwkv.errors import DeviceError
+
+EXIT_OK = 0
+EXIT_ERROR = 2  # a typed hwkv error (e.g. DeviceError); the message goes to stderr
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: help line, argument builder, runner returning the exit code."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+# ------------------------------------------------------------------------------------ info
+
+def add_info_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `hwkv info`."""
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def _hwkv_version() -> str:
+    try:
+        return importlib.metadata.version("hwkv")
+    except importlib.metadata.PackageNotFoundError:
+        return "source tree (not installed)"
+
+
+def info_data() -> dict[str, Any]:
+    """Everything `hwkv info` shows, as JSON-able data; `error` is the DeviceError text or None."""
+    import torch
+
+    forced = HWKV_DEVICE.get().strip() or None
+    specs = devices.discover()
+    rows = devices.report(specs)
+    device: Optional[str] = None
+    error: Optional[str] = None
+    try:
+        device = devices.select(specs, forced).name
+    except DeviceError as e:
+        error = str(e)
+    cpu = cpu_features()
+    path, why = cpu.attention_path()
+    return {
+        "device": device,
+        "forced": forced is not None,
+        "HWKV_DEVICE": forced or "",
+        "error": error,
+        "devices": [
+            {"name": s.name, "priority": s.priority, "available": reason is None, "reason": reason,
+             "backend": s.backend, "graph_adapter": s.graph_adapter, "torch_device": s.torch_device,
+             "description": s.description}
+            for s, reason in rows
+        ],
+        "cpu": {"amx": cpu.amx, "amx_reason": cpu.reason, "amx_flags": list(cpu.amx_flags),
+                "capability": cpu.capability, "sgl_kernel": cpu.sgl_kernel,
+                "attention_path": path, "attention_path_reason": why},
+        "torch": str(torch.__version__),
+        "hwkv": _hwkv_version(),
+        "python": platform.python_version(),
+    }
+
+
+def _summary_lines(data: dict[str, Any]) -> list[str]:
+    if data["device"] is None:
+        head = "device: none (see the error below)"
+    elif data["forced"]:
+        head = f"device: {data['device']} (forced by {HWKV_DEVICE.name}={data['HWKV_DEVICE']})"
+    else:
+        head = f"device: {data['device']} (highest-priority available; {HWKV_DEVICE.name} unset)"
+    return [head, f"torch {data['torch']}  hwkv {data['hwkv']}  python {data['python']}"]
+
+
+def _device_rows(data: dict[str, Any]) -> list[list[str]]:
+    return [[d["name"], str(d["priority"]), "available" if d["available"] else f"no: {d['reason']}",
+             d["backend"], d["graph_adapter"] or "-"] for d in data["devices"]]
+
+
+def _cpu_rows(data: dict[str, Any]) -> list[list[str]]:
+    cpu = data["cpu"]
+    return [
+        ["AMX", f"{'yes' if cpu['amx'] else 'no'} ({cpu['amx_reason']})"],
+        ["torch CPU capability", cpu["capability"]],
+        ["sgl-kernel CPU ops", "installed" if cpu["sgl_kernel"] else "not installed"],
+        ["attention path", cpu["attention_path"]],
+        ["because", cpu["attention_path_reason"]],
+    ]
+
+
+DEVICE_HEADER = ["device", "priority", "available / why not", "backend", "graph adapter"]
+
+
+def _plain_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def print_info_plain(data: dict[str, Any]) -> None:
+    """`hwkv info` as plain text."""
+    print("\n".join(_summary_lines(data)))
+    print()
+    print(_plain_table(DEVICE_HEADER, _device_rows(data)))
+    print()
+    print(_plain_table(["CPU", ""], _cpu_rows(data)))
+
+
+def print_info_rich(data: dict[str, Any]) -> None:
+    """`hwkv info` as rich tables."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    for line in _summary_lines(data):
+        console.print(line, highlight=False)
+    table = Table(title="devices (highest priority first)")
+    table.add_column("device", no_wrap=True)
+    table.add_column("prio", justify="right", no_wrap=True)
+    table.add_column(DEVICE_HEADER[2], overflow="fold", ratio=1)
+    table.add_column("backend / graph adapter", no_wrap=True)
+    for name, prio, status, backend, graph in _device_rows(data):
+        table.add_row(name, prio, status, f"{backend}\n{graph}",
+                      style="bold green" if name == data["device"] else None)
+    console.print(table)
+    cpu = Table(title="CPU", show_header=False)
+    cpu.add_column("feature")
+    cpu.add_column("value", overflow="fold")
+    for row in _cpu_rows(data):
+        cpu.add_row(*row)
+    console.print(cpu)
+
+
+def _use_rich() -> bool:
+    return importlib.util.find_spec("rich") is not None
+
+
+def run_info(args: argparse.Namespace) -> int:
+    """Print the detected device, every known device, the CPU path; exit 2 when detection fails."""
+    data = info_data()
+    if args.json:
+        print(json.dumps(data, indent=2))
+    elif _use_rich():
+        print_info_rich(data)
+    else:
+        print_info_plain(data)
+    if data["error"] is not None:
+        print(f"hwkv: error: {data['error']}", file=sys.stderr)
+        return EXIT_ERROR
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------ verify / bench / plan
+# Room for the other subcommands. For each, write `add_<name>_arguments(parser)` and
+# `run_<name>(args) -> int` (import heavy modules inside run_<name>, or keep them in
+# hwkv/bench/ and import there), then add a `Command` entry to COMMANDS below.
+
+
+# ---------------------------------------------------------------------------- registry
+from hwkv.bench.plan_cli import add_plan_arguments, run_plan  # noqa: E402
+from hwkv.testing.verify import add_verify_arguments, run_verify  # noqa: E402
+
+COMMANDS: dict[str, Command] = {
+    "info": Command("show the detected device, every known device and the CPU attention path",
+                    add_info_arguments, run_info),
+    "verify": Command("run the contract suite on the current device and print a pass/fail table",
+                      add_verify_arguments, run_verify),
+    "plan": Command("size the full and SWA pools for a memory budget", add_plan_arguments, run_plan),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `hwkv` parser: one subparser per entry of COMMANDS."""
+    parser = argparse.ArgumentParser(prog="hwkv", description="hardware-portable hybrid KV cache")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, command in COMMANDS.items():
+        command.add_arguments(sub.add_parser(name, help=command.help, description=command.help))
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of `hwkv` and `python -m hwkv.cli`; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command].run(args)
+    except DeviceError as e:  # e.g. a device plugin that fails to load
+        print(f"hwkv: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""The contract suite every backend passes, in-tree or third-party (CPU-only where the backend allows).
+
+Run it against your backend: define a pytest fixture `hwkv_target` returning a `ContractTarget`
+and `from hwkv.testing.contract import *` in a test module; or run `hwkv verify`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional
+
+from hwkv.graph import EagerAdapter
+
+
+@dataclass(frozen=True)
+class ContractTarget:
+    """A backend class, the torch device its pools live on, and how to make its graph adapter."""
+
+    name: str
+    backend_cls: Any
+    device: str
+    adapter_factory: Callable[[], Any] = EagerAdapter
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def available_targets(only: Optional[str] = None) -> List[ContractTarget]:
+    """One target per registered device that can run here (optionally only the named one)."""
+    from hwkv import devices
+
+    out = []
+    for name, spec in sorted(devices.discover().items(), key=lambda kv: -kv[1].priority):
+        if (only and name != only) or not spec.is_available():
+            continue
+        adapter_cls = spec.load_graph_adapter()
+        out.append(ContractTarget(name, spec.load_backend_class(), spec.torch_device,
+                                  adapter_cls if adapter_cls is not None else EagerAdapter))
+    return out

@@ -1,0 +1,203 @@
+"""The contract tests (DESIGN.md, "Contracts every backend passes"). Needs a `hwkv_target` fixture."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hwkv.batch import ForwardMode
+from hwkv.errors import ConfigError, EvictedSlotError, MissingSWALocError, ShapeError
+from hwkv.loc import KVWriteLoc
+from hwkv.testing.harness import Harness, ModelGeometry, run_scenario
+
+SMALL = ModelGeometry(num_layers=4, swa_every=2, window=8, num_heads=4, num_kv_heads=2, head_dim=16)
+MANY_SWA = ModelGeometry(num_layers=7, swa_every=7, window=8, num_heads=4, num_kv_heads=2, head_dim=16)
+
+
+def make(target, geometry=SMALL, graph=False, buckets=(1, 2, 4), **kw):
+    kw.setdefault("size", 1024)
+    kw.setdefault("size_swa", 128)
+    h = Harness(target.backend_cls, target.device, geometry, **kw)
+    if graph:
+        h.enable_graphs(list(buckets), target.adapter_factory())
+    return h
+
+
+class CountingTranslate:
+    """Wraps pool.translate_loc_from_full_to_swa and counts calls."""
+
+    def __init__(self, pool):
+        self.inner, self.calls = pool.translate_loc_from_full_to_swa, 0
+        pool.translate_loc_from_full_to_swa = self
+
+    def __call__(self, *a, **k):
+        self.calls += 1
+        return self.inner(*a, **k)
+
+
+# ---- the write contract ------------------------------------------------------------------------
+def test_swa_layer_writes_exactly_the_swa_loc_it_was_handed(hwkv_target):
+    h = make(hwkv_target)
+    seen = []
+    inner = h.pool.swa_kv_pool.set_kv_buffer
+
+    def spy(layer, loc, *a, **k):
+        seen.append(loc)
+        return inner(layer, loc, *a, **k)
+
+    h.pool.swa_kv_pool.set_kv_buffer = spy
+    rid = h.add_request()
+    h.forward([rid], [5])
+    md = h.backend.forward_metadata
+    assert seen and all(s is md.write_loc.swa_loc for s in seen), "SWA layers must write the handed swa_loc object"
+    assert md.write_loc.swa_loc is md.swa_out_cache_loc
+    swa = md.swa_out_cache_loc
+    layer = h.layers[0]
+    assert torch.equal(h.pool.get_key_buffer(layer.layer_id)[swa].float().cpu(), torch.cat(h.requests[rid].k[0]))
+
+
+def test_swa_layer_without_swa_loc_raises_and_full_layer_ignores_it(hwkv_target):
+    h = make(hwkv_target)
+    loc = h.allocator.alloc(2)
+    swa_layer, full_layer = h.layers[0], h.layers[1]
+    k = torch.ones(2, swa_layer.num_kv_heads, swa_layer.head_dim, device=h.device)
+    before = h.pool.get_key_buffer(0).clone()
+    with pytest.raises(MissingSWALocError):
+        h.pool.set_kv_buffer(swa_layer, loc, k, k)
+    assert torch.equal(before, h.pool.get_key_buffer(0))
+    h.pool.set_kv_buffer(full_layer, KVWriteLoc(loc, torch.zeros(2, dtype=torch.int64, device=h.device)), k, k)
+    assert torch.equal(h.pool.get_key_buffer(1)[loc], k.to(h.pool.dtype))
+
+
+# ---- translation exactly once per forward --------------------------------------------------------
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_one_translation_per_forward_with_many_swa_layers(hwkv_target, graph):
+    h = make(hwkv_target, MANY_SWA, graph=graph)
+    assert len(h.pool.layers_mapping) == 7 and sum(m[1] for m in h.pool.layers_mapping.values()) == 6
+    counter = CountingTranslate(h.pool)
+    rids = [h.add_request() for _ in range(3)]
+    h.forward(rids, [6, 9, 3], ForwardMode.EXTEND)
+    per_forward = [counter.calls]
+    for _ in range(3):
+        before, cache_before = counter.calls, h.backend.loc_cache.translations
+        h.forward(rids, [1, 1, 1], ForwardMode.DECODE)
+        per_forward.append(counter.calls - before)
+        assert h.backend.loc_cache.translations - cache_before == 1, "write locs translated more than once"
+    # one translation of the write locs + one of the window list, whatever the number of SWA layers
+    assert per_forward == [2, 2, 2, 2]
+    if graph:
+        assert h.runner.replays == 3
+
+
+def test_plain_pool_translates_nothing(hwkv_target):
+    h = make(hwkv_target, size_swa=None)
+    rid = h.add_request()
+    h.forward([rid], [7])
+    h.forward([rid], [1])
+    assert h.backend.loc_cache.translations == 0 and h.backend.window_translations == 0
+    assert h.backend.forward_metadata.write_loc.swa_loc is None
+
+
+def test_layers_never_translate(hwkv_target):
+    h = make(hwkv_target, MANY_SWA)
+    counter = CountingTranslate(h.pool)
+    rid = h.add_request()
+    batch = h.make_batch([rid], [4], ForwardMode.EXTEND)
+    h.backend.init_forward_metadata(batch)
+    after_metadata = counter.calls
+    h.model_step(batch, h.random_inputs(4))
+    assert counter.calls == after_metadata
+
+
+# ---- graph refill ------------------------------------------------------------------------------
+def test_graph_replay_with_fewer_tokens_zeroes_the_tail_and_keeps_live_slots(hwkv_target):
+    h = make(hwkv_target, graph=True, buckets=(1, 4))
+    rids = [h.add_request() for _ in range(4)]
+    h.forward(rids, [3, 5, 9, 2], ForwardMode.EXTEND)
+    h.forward(rids, [1] * 4, ForwardMode.DECODE)          # replays the 4-bucket
+    big = h.backend.loc_cache.buffer.clone()
+    assert (big[:4] > 0).all()
+    snapshot = h.pool.get_key_buffer(0)[big[:4]].clone()
+    h.forward(rids[:1], [1], ForwardMode.DECODE)          # replays the 1-bucket
+    buf = h.backend.loc_cache.buffer
+    assert (buf[1:] == 0).all(), "stale slots left in the static buffer's tail"
+    assert torch.equal(h.pool.get_key_buffer(0)[big[1:4]], snapshot[1:]), "a stale slot was overwritten"
+    assert h.runner.replays == 2
+
+
+def test_batch_larger_than_every_bucket_runs_eagerly(hwkv_target):
+    h = make(hwkv_target, graph=True, buckets=(1, 2))
+    rids = [h.add_request() for _ in range(3)]
+    h.forward(rids, [4, 4, 4], ForwardMode.EXTEND)
+    outs = h.forward(rids, [1, 1, 1], ForwardMode.DECODE)  # checked against the reference inside
+    assert h.runner.eager_runs == 1 and outs[0].shape[0] == 3
+
+
+# ---- outputs against the reference ---------------------------------------------------------------
+SCENARIOS = {
+    "p1-fp32": dict(page_size=1),
+    "p4-bf16": dict(page_size=4, dtype=torch.bfloat16),
+    "p16-fp32": dict(page_size=16, size_swa=256),
+    "sinks-softcap": dict(page_size=1, geometry=ModelGeometry(sinks=True, logit_cap=4.0)),
+    "gqa4-vdim": dict(page_size=2, geometry=ModelGeometry(num_heads=8, num_kv_heads=2, v_head_dim=8)),
+    "swa-heads": dict(page_size=1, geometry=ModelGeometry(swa_num_kv_heads=4, swa_head_dim=32)),
+    "w1": dict(page_size=1, geometry=ModelGeometry(window=1)),
+    "fp8": dict(page_size=1, dtype=torch.float8_e4m3fn, kv_scale=0.5),
+}
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_outputs_match_reference(hwkv_target, name, graph):
+    """Chunked prefill (prefixes below / at / above W), decode, release every step in an SWA pool
+    an eighth of the full pool, requests finishing and new ones reusing released slots."""
+    kw = dict(SCENARIOS[name])
+    h = make(hwkv_target, graph=graph, **kw)
+    err = run_scenario(h, steps=10, prompt_lens=(5, 8, 13), chunk=4 if h.g.window > 1 else 1)
+    assert err < 1.0  # the harness raises ReferenceMismatchError past its tolerance; this guards NaN-free runs
+    assert h.allocator.full_available_size() == 1024
+
+
+def test_small_swa_pool_reuses_released_slots(hwkv_target):
+    h = make(hwkv_target, size=1024, size_swa=128, page_size=4)
+    run_scenario(h, steps=60, prompt_lens=(9, 11, 6, 14), chunk=5, finish=False)
+    used_full = 1024 - h.allocator.full_available_size()
+    assert used_full > 128, "the run must hold more tokens than the SWA pool has slots"
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+def test_bad_input_raises_typed_error_and_changes_nothing(hwkv_target):
+    h = make(hwkv_target)
+    rid = h.add_request()
+    h.forward([rid], [6])
+    batch = h.make_batch([rid], [1], ForwardMode.DECODE)
+    h.backend.init_forward_metadata(batch)
+    layer = h.layers[0]
+    k_before = [h.pool.get_key_buffer(i).clone() for i in range(len(h.layers))]
+    free_before = (h.allocator.full_available_size(), h.allocator.swa_available_size())
+    q = torch.zeros(1, layer.num_heads + 1, layer.head_dim, device=h.device)
+    k = torch.zeros(1, layer.num_kv_heads, layer.head_dim, device=h.device)
+    with pytest.raises(ShapeError, match="q has shape"):
+        h.backend.forward(q, k, k, layer, batch)
+    with pytest.raises(ShapeError, match="cache_k"):
+        h.backend.forward(torch.zeros(1, layer.num_heads, layer.head_dim, device=h.device),
+                          torch.zeros(1, layer.num_kv_heads + 1, layer.head_dim, device=h.device), k, layer, batch)
+    assert all(torch.equal(a, h.pool.get_key_buffer(i)) for i, a in enumerate(k_before))
+    assert free_before == (h.allocator.full_available_size(), h.allocator.swa_available_size())
+
+
+def test_unknown_option_and_missing_window_are_refused(hwkv_target):
+    h = make(hwkv_target)
+    with pytest.raises(ConfigError, match="unknown backend option"):
+        hwkv_target.backend_cls(h.pool, h.rtt, sliding_window=8, no_such_option=1)
+    with pytest.raises(ConfigError, match="sliding_window"):
+        hwkv_target.backend_cls(h.pool, h.rtt)
+
+
+def test_debug_mode_refuses_an_evicted_in_window_token(hwkv_target):
+    h = make(hwkv_target, debug=True)
+    rid = h.add_request()
+    h.forward([rid], [6])
+    h.allocator.free_swa(h.rtt.req_to_token[rid, 4:5].clone())  # wrongly release an in-window token
+    batch = h.make_batch([rid], [1], ForwardMode.DECODE)
+    with pytest.raises(EvictedSlotError, match="W=8"):
+        h.backend.init_forward_metadata(batch)

@@ -1,0 +1,156 @@
+"""The CPU compute path: the dtype the attention matmuls run in, and when sgl-kernel's CPU ops take over.
+
+- No AMX: bf16/fp16/fp8 pools are upcast to fp32 one key chunk at a time. torch's bf16 CPU
+  matmuls and attention run without bf16 hardware here and measured ~6x slower than fp32.
+- AMX (amx_tile + amx_bf16 in /proc/cpuinfo): bf16 and fp8 pools stay in bf16 for the matmuls
+  (oneDNN runs them on AMX tiles); fp8 e4m3/e5m2 converts to bf16 exactly. fp16 is upcast to fp32
+  (AMX-FP16 is a separate, rarer feature and fp16 -> bf16 would drop mantissa bits).
+- sgl-kernel installed: its CPU decode/extend ops run bf16/fp16 batches they can run exactly
+  (no sinks, no K/V scales, every listed key visible); everything else takes the torch path.
+
+The CPU probe is `hwkv._amx.cpu_features` (shared with `hwkv info`); nothing here parses
+/proc/cpuinfo itself, and sgl_kernel is imported only on first use of its ops.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from hwkv._amx import CPUFeatures, cpu_features
+from hwkv.ops import FP8_DTYPES
+
+_REDUCED = (torch.bfloat16, torch.float16)
+
+# Argument names of the two sgl-kernel schemas this module calls. Verified against
+# sgl-project/sglang sgl-kernel/csrc/cpu/torch_extension_cpu.cpp (the m.def strings) and the
+# decode.cpp / extend.cpp entry points:
+#   decode_attention_cpu(Tensor query, Tensor k_cache, Tensor v_cache, Tensor(a!) output,
+#       Tensor key, Tensor value, Tensor loc, Tensor attn_logits, Tensor req_to_token,
+#       Tensor req_pool_indices, Tensor seq_lens, float sm_scale, float logit_cap) -> ()
+#     It first writes key/value [B, KVH, D] at k_cache[loc] (one row per request), then attends
+#     request b over k_cache[req_to_token[req_pool_indices[b], :seq_lens[b]]] (req_to_token
+#     rows are addressed with stride req_to_token.size(1); int32 or int64; seq_lens and
+#     req_pool_indices int64); attn_logits is fp32 [B, H, num_kv_splits, Dv + 1] scratch;
+#     output [B, H, Dv] has the query's dtype (bf16 or fp16 only).
+#   extend_attention_cpu(Tensor q_extend, Tensor k_extend, Tensor v_extend, Tensor(a!) o_extend,
+#       Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, Tensor req_pool_indices,
+#       Tensor seq_lens, Tensor extend_seq_lens, Tensor extend_start_loc, int max_len_extend,
+#       float sm_scale, float logit_cap) -> ()
+#     Prefix keys (the first seq_len - extend_len of the row) come from the buffers, the
+#     request's own new keys from k_extend/v_extend [T, KVH, D] with a causal mask.
+# Other releases changed these schemas (a 10-argument decode without key/value/loc; decode and
+# extend with K/V scales, cross attention and sliding-window arguments), so the schema
+# is compared by argument names at first use and any other form is not called.
+_DECODE_SCHEMA = ("query", "k_cache", "v_cache", "output", "key", "value", "loc", "attn_logits",
+                  "req_to_token", "req_pool_indices", "seq_lens", "sm_scale", "logit_cap")
+_EXTEND_SCHEMA = ("q_extend", "k_extend", "v_extend", "o_extend", "k_buffer", "v_buffer",
+                  "req_to_token", "req_pool_indices", "seq_lens", "extend_seq_lens",
+                  "extend_start_loc", "max_len_extend", "sm_scale", "logit_cap")
+SGL_NUM_KV_SPLITS = 8
+
+
+@functools.lru_cache(maxsize=None)
+def features() -> CPUFeatures:
+    """The CPU probe, once per process."""
+    return cpu_features()
+
+
+def compute_dtype(buf_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the QK^T and PV matmuls run in for a pool of `buf_dtype`."""
+    if buf_dtype == torch.float64:
+        return torch.float64
+    if features().amx and (buf_dtype == torch.bfloat16 or buf_dtype in FP8_DTYPES):
+        return torch.bfloat16
+    return torch.float32
+
+
+@dataclass(frozen=True)
+class SglOps:
+    """sgl-kernel's CPU attention ops, with schemas checked against the ones above."""
+
+    decode: Any
+    extend: Any
+
+
+def _schema_names(op: Any) -> tuple:
+    names = tuple(a.name for a in op.default._schema.arguments)
+    return tuple("v_cache" if n == "v_cahce" else n for n in names)  # a released schema spells it so
+
+
+@functools.lru_cache(maxsize=None)
+def sgl_ops() -> tuple[Optional[SglOps], str]:
+    """(sgl-kernel's ops, "") when installed with a verified schema; otherwise (None, why not)."""
+    if not features().sgl_kernel:
+        return None, "sgl_kernel is not installed"
+    try:
+        import sgl_kernel  # noqa: F401  (registers torch.ops.sgl_kernel)
+    except (ImportError, OSError) as e:  # kept and reported by active_path(), never silent
+        return None, f"import sgl_kernel failed: {e!r}"
+    ns = torch.ops.sgl_kernel
+    ops = {}
+    for name, want in (("decode_attention_cpu", _DECODE_SCHEMA), ("extend_attention_cpu", _EXTEND_SCHEMA)):
+        if not hasattr(ns, name):
+            return None, f"sgl_kernel has no op {name}"
+        got = _schema_names(getattr(ns, name))
+        if got != want:
+            return None, f"sgl_kernel.{name} takes {got}, hwkv verified only {want}"
+        ops[name] = getattr(ns, name)
+    return SglOps(ops["decode_attention_cpu"], ops["extend_attention_cpu"]), ""
+
+
+def sgl_dtype_ok(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor) -> bool:
+    """sgl-kernel runs one reduced dtype end to end: query, pool and output alike."""
+    return q.dtype in _REDUCED and q.dtype == k_buf.dtype == v_buf.dtype == out.dtype
+
+
+def _req_to_token(indptr: list, lens: list, kv_indices: torch.Tensor) -> torch.Tensor:
+    """A dense [bs, max_len] table from the CSR list (row b = request b's slots, 0-padded)."""
+    bs, width = len(lens), max(max(lens), 1)
+    starts = torch.tensor(indptr[:-1], dtype=torch.int64)
+    cols = torch.arange(width, dtype=torch.int64)
+    pick = (starts[:, None] + cols[None, :]).clamp_(max=max(kv_indices.numel() - 1, 0))
+    table = kv_indices[pick] if kv_indices.numel() else torch.zeros(bs, width, dtype=torch.int64)
+    return table.masked_fill_(cols[None, :] >= torch.tensor(lens)[:, None], 0).contiguous()
+
+
+def sgl_decode(ops: SglOps, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indptr: list,
+               lens: list, kv_indices: torch.Tensor, out: torch.Tensor, scaling: float, logit_cap: float) -> None:
+    """Decode through sgl-kernel; every request has >= 1 key and all of its listed keys are visible."""
+    bs, h, _ = q.shape
+    # The op first stores key/value at k_buf[loc]: hand it slot 0 (the padding slot) and the
+    # bytes already there, so the pool is left exactly as it was.
+    loc = torch.zeros(bs, dtype=torch.int64)
+    key, value = k_buf[loc], v_buf[loc]
+    logits = torch.empty(bs, h, SGL_NUM_KV_SPLITS, v_buf.shape[2] + 1, dtype=torch.float32)
+    ops.decode(q.contiguous(), k_buf, v_buf, out, key, value, loc, logits,
+               _req_to_token(indptr, lens, kv_indices), torch.arange(bs, dtype=torch.int64),
+               torch.tensor(lens, dtype=torch.int64), scaling, logit_cap)
+
+
+def sgl_extend(ops: SglOps, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indptr: list,
+               lens: list, kv_indices: torch.Tensor, qo_indptr: list, out: torch.Tensor, max_q_len: int,
+               scaling: float, logit_cap: float) -> None:
+    """Extend through sgl-kernel; every list starts at position 0 and ends at its last query."""
+    ext = [qo_indptr[b + 1] - qo_indptr[b] for b in range(len(lens))]
+    new_slots = torch.cat([kv_indices[indptr[b] + lens[b] - ext[b]: indptr[b] + lens[b]] for b in range(len(lens))])
+    ops.extend(q.contiguous(), k_buf[new_slots], v_buf[new_slots], out, k_buf, v_buf,
+               _req_to_token(indptr, lens, kv_indices), torch.arange(len(lens), dtype=torch.int64),
+               torch.tensor(lens, dtype=torch.int64), torch.tensor(ext, dtype=torch.int64),
+               torch.tensor(qo_indptr[:-1], dtype=torch.int64), int(max_q_len), scaling, logit_cap)
+
+
+def active_path() -> tuple[str, str]:
+    """(the CPU attention path hwkv_cpu takes, why). Imports sgl_kernel only when it is installed."""
+    f = features()
+    bf16 = "bf16 on AMX tiles" if f.amx else f"fp32 ({f.capability}, no AMX: {f.reason})"
+    torch_path = f"torch matmul: fp32 pools in fp32, bf16/fp8 pools in {bf16}"
+    ops, why_not = sgl_ops()
+    if ops is not None:
+        return ("sgl-kernel CPU ops",
+                "sgl_kernel installed: bf16/fp16 batches without sinks, K/V scales or window masks use "
+                f"decode_attention_cpu/extend_attention_cpu; the rest: {torch_path}")
+    return ("torch matmul (AMX bf16)" if f.amx else "torch matmul (fp32 upcast)", f"{why_not}; {torch_path}")
+

@@ -1,0 +1,181 @@
+"""CPU attention kernels over the paged pool: the interface of docs/architecture.md.
+
+`decode_attention` and `extend_attention` check their arguments once, then run as the torch
+custom ops `hwkv_cpu::decode_attention` / `hwkv_cpu::extend_attention` (opaque to
+torch.compile, which the CPU graph adapter uses; they mutate only `out`). Inside, sgl-kernel's
+CPU ops take batches they run exactly (see `hwkv_cpu.amx`); everything else runs the vectorized
+torch kernels of `kernels_decode` / `kernels_extend`. Only the CSR list metadata is read on the
+host (`tolist`), which is free on CPU.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple, Union
+
+import torch
+
+from hwkv.checks import check_shape
+from hwkv.errors import LocError, ShapeError
+from hwkv_cpu import amx
+from hwkv_cpu.kernels_decode import Params, decode_torch, key_range
+from hwkv_cpu.kernels_extend import extend_torch
+
+Scale = Union[None, float, int, torch.Tensor]
+
+__all__ = ["decode_attention", "extend_attention"]
+
+
+def _as_scale(name: str, scale: Scale) -> float:
+    if scale is None:
+        return 1.0
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ShapeError(f"{name} must be a scalar, got shape {list(scale.shape)}")
+        return float(scale.item())
+    return float(scale)
+
+
+def _scalars(q: torch.Tensor, scaling: Optional[float], window: Optional[int], logit_cap: Optional[float],
+             k_scale: Scale, v_scale: Scale) -> Tuple[float, float, float, int]:
+    """(qk_scale, cap, v_scale, window) as the ops take them: scaling * k_scale folded into q
+    (divided by the cap when soft-capping), cap 0 = off, window 0 = none."""
+    scale = (1.0 / math.sqrt(q.shape[-1]) if scaling is None else float(scaling)) * _as_scale("k_scale", k_scale)
+    cap = float(logit_cap or 0.0)
+    if cap <= 0:
+        return scale, 0.0, _as_scale("v_scale", v_scale), int(window) if window and window > 0 else 0
+    return scale / cap, cap, _as_scale("v_scale", v_scale), int(window) if window and window > 0 else 0
+
+
+def _check_common(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
+                  kv_indices: torch.Tensor, kv_pos0: torch.Tensor, out: torch.Tensor,
+                  sinks: Optional[torch.Tensor]) -> None:
+    check_shape("k_buf", k_buf, [None, None, None])
+    slots, kvh, d = k_buf.shape
+    check_shape("v_buf", v_buf, [slots, kvh, None])
+    check_shape("q", q, [None, None, d])
+    n, h = q.shape[0], q.shape[1]
+    if h % kvh:
+        raise ShapeError(f"q has {h} heads, not a multiple of the pool's {kvh} KV heads")
+    check_shape("out", out, [n, h, v_buf.shape[2]])
+    bs = kv_pos0.shape[0] if kv_pos0.dim() == 1 else -1
+    check_shape("kv_pos0", kv_pos0, [None])
+    check_shape("kv_indptr", kv_indptr, [bs + 1])
+    check_shape("kv_indices", kv_indices, [None])
+    if sinks is not None:
+        check_shape("sinks", sinks, [h])
+    for name, t in (("q", q), ("k_buf", k_buf), ("v_buf", v_buf), ("out", out), ("kv_indices", kv_indices)):
+        if t.device.type != "cpu":
+            raise ShapeError(f"{name} is on {t.device}; hwkv_cpu kernels take CPU tensors")
+    for name, t in (("k_buf", k_buf), ("v_buf", v_buf)):
+        if not t.is_contiguous():
+            raise ShapeError(f"{name} must be contiguous, got strides {t.stride()}")
+    for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_pos0", kv_pos0)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise LocError(f"{name} must be int32 or int64, got {t.dtype}")
+
+
+def _norm_sinks(sinks: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if sinks is None else sinks.detach().to(torch.float32).contiguous()
+
+
+# ---- custom ops ---------------------------------------------------------------------------
+
+@torch.library.custom_op("hwkv_cpu::decode_attention", mutates_args=("out",), device_types="cpu")
+def _decode_op(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
+               kv_indices: torch.Tensor, kv_pos0: torch.Tensor, q_pos: torch.Tensor, out: torch.Tensor,
+               qk_scale: float, cap: float, v_scale: float, window: int,
+               sinks: Optional[torch.Tensor]) -> None:
+    ptr, pos0, qp = kv_indptr.tolist(), kv_pos0.tolist(), q_pos.tolist()
+    indices = kv_indices.long()
+    p = Params(qk_scale, cap, v_scale, window, amx.compute_dtype(k_buf.dtype))
+    if sinks is None and v_scale == 1.0 and amx.sgl_dtype_ok(q, k_buf, v_buf, out) and out.is_contiguous():
+        ops, _ = amx.sgl_ops()
+        lens = [ptr[b + 1] - ptr[b] for b in range(len(pos0))]
+        # sgl-kernel has no window mask: use it only when every listed key is visible
+        if ops is not None and all(n > 0 and key_range(n, pos0[b], qp[b], qp[b], window) == (0, n)
+                                   for b, n in enumerate(lens)):
+            amx.sgl_decode(ops, q, k_buf, v_buf, ptr, lens, indices, out,
+                           qk_scale * cap if cap else qk_scale, cap)
+            return
+    decode_torch(q, k_buf, v_buf, ptr, indices, pos0, qp, out, p, sinks)
+
+
+@_decode_op.register_fake
+def _decode_fake(*args, **kwargs) -> None:
+    return None
+
+
+@torch.library.custom_op("hwkv_cpu::extend_attention", mutates_args=("out",), device_types="cpu")
+def _extend_op(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
+               kv_indices: torch.Tensor, kv_pos0: torch.Tensor, qo_indptr: torch.Tensor,
+               q_pos0: torch.Tensor, out: torch.Tensor, max_q_len: int, qk_scale: float, cap: float,
+               v_scale: float, window: int, sinks: Optional[torch.Tensor]) -> None:
+    ptr, pos0, qo, qp0 = kv_indptr.tolist(), kv_pos0.tolist(), qo_indptr.tolist(), q_pos0.tolist()
+    indices = kv_indices.long()
+    p = Params(qk_scale, cap, v_scale, window, amx.compute_dtype(k_buf.dtype))
+    if sinks is None and v_scale == 1.0 and amx.sgl_dtype_ok(q, k_buf, v_buf, out) and out.is_contiguous():
+        ops, _ = amx.sgl_ops()
+        lens = [ptr[b + 1] - ptr[b] for b in range(len(pos0))]
+        # sgl-kernel masks causally only: lists must start at 0, end at the last query, and no
+        # query may have a key outside its window
+        if ops is not None and q.shape[-1] % 32 == 0 and v_buf.shape[-1] % 32 == 0 and all(
+                pos0[b] == 0 and n == qp0[b] + qo[b + 1] - qo[b] and (not window or n <= window)
+                for b, n in enumerate(lens)):
+            amx.sgl_extend(ops, q, k_buf, v_buf, ptr, lens, indices, qo, out, max_q_len,
+                           qk_scale * cap if cap else qk_scale, cap)
+            return
+    extend_torch(q, k_buf, v_buf, ptr, indices, pos0, qo, qp0, out, p, sinks)
+
+
+@_extend_op.register_fake
+def _extend_fake(*args, **kwargs) -> None:
+    return None
+
+
+# ---- public entry points ------------------------------------------------------------------
+
+def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
+                     kv_indices: torch.Tensor, kv_pos0: torch.Tensor, q_pos: torch.Tensor, out: torch.Tensor,
+                     scaling: Optional[float], window: Optional[int], logit_cap: Optional[float],
+                     sinks: Optional[torch.Tensor], k_scale: Scale, v_scale: Scale,
+                     max_kv_len: Optional[int] = None) -> None:
+    """out[b] = softmax(scaling * q[b] . K^T) V over request b's keys visible to position q_pos[b].
+
+    q [B, H, D]; k_buf [S, KVH, D], v_buf [S, KVH, Dv] (fp32, bf16, fp16, fp8; loaded values
+    are multiplied by k_scale / v_scale); request b's keys are the slots
+    kv_indices[kv_indptr[b]:kv_indptr[b+1]], at positions kv_pos0[b] + j. window None/0:
+    causal only; logit_cap > 0: s = cap * tanh(s / cap) after scaling; sinks [H] fp32: one raw
+    logit per q head in the denominator. out [B, H, Dv] (any float dtype) is the only tensor
+    written; a request with no visible key gets zeros. max_kv_len is accepted for interface
+    parity (the GPU split-K bound) and not needed here.
+    """
+    _check_common(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, out, sinks)
+    check_shape("q_pos", q_pos, [kv_pos0.shape[0]])
+    if q.shape[0] != kv_pos0.shape[0]:
+        raise ShapeError(f"q has {q.shape[0]} rows, the index list has {kv_pos0.shape[0]} requests")
+    if q.shape[0] == 0:
+        return
+    qk_scale, cap, v_sc, win = _scalars(q, scaling, window, logit_cap, k_scale, v_scale)
+    torch.ops.hwkv_cpu.decode_attention(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out,
+                                        qk_scale, cap, v_sc, win, _norm_sinks(sinks))
+
+
+def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
+                     kv_indices: torch.Tensor, kv_pos0: torch.Tensor, qo_indptr: torch.Tensor,
+                     q_pos0: torch.Tensor, out: torch.Tensor, max_q_len: int, scaling: Optional[float],
+                     window: Optional[int], logit_cap: Optional[float], sinks: Optional[torch.Tensor],
+                     k_scale: Scale, v_scale: Scale) -> None:
+    """out[t] for query rows t of request b (qo_indptr[b] <= t < qo_indptr[b+1], position
+    q_pos0[b] + t - qo_indptr[b]) over the keys of request b visible to it; q [T, H, D],
+    out [T, H, Dv]. Everything else as in `decode_attention`. The new tokens' K/V are read from
+    the pool (stored before attention runs).
+    """
+    _check_common(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, out, sinks)
+    bs = kv_pos0.shape[0]
+    check_shape("qo_indptr", qo_indptr, [bs + 1])
+    check_shape("q_pos0", q_pos0, [bs])
+    if q.shape[0] == 0 or bs == 0:
+        return
+    qk_scale, cap, v_sc, win = _scalars(q, scaling, window, logit_cap, k_scale, v_scale)
+    torch.ops.hwkv_cpu.extend_attention(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0,
+                                        out, int(max_q_len), qk_scale, cap, v_sc, win, _norm_sinks(sinks))

@@ -1,0 +1,100 @@
+"""Helpers shared by the Triton kernels: interpreter detection, launch sizes, jit helpers.
+
+Under `TRITON_INTERPRET=1` (CPU CI) the kernels run with tiny blocks, and every `tl.dot`
+goes through fp32 because the interpreter multiplies bf16 operands as raw uint16.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional, Sequence, Union
+
+import torch
+import triton
+import triton.language as tl
+
+from hwkv.errors import ShapeError
+
+LOG2E = 1.4426950408889634
+NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: keeps exp2(m_old - m_new) free of NaN
+
+FP8_MAX = {d: float(torch.finfo(d).max)
+           for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d}
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its numpy interpreter (read at call time, not import time)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (a small stand-in under the interpreter)."""
+    if device.type != "cuda" or interpreting():
+        return 2
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def pow2(n: int, floor: int = 16) -> int:
+    """Next power of two >= max(n, floor): tl.arange and tl.dot need power-of-two sizes >= 16."""
+    return max(floor, triton.next_power_of_2(max(int(n), 1)))
+
+
+def dot_in_fp32(q: torch.Tensor) -> bool:
+    """Whether tl.dot runs in exact fp32: fp32 queries (no tf32), and always under the interpreter."""
+    return q.dtype == torch.float32 or interpreting()
+
+
+def as_scale(scale: Union[None, float, int, torch.Tensor]) -> float:
+    """A K/V scale as a host float (None -> 1.0). A tensor scale costs one host read; pass floats."""
+    if scale is None:
+        return 1.0
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ShapeError(f"k_scale/v_scale must be a scalar, got shape {list(scale.shape)}")
+        return float(scale.item())
+    return float(scale)
+
+
+def check_dims(name: str, t: torch.Tensor, expected: Sequence[Optional[int]]) -> None:
+    """`t.shape` must match `expected` (None = any size) and its last dim must be contiguous."""
+    ok = t.dim() == len(expected) and all(e is None or e == s for e, s in zip(expected, t.shape))
+    if not ok:
+        want = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
+        raise ShapeError(f"{name} has shape {list(t.shape)}, expected {want}")
+    if t.numel() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ShapeError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
+
+
+def check_same_device(**tensors: Optional[torch.Tensor]) -> None:
+    """Every given tensor lives on the device of the first one."""
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.device != first.device:
+            raise ShapeError(f"{name} is on {t.device}, {first_name} is on {first.device}")
+
+
+@triton.jit
+def dot(a, b, F32: tl.constexpr):
+    """a @ b accumulated in fp32; F32: exact fp32 operands (fp32 inputs, or the interpreter)."""
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def soft_cap(s, cap):
+    """cap * tanh(s / cap), written with exp so it runs everywhere (saturates cleanly at +-cap)."""
+    e = tl.exp(2.0 * s / cap)
+    return cap * (1.0 - 2.0 / (e + 1.0))
+
+
+@triton.jit
+def logits_log2(qk, qk_scale, cap, HAS_CAP: tl.constexpr):
+    """Raw q.k -> logits in log2 units: scale, optional soft-cap, times log2(e)."""
+    s = qk * qk_scale
+    if HAS_CAP:
+        s = soft_cap(s, cap)
+    return s * 1.4426950408889634

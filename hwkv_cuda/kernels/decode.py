@@ -1,0 +1,272 @@
+"""decode_attention: one query per request over a CSR list of token slots, split-K in two stages.
+
+Stage 1, grid (request, kv head, split): the program takes every q head of its GQA group as
+one [BLOCK_H, D] tile, walks its share of the request's *visible* keys (the window and the
+causal bound are turned into one contiguous range of list entries first, so no masked tile
+is ever loaded) and keeps an online softmax (max, sum, acc) in fp32. With one split it
+finishes in place (sinks, normalisation, output dtype); otherwise it writes (acc / sum,
+log2-sum-exp) per split into the workspace and stage 2, grid (request, q head), merges the
+splits and the sink. Empty splits write lse = -inf and are ignored by the merge.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from hwkv.errors import ShapeError
+from hwkv_cuda.kernels.common import (NEG_BIG, as_scale, check_dims, check_same_device, dot,
+                                      dot_in_fp32, interpreting, logits_log2, num_sms, pow2)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of the decode kernels (tuned on an H200; the interpreter uses tiny blocks)."""
+
+    block_n: int = 128           # keys per loop iteration
+    mid_block_n: int = 64        # ... when a split holds between block_n and 1024 keys
+    num_warps: int = 4
+    num_stages: int = 3
+    ctas_per_sm: int = 4         # stage 1 aims for batch * kv_heads * splits >= ctas_per_sm * SMs
+    min_keys_per_split: int = 128
+    max_splits: int = 64
+
+    def keys_per_iter(self, keys_per_split: Optional[int]) -> int:
+        """Short splits (a few tiles) finish sooner with smaller tiles; H200 sweep, see benchmarks/."""
+        if keys_per_split is not None and self.block_n < keys_per_split < 1024:
+            return self.mid_block_n
+        return self.block_n
+
+
+GPU_CONFIG = DecodeConfig()
+INTERPRET_CONFIG = DecodeConfig(block_n=16, mid_block_n=16, num_warps=1, num_stages=1, ctas_per_sm=2,
+                                min_keys_per_split=16, max_splits=4)
+
+
+def default_config() -> DecodeConfig:
+    return INTERPRET_CONFIG if interpreting() else GPU_CONFIG
+
+
+class DecodeWorkspace(NamedTuple):
+    """Preallocated split-K scratch, so a CUDA graph capture allocates nothing.
+
+    acc fp32 [max_bs, H, splits, Dv]; lse fp32 [max_bs, H, splits]. The split count of a
+    call that is handed a workspace is the workspace's.
+    """
+
+    acc: torch.Tensor
+    lse: torch.Tensor
+
+    @property
+    def num_splits(self) -> int:
+        return self.lse.shape[2]
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_kv_len: Optional[int],
+                      device: torch.device, config: Optional[DecodeConfig] = None) -> int:
+    """Splits per (request, kv head) that fill the device; capped by max_kv_len when known."""
+    cfg = config or default_config()
+    want = triton.cdiv(cfg.ctas_per_sm * num_sms(torch.device(device)), max(1, batch * num_kv_heads))
+    if max_kv_len is not None:
+        want = min(want, triton.cdiv(max(int(max_kv_len), 1), cfg.min_keys_per_split))
+    return max(1, min(want, cfg.max_splits))
+
+
+def make_decode_workspace(max_bs: int, num_heads: int, v_head_dim: int, num_splits: int,
+                          device: torch.device) -> DecodeWorkspace:
+    """Scratch for decode_attention with `num_splits` splits and up to `max_bs` requests."""
+    return DecodeWorkspace(
+        torch.empty(max_bs, num_heads, num_splits, v_head_dim, dtype=torch.float32, device=device),
+        torch.empty(max_bs, num_heads, num_splits, dtype=torch.float32, device=device))
+
+
+@triton.jit
+def _visible_range(kv_indptr, kv_pos0, q_pos, b, window):
+    """List entries [lo, hi) of request b that its query may see, and the list's start."""
+    kv_start = tl.load(kv_indptr + b).to(tl.int64)
+    kv_len = tl.load(kv_indptr + b + 1).to(tl.int64) - kv_start
+    rel = tl.load(q_pos + b).to(tl.int64) - tl.load(kv_pos0 + b).to(tl.int64)  # query pos - pos0
+    hi = tl.minimum(kv_len, rel + 1)
+    lo = tl.zeros_like(hi)
+    if window > 0:
+        lo = tl.maximum(lo, rel - window + 1)
+    hi = tl.maximum(hi, lo)
+    return kv_start, lo, hi
+
+
+@triton.jit
+def _decode_split_kernel(
+        q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, sinks, out, ws_acc, ws_lse,
+        qk_scale, v_scale, cap, window, num_splits,
+        s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_ob, s_oh, s_ab, s_ah, s_as, s_lb, s_lh,
+        GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, DIRECT: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, F32: tl.constexpr):
+    kvh = tl.program_id(0)   # kv heads fastest: the programs reading one token row run together
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    kv_start, lo, hi = _visible_range(kv_indptr, kv_pos0, q_pos, b, window)
+    per = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
+    s_lo = lo + split * per
+    s_hi = tl.minimum(s_lo + per, hi)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    heads = kvh * GROUP + offs_h
+    mask_h = offs_h < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_d = offs_d < D
+    mask_dv = offs_dv < DV
+    qt = tl.load(q + b * s_qb + heads[:, None] * s_qh + offs_d[None, :],
+                 mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+
+    m = tl.full([BLOCK_H], NEG_BIG, tl.float32)
+    l_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    for start in range(s_lo, s_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < s_hi
+        slot = tl.load(kv_indices + kv_start + offs_n, mask=mask_n, other=0)
+        kt = tl.load(k_buf + slot[:, None] * s_kb + kvh * s_kh + offs_d[None, :],
+                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        s = logits_log2(dot(qt, tl.trans(kt.to(qt.dtype)), F32), qk_scale, cap, HAS_CAP)
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        vt = tl.load(v_buf + slot[:, None] * s_vb + kvh * s_vh + offs_dv[None, :],
+                     mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(qt.dtype)
+        acc = acc * alpha[:, None] + dot(p.to(vt.dtype), vt, F32)
+        m = m_new
+
+    mask_o = mask_h[:, None] & mask_dv[None, :]
+    if DIRECT:  # one split: finish here: sink, normalisation, output dtype
+        if HAS_SINKS:
+            sink = tl.load(sinks + heads, mask=mask_h, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_fin = tl.maximum(m, sink)
+            l_sum = l_sum * tl.exp2(m - m_fin) + tl.exp2(sink - m_fin)
+            acc = acc * tl.exp2(m - m_fin)[:, None]
+        o = acc * v_scale / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+        tl.store(out + b * s_ob + heads[:, None] * s_oh + offs_dv[None, :],
+                 o.to(out.dtype.element_ty), mask=mask_o)
+    else:
+        l_safe = tl.where(l_sum > 0, l_sum, 1.0)
+        lse = tl.where(l_sum > 0, m + tl.log2(l_safe), float("-inf"))
+        o = acc / l_safe[:, None]
+        tl.store(ws_acc + b * s_ab + heads[:, None] * s_ah + split * s_as + offs_dv[None, :],
+                 o, mask=mask_o)
+        tl.store(ws_lse + b * s_lb + heads * s_lh + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _decode_merge_kernel(
+        sinks, out, ws_acc, ws_lse, v_scale, num_splits,
+        s_ob, s_oh, s_ab, s_ah, s_as, s_lb, s_lh,
+        DV: tl.constexpr, BLOCK_S: tl.constexpr,
+        BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_s = offs_s < num_splits
+    mask_dv = offs_dv < DV
+    lse = tl.load(ws_lse + b * s_lb + h * s_lh + offs_s, mask=mask_s, other=float("-inf"))
+    acc = tl.load(ws_acc + b * s_ab + h * s_ah + offs_s[:, None] * s_as + offs_dv[None, :],
+                  mask=mask_s[:, None] & mask_dv[None, :], other=0.0)
+    m = tl.maximum(tl.max(lse, 0), NEG_BIG)
+    if HAS_SINKS:
+        sink = tl.load(sinks + h).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink)
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, 0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - m)
+    o = tl.sum(w[:, None] * acc, 0) * v_scale / tl.where(denom > 0, denom, 1.0)
+    tl.store(out + b * s_ob + h * s_oh + offs_dv, o.to(out.dtype.element_ty), mask=mask_dv)
+
+
+def _check_decode(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks) -> None:
+    bs, h, d = q.shape if q.dim() == 3 else (None, None, None)
+    check_dims("q", q, [None, None, None])
+    check_dims("k_buf", k_buf, [None, None, d])
+    kvh = k_buf.shape[1]
+    check_dims("v_buf", v_buf, [k_buf.shape[0], kvh, None])
+    check_dims("out", out, [bs, h, v_buf.shape[2]])
+    check_dims("kv_indptr", kv_indptr, [bs + 1])
+    check_dims("kv_indices", kv_indices, [None])
+    check_dims("kv_pos0", kv_pos0, [bs])
+    check_dims("q_pos", q_pos, [bs])
+    if sinks is not None:
+        check_dims("sinks", sinks, [h])
+    if h % kvh:
+        raise ShapeError(f"q has {h} heads, not a multiple of the buffers' {kvh} kv heads")
+    check_same_device(q=q, k_buf=k_buf, v_buf=v_buf, kv_indptr=kv_indptr, kv_indices=kv_indices,
+                      kv_pos0=kv_pos0, q_pos=q_pos, out=out, sinks=sinks)
+
+
+def _workspace(workspace, bs, h, kvh, dv, max_kv_len, device, cfg):
+    """(acc, lse) scratch: the caller's (checked), a fresh one, or (out-free) dummies for 1 split."""
+    if workspace is not None:
+        splits = workspace.num_splits
+        if workspace.lse.shape[0] < bs or tuple(workspace.acc.shape[1:]) != (h, splits, dv):
+            raise ShapeError(f"workspace acc has shape {list(workspace.acc.shape)}, expected "
+                             f"[>={bs}, {h}, {splits}, {dv}]")
+        return workspace
+    splits = decode_num_splits(bs, kvh, max_kv_len, device, cfg)
+    if splits > 1:
+        return make_decode_workspace(bs, h, dv, splits, device)
+    dummy = torch.empty(0, dtype=torch.float32, device=device)   # never touched with one split
+    return dummy, dummy
+
+
+def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                     kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_pos0: torch.Tensor,
+                     q_pos: torch.Tensor, out: torch.Tensor, scaling: float,
+                     window: Optional[int] = None, logit_cap: float = 0.0,
+                     sinks: Optional[torch.Tensor] = None, k_scale: Optional[float] = None,
+                     v_scale: Optional[float] = None, max_kv_len: Optional[int] = None, *,
+                     workspace: Optional[DecodeWorkspace] = None,
+                     config: Optional[DecodeConfig] = None) -> None:
+    """out[b] = softmax over request b's visible keys of q[b] . k, times v (see module doc).
+
+    q [B, H, D]; k_buf [S, KVH, D]; v_buf [S, KVH, Dv]; out [B, H, Dv] (written, any float
+    dtype). kv_indptr int32 [B+1], kv_indices int64, kv_pos0 int64 [B], q_pos int64 [B].
+    window None/0: none. logit_cap > 0: cap * tanh(s / cap) after scaling. sinks fp32 [H]:
+    raw logits in the denominator only. k_scale/v_scale multiply the loaded K/V values.
+    max_kv_len (host int, optional) only sizes the split grid. workspace: scratch from
+    make_decode_workspace (its split count wins) so graph capture allocates nothing; without
+    it, a multi-split call allocates scratch with torch.empty. No host sync either way.
+    """
+    _check_decode(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks)
+    bs, h, d = q.shape
+    kvh, dv = k_buf.shape[1], v_buf.shape[2]
+    if bs == 0:
+        return
+    cfg = config or default_config()
+    ws_acc, ws_lse = _workspace(workspace, bs, h, kvh, dv, max_kv_len, q.device, cfg)
+    splits = ws_lse.shape[2] if ws_lse.dim() == 3 else 1
+    per_split = None if max_kv_len is None else triton.cdiv(max(int(max_kv_len), 1), splits)
+    group = h // kvh
+    vs = as_scale(v_scale)
+    cap = float(logit_cap or 0.0)
+    strides = (q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
+               v_buf.stride(1), out.stride(0), out.stride(1))
+    ws_strides = ((ws_acc.stride(0), ws_acc.stride(1), ws_acc.stride(2), ws_lse.stride(0),
+                   ws_lse.stride(1)) if splits > 1 else (0,) * 5)
+    sinks_arg = sinks if sinks is not None else q
+    _decode_split_kernel[(kvh, splits, bs)](
+        q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, sinks_arg, out, ws_acc, ws_lse,
+        float(scaling) * as_scale(k_scale), vs, cap, int(window or 0), splits, *strides, *ws_strides,
+        GROUP=group, D=d, DV=dv, DIRECT=splits == 1, BLOCK_H=pow2(group), BLOCK_D=pow2(d),
+        BLOCK_DV=pow2(dv), BLOCK_N=cfg.keys_per_iter(per_split), HAS_CAP=cap > 0, HAS_SINKS=sinks is not None,
+        F32=dot_in_fp32(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1:
+        _decode_merge_kernel[(bs, h)](
+            sinks_arg, out, ws_acc, ws_lse, vs, splits, out.stride(0), out.stride(1), *ws_strides,
+            DV=dv, BLOCK_S=triton.next_power_of_2(splits),
+            BLOCK_DV=triton.next_power_of_2(dv), HAS_SINKS=sinks is not None,
+            num_warps=1 if interpreting() else 4)

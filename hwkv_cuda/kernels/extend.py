@@ -1,0 +1,158 @@
+"""extend_attention: flash attention of a batch of query runs over paged keys (prefix + new).
+
+Every key, prefix and new alike, is already in the pool. Grid (request, query block, q
+head); a program loops only over the key tiles some query of its block can see: from the
+window start of the block's first query to the causal end of its last query. Inside that
+range each element is masked by absolute positions (kp <= qp and kp > qp - W).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from hwkv.errors import ShapeError
+from hwkv_cuda.kernels.common import (NEG_BIG, as_scale, check_dims, check_same_device, dot,
+                                      dot_in_fp32, interpreting, logits_log2, pow2)
+
+
+@dataclass(frozen=True)
+class ExtendConfig:
+    block_m: int = 64   # queries per program
+    block_n: int = 64   # keys per loop iteration
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_config(head_dim: int) -> ExtendConfig:
+    if interpreting():
+        return ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+    if pow2(head_dim) > 128:
+        return ExtendConfig(block_m=32, block_n=32, num_warps=4, num_stages=2)
+    return ExtendConfig()
+
+
+@triton.jit
+def _extend_kernel(
+        q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, sinks, out,
+        qk_scale, v_scale, cap, window,
+        s_qt, s_qh, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh,
+        GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, F32: tl.constexpr):
+    b = tl.program_id(0)
+    first = tl.program_id(1) * BLOCK_M            # first query row of this block, request-relative
+    h = tl.program_id(2)
+    kvh = h // GROUP
+    q_start = tl.load(qo_indptr + b).to(tl.int64)
+    q_len = tl.load(qo_indptr + b + 1).to(tl.int64) - q_start
+    kv_start = tl.load(kv_indptr + b).to(tl.int64)
+    kv_len = tl.load(kv_indptr + b + 1).to(tl.int64) - kv_start
+    rel0 = tl.load(q_pos0 + b).to(tl.int64) - tl.load(kv_pos0 + b).to(tl.int64)  # q_pos0 - pos0
+    last = tl.minimum(q_len, first + BLOCK_M) - 1  # last valid query row (< first: empty block)
+    # Key list entries some query of the block may see: [lo, hi).
+    hi = tl.minimum(kv_len, rel0 + last + 1)
+    lo = tl.zeros_like(rel0)
+    if window > 0:
+        lo = tl.maximum(lo, rel0 + first - window + 1)
+    hi = tl.where(last < first, lo, tl.maximum(hi, lo))
+
+    offs_m = first + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < q_len
+    q_rel = rel0 + offs_m                          # query positions, relative to pos0
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_d = offs_d < D
+    mask_dv = offs_dv < DV
+    qt = tl.load(q + (q_start + offs_m)[:, None] * s_qt + h * s_qh + offs_d[None, :],
+                 mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+
+    m = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        slot = tl.load(kv_indices + kv_start + offs_n, mask=mask_n, other=0)
+        kt = tl.load(k_buf + slot[:, None] * s_kb + kvh * s_kh + offs_d[None, :],
+                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        s = logits_log2(dot(qt, tl.trans(kt.to(qt.dtype)), F32), qk_scale, cap, HAS_CAP)
+        vis = mask_n[None, :] & (offs_n[None, :] <= q_rel[:, None])
+        if window > 0:
+            vis = vis & (offs_n[None, :] > q_rel[:, None] - window)
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        vt = tl.load(v_buf + slot[:, None] * s_vb + kvh * s_vh + offs_dv[None, :],
+                     mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(qt.dtype)
+        acc = acc * alpha[:, None] + dot(p.to(vt.dtype), vt, F32)
+        m = m_new
+
+    if HAS_SINKS:
+        sink = tl.load(sinks + h).to(tl.float32) * 1.4426950408889634
+        m_fin = tl.maximum(m, sink)
+        l_sum = l_sum * tl.exp2(m - m_fin) + tl.exp2(sink - m_fin)
+        acc = acc * tl.exp2(m - m_fin)[:, None]
+    o = acc * v_scale / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+    tl.store(out + (q_start + offs_m)[:, None] * s_ot + h * s_oh + offs_dv[None, :],
+             o.to(out.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])
+
+
+def _check_extend(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, sinks):
+    check_dims("q", q, [None, None, None])
+    t, h, d = q.shape
+    bs = kv_pos0.shape[0] if kv_pos0.dim() == 1 else -1
+    check_dims("k_buf", k_buf, [None, None, d])
+    kvh = k_buf.shape[1]
+    check_dims("v_buf", v_buf, [k_buf.shape[0], kvh, None])
+    check_dims("out", out, [t, h, v_buf.shape[2]])
+    check_dims("kv_pos0", kv_pos0, [bs])
+    check_dims("kv_indptr", kv_indptr, [bs + 1])
+    check_dims("kv_indices", kv_indices, [None])
+    check_dims("qo_indptr", qo_indptr, [bs + 1])
+    check_dims("q_pos0", q_pos0, [bs])
+    if sinks is not None:
+        check_dims("sinks", sinks, [h])
+    if h % kvh:
+        raise ShapeError(f"q has {h} heads, not a multiple of the buffers' {kvh} kv heads")
+    check_same_device(q=q, k_buf=k_buf, v_buf=v_buf, kv_indptr=kv_indptr, kv_indices=kv_indices,
+                      kv_pos0=kv_pos0, qo_indptr=qo_indptr, q_pos0=q_pos0, out=out, sinks=sinks)
+
+
+def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                     kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_pos0: torch.Tensor,
+                     qo_indptr: torch.Tensor, q_pos0: torch.Tensor, out: torch.Tensor,
+                     max_q_len: int, scaling: float, window: Optional[int] = None,
+                     logit_cap: float = 0.0, sinks: Optional[torch.Tensor] = None,
+                     k_scale: Optional[float] = None, v_scale: Optional[float] = None, *,
+                     config: Optional[ExtendConfig] = None) -> None:
+    """Causal (+ window) attention of query runs over their request's listed keys.
+
+    q [T, H, D]; out [T, H, Dv] (written). Request b's queries are rows
+    qo_indptr[b]:qo_indptr[b+1] at positions q_pos0[b] + row - qo_indptr[b]; its keys are
+    kv_indices[kv_indptr[b]:kv_indptr[b+1]] at positions kv_pos0[b] + j. max_q_len: host
+    upper bound on any request's query count (sizes the grid; rows past it are not written).
+    Other arguments as in decode_attention. No host sync.
+    """
+    _check_extend(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, sinks)
+    t, h, d = q.shape
+    bs, kvh, dv = kv_pos0.shape[0], k_buf.shape[1], v_buf.shape[2]
+    if t == 0 or bs == 0 or max_q_len <= 0:
+        return
+    cfg = config or default_config(d)
+    cap = float(logit_cap or 0.0)
+    grid = (bs, triton.cdiv(int(max_q_len), cfg.block_m), h)
+    _extend_kernel[grid](
+        q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0,
+        sinks if sinks is not None else q, out,
+        float(scaling) * as_scale(k_scale), as_scale(v_scale), cap, int(window or 0),
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
+        v_buf.stride(1), out.stride(0), out.stride(1),
+        GROUP=h // kvh, D=d, DV=dv, BLOCK_M=cfg.block_m, BLOCK_D=pow2(d), BLOCK_DV=pow2(dv),
+        BLOCK_N=cfg.block_n, HAS_CAP=cap > 0, HAS_SINKS=sinks is not None, F32=dot_in_fp32(q),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)

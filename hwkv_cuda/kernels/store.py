@@ -1,0 +1,103 @@
+"""store_kv: one Triton launch writes the K and V rows of every new token into the pool.
+
+k_buf[loc[i]] = k[i] / k_scale cast to k_buf.dtype (fp8 buffers: clamped to the finite
+range first), the same for V. The caller's k and v are only read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from hwkv.errors import LocError
+from hwkv_cuda.kernels.common import FP8_MAX, as_scale, check_dims, check_same_device, interpreting
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Tokens per program (None: about 4096 elements per tile) and warps."""
+
+    block_t: Optional[int] = None
+    num_warps: int = 4
+
+
+@triton.jit
+def _store_rows(buf, src, loc, rows, mask_t, scale, stride_bs, stride_bh, stride_sn, stride_sh,
+                KVH: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr,
+                HAS_SCALE: tl.constexpr, CLAMP: tl.constexpr):
+    """Copy rows [BLOCK_T] x (KVH*D) of `src` to buf[loc[rows]], scaled and cast."""
+    e = tl.arange(0, BLOCK_E)
+    h = e // D
+    d = e % D
+    mask = mask_t[:, None] & (e < KVH * D)[None, :]
+    x = tl.load(src + rows[:, None] * stride_sn + (h * stride_sh + d)[None, :], mask=mask)
+    if HAS_SCALE:
+        x = tl.math.div_rn(x.to(tl.float32), scale)  # IEEE division: bit-equal to torch x / scale
+    if CLAMP > 0:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -CLAMP), CLAMP)
+    slot = tl.load(loc + rows, mask=mask_t, other=0).to(tl.int64)
+    tl.store(buf + slot[:, None] * stride_bs + (h * stride_bh + d)[None, :],
+             x.to(buf.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_kv_kernel(k_buf, v_buf, loc, k, v, n, k_scale, v_scale,
+                     skb_s, skb_h, svb_s, svb_h, sk_n, sk_h, sv_n, sv_h,
+                     KVH: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_EK: tl.constexpr, BLOCK_EV: tl.constexpr,
+                     K_SCALE: tl.constexpr, V_SCALE: tl.constexpr,
+                     K_CLAMP: tl.constexpr, V_CLAMP: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = rows < n
+    _store_rows(k_buf, k, loc, rows, mask_t, k_scale, skb_s, skb_h, sk_n, sk_h,
+                KVH, D, BLOCK_EK, K_SCALE, K_CLAMP)
+    _store_rows(v_buf, v, loc, rows, mask_t, v_scale, svb_s, svb_h, sv_n, sv_h,
+                KVH, DV, BLOCK_EV, V_SCALE, V_CLAMP)
+
+
+def _check_store(k_buf, v_buf, loc, k, v) -> None:
+    if loc.dtype not in (torch.int64, torch.int32) or loc.dim() != 1:
+        raise LocError(f"loc must be a 1-D int64 (or int32) tensor, got {loc.dtype} {list(loc.shape)}")
+    n, kvh = loc.shape[0], k_buf.shape[1]
+    check_dims("k_buf", k_buf, [None, None, None])
+    check_dims("v_buf", v_buf, [k_buf.shape[0], kvh, None])
+    check_dims("k", k, [n, kvh, k_buf.shape[2]])
+    check_dims("v", v, [n, kvh, v_buf.shape[2]])
+    check_same_device(k_buf=k_buf, v_buf=v_buf, loc=loc, k=k, v=v)
+
+
+def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor, k_scale: Optional[float] = None, v_scale: Optional[float] = None, *,
+             config: Optional[StoreConfig] = None) -> None:
+    """k_buf[loc] = k / k_scale, v_buf[loc] = v / v_scale, cast to the buffers' dtypes; one launch.
+
+    k_buf [S, KVH, D], v_buf [S, KVH, Dv]; loc int64 [n]; k [n, KVH, D], v [n, KVH, Dv] (any
+    row/head strides, contiguous last dim). fp8 buffers are clamped to their finite range.
+    n == 0 launches nothing. k and v are never written.
+    """
+    _check_store(k_buf, v_buf, loc, k, v)
+    n = loc.shape[0]
+    if n == 0:
+        return
+    kvh, d, dv = k_buf.shape[1], k_buf.shape[2], v_buf.shape[2]
+    ks, vs = as_scale(k_scale), as_scale(v_scale)
+    block_ek = triton.next_power_of_2(kvh * d)
+    block_ev = triton.next_power_of_2(kvh * dv)
+    if interpreting():
+        block_t, warps = 4, 1
+    else:
+        cfg = config or StoreConfig()
+        block_t = cfg.block_t or max(1, min(16, 4096 // max(block_ek, block_ev)))
+        warps = cfg.num_warps
+    grid = (triton.cdiv(n, block_t),)
+    _store_kv_kernel[grid](
+        k_buf, v_buf, loc, k, v, n, ks, vs,
+        k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        KVH=kvh, D=d, DV=dv, BLOCK_T=block_t, BLOCK_EK=block_ek, BLOCK_EV=block_ev,
+        K_SCALE=ks != 1.0, V_SCALE=vs != 1.0,
+        K_CLAMP=FP8_MAX.get(k_buf.dtype, 0.0), V_CLAMP=FP8_MAX.get(v_buf.dtype, 0.0),
+        num_warps=warps)

@@ -1,0 +1,185 @@
+"""`hwkv info`: exit codes through `python -m hwkv.cli`, the JSON object, plain text, the CPU probe."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from hwkv import _amx, cli
+
+REPO = Path(__file__).resolve().parents[1]
+DUMMY_SRC = Path(__file__).parent / "plugins" / "hwkv_dummy.py"
+IN_TREE = {"musa", "npu", "rocm", "cuda", "xpu", "cpu"}
+
+
+def cpu_only_env(**extra: str) -> dict[str, str]:
+    """The environment with HWKV_DEVICE unset and accelerators hidden, so detection must pick cpu."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HWKV_DEVICE", "HWKV_DUMMY_REASON")}
+    env.update(CUDA_VISIBLE_DEVICES="", HIP_VISIBLE_DEVICES="", ASCEND_RT_VISIBLE_DEVICES="",
+               MUSA_VISIBLE_DEVICES="", ZE_AFFINITY_MASK="", **extra)
+    return env
+
+
+def write_dummy_dist(root: Path) -> Path:
+    """The dummy third-party plugin as a real installed distribution under `root`."""
+    info = root / "hwkv_dummy_plugin-0.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: hwkv_dummy_plugin\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text("[hwkv.devices]\ndummy = hwkv_dummy:DEVICE\n")
+    (root / "hwkv_dummy.py").write_text(DUMMY_SRC.read_text())
+    return root
+
+
+def _start_runs() -> tuple[dict[str, subprocess.Popen], Path]:
+    """Start `python -m hwkv.cli info` in three environments at collection time: each imports torch
+    (seconds), so they run concurrently with each other and with the in-process tests."""
+    site = write_dummy_dist(Path(tempfile.mkdtemp(prefix="hwkv_site_")))
+    pythonpath = os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    jobs = {
+        "info": (["info"], cpu_only_env()),
+        "json_dummy": (["info", "--json"], cpu_only_env(HWKV_DEVICE="dummy", PYTHONPATH=pythonpath)),
+        "nonexistent": (["info"], cpu_only_env(HWKV_DEVICE="nonexistent")),
+    }
+    procs = {k: subprocess.Popen([sys.executable, "-m", "hwkv.cli", *argv], cwd=REPO, env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for k, (argv, env) in jobs.items()}
+    return procs, site
+
+
+_PROCS, _SITE = _start_runs()
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, subprocess.CompletedProcess]:
+    """The finished runs of `_start_runs`."""
+    done = {}
+    try:
+        for k, p in _PROCS.items():
+            out, err = p.communicate(timeout=120)
+            done[k] = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    finally:
+        for p in _PROCS.values():
+            if p.poll() is None:
+                p.kill()
+        shutil.rmtree(_SITE, ignore_errors=True)
+    return done
+
+
+# ------------------------------------------------------------------ subprocess: exit codes
+
+def test_info_exit_code_and_device(runs):
+    r = runs["info"]
+    assert r.returncode == 0, r.stderr
+    assert "device: cpu" in r.stdout and "HWKV_DEVICE unset" in r.stdout
+    for name in IN_TREE:
+        assert name in r.stdout
+    assert "attention path" in r.stdout and "torch" in r.stdout
+
+
+def test_info_json_finds_a_third_party_plugin_and_honours_forcing(runs):
+    r = runs["json_dummy"]
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["device"] == "dummy" and data["forced"] and data["error"] is None
+    by_name = {d["name"]: d for d in data["devices"]}
+    assert set(by_name) == IN_TREE | {"dummy"}
+    assert by_name["cpu"]["available"] and by_name["cpu"]["reason"] is None
+    assert by_name["dummy"]["backend"] == "hwkv_dummy:DummyBackend"
+    assert [d["priority"] for d in data["devices"]] == sorted((d["priority"] for d in data["devices"]), reverse=True)
+    assert set(data["cpu"]) >= {"amx", "amx_reason", "capability", "sgl_kernel", "attention_path"}
+    assert data["torch"]
+
+
+def test_info_forced_nonexistent_device_exits_2(runs):
+    r = runs["nonexistent"]
+    assert r.returncode == 2
+    assert "HWKV_DEVICE='nonexistent'" in r.stderr and "available: cpu" in r.stderr
+
+
+# ------------------------------------------------------------------ in process
+
+def test_info_json_in_process(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("HWKV_DEVICE", raising=False)
+    monkeypatch.setattr(cli.devices, "select", lambda specs, forced: specs["cpu"])
+    assert cli.main(["info", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["device"] == "cpu" and not data["forced"]
+
+
+def test_info_plain_text_without_rich(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("HWKV_DEVICE", "cpu")
+    monkeypatch.setattr(cli, "_use_rich", lambda: False)
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "device: cpu (forced by HWKV_DEVICE=cpu)" in out
+    assert "available / why not" in out and "hwkv_cpu.backend:TorchCPUBackend" in out
+    assert "AMX" in out and "attention path" in out
+
+
+def test_info_forced_unavailable_in_process(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("HWKV_DEVICE", "npu")
+    monkeypatch.setitem(sys.modules, "torch_npu", None)
+    assert cli.main(["info", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert "torch_npu is not installed" in captured.err
+    assert json.loads(captured.out)["device"] is None
+
+
+def test_broken_plugin_exits_2(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
+    def broken() -> dict:
+        raise cli.DeviceError("device plugin entry point 'broken' failed to load")
+    monkeypatch.setattr(cli.devices, "discover", broken)
+    assert cli.main(["info"]) == 2
+    assert "'broken'" in capsys.readouterr().err
+
+
+def test_commands_registry_is_open(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
+    def add(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--n", type=int, default=1)
+    monkeypatch.setitem(cli.COMMANDS, "echo", cli.Command("test command", add, lambda a: a.n))
+    assert cli.main(["echo", "--n", "7"]) == 7
+    with pytest.raises(SystemExit) as e:
+        cli.main([])
+    assert e.value.code == 2
+
+
+# ------------------------------------------------------------------ CPU probe
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/cpuinfo is Linux-only")
+@pytest.mark.parametrize("flags, amx, present", [
+    ("fpu sse avx2 amx_bf16 amx_tile amx_int8", True, ("amx_tile", "amx_bf16", "amx_int8")),
+    ("fpu avx2 amx_tile", False, ("amx_tile",)),
+    ("fpu avx2", False, ()),
+])
+def test_amx_from_cpuinfo(tmp_path: Path, flags: str, amx: bool, present: tuple[str, ...]):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+    features = _amx.cpu_features(str(cpuinfo))
+    assert (features.amx, features.amx_flags) == (amx, present)
+    assert features.reason and features.capability
+    path, why = features.attention_path()
+    assert ("AMX tiles" in path) == (amx and not features.sgl_kernel) and why
+
+
+def test_amx_unreadable_or_no_flags(tmp_path: Path):
+    missing = _amx.cpu_features(str(tmp_path / "absent"))
+    assert not missing.amx and ("cannot read" in missing.reason or "Linux-only" in missing.reason)
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd\n")
+    if sys.platform.startswith("linux"):
+        assert "no 'flags' line" in _amx.cpu_features(str(arm)).reason
+
+
+def test_sgl_kernel_is_found_not_imported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    (tmp_path / "sgl_kernel.py").write_text("raise RuntimeError('sgl_kernel must not be imported by the probe')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    features = _amx.cpu_features()
+    assert features.sgl_kernel and "sgl_kernel" not in sys.modules
+    assert features.attention_path()[0] == "sgl-kernel CPU ops"

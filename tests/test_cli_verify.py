@@ -1,0 +1,34 @@
+"""`hwkv verify` prints a table and its exit code says whether the contract held."""
+import subprocess
+import sys
+
+import torch
+
+from hwkv.testing import ContractTarget
+from hwkv.testing.reference_backend import ReferenceBackend
+from hwkv.testing.verify import run_contract
+
+
+def test_verify_passes_on_cpu_and_prints_a_table():
+    out = subprocess.run([sys.executable, "-m", "hwkv.cli", "verify", "-k", "write or translat"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "PASS" in out.stdout and "contract checks passed on cpu" in out.stdout
+
+
+class BrokenBackend(ReferenceBackend):
+    """Attends correctly but scales the output: the reference comparison must catch it."""
+
+    def _attend(self, q, layer, kv, md, out):
+        super()._attend(q, layer, kv, md, out)
+        out.mul_(1.01)
+
+    forward_decode = _attend
+    forward_extend = _attend
+
+
+def test_verify_fails_for_a_wrong_backend():
+    code, results = run_contract([ContractTarget("broken", BrokenBackend, "cpu")], select="p1-fp32 and eager")
+    assert code != 0
+    assert [o for o, _ in results.values()] == ["failed"]
+    assert "reference" in next(iter(results.values()))[1]

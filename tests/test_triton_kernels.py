@@ -1,0 +1,273 @@
+"""hwkv_cuda.kernels against hwkv.reference, on tiny random shapes.
+
+Without a CUDA GPU the kernels run under TRITON_INTERPRET=1 on CPU tensors (set here before
+triton is imported; conftest may set it too). On a GPU the same tests run compiled.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from hwkv import reference  # noqa: E402
+from hwkv.window import first_visible  # noqa: E402
+from hwkv_cuda.kernels import (decode_attention, extend_attention, fill_kv_indices,  # noqa: E402
+                               make_decode_workspace, store_kv)
+
+pytestmark = pytest.mark.interpret
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+class Case:
+    """A batch whose K/V live at random, non-contiguous slots of a pool larger than needed."""
+
+    def __init__(self, seq_lens, extend_lens, h=4, kvh=2, d=16, dv=None, dtype=torch.float32,
+                 window=None, window_list=True, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        dv = dv or d
+        self.seq_lens, self.extend_lens, self.window = list(seq_lens), list(extend_lens), window
+        self.h, self.d, self.dv, self.dtype = h, d, dv, dtype
+        total = sum(seq_lens)
+        size = 2 * total + 7
+        self.k_buf = torch.randn(size, kvh, d, generator=g).to(dtype).to(DEV)
+        self.v_buf = torch.randn(size, kvh, dv, generator=g).to(dtype).to(DEV)
+        perm = torch.randperm(size - 1, generator=g)[:total] + 1   # slot 0 stays padding
+        self.slots = list(torch.split(perm, list(seq_lens)))
+        self.keys = [self.k_buf.float().cpu()[s] for s in self.slots]
+        self.values = [self.v_buf.float().cpu()[s] for s in self.slots]
+        self.q_pos0 = [s - e for s, e in zip(seq_lens, extend_lens)]
+        pos0 = [first_visible(p, window) if window_list else 0 for p in self.q_pos0]
+        lists = [s[p:] for s, p in zip(self.slots, pos0)]
+        self.kv_indptr = _indptr([len(x) for x in lists])
+        self.kv_indices = torch.cat(lists + [torch.zeros(5, dtype=torch.int64)]).to(DEV)
+        self.kv_pos0 = torch.tensor(pos0, dtype=torch.int64, device=DEV)
+        self.qo_indptr = _indptr(extend_lens)
+        self.q = torch.randn(sum(extend_lens), h, d, generator=g).to(dtype).to(DEV)
+        self.scaling = 1.0 / math.sqrt(d)
+
+    def ref(self, logit_cap=0.0, sinks=None, q=None):
+        q = self.q if q is None else q
+        return reference.batch_attention(q.float().cpu(), self.keys, self.values, self.seq_lens,
+                                         self.extend_lens, self.scaling, self.window, logit_cap,
+                                         None if sinks is None else sinks.cpu())
+
+    def extend(self, logit_cap=0.0, sinks=None, out_dtype=None):
+        out = torch.full((self.q.shape[0], self.h, self.dv), float("nan"),
+                         dtype=out_dtype or self.dtype, device=DEV)
+        extend_attention(self.q, self.k_buf, self.v_buf, self.kv_indptr, self.kv_indices,
+                         self.kv_pos0, self.qo_indptr,
+                         torch.tensor(self.q_pos0, dtype=torch.int64, device=DEV), out,
+                         max(self.extend_lens), self.scaling, self.window, logit_cap, sinks, None, None)
+        return out
+
+    def decode(self, logit_cap=0.0, sinks=None, splits=None, max_kv_len=None):
+        """Decode of each request's last query (requires extend_lens == 1 everywhere)."""
+        bs = len(self.seq_lens)
+        out = torch.full((bs, self.h, self.dv), float("nan"), dtype=self.dtype, device=DEV)
+        ws = make_decode_workspace(bs + 1, self.h, self.dv, splits, DEV) if splits else None
+        q_pos = torch.tensor([s - 1 for s in self.seq_lens], dtype=torch.int64, device=DEV)
+        decode_attention(self.q, self.k_buf, self.v_buf, self.kv_indptr, self.kv_indices,
+                         self.kv_pos0, q_pos, out, self.scaling, self.window, logit_cap, sinks,
+                         None, None, max_kv_len, workspace=ws)
+        return out
+
+
+def _indptr(lens):
+    return torch.tensor([0] + list(lens), dtype=torch.int32).cumsum(0).to(torch.int32).to(DEV)
+
+
+def _close(out, ref, dtype):
+    assert not torch.isnan(out).any(), "output holds NaN (unwritten or 0/0)"
+    err = (out.float().cpu() - ref).abs().max().item()
+    assert err <= TOL[dtype] * max(1.0, ref.abs().max().item()), f"max abs error {err}"
+
+
+def _sinks(h, seed=1):
+    return (torch.randn(h, generator=torch.Generator().manual_seed(seed)) * 2).float().to(DEV)
+
+
+# --------------------------------------------------------------------------- decode
+@pytest.mark.parametrize("window", [None, 3, 17, 40])
+@pytest.mark.parametrize("splits", [None, 3])
+def test_decode_matches_reference(window, splits):
+    c = Case([1, 17, 33], [1, 1, 1], window=window, seed=window or 0)
+    _close(c.decode(splits=splits), c.ref(), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_sinks_softcap_gqa(dtype):
+    c = Case([9, 38], [1, 1], h=8, kvh=2, d=32, dtype=dtype, window=8, window_list=False, seed=2)
+    sinks = _sinks(8)
+    _close(c.decode(logit_cap=1.5, sinks=sinks, splits=2), c.ref(1.5, sinks), dtype)
+    _close(c.decode(logit_cap=1.5, sinks=sinks), c.ref(1.5, sinks), dtype)
+
+
+def test_decode_dv_not_d_and_odd_head_dim():
+    c = Case([5, 26], [1, 1], h=4, kvh=1, d=24, dv=40, window=None, seed=3)
+    _close(c.decode(splits=4), c.ref(), torch.float32)
+    _close(c.decode(max_kv_len=26), c.ref(), torch.float32)
+
+
+def test_decode_window_edge_sees_exactly_keys_3_4_5():
+    """W = 3, query at position 5: keys 3, 4, 5 and no other, whatever the list holds."""
+    c = Case([6], [1], h=2, kvh=1, d=16, window=3, window_list=False, seed=4)
+    big = 1000.0
+    v = torch.zeros_like(c.v_buf)
+    for pos in range(6):            # value of key at position p is p in every channel
+        v[c.slots[0][pos]] = float(pos)
+    c.v_buf = v
+    c.q = torch.zeros_like(c.q)     # uniform attention over the visible keys
+    out = c.decode(splits=2)
+    assert torch.allclose(out.float().cpu(), torch.full_like(out.float().cpu(), 4.0), atol=1e-5)
+    # sanity: a huge logit on key 2 (outside the window) must not leak in
+    c.q[0, :, 0] = big
+    c.k_buf[c.slots[0][2], :, 0] = 1.0
+    c.k_buf[c.slots[0][3:6], :, 0] = 0.0
+    out = c.decode()
+    assert torch.allclose(out.float().cpu(), torch.full_like(out.float().cpu(), 4.0), atol=1e-5)
+
+
+def test_decode_no_visible_keys_outputs_zeros():
+    c = Case([4, 7], [1, 1], window=None, seed=5)
+    c.kv_indptr = _indptr([0, 7])   # request 0 lists no key at all
+    c.kv_pos0 = torch.tensor([0, 0], dtype=torch.int64, device=DEV)
+    c.kv_indices = torch.cat([c.slots[1], torch.zeros(3, dtype=torch.int64)]).to(DEV)
+    for sinks in (None, _sinks(4)):
+        for splits in (None, 3):
+            out = c.decode(sinks=sinks, splits=splits)
+            assert torch.equal(out[0].cpu(), torch.zeros_like(out[0].cpu()))
+            c2 = c.ref(sinks=sinks)
+            _close(out[1:], c2[1:], torch.float32)
+
+
+# --------------------------------------------------------------------------- extend
+@pytest.mark.parametrize("window", [None, 5, 24])
+@pytest.mark.parametrize("prefix", [False, True])
+def test_extend_matches_reference(window, prefix):
+    seq = [20, 3, 37]
+    ext = [8, 3, 21] if prefix else seq
+    c = Case(seq, ext, window=window, seed=10 + (window or 0))
+    _close(c.extend(), c.ref(), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_sinks_softcap_gqa_dv(dtype):
+    c = Case([30, 12], [18, 12], h=8, kvh=2, d=32, dv=16, dtype=dtype, window=7, seed=11)
+    sinks = _sinks(8)
+    _close(c.extend(logit_cap=2.0, sinks=sinks), c.ref(2.0, sinks), dtype)
+
+
+def test_extend_full_list_with_window_mask():
+    """A full list (pos0 = 0) read by an SWA layer: the kernel's mask alone trims the window."""
+    c = Case([35, 9], [20, 9], window=4, window_list=False, seed=12)
+    _close(c.extend(sinks=_sinks(4)), c.ref(sinks=_sinks(4)), torch.float32)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_decode_and_extend_agree_on_last_token(window):
+    seq = [14, 29]
+    c = Case(seq, [4, 29], h=4, kvh=2, d=16, window=window, seed=13)
+    sinks = _sinks(4)
+    ext = c.extend(logit_cap=3.0, sinks=sinks)
+    last = c.qo_indptr[1:].long().cpu() - 1
+    d = Case(seq, [1, 1], h=4, kvh=2, d=16, window=window, seed=13)
+    d.q = c.q[last.to(DEV)]
+    dec = d.decode(logit_cap=3.0, sinks=sinks, splits=2)
+    assert torch.allclose(dec.float(), ext[last.to(DEV)].float(), atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- store
+FP8 = [d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d]
+
+
+def _ulp_close(out, ref, dtype):
+    """Exact on a GPU; the interpreter may round fp32 -> bf16/fp8 by truncation (1 ulp off)."""
+    if not INTERPRET or dtype == torch.float32:
+        assert torch.equal(out.float(), ref.float())
+        return
+    rel = torch.finfo(dtype).eps
+    assert torch.allclose(out.float(), ref.float(), rtol=2 * rel, atol=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] + FP8)
+def test_store_kv_writes_rows_and_leaves_inputs(dtype):
+    g = torch.Generator().manual_seed(20)
+    size, kvh, d, dv, n = 40, 2, 16, 24, 11
+    k_buf = torch.zeros(size, kvh, d, dtype=dtype, device=DEV)
+    v_buf = torch.zeros(size, kvh, dv, dtype=dtype, device=DEV)
+    loc = (torch.randperm(size - 1, generator=g)[:n] + 1).to(DEV)
+    base = torch.randn(n, kvh + 1, d + dv, generator=g).to(DEV) * 50   # strided, non-contiguous views
+    k, v = base[:, :kvh, :d], base[:, 1:, d:]
+    k_scale, v_scale = (None, None) if dtype in (torch.float32, torch.bfloat16) else (0.5, 2.0)
+    k0, v0 = k.clone(), v.clone()
+    store_kv(k_buf, v_buf, loc, k, v, k_scale, v_scale)
+    assert torch.equal(k, k0) and torch.equal(v, v0), "store_kv modified its inputs"
+    if INTERPRET and dtype in FP8:
+        pytest.skip("Triton's interpreter rounds fp32 -> fp8 without carrying into the exponent "
+                    "(124.3 -> 64 in e4m3); fp8 stores are checked on a GPU")
+    fmax = torch.finfo(dtype).max
+    kq = (k.float() / (k_scale or 1.0)).clamp(-fmax, fmax).to(dtype)
+    vq = (v.float() / (v_scale or 1.0)).clamp(-fmax, fmax).to(dtype)
+    _ulp_close(k_buf[loc].cpu(), kq.cpu(), dtype)
+    _ulp_close(v_buf[loc].cpu(), vq.cpu(), dtype)
+    untouched = torch.ones(size, dtype=torch.bool)
+    untouched[loc.cpu()] = False
+    assert not k_buf.cpu()[untouched].float().any() and not v_buf.cpu()[untouched].float().any()
+    if dtype in FP8:   # round trip: dequantized values within the format's quantization error
+        rt = k_buf[loc].float() * k_scale
+        rel = 2.0 ** -(3 if dtype == torch.float8_e4m3fn else 2)
+        assert torch.allclose(rt.cpu(), k.float().cpu().clamp(-fmax * k_scale, fmax * k_scale),
+                              rtol=rel, atol=2.0 ** -6 * k_scale)
+
+
+def test_store_kv_empty_and_fp8_clamp():
+    k_buf = torch.zeros(4, 1, 16, dtype=torch.float32, device=DEV)
+    e = torch.empty(0, 1, 16, device=DEV)
+    store_kv(k_buf, k_buf.clone(), torch.empty(0, dtype=torch.int64, device=DEV), e, e)
+    if not FP8:
+        pytest.skip("this torch has no float8 dtypes")
+    f8 = FP8[0]
+    kb = torch.zeros(4, 1, 16, dtype=f8, device=DEV)
+    x = torch.full((1, 1, 16), 1e6, device=DEV)
+    store_kv(kb, kb.clone(), torch.tensor([2], device=DEV), x, -x)
+    assert torch.equal(kb[2].float().cpu(), torch.full((1, 16), torch.finfo(f8).max))
+
+
+def test_decode_reads_fp8_with_scales():
+    if not FP8:
+        pytest.skip("this torch has no float8 dtypes")
+    c = Case([13, 21], [1, 1], window=None, seed=21)
+    kb = (c.k_buf.float() / 0.25).to(FP8[0])
+    vb = (c.v_buf.float() / 0.5).to(FP8[0])
+    c.keys = [kb.float().cpu()[s] * 0.25 for s in c.slots]
+    c.values = [vb.float().cpu()[s] * 0.5 for s in c.slots]
+    out = torch.empty(2, c.h, c.dv, device=DEV)
+    q_pos = torch.tensor([12, 20], dtype=torch.int64, device=DEV)
+    decode_attention(c.q, kb, vb, c.kv_indptr, c.kv_indices, c.kv_pos0, q_pos, out, c.scaling,
+                     None, 0.0, None, 0.25, 0.5)
+    _close(out, c.ref(), torch.float32)
+
+
+# --------------------------------------------------------------------------- index
+def test_fill_kv_indices():
+    g = torch.Generator().manual_seed(30)
+    req_to_token = torch.randint(1, 1000, (5, 50), generator=g).to(DEV)
+    rows = torch.tensor([3, 0, 4], device=DEV)
+    pos0 = torch.tensor([0, 7, 20], dtype=torch.int64, device=DEV)
+    lens = [33, 0, 30]
+    indptr = _indptr(lens)
+    out = torch.full((70,), -1, dtype=torch.int64, device=DEV)
+    fill_kv_indices(req_to_token, rows, pos0, indptr, out)
+    want = torch.cat([req_to_token[3, 0:33], req_to_token[4, 20:50]])
+    assert torch.equal(out[:63], want)
+    assert (out[63:] == -1).all()
