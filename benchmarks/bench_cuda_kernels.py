@@ -118,7 +118,7 @@ def bench_store(copy_bw, sweep):
 class DecodeSetup:
     """R disjoint KV sets of `bs` requests with `ctx` keys each (last `window` only when given)."""
 
-    def __init__(self, bs, ctx, window=None, dense=True):
+    def __init__(self, bs, ctx, window=None, dense=True, scatter=False):
         list_len = min(ctx, window) if window else ctx
         self.bytes = bs * list_len * KVH * 2 * D * 2
         self.reps = max(1, min(32, math.ceil(L2_BYTES / self.bytes)))
@@ -137,6 +137,9 @@ class DecodeSetup:
         j = torch.arange(ctx - list_len, ctx, device=DEV)
         self.indices = [(1 + order[r * bs:(r + 1) * bs, None] * ctx + j[None]).reshape(-1)
                         for r in range(self.reps)]
+        if scatter:   # page size 1 after heavy churn: every token at a random slot
+            perm = torch.randperm(slots - 1, device=DEV) + 1
+            self.indices = [perm[ix - 1] for ix in self.indices]
         self.dense = None
         if dense:   # the same K/V gathered dense for SDPA: [bs, KVH, len, D]
             self.dense = [(self.k_buf[ix].view(bs, list_len, KVH, D).transpose(1, 2).contiguous(),
@@ -173,11 +176,12 @@ SWEEP = [DecodeConfig(block_n=bn, mid_block_n=bn, num_warps=4, num_stages=st, ct
 
 def bench_decode(copy_bw, sweep):
     rows = []
-    cases = [(b, c, None) for c in (4096, 32768) for b in (1, 16, 64, 256)] + [(1, 32768, 128), (256, 32768, 128)]
-    for bs, ctx, window in cases:
-        s = DecodeSetup(bs, ctx, window)
+    cases = ([(b, c, None, False) for c in (4096, 32768) for b in (1, 16, 64, 256)]
+             + [(1, 32768, 128, False), (256, 32768, 128, False), (64, 4096, None, True)])
+    for bs, ctx, window, scatter in cases:
+        s = DecodeSetup(bs, ctx, window, scatter=scatter)
         us, splits = s.time()
-        row = dict(batch=bs, context=ctx, window=window, keys=s.list_len, splits=splits, us=us,
+        row = dict(batch=bs, context=ctx, window=window, scatter=scatter, keys=s.list_len, splits=splits, us=us,
                    frac_copy_bw=s.bytes / (us * 1e-6) / copy_bw, sdpa_us=s.time_sdpa())
         if sweep:
             res = sorted((s.time(cfg)[0], repr(cfg)) for cfg in SWEEP)
@@ -274,11 +278,13 @@ def table(copy_bw, store, decode):
     lines = [f"copy bandwidth (4 GiB D2D, read+write): {copy_bw / 1e12:.3f} TB/s", "",
              "| store_kv, 36 layers | us (graph) | % of copy BW | best us (sweep) |", "| --- | --- | --- | --- |"]
     for r in store:
-        lines.append(f"| {r['tokens']} tokens | {r['us_36_layers']:.1f} | {r['pct_copy_bw']:.1f} | {r['best_us']:.1f} |")
+        lines.append(f"| {r['tokens']} tokens | {r['us_36_layers']:.1f} | {r['pct_copy_bw']:.1f} "
+                     f"| {r['best_us']:.1f} |")
     lines += ["", "| decode (H=64 KVH=8 D=64 bf16 sinks) | keys | splits | us (graph) | frac of copy BW "
               "| SDPA dense us | best us (sweep) |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in decode:
-        name = f"{r['batch']} x {r['context']}" + (f" SWA W={r['window']}" if r["window"] else "")
+        name = (f"{r['batch']} x {r['context']}" + (f" SWA W={r['window']}" if r["window"] else "")
+                + (" random slots" if r["scatter"] else ""))
         lines.append(f"| {name} | {r['keys']} | {r['splits']} | {r['us']:.1f} | {r['frac_copy_bw']:.3f} "
                      f"| {fmt(r['sdpa_us'], '.1f')} | {fmt(r.get('best_us', '-'), '.1f')} |")
     return "\n".join(lines)

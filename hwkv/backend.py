@@ -178,6 +178,7 @@ class AttentionBackend:
         full_pos0.zero_()
         fill_list(rtt, batch.req_pool_indices, seq, full_pos0, st.full_indptr[:bs + 1], st.full_indices)
         full = KVIndexList(st.full_indptr[:bs + 1], st.full_indices, full_pos0, None, self.graph_max_context_len)
+        max_q = 1 if batch.forward_mode.is_decode() else n  # static bounds: no sync on the replay path
         windows = {}
         for w in self.windows:
             pos0 = st.win_pos0[w][:bs]
@@ -187,9 +188,9 @@ class AttentionBackend:
             if self.hybrid:
                 self._translate_window(target, out=st.win_indices[w])
             windows[w] = KVIndexList(st.win_indptr[w][:bs + 1], st.win_indices[w], pos0, w,
-                                     min(self.graph_max_context_len, w + n - 1), self.hybrid)
-        md = ForwardMetadata(write_loc, swa, qo_indptr, q_pos0, full, windows, n if not
-                             batch.forward_mode.is_decode() else 1, bs, batch.forward_mode.is_decode())
+                                     min(self.graph_max_context_len, w + max_q - 1), self.hybrid)
+        md = ForwardMetadata(write_loc, swa, qo_indptr, q_pos0, full, windows, max_q, bs,
+                             batch.forward_mode.is_decode())
         self.init_kernel_metadata(md, batch, graph=True)
         self.forward_metadata = md
         return md

@@ -29,7 +29,8 @@ class EnvVar(Generic[T]):
 HWKV_DEVICE: EnvVar[str] = EnvVar("HWKV_DEVICE", str, "", "Force the device plugin by name (error if unavailable).")
 HWKV_DEBUG: EnvVar[bool] = EnvVar(
     "HWKV_DEBUG", _flag, False,
-    "Extra checks off the hot path: an in-window token translating to SWA slot 0 raises EvictedSlotError.")
+    "Extra checks that cost host syncs on accelerators: loc range checks in the pool, "
+    "and an in-window token translating to SWA slot 0 raises EvictedSlotError.")
 
 ALL = (HWKV_DEVICE, HWKV_DEBUG)
 

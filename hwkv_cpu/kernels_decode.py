@@ -1,10 +1,15 @@
 """Decode attention in vectorized torch, and the chunk step extend reuses.
 
-Keys are read a chunk at a time: `index_select` copies the chunk's rows from the pool into a
-scratch buffer that stays in cache (upcast there to the compute dtype), one `bmm` per chunk
-scores all query rows of a KV head group against it (q viewed as [KVH, rows, D], K never
+Keys are read a chunk at a time: `index_select` copies the chunk's pool rows ([KVH * D] each)
+into a scratch buffer that stays in cache (upcast there to the compute dtype), one `bmm`
+scores the query rows of every KV head against it (q viewed as [.., KVH, group, D], K never
 repeated), and an online softmax (running max m, running sum l, accumulator acc) folds the
-chunk in. Scratch buffers live in a per-thread workspace, so chunks allocate nothing.
+chunk in. Decode runs all requests through each step together: the gather takes the chunk's
+keys of every request in (key, request) order, so one strided view gives the [request * KVH,
+key, D] batch that `bmm` wants, and one step costs the same ~10 torch ops for any batch size
+(few large ops instead of many small ones: each op is one parallel region, and on a busy CPU
+each region can wait a scheduler slice for its threads). Scratch lives in a per-thread
+workspace, so steps allocate nothing.
 
 Folded constants: the softmax scale and k_scale multiply q once (divided by the cap when
 soft-capping: s = cap * tanh(q.k * scale / cap)); v_scale multiplies the output once. Sinks
@@ -14,15 +19,15 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from hwkv.window import first_visible
 
 NEG_BIG = -1.0e30  # finite floor of the running max: exp(m_old - m_new) never sees inf - inf
-SORT_SLOTS = True
-DECODE_CHUNK = 1024  # keys per chunk: K+V scratch of 2 x 1024 x KVH x D fp32 stays in L2/L3
+DECODE_KEYS = 4096  # key rows gathered per step over all requests (K+V scratch: 2 x 4096 x KVH x D)
+MIN_CHUNK = 16
 
 
 class Workspace:
@@ -80,25 +85,23 @@ def chunks(lo: int, hi: int, size: int):
 
 
 class Gather:
-    """Copies K/V rows of the pool into scratch, upcast to the compute dtype.
+    """Copies pool rows [KVH * D] of a list of slots into scratch, upcast to the compute dtype.
 
-    The pool is read as 2-D [S, KVH * D] rows: index_select copies whole rows (measured ~20%
-    faster than on the 3-D view).
+    The pool is read as 2-D rows: index_select then copies whole rows (measured ~20% faster
+    than on the 3-D view).
     """
 
-    def __init__(self, k_buf: torch.Tensor, v_buf: torch.Tensor, cdt: torch.dtype, chunk: int, ws: Workspace):
-        kvh, d, dv = k_buf.shape[1], k_buf.shape[2], v_buf.shape[2]
-        self.shapes = ((kvh, d), (kvh, dv))
+    def __init__(self, k_buf: torch.Tensor, v_buf: torch.Tensor, cdt: torch.dtype, rows: int, ws: Workspace):
         self.k_rows, self.v_rows = k_buf.view(k_buf.shape[0], -1), v_buf.view(v_buf.shape[0], -1)
-        self.k = ws.take("k", (chunk, kvh * d), cdt)
-        self.v = ws.take("v", (chunk, kvh * dv), cdt)
+        self.k = ws.take("k", (rows, self.k_rows.shape[1]), cdt)
+        self.v = ws.take("v", (rows, self.v_rows.shape[1]), cdt)
         self.upcast = k_buf.dtype != cdt
         if self.upcast:
-            self.k_raw = ws.take("k_raw", (chunk, kvh * d), k_buf.dtype)
-            self.v_raw = ws.take("v_raw", (chunk, kvh * dv), v_buf.dtype)
+            self.k_raw = ws.take("k_raw", tuple(self.k.shape), k_buf.dtype)
+            self.v_raw = ws.take("v_raw", tuple(self.v.shape), v_buf.dtype)
 
     def __call__(self, slots: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """K [n, KVH, D] and V [n, KVH, Dv] of the n slots, in scratch (valid until the next call)."""
+        """K rows [n, KVH * D] and V rows [n, KVH * Dv] (scratch: valid until the next call)."""
         n = slots.numel()
         k, v = self.k[:n], self.v[:n]
         if self.upcast:
@@ -107,23 +110,36 @@ class Gather:
         else:
             torch.index_select(self.k_rows, 0, slots, out=k)
             torch.index_select(self.v_rows, 0, slots, out=v)
-        return k.view(n, *self.shapes[0]), v.view(n, *self.shapes[1])
+        return k, v
+
+
+def heads_view(rows: torch.Tensor, keys: int, reqs: int, kvh: int) -> torch.Tensor:
+    """Gathered rows in (key, request) order [keys * reqs, KVH * D] as [reqs * KVH, keys, D].
+
+    A strided view, no copy: batch i = request * KVH + head sits at offset i * D, key j at
+    j * reqs * KVH * D, which `bmm` takes as a leading dimension.
+    """
+    return rows.view(keys, reqs * kvh, -1).transpose(0, 1)
 
 
 class OnlineSoftmax:
-    """Running (m, l, acc) of `rows` query rows per KV head; `step` folds in one key chunk."""
+    """Running (m, l, acc) of [batch, rows] query rows; `step` folds in one key chunk.
 
-    def __init__(self, kvh: int, rows: int, dv: int, p: Params, ws: Workspace, tag: str = ""):
-        self.p, self.ws, self.tag = p, ws, tag
-        self.m = ws.take(tag + "m", (kvh, rows, 1), torch.float32)
-        self.m_new = ws.take(tag + "m_new", (kvh, rows, 1), torch.float32)
-        self.alpha = ws.take(tag + "alpha", (kvh, rows, 1), torch.float32)
-        self.l = ws.take(tag + "l", (kvh, rows, 1), torch.float32)
-        self.acc = ws.take(tag + "acc", (kvh, rows, dv), torch.float32)
+    A step may cover only a leading part of the batch (requests whose keys ran out drop off
+    the end); state rows past it keep their values.
+    """
+
+    def __init__(self, batch: int, rows: int, dv: int, p: Params, ws: Workspace, tag: str = ""):
+        self.p, self.ws = p, ws
+        self.m = ws.take(tag + "m", (batch, rows, 1), torch.float32)
+        self.m_new = ws.take(tag + "m_new", (batch, rows, 1), torch.float32)
+        self.alpha = ws.take(tag + "alpha", (batch, rows, 1), torch.float32)
+        self.l = ws.take(tag + "l", (batch, rows, 1), torch.float32)
+        self.acc = ws.take(tag + "acc", (batch, rows, dv), torch.float32)
         self.fresh = True
 
     def reset(self, sinks: Optional[torch.Tensor]) -> None:
-        """sinks: None, or the sink logit of every row, broadcastable to [KVH, rows, 1]."""
+        """sinks: None, or the sink logit of every row, broadcastable to [batch, rows, 1]."""
         self.fresh = sinks is None
         if sinks is not None:
             self.m.copy_(sinks)
@@ -131,57 +147,57 @@ class OnlineSoftmax:
             self.acc.zero_()
 
     def step(self, qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             hide: Optional[torch.Tensor] = None) -> None:
-        """qg [KVH, rows, D] (pre-scaled), k [n, KVH, D], v [n, KVH, Dv] in the compute dtype.
+             mask: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+        """qg [b, rows, D] (pre-scaled), k [b, n, D], v [b, n, Dv] in the compute dtype, b <= batch.
 
-        hide: None or bool [q, 1, n] with rows = q * group: True masks that key for that query.
+        mask: None, or a function that sets the invisible scores of s [b, rows, n] to -inf.
+        The first step of a fresh state must cover the whole batch.
         """
-        kvh, rows, _ = qg.shape
-        n, p, ws = k.shape[0], self.p, self.ws
-        s = ws.take("s", (kvh, rows, n), torch.float32)
+        b, rows, _ = qg.shape
+        n, p, ws = k.shape[1], self.p, self.ws
+        m, l, acc = self.m[:b], self.l[:b], self.acc[:b]
+        s = ws.take("s", (b, rows, n), torch.float32)
         if p.cdt == torch.float32:
-            torch.bmm(qg, k.permute(1, 2, 0), out=s)
+            torch.bmm(qg, k.transpose(1, 2), out=s)
         else:
-            s.copy_(torch.bmm(qg, k.permute(1, 2, 0), out=ws.take("s_c", (kvh, rows, n), p.cdt)))
+            s.copy_(torch.bmm(qg, k.transpose(1, 2), out=ws.take("s_c", (b, rows, n), p.cdt)))
         if p.cap:
             s.tanh_().mul_(p.cap)
-        if hide is not None:
-            s.view(kvh, hide.shape[0], -1, n).masked_fill_(hide, float("-inf"))
+        if mask is not None:
+            mask(s)
         if self.fresh:  # first chunk, no sinks: nothing to rescale
-            torch.amax(s, -1, keepdim=True, out=self.m).clamp_min_(NEG_BIG)
-            s.sub_(self.m).exp_()
-            torch.sum(s, -1, keepdim=True, out=self.l)
-            self._pv(s, v, add=False)
+            torch.amax(s, -1, keepdim=True, out=m).clamp_min_(NEG_BIG)
+            s.sub_(m).exp_()
+            torch.sum(s, -1, keepdim=True, out=l)
+            self._pv(s, v, acc, add=False)
             self.fresh = False
             return
-        m_new = torch.amax(s, -1, keepdim=True, out=self.m_new)
-        torch.maximum(m_new, self.m, out=m_new)
-        torch.sub(self.m, m_new, out=self.alpha).exp_()
+        m_new = torch.amax(s, -1, keepdim=True, out=self.m_new[:b])
+        torch.maximum(m_new, m, out=m_new)
+        alpha = torch.sub(m, m_new, out=self.alpha[:b]).exp_()
         s.sub_(m_new).exp_()
-        self.l.mul_(self.alpha).add_(s.sum(-1, keepdim=True))
-        self.acc.mul_(self.alpha)
-        self._pv(s, v, add=True)
-        self.m.copy_(m_new)
+        l.mul_(alpha).add_(s.sum(-1, keepdim=True))
+        acc.mul_(alpha)
+        self._pv(s, v, acc, add=True)
+        m.copy_(m_new)
 
-    def _pv(self, s: torch.Tensor, v: torch.Tensor, add: bool) -> None:
+    def _pv(self, s: torch.Tensor, v: torch.Tensor, acc: torch.Tensor, add: bool) -> None:
         """acc (+)= s @ V."""
-        vt = v.permute(1, 0, 2)
         if self.p.cdt == torch.float32:
             if add:
-                self.acc.baddbmm_(s, vt)
+                acc.baddbmm_(s, v)
             else:
-                torch.bmm(s, vt, out=self.acc)
+                torch.bmm(s, v, out=acc)
             return
-        kvh, rows, n = s.shape
-        pc = self.ws.take("p_c", (kvh, rows, n), self.p.cdt).copy_(s)
-        part = torch.bmm(pc, vt, out=self.ws.take("pv_c", self.acc.shape, self.p.cdt))
+        pc = self.ws.take("p_c", tuple(s.shape), self.p.cdt).copy_(s)
+        part = torch.bmm(pc, v, out=self.ws.take("pv_c", tuple(acc.shape), self.p.cdt))
         if add:
-            self.acc.add_(part)
+            acc.add_(part)
         else:
-            self.acc.copy_(part)
+            acc.copy_(part)
 
     def result(self) -> torch.Tensor:
-        """acc / l * v_scale (fp32 [KVH, rows, Dv]); rows that saw no key give 0."""
+        """acc / l * v_scale (fp32 [batch, rows, Dv]); rows that saw no key give 0."""
         if self.fresh:  # no chunk and no sinks
             return self.acc.zero_()
         self.acc.div_(self.l.clamp_min_(1e-30))
@@ -190,26 +206,55 @@ class OnlineSoftmax:
         return self.acc
 
 
+def _slot_table(indices: torch.Tensor, starts: List[int], lens: List[int]) -> torch.Tensor:
+    """[max_len, reqs]: column r = slots indices[starts[r]:starts[r] + lens[r]] in ascending
+    order, then slot 0. One query sees all of its request's keys, so their order is free, and
+    ascending slots turn the gather's scattered row reads into forward sweeps."""
+    width = lens[0]
+    cols = torch.arange(width)
+    pick = (torch.tensor(starts)[:, None] + cols[None, :]).clamp_(max=max(indices.numel() - 1, 0))
+    pad = cols[None, :] >= torch.tensor(lens)[:, None]
+    table = torch.sort(indices[pick].masked_fill_(pad, torch.iinfo(torch.int64).max), dim=1).values
+    return table.masked_fill_(pad, 0).t().contiguous()
+
+
 def decode_torch(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indptr: list, indices: torch.Tensor,
                  pos0: list, q_pos: list, out: torch.Tensor, p: Params, sinks: Optional[torch.Tensor],
-                 chunk: int = DECODE_CHUNK) -> None:
+                 keys_per_step: int = DECODE_KEYS) -> None:
     """out[b] = attention of q[b] over the visible part of request b's list (see `decode_attention`)."""
     bs, h, d = q.shape
     kvh, dv = k_buf.shape[1], v_buf.shape[2]
     g = h // kvh
+    spans = [key_range(indptr[b + 1] - indptr[b], pos0[b], q_pos[b], q_pos[b], p.window) for b in range(bs)]
+    order = sorted(range(bs), key=lambda b: spans[b][0] - spans[b][1])  # longest first
+    lens = [spans[b][1] - spans[b][0] for b in order]
+    live = sum(1 for n in lens if n > 0)
+    if live < bs:
+        out[torch.tensor(order[live:])] = 0
+    if live == 0:
+        return
+    order, lens = order[:live], lens[:live]
+    table = _slot_table(indices, [indptr[b] + spans[b][0] for b in order], lens)
+    rank = torch.tensor(order)
     ws = workspace()
-    qs = ws.take("q", (bs, kvh, g, d), p.cdt)
-    qs.copy_(q.view(bs, kvh, g, d)).mul_(p.qk_scale)
-    gather = Gather(k_buf, v_buf, p.cdt, chunk, ws)
-    state = OnlineSoftmax(kvh, g, dv, p, ws)
-    sink_rows = None if sinks is None else sinks.view(kvh, g, 1)
-    for b in range(bs):
-        lo, hi = key_range(indptr[b + 1] - indptr[b], pos0[b], q_pos[b], q_pos[b], p.window)
-        # One query sees every key in [lo, hi), so key order is free: ascending slots turn the
-        # gather's scattered row reads into a forward sweep (measured ~1.8x faster gathers).
-        slots = torch.sort(indices[indptr[b] + lo: indptr[b] + hi]).values if SORT_SLOTS else \
-            indices[indptr[b] + lo: indptr[b] + hi]
-        state.reset(sink_rows)
-        for c0, c1 in chunks(0, hi - lo, chunk):
-            state.step(qs[b], *gather(slots[c0:c1]))
-        out[b].view(kvh, g, dv).copy_(state.result())
+    qs = ws.take("q", (live, kvh, g, d), p.cdt)
+    qs.copy_(q.index_select(0, rank).view(live, kvh, g, d)).mul_(p.qk_scale)
+    chunk = max(MIN_CHUNK, keys_per_step // live)
+    gather = Gather(k_buf, v_buf, p.cdt, chunk * live, ws)
+    state = OnlineSoftmax(live * kvh, g, dv, p, ws)
+    state.reset(None if sinks is None else sinks.view(1, kvh, g, 1).expand(live, kvh, g, 1).reshape(-1, g, 1))
+    n_keys = torch.tensor(lens)
+    active = live
+    for c0 in range(0, lens[0], chunk):
+        c1 = min(c0 + chunk, lens[0])
+        while lens[active - 1] <= c0:
+            active -= 1
+        n = c1 - c0
+        k, v = gather(table[c0:c1, :active].reshape(-1))
+        mask = None
+        if lens[active - 1] < c1:  # the shortest active request ends inside this chunk
+            hide = (torch.arange(c0, c1)[None, :] >= n_keys[:active, None]).view(active, 1, 1, n)
+            mask = lambda s, hide=hide, a=active: s.view(a, kvh, g, -1).masked_fill_(hide, float("-inf"))  # noqa: E731
+        state.step(qs[:active].view(active * kvh, g, d), heads_view(k, n, active, kvh),
+                   heads_view(v, n, active, kvh), mask)
+    out.index_copy_(0, rank, state.result().view(live, h, dv).to(out.dtype))

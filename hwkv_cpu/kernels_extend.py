@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from hwkv_cpu.kernels_decode import Gather, OnlineSoftmax, Params, chunks, key_range, workspace
+from hwkv_cpu.kernels_decode import Gather, OnlineSoftmax, Params, chunks, heads_view, key_range, workspace
 
 EXTEND_CHUNK = 512  # keys per chunk
 EXTEND_ROWS = 2048  # query rows (queries x heads) per block: the fp32 score tile is rows x chunk
@@ -51,9 +51,11 @@ def extend_torch(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indp
             lo, hi = key_range(n, pos0[b], qa, qa + nq - 1, p.window)
             all_lo, all_hi = key_range(n, pos0[b], qa + nq - 1, qa, p.window)  # seen by every query
             for c0, c1 in chunks(lo, hi, chunk):
-                hide = None
+                mask = None
                 if c0 < all_lo or c1 > all_hi:
                     hide = _hidden(qa, nq, pos0[b] + c0, c1 - c0, p.window)
-                state.step(qg, *gather(slots[c0:c1]), hide=hide)
+                    mask = lambda s, hide=hide, nq=nq: s.view(kvh, nq, g, -1).masked_fill_(hide, float("-inf"))  # noqa: E731
+                k, v = gather(slots[c0:c1])
+                state.step(qg, heads_view(k, c1 - c0, 1, kvh), heads_view(v, c1 - c0, 1, kvh), mask)
             res = state.result().view(kvh, nq, g, dv).permute(1, 0, 2, 3)
             out[a:e].view(nq, kvh, g, dv).copy_(res)

@@ -93,7 +93,8 @@ def _sinks(h, seed=1):
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks of a few keys, so that every test crosses chunk and query-block borders."""
-    monkeypatch.setattr(kernels_decode.decode_torch, "__defaults__", (5,))
+    monkeypatch.setattr(kernels_decode.decode_torch, "__defaults__", (10,))
+    monkeypatch.setattr(kernels_decode, "MIN_CHUNK", 3)
     monkeypatch.setattr(kernels_extend.extend_torch, "__defaults__", (4, 12))
 
 

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from hwkv.errors import ShapeError
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: keeps exp2(m_old - m_new) free of NaN
 
 FP8_MAX = {d: float(torch.finfo(d).max)
@@ -97,4 +97,4 @@ def logits_log2(qk, qk_scale, cap, HAS_CAP: tl.constexpr):
     s = qk * qk_scale
     if HAS_CAP:
         s = soft_cap(s, cap)
-    return s * 1.4426950408889634
+    return s * LOG2E

@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from hwkv.errors import ShapeError
-from hwkv_cuda.kernels.common import (NEG_BIG, as_scale, check_dims, check_same_device, dot,
-                                      dot_in_fp32, interpreting, logits_log2, pow2)
+from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, check_dims, check_same_device,
+                                      dot, dot_in_fp32, interpreting, logits_log2, pow2)
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def _extend_kernel(
         m = m_new
 
     if HAS_SINKS:
-        sink = tl.load(sinks + h).to(tl.float32) * 1.4426950408889634
+        sink = tl.load(sinks + h).to(tl.float32) * LOG2E
         m_fin = tl.maximum(m, sink)
         l_sum = l_sum * tl.exp2(m - m_fin) + tl.exp2(sink - m_fin)
         acc = acc * tl.exp2(m - m_fin)[:, None]

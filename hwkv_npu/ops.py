@@ -1,0 +1,279 @@
+"""Kernels of the Ascend NPU backend: torch_npu ops where verified, device-agnostic torch otherwise.
+
+torch_npu is imported lazily (first use), never at import time.
+
+Verified vendor APIs (argument names, layouts, constraints):
+- `torch_npu._npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices)`: ATB
+  ReshapeAndCache, schema registered in Ascend/op-plugin (`atb::_npu_reshape_and_cache`); caches
+  ND [num_blocks, block_size, KVH, D], fp16/bf16/int8, slot_indices int32 (as vllm-ascend and
+  SGLang's NPU pool call it).
+- `torch.ops.npu.npu_fused_infer_attention_score` (Ascend/op-plugin
+  docs/context/torch_npu-npu_fused_infer_attention_score.md): page attention needs `block_table`
+  int32 [B, max_blocks], `block_size`, a host `actual_seq_lengths_kv` list and caches viewed as
+  [blocks, block_size, KVH * D] for BSH/BSND layouts; fp16/bf16 only; no sinks and no soft-cap
+  argument; `pre_tokens`/`next_tokens`/`sparse_mode` are ignored when Q_S == 1 (decode), which is
+  why decode windows are trimmed by the index list plus a [B, 1, 1, KV_S] bool mask (True =
+  masked) for the keys before the window on its first page; Q_S > 1 page attention needs
+  block_size a multiple of 128 in [128, 512] and sparse_mode=3 with a 2048x2048 upper-triangular
+  mask for bottom-right causal masking. Host length lists make it unsuitable for graph replay
+  without torch_npu's task-update machinery, so graphs use the torch kernel below.
+
+`torch_attention` is plain torch over the paged pool (runs on any device, static shapes from the
+host bounds it is given, so it can be captured in a graph): the fallback for every feature
+combination the fused op lacks (sinks, soft-cap, fp32/fp8 pools, K/V scales, windowed extend).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+import torch
+
+from hwkv import ops as core_ops
+
+NEG_BIG = -1.0e30  # finite running-max floor: exp(m_old - m_new) never sees inf - inf
+SCORE_BUDGET = 1 << 25  # fp32 score elements per torch_attention step (128 MiB)
+KV_CHUNK = 1024
+FIA_DTYPES = (torch.float16, torch.bfloat16)
+FIA_MASK_SIZE = 2048  # sparse_mode 2/3/4 take a compressed 2048 x 2048 causal mask
+FIA_REQUIRED_ARGS = ("block_table", "block_size", "actual_seq_lengths", "actual_seq_lengths_kv",
+                     "num_heads", "num_key_value_heads", "input_layout", "atten_mask", "sparse_mode")
+
+
+def _torch_npu() -> Any:
+    import torch_npu  # noqa: F401  (registers torch.npu and torch.ops.npu)
+
+    return torch_npu
+
+
+# ---- store -----------------------------------------------------------------------------------
+
+def _cache_block(rows: int) -> int:
+    """A block size dividing the pool's rows (ND layout: the slot addresses are the same for any)."""
+    for b in (128, 64, 32, 16):
+        if rows % b == 0:
+            return b
+    return 0
+
+
+def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             k_scale: Optional[float] = None, v_scale: Optional[float] = None) -> None:
+    """k_buf[loc] = k / k_scale (cast), same for v: ATB reshape-and-cache for fp16/bf16 pools,
+    hwkv's torch store otherwise. The caller's k and v are never modified."""
+    block = _cache_block(k_buf.shape[0])
+    if (k_buf.dtype not in FIA_DTYPES or v_buf.dtype != k_buf.dtype or not block
+            or not (k_buf.is_contiguous() and v_buf.is_contiguous())):
+        core_ops.store_kv_torch(k_buf, v_buf, loc, k, v, k_scale, v_scale)
+        return
+    kq = core_ops.quantize(k, k_buf.dtype, k_scale).contiguous()
+    vq = core_ops.quantize(v, v_buf.dtype, v_scale).contiguous()
+    _torch_npu()._npu_reshape_and_cache(
+        key=kq, value=vq, key_cache=k_buf.view(-1, block, *k_buf.shape[1:]),
+        value_cache=v_buf.view(-1, block, *v_buf.shape[1:]), slot_indices=loc.to(torch.int32))
+
+
+# ---- CSR list -> page table (no host sync) -----------------------------------------------------
+
+def block_table_from_csr(indptr: torch.Tensor, indices: torch.Tensor, pos0: torch.Tensor, page_size: int,
+                         max_pages: int) -> torch.Tensor:
+    """int32 [bs, max_pages]: entry i of request b is the page (slot // page_size) holding positions
+    a_b + i * P .. a_b + (i + 1) * P - 1, where a_b is pos0[b] rounded down to a page; 0 past the list.
+
+    Valid because allocations keep a token's in-page offset equal to its position's (full and SWA
+    pools alike), so the listed slot of the first listed key of each page names its page.
+    """
+    bs = pos0.shape[0]
+    dev = indices.device
+    if bs == 0 or max_pages <= 0 or indices.numel() == 0:
+        return torch.zeros(bs, max(max_pages, 0), dtype=torch.int32, device=dev)
+    i64 = torch.int64
+    off = pos0.to(i64) % page_size
+    j = (torch.arange(max_pages, device=dev, dtype=i64)[None, :] * page_size - off[:, None]).clamp_(min=0)
+    start = indptr[:-1].to(i64)
+    valid = j < (indptr[1:].to(i64) - start)[:, None]
+    flat = (start[:, None] + j).clamp_(max=indices.numel() - 1)
+    pages = torch.div(indices[flat], page_size, rounding_mode="floor")
+    return torch.where(valid, pages, torch.zeros_like(pages)).to(torch.int32)
+
+
+# ---- fused infer attention --------------------------------------------------------------------
+
+@dataclass
+class FIAPlan:
+    """Per-forward inputs of npu_fused_infer_attention_score for one index list (built once)."""
+
+    block_table: torch.Tensor           # int32 [bs, max_pages]
+    kv_lens: List[int]                  # host: keys from the list's first page start to seq_len
+    block_size: int
+    mask: Optional[torch.Tensor] = None  # decode windows: bool [bs, 1, 1, max_pages * P], True = masked
+    q_lens: Optional[List[int]] = None   # extend: query rows per request (host)
+
+
+def fia_schema_reason() -> Optional[str]:
+    """None when this torch_npu's fused infer attention takes every argument hwkv passes."""
+    op = getattr(torch.ops.npu, "npu_fused_infer_attention_score", None)
+    if op is None:
+        return "torch.ops.npu has no npu_fused_infer_attention_score"
+    names = {a.name for a in op.default._schema.arguments}
+    missing = [n for n in FIA_REQUIRED_ARGS if n not in names]
+    if missing or not ({"scale", "scale_value"} & names):
+        return f"npu_fused_infer_attention_score lacks {missing or ['scale']}"
+    return None
+
+
+def _scale_kwarg() -> str:
+    names = {a.name for a in torch.ops.npu.npu_fused_infer_attention_score.default._schema.arguments}
+    return "scale" if "scale" in names else "scale_value"
+
+
+def _fia(q4: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, plan: FIAPlan, num_heads: int,
+         scaling: float, **extra: Any) -> torch.Tensor:
+    kvh, d, dv = k_buf.shape[1], k_buf.shape[2], v_buf.shape[2]
+    p = plan.block_size
+    kwargs = {_scale_kwarg(): float(scaling)}
+    out, _ = torch.ops.npu.npu_fused_infer_attention_score(
+        q4, k_buf.view(-1, p, kvh * d), v_buf.view(-1, p, kvh * dv), num_heads=num_heads,
+        num_key_value_heads=kvh, input_layout="BSND", block_table=plan.block_table, block_size=p,
+        actual_seq_lengths_kv=plan.kv_lens, **kwargs, **extra)
+    return out
+
+
+def fia_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, plan: FIAPlan, scaling: float,
+               out: torch.Tensor) -> None:
+    """out [B, H, Dv] for one query per request over the plan's pages (Q_S = 1, BSND)."""
+    bs, h, d = q.shape
+    res = _fia(q.contiguous().view(bs, 1, h, d), k_buf, v_buf, plan, h, scaling, atten_mask=plan.mask)
+    out.copy_(res.view(bs, h, -1))
+
+
+def fia_extend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, plan: FIAPlan, scaling: float,
+               rows: "TokenRows", causal_mask: torch.Tensor, out: torch.Tensor) -> None:
+    """out [T, H, Dv]: queries padded to [B, max_q, H, D], bottom-right causal (sparse_mode=3)."""
+    qpad = q.new_zeros(rows.batch_size, rows.max_q, q.shape[1], q.shape[2])
+    qpad[rows.req, rows.row] = q
+    res = _fia(qpad, k_buf, v_buf, plan, q.shape[1], scaling, atten_mask=causal_mask, sparse_mode=3,
+               actual_seq_lengths=plan.q_lens)
+    out.copy_(res[rows.req, rows.row])
+
+
+def fia_causal_mask(device: torch.device) -> torch.Tensor:
+    """The compressed 2048 x 2048 mask sparse_mode 3 takes: True above the diagonal (masked)."""
+    return torch.ones(FIA_MASK_SIZE, FIA_MASK_SIZE, dtype=torch.bool, device=device).triu_(1)
+
+
+# ---- device-agnostic torch attention ------------------------------------------------------------
+
+@dataclass
+class TokenRows:
+    """Query token t belongs to request req[t] as its row[t]-th new token (device tensors)."""
+
+    req: torch.Tensor
+    row: torch.Tensor
+    batch_size: int
+    max_q: int
+
+    @classmethod
+    def build(cls, qo_indptr: torch.Tensor, num_tokens: int, max_q: int) -> "TokenRows":
+        qo = qo_indptr.to(torch.int64)
+        bs = qo.shape[0] - 1
+        t = torch.arange(num_tokens, device=qo.device)
+        req = torch.searchsorted(qo[1:], t, right=True).clamp_(max=max(bs - 1, 0))
+        row = (t - qo[req]).clamp_(0, max(max_q - 1, 0))
+        return cls(req, row, bs, max(max_q, 1))
+
+
+def _scalar(x: Any) -> float:
+    if x is None:
+        return 1.0
+    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
+
+
+def torch_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
+                    kv_indices: torch.Tensor, kv_pos0: torch.Tensor, qo_indptr: torch.Tensor,
+                    q_pos0: torch.Tensor, out: torch.Tensor, max_q_len: int, max_kv_len: int,
+                    scaling: Optional[float], window: Optional[int], logit_cap: float = 0.0,
+                    sinks: Optional[torch.Tensor] = None, k_scale: Any = None, v_scale: Any = None) -> None:
+    """out[t] = softmax(scaling * q[t] . K^T) V over the keys of t's request visible to it.
+
+    The interface of docs/architecture.md (decode is the case qo_indptr = arange, max_q_len = 1).
+    max_q_len / max_kv_len are host upper bounds of any request's query rows / list length; they
+    fix every shape, so nothing here reads device values on the host. Window None/0: causal only;
+    logit_cap > 0: cap * tanh(s / cap); sinks [H]: one raw logit per head in the denominator.
+    """
+    t, h, d = q.shape
+    bs = kv_pos0.shape[0]
+    if t == 0 or bs == 0:
+        return
+    kvh, dv = k_buf.shape[1], v_buf.shape[2]
+    g = h // kvh
+    rows = TokenRows.build(qo_indptr, t, int(max_q_len))
+    cap = float(logit_cap or 0.0)
+    scale = (1.0 / math.sqrt(d) if scaling is None else float(scaling)) * _scalar(k_scale)
+    qs = torch.zeros(bs, rows.max_q, h, d, dtype=torch.float32, device=q.device)
+    qs[rows.req, rows.row] = q.float() * (scale / cap if cap else scale)
+    qs = qs.view(bs, rows.max_q, kvh, g, d).permute(0, 2, 1, 3, 4)  # [bs, KVH, Mq, G, D]
+    res = torch.empty(bs, kvh, rows.max_q, g, dv, dtype=torch.float32, device=q.device)
+    kv = _KeyLists(kv_indptr, kv_indices, kv_pos0, max(int(max_kv_len), 0), k_buf, v_buf)
+    step = max(1, SCORE_BUDGET // max(1, bs * h * min(KV_CHUNK, max(kv.max_len, 1))))
+    for i0 in range(0, rows.max_q, step):
+        i1 = min(rows.max_q, i0 + step)
+        qpos = q_pos0.to(torch.int64)[:, None] + torch.arange(i0, i1, device=q.device)[None, :]
+        res[:, :, i0:i1] = _attend_rows(qs[:, :, i0:i1], qpos, kv, window, cap, sinks, g)
+    res.mul_(_scalar(v_scale))
+    out.copy_(res.permute(0, 2, 1, 3, 4).reshape(bs, rows.max_q, h, dv)[rows.req, rows.row].to(out.dtype))
+
+
+class _KeyLists:
+    """The CSR key lists of a batch, gathered from the pool a chunk of list entries at a time."""
+
+    def __init__(self, indptr: torch.Tensor, indices: torch.Tensor, pos0: torch.Tensor, max_len: int,
+                 k_buf: torch.Tensor, v_buf: torch.Tensor) -> None:
+        self.start = indptr[:-1].to(torch.int64)
+        self.lens = indptr[1:].to(torch.int64) - self.start
+        self.indices, self.pos0, self.max_len = indices, pos0.to(torch.int64), max_len
+        self.k_buf, self.v_buf = k_buf, v_buf
+
+    def chunk(self, c0: int, c1: int):
+        """(K [bs, KVH, D, n] fp32, V [bs, KVH, n, Dv] fp32, valid [bs, n], key positions [bs, n])."""
+        j = torch.arange(c0, c1, device=self.indices.device)
+        valid = j[None, :] < self.lens[:, None]
+        flat = (self.start[:, None] + j[None, :]).clamp_(0, max(self.indices.numel() - 1, 0))
+        slots = torch.where(valid, self.indices[flat], torch.zeros_like(flat))
+        k = self.k_buf[slots].float().permute(0, 2, 3, 1)
+        v = self.v_buf[slots].float().permute(0, 2, 1, 3)
+        return k, v, valid, self.pos0[:, None] + j[None, :]
+
+
+def _attend_rows(qs: torch.Tensor, qpos: torch.Tensor, kv: _KeyLists, window: Optional[int], cap: float,
+                 sinks: Optional[torch.Tensor], g: int) -> torch.Tensor:
+    """Online softmax of query rows qs [bs, KVH, m, G, D] (pre-scaled) at positions qpos [bs, m]."""
+    bs, kvh, m, _, d = qs.shape
+    rows = qs.reshape(bs, kvh, m * g, d)
+    rpos = qpos.repeat_interleave(g, dim=1)[:, None, :, None]  # [bs, 1, m*G, 1]
+    dv = kv.v_buf.shape[2]
+    if sinks is None:
+        mx = torch.full((bs, kvh, m * g, 1), NEG_BIG, device=qs.device)
+        den = torch.zeros_like(mx)
+    else:
+        mx = sinks.float().view(1, kvh, 1, g, 1).expand(bs, kvh, m, g, 1).reshape(bs, kvh, m * g, 1).clone()
+        den = torch.ones_like(mx)
+    acc = torch.zeros(bs, kvh, m * g, dv, device=qs.device)
+    for c0 in range(0, kv.max_len, KV_CHUNK):
+        k, v, valid, kpos = kv.chunk(c0, min(kv.max_len, c0 + KV_CHUNK))
+        s = torch.matmul(rows, k)  # [bs, KVH, m*G, n]
+        if cap:
+            s = s.tanh_().mul_(cap)
+        kp = kpos[:, None, None, :]
+        vis = valid[:, None, None, :] & (kp <= rpos)
+        if window:
+            vis &= kp > rpos - window
+        s = s.masked_fill_(~vis, float("-inf"))
+        m_new = torch.maximum(mx, s.amax(-1, keepdim=True))
+        alpha = torch.exp(mx - m_new)
+        p = torch.exp(s - m_new)
+        den = den * alpha + p.sum(-1, keepdim=True)
+        acc = acc * alpha + torch.matmul(p, v)
+        mx = m_new
+    return (acc / den.clamp_min(1e-30)).view(bs, kvh, m, g, dv)
+
