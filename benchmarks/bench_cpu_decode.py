@@ -91,12 +91,14 @@ def decode_case(args, dtype: torch.dtype, label: str, with_naive: bool, with_fp3
 
 def extend_case(args) -> List[Tuple]:
     r, new, pre, h, kvh, d = args.ext_requests, args.ext_new, args.ext_prefix, args.heads, args.kv_heads, args.head_dim
+    label = args.ext_dtype
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[label]
     seq = pre + new
-    pool = Paged(r, seq, kvh, d, torch.float32, seed=2)
-    q = torch.randn(r * new, h, d, generator=torch.Generator().manual_seed(3))
+    pool = Paged(r, seq, kvh, d, dtype, seed=2)
+    q = torch.randn(r * new, h, d, generator=torch.Generator().manual_seed(3)).to(dtype)
     qo = torch.arange(0, r * new + 1, new, dtype=torch.int32)
     q_pos0 = torch.full((r,), pre, dtype=torch.int64)
-    out = torch.empty(r * new, h, d)
+    out = torch.empty(r * new, h, d, dtype=dtype)
     scale = 1.0 / math.sqrt(d)
     mask = torch.arange(seq)[None, :] <= (pre + torch.arange(new))[:, None]  # [new, seq]
     q_dense = q.view(r, new, h, d).transpose(1, 2)
@@ -111,11 +113,12 @@ def extend_case(args) -> List[Tuple]:
                                            enable_gqa=True)
         return o.transpose(1, 2).reshape(r * new, h, d)
 
-    err = (ours() - sdpa()).abs().max().item()
-    fns = {"hwkv paged (fp32 pool)": ours, "torch SDPA dense, causal mask (fp32)": sdpa}
+    err = (ours().float() - sdpa().float()).abs().max().item()
+    sdpa_name = f"torch SDPA dense, causal mask ({label})"
+    fns = {f"hwkv paged ({label} pool)": ours, sdpa_name: sdpa}
     times = interleaved(fns, max(3, args.repeats // 3))
-    ref = statistics.median(times["torch SDPA dense, causal mask (fp32)"])
-    case = f"extend {r} x {new} new over {pre} prefix, fp32"
+    ref = statistics.median(times[sdpa_name])
+    case = f"extend {r} x {new} new over {pre} prefix, {label}"
     return [(case, name, statistics.median(t), min(t), statistics.median(t) / ref, err if name.startswith("hwkv")
              else None) for name, t in times.items()]
 
@@ -144,11 +147,25 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--decode-keys", type=int, default=None,
                     help="override hwkv_cpu.kernels_decode.DECODE_KEYS (key rows per step)")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads first (default: torch's)")
+    ap.add_argument("--decode-mode", default=None, help="override hwkv_cpu.kernels_decode.DECODE_MODE")
+    ap.add_argument("--decode-layout", default=None, help="override hwkv_cpu.kernels_decode.DECODE_LAYOUT")
+    ap.add_argument("--compute", default=None, choices=["fp32", "bf16"], help="force the compute dtype of reduced pools")
+    ap.add_argument("--ext-dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--skip", default="", help="comma list of cases to skip: fp32,bf16,extend")
     ap.add_argument("--quick", action="store_true", help="small shapes and few repeats")
     args = ap.parse_args()
     if args.quick:
         args.batch, args.context, args.ext_requests, args.ext_new, args.ext_prefix, args.repeats = 2, 512, 1, 64, 128, 3
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.decode_layout:
+        kernels_decode.DECODE_LAYOUT = args.decode_layout
+    if args.compute:
+        forced = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.compute]
+        amx.compute_dtype = lambda buf_dtype: torch.float32 if buf_dtype == torch.float32 else forced
+    if args.decode_mode:
+        kernels_decode.DECODE_MODE = args.decode_mode
     if args.decode_keys:
         kernels_decode.decode_torch.__defaults__ = (args.decode_keys,)
     skip = set(filter(None, args.skip.split(",")))

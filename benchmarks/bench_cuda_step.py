@@ -18,7 +18,7 @@ from typing import Callable, Dict, List
 import torch
 
 from hwkv import ops
-from hwkv.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator
+from hwkv.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator, release_out_of_window
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.graph import EagerAdapter, GraphRunner
 from hwkv.layer import AttentionLayer
@@ -89,6 +89,7 @@ class Setup:
         for r in rows:
             loc = self.alloc.alloc_extend([0], [ctx - 1], [0], ctx - 1)
             self.rtt.write(r, 0, loc)
+            release_out_of_window(self.alloc, self.rtt.req_to_token[r], ctx - 1, 0, W)
         self.rows = torch.tensor(rows, dtype=torch.int64, device=dev)
 
     def decode_batch(self) -> ForwardBatch:
@@ -142,7 +143,7 @@ def decode_step_rows(dev: str, batches: List[int], ctx: int, backend_cls) -> Lis
     """A full decode step (write + attention, 36 layers), eager vs graph, and SDPA per full layer."""
     rows = []
     for bs in batches:
-        s = Setup(dev, bs, ctx, bs * ctx + 4096, bs * (W + 64) + 4096)
+        s = Setup(dev, bs, ctx, bs * ctx + 4096, ctx + bs * (W + 64) + 4096)
         be = backend_cls(s.pool, s.rtt, sliding_window=W)
         batch = s.decode_batch()
         inputs = {"q": torch.randn(bs, H, D, device=dev, dtype=torch.bfloat16),
@@ -164,6 +165,10 @@ def decode_step_rows(dev: str, batches: List[int], ctx: int, backend_cls) -> Lis
         runner = GraphRunner(be, step, [bs], {k: (tuple(v.shape[1:]), v.dtype) for k, v in inputs.items()}, adapter)
         runner.capture()
         us_graph = timeit(lambda: runner.run(batch, inputs), dev, iters=20)
+        cap = runner.graphs[bs]
+        us_replay = timeit(lambda: runner.adapter.replay(cap.graph), dev, iters=20)
+        static = runner._static_batch(bs)
+        us_refill = timeit(lambda: be.init_forward_metadata_graph(static), dev, iters=20)
         full = s.layers[1]
         be.init_forward_metadata(batch)
         md = be.forward_metadata
@@ -173,6 +178,7 @@ def decode_step_rows(dev: str, batches: List[int], ctx: int, backend_cls) -> Lis
         qd = inputs["q"].view(bs, H, 1, D)
         sdpa = timeit(lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True), dev)
         rows.append(dict(bench="decode-step", bs=bs, ctx=ctx, eager_us=round(us_eager, 1), graph_us=round(us_graph, 1),
+                         graph_replay_only_us=round(us_replay, 1), metadata_refill_us=round(us_refill, 1),
                          full_layer_eager_us=round(us_layer_eager, 1), sdpa_dense_full_layer_us=round(sdpa, 1)))
         del s, be, runner, kd, vd
         if dev == "cuda":
@@ -202,9 +208,11 @@ def main() -> None:
     print("| tokens | store | translate | mode | us | frac of copy bw |\n|---|---|---|---|---|---|")
     for r in res["kv_write"]:
         print(f"| {r['tokens']} | {r['store']} | {r['translate']} | {r['mode']} | {r['us']} | {r['frac_copy_bw']} |")
-    print("| bs | ctx | step eager us | step graph us | 1 full layer eager us | SDPA dense 1 layer us |\n|---|---|---|---|---|---|")
+    print("| bs | ctx | step eager us | step graph us (refill + replay) | replay only us | metadata refill us "
+          "| 1 full layer eager us | SDPA dense 1 layer us |\n|---|---|---|---|---|---|---|---|")
     for r in res["decode_step"]:
-        print(f"| {r['bs']} | {r['ctx']} | {r['eager_us']} | {r['graph_us']} | {r['full_layer_eager_us']} | "
+        print(f"| {r['bs']} | {r['ctx']} | {r['eager_us']} | {r['graph_us']} | {r['graph_replay_only_us']} | "
+              f"{r['metadata_refill_us']} | {r['full_layer_eager_us']} | "
               f"{r['sdpa_dense_full_layer_us']} |")
     if a.out:
         with open(a.out, "w") as f:

@@ -52,7 +52,6 @@ class AttentionBackend:
     """Template: metadata once per forward in the base class, kernels in the subclass."""
 
     name: ClassVar[str] = "base"
-    graph_adapter: ClassVar[str] = ""  # import string "module:Class" of the device's graph adapter
     Options: ClassVar[Type[BackendOptions]] = BackendOptions
 
     def __init__(self, pool: Any, req_to_token_pool: Any, **options: Any) -> None:
@@ -220,3 +219,26 @@ class AttentionBackend:
         else:
             self.forward_extend(q, layer, kv, md, out)
         return out
+
+
+class KernelSetBackend(AttentionBackend):
+    """A backend whose kernels follow the standard interface of docs/architecture.md.
+
+    Subclasses set `kernels` to an object with `decode_attention` and `extend_attention`.
+    """
+
+    kernels: ClassVar[Any] = None
+
+    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
+                       md: ForwardMetadata, out: torch.Tensor) -> None:
+        k_buf, v_buf = self.kv_buffers(layer)
+        self.kernels.decode_attention(q, k_buf, v_buf, kv.indptr, kv.indices, kv.pos0, md.q_pos0, out,
+                                      layer.scaling, layer.window, layer.logit_cap, layer.sinks,
+                                      layer.k_scale, layer.v_scale, max_kv_len=kv.max_len)
+
+    def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
+                       md: ForwardMetadata, out: torch.Tensor) -> None:
+        k_buf, v_buf = self.kv_buffers(layer)
+        self.kernels.extend_attention(q, k_buf, v_buf, kv.indptr, kv.indices, kv.pos0, md.qo_indptr,
+                                      md.q_pos0, out, md.max_q_len, layer.scaling, layer.window,
+                                      layer.logit_cap, layer.sinks, layer.k_scale, layer.v_scale)

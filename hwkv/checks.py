@@ -10,7 +10,10 @@ from hwkv.errors import LocError, ShapeError
 
 
 def values_checkable(t: torch.Tensor) -> bool:
-    """Value checks (min/max) cost a host sync on accelerators: always on CPU, else only in debug mode."""
+    """Value checks (min/max) cost a host sync on accelerators: always on CPU, else only in debug mode;
+    never while torch.compile traces (a value read there re-specializes the graph on every call)."""
+    if torch.compiler.is_compiling():
+        return False
     if t.device.type == "cpu":
         return True
     if not HWKV_DEBUG.get():

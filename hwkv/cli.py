@@ -177,6 +177,7 @@ def run_info(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------- registry
+from hwkv.bench.bench_cli import BENCH_HELP, add_bench_arguments, run_bench  # noqa: E402
 from hwkv.bench.plan_cli import add_plan_arguments, run_plan  # noqa: E402
 from hwkv.testing.verify import add_verify_arguments, run_verify  # noqa: E402
 
@@ -185,6 +186,7 @@ COMMANDS: dict[str, Command] = {
                     add_info_arguments, run_info),
     "verify": Command("run the contract suite on the current device and print a pass/fail table",
                       add_verify_arguments, run_verify),
+    "bench": Command(BENCH_HELP, add_bench_arguments, run_bench),
     "plan": Command("size the full and SWA pools for a memory budget", add_plan_arguments, run_plan),
 }
 

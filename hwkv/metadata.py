@@ -111,3 +111,25 @@ def fill_list(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_le
 def check_fits(name: str, need: int, cap: int) -> None:
     if need > cap:
         raise CapacityError(f"{name} needs {need} entries, the graph buffer holds {cap}; run this batch eagerly")
+
+
+def block_table_from_csr(indptr: torch.Tensor, indices: torch.Tensor, pos0: torch.Tensor, page_size: int,
+                         max_pages: int) -> torch.Tensor:
+    """int32 [bs, max_pages]: entry i of request b is the page (slot // page_size) holding positions
+    a_b + i * P .. a_b + (i + 1) * P - 1, where a_b is pos0[b] rounded down to a page; 0 past the list.
+
+    Valid because allocations keep a token's in-page offset equal to its position's (full and SWA
+    pools alike), so the listed slot of the first listed key of each page names its page.
+    """
+    bs = pos0.shape[0]
+    dev = indices.device
+    if bs == 0 or max_pages <= 0 or indices.numel() == 0:
+        return torch.zeros(bs, max(max_pages, 0), dtype=torch.int32, device=dev)
+    i64 = torch.int64
+    off = pos0.to(i64) % page_size
+    j = (torch.arange(max_pages, device=dev, dtype=i64)[None, :] * page_size - off[:, None]).clamp_(min=0)
+    start = indptr[:-1].to(i64)
+    valid = j < (indptr[1:].to(i64) - start)[:, None]
+    flat = (start[:, None] + j).clamp_(max=indices.numel() - 1)
+    pages = torch.div(indices[flat], page_size, rounding_mode="floor")
+    return torch.where(valid, pages, torch.zeros_like(pages)).to(torch.int32)

@@ -12,10 +12,12 @@ from typing import Optional
 
 import torch
 
-from hwkv_cpu.kernels_decode import Gather, OnlineSoftmax, Params, chunks, heads_view, key_range, workspace
+from hwkv_cpu.kernels_decode import (Gather, OnlineSoftmax, Params, chunks, heads_view, key_range, neg_inf_where,
+                                     workspace)
 
 EXTEND_CHUNK = 512  # keys per chunk
 EXTEND_ROWS = 2048  # query rows (queries x heads) per block: the fp32 score tile is rows x chunk
+RESIDENT_BYTES = 16 << 20  # a request's keys up to this size (K, and as much V) are gathered once
 
 
 def _hidden(q_lo: int, nq: int, k_lo: int, nk: int, window: int) -> torch.Tensor:
@@ -36,10 +38,16 @@ def extend_torch(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indp
     g = h // kvh
     block_q = max(1, rows // h)
     ws = workspace()
-    gather = Gather(k_buf, v_buf, p.cdt, chunk, ws)
+    resident = max(chunk, RESIDENT_BYTES // (kvh * max(d, dv) * p.cdt.itemsize))
+    gather = Gather(k_buf, v_buf, p.cdt, resident, ws)
     for b in range(len(q_pos0)):
         t0, t1, n = qo_indptr[b], qo_indptr[b + 1], indptr[b + 1] - indptr[b]
         slots = indices[indptr[b]: indptr[b + 1]]
+        # every query block reads keys of [span_lo, span_hi): gather them once when they fit
+        span_lo, span_hi = key_range(n, pos0[b], q_pos0[b], q_pos0[b] + t1 - t0 - 1, p.window)
+        whole = span_hi - span_lo <= resident
+        if whole:
+            k_all, v_all = gather(slots[span_lo:span_hi])
         for a, e in chunks(t0, t1, block_q):
             nq = e - a
             qa = q_pos0[b] + (a - t0)  # positions qa .. qa + nq - 1
@@ -53,9 +61,12 @@ def extend_torch(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indp
             for c0, c1 in chunks(lo, hi, chunk):
                 mask = None
                 if c0 < all_lo or c1 > all_hi:
-                    hide = _hidden(qa, nq, pos0[b] + c0, c1 - c0, p.window)
-                    mask = lambda s, hide=hide, nq=nq: s.view(kvh, nq, g, -1).masked_fill_(hide, float("-inf"))  # noqa: E731
-                k, v = gather(slots[c0:c1])
+                    bias = neg_inf_where(_hidden(qa, nq, pos0[b] + c0, c1 - c0, p.window))
+                    mask = lambda s, bias=bias, nq=nq: s.view(kvh, nq, g, -1).add_(bias)  # noqa: E731
+                if whole:
+                    k, v = k_all[c0 - span_lo: c1 - span_lo], v_all[c0 - span_lo: c1 - span_lo]
+                else:
+                    k, v = gather(slots[c0:c1])
                 state.step(qg, heads_view(k, c1 - c0, 1, kvh), heads_view(v, c1 - c0, 1, kvh), mask)
             res = state.result().view(kvh, nq, g, dv).permute(1, 0, 2, 3)
             out[a:e].view(nq, kvh, g, dv).copy_(res)

@@ -40,7 +40,6 @@ class NPUBackend(AttentionBackend):
     """Fused infer attention (eager) or torch attention over the paged pool; NPU graphs."""
 
     name = "npu"
-    graph_adapter = "hwkv_npu.graph:NPUGraphAdapter"
     Options = NPUOptions
 
     def __init__(self, pool: Any, req_to_token_pool: Any, **options: Any) -> None:

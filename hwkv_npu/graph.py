@@ -27,7 +27,8 @@ class NPUGraphAdapter(TorchDeviceGraphAdapter):
             try:
                 importlib.import_module("torch_npu")  # registers torch.npu
             except ImportError as e:
-                raise ConfigError(f"torch_npu is installed but does not import ({e}): NPU graphs are unavailable") from e
+                raise ConfigError(f"torch_npu is installed but does not import ({e}): "
+                                  "NPU graphs are unavailable") from e
         npu = getattr(torch, "npu", None)
         if npu is None:
             raise ConfigError("torch_npu imported but did not register torch.npu: NPU graphs are unavailable")

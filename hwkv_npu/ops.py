@@ -31,6 +31,7 @@ from typing import Any, List, Optional
 import torch
 
 from hwkv import ops as core_ops
+from hwkv.metadata import block_table_from_csr  # noqa: F401 - used by the NPU plans
 
 NEG_BIG = -1.0e30  # finite running-max floor: exp(m_old - m_new) never sees inf - inf
 SCORE_BUDGET = 1 << 25  # fp32 score elements per torch_attention step (128 MiB)
@@ -75,28 +76,6 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
 
 # ---- CSR list -> page table (no host sync) -----------------------------------------------------
 
-def block_table_from_csr(indptr: torch.Tensor, indices: torch.Tensor, pos0: torch.Tensor, page_size: int,
-                         max_pages: int) -> torch.Tensor:
-    """int32 [bs, max_pages]: entry i of request b is the page (slot // page_size) holding positions
-    a_b + i * P .. a_b + (i + 1) * P - 1, where a_b is pos0[b] rounded down to a page; 0 past the list.
-
-    Valid because allocations keep a token's in-page offset equal to its position's (full and SWA
-    pools alike), so the listed slot of the first listed key of each page names its page.
-    """
-    bs = pos0.shape[0]
-    dev = indices.device
-    if bs == 0 or max_pages <= 0 or indices.numel() == 0:
-        return torch.zeros(bs, max(max_pages, 0), dtype=torch.int32, device=dev)
-    i64 = torch.int64
-    off = pos0.to(i64) % page_size
-    j = (torch.arange(max_pages, device=dev, dtype=i64)[None, :] * page_size - off[:, None]).clamp_(min=0)
-    start = indptr[:-1].to(i64)
-    valid = j < (indptr[1:].to(i64) - start)[:, None]
-    flat = (start[:, None] + j).clamp_(max=indices.numel() - 1)
-    pages = torch.div(indices[flat], page_size, rounding_mode="floor")
-    return torch.where(valid, pages, torch.zeros_like(pages)).to(torch.int32)
-
-
 # ---- fused infer attention --------------------------------------------------------------------
 
 @dataclass
@@ -110,12 +89,24 @@ class FIAPlan:
     q_lens: Optional[List[int]] = None   # extend: query rows per request (host)
 
 
+_FIA_ARGS: frozenset = frozenset()
+
+
+def _fia_arg_names() -> frozenset:
+    """Argument names of the fused op's schema (empty until torch_npu has registered it)."""
+    global _FIA_ARGS
+    if not _FIA_ARGS:
+        overload = getattr(getattr(torch.ops.npu, "npu_fused_infer_attention_score", None), "default", None)
+        if overload is not None:
+            _FIA_ARGS = frozenset(a.name for a in overload._schema.arguments)
+    return _FIA_ARGS
+
+
 def fia_schema_reason() -> Optional[str]:
     """None when this torch_npu's fused infer attention takes every argument hwkv passes."""
-    op = getattr(torch.ops.npu, "npu_fused_infer_attention_score", None)
-    if op is None:
+    names = _fia_arg_names()
+    if not names:
         return "torch.ops.npu has no npu_fused_infer_attention_score"
-    names = {a.name for a in op.default._schema.arguments}
     missing = [n for n in FIA_REQUIRED_ARGS if n not in names]
     if missing or not ({"scale", "scale_value"} & names):
         return f"npu_fused_infer_attention_score lacks {missing or ['scale']}"
@@ -123,8 +114,8 @@ def fia_schema_reason() -> Optional[str]:
 
 
 def _scale_kwarg() -> str:
-    names = {a.name for a in torch.ops.npu.npu_fused_infer_attention_score.default._schema.arguments}
-    return "scale" if "scale" in names else "scale_value"
+    """Newer torch_npu names the softmax scale `scale`, older releases `scale_value`."""
+    return "scale" if "scale" in _fia_arg_names() else "scale_value"
 
 
 def _fia(q4: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, plan: FIAPlan, num_heads: int,

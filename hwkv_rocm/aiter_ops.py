@@ -120,12 +120,13 @@ class AiterDecode:
 
     def _scratch(self, bs: int, h: int, d: int) -> Tuple[torch.Tensor, torch.Tensor]:
         need = bs * h * self.num_partitions * (d * 4 + 2 * 4)  # tmp_out (<= 4 B/elem) + exp_sums + max_logits
-        if self.workspace.numel() < need:
+        if self.workspace.numel() < need:  # grow geometrically: few retired buffers
             self._retired.append(self.workspace)
-            self.workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
+            self.workspace = torch.empty(max(need, 2 * self.workspace.numel()), dtype=torch.uint8, device=self.device)
         if self.last_page_lens.numel() < bs:
             self._retired.append(self.last_page_lens)
-            self.last_page_lens = torch.ones(bs, dtype=torch.int32, device=self.device)
+            self.last_page_lens = torch.ones(max(bs, 2 * self.last_page_lens.numel()), dtype=torch.int32,
+                                             device=self.device)
         return self.workspace, self.last_page_lens[:bs]
 
     def __call__(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indptr: torch.Tensor,

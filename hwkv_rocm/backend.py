@@ -33,7 +33,6 @@ class ROCmBackend(TritonBackend):
     """TritonBackend plus AITER decode; HIP graphs through the CUDA graph adapter."""
 
     name = "rocm"
-    graph_adapter = "hwkv_cuda.graph:CUDAGraphAdapter"
     Options = ROCmOptions
 
     def __init__(self, pool: Any, req_to_token_pool: Any, **options: Any) -> None:

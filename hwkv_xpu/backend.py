@@ -17,4 +17,3 @@ class XPUBackend(TritonBackend):
     """TritonBackend on torch.xpu pools; XPU graphs."""
 
     name = "xpu"
-    graph_adapter = "hwkv_xpu.graph:XPUGraphAdapter"

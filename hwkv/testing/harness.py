@@ -14,7 +14,7 @@ import torch
 from hwkv import reference
 from hwkv.allocator import PagedTokenToKVPoolAllocator, ReqToTokenPool, SWATokenToKVPoolAllocator, release_out_of_window
 from hwkv.batch import ForwardBatch, ForwardMode
-from hwkv.errors import ReferenceMismatchError
+from hwkv.errors import ConfigError, ReferenceMismatchError
 from hwkv.graph import GraphRunner
 from hwkv.layer import AttentionLayer
 from hwkv.ops import quantize
@@ -25,7 +25,7 @@ BackendFactory = Callable[..., Any]
 
 @dataclass(frozen=True)
 class ModelGeometry:
-    """Layers, heads and window of a (small) hybrid model."""
+    """Layers, heads and window of a (small) hybrid model; `swa_*` fields left None follow the full layers."""
 
     num_layers: int = 4
     swa_every: int = 2            # layer i is SWA unless (i + 1) % swa_every == 0; 0 = no SWA layers
@@ -38,8 +38,20 @@ class ModelGeometry:
     swa_head_dim: Optional[int] = None
     logit_cap: float = 0.0
     sinks: bool = False
+    layer_is_swa: Optional[Tuple[bool, ...]] = None  # explicit per-layer kinds (overrides swa_every)
+    swa_num_heads: Optional[int] = None
+    swa_v_head_dim: Optional[int] = None
+    swa_sinks: Optional[bool] = None  # None: same as `sinks`
+    scaling: Optional[float] = None   # None: head_dim ** -0.5
+
+    def __post_init__(self) -> None:
+        if self.layer_is_swa is not None:
+            object.__setattr__(self, "layer_is_swa", tuple(bool(x) for x in self.layer_is_swa))
+            object.__setattr__(self, "num_layers", len(self.layer_is_swa))
 
     def is_swa(self, i: int) -> bool:
+        if self.layer_is_swa is not None:
+            return self.layer_is_swa[i]
         return self.swa_every > 0 and (i + 1) % self.swa_every != 0
 
     @property
@@ -67,23 +79,27 @@ class Harness:
     def __init__(self, backend_factory: BackendFactory, device: str = "cpu", geometry: ModelGeometry = ModelGeometry(),
                  size: int = 512, size_swa: Optional[int] = 128, page_size: int = 1, dtype: torch.dtype = torch.float32,
                  max_reqs: int = 16, max_context_len: int = 512, seed: int = 0, kv_scale: Optional[float] = None,
-                 **backend_options: Any) -> None:
+                 device_inputs: bool = False, shadow: bool = True, **backend_options: Any) -> None:
         g = geometry
         self.g, self.device, self.dtype, self.page_size = g, torch.device(device), dtype, page_size
         self.gen = torch.Generator().manual_seed(seed)
+        # device_inputs: draw q/k/v with a generator on the device (fast for large runs; not CPU-reproducible)
+        self.input_gen = torch.Generator(device=self.device).manual_seed(seed) if device_inputs else None
+        self.shadow = shadow  # False: no shadow K/V (and so no reference checks), for long benchmark runs
         self.hybrid = size_swa is not None and bool(g.swa_layer_ids)
         if self.hybrid:
             self.pool = SWAKVPool(size, size_swa, page_size, dtype, g.num_kv_heads, g.head_dim, g.swa_layer_ids,
                                   g.full_layer_ids, device, swa_head_num=g.swa_num_kv_heads,
-                                  swa_head_dim=g.swa_head_dim, v_head_dim=g.v_head_dim)
+                                  swa_head_dim=g.swa_head_dim, swa_v_head_dim=g.swa_v_head_dim,
+                                  v_head_dim=g.v_head_dim)
             self.allocator = SWATokenToKVPoolAllocator(size, size_swa, page_size, device, self.pool)
         else:
             self.pool = MHATokenToKVPool(size, page_size, dtype, g.num_kv_heads, g.head_dim, g.num_layers, device,
                                          v_head_dim=g.v_head_dim)
             self.allocator = PagedTokenToKVPoolAllocator(size, page_size, device)
         self.rtt = ReqToTokenPool(max_reqs, max_context_len, device)
-        windows = (g.window,) if g.swa_layer_ids else ()
-        self.backend = backend_factory(self.pool, self.rtt, sliding_window=windows, **backend_options)
+        self.backend_options = dict(sliding_window=(g.window,) if g.swa_layer_ids else (), **backend_options)
+        self.backend = self.build_backend(backend_factory)
         self.layers = [self._layer(i, kv_scale) for i in range(g.num_layers)]
         self.requests: Dict[int, Request] = {}
         self.max_err = 0.0
@@ -95,9 +111,17 @@ class Harness:
         kvh = g.swa_num_kv_heads if (swa and g.swa_num_kv_heads) else g.num_kv_heads
         d = g.swa_head_dim if (swa and g.swa_head_dim) else g.head_dim
         vd = d if (swa and g.swa_head_dim) else (g.v_head_dim or d)
-        sinks = torch.randn(g.num_heads, generator=self.gen).to(self.device) if g.sinks else None
-        return AttentionLayer(i, g.num_heads, kvh, d, v_head_dim=vd, sliding_window=g.window if swa else None,
-                              logit_cap=g.logit_cap, sinks=sinks, k_scale=kv_scale, v_scale=kv_scale)
+        vd = g.swa_v_head_dim if (swa and g.swa_v_head_dim) else vd
+        h = g.swa_num_heads if (swa and g.swa_num_heads) else g.num_heads
+        has_sinks = g.swa_sinks if (swa and g.swa_sinks is not None) else g.sinks
+        sinks = torch.randn(h, generator=self.gen).to(self.device) if has_sinks else None
+        return AttentionLayer(i, h, kvh, d, scaling=g.scaling, v_head_dim=vd,
+                              sliding_window=g.window if swa else None, logit_cap=g.logit_cap, sinks=sinks,
+                              k_scale=kv_scale, v_scale=kv_scale)
+
+    def build_backend(self, backend_factory: BackendFactory) -> Any:
+        """A backend over this harness's pool and req_to_token, with its window and options."""
+        return backend_factory(self.pool, self.rtt, **self.backend_options)
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self) -> int:
@@ -149,11 +173,17 @@ class Harness:
     def random_inputs(self, n: int) -> Dict[str, torch.Tensor]:
         """q, k, v per layer for n new tokens (in the pool's dtype, as an engine would hand them)."""
         dt = self.dtype if self.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.bfloat16
+        if self.input_gen is not None:
+            def rand(*shape: int) -> torch.Tensor:
+                return torch.randn(*shape, generator=self.input_gen, device=self.device, dtype=dt)
+        else:
+            def rand(*shape: int) -> torch.Tensor:
+                return torch.randn(*shape, generator=self.gen).to(self.device, dt)
         out = {}
         for l in self.layers:
-            out[f"q{l.layer_id}"] = torch.randn(n, l.num_heads, l.head_dim, generator=self.gen).to(self.device, dt)
-            out[f"k{l.layer_id}"] = torch.randn(n, l.num_kv_heads, l.head_dim, generator=self.gen).to(self.device, dt)
-            out[f"v{l.layer_id}"] = torch.randn(n, l.num_kv_heads, l.v_head_dim, generator=self.gen).to(self.device, dt)
+            out[f"q{l.layer_id}"] = rand(n, l.num_heads, l.head_dim)
+            out[f"k{l.layer_id}"] = rand(n, l.num_kv_heads, l.head_dim)
+            out[f"v{l.layer_id}"] = rand(n, l.num_kv_heads, l.v_head_dim)
         return out
 
     def model_step(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
@@ -176,32 +206,50 @@ class Harness:
     def forward(self, rids: Sequence[int], new_lens: Sequence[int], mode: Optional[ForwardMode] = None,
                 check: bool = True, atol: Optional[float] = None) -> List[torch.Tensor]:
         """One forward over all layers (eager, or through the graph runner when one is set)."""
+        batch, inputs = self.prepare(rids, new_lens, mode)
+        flat = self.step(batch, inputs)
+        return self.complete(rids, new_lens, inputs, flat, check, atol)
+
+    def prepare(self, rids: Sequence[int], new_lens: Sequence[int],
+                mode: Optional[ForwardMode] = None) -> Tuple[ForwardBatch, Dict[str, torch.Tensor]]:
+        """The engine's part of a forward: allocate, build the batch, draw the inputs."""
         if mode is None:
             mode = ForwardMode.DECODE if all(n == 1 for n in new_lens) and all(
                 self.requests[i].seq_len for i in rids) else ForwardMode.EXTEND
         batch = self.make_batch(rids, new_lens, mode)
-        inputs = self.random_inputs(batch.num_tokens)
-        if self.runner is not None and mode == ForwardMode.DECODE:
-            flat = self.runner.run(batch, inputs)
-        else:
-            self.backend.init_forward_metadata(batch)
-            flat = self.model_step(batch, inputs)
+        return batch, self.random_inputs(batch.num_tokens)
+
+    def step(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """The backend's part: metadata once, then every layer (a graph replay for decode when graphs are on)."""
+        if self.runner is not None and batch.forward_mode == ForwardMode.DECODE:
+            return self.runner.run(batch, inputs)
+        self.backend.init_forward_metadata(batch)
+        return self.model_step(batch, inputs)
+
+    def complete(self, rids: Sequence[int], new_lens: Sequence[int], inputs: Dict[str, torch.Tensor],
+                 flat: torch.Tensor, check: bool = True, atol: Optional[float] = None) -> List[torch.Tensor]:
+        """After the step: shadow the stored K/V and (with `check`) compare every layer with the reference."""
         outs = self.split_outputs(flat)
-        self._record(rids, new_lens, inputs)
+        if self.shadow:
+            self._record(rids, new_lens, inputs)
+        elif check:
+            raise ConfigError("check=True needs the shadow K/V: build the Harness with shadow=True")
         if check:
             self.check_outputs(rids, new_lens, inputs, outs, atol)
         return outs
 
     def _record(self, rids: Sequence[int], new_lens: Sequence[int], inputs: Dict[str, torch.Tensor]) -> None:
         """Shadow the stored K/V: read back exactly what the pool holds (quantized), dequantized."""
-        start = 0
-        for rid, n in zip(rids, new_lens):
-            r = self.requests[rid]
-            for l in self.layers:
-                i = l.layer_id
-                r.k[i].append(_as_stored(inputs[f"k{i}"][start:start + n], self.dtype, l.k_scale))
-                r.v[i].append(_as_stored(inputs[f"v{i}"][start:start + n], self.dtype, l.v_scale))
-            start += n
+        for l in self.layers:
+            i = l.layer_id
+            k = _as_stored(inputs[f"k{i}"], self.dtype, l.k_scale)  # one host copy per layer and forward
+            v = _as_stored(inputs[f"v{i}"], self.dtype, l.v_scale)
+            start = 0
+            for rid, n in zip(rids, new_lens):
+                r = self.requests[rid]
+                r.k[i].append(k[start:start + n])
+                r.v[i].append(v[start:start + n])
+                start += n
 
     def check_outputs(self, rids: Sequence[int], new_lens: Sequence[int], inputs: Dict[str, torch.Tensor],
                       outs: List[torch.Tensor], atol: Optional[float] = None) -> float:

@@ -98,3 +98,23 @@ def logits_log2(qk, qk_scale, cap, HAS_CAP: tl.constexpr):
     if HAS_CAP:
         s = soft_cap(s, cap)
     return s * LOG2E
+
+
+@triton.jit
+def online_softmax_step(m, l_sum, acc, s, vt, F32: tl.constexpr):
+    """Fold one key tile (log2 logits s [M, N], values vt [N, Dv]) into the running max/sum/acc."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + dot(p.to(vt.dtype), vt, F32)
+    return m_new, l_sum, acc
+
+
+@triton.jit
+def fold_sink(m, l_sum, acc, sink):
+    """Add one sink logit per row (log2 units) to the softmax denominator only."""
+    m_fin = tl.maximum(m, sink)
+    l_sum = l_sum * tl.exp2(m - m_fin) + tl.exp2(sink - m_fin)
+    acc = acc * tl.exp2(m - m_fin)[:, None]
+    return m_fin, l_sum, acc

@@ -22,8 +22,9 @@ import triton
 import triton.language as tl
 
 from hwkv.errors import ShapeError
-from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, check_dims, check_same_device,
-                                      dot, dot_in_fp32, interpreting, logits_log2, num_sms, pow2)
+from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, check_dims, check_same_device, dot,
+                                      dot_in_fp32, fold_sink, interpreting, logits_log2, num_sms,
+                                      online_softmax_step, pow2)
 
 
 @dataclass(frozen=True)
@@ -138,22 +139,15 @@ def _decode_split_kernel(
                      mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         s = logits_log2(dot(qt, tl.trans(kt.to(qt.dtype)), F32), qk_scale, cap, HAS_CAP)
         s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
         vt = tl.load(v_buf + slot[:, None] * s_vb + kvh * s_vh + offs_dv[None, :],
                      mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(qt.dtype)
-        acc = acc * alpha[:, None] + dot(p.to(vt.dtype), vt, F32)
-        m = m_new
+        m, l_sum, acc = online_softmax_step(m, l_sum, acc, s, vt, F32)
 
     mask_o = mask_h[:, None] & mask_dv[None, :]
     if DIRECT:  # one split: finish here: sink, normalisation, output dtype
         if HAS_SINKS:
             sink = tl.load(sinks + heads, mask=mask_h, other=0.0).to(tl.float32) * LOG2E
-            m_fin = tl.maximum(m, sink)
-            l_sum = l_sum * tl.exp2(m - m_fin) + tl.exp2(sink - m_fin)
-            acc = acc * tl.exp2(m - m_fin)[:, None]
+            m_fin, l_sum, acc = fold_sink(m, l_sum, acc, sink)
         o = acc * v_scale / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
         tl.store(out + b * s_ob + heads[:, None] * s_oh + offs_dv[None, :],
                  o.to(out.dtype.element_ty), mask=mask_o)

@@ -1,0 +1,180 @@
+"""`hwkv bench`: time the attention stack per configuration and batch size, check it, compare KV memory.
+
+Exit codes: 0 done; 1 an output differed from hwkv.reference (the run is invalid); 2 a bad value,
+an unavailable device or another typed hwkv error.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from hwkv.bench.presets import add_model_arguments, shape_from_args
+from hwkv.errors import ConfigError, HwkvError, ReferenceMismatchError
+
+BENCH_HELP = "time the hybrid KV attention stack per configuration and batch size, and its KV memory"
+DEFAULT_MODEL = "gpt-oss-20b"
+# workload defaults (the CPU default run takes well under a minute on 2 cores) and --quick's
+DEFAULTS: Dict[str, Any] = dict(batch_sizes="1,4,16", prompt_len=256, chunk=512, steps=16, warmup=2, repeats=1,
+                                check_every=8)
+QUICK: Dict[str, Any] = dict(batch_sizes="1,4", prompt_len=160, chunk=256, steps=4, warmup=1, repeats=1,
+                             check_every=2)
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """Add the `bench` flags to `p` (the form hwkv.cli's COMMANDS registry takes)."""
+    p.epilog = ("examples: hwkv bench  |  hwkv bench --model gpt-oss-120b --device cuda --batch-sizes 1,16,64  |  "
+                "hwkv bench --json --plot bench.png")
+    add_model_arguments(p)
+    w = p.add_argument_group("workload", "defaults: " + ", ".join(f"{k}={v}" for k, v in DEFAULTS.items()))
+    w.add_argument("--batch-sizes", help="decode batch sizes to sweep, comma-separated")
+    w.add_argument("--prompt-len", type=int, help="longest prompt; prompts spread down to half of it")
+    w.add_argument("--chunk", type=int, help="chunked prefill: new tokens per forward over the whole batch")
+    w.add_argument("--steps", type=int, help="timed decode steps per configuration")
+    w.add_argument("--warmup", type=int, help="untimed decode steps before them")
+    w.add_argument("--repeats", type=int, help="rounds of fresh requests (prefill + decode); samples pool")
+    w.add_argument("--check-every", type=int, metavar="K",
+                   help="compare every K-th forward (and each round's last) with hwkv.reference; 0 = never")
+    w.add_argument("--quick", action="store_true",
+                   help="a smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()) + " (flags still win)")
+    r = p.add_argument_group("run")
+    r.add_argument("--device", help="device plugin to run on (default: the detected one; see `hwkv info`)")
+    r.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="KV and activation dtype "
+                   "(default: fp32 on CPU, bf16 elsewhere; --kv-dtype is taken when --dtype is not given)")
+    r.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
+    r.add_argument("--run-layers", type=int, metavar="N", help="run only the first N layers (default: all on "
+                   "accelerators; on CPU the shortest prefix of >= 4 layers with both kinds); memory is for all")
+    r.add_argument("--configs", help="comma-separated subset of: per-layer/eager, once/eager, per-layer/graph, "
+                   "once/graph (default: all the device supports)")
+    r.add_argument("--no-graph", action="store_true", help="skip the graph configurations")
+    r.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+    r.add_argument("--seed", type=int, default=0, help="random inputs seed (default 0)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON object (schema hwkv-bench/1) instead of tables")
+    o.add_argument("--plot", metavar="PATH", help="write a PNG: time per forward vs batch size, and KV memory")
+
+
+def _ints(flag: str, text: str) -> Tuple[int, ...]:
+    try:
+        values = tuple(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))
+    except ValueError:
+        raise ConfigError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values:
+        raise ConfigError(f"{flag} is empty")
+    return values
+
+
+def _shape(args: argparse.Namespace) -> Any:
+    custom = ("layers", "window", "heads", "kv_heads", "head_dim")
+    if args.model is None and all(getattr(args, n, None) is None for n in custom):
+        args.model = DEFAULT_MODEL
+    return shape_from_args(args)
+
+
+def _dtype(args: argparse.Namespace, torch_device: str) -> str:
+    kv = getattr(args, "kv_dtype", None)
+    if kv is not None and kv not in ("bf16", "fp16", "fp32"):
+        raise ConfigError(f"bench runs the KV cache in bf16, fp16 or fp32; --kv-dtype {kv} is for `hwkv plan`")
+    if args.dtype and kv and args.dtype != kv:
+        raise ConfigError(f"--dtype {args.dtype} and --kv-dtype {kv} disagree; give one")
+    return args.dtype or kv or ("fp32" if torch_device == "cpu" else "bf16")
+
+
+def _workload(args: argparse.Namespace, dtype: str) -> Any:
+    from hwkv.bench.run import Workload
+
+    base = QUICK if args.quick else DEFAULTS
+    v = {k: getattr(args, k) if getattr(args, k) is not None else d for k, d in base.items()}
+    return Workload(batch_sizes=_ints("--batch-sizes", str(v.pop("batch_sizes"))), page_size=args.page_size,
+                    dtype=dtype, seed=args.seed, **v)
+
+
+def _target(name: Optional[str]) -> Any:
+    from hwkv import devices
+    from hwkv.bench.run import Target
+    from hwkv.errors import DeviceError
+
+    specs = devices.discover()
+    spec = devices.current_device() if name is None else specs.get(name)
+    if spec is None:
+        raise DeviceError(f"unknown device {name!r}; known devices: {', '.join(sorted(specs))}")
+    reason = spec.unavailable_reason()
+    if reason is not None:
+        raise DeviceError(f"device {spec.name!r} is unavailable: {reason}")
+    return Target(spec.name, spec.load_backend_class(), spec.torch_device, spec.load_graph_adapter())
+
+
+def _configs(args: argparse.Namespace, has_graphs: bool, device: str) -> List[str]:
+    from hwkv.bench.run import CONFIGS
+
+    names = [c.strip() for c in args.configs.split(",") if c.strip()] if args.configs else list(CONFIGS)
+    unknown = [c for c in names if c not in CONFIGS]
+    if unknown:
+        raise ConfigError(f"unknown configuration(s) {unknown}; known: {', '.join(CONFIGS)}")
+    if args.no_graph or (not has_graphs and not args.configs):
+        names = [c for c in names if not CONFIGS[c].graph]
+    if not has_graphs and any(CONFIGS[c].graph for c in names):
+        raise ConfigError(f"device {device!r} has no graph adapter; drop the graph configurations")
+    if not names:
+        raise ConfigError("no configuration left to run (--no-graph with only graph --configs?)")
+    return names
+
+
+def _progress(enabled: bool, total: int) -> Tuple[Any, Callable[[str], None]]:
+    """A rich progress bar over the decode forwards (a no-op when disabled or rich is missing)."""
+    if not enabled:
+        return None, lambda label: None
+    try:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:
+        return None, lambda label: None
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   transient=True)
+    task = bar.add_task("bench", total=total)
+    return bar, lambda label: bar.update(task, advance=1, description=label)
+
+
+def _run(args: argparse.Namespace) -> Any:
+    import torch
+
+    from hwkv.bench.run import run_bench
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    shape = _shape(args)
+    target = _target(args.device)
+    w = _workload(args, _dtype(args, target.torch_device))
+    configs = _configs(args, target.adapter_factory is not None, target.name)
+    total = len(w.batch_sizes) * w.repeats * (w.warmup + w.steps) * len(configs)
+    bar, tick = _progress(sys.stdout.isatty() and not args.json, total)
+    if bar is None:
+        return run_bench(target, shape, configs, w, args.run_layers, tick)
+    with bar:
+        return run_bench(target, shape, configs, w, args.run_layers, tick)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run `hwkv bench`: tables or JSON on stdout, the plot on request; exit code as the module says."""
+    from hwkv.bench import report
+
+    try:
+        res = _run(args)
+    except ReferenceMismatchError as e:
+        print(f"hwkv bench: FAILED: output differs from hwkv.reference: {e}", file=sys.stderr)
+        return 1
+    except HwkvError as e:
+        print(f"hwkv bench: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(report.to_json(res))
+    else:
+        try:
+            report.print_rich(res)
+        except ImportError:
+            report.print_plain(res)
+    if args.plot:
+        report.plot(res, args.plot)
+        print(f"hwkv bench: wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    return 0

@@ -1,0 +1,159 @@
+"""`hwkv bench` output: the tables (rich, or plain text), one JSON object, the plot."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Dict, List, Sequence
+
+from hwkv.bench.plan import format_bytes
+from hwkv.bench.run import BenchResult
+
+SCHEMA = "hwkv-bench/1"
+TIME_HEADER = ["config", "bs", "ms/forward", "p10-p90 ms", "tokens/s", "translations/fwd", "max |err|"]
+MEMORY_HEADER = ["bs", "live tokens", "full slots", "SWA slots", "hybrid KV", "all-full KV", "saving"]
+
+
+def to_dict(res: BenchResult) -> Dict[str, Any]:
+    """The JSON object (schema 'hwkv-bench/1')."""
+    import torch
+
+    shape = res.model
+    return {
+        "schema": SCHEMA,
+        "device": {"name": res.target, "torch_device": res.torch_device, "backend": res.backend,
+                   "torch": str(torch.__version__), "threads": torch.get_num_threads()},
+        "model": {"name": shape.name, "summary": shape.summary(), "num_layers": shape.num_layers,
+                  "run_layers": res.run_layers, "run_swa_layers": sum(shape.layer_is_swa[:res.run_layers]),
+                  "window": shape.window, "kv_bytes_per_token_all_full": shape.bytes_per_token_all_full},
+        "workload": {**dataclasses.asdict(res.workload), "batch_sizes": list(res.workload.batch_sizes)},
+        "configs": list(res.configs),
+        "rows": [dataclasses.asdict(r) for r in res.rows],
+        "memory": [dataclasses.asdict(m) for m in res.memory],
+        "notes": list(res.notes),
+        "wall_s": res.wall_s,
+    }
+
+
+def to_json(res: BenchResult) -> str:
+    return json.dumps(to_dict(res), indent=2)
+
+
+def title(res: BenchResult) -> str:
+    """One line: device, backend, model, layers actually run."""
+    shape, n = res.model, res.run_layers
+    swa = sum(shape.layer_is_swa[:n])
+    layers = f"all {n} layers" if n == shape.num_layers else f"running {n} of {shape.num_layers} layers"
+    return (f"hwkv bench on {res.target} ({res.backend}): {shape.name}, {layers} "
+            f"({swa} SWA W={shape.window} + {n - swa} full), {res.workload.dtype}, page {res.workload.page_size}")
+
+
+def caption(res: BenchResult) -> str:
+    """One line: the workload behind every row."""
+    w = res.workload
+    lens = w.prompt_lens(max(w.batch_sizes))
+    check = f"reference checked every {w.check_every} forwards" if w.check_every else "no reference check"
+    return (f"decode: {w.steps} timed steps (+{w.warmup} warm-up) x {w.repeats} repeat(s) after chunked prefill "
+            f"(prompts {min(lens)}-{max(lens)} tokens, {w.chunk} tokens/forward); configurations take turns "
+            f"each step; {check}")
+
+
+def time_rows(res: BenchResult) -> List[List[str]]:
+    return [[r.config, str(r.batch_size), f"{r.median_ms:.2f}", f"{r.p10_ms:.2f}-{r.p90_ms:.2f}",
+             f"{r.tokens_per_s:,.0f}", f"{r.translations_per_forward:g}",
+             "-" if r.max_abs_err is None else f"{r.max_abs_err:.1e}"] for r in res.rows]
+
+
+def memory_rows(res: BenchResult) -> List[List[str]]:
+    return [[str(m.batch_size), f"{m.live_tokens:,}", f"{m.full_slots:,}", f"{m.swa_slots:,}",
+             format_bytes(m.hybrid_bytes), format_bytes(m.all_full_bytes), f"{m.saving:.2f}x"] for m in res.memory]
+
+
+def memory_title(res: BenchResult) -> str:
+    shape = res.model
+    return (f"KV memory at the end of the run, whole model ({shape.num_layers} layers, "
+            f"{shape.dtype_bytes} bytes/element): hybrid pools vs one all-full pool")
+
+
+def plain_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+             for r in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def print_plain(res: BenchResult) -> None:
+    """Both tables as plain text."""
+    print(title(res))
+    print(caption(res))
+    print()
+    print(plain_table(TIME_HEADER, time_rows(res)))
+    print()
+    print(memory_title(res))
+    print(plain_table(MEMORY_HEADER, memory_rows(res)))
+    for note in res.notes:
+        print(f"note: {note}")
+
+
+def print_rich(res: BenchResult) -> None:
+    """Both tables through rich."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:  # piped or redirected: wide enough for every column, not rich's 80
+        console = Console(width=120)
+    for head, rows, name, cap in ((TIME_HEADER, time_rows(res), title(res), caption(res)),
+                                  (MEMORY_HEADER, memory_rows(res), memory_title(res), None)):
+        table = Table(title=name, caption=cap, title_justify="left", caption_justify="left")
+        for i, col in enumerate(head):
+            table.add_column(col, justify="left" if i == 0 else "right", no_wrap=i == 0)
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+    for note in res.notes:
+        console.print(f"note: {note}", highlight=False)
+
+
+def plot(res: BenchResult, path: str) -> None:
+    """PNG: time per forward vs batch size per configuration (p10-p90 bars), and the memory comparison."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.6))
+    for config in res.configs:
+        rows = [r for r in res.rows if r.config == config]
+        xs, ys = [r.batch_size for r in rows], [r.median_ms for r in rows]
+        err = [[r.median_ms - r.p10_ms for r in rows], [r.p90_ms - r.median_ms for r in rows]]
+        ax_t.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=config)
+    ax_t.set_xscale("log", base=2)
+    ax_t.set_xticks(list(res.workload.batch_sizes), [str(b) for b in res.workload.batch_sizes])
+    ax_t.set_xlabel("decode batch size")
+    ax_t.set_ylabel("ms per forward (median, p10-p90)")
+    ax_t.set_title(f"time per forward, {res.run_layers} of {res.model.num_layers} layers")
+    ax_t.legend()
+    ax_t.grid(alpha=0.3)
+    _plot_memory(ax_m, res)
+    fig.suptitle(f"hwkv bench: {res.model.name} on {res.target} ({res.backend})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_memory(ax: Any, res: BenchResult) -> None:
+    xs = list(range(len(res.memory)))
+    mib = 2.0 ** 20
+    hybrid = [m.hybrid_bytes / mib for m in res.memory]
+    full = [m.all_full_bytes / mib for m in res.memory]
+    ax.bar([x - 0.2 for x in xs], full, width=0.4, label="all-full pool", color="tab:gray")
+    bars = ax.bar([x + 0.2 for x in xs], hybrid, width=0.4, label="hybrid (full + SWA)", color="tab:green")
+    for bar, m in zip(bars, res.memory):
+        ax.annotate(f"{m.saving:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(xs, [f"bs {m.batch_size}\n{m.live_tokens:,} tok" for m in res.memory])
+    ax.set_ylabel("KV MiB held at the end (whole model)")
+    ax.set_title("KV memory at the same load")
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")

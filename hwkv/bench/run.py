@@ -1,0 +1,372 @@
+"""`hwkv bench`'s loop: per configuration and batch size, chunked prefill then timed decode steps.
+
+Each (configuration, batch size) gets a fresh `hwkv.testing.Harness` whose pools are sized for the
+workload. Requests of mixed prompt lengths are prefilled in chunks (a token budget per forward),
+then decoded for warm-up + timed steps with out-of-window release after every forward. Sampled
+forwards are compared with `hwkv.reference`; a mismatch raises, it is never averaged away.
+Translations are counted by wrapping `pool.translate_loc_from_full_to_swa`; in graph mode the
+calls a captured graph replays are counted once at capture, in an extra eager run of the step.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from hwkv.batch import ForwardMode
+from hwkv.bench.baseline import per_layer_backend
+from hwkv.bench.plan import round_up, swa_tokens_per_request
+from hwkv.bench.presets import ModelShape
+from hwkv.errors import ConfigError, ReferenceMismatchError
+from hwkv.testing.harness import Harness, ModelGeometry
+
+DTYPES: Dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One configuration: where translation happens and whether decode replays graphs."""
+
+    name: str
+    per_layer: bool
+    graph: bool
+
+
+CONFIGS: Dict[str, BenchConfig] = {c.name: c for c in (
+    BenchConfig("per-layer/eager", per_layer=True, graph=False),
+    BenchConfig("once/eager", per_layer=False, graph=False),
+    BenchConfig("per-layer/graph", per_layer=True, graph=True),
+    BenchConfig("once/graph", per_layer=False, graph=True),
+)}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every (configuration, batch size) runs; prompts are spread over [prompt_len / 2, prompt_len]."""
+
+    batch_sizes: Tuple[int, ...] = (1, 4, 16)
+    prompt_len: int = 256
+    chunk: int = 512             # prefill token budget per forward, over the whole batch
+    steps: int = 16              # timed decode steps per repeat
+    warmup: int = 2              # untimed decode steps before them
+    repeats: int = 1             # rounds of fresh requests (prefill + decode)
+    check_every: int = 8         # reference-check every k-th forward (and the last one); 0 = never
+    page_size: int = 16
+    dtype: str = "fp32"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ConfigError(f"batch sizes must be >= 1, got {list(self.batch_sizes)}")
+        for name, lo in (("prompt_len", 1), ("chunk", 1), ("steps", 1), ("warmup", 0), ("repeats", 1),
+                         ("check_every", 0), ("page_size", 1)):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < lo:
+                raise ConfigError(f"{name} must be an integer >= {lo}, got {getattr(self, name)!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    def prompt_lens(self, bs: int) -> List[int]:
+        """Mixed lengths: from prompt_len down to about half of it, evenly."""
+        half = self.prompt_len // 2
+        return [self.prompt_len - (half * i) // max(bs - 1, 1) for i in range(bs)]
+
+
+@dataclass(frozen=True)
+class Target:
+    """What runs: a device plugin's name, backend class, torch device and graph adapter factory (None: none)."""
+
+    name: str
+    backend_cls: type
+    torch_device: str
+    adapter_factory: Optional[Callable[[], Any]] = None
+
+
+@dataclass
+class Row:
+    """Timing of one (configuration, batch size) over its timed decode forwards."""
+
+    config: str
+    batch_size: int
+    forwards: int
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    tokens_per_s: float
+    translations_per_forward: float
+    checked_forwards: int
+    max_abs_err: Optional[float]
+
+
+@dataclass
+class MemoryRow:
+    """KV bytes held at the end of a run, for the whole model: hybrid pools vs one all-full pool."""
+
+    batch_size: int
+    live_tokens: int
+    full_slots: int
+    swa_slots: int
+    hybrid_bytes: int
+    all_full_bytes: int
+    saving: float  # all_full_bytes / hybrid_bytes
+
+
+@dataclass
+class BenchResult:
+    """Everything `hwkv bench` reports."""
+
+    target: str
+    backend: str
+    torch_device: str
+    model: ModelShape
+    run_layers: int
+    workload: Workload
+    configs: List[str]
+    rows: List[Row] = field(default_factory=list)
+    memory: List[MemoryRow] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+# ---- counting translations ---------------------------------------------------------------------
+class TranslationCounter:
+    """Replaces `pool.translate_loc_from_full_to_swa` with a counting wrapper (paused inside graphs)."""
+
+    def __init__(self, pool: Any) -> None:
+        self.inner = getattr(pool, "translate_loc_from_full_to_swa", None)  # None: not a hybrid pool
+        self.calls = 0
+        self.paused = False
+        if self.inner is not None:
+            pool.translate_loc_from_full_to_swa = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not self.paused:
+            self.calls += 1
+        return self.inner(*args, **kwargs)
+
+
+class CountingAdapter:
+    """Wraps a device graph adapter: counts the translations one replay runs (an eager run at capture)."""
+
+    def __init__(self, inner: Any, counter: TranslationCounter) -> None:
+        self.inner, self.counter = inner, counter
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> Tuple[Any, torch.Tensor]:
+        before = self.counter.calls
+        fn()  # eager, counted: exactly the calls the graph records
+        in_graph = self.counter.calls - before
+        self.counter.calls = before
+        self.counter.paused = True
+        try:
+            graph, out = self.inner.capture(fn)
+        finally:
+            self.counter.paused = False
+        return (graph, in_graph), out
+
+    def replay(self, graph: Any) -> torch.Tensor:
+        inner_graph, in_graph = graph
+        self.counter.paused = True
+        try:
+            out = self.inner.replay(inner_graph)
+        finally:
+            self.counter.paused = False
+        self.counter.calls += in_graph
+        return out
+
+    def pre_replay(self, graph: Any) -> None:
+        self.inner.pre_replay(graph[0])
+
+
+# ---- one batch size, every configuration ---------------------------------------------------------
+def default_run_layers(shape: ModelShape, torch_device: str) -> int:
+    """All layers on accelerators; on CPU the shortest prefix of >= 4 layers holding both kinds."""
+    if torch_device != "cpu":
+        return shape.num_layers
+    need = 4
+    for ids in (shape.swa_layer_ids, shape.full_layer_ids):
+        if ids:
+            need = max(need, ids[0] + 1)
+    return min(need, shape.num_layers)
+
+
+def geometry(shape: ModelShape, run_layers: int) -> ModelGeometry:
+    """The Harness geometry of the first `run_layers` layers of `shape` (its layer pattern kept)."""
+    if not 1 <= run_layers <= shape.num_layers:
+        raise ConfigError(f"run_layers must be in [1, {shape.num_layers}] for {shape.name}, got {run_layers}")
+    return ModelGeometry(layer_is_swa=shape.layer_is_swa[:run_layers], window=shape.window,
+                         num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                         v_head_dim=shape.v_head_dim, swa_num_heads=shape.swa_num_heads,
+                         swa_num_kv_heads=shape.swa_num_kv_heads, swa_head_dim=shape.swa_head_dim,
+                         swa_v_head_dim=shape.swa_v_head_dim, logit_cap=shape.logit_cap, sinks=shape.sinks,
+                         swa_sinks=shape.swa_sinks, scaling=shape.scaling)
+
+
+def _harness(target: Target, g: ModelGeometry, w: Workload, bs: int, n_configs: int) -> Harness:
+    """A Harness whose pools hold this workload: every token in the full pool, the window in the SWA pool."""
+    p, lens = w.page_size, w.prompt_lens(bs)
+    decode = (w.warmup + w.steps) * n_configs  # the configurations take turns decoding the same requests
+    size = sum(round_up(n + decode, p) + p for n in lens)
+    size_swa = size
+    if g.swa_layer_ids:
+        size_swa = min(size, bs * (swa_tokens_per_request(g.window, p) + 2 * p) + round_up(w.chunk, p) + p)
+    return Harness(target.backend_cls, target.torch_device, g, size=size, size_swa=size_swa, page_size=p,
+                   dtype=DTYPES[w.dtype], max_reqs=bs, max_context_len=round_up(max(lens) + decode, p),
+                   seed=w.seed, device_inputs=True, shadow=w.check_every > 0)
+
+
+@dataclass
+class _Arm:
+    """One configuration's backend (and graph runner) over the shared harness, and what it measured."""
+
+    config: BenchConfig
+    backend: Any
+    runner: Any
+    times: List[float] = field(default_factory=list)
+    translations: int = 0
+    forwards: int = 0    # every forward it ran (its reference sampling counts these)
+    checked: int = 0
+    max_err: float = 0.0
+
+    def due(self, every: int, last: bool = False) -> bool:
+        hit = every > 0 and (self.forwards % every == 0 or last)
+        self.forwards += 1
+        self.checked += hit
+        return hit
+
+
+def _arms(h: Harness, target: Target, configs: Sequence[BenchConfig], counter: TranslationCounter,
+          bs: int) -> List[_Arm]:
+    """Build each configuration's backend over `h`'s pool; graph ones capture their bucket now."""
+    torch.compiler.reset()  # earlier batch sizes' traces are dead (torch.compile-based adapters)
+    arms = []
+    for c in configs:
+        h.runner = None
+        h.backend = h.build_backend(per_layer_backend(target.backend_cls) if c.per_layer else target.backend_cls)
+        if c.graph:
+            h.enable_graphs([bs], CountingAdapter(target.adapter_factory(), counter))
+        arms.append(_Arm(c, h.backend, h.runner))
+    return arms
+
+
+def _use(h: Harness, arm: _Arm) -> None:
+    h.backend, h.runner = arm.backend, arm.runner
+
+
+def _finish_forward(h: Harness, arm: _Arm, rids: Sequence[int], lens: Sequence[int], inputs: Dict[str, Any],
+                    flat: torch.Tensor, check: bool, where: str) -> None:
+    outs = h.complete(rids, lens, inputs, flat, check=False)
+    if check:
+        try:
+            arm.max_err = max(arm.max_err, h.check_outputs(rids, lens, inputs, outs))
+        except ReferenceMismatchError as e:
+            raise ReferenceMismatchError(f"{arm.config.name}, batch size {len(rids)}, {where}: {e}") from e
+    h.release()
+
+
+def _prefill(h: Harness, arms: Sequence[_Arm], rids: Sequence[int], w: Workload) -> None:
+    """Chunked prefill (up to `chunk` new tokens per forward, requests in order), configurations in turn."""
+    remaining = dict(zip(rids, w.prompt_lens(len(rids))))
+    i = 0
+    while any(remaining.values()):
+        budget, live, new = w.chunk, [], []
+        for rid in rids:
+            if remaining[rid] and budget:
+                live.append(rid)
+                new.append(min(remaining[rid], budget))
+                budget -= new[-1]
+        arm = arms[i % len(arms)]
+        _use(h, arm)
+        batch, inputs = h.prepare(live, new, ForwardMode.EXTEND)
+        flat = h.step(batch, inputs)
+        _finish_forward(h, arm, live, new, inputs, flat, arm.due(w.check_every), f"prefill forward {i}")
+        for rid, n in zip(live, new):
+            remaining[rid] -= n
+        i += 1
+
+
+def _synchronizer(device: torch.device) -> Callable[[], None]:
+    if device.type == "cpu":
+        return lambda: None
+    return getattr(torch, device.type).synchronize
+
+
+def _decode(h: Harness, arms: Sequence[_Arm], rids: Sequence[int], w: Workload, counter: TranslationCounter,
+            tick: Callable[[], None]) -> None:
+    """Warm-up + timed decode steps, the configurations taking turns every step (same load, same drift)."""
+    sync, ones, n = _synchronizer(h.device), [1] * len(rids), w.warmup + w.steps
+    for s in range(n):
+        for arm in arms:
+            _use(h, arm)
+            batch, inputs = h.prepare(rids, ones, ForwardMode.DECODE)
+            sync()
+            calls, t0 = counter.calls, time.perf_counter()
+            flat = h.step(batch, inputs)
+            sync()
+            elapsed = time.perf_counter() - t0
+            if s >= w.warmup:
+                arm.times.append(elapsed)
+                arm.translations += counter.calls - calls
+            _finish_forward(h, arm, rids, ones, inputs, flat, arm.due(w.check_every, last=s == n - 1),
+                            f"decode step {s}")
+            tick()
+
+
+def memory_row(h: Harness, shape: ModelShape, bs: int) -> MemoryRow:
+    """Slots in use now, priced at the whole model's bytes per token (hybrid vs all-full)."""
+    a = h.allocator
+    full = a.size - (a.full_available_size() if h.hybrid else a.available_size())
+    swa = a.size_swa - a.swa_available_size() if h.hybrid else 0
+    all_full = full * shape.bytes_per_token_all_full
+    hybrid = full * shape.bytes_per_token_full_group + swa * shape.bytes_per_token_swa_group if h.hybrid else all_full
+    live = sum(r.seq_len for r in h.requests.values())
+    return MemoryRow(bs, live, full, swa, hybrid, all_full, all_full / hybrid if hybrid else 1.0)
+
+
+def _row(arm: _Arm, bs: int) -> Row:
+    ms = sorted(t * 1e3 for t in arm.times)
+    med = statistics.median(ms)
+    deciles = statistics.quantiles(ms, n=10, method="inclusive") if len(ms) > 1 else [ms[0]] * 9
+    return Row(arm.config.name, bs, len(ms), med, deciles[0], deciles[-1], bs / (med / 1e3),
+               arm.translations / len(ms), arm.checked, arm.max_err if arm.checked else None)
+
+
+def run_batch_size(target: Target, configs: Sequence[BenchConfig], shape: ModelShape, g: ModelGeometry,
+                   w: Workload, bs: int, tick: Callable[[], None] = lambda: None) -> Tuple[List[Row], MemoryRow]:
+    """Every configuration at one batch size over one shared pool; raises ReferenceMismatchError loudly."""
+    h = _harness(target, g, w, bs, len(configs))
+    counter = TranslationCounter(h.pool)
+    arms = _arms(h, target, configs, counter, bs)
+    mem = None
+    for _ in range(w.repeats):
+        rids = [h.add_request() for _ in range(bs)]
+        _prefill(h, arms, rids, w)
+        _decode(h, arms, rids, w, counter, tick)
+        mem = memory_row(h, shape, bs)
+        for rid in rids:
+            h.finish(rid)
+        h.check_integrity()
+    return [_row(a, bs) for a in arms], mem
+
+
+def run_bench(target: Target, shape: ModelShape, configs: Sequence[str], w: Workload,
+              run_layers: Optional[int] = None, tick: Callable[[str], None] = lambda label: None) -> BenchResult:
+    """Every configuration at every batch size (rows grouped by configuration)."""
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown or not configs:
+        raise ConfigError(f"unknown or no configuration(s) {unknown}; known: {', '.join(CONFIGS)}")
+    if any(CONFIGS[c].graph for c in configs) and target.adapter_factory is None:
+        raise ConfigError(f"device {target.name!r} has no graph adapter: drop the graph configurations")
+    layers = run_layers or default_run_layers(shape, target.torch_device)
+    shape = replace(shape, dtype_bytes=DTYPES[w.dtype].itemsize)
+    res = BenchResult(target.name, target.backend_cls.__name__, target.torch_device, shape, layers, w, list(configs))
+    g, t0, rows = geometry(shape, layers), time.perf_counter(), []
+    for bs in w.batch_sizes:
+        got, mem = run_batch_size(target, [CONFIGS[c] for c in configs], shape, g, w, bs,
+                                  lambda b=bs: tick(f"batch size {b}"))
+        rows += got
+        res.memory.append(mem)
+    res.rows = sorted(rows, key=lambda r: (list(configs).index(r.config), w.batch_sizes.index(r.batch_size)))
+    res.wall_s = time.perf_counter() - t0
+    return res
