@@ -16,7 +16,7 @@ $(BIN)/hwkv: pyproject.toml
 install: $(BIN)/hwkv
 
 run: install
-	$(BIN)/hwkv info
+	$(BIN)/hwkv bench
 
 test: install
 	$(BIN)/python -m pytest -q -x

@@ -146,11 +146,10 @@ def main() -> None:
     ap.add_argument("--ext-prefix", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--decode-keys", type=int, default=None,
-                    help="override hwkv_cpu.kernels_decode.DECODE_KEYS (key rows per step)")
+                    help="override hwkv_cpu.kernels_decode.DECODE_KEYS (keys per step)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads first (default: torch's)")
-    ap.add_argument("--decode-mode", default=None, help="override hwkv_cpu.kernels_decode.DECODE_MODE")
-    ap.add_argument("--decode-layout", default=None, help="override hwkv_cpu.kernels_decode.DECODE_LAYOUT")
-    ap.add_argument("--compute", default=None, choices=["fp32", "bf16"], help="force the compute dtype of reduced pools")
+    ap.add_argument("--compute", default=None, choices=["fp32", "bf16"],
+                    help="force the compute dtype of bf16/fp16/fp8 pools (default: hwkv_cpu.amx.compute_dtype)")
     ap.add_argument("--ext-dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--skip", default="", help="comma list of cases to skip: fp32,bf16,extend")
     ap.add_argument("--quick", action="store_true", help="small shapes and few repeats")
@@ -159,13 +158,9 @@ def main() -> None:
         args.batch, args.context, args.ext_requests, args.ext_new, args.ext_prefix, args.repeats = 2, 512, 1, 64, 128, 3
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.decode_layout:
-        kernels_decode.DECODE_LAYOUT = args.decode_layout
     if args.compute:
         forced = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.compute]
         amx.compute_dtype = lambda buf_dtype: torch.float32 if buf_dtype == torch.float32 else forced
-    if args.decode_mode:
-        kernels_decode.DECODE_MODE = args.decode_mode
     if args.decode_keys:
         kernels_decode.decode_torch.__defaults__ = (args.decode_keys,)
     skip = set(filter(None, args.skip.split(",")))

@@ -6,6 +6,10 @@ torch.compile, which the CPU graph adapter uses; they mutate only `out`). Inside
 CPU ops take batches they run exactly (see `hwkv_cpu.amx`); everything else runs the vectorized
 torch kernels of `kernels_decode` / `kernels_extend`. Only the CSR list metadata is read on the
 host (`tolist`), which is free on CPU.
+
+Threads: the torch kernels use as many threads as torch.get_num_threads(), as Python threads
+that each run torch single-threaded (`kernels_decode.parallel_map`); while a call runs,
+torch.set_num_threads(1) holds process-wide, and the caller's setting is restored on return.
 """
 from __future__ import annotations
 

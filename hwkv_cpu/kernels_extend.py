@@ -8,12 +8,13 @@ kp <= qp and kp > qp - W).
 """
 from __future__ import annotations
 
-from typing import Optional
+import threading
+from typing import Optional, Tuple
 
 import torch
 
-from hwkv_cpu.kernels_decode import (Gather, OnlineSoftmax, Params, chunks, heads_view, key_range, neg_inf_where,
-                                     workspace)
+from hwkv_cpu.kernels_decode import (Gather, OnlineSoftmax, Params, chunks, head_rows, key_range, neg_inf_where,
+                                     parallel_map, workspace)
 
 EXTEND_CHUNK = 512  # keys per chunk
 EXTEND_ROWS = 2048  # query rows (queries x heads) per block: the fp32 score tile is rows x chunk
@@ -32,41 +33,56 @@ def _hidden(q_lo: int, nq: int, k_lo: int, nk: int, window: int) -> torch.Tensor
 def extend_torch(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indptr: list, indices: torch.Tensor,
                  pos0: list, qo_indptr: list, q_pos0: list, out: torch.Tensor, p: Params,
                  sinks: Optional[torch.Tensor], chunk: int = EXTEND_CHUNK, rows: int = EXTEND_ROWS) -> None:
-    """out[t] = attention of query t over the keys of its request visible to it (see `extend_attention`)."""
-    h, d = q.shape[1], q.shape[2]
+    """out[t] = attention of query t over the keys of its request visible to it (see `extend_attention`).
+
+    Query blocks are independent tasks, spread over threads by `parallel_map`; a thread keeps
+    the gathered keys of its last request for its next block of the same request.
+    """
+    block_q = max(1, rows // q.shape[1])
+    tasks = [(b, a, e) for b in range(len(q_pos0)) for a, e in chunks(qo_indptr[b], qo_indptr[b + 1], block_q)]
+    cached = threading.local()  # per thread: (request, K, V) of the request gathered whole
+
+    def block(task: Tuple[int, int, int]) -> None:
+        b, a, e = task
+        _extend_block(q[a:e], out[a:e], k_buf, v_buf, indices[indptr[b]: indptr[b + 1]], pos0[b],
+                      q_pos0[b] + a - qo_indptr[b], (q_pos0[b], qo_indptr[b + 1] - qo_indptr[b]), p, sinks, chunk,
+                      cached, b)
+
+    parallel_map(block, tasks)
+
+
+def _extend_block(qb: torch.Tensor, out: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                  slots: torch.Tensor, pos0: int, qa: int, new: Tuple[int, int], p: Params,
+                  sinks: Optional[torch.Tensor], chunk: int, cached: threading.local, req: int) -> None:
+    """out [nq, H, Dv] for the queries qb [nq, H, D] at positions qa.. of request `req`, whose
+    list `slots` starts at position pos0; new = (position of its first new token, their count)."""
+    nq, h, d = qb.shape
     kvh, dv = k_buf.shape[1], v_buf.shape[2]
     g = h // kvh
-    block_q = max(1, rows // h)
     ws = workspace()
     resident = max(chunk, RESIDENT_BYTES // (kvh * max(d, dv) * p.cdt.itemsize))
-    gather = Gather(k_buf, v_buf, p.cdt, resident, ws)
-    for b in range(len(q_pos0)):
-        t0, t1, n = qo_indptr[b], qo_indptr[b + 1], indptr[b + 1] - indptr[b]
-        slots = indices[indptr[b]: indptr[b + 1]]
-        # every query block reads keys of [span_lo, span_hi): gather them once when they fit
-        span_lo, span_hi = key_range(n, pos0[b], q_pos0[b], q_pos0[b] + t1 - t0 - 1, p.window)
-        whole = span_hi - span_lo <= resident
+    gather = Gather(k_buf, v_buf, p.cdt, resident * kvh, ws)
+    # every block of the request reads keys of [span_lo, span_hi): gather them once when they fit
+    span_lo, span_hi = key_range(slots.numel(), pos0, new[0], new[0] + new[1] - 1, p.window)
+    whole = span_hi - span_lo <= resident
+    if whole and getattr(cached, "req", None) != req:
+        cached.kv = gather(head_rows(slots[span_lo:span_hi], kvh))  # [KVH, keys, D]
+    cached.req = req if whole else None
+    qg = ws.take("qx", (kvh, nq, g, d), p.cdt)
+    qg.copy_(qb.view(nq, kvh, g, d).permute(1, 0, 2, 3)).mul_(p.qk_scale)
+    qg = qg.view(kvh, nq * g, d)
+    state = OnlineSoftmax(kvh, nq * g, dv, p, ws, tag="x")
+    state.reset(None if sinks is None else sinks.view(kvh, 1, g).expand(kvh, nq, g).reshape(kvh, nq * g, 1))
+    lo, hi = key_range(slots.numel(), pos0, qa, qa + nq - 1, p.window)
+    all_lo, all_hi = key_range(slots.numel(), pos0, qa + nq - 1, qa, p.window)  # seen by every query
+    for c0, c1 in chunks(lo, hi, chunk):
+        mask = None
+        if c0 < all_lo or c1 > all_hi:
+            bias = neg_inf_where(_hidden(qa, nq, pos0 + c0, c1 - c0, p.window))
+            mask = lambda s, bias=bias: s.view(kvh, nq, g, -1).add_(bias)  # noqa: E731
         if whole:
-            k_all, v_all = gather(slots[span_lo:span_hi])
-        for a, e in chunks(t0, t1, block_q):
-            nq = e - a
-            qa = q_pos0[b] + (a - t0)  # positions qa .. qa + nq - 1
-            qg = ws.take("qx", (kvh, nq, g, d), p.cdt)
-            qg.copy_(q[a:e].view(nq, kvh, g, d).permute(1, 0, 2, 3)).mul_(p.qk_scale)
-            qg = qg.view(kvh, nq * g, d)
-            state = OnlineSoftmax(kvh, nq * g, dv, p, ws, tag="x")
-            state.reset(None if sinks is None else sinks.view(kvh, 1, g).expand(kvh, nq, g).reshape(kvh, nq * g, 1))
-            lo, hi = key_range(n, pos0[b], qa, qa + nq - 1, p.window)
-            all_lo, all_hi = key_range(n, pos0[b], qa + nq - 1, qa, p.window)  # seen by every query
-            for c0, c1 in chunks(lo, hi, chunk):
-                mask = None
-                if c0 < all_lo or c1 > all_hi:
-                    bias = neg_inf_where(_hidden(qa, nq, pos0[b] + c0, c1 - c0, p.window))
-                    mask = lambda s, bias=bias, nq=nq: s.view(kvh, nq, g, -1).add_(bias)  # noqa: E731
-                if whole:
-                    k, v = k_all[c0 - span_lo: c1 - span_lo], v_all[c0 - span_lo: c1 - span_lo]
-                else:
-                    k, v = gather(slots[c0:c1])
-                state.step(qg, heads_view(k, c1 - c0, 1, kvh), heads_view(v, c1 - c0, 1, kvh), mask)
-            res = state.result().view(kvh, nq, g, dv).permute(1, 0, 2, 3)
-            out[a:e].view(nq, kvh, g, dv).copy_(res)
+            k, v = (t[:, c0 - span_lo: c1 - span_lo] for t in cached.kv)
+        else:
+            k, v = gather(head_rows(slots[c0:c1], kvh))
+        state.step(qg, k, v, mask)
+    out.view(nq, kvh, g, dv).copy_(state.result().view(kvh, nq, g, dv).permute(1, 0, 2, 3))

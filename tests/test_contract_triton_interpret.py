@@ -28,3 +28,9 @@ def hwkv_target():
 @pytest.mark.parametrize("name", ["p1-fp32", "p4-bf16", "sinks-softcap", "gqa4-vdim", "swa-heads", "fp8"])
 def test_outputs_match_reference(hwkv_target, name):  # noqa: F811 - narrows the imported test
     _contract.test_outputs_match_reference(hwkv_target, name, graph=False)
+
+
+def test_small_swa_pool_reuses_released_slots(hwkv_target):  # noqa: F811 - shorter run, same property
+    h = _contract.make(hwkv_target, size=1024, size_swa=64, page_size=4)
+    _contract.run_scenario(h, steps=20, prompt_lens=(9, 11, 6), chunk=5, finish=False)
+    assert 1024 - h.allocator.full_available_size() > 64, "the run must hold more tokens than the SWA pool has"

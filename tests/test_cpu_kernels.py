@@ -96,6 +96,15 @@ def _sinks(h, seed=1):
     return torch.randn(h, generator=torch.Generator().manual_seed(seed)) * 2
 
 
+@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
+def threads(request):
+    """Run with this torch thread count (1: inline; more: split over parallel_map's threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks of a few keys, so that every test crosses chunk and query-block borders."""
@@ -108,7 +117,7 @@ def small_chunks(monkeypatch):
 # ---- decode ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("window", [None, 1, 3, 17, 40])
 @pytest.mark.parametrize("window_list", [True, False])
-def test_decode_matches_reference(small_chunks, window, window_list):
+def test_decode_matches_reference(small_chunks, threads, window, window_list):
     c = Case([1, 17, 33, 2], [1, 1, 1, 1], window=window, window_list=window_list, seed=window or 0)
     _close(c.decode(), c.ref(), TOL[torch.float32])
 
@@ -124,21 +133,30 @@ def test_decode_sinks_softcap_gqa_dv(request, chunked):
     _close(c.decode(logit_cap=30.0), c.ref(30.0), TOL[torch.float32])
 
 
-def test_decode_window_edge_sees_exactly_keys_3_4_5():
-    """W = 3, query at position 5 over the whole (untrimmed) list: keys 3, 4, 5, no other."""
-    c = Case([6], [1], h=2, kvh=1, d=8, dv=6, window=3, window_list=False, seed=4)
+def _edge_case(extend_lens):
+    """6 tokens, W = 3, the whole (untrimmed) list; V of the key at position p is the unit vector
+    e_p, and the last query scores key 2 at 100 / sqrt(8), every other key at 0."""
+    c = Case([6], extend_lens, h=2, kvh=1, d=8, dv=6, window=3, window_list=False, seed=4)
     k = torch.zeros_like(c.k_buf)
     v = torch.zeros_like(c.v_buf)
     for pos, slot in enumerate(c.slots[0].tolist()):
-        v[slot, 0, pos] = 1.0  # value of the key at position p: unit vector e_p
+        v[slot, 0, pos] = 1.0
     k[c.slots[0][2], 0, 0] = 100.0  # key 2 would dominate if it leaked in
     c.k_buf, c.v_buf = k, v
     c.q = torch.zeros_like(c.q)
-    c.q[0, :, 0] = 1.0  # logits: 100 / sqrt(8) for key 2, 0 for every other key
+    c.q[-1, :, 0] = 1.0
+    return c
+
+
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+def test_window_edge_sees_exactly_keys_3_4_5(mode):
+    """W = 3, query at position 5: keys 3, 4, 5 (a third each), no other."""
+    c = _edge_case([1] if mode == "decode" else [6])
+    run = (lambda **kw: c.decode(**kw)) if mode == "decode" else (lambda **kw: c.extend(**kw)[-1:])
     expect = torch.tensor([0, 0, 0, 1 / 3, 1 / 3, 1 / 3]).expand(1, 2, 6)
-    _close(c.decode(), expect, 1e-6)
+    _close(run(), expect, 1e-6)
     sinks = torch.full((2,), math.log(3.0))  # denominator 3 + 3: each visible key gets 1/6
-    _close(c.decode(sinks=sinks), expect / 2, 1e-6)
+    _close(run(sinks=sinks), expect / 2, 1e-6)
 
 
 def test_decode_no_visible_key_outputs_zeros():
@@ -155,7 +173,7 @@ def test_decode_no_visible_key_outputs_zeros():
 # ---- extend ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("window", [None, 1, 3, 9, 64])
 @pytest.mark.parametrize("prefix", [False, True])
-def test_extend_matches_reference(small_chunks, window, prefix):
+def test_extend_matches_reference(small_chunks, threads, window, prefix):
     ext = [7, 13, 1, 30]
     seq = [e + (p if prefix else 0) for e, p in zip(ext, [5, 20, 0, 11])]
     c = Case(seq, ext, window=window, seed=10 + (window or 0))
@@ -208,6 +226,26 @@ def test_scale_tensors_and_bf16_out():
     c = Case([10], [10], h=2, kvh=1, d=8, k_scale=0.5, v_scale=2.0, seed=40)
     c.k_scale, c.v_scale = torch.tensor(0.5), torch.tensor([2.0])
     _close(c.extend(out_dtype=torch.bfloat16), c.ref(), _tol(torch.bfloat16, torch.bfloat16))
+
+
+def test_parallel_map_runs_single_threaded_ops_and_restores(threads):
+    seen = kernels_decode.parallel_map(lambda _: torch.get_num_threads(), range(4))
+    assert seen == [1] * 4
+    assert torch.get_num_threads() == threads
+
+
+def test_parallel_map_restores_threads_on_error(threads):
+    def boom(_):
+        raise ValueError("boom")
+    with pytest.raises(ValueError):
+        kernels_decode.parallel_map(boom, range(3))
+    assert torch.get_num_threads() == threads
+
+
+def test_split_columns_balances_keys():
+    assert kernels_decode._split_columns([4096] * 8, 2, 512) == [(0, 2048), (2048, 4096)]
+    assert kernels_decode._split_columns([100, 50, 10], 2, 8) == [(0, 35), (35, 100)]  # 80 keys each
+    assert kernels_decode._split_columns([5], 2, 16) == [(0, 5)]  # too few keys to split
 
 
 # ---- contracts ------------------------------------------------------------------------------

@@ -62,7 +62,6 @@ def test_backends_fill_the_template_and_specs_resolve():
     for spec, cls in ((hwkv_rocm.DEVICE, ROCmBackend), (hwkv_xpu.DEVICE, XPUBackend), (hwkv_npu.DEVICE, NPUBackend)):
         assert spec.load_backend_class() is cls
         assert spec.load_graph_adapter().__name__.endswith("GraphAdapter")
-        assert cls.graph_adapter == spec.graph_adapter
 
 
 @pytest.mark.parametrize("package", ["hwkv_rocm", "hwkv_xpu", "hwkv_npu"])

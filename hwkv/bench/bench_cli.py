@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
-from hwkv.bench.presets import add_model_arguments, shape_from_args
+from hwkv.bench.presets import ModelShape, add_model_arguments, shape_from_args
 from hwkv.errors import ConfigError, HwkvError, ReferenceMismatchError
+
+if TYPE_CHECKING:  # hwkv.bench.run imports torch: loaded only when `bench` runs
+    from hwkv.bench.run import BenchResult, Target, Workload
 
 BENCH_HELP = "time the hybrid KV attention stack per configuration and batch size, and its KV memory"
 DEFAULT_MODEL = "gpt-oss-20b"
@@ -64,7 +67,7 @@ def _ints(flag: str, text: str) -> Tuple[int, ...]:
     return values
 
 
-def _shape(args: argparse.Namespace) -> Any:
+def _shape(args: argparse.Namespace) -> ModelShape:
     custom = ("layers", "window", "heads", "kv_heads", "head_dim")
     if args.model is None and all(getattr(args, n, None) is None for n in custom):
         args.model = DEFAULT_MODEL
@@ -80,7 +83,7 @@ def _dtype(args: argparse.Namespace, torch_device: str) -> str:
     return args.dtype or kv or ("fp32" if torch_device == "cpu" else "bf16")
 
 
-def _workload(args: argparse.Namespace, dtype: str) -> Any:
+def _workload(args: argparse.Namespace, dtype: str) -> Workload:
     from hwkv.bench.run import Workload
 
     base = QUICK if args.quick else DEFAULTS
@@ -89,7 +92,7 @@ def _workload(args: argparse.Namespace, dtype: str) -> Any:
                     dtype=dtype, seed=args.seed, **v)
 
 
-def _target(name: Optional[str]) -> Any:
+def _target(name: Optional[str]) -> Target:
     from hwkv import devices
     from hwkv.bench.run import Target
     from hwkv.errors import DeviceError
@@ -130,14 +133,14 @@ def _progress(enabled: bool, total: int) -> Tuple[Any, Callable[[str], None]]:
         return None, lambda label: None
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    transient=True)
-    task = bar.add_task("bench", total=total)
+    task = bar.add_task("prefill and graph capture", total=total)
     return bar, lambda label: bar.update(task, advance=1, description=label)
 
 
-def _run(args: argparse.Namespace) -> Any:
+def _run(args: argparse.Namespace) -> BenchResult:
     import torch
 
-    from hwkv.bench.run import run_bench
+    from hwkv.bench.run import run_benchmark
 
     if args.threads is not None:
         if args.threads < 1:
@@ -150,9 +153,13 @@ def _run(args: argparse.Namespace) -> Any:
     total = len(w.batch_sizes) * w.repeats * (w.warmup + w.steps) * len(configs)
     bar, tick = _progress(sys.stdout.isatty() and not args.json, total)
     if bar is None:
-        return run_bench(target, shape, configs, w, args.run_layers, tick)
-    with bar:
-        return run_bench(target, shape, configs, w, args.run_layers, tick)
+        res = run_benchmark(target, shape, configs, w, args.run_layers, tick)
+    else:
+        with bar:
+            res = run_benchmark(target, shape, configs, w, args.run_layers, tick)
+    if target.adapter_factory is None:
+        res.notes.append(f"device {target.name!r} has no graph adapter: graph configurations not run")
+    return res
 
 
 def run_bench(args: argparse.Namespace) -> int:

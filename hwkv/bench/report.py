@@ -21,7 +21,7 @@ def to_dict(res: BenchResult) -> Dict[str, Any]:
     return {
         "schema": SCHEMA,
         "device": {"name": res.target, "torch_device": res.torch_device, "backend": res.backend,
-                   "torch": str(torch.__version__), "threads": torch.get_num_threads()},
+                   "torch": str(torch.__version__), "threads": res.threads},
         "model": {"name": shape.name, "summary": shape.summary(), "num_layers": shape.num_layers,
                   "run_layers": res.run_layers, "run_swa_layers": sum(shape.layer_is_swa[:res.run_layers]),
                   "window": shape.window, "kv_bytes_per_token_all_full": shape.bytes_per_token_all_full},
@@ -43,8 +43,10 @@ def title(res: BenchResult) -> str:
     shape, n = res.model, res.run_layers
     swa = sum(shape.layer_is_swa[:n])
     layers = f"all {n} layers" if n == shape.num_layers else f"running {n} of {shape.num_layers} layers"
+    threads = f", {res.threads} CPU threads" if res.torch_device == "cpu" else ""
     return (f"hwkv bench on {res.target} ({res.backend}): {shape.name}, {layers} "
-            f"({swa} SWA W={shape.window} + {n - swa} full), {res.workload.dtype}, page {res.workload.page_size}")
+            f"({swa} SWA W={shape.window} + {n - swa} full), {res.workload.dtype}, page {res.workload.page_size}"
+            f"{threads}")
 
 
 def caption(res: BenchResult) -> str:
@@ -127,7 +129,10 @@ def plot(res: BenchResult, path: str) -> None:
         rows = [r for r in res.rows if r.config == config]
         xs, ys = [r.batch_size for r in rows], [r.median_ms for r in rows]
         err = [[r.median_ms - r.p10_ms for r in rows], [r.p90_ms - r.median_ms for r in rows]]
-        ax_t.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=config)
+        translation, mode = config.split("/")  # colour: eager or graph; dashed: the per-layer baseline
+        ax_t.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=config,
+                      color="tab:blue" if mode == "eager" else "tab:red",
+                      linestyle="--" if translation == "per-layer" else "-")
     ax_t.set_xscale("log", base=2)
     ax_t.set_xticks(list(res.workload.batch_sizes), [str(b) for b in res.workload.batch_sizes])
     ax_t.set_xlabel("decode batch size")

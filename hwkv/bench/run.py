@@ -1,11 +1,12 @@
-"""`hwkv bench`'s loop: per configuration and batch size, chunked prefill then timed decode steps.
+"""`hwkv bench`'s loop: per batch size one shared pool, on which every configuration takes turns.
 
-Each (configuration, batch size) gets a fresh `hwkv.testing.Harness` whose pools are sized for the
-workload. Requests of mixed prompt lengths are prefilled in chunks (a token budget per forward),
-then decoded for warm-up + timed steps with out-of-window release after every forward. Sampled
-forwards are compared with `hwkv.reference`; a mismatch raises, it is never averaged away.
-Translations are counted by wrapping `pool.translate_loc_from_full_to_swa`; in graph mode the
-calls a captured graph replays are counted once at capture, in an extra eager run of the step.
+Per batch size a `hwkv.testing.Harness` is sized for the workload, and each configuration gets its
+own backend (and graph runner) over that pool. Requests of mixed prompt lengths are prefilled in
+chunks (a token budget per forward), then decoded for warm-up + timed steps, the configurations
+taking turns every step (same load, same drift), with out-of-window release after every forward.
+Sampled forwards are compared with `hwkv.reference`; a mismatch raises, it is never averaged away.
+Translations are counted by wrapping `pool.translate_loc_from_full_to_swa`; the calls a captured
+graph replays are counted once at capture, in an extra eager run of the step.
 """
 from __future__ import annotations
 
@@ -128,6 +129,7 @@ class BenchResult:
     memory: List[MemoryRow] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
     wall_s: float = 0.0
+    threads: int = 0  # torch's CPU threads during the run
 
 
 # ---- counting translations ---------------------------------------------------------------------
@@ -195,6 +197,10 @@ def geometry(shape: ModelShape, run_layers: int) -> ModelGeometry:
     """The Harness geometry of the first `run_layers` layers of `shape` (its layer pattern kept)."""
     if not 1 <= run_layers <= shape.num_layers:
         raise ConfigError(f"run_layers must be in [1, {shape.num_layers}] for {shape.name}, got {run_layers}")
+    if not any(shape.layer_is_swa[:run_layers]):
+        first = f"; its first SWA layer is layer {shape.swa_layer_ids[0]}" if shape.swa_layer_ids else ""
+        raise ConfigError(f"the first {run_layers} layer(s) of {shape.name} hold no SWA layer: nothing hybrid to "
+                          f"benchmark{first}")
     return ModelGeometry(layer_is_swa=shape.layer_is_swa[:run_layers], window=shape.window,
                          num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
                          v_head_dim=shape.v_head_dim, swa_num_heads=shape.swa_num_heads,
@@ -261,7 +267,7 @@ def _finish_forward(h: Harness, arm: _Arm, rids: Sequence[int], lens: Sequence[i
         try:
             arm.max_err = max(arm.max_err, h.check_outputs(rids, lens, inputs, outs))
         except ReferenceMismatchError as e:
-            raise ReferenceMismatchError(f"{arm.config.name}, batch size {len(rids)}, {where}: {e}") from e
+            raise ReferenceMismatchError(f"{arm.config.name}, batch size {len(h.requests)}, {where}: {e}") from e
     h.release()
 
 
@@ -350,8 +356,8 @@ def run_batch_size(target: Target, configs: Sequence[BenchConfig], shape: ModelS
     return [_row(a, bs) for a in arms], mem
 
 
-def run_bench(target: Target, shape: ModelShape, configs: Sequence[str], w: Workload,
-              run_layers: Optional[int] = None, tick: Callable[[str], None] = lambda label: None) -> BenchResult:
+def run_benchmark(target: Target, shape: ModelShape, configs: Sequence[str], w: Workload,
+                  run_layers: Optional[int] = None, tick: Callable[[str], None] = lambda label: None) -> BenchResult:
     """Every configuration at every batch size (rows grouped by configuration)."""
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown or not configs:
@@ -360,7 +366,8 @@ def run_bench(target: Target, shape: ModelShape, configs: Sequence[str], w: Work
         raise ConfigError(f"device {target.name!r} has no graph adapter: drop the graph configurations")
     layers = run_layers or default_run_layers(shape, target.torch_device)
     shape = replace(shape, dtype_bytes=DTYPES[w.dtype].itemsize)
-    res = BenchResult(target.name, target.backend_cls.__name__, target.torch_device, shape, layers, w, list(configs))
+    res = BenchResult(target.name, target.backend_cls.__name__, target.torch_device, shape, layers, w, list(configs),
+                      threads=torch.get_num_threads())
     g, t0, rows = geometry(shape, layers), time.perf_counter(), []
     for bs in w.batch_sizes:
         got, mem = run_batch_size(target, [CONFIGS[c] for c in configs], shape, g, w, bs,
