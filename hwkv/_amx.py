@@ -21,17 +21,6 @@ class CPUFeatures:
     capability: str  # torch.backends.cpu.get_cpu_capability(): DEFAULT, AVX2, AVX512, ...
     sgl_kernel: bool  # importlib.util.find_spec("sgl_kernel") found it; it was not imported
 
-    def attention_path(self) -> tuple[str, str]:
-        """(the CPU attention path hwkv_cpu would take, why)."""
-        if self.sgl_kernel:
-            tiles = "with AMX tiles" if self.amx else f"without AMX ({self.capability})"
-            return "sgl-kernel CPU ops", f"sgl_kernel is installed; CPU runs {tiles}"
-        if self.amx:
-            return ("torch matmul / oneDNN (bf16 on AMX tiles, fp32 on AVX-512)",
-                    "CPU has amx_tile+amx_bf16; sgl_kernel is not installed")
-        return (f"torch matmul / oneDNN (bf16/fp32 on {self.capability})",
-                f"no AMX ({self.reason}); sgl_kernel is not installed")
-
 
 def read_cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[set[str], str]:
     """The first `flags` line of /proc/cpuinfo as a set, and a note when it cannot be had."""

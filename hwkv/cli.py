@@ -60,7 +60,9 @@ def info_data() -> dict[str, Any]:
     except DeviceError as e:
         error = str(e)
     cpu = cpu_features()
-    path, why = cpu.attention_path()
+    from hwkv_cpu.amx import active_path  # the CPU plugin's own choice: one definition of the path
+
+    path, why = active_path()
     return {
         "device": device,
         "forced": forced is not None,
