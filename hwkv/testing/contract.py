@@ -68,6 +68,22 @@ def test_swa_layer_without_swa_loc_raises_and_full_layer_ignores_it(hwkv_target)
     assert torch.equal(h.pool.get_key_buffer(1)[loc], k.to(h.pool.dtype))
 
 
+@pytest.mark.parametrize("dtype, scale", [(torch.float32, None), (torch.float8_e4m3fn, 0.5)], ids=["fp32", "fp8"])
+def test_forward_never_mutates_the_callers_tensors(hwkv_target, dtype, scale):
+    h = make(hwkv_target, dtype=dtype, kv_scale=scale)
+    rid = h.add_request()
+    for n, mode in ((6, ForwardMode.EXTEND), (1, ForwardMode.DECODE)):
+        batch = h.make_batch([rid], [n], mode)
+        inputs = h.random_inputs(n)
+        before = {k: v.clone() for k, v in inputs.items()}
+        seq_before = (batch.seq_lens.clone(), batch.out_cache_loc.clone(), batch.req_pool_indices.clone())
+        h.backend.init_forward_metadata(batch)
+        h.model_step(batch, inputs)
+        assert all(torch.equal(before[k], inputs[k]) for k in inputs), "a caller's q/k/v was modified"
+        assert all(torch.equal(a, b) for a, b in zip(seq_before, (batch.seq_lens, batch.out_cache_loc,
+                                                                  batch.req_pool_indices)))
+
+
 # ---- translation exactly once per forward --------------------------------------------------------
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 def test_one_translation_per_forward_with_many_swa_layers(hwkv_target, graph):
