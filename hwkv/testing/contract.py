@@ -148,6 +148,23 @@ def test_batch_larger_than_every_bucket_runs_eagerly(hwkv_target):
     assert h.runner.eager_runs == 1 and outs[0].shape[0] == 3
 
 
+def test_speculative_verify_through_graphs_reads_swa_slots(hwkv_target):
+    """TARGET_VERIFY (3 draft tokens per request) replayed from graphs over a small SWA pool (a 32nd
+    of the full pool), slots released and reused between steps: window lists hold SWA slots."""
+    h = make(hwkv_target, size=1024, size_swa=32)
+    h.enable_graphs([1, 2], hwkv_target.adapter_factory(), mode=ForwardMode.TARGET_VERIFY, tokens_per_req=3)
+    rids = [h.add_request() for _ in range(2)]
+    h.forward(rids, [9, 14], ForwardMode.EXTEND)
+    h.release()
+    for _ in range(6):
+        h.forward(rids, [3, 3], ForwardMode.TARGET_VERIFY)  # checked against the reference inside
+        h.release()
+        h.check_integrity()
+    h.forward(rids[:1], [3], ForwardMode.TARGET_VERIFY)
+    assert h.runner.replays == 7 and h.runner.eager_runs == 0
+    assert 1024 - h.allocator.full_available_size() > 32, "released SWA slots must have been reused"
+
+
 # ---- outputs against the reference ---------------------------------------------------------------
 SCENARIOS = {
     "p1-fp32": dict(page_size=1),

@@ -220,8 +220,8 @@ class Harness:
         return batch, self.random_inputs(batch.num_tokens)
 
     def step(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
-        """The backend's part: metadata once, then every layer (a graph replay for decode when graphs are on)."""
-        if self.runner is not None and batch.forward_mode == ForwardMode.DECODE:
+        """The backend's part: metadata once, then every layer (a graph replay for the runner's mode)."""
+        if self.runner is not None and batch.forward_mode == self.runner.mode:
             return self.runner.run(batch, inputs)
         self.backend.init_forward_metadata(batch)
         return self.model_step(batch, inputs)
@@ -272,15 +272,17 @@ class Harness:
         self.max_err = max(self.max_err, worst)
         return worst
 
-    def enable_graphs(self, batch_sizes: Sequence[int], adapter: Any = None) -> GraphRunner:
-        """Decode through a GraphRunner with these buckets (captured now)."""
+    def enable_graphs(self, batch_sizes: Sequence[int], adapter: Any = None, mode: ForwardMode = ForwardMode.DECODE,
+                      tokens_per_req: int = 1) -> GraphRunner:
+        """Run `mode` forwards (decode, or e.g. TARGET_VERIFY with a fixed draft length) through a
+        GraphRunner with these buckets (captured now)."""
         shapes = {}
         dt = self.dtype if self.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.bfloat16
         for l in self.layers:
             shapes[f"q{l.layer_id}"] = ((l.num_heads, l.head_dim), dt)
             shapes[f"k{l.layer_id}"] = ((l.num_kv_heads, l.head_dim), dt)
             shapes[f"v{l.layer_id}"] = ((l.num_kv_heads, l.v_head_dim), dt)
-        self.runner = GraphRunner(self.backend, self.model_step, batch_sizes, shapes, adapter)
+        self.runner = GraphRunner(self.backend, self.model_step, batch_sizes, shapes, adapter, mode, tokens_per_req)
         self.runner.capture()
         return self.runner
 
