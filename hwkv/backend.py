@@ -95,8 +95,7 @@ class AttentionBackend:
         write_loc = KVWriteLoc(batch.out_cache_loc, swa)
         seq = batch.seq_lens.to(torch.int64)
         ext = batch.extend_lens().to(torch.int64)
-        seq_cpu = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else seq.cpu()
-        ext_cpu = ext.cpu()
+        seq_cpu, ext_cpu = batch.host_lens()
         q_pos0 = seq - ext
         bs = batch.batch_size
         i32 = dict(dtype=torch.int32, device=self.device)
@@ -112,7 +111,8 @@ class AttentionBackend:
             windows[w] = self._eager_list(batch, seq, pos0, int(lens_cpu.sum()), w,
                                           int(lens_cpu.max()) if bs else 0)
         md = ForwardMetadata(write_loc, swa, qo_indptr, q_pos0, full, windows,
-                             int(ext_cpu.max()) if bs else 0, bs, batch.forward_mode.is_decode())
+                             int(ext_cpu.max()) if bs else 0, bs, batch.forward_mode.is_decode(),
+                             seq_lens_cpu=seq_cpu, extend_lens_cpu=ext_cpu)
         self.init_kernel_metadata(md, batch, graph=False)
         self.forward_metadata = md
         return md

@@ -34,7 +34,8 @@ class ForwardBatch:
     """One forward: requests' rows, lengths after this forward, and the new tokens' full-pool locs.
 
     `extend_prefix_lens`/`extend_seq_lens` are required for extend-like modes; for DECODE each
-    request adds one token. `seq_lens_cpu` (optional) lets eager extend size its grid without a sync.
+    request adds one token. `seq_lens_cpu`/`extend_seq_lens_cpu` (optional host copies, as engines
+    keep them) let the eager metadata step size its lists without a host sync.
     """
 
     forward_mode: ForwardMode
@@ -47,6 +48,7 @@ class ForwardBatch:
     positions: Optional[torch.Tensor] = None
     spec_info: Any = None
     seq_lens_cpu: Optional[torch.Tensor] = None
+    extend_seq_lens_cpu: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         if self.forward_mode.is_idle():
@@ -70,3 +72,15 @@ class ForwardBatch:
         if self.forward_mode.is_decode():
             return torch.ones_like(self.seq_lens)
         return self.extend_seq_lens
+
+    def host_lens(self) -> "tuple[torch.Tensor, torch.Tensor]":
+        """(seq_lens, extend lens) as int64 CPU tensors: the engine's host copies when given
+        (no sync), else one device-to-host read each; DECODE's extend lens are known ones."""
+        seq = self.seq_lens_cpu if self.seq_lens_cpu is not None else self.seq_lens.cpu()
+        if self.forward_mode.is_decode():
+            ext = torch.ones(self.batch_size, dtype=torch.int64)
+        elif self.extend_seq_lens_cpu is not None:
+            ext = self.extend_seq_lens_cpu
+        else:
+            ext = self.extend_seq_lens.cpu()
+        return seq.to(torch.int64), ext.to(torch.int64)

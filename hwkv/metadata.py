@@ -37,6 +37,8 @@ class ForwardMetadata:
     batch_size: int
     is_decode: bool
     extra: Dict[str, Any] = field(default_factory=dict)
+    seq_lens_cpu: Optional[torch.Tensor] = None     # host copies (eager only; None in graph mode)
+    extend_lens_cpu: Optional[torch.Tensor] = None
 
     def list_for(self, layer: Any, swa_group: bool) -> KVIndexList:
         """The index list a layer reads: its window's list when it has one, else the full list."""

@@ -63,8 +63,7 @@ class NPUBackend(AttentionBackend):
         if graph or self.fused_reason is not None or md.batch_size == 0:
             return
         p = self.page_size
-        seq = (batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens.cpu()).to(torch.int64)
-        ext = batch.extend_lens().to(torch.int64).cpu()
+        seq, ext = md.seq_lens_cpu, md.extend_lens_cpu  # the base class's host copies: no second sync
         plans: Dict[Optional[int], npu_ops.FIAPlan] = {}
         if md.is_decode and p % 16 == 0:
             plans[None] = self._plan(md.full, torch.zeros_like(seq), seq, decode=True)

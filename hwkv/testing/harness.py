@@ -168,7 +168,7 @@ class Harness:
         dev = dict(dtype=torch.int64, device=self.device)
         return ForwardBatch(mode, len(reqs), torch.tensor([r.row for r in reqs], **dev), torch.tensor(seq, **dev),
                             loc, torch.tensor(prefix, **dev), torch.tensor(list(new_lens), **dev),
-                            seq_lens_cpu=torch.tensor(seq))
+                            seq_lens_cpu=torch.tensor(seq), extend_seq_lens_cpu=torch.tensor(list(new_lens)))
 
     def random_inputs(self, n: int) -> Dict[str, torch.Tensor]:
         """q, k, v per layer for n new tokens (in the pool's dtype, as an engine would hand them)."""
