@@ -124,13 +124,14 @@ def extend_case(args) -> List[Tuple]:
 
 
 def cpu_name() -> str:
+    """The CPU's model name for the table header (says why when it cannot be read)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
                 if line.startswith("model name"):
                     return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    except OSError as e:
+        return f"{platform.processor() or 'unknown CPU'} (/proc/cpuinfo unreadable: {e})"
     return platform.processor() or "unknown CPU"
 
 

@@ -20,7 +20,7 @@ from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, EvictedSlotError, ShapeError
 from hwkv.layer import AttentionLayer
 from hwkv.loc import KVWriteLoc, SWALocCache
-from hwkv.metadata import (ForwardMetadata, KVIndexList, StaticBuffers, alloc_static, check_fits,
+from hwkv.metadata import (ForwardMetadata, KVIndexList, StaticBuffers, alloc_static, check_fits, cumsum_into,
                            fill_list, window_pos0)
 
 
@@ -98,15 +98,13 @@ class AttentionBackend:
         seq_cpu, ext_cpu = batch.host_lens()
         q_pos0 = seq - ext
         bs = batch.batch_size
-        i32 = dict(dtype=torch.int32, device=self.device)
-        qo_indptr = torch.zeros(bs + 1, **i32)
-        qo_indptr[1:] = ext.cumsum(0)
+        qo_indptr = cumsum_into(ext, torch.empty(bs + 1, dtype=torch.int32, device=self.device))
         full = self._eager_list(batch, seq, torch.zeros_like(seq), int(seq_cpu.sum()), None,
                                 int(seq_cpu.max()) if bs else 0)
         windows = {}
         for w in self.windows:
             pos0 = window_pos0(q_pos0, w)
-            pos0_cpu = (seq_cpu - ext_cpu - (w - 1)).clamp(min=0)
+            pos0_cpu = window_pos0(seq_cpu - ext_cpu, w)  # the same rule on the host copies, for sizes
             lens_cpu = seq_cpu - pos0_cpu
             windows[w] = self._eager_list(batch, seq, pos0, int(lens_cpu.sum()), w,
                                           int(lens_cpu.max()) if bs else 0)
@@ -150,6 +148,15 @@ class AttentionBackend:
         ctx = max_context_len or self.req_to_token_pool.max_context_len
         if max_bs < 1 or max_num_tokens < max_bs:
             raise ConfigError(f"max_bs={max_bs} must be >= 1 and max_num_tokens={max_num_tokens} >= max_bs")
+        st = self.static
+        if st is not None:
+            # graphs already captured point into these buffers: reallocating them would leave
+            # those graphs reading freed memory, so a second runner (e.g. verify beside decode) shares them
+            if max_bs <= st.max_bs and max_num_tokens <= st.max_num_tokens and ctx <= self.graph_max_context_len:
+                return
+            raise ConfigError(f"graph state exists for max_bs={st.max_bs}, max_num_tokens={st.max_num_tokens}, "
+                              f"context {self.graph_max_context_len}; asked for {max_bs}/{max_num_tokens}/{ctx}: "
+                              "call init_graph_state once with the largest sizes before capturing any graph")
         self.static = alloc_static(max_bs, max_num_tokens, ctx, self.windows, self.device)
         self.loc_cache.alloc_graph_buffer(max_num_tokens, self.device)
         self.graph_max_context_len = ctx
@@ -168,11 +175,13 @@ class AttentionBackend:
         rtt = self.req_to_token_pool.req_to_token
         seq = st.lens[:bs]
         seq.copy_(batch.seq_lens)
-        ext = batch.extend_lens().to(torch.int64)
-        q_pos0 = torch.sub(seq, ext, out=st.q_pos0[:bs])
         qo_indptr = st.qo_indptr[:bs + 1]
-        qo_indptr[:1].zero_()
-        qo_indptr[1:].copy_(ext.cumsum(0))
+        if batch.forward_mode.is_decode():  # one query per request: nothing to sum
+            q_pos0 = torch.sub(seq, 1, out=st.q_pos0[:bs])
+            qo_indptr.copy_(st.arange[:bs + 1])
+        else:
+            q_pos0 = torch.sub(seq, batch.extend_seq_lens, out=st.q_pos0[:bs])
+            cumsum_into(batch.extend_seq_lens, qo_indptr)
         full_pos0 = st.full_pos0[:bs]
         full_pos0.zero_()
         fill_list(rtt, batch.req_pool_indices, seq, full_pos0, st.full_indptr[:bs + 1], st.full_indices)

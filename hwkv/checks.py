@@ -1,7 +1,7 @@
 """Argument checks at the boundary: each names the argument, what was expected and what came."""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -44,3 +44,15 @@ def check_shape(name: str, t: torch.Tensor, expected: Sequence[Optional[int]]) -
     if not ok:
         want = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
         raise ShapeError(f"{name} has shape {list(t.shape)}, expected {want}")
+
+
+def scale_value(name: str, scale: Union[None, float, int, torch.Tensor]) -> float:
+    """A K/V scale as a host float (None -> 1.0). A tensor scale costs one host read: layers
+    convert theirs once at construction, so kernels on the hot path only ever see floats."""
+    if scale is None:
+        return 1.0
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ShapeError(f"{name} must be a scalar, got shape {list(scale.shape)}")
+        return float(scale.item())
+    return float(scale)

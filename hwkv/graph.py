@@ -106,7 +106,9 @@ class GraphRunner:
             self.graphs[bs] = _Captured(graph, out)
 
     def _pad(self, bs_pad: int, live: int) -> None:
-        """Padded requests: row 0, length 1, write to the padding slot 0."""
+        """Padded requests: row 0, length 1, write to the padding slot 0 (nothing to do at bucket size)."""
+        if live == bs_pad:
+            return
         self.req_pool_indices[live:bs_pad].zero_()
         self.seq_lens[live:bs_pad].fill_(self.tpr)
         self.out_cache_loc[live * self.tpr:bs_pad * self.tpr].zero_()

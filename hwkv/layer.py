@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from hwkv.checks import scale_value
 from hwkv.errors import ConfigError
 from hwkv.window import no_window
 
@@ -38,6 +39,9 @@ class AttentionLayer:
             raise ConfigError(f"sliding_window={self.sliding_window} must be >= 1 (or None for full attention)")
         if self.sinks is not None and tuple(self.sinks.shape) != (self.num_heads,):
             raise ConfigError(f"sinks has shape {tuple(self.sinks.shape)}, expected ({self.num_heads},)")
+        # scales become host floats here, once, so no layer forward ever reads a device scalar
+        self.k_scale = None if self.k_scale is None else scale_value("k_scale", self.k_scale)
+        self.v_scale = None if self.v_scale is None else scale_value("v_scale", self.v_scale)
         if self.logit_cap < 0:
             raise ConfigError(f"logit_cap={self.logit_cap} must be >= 0 (0 = off)")
 

@@ -62,6 +62,7 @@ class StaticBuffers:
 
     max_bs: int
     max_num_tokens: int
+    arange: torch.Tensor  # int32 [max_bs + 1]: decode's qo_indptr, written once
     qo_indptr: torch.Tensor
     q_pos0: torch.Tensor
     lens: torch.Tensor
@@ -82,7 +83,7 @@ def alloc_static(max_bs: int, max_num_tokens: int, max_context_len: int, windows
     full_cap = max_bs * max_context_len
     win_cap = {w: min(full_cap, max_num_tokens + max_bs * (w - 1)) for w in windows}
     return StaticBuffers(
-        max_bs, max_num_tokens,
+        max_bs, max_num_tokens, torch.arange(max_bs + 1, **i32),
         torch.zeros(max_bs + 1, **i32), torch.zeros(max_bs, **i64), torch.zeros(max_bs, **i64),
         torch.zeros(max_bs + 1, **i32), torch.zeros(max_bs, **i64), torch.zeros(full_cap, **i64),
         {w: torch.zeros(max_bs + 1, **i32) for w in windows},
@@ -94,7 +95,10 @@ def alloc_static(max_bs: int, max_num_tokens: int, max_context_len: int, windows
 def cumsum_into(lens: torch.Tensor, indptr: torch.Tensor) -> torch.Tensor:
     """indptr[0] = 0, indptr[1:] = cumsum(lens), written in place (int32); no host sync."""
     indptr[:1].zero_()
-    torch.cumsum(lens, 0, out=indptr[1:]) if indptr.dtype == lens.dtype else indptr[1:].copy_(lens.cumsum(0))
+    if indptr.dtype == lens.dtype:
+        torch.cumsum(lens, 0, out=indptr[1:])
+    else:
+        indptr[1:].copy_(lens.cumsum(0))
     return indptr
 
 

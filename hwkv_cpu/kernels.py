@@ -18,7 +18,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from hwkv.checks import check_shape
+from hwkv.checks import check_shape, scale_value
 from hwkv.errors import LocError, ShapeError
 from hwkv_cpu import amx
 from hwkv_cpu.kernels_decode import Params, decode_torch, key_range
@@ -29,25 +29,15 @@ Scale = Union[None, float, int, torch.Tensor]
 __all__ = ["decode_attention", "extend_attention"]
 
 
-def _as_scale(name: str, scale: Scale) -> float:
-    if scale is None:
-        return 1.0
-    if isinstance(scale, torch.Tensor):
-        if scale.numel() != 1:
-            raise ShapeError(f"{name} must be a scalar, got shape {list(scale.shape)}")
-        return float(scale.item())
-    return float(scale)
-
-
 def _scalars(q: torch.Tensor, scaling: Optional[float], window: Optional[int], logit_cap: Optional[float],
              k_scale: Scale, v_scale: Scale) -> Tuple[float, float, float, int]:
     """(qk_scale, cap, v_scale, window) as the ops take them: scaling * k_scale folded into q
     (divided by the cap when soft-capping), cap 0 = off, window 0 = none."""
-    scale = (1.0 / math.sqrt(q.shape[-1]) if scaling is None else float(scaling)) * _as_scale("k_scale", k_scale)
+    scale = (1.0 / math.sqrt(q.shape[-1]) if scaling is None else float(scaling)) * scale_value("k_scale", k_scale)
     cap = float(logit_cap or 0.0)
     if cap <= 0:
-        return scale, 0.0, _as_scale("v_scale", v_scale), int(window) if window and window > 0 else 0
-    return scale / cap, cap, _as_scale("v_scale", v_scale), int(window) if window and window > 0 else 0
+        return scale, 0.0, scale_value("v_scale", v_scale), int(window) if window and window > 0 else 0
+    return scale / cap, cap, scale_value("v_scale", v_scale), int(window) if window and window > 0 else 0
 
 
 def _check_common(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,

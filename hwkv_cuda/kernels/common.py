@@ -13,13 +13,19 @@ import torch
 import triton
 import triton.language as tl
 
+from hwkv.checks import check_shape, scale_value
 from hwkv.errors import ShapeError
+from hwkv.ops import FP8_DTYPES
 
 LOG2E = tl.constexpr(1.4426950408889634)
 NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: keeps exp2(m_old - m_new) free of NaN
 
-FP8_MAX = {d: float(torch.finfo(d).max)
-           for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d}
+FP8_MAX = {d: float(torch.finfo(d).max) for d in FP8_DTYPES}
+
+
+def as_scale(scale: Union[None, float, int, torch.Tensor]) -> float:
+    """K/V scale as a host float: the core's one definition (`hwkv.checks.scale_value`)."""
+    return scale_value("k_scale/v_scale", scale)
 
 
 def interpreting() -> bool:
@@ -29,10 +35,15 @@ def interpreting() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of `device` (a small stand-in under the interpreter)."""
-    if device.type != "cuda" or interpreting():
+    """Streaming multiprocessors of `device` (Xe-cores on XPU; a small stand-in under the interpreter)."""
+    if interpreting():
         return 2
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    if device.type == "xpu":  # an Xe-core (subslice) is the SM's counterpart
+        props = torch.xpu.get_device_properties(device)
+        return int(getattr(props, "gpu_subslice_count", 0) or props.max_compute_units)
+    return 2
 
 
 def pow2(n: int, floor: int = 16) -> int:
@@ -45,23 +56,9 @@ def dot_in_fp32(q: torch.Tensor) -> bool:
     return q.dtype == torch.float32 or interpreting()
 
 
-def as_scale(scale: Union[None, float, int, torch.Tensor]) -> float:
-    """A K/V scale as a host float (None -> 1.0). A tensor scale costs one host read; pass floats."""
-    if scale is None:
-        return 1.0
-    if isinstance(scale, torch.Tensor):
-        if scale.numel() != 1:
-            raise ShapeError(f"k_scale/v_scale must be a scalar, got shape {list(scale.shape)}")
-        return float(scale.item())
-    return float(scale)
-
-
 def check_dims(name: str, t: torch.Tensor, expected: Sequence[Optional[int]]) -> None:
     """`t.shape` must match `expected` (None = any size) and its last dim must be contiguous."""
-    ok = t.dim() == len(expected) and all(e is None or e == s for e, s in zip(expected, t.shape))
-    if not ok:
-        want = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
-        raise ShapeError(f"{name} has shape {list(t.shape)}, expected {want}")
+    check_shape(name, t, expected)
     if t.numel() and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ShapeError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
 
