@@ -1,8 +1,15 @@
 """Token and page allocators, the SWA allocator that owns the full->SWA table, and ReqToTokenPool.
 
-Bookkeeping (free pages, page states) lives on the host, like an engine's scheduler; the
-returned locs and the `full_to_swa_index_mapping` table live on the pool's device.
-Every error is raised before any state changes.
+Free pages, reference counts and the table live on the pool's device (`hwkv.pages`): a whole
+batch is allocated, freed or released in a constant number of device ops (one Triton launch
+on GPUs), with no per-request Python and no host sync. Sizes come from host values: the
+arguments, or the `*_cpu` copies an engine keeps. Checks that need device values (double
+free, never allocated) run first and raise before any change on CPU and with HWKV_DEBUG=1;
+otherwise the device op skips the bad pages, records the first one and the next call that
+synchronizes anyway (`available_size`, `check_integrity`) raises it.
+
+A full page and its SWA page are paired whole: `full_to_swa_index_mapping[F*P + o] = S*P + o`
+for every offset o of a live pair, so continuing a partial page needs no lookup.
 """
 from __future__ import annotations
 
@@ -10,132 +17,216 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, DoubleFreeError, LocError, NotAllocatedError, OutOfSlotsError
+from hwkv.pages import (ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_RANGE, ERR_SWA_RELEASED, NEVER,
+                        PageRing, page_ops_for)
 
-NEVER, LIVE, FREED = 0, 1, 2
 IntsLike = Union[torch.Tensor, Sequence[int]]
+I64 = torch.int64
 
 
-def _ints(name: str, x: IntsLike) -> List[int]:
+def _host_ints(name: str, x: IntsLike, host: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """int64 CPU copy of x: the given host copy, x itself when on the CPU, else one device read."""
+    if isinstance(x, torch.Tensor) and x.dtype.is_floating_point:
+        raise LocError(f"{name} must hold integers, got {x.dtype}")
+    if host is not None:
+        x = host
     if isinstance(x, torch.Tensor):
-        if x.dtype.is_floating_point:
-            raise LocError(f"{name} must hold integers, got {x.dtype}")
-        return [int(v) for v in x.reshape(-1).tolist()]
-    return [int(v) for v in x]
+        return x.reshape(-1).to("cpu", I64)
+    return torch.tensor([int(v) for v in x], dtype=I64, device="cpu")
 
 
-def _locs_cpu(name: str, loc: torch.Tensor) -> torch.Tensor:
-    if not isinstance(loc, torch.Tensor) or loc.dtype != torch.int64:
-        raise LocError(f"{name} must be an int64 tensor, got {getattr(loc, 'dtype', type(loc).__name__)}")
-    return loc.reshape(-1).cpu()
+def _on_device(device: torch.device, x: IntsLike, host: torch.Tensor) -> torch.Tensor:
+    """x as an int64 tensor on `device` (no copy when it already is one)."""
+    if isinstance(x, torch.Tensor) and x.device.type == device.type:
+        return x.reshape(-1).to(I64)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)  # pinned: the copy does not stall the host
+
+
+def _check_loc_tensor(loc: object) -> torch.Tensor:
+    if not isinstance(loc, torch.Tensor) or loc.dtype != I64:
+        raise LocError(f"loc must be an int64 tensor, got {getattr(loc, 'dtype', type(loc).__name__)}")
+    return loc.reshape(-1)
+
+
+class _Batch:
+    """One alloc_extend/alloc_decode call, checked on the host: device lens, host lens, page counts."""
+
+    def __init__(self, prefix_cpu: torch.Tensor, seq_cpu: torch.Tensor, n_last: int, n: int, page: int) -> None:
+        if not prefix_cpu.numel() == seq_cpu.numel() == n_last:
+            raise LocError(f"prefix_lens ({prefix_cpu.numel()}), seq_lens ({seq_cpu.numel()}) and last_loc "
+                           f"({n_last}) must have one entry per request")
+        ext = seq_cpu - prefix_cpu
+        if ext.numel() and int(ext.min()) < 0:
+            b = int(torch.argmin(ext))
+            raise LocError(f"seq_len {int(seq_cpu[b])} is shorter than prefix_len {int(prefix_cpu[b])} (request {b})")
+        if ext.numel() and int(prefix_cpu.min()) < 0:
+            raise LocError(f"prefix_lens must be >= 0, got {int(prefix_cpu.min())}")
+        total = int(ext.sum())
+        if total != n:
+            raise LocError(f"extend_num_tokens={n} but seq_lens - prefix_lens sum to {total}")
+        self.cont = torch.minimum(ext, torch.remainder(-prefix_cpu, page))  # tokens continuing a partial page
+        self.pages = int(((ext - self.cont + page - 1) // page).sum())
+        self.n = n
 
 
 class PagedTokenToKVPoolAllocator:
     """Slots in pages of `page_size`; page 0 (slots [0, page_size)) is the padding page."""
 
-    def __init__(self, size: int, page_size: int, device: Union[str, torch.device]) -> None:
-        if page_size < 1 or size < 0 or size % page_size:
+    def __init__(self, size: int, page_size: int, device: Union[str, torch.device], name: str = "full") -> None:
+        if not isinstance(page_size, int) or not isinstance(size, int) or page_size < 1 or size < 0 or size % page_size:
             raise ConfigError(f"size={size} must be a non-negative multiple of page_size={page_size} >= 1")
         self.size, self.page_size, self.device = size, page_size, torch.device(device)
         self.num_pages = size // page_size
-        self.clear()
+        self.pages = PageRing(self.num_pages, page_size, self.device, name)
+        self._ops = page_ops_for(self.device)
+        # check device values before changing anything: free on CPU, a host sync elsewhere (debug only)
+        self._immediate = self.device.type == "cpu" or HWKV_DEBUG.get()
+        self._who = torch.zeros(self.num_pages + 1, dtype=I64, device=self.device)  # free()'s dedup scratch
 
+    # ---- the parts the hybrid allocator overrides ------------------------------------------------
+    @property
+    def _swa(self) -> Optional[PageRing]:
+        return None
+
+    @property
+    def _mapping(self) -> Optional[torch.Tensor]:
+        return None
+
+    def _rings(self) -> Tuple[PageRing, ...]:
+        return (self.pages,)
+
+    # ---- sizes --------------------------------------------------------------------------------------
     def clear(self) -> None:
         """Forget every allocation: all pages free, never allocated."""
-        self._free = list(range(self.num_pages, 0, -1))  # a stack; pop() gives low pages first
-        self._state = torch.zeros(self.num_pages + 1, dtype=torch.int8)
+        for r in self._rings():
+            r.reset()
 
     def available_size(self) -> int:
-        return len(self._free) * self.page_size
+        """Free slots (reads the device; raises a deferred free/release error first)."""
+        self.pages.raise_pending()
+        return self.pages.free_pages() * self.page_size
 
-    def _take_pages(self, k: int) -> torch.Tensor:
-        if k > len(self._free):
-            raise OutOfSlotsError(f"need {k} pages ({k * self.page_size} slots), only {len(self._free)} "
-                                  f"pages ({self.available_size()} slots) are free")
-        pages = [self._free.pop() for _ in range(k)]
-        t = torch.tensor(pages, dtype=torch.int64)
-        self._state[t] = LIVE
-        return t
+    def _check_room(self, pages: int) -> None:
+        for r in self._rings():
+            if not r.has_room(pages):
+                raise OutOfSlotsError(f"need {pages} pages ({pages * self.page_size} slots) in the {r.name} pool, "
+                                      f"only {r.free_pages() * self.page_size} slots are free")
 
-    def _check_pages_live(self, pages: torch.Tensor, what: str = "slot") -> None:
+    # ---- allocation -----------------------------------------------------------------------------------
+    def alloc(self, need_size: int) -> torch.Tensor:
+        """`need_size` slots in whole pages (a multiple of page_size), pages in ring order."""
+        if not isinstance(need_size, int) or need_size < 0 or need_size % self.page_size:
+            raise ConfigError(f"alloc({need_size}) must be a non-negative multiple of page_size={self.page_size}")
+        return self.alloc_extend([0], [need_size], [0], need_size)
+
+    def alloc_extend(self, prefix_lens: IntsLike, seq_lens: IntsLike, last_loc: IntsLike, extend_num_tokens: int, *,
+                     prefix_lens_cpu: Optional[torch.Tensor] = None,
+                     seq_lens_cpu: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Slots for tokens [prefix_len, seq_len) of each request; `last_loc` = slot of token prefix_len-1.
+
+        Device tensors need their host copies (`*_cpu`) to stay free of host syncs; lists work too.
+        """
+        pre_cpu = _host_ints("prefix_lens", prefix_lens, prefix_lens_cpu)
+        seq_cpu = _host_ints("seq_lens", seq_lens, seq_lens_cpu)
+        n_last = last_loc.numel() if isinstance(last_loc, torch.Tensor) else len(last_loc)
+        plan = _Batch(pre_cpu, seq_cpu, n_last, int(extend_num_tokens), self.page_size)
+        last_cpu = None if isinstance(last_loc, torch.Tensor) and last_loc.device.type != "cpu" else \
+            _host_ints("last_loc", last_loc)
+        return self._alloc(_on_device(self.device, prefix_lens, pre_cpu), _on_device(self.device, seq_lens, seq_cpu),
+                           last_loc if last_cpu is None else _on_device(self.device, last_loc, last_cpu),
+                           plan, decode=False)
+
+    def alloc_decode(self, seq_lens: IntsLike, last_loc: IntsLike, *,
+                     seq_lens_cpu: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One slot per request for token seq_len-1 (seq_lens are lengths after this step).
+
+        At page size 1 nothing is read from the device even without `seq_lens_cpu`.
+        """
+        bs = seq_lens.numel() if isinstance(seq_lens, torch.Tensor) else len(seq_lens)
+        if self.page_size == 1 and seq_lens_cpu is None and isinstance(seq_lens, torch.Tensor):
+            seq_cpu = None  # every request takes a fresh page: the count is the batch size
+        else:
+            seq_cpu = _host_ints("seq_lens", seq_lens, seq_lens_cpu)
+        n_last = last_loc.numel() if isinstance(last_loc, torch.Tensor) else len(last_loc)
+        if seq_cpu is None:
+            if n_last != bs:
+                raise LocError(f"seq_lens ({bs}) and last_loc ({n_last}) must have one entry per request")
+            plan = _Batch.__new__(_Batch)
+            plan.cont, plan.pages, plan.n = None, bs, bs
+            seq_dev = seq_lens.reshape(-1).to(I64)
+        else:
+            if seq_cpu.numel() and int(seq_cpu.min()) < 1:
+                raise LocError(f"decode seq_lens must be >= 1, got {int(seq_cpu.min())}")
+            plan = _Batch(seq_cpu - 1, seq_cpu, n_last, bs, self.page_size)
+            seq_dev = _on_device(self.device, seq_lens, seq_cpu)
+        last_dev = last_loc.reshape(-1).to(I64) if isinstance(last_loc, torch.Tensor) and \
+            last_loc.device.type == self.device.type else _on_device(self.device, last_loc,
+                                                                       _host_ints("last_loc", last_loc))
+        return self._alloc(None, seq_dev, last_dev, plan, decode=True)
+
+    def _alloc(self, prefix: Optional[torch.Tensor], seq: torch.Tensor, last: torch.Tensor, plan: _Batch,
+               decode: bool) -> torch.Tensor:
+        self._check_room(plan.pages)
+        if self._immediate:
+            self._check_continuations(prefix, seq, last, plan, decode)
+        out = torch.empty(plan.n, dtype=I64, device=self.device)
+        if plan.n == 0:
+            return out
+        heads = [r.take(plan.pages) for r in self._rings()]
+        ops = self._ops or TORCH_OPS
+        ops.alloc_extend(self.pages, self._swa, self._mapping, prefix, seq, last, out, plan.pages, heads, decode)
+        return out
+
+    def _check_continuations(self, prefix, seq, last, plan, decode) -> None:
+        """Hybrid only: a request continuing a partial page must still own that page's SWA slots."""
+
+    # ---- free -------------------------------------------------------------------------------------------
+    def free(self, loc: torch.Tensor) -> None:
+        """Drop a reference to the pages holding `loc` (a request's slots); pages reaching 0 go back."""
+        loc = _check_loc_tensor(loc)
+        if loc.numel() == 0:
+            return
+        if self._immediate:
+            self._check_free(loc, swa_only=False)
+        (self._ops or TORCH_OPS).free_pages(self.pages, self._swa, self._mapping, loc, False, self._who)
+        self._after_push()
+
+    def _after_push(self) -> None:
+        for r in self._rings():
+            r.snapshot_tail()
+
+    def _check_free(self, loc: torch.Tensor, swa_only: bool) -> None:
+        """Raise what the device op would record, before anything changes (CPU, debug mode)."""
+        full = self.pages
+        pages = torch.unique(loc.cpu() // self.page_size)
         bad = pages[(pages < 1) | (pages > self.num_pages)]
         if bad.numel():
-            raise LocError(f"page {int(bad[0])} of a {what} to free is outside [1, {self.num_pages}]")
-        st = self._state[pages]
-        if (st == NEVER).any():
-            p = int(pages[st == NEVER][0])
-            raise NotAllocatedError(f"{what} page {p} (slots {p * self.page_size}..) was never allocated")
-        if (st == FREED).any():
-            p = int(pages[st == FREED][0])
-            raise DoubleFreeError(f"{what} page {p} (slots {p * self.page_size}..) is already free")
-
-    def _release_pages(self, pages: torch.Tensor) -> None:
-        self._state[pages] = FREED
-        self._free.extend(pages.tolist())
-
-    def _page_locs(self, pages: torch.Tensor) -> torch.Tensor:
-        return (pages[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
-
-    def alloc(self, need_size: int) -> torch.Tensor:
-        """`need_size` slots in whole pages (a multiple of page_size)."""
-        if need_size % self.page_size:
-            raise ConfigError(f"alloc({need_size}) must be a multiple of page_size={self.page_size}")
-        return self._page_locs(self._take_pages(need_size // self.page_size)).to(self.device)
-
-    def _extend_plan(self, prefix: List[int], seq: List[int]) -> Tuple[List[int], int]:
-        """Per request, how many new tokens continue its partial last page; total new pages."""
-        cont, pages = [], 0
-        for p, s in zip(prefix, seq):
-            if s < p:
-                raise LocError(f"seq_len {s} is shorter than prefix_len {p}")
-            c = min(s - p, (-p) % self.page_size)
-            cont.append(c)
-            pages += -(-(s - p - c) // self.page_size)
-        return cont, pages
-
-    def _extend_locs(self, prefix: List[int], seq: List[int], last: List[int], cont: List[int],
-                     pages: torch.Tensor) -> torch.Tensor:
-        """Build the new tokens' slots: continue each partial page, then fill fresh pages in order."""
-        out, used = [], 0
-        for p, s, l, c in zip(prefix, seq, last, cont):
-            if c:
-                out.append(torch.arange(l + 1, l + 1 + c, dtype=torch.int64))
-            rest = s - p - c
-            k = -(-rest // self.page_size)
-            if k:
-                out.append(self._page_locs(pages[used:used + k])[:rest])
-                used += k
-        return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64)
-
-    def alloc_extend(self, prefix_lens: IntsLike, seq_lens: IntsLike, last_loc: IntsLike,
-                     extend_num_tokens: int) -> torch.Tensor:
-        """Slots for tokens [prefix_len, seq_len) of each request; `last_loc` = slot of token prefix_len-1."""
-        prefix, seq, last = _ints("prefix_lens", prefix_lens), _ints("seq_lens", seq_lens), _ints("last_loc", last_loc)
-        _check_extend_args(prefix, seq, last, extend_num_tokens)
-        cont, k = self._extend_plan(prefix, seq)
-        return self._extend_locs(prefix, seq, last, cont, self._take_pages(k)).to(self.device)
-
-    def alloc_decode(self, seq_lens: IntsLike, last_loc: IntsLike) -> torch.Tensor:
-        """One slot per request for token seq_len-1 (seq_lens are lengths after this step)."""
-        seq = _ints("seq_lens", seq_lens)
-        return self.alloc_extend([s - 1 for s in seq], seq, last_loc, len(seq))
-
-    def free(self, loc: torch.Tensor) -> None:
-        """Free the pages holding `loc` (a request's whole slots)."""
-        cpu = _locs_cpu("loc", loc)
-        if cpu.numel() == 0:
-            return
-        pages = torch.unique(cpu // self.page_size)
-        self._check_pages_live(pages)
-        self._release_pages(pages)
+            raise LocError(f"page {int(bad[0])} of a slot to free is outside [1, {self.num_pages}]")
+        refs = full.refs.cpu()[pages]
+        for code, mask in ((ERR_NEVER, refs == NEVER), (ERR_DOUBLE_FREE, refs == 0)):
+            if mask.any():
+                raise _err(code, int(pages[mask][0]), self.page_size, full.name)
+        if swa_only:
+            mapped = self._mapping.cpu()[pages * self.page_size]
+            if (mapped <= 0).any():
+                raise _err(ERR_SWA_RELEASED, int(pages[mapped <= 0][0]), self.page_size, "full")
 
     def check_integrity(self) -> None:
-        """Free list and page states agree; no page is free twice."""
-        free = torch.tensor(self._free, dtype=torch.int64)
-        assert free.numel() == torch.unique(free).numel(), "a page is on the free list twice"
-        assert not (self._state[free] == LIVE).any(), "a live page is on the free list"
-        live = int((self._state[1:] == LIVE).sum())
-        assert live + len(self._free) == self.num_pages, f"{live} live + {len(self._free)} free != {self.num_pages}"
+        """Free ring and reference counts agree; no page is free twice; no deferred error pending."""
+        self.pages.check_integrity()
+
+    def integrity_snapshot(self) -> dict:
+        """Host copy of the whole state (tests: an error must leave it unchanged)."""
+        return {r.name: r.state() for r in self._rings()}
+
+
+def _err(code: int, page: int, page_size: int, pool: str) -> Exception:
+    from hwkv.pages import error_for
+    return error_for(code, page, page_size, pool)
 
 
 class TokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
@@ -145,162 +236,284 @@ class TokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         super().__init__(size, 1, device)
 
 
-def _check_extend_args(prefix: List[int], seq: List[int], last: List[int], n: int) -> None:
-    if not len(prefix) == len(seq) == len(last):
-        raise LocError(f"prefix_lens ({len(prefix)}), seq_lens ({len(seq)}) and last_loc ({len(last)}) "
-                       "must have one entry per request")
-    total = sum(s - p for p, s in zip(prefix, seq))
-    if total != n:
-        raise LocError(f"extend_num_tokens={n} but seq_lens - prefix_lens sum to {total}")
-
-
-class SWATokenToKVPoolAllocator:
+class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     """Allocates each token a full slot and an SWA slot (equal in-page offsets) and owns the table."""
 
     def __init__(self, size: int, size_swa: int, page_size: int, device: Union[str, torch.device],
                  kvcache: object) -> None:
-        self.size, self.size_swa, self.page_size = size, size_swa, page_size
-        self.device = torch.device(device)
-        self.full_attn_allocator = PagedTokenToKVPoolAllocator(size, page_size, device)
-        self.swa_attn_allocator = PagedTokenToKVPoolAllocator(size_swa, page_size, device)
+        super().__init__(size, page_size, device, "full")
+        if not isinstance(size_swa, int) or size_swa < 0 or size_swa % page_size:
+            raise ConfigError(f"size_swa={size_swa} must be a non-negative multiple of page_size={page_size}")
+        self.size_swa = size_swa
+        self.full_attn_allocator = self  # SGLang's names for the two halves
+        self.swa_attn_allocator = PagedTokenToKVPoolAllocator(size_swa, page_size, device, "SWA")
         # one trailing -1 so that mapping[-1] == -1
-        self.full_to_swa_index_mapping = torch.zeros(size + page_size + 1, dtype=torch.int64, device=self.device)
+        self.full_to_swa_index_mapping = torch.zeros(size + page_size + 1, dtype=I64, device=self.device)
         self.full_to_swa_index_mapping[-1] = -1
         self._kvcache = kvcache
         if kvcache is not None:
             kvcache.register_mapping(self.full_to_swa_index_mapping)
 
+    @property
+    def _swa(self) -> Optional[PageRing]:
+        return self.swa_attn_allocator.pages
+
+    @property
+    def _mapping(self) -> Optional[torch.Tensor]:
+        return self.full_to_swa_index_mapping
+
+    def _rings(self) -> Tuple[PageRing, ...]:
+        return (self.pages, self.swa_attn_allocator.pages)
+
     def full_available_size(self) -> int:
-        return self.full_attn_allocator.available_size()
+        return PagedTokenToKVPoolAllocator.available_size(self)
 
     def swa_available_size(self) -> int:
+        self.pages.raise_pending()
         return self.swa_attn_allocator.available_size()
 
     def available_size(self) -> int:
         return min(self.full_available_size(), self.swa_available_size())
 
     def clear(self) -> None:
-        self.full_attn_allocator.clear()
-        self.swa_attn_allocator.clear()
+        super().clear()
         self.full_to_swa_index_mapping[:-1].zero_()
 
     def translate_loc_from_full_to_swa(self, loc: torch.Tensor) -> torch.Tensor:
         return self.full_to_swa_index_mapping[loc]
 
-    def _check_room(self, pages: int) -> None:
-        for name, a in (("full", self.full_attn_allocator), ("SWA", self.swa_attn_allocator)):
-            if pages > len(a._free):
-                raise OutOfSlotsError(f"need {pages} pages ({pages * self.page_size} slots) in the {name} pool, "
-                                      f"only {a.available_size()} slots are free")
-
-    def alloc(self, need_size: int) -> torch.Tensor:
-        """`need_size` tokens (a multiple of page_size), each with a full and an SWA slot."""
-        if need_size % self.page_size:
-            raise ConfigError(f"alloc({need_size}) must be a multiple of page_size={self.page_size}")
-        self._check_room(need_size // self.page_size)
-        loc = self.full_attn_allocator.alloc(need_size)
-        self.full_to_swa_index_mapping[loc] = self.swa_attn_allocator.alloc(need_size)
-        return loc
-
-    def alloc_extend(self, prefix_lens: IntsLike, seq_lens: IntsLike, last_loc: IntsLike,
-                     extend_num_tokens: int) -> torch.Tensor:
-        """Like the paged allocator's, and maps every new full slot to a new SWA slot."""
-        prefix, seq, last = _ints("prefix_lens", prefix_lens), _ints("seq_lens", seq_lens), _ints("last_loc", last_loc)
-        _check_extend_args(prefix, seq, last, extend_num_tokens)
-        full, swa = self.full_attn_allocator, self.swa_attn_allocator
-        cont, k = full._extend_plan(prefix, seq)
-        last_swa = self._last_swa(last, cont)
-        self._check_room(k)
-        loc = full._extend_locs(prefix, seq, last, cont, full._take_pages(k))
-        swa_loc = swa._extend_locs(prefix, seq, last_swa, cont, swa._take_pages(k))
-        loc_dev = loc.to(self.device)
-        self.full_to_swa_index_mapping[loc_dev] = swa_loc.to(self.device)
-        return loc_dev
-
-    def _last_swa(self, last: List[int], cont: List[int]) -> List[int]:
-        """SWA slot of each continued request's last token; it must still be live."""
-        idx = [l if c else -1 for l, c in zip(last, cont)]
-        vals = self.full_to_swa_index_mapping[torch.tensor(idx, dtype=torch.int64, device=self.device)].tolist()
-        for l, c, v in zip(last, cont, vals):
-            if c and v <= 0:
-                raise NotAllocatedError(f"last_loc {l} has no SWA slot (released or never allocated); "
-                                        "release must keep a page of margin behind the last page")
-        return vals
-
-    def alloc_decode(self, seq_lens: IntsLike, last_loc: IntsLike) -> torch.Tensor:
-        """One token per request at position seq_len-1."""
-        seq = _ints("seq_lens", seq_lens)
-        return self.alloc_extend([s - 1 for s in seq], seq, last_loc, len(seq))
-
-    def _full_page_locs(self, loc: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        pages = torch.unique(_locs_cpu("loc", loc) // self.page_size)
-        return pages, self.full_attn_allocator._page_locs(pages)
-
-    def free(self, loc: torch.Tensor) -> None:
-        """Free the full pages holding `loc` and whatever SWA slots they still map to."""
-        if loc.numel() == 0:
+    def _check_continuations(self, prefix, seq, last, plan, decode) -> None:
+        if plan.cont is None or not bool((plan.cont > 0).any()):
             return
-        pages, locs = self._full_page_locs(loc)
-        self.full_attn_allocator._check_pages_live(pages, "full")
-        swa_pages = self._swa_pages_of(locs)
-        self.swa_attn_allocator._check_pages_live(swa_pages, "SWA")
-        self.full_attn_allocator._release_pages(pages)
-        self.swa_attn_allocator._release_pages(swa_pages)
-        self.full_to_swa_index_mapping[locs.to(self.device)] = 0
+        cont = plan.cont > 0
+        last_cpu = last.cpu()[cont]
+        mapped = self.full_to_swa_index_mapping.cpu()[last_cpu]
+        if (mapped <= 0).any():
+            l = int(last_cpu[mapped <= 0][0])
+            raise NotAllocatedError(f"last_loc {l} has no SWA slot (released or never allocated); "
+                                    "release must keep a page of margin behind the last page")
 
     def free_swa(self, loc: torch.Tensor) -> None:
-        """Free only the SWA slots of the (whole) pages holding `loc`; the full slots stay."""
+        """Release only the SWA slots of the (whole) full pages holding `loc`; the full slots stay."""
+        loc = _check_loc_tensor(loc)
         if loc.numel() == 0:
             return
-        pages, locs = self._full_page_locs(loc)
-        self.full_attn_allocator._check_pages_live(pages, "full")
-        swa_pages = self._swa_pages_of(locs)
-        mapped = (self.full_to_swa_index_mapping[locs.to(self.device)].view(-1, self.page_size) > 0).any(1).cpu()
-        if not mapped.all():
-            p = int(pages[~mapped][0])
-            raise DoubleFreeError(f"the SWA slots of full page {p} (locs {p * self.page_size}..) are already released")
-        self.swa_attn_allocator._check_pages_live(swa_pages, "SWA")
-        self.swa_attn_allocator._release_pages(swa_pages)
-        self.full_to_swa_index_mapping[locs.to(self.device)] = 0
-
-    def _swa_pages_of(self, locs: torch.Tensor) -> torch.Tensor:
-        swa = self.full_to_swa_index_mapping[locs.to(self.device)].cpu()
-        return torch.unique(swa[swa > 0] // self.page_size)
+        if self._immediate:
+            self._check_free(loc, swa_only=True)
+        (self._ops or TORCH_OPS).free_pages(self.pages, self._swa, self._mapping, loc, True, self._who)
+        self._after_push()
 
     def check_integrity(self) -> None:
-        """Both free lists are sound; every mapped SWA slot is live and owned once; the table's ends hold."""
-        self.full_attn_allocator.check_integrity()
-        self.swa_attn_allocator.check_integrity()
+        """Both rings are sound; live full and SWA pages pair one to one through whole-page table rows."""
+        self.pages.check_integrity()
+        self.swa_attn_allocator.pages.check_integrity()
+        p = self.page_size
         m = self.full_to_swa_index_mapping.cpu()
-        assert int(m[0]) == 0 and int(m[-1]) == -1, "mapping[0] must be 0 and mapping[-1] must be -1"
-        body = m[:-1]
-        src = torch.nonzero(body > 0).reshape(-1)
-        swa = body[src]
-        assert swa.numel() == torch.unique(swa).numel(), "an SWA slot is mapped from two full slots"
-        full_pages = src // self.page_size
-        assert (self.full_attn_allocator._state[full_pages] == LIVE).all(), "a freed full slot still maps"
-        assert (self.swa_attn_allocator._state[swa // self.page_size] == LIVE).all(), "a mapping points at a free SWA slot"
-        assert ((swa % self.page_size) == (src % self.page_size)).all(), "in-page offsets differ"
+        assert int(m[-1]) == -1, "mapping[-1] must be -1"
+        assert not m[:p].any(), "the padding page must map to 0"
+        rows = m[:-1].view(-1, p)
+        swa_page = rows[:, 0] // p
+        mapped = rows[:, 0] > 0
+        expect = swa_page[:, None] * p + torch.arange(p)
+        assert torch.equal(rows[mapped], expect[mapped]), "a mapped full page does not map whole, offsets equal"
+        assert not rows[~mapped].any(), "a full page maps only some of its slots"
+        full_refs = self.pages.refs.cpu()
+        swa_refs = self.swa_attn_allocator.pages.refs.cpu()
+        assert (full_refs[mapped.nonzero().reshape(-1)] >= 1).all(), "a freed full page still maps"
+        s = swa_page[mapped]
+        assert s.numel() == torch.unique(s).numel(), "an SWA page is mapped from two full pages"
+        assert (swa_refs[s] >= 1).all(), "a mapping points at a free SWA page"
+        assert int((swa_refs[1:] >= 1).sum()) == s.numel(), "a live SWA page is mapped from no full page (leak)"
+
+
+# ---- the torch implementation of the batched ops (CPU; any device without registered kernels) -----
+def _record(ring: PageRing, bad: torch.Tensor, pages: torch.Tensor, code: int) -> None:
+    """First error wins: (code, first bad page) into ring.err, without a host sync."""
+    if ring.on_host and not bool(bad.any()):
+        return
+    first = pages[bad.to(torch.int32).argmax()] if pages.numel() else pages.new_zeros(())
+    upd = bad.any() & (ring.err[0] == 0)
+    ring.err.copy_(torch.where(upd, torch.stack([first.new_tensor(code), first]), ring.err))
+
+
+def _owners(counts: torch.Tensor, n: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """For the n items that `counts` spreads over its entries: each item's entry and its index within it
+    (searchsorted, not repeat_interleave: the latter is ~100x slower on CPU)."""
+    ends = counts.cumsum(0)
+    idx = torch.arange(n, device=counts.device)
+    r = torch.searchsorted(ends, idx, right=True)
+    return r, idx - (ends - counts)[r]
+
+
+def _push(ring: PageRing, pages: torch.Tensor, mask: torch.Tensor) -> None:
+    """Append pages[mask] to the ring's tail, in order."""
+    n = ring.num_pages
+    pos = ring.tail + mask.to(I64).cumsum(0) - 1
+    ring.ring[torch.where(mask, pos % max(n, 1), n)] = pages
+    ring.tail += mask.sum()
+
+
+class TorchPageOps:
+    """Batched allocator ops in plain torch: a constant number of ops per call, no per-request Python."""
+
+    @staticmethod
+    def alloc_extend(full: PageRing, swa: Optional[PageRing], mapping: Optional[torch.Tensor],
+                     prefix: Optional[torch.Tensor], seq: torch.Tensor, last: torch.Tensor, out: torch.Tensor,
+                     k: int, heads: List[int], decode: bool) -> None:
+        p, dev, n = full.page_size, out.device, out.numel()
+        if prefix is None:
+            prefix = seq - 1
+        ext = seq - prefix
+        cont = torch.minimum(ext, torch.remainder(-prefix, p))
+        newp = (ext - cont + p - 1) // p
+        r, j = _owners(ext, n)
+        is_cont = j < cont[r]
+        res = last[r] + 1 + j
+        if k:
+            fpages = full.ring[(heads[0] + torch.arange(k, device=dev)) % full.num_pages]
+            pidx = ((newp.cumsum(0) - newp)[r] + torch.div(j - cont[r], p, rounding_mode="floor")).clamp_(0, k - 1)
+            res = torch.where(is_cont, res, fpages[pidx] * p + (prefix[r] + j) % p)
+            full.refs[fpages] = 1
+            if swa is not None:
+                spages = swa.ring[(heads[1] + torch.arange(k, device=dev)) % swa.num_pages]
+                swa.refs[spages] = 1
+                off = torch.arange(p, device=dev)
+                mapping[(fpages[:, None] * p + off).reshape(-1)] = (spages[:, None] * p + off).reshape(-1)
+        out.copy_(res)
+        if swa is not None and not full.on_host:
+            bad = is_cont & (mapping[res] <= 0)
+            _record(full, bad, torch.div(res, p, rounding_mode="floor"), ERR_CONT_RELEASED)
+
+    @staticmethod
+    def free_pages(full: PageRing, swa: Optional[PageRing], mapping: Optional[torch.Tensor], loc: torch.Tensor,
+                   swa_only: bool, who: torch.Tensor) -> None:
+        p, n_full = full.page_size, full.num_pages
+        fp = torch.div(loc, p, rounding_mode="floor")
+        inr = (fp >= 1) & (fp <= n_full)
+        fp = torch.where(inr, fp, 0)
+        i = torch.arange(fp.numel(), device=fp.device)
+        who[fp] = i  # one index per distinct page wins: that entry represents the page
+        rep = inr & (who[fp] == i)
+        refs = full.refs[fp]
+        live = rep & (refs >= 1)
+        _record(full, ~inr, torch.div(loc, p, rounding_mode="floor"), ERR_RANGE)
+        _record(full, rep & (refs == NEVER), fp, ERR_NEVER)
+        _record(full, rep & (refs == 0), fp, ERR_DOUBLE_FREE)
+        s = torch.div(mapping[fp * p], p, rounding_mode="floor") if mapping is not None else None
+        if swa_only:
+            _record(full, live & (s <= 0), fp, ERR_SWA_RELEASED)
+            drop_swa = live & (s > 0)
+        else:
+            left = refs - 1
+            full.refs[torch.where(live, fp, 0)] = torch.where(live, left, NEVER).to(refs.dtype)
+            gone = live & (left == 0)
+            drop_swa = gone & (s > 0) if s is not None else None
+        if swa is not None:
+            _release_swa(swa, mapping, fp, s, drop_swa, p)
+        if not swa_only:
+            _push(full, fp, gone)
+
+    @staticmethod
+    def release_window(full: PageRing, swa: PageRing, mapping: torch.Tensor, req_to_token: torch.Tensor,
+                       rows: torch.Tensor, seq: torch.Tensor, frontiers: torch.Tensor, window: int) -> None:
+        p, dev = full.page_size, frontiers.device
+        dead = seq.to(I64) - window + 1
+        new_f = torch.maximum(frontiers, (torch.div(dead, p, rounding_mode="floor") * p - p).clamp(min=0))
+        cnt = torch.div(new_f - frontiers, p, rounding_mode="floor")
+        total = int(cnt.sum())  # free on CPU; one host read on a device without release kernels
+        if total:
+            r, j = _owners(cnt, total)
+            loc = req_to_token[rows.to(I64)[r], frontiers[r] + j * p]
+            fp = torch.div(loc, p, rounding_mode="floor")
+            s = torch.div(mapping[fp * p], p, rounding_mode="floor")
+            _record(full, s <= 0, fp, ERR_SWA_RELEASED)
+            _release_swa(swa, mapping, fp, s, s > 0, p)
+        frontiers.copy_(new_f)
+
+
+def _release_swa(swa: PageRing, mapping: torch.Tensor, fp: torch.Tensor, s: torch.Tensor, drop: torch.Tensor,
+                 p: int) -> None:
+    """Drop one reference to SWA pages s[drop] (of full pages fp); at 0 unmap the pair and push s."""
+    s = torch.where(drop, s, 0)
+    refs = swa.refs[s]
+    ok = drop & (refs >= 1)
+    _record(swa, drop & (refs < 1), s, ERR_DOUBLE_FREE)
+    left = refs - 1
+    swa.refs[torch.where(ok, s, 0)] = torch.where(ok, left, NEVER).to(refs.dtype)
+    gone = ok & (left == 0)
+    off = torch.arange(p, device=fp.device)
+    mapping[(torch.where(gone, fp, 0)[:, None] * p + off).reshape(-1)] = 0
+    _push(swa, s, gone)
+
+
+TORCH_OPS = TorchPageOps()
+
+
+# ---- out-of-window release -----------------------------------------------------------------------------
+def release_out_of_window_batch(allocator: SWATokenToKVPoolAllocator, req_to_token: torch.Tensor,
+                                req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, frontiers: torch.Tensor,
+                                window: int) -> torch.Tensor:
+    """Free, for a whole batch at once, the SWA slots no later query can see; `frontiers` (int64, one per
+    request, on the pool's device) move forward in place and are returned.
+
+    The next query of a request sits at position >= seq_len and sees keys > seq_len - W, so tokens
+    below seq_len - W + 1 are dead. A frontier is page-aligned and kept one page behind that, so the
+    last page (and `alloc_decode`'s continuation) always stays mapped.
+    """
+    if window is None or window <= 0:
+        return frontiers
+    if not isinstance(frontiers, torch.Tensor) or frontiers.dtype != I64:
+        raise LocError(f"frontiers must be an int64 tensor, got {getattr(frontiers, 'dtype', type(frontiers))}")
+    bs = frontiers.numel()
+    for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens)):
+        if t.numel() != bs:
+            raise LocError(f"{name} has {t.numel()} entries, frontiers has {bs}")
+    for name, t in (("req_to_token", req_to_token), ("req_pool_indices", req_pool_indices),
+                    ("seq_lens", seq_lens), ("frontiers", frontiers)):
+        if t.device.type != allocator.device.type:
+            raise LocError(f"{name} is on {t.device}, the allocator is on {allocator.device}")
+    if bs == 0:
+        return frontiers
+    if allocator._immediate:
+        _check_release(allocator, req_to_token, req_pool_indices, seq_lens, frontiers, window)
+    (allocator._ops or TORCH_OPS).release_window(allocator.pages, allocator._swa, allocator._mapping, req_to_token,
+                                                 req_pool_indices, seq_lens, frontiers, window)
+    allocator._after_push()
+    return frontiers
+
+
+def _check_release(a: SWATokenToKVPoolAllocator, rtt: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor,
+                   frontiers: torch.Tensor, window: int) -> None:
+    """Host checks of a batched release (CPU, debug mode); raise before anything changes."""
+    p = a.page_size
+    f, s, r = frontiers.cpu(), seq.cpu().to(I64), rows.cpu().to(I64)
+    if (f % p).any():
+        raise LocError(f"frontier {int(f[(f % p) != 0][0])} is not a multiple of page_size {p}")
+    if (f < 0).any() or (r < 0).any() or (r >= rtt.shape[0]).any() or (s > rtt.shape[1]).any():
+        raise LocError(f"a request row is outside [0, {rtt.shape[0]}), a length beyond {rtt.shape[1]} "
+                       "or a frontier negative")
+    dead = s - window + 1
+    new_f = torch.maximum(f, (torch.div(dead, p, rounding_mode="floor") * p - p).clamp(min=0))
+    cnt = torch.div(new_f - f, p, rounding_mode="floor")
+    if int(cnt.sum()):
+        rr, j = _owners(cnt, int(cnt.sum()))
+        loc = rtt.cpu()[r[rr], f[rr] + j * p]
+        a._check_free(loc, swa_only=True)
 
 
 def release_out_of_window(allocator: SWATokenToKVPoolAllocator, token_row: torch.Tensor, seq_len: int,
                           frontier: int, window: int) -> int:
-    """Free SWA slots of a request's tokens no later query can see; return the new frontier.
-
-    The next query sits at position >= seq_len and sees keys > seq_len - W, so tokens below
-    seq_len - W + 1 are dead. The frontier is page-aligned and kept one page behind that, so
-    the last page (and `alloc_decode`'s last slot) always stays mapped.
-    """
+    """One request's out-of-window release (see `release_out_of_window_batch`); returns the new frontier."""
     p = allocator.page_size
     if window is None or window <= 0:
         return frontier
     if frontier % p:
         raise LocError(f"frontier {frontier} is not a multiple of page_size {p}")
-    dead = seq_len - window + 1
-    new_frontier = max(frontier, (dead // p) * p - p, 0)
-    if new_frontier > frontier:
-        allocator.free_swa(token_row[frontier:new_frontier])
-    return new_frontier
+    dev = allocator.device
+    f = torch.tensor([frontier], dtype=I64, device=dev)
+    release_out_of_window_batch(allocator, token_row.reshape(1, -1), torch.zeros(1, dtype=I64, device=dev),
+                                torch.tensor([seq_len], dtype=I64, device=dev), f, window)
+    return int(f[0])
 
 
 class ReqToTokenPool:
@@ -310,7 +523,7 @@ class ReqToTokenPool:
         if size < 1 or max_context_len < 1:
             raise ConfigError(f"size={size} and max_context_len={max_context_len} must be >= 1")
         self.size, self.max_context_len, self.device = size, max_context_len, torch.device(device)
-        self.req_to_token = torch.zeros(size, max_context_len, dtype=torch.int64, device=self.device)
+        self.req_to_token = torch.zeros(size, max_context_len, dtype=I64, device=self.device)
         self._free = list(range(size - 1, -1, -1))
 
     def available_size(self) -> int:

@@ -1,16 +1,19 @@
 """XPUBackend: hwkv_cuda's Triton kernels on Intel GPUs (Triton's XPU backend runs them unchanged).
 
-Importing this module registers the Triton store and index-fill kernels for device type "xpu";
+Importing this module registers the Triton store, index-fill and allocator kernels for device type "xpu";
 attention is TritonBackend's. Graphs go through `hwkv_xpu.graph.XPUGraphAdapter`.
 """
 from __future__ import annotations
 
 from hwkv import ops
+from hwkv.pages import register_page_ops
 from hwkv_cuda import kernels
+from hwkv_cuda.kernels.alloc import TritonPageOps
 from hwkv_cuda.backend import TritonBackend
 
 ops.register_store_kv("xpu", kernels.store_kv)
 ops.register_fill_kv_indices("xpu", kernels.fill_kv_indices)
+register_page_ops("xpu", TritonPageOps())
 
 
 class XPUBackend(TritonBackend):

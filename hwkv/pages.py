@@ -1,0 +1,175 @@
+"""Device-resident page bookkeeping: a ring of free pages, per-page reference counts, an error record.
+
+One `PageRing` per pool. Pages are popped from the ring's head (a host integer: allocation
+sizes are always known on the host) and pushed at its tail (a device counter: how many pages
+a free or a release returns is only known on the device). So an allocation never reads the
+device: the host keeps a lower bound of the free count (exact after any read of the tail) and
+only reads the tail when that bound says an allocation might not fit.
+
+Frees and releases run as batched device ops (`PageOps`: torch here, Triton kernels
+registered by device packages) that skip bad pages and record the first problem in `err`;
+`raise_pending()` turns it into the typed error at the next call that synchronizes anyway
+(`available_size`, `check_integrity`). On CPU and with HWKV_DEBUG=1 the allocators check
+first and raise before any state changes (see allocator.py).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Union
+
+import torch
+
+from hwkv.errors import DoubleFreeError, HwkvError, LocError, NotAllocatedError
+
+NEVER, FREE = -1, 0  # refs values: never allocated / allocated once and free again; >= 1: holders
+
+# codes of the device-side error record (first error wins)
+ERR_NONE, ERR_DOUBLE_FREE, ERR_NEVER, ERR_RANGE, ERR_SWA_RELEASED, ERR_CONT_RELEASED = 0, 1, 2, 3, 4, 5
+
+
+class PageRing:
+    """Free pages of one pool on its device: ring [num_pages + 1] (last entry: scatter dump),
+    head (host int, pages ever popped), tail (device int64 [1], pages ever pushed), refs int32."""
+
+    def __init__(self, num_pages: int, page_size: int, device: torch.device, name: str) -> None:
+        self.num_pages, self.page_size, self.device, self.name = num_pages, page_size, device, name
+        self.ring = torch.zeros(num_pages + 1, dtype=torch.int64, device=device)
+        self.tail = torch.zeros(1, dtype=torch.int64, device=device)
+        self.refs = torch.zeros(num_pages + 1, dtype=torch.int32, device=device)
+        self.err = torch.zeros(2, dtype=torch.int64, device=device)  # (code, page)
+        self.head = 0
+        self._tail_seen = 0       # tail as last read on the host: free >= _tail_seen - head
+        self._snap: Optional[torch.Tensor] = None
+        self._snap_event: Any = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Every page free and never allocated, in ascending order."""
+        n = self.num_pages
+        self.ring[:n] = torch.arange(1, n + 1, dtype=torch.int64, device=self.device)
+        self.ring[n] = 0
+        self.refs.fill_(NEVER)
+        self.err.zero_()
+        self.tail.fill_(n)
+        self.head, self._tail_seen = 0, n
+        self._snap, self._snap_event = None, None
+
+    # ---- the free count on the host -------------------------------------------------------------
+    @property
+    def on_host(self) -> bool:
+        return self.device.type == "cpu"
+
+    def free_lower_bound(self) -> int:
+        """Pages certainly free now, without waiting on the device (exact on CPU)."""
+        if self.on_host:
+            return int(self.tail[0]) - self.head
+        if self._snap_event is not None and self._snap_event.query():
+            self._tail_seen = max(self._tail_seen, int(self._snap[0]))
+        return self._tail_seen - self.head
+
+    def free_pages(self) -> int:
+        """Exact free page count: reads the device tail (a host sync on accelerators)."""
+        self._tail_seen = int(self.tail[0])
+        return self._tail_seen - self.head
+
+    def has_room(self, k: int) -> bool:
+        """Whether k pages can be popped; reads the device only when the host bound says maybe not."""
+        return k <= self.free_lower_bound() or k <= self.free_pages()
+
+    def snapshot_tail(self) -> None:
+        """After a push: start an async copy of the tail to pinned host memory (accelerators only)."""
+        if self.on_host:
+            return
+        mod = getattr(torch, self.device.type, None)
+        event_cls = getattr(mod, "Event", None)
+        if event_cls is None:
+            return
+        if self._snap is None:
+            self._snap = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        self._snap.copy_(self.tail, non_blocking=True)
+        self._snap_event = event_cls()
+        self._snap_event.record()
+
+    def take(self, k: int) -> int:
+        """Claim k pages from the head (the caller checked `has_room`); returns the old head mod num_pages."""
+        h = self.head % max(self.num_pages, 1)
+        self.head += k
+        return h
+
+    # ---- errors --------------------------------------------------------------------------------
+    def raise_pending(self) -> None:
+        """Raise (once) the first error a device-side free or release recorded."""
+        code, page = (int(x) for x in self.err.tolist())
+        if code == ERR_NONE:
+            return
+        self.err.zero_()
+        raise error_for(code, page, self.page_size, self.name)
+
+    def state(self) -> Dict[str, Any]:
+        """Host copy of everything (tests compare these to prove an error changed nothing)."""
+        return dict(head=self.head, tail=int(self.tail[0]), ring=self.ring.cpu().clone(), refs=self.refs.cpu().clone())
+
+    def free_list(self) -> torch.Tensor:
+        """The free pages in ring order (host tensor; syncs)."""
+        n = self.num_pages
+        t = int(self.tail[0])
+        idx = torch.arange(self.head, t, dtype=torch.int64) % max(n, 1)
+        return self.ring.cpu()[idx]
+
+    def check_integrity(self) -> None:
+        """Ring holds exactly the non-live pages, each once; refs sane; no pending device error."""
+        self.raise_pending()
+        n = self.num_pages
+        free = self.free_list()
+        refs = self.refs.cpu()
+        assert 0 <= free.numel() <= n, f"{self.name}: {free.numel()} pages on the free ring of {n}"
+        assert free.numel() == torch.unique(free).numel(), f"{self.name}: a page is on the free ring twice"
+        assert free.numel() == 0 or (int(free.min()) >= 1 and int(free.max()) <= n), f"{self.name}: bad page on ring"
+        assert int(refs[0]) == NEVER, f"{self.name}: the padding page 0 was allocated"
+        assert not (refs[free] >= 1).any(), f"{self.name}: a live page is on the free ring"
+        live = int((refs[1:] >= 1).sum())
+        assert live + free.numel() == n, f"{self.name}: {live} live + {free.numel()} free != {n} pages"
+        assert int(refs.min()) >= NEVER, f"{self.name}: a negative reference count"
+
+
+def error_for(code: int, page: int, page_size: int, pool: str) -> HwkvError:
+    """The typed error of a device-side error record."""
+    slots = f"(slots {page * page_size}..)"
+    if code == ERR_DOUBLE_FREE:
+        return DoubleFreeError(f"{pool} page {page} {slots} is already free")
+    if code == ERR_NEVER:
+        return NotAllocatedError(f"{pool} page {page} {slots} was never allocated")
+    if code == ERR_RANGE:
+        return LocError(f"a loc to free lies on page {page}, outside the {pool} pool's pages [1, n]")
+    if code == ERR_SWA_RELEASED:
+        return DoubleFreeError(f"the SWA slots of full page {page} (locs {page * page_size}..) are already released")
+    if code == ERR_CONT_RELEASED:
+        return NotAllocatedError(f"last_loc on full page {page} {slots} has no SWA slot (released or never "
+                                 "allocated); release must keep a page of margin behind the last page")
+    return HwkvError(f"{pool} allocator recorded unknown error code {code} (page {page})")
+
+
+# ---- which implementation runs the batched ops ----------------------------------------------------
+_OPS: Dict[str, Any] = {}
+
+
+def register_page_ops(device_type: str, ops: Any) -> None:
+    """Use `ops` (alloc_extend, free_pages, release_window: see hwkv.allocator's torch versions)
+    for allocators on `device_type`."""
+    _OPS[device_type] = ops
+
+
+def page_ops_for(device: Union[str, torch.device]) -> Optional[Any]:
+    """The registered kernels for `device`'s type, loading the device's backend package once so it
+    can register them; None: the torch implementation runs."""
+    dev_type = torch.device(device).type
+    if dev_type == "cpu" or dev_type in _OPS:
+        return _OPS.get(dev_type)
+    from hwkv import devices  # late: devices imports nothing heavy, but keep allocator import light
+
+    for spec in devices.discover().values():
+        if spec.torch_device == dev_type and spec.is_available():
+            spec.load_backend_class()  # importing the backend module registers its kernels
+            if dev_type in _OPS:
+                break
+    _OPS.setdefault(dev_type, None)
+    return _OPS[dev_type]

@@ -1,0 +1,212 @@
+"""The allocator's batched ops as Triton kernels: one launch each for alloc, free and release.
+
+They implement `hwkv.allocator.TorchPageOps` on the same device state (`hwkv.pages.PageRing`:
+free-page ring, reference counts, error record) without any host sync:
+- alloc: grid (request,); each program sums the new tokens and pages of the requests before
+  it, writes its tokens' slots (continuing its partial page, then fresh pages popped at the
+  ring head the host passes in), marks its new pages live and maps full page -> SWA page whole.
+- free: one program (pages can repeat within `loc`; a first pass picks one entry per page).
+- release: grid (request,); each program frees the SWA pages between its frontier and the new
+  one, pushes them with an atomic add on the ring's tail, and moves its frontier.
+Bad pages are skipped and the first one is recorded in the ring's `err` (code, page).
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from hwkv.pages import ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_RANGE, ERR_SWA_RELEASED, PageRing
+from hwkv_cuda.kernels.common import interpreting
+
+
+@triton.jit
+def _record(err, bad, pages, code: tl.constexpr):
+    """First error wins: (code, some bad page) into err[0:2]."""
+    if tl.sum(bad.to(tl.int32), 0) > 0:
+        page = tl.max(tl.where(bad, pages, -1), 0)
+        if tl.atomic_cas(err, 0, code) == 0:
+            tl.store(err + 1, page)
+
+
+@triton.jit
+def _lens(seq, prefix, r, m, P: tl.constexpr, DECODE: tl.constexpr):
+    """New tokens, tokens continuing the partial last page, and new pages of requests r."""
+    s = tl.load(seq + r, mask=m, other=0).to(tl.int64)
+    if DECODE:
+        pre = tl.where(m, s - 1, 0)
+    else:
+        pre = tl.load(prefix + r, mask=m, other=0).to(tl.int64)
+    e = s - pre
+    c = tl.minimum(e, (P - pre % P) % P)
+    return pre, e, c, (e - c + P - 1) // P
+
+
+@triton.jit
+def _alloc_kernel(seq, prefix, last, out, ring_f, refs_f, head_f, n_full, ring_s, refs_s, head_s, n_swa,
+                  mapping, err, P: tl.constexpr, HYBRID: tl.constexpr, DECODE: tl.constexpr,
+                  BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    tok_base = tl.zeros([], tl.int64)
+    page_base = tl.zeros([], tl.int64)
+    for start in range(0, b, BLOCK_B):  # the requests before this one
+        r = start + tl.arange(0, BLOCK_B)
+        m = r < b
+        _, e, _, npg = _lens(seq, prefix, r, m, P, DECODE)
+        tok_base += tl.sum(tl.where(m, e, 0), 0)
+        page_base += tl.sum(tl.where(m, npg, 0), 0)
+    one = tl.arange(0, 1)
+    pre, e, c, npg = _lens(seq, prefix, b + one, one < 1, P, DECODE)
+    pre, e, c, npg = tl.sum(pre, 0), tl.sum(e, 0), tl.sum(c, 0), tl.sum(npg, 0)
+    last_b = tl.load(last + b).to(tl.int64)
+    for j0 in range(0, e, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        m = j < e
+        is_cont = j < c
+        pidx = page_base + tl.where(is_cont, 0, (j - c) // P)
+        page = tl.load(ring_f + (head_f + pidx) % n_full, mask=m & ~is_cont, other=0)
+        loc = tl.where(is_cont, last_b + 1 + j, page * P + (pre + j) % P)
+        tl.store(out + tok_base + j, loc, mask=m)
+    for i0 in range(0, npg, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        m = i < npg
+        fp = tl.load(ring_f + (head_f + page_base + i) % n_full, mask=m, other=0)
+        tl.store(refs_f + fp, 1, mask=m)
+        if HYBRID:
+            sp = tl.load(ring_s + (head_s + page_base + i) % n_swa, mask=m, other=0)
+            tl.store(refs_s + sp, 1, mask=m)
+    if HYBRID:
+        for e0 in range(0, npg * P, BLOCK):  # map whole pages: full slot F*P+o -> SWA slot S*P+o
+            x = e0 + tl.arange(0, BLOCK)
+            m = x < npg * P
+            i = x // P
+            o = x % P
+            fp = tl.load(ring_f + (head_f + page_base + i) % n_full, mask=m, other=0)
+            sp = tl.load(ring_s + (head_s + page_base + i) % n_swa, mask=m, other=0)
+            tl.store(mapping + fp * P + o, sp * P + o, mask=m)
+        if c > 0:
+            mapped = tl.load(mapping + last_b + 1 + one)
+            _record(err, mapped <= 0, (last_b + 1 + one) // P, ERR_CONT_RELEASED)
+
+
+@triton.jit
+def _unmap_push_swa(ring_s, refs_s, tail_s, n_swa, mapping, err_s, fp, sp, drop, P: tl.constexpr):
+    """Drop one reference to SWA pages sp[drop]; at zero unmap full page fp and push sp. Returns pushed count."""
+    srefs = tl.load(refs_s + sp, mask=drop, other=0)
+    ok = drop & (srefs >= 1)
+    _record(err_s, drop & (srefs < 1), sp, ERR_DOUBLE_FREE)
+    tl.store(refs_s + sp, srefs - 1, mask=ok)
+    gone = ok & (srefs == 1)
+    for o in range(0, P):
+        tl.store(mapping + fp * P + o, 0, mask=gone)
+    k = tl.sum(gone.to(tl.int64), 0)
+    if k > 0:
+        base = tl.atomic_add(tail_s, k)
+        pos = base + tl.cumsum(gone.to(tl.int64), 0) - 1
+        tl.store(ring_s + pos % n_swa, sp, mask=gone)
+
+
+@triton.jit
+def _free_kernel(loc, n, ring_f, refs_f, tail_f, n_full, ring_s, refs_s, tail_s, n_swa, mapping, who,
+                 err_f, err_s, P: tl.constexpr, HYBRID: tl.constexpr, SWA_ONLY: tl.constexpr, BLOCK: tl.constexpr):
+    for i0 in range(0, n, BLOCK):  # pass 1: one entry per distinct page wins `who`
+        i = i0 + tl.arange(0, BLOCK)
+        m = i < n
+        l = tl.load(loc + i, mask=m, other=0)
+        fp = l // P
+        inr = m & (l >= 0) & (fp >= 1) & (fp <= n_full)
+        tl.store(who + fp, i, mask=inr)
+    tl.debug_barrier()
+    for i0 in range(0, n, BLOCK):  # pass 2: the winners drop their page
+        i = i0 + tl.arange(0, BLOCK)
+        m = i < n
+        l = tl.load(loc + i, mask=m, other=0)
+        fp = l // P
+        inr = m & (l >= 0) & (fp >= 1) & (fp <= n_full)
+        _record(err_f, m & ~inr, fp, ERR_RANGE)
+        rep = inr & (tl.load(who + fp, mask=inr, other=-1) == i)
+        refs = tl.load(refs_f + fp, mask=rep, other=0)
+        live = rep & (refs >= 1)
+        _record(err_f, rep & (refs == -1), fp, ERR_NEVER)
+        _record(err_f, rep & (refs == 0), fp, ERR_DOUBLE_FREE)
+        if HYBRID:
+            sp = tl.load(mapping + fp * P, mask=live, other=0) // P
+        else:
+            sp = fp * 0
+        if SWA_ONLY:
+            _record(err_f, live & (sp <= 0), fp, ERR_SWA_RELEASED)
+            drop = live & (sp > 0)
+        else:
+            tl.store(refs_f + fp, refs - 1, mask=live)
+            gone = live & (refs == 1)
+            drop = gone & (sp > 0)
+            k = tl.sum(gone.to(tl.int64), 0)
+            if k > 0:
+                base = tl.atomic_add(tail_f, k)
+                pos = base + tl.cumsum(gone.to(tl.int64), 0) - 1
+                tl.store(ring_f + pos % n_full, fp, mask=gone)
+        if HYBRID:
+            _unmap_push_swa(ring_s, refs_s, tail_s, n_swa, mapping, err_s, fp, sp, drop, P)
+
+
+@triton.jit
+def _release_kernel(rtt, stride_row, rows, seq, frontiers, window, ring_s, refs_s, tail_s, n_swa, mapping,
+                    err_f, err_s, P: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    f = tl.load(frontiers + b)
+    dead = tl.load(seq + b).to(tl.int64) - window + 1
+    aligned = tl.where(dead > 0, (dead // P) * P - P, 0)
+    nf = tl.maximum(f, tl.maximum(aligned, 0))
+    cnt = (nf - f) // P
+    row = tl.load(rows + b).to(tl.int64)
+    for i0 in range(0, cnt, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        act = i < cnt
+        l = tl.load(rtt + row * stride_row + f + i * P, mask=act, other=0)
+        fp = l // P
+        sp = tl.load(mapping + fp * P, mask=act, other=0) // P
+        _record(err_f, act & (sp <= 0), fp, ERR_SWA_RELEASED)
+        _unmap_push_swa(ring_s, refs_s, tail_s, n_swa, mapping, err_s, fp, sp, act & (sp > 0), P)
+    tl.store(frontiers + b, nf)
+
+
+def _block(n_gpu: int) -> int:
+    return 16 if interpreting() else n_gpu
+
+
+class TritonPageOps:
+    """hwkv.allocator's batched ops, one launch each (registered for cuda, musa, rocm and xpu)."""
+
+    @staticmethod
+    def alloc_extend(full: PageRing, swa: Optional[PageRing], mapping: Optional[torch.Tensor],
+                     prefix: Optional[torch.Tensor], seq: torch.Tensor, last: torch.Tensor, out: torch.Tensor,
+                     k: int, heads: List[int], decode: bool) -> None:
+        bs = seq.numel()
+        hybrid = swa is not None
+        s_ring = swa if hybrid else full
+        _alloc_kernel[(bs,)](
+            seq, prefix if prefix is not None else seq, last, out, full.ring, full.refs, heads[0],
+            max(full.num_pages, 1), s_ring.ring, s_ring.refs, heads[1] if hybrid else 0, max(s_ring.num_pages, 1),
+            mapping if hybrid else full.ring, full.err, P=full.page_size, HYBRID=hybrid, DECODE=prefix is None,
+            BLOCK_B=_block(256), BLOCK=_block(256), num_warps=1 if interpreting() else 4)
+
+    @staticmethod
+    def free_pages(full: PageRing, swa: Optional[PageRing], mapping: Optional[torch.Tensor], loc: torch.Tensor,
+                   swa_only: bool, who: torch.Tensor) -> None:
+        hybrid = swa is not None
+        s_ring = swa if hybrid else full
+        _free_kernel[(1,)](
+            loc, loc.numel(), full.ring, full.refs, full.tail, max(full.num_pages, 1), s_ring.ring, s_ring.refs,
+            s_ring.tail, max(s_ring.num_pages, 1), mapping if hybrid else full.ring, who, full.err, s_ring.err,
+            P=full.page_size, HYBRID=hybrid, SWA_ONLY=swa_only, BLOCK=_block(1024),
+            num_warps=1 if interpreting() else 8)
+
+    @staticmethod
+    def release_window(full: PageRing, swa: PageRing, mapping: torch.Tensor, req_to_token: torch.Tensor,
+                       rows: torch.Tensor, seq: torch.Tensor, frontiers: torch.Tensor, window: int) -> None:
+        _release_kernel[(frontiers.numel(),)](
+            req_to_token, req_to_token.stride(0), rows, seq, frontiers, int(window), swa.ring, swa.refs, swa.tail,
+            max(swa.num_pages, 1), mapping, full.err, swa.err, P=full.page_size, BLOCK=_block(128),
+            num_warps=1 if interpreting() else 4)
