@@ -147,25 +147,29 @@ class PagedTokenToKVPoolAllocator:
         At page size 1 nothing is read from the device even without `seq_lens_cpu`.
         """
         bs = seq_lens.numel() if isinstance(seq_lens, torch.Tensor) else len(seq_lens)
-        if self.page_size == 1 and seq_lens_cpu is None and isinstance(seq_lens, torch.Tensor):
-            seq_cpu = None  # every request takes a fresh page: the count is the batch size
-        else:
-            seq_cpu = _host_ints("seq_lens", seq_lens, seq_lens_cpu)
         n_last = last_loc.numel() if isinstance(last_loc, torch.Tensor) else len(last_loc)
-        if seq_cpu is None:
-            if n_last != bs:
-                raise LocError(f"seq_lens ({bs}) and last_loc ({n_last}) must have one entry per request")
-            plan = _Batch.__new__(_Batch)
-            plan.cont, plan.pages, plan.n = None, bs, bs
-            seq_dev = seq_lens.reshape(-1).to(I64)
-        else:
-            if seq_cpu.numel() and int(seq_cpu.min()) < 1:
+        if n_last != bs:
+            raise LocError(f"seq_lens ({bs}) and last_loc ({n_last}) must have one entry per request")
+        plan = _Batch.__new__(_Batch)
+        plan.n, plan.pages, plan.cont = bs, bs, None
+        seq_cpu = None
+        if self.page_size > 1 or seq_lens_cpu is not None or not isinstance(seq_lens, torch.Tensor):
+            seq_cpu = _host_ints("seq_lens", seq_lens, seq_lens_cpu)
+            if seq_cpu.numel() != bs:
+                raise LocError(f"seq_lens_cpu has {seq_cpu.numel()} entries, seq_lens {bs}")
+            if bs and int(seq_cpu.min()) < 1:
                 raise LocError(f"decode seq_lens must be >= 1, got {int(seq_cpu.min())}")
-            plan = _Batch(seq_cpu - 1, seq_cpu, n_last, bs, self.page_size)
-            seq_dev = _on_device(self.device, seq_lens, seq_cpu)
-        last_dev = last_loc.reshape(-1).to(I64) if isinstance(last_loc, torch.Tensor) and \
+            if self.page_size > 1:  # a request whose new token starts a page takes a fresh one
+                starts = torch.remainder(seq_cpu - 1, self.page_size) == 0
+                plan.pages = int(starts.sum())
+                plan.cont = (~starts).to(I64)
+        seq_dev = seq_lens.reshape(-1) if isinstance(seq_lens, torch.Tensor) and \
+            seq_lens.device.type == self.device.type else _on_device(self.device, seq_lens, seq_cpu)
+        last_dev = last_loc.reshape(-1) if isinstance(last_loc, torch.Tensor) and \
             last_loc.device.type == self.device.type else _on_device(self.device, last_loc,
                                                                        _host_ints("last_loc", last_loc))
+        if seq_dev.dtype != I64 or last_dev.dtype != I64:
+            seq_dev, last_dev = seq_dev.to(I64), last_dev.to(I64)
         return self._alloc(None, seq_dev, last_dev, plan, decode=True)
 
     def _alloc(self, prefix: Optional[torch.Tensor], seq: torch.Tensor, last: torch.Tensor, plan: _Batch,
@@ -193,16 +197,11 @@ class PagedTokenToKVPoolAllocator:
         if self._immediate:
             self._check_free(loc, swa_only=False)
         (self._ops or TORCH_OPS).free_pages(self.pages, self._swa, self._mapping, loc, False, self._who)
-        self._after_push()
-
-    def _after_push(self) -> None:
-        for r in self._rings():
-            r.snapshot_tail()
 
     def _check_free(self, loc: torch.Tensor, swa_only: bool) -> None:
         """Raise what the device op would record, before anything changes (CPU, debug mode)."""
         full = self.pages
-        pages = torch.unique(loc.cpu() // self.page_size)
+        pages = loc.cpu() // self.page_size  # repeats are harmless here
         bad = pages[(pages < 1) | (pages > self.num_pages)]
         if bad.numel():
             raise LocError(f"page {int(bad[0])} of a slot to free is outside [1, {self.num_pages}]")
@@ -301,7 +300,6 @@ class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         if self._immediate:
             self._check_free(loc, swa_only=True)
         (self._ops or TORCH_OPS).free_pages(self.pages, self._swa, self._mapping, loc, True, self._who)
-        self._after_push()
 
     def check_integrity(self) -> None:
         """Both rings are sound; live full and SWA pages pair one to one through whole-page table rows."""
@@ -337,12 +335,16 @@ def _record(ring: PageRing, bad: torch.Tensor, pages: torch.Tensor, code: int) -
 
 
 def _owners(counts: torch.Tensor, n: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """For the n items that `counts` spreads over its entries: each item's entry and its index within it
-    (searchsorted, not repeat_interleave: the latter is ~100x slower on CPU)."""
-    ends = counts.cumsum(0)
-    idx = torch.arange(n, device=counts.device)
-    r = torch.searchsorted(ends, idx, right=True)
-    return r, idx - (ends - counts)[r]
+    """For the n items that `counts` spreads over its entries: each item's entry and its index within it.
+
+    Built from a cumsum of start marks: searchsorted and repeat_interleave run an OpenMP region per
+    call even on a few hundred items, which costs milliseconds on a busy 2-core CPU.
+    """
+    starts = counts.cumsum(0) - counts
+    mark = torch.zeros(n + 1, dtype=counts.dtype, device=counts.device)
+    mark.index_add_(0, starts.clamp(max=n), torch.ones_like(starts))
+    r = mark[:n].cumsum(0) - 1  # requests with no items share the next one's start and are skipped
+    return r, torch.arange(n, device=counts.device) - starts[r]
 
 
 def _push(ring: PageRing, pages: torch.Tensor, mask: torch.Tensor) -> None:
@@ -478,7 +480,6 @@ def release_out_of_window_batch(allocator: SWATokenToKVPoolAllocator, req_to_tok
         _check_release(allocator, req_to_token, req_pool_indices, seq_lens, frontiers, window)
     (allocator._ops or TORCH_OPS).release_window(allocator.pages, allocator._swa, allocator._mapping, req_to_token,
                                                  req_pool_indices, seq_lens, frontiers, window)
-    allocator._after_push()
     return frontiers
 
 

@@ -3,8 +3,9 @@
 One `PageRing` per pool. Pages are popped from the ring's head (a host integer: allocation
 sizes are always known on the host) and pushed at its tail (a device counter: how many pages
 a free or a release returns is only known on the device). So an allocation never reads the
-device: the host keeps a lower bound of the free count (exact after any read of the tail) and
-only reads the tail when that bound says an allocation might not fit.
+device: the host keeps a lower bound of the free count (exact after any read of the tail,
+refreshed by an async copy once it runs low) and only waits for the tail when that bound says
+an allocation might not fit.
 
 Frees and releases run as batched device ops (`PageOps`: torch here, Triton kernels
 registered by device packages) that skip bad pages and record the first problem in `err`;
@@ -28,18 +29,20 @@ ERR_NONE, ERR_DOUBLE_FREE, ERR_NEVER, ERR_RANGE, ERR_SWA_RELEASED, ERR_CONT_RELE
 
 class PageRing:
     """Free pages of one pool on its device: ring [num_pages + 1] (last entry: scatter dump),
-    head (host int, pages ever popped), tail (device int64 [1], pages ever pushed), refs int32."""
+    head (host int, pages ever popped), tail (device int64 [1], pages ever pushed), refs int64."""
 
     def __init__(self, num_pages: int, page_size: int, device: torch.device, name: str) -> None:
         self.num_pages, self.page_size, self.device, self.name = num_pages, page_size, device, name
-        self.ring = torch.zeros(num_pages + 1, dtype=torch.int64, device=device)
-        self.tail = torch.zeros(1, dtype=torch.int64, device=device)
-        self.refs = torch.zeros(num_pages + 1, dtype=torch.int32, device=device)
-        self.err = torch.zeros(2, dtype=torch.int64, device=device)  # (code, page)
+        n = num_pages + 1
+        # one int64 buffer, so a kernel takes one pointer per pool: ring | refs | tail | err (code, page)
+        self.buf = torch.zeros(2 * n + 3, dtype=torch.int64, device=device)
+        self.ring, self.refs = self.buf[:n], self.buf[n:2 * n]
+        self.tail, self.err = self.buf[2 * n:2 * n + 1], self.buf[2 * n + 1:]
         self.head = 0
         self._tail_seen = 0       # tail as last read on the host: free >= _tail_seen - head
         self._snap: Optional[torch.Tensor] = None
         self._snap_event: Any = None
+        self._snap_pending = False
         self.reset()
 
     def reset(self) -> None:
@@ -51,7 +54,7 @@ class PageRing:
         self.err.zero_()
         self.tail.fill_(n)
         self.head, self._tail_seen = 0, n
-        self._snap, self._snap_event = None, None
+        self._snap_pending = False
 
     # ---- the free count on the host -------------------------------------------------------------
     @property
@@ -62,8 +65,9 @@ class PageRing:
         """Pages certainly free now, without waiting on the device (exact on CPU)."""
         if self.on_host:
             return int(self.tail[0]) - self.head
-        if self._snap_event is not None and self._snap_event.query():
+        if self._snap_pending and self._snap_event.query():
             self._tail_seen = max(self._tail_seen, int(self._snap[0]))
+            self._snap_pending = False
         return self._tail_seen - self.head
 
     def free_pages(self) -> int:
@@ -72,22 +76,28 @@ class PageRing:
         return self._tail_seen - self.head
 
     def has_room(self, k: int) -> bool:
-        """Whether k pages can be popped; reads the device only when the host bound says maybe not."""
-        return k <= self.free_lower_bound() or k <= self.free_pages()
+        """Whether k pages can be popped. Reads the device only when the host's bound says maybe not;
+        when the bound runs low, starts an async read of the tail so later calls need not wait."""
+        lb = self.free_lower_bound()
+        if k > lb:
+            return k <= self.free_pages()
+        if 2 * k > lb:
+            self._snapshot_tail()
+        return True
 
-    def snapshot_tail(self) -> None:
-        """After a push: start an async copy of the tail to pinned host memory (accelerators only)."""
-        if self.on_host:
+    def _snapshot_tail(self) -> None:
+        """Start an async copy of the tail to pinned host memory (one in flight at a time)."""
+        if self.on_host or self._snap_pending:
             return
-        mod = getattr(torch, self.device.type, None)
-        event_cls = getattr(mod, "Event", None)
+        event_cls = getattr(getattr(torch, self.device.type, None), "Event", None)
         if event_cls is None:
             return
         if self._snap is None:
             self._snap = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+            self._snap_event = event_cls()
         self._snap.copy_(self.tail, non_blocking=True)
-        self._snap_event = event_cls()
         self._snap_event.record()
+        self._snap_pending = True
 
     def take(self, k: int) -> int:
         """Claim k pages from the head (the caller checked `has_room`); returns the old head mod num_pages."""

@@ -18,8 +18,16 @@ import torch
 import triton
 import triton.language as tl
 
-from hwkv.pages import ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_RANGE, ERR_SWA_RELEASED, PageRing
+from hwkv import pages
+from hwkv.pages import PageRing
 from hwkv_cuda.kernels.common import interpreting
+
+# the error codes, as constants a jit'ed function may read
+ERR_CONT_RELEASED = tl.constexpr(pages.ERR_CONT_RELEASED)
+ERR_DOUBLE_FREE = tl.constexpr(pages.ERR_DOUBLE_FREE)
+ERR_NEVER = tl.constexpr(pages.ERR_NEVER)
+ERR_RANGE = tl.constexpr(pages.ERR_RANGE)
+ERR_SWA_RELEASED = tl.constexpr(pages.ERR_SWA_RELEASED)
 
 
 @triton.jit
@@ -27,7 +35,8 @@ def _record(err, bad, pages, code: tl.constexpr):
     """First error wins: (code, some bad page) into err[0:2]."""
     if tl.sum(bad.to(tl.int32), 0) > 0:
         page = tl.max(tl.where(bad, pages, -1), 0)
-        if tl.atomic_cas(err, 0, code) == 0:
+        zero = tl.zeros([], tl.int64)
+        if tl.atomic_cas(err, zero, zero + code) == 0:
             tl.store(err + 1, page)
 
 
@@ -45,9 +54,19 @@ def _lens(seq, prefix, r, m, P: tl.constexpr, DECODE: tl.constexpr):
 
 
 @triton.jit
-def _alloc_kernel(seq, prefix, last, out, ring_f, refs_f, head_f, n_full, ring_s, refs_s, head_s, n_swa,
-                  mapping, err, P: tl.constexpr, HYBRID: tl.constexpr, DECODE: tl.constexpr,
+def _parts(buf, n):
+    """A PageRing's one buffer: ring [n + 1] | refs [n + 1] | tail [1] | err [2]."""
+    return buf, buf + n + 1, buf + 2 * n + 2, buf + 2 * n + 3
+
+
+@triton.jit(do_not_specialize=["head_f", "head_s"])
+def _alloc_kernel(seq, prefix, last, out, buf_f, head_f, n_full, buf_s, head_s, n_swa, mapping,
+                  P: tl.constexpr, HYBRID: tl.constexpr, DECODE: tl.constexpr,
                   BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
+    ring_f, refs_f, _, err = _parts(buf_f, n_full)
+    ring_s, refs_s, _, _ = _parts(buf_s, n_swa)
+    mod_f = tl.maximum(n_full, 1)
+    mod_s = tl.maximum(n_swa, 1)
     b = tl.program_id(0)
     tok_base = tl.zeros([], tl.int64)
     page_base = tl.zeros([], tl.int64)
@@ -66,25 +85,25 @@ def _alloc_kernel(seq, prefix, last, out, ring_f, refs_f, head_f, n_full, ring_s
         m = j < e
         is_cont = j < c
         pidx = page_base + tl.where(is_cont, 0, (j - c) // P)
-        page = tl.load(ring_f + (head_f + pidx) % n_full, mask=m & ~is_cont, other=0)
+        page = tl.load(ring_f + (head_f + pidx) % mod_f, mask=m & ~is_cont, other=0)
         loc = tl.where(is_cont, last_b + 1 + j, page * P + (pre + j) % P)
         tl.store(out + tok_base + j, loc, mask=m)
     for i0 in range(0, npg, BLOCK):
         i = i0 + tl.arange(0, BLOCK)
         m = i < npg
-        fp = tl.load(ring_f + (head_f + page_base + i) % n_full, mask=m, other=0)
-        tl.store(refs_f + fp, 1, mask=m)
+        fp = tl.load(ring_f + (head_f + page_base + i) % mod_f, mask=m, other=0)
+        tl.store(refs_f + fp, fp * 0 + 1, mask=m)
         if HYBRID:
-            sp = tl.load(ring_s + (head_s + page_base + i) % n_swa, mask=m, other=0)
-            tl.store(refs_s + sp, 1, mask=m)
+            sp = tl.load(ring_s + (head_s + page_base + i) % mod_s, mask=m, other=0)
+            tl.store(refs_s + sp, sp * 0 + 1, mask=m)
     if HYBRID:
         for e0 in range(0, npg * P, BLOCK):  # map whole pages: full slot F*P+o -> SWA slot S*P+o
             x = e0 + tl.arange(0, BLOCK)
             m = x < npg * P
             i = x // P
             o = x % P
-            fp = tl.load(ring_f + (head_f + page_base + i) % n_full, mask=m, other=0)
-            sp = tl.load(ring_s + (head_s + page_base + i) % n_swa, mask=m, other=0)
+            fp = tl.load(ring_f + (head_f + page_base + i) % mod_f, mask=m, other=0)
+            sp = tl.load(ring_s + (head_s + page_base + i) % mod_s, mask=m, other=0)
             tl.store(mapping + fp * P + o, sp * P + o, mask=m)
         if c > 0:
             mapped = tl.load(mapping + last_b + 1 + one)
@@ -92,32 +111,34 @@ def _alloc_kernel(seq, prefix, last, out, ring_f, refs_f, head_f, n_full, ring_s
 
 
 @triton.jit
-def _unmap_push_swa(ring_s, refs_s, tail_s, n_swa, mapping, err_s, fp, sp, drop, P: tl.constexpr):
-    """Drop one reference to SWA pages sp[drop]; at zero unmap full page fp and push sp. Returns pushed count."""
+def _unmap_push_swa(buf_s, n_swa, mapping, fp, sp, drop, P: tl.constexpr):
+    """Drop one reference to SWA pages sp[drop]; at zero unmap full page fp and push sp."""
+    ring_s, refs_s, tail_s, err_s = _parts(buf_s, n_swa)
     srefs = tl.load(refs_s + sp, mask=drop, other=0)
     ok = drop & (srefs >= 1)
     _record(err_s, drop & (srefs < 1), sp, ERR_DOUBLE_FREE)
     tl.store(refs_s + sp, srefs - 1, mask=ok)
     gone = ok & (srefs == 1)
     for o in range(0, P):
-        tl.store(mapping + fp * P + o, 0, mask=gone)
+        tl.store(mapping + fp * P + o, fp * 0, mask=gone)
     k = tl.sum(gone.to(tl.int64), 0)
     if k > 0:
         base = tl.atomic_add(tail_s, k)
         pos = base + tl.cumsum(gone.to(tl.int64), 0) - 1
-        tl.store(ring_s + pos % n_swa, sp, mask=gone)
+        tl.store(ring_s + pos % tl.maximum(n_swa, 1), sp, mask=gone)
 
 
 @triton.jit
-def _free_kernel(loc, n, ring_f, refs_f, tail_f, n_full, ring_s, refs_s, tail_s, n_swa, mapping, who,
-                 err_f, err_s, P: tl.constexpr, HYBRID: tl.constexpr, SWA_ONLY: tl.constexpr, BLOCK: tl.constexpr):
+def _free_kernel(loc, n, buf_f, n_full, buf_s, n_swa, mapping, who,
+                 P: tl.constexpr, HYBRID: tl.constexpr, SWA_ONLY: tl.constexpr, BLOCK: tl.constexpr):
+    ring_f, refs_f, tail_f, err_f = _parts(buf_f, n_full)
     for i0 in range(0, n, BLOCK):  # pass 1: one entry per distinct page wins `who`
         i = i0 + tl.arange(0, BLOCK)
         m = i < n
         l = tl.load(loc + i, mask=m, other=0)
         fp = l // P
         inr = m & (l >= 0) & (fp >= 1) & (fp <= n_full)
-        tl.store(who + fp, i, mask=inr)
+        tl.store(who + fp, i.to(tl.int64), mask=inr)
     tl.debug_barrier()
     for i0 in range(0, n, BLOCK):  # pass 2: the winners drop their page
         i = i0 + tl.arange(0, BLOCK)
@@ -146,14 +167,15 @@ def _free_kernel(loc, n, ring_f, refs_f, tail_f, n_full, ring_s, refs_s, tail_s,
             if k > 0:
                 base = tl.atomic_add(tail_f, k)
                 pos = base + tl.cumsum(gone.to(tl.int64), 0) - 1
-                tl.store(ring_f + pos % n_full, fp, mask=gone)
+                tl.store(ring_f + pos % tl.maximum(n_full, 1), fp, mask=gone)
         if HYBRID:
-            _unmap_push_swa(ring_s, refs_s, tail_s, n_swa, mapping, err_s, fp, sp, drop, P)
+            _unmap_push_swa(buf_s, n_swa, mapping, fp, sp, drop, P)
 
 
 @triton.jit
-def _release_kernel(rtt, stride_row, rows, seq, frontiers, window, ring_s, refs_s, tail_s, n_swa, mapping,
-                    err_f, err_s, P: tl.constexpr, BLOCK: tl.constexpr):
+def _release_kernel(rtt, stride_row, rows, seq, frontiers, window, buf_f, n_full, buf_s, n_swa, mapping,
+                    P: tl.constexpr, BLOCK: tl.constexpr):
+    _, _, _, err_f = _parts(buf_f, n_full)
     b = tl.program_id(0)
     f = tl.load(frontiers + b)
     dead = tl.load(seq + b).to(tl.int64) - window + 1
@@ -168,7 +190,7 @@ def _release_kernel(rtt, stride_row, rows, seq, frontiers, window, ring_s, refs_
         fp = l // P
         sp = tl.load(mapping + fp * P, mask=act, other=0) // P
         _record(err_f, act & (sp <= 0), fp, ERR_SWA_RELEASED)
-        _unmap_push_swa(ring_s, refs_s, tail_s, n_swa, mapping, err_s, fp, sp, act & (sp > 0), P)
+        _unmap_push_swa(buf_s, n_swa, mapping, fp, sp, act & (sp > 0), P)
     tl.store(frontiers + b, nf)
 
 
@@ -183,23 +205,21 @@ class TritonPageOps:
     def alloc_extend(full: PageRing, swa: Optional[PageRing], mapping: Optional[torch.Tensor],
                      prefix: Optional[torch.Tensor], seq: torch.Tensor, last: torch.Tensor, out: torch.Tensor,
                      k: int, heads: List[int], decode: bool) -> None:
-        bs = seq.numel()
         hybrid = swa is not None
-        s_ring = swa if hybrid else full
-        _alloc_kernel[(bs,)](
-            seq, prefix if prefix is not None else seq, last, out, full.ring, full.refs, heads[0],
-            max(full.num_pages, 1), s_ring.ring, s_ring.refs, heads[1] if hybrid else 0, max(s_ring.num_pages, 1),
-            mapping if hybrid else full.ring, full.err, P=full.page_size, HYBRID=hybrid, DECODE=prefix is None,
-            BLOCK_B=_block(256), BLOCK=_block(256), num_warps=1 if interpreting() else 4)
+        s = swa if hybrid else full
+        _alloc_kernel[(seq.numel(),)](
+            seq, prefix if prefix is not None else seq, last, out, full.buf, heads[0], full.num_pages,
+            s.buf, heads[1] if hybrid else 0, s.num_pages, mapping if hybrid else full.buf,
+            P=full.page_size, HYBRID=hybrid, DECODE=prefix is None, BLOCK_B=_block(256), BLOCK=_block(256),
+            num_warps=1 if interpreting() else 4)
 
     @staticmethod
     def free_pages(full: PageRing, swa: Optional[PageRing], mapping: Optional[torch.Tensor], loc: torch.Tensor,
                    swa_only: bool, who: torch.Tensor) -> None:
         hybrid = swa is not None
-        s_ring = swa if hybrid else full
+        s = swa if hybrid else full
         _free_kernel[(1,)](
-            loc, loc.numel(), full.ring, full.refs, full.tail, max(full.num_pages, 1), s_ring.ring, s_ring.refs,
-            s_ring.tail, max(s_ring.num_pages, 1), mapping if hybrid else full.ring, who, full.err, s_ring.err,
+            loc, loc.numel(), full.buf, full.num_pages, s.buf, s.num_pages, mapping if hybrid else full.buf, who,
             P=full.page_size, HYBRID=hybrid, SWA_ONLY=swa_only, BLOCK=_block(1024),
             num_warps=1 if interpreting() else 8)
 
@@ -207,6 +227,6 @@ class TritonPageOps:
     def release_window(full: PageRing, swa: PageRing, mapping: torch.Tensor, req_to_token: torch.Tensor,
                        rows: torch.Tensor, seq: torch.Tensor, frontiers: torch.Tensor, window: int) -> None:
         _release_kernel[(frontiers.numel(),)](
-            req_to_token, req_to_token.stride(0), rows, seq, frontiers, int(window), swa.ring, swa.refs, swa.tail,
-            max(swa.num_pages, 1), mapping, full.err, swa.err, P=full.page_size, BLOCK=_block(128),
+            req_to_token, req_to_token.stride(0), rows, seq, frontiers, int(window), full.buf, full.num_pages,
+            swa.buf, swa.num_pages, mapping, P=full.page_size, BLOCK=_block(128),
             num_warps=1 if interpreting() else 4)
