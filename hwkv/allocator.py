@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 
 from hwkv.env import HWKV_DEBUG
@@ -26,24 +27,26 @@ IntsLike = Union[torch.Tensor, Sequence[int]]
 I64 = torch.int64
 
 
-def _host_ints(name: str, x: IntsLike, host: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """int64 CPU copy of x: the given host copy, x itself when on the CPU, else one device read."""
+def _host_ints(name: str, x: IntsLike, host: Optional[torch.Tensor] = None) -> np.ndarray:
+    """int64 host copy of x (numpy: a few host ops cost microseconds, not torch's dispatch per op):
+    the given host copy, x itself when on the CPU, else one device read."""
     if isinstance(x, torch.Tensor) and x.dtype.is_floating_point:
         raise LocError(f"{name} must hold integers, got {x.dtype}")
     if host is not None:
         x = host
     if isinstance(x, torch.Tensor):
-        return x.reshape(-1).to("cpu", I64)
-    return torch.tensor([int(v) for v in x], dtype=I64, device="cpu")
+        return x.reshape(-1).to("cpu", I64).numpy()
+    return np.asarray([int(v) for v in x], dtype=np.int64)
 
 
-def _on_device(device: torch.device, x: IntsLike, host: torch.Tensor) -> torch.Tensor:
+def _on_device(device: torch.device, x: IntsLike, host: np.ndarray) -> torch.Tensor:
     """x as an int64 tensor on `device` (no copy when it already is one)."""
     if isinstance(x, torch.Tensor) and x.device.type == device.type:
         return x.reshape(-1).to(I64)
+    t = torch.from_numpy(np.ascontiguousarray(host))
     if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)  # pinned: the copy does not stall the host
+        return t
+    return t.pin_memory().to(device, non_blocking=True)  # pinned: the copy does not stall the host
 
 
 def _check_loc_tensor(loc: object) -> torch.Tensor:
@@ -53,24 +56,36 @@ def _check_loc_tensor(loc: object) -> torch.Tensor:
 
 
 class _Batch:
-    """One alloc_extend/alloc_decode call, checked on the host: device lens, host lens, page counts."""
+    """One alloc call checked on the host: tokens, new pages, tokens continuing a partial page (numpy)."""
 
-    def __init__(self, prefix_cpu: torch.Tensor, seq_cpu: torch.Tensor, n_last: int, n: int, page: int) -> None:
-        if not prefix_cpu.numel() == seq_cpu.numel() == n_last:
-            raise LocError(f"prefix_lens ({prefix_cpu.numel()}), seq_lens ({seq_cpu.numel()}) and last_loc "
+    def __init__(self, n: int, pages: int, cont: Optional[np.ndarray]) -> None:
+        self.n, self.pages, self.cont = n, pages, cont
+
+    @classmethod
+    def extend(cls, prefix: np.ndarray, seq: np.ndarray, n_last: int, n: int, page: int) -> "_Batch":
+        if not prefix.size == seq.size == n_last:
+            raise LocError(f"prefix_lens ({prefix.size}), seq_lens ({seq.size}) and last_loc "
                            f"({n_last}) must have one entry per request")
-        ext = seq_cpu - prefix_cpu
-        if ext.numel() and int(ext.min()) < 0:
-            b = int(torch.argmin(ext))
-            raise LocError(f"seq_len {int(seq_cpu[b])} is shorter than prefix_len {int(prefix_cpu[b])} (request {b})")
-        if ext.numel() and int(prefix_cpu.min()) < 0:
-            raise LocError(f"prefix_lens must be >= 0, got {int(prefix_cpu.min())}")
+        ext = seq - prefix
+        if ext.size and int(ext.min()) < 0:
+            b = int(np.argmin(ext))
+            raise LocError(f"seq_len {int(seq[b])} is shorter than prefix_len {int(prefix[b])} (request {b})")
+        if ext.size and int(prefix.min()) < 0:
+            raise LocError(f"prefix_lens must be >= 0, got {int(prefix.min())}")
         total = int(ext.sum())
         if total != n:
             raise LocError(f"extend_num_tokens={n} but seq_lens - prefix_lens sum to {total}")
-        self.cont = torch.minimum(ext, torch.remainder(-prefix_cpu, page))  # tokens continuing a partial page
-        self.pages = int(((ext - self.cont + page - 1) // page).sum())
-        self.n = n
+        cont = np.minimum(ext, (-prefix) % page)
+        return cls(n, int(((ext - cont + page - 1) // page).sum()), cont)
+
+    @classmethod
+    def decode(cls, seq: np.ndarray, bs: int, page: int) -> "_Batch":
+        if seq.size != bs:
+            raise LocError(f"seq_lens_cpu has {seq.size} entries, seq_lens {bs}")
+        if bs and int(seq.min()) < 1:
+            raise LocError(f"decode seq_lens must be >= 1, got {int(seq.min())}")
+        cont = ((seq - 1) % page != 0).astype(np.int64)  # a request whose token starts a page takes a new one
+        return cls(bs, bs - int(cont.sum()), cont)
 
 
 class PagedTokenToKVPoolAllocator:
@@ -133,7 +148,7 @@ class PagedTokenToKVPoolAllocator:
         pre_cpu = _host_ints("prefix_lens", prefix_lens, prefix_lens_cpu)
         seq_cpu = _host_ints("seq_lens", seq_lens, seq_lens_cpu)
         n_last = last_loc.numel() if isinstance(last_loc, torch.Tensor) else len(last_loc)
-        plan = _Batch(pre_cpu, seq_cpu, n_last, int(extend_num_tokens), self.page_size)
+        plan = _Batch.extend(pre_cpu, seq_cpu, n_last, int(extend_num_tokens), self.page_size)
         last_cpu = None if isinstance(last_loc, torch.Tensor) and last_loc.device.type != "cpu" else \
             _host_ints("last_loc", last_loc)
         return self._alloc(_on_device(self.device, prefix_lens, pre_cpu), _on_device(self.device, seq_lens, seq_cpu),
@@ -150,19 +165,11 @@ class PagedTokenToKVPoolAllocator:
         n_last = last_loc.numel() if isinstance(last_loc, torch.Tensor) else len(last_loc)
         if n_last != bs:
             raise LocError(f"seq_lens ({bs}) and last_loc ({n_last}) must have one entry per request")
-        plan = _Batch.__new__(_Batch)
-        plan.n, plan.pages, plan.cont = bs, bs, None
-        seq_cpu = None
-        if self.page_size > 1 or seq_lens_cpu is not None or not isinstance(seq_lens, torch.Tensor):
+        if self.page_size == 1 and seq_lens_cpu is None and isinstance(seq_lens, torch.Tensor):
+            seq_cpu, plan = None, _Batch(bs, bs, None)  # every token takes a fresh page: nothing to read
+        else:
             seq_cpu = _host_ints("seq_lens", seq_lens, seq_lens_cpu)
-            if seq_cpu.numel() != bs:
-                raise LocError(f"seq_lens_cpu has {seq_cpu.numel()} entries, seq_lens {bs}")
-            if bs and int(seq_cpu.min()) < 1:
-                raise LocError(f"decode seq_lens must be >= 1, got {int(seq_cpu.min())}")
-            if self.page_size > 1:  # a request whose new token starts a page takes a fresh one
-                starts = torch.remainder(seq_cpu - 1, self.page_size) == 0
-                plan.pages = int(starts.sum())
-                plan.cont = (~starts).to(I64)
+            plan = _Batch.decode(seq_cpu, bs, self.page_size)
         seq_dev = seq_lens.reshape(-1) if isinstance(seq_lens, torch.Tensor) and \
             seq_lens.device.type == self.device.type else _on_device(self.device, seq_lens, seq_cpu)
         last_dev = last_loc.reshape(-1) if isinstance(last_loc, torch.Tensor) and \
@@ -282,9 +289,9 @@ class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         return self.full_to_swa_index_mapping[loc]
 
     def _check_continuations(self, prefix, seq, last, plan, decode) -> None:
-        if plan.cont is None or not bool((plan.cont > 0).any()):
+        if plan.cont is None or not (plan.cont > 0).any():
             return
-        cont = plan.cont > 0
+        cont = torch.from_numpy(plan.cont > 0)
         last_cpu = last.cpu()[cont]
         mapped = self.full_to_swa_index_mapping.cpu()[last_cpu]
         if (mapped <= 0).any():

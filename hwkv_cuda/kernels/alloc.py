@@ -63,8 +63,8 @@ def _parts(buf, n):
 def _alloc_kernel(seq, prefix, last, out, buf_f, head_f, n_full, buf_s, head_s, n_swa, mapping,
                   P: tl.constexpr, HYBRID: tl.constexpr, DECODE: tl.constexpr,
                   BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
-    ring_f, refs_f, _, err = _parts(buf_f, n_full)
-    ring_s, refs_s, _, _ = _parts(buf_s, n_swa)
+    ring_f, refs_f, tail_f, err = _parts(buf_f, n_full)
+    ring_s, refs_s, tail_s, err_s = _parts(buf_s, n_swa)
     mod_f = tl.maximum(n_full, 1)
     mod_s = tl.maximum(n_swa, 1)
     b = tl.program_id(0)
@@ -73,9 +73,9 @@ def _alloc_kernel(seq, prefix, last, out, buf_f, head_f, n_full, buf_s, head_s, 
     for start in range(0, b, BLOCK_B):  # the requests before this one
         r = start + tl.arange(0, BLOCK_B)
         m = r < b
-        _, e, _, npg = _lens(seq, prefix, r, m, P, DECODE)
-        tok_base += tl.sum(tl.where(m, e, 0), 0)
-        page_base += tl.sum(tl.where(m, npg, 0), 0)
+        pre_r, e_r, c_r, npg_r = _lens(seq, prefix, r, m, P, DECODE)
+        tok_base += tl.sum(tl.where(m, e_r, 0), 0)
+        page_base += tl.sum(tl.where(m, npg_r, 0), 0)
     one = tl.arange(0, 1)
     pre, e, c, npg = _lens(seq, prefix, b + one, one < 1, P, DECODE)
     pre, e, c, npg = tl.sum(pre, 0), tl.sum(e, 0), tl.sum(c, 0), tl.sum(npg, 0)
@@ -175,7 +175,7 @@ def _free_kernel(loc, n, buf_f, n_full, buf_s, n_swa, mapping, who,
 @triton.jit
 def _release_kernel(rtt, stride_row, rows, seq, frontiers, window, buf_f, n_full, buf_s, n_swa, mapping,
                     P: tl.constexpr, BLOCK: tl.constexpr):
-    _, _, _, err_f = _parts(buf_f, n_full)
+    ring_f, refs_f, tail_f, err_f = _parts(buf_f, n_full)
     b = tl.program_id(0)
     f = tl.load(frontiers + b)
     dead = tl.load(seq + b).to(tl.int64) - window + 1
