@@ -196,16 +196,27 @@ class PagedTokenToKVPoolAllocator:
         """Hybrid only: a request continuing a partial page must still own that page's SWA slots."""
 
     # ---- free -------------------------------------------------------------------------------------------
-    def free(self, loc: torch.Tensor) -> None:
-        """Drop a reference to the pages holding `loc` (a request's slots); pages reaching 0 go back."""
+    def free(self, loc: torch.Tensor, with_swa: bool = True) -> None:
+        """Drop one reference to each full page holding `loc` and, with `with_swa`, to its SWA page where
+        it still has one (a holder passes False for pages its out-of-window release already dropped);
+        pages reaching 0 go back."""
+        self._change(loc, -1, -1 if with_swa else 0)
+
+    def share(self, loc: torch.Tensor, with_swa: bool = True) -> None:
+        """Take one more reference to each live full page holding `loc` and, with `with_swa`, to its SWA
+        page (which must be there): a cached prefix or a second request now holds them too."""
+        self._change(loc, 1, 1 if with_swa else 0)
+
+    def _change(self, loc: torch.Tensor, full_delta: int, swa_delta: int) -> None:
         loc = _check_loc_tensor(loc)
         if loc.numel() == 0:
             return
         if self._immediate:
-            self._check_free(loc, swa_only=False)
-        (self._ops or TORCH_OPS).free_pages(self.pages, self._swa, self._mapping, loc, False, self._who)
+            self._check_free(loc, swa_required=swa_delta != 0 and full_delta >= 0 and self._swa is not None)
+        (self._ops or TORCH_OPS).change_refs(self.pages, self._swa, self._mapping, loc, full_delta,
+                                             swa_delta if self._swa is not None else 0, self._who)
 
-    def _check_free(self, loc: torch.Tensor, swa_only: bool) -> None:
+    def _check_free(self, loc: torch.Tensor, swa_required: bool) -> None:
         """Raise what the device op would record, before anything changes (CPU, debug mode)."""
         full = self.pages
         pages = loc.cpu() // self.page_size  # repeats are harmless here
@@ -216,7 +227,7 @@ class PagedTokenToKVPoolAllocator:
         for code, mask in ((ERR_NEVER, refs == NEVER), (ERR_DOUBLE_FREE, refs == 0)):
             if mask.any():
                 raise _err(code, int(pages[mask][0]), self.page_size, full.name)
-        if swa_only:
+        if swa_required:
             mapped = self._mapping.cpu()[pages * self.page_size]
             if (mapped <= 0).any():
                 raise _err(ERR_SWA_RELEASED, int(pages[mapped <= 0][0]), self.page_size, "full")
@@ -300,13 +311,8 @@ class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
                                     "release must keep a page of margin behind the last page")
 
     def free_swa(self, loc: torch.Tensor) -> None:
-        """Release only the SWA slots of the (whole) full pages holding `loc`; the full slots stay."""
-        loc = _check_loc_tensor(loc)
-        if loc.numel() == 0:
-            return
-        if self._immediate:
-            self._check_free(loc, swa_only=True)
-        (self._ops or TORCH_OPS).free_pages(self.pages, self._swa, self._mapping, loc, True, self._who)
+        """Drop the reference to the SWA slots of the (whole) full pages holding `loc`; the full slots stay."""
+        self._change(loc, 0, -1)
 
     def check_integrity(self) -> None:
         """Both rings are sound; live full and SWA pages pair one to one through whole-page table rows."""
@@ -319,7 +325,7 @@ class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         rows = m[:-1].view(-1, p)
         swa_page = rows[:, 0] // p
         mapped = rows[:, 0] > 0
-        expect = swa_page[:, None] * p + torch.arange(p)
+        expect = swa_page[:, None] * p + torch.arange(p, device="cpu")
         assert torch.equal(rows[mapped], expect[mapped]), "a mapped full page does not map whole, offsets equal"
         assert not rows[~mapped].any(), "a full page maps only some of its slots"
         full_refs = self.pages.refs.cpu()
@@ -328,6 +334,8 @@ class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         s = swa_page[mapped]
         assert s.numel() == torch.unique(s).numel(), "an SWA page is mapped from two full pages"
         assert (swa_refs[s] >= 1).all(), "a mapping points at a free SWA page"
+        assert (swa_refs[s] <= full_refs[mapped.nonzero().reshape(-1)]).all(), \
+            "an SWA page has more holders than its full page (a holder of S must hold F)"
         assert int((swa_refs[1:] >= 1).sum()) == s.numel(), "a live SWA page is mapped from no full page (leak)"
 
 
@@ -394,8 +402,11 @@ class TorchPageOps:
             _record(full, bad, torch.div(res, p, rounding_mode="floor"), ERR_CONT_RELEASED)
 
     @staticmethod
-    def free_pages(full: PageRing, swa: Optional[PageRing], mapping: Optional[torch.Tensor], loc: torch.Tensor,
-                   swa_only: bool, who: torch.Tensor) -> None:
+    def change_refs(full: PageRing, swa: Optional[PageRing], mapping: Optional[torch.Tensor], loc: torch.Tensor,
+                    full_delta: int, swa_delta: int, who: torch.Tensor) -> None:
+        """Add `full_delta` (-1, 0, +1) to the references of each distinct full page holding `loc` and
+        `swa_delta` to its SWA page's; pages reaching 0 return to their ring (an SWA page is unmapped).
+        A page must be live; its SWA page must be mapped unless a free (full_delta -1) skips it."""
         p, n_full = full.page_size, full.num_pages
         fp = torch.div(loc, p, rounding_mode="floor")
         inr = (fp >= 1) & (fp <= n_full)
@@ -408,19 +419,17 @@ class TorchPageOps:
         _record(full, ~inr, torch.div(loc, p, rounding_mode="floor"), ERR_RANGE)
         _record(full, rep & (refs == NEVER), fp, ERR_NEVER)
         _record(full, rep & (refs == 0), fp, ERR_DOUBLE_FREE)
-        s = torch.div(mapping[fp * p], p, rounding_mode="floor") if mapping is not None else None
-        if swa_only:
-            _record(full, live & (s <= 0), fp, ERR_SWA_RELEASED)
-            drop_swa = live & (s > 0)
-        else:
-            left = refs - 1
+        if full_delta:
+            left = refs + full_delta
             full.refs[torch.where(live, fp, 0)] = torch.where(live, left, NEVER).to(refs.dtype)
-            gone = live & (left == 0)
-            drop_swa = gone & (s > 0) if s is not None else None
-        if swa is not None:
-            _release_swa(swa, mapping, fp, s, drop_swa, p)
-        if not swa_only:
-            _push(full, fp, gone)
+            if full_delta < 0:
+                _push(full, fp, live & (left == 0))
+        if swa is None or not swa_delta:
+            return
+        s = torch.div(mapping[fp * p], p, rounding_mode="floor")
+        if full_delta >= 0:  # the SWA page must be there
+            _record(full, live & (s <= 0), fp, ERR_SWA_RELEASED)
+        _change_swa(swa, mapping, fp, s, live & (s > 0), swa_delta, p)
 
     @staticmethod
     def release_window(full: PageRing, swa: PageRing, mapping: torch.Tensor, req_to_token: torch.Tensor,
@@ -436,23 +445,24 @@ class TorchPageOps:
             fp = torch.div(loc, p, rounding_mode="floor")
             s = torch.div(mapping[fp * p], p, rounding_mode="floor")
             _record(full, s <= 0, fp, ERR_SWA_RELEASED)
-            _release_swa(swa, mapping, fp, s, s > 0, p)
+            _change_swa(swa, mapping, fp, s, s > 0, -1, p)
         frontiers.copy_(new_f)
 
 
-def _release_swa(swa: PageRing, mapping: torch.Tensor, fp: torch.Tensor, s: torch.Tensor, drop: torch.Tensor,
-                 p: int) -> None:
-    """Drop one reference to SWA pages s[drop] (of full pages fp); at 0 unmap the pair and push s."""
-    s = torch.where(drop, s, 0)
+def _change_swa(swa: PageRing, mapping: torch.Tensor, fp: torch.Tensor, s: torch.Tensor, sel: torch.Tensor,
+                delta: int, p: int) -> None:
+    """Add delta to the references of SWA pages s[sel] (of full pages fp); at 0 unmap the pair and push s."""
+    s = torch.where(sel, s, 0)
     refs = swa.refs[s]
-    ok = drop & (refs >= 1)
-    _record(swa, drop & (refs < 1), s, ERR_DOUBLE_FREE)
-    left = refs - 1
+    ok = sel & (refs >= 1)
+    _record(swa, sel & (refs < 1), s, ERR_DOUBLE_FREE)
+    left = refs + delta
     swa.refs[torch.where(ok, s, 0)] = torch.where(ok, left, NEVER).to(refs.dtype)
-    gone = ok & (left == 0)
-    off = torch.arange(p, device=fp.device)
-    mapping[(torch.where(gone, fp, 0)[:, None] * p + off).reshape(-1)] = 0
-    _push(swa, s, gone)
+    if delta < 0:
+        gone = ok & (left == 0)
+        off = torch.arange(p, device=fp.device)
+        mapping[(torch.where(gone, fp, 0)[:, None] * p + off).reshape(-1)] = 0
+        _push(swa, s, gone)
 
 
 TORCH_OPS = TorchPageOps()
@@ -506,7 +516,7 @@ def _check_release(a: SWATokenToKVPoolAllocator, rtt: torch.Tensor, rows: torch.
     if int(cnt.sum()):
         rr, j = _owners(cnt, int(cnt.sum()))
         loc = rtt.cpu()[r[rr], f[rr] + j * p]
-        a._check_free(loc, swa_only=True)
+        a._check_free(loc, swa_required=True)
 
 
 def release_out_of_window(allocator: SWATokenToKVPoolAllocator, token_row: torch.Tensor, seq_len: int,

@@ -93,7 +93,7 @@ class PageRing:
         if event_cls is None:
             return
         if self._snap is None:
-            self._snap = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+            self._snap = torch.zeros(1, dtype=torch.int64, device="cpu", pin_memory=True)
             self._snap_event = event_cls()
         self._snap.copy_(self.tail, non_blocking=True)
         self._snap_event.record()
@@ -122,7 +122,7 @@ class PageRing:
         """The free pages in ring order (host tensor; syncs)."""
         n = self.num_pages
         t = int(self.tail[0])
-        idx = torch.arange(self.head, t, dtype=torch.int64) % max(n, 1)
+        idx = torch.arange(self.head, t, dtype=torch.int64, device="cpu") % max(n, 1)
         return self.ring.cpu()[idx]
 
     def check_integrity(self) -> None:

@@ -176,3 +176,25 @@ def test_plain_allocators_and_req_pool():
         rtt.free(rows[0])
     with pytest.raises(LocError, match="max_context_len 8"):
         rtt.write(rows[1], 6, torch.tensor([1, 2, 3]))
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_shared_pages_return_only_when_every_holder_let_go(page):
+    """A prefix held by a cache and a request: the request's release and free drop only its own
+    references; the pages go back when the last holder frees them."""
+    _, a = make(256, 64, page)
+    loc = a.alloc_extend([0], [4 * page], [0], 4 * page)
+    full0, swa0 = a.full_available_size(), a.swa_available_size()
+    a.share(loc)                       # the cache takes the same pages (full and SWA)
+    a.free_swa(loc[:page])             # the request's release of its first page: the cache still holds it
+    assert (a.full_to_swa_index_mapping[loc] > 0).all() and a.swa_available_size() == swa0
+    a.free(loc[:page], with_swa=False)  # the request finishes: no SWA reference left on its first page
+    a.free(loc[page:])
+    a.check_integrity()
+    assert (a.full_available_size(), a.swa_available_size()) == (full0, swa0)
+    a.free(loc)                         # the cache evicts: now they go back
+    a.check_integrity()
+    assert a.full_available_size() == 256 and a.swa_available_size() == 64
+    with pytest.raises(DoubleFreeError):
+        a.share(loc)                    # sharing freed pages is refused, nothing changes
+    a.check_integrity()

@@ -5,7 +5,8 @@ free-page ring, reference counts, error record) without any host sync:
 - alloc: grid (request,); each program sums the new tokens and pages of the requests before
   it, writes its tokens' slots (continuing its partial page, then fresh pages popped at the
   ring head the host passes in), marks its new pages live and maps full page -> SWA page whole.
-- free: one program (pages can repeat within `loc`; a first pass picks one entry per page).
+- change_refs (free, free_swa, share): one program (pages can repeat within `loc`; a first pass
+  picks one entry per page), adding -1/0/+1 to each page's full and SWA references.
 - release: grid (request,); each program frees the SWA pages between its frontier and the new
   one, pushes them with an atomic add on the ring's tail, and moves its frontier.
 Bad pages are skipped and the first one is recorded in the ring's `err` (code, page).
@@ -111,26 +112,27 @@ def _alloc_kernel(seq, prefix, last, out, buf_f, head_f, n_full, buf_s, head_s, 
 
 
 @triton.jit
-def _unmap_push_swa(buf_s, n_swa, mapping, fp, sp, drop, P: tl.constexpr):
-    """Drop one reference to SWA pages sp[drop]; at zero unmap full page fp and push sp."""
+def _change_swa(buf_s, n_swa, mapping, fp, sp, sel, DELTA: tl.constexpr, P: tl.constexpr):
+    """Add DELTA to the references of SWA pages sp[sel]; at zero unmap full page fp and push sp."""
     ring_s, refs_s, tail_s, err_s = _parts(buf_s, n_swa)
-    srefs = tl.load(refs_s + sp, mask=drop, other=0)
-    ok = drop & (srefs >= 1)
-    _record(err_s, drop & (srefs < 1), sp, ERR_DOUBLE_FREE)
-    tl.store(refs_s + sp, srefs - 1, mask=ok)
-    gone = ok & (srefs == 1)
-    for o in range(0, P):
-        tl.store(mapping + fp * P + o, fp * 0, mask=gone)
-    k = tl.sum(gone.to(tl.int64), 0)
-    if k > 0:
-        base = tl.atomic_add(tail_s, k)
-        pos = base + tl.cumsum(gone.to(tl.int64), 0) - 1
-        tl.store(ring_s + pos % tl.maximum(n_swa, 1), sp, mask=gone)
+    srefs = tl.load(refs_s + sp, mask=sel, other=0)
+    ok = sel & (srefs >= 1)
+    _record(err_s, sel & (srefs < 1), sp, ERR_DOUBLE_FREE)
+    tl.store(refs_s + sp, srefs + DELTA, mask=ok)
+    if DELTA < 0:
+        gone = ok & (srefs + DELTA == 0)
+        for o in range(0, P):
+            tl.store(mapping + fp * P + o, fp * 0, mask=gone)
+        k = tl.sum(gone.to(tl.int64), 0)
+        if k > 0:
+            base = tl.atomic_add(tail_s, k)
+            pos = base + tl.cumsum(gone.to(tl.int64), 0) - 1
+            tl.store(ring_s + pos % tl.maximum(n_swa, 1), sp, mask=gone)
 
 
 @triton.jit
-def _free_kernel(loc, n, buf_f, n_full, buf_s, n_swa, mapping, who,
-                 P: tl.constexpr, HYBRID: tl.constexpr, SWA_ONLY: tl.constexpr, BLOCK: tl.constexpr):
+def _refs_kernel(loc, n, buf_f, n_full, buf_s, n_swa, mapping, who, P: tl.constexpr, HYBRID: tl.constexpr,
+                 FULL_DELTA: tl.constexpr, SWA_DELTA: tl.constexpr, BLOCK: tl.constexpr):
     ring_f, refs_f, tail_f, err_f = _parts(buf_f, n_full)
     for i0 in range(0, n, BLOCK):  # pass 1: one entry per distinct page wins `who`
         i = i0 + tl.arange(0, BLOCK)
@@ -140,7 +142,7 @@ def _free_kernel(loc, n, buf_f, n_full, buf_s, n_swa, mapping, who,
         inr = m & (l >= 0) & (fp >= 1) & (fp <= n_full)
         tl.store(who + fp, i.to(tl.int64), mask=inr)
     tl.debug_barrier()
-    for i0 in range(0, n, BLOCK):  # pass 2: the winners drop their page
+    for i0 in range(0, n, BLOCK):  # pass 2: the winners change their page's references
         i = i0 + tl.arange(0, BLOCK)
         m = i < n
         l = tl.load(loc + i, mask=m, other=0)
@@ -152,24 +154,21 @@ def _free_kernel(loc, n, buf_f, n_full, buf_s, n_swa, mapping, who,
         live = rep & (refs >= 1)
         _record(err_f, rep & (refs == -1), fp, ERR_NEVER)
         _record(err_f, rep & (refs == 0), fp, ERR_DOUBLE_FREE)
+        if FULL_DELTA != 0:
+            tl.store(refs_f + fp, refs + FULL_DELTA, mask=live)
+            if FULL_DELTA < 0:
+                gone = live & (refs + FULL_DELTA == 0)
+                k = tl.sum(gone.to(tl.int64), 0)
+                if k > 0:
+                    base = tl.atomic_add(tail_f, k)
+                    pos = base + tl.cumsum(gone.to(tl.int64), 0) - 1
+                    tl.store(ring_f + pos % tl.maximum(n_full, 1), fp, mask=gone)
         if HYBRID:
-            sp = tl.load(mapping + fp * P, mask=live, other=0) // P
-        else:
-            sp = fp * 0
-        if SWA_ONLY:
-            _record(err_f, live & (sp <= 0), fp, ERR_SWA_RELEASED)
-            drop = live & (sp > 0)
-        else:
-            tl.store(refs_f + fp, refs - 1, mask=live)
-            gone = live & (refs == 1)
-            drop = gone & (sp > 0)
-            k = tl.sum(gone.to(tl.int64), 0)
-            if k > 0:
-                base = tl.atomic_add(tail_f, k)
-                pos = base + tl.cumsum(gone.to(tl.int64), 0) - 1
-                tl.store(ring_f + pos % tl.maximum(n_full, 1), fp, mask=gone)
-        if HYBRID:
-            _unmap_push_swa(buf_s, n_swa, mapping, fp, sp, drop, P)
+            if SWA_DELTA != 0:
+                sp = tl.load(mapping + fp * P, mask=live, other=0) // P
+                if FULL_DELTA >= 0:  # the SWA page must be there
+                    _record(err_f, live & (sp <= 0), fp, ERR_SWA_RELEASED)
+                _change_swa(buf_s, n_swa, mapping, fp, sp, live & (sp > 0), SWA_DELTA, P)
 
 
 @triton.jit
@@ -190,7 +189,7 @@ def _release_kernel(rtt, stride_row, rows, seq, frontiers, window, buf_f, n_full
         fp = l // P
         sp = tl.load(mapping + fp * P, mask=act, other=0) // P
         _record(err_f, act & (sp <= 0), fp, ERR_SWA_RELEASED)
-        _unmap_push_swa(buf_s, n_swa, mapping, fp, sp, act & (sp > 0), P)
+        _change_swa(buf_s, n_swa, mapping, fp, sp, act & (sp > 0), -1, P)
     tl.store(frontiers + b, nf)
 
 
@@ -214,13 +213,13 @@ class TritonPageOps:
             num_warps=1 if interpreting() else 4)
 
     @staticmethod
-    def free_pages(full: PageRing, swa: Optional[PageRing], mapping: Optional[torch.Tensor], loc: torch.Tensor,
-                   swa_only: bool, who: torch.Tensor) -> None:
+    def change_refs(full: PageRing, swa: Optional[PageRing], mapping: Optional[torch.Tensor], loc: torch.Tensor,
+                    full_delta: int, swa_delta: int, who: torch.Tensor) -> None:
         hybrid = swa is not None
         s = swa if hybrid else full
-        _free_kernel[(1,)](
+        _refs_kernel[(1,)](
             loc, loc.numel(), full.buf, full.num_pages, s.buf, s.num_pages, mapping if hybrid else full.buf, who,
-            P=full.page_size, HYBRID=hybrid, SWA_ONLY=swa_only, BLOCK=_block(1024),
+            P=full.page_size, HYBRID=hybrid, FULL_DELTA=full_delta, SWA_DELTA=swa_delta, BLOCK=_block(1024),
             num_warps=1 if interpreting() else 8)
 
     @staticmethod
