@@ -100,7 +100,6 @@ class PagedTokenToKVPoolAllocator:
         self._ops = page_ops_for(self.device)
         # check device values before changing anything: free on CPU, a host sync elsewhere (debug only)
         self._immediate = self.device.type == "cpu" or HWKV_DEBUG.get()
-        self._who = torch.zeros(self.num_pages + 1, dtype=I64, device=self.device)  # free()'s dedup scratch
 
     # ---- the parts the hybrid allocator overrides ------------------------------------------------
     @property
@@ -214,7 +213,7 @@ class PagedTokenToKVPoolAllocator:
         if self._immediate:
             self._check_free(loc, swa_required=swa_delta != 0 and full_delta >= 0 and self._swa is not None)
         (self._ops or TORCH_OPS).change_refs(self.pages, self._swa, self._mapping, loc, full_delta,
-                                             swa_delta if self._swa is not None else 0, self._who)
+                                             swa_delta if self._swa is not None else 0)
 
     def _check_free(self, loc: torch.Tensor, swa_required: bool) -> None:
         """Raise what the device op would record, before anything changes (CPU, debug mode)."""
@@ -403,7 +402,7 @@ class TorchPageOps:
 
     @staticmethod
     def change_refs(full: PageRing, swa: Optional[PageRing], mapping: Optional[torch.Tensor], loc: torch.Tensor,
-                    full_delta: int, swa_delta: int, who: torch.Tensor) -> None:
+                    full_delta: int, swa_delta: int) -> None:
         """Add `full_delta` (-1, 0, +1) to the references of each distinct full page holding `loc` and
         `swa_delta` to its SWA page's; pages reaching 0 return to their ring (an SWA page is unmapped).
         A page must be live; its SWA page must be mapped unless a free (full_delta -1) skips it."""
@@ -412,8 +411,8 @@ class TorchPageOps:
         inr = (fp >= 1) & (fp <= n_full)
         fp = torch.where(inr, fp, 0)
         i = torch.arange(fp.numel(), device=fp.device)
-        who[fp] = i  # one index per distinct page wins: that entry represents the page
-        rep = inr & (who[fp] == i)
+        full.who[fp] = i  # one index per distinct page wins: that entry represents the page
+        rep = inr & (full.who[fp] == i)
         refs = full.refs[fp]
         live = rep & (refs >= 1)
         _record(full, ~inr, torch.div(loc, p, rounding_mode="floor"), ERR_RANGE)
@@ -451,18 +450,26 @@ class TorchPageOps:
 
 def _change_swa(swa: PageRing, mapping: torch.Tensor, fp: torch.Tensor, s: torch.Tensor, sel: torch.Tensor,
                 delta: int, p: int) -> None:
-    """Add delta to the references of SWA pages s[sel] (of full pages fp); at 0 unmap the pair and push s."""
+    """Add delta to the references of SWA pages s[sel] (of full pages fp), once per entry: a page may
+    appear once per holder (a release batch of requests sharing a prefix). At 0 a page is unmapped
+    and pushed, once."""
     s = torch.where(sel, s, 0)
     refs = swa.refs[s]
     ok = sel & (refs >= 1)
     _record(swa, sel & (refs < 1), s, ERR_DOUBLE_FREE)
-    left = refs + delta
-    swa.refs[torch.where(ok, s, 0)] = torch.where(ok, left, NEVER).to(refs.dtype)
-    if delta < 0:
-        gone = ok & (left == 0)
-        off = torch.arange(p, device=fp.device)
-        mapping[(torch.where(gone, fp, 0)[:, None] * p + off).reshape(-1)] = 0
-        _push(swa, s, gone)
+    swa.refs.index_add_(0, torch.where(ok, s, 0), ok.to(I64) * delta)
+    if delta > 0:
+        return
+    after = swa.refs[s]
+    over = ok & (after < 0)  # more drops than holders within one batch
+    _record(swa, over, s, ERR_DOUBLE_FREE)
+    swa.refs[torch.where(over, s, 0)] = torch.where(over, 0, NEVER)
+    i = torch.arange(s.numel(), device=s.device)
+    swa.who[s] = i
+    gone = ok & (swa.who[s] == i) & (swa.refs[s] == 0)
+    off = torch.arange(p, device=fp.device)
+    mapping[(torch.where(gone, fp, 0)[:, None] * p + off).reshape(-1)] = 0
+    _push(swa, s, gone)
 
 
 TORCH_OPS = TorchPageOps()

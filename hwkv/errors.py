@@ -38,6 +38,10 @@ class CapacityError(HwkvError):
     """A batch is larger than a pre-allocated (graph) buffer; the caller must run it eagerly."""
 
 
+class CacheError(HwkvError):
+    """A prefix-cache operation was refused (a locked node, more than is evictable); nothing changed."""
+
+
 class DeviceError(HwkvError, RuntimeError):
     """A device was asked for that is unknown or unavailable, or detection is ambiguous."""
 

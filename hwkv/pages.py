@@ -38,6 +38,7 @@ class PageRing:
         self.buf = torch.zeros(2 * n + 3, dtype=torch.int64, device=device)
         self.ring, self.refs = self.buf[:n], self.buf[n:2 * n]
         self.tail, self.err = self.buf[2 * n:2 * n + 1], self.buf[2 * n + 1:]
+        self.who = torch.zeros(n, dtype=torch.int64, device=device)  # scratch: one batch entry per page
         self.head = 0
         self._tail_seen = 0       # tail as last read on the host: free >= _tail_seen - head
         self._snap: Optional[torch.Tensor] = None

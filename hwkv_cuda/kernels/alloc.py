@@ -115,10 +115,13 @@ def _alloc_kernel(seq, prefix, last, out, buf_f, head_f, n_full, buf_s, head_s, 
 def _change_swa(buf_s, n_swa, mapping, fp, sp, sel, DELTA: tl.constexpr, P: tl.constexpr):
     """Add DELTA to the references of SWA pages sp[sel]; at zero unmap full page fp and push sp."""
     ring_s, refs_s, tail_s, err_s = _parts(buf_s, n_swa)
-    srefs = tl.load(refs_s + sp, mask=sel, other=0)
-    ok = sel & (srefs >= 1)
-    _record(err_s, sel & (srefs < 1), sp, ERR_DOUBLE_FREE)
-    tl.store(refs_s + sp, srefs + DELTA, mask=ok)
+    # atomics: a page may appear in several lanes or programs (holders sharing it); the lane that
+    # takes it to zero pushes it, once
+    srefs = tl.atomic_add(refs_s + sp, sp * 0 + DELTA, mask=sel)
+    ok = sel & (srefs >= 1) & (srefs + DELTA >= 0)
+    bad = sel & ~ok
+    _record(err_s, bad, sp, ERR_DOUBLE_FREE)
+    tl.atomic_add(refs_s + sp, sp * 0 - DELTA, mask=bad)  # undo what a bad lane added
     if DELTA < 0:
         gone = ok & (srefs + DELTA == 0)
         for o in range(0, P):
@@ -214,11 +217,11 @@ class TritonPageOps:
 
     @staticmethod
     def change_refs(full: PageRing, swa: Optional[PageRing], mapping: Optional[torch.Tensor], loc: torch.Tensor,
-                    full_delta: int, swa_delta: int, who: torch.Tensor) -> None:
+                    full_delta: int, swa_delta: int) -> None:
         hybrid = swa is not None
         s = swa if hybrid else full
         _refs_kernel[(1,)](
-            loc, loc.numel(), full.buf, full.num_pages, s.buf, s.num_pages, mapping if hybrid else full.buf, who,
+            loc, loc.numel(), full.buf, full.num_pages, s.buf, s.num_pages, mapping if hybrid else full.buf, full.who,
             P=full.page_size, HYBRID=hybrid, FULL_DELTA=full_delta, SWA_DELTA=swa_delta, BLOCK=_block(1024),
             num_warps=1 if interpreting() else 8)
 
