@@ -104,6 +104,11 @@ class HybridPrefixCache:
             if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
                 raise LocError(f"token ids must be an integer tensor, got {token_ids.dtype}")
             return token_ids.reshape(-1).to("cpu", torch.int64).numpy()
+        if isinstance(token_ids, (list, tuple)):
+            bad = next((t for t in token_ids[:1] if not isinstance(t, (int, np.integer))), None)
+            if bad is not None:
+                raise LocError(f"token ids must be integers, got {type(bad).__name__}")
+            return np.fromiter(token_ids, dtype=np.int64, count=len(token_ids))  # the fastest list -> array
         arr = np.asarray(token_ids)
         if arr.size and arr.dtype.kind not in "iu":
             raise LocError(f"token ids must be integers, got dtype {arr.dtype}")

@@ -40,6 +40,7 @@ class PageRing:
         self.tail, self.err = self.buf[2 * n:2 * n + 1], self.buf[2 * n + 1:]
         self.who = torch.zeros(n, dtype=torch.int64, device=device)  # scratch: one batch entry per page
         self.head = 0
+        self.deferred = device.type != "cpu"  # errors recorded on the device (else checked before, on the host)
         self._tail_seen = 0       # tail as last read on the host: free >= _tail_seen - head
         self._snap: Optional[torch.Tensor] = None
         self._snap_event: Any = None

@@ -35,7 +35,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         pool = SWAKVPool(SIZE, SIZE_SWA, page, torch.float32, 1, 2, [0], [1], DEVICE)
         self.a = SWATokenToKVPoolAllocator(SIZE, SIZE_SWA, page, DEVICE, pool)
         if self.deferred:
-            self.a._immediate = False
+            self.a.immediate = False
         self.rtt = ReqToTokenPool(ROWS, CTX, DEVICE)
         self.frontiers = torch.zeros(ROWS, dtype=torch.int64, device=DEVICE)
         self.reqs = {}  # row -> seq_len
