@@ -12,7 +12,8 @@ running request holds a lock: full eviction removes unlocked leaves (their full 
 references), SWA eviction turns unlocked nodes into tombstones (their SWA references only).
 
 Running requests hold their own page references (taken by `acquire`), so eviction never frees
-a page in use; locks only keep nodes that requests use from being evicted for nothing.
+a page in use; locks keep the nodes a request shares with the cache (`acquire`, `cache_running`)
+from eviction, so an unlocked node's pages are the cache's alone and evicting it frees them.
 Tree operations run on the host; the locs they hand out and take in stay on the pool's device.
 """
 from __future__ import annotations
@@ -206,6 +207,11 @@ class HybridPrefixCache:
     def lock(self, match: PrefixMatch) -> PrefixLock:
         """Keep the matched nodes (and the SWA of its window) from eviction while a request uses them."""
         node = match.node
+        while node is not self.root and node.start > match.swa_start:
+            node = node.parent
+        if node is not self.root and node.start < match.swa_start < node.end:
+            self._split(node, match.swa_start)  # the SWA lock covers the window only, not the node's head
+        node = match.node
         while node is not self.root:
             if node.lock_full == 0:
                 self.evictable_full -= len(node.key)
@@ -294,6 +300,19 @@ class HybridPrefixCache:
             self.allocator.share(match.locs[s0:m], with_swa=True)
         return self.lock(match), s0
 
+    def cache_running(self, token_ids: TokenIds, req_to_token_pool: ReqToTokenPool, row: int, seq_len: int,
+                      frontier: int, lock: Optional[PrefixLock] = None) -> PrefixLock:
+        """Cache a running request's tokens so far (e.g. after its prefill) and move its lock to the
+        deepest node: the nodes it shares with the cache stay locked while it runs (so unlocked nodes are
+        the cache's alone and evicting them frees memory). Returns the new lock (the old one is released)."""
+        self.insert(token_ids[:seq_len], req_to_token_pool.req_to_token[row, :seq_len], frontier)
+        # the lock covers the whole path (full) and the last window (SWA): the request's frontier moves on,
+        # and the SWA it leaves behind becomes the cache's alone, so it must stay evictable
+        new = self.lock(self.match_prefix(token_ids[:seq_len // self.page_size * self.page_size]))
+        if lock is not None:
+            self.unlock(lock)
+        return new
+
     def release_request(self, token_ids: TokenIds, req_to_token_pool: ReqToTokenPool, row: int, seq_len: int,
                         frontier: int, lock: Optional[PrefixLock] = None, cache: bool = True) -> int:
         """A request ends: optionally cache its tokens, drop its lock and its own page references
@@ -326,12 +345,24 @@ class HybridPrefixCache:
             heapq.heapify(heap)
 
     def evict(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` of full-pool KV (whole nodes, least recently used unlocked leaves
-        first, with their SWA KV); returns tokens freed. More than is evictable raises CacheError."""
+        """Free at least `num_tokens` of full-pool KV (whole unlocked leaves with their SWA KV): first
+        tombstone leaves (no match can use them), then least recently used leaves; returns tokens freed.
+        More than is evictable raises CacheError."""
         if num_tokens > self.evictable_full:
             raise CacheError(f"asked to evict {num_tokens} tokens of full KV, only {self.evictable_full} are "
                              f"unlocked ({self.full_tokens} cached)")
         freed = 0
+        # tombstone leaves first: no window is left in them, so no match can end inside them
+        dead = sorted((nd for nd in self._nodes() if not nd.swa and not nd.children and nd.lock_full == 0),
+                      key=lambda nd: nd.t_full)
+        while dead and freed < num_tokens:
+            nd = dead.pop(0)
+            parent = nd.parent
+            self.allocator.free(nd.locs, with_swa=False)
+            self._detach(nd)
+            freed += len(nd.key)
+            if parent is not self.root and not parent.swa and not parent.children and parent.lock_full == 0:
+                dead.insert(0, parent)
         while freed < num_tokens:
             t, _, node = heapq.heappop(self._full_heap)
             if node.children or node.lock_full or node.parent is None or t != node.t_full or not self._in_tree(node):
@@ -342,22 +373,49 @@ class HybridPrefixCache:
         return freed
 
     def evict_swa(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` of SWA KV by turning least recently used unlocked nodes into
-        tombstones (their full KV stays); returns tokens freed. More than is evictable raises CacheError."""
+        """Free at least `num_tokens` of SWA KV by turning unlocked nodes (or their heads) into tombstones;
+        their full KV stays. In order, each least recently used first: the SWA no match at a node's end
+        needs (a node's tokens before its last window); windows at nodes one conversation went past (a
+        match must end exactly there to use them); windows at leaves (where a next turn continues);
+        windows at branch points (shared prefixes). Returns tokens freed. More than is evictable raises
+        CacheError."""
         if num_tokens > self.evictable_swa:
             raise CacheError(f"asked to evict {num_tokens} tokens of SWA KV, only {self.evictable_swa} are "
                              f"unlocked ({self.swa_tokens} cached)")
         freed = 0
-        while freed < num_tokens:
+        p, w = self.page_size, self.window
+        unlocked = [nd for nd in self._nodes() if nd.swa and nd.lock_swa == 0]
+        # 1. heads: the part of a node before the window its end needs, least recently used first
+        for nd in sorted((nd for nd in unlocked if nd.start < window_start(nd.end, w, p) < nd.end),
+                         key=lambda nd: nd.t_swa):
+            if freed >= num_tokens:
+                return freed
+            freed += self._tombstone(self._split(nd, window_start(nd.end, w, p)))
+        # 2. windows of nodes one conversation went past (one child): a match must end exactly there
+        for nd in sorted((nd for nd in unlocked if nd.swa and len(nd.children) == 1), key=lambda nd: nd.t_swa):
+            if freed >= num_tokens:
+                return freed
+            freed += self._tombstone(nd)
+        # 3. windows at leaves, where a next turn continues
+        while freed < num_tokens and self._swa_heap:
             t, _, node = heapq.heappop(self._swa_heap)
-            if not node.swa or node.lock_swa or t != node.t_swa or not self._in_tree(node):
+            if not node.swa or node.lock_swa or t != node.t_swa or not self._in_tree(node) or node.children:
                 continue
-            self.allocator.free_swa(node.locs)
-            node.swa = False
-            self.swa_tokens -= len(node.key)
-            self.evictable_swa -= len(node.key)
-            freed += len(node.key)
+            freed += self._tombstone(node)
+        # 4. windows at branch points (shared prefixes such as a system prompt) last
+        for nd in sorted((nd for nd in unlocked if nd.swa and len(nd.children) > 1), key=lambda nd: nd.t_swa):
+            if freed >= num_tokens:
+                break
+            freed += self._tombstone(nd)
         return freed
+
+    def _tombstone(self, node: _Node) -> int:
+        """Drop the cache's SWA references of an unlocked node; its full KV stays matchable."""
+        self.allocator.free_swa(node.locs)
+        node.swa = False
+        self.swa_tokens -= len(node.key)
+        self.evictable_swa -= len(node.key)
+        return len(node.key)
 
     def evict_node(self, match: PrefixMatch) -> int:
         """Drop a matched node and everything below it now; a locked one raises CacheError."""

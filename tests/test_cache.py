@@ -141,16 +141,23 @@ def test_match_is_cut_back_to_a_cached_window():
     assert e.cache.match_prefix(list(range(37)) + [99]).length == 36  # needs [28, 36)
     assert e.cache.match_prefix(list(range(30)) + [99]).length == 0   # 28 needs [20, 28): tombstones
     assert e.cache.swa_tokens == 16 and e.cache.full_tokens == 40
-    e.cache.evict_node(e.cache.match_prefix(list(range(8))))  # nothing matches 8 tokens: the root, a no-op
+    assert e.cache.evict_node(e.cache.match_prefix(list(range(8)))) == 0  # no match: the root, a no-op
     b = e.start(list(range(100, 140)) + [0])
     e.forward(b, 40)
     e.cache.insert(list(range(100, 116)), e.rtt.req_to_token[b["row"], :16], 0)   # SWA for [0, 16) ...
     e.cache.insert(list(range(100, 140)), e.rtt.req_to_token[b["row"], :40], 40)  # ... tombstones after
     assert e.cache.match_prefix(list(range(100, 140))).length == 16  # cut back: 16 needs [8, 16) only
-    assert e.cache.evict_swa(16) == 16  # least recently used first: a's window goes, b's stays
-    assert e.cache.match_prefix(list(range(40))).length == 0
+    # a's nodes are now [24, 36) and [36, 40) (the match at 36 split it), b's SWA node [0, 16).
+    # SWA eviction takes the heads no match at a node's end needs first: [24, 28) and [0, 8) ...
+    assert e.cache.evict_swa(12) == 12
+    assert e.cache.match_prefix(list(range(40))).length == 40
+    assert e.cache.match_prefix(list(range(37)) + [99]).length == 36
     assert e.cache.match_prefix(list(range(100, 140))).length == 16
-    assert e.cache.evict_swa(16) == 16
+    # ... then whole windows, least recently used first: a's, not b's (matched last)
+    assert e.cache.evict_swa(4) >= 4
+    assert e.cache.match_prefix(list(range(40))).length < 40
+    assert e.cache.match_prefix(list(range(100, 140))).length == 16
+    assert e.cache.evict_swa(e.cache.evictable_swa) >= 0 and e.cache.swa_tokens == 0
     assert e.cache.match_prefix(list(range(100, 140))).length == 0
     e.finish(a, cache=False)
     e.finish(b, cache=False)

@@ -94,7 +94,7 @@ class CacheMachine(RuleBasedStateMachine):
         """Cache a running request's tokens (e.g. after its prefill), SWA window included."""
         row = sorted(self.reqs)[pick % len(self.reqs)]
         r = self.reqs[row]
-        self.cache.insert(r["ids"][:r["seq"]], self.rtt.req_to_token[row, :r["seq"]], r["frontier"])
+        r["lock"] = self.cache.cache_running(r["ids"], self.rtt, row, r["seq"], r["frontier"], r["lock"])
 
     def _finish(self, row, cache=True):
         r = self.reqs[row]
