@@ -374,40 +374,51 @@ class HybridPrefixCache:
 
     def evict_swa(self, num_tokens: int) -> int:
         """Free at least `num_tokens` of SWA KV by turning unlocked nodes (or their heads) into tombstones;
-        their full KV stays. In order, each least recently used first: the SWA no match at a node's end
-        needs (a node's tokens before its last window); windows at nodes one conversation went past (a
-        match must end exactly there to use them); windows at leaves (where a next turn continues);
-        windows at branch points (shared prefixes). Returns tokens freed. More than is evictable raises
+        their full KV stays. A node's SWA is worth what the windows it lies in are worth: the window of a
+        node end E is [window_start(E), E), and may span several nodes. First the SWA no window needs
+        (heads), then by the best window each node serves, lowest first: ends one conversation went past
+        (one child), then leaves (where a next turn continues), then branch points (shared prefixes);
+        least recently used first within each. Returns tokens freed. More than is evictable raises
         CacheError."""
         if num_tokens > self.evictable_swa:
             raise CacheError(f"asked to evict {num_tokens} tokens of SWA KV, only {self.evictable_swa} are "
                              f"unlocked ({self.swa_tokens} cached)")
+        plan = self._swa_plan()
         freed = 0
-        p, w = self.page_size, self.window
-        unlocked = [nd for nd in self._nodes() if nd.swa and nd.lock_swa == 0]
-        # 1. heads: the part of a node before the window its end needs, least recently used first
-        for nd in sorted((nd for nd in unlocked if nd.start < window_start(nd.end, w, p) < nd.end),
-                         key=lambda nd: nd.t_swa):
+        for nd, keep_from, _ in sorted(plan, key=lambda e: e[0].t_swa):  # 1. heads no window needs
             if freed >= num_tokens:
                 return freed
-            freed += self._tombstone(self._split(nd, window_start(nd.end, w, p)))
-        # 2. windows of nodes one conversation went past (one child): a match must end exactly there
-        for nd in sorted((nd for nd in unlocked if nd.swa and len(nd.children) == 1), key=lambda nd: nd.t_swa):
-            if freed >= num_tokens:
-                return freed
-            freed += self._tombstone(nd)
-        # 3. windows at leaves, where a next turn continues
-        while freed < num_tokens and self._swa_heap:
-            t, _, node = heapq.heappop(self._swa_heap)
-            if not node.swa or node.lock_swa or t != node.t_swa or not self._in_tree(node) or node.children:
-                continue
-            freed += self._tombstone(node)
-        # 4. windows at branch points (shared prefixes such as a system prompt) last
-        for nd in sorted((nd for nd in unlocked if nd.swa and len(nd.children) > 1), key=lambda nd: nd.t_swa):
+            if keep_from >= nd.end:
+                freed += self._tombstone(nd)
+            elif keep_from > nd.start:
+                freed += self._tombstone(self._split(nd, keep_from))
+        for nd, _, rank in sorted(plan, key=lambda e: e[2]):  # 2. windows, least valuable first
             if freed >= num_tokens:
                 break
-            freed += self._tombstone(nd)
+            if nd.swa:
+                freed += self._tombstone(nd)
         return freed
+
+    def _swa_plan(self) -> List[Tuple[_Node, int, Tuple[int, int]]]:
+        """For each unlocked SWA node: the first position some window still needs, and the rank (class,
+        last use) of the best window it serves."""
+        p, w = self.page_size, self.window
+        plan = []
+        for nd in self._nodes():
+            if not nd.swa or nd.lock_swa:
+                continue
+            keep_from, best = nd.end, (0, 0)
+            stack = [nd]
+            while stack:  # nd itself and the descendants whose window reaches back into nd
+                d = stack.pop()
+                ws = window_start(d.end, w, p)
+                if ws < nd.end:
+                    cls = 2 if not d.children else (3 if len(d.children) > 1 else 1)
+                    best = max(best, (cls, d.t_swa))
+                    keep_from = min(keep_from, max(ws, nd.start))
+                    stack.extend(d.children.values())
+            plan.append((nd, keep_from, best))
+        return plan
 
     def _tombstone(self, node: _Node) -> int:
         """Drop the cache's SWA references of an unlocked node; its full KV stays matchable."""

@@ -153,12 +153,13 @@ def test_match_is_cut_back_to_a_cached_window():
     assert e.cache.match_prefix(list(range(40))).length == 40
     assert e.cache.match_prefix(list(range(37)) + [99]).length == 36
     assert e.cache.match_prefix(list(range(100, 140))).length == 16
-    # ... then whole windows, least recently used first: a's, not b's (matched last)
+    # ... then windows by what they serve: b's ends where its conversation went on (a child), a's at a leaf
+    assert e.cache.evict_swa(4) >= 4
+    assert e.cache.match_prefix(list(range(100, 140))).length == 0
+    assert e.cache.match_prefix(list(range(40))).length == 40
     assert e.cache.evict_swa(4) >= 4
     assert e.cache.match_prefix(list(range(40))).length < 40
-    assert e.cache.match_prefix(list(range(100, 140))).length == 16
     assert e.cache.evict_swa(e.cache.evictable_swa) >= 0 and e.cache.swa_tokens == 0
-    assert e.cache.match_prefix(list(range(100, 140))).length == 0
     e.finish(a, cache=False)
     e.finish(b, cache=False)
     e.check()
