@@ -1,11 +1,17 @@
-"""Per-forward KV-write path and full decode step of GPT-OSS-120B's attention stack on one GPU.
+"""Per-forward KV-write path, allocator and full decode step of GPT-OSS-120B's attention stack on one GPU.
 
 Reports, in one run: device copy bandwidth (4 GiB D2D, read + write counted); the KV-write
 path of all 36 layers per forward (translation once per forward vs per SWA layer, hwkv's
 Triton store vs plain torch index_put, eager vs CUDA graph); a full decode step (write +
-attention, 36 layers) eager vs graph; torch SDPA over the same KV gathered dense.
+attention, 36 layers) eager vs graph; torch SDPA over the same KV gathered dense; the
+allocator's part of a decode step (`alloc_decode` for B requests + one
+`release_out_of_window_batch`, W=128) per batch size, context and page size, in host wall time
+and host syncs; and the whole engine decode step (allocate + release + metadata refill +
+replay) against the replay alone.
 
     python3 benchmarks/bench_cuda_step.py --out results.json
+    python3 benchmarks/bench_cuda_step.py --device cpu --sections alloc,engine-step --alloc-batches 1,4 \
+        --alloc-ctx 256 --step-bs 2 --step-ctx 256 --iters 5      # a smoke run on CPU
 """
 from __future__ import annotations
 
@@ -13,12 +19,13 @@ import argparse
 import json
 import statistics
 import time
-from typing import Callable, Dict, List
+import warnings
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from hwkv import ops
-from hwkv.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator, release_out_of_window
+from hwkv.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator, release_out_of_window_batch
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.graph import EagerAdapter, GraphRunner
 from hwkv.layer import AttentionLayer
@@ -26,6 +33,7 @@ from hwkv.loc import KVWriteLoc
 from hwkv.pool import SWAKVPool
 
 LAYERS, W, H, KVH, D = 36, 128, 64, 8, 64
+SECTIONS = ("kv-write", "decode-step", "alloc", "engine-step")
 
 
 def timeit(fn: Callable[[], object], dev: str, iters: int = 50, warmup: int = 5) -> float:
@@ -58,6 +66,63 @@ def copy_bandwidth(dev: str) -> float:
     return 2 * n / (us * 1e-6)
 
 
+def sync(dev: str) -> None:
+    if dev != "cpu":
+        getattr(torch, dev).synchronize()
+
+
+def wall(fn: Callable[[], object], dev: str, iters: int, warmup: int = 3) -> Tuple[List[float], List[float]]:
+    """Microseconds per call on the host clock, the device synchronized before each call: until the
+    call returns (host time: what the host cannot spend on anything else) and until the device is done."""
+    for _ in range(warmup):
+        fn()
+    host, done = [], []
+    for _ in range(iters):
+        sync(dev)
+        t = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t) * 1e6)
+        sync(dev)
+        done.append((time.perf_counter() - t) * 1e6)
+    return host, done
+
+
+def phase_walls(parts: List[Tuple[str, Callable[[], object]]], dev: str, iters: int,
+                warmup: int = 3) -> Dict[str, Tuple[List[float], List[float]]]:
+    """`wall` for each part of a step, the parts run in order every iteration (the state advances as
+    in a real step), the device synchronized around each part."""
+    out: Dict[str, Tuple[List[float], List[float]]] = {name: ([], []) for name, _ in parts}
+    for it in range(warmup + iters):
+        for name, fn in parts:
+            sync(dev)
+            t = time.perf_counter()
+            fn()
+            host = (time.perf_counter() - t) * 1e6
+            sync(dev)
+            if it >= warmup:
+                out[name][0].append(host)
+                out[name][1].append((time.perf_counter() - t) * 1e6)
+    return out
+
+
+def host_syncs(fn: Callable[[], object], dev: str) -> Optional[int]:
+    """Host syncs in one call of fn, as torch.cuda's sync debug mode reports them (None off CUDA)."""
+    if dev != "cuda":
+        return None
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def med(xs: List[float]) -> float:
+    return round(statistics.median(xs), 1)
+
+
 def capture(fn: Callable[[], object], dev: str) -> Callable[[], None]:
     if dev != "cuda":
         return fn
@@ -72,40 +137,63 @@ def capture(fn: Callable[[], object], dev: str) -> Callable[[], None]:
     return g.replay
 
 
-class Setup:
-    """A GPT-OSS-120B-shaped hybrid pool with `bs` requests of `ctx` tokens each."""
+def round_up(n: int, p: int) -> int:
+    return -(-n // p) * p
 
-    def __init__(self, dev: str, bs: int, ctx: int, size: int, size_swa: int) -> None:
-        self.dev = dev
-        swa_ids = [i for i in range(LAYERS) if i % 2 == 0]
-        full_ids = [i for i in range(LAYERS) if i % 2 == 1]
-        self.pool = SWAKVPool(size, size_swa, 1, torch.bfloat16, KVH, D, swa_ids, full_ids, dev)
-        self.alloc = SWATokenToKVPoolAllocator(size, size_swa, 1, dev, self.pool)
-        self.rtt = ReqToTokenPool(max(bs, 1), ctx + 16, dev)
+
+class Setup:
+    """A GPT-OSS-120B-shaped hybrid pool (`layers` layers, SWA and full alternating) at page size P,
+    with `bs` requests of ctx-1 tokens each (prefilled and released out of window), room for
+    `room` more decode steps. The pools are sized from those numbers."""
+
+    def __init__(self, dev: str, bs: int, ctx: int, page_size: int = 1, room: int = 16, layers: int = LAYERS,
+                 size: Optional[int] = None, size_swa: Optional[int] = None) -> None:
+        p = page_size
+        self.dev, self.bs, self.p = dev, bs, p
+        per_req = round_up(ctx + room, p) + p
+        size = size or round_up(bs * per_req + 4096, p)
+        size_swa = size_swa or round_up(bs * (round_up(W, p) + 3 * p) + per_req + 4096, p)  # windows + a prefill
+        swa_ids = [i for i in range(layers) if i % 2 == 0]
+        full_ids = [i for i in range(layers) if i % 2 == 1]
+        self.pool = SWAKVPool(size, size_swa, p, torch.bfloat16, KVH, D, swa_ids, full_ids, dev)
+        self.alloc = SWATokenToKVPoolAllocator(size, size_swa, p, dev, self.pool)
+        self.rtt = ReqToTokenPool(max(bs, 1), ctx + room + p, dev)
         self.layers = [AttentionLayer(i, H, KVH, D, sliding_window=W if i % 2 == 0 else None,
-                                      sinks=torch.zeros(H, device=dev)) for i in range(LAYERS)]
-        self.bs, self.ctx = bs, ctx
+                                      sinks=torch.zeros(H, device=dev)) for i in range(layers)]
+        i64 = dict(dtype=torch.int64, device=dev)
         rows = self.rtt.alloc(bs)
-        for r in rows:
+        self.rows = torch.tensor(rows, **i64)
+        self.frontiers = torch.zeros(bs, **i64)
+        for i, r in enumerate(rows):  # prefill one request at a time, each released right away
             loc = self.alloc.alloc_extend([0], [ctx - 1], [0], ctx - 1)
             self.rtt.write(r, 0, loc)
-            release_out_of_window(self.alloc, self.rtt.req_to_token[r], ctx - 1, 0, W)
-        self.rows = torch.tensor(rows, dtype=torch.int64, device=dev)
+            release_out_of_window_batch(self.alloc, self.rtt.req_to_token, self.rows[i:i + 1],
+                                        torch.full((1,), ctx - 1, **i64), self.frontiers[i:i + 1], W)
+        self.seq_cpu = torch.full((bs,), ctx - 1, dtype=torch.int64)
+        self.seq = self.seq_cpu.to(dev)
 
-    def decode_batch(self) -> ForwardBatch:
-        last = self.rtt.req_to_token[self.rows, self.ctx - 2].tolist()
-        loc = self.alloc.alloc_decode([self.ctx] * self.bs, last)
-        self.rtt.req_to_token[self.rows, self.ctx - 1] = loc
-        seq = torch.full((self.bs,), self.ctx, dtype=torch.int64, device=self.dev)
-        return ForwardBatch(ForwardMode.DECODE, self.bs, self.rows, seq, loc, seq_lens_cpu=seq.cpu())
+    def alloc_step(self) -> ForwardBatch:
+        """An engine's allocation for one decode step: last locs gathered on the device, one
+        `alloc_decode` (device lengths + host copies), the new locs scattered into req_to_token."""
+        seq, seq_cpu = self.seq + 1, self.seq_cpu + 1
+        last = self.rtt.req_to_token[self.rows, self.seq - 1]
+        loc = self.alloc.alloc_decode(seq, last, seq_lens_cpu=seq_cpu)
+        self.rtt.req_to_token[self.rows, self.seq] = loc
+        self.seq, self.seq_cpu = seq, seq_cpu
+        return ForwardBatch(ForwardMode.DECODE, self.bs, self.rows, seq, loc, seq_lens_cpu=seq_cpu)
+
+    def release(self) -> None:
+        """The out-of-window release after the step: one call for the whole batch."""
+        release_out_of_window_batch(self.alloc, self.rtt.req_to_token, self.rows, self.seq, self.frontiers, W)
+
+    decode_batch = alloc_step
 
 
 def kv_write_rows(dev: str, tokens: List[int], bw: float) -> List[Dict]:
     """The write path of one forward for all 36 layers."""
     rows = []
     for n in tokens:
-        size = max(2 * n, 4096)
-        s = Setup(dev, 0, 1, size, size)
+        s = Setup(dev, 0, 1, size=max(2 * n, 4096), size_swa=max(2 * n, 4096))
         loc = s.alloc.alloc(n)
         k = torch.randn(n, KVH, D, device=dev, dtype=torch.bfloat16)
         v = torch.randn_like(k)
@@ -143,7 +231,7 @@ def decode_step_rows(dev: str, batches: List[int], ctx: int, backend_cls) -> Lis
     """A full decode step (write + attention, 36 layers), eager vs graph, and SDPA per full layer."""
     rows = []
     for bs in batches:
-        s = Setup(dev, bs, ctx, bs * ctx + 4096, ctx + bs * (W + 64) + 4096)
+        s = Setup(dev, bs, ctx)
         be = backend_cls(s.pool, s.rtt, sliding_window=W)
         batch = s.decode_batch()
         inputs = {"q": torch.randn(bs, H, D, device=dev, dtype=torch.bfloat16),
@@ -186,15 +274,127 @@ def decode_step_rows(dev: str, batches: List[int], ctx: int, backend_cls) -> Lis
     return rows
 
 
+def alloc_rows(dev: str, batches: List[int], ctxs: List[int], pages: List[int], iters: int) -> List[Dict]:
+    """The allocator's part of a decode step: `alloc_decode` for B requests (+ the req_to_token write)
+    and one `release_out_of_window_batch`, W=128, over a 2-layer pool (the allocator sees no layers)."""
+    rows = []
+    for p in pages:
+        for ctx in ctxs:
+            for bs in batches:
+                s = Setup(dev, bs, ctx, page_size=p, room=2 * iters + 16, layers=2)
+
+                def step() -> None:
+                    s.alloc_step()
+                    s.release()
+
+                host, done = wall(step, dev, iters)  # the pair as an engine runs it: one sync at the end
+                ph = phase_walls([("alloc", s.alloc_step), ("release", s.release)], dev, iters, warmup=0)
+                syncs = {f"syncs_{name}": host_syncs(fn, dev) for name, fn in (("alloc", s.alloc_step),
+                                                                              ("release", s.release))}
+                rows.append(dict(bench="alloc", page_size=p, ctx=ctx, bs=bs, step_host_us=med(host),
+                                 step_us=med(done), step_mean_us=round(statistics.fmean(done), 1),
+                                 **{f"{k}{suffix}": med(v[i]) for k, v in ph.items()
+                                    for i, suffix in ((1, "_us"), (0, "_host_us"))}, **syncs))
+                s.alloc.check_integrity()
+                del s
+    return rows
+
+
+def engine_step_rows(dev: str, bs: int, ctx: int, page_size: int, backend_cls, iters: int) -> List[Dict]:
+    """The whole engine decode step through a graph (allocate, refill, replay, release) vs the replay alone."""
+    s = Setup(dev, bs, ctx, page_size=page_size, room=4 * iters + 16)
+    be = backend_cls(s.pool, s.rtt, sliding_window=W)
+    inputs = {"q": torch.randn(bs, H, D, device=dev, dtype=torch.bfloat16),
+              "k": torch.randn(bs, KVH, D, device=dev, dtype=torch.bfloat16),
+              "v": torch.randn(bs, KVH, D, device=dev, dtype=torch.bfloat16)}
+
+    def layers(b, i):
+        out = None
+        for layer in s.layers:
+            out = be.forward(i["q"], i["k"], i["v"], layer, b)
+        return out
+
+    adapter = EagerAdapter() if dev != "cuda" else __import__("hwkv_cuda.graph", fromlist=["x"]).CUDAGraphAdapter()
+    runner = GraphRunner(be, layers, [bs], {k: (tuple(v.shape[1:]), v.dtype) for k, v in inputs.items()}, adapter)
+    runner.capture()
+    state: Dict[str, object] = {}
+    parts = (("alloc", lambda: state.update(batch=s.alloc_step())),
+             ("prepare", lambda: state.update(prepared=runner.prepare(state["batch"], inputs))),
+             ("replay", lambda: runner.replay(state["prepared"])),
+             ("release", s.release))
+
+    def step() -> None:
+        for _, fn in parts:
+            fn()
+
+    host, done = wall(step, dev, iters)
+    phases = {k: v[1] for k, v in phase_walls(list(parts), dev, iters).items()}  # each part alone
+    _, replay_only = wall(lambda: runner.replay(state["prepared"]), dev, iters)
+    step_us, replay_us = statistics.median(done), statistics.median(replay_only)
+    row = dict(bench="engine-step", bs=bs, ctx=ctx, page_size=page_size, step_us=round(step_us, 1),
+               step_host_us=med(host), replay_only_us=round(replay_us, 1),
+               not_replay_frac=round(1 - replay_us / step_us, 3), syncs_per_step=host_syncs(step, dev),
+               **{f"{k}_us": med(v) for k, v in phases.items()})
+    s.alloc.check_integrity()
+    return [row]
+
+
+def _ints(text: str) -> List[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def print_tables(res: Dict) -> None:
+    print(f"copy bandwidth {res['copy_bw_TBps']} TB/s on {res['device']}")
+    if res.get("kv_write"):
+        print("| tokens | store | translate | mode | us | frac of copy bw |\n|---|---|---|---|---|---|")
+        for r in res["kv_write"]:
+            print(f"| {r['tokens']} | {r['store']} | {r['translate']} | {r['mode']} | {r['us']} | "
+                  f"{r['frac_copy_bw']} |")
+    if res.get("decode_step"):
+        print("| bs | ctx | step eager us | step graph us (refill + replay) | replay only us | metadata refill us "
+              "| 1 full layer eager us | SDPA dense 1 layer us |\n|---|---|---|---|---|---|---|---|")
+        for r in res["decode_step"]:
+            print(f"| {r['bs']} | {r['ctx']} | {r['eager_us']} | {r['graph_us']} | {r['graph_replay_only_us']} | "
+                  f"{r['metadata_refill_us']} | {r['full_layer_eager_us']} | "
+                  f"{r['sdpa_dense_full_layer_us']} |")
+    if res.get("alloc"):
+        print("allocator per decode step, W=128 (us, median; host = until the calls return, else until the "
+              "device is done)")
+        print("| page | ctx | bs | alloc+release us | host us | alloc us | alloc host us | release us | "
+              "release host us | syncs alloc | syncs release |\n|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in res["alloc"]:
+            print(f"| {r['page_size']} | {r['ctx']} | {r['bs']} | {r['step_us']} | {r['step_host_us']} | "
+                  f"{r['alloc_us']} | {r['alloc_host_us']} | {r['release_us']} | {r['release_host_us']} | "
+                  f"{r['syncs_alloc']} | {r['syncs_release']} |")
+    if res.get("engine_step"):
+        print("| bs | ctx | page | engine step us | host us | replay only us | not replay | alloc us | prepare us "
+              "| replay us | release us | syncs/step |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in res["engine_step"]:
+            print(f"| {r['bs']} | {r['ctx']} | {r['page_size']} | {r['step_us']} | {r['step_host_us']} | "
+                  f"{r['replay_only_us']} | {r['not_replay_frac']:.1%} | {r['alloc_us']} | {r['prepare_us']} | "
+                  f"{r['replay_us']} | {r['release_us']} | {r['syncs_per_step']} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--tokens", default="1,8,64,256,2048,8192")
-    p.add_argument("--batches", default="1,64")
-    p.add_argument("--ctx", type=int, default=4096)
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {', '.join(SECTIONS)}")
+    p.add_argument("--tokens", default="1,8,64,256,2048,8192", help="kv-write: tokens per forward")
+    p.add_argument("--batches", default="1,64", help="decode-step: batch sizes")
+    p.add_argument("--ctx", type=int, default=4096, help="decode-step: context per request")
+    p.add_argument("--alloc-batches", default="1,64,256", help="alloc: batch sizes")
+    p.add_argument("--alloc-ctx", default="512,4096", help="alloc: contexts per request")
+    p.add_argument("--pages", default="1,16", help="alloc: page sizes")
+    p.add_argument("--step-bs", type=int, default=64, help="engine-step: batch size")
+    p.add_argument("--step-ctx", type=int, default=4096, help="engine-step: context per request")
+    p.add_argument("--step-page", type=int, default=16, help="engine-step: page size")
+    p.add_argument("--iters", type=int, default=50, help="alloc, engine-step: timed steps")
     p.add_argument("--out", default="")
     a = p.parse_args()
-    dev = a.device
+    dev, sections = a.device, set(a.sections.split(","))
+    unknown = sections - set(SECTIONS)
+    if unknown:
+        p.error(f"unknown sections {sorted(unknown)}; known: {', '.join(SECTIONS)}")
     if dev == "cuda":
         from hwkv_cuda.backend import TritonBackend as backend_cls
     else:
@@ -202,18 +402,15 @@ def main() -> None:
     bw = copy_bandwidth(dev)
     res = dict(device=torch.cuda.get_device_name() if dev == "cuda" else "cpu", copy_bw_TBps=round(bw / 1e12, 3),
                torch=torch.__version__)
-    res["kv_write"] = kv_write_rows(dev, [int(x) for x in a.tokens.split(",")], bw)
-    res["decode_step"] = decode_step_rows(dev, [int(x) for x in a.batches.split(",")], a.ctx, backend_cls)
-    print(f"copy bandwidth {res['copy_bw_TBps']} TB/s on {res['device']}")
-    print("| tokens | store | translate | mode | us | frac of copy bw |\n|---|---|---|---|---|---|")
-    for r in res["kv_write"]:
-        print(f"| {r['tokens']} | {r['store']} | {r['translate']} | {r['mode']} | {r['us']} | {r['frac_copy_bw']} |")
-    print("| bs | ctx | step eager us | step graph us (refill + replay) | replay only us | metadata refill us "
-          "| 1 full layer eager us | SDPA dense 1 layer us |\n|---|---|---|---|---|---|---|---|")
-    for r in res["decode_step"]:
-        print(f"| {r['bs']} | {r['ctx']} | {r['eager_us']} | {r['graph_us']} | {r['graph_replay_only_us']} | "
-              f"{r['metadata_refill_us']} | {r['full_layer_eager_us']} | "
-              f"{r['sdpa_dense_full_layer_us']} |")
+    if "kv-write" in sections:
+        res["kv_write"] = kv_write_rows(dev, _ints(a.tokens), bw)
+    if "decode-step" in sections:
+        res["decode_step"] = decode_step_rows(dev, _ints(a.batches), a.ctx, backend_cls)
+    if "alloc" in sections:
+        res["alloc"] = alloc_rows(dev, _ints(a.alloc_batches), _ints(a.alloc_ctx), _ints(a.pages), a.iters)
+    if "engine-step" in sections:
+        res["engine_step"] = engine_step_rows(dev, a.step_bs, a.step_ctx, a.step_page, backend_cls, a.iters)
+    print_tables(res)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -2,7 +2,8 @@
 
 The device supplies a `GraphAdapter` (capture, replay, optional pre-replay host update); the
 backend's base class refills its static metadata buffers before every replay. A batch larger
-than the largest bucket runs eagerly; it is never dropped.
+than the largest bucket runs eagerly; it is never dropped. `run` is one call; `prepare` (copy-in,
+pad, metadata refill) and `replay` are its two halves, for callers that time them apart.
 """
 from __future__ import annotations
 
@@ -115,19 +116,20 @@ class GraphRunner:
         for v in self.inputs.values():
             v[live * self.tpr:bs_pad * self.tpr].zero_()
 
-    def run(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
-        """Replay the smallest bucket that fits, or run eagerly when the batch is larger than all."""
+    def prepare(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> "PreparedStep":
+        """Everything before the layers: copy the batch and inputs into the static buffers, pad to the
+        smallest bucket that fits, refill the static metadata. A batch larger than every bucket gets
+        eager metadata instead (and `replay` runs it eagerly: it is never dropped)."""
         bs = batch.batch_size
         if batch.num_tokens != bs * self.tpr:
             raise ShapeError(f"graph mode needs {self.tpr} token(s) per request: {batch.num_tokens} tokens "
                              f"for {bs} requests")
+        n = bs * self.tpr
         i = bisect.bisect_left(self.buckets, bs)
         if i == len(self.buckets):
-            self.eager_runs += 1
             self.backend.init_forward_metadata(batch)
-            return self.fn(batch, inputs)
+            return PreparedStep(None, n, batch, inputs)
         bs_pad = self.buckets[i]
-        n = bs * self.tpr
         self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
         self.seq_lens[:bs].copy_(batch.seq_lens)
         self.out_cache_loc[:n].copy_(batch.out_cache_loc)
@@ -135,11 +137,33 @@ class GraphRunner:
             v[:n].copy_(inputs[k])
         self._pad(bs_pad, bs)
         self.backend.init_forward_metadata_graph(self._static_batch(bs_pad))
-        cap = self.graphs[bs_pad]
+        return PreparedStep(bs_pad, n)
+
+    def replay(self, step: "PreparedStep") -> torch.Tensor:
+        """The layers of a prepared step: replay its bucket's graph (or run the eager fallback)."""
+        if step.bucket is None:
+            self.eager_runs += 1
+            return self.fn(step.batch, step.inputs)
+        cap = self.graphs[step.bucket]
         self.adapter.pre_replay(cap.graph)
         out = self.adapter.replay(cap.graph)
         self.replays += 1
-        return out[:n]
+        return out[:step.num_tokens]
+
+    def run(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """Replay the smallest bucket that fits, or run eagerly when the batch is larger than all."""
+        return self.replay(self.prepare(batch, inputs))
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """What `GraphRunner.replay` needs after `prepare`: the bucket to replay and the live tokens;
+    bucket None means the eager fallback, which keeps the batch and inputs to run."""
+
+    bucket: Optional[int]
+    num_tokens: int
+    batch: Optional[ForwardBatch] = None
+    inputs: Optional[Dict[str, torch.Tensor]] = None
 
 
 class TorchDeviceGraphAdapter:

@@ -15,7 +15,7 @@ from hwkv.window import first_visible
 
 def visible_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]) -> torch.Tensor:
     """[Tq, Tk] bool: key j visible to query i iff first_visible(i, W) <= j <= i."""
-    lo = torch.tensor([first_visible(int(p), window) for p in q_pos.tolist()], dtype=torch.long)
+    lo = torch.tensor([first_visible(int(p), window) for p in q_pos.tolist()], dtype=torch.long, device="cpu")
     qp = q_pos.long().cpu()[:, None]
     kp = k_pos.long().cpu()[None, :]
     return (kp <= qp) & (kp >= lo[:, None])
@@ -69,11 +69,11 @@ def batch_attention(
     """A batch: q [sum(extend_lens), H, D]; keys[b]/values[b] hold request b's whole sequence."""
     outs, start = [], 0
     for kb, vb, slen, elen in zip(keys, values, seq_lens, extend_lens):
-        q_pos = torch.arange(slen - elen, slen)
-        k_pos = torch.arange(slen)
+        q_pos = torch.arange(slen - elen, slen, device="cpu")
+        k_pos = torch.arange(slen, device="cpu")
         outs.append(attention(q[start:start + elen], kb[:slen], vb[:slen], q_pos, k_pos,
                               scaling, window, logit_cap, sinks))
         start += elen
     if not outs:
-        return torch.zeros(0, q.shape[1], values[0].shape[-1] if values else q.shape[-1])
+        return torch.zeros(0, q.shape[1], values[0].shape[-1] if values else q.shape[-1], device=q.device)
     return torch.cat(outs, dim=0)

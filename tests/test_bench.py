@@ -1,4 +1,5 @@
-"""`hwkv bench`: its JSON schema, measured translation counts, the loud reference failure, the plot, exit codes."""
+"""`hwkv bench`: its JSON schema, the step's phases, measured translation counts, the loud reference failure,
+the plot, exit codes; the graph runner's prepare/replay halves; the sampled reference check."""
 from __future__ import annotations
 
 import json
@@ -9,10 +10,11 @@ import pytest
 
 from hwkv import devices
 from hwkv.bench.baseline import per_layer_backend
-from hwkv.bench.run import CONFIGS, Target, Workload, run_benchmark
+from hwkv.bench.run import CONFIGS, PHASES, Target, Workload, run_benchmark
 from hwkv.bench.presets import custom_shape
 from hwkv.cli import main
 from hwkv.devices import DeviceSpec
+from hwkv.errors import ReferenceMismatchError
 from hwkv.graph import EagerAdapter
 from hwkv.testing.harness import Harness, ModelGeometry, run_scenario
 from hwkv_cpu.backend import TorchCPUBackend
@@ -34,8 +36,10 @@ def bench_json(capsys, *extra: str) -> dict:
 
 def test_json_schema(capsys):
     data = bench_json(capsys, "--no-graph")
-    assert data["schema"] == "hwkv-bench/1"
-    assert set(data) >= {"schema", "device", "model", "workload", "configs", "rows", "memory", "notes", "wall_s"}
+    assert data["schema"] == "hwkv-bench/2"
+    assert set(data) >= {"schema", "device", "model", "workload", "configs", "timing", "rows", "memory", "notes",
+                         "wall_s"}
+    assert list(data["timing"]["phases"]) == ["alloc_release", "metadata", "forward"] and data["timing"]["step"]
     assert data["device"]["name"] == "cpu" and data["device"]["torch_device"] == "cpu"
     assert data["model"]["num_layers"] == 5 and data["model"]["run_layers"] == 5
     assert data["configs"] == ["per-layer/eager", "once/eager"]
@@ -46,6 +50,7 @@ def test_json_schema(capsys):
         assert r["forwards"] == 3 and r["checked_forwards"] >= 2
         assert 0 < r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
         assert r["tokens_per_s"] == pytest.approx(r["batch_size"] / (r["median_ms"] / 1e3))
+        assert_phases(r)
         assert isinstance(r["max_abs_err"], float) and r["max_abs_err"] < 1e-4
     for m in data["memory"]:
         assert {"batch_size", "live_tokens", "full_slots", "swa_slots", "hybrid_bytes", "all_full_bytes",
@@ -53,6 +58,25 @@ def test_json_schema(capsys):
         assert m["full_slots"] >= m["live_tokens"] > 0 and m["swa_slots"] < m["full_slots"]
         assert m["all_full_bytes"] == m["full_slots"] * SHAPE.bytes_per_token_all_full * 2  # fp32: 2x bf16
         assert m["saving"] == pytest.approx(m["all_full_bytes"] / m["hybrid_bytes"]) and m["saving"] > 1
+
+
+def assert_phases(r: dict) -> None:
+    """Every phase is timed, non-negative, and the step is their sum (means add up exactly)."""
+    assert list(r["phases"]) == list(PHASES)
+    for p in r["phases"].values():
+        assert set(p) == {"median_ms", "p10_ms", "p90_ms", "mean_ms"}
+        assert 0 <= p["p10_ms"] <= p["median_ms"] <= p["p90_ms"] and p["mean_ms"] >= 0
+    assert r["phases"]["alloc_release"]["median_ms"] > 0 and r["phases"]["forward"]["median_ms"] > 0
+    assert sum(p["mean_ms"] for p in r["phases"].values()) == pytest.approx(r["mean_ms"])
+    for p in r["phases"].values():  # each step's total bounds each of its phases, so every quantile does
+        assert p["p10_ms"] <= r["p10_ms"] and p["median_ms"] <= r["median_ms"] and p["p90_ms"] <= r["p90_ms"]
+
+
+def test_graph_phases_time_prepare_and_replay(capsys):
+    data = bench_json(capsys, "--configs", "once/graph,once/eager", "--batch-sizes", "2")
+    for r in data["rows"]:
+        assert_phases(r)
+        assert r["phases"]["metadata"]["median_ms"] > 0
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
@@ -118,10 +142,20 @@ def test_wrong_backend_fails_loudly(capsys, broken_device):
     assert out.out == ""  # no table: the run is invalid, nothing is averaged away
 
 
-def test_plot_writes_a_png(tmp_path, capsys):
+def test_plot_writes_a_png_with_the_phases_stacked(tmp_path, capsys, monkeypatch):
+    from hwkv.bench import report
+
+    original, bars = report._plot_phases, []
+
+    def counting(fig, res):
+        original(fig, res)
+        bars.append(sum(len(ax.patches) for ax in fig.axes))
+
+    monkeypatch.setattr(report, "_plot_phases", counting)
     path = tmp_path / "bench.png"
-    bench_json(capsys, "--no-graph", "--plot", str(path))
+    data = bench_json(capsys, "--no-graph", "--plot", str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert bars == [len(data["rows"]) * len(PHASES)]  # one stacked bar per configuration and batch size
 
 
 def test_table_output(capsys):
@@ -129,6 +163,7 @@ def test_table_output(capsys):
     out = capsys.readouterr().out
     assert "hwkv bench on cpu" in out and "all 5 layers" in out
     assert "per-layer/eager" in out and "once/eager" in out and "saving" in out
+    assert "ms/step" in out and "alloc+release ms" in out and "metadata ms" in out and "forward/replay ms" in out
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -154,3 +189,51 @@ def test_default_model_is_a_preset_prefix_on_cpu():
     assert default_run_layers(PRESETS["gemma-3-27b"], "cpu") == 6    # its first full layer is layer 5
     assert default_run_layers(PRESETS["gpt-oss-120b"], "cuda") == 36
     assert set(CONFIGS) == {"per-layer/eager", "once/eager", "per-layer/graph", "once/graph"}
+
+
+def test_harness_releases_a_batch_in_one_call(monkeypatch):
+    import hwkv.testing.harness as harness
+
+    calls = []
+    real = harness.release_out_of_window_batch
+    monkeypatch.setattr(harness, "release_out_of_window_batch", lambda *a: calls.append(a[2].numel()) or real(*a))
+    g = ModelGeometry(num_layers=2, swa_every=2, window=4, num_heads=2, num_kv_heads=1, head_dim=8)
+    h = Harness(TorchCPUBackend, "cpu", g, size=256, size_swa=64, page_size=2)
+    rids = [h.add_request() for _ in range(3)]
+    h.forward(rids, [9, 5, 7])
+    for _ in range(4):
+        batch, inputs = h.prepare(rids, [1, 1, 1])
+        h.complete(rids, [1, 1, 1], inputs, h.step(batch, inputs))
+        h.release(batch)
+        h.check_integrity()
+    assert calls == [3] * 4
+    assert h.frontiers[rids].tolist() == [8, 4, 6]  # seq 13, 9, 11: a page behind the first live token, aligned
+
+
+def test_sampled_reference_check_shadows_few_requests_and_still_catches_a_wrong_kernel():
+    g = ModelGeometry(num_layers=2, swa_every=2, window=4, num_heads=2, num_kv_heads=1, head_dim=8)
+    for backend, ok in ((TorchCPUBackend, True), (BrokenBackend, False)):
+        h = Harness(backend, "cpu", g, size=256, size_swa=64, page_size=2, shadow_requests=1, check_queries=2)
+        rids = [h.add_request() for _ in range(3)]
+        assert [h.requests[r].shadowed for r in rids] == [True, False, False]
+        h.forward(rids, [9, 5, 7])  # extend: the last 2 queries of request 0 are checked
+        assert len(h.requests[rids[0]].k[0]) == 1 and not h.requests[rids[1]].k[0]
+        if ok:
+            h.forward(rids, [1, 1, 1])
+        else:
+            with pytest.raises(ReferenceMismatchError):
+                h.forward(rids, [1, 1, 1])
+
+
+def test_accelerators_default_to_long_prompts_and_a_sampled_check():
+    import argparse
+
+    from hwkv.bench.bench_cli import _workload, add_bench_arguments
+
+    p = argparse.ArgumentParser()
+    add_bench_arguments(p)
+    cpu, gpu = (_workload(p.parse_args([]), "bf16", d) for d in ("cpu", "cuda"))
+    assert cpu.prompt_len == 256 and cpu.check_requests == 0 and cpu.batch_sizes == (1, 4, 16)
+    assert gpu.prompt_len >= 4096 and gpu.chunk >= 4096 and gpu.check_requests == 2 and gpu.check_queries == 16
+    assert _workload(p.parse_args(["--prompt-len", "512"]), "bf16", "cuda").prompt_len == 512
+    assert "8192" in p.format_help()

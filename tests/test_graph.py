@@ -19,3 +19,34 @@ def test_a_second_runner_shares_the_static_buffers_instead_of_reallocating_them(
     h.forward(rids, [1, 1], ForwardMode.DECODE)  # the decode graphs still read valid buffers
     with pytest.raises(ConfigError, match="call init_graph_state once with the largest sizes"):
         h.backend.init_graph_state(8, 8)
+
+
+def _decoding_harness(buckets):
+    h = Harness(ReferenceBackend, geometry=ModelGeometry(), size=512, size_swa=128)
+    h.enable_graphs(list(buckets))
+    rids = [h.add_request() for _ in range(3)]
+    h.forward(rids, [5, 9, 7], ForwardMode.EXTEND)
+    h.release()
+    return h, rids
+
+
+def test_prepare_then_replay_is_run_in_two_halves():
+    h, rids = _decoding_harness([1, 4])
+    batch, inputs = h.prepare(rids, [1, 1, 1], ForwardMode.DECODE)
+    step = h.runner.prepare(batch, inputs)
+    assert step.bucket == 4 and step.num_tokens == 3 and h.runner.replays == 0
+    assert int(h.runner.req_pool_indices[3]) == 0 and int(h.runner.out_cache_loc[3]) == 0  # padded
+    flat = h.runner.replay(step)
+    assert flat.shape[0] == 3 and h.runner.replays == 1 and h.runner.eager_runs == 0
+    h.complete(rids, [1, 1, 1], inputs, flat)  # checked against the reference
+
+
+def test_prepare_of_a_batch_larger_than_every_bucket_falls_back_to_eager():
+    h, rids = _decoding_harness([1, 2])
+    batch, inputs = h.prepare(rids, [1, 1, 1], ForwardMode.DECODE)
+    step = h.runner.prepare(batch, inputs)
+    assert step.bucket is None and step.batch is batch  # eager metadata already built for it
+    assert h.backend.forward_metadata.batch_size == 3
+    flat = h.runner.replay(step)
+    assert h.runner.eager_runs == 1 and h.runner.replays == 0 and flat.shape[0] == 3
+    h.complete(rids, [1, 1, 1], inputs, flat)

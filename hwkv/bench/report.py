@@ -1,4 +1,7 @@
-"""`hwkv bench` output: the tables (rich, or plain text), one JSON object, the plot."""
+"""`hwkv bench` output: the tables (rich, or plain text), one JSON object, the plot.
+
+Schema hwkv-bench/2 (over /1: rows time the whole decode step, `mean_ms` and per-phase `phases`
+were added, and a top-level `timing` says what the step and each phase hold)."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,15 +9,17 @@ import json
 from typing import Any, Dict, List, Sequence
 
 from hwkv.bench.plan import format_bytes
-from hwkv.bench.run import BenchResult
+from hwkv.bench.run import PHASES, STEP, BenchResult
 
-SCHEMA = "hwkv-bench/1"
-TIME_HEADER = ["config", "bs", "ms/forward", "p10-p90 ms", "tokens/s", "translations/fwd", "max |err|"]
+SCHEMA = "hwkv-bench/2"
+TIME_HEADER = ["config", "bs", "ms/step", "p10-p90 ms", "tokens/s", "translations/fwd", "max |err|"]
+PHASE_LABELS = {"alloc_release": "alloc+release", "metadata": "metadata", "forward": "forward/replay"}
+PHASE_HEADER = ["config", "bs"] + [f"{PHASE_LABELS[p]} ms" for p in PHASES]
 MEMORY_HEADER = ["bs", "live tokens", "full slots", "SWA slots", "hybrid KV", "all-full KV", "saving"]
 
 
 def to_dict(res: BenchResult) -> Dict[str, Any]:
-    """The JSON object (schema 'hwkv-bench/1')."""
+    """The JSON object (schema 'hwkv-bench/2')."""
     import torch
 
     shape = res.model
@@ -27,6 +32,7 @@ def to_dict(res: BenchResult) -> Dict[str, Any]:
                   "window": shape.window, "kv_bytes_per_token_all_full": shape.bytes_per_token_all_full},
         "workload": {**dataclasses.asdict(res.workload), "batch_sizes": list(res.workload.batch_sizes)},
         "configs": list(res.configs),
+        "timing": {"step": STEP, "phases": dict(PHASES)},
         "rows": [dataclasses.asdict(r) for r in res.rows],
         "memory": [dataclasses.asdict(m) for m in res.memory],
         "notes": list(res.notes),
@@ -54,15 +60,34 @@ def caption(res: BenchResult) -> str:
     w = res.workload
     lens = w.prompt_lens(max(w.batch_sizes))
     check = f"reference checked every {w.check_every} forwards" if w.check_every else "no reference check"
+    if w.check_every and (w.check_requests or w.check_queries):
+        check += (f" ({f'first {w.check_requests} requests' if w.check_requests else 'all requests'}, "
+                  f"{f'last {w.check_queries} queries each' if w.check_queries else 'all queries'})")
     return (f"decode: {w.steps} timed steps (+{w.warmup} warm-up) x {w.repeats} repeat(s) after chunked prefill "
             f"(prompts {min(lens)}-{max(lens)} tokens, {w.chunk} tokens/forward); configurations take turns "
-            f"each step; {check}")
+            f"each step; a step is allocation + release, metadata and forward; {check}")
+
+
+def phase_caption() -> str:
+    return ("ms per decode step, median (p10-p90): alloc+release = the allocator's alloc_decode and "
+            "out-of-window release; metadata = init_forward_metadata, or the graph runner's copy-in, pad and "
+            "refill; forward/replay = the layers, or the graph replay (device synchronized around each)")
 
 
 def time_rows(res: BenchResult) -> List[List[str]]:
     return [[r.config, str(r.batch_size), f"{r.median_ms:.2f}", f"{r.p10_ms:.2f}-{r.p90_ms:.2f}",
              f"{r.tokens_per_s:,.0f}", f"{r.translations_per_forward:g}",
              "-" if r.max_abs_err is None else f"{r.max_abs_err:.1e}"] for r in res.rows]
+
+
+def _ms(x: float) -> str:
+    return f"{x:.3f}" if x < 1 else f"{x:.2f}"
+
+
+def phase_rows(res: BenchResult) -> List[List[str]]:
+    return [[r.config, str(r.batch_size)] + [
+        f"{_ms(r.phases[p].median_ms)} ({_ms(r.phases[p].p10_ms)}-{_ms(r.phases[p].p90_ms)})" for p in PHASES]
+        for r in res.rows]
 
 
 def memory_rows(res: BenchResult) -> List[List[str]]:
@@ -85,11 +110,15 @@ def plain_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def print_plain(res: BenchResult) -> None:
-    """Both tables as plain text."""
+    """The three tables as plain text."""
     print(title(res))
     print(caption(res))
     print()
     print(plain_table(TIME_HEADER, time_rows(res)))
+    print()
+    print("Phases of a decode step")
+    print(phase_caption())
+    print(plain_table(PHASE_HEADER, phase_rows(res)))
     print()
     print(memory_title(res))
     print(plain_table(MEMORY_HEADER, memory_rows(res)))
@@ -98,7 +127,7 @@ def print_plain(res: BenchResult) -> None:
 
 
 def print_rich(res: BenchResult) -> None:
-    """Both tables through rich."""
+    """The three tables through rich."""
     from rich.console import Console
     from rich.table import Table
 
@@ -106,6 +135,7 @@ def print_rich(res: BenchResult) -> None:
     if not console.is_terminal:  # piped or redirected: wide enough for every column, not rich's 80
         console = Console(width=120)
     for head, rows, name, cap in ((TIME_HEADER, time_rows(res), title(res), caption(res)),
+                                  (PHASE_HEADER, phase_rows(res), "Phases of a decode step", phase_caption()),
                                   (MEMORY_HEADER, memory_rows(res), memory_title(res), None)):
         table = Table(title=name, caption=cap, title_justify="left", caption_justify="left")
         for i, col in enumerate(head):
@@ -118,33 +148,68 @@ def print_rich(res: BenchResult) -> None:
 
 
 def plot(res: BenchResult, path: str) -> None:
-    """PNG: time per forward vs batch size per configuration (p10-p90 bars), and the memory comparison."""
+    """PNG: time per decode step vs batch size per configuration (p10-p90 bars), the memory comparison,
+    and below them the step's phases stacked, per configuration and batch size."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.6))
+    fig = plt.figure(figsize=(13, 9.5), layout="constrained")
+    top, bottom = fig.subfigures(2, 1)
+    ax_t, ax_m = top.subplots(1, 2)
+    _plot_steps(ax_t, res)
+    _plot_memory(ax_m, res)
+    _plot_phases(bottom, res)
+    fig.suptitle(f"hwkv bench: {res.model.name} on {res.target} ({res.backend})")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_steps(ax: Any, res: BenchResult) -> None:
     for config in res.configs:
         rows = [r for r in res.rows if r.config == config]
         xs, ys = [r.batch_size for r in rows], [r.median_ms for r in rows]
         err = [[r.median_ms - r.p10_ms for r in rows], [r.p90_ms - r.median_ms for r in rows]]
         translation, mode = config.split("/")  # colour: eager or graph; dashed: the per-layer baseline
-        ax_t.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=config,
-                      color="tab:blue" if mode == "eager" else "tab:red",
-                      linestyle="--" if translation == "per-layer" else "-")
-    ax_t.set_xscale("log", base=2)
-    ax_t.set_xticks(list(res.workload.batch_sizes), [str(b) for b in res.workload.batch_sizes])
-    ax_t.set_xlabel("decode batch size")
-    ax_t.set_ylabel("ms per forward (median, p10-p90)")
-    ax_t.set_title(f"time per forward, {res.run_layers} of {res.model.num_layers} layers")
-    ax_t.legend()
-    ax_t.grid(alpha=0.3)
-    _plot_memory(ax_m, res)
-    fig.suptitle(f"hwkv bench: {res.model.name} on {res.target} ({res.backend})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=config,
+                    color="tab:blue" if mode == "eager" else "tab:red",
+                    linestyle="--" if translation == "per-layer" else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(res.workload.batch_sizes), [str(b) for b in res.workload.batch_sizes])
+    ax.set_xlabel("decode batch size")
+    ax.set_ylabel("ms per decode step (median, p10-p90)")
+    ax.set_title(f"time per decode step, {res.run_layers} of {res.model.num_layers} layers")
+    ax.legend()
+    ax.grid(alpha=0.3)
+
+
+PHASE_COLORS = {"alloc_release": "tab:orange", "metadata": "tab:purple", "forward": "tab:blue"}
+
+
+def _plot_phases(fig: Any, res: BenchResult) -> None:
+    """One panel per batch size (each its own scale): per configuration, the phase medians stacked."""
+    sizes = list(res.workload.batch_sizes)
+    axes = fig.subplots(1, len(sizes), squeeze=False)[0]
+    for ax, bs in zip(axes, sizes):
+        rows = [r for r in res.rows if r.batch_size == bs]
+        xs = list(range(len(rows)))
+        base = [0.0] * len(rows)
+        for p in PHASES:
+            hs = [r.phases[p].median_ms for r in rows]
+            ax.bar(xs, hs, bottom=base, width=0.6, color=PHASE_COLORS[p], label=PHASE_LABELS[p])
+            base = [b + h for b, h in zip(base, hs)]
+        for x, r, top in zip(xs, rows, base):
+            outside = top - r.phases["forward"].median_ms
+            ax.annotate(f"{top:.3g} ms\n{100 * outside / top if top else 0:.0f}% not layers", (x, top),
+                        ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(xs, [r.config.replace("/", "\n") for r in rows], fontsize=8)
+        ax.set_ylim(0, max(base, default=1) * 1.4 or 1)  # room for the labels and the legend
+        ax.set_title(f"batch size {bs}", fontsize=10)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].set_ylabel("ms per decode step (phase medians)")
+    axes[0].legend(fontsize=8, loc="upper center", ncol=len(PHASES))
+    fig.suptitle("where a decode step goes: allocation + release, metadata, forward or graph replay")
 
 
 def _plot_memory(ax: Any, res: BenchResult) -> None:

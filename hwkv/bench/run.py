@@ -4,9 +4,11 @@ Per batch size a `hwkv.testing.Harness` is sized for the workload, and each conf
 own backend (and graph runner) over that pool. Requests of mixed prompt lengths are prefilled in
 chunks (a token budget per forward), then decoded for warm-up + timed steps, the configurations
 taking turns every step (same load, same drift), with out-of-window release after every forward.
-Sampled forwards are compared with `hwkv.reference`; a mismatch raises, it is never averaged away.
-Translations are counted by wrapping `pool.translate_loc_from_full_to_swa`; the calls a captured
-graph replays are counted once at capture, in an extra eager run of the step.
+Each timed decode step is timed in three phases (`PHASES`), the device synchronized around each;
+the step is their sum. Sampled forwards are compared with `hwkv.reference` (outside the timed
+phases); a mismatch raises, it is never averaged away. Translations are counted by wrapping
+`pool.translate_loc_from_full_to_swa`; the calls a captured graph replays are counted once at
+capture, in an extra eager run of the step.
 """
 from __future__ import annotations
 
@@ -25,6 +27,16 @@ from hwkv.errors import ConfigError, ReferenceMismatchError
 from hwkv.testing.harness import Harness, ModelGeometry
 
 DTYPES: Dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# the phases of one timed decode step, in order (the JSON carries this table too)
+PHASES: Dict[str, str] = {
+    "alloc_release": "the allocator: alloc_decode for the batch (last locs gathered on the device, new locs "
+                     "written into req_to_token) plus release_out_of_window_batch after the step",
+    "metadata": "eager: backend.init_forward_metadata(batch); graph: the graph runner's prepare (copy into the "
+                "static inputs, pad to the bucket, init_forward_metadata_graph refill)",
+    "forward": "eager: every layer's K/V write and attention; graph: the replay",
+}
+STEP = "alloc_release + metadata + forward, summed per decode step; median/p10/p90/mean over the timed steps"
 
 
 @dataclass(frozen=True)
@@ -55,6 +67,8 @@ class Workload:
     warmup: int = 2              # untimed decode steps before them
     repeats: int = 1             # rounds of fresh requests (prefill + decode)
     check_every: int = 8         # reference-check every k-th forward (and the last one); 0 = never
+    check_requests: int = 0      # shadow and check only the first N requests of a batch; 0 = all
+    check_queries: int = 0       # check only each request's last N queries of a forward; 0 = all
     page_size: int = 16
     dtype: str = "fp32"
     seed: int = 0
@@ -63,7 +77,7 @@ class Workload:
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ConfigError(f"batch sizes must be >= 1, got {list(self.batch_sizes)}")
         for name, lo in (("prompt_len", 1), ("chunk", 1), ("steps", 1), ("warmup", 0), ("repeats", 1),
-                         ("check_every", 0), ("page_size", 1)):
+                         ("check_every", 0), ("check_requests", 0), ("check_queries", 0), ("page_size", 1)):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < lo:
                 raise ConfigError(f"{name} must be an integer >= {lo}, got {getattr(self, name)!r}")
         if self.dtype not in DTYPES:
@@ -86,19 +100,38 @@ class Target:
 
 
 @dataclass
-class Row:
-    """Timing of one (configuration, batch size) over its timed decode forwards."""
+class Spread:
+    """Milliseconds over the timed decode steps: median, 10th and 90th percentiles, mean."""
 
-    config: str
-    batch_size: int
-    forwards: int
     median_ms: float
     p10_ms: float
     p90_ms: float
-    tokens_per_s: float
+    mean_ms: float
+
+    @classmethod
+    def of(cls, seconds: Sequence[float]) -> "Spread":
+        ms = sorted(t * 1e3 for t in seconds)
+        deciles = statistics.quantiles(ms, n=10, method="inclusive") if len(ms) > 1 else [ms[0]] * 9
+        return cls(statistics.median(ms), deciles[0], deciles[-1], statistics.fmean(ms))
+
+
+@dataclass
+class Row:
+    """Timing of one (configuration, batch size) over its timed decode steps: the whole step
+    (median_ms, p10_ms, p90_ms, mean_ms; see STEP) and each of its `PHASES`."""
+
+    config: str
+    batch_size: int
+    forwards: int                # timed decode steps
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    tokens_per_s: float          # batch_size / median step
     translations_per_forward: float
     checked_forwards: int
     max_abs_err: Optional[float]
+    mean_ms: float = 0.0
+    phases: Dict[str, Spread] = field(default_factory=dict)
 
 
 @dataclass
@@ -219,7 +252,8 @@ def _harness(target: Target, g: ModelGeometry, w: Workload, bs: int, n_configs: 
         size_swa = min(size, bs * (swa_tokens_per_request(g.window, p) + 2 * p) + round_up(w.chunk, p) + p)
     return Harness(target.backend_cls, target.torch_device, g, size=size, size_swa=size_swa, page_size=p,
                    dtype=DTYPES[w.dtype], max_reqs=bs, max_context_len=round_up(max(lens) + decode, p),
-                   seed=w.seed, device_inputs=True, shadow=w.check_every > 0)
+                   seed=w.seed, device_inputs=True, shadow=w.check_every > 0,
+                   shadow_requests=w.check_requests or None, check_queries=w.check_queries or None)
 
 
 @dataclass
@@ -229,7 +263,7 @@ class _Arm:
     config: BenchConfig
     backend: Any
     runner: Any
-    times: List[float] = field(default_factory=list)
+    phases: Dict[str, List[float]] = field(default_factory=lambda: {p: [] for p in PHASES})  # seconds per step
     translations: int = 0
     forwards: int = 0    # every forward it ran (its reference sampling counts these)
     checked: int = 0
@@ -238,7 +272,6 @@ class _Arm:
     def due(self, every: int, last: bool = False) -> bool:
         hit = every > 0 and (self.forwards % every == 0 or last)
         self.forwards += 1
-        self.checked += hit
         return hit
 
 
@@ -260,15 +293,16 @@ def _use(h: Harness, arm: _Arm) -> None:
     h.backend, h.runner = arm.backend, arm.runner
 
 
-def _finish_forward(h: Harness, arm: _Arm, rids: Sequence[int], lens: Sequence[int], inputs: Dict[str, Any],
-                    flat: torch.Tensor, check: bool, where: str) -> None:
+def _check(h: Harness, arm: _Arm, rids: Sequence[int], lens: Sequence[int], inputs: Dict[str, Any],
+           flat: torch.Tensor, check: bool, where: str) -> None:
+    """Shadow the forward's K/V and, when due, compare its outputs with the reference (never timed)."""
     outs = h.complete(rids, lens, inputs, flat, check=False)
-    if check:
+    if check and h.checks_any(rids):
         try:
             arm.max_err = max(arm.max_err, h.check_outputs(rids, lens, inputs, outs))
         except ReferenceMismatchError as e:
             raise ReferenceMismatchError(f"{arm.config.name}, batch size {len(h.requests)}, {where}: {e}") from e
-    h.release()
+        arm.checked += 1
 
 
 def _prefill(h: Harness, arms: Sequence[_Arm], rids: Sequence[int], w: Workload) -> None:
@@ -286,7 +320,8 @@ def _prefill(h: Harness, arms: Sequence[_Arm], rids: Sequence[int], w: Workload)
         _use(h, arm)
         batch, inputs = h.prepare(live, new, ForwardMode.EXTEND)
         flat = h.step(batch, inputs)
-        _finish_forward(h, arm, live, new, inputs, flat, arm.due(w.check_every), f"prefill forward {i}")
+        _check(h, arm, live, new, inputs, flat, arm.due(w.check_every), f"prefill forward {i}")
+        h.release(batch)
         for rid, n in zip(live, new):
             remaining[rid] -= n
         i += 1
@@ -298,24 +333,38 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
     return getattr(torch, device.type).synchronize
 
 
+def _timed(sync: Callable[[], None], fn: Callable[..., Any], *args: Any) -> Tuple[Any, float]:
+    """fn(*args) and its seconds, the device synchronized before and after."""
+    sync()
+    t0 = time.perf_counter()
+    out = fn(*args)
+    sync()
+    return out, time.perf_counter() - t0
+
+
 def _decode(h: Harness, arms: Sequence[_Arm], rids: Sequence[int], w: Workload, counter: TranslationCounter,
             tick: Callable[[], None]) -> None:
-    """Warm-up + timed decode steps, the configurations taking turns every step (same load, same drift)."""
+    """Warm-up + timed decode steps, the configurations taking turns every step (same load, same drift).
+
+    A step: the scheduler's lengths and the inputs (untimed), allocation, metadata, forward, the
+    reference check (untimed), release; allocation and release form one phase."""
     sync, ones, n = _synchronizer(h.device), [1] * len(rids), w.warmup + w.steps
     for s in range(n):
         for arm in arms:
             _use(h, arm)
-            batch, inputs = h.prepare(rids, ones, ForwardMode.DECODE)
-            sync()
-            calls, t0 = counter.calls, time.perf_counter()
-            flat = h.step(batch, inputs)
-            sync()
-            elapsed = time.perf_counter() - t0
+            lens = h.step_lens(rids, ones, ForwardMode.DECODE)
+            batch, t_alloc = _timed(sync, h.allocate, lens)
+            inputs = h.random_inputs(batch.num_tokens)
+            calls = counter.calls
+            prepared, t_meta = _timed(sync, h.init_metadata, batch, inputs)
+            flat, t_fwd = _timed(sync, h.run_layers, batch, inputs, prepared)
+            translations = counter.calls - calls
+            _check(h, arm, rids, ones, inputs, flat, arm.due(w.check_every, last=s == n - 1), f"decode step {s}")
+            _, t_release = _timed(sync, h.release, batch)
             if s >= w.warmup:
-                arm.times.append(elapsed)
-                arm.translations += counter.calls - calls
-            _finish_forward(h, arm, rids, ones, inputs, flat, arm.due(w.check_every, last=s == n - 1),
-                            f"decode step {s}")
+                for phase, t in zip(PHASES, (t_alloc + t_release, t_meta, t_fwd)):
+                    arm.phases[phase].append(t)
+                arm.translations += translations
             tick()
 
 
@@ -331,11 +380,12 @@ def memory_row(h: Harness, shape: ModelShape, bs: int) -> MemoryRow:
 
 
 def _row(arm: _Arm, bs: int) -> Row:
-    ms = sorted(t * 1e3 for t in arm.times)
-    med = statistics.median(ms)
-    deciles = statistics.quantiles(ms, n=10, method="inclusive") if len(ms) > 1 else [ms[0]] * 9
-    return Row(arm.config.name, bs, len(ms), med, deciles[0], deciles[-1], bs / (med / 1e3),
-               arm.translations / len(ms), arm.checked, arm.max_err if arm.checked else None)
+    steps = [sum(ts) for ts in zip(*arm.phases.values())]
+    total = Spread.of(steps)
+    return Row(arm.config.name, bs, len(steps), total.median_ms, total.p10_ms, total.p90_ms,
+               bs / (total.median_ms / 1e3), arm.translations / len(steps), arm.checked,
+               arm.max_err if arm.checked else None, total.mean_ms,
+               {p: Spread.of(ts) for p, ts in arm.phases.items()})
 
 
 def run_batch_size(target: Target, configs: Sequence[BenchConfig], shape: ModelShape, g: ModelGeometry,

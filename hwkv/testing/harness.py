@@ -2,6 +2,12 @@
 
 Used by the contract suite and by `hwkv bench`. It keeps a shadow copy of every stored K/V
 (as stored: quantized values read back) so output errors are kernel errors, not storage errors.
+Long runs can shadow (and check) only a few requests and only the last queries of each.
+
+A forward is split the way an engine splits it, so each part can be timed on its own:
+`step_lens` (the scheduler's host and device lengths), `allocate` (slots, req_to_token, the
+ForwardBatch), `init_metadata` and `run_layers` (the backend: eager, or a graph runner's
+`prepare` and `replay`), then `release` (out-of-window, one batched call).
 """
 from __future__ import annotations
 
@@ -12,10 +18,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from hwkv import reference
-from hwkv.allocator import PagedTokenToKVPoolAllocator, ReqToTokenPool, SWATokenToKVPoolAllocator, release_out_of_window
+from hwkv.allocator import (PagedTokenToKVPoolAllocator, ReqToTokenPool, SWATokenToKVPoolAllocator,
+                            release_out_of_window_batch)
 from hwkv.batch import ForwardBatch, ForwardMode
-from hwkv.errors import ConfigError, ReferenceMismatchError
-from hwkv.graph import GraphRunner
+from hwkv.errors import ConfigError, LocError, ReferenceMismatchError
+from hwkv.graph import GraphRunner, PreparedStep
 from hwkv.layer import AttentionLayer
 from hwkv.ops import quantize
 from hwkv.pool import MHATokenToKVPool, SWAKVPool
@@ -63,14 +70,33 @@ class ModelGeometry:
         return [i for i in range(self.num_layers) if not self.is_swa(i)]
 
 
+I64 = torch.int64
+
+
 @dataclass
 class Request:
     row: int
     seq_len: int = 0
-    frontier: int = 0
-    locs: List[torch.Tensor] = field(default_factory=list)
+    shadowed: bool = True  # its K/V is shadowed and its outputs are checked
     k: Dict[int, List[torch.Tensor]] = field(default_factory=dict)   # shadow K per layer (fp32, as stored)
     v: Dict[int, List[torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class StepLens:
+    """One forward's requests and lengths, on the host (`_cpu`) and on the device (`_dev`), as an
+    engine's scheduler holds them before it allocates."""
+
+    mode: ForwardMode
+    rids: List[int]
+    new_lens: List[int]
+    rows_dev: torch.Tensor
+    prefix_cpu: torch.Tensor
+    prefix_dev: torch.Tensor
+    seq_cpu: torch.Tensor
+    seq_dev: torch.Tensor
+    ext_cpu: torch.Tensor
+    ext_dev: torch.Tensor
 
 
 class Harness:
@@ -79,13 +105,16 @@ class Harness:
     def __init__(self, backend_factory: BackendFactory, device: str = "cpu", geometry: ModelGeometry = ModelGeometry(),
                  size: int = 512, size_swa: Optional[int] = 128, page_size: int = 1, dtype: torch.dtype = torch.float32,
                  max_reqs: int = 16, max_context_len: int = 512, seed: int = 0, kv_scale: Optional[float] = None,
-                 device_inputs: bool = False, shadow: bool = True, **backend_options: Any) -> None:
+                 device_inputs: bool = False, shadow: bool = True, shadow_requests: Optional[int] = None,
+                 check_queries: Optional[int] = None, **backend_options: Any) -> None:
         g = geometry
         self.g, self.device, self.dtype, self.page_size = g, torch.device(device), dtype, page_size
         self.gen = torch.Generator().manual_seed(seed)
         # device_inputs: draw q/k/v with a generator on the device (fast for large runs; not CPU-reproducible)
         self.input_gen = torch.Generator(device=self.device).manual_seed(seed) if device_inputs else None
         self.shadow = shadow  # False: no shadow K/V (and so no reference checks), for long benchmark runs
+        self.shadow_requests = shadow_requests  # shadow (and check) at most this many live requests; None: all
+        self.check_queries = check_queries      # check only each request's last N queries of a forward; None: all
         self.hybrid = size_swa is not None and bool(g.swa_layer_ids)
         if self.hybrid:
             self.pool = SWAKVPool(size, size_swa, page_size, dtype, g.num_kv_heads, g.head_dim, g.swa_layer_ids,
@@ -98,6 +127,7 @@ class Harness:
                                          v_head_dim=g.v_head_dim)
             self.allocator = PagedTokenToKVPoolAllocator(size, page_size, device)
         self.rtt = ReqToTokenPool(max_reqs, max_context_len, device)
+        self.frontiers = torch.zeros(max_reqs, dtype=I64, device=self.device)  # out-of-window release, per row
         self.backend_options = dict(sliding_window=(g.window,) if g.swa_layer_ids else (), **backend_options)
         self.backend = self.build_backend(backend_factory)
         self.layers = [self._layer(i, kv_scale) for i in range(g.num_layers)]
@@ -114,7 +144,7 @@ class Harness:
         vd = g.swa_v_head_dim if (swa and g.swa_v_head_dim) else vd
         h = g.swa_num_heads if (swa and g.swa_num_heads) else g.num_heads
         has_sinks = g.swa_sinks if (swa and g.swa_sinks is not None) else g.sinks
-        sinks = torch.randn(h, generator=self.gen).to(self.device) if has_sinks else None
+        sinks = torch.randn(h, generator=self.gen, device="cpu").to(self.device) if has_sinks else None
         return AttentionLayer(i, h, kvh, d, scaling=g.scaling, v_head_dim=vd,
                               sliding_window=g.window if swa else None, logit_cap=g.logit_cap, sinks=sinks,
                               k_scale=kv_scale, v_scale=kv_scale)
@@ -126,8 +156,11 @@ class Harness:
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self) -> int:
         row = self.rtt.alloc(1)[0]
-        self.requests[row] = Request(row, k={i: [] for i in range(self.g.num_layers)},
+        shadowed = self.shadow and (self.shadow_requests is None or
+                                    sum(r.shadowed for r in self.requests.values()) < self.shadow_requests)
+        self.requests[row] = Request(row, shadowed=shadowed, k={i: [] for i in range(self.g.num_layers)},
                                      v={i: [] for i in range(self.g.num_layers)})
+        self.frontiers[row] = 0
         return row
 
     def finish(self, rid: int) -> None:
@@ -136,13 +169,22 @@ class Harness:
             self.allocator.free(self.rtt.req_to_token[rid, :r.seq_len].clone())
         self.rtt.free(rid)
 
-    def release(self) -> None:
-        """Out-of-window release for every request (after each step, as an engine does)."""
-        if not self.hybrid:
+    def release(self, batch: Optional[ForwardBatch] = None) -> None:
+        """Out-of-window release after a step, as an engine does: one batched call for the requests of
+        `batch` (its device rows and lengths), or for every live request when no batch is given."""
+        if not self.hybrid or not self.requests:
             return
-        for r in self.requests.values():
-            r.frontier = release_out_of_window(self.allocator, self.rtt.req_to_token[r.row], r.seq_len,
-                                               r.frontier, self.g.window)
+        if batch is None:
+            rows = list(self.requests)
+            rows_dev = torch.tensor(rows, dtype=I64, device="cpu").to(self.device)
+            seq_cpu = torch.tensor([self.requests[r].seq_len for r in rows], dtype=I64, device="cpu")
+            seq_dev = seq_cpu.to(self.device)
+        else:
+            rows_dev, seq_dev = batch.req_pool_indices, batch.seq_lens
+        frontiers = self.frontiers[rows_dev]  # the batch's frontiers, moved in place by the release
+        release_out_of_window_batch(self.allocator, self.rtt.req_to_token, rows_dev, seq_dev, frontiers,
+                                    self.g.window)
+        self.frontiers[rows_dev] = frontiers
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
@@ -152,23 +194,40 @@ class Harness:
     # ---- one forward ------------------------------------------------------------------------------
     def make_batch(self, rids: Sequence[int], new_lens: Sequence[int], mode: ForwardMode) -> ForwardBatch:
         """Allocate the new tokens, write them into req_to_token, build the ForwardBatch."""
-        reqs = [self.requests[i] for i in rids]
-        prefix = [r.seq_len for r in reqs]
-        seq = [p + n for p, n in zip(prefix, new_lens)]
-        last = [int(self.rtt.req_to_token[r.row, r.seq_len - 1]) if r.seq_len else 0 for r in reqs]
-        if mode == ForwardMode.DECODE:
-            loc = self.allocator.alloc_decode(seq, last)
+        return self.allocate(self.step_lens(rids, new_lens, mode))
+
+    def step_lens(self, rids: Sequence[int], new_lens: Sequence[int], mode: ForwardMode) -> StepLens:
+        """The scheduler's part: rows, prefix, sequence and new lengths on the host and (one copy) on the device."""
+        prefix = [self.requests[i].seq_len for i in rids]
+        new = [int(n) for n in new_lens]
+        seq = [p + n for p, n in zip(prefix, new)]
+        host = torch.tensor([list(rids), prefix, seq, new], dtype=I64, device="cpu").reshape(4, -1)
+        dev = host if self.device.type == "cpu" else host.pin_memory().to(self.device, non_blocking=True)
+        return StepLens(mode, list(rids), new, dev[0], host[1], dev[1], host[2], dev[2], host[3], dev[3])
+
+    def allocate(self, s: StepLens) -> ForwardBatch:
+        """The engine's allocation: each request's last loc gathered on the device, the allocator's one
+        batched call (device lengths plus their host copies), the new locs written into req_to_token
+        (one scatter for decode), the ForwardBatch. No per-request device read."""
+        rtt = self.rtt.req_to_token
+        last_dev = torch.where(s.prefix_dev > 0, rtt[s.rows_dev, (s.prefix_dev - 1).clamp(min=0)], -1)
+        n = int(s.ext_cpu.sum())
+        if s.seq_cpu.numel() and int(s.seq_cpu.max()) > self.rtt.max_context_len:
+            raise LocError(f"positions up to {int(s.seq_cpu.max())} exceed max_context_len {self.rtt.max_context_len}")
+        if s.mode == ForwardMode.DECODE:
+            loc = self.allocator.alloc_decode(s.seq_dev, last_dev, seq_lens_cpu=s.seq_cpu)
+            rtt[s.rows_dev, s.prefix_dev] = loc
         else:
-            loc = self.allocator.alloc_extend(prefix, seq, last, sum(new_lens))
-        start = 0
-        for r, p, n in zip(reqs, prefix, new_lens):
-            self.rtt.write(r.row, p, loc[start:start + n])
-            r.seq_len = p + n
-            start += n
-        dev = dict(dtype=torch.int64, device=self.device)
-        return ForwardBatch(mode, len(reqs), torch.tensor([r.row for r in reqs], **dev), torch.tensor(seq, **dev),
-                            loc, torch.tensor(prefix, **dev), torch.tensor(list(new_lens), **dev),
-                            seq_lens_cpu=torch.tensor(seq), extend_seq_lens_cpu=torch.tensor(list(new_lens)))
+            loc = self.allocator.alloc_extend(s.prefix_dev, s.seq_dev, last_dev, n, prefix_lens_cpu=s.prefix_cpu,
+                                              seq_lens_cpu=s.seq_cpu)
+            start = 0
+            for rid, p, k in zip(s.rids, s.prefix_cpu.tolist(), s.new_lens):
+                self.rtt.write(rid, p, loc[start:start + k])
+                start += k
+        for rid, k in zip(s.rids, s.new_lens):  # host bookkeeping (the shadow and the reference read it)
+            self.requests[rid].seq_len += k
+        return ForwardBatch(s.mode, len(s.rids), s.rows_dev, s.seq_dev, loc, s.prefix_dev, s.ext_dev,
+                            seq_lens_cpu=s.seq_cpu, extend_seq_lens_cpu=s.ext_cpu)
 
     def random_inputs(self, n: int) -> Dict[str, torch.Tensor]:
         """q, k, v per layer for n new tokens (in the pool's dtype, as an engine would hand them)."""
@@ -178,7 +237,7 @@ class Harness:
                 return torch.randn(*shape, generator=self.input_gen, device=self.device, dtype=dt)
         else:
             def rand(*shape: int) -> torch.Tensor:
-                return torch.randn(*shape, generator=self.gen).to(self.device, dt)
+                return torch.randn(*shape, generator=self.gen, device="cpu").to(self.device, dt)
         out = {}
         for l in self.layers:
             out[f"q{l.layer_id}"] = rand(n, l.num_heads, l.head_dim)
@@ -221,9 +280,21 @@ class Harness:
 
     def step(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
         """The backend's part: metadata once, then every layer (a graph replay for the runner's mode)."""
+        return self.run_layers(batch, inputs, self.init_metadata(batch, inputs))
+
+    def init_metadata(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> Optional[PreparedStep]:
+        """The metadata step: eager `init_forward_metadata`, or for the runner's mode its `prepare`
+        (copy into the static inputs, pad, refill the static metadata), whose result `run_layers` takes."""
         if self.runner is not None and batch.forward_mode == self.runner.mode:
-            return self.runner.run(batch, inputs)
+            return self.runner.prepare(batch, inputs)
         self.backend.init_forward_metadata(batch)
+        return None
+
+    def run_layers(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor],
+                   prepared: Optional[PreparedStep] = None) -> torch.Tensor:
+        """Every layer after `init_metadata`: the graph replay when it prepared one, else eagerly."""
+        if prepared is not None:
+            return self.runner.replay(prepared)
         return self.model_step(batch, inputs)
 
     def complete(self, rids: Sequence[int], new_lens: Sequence[int], inputs: Dict[str, torch.Tensor],
@@ -238,33 +309,69 @@ class Harness:
             self.check_outputs(rids, new_lens, inputs, outs, atol)
         return outs
 
+    def _spans(self, rids: Sequence[int], new_lens: Sequence[int]) -> List[Tuple[Request, int, int]]:
+        """(request, first token, tokens) of each shadowed request in the forward's token order."""
+        out, start = [], 0
+        for rid, n in zip(rids, new_lens):
+            r = self.requests[rid]
+            if r.shadowed:
+                out.append((r, start, n))
+            start += n
+        return out
+
+    def checks_any(self, rids: Sequence[int]) -> bool:
+        """Whether a check of a forward over `rids` compares anything (some request is shadowed)."""
+        return self.shadow and any(self.requests[i].shadowed for i in rids)
+
+    @staticmethod
+    def _take(x: torch.Tensor, spans: Sequence[Tuple[int, int]], everything: bool) -> torch.Tensor:
+        """Rows [start, start + n) of x for each span, concatenated (x itself when that is everything)."""
+        if everything:
+            return x
+        idx = torch.cat([torch.arange(a, a + n, device="cpu") for a, n in spans]) if spans else \
+            torch.zeros(0, dtype=I64, device="cpu")
+        return x[idx.to(x.device)]
+
     def _record(self, rids: Sequence[int], new_lens: Sequence[int], inputs: Dict[str, torch.Tensor]) -> None:
         """Shadow the stored K/V: read back exactly what the pool holds (quantized), dequantized."""
+        spans = self._spans(rids, new_lens)
+        if not spans:
+            return
+        everything = len(spans) == len(rids)
+        pos = [(a, n) for _, a, n in spans]
         for l in self.layers:
             i = l.layer_id
-            k = _as_stored(inputs[f"k{i}"], self.dtype, l.k_scale)  # one host copy per layer and forward
-            v = _as_stored(inputs[f"v{i}"], self.dtype, l.v_scale)
+            # one host copy per layer and forward, of the shadowed requests' tokens only
+            k = _as_stored(self._take(inputs[f"k{i}"], pos, everything), self.dtype, l.k_scale)
+            v = _as_stored(self._take(inputs[f"v{i}"], pos, everything), self.dtype, l.v_scale)
             start = 0
-            for rid, n in zip(rids, new_lens):
-                r = self.requests[rid]
+            for r, _, n in spans:
                 r.k[i].append(k[start:start + n])
                 r.v[i].append(v[start:start + n])
                 start += n
 
     def check_outputs(self, rids: Sequence[int], new_lens: Sequence[int], inputs: Dict[str, torch.Tensor],
                       outs: List[torch.Tensor], atol: Optional[float] = None) -> float:
-        """Compare every layer's output with hwkv.reference; raise ReferenceMismatchError beyond tolerance."""
+        """Compare every layer's output with hwkv.reference (the shadowed requests, each one's last
+        `check_queries` queries); raise ReferenceMismatchError beyond tolerance."""
         tol = atol if atol is not None else (2e-3 if self.dtype == torch.float32 else 3e-2)
+        spans = self._spans(rids, new_lens)
+        if not spans:
+            return 0.0
+        m = [n if self.check_queries is None else min(n, self.check_queries) for _, _, n in spans]
+        pos = [(a + n - k, k) for (_, a, n), k in zip(spans, m)]  # the last k queries of each request
+        everything = len(spans) == len(rids) and m == [n for _, _, n in spans]
+        reqs = [r for r, _, _ in spans]
         worst = 0.0
-        reqs = [self.requests[i] for i in rids]
         for l, out in zip(self.layers, outs):
             i = l.layer_id
             keys = [torch.cat(r.k[i]) for r in reqs]
             vals = [torch.cat(r.v[i]) for r in reqs]
-            q = inputs[f"q{i}"].float().cpu()
-            ref = reference.batch_attention(q, keys, vals, [r.seq_len for r in reqs], list(new_lens), l.scaling,
+            q = self._take(inputs[f"q{i}"], pos, everything).float().cpu()
+            ref = reference.batch_attention(q, keys, vals, [r.seq_len for r in reqs], m, l.scaling,
                                             l.window, l.logit_cap, l.sinks.cpu() if l.sinks is not None else None)
-            err = (out.float().cpu() - ref).abs().max().item() if ref.numel() else 0.0
+            got = self._take(out, pos, everything).float().cpu()
+            err = (got - ref).abs().max().item() if ref.numel() else 0.0
             if not math.isfinite(err) or err > tol:
                 raise ReferenceMismatchError(f"layer {i} ({'SWA W=' + str(l.window) if l.window else 'full'}): "
                                              f"max |out - reference| = {err:.3g} > tolerance {tol}")
