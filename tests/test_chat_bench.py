@@ -37,3 +37,19 @@ def test_bad_workloads_are_refused():
         ChatWorkload(concurrency=0)
     with pytest.raises(ConfigError, match="raise --memory"):
         run_chat(get_preset("gpt-oss-20b"), ChatWorkload(memory=2**20))
+
+
+def test_cli_chat_workload_json(capsys):
+    import json
+
+    from hwkv.cli import main
+
+    code = main(["bench", "--workload", "chat", "--device", "cpu", "--conversations", "6", "--turns", "2",
+                 "--system-len", "256", "--user-len", "32", "--reply-len", "16", "--concurrency", "2",
+                 "--memory", "64MiB", "--chunk", "128", "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    data = json.loads(out.out)
+    assert data["schema"] == "hwkv-bench-chat/1" and [r["variant"] for r in data["rows"]] == ["hybrid", "all-full"]
+    assert all(r["turns_done"] == 12 for r in data["rows"])
+    assert main(["bench", "--workload", "chat", "--device", "cpu", "--memory", "1MiB"]) == 2

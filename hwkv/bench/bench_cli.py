@@ -67,6 +67,18 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--no-graph", action="store_true", help="skip the graph configurations")
     r.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
     r.add_argument("--seed", type=int, default=0, help="random inputs seed (default 0)")
+    c = p.add_argument_group("chat workload (--workload chat)", "multi-turn conversations sharing a system "
+                             "prompt, with the prefix cache, in one KV memory budget: hybrid pools vs all-full")
+    c.add_argument("--workload", choices=("decode", "chat"), default="decode",
+                   help="decode (default): time the attention stack; chat: prefix-cache hit rate and prefill "
+                        "tokens saved, hybrid vs an all-full pool of the same memory")
+    c.add_argument("--conversations", type=int, default=64, help="conversations (default 64)")
+    c.add_argument("--turns", type=int, default=4, help="turns per conversation (default 4)")
+    c.add_argument("--system-len", type=int, default=2048, help="shared system prompt tokens (default 2048)")
+    c.add_argument("--user-len", type=int, default=256, help="user tokens per turn (default 256)")
+    c.add_argument("--reply-len", type=int, default=128, help="generated tokens per turn (default 128)")
+    c.add_argument("--concurrency", type=int, default=16, help="turns running at once (default 16)")
+    c.add_argument("--memory", default="2GiB", help="KV memory budget, e.g. 2GiB (default 2GiB)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object (schema hwkv-bench/2) instead of tables")
     o.add_argument("--plot", metavar="PATH", help="write a PNG: time per decode step vs batch size, KV memory, and "
@@ -178,10 +190,49 @@ def _run(args: argparse.Namespace) -> BenchResult:
     return res
 
 
+def _run_chat(args: argparse.Namespace) -> int:
+    import json
+
+    from hwkv.bench.chat import ChatWorkload, run_chat
+    from hwkv.bench.plan import parse_bytes
+
+    if args.plot:
+        raise ConfigError("--plot draws the decode workload; the chat workload prints its table (or --json)")
+    target = _target(args.device)
+    chunk = args.chunk if args.chunk is not None else 512
+    w = ChatWorkload(conversations=args.conversations, turns=args.turns, system=args.system_len, user=args.user_len,
+                     reply=args.reply_len, concurrency=args.concurrency, memory=parse_bytes(args.memory),
+                     page_size=args.page_size, chunk=chunk, seed=args.seed)
+    res = run_chat(_shape(args), w, target.torch_device)
+    if args.json:
+        print(json.dumps(res.to_dict(), indent=1))
+        return 0
+    print(f"hwkv bench --workload chat on {target.name}: {res.model}, {w.conversations} conversations x {w.turns} "
+          f"turns (system {w.system}, user {w.user}, reply {w.reply} tokens), {w.concurrency} at once, "
+          f"{args.memory} of KV memory, page {w.page_size}, chunk {w.chunk}")
+    cols = ("variant", "full pool", "SWA pool", "hit rate", "reused", "prefilled", "evicted full", "evicted SWA",
+            "match us", "insert us", "wall s")
+    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for r in res.rows:
+        print(f"| {r.variant} | {r.full_pool_tokens:,} | {r.swa_pool_tokens:,} | {r.hit_rate:.3f} | "
+              f"{r.reused_tokens:,} | {r.prefill_tokens:,} | {r.evicted_full_tokens:,} | {r.evicted_swa_tokens:,} | "
+              f"{r.match_us_median} | {r.insert_us_median} | {r.wall_s} |")
+    hybrid, full = res.rows
+    print(f"prefill tokens saved by the cache: hybrid {hybrid.reused_tokens:,}, all-full {full.reused_tokens:,} "
+          f"({hybrid.reused_tokens / max(full.reused_tokens, 1):.2f}x)")
+    return 0
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run `hwkv bench`: tables or JSON on stdout, the plot on request; exit code as the module says."""
     from hwkv.bench import report
 
+    if getattr(args, "workload", "decode") == "chat":
+        try:
+            return _run_chat(args)
+        except HwkvError as e:
+            print(f"hwkv bench: error: {e}", file=sys.stderr)
+            return 2
     try:
         res = _run(args)
     except ReferenceMismatchError as e:
