@@ -11,4 +11,6 @@ def test_readme_engine_example_runs():
     scope: dict = {}
     exec(compile(block, "README.md", "exec"), scope)
     assert scope["out"].shape == (300, 64, 64) and torch.isfinite(scope["out"].float()).all()
-    assert scope["frontier"] == 144  # dead below 300 - 128 + 1 = 173 -> page floor 160, one page of margin -> 144
+    assert scope["frontier"] == 144  # dead below 301 - 128 + 1 = 174 -> page floor 160, one page of margin -> 144
+    assert scope["match"].length == 256 and scope["frontier_b"] == 128  # b needs the SWA of [128, 256)
+    assert scope["out_b"].shape == (50, 64, 64) and torch.isfinite(scope["out_b"].float()).all()
