@@ -14,14 +14,15 @@ from typing import Any, ClassVar, Dict, Optional, Tuple, Type
 
 import torch
 
+from hwkv import ops
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.checks import check_shape
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, EvictedSlotError, ShapeError
 from hwkv.layer import AttentionLayer
-from hwkv.loc import KVWriteLoc, SWALocCache
-from hwkv.metadata import (ForwardMetadata, KVIndexList, StaticBuffers, alloc_static, check_fits, cumsum_into,
-                           fill_list, window_pos0)
+from hwkv.loc import KVWriteLoc, LocRuns, SWALocCache
+from hwkv.metadata import (ForwardMetadata, GraphViews, KVIndexList, StaticBuffers, alloc_static, check_fits,
+                           cumsum_into, fill_list, window_pos0)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class AttentionBackend:
         self.window_translations = 0
         self.forward_metadata: Optional[ForwardMetadata] = None
         self.static: Optional[StaticBuffers] = None
+        self._views: Dict[Tuple[int, int], GraphViews] = {}
 
     # ---- subclass hooks -------------------------------------------------------------------
     def init_kernel_metadata(self, md: ForwardMetadata, batch: ForwardBatch, graph: bool) -> None:
@@ -91,8 +93,8 @@ class AttentionBackend:
     # ---- eager metadata ----------------------------------------------------------------------
     def init_forward_metadata(self, batch: ForwardBatch) -> ForwardMetadata:
         """Translate the write locs once and build every index list once, for any forward mode."""
-        swa = self.loc_cache.translate(batch.out_cache_loc)
-        write_loc = KVWriteLoc(batch.out_cache_loc, swa)
+        write_loc = self._write_loc(batch.out_cache_loc, graph=False)
+        swa = write_loc.swa_loc
         seq = batch.seq_lens.to(torch.int64)
         ext = batch.extend_lens().to(torch.int64)
         seq_cpu, ext_cpu = batch.host_lens()
@@ -158,20 +160,75 @@ class AttentionBackend:
                               f"context {self.graph_max_context_len}; asked for {max_bs}/{max_num_tokens}/{ctx}: "
                               "call init_graph_state once with the largest sizes before capturing any graph")
         self.static = alloc_static(max_bs, max_num_tokens, ctx, self.windows, self.device)
+        self._views = {}
         self.loc_cache.alloc_graph_buffer(max_num_tokens, self.device)
         self.graph_max_context_len = ctx
 
     def init_forward_metadata_graph(self, batch: ForwardBatch) -> ForwardMetadata:
         """Refill the static buffers in place for a (padded) batch: no allocation of index storage,
-        no host sync. Used at capture and before every replay; raises CapacityError when too big."""
+        no host sync. Used at capture and before every replay; raises CapacityError when too big.
+
+        On devices that registered fused refill kernels (`hwkv.ops.register_graph_refill`) this is
+        2 + len(windows) launches, whatever the mode: the write locs (translated, tail zeroed), one
+        for positions, qo_indptr, every indptr and the full list, and one per window list (gathered
+        and translated together). Elsewhere the torch path below builds the same buffers."""
         st = self.static
         if st is None:
             raise ConfigError("init_graph_state(max_bs, max_num_tokens) must run before graph metadata")
         bs, n = batch.batch_size, batch.num_tokens
         check_fits("batch size", bs, st.max_bs)
         check_fits("tokens", n, st.max_num_tokens)
-        swa = self.loc_cache.refill(batch.out_cache_loc)
-        write_loc = KVWriteLoc(batch.out_cache_loc, swa)
+        write_loc = self._write_loc(batch.out_cache_loc, graph=True)
+        swa = write_loc.swa_loc
+        decode = batch.forward_mode.is_decode()
+        max_q = 1 if decode else n  # static bounds: no sync on the replay path
+        kernels = ops.graph_refill_kernels(self.device.type) if self._fusable_refill else None
+        if kernels is not None:
+            views = self._graph_views(bs, max_q)
+            self._refill_fused(batch, kernels, views)
+        else:
+            views = self._refill_torch(batch, max_q)
+        md = ForwardMetadata(write_loc, swa, views.qo_indptr, views.q_pos0, views.full, views.windows, max_q, bs,
+                             decode, graph=True)
+        self.init_kernel_metadata(md, batch, graph=True)
+        self.forward_metadata = md
+        return md
+
+    @property
+    def _fusable_refill(self) -> bool:
+        """A subclass that changes how window lists are translated (the per-layer baseline) keeps the
+        torch path, which hands its hook the lists in full-pool locs."""
+        return type(self)._translate_window is AttentionBackend._translate_window
+
+    def _graph_views(self, bs: int, max_q: int) -> GraphViews:
+        """The static buffers' [:bs] views and index lists, made once per (batch size, query bound)."""
+        views = self._views.get((bs, max_q))
+        if views is None:
+            st, ctx = self.static, self.graph_max_context_len
+            full = KVIndexList(st.full_indptr[:bs + 1], st.full_indices, st.full_pos0[:bs], None, ctx)
+            windows = {w: KVIndexList(st.win_indptr[w][:bs + 1], st.win_indices[w], st.win_pos0[w][:bs], w,
+                                      min(ctx, w + max_q - 1), self.hybrid) for w in self.windows}
+            views = GraphViews(st.qo_indptr[:bs + 1], st.q_pos0[:bs], full, windows)
+            self._views[(bs, max_q)] = views
+        return views
+
+    def _refill_fused(self, batch: ForwardBatch, kernels: ops.GraphRefillKernels, views: GraphViews) -> None:
+        """One launch for positions, qo_indptr, every list's indptr/pos0 and the full list, then one
+        per window: its list gathered and translated at once (still one counted translation)."""
+        st, rtt = self.static, self.req_to_token_pool.req_to_token
+        ext = None if batch.forward_mode.is_decode() else batch.extend_seq_lens
+        kernels.fill_lists(rtt, batch.req_pool_indices, batch.seq_lens, ext, st.list_windows, st.lens, st.q_pos0,
+                           st.qo_indptr, st.list_indptr, st.list_pos0, st.full_indices)
+        for w, lst in views.windows.items():
+            if self.hybrid:
+                self._translate_window(LocRuns(rtt, batch.req_pool_indices, lst.pos0, lst.indptr), out=lst.indices)
+            else:
+                ops.fill_kv_indices(rtt, batch.req_pool_indices, lst.pos0, lst.indptr, lst.indices)
+
+    def _refill_torch(self, batch: ForwardBatch, max_q: int) -> GraphViews:
+        """The device-free refill: a few torch ops per list (CPU, and devices without refill kernels)."""
+        st = self.static
+        bs = batch.batch_size
         rtt = self.req_to_token_pool.req_to_token
         seq = st.lens[:bs]
         seq.copy_(batch.seq_lens)
@@ -186,7 +243,6 @@ class AttentionBackend:
         full_pos0.zero_()
         fill_list(rtt, batch.req_pool_indices, seq, full_pos0, st.full_indptr[:bs + 1], st.full_indices)
         full = KVIndexList(st.full_indptr[:bs + 1], st.full_indices, full_pos0, None, self.graph_max_context_len)
-        max_q = 1 if batch.forward_mode.is_decode() else n  # static bounds: no sync on the replay path
         windows = {}
         for w in self.windows:
             pos0 = st.win_pos0[w][:bs]
@@ -197,29 +253,48 @@ class AttentionBackend:
                 self._translate_window(target, out=st.win_indices[w])
             windows[w] = KVIndexList(st.win_indptr[w][:bs + 1], st.win_indices[w], pos0, w,
                                      min(self.graph_max_context_len, w + max_q - 1), self.hybrid)
-        md = ForwardMetadata(write_loc, swa, qo_indptr, q_pos0, full, windows, max_q, bs,
-                             batch.forward_mode.is_decode())
-        self.init_kernel_metadata(md, batch, graph=True)
-        self.forward_metadata = md
-        return md
+        return GraphViews(qo_indptr, q_pos0, full, windows)
+
+    def _write_loc(self, loc: torch.Tensor, graph: bool) -> KVWriteLoc:
+        """This forward's KVWriteLoc: locs checked (before they index the table), translated once
+        (into the static buffer in graph mode), swa_locs checked. These checks are the only ones of
+        the write locs this forward: the layers' writes skip them (pool.check_write_loc)."""
+        check_loc, check_swa = (getattr(self.pool, "check_write_loc", None),
+                                getattr(self.pool, "check_swa_loc", None))
+        if check_loc is not None:
+            check_loc(loc)
+        swa = self.loc_cache.refill(loc) if graph else self.loc_cache.translate(loc)
+        write_loc = KVWriteLoc(loc, swa)
+        if check_swa is not None and write_loc.swa_loc is not None:
+            check_swa(write_loc.swa_loc)
+        return write_loc
 
     # ---- per layer ----------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                 layer: AttentionLayer, batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
-        """Write this layer's K/V through the pool, then attend: q [T, H, D] -> out [T, H, Dv]."""
+        """Write this layer's K/V through the pool, then attend: q [T, H, D] -> out [T, H, Dv].
+
+        Everything per forward (translation, index lists, the write locs' check) happened in the
+        metadata step; a layer compares shapes (tuples), stores and launches its attention.
+        """
         md = self.forward_metadata
         if md is None:
             raise ConfigError("init_forward_metadata(batch) must run before forward")
         t = batch.num_tokens
-        q = q.view(t, layer.num_heads, layer.head_dim) if q.dim() == 2 else q
-        check_shape("q", q, (t, layer.num_heads, layer.head_dim))
+        h, d, dv = layer.num_heads, layer.head_dim, layer.v_head_dim
+        if q.dim() == 2:
+            q = q.view(t, h, d)
+        if q.shape != (t, h, d):
+            check_shape("q", q, (t, h, d))
         if save_kv_cache:
             if k is None or v is None:
                 raise ShapeError(f"layer {layer.layer_id}: save_kv_cache=True needs k and v")
-            k = k.view(t, layer.num_kv_heads, layer.head_dim) if k.dim() == 2 else k
-            v = v.view(t, layer.num_kv_heads, layer.v_head_dim) if v.dim() == 2 else v
+            if k.dim() == 2:
+                k = k.view(t, layer.num_kv_heads, d)
+            if v.dim() == 2:
+                v = v.view(t, layer.num_kv_heads, dv)
             self.pool.set_kv_buffer(layer, md.write_loc, k, v, layer.k_scale, layer.v_scale)
-        out = q.new_empty(t, layer.num_heads, layer.v_head_dim)
+        out = q.new_empty(t, h, dv)
         if t == 0:
             return out
         kv = md.list_for(layer, self.is_swa_group(layer))

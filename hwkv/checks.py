@@ -23,14 +23,16 @@ def values_checkable(t: torch.Tensor) -> bool:
 
 
 def check_loc(name: str, loc: torch.Tensor, limit: int, device: torch.device) -> None:
-    """`loc` must be a 1-D int64 tensor on `device` with values in [0, limit)."""
+    """`loc` must be a 1-D int64 tensor on `device` (its index too, when `device` names one) with
+    values in [0, limit)."""
     if not isinstance(loc, torch.Tensor):
         raise LocError(f"{name} must be a torch.Tensor, got {type(loc).__name__}")
     if loc.dtype != torch.int64:
         raise LocError(f"{name} must be int64, got {loc.dtype}")
     if loc.dim() != 1:
         raise LocError(f"{name} must be 1-D, got shape {tuple(loc.shape)}")
-    if loc.device.type != torch.device(device).type:
+    dev = torch.device(device)
+    if loc.device.type != dev.type or (dev.index is not None and loc.device.index != dev.index):
         raise LocError(f"{name} is on {loc.device}, the pool is on {device}")
     if loc.numel() and values_checkable(loc):
         lo, hi = int(loc.min()), int(loc.max())

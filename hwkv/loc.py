@@ -1,7 +1,7 @@
 """Where one forward's K/V go, and the one place that translates full locs to SWA slots."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -32,6 +32,20 @@ class KVWriteLoc:
 
     def __repr__(self) -> str:
         return f"KVWriteLoc(n={len(self)}, swa={'yes' if self.swa_loc is not None else 'no'})"
+
+
+class LocRuns(NamedTuple):
+    """Full-pool locs given as runs of `req_to_token` rows, laid out as a CSR list: entry
+    indptr[b] + j is req_to_token[req_pool_indices[b], pos0[b] + j], for j < indptr[b+1] - indptr[b].
+
+    `SWAKVPool.translate_loc_from_full_to_swa(runs, out=...)` gathers and translates such a list in
+    one kernel (where the device registered one), so a window list never exists in full-pool locs.
+    """
+
+    req_to_token: torch.Tensor
+    req_pool_indices: torch.Tensor
+    pos0: torch.Tensor
+    indptr: torch.Tensor
 
 
 class SWALocCache:
@@ -76,7 +90,7 @@ class SWALocCache:
         if n > cap:
             raise CapacityError(f"{n} tokens do not fit the graph buffer of {cap} tokens; run eagerly")
         self.translations += 1
-        self.pool.translate_loc_from_full_to_swa(loc, out=self.buffer[:n])
-        self.buffer[n:].zero_()
+        # one call: [:n] translated, [n:] zeroed (one launch where the device has a refill kernel)
+        self.pool.translate_loc_from_full_to_swa(loc, out=self.buffer)
         self.current = self.buffer[:n]
         return self.current

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -39,6 +39,7 @@ class ForwardMetadata:
     extra: Dict[str, Any] = field(default_factory=dict)
     seq_lens_cpu: Optional[torch.Tensor] = None     # host copies (eager only; None in graph mode)
     extend_lens_cpu: Optional[torch.Tensor] = None
+    graph: bool = False  # built into the static graph buffers (what a layer allocates must outlive it)
 
     def list_for(self, layer: Any, swa_group: bool) -> KVIndexList:
         """The index list a layer reads: its window's list when it has one, else the full list."""
@@ -58,7 +59,12 @@ class ForwardMetadata:
 
 @dataclass
 class StaticBuffers:
-    """Graph-mode buffers, allocated once by init_graph_state and refilled before every replay."""
+    """Graph-mode buffers, allocated once by init_graph_state and refilled before every replay.
+
+    The lists' indptr and pos0 rows live in one tensor each (row 0: the full list, row 1 + i: the
+    i-th window of `windows`), so a fused refill writes them all in one launch; `full_*` and
+    `win_*` are views of those rows.
+    """
 
     max_bs: int
     max_num_tokens: int
@@ -73,6 +79,18 @@ class StaticBuffers:
     win_pos0: Dict[int, torch.Tensor]
     win_indices: Dict[int, torch.Tensor]
     win_scratch: Dict[int, torch.Tensor]
+    list_indptr: Optional[torch.Tensor] = None   # int32 [1 + len(windows), max_bs + 1]
+    list_pos0: Optional[torch.Tensor] = None     # int64 [1 + len(windows), max_bs]
+    list_windows: Optional[torch.Tensor] = None  # int64 [1 + len(windows)]: 0 (full), then each W
+
+
+class GraphViews(NamedTuple):
+    """One batch size's views of the static buffers, as the forward metadata hands them to layers."""
+
+    qo_indptr: torch.Tensor
+    q_pos0: torch.Tensor
+    full: KVIndexList
+    windows: Dict[int, KVIndexList]
 
 
 def alloc_static(max_bs: int, max_num_tokens: int, max_context_len: int, windows: Sequence[int],
@@ -80,16 +98,20 @@ def alloc_static(max_bs: int, max_num_tokens: int, max_context_len: int, windows
     """Buffers large enough for any batch of <= max_bs requests and <= max_num_tokens tokens."""
     i32 = dict(dtype=torch.int32, device=device)
     i64 = dict(dtype=torch.int64, device=device)
+    windows = list(windows)
     full_cap = max_bs * max_context_len
     win_cap = {w: min(full_cap, max_num_tokens + max_bs * (w - 1)) for w in windows}
+    list_indptr = torch.zeros(1 + len(windows), max_bs + 1, **i32)
+    list_pos0 = torch.zeros(1 + len(windows), max_bs, **i64)
     return StaticBuffers(
         max_bs, max_num_tokens, torch.arange(max_bs + 1, **i32),
         torch.zeros(max_bs + 1, **i32), torch.zeros(max_bs, **i64), torch.zeros(max_bs, **i64),
-        torch.zeros(max_bs + 1, **i32), torch.zeros(max_bs, **i64), torch.zeros(full_cap, **i64),
-        {w: torch.zeros(max_bs + 1, **i32) for w in windows},
-        {w: torch.zeros(max_bs, **i64) for w in windows},
+        list_indptr[0], list_pos0[0], torch.zeros(full_cap, **i64),
+        {w: list_indptr[1 + i] for i, w in enumerate(windows)},
+        {w: list_pos0[1 + i] for i, w in enumerate(windows)},
         {w: torch.zeros(win_cap[w], **i64) for w in windows},
-        {w: torch.zeros(win_cap[w], **i64) for w in windows})
+        {w: torch.zeros(win_cap[w], **i64) for w in windows},
+        list_indptr, list_pos0, torch.tensor([0] + windows, **i64))
 
 
 def cumsum_into(lens: torch.Tensor, indptr: torch.Tensor) -> torch.Tensor:

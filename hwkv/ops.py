@@ -1,28 +1,65 @@
 """Kernel dispatch by device type: device packages register fast ops, torch code is the default.
 
 The core calls these from the pool and the metadata step; a device package only supplies
-kernels here (it never translates locations).
+kernels here (it never translates locations: the pool and the backend's base class decide what
+is translated and when, and count it).
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, NamedTuple, Optional
 
 import torch
 
 _STORE: Dict[str, Callable[..., None]] = {}
+_STORE_PRECHECKED: Dict[str, Callable[..., None]] = {}
 _FILL: Dict[str, Callable[..., None]] = {}
+_REFILL: Dict[str, "GraphRefillKernels"] = {}
 
 FP8_DTYPES = tuple(d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d)
 
 
-def register_store_kv(device_type: str, fn: Callable[..., None]) -> None:
-    """Use `fn(k_buf, v_buf, loc, k, v, k_scale, v_scale)` for pools on `device_type`."""
+def register_store_kv(device_type: str, fn: Callable[..., None],
+                      prechecked: Optional[Callable[..., None]] = None) -> None:
+    """Use `fn(k_buf, v_buf, loc, k, v, k_scale, v_scale)` for pools on `device_type`.
+
+    `prechecked` (optional): the same store for callers that already checked `loc` (1-D int64 on the
+    buffers' device, in range) and the k/v shapes, as the pool does; it may skip its own argument
+    checks, except those the caller cannot know about (strides, devices of k and v).
+    """
     _STORE[device_type] = fn
+    _STORE_PRECHECKED[device_type] = prechecked or fn
 
 
 def register_fill_kv_indices(device_type: str, fn: Callable[..., None]) -> None:
     """Use `fn(req_to_token, req_pool_indices, pos0, indptr, out)` on `device_type`."""
     _FILL[device_type] = fn
+
+
+class GraphRefillKernels(NamedTuple):
+    """The fused graph-metadata refill of a device (see `hwkv_cuda.kernels.refill` for one).
+
+    translate_into(mapping, loc, out):  out[:n] = mapping[loc], out[n:] = 0; one launch.
+    translate_runs(mapping, req_to_token, req_pool_indices, pos0, indptr, out):
+        out[indptr[b] + j] = mapping[req_to_token[req_pool_indices[b], pos0[b] + j]]; one launch.
+    fill_lists(req_to_token, req_pool_indices, seq_lens, extend_lens, windows, lens, q_pos0,
+               qo_indptr, list_indptr, list_pos0, full_indices):
+        positions, qo_indptr and every list's indptr/pos0 (list 0 is the full list, window 0), and
+        the full list's locs; extend_lens None means DECODE (one token per request); one launch.
+    """
+
+    translate_into: Callable[..., None]
+    translate_runs: Callable[..., None]
+    fill_lists: Callable[..., None]
+
+
+def register_graph_refill(device_type: str, kernels: GraphRefillKernels) -> None:
+    """Refill graph metadata on `device_type` with these fused kernels (the torch path stays the default)."""
+    _REFILL[device_type] = kernels
+
+
+def graph_refill_kernels(device_type: str) -> Optional[GraphRefillKernels]:
+    """The fused refill kernels registered for `device_type`, or None (the backend's torch path)."""
+    return _REFILL.get(device_type)
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, scale: Optional[float]) -> torch.Tensor:
@@ -48,6 +85,14 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
     if loc.numel() == 0:
         return
     _STORE.get(k_buf.device.type, store_kv_torch)(k_buf, v_buf, loc, k, v, k_scale, v_scale)
+
+
+def store_kv_prechecked(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor, k_scale: Optional[float] = None, v_scale: Optional[float] = None) -> None:
+    """`store_kv` for a caller that checked `loc` and the k/v shapes itself (the pool, per layer)."""
+    if loc.shape[0] == 0:
+        return
+    _STORE_PRECHECKED.get(k_buf.device.type, store_kv_torch)(k_buf, v_buf, loc, k, v, k_scale, v_scale)
 
 
 def fill_kv_indices_torch(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, pos0: torch.Tensor,
@@ -77,3 +122,27 @@ def fill_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, 
                     indptr: torch.Tensor, out: torch.Tensor) -> None:
     """Gather each request's run of locs from `req_to_token` into the CSR list `out`."""
     _FILL.get(out.device.type, fill_kv_indices_torch)(req_to_token, req_pool_indices, pos0, indptr, out)
+
+
+# ---- translation through a full->SWA table (called by the pool, the one place that translates) ----
+def translate_into(mapping: torch.Tensor, loc: torch.Tensor, out: torch.Tensor) -> None:
+    """out[:n] = mapping[loc], out[n:] = 0 (a graph-static buffer: no stale slot in its tail)."""
+    kernels = _REFILL.get(out.device.type)
+    if kernels is not None:
+        kernels.translate_into(mapping, loc, out)
+        return
+    n = loc.shape[0]
+    torch.index_select(mapping, 0, loc, out=out[:n])
+    out[n:].zero_()
+
+
+def translate_runs(mapping: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                   pos0: torch.Tensor, indptr: torch.Tensor, out: torch.Tensor) -> None:
+    """out[indptr[b] + j] = mapping[req_to_token[req_pool_indices[b], pos0[b] + j]]: a CSR list gathered
+    and translated at once (fused on devices with refill kernels; the torch path gathers, then maps)."""
+    kernels = _REFILL.get(out.device.type)
+    if kernels is not None:
+        kernels.translate_runs(mapping, req_to_token, req_pool_indices, pos0, indptr, out)
+        return
+    fill_kv_indices(req_to_token, req_pool_indices, pos0, indptr, out)
+    out.copy_(mapping[out])

@@ -7,8 +7,8 @@ import torch
 
 from hwkv import ops
 from hwkv.checks import check_loc, check_shape
-from hwkv.errors import ConfigError, LocError, MissingSWALocError
-from hwkv.loc import KVWriteLoc
+from hwkv.errors import CapacityError, ConfigError, LocError, MissingSWALocError
+from hwkv.loc import KVWriteLoc, LocRuns
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16) + ops.FP8_DTYPES
 
@@ -36,6 +36,8 @@ class MHATokenToKVPool:
             torch.zeros(rows, head_num, head_dim, dtype=dtype, device=self.device) for _ in range(layer_num)]
         self.v_buffer: List[torch.Tensor] = [
             torch.zeros(rows, head_num, self.v_head_dim, dtype=dtype, device=self.device) for _ in range(layer_num)]
+        self._buffer_device = self.k_buffer[0].device if layer_num else self.device  # with its index
+        self._checked_loc: Optional[torch.Tensor] = None  # this forward's write locs, checked once
 
     def _layer(self, layer_id: int) -> int:
         if not 0 <= layer_id < self.layer_num:
@@ -56,18 +58,35 @@ class MHATokenToKVPool:
         item = torch.empty(0, dtype=self.dtype).element_size()
         return self.layer_num * self.head_num * (self.head_dim + self.v_head_dim) * item
 
+    def check_write_loc(self, loc: Union[torch.Tensor, KVWriteLoc], name: str = "loc") -> None:
+        """Check one forward's write locs once (the backend's metadata step calls this): the layers'
+        `set_kv_buffer` calls then skip `check_loc` for exactly this tensor object, until the next
+        forward's locs replace it. Values are checked where `check_loc` checks them (CPU, HWKV_DEBUG)."""
+        if isinstance(loc, KVWriteLoc):
+            loc = loc.loc
+        check_loc(name, loc, self.size + self.page_size, self._buffer_device)
+        self._checked_loc = loc
+
     def set_kv_buffer(self, layer: object, loc: Union[torch.Tensor, KVWriteLoc], cache_k: torch.Tensor,
                       cache_v: torch.Tensor, k_scale: Optional[float] = None, v_scale: Optional[float] = None,
                       layer_id_override: Optional[int] = None, swa_loc: Optional[torch.Tensor] = None) -> None:
-        """Write the new tokens' K/V at `loc` (a KVWriteLoc's full locs); caller tensors are untouched."""
+        """Write the new tokens' K/V at `loc` (a KVWriteLoc's full locs); caller tensors are untouched.
+
+        Per call this costs a layer-id check, two shape compares and the store launch: `loc` is checked
+        here only when it is not the tensor `check_write_loc` checked for this forward.
+        """
         if isinstance(loc, KVWriteLoc):
             loc = loc.loc
         layer_id = self._layer(layer_id_override if layer_id_override is not None else layer.layer_id)
-        check_loc("loc", loc, self.size + self.page_size, self.device)
+        if torch.compiler.is_compiling() or loc is not self._checked_loc:
+            check_loc("loc", loc, self.size + self.page_size, self._buffer_device)
         n = loc.shape[0]
-        check_shape("cache_k", cache_k, (n, self.head_num, self.head_dim))
-        check_shape("cache_v", cache_v, (n, self.head_num, self.v_head_dim))
-        ops.store_kv(self.k_buffer[layer_id], self.v_buffer[layer_id], loc, cache_k, cache_v, k_scale, v_scale)
+        if cache_k.shape != (n, self.head_num, self.head_dim):
+            check_shape("cache_k", cache_k, (n, self.head_num, self.head_dim))
+        if cache_v.shape != (n, self.head_num, self.v_head_dim):
+            check_shape("cache_v", cache_v, (n, self.head_num, self.v_head_dim))
+        ops.store_kv_prechecked(self.k_buffer[layer_id], self.v_buffer[layer_id], loc, cache_k, cache_v,
+                                k_scale, v_scale)
 
     def check_integrity(self) -> None:
         """Buffers keep their shapes and dtype (writes never reallocate them)."""
@@ -121,13 +140,41 @@ class SWAKVPool:
         """Called by the allocator that owns `full_to_swa_index_mapping`."""
         self.full_to_swa_index_mapping = mapping
 
-    def translate_loc_from_full_to_swa(self, loc: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Plain gather over the allocator's table: int64 SWA slots (0 = none)."""
-        if self.full_to_swa_index_mapping is None:
+    def translate_loc_from_full_to_swa(self, loc: Union[torch.Tensor, LocRuns],
+                                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Plain gather over the allocator's table: int64 SWA slots (0 = none).
+
+        `out` (optional) receives them: as long as `loc`, or longer (a graph-static buffer: [:n] is
+        translated and [n:] zeroed, in one launch where the device registered refill kernels).
+        `loc` may also be a `LocRuns` (a CSR list of req_to_token runs; `out` required): the list is
+        gathered and translated together. Either way this is one translation.
+        """
+        mapping = self.full_to_swa_index_mapping
+        if mapping is None:
             raise ConfigError("SWAKVPool has no full_to_swa_index_mapping: build SWATokenToKVPoolAllocator on it")
+        if isinstance(loc, LocRuns):
+            if out is None:
+                raise ConfigError("translating LocRuns needs out= (the list's static buffer)")
+            ops.translate_runs(mapping, loc.req_to_token, loc.req_pool_indices, loc.pos0, loc.indptr, out)
+            return out
         if out is None:
-            return self.full_to_swa_index_mapping[loc]
-        return torch.index_select(self.full_to_swa_index_mapping, 0, loc, out=out)
+            return mapping[loc]
+        n, cap = loc.shape[0], out.shape[0]
+        if cap == n:
+            return torch.index_select(mapping, 0, loc, out=out)
+        if cap < n:
+            raise CapacityError(f"{n} locs do not fit out= of {cap} entries")
+        ops.translate_into(mapping, loc, out)
+        return out[:n]
+
+    def check_write_loc(self, loc: Union[torch.Tensor, KVWriteLoc]) -> None:
+        """Check one forward's full-pool write locs once (before they index the table); the full
+        layers' writes then skip the check for this tensor (see MHATokenToKVPool.check_write_loc)."""
+        self.full_kv_pool.check_write_loc(loc.loc if isinstance(loc, KVWriteLoc) else loc)
+
+    def check_swa_loc(self, swa_loc: torch.Tensor) -> None:
+        """The same for the translated `swa_loc`, against the SWA pool."""
+        self.swa_kv_pool.check_write_loc(swa_loc, "swa_loc")
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         local, is_swa = self._route(layer_id)

@@ -1,16 +1,32 @@
-"""TritonBackend: the core template with hwkv's Triton kernels (CUDA, MUSA; ROCm/XPU reuse them)."""
+"""TritonBackend: the core template with hwkv's Triton kernels (CUDA, MUSA; ROCm/XPU reuse them).
+
+Per layer it launches its store and its attention with arguments planned once per forward: the
+first layer of each (index list, head geometry) checks its arguments fully and plans the launch
+(split count, decode workspace); the others compare shapes against that plan and launch.
+"""
 from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import triton
 
 from hwkv import ops
 from hwkv.backend import KernelSetBackend
+from hwkv.layer import AttentionLayer
+from hwkv.metadata import ForwardMetadata, KVIndexList
 from hwkv.pages import register_page_ops
 from hwkv_cuda import kernels as _kernels
 from hwkv_cuda.kernels.alloc import TritonPageOps
 
 for _dev in ("cuda", "musa"):
     register_page_ops(_dev, TritonPageOps())
-    ops.register_store_kv(_dev, _kernels.store_kv)
+    ops.register_store_kv(_dev, _kernels.store_kv, prechecked=_kernels.store_kv_prechecked)
     ops.register_fill_kv_indices(_dev, _kernels.fill_kv_indices)
+    ops.register_graph_refill(_dev, _kernels.refill.KERNELS)
+
+
+_PLANS = "triton_plans"
 
 
 class TritonBackend(KernelSetBackend):
@@ -18,3 +34,60 @@ class TritonBackend(KernelSetBackend):
 
     name = "triton"
     kernels = _kernels
+
+    def __init__(self, pool: Any, req_to_token_pool: Any, **options: Any) -> None:
+        super().__init__(pool, req_to_token_pool, **options)
+        # decode scratch that captured graphs write: kept for the backend's lifetime, shared by every
+        # layer and bucket (graphs replay one at a time, in stream order)
+        self._graph_workspaces: Dict[Tuple[int, int, int], _kernels.DecodeWorkspace] = {}
+        self._outgrown: List[_kernels.DecodeWorkspace] = []  # earlier captures may still write these
+
+    @staticmethod
+    def _plans(md: ForwardMetadata) -> Dict[Any, Any]:
+        plans = md.extra.get(_PLANS)
+        if plans is None:
+            plans = md.extra[_PLANS] = {}
+        return plans
+
+    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
+                       md: ForwardMetadata, out: torch.Tensor) -> None:
+        k_buf, v_buf = self.kv_buffers(layer)
+        plans = self._plans(md)
+        key = (True, kv.window, q.shape[1], q.shape[2], k_buf.shape[1], v_buf.shape[2])
+        plan = plans.get(key)
+        if plan is None:
+            plan = plans[key] = _kernels.plan_decode(
+                q, k_buf, v_buf, kv.indptr, kv.indices, kv.pos0, md.q_pos0, out, layer.sinks, kv.max_len,
+                workspace=self._graph_workspace(q, k_buf, v_buf, kv) if md.graph else None)
+        _kernels.decode_attention_planned(plan, q, k_buf, v_buf, kv.indptr, kv.indices, kv.pos0, md.q_pos0, out,
+                                          layer.scaling, layer.window, layer.logit_cap, layer.sinks,
+                                          layer.k_scale, layer.v_scale)
+
+    def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
+                       md: ForwardMetadata, out: torch.Tensor) -> None:
+        k_buf, v_buf = self.kv_buffers(layer)
+        plans = self._plans(md)
+        key = (False, kv.window, q.shape[1], q.shape[2], k_buf.shape[1], v_buf.shape[2])
+        plan = plans.get(key)
+        if plan is None:
+            plan = plans[key] = _kernels.plan_extend(q, k_buf, v_buf, kv.indptr, kv.indices, kv.pos0, md.qo_indptr,
+                                                     md.q_pos0, out, md.max_q_len, layer.sinks)
+        _kernels.extend_attention_planned(plan, q, k_buf, v_buf, kv.indptr, kv.indices, kv.pos0, md.qo_indptr,
+                                          md.q_pos0, out, md.max_q_len, layer.scaling, layer.window,
+                                          layer.logit_cap, layer.sinks, layer.k_scale, layer.v_scale)
+
+    def _graph_workspace(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                         kv: KVIndexList) -> Optional[_kernels.DecodeWorkspace]:
+        """Graph metadata: the split-K scratch comes from the backend (it outlives the forward that
+        captured it), sized to the largest batch seen, in powers of two; None when one split does."""
+        bs, h, dv = q.shape[0], q.shape[1], v_buf.shape[2]
+        splits = _kernels.decode_num_splits(bs, k_buf.shape[1], kv.max_len, q.device)
+        if splits == 1:
+            return None
+        ws = self._graph_workspaces.get((h, dv, splits))
+        if ws is None or ws.lse.shape[0] < bs:
+            if ws is not None:
+                self._outgrown.append(ws)
+            ws = _kernels.make_decode_workspace(triton.next_power_of_2(bs), h, dv, splits, q.device)
+            self._graph_workspaces[(h, dv, splits)] = ws
+        return ws

@@ -1,6 +1,6 @@
 """XPUBackend: hwkv_cuda's Triton kernels on Intel GPUs (Triton's XPU backend runs them unchanged).
 
-Importing this module registers the Triton store, index-fill and allocator kernels for device type "xpu";
+Importing this module registers the Triton store, index-fill, graph-refill and allocator kernels for "xpu";
 attention is TritonBackend's. Graphs go through `hwkv_xpu.graph.XPUGraphAdapter`.
 """
 from __future__ import annotations
@@ -11,8 +11,9 @@ from hwkv_cuda import kernels
 from hwkv_cuda.kernels.alloc import TritonPageOps
 from hwkv_cuda.backend import TritonBackend
 
-ops.register_store_kv("xpu", kernels.store_kv)
+ops.register_store_kv("xpu", kernels.store_kv, prechecked=kernels.store_kv_prechecked)
 ops.register_fill_kv_indices("xpu", kernels.fill_kv_indices)
+ops.register_graph_refill("xpu", kernels.refill.KERNELS)
 register_page_ops("xpu", TritonPageOps())
 
 

@@ -1,16 +1,22 @@
 """hwkv's Triton kernels (CUDA, ROCm, XPU; CPU CI runs them under TRITON_INTERPRET=1).
 
 The interfaces are fixed by docs/architecture.md ("Kernel interfaces"):
-store_kv, decode_attention, extend_attention, fill_kv_indices.
+store_kv, decode_attention, extend_attention, fill_kv_indices. The public functions check their
+arguments on every call; the backend checks once per forward and uses the internal entry points
+(`store_kv_prechecked`, `plan_decode` + `decode_attention_planned`, `plan_extend` +
+`extend_attention_planned`). `refill` holds the fused graph-metadata refill.
 """
-from hwkv_cuda.kernels.decode import (DecodeConfig, DecodeWorkspace, decode_attention,
-                                      decode_num_splits, make_decode_workspace)
-from hwkv_cuda.kernels.extend import ExtendConfig, extend_attention
+from hwkv_cuda.kernels import refill
+from hwkv_cuda.kernels.decode import (DecodeConfig, DecodePlan, DecodeWorkspace, decode_attention,
+                                      decode_attention_planned, decode_num_splits, make_decode_workspace,
+                                      plan_decode)
+from hwkv_cuda.kernels.extend import ExtendConfig, ExtendPlan, extend_attention, extend_attention_planned, plan_extend
 from hwkv_cuda.kernels.index import fill_kv_indices
-from hwkv_cuda.kernels.store import StoreConfig, store_kv
+from hwkv_cuda.kernels.store import StoreConfig, store_kv, store_kv_prechecked
 
 __all__ = [
     "store_kv", "decode_attention", "extend_attention", "fill_kv_indices",
     "DecodeConfig", "DecodeWorkspace", "decode_num_splits", "make_decode_workspace", "ExtendConfig",
-    "StoreConfig",
+    "StoreConfig", "store_kv_prechecked", "DecodePlan", "plan_decode", "decode_attention_planned",
+    "ExtendPlan", "plan_extend", "extend_attention_planned", "refill",
 ]

@@ -15,7 +15,7 @@ bandwidth); the request is the z axis, so a call takes at most 65535 requests.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -23,8 +23,7 @@ import triton.language as tl
 
 from hwkv.errors import ShapeError
 from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, check_dims, check_same_device, dot,
-                                      dot_in_fp32, fold_sink, interpreting, logits_log2, num_sms,
-                                      online_softmax_step, pow2)
+                                      fold_sink, interpreting, logits_log2, num_sms, online_softmax_step, pow2)
 
 
 @dataclass(frozen=True)
@@ -221,6 +220,78 @@ def _workspace(workspace, bs, h, kvh, dv, max_kv_len, device, cfg):
     return dummy, dummy
 
 
+class DecodePlan(NamedTuple):
+    """How to launch decode for a set of calls that share a batch, a head geometry and a key-list
+    bound: split count, workspace, tile sizes, and the shapes/strides the first call was checked with.
+
+    Built once per forward by `plan_decode` (which checks its arguments fully); every layer then
+    runs `decode_attention_planned`, which only compares its tensors against these fields.
+    """
+
+    q_shape: Tuple[int, ...]
+    k_shape: Tuple[int, ...]
+    v_shape: Tuple[int, ...]
+    k_stride: Tuple[int, ...]
+    v_stride: Tuple[int, ...]
+    out_shape: Tuple[int, ...]
+    device: torch.device
+    splits: int
+    ws_acc: torch.Tensor
+    ws_lse: torch.Tensor
+    ws_strides: Tuple[int, ...]
+    config: DecodeConfig
+    split_consts: Dict[str, Any]   # the split kernel's constexprs and launch options
+    merge_consts: Dict[str, Any]
+    interpreted: bool
+
+    @property
+    def workspace(self) -> Optional[DecodeWorkspace]:
+        return DecodeWorkspace(self.ws_acc, self.ws_lse) if self.splits > 1 else None
+
+
+def _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, cfg) -> DecodePlan:
+    bs, h, d = q.shape
+    kvh, dv = k_buf.shape[1], v_buf.shape[2]
+    ws_acc, ws_lse = _workspace(workspace, bs, h, kvh, dv, max_kv_len, q.device, cfg)
+    splits = ws_lse.shape[2] if ws_lse.dim() == 3 else 1
+    per_split = None if max_kv_len is None else triton.cdiv(max(int(max_kv_len), 1), splits)
+    ws_strides = ((ws_acc.stride(0), ws_acc.stride(1), ws_acc.stride(2), ws_lse.stride(0),
+                   ws_lse.stride(1)) if splits > 1 else (0,) * 5)
+    interpreted = interpreting()
+    group = h // kvh
+    split_consts = dict(GROUP=group, D=d, DV=dv, DIRECT=splits == 1, BLOCK_H=pow2(group), BLOCK_D=pow2(d),
+                        BLOCK_DV=pow2(dv), BLOCK_N=cfg.keys_per_iter(per_split), num_warps=cfg.num_warps,
+                        num_stages=cfg.num_stages)
+    merge_consts = dict(DV=dv, BLOCK_S=triton.next_power_of_2(splits), BLOCK_DV=triton.next_power_of_2(dv),
+                        num_warps=1 if interpreted else 4)
+    return DecodePlan(tuple(q.shape), tuple(k_buf.shape), tuple(v_buf.shape), k_buf.stride(), v_buf.stride(),
+                      tuple(out.shape), q.device, splits, ws_acc, ws_lse, ws_strides, cfg, split_consts,
+                      merge_consts, interpreted)
+
+
+def _run(plan: DecodePlan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, scaling, window,
+         logit_cap, sinks, k_scale, v_scale) -> None:
+    """The launches (split, then merge when there is more than one split); nothing is checked here."""
+    bs, h, _ = plan.q_shape
+    if bs == 0:
+        return
+    splits = plan.splits
+    vs = as_scale(v_scale)
+    cap = float(logit_cap or 0.0)
+    strides = (q.stride(0), q.stride(1), plan.k_stride[0], plan.k_stride[1], plan.v_stride[0],
+               plan.v_stride[1], out.stride(0), out.stride(1))
+    sinks_arg = sinks if sinks is not None else q
+    _decode_split_kernel[(plan.k_shape[1], splits, bs)](
+        q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, sinks_arg, out, plan.ws_acc, plan.ws_lse,
+        float(scaling) * as_scale(k_scale), vs, cap, int(window or 0), splits, *strides, *plan.ws_strides,
+        HAS_CAP=cap > 0, HAS_SINKS=sinks is not None, F32=q.dtype == torch.float32 or plan.interpreted,
+        **plan.split_consts)
+    if splits > 1:
+        _decode_merge_kernel[(bs, h)](
+            sinks_arg, out, plan.ws_acc, plan.ws_lse, vs, splits, out.stride(0), out.stride(1), *plan.ws_strides,
+            HAS_SINKS=sinks is not None, **plan.merge_consts)
+
+
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_pos0: torch.Tensor,
                      q_pos: torch.Tensor, out: torch.Tensor, scaling: float,
@@ -240,31 +311,43 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     it, a multi-split call allocates scratch with torch.empty. No host sync either way.
     """
     _check_decode(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks)
-    bs, h, d = q.shape
-    kvh, dv = k_buf.shape[1], v_buf.shape[2]
-    if bs == 0:
+    if q.shape[0] == 0:
         return
-    cfg = config or default_config()
-    ws_acc, ws_lse = _workspace(workspace, bs, h, kvh, dv, max_kv_len, q.device, cfg)
-    splits = ws_lse.shape[2] if ws_lse.dim() == 3 else 1
-    per_split = None if max_kv_len is None else triton.cdiv(max(int(max_kv_len), 1), splits)
-    group = h // kvh
-    vs = as_scale(v_scale)
-    cap = float(logit_cap or 0.0)
-    strides = (q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
-               v_buf.stride(1), out.stride(0), out.stride(1))
-    ws_strides = ((ws_acc.stride(0), ws_acc.stride(1), ws_acc.stride(2), ws_lse.stride(0),
-                   ws_lse.stride(1)) if splits > 1 else (0,) * 5)
-    sinks_arg = sinks if sinks is not None else q
-    _decode_split_kernel[(kvh, splits, bs)](
-        q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, sinks_arg, out, ws_acc, ws_lse,
-        float(scaling) * as_scale(k_scale), vs, cap, int(window or 0), splits, *strides, *ws_strides,
-        GROUP=group, D=d, DV=dv, DIRECT=splits == 1, BLOCK_H=pow2(group), BLOCK_D=pow2(d),
-        BLOCK_DV=pow2(dv), BLOCK_N=cfg.keys_per_iter(per_split), HAS_CAP=cap > 0, HAS_SINKS=sinks is not None,
-        F32=dot_in_fp32(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if splits > 1:
-        _decode_merge_kernel[(bs, h)](
-            sinks_arg, out, ws_acc, ws_lse, vs, splits, out.stride(0), out.stride(1), *ws_strides,
-            DV=dv, BLOCK_S=triton.next_power_of_2(splits),
-            BLOCK_DV=triton.next_power_of_2(dv), HAS_SINKS=sinks is not None,
-            num_warps=1 if interpreting() else 4)
+    plan = _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, config or default_config())
+    _run(plan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, scaling, window, logit_cap, sinks,
+         k_scale, v_scale)
+
+
+def plan_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
+                kv_indices: torch.Tensor, kv_pos0: torch.Tensor, q_pos: torch.Tensor, out: torch.Tensor,
+                sinks: Optional[torch.Tensor] = None, max_kv_len: Optional[int] = None, *,
+                workspace: Optional[DecodeWorkspace] = None, config: Optional[DecodeConfig] = None) -> DecodePlan:
+    """Check one call's arguments as `decode_attention` does and plan it (split count, workspace:
+    the given one, else a fresh one when it splits). Calls with the same shapes, the same index
+    list and q_pos reuse the plan through `decode_attention_planned`."""
+    _check_decode(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks)
+    return _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, config or default_config())
+
+
+def decode_attention_planned(plan: DecodePlan, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                             kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_pos0: torch.Tensor,
+                             q_pos: torch.Tensor, out: torch.Tensor, scaling: float,
+                             window: Optional[int] = None, logit_cap: float = 0.0,
+                             sinks: Optional[torch.Tensor] = None, k_scale: Optional[float] = None,
+                             v_scale: Optional[float] = None) -> None:
+    """`decode_attention` under a plan from `plan_decode` (internal: the backend's per-layer call).
+
+    The index tensors must be the ones the plan was checked with; q, the buffers, out and sinks are
+    compared with the plan (shapes, strides, device: tuple compares, no helper calls), and a call
+    that differs takes the checked `decode_attention` (which raises the typed error, or runs it).
+    """
+    if (q.shape != plan.q_shape or k_buf.shape != plan.k_shape or v_buf.shape != plan.v_shape
+            or out.shape != plan.out_shape or k_buf.stride() != plan.k_stride or v_buf.stride() != plan.v_stride
+            or (q.stride(2) != 1 and plan.q_shape[2] > 1) or (out.stride(2) != 1 and plan.out_shape[2] > 1)
+            or q.device != plan.device or k_buf.device != plan.device
+            or (sinks is not None and (sinks.shape != plan.q_shape[1:2] or sinks.device != plan.device))):
+        decode_attention(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, scaling, window, logit_cap,
+                         sinks, k_scale, v_scale, config=plan.config)
+        return
+    _run(plan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, scaling, window, logit_cap, sinks,
+         k_scale, v_scale)

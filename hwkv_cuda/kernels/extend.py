@@ -8,7 +8,7 @@ range each element is masked by absolute positions (kp <= qp and kp > qp - W).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -16,8 +16,7 @@ import triton.language as tl
 
 from hwkv.errors import ShapeError
 from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, check_dims, check_same_device, dot,
-                                      dot_in_fp32, fold_sink, interpreting, logits_log2,
-                                      online_softmax_step, pow2)
+                                      fold_sink, interpreting, logits_log2, online_softmax_step, pow2)
 
 
 @dataclass(frozen=True)
@@ -118,6 +117,50 @@ def _check_extend(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_
                       kv_pos0=kv_pos0, qo_indptr=qo_indptr, q_pos0=q_pos0, out=out, sinks=sinks)
 
 
+class ExtendPlan(NamedTuple):
+    """How to launch extend for calls sharing a batch, a head geometry and the metadata lists: the
+    grid and tile config, and the shapes/strides the first call was checked with (`plan_extend`)."""
+
+    q_shape: Tuple[int, ...]
+    k_shape: Tuple[int, ...]
+    v_shape: Tuple[int, ...]
+    k_stride: Tuple[int, ...]
+    v_stride: Tuple[int, ...]
+    out_shape: Tuple[int, ...]
+    device: torch.device
+    grid: Tuple[int, int, int]   # (0, 0, 0): nothing to launch
+    config: ExtendConfig
+    consts: Dict[str, Any]       # the kernel's constexprs and launch options
+    interpreted: bool
+
+
+def _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config) -> ExtendPlan:
+    t, h, d = q.shape
+    bs, kvh, dv = kv_pos0.shape[0], k_buf.shape[1], v_buf.shape[2]
+    cfg = config or default_config(d)
+    empty = t == 0 or bs == 0 or max_q_len <= 0
+    grid = (0, 0, 0) if empty else (bs, triton.cdiv(int(max_q_len), cfg.block_m), h)
+    consts = dict(GROUP=h // kvh, D=d, DV=dv, BLOCK_M=cfg.block_m, BLOCK_D=pow2(d), BLOCK_DV=pow2(dv),
+                  BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return ExtendPlan(tuple(q.shape), tuple(k_buf.shape), tuple(v_buf.shape), k_buf.stride(), v_buf.stride(),
+                      tuple(out.shape), q.device, grid, cfg, consts, interpreting())
+
+
+def _run(plan: ExtendPlan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, scaling,
+         window, logit_cap, sinks, k_scale, v_scale) -> None:
+    if plan.grid[0] == 0:
+        return
+    cap = float(logit_cap or 0.0)
+    _extend_kernel[plan.grid](
+        q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0,
+        sinks if sinks is not None else q, out,
+        float(scaling) * as_scale(k_scale), as_scale(v_scale), cap, int(window or 0),
+        q.stride(0), q.stride(1), plan.k_stride[0], plan.k_stride[1], plan.v_stride[0],
+        plan.v_stride[1], out.stride(0), out.stride(1),
+        HAS_CAP=cap > 0, HAS_SINKS=sinks is not None, F32=q.dtype == torch.float32 or plan.interpreted,
+        **plan.consts)
+
+
 def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_pos0: torch.Tensor,
                      qo_indptr: torch.Tensor, q_pos0: torch.Tensor, out: torch.Tensor,
@@ -134,19 +177,37 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     Other arguments as in decode_attention. No host sync.
     """
     _check_extend(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, sinks)
-    t, h, d = q.shape
-    bs, kvh, dv = kv_pos0.shape[0], k_buf.shape[1], v_buf.shape[2]
-    if t == 0 or bs == 0 or max_q_len <= 0:
+    plan = _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config)
+    _run(plan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, scaling, window,
+         logit_cap, sinks, k_scale, v_scale)
+
+
+def plan_extend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
+                kv_indices: torch.Tensor, kv_pos0: torch.Tensor, qo_indptr: torch.Tensor, q_pos0: torch.Tensor,
+                out: torch.Tensor, max_q_len: int, sinks: Optional[torch.Tensor] = None, *,
+                config: Optional[ExtendConfig] = None) -> ExtendPlan:
+    """Check one call's arguments as `extend_attention` does and plan it; calls with the same shapes
+    and the same metadata tensors reuse the plan through `extend_attention_planned`."""
+    _check_extend(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, sinks)
+    return _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config)
+
+
+def extend_attention_planned(plan: ExtendPlan, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                             kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_pos0: torch.Tensor,
+                             qo_indptr: torch.Tensor, q_pos0: torch.Tensor, out: torch.Tensor, max_q_len: int,
+                             scaling: float, window: Optional[int] = None, logit_cap: float = 0.0,
+                             sinks: Optional[torch.Tensor] = None, k_scale: Optional[float] = None,
+                             v_scale: Optional[float] = None) -> None:
+    """`extend_attention` under a plan from `plan_extend` (internal: the backend's per-layer call).
+    Tensors are compared with the plan (tuples, no helper calls); a call that differs takes the
+    checked `extend_attention`."""
+    if (q.shape != plan.q_shape or k_buf.shape != plan.k_shape or v_buf.shape != plan.v_shape
+            or out.shape != plan.out_shape or k_buf.stride() != plan.k_stride or v_buf.stride() != plan.v_stride
+            or (q.stride(2) != 1 and plan.q_shape[2] > 1) or (out.stride(2) != 1 and plan.out_shape[2] > 1)
+            or q.device != plan.device or k_buf.device != plan.device
+            or (sinks is not None and (sinks.shape != plan.q_shape[1:2] or sinks.device != plan.device))):
+        extend_attention(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, max_q_len,
+                         scaling, window, logit_cap, sinks, k_scale, v_scale, config=plan.config)
         return
-    cfg = config or default_config(d)
-    cap = float(logit_cap or 0.0)
-    grid = (bs, triton.cdiv(int(max_q_len), cfg.block_m), h)
-    _extend_kernel[grid](
-        q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0,
-        sinks if sinks is not None else q, out,
-        float(scaling) * as_scale(k_scale), as_scale(v_scale), cap, int(window or 0),
-        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
-        v_buf.stride(1), out.stride(0), out.stride(1),
-        GROUP=h // kvh, D=d, DV=dv, BLOCK_M=cfg.block_m, BLOCK_D=pow2(d), BLOCK_DV=pow2(dv),
-        BLOCK_N=cfg.block_n, HAS_CAP=cap > 0, HAS_SINKS=sinks is not None, F32=dot_in_fp32(q),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _run(plan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, scaling, window,
+         logit_cap, sinks, k_scale, v_scale)

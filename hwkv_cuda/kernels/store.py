@@ -5,15 +5,16 @@ range first), the same for V. The caller's k and v are only read.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
 from hwkv.errors import LocError
-from hwkv_cuda.kernels.common import FP8_MAX, as_scale, check_dims, check_same_device, interpreting
+from hwkv_cuda.kernels.common import FP8_MAX, as_scale, check_dims, check_same_device
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,10 @@ def _store_kv_kernel(k_buf, v_buf, loc, k, v, n, k_scale, v_scale,
                 KVH, DV, BLOCK_EV, V_SCALE, V_CLAMP)
 
 
+# Triton decided when it decorated the kernel whether it interprets it; the launch sizes follow that
+_INTERPRETED = not isinstance(_store_kv_kernel, triton.runtime.JITFunction)
+
+
 def _check_store(k_buf, v_buf, loc, k, v) -> None:
     if loc.dtype not in (torch.int64, torch.int32) or loc.dim() != 1:
         raise LocError(f"loc must be a 1-D int64 (or int32) tensor, got {loc.dtype} {list(loc.shape)}")
@@ -79,25 +84,49 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
     n == 0 launches nothing. k and v are never written.
     """
     _check_store(k_buf, v_buf, loc, k, v)
-    n = loc.shape[0]
-    if n == 0:
+    if loc.shape[0] == 0:
         return
-    kvh, d, dv = k_buf.shape[1], k_buf.shape[2], v_buf.shape[2]
-    ks, vs = as_scale(k_scale), as_scale(v_scale)
+    _launch(k_buf, v_buf, loc, k, v, k_scale, v_scale, config)
+
+
+def store_kv_prechecked(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor, k_scale: Optional[float] = None, v_scale: Optional[float] = None) -> None:
+    """`store_kv` for a caller that checked `loc` (1-D int64 on the buffers' device) and the k/v shapes,
+    as the pool does once per forward (`hwkv.ops.register_store_kv(..., prechecked=...)`). What the
+    caller cannot know is compared here (a strided last dim, k/v on another device): such calls
+    take the checked path, which raises the usual typed error."""
+    if ((k.stride(-1) != 1 and k.shape[-1] > 1) or (v.stride(-1) != 1 and v.shape[-1] > 1)
+            or k.device != k_buf.device or v.device != k_buf.device):
+        store_kv(k_buf, v_buf, loc, k, v, k_scale, v_scale)
+        return
+    if loc.shape[0]:
+        _launch(k_buf, v_buf, loc, k, v, k_scale, v_scale, None)
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_config(kvh: int, d: int, dv: int, k_dtype: torch.dtype, v_dtype: torch.dtype,
+                   config: Optional[StoreConfig]) -> Tuple[int, int, int, int, float, float]:
+    """(block_t, warps, block_ek, block_ev, k clamp, v clamp) of one buffer geometry, computed once."""
     block_ek = triton.next_power_of_2(kvh * d)
     block_ev = triton.next_power_of_2(kvh * dv)
-    if interpreting():
+    if _INTERPRETED:
         block_t, warps = 4, 1
     else:
         cfg = config or StoreConfig()
         block_t = cfg.block_t or max(1, min(16, 4096 // max(block_ek, block_ev)))
         warps = cfg.num_warps
-    grid = (triton.cdiv(n, block_t),)
-    _store_kv_kernel[grid](
+    return block_t, warps, block_ek, block_ev, FP8_MAX.get(k_dtype, 0.0), FP8_MAX.get(v_dtype, 0.0)
+
+
+def _launch(k_buf, v_buf, loc, k, v, k_scale, v_scale, config) -> None:
+    n = loc.shape[0]
+    kvh, d, dv = k_buf.shape[1], k_buf.shape[2], v_buf.shape[2]
+    ks, vs = as_scale(k_scale), as_scale(v_scale)
+    block_t, warps, block_ek, block_ev, k_clamp, v_clamp = _launch_config(
+        kvh, d, dv, k_buf.dtype, v_buf.dtype, config)
+    _store_kv_kernel[(-(-n // block_t),)](
         k_buf, v_buf, loc, k, v, n, ks, vs,
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         KVH=kvh, D=d, DV=dv, BLOCK_T=block_t, BLOCK_EK=block_ek, BLOCK_EV=block_ev,
-        K_SCALE=ks != 1.0, V_SCALE=vs != 1.0,
-        K_CLAMP=FP8_MAX.get(k_buf.dtype, 0.0), V_CLAMP=FP8_MAX.get(v_buf.dtype, 0.0),
-        num_warps=warps)
+        K_SCALE=ks != 1.0, V_SCALE=vs != 1.0, K_CLAMP=k_clamp, V_CLAMP=v_clamp, num_warps=warps)

@@ -1,0 +1,191 @@
+"""The graph-metadata refill in three launches (CUDA, ROCm, XPU, MUSA; CPU CI under the interpreter).
+
+Before every replay the backend rebuilds its static buffers. The torch path takes about twenty
+small ops for that; these kernels take one launch each for:
+
+- `translate_into`: the write locs into the static `swa_out_cache_loc` buffer, `[n:]` zeroed;
+- `fill_lists`: `lens`, `q_pos0`, `qo_indptr`, every list's `indptr` and `pos0` (row 0 is the
+  full list, row 1 + i window i), and the full list's locs. Program (b, j) sums the lengths of
+  requests 0..b-1 itself (one block of loads up to 1024 requests), so no launch waits on a scan;
+- `translate_runs`: one window list gathered from `req_to_token` and translated through
+  `full_to_swa_index_mapping` in the same pass (it never exists in full-pool locs).
+
+They are registered through `hwkv.ops.register_graph_refill`; the pool and the backend's base
+class call them and count the translations (`SWAKVPool.translate_loc_from_full_to_swa`).
+Entries of a list's buffer past its `indptr[bs]` are left as they were: no kernel reads them.
+Nothing is read back to the host. A mapping read with a negative loc reads from the end, as
+torch indexing does (`mapping[-1] == -1`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from hwkv.errors import LocError, ShapeError
+from hwkv.ops import GraphRefillKernels
+
+
+def _launch_sizes() -> "tuple[int, int, int]":
+    """(block of list entries, block of requests, warps): tiny blocks under the interpreter (Triton
+    decided when it decorated the kernels whether it interprets them)."""
+    return (16, 4, 1) if _INTERPRETED else (1024, 1024, 4)
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise ShapeError(what)
+
+
+@triton.jit
+def _translate_into_kernel(mapping, loc, out, n, cap, map_len, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    full = tl.load(loc + i, mask=live, other=0).to(tl.int64)
+    full = tl.where(full < 0, full + map_len, full)
+    slot = tl.load(mapping + full, mask=live, other=0)
+    tl.store(out + i, slot.to(out.dtype.element_ty), mask=i < cap)
+
+
+def translate_into(mapping: torch.Tensor, loc: torch.Tensor, out: torch.Tensor) -> None:
+    """out[:n] = mapping[loc], out[n:] = 0, in one launch (n = len(loc) <= len(out))."""
+    n, cap = loc.shape[0], out.shape[0]
+    if loc.dtype not in (torch.int64, torch.int32) or loc.dim() != 1 or out.dtype != torch.int64:
+        raise LocError(f"loc must be 1-D int64/int32 and out int64, got {loc.dtype} {list(loc.shape)}, {out.dtype}")
+    _need(out.dim() == 1 and out.stride(0) == 1 and n <= cap and loc.stride(0) == 1 and mapping.stride(0) == 1,
+          f"out [{cap}] must be a contiguous 1-D buffer at least as long as loc [{n}]")
+    _need(loc.device == out.device == mapping.device, f"loc, out and mapping must share a device, got "
+          f"{loc.device}, {out.device}, {mapping.device}")
+    if cap == 0:
+        return
+    block, _, warps = _launch_sizes()
+    _translate_into_kernel[(-(-cap // block),)](mapping, loc, out, n, cap, mapping.shape[0],
+                                                       BLOCK=block, num_warps=warps)
+
+
+@triton.jit
+def _window_pos0(q_pos0, window):
+    """First visible key of a query at q_pos0 (window 0: the full list starts at 0)."""
+    return tl.where(window > 0, tl.maximum(q_pos0 - window + 1, 0), 0)
+
+
+@triton.jit
+def _fill_lists_kernel(req_to_token, req_pool_indices, seq_lens, ext_lens, windows,
+                       lens, q_pos0, qo_indptr, list_indptr, list_pos0, full_indices,
+                       stride_rtt, rtt_cols, full_cap, stride_indptr, stride_pos0,
+                       DECODE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    j = tl.program_id(1)          # 0: the full list; 1 + i: window i
+    window = tl.load(windows + j).to(tl.int64)
+    list_before = tl.zeros([BLOCK_B], tl.int64)   # this list's entries of requests 0..b-1
+    q_before = tl.zeros([BLOCK_B], tl.int64)      # their new tokens
+    for start in range(0, b, BLOCK_B):
+        i = start + tl.arange(0, BLOCK_B)
+        m = i < b
+        s = tl.load(seq_lens + i, mask=m, other=0).to(tl.int64)
+        if DECODE:
+            e = m.to(tl.int64)
+        else:
+            e = tl.load(ext_lens + i, mask=m, other=0).to(tl.int64)
+        list_before += tl.where(m, s - _window_pos0(s - e, window), 0)
+        q_before += e
+    seq = tl.load(seq_lens + b).to(tl.int64)
+    if DECODE:
+        ext = seq * 0 + 1
+    else:
+        ext = tl.load(ext_lens + b).to(tl.int64)
+    pos0 = _window_pos0(seq - ext, window)
+    start_b = tl.sum(list_before, 0)
+    n = seq - pos0
+    tl.store(list_indptr + j * stride_indptr + b + 1, (start_b + n).to(tl.int32))
+    tl.store(list_pos0 + j * stride_pos0 + b, pos0)
+    if b == 0:
+        tl.store(list_indptr + j * stride_indptr, 0)
+    if j == 0:
+        tl.store(lens + b, seq)
+        tl.store(q_pos0 + b, seq - ext)
+        tl.store(qo_indptr + b + 1, (tl.sum(q_before, 0) + ext).to(tl.int32))
+        if b == 0:
+            tl.store(qo_indptr, 0)
+        src = req_to_token + tl.load(req_pool_indices + b).to(tl.int64) * stride_rtt
+        for off in range(0, n, BLOCK):
+            k = off + tl.arange(0, BLOCK)
+            mask = (k < n) & (k < rtt_cols) & (start_b + k < full_cap)
+            tl.store(full_indices + start_b + k, tl.load(src + k, mask=mask).to(tl.int64), mask=mask)
+
+
+def fill_lists(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+               extend_lens: Optional[torch.Tensor], windows: torch.Tensor, lens: torch.Tensor,
+               q_pos0: torch.Tensor, qo_indptr: torch.Tensor, list_indptr: torch.Tensor,
+               list_pos0: torch.Tensor, full_indices: torch.Tensor) -> None:
+    """Positions, qo_indptr, every list's indptr/pos0 and the full list's locs, in one launch.
+
+    For b < bs = len(req_pool_indices): lens[b] = seq_lens[b]; q_pos0[b] = seq_lens[b] - ext[b]
+    (ext = extend_lens, or ones when it is None: DECODE); qo_indptr[:bs+1] = [0, cumsum(ext)].
+    List j (window W_j = windows[j], 0 for the full list): list_pos0[j, b] = max(0, q_pos0[b] - W_j + 1)
+    (0 when W_j is 0), list_indptr[j, :bs+1] = [0, cumsum(seq_lens - list_pos0[j])]. The full list:
+    full_indices[list_indptr[0, b] + k] = req_to_token[req_pool_indices[b], k] for k < seq_lens[b].
+    """
+    bs, nlists = req_pool_indices.shape[0], windows.shape[0]
+    _need(req_to_token.dim() == 2 and req_to_token.stride(1) == 1, "req_to_token must be [rows, ctx], contiguous rows")
+    _need(seq_lens.shape[0] >= bs and (extend_lens is None or extend_lens.shape[0] >= bs),
+          f"seq_lens/extend_lens must hold {bs} entries")
+    _need(lens.shape[0] >= bs and q_pos0.shape[0] >= bs and qo_indptr.shape[0] >= bs + 1,
+          f"lens, q_pos0 and qo_indptr must hold {bs}, {bs} and {bs + 1} entries")
+    _need(list_indptr.dim() == 2 and list_indptr.shape[0] == nlists and list_indptr.shape[1] >= bs + 1
+          and list_pos0.dim() == 2 and list_pos0.shape[0] == nlists and list_pos0.shape[1] >= bs,
+          f"list_indptr/list_pos0 must be [{nlists}, >= {bs + 1}] / [{nlists}, >= {bs}]")
+    _need(list_indptr.stride(1) == 1 and list_pos0.stride(1) == 1, "list_indptr/list_pos0 rows must be contiguous")
+    if qo_indptr.dtype != torch.int32 or list_indptr.dtype != torch.int32 or full_indices.dtype != torch.int64:
+        raise LocError("qo_indptr and list_indptr must be int32, full_indices int64")
+    if bs == 0:
+        list_indptr[:, 0].zero_()
+        qo_indptr[:1].zero_()
+        return
+    block, block_b, warps = _launch_sizes()
+    ext = extend_lens if extend_lens is not None else seq_lens
+    _fill_lists_kernel[(bs, nlists)](
+        req_to_token, req_pool_indices, seq_lens, ext, windows, lens, q_pos0, qo_indptr, list_indptr,
+        list_pos0, full_indices, req_to_token.stride(0), req_to_token.shape[1], full_indices.shape[0],
+        list_indptr.stride(0), list_pos0.stride(0),
+        DECODE=extend_lens is None, BLOCK_B=block_b, BLOCK=block, num_warps=warps)
+
+
+@triton.jit
+def _translate_runs_kernel(mapping, req_to_token, req_pool_indices, pos0, indptr, out,
+                           stride_rtt, rtt_cols, cap, map_len, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    start = tl.load(indptr + b).to(tl.int64)
+    n = tl.load(indptr + b + 1).to(tl.int64) - start
+    first = tl.load(pos0 + b).to(tl.int64)
+    src = req_to_token + tl.load(req_pool_indices + b).to(tl.int64) * stride_rtt + first
+    for off in range(0, n, BLOCK):
+        k = off + tl.arange(0, BLOCK)
+        mask = (k < n) & (first + k < rtt_cols) & (start + k < cap)
+        full = tl.load(src + k, mask=mask, other=0).to(tl.int64)
+        full = tl.where(full < 0, full + map_len, full)
+        slot = tl.load(mapping + full, mask=mask, other=0)
+        tl.store(out + start + k, slot.to(out.dtype.element_ty), mask=mask)
+
+
+def translate_runs(mapping: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                   pos0: torch.Tensor, indptr: torch.Tensor, out: torch.Tensor) -> None:
+    """out[indptr[b] + j] = mapping[req_to_token[req_pool_indices[b], pos0[b] + j]], one launch."""
+    bs = req_pool_indices.shape[0]
+    _need(req_to_token.dim() == 2 and req_to_token.stride(1) == 1, "req_to_token must be [rows, ctx], contiguous rows")
+    _need(pos0.shape[0] >= bs and indptr.shape[0] >= bs + 1, f"pos0/indptr must hold {bs}/{bs + 1} entries")
+    _need(out.dim() == 1 and out.stride(0) == 1 and mapping.stride(0) == 1, "out and mapping must be contiguous 1-D")
+    if out.dtype != torch.int64:
+        raise LocError(f"out must be int64, got {out.dtype}")
+    if bs == 0:
+        return
+    block, _, warps = _launch_sizes()
+    _translate_runs_kernel[(bs,)](mapping, req_to_token, req_pool_indices, pos0, indptr, out,
+                                  req_to_token.stride(0), req_to_token.shape[1], out.shape[0], mapping.shape[0],
+                                  BLOCK=block, num_warps=warps)
+
+
+_INTERPRETED = not isinstance(_translate_into_kernel, triton.runtime.JITFunction)
+KERNELS = GraphRefillKernels(translate_into, translate_runs, fill_lists)
