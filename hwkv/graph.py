@@ -81,6 +81,10 @@ class GraphRunner:
         self.inputs = {k: torch.zeros((max_tokens, *shape), dtype=dt, device=dev)
                        for k, (shape, dt) in input_shapes.items()}
         self.graphs: Dict[int, _Captured] = {}
+        # a backend whose graph refill is device work only (no host update per replay), under an adapter
+        # that records device work, has the refill captured with the layers: prepare only copies inputs
+        self.metadata_in_graph = bool(getattr(backend, "metadata_in_graph", False)
+                                      and getattr(self.adapter, "records_device_work", False))
         self.eager_runs = 0
         self.replays = 0
 
@@ -103,8 +107,15 @@ class GraphRunner:
             inputs = self._static_inputs(bs)
             self.backend.init_forward_metadata_graph(batch)
             self.fn(batch, inputs)  # warm-up outside the graph (kernel compilation, autotuning)
-            graph, out = self.adapter.capture(lambda b=batch, i=inputs: self.fn(b, i))
+            if self.metadata_in_graph:  # the refill's launches are recorded too: a replay refills itself
+                graph, out = self.adapter.capture(lambda b=batch, i=inputs: self._refill_and_run(b, i))
+            else:
+                graph, out = self.adapter.capture(lambda b=batch, i=inputs: self.fn(b, i))
             self.graphs[bs] = _Captured(graph, out)
+
+    def _refill_and_run(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
+        self.backend.init_forward_metadata_graph(batch)
+        return self.fn(batch, inputs)
 
     def _pad(self, bs_pad: int, live: int) -> None:
         """Padded requests: row 0, length 1, write to the padding slot 0 (nothing to do at bucket size)."""
@@ -136,7 +147,8 @@ class GraphRunner:
         for k, v in self.inputs.items():
             v[:n].copy_(inputs[k])
         self._pad(bs_pad, bs)
-        self.backend.init_forward_metadata_graph(self._static_batch(bs_pad))
+        if not self.metadata_in_graph:
+            self.backend.init_forward_metadata_graph(self._static_batch(bs_pad))
         return PreparedStep(bs_pad, n)
 
     def replay(self, step: "PreparedStep") -> torch.Tensor:
@@ -175,6 +187,7 @@ class TorchDeviceGraphAdapter:
 
     module: str = "cuda"
     graph_class: str = "CUDAGraph"
+    records_device_work = True  # every launch inside capture replays, the metadata refill's too
 
     def __init__(self) -> None:
         mod = getattr(torch, self.module, None)

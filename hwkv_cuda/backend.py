@@ -34,6 +34,9 @@ class TritonBackend(KernelSetBackend):
 
     name = "triton"
     kernels = _kernels
+    # the graph refill is three kernel launches into static buffers and the layers' plans are fixed per
+    # bucket: GraphRunner captures the refill with the layers (no host work per replay but input copies)
+    metadata_in_graph = True
 
     def __init__(self, pool: Any, req_to_token_pool: Any, **options: Any) -> None:
         super().__init__(pool, req_to_token_pool, **options)

@@ -32,6 +32,8 @@ class ROCmOptions(BackendOptions):
 class ROCmBackend(TritonBackend):
     """TritonBackend plus AITER decode; HIP graphs through the CUDA graph adapter."""
 
+    metadata_in_graph = False  # graph refill stays before each replay (not verified inside this vendor's graphs)
+
     name = "rocm"
     Options = ROCmOptions
 

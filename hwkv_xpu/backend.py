@@ -20,4 +20,6 @@ register_page_ops("xpu", TritonPageOps())
 class XPUBackend(TritonBackend):
     """TritonBackend on torch.xpu pools; XPU graphs."""
 
+    metadata_in_graph = False  # graph refill stays before each replay (not verified inside this vendor's graphs)
+
     name = "xpu"

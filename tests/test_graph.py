@@ -50,3 +50,40 @@ def test_prepare_of_a_batch_larger_than_every_bucket_falls_back_to_eager():
     flat = h.runner.replay(step)
     assert h.runner.eager_runs == 1 and h.runner.replays == 0 and flat.shape[0] == 3
     h.complete(rids, [1, 1, 1], inputs, flat)
+
+
+def test_refill_captured_with_the_layers_when_backend_and_adapter_allow_it():
+    """A device-only refill (Triton backends under CUDA graphs) is recorded in the graph: prepare only
+    copies inputs, every replay refills itself, outputs still match the reference after the batch
+    shrinks (the write buffer's tail is zeroed by the recorded refill)."""
+    from hwkv.graph import EagerAdapter
+    from hwkv.testing.harness import run_scenario
+
+    class RecordingAdapter(EagerAdapter):  # replays the captured callable, like a device graph would
+        records_device_work = True
+
+    class DeviceOnlyRefill(ReferenceBackend):
+        metadata_in_graph = True
+        refills = 0
+
+        def init_forward_metadata_graph(self, batch):
+            DeviceOnlyRefill.refills += 1
+            return super().init_forward_metadata_graph(batch)
+
+    h = Harness(DeviceOnlyRefill, geometry=ModelGeometry(), size=512, size_swa=96, page_size=2)
+    runner = h.enable_graphs([2, 4], RecordingAdapter())
+    assert runner.metadata_in_graph
+    before = DeviceOnlyRefill.refills
+    run_scenario(h, steps=8)
+    assert runner.replays > 0
+    assert DeviceOnlyRefill.refills - before == runner.replays  # one refill per replay, inside it, none in prepare
+
+
+def test_refill_stays_before_replay_for_other_adapters():
+    from hwkv.graph import EagerAdapter
+
+    class DeviceOnlyRefill(ReferenceBackend):
+        metadata_in_graph = True
+
+    h = Harness(DeviceOnlyRefill, geometry=ModelGeometry(), size=512, size_swa=96)
+    assert not h.enable_graphs([2], EagerAdapter()).metadata_in_graph
