@@ -81,6 +81,7 @@ class GraphRunner:
         self.inputs = {k: torch.zeros((max_tokens, *shape), dtype=dt, device=dev)
                        for k, (shape, dt) in input_shapes.items()}
         self.graphs: Dict[int, _Captured] = {}
+        self.recorded_translations: Dict[int, Tuple[int, int]] = {}  # per bucket, when the refill is recorded
         # a backend whose graph refill is device work only (no host update per replay), under an adapter
         # that records device work, has the refill captured with the layers: prepare only copies inputs
         self.metadata_in_graph = bool(getattr(backend, "metadata_in_graph", False)
@@ -108,10 +109,15 @@ class GraphRunner:
             self.backend.init_forward_metadata_graph(batch)
             self.fn(batch, inputs)  # warm-up outside the graph (kernel compilation, autotuning)
             if self.metadata_in_graph:  # the refill's launches are recorded too: a replay refills itself
+                before = self._translations()
                 graph, out = self.adapter.capture(lambda b=batch, i=inputs: self._refill_and_run(b, i))
+                self.recorded_translations[bs] = tuple(a - b for a, b in zip(self._translations(), before))
             else:
                 graph, out = self.adapter.capture(lambda b=batch, i=inputs: self.fn(b, i))
             self.graphs[bs] = _Captured(graph, out)
+
+    def _translations(self) -> Tuple[int, int]:
+        return self.backend.loc_cache.translations, self.backend.window_translations
 
     def _refill_and_run(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
         self.backend.init_forward_metadata_graph(batch)
@@ -158,8 +164,13 @@ class GraphRunner:
             return self.fn(step.batch, step.inputs)
         cap = self.graphs[step.bucket]
         self.adapter.pre_replay(cap.graph)
+        before = self._translations()
         out = self.adapter.replay(cap.graph)
         self.replays += 1
+        rec = self.recorded_translations.get(step.bucket)
+        if rec is not None and self._translations() == before:  # a device graph: the refill ran in it
+            self.backend.loc_cache.translations += rec[0]     # keep the backend's counts of what ran
+            self.backend.window_translations += rec[1]
         return out[:step.num_tokens]
 
     def run(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
