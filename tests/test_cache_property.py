@@ -144,6 +144,21 @@ class CacheMachine(RuleBasedStateMachine):
         for k in snap[0]:
             assert torch.equal(snap[0][k]["refs"], after[0][k]["refs"])
 
+    @rule(which=st.integers(0, 2), cut=st.integers(1, 40))
+    def lock_match(self, which, cut):
+        """An outside holder (a scheduler reserving a prefix) locks a match; eviction must skip it."""
+        self.held = getattr(self, "held", [])
+        m = self.cache.match_prefix(PREFIXES[which][:cut])
+        self.held.append(self.cache.lock(m))
+
+    @precondition(lambda self: getattr(self, "held", None))
+    @rule(pick=st.integers(0, 9))
+    def unlock_one(self, pick):
+        lock = self.held.pop(pick % len(self.held))
+        self.cache.unlock(lock)
+        with pytest.raises(CacheError, match="already released"):
+            self.cache.unlock(lock)
+
     @precondition(lambda self: self.reqs)
     @rule(pick=st.integers(0, 9))
     def locked_node_refused(self, pick):
