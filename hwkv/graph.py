@@ -151,7 +151,9 @@ class GraphRunner:
         self.seq_lens[:bs].copy_(batch.seq_lens)
         self.out_cache_loc[:n].copy_(batch.out_cache_loc)
         for k, v in self.inputs.items():
-            v[:n].copy_(inputs[k])
+            src = inputs[k]
+            if src.data_ptr() != v.data_ptr():  # inputs produced in the static buffers need no copy
+                v[:n].copy_(src)
         self._pad(bs_pad, bs)
         if not self.metadata_in_graph:
             self.backend.init_forward_metadata_graph(self._static_batch(bs_pad))

@@ -354,7 +354,8 @@ def _decode(h: Harness, arms: Sequence[_Arm], rids: Sequence[int], w: Workload, 
             _use(h, arm)
             lens = h.step_lens(rids, ones, ForwardMode.DECODE)
             batch, t_alloc = _timed(sync, h.allocate, lens)
-            inputs = h.random_inputs(batch.num_tokens)
+            # graph arms: the inputs land in the runner's static buffers, as an engine's layers write them
+            inputs = h.random_inputs(batch.num_tokens, h.runner.inputs if h.runner is not None else None)
             calls = counter.calls
             prepared, t_meta = _timed(sync, h.init_metadata, batch, inputs)
             flat, t_fwd = _timed(sync, h.run_layers, batch, inputs, prepared)

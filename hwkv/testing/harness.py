@@ -229,8 +229,10 @@ class Harness:
         return ForwardBatch(s.mode, len(s.rids), s.rows_dev, s.seq_dev, loc, s.prefix_dev, s.ext_dev,
                             seq_lens_cpu=s.seq_cpu, extend_seq_lens_cpu=s.ext_cpu)
 
-    def random_inputs(self, n: int) -> Dict[str, torch.Tensor]:
-        """q, k, v per layer for n new tokens (in the pool's dtype, as an engine would hand them)."""
+    def random_inputs(self, n: int, into: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
+        """q, k, v per layer for n new tokens (in the pool's dtype, as an engine would hand them). With
+        `into` (a graph runner's static inputs) they are drawn in place there, as an engine's layers
+        would write them, so the runner copies nothing."""
         dt = self.dtype if self.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.bfloat16
         if self.input_gen is not None:
             def rand(*shape: int) -> torch.Tensor:
@@ -240,9 +242,18 @@ class Harness:
                 return torch.randn(*shape, generator=self.gen, device="cpu").to(self.device, dt)
         out = {}
         for l in self.layers:
-            out[f"q{l.layer_id}"] = rand(n, l.num_heads, l.head_dim)
-            out[f"k{l.layer_id}"] = rand(n, l.num_kv_heads, l.head_dim)
-            out[f"v{l.layer_id}"] = rand(n, l.num_kv_heads, l.v_head_dim)
+            for name, shape in ((f"q{l.layer_id}", (n, l.num_heads, l.head_dim)),
+                                (f"k{l.layer_id}", (n, l.num_kv_heads, l.head_dim)),
+                                (f"v{l.layer_id}", (n, l.num_kv_heads, l.v_head_dim))):
+                buf = into.get(name) if into is not None else None
+                if buf is not None and buf.shape[0] >= n and tuple(buf.shape[1:]) == shape[1:]:
+                    out[name] = buf[:n]
+                    if self.input_gen is not None:
+                        out[name].normal_(generator=self.input_gen)
+                    else:
+                        out[name].copy_(rand(*shape))
+                else:
+                    out[name] = rand(*shape)
         return out
 
     def model_step(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
