@@ -14,6 +14,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from hwkv import ops
 from hwkv.backend import BackendOptions
 from hwkv.batch import ForwardBatch
 from hwkv.layer import AttentionLayer
@@ -57,21 +58,29 @@ class ROCmBackend(TritonBackend):
 
     def init_graph_state(self, max_bs: int, max_num_tokens: int, max_context_len: Optional[int] = None) -> None:
         super().init_graph_state(max_bs, max_num_tokens, max_context_len)
-        if self.aiter is not None:  # int32 twins of the static index lists AITER reads
+        if self.aiter is not None and not self._indices_i32:
+            # int32 twins of the static index lists AITER reads: allocated once, like the core's static
+            # buffers, and shared by every runner (a graph captured earlier keeps reading them)
             st = self.static
             lists = {None: st.full_indices, **st.win_indices}
             self._indices_i32 = {w: torch.zeros(t.shape, dtype=torch.int32, device=self.device)
                                  for w, t in lists.items()}
 
     def init_kernel_metadata(self, md: ForwardMetadata, batch: ForwardBatch, graph: bool) -> None:
-        """Decode with AITER: the index lists as int32, once per forward (in place in graph mode)."""
+        """Decode with AITER: the index lists as int32, once per forward. In graph mode the full list is
+        filled straight into its int32 twin from req_to_token (live entries only, never the capacity of
+        max_bs x context); window lists, bounded by W per request, are converted in place."""
         if self.aiter is None or not md.is_decode:
             return
-        lists = {None: md.full, **md.windows}
-        if graph:
-            md.extra["aiter_indices"] = {w: self._indices_i32[w].copy_(lst.indices) for w, lst in lists.items()}
-        else:
+        if not graph:
+            lists = {None: md.full, **md.windows}
             md.extra["aiter_indices"] = {w: lst.indices.to(torch.int32) for w, lst in lists.items()}
+            return
+        full = self._indices_i32[None]
+        ops.fill_kv_indices(self.req_to_token_pool.req_to_token, batch.req_pool_indices, md.full.pos0,
+                            md.full.indptr, full)
+        wins = {w: self._indices_i32[w].copy_(lst.indices) for w, lst in md.windows.items()}
+        md.extra["aiter_indices"] = {None: full, **wins}
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
                        md: ForwardMetadata, out: torch.Tensor) -> None:

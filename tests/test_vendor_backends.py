@@ -400,3 +400,36 @@ def test_npu_on_device(page_size):
 
     h = _device_run(NPUBackend, "npu", NPUGraphAdapter, page_size)
     assert h.backend.fused_reason is None
+
+
+@needs_interpreter
+@pytest.mark.interpret
+def test_rocm_int32_lists_are_allocated_once_and_filled_live_only(fake_aiter, monkeypatch):
+    """A second runner must not reallocate the int32 lists a captured decode graph reads, and a refill
+    writes the live entries of the full list only (never max_bs x context of copy per replay)."""
+    from hwkv import ops
+    from hwkv_cuda import kernels
+
+    filled = []
+
+    def fill(rtt, rows, pos0, indptr, out):  # the device kernel (interpreted here): writes live entries only
+        filled.append(out)
+        kernels.fill_kv_indices(rtt, rows, pos0, indptr, out)
+
+    monkeypatch.setattr(ops, "fill_kv_indices", fill)
+    h = Harness(ROCmBackend, "cpu", AITER_GEOMETRY, size=256, size_swa=48, page_size=2, dtype=torch.float16)
+    h.enable_graphs([1, 2], EagerAdapter())
+    ptrs = {w: t.data_ptr() for w, t in h.backend._indices_i32.items()}
+    h.enable_graphs([1], EagerAdapter(), mode=ForwardMode.TARGET_VERIFY, tokens_per_req=2)
+    assert {w: t.data_ptr() for w, t in h.backend._indices_i32.items()} == ptrs, "int32 lists reallocated"
+    full = h.backend._indices_i32[None]
+    full.fill_(-7)
+    rids = [h.add_request() for _ in range(2)]
+    h.forward(rids, [3, 5], ForwardMode.EXTEND)
+    h.enable_graphs([2], EagerAdapter())
+    full.fill_(-7)
+    h.forward(rids, [1, 1], ForwardMode.DECODE)
+    live = int(h.backend.static.full_indptr[2])
+    assert filled and filled[-1] is full
+    assert torch.equal(full[:live].long(), h.backend.static.full_indices[:live])
+    assert (full[live:] == -7).all(), "the refill wrote past the live entries"
