@@ -1,0 +1,114 @@
+"""A graph adapter for CPU tests that catches what a real device graph would get wrong silently.
+
+A captured graph replays kernels on the exact memory it saw at capture. A backend that moves its
+metadata (reallocates a static buffer, builds a fresh list per replay) still works when the step's
+Python re-runs, as under `EagerAdapter`, but a real graph then reads stale or freed memory.
+`CaptureCheckingAdapter` re-runs the step like `EagerAdapter` and records the storages every torch op
+and every Triton launch reads that the step did not create itself; a replay that reads a storage
+the capture did not see raises `StaleCaptureError`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, Set, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hwkv.errors import HwkvError
+
+
+class StaleCaptureError(HwkvError, AssertionError):
+    """A replay read memory its capture did not: a real device graph would read stale buffers."""
+
+
+def _storages(values: Iterable[Any]) -> Iterable[Tuple[int, torch.Tensor]]:
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.device.type != "meta" and v.untyped_storage().nbytes():
+            yield v.untyped_storage().data_ptr(), v
+        elif isinstance(v, (list, tuple)):
+            yield from _storages(v)
+
+
+class _Recorder(TorchDispatchMode):
+    """Storages read by ops (and Triton launches) that were not created during the recording."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.created: Set[int] = set()
+        self.read: Dict[int, str] = {}
+
+    def note_reads(self, what: str, args: Iterable[Any]) -> None:
+        for ptr, t in _storages(args):
+            if ptr not in self.created:
+                self.read.setdefault(ptr, f"{what} {tuple(t.shape)} {t.dtype}")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default):
+            for ptr, _ in _storages(args):  # torch.tensor(...) inside the step: a constant made there
+                self.created.add(ptr)
+        self.note_reads(str(func), list(args) + list(kwargs.values()))
+        out = func(*args, **kwargs)
+        outs = out if isinstance(out, (list, tuple)) else [out]
+        for ptr, _ in _storages(outs):
+            if not any(ptr == p for p, _ in _storages(list(args) + list(kwargs.values()))):
+                self.created.add(ptr)  # a fresh result (a view of an input keeps the input's storage)
+        return out
+
+
+def _triton_classes() -> list:
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return []
+    classes = [JITFunction]
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        classes.append(InterpretedFunction)
+    except ImportError:
+        pass
+    return classes
+
+
+def _recorded(fn: Callable[[], torch.Tensor]) -> Tuple[torch.Tensor, Dict[int, str]]:
+    """Run fn once, returning its output and the external storages it read (torch ops + Triton launches)."""
+    rec = _Recorder()
+    patched = []
+    for cls in _triton_classes():
+        original = cls.run
+
+        def run(self, *args, __orig=original, **kwargs):  # noqa: ANN001
+            rec.note_reads(f"triton {getattr(self, '__name__', 'kernel')}", list(args) + list(kwargs.values()))
+            return __orig(self, *args, **kwargs)
+
+        cls.run = run
+        patched.append((cls, original))
+    try:
+        with rec:
+            out = fn()
+    finally:
+        for cls, original in patched:
+            cls.run = original
+    return out, rec.read
+
+
+class CaptureCheckingAdapter:
+    """EagerAdapter plus a check that every replay reads only the storages its capture read."""
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> Tuple[Any, torch.Tensor]:
+        out, reads = _recorded(fn)
+        return (fn, reads), out
+
+    def replay(self, graph: Any) -> torch.Tensor:
+        fn, captured = graph
+        out, reads = _recorded(fn)
+        stale = {p: what for p, what in reads.items() if p not in captured}
+        if stale:
+            first = next(iter(stale.values()))
+            raise StaleCaptureError(f"a replay read {len(stale)} buffer(s) its capture did not (first: {first}); "
+                                    "a device graph would read the memory it captured: metadata must stay in "
+                                    "the static buffers allocated by init_graph_state")
+        return out
+
+    def pre_replay(self, graph: Any) -> None:
+        return None
