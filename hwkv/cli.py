@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from hwkv import devices
+from hwkv import __version__, devices
 from hwkv._amx import cpu_features
 from hwkv.env import HWKV_DEVICE
 from hwkv.errors import DeviceError
@@ -196,6 +196,7 @@ COMMANDS: dict[str, Command] = {
 def build_parser() -> argparse.ArgumentParser:
     """The `hwkv` parser: one subparser per entry of COMMANDS."""
     parser = argparse.ArgumentParser(prog="hwkv", description="hardware-portable hybrid KV cache")
+    parser.add_argument("--version", action="version", version=f"hwkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, command in COMMANDS.items():
         command.add_arguments(sub.add_parser(name, help=command.help, description=command.help))

@@ -86,13 +86,36 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _ints(flag: str, text: str) -> Tuple[int, ...]:
+    """`text` as comma-separated integers (duplicates dropped); an empty item such as `1,,4` is an error."""
+    items = [x.strip() for x in text.split(",")]
+    if not any(items):
+        raise ConfigError(f"{flag} is empty")
+    if "" in items:
+        raise ConfigError(f"{flag} has an empty item in {text!r}; give comma-separated integers like 1,4,16")
     try:
-        values = tuple(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))
+        return tuple(dict.fromkeys(int(x) for x in items))
     except ValueError:
         raise ConfigError(f"{flag} takes comma-separated integers, got {text!r}") from None
-    if not values:
-        raise ConfigError(f"{flag} is empty")
-    return values
+
+
+def _check_plot_path(path: Optional[str]) -> None:
+    """Fail before the run when the --plot PNG cannot be written: create it and remove it again (an existing
+    file is only opened for appending, so it stays as it is)."""
+    if path is None:
+        return
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("--plot needs matplotlib: pip install hwkv[bench]")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "ab" if existed else "xb"):
+            pass
+        if not existed:
+            os.remove(path)
+    except OSError as e:
+        raise ConfigError(f"--plot cannot write {path!r}: {e.strerror or e}") from None
 
 
 def _shape(args: argparse.Namespace) -> ModelShape:
@@ -170,6 +193,7 @@ def _run(args: argparse.Namespace) -> BenchResult:
 
     from hwkv.bench.run import run_benchmark
 
+    _check_plot_path(args.plot)
     if args.threads is not None:
         if args.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {args.threads}")

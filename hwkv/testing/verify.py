@@ -2,14 +2,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
+import sys
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 
+from hwkv.errors import DeviceError
 from hwkv.testing import ContractTarget, available_targets
 
+EXIT_USAGE = 2  # an unknown or unavailable device, or -k matching no check; the message goes to stderr
+NO_TESTS_COLLECTED = int(pytest.ExitCode.NO_TESTS_COLLECTED)
 CONTRACT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "contract.py")
 
 
@@ -44,8 +50,15 @@ def run_contract(targets: List[ContractTarget], select: Optional[str] = None,
         args += ["--tb=no"]
     if select:
         args += ["-k", select]
-    code = pytest.main(args, plugins=[plugin])
-    return int(code), plugin.results
+    if verbose:
+        return int(pytest.main(args, plugins=[plugin])), plugin.results
+    # quiet: pytest's progress line would sit above our table, so its output is kept aside and shown
+    # (on stderr) only when pytest itself failed: a usage error, a collection error, an internal error
+    with contextlib.redirect_stdout(io.StringIO()) as captured:
+        code = int(pytest.main(args, plugins=[plugin]))
+    if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.NO_TESTS_COLLECTED):
+        sys.stderr.write(captured.getvalue())
+    return code, plugin.results
 
 
 def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,23 +67,46 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="show pytest's own output")
 
 
-def run_verify(args: argparse.Namespace) -> int:
-    """Print one row per contract test: PASS / FAIL / SKIP; exit 0 only when nothing failed."""
+def _device_name(name: Optional[str]) -> str:
+    """The device to verify: `name` when known and available (else a DeviceError saying why), or the detected one."""
     from hwkv import devices
 
-    name = args.device or devices.current_device().name
+    if name is None:
+        return devices.current_device().name
+    specs = devices.discover()
+    spec = specs.get(name)
+    if spec is None:
+        raise DeviceError(f"unknown device {name!r}; known devices: {', '.join(sorted(specs))}")
+    reason = spec.unavailable_reason()
+    if reason is not None:
+        raise DeviceError(f"device {name!r} is unavailable: {reason}")
+    return name
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    """Print one row per contract test: PASS / FAIL / SKIP; exit 0 only when nothing failed, 2 on a bad argument."""
+    try:
+        name = _device_name(args.device)
+    except DeviceError as e:
+        print(f"hwkv verify: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     targets = available_targets(only=name)
     if not targets:
-        print(f"hwkv verify: device {name!r} is not available here")
-        return 2
+        print(f"hwkv verify: error: device {name!r} is not available here", file=sys.stderr)
+        return EXIT_USAGE
     code, results = run_contract(targets, args.select, args.verbose)
+    if not results:  # nothing ran: -k matched no check, or collection failed
+        if code == NO_TESTS_COLLECTED and args.select:
+            print(f"hwkv verify: error: no contract check matched -k {args.select!r}", file=sys.stderr)
+            return EXIT_USAGE
+        print(f"hwkv verify: error: no contract check ran (pytest exit code {code})",
+              file=sys.stderr)
+        return EXIT_USAGE if code == pytest.ExitCode.USAGE_ERROR else 1
     rows = [(test, outcome.upper().replace("PASSED", "PASS").replace("FAILED", "FAIL").replace("SKIPPED", "SKIP"), msg)
             for test, (outcome, msg) in results.items()]
     _print_table(name, rows)
     failed = sum(r[1] == "FAIL" for r in rows)
     print(f"{len(rows) - failed}/{len(rows)} contract checks passed on {name}")
-    if code == 5 or not rows:  # nothing collected
-        return 1
     return 0 if failed == 0 and code == 0 else 1
 
 

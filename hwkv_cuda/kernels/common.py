@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from hwkv.checks import check_shape, scale_value
-from hwkv.errors import ShapeError
+from hwkv.errors import DeviceError, ShapeError
 from hwkv.ops import FP8_DTYPES
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -40,6 +40,11 @@ def num_sms(device: torch.device) -> int:
         return 2
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
+    if device.type == "musa":  # torch.musa is registered by torch_musa, which only the MUSA user imports
+        musa = getattr(torch, "musa", None)
+        if musa is None:
+            raise DeviceError("a 'musa' tensor but torch.musa is not registered: import torch_musa first")
+        return int(musa.get_device_properties(device).multi_processor_count)
     if device.type == "xpu":  # an Xe-core (subslice) is the SM's counterpart
         props = torch.xpu.get_device_properties(device)
         return int(getattr(props, "gpu_subslice_count", 0) or props.max_compute_units)
