@@ -91,7 +91,6 @@ class HybridPrefixCache:
         self.root.lock_full = 1  # never evicted
         self._clock = itertools.count(1)
         self._full_heap: List[Tuple[int, int, _Node]] = []  # (t_full, tie, node): leaves, lazily invalidated
-        self._swa_heap: List[Tuple[int, int, _Node]] = []   # (t_swa, tie, node): SWA holders, lazily invalidated
         self._tie = itertools.count()
         self.full_tokens = 0       # tokens whose full pages the cache references
         self.swa_tokens = 0        # ... whose SWA pages it references
@@ -144,7 +143,6 @@ class HybridPrefixCache:
         up.children[tuple(node.key[:self.page_size].tolist())] = node
         if up.swa and node.lock_swa and not up.lock_swa:  # no lock's window reaches the upper part
             self.evictable_swa += k
-        self._push_swa(up)
         self._nodes_count += 1
         return up
 
@@ -171,7 +169,6 @@ class HybridPrefixCache:
             nd.t_full = t
             if nd.end > s0 and nd.swa:
                 nd.t_swa = t
-                self._push_swa(nd)
             if not nd.children:
                 self._push_full(nd)
             nd = nd.parent
@@ -241,7 +238,6 @@ class HybridPrefixCache:
                     del node.swa_locks[lock.swa_start]
                 if node.swa and node.lock_swa == 0:
                     self.evictable_swa += len(node.key)
-                    self._push_swa(node)
             node = node.parent
 
     # ---- insert -------------------------------------------------------------------------------
@@ -283,7 +279,6 @@ class HybridPrefixCache:
                 if swa:
                     self.swa_tokens += hi - lo
                     self.evictable_swa += hi - lo
-                    self._push_swa(child)
                 parent = child
         self._push_full(parent)
         return n - m
@@ -327,21 +322,15 @@ class HybridPrefixCache:
 
     # ---- eviction -----------------------------------------------------------------------------
     def _push_full(self, node: _Node) -> None:
-        if node is not self.root and not node.children and node.lock_full == 0:
-            self._push(self._full_heap, node.t_full, node)
-
-    def _push_swa(self, node: _Node) -> None:
-        if node is not self.root and node.swa and node.lock_swa == 0:
-            self._push(self._swa_heap, node.t_swa, node)
-
-    def _push(self, heap: List[Tuple[int, int, _Node]], t: int, node: _Node) -> None:
-        """Lazy LRU: stale entries are skipped when popped; rebuilt when they outnumber the nodes."""
-        heapq.heappush(heap, (t, next(self._tie), node))
+        """Lazy LRU of evictable leaves: stale entries are skipped when popped; the heap is rebuilt from
+        the tree when they outnumber the nodes. (The SWA order is derived from the tree at eviction.)"""
+        if node is self.root or node.children or node.lock_full:
+            return
+        heap = self._full_heap
+        heapq.heappush(heap, (node.t_full, next(self._tie), node))
         if len(heap) > 4 * self._nodes_count + 64:
-            full = heap is self._full_heap
-            keep = [nd for nd in self._nodes() if ((not nd.children and nd.lock_full == 0) if full
-                                                    else (nd.swa and nd.lock_swa == 0))]
-            heap[:] = [(nd.t_full if full else nd.t_swa, next(self._tie), nd) for nd in keep]
+            heap[:] = [(nd.t_full, next(self._tie), nd) for nd in self._nodes()
+                       if not nd.children and nd.lock_full == 0]
             heapq.heapify(heap)
 
     def evict(self, num_tokens: int) -> int:
@@ -471,13 +460,13 @@ class HybridPrefixCache:
 
     # ---- integrity ----------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Rebuild counts and both LRU orders from the tree and compare; check keys, locks and that every
+        """Rebuild counts and the full LRU from the tree and compare (the SWA order is derived from the tree
+        at eviction); check keys, locks and that every
         cached page is live on the device (and mapped where the node holds SWA)."""
         p = self.page_size
         full = swa = ev_full = ev_swa = 0
         full_locs, swa_locs = [], []
         in_full = {(id(e[2]), e[0]) for e in self._full_heap}
-        in_swa = {(id(e[2]), e[0]) for e in self._swa_heap}
         for nd in self._nodes():
             n = len(nd.key)
             assert n and n % p == 0 and nd.locs.numel() == n, f"node [{nd.start}, {nd.end}) is not whole pages"
@@ -494,8 +483,6 @@ class HybridPrefixCache:
                 swa_locs.append(nd.locs)
             if not nd.children and nd.lock_full == 0:
                 assert (id(nd), nd.t_full) in in_full, "an evictable leaf left the LRU"
-            if nd.swa and nd.lock_swa == 0:
-                assert (id(nd), nd.t_swa) in in_swa, "an SWA node left the SWA LRU"
         assert len(list(self._nodes())) == self._nodes_count, "node count"
         assert (full, swa, ev_full, ev_swa) == (self.full_tokens, self.swa_tokens, self.evictable_full,
                                                 self.evictable_swa), \
