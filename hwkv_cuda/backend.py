@@ -52,16 +52,27 @@ class TritonBackend(KernelSetBackend):
             plans = md.extra[_PLANS] = {}
         return plans
 
+    def _plan(self, md: ForwardMetadata, decode: bool, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
+              k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor) -> Any:
+        """The launch plan of this forward for a list and head geometry (checked once, then reused)."""
+        plans = self._plans(md)
+        key = (decode, kv.window, q.shape[1], q.shape[2], k_buf.shape[1], v_buf.shape[2])
+        plan = plans.get(key)
+        if plan is None:
+            if decode:
+                plan = _kernels.plan_decode(
+                    q, k_buf, v_buf, kv.indptr, kv.indices, kv.pos0, md.q_pos0, out, layer.sinks, kv.max_len,
+                    workspace=self._graph_workspace(q, k_buf, v_buf, kv) if md.graph else None)
+            else:
+                plan = _kernels.plan_extend(q, k_buf, v_buf, kv.indptr, kv.indices, kv.pos0, md.qo_indptr,
+                                            md.q_pos0, out, md.max_q_len, layer.sinks)
+            plans[key] = plan
+        return plan
+
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
                        md: ForwardMetadata, out: torch.Tensor) -> None:
         k_buf, v_buf = self.kv_buffers(layer)
-        plans = self._plans(md)
-        key = (True, kv.window, q.shape[1], q.shape[2], k_buf.shape[1], v_buf.shape[2])
-        plan = plans.get(key)
-        if plan is None:
-            plan = plans[key] = _kernels.plan_decode(
-                q, k_buf, v_buf, kv.indptr, kv.indices, kv.pos0, md.q_pos0, out, layer.sinks, kv.max_len,
-                workspace=self._graph_workspace(q, k_buf, v_buf, kv) if md.graph else None)
+        plan = self._plan(md, True, q, layer, kv, k_buf, v_buf, out)
         _kernels.decode_attention_planned(plan, q, k_buf, v_buf, kv.indptr, kv.indices, kv.pos0, md.q_pos0, out,
                                           layer.scaling, layer.window, layer.logit_cap, layer.sinks,
                                           layer.k_scale, layer.v_scale)
@@ -69,12 +80,7 @@ class TritonBackend(KernelSetBackend):
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
                        md: ForwardMetadata, out: torch.Tensor) -> None:
         k_buf, v_buf = self.kv_buffers(layer)
-        plans = self._plans(md)
-        key = (False, kv.window, q.shape[1], q.shape[2], k_buf.shape[1], v_buf.shape[2])
-        plan = plans.get(key)
-        if plan is None:
-            plan = plans[key] = _kernels.plan_extend(q, k_buf, v_buf, kv.indptr, kv.indices, kv.pos0, md.qo_indptr,
-                                                     md.q_pos0, out, md.max_q_len, layer.sinks)
+        plan = self._plan(md, False, q, layer, kv, k_buf, v_buf, out)
         _kernels.extend_attention_planned(plan, q, k_buf, v_buf, kv.indptr, kv.indices, kv.pos0, md.qo_indptr,
                                           md.q_pos0, out, md.max_q_len, layer.scaling, layer.window,
                                           layer.logit_cap, layer.sinks, layer.k_scale, layer.v_scale)

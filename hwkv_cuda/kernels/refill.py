@@ -10,8 +10,9 @@ small ops for that; these kernels take one launch each for:
 - `translate_runs`: one window list gathered from `req_to_token` and translated through
   `full_to_swa_index_mapping` in the same pass (it never exists in full-pool locs).
 
-They are registered through `hwkv.ops.register_graph_refill`; the pool and the backend's base
-class call them and count the translations (`SWAKVPool.translate_loc_from_full_to_swa`).
+They are kernels only: registered through `hwkv.ops.register_graph_refill`, launched by the core
+(the pool's `translate_loc_from_full_to_swa` and the backend template's refill), which decides what
+is translated, when, and counts it; this package never calls them on its own.
 Entries of a list's buffer past its `indptr[bs]` are left as they were: no kernel reads them.
 Nothing is read back to the host. A mapping read with a negative loc reads from the end, as
 torch indexing does (`mapping[-1] == -1`).
