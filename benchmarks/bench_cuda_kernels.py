@@ -8,7 +8,12 @@ Measures, each as the median over repeats of a CUDA graph replay:
   * decode attention, one layer (H=64, KVH=8, D=64, bf16, sinks), batch {1,16,64,256} x
     context {4K, 32K}, against copy bandwidth (bytes = K + V read), and SWA decode over a
     128-key window list at batch 1 and 256,
-  * torch SDPA (enable_gqa) over the same K/V gathered dense, in the same run.
+  * torch SDPA (enable_gqa) over the same K/V gathered dense, in the same run,
+  * prefill/extend (same layer shape, page 16, pages at random places): 1 x 8192 causal,
+    4 x 2048 new tokens over a 2048-token prefix, 8 x 1024, one 2048-token chunk over a 30K
+    prefix, each full and W=128, beside torch SDPA's flash and cuDNN backends over dense K/V
+    (causal_lower_right for prefixes, an explicit boolean mask for windows; "n/a" where a
+    backend refuses); TFLOP/s counts visible (query, key) pairs only.
 Each request's slots are one contiguous run at a random place in the pool. Small cases
 rotate over several disjoint KV sets inside one graph so that the L2 cache does not serve them.
 Prints a Markdown table last and writes every number as JSON to --out.
@@ -28,7 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hwkv_cuda.kernels import (DecodeConfig, StoreConfig, decode_attention,  # noqa: E402
+from hwkv_cuda.kernels import (DecodeConfig, ExtendConfig, StoreConfig, decode_attention,  # noqa: E402
                                decode_num_splits, extend_attention, make_decode_workspace, store_kv)
 from hwkv_cuda.kernels import decode as decode_mod  # noqa: E402
 
@@ -193,6 +198,146 @@ def bench_decode(copy_bw, sweep):
     return rows
 
 
+# ----------------------------------------------------------------------------- prefill / extend
+PREFILL_CASES = [  # (requests, new tokens each, prefix each)
+    (1, 8192, 0), (4, 2048, 2048), (8, 1024, 0), (1, 2048, 30720)]
+
+
+class ExtendSetup:
+    """`bs` requests of `new` tokens over `prefix` cached ones, K/V in page-16 pages at random places."""
+
+    def __init__(self, bs, new, prefix, window=None, h=H, kvh=KVH, d=D, page=16):
+        seq = prefix + new
+        self.bs, self.new, self.prefix, self.window, self.h, self.kvh, self.d = bs, new, prefix, window, h, kvh, d
+        pages_per = -(-seq // page)
+        n_pages = bs * pages_per + 1
+        self.k_buf = torch.randn(n_pages * page, kvh, d, device=DEV).to(DT)
+        self.v_buf = torch.randn(n_pages * page, kvh, d, device=DEV).to(DT)
+        order = (torch.randperm(n_pages - 1, device=DEV) + 1).view(bs, pages_per)
+        slots = (order[:, :, None] * page + torch.arange(page, device=DEV)).reshape(bs, -1)[:, :seq]
+        self.pos0 = max(0, prefix - window + 1) if window else 0        # the SWA list starts at the window
+        self.indices = slots[:, self.pos0:].reshape(-1).contiguous()
+        i32, i64 = dict(dtype=torch.int32, device=DEV), dict(dtype=torch.int64, device=DEV)
+        self.kv_indptr = torch.arange(bs + 1, **i32) * (seq - self.pos0)
+        self.qo_indptr = torch.arange(bs + 1, **i32) * new
+        self.kv_pos0 = torch.full((bs,), self.pos0, **i64)
+        self.q_pos0 = torch.full((bs,), prefix, **i64)
+        self.q = torch.randn(bs * new, h, d, device=DEV).to(DT)
+        self.out = torch.empty_like(self.q)
+        self.sinks = torch.randn(h, device=DEV)
+        self.slots = slots
+        qp = torch.arange(prefix, seq, device=DEV)
+        kp = torch.arange(seq, device=DEV)
+        vis = kp[None, :] <= qp[:, None]
+        if window:
+            vis &= kp[None, :] > qp[:, None] - window
+        self.pairs = bs * int(vis.sum())
+        self.mask = vis
+        # bytes a perfect kernel moves: q and out once, every visible key's K and V once
+        keys = seq - self.pos0
+        self.bytes = 2 * bs * new * h * d * 2 + bs * keys * kvh * 2 * d * 2
+
+    def tflops(self, us):
+        return 4 * self.pairs * self.h * self.d / (us * 1e-6) / 1e12
+
+    def run(self, cfg=None):
+        extend_attention(self.q, self.k_buf, self.v_buf, self.kv_indptr, self.indices, self.kv_pos0,
+                         self.qo_indptr, self.q_pos0, self.out, self.new, self.d ** -0.5, self.window, 0.0,
+                         None, None, None, config=cfg)
+
+    def time(self, cfg=None):
+        return graph_us([lambda: self.run(cfg)], reps=20)
+
+    def sdpa(self, backend):
+        """Same attention (no sinks) by torch SDPA over dense K/V; us, or 'n/a (why)'."""
+        seq = self.prefix + self.new
+        q4 = self.q.view(self.bs, self.new, self.h, self.d).transpose(1, 2)
+        k4 = self.k_buf[self.slots].transpose(1, 2).contiguous()          # [bs, KVH, seq, D]
+        v4 = self.v_buf[self.slots].transpose(1, 2).contiguous()
+        kw = dict(scale=self.d ** -0.5)
+        if self.window:
+            kw["attn_mask"] = self.mask
+        elif self.prefix:
+            from torch.nn.attention.bias import causal_lower_right
+            kw["attn_mask"] = causal_lower_right(self.new, seq)
+        else:
+            kw["is_causal"] = True
+        last = None
+        for gqa in (True, False):   # some backends refuse enable_gqa: give them K/V per q head
+            k, v = (k4, v4) if gqa else (k4.repeat_interleave(self.h // self.kvh, 1),
+                                         v4.repeat_interleave(self.h // self.kvh, 1))
+            try:
+                def f(k=k, v=v, gqa=gqa):
+                    with sdpa_kernel([backend]):
+                        F.scaled_dot_product_attention(q4, k, v, enable_gqa=gqa, **kw)
+                return graph_us([f], reps=20)
+            except Exception as e:  # noqa: BLE001 - reported in the table
+                last = f"n/a ({type(e).__name__})"
+        return last
+
+    def check(self):
+        """Relative error of one kernel run against fp32 attention of request 0 (rows sampled)."""
+        self.out.fill_(float("nan"))
+        self.run()
+        rows = torch.linspace(0, self.new - 1, min(self.new, 64), device=DEV).long()
+        seq = self.prefix + self.new
+        ref = dense_ref(self.q[rows], self.k_buf[self.slots[0]], self.v_buf[self.slots[0]], self.prefix + rows,
+                        torch.arange(seq, device=DEV), self.d ** -0.5, self.window, None)
+        return rel_err(self.out[rows], ref)
+
+
+EXTEND_SWEEP = [ExtendConfig(bm, bn, w, st) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8)
+                for st in (2, 3, 4)]
+
+
+def bench_extend(copy_bw, sweep):
+    rows = []
+    for bs, new, prefix in PREFILL_CASES:
+        for window in (None, 128):
+            s = ExtendSetup(bs, new, prefix, window)
+            us = s.time()
+            row = dict(batch=bs, new=new, prefix=prefix, window=window, us=us, tflops=s.tflops(us),
+                       frac_copy_bw=s.bytes / (us * 1e-6) / copy_bw, rel_err=s.check())
+            for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                t = s.sdpa(backend)
+                row[f"sdpa_{name}_us"] = t
+                row[f"sdpa_{name}_tflops"] = s.tflops(t) if isinstance(t, float) else None
+            if sweep and (bs, new, prefix) in ((1, 8192, 0), (4, 2048, 2048)):
+                res = []
+                for cfg in EXTEND_SWEEP:
+                    try:
+                        res.append((s.time(cfg), repr(cfg)))
+                    except Exception as e:  # noqa: BLE001 - out of shared memory etc.
+                        res.append((float("inf"), f"{cfg!r}: {type(e).__name__}"))
+                res.sort()
+                row.update(best_us=res[0][0], best_config=res[0][1], sweep=res[:8])
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "sweep"}), flush=True)
+            del s
+            torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_extend_head_dims():
+    """Config sweep for the other recorded head dims (Llama-like 32 q / 8 kv heads), causal 1 x 8192 and W=128."""
+    out = {}
+    for d in (128, 256):
+        for window in (None, 128):
+            s = ExtendSetup(1, 8192, 0, window, h=32, kvh=8, d=d)
+            res = []
+            for cfg in EXTEND_SWEEP:
+                try:
+                    res.append((s.time(cfg), repr(cfg)))
+                except Exception as e:  # noqa: BLE001
+                    res.append((float("inf"), f"{cfg!r}: {type(e).__name__}"))
+            res.sort()
+            out[f"d={d} W={window}"] = dict(default_us=s.time(), tflops_best=s.tflops(res[0][0]), best=res[:5])
+            print(json.dumps({f"d={d} W={window}": out[f"d={d} W={window}"]}), flush=True)
+            del s
+            torch.cuda.empty_cache()
+    return out
+
+
 # ----------------------------------------------------------------------------- checks
 def dense_ref(q, k, v, q_pos, k_pos, scaling, window, sinks, cap=0.0):
     """fp32 attention of one request on the GPU: q [T,H,D], k/v [N,KVH,*] at positions."""
@@ -274,6 +419,20 @@ def fmt(x, spec):
     return format(x, spec) if isinstance(x, (int, float)) else str(x)
 
 
+def extend_table(rows):
+    lines = ["| prefill/extend (H=64 KVH=8 D=64 bf16, page 16) | us (graph) | TFLOP/s | frac of copy BW "
+             "| SDPA flash us (TFLOP/s) | SDPA cuDNN us (TFLOP/s) | best us (sweep) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        name = (f"{r['batch']} x {r['new']}" + (f" over {r['prefix']}" if r["prefix"] else "")
+                + (f" W={r['window']}" if r["window"] else " causal"))
+        sd = [f"{fmt(r[f'sdpa_{n}_us'], '.1f')}" + (f" ({r[f'sdpa_{n}_tflops']:.0f})" if r[f"sdpa_{n}_tflops"] else "")
+              for n in ("flash", "cudnn")]
+        lines.append(f"| {name} | {r['us']:.1f} | {r['tflops']:.0f} | {r['frac_copy_bw']:.3f} | {sd[0]} | {sd[1]} "
+                     f"| {fmt(r.get('best_us', '-'), '.1f')} |")
+    return "\n".join(lines)
+
+
 def table(copy_bw, store, decode):
     lines = [f"copy bandwidth (4 GiB D2D, read+write): {copy_bw / 1e12:.3f} TB/s", "",
              "| store_kv, 36 layers | us (graph) | % of copy BW | best us (sweep) |", "| --- | --- | --- | --- |"]
@@ -295,6 +454,10 @@ def main():
     ap.add_argument("--out", default="bench_cuda_kernels.json")
     ap.add_argument("--sweep", action="store_true", help="also time a grid of launch configs")
     ap.add_argument("--no-check", action="store_true", help="skip the large-shape correctness checks")
+    ap.add_argument("--only", choices=["all", "extend", "decode"], default="all",
+                    help="run only the prefill/extend or only the store+decode sections")
+    ap.add_argument("--sweep-head-dims", action="store_true",
+                    help="also sweep extend configs for head dims 128 and 256 (the recorded table)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_cuda_kernels needs a CUDA GPU")
@@ -306,10 +469,18 @@ def main():
         result["checks"] = run_checks()
     copy_bw = copy_bandwidth()
     result["copy_bw_bytes_per_s"] = copy_bw
-    result["store"] = bench_store(copy_bw, args.sweep)
-    result["decode"] = bench_decode(copy_bw, args.sweep)
+    if args.only in ("all", "extend"):
+        result["extend"] = bench_extend(copy_bw, args.sweep)
+        if args.sweep_head_dims:
+            result["extend_head_dims"] = sweep_extend_head_dims()
+    if args.only in ("all", "decode"):
+        result["store"] = bench_store(copy_bw, args.sweep)
+        result["decode"] = bench_decode(copy_bw, args.sweep)
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(table(copy_bw, result["store"], result["decode"]))
+    if "extend" in result:
+        print(extend_table(result["extend"]))
+    if "decode" in result:
+        print(table(copy_bw, result["store"], result["decode"]))
 
 
 if __name__ == "__main__":

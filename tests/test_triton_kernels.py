@@ -32,7 +32,7 @@ class Case:
     """A batch whose K/V live at random, non-contiguous slots of a pool larger than needed."""
 
     def __init__(self, seq_lens, extend_lens, h=4, kvh=2, d=16, dv=None, dtype=torch.float32,
-                 window=None, window_list=True, seed=0):
+                 window=None, window_list=True, seed=0, page=1):
         g = torch.Generator().manual_seed(seed)
         dv = dv or d
         self.seq_lens, self.extend_lens, self.window = list(seq_lens), list(extend_lens), window
@@ -43,6 +43,17 @@ class Case:
         self.v_buf = torch.randn(size, kvh, dv, generator=g).to(dtype).to(DEV)
         perm = torch.randperm(size - 1, generator=g)[:total] + 1   # slot 0 stays padding
         self.slots = list(torch.split(perm, list(seq_lens)))
+        if page > 1:   # whole pages: request r's token j at page_r[j // page] * page + j % page
+            pages = torch.randperm((size - 1) // page, generator=g) + 1
+            size = (int(pages.max()) + 1) * page
+            self.k_buf = torch.randn(size, kvh, d, generator=g).to(dtype).to(DEV)
+            self.v_buf = torch.randn(size, kvh, dv, generator=g).to(dtype).to(DEV)
+            at = 0
+            self.slots = []
+            for n in seq_lens:
+                own = pages[at:at + -(-n // page)]
+                at += len(own)
+                self.slots.append((own[:, None] * page + torch.arange(page)).reshape(-1)[:n])
         self.keys = [self.k_buf.float().cpu()[s] for s in self.slots]
         self.values = [self.v_buf.float().cpu()[s] for s in self.slots]
         self.q_pos0 = [s - e for s, e in zip(seq_lens, extend_lens)]
@@ -184,6 +195,64 @@ def test_decode_and_extend_agree_on_last_token(window):
     d.q = c.q[last.to(DEV)]
     dec = d.decode(logit_cap=3.0, sinks=sinks, splits=2)
     assert torch.allclose(dec.float(), ext[last.to(DEV)].float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_extend_mixed_batch_decode_rows_beside_prefill(window):
+    """ForwardMode.MIXED: one-token rows next to a long chunk share the launch (and its tile size)."""
+    c = Case([50, 7, 33, 1, 64], [40, 1, 1, 1, 64], h=4, kvh=2, window=window, seed=30)
+    sinks = _sinks(4)
+    _close(c.extend(sinks=sinks), c.ref(sinks=sinks), torch.float32)
+
+
+@pytest.mark.parametrize("h,kvh", [(6, 2), (32, 1), (4, 4)])
+def test_extend_group_sizes(h, kvh):
+    """Packed GQA rows: a group that is not a power of two (padded rows), a group wider than the
+    tile (one token per program), and no grouping."""
+    c = Case([45, 19], [30, 19], h=h, kvh=kvh, window=11, seed=31)
+    _close(c.extend(logit_cap=4.0), c.ref(4.0), torch.float32)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_extend_long_runs_take_unmasked_tiles(page):
+    """Runs long enough for window-edge, unmasked and diagonal tiles in one program, with the
+    window edge falling inside a tile, over page-structured and scattered slots."""
+    for window in (None, 21, 40):
+        c = Case([130, 97], [90, 97], window=window, seed=32 + (window or 0), page=page)
+        _close(c.extend(), c.ref(), torch.float32)
+
+
+def test_extend_window_edge_hand_computed():
+    """W=3, one request, queries at positions 4..6 over keys 0..6 whose values are their positions:
+    query p averages keys p-2..p exactly (q = 0 gives equal weights)."""
+    n = 7
+    k_buf = torch.zeros(n + 1, 1, 16, device=DEV)
+    v_buf = torch.zeros(n + 1, 1, 16, device=DEV)
+    v_buf[1:, 0, :] = torch.arange(n, dtype=torch.float32, device=DEV)[:, None]
+    q = torch.zeros(3, 2, 16, device=DEV)
+    out = torch.full((3, 2, 16), float("nan"), device=DEV)
+    i32 = dict(dtype=torch.int32, device=DEV)
+    i64 = dict(dtype=torch.int64, device=DEV)
+    extend_attention(q, k_buf, v_buf, torch.tensor([0, n], **i32), torch.arange(1, n + 1, **i64),
+                     torch.tensor([0], **i64), torch.tensor([0, 3], **i32), torch.tensor([4], **i64), out, 3,
+                     0.25, 3)
+    want = torch.tensor([3.0, 4.0, 5.0], device=DEV)   # mean of (2,3,4), (3,4,5), (4,5,6)
+    assert torch.allclose(out[:, :, 0], want[:, None].expand(3, 2), atol=1e-6)
+
+
+def test_extend_reads_fp8_with_scales():
+    if not FP8:
+        pytest.skip("this torch has no float8 dtypes")
+    c = Case([40, 21], [25, 21], window=13, seed=33)
+    kb = (c.k_buf.float() / 0.25).to(FP8[0])
+    vb = (c.v_buf.float() / 0.5).to(FP8[0])
+    c.keys = [kb.float().cpu()[s] * 0.25 for s in c.slots]
+    c.values = [vb.float().cpu()[s] * 0.5 for s in c.slots]
+    out = torch.empty(c.q.shape[0], c.h, c.dv, device=DEV)
+    extend_attention(c.q, kb, vb, c.kv_indptr, c.kv_indices, c.kv_pos0, c.qo_indptr,
+                     torch.tensor(c.q_pos0, dtype=torch.int64, device=DEV), out, 25, c.scaling, c.window,
+                     0.0, None, 0.25, 0.5)
+    _close(out, c.ref(), torch.float32)
 
 
 # --------------------------------------------------------------------------- store

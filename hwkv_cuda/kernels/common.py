@@ -96,10 +96,9 @@ def soft_cap(s, cap):
 @triton.jit
 def logits_log2(qk, qk_scale, cap, HAS_CAP: tl.constexpr):
     """Raw q.k -> logits in log2 units: scale, optional soft-cap, times log2(e)."""
-    s = qk * qk_scale
     if HAS_CAP:
-        s = soft_cap(s, cap)
-    return s * LOG2E
+        return soft_cap(qk * qk_scale, cap) * LOG2E
+    return qk * (qk_scale * LOG2E)   # one multiply per logit; the scalar product is folded once
 
 
 @triton.jit

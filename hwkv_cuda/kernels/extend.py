@@ -1,9 +1,15 @@
 """extend_attention: flash attention of a batch of query runs over paged keys (prefix + new).
 
-Every key, prefix and new alike, is already in the pool. Grid (request, query block, q
-head); a program loops only over the key tiles some query of its block can see: from the
-window start of the block's first query to the causal end of its last query. Inside that
-range each element is masked by absolute positions (kp <= qp and kp > qp - W).
+Every key, prefix and new alike, is already in the pool. Grid (kv head, token block, request):
+a program takes BLOCK_T consecutive query tokens times the GROUP q heads that share one kv
+head as one [BLOCK_M = BLOCK_T * GP, D] tile (GP: GROUP rounded up to a power of two), so each
+key tile is loaded once for the whole GQA group, and a decode row inside a mixed batch fills
+GROUP rows of a small tile rather than one row of a 128-row tile. The program walks only the
+key tiles some of its queries can see (window start of the first token to the causal end of
+the last), in three loops: masked tiles at the window edge, unmasked tiles every row sees in
+full (no mask arithmetic at all), masked tiles across the causal diagonal. Window prefill thus
+costs about N x (W + BLOCK_T) keys, not N x N. Token blocks run from the last (the heaviest
+under the causal mask) to the first, so the long programs start first.
 """
 from __future__ import annotations
 
@@ -21,18 +27,84 @@ from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, check_dims, chec
 
 @dataclass(frozen=True)
 class ExtendConfig:
-    block_m: int = 64   # queries per program
-    block_n: int = 64   # keys per loop iteration
+    """Launch parameters of the extend kernel. block_m: query rows per program (tokens x packed
+    q heads; fewer when no request has that many tokens); block_n: keys per loop iteration."""
+
+    block_m: int = 128
+    block_n: int = 64
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
 
 
-def default_config(head_dim: int) -> ExtendConfig:
+# Keyed by (head dim rounded up to a power of two, fp32 queries). Recorded here rather than
+# autotuned at run time, so every run (CI, graphs, the interpreter) launches the same config and
+# no first call pays a search. PROVISIONAL: these are the usual FlashAttention-2 Triton starting
+# points, not yet swept on a GPU (no device was lent to the sessions that wrote the tiled kernel);
+# `benchmarks/bench_cuda_kernels.py --only extend --sweep --sweep-head-dims` on the H200 picks the
+# values to record here.
+TUNED: Dict[Tuple[int, bool], ExtendConfig] = {
+    (64, False): ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
+    (128, False): ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    (256, False): ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
+}
+INTERPRET_CONFIG = ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+
+
+def default_config(head_dim: int, fp32: bool = False) -> ExtendConfig:
+    """The recorded config for this head dim and query dtype (tiny blocks under the interpreter)."""
     if interpreting():
-        return ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
-    if pow2(head_dim) > 128:
-        return ExtendConfig(block_m=32, block_n=32, num_warps=4, num_stages=2)
-    return ExtendConfig()
+        return INTERPRET_CONFIG
+    d = pow2(head_dim)
+    cfg = TUNED[(min(max(d, 64), 256), False)]
+    if fp32:   # fp32 tiles take twice the registers and shared memory of bf16 ones
+        cfg = ExtendConfig(block_m=max(16, cfg.block_m // 2), block_n=max(16, cfg.block_n // 2),
+                           num_warps=cfg.num_warps, num_stages=min(cfg.num_stages, 2))
+    return cfg
+
+
+def tile_rows(config: ExtendConfig, group: int, max_q_len: int) -> Tuple[int, int]:
+    """(BLOCK_T tokens, GP packed heads) of one program: GP = group rounded up to a power of two;
+    BLOCK_T fills config.block_m rows but never exceeds the longest query run, and the tile keeps
+    at least 16 rows (tl.dot's minimum)."""
+    gp = triton.next_power_of_2(max(1, group))
+    block_t = max(1, min(config.block_m // gp, triton.next_power_of_2(max(1, int(max_q_len)))))
+    return max(block_t, 16 // min(gp, 16)), gp
+
+
+@triton.jit
+def _extend_tile(qt, k_buf, v_buf, kv_indices, kv_start, start, hi, q_rel, m, l_sum, acc, kvh,
+                 s_kb, s_kh, s_vb, s_vh, qk_scale, cap, window, offs_d, offs_dv,
+                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 BLOCK_N: tl.constexpr, HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 MASKED: tl.constexpr, F32: tl.constexpr):
+    """Fold key tile [start, start + BLOCK_N) into (m, l_sum, acc); MASKED: apply the list end, the
+    causal bound and the window per element (otherwise every row sees every key of the tile)."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < hi
+    if MASKED:
+        slot = tl.load(kv_indices + kv_start + offs_n, mask=mask_n, other=0)
+    else:
+        slot = tl.load(kv_indices + kv_start + offs_n)
+    k_ptr = k_buf + slot[:, None] * s_kb + kvh * s_kh + offs_d[None, :]
+    v_ptr = v_buf + slot[:, None] * s_vb + kvh * s_vh + offs_dv[None, :]
+    if MASKED:
+        kt = tl.load(k_ptr, mask=mask_n[:, None] & (offs_d[None, :] < D), other=0.0)
+    elif BLOCK_D == D:
+        kt = tl.load(k_ptr)
+    else:
+        kt = tl.load(k_ptr, mask=offs_d[None, :] < D, other=0.0)
+    s = logits_log2(dot(qt, tl.trans(kt.to(qt.dtype)), F32), qk_scale, cap, HAS_CAP)
+    if MASKED:
+        vis = mask_n[None, :] & (offs_n[None, :] <= q_rel[:, None])
+        if HAS_WINDOW:
+            vis = vis & (offs_n[None, :] > q_rel[:, None] - window)
+        s = tl.where(vis, s, float("-inf"))
+        vt = tl.load(v_ptr, mask=mask_n[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    elif BLOCK_DV == DV:
+        vt = tl.load(v_ptr)
+    else:
+        vt = tl.load(v_ptr, mask=offs_dv[None, :] < DV, other=0.0)
+    return online_softmax_step(m, l_sum, acc, s, vt.to(qt.dtype), F32)
 
 
 @triton.jit
@@ -40,60 +112,64 @@ def _extend_kernel(
         q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, sinks, out,
         qk_scale, v_scale, cap, window,
         s_qt, s_qh, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh,
-        GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, F32: tl.constexpr):
-    b = tl.program_id(0)
-    first = tl.program_id(1) * BLOCK_M            # first query row of this block, request-relative
-    h = tl.program_id(2)
-    kvh = h // GROUP
+        GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, F32: tl.constexpr):
+    BLOCK_M: tl.constexpr = BLOCK_T * GP
+    kvh = tl.program_id(0)
+    first = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_T   # heaviest (last) token blocks first
+    b = tl.program_id(2)
     q_start = tl.load(qo_indptr + b).to(tl.int64)
     q_len = tl.load(qo_indptr + b + 1).to(tl.int64) - q_start
     kv_start = tl.load(kv_indptr + b).to(tl.int64)
     kv_len = tl.load(kv_indptr + b + 1).to(tl.int64) - kv_start
     rel0 = tl.load(q_pos0 + b).to(tl.int64) - tl.load(kv_pos0 + b).to(tl.int64)  # q_pos0 - pos0
-    last = tl.minimum(q_len, first + BLOCK_M) - 1  # last valid query row (< first: empty block)
-    # Key list entries some query of the block may see: [lo, hi).
-    hi = tl.minimum(kv_len, rel0 + last + 1)
+    last = tl.minimum(q_len, first + BLOCK_T) - 1   # last valid token of the block (< first: empty)
+    # List entries some query of the block may see, [lo, hi), and those all of them see, [full_lo, full_hi).
     lo = tl.zeros_like(rel0)
-    if window > 0:
+    full_lo = lo
+    if HAS_WINDOW:
         lo = tl.maximum(lo, rel0 + first - window + 1)
+        full_lo = tl.maximum(lo, rel0 + last - window + 1)
+    hi = tl.minimum(kv_len, rel0 + last + 1)
     hi = tl.where(last < first, lo, tl.maximum(hi, lo))
+    full_hi = tl.minimum(kv_len, rel0 + first + 1)
+    a_end = tl.minimum(lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N) * BLOCK_N, hi)
+    b_end = a_end + tl.maximum((full_hi - a_end) // BLOCK_N, 0) * BLOCK_N
 
-    offs_m = first + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < q_len
-    q_rel = rel0 + offs_m                          # query positions, relative to pos0
+    offs_r = tl.arange(0, BLOCK_M)
+    tok = first + offs_r // GP
+    g = offs_r % GP
+    head = kvh * GROUP + g
+    mask_r = (tok < q_len) & (g < GROUP)
+    q_rel = rel0 + tok                              # query positions, relative to pos0
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    mask_d = offs_d < D
-    mask_dv = offs_dv < DV
-    qt = tl.load(q + (q_start + offs_m)[:, None] * s_qt + h * s_qh + offs_d[None, :],
-                 mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    qt = tl.load(q + (q_start + tok)[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :],
+                 mask=mask_r[:, None] & (offs_d[None, :] < D), other=0.0)
 
     m = tl.full([BLOCK_M], NEG_BIG, tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < hi
-        slot = tl.load(kv_indices + kv_start + offs_n, mask=mask_n, other=0)
-        kt = tl.load(k_buf + slot[:, None] * s_kb + kvh * s_kh + offs_d[None, :],
-                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        s = logits_log2(dot(qt, tl.trans(kt.to(qt.dtype)), F32), qk_scale, cap, HAS_CAP)
-        vis = mask_n[None, :] & (offs_n[None, :] <= q_rel[:, None])
-        if window > 0:
-            vis = vis & (offs_n[None, :] > q_rel[:, None] - window)
-        s = tl.where(vis, s, float("-inf"))
-        vt = tl.load(v_buf + slot[:, None] * s_vb + kvh * s_vh + offs_dv[None, :],
-                     mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(qt.dtype)
-        m, l_sum, acc = online_softmax_step(m, l_sum, acc, s, vt, F32)
+    for start in range(lo, a_end, BLOCK_N):          # window edge
+        m, l_sum, acc = _extend_tile(qt, k_buf, v_buf, kv_indices, kv_start, start, hi, q_rel, m, l_sum, acc, kvh,
+                                     s_kb, s_kh, s_vb, s_vh, qk_scale, cap, window, offs_d, offs_dv, D, DV,
+                                     BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, HAS_WINDOW, True, F32)
+    for start in range(a_end, b_end, BLOCK_N):       # seen by every row: no masks
+        m, l_sum, acc = _extend_tile(qt, k_buf, v_buf, kv_indices, kv_start, start, hi, q_rel, m, l_sum, acc, kvh,
+                                     s_kb, s_kh, s_vb, s_vh, qk_scale, cap, window, offs_d, offs_dv, D, DV,
+                                     BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, HAS_WINDOW, False, F32)
+    for start in range(b_end, hi, BLOCK_N):          # causal diagonal
+        m, l_sum, acc = _extend_tile(qt, k_buf, v_buf, kv_indices, kv_start, start, hi, q_rel, m, l_sum, acc, kvh,
+                                     s_kb, s_kh, s_vb, s_vh, qk_scale, cap, window, offs_d, offs_dv, D, DV,
+                                     BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, HAS_WINDOW, True, F32)
 
     if HAS_SINKS:
-        sink = tl.load(sinks + h).to(tl.float32) * LOG2E
-        m_fin, l_sum, acc = fold_sink(m, l_sum, acc, sink)
+        sink = tl.load(sinks + head, mask=mask_r, other=0.0).to(tl.float32) * LOG2E
+        m, l_sum, acc = fold_sink(m, l_sum, acc, sink)
     o = acc * v_scale / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-    tl.store(out + (q_start + offs_m)[:, None] * s_ot + h * s_oh + offs_dv[None, :],
-             o.to(out.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])
+    tl.store(out + (q_start + tok)[:, None] * s_ot + head[:, None] * s_oh + offs_dv[None, :],
+             o.to(out.dtype.element_ty), mask=mask_r[:, None] & (offs_dv[None, :] < DV))
 
 
 def _check_extend(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, sinks):
@@ -137,10 +213,11 @@ class ExtendPlan(NamedTuple):
 def _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config) -> ExtendPlan:
     t, h, d = q.shape
     bs, kvh, dv = kv_pos0.shape[0], k_buf.shape[1], v_buf.shape[2]
-    cfg = config or default_config(d)
+    cfg = config or default_config(d, q.dtype == torch.float32)
+    block_t, gp = tile_rows(cfg, h // kvh, max_q_len)
     empty = t == 0 or bs == 0 or max_q_len <= 0
-    grid = (0, 0, 0) if empty else (bs, triton.cdiv(int(max_q_len), cfg.block_m), h)
-    consts = dict(GROUP=h // kvh, D=d, DV=dv, BLOCK_M=cfg.block_m, BLOCK_D=pow2(d), BLOCK_DV=pow2(dv),
+    grid = (0, 0, 0) if empty else (kvh, triton.cdiv(int(max_q_len), block_t), bs)
+    consts = dict(GROUP=h // kvh, GP=gp, D=d, DV=dv, BLOCK_T=block_t, BLOCK_D=pow2(d), BLOCK_DV=pow2(dv),
                   BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return ExtendPlan(tuple(q.shape), tuple(k_buf.shape), tuple(v_buf.shape), k_buf.stride(), v_buf.stride(),
                       tuple(out.shape), q.device, grid, cfg, consts, interpreting())
@@ -151,14 +228,15 @@ def _run(plan: ExtendPlan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_i
     if plan.grid[0] == 0:
         return
     cap = float(logit_cap or 0.0)
+    window = int(window or 0)
     _extend_kernel[plan.grid](
         q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0,
         sinks if sinks is not None else q, out,
-        float(scaling) * as_scale(k_scale), as_scale(v_scale), cap, int(window or 0),
+        float(scaling) * as_scale(k_scale), as_scale(v_scale), cap, window,
         q.stride(0), q.stride(1), plan.k_stride[0], plan.k_stride[1], plan.v_stride[0],
         plan.v_stride[1], out.stride(0), out.stride(1),
-        HAS_CAP=cap > 0, HAS_SINKS=sinks is not None, F32=q.dtype == torch.float32 or plan.interpreted,
-        **plan.consts)
+        HAS_CAP=cap > 0, HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None,
+        F32=q.dtype == torch.float32 or plan.interpreted, **plan.consts)
 
 
 def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
