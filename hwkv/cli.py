@@ -37,6 +37,9 @@ class Command:
 def add_info_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `hwkv info`."""
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument("--device", metavar="NAME", default=None,
+                        help="show which path each layer kind takes on this device instead of the detected one "
+                             "(answers from the plugin's rules, so the device need not be present)")
 
 
 def _hwkv_version() -> str:
@@ -46,8 +49,25 @@ def _hwkv_version() -> str:
         return "source tree (not installed)"
 
 
-def info_data() -> dict[str, Any]:
-    """Everything `hwkv info` shows, as JSON-able data; `error` is the DeviceError text or None."""
+def layer_paths_data(specs: dict[str, devices.DeviceSpec], name: Optional[str]) -> Optional[dict[str, Any]]:
+    """The device's answer for every layer kind (hwkv.paths.PathTable as data); None without a device.
+    A device whose plugin reports no table answers with empty rows and says so."""
+    if name is None:
+        return None
+    spec = specs.get(name)
+    if spec is None:
+        raise DeviceError(f"--device {name!r} names no known device (known: {', '.join(sorted(specs))})")
+    fn = spec.load_layer_paths()
+    if fn is None:
+        return {"device": name, "geometry": "", "rows": [],
+                "assumptions": [f"the {name} plugin reports no per-kind table (DeviceSpec.layer_paths is empty): "
+                                f"every layer runs {spec.backend}"]}
+    return fn().as_dict()
+
+
+def info_data(paths_device: Optional[str] = None) -> dict[str, Any]:
+    """Everything `hwkv info` shows, as JSON-able data; `error` is the DeviceError text or None.
+    `paths_device`: whose layer-path table to show (default: the detected device's)."""
     import torch
 
     forced = HWKV_DEVICE.get().strip() or None
@@ -77,6 +97,7 @@ def info_data() -> dict[str, Any]:
         "cpu": {"amx": cpu.amx, "amx_reason": cpu.reason, "amx_flags": list(cpu.amx_flags),
                 "capability": cpu.capability, "sgl_kernel": cpu.sgl_kernel,
                 "attention_path": path, "attention_path_reason": why},
+        "layer_paths": layer_paths_data(specs, paths_device or device),
         "torch": str(torch.__version__),
         "hwkv": _hwkv_version(),
         "python": platform.python_version(),
@@ -109,7 +130,21 @@ def _cpu_rows(data: dict[str, Any]) -> list[list[str]]:
     ]
 
 
+def _path_rows(data: dict[str, Any]) -> list[list[str]]:
+    paths = data.get("layer_paths") or {"rows": []}
+    return [[r["layer"], r["mode"], r["feature"], r["path"], r["op"], r["why"]] for r in paths["rows"]]
+
+
+def _path_notes(data: dict[str, Any]) -> list[str]:
+    paths = data.get("layer_paths")
+    if not paths:
+        return []
+    head = f"layer paths on {paths['device']}" + (f" ({paths['geometry']})" if paths["geometry"] else "")
+    return [head] + [f"  assumes: {a}" for a in paths["assumptions"]]
+
+
 DEVICE_HEADER = ["device", "priority", "available / why not", "backend", "graph adapter"]
+PATH_HEADER = ["layer", "mode", "feature", "path", "op", "why"]
 
 
 def _plain_table(header: list[str], rows: list[list[str]]) -> str:
@@ -126,6 +161,12 @@ def print_info_plain(data: dict[str, Any]) -> None:
     print(_plain_table(DEVICE_HEADER, _device_rows(data)))
     print()
     print(_plain_table(["CPU", ""], _cpu_rows(data)))
+    notes = _path_notes(data)
+    if notes:
+        print()
+        print("\n".join(notes))
+        if _path_rows(data):
+            print(_plain_table(PATH_HEADER, _path_rows(data)))
 
 
 def print_info_rich(data: dict[str, Any]) -> None:
@@ -151,6 +192,19 @@ def print_info_rich(data: dict[str, Any]) -> None:
     for row in _cpu_rows(data):
         cpu.add_row(*row)
     console.print(cpu)
+    notes = _path_notes(data)
+    if notes and not _path_rows(data):
+        for line in notes:
+            console.print(line, highlight=False)
+    elif notes:
+        paths = Table(title=notes[0])
+        for i, col in enumerate(PATH_HEADER):
+            paths.add_column(col, no_wrap=i < 4, overflow="fold", ratio=1 if col == "why" else None)
+        for row in _path_rows(data):
+            paths.add_row(*row, style="green" if row[3] == "fused vendor op" else None)
+        console.print(paths)
+        for line in notes[1:]:
+            console.print(line, highlight=False)
 
 
 def _use_rich() -> bool:
@@ -159,7 +213,7 @@ def _use_rich() -> bool:
 
 def run_info(args: argparse.Namespace) -> int:
     """Print the detected device, every known device, the CPU path; exit 2 when detection fails."""
-    data = info_data()
+    data = info_data(args.device)
     if args.json:
         print(json.dumps(data, indent=2))
     elif _use_rich():
@@ -184,7 +238,8 @@ from hwkv.bench.plan_cli import add_plan_arguments, run_plan  # noqa: E402
 from hwkv.testing.verify import add_verify_arguments, run_verify  # noqa: E402
 
 COMMANDS: dict[str, Command] = {
-    "info": Command("show the detected device, every known device and the CPU attention path",
+    "info": Command("show the detected device, every known device, the CPU attention path and which path "
+                    "each layer kind takes",
                     add_info_arguments, run_info),
     "verify": Command("run the contract suite on the current device and print a pass/fail table",
                       add_verify_arguments, run_verify),

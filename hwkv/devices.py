@@ -62,6 +62,9 @@ class DeviceSpec:
     graph_adapter: str
     torch_device: str
     description: str
+    # optional "module:function" returning a hwkv.paths.PathTable: which path each layer kind takes here
+    # (imported only by `hwkv info`; empty: the device reports none)
+    layer_paths: str = ""
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
@@ -71,9 +74,10 @@ class DeviceSpec:
         if not callable(self.probe):
             raise ConfigError(f"DeviceSpec {self.name!r}: probe must be callable, got {self.probe!r}")
         for field, value, optional in (("backend", self.backend, False),
-                                       ("graph_adapter", self.graph_adapter, True)):
+                                       ("graph_adapter", self.graph_adapter, True),
+                                       ("layer_paths", self.layer_paths, True)):
             if not (optional and value == "") and value.count(":") != 1:
-                raise ConfigError(f"DeviceSpec {self.name!r}: {field} must be 'module:Class'"
+                raise ConfigError(f"DeviceSpec {self.name!r}: {field} must be 'module:attr'"
                                   f"{' or empty' if optional else ''}, got {value!r}")
 
     def unavailable_reason(self) -> Optional[str]:
@@ -91,6 +95,12 @@ class DeviceSpec:
     def load_backend_class(self) -> type:
         """Import the backend class; a failure is a `DeviceError` naming the import string."""
         return import_string(self.backend, f"backend of device {self.name!r}")
+
+    def load_layer_paths(self) -> Optional[Callable[[], Any]]:
+        """The function answering which path each layer kind takes (None when the device reports none)."""
+        if not self.layer_paths:
+            return None
+        return import_string(self.layer_paths, f"layer paths of device {self.name!r}")
 
     def load_graph_adapter(self) -> Optional[type]:
         """Import the graph adapter class, or None when the device has none."""

@@ -78,6 +78,11 @@ class GraphRunner:
         self.out_cache_loc = torch.zeros(max_tokens, **i64)
         self.extend_seq_lens = torch.full((max_bs,), tokens_per_req, **i64)
         self.extend_prefix_lens = torch.zeros(max_bs, **i64)
+        # host copies of the padded batch's lengths, handed on when the engine's batch has them (backends
+        # whose vendor op takes host length lists read them in the metadata step: no device read)
+        self.seq_lens_cpu = torch.full((max_bs,), tokens_per_req, dtype=torch.int64)
+        self.extend_seq_lens_cpu = torch.full((max_bs,), tokens_per_req, dtype=torch.int64)
+        self._host_lens = True
         self.inputs = {k: torch.zeros((max_tokens, *shape), dtype=dt, device=dev)
                        for k, (shape, dt) in input_shapes.items()}
         self.graphs: Dict[int, _Captured] = {}
@@ -93,8 +98,11 @@ class GraphRunner:
         n = bs * self.tpr
         extend = None if self.mode == ForwardMode.DECODE else self.extend_seq_lens[:bs]
         prefix = None if self.mode == ForwardMode.DECODE else self.extend_prefix_lens[:bs]
+        host = self._host_lens
         return ForwardBatch(self.mode, bs, self.req_pool_indices[:bs], self.seq_lens[:bs],
-                            self.out_cache_loc[:n], prefix, extend)
+                            self.out_cache_loc[:n], prefix, extend,
+                            seq_lens_cpu=self.seq_lens_cpu[:bs] if host else None,
+                            extend_seq_lens_cpu=self.extend_seq_lens_cpu[:bs] if host else None)
 
     def _static_inputs(self, bs: int) -> Dict[str, torch.Tensor]:
         n = bs * self.tpr
@@ -129,6 +137,7 @@ class GraphRunner:
             return
         self.req_pool_indices[live:bs_pad].zero_()
         self.seq_lens[live:bs_pad].fill_(self.tpr)
+        self.seq_lens_cpu[live:bs_pad].fill_(self.tpr)
         self.out_cache_loc[live * self.tpr:bs_pad * self.tpr].zero_()
         for v in self.inputs.values():
             v[live * self.tpr:bs_pad * self.tpr].zero_()
@@ -149,6 +158,9 @@ class GraphRunner:
         bs_pad = self.buckets[i]
         self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
         self.seq_lens[:bs].copy_(batch.seq_lens)
+        self._host_lens = batch.seq_lens_cpu is not None
+        if self._host_lens:
+            self.seq_lens_cpu[:bs].copy_(batch.seq_lens_cpu)
         self.out_cache_loc[:n].copy_(batch.out_cache_loc)
         for k, v in self.inputs.items():
             src = inputs[k]

@@ -15,7 +15,10 @@ _STORE_PRECHECKED: Dict[str, Callable[..., None]] = {}
 _FILL: Dict[str, Callable[..., None]] = {}
 _REFILL: Dict[str, "GraphRefillKernels"] = {}
 
-FP8_DTYPES = tuple(d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d)
+# OCP e4m3fn / e5m2, and e4m3fnuz: the fp8 that MI300 (gfx942) computes in, so ROCm pools feeding AITER's fp8
+# kernels there must hold it (ROCm/aiter aiter/utility/dtypes.py: gfx942 -> float8_e4m3fnuz, gfx950 -> e4m3fn)
+FP8_DTYPES = tuple(d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None),
+                               getattr(torch, "float8_e4m3fnuz", None)) if d)
 
 
 def register_store_kv(device_type: str, fn: Callable[..., None],

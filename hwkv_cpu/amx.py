@@ -11,6 +11,8 @@
 - sgl-kernel installed: its CPU decode/extend ops run the bf16/fp16 batches they can run
   exactly (no sinks, no v_scale, every listed key visible, i.e. no window mask); everything
   else takes the torch path.
+- IPEX installed (for this torch): the backend hands the layers its paged-attention ops run exactly
+  to them before any of the above (`hwkv_cpu.ipex`); `active_path` names it first.
 
 The CPU probe is `hwkv._amx.cpu_features` (shared with `hwkv info`); nothing here parses
 /proc/cpuinfo itself, and sgl_kernel is imported only on first use of its ops.
@@ -153,8 +155,15 @@ def active_path() -> tuple[str, str]:
     torch_path = f"torch matmul: fp32 pools in fp32, bf16/fp8 pools in {bf16}"
     ops, why_not = sgl_ops()
     if ops is not None:
-        return ("sgl-kernel CPU ops",
-                "sgl_kernel installed: bf16/fp16 batches without sinks, K/V scales or window masks use "
-                f"decode_attention_cpu/extend_attention_cpu; the rest: {torch_path}")
-    return ("torch matmul (AMX bf16)" if f.amx else "torch matmul (fp32 upcast)", f"{why_not}; {torch_path}")
+        name, why = ("sgl-kernel CPU ops",
+                     "sgl_kernel installed: bf16/fp16 batches without sinks, K/V scales or window masks use "
+                     f"decode_attention_cpu/extend_attention_cpu; the rest: {torch_path}")
+    else:
+        name, why = ("torch matmul (AMX bf16)" if f.amx else "torch matmul (fp32 upcast)", f"{why_not}; {torch_path}")
+    from hwkv_cpu import ipex  # imports IPEX only when it is installed for this torch
+
+    in_use, ipex_why = ipex.status()
+    if in_use:
+        return "IPEX paged attention", f"{ipex_why}; the other layers: {name} ({why})"
+    return name, f"{why}; IPEX: {ipex_why}"
 

@@ -25,5 +25,6 @@ DEVICE = DeviceSpec(
     backend="hwkv_cuda.backend:TritonBackend",
     graph_adapter="hwkv_cuda.graph:CUDAGraphAdapter",
     torch_device="cuda",
+    layer_paths="hwkv_cuda.paths:cuda_layer_paths",
     description="NVIDIA GPU: Triton kernels, CUDA graphs",
 )

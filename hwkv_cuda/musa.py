@@ -28,5 +28,6 @@ DEVICE = DeviceSpec(
     backend="hwkv_cuda.backend:TritonBackend",
     graph_adapter="hwkv_cuda.graph:MUSAGraphAdapter",
     torch_device="musa",
+    layer_paths="hwkv_cuda.paths:musa_layer_paths",
     description="Moore Threads GPU (torch_musa): Triton kernels, MUSA graphs",
 )

@@ -22,5 +22,6 @@ DEVICE = DeviceSpec(
     backend="hwkv_npu.backend:NPUBackend",
     graph_adapter="hwkv_npu.graph:NPUGraphAdapter",
     torch_device="npu",
+    layer_paths="hwkv_npu.paths:layer_paths",
     description="Ascend NPU (torch_npu): fused infer attention, NPU graphs",
 )

@@ -1,21 +1,19 @@
 """NPUBackend: the core template on Ascend NPUs through torch_npu, with a device-agnostic torch fallback.
 
-Per layer (see `hwkv_npu.ops` for the verified vendor APIs):
-- decode: `npu_fused_infer_attention_score` with page attention when it supports the layer
-  (fp16/bf16 pool, no sinks, no soft-cap, no K/V scale, equal K/V head dims, page size a multiple
-  of 16), otherwise `hwkv_npu.ops.torch_attention`;
-- extend: the fused op for full-attention layers when the page size is a multiple of 128 in
-  [128, 512]; windowed layers and everything else use `torch_attention`.
-The fused op takes host length lists, so it runs in eager forwards only: graph replays use
-`torch_attention` (static shapes, no host sync). K/V stores go through ATB reshape-and-cache,
-registered for device type "npu". Nothing here translates locations: the page tables are read
-off the index lists the core built (already SWA slots for SWA layers).
+Each layer asks `hwkv_npu.fia.decide` (the function `hwkv info` prints) whether the fused infer attention
+computes it exactly: decode over page tables (windows trimmed by the index list plus a head mask),
+extend with sparse_mode 3 (full) or the band sparse_mode 4 (SWA), sink layers through v2's
+learnable_sink; in graph replays too, through task groups updated before each replay
+(hwkv_npu.graph). Soft-cap, fp32/fp8 pools, K/V scales and page sizes the op refuses run
+`hwkv_npu.ops.torch_attention`, layer by layer. K/V stores go through ATB reshape-and-cache, registered
+for device type "npu". Nothing here translates locations: the page tables are read off the index lists
+the core built (already SWA slots for SWA layers), once per forward.
 """
 from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -23,10 +21,15 @@ from hwkv import ops
 from hwkv.backend import AttentionBackend, BackendOptions
 from hwkv.batch import ForwardBatch
 from hwkv.layer import AttentionLayer
-from hwkv.metadata import ForwardMetadata, KVIndexList
+from hwkv.metadata import ForwardMetadata, KVIndexList, block_table_from_csr, window_pos0
+from hwkv.paths import FUSED
+from hwkv_npu import fia
 from hwkv_npu import ops as npu_ops
+from hwkv_npu.graph import record_task
 
 ops.register_store_kv("npu", npu_ops.store_kv)
+
+_PLANS, _ROWS = "npu_fia", "npu_rows"
 
 
 @dataclass(frozen=True)
@@ -36,8 +39,18 @@ class NPUOptions(BackendOptions):
     fused: bool = True
 
 
+@dataclass
+class _GraphList:
+    """One index list's persistent graph plan and its static buffers (allocated once)."""
+
+    plan: fia.FIAPlan
+    table: torch.Tensor            # int32 [max_bs, max_pages]
+    mask: Optional[torch.Tensor]   # bool [max_bs, 1, 1, max_pages * P] (window lists)
+    cols: torch.Tensor             # int64 [max_pages * P]: key index within the list's pages
+
+
 class NPUBackend(AttentionBackend):
-    """Fused infer attention (eager) or torch attention over the paged pool; NPU graphs."""
+    """Fused infer attention (eager and graphs) or torch attention over the paged pool; NPU graphs."""
 
     name = "npu"
     Options = NPUOptions
@@ -45,89 +58,142 @@ class NPUBackend(AttentionBackend):
     def __init__(self, pool: Any, req_to_token_pool: Any, **options: Any) -> None:
         super().__init__(pool, req_to_token_pool, **options)
         self.page_size = int(pool.page_size)
-        self.fused_reason: Optional[str] = self._fused_reason()  # None: the fused op is in use
-        self._causal_mask: Optional[torch.Tensor] = None
+        self.npu: Any = None
+        self.env: fia.NPUEnv = self._load_env()
+        self.fused_reason: Optional[str] = None if self.env.fused else self.env.fused_why
+        self._mask2048: Optional[torch.Tensor] = None
+        self._graph_lists: Dict[Optional[int], _GraphList] = {}
+        self._scratch: Dict[Tuple[Any, ...], torch.Tensor] = {}
 
-    def _fused_reason(self) -> Optional[str]:
+    def _load_env(self) -> fia.NPUEnv:
         if not self.options.fused:
-            return "disabled by fused=False"
-        if self.device.type != "npu":
-            return f"the pool lives on {self.device}, not on an NPU"
-        if importlib.util.find_spec("torch_npu") is None:
-            return "torch_npu is not installed"
-        npu_ops._torch_npu()
-        return npu_ops.fia_schema_reason()
+            return fia.NPUEnv(False, "disabled by fused=False")
+        why = device_reason(self.device)
+        if why is not None:
+            return fia.NPUEnv(False, why)
+        if not _torch_npu_installed():
+            return fia.NPUEnv(False, "torch_npu is not installed")
+        self.npu = fia.import_torch_npu()
+        return fia.load_env(self.npu)
 
-    # ---- metadata: page tables and host lengths, once per eager forward -----------------------
-    def init_kernel_metadata(self, md: ForwardMetadata, batch: ForwardBatch, graph: bool) -> None:
-        if graph or self.fused_reason is not None or md.batch_size == 0:
+    # ---- graph buffers: allocated once, shared by every runner ---------------------------------------
+    def init_graph_state(self, max_bs: int, max_num_tokens: int, max_context_len: Optional[int] = None) -> None:
+        super().init_graph_state(max_bs, max_num_tokens, max_context_len)
+        if self._graph_lists or not (self.env.fused and self.env.graph):
             return
-        p = self.page_size
-        seq, ext = md.seq_lens_cpu, md.extend_lens_cpu  # the base class's host copies: no second sync
-        plans: Dict[Optional[int], npu_ops.FIAPlan] = {}
-        if md.is_decode and p % 16 == 0:
-            plans[None] = self._plan(md.full, torch.zeros_like(seq), seq, decode=True)
-            for w, lst in md.windows.items():
-                plans[w] = self._plan(lst, (seq - ext - (w - 1)).clamp(min=0), seq, decode=True)
-        elif not md.is_decode and p % 128 == 0 and p <= 512:
-            plans[None] = self._plan(md.full, torch.zeros_like(seq), seq, decode=False)
-            plans[None].q_lens = ext.tolist()
-            md.extra["npu_rows"] = npu_ops.TokenRows.build(md.qo_indptr, batch.num_tokens, md.max_q_len)
-            if self._causal_mask is None:
-                self._causal_mask = npu_ops.fia_causal_mask(self.device)
-        md.extra["npu_fia"] = plans
+        p, ctx, st = self.page_size, self.graph_max_context_len, self.static
+        max_q = st.max_num_tokens - st.max_bs + 1  # the most query rows one request of a graph batch has
+        for w in [None, *self.windows]:
+            span = ctx if w is None else min(ctx, w + max_q - 1)
+            pages = -(-span // p) + 1  # + 1: a list may start mid-page
+            table = torch.zeros(st.max_bs, pages, dtype=torch.int32, device=self.device)
+            mask = None if w is None else torch.zeros(st.max_bs, 1, 1, pages * p, dtype=torch.bool, device=self.device)
+            plan = fia.FIAPlan(table, [], p, mask)
+            self._graph_lists[w] = _GraphList(plan, table, mask, torch.arange(pages * p, device=self.device))
 
-    def _plan(self, lst: KVIndexList, pos0_cpu: torch.Tensor, seq_cpu: torch.Tensor,
-              decode: bool) -> npu_ops.FIAPlan:
+    # ---- metadata: page tables and host lengths, once per forward -----------------------------------
+    def init_kernel_metadata(self, md: ForwardMetadata, batch: ForwardBatch, graph: bool) -> None:
+        mode = "decode" if md.is_decode else "extend"
+        if (not self.env.fused or md.batch_size == 0 or (graph and not self.env.graph)
+                or fia.page_size_reason(mode, self.page_size) is not None):
+            return
+        if graph:
+            seq, ext = batch.host_lens()  # the runner's host copies when the engine gave them: no sync
+        else:
+            seq, ext = md.seq_lens_cpu, md.extend_lens_cpu  # the base class's host copies: no second sync
+        if graph and not md.is_decode and not bool((ext == ext[0]).all()):
+            return  # a graph extend step runs q as [B, S, H, D]: uneven rows run the torch kernel
+        plans: Dict[Optional[int], fia.FIAPlan] = {}
+        for w, lst in [(None, md.full), *md.windows.items()]:
+            pos0 = torch.zeros_like(seq) if w is None else window_pos0(seq - ext, w)
+            plans[w] = self._graph_plan(w, lst, pos0, seq, ext, md) if graph else self._plan(lst, pos0, seq, ext, md)
+        md.extra[_PLANS] = plans
+        if not md.is_decode and not graph:
+            md.extra[_ROWS] = npu_ops.TokenRows.build(md.qo_indptr, batch.num_tokens, md.max_q_len)
+        if not md.is_decode and self._mask2048 is None:
+            self._mask2048 = fia.causal_mask(self.device)
+
+    def _plan(self, lst: KVIndexList, pos0_cpu: torch.Tensor, seq_cpu: torch.Tensor, ext_cpu: torch.Tensor,
+              md: ForwardMetadata) -> fia.FIAPlan:
         """Page table of a list from its first key's page; decode windows mask that page's head."""
         p = self.page_size
         off = pos0_cpu % p
         kv_lens = seq_cpu - pos0_cpu + off
         max_pages = -(-int(kv_lens.max()) // p)
-        table = npu_ops.block_table_from_csr(lst.indptr, lst.indices, lst.pos0, p, max_pages)
+        table = block_table_from_csr(lst.indptr, lst.indices, lst.pos0, p, max_pages)
         mask = None
-        if decode and bool((off > 0).any()):
+        if md.is_decode and bool((off > 0).any()):
             j = torch.arange(max_pages * p)
             mask = (j[None, :] < off[:, None]).view(len(off), 1, 1, -1).to(self.device)
-        return npu_ops.FIAPlan(table, kv_lens.tolist(), p, mask)
+        return fia.FIAPlan(table, kv_lens.tolist(), p, mask, None if md.is_decode else ext_cpu.tolist())
 
-    def _fia_plan(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
-                  md: ForwardMetadata) -> Optional[npu_ops.FIAPlan]:
-        """The plan when the fused op supports this layer here, else None (torch attention)."""
-        plan = md.extra.get("npu_fia", {}).get(kv.window)
-        if plan is None or layer.sinks is not None or layer.logit_cap:
-            return None
-        if layer.k_scale not in (None, 1.0) or layer.v_scale not in (None, 1.0):
-            return None
-        if layer.window is not None and (kv.window != layer.window or not md.is_decode):
-            return None  # the list is not trimmed to the layer's window, or a windowed extend
-        k_buf, v_buf = self.kv_buffers(layer)
-        h, d = q.shape[1], q.shape[2]
-        kvh = k_buf.shape[1]
-        if q.dtype not in npu_ops.FIA_DTYPES or k_buf.dtype != q.dtype or v_buf.dtype != q.dtype:
-            return None
-        if v_buf.shape[2] != d or d % 16 or d > 512 or h > 256 or h // kvh > 64 or kvh * d >= 65536:
-            return None
-        return plan
+    def _graph_plan(self, w: Optional[int], lst: KVIndexList, pos0_cpu: torch.Tensor, seq_cpu: torch.Tensor,
+                    ext_cpu: torch.Tensor, md: ForwardMetadata) -> fia.FIAPlan:
+        """The persistent plan refilled in place: page table and head mask into the static buffers (device
+        work), host lengths into the plan that every captured call of this list reads when updated."""
+        g, p, bs = self._graph_lists[w], self.page_size, md.batch_size
+        g.table[:bs].copy_(block_table_from_csr(lst.indptr, lst.indices, lst.pos0, p, g.table.shape[1]))
+        if g.mask is not None:
+            off = torch.remainder(lst.pos0, p)
+            torch.lt(g.cols[None, :], off[:, None], out=g.mask[:bs].view(bs, -1))
+        g.plan.kv_lens = (seq_cpu - pos0_cpu + pos0_cpu % p).tolist()
+        g.plan.q_lens = None if md.is_decode else ext_cpu.tolist()
+        return g.plan
 
     # ---- kernels --------------------------------------------------------------------------------
+    def _fused_plan(self, mode: str, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
+                    md: ForwardMetadata) -> Optional[fia.FIAPlan]:
+        """This forward's plan of the layer's list when the fused op computes the layer, else None."""
+        plan = md.extra.get(_PLANS, {}).get(kv.window)
+        if plan is None:
+            return None
+        k_buf, v_buf = self.kv_buffers(layer)
+        facts = fia.facts_of(mode, q, layer, kv, k_buf, v_buf, self.page_size, md.graph)
+        return plan if fia.decide(facts, self.env).path == FUSED else None
+
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
                        md: ForwardMetadata, out: torch.Tensor) -> None:
-        plan = self._fia_plan(q, layer, kv, md)
+        plan = self._fused_plan("decode", q, layer, kv, md)
         if plan is None:
             self._torch_attention(q, layer, kv, md, out)
             return
-        k_buf, v_buf = self.kv_buffers(layer)
-        npu_ops.fia_decode(q, k_buf, v_buf, plan, layer.scaling, out)
+        bs, h, d = q.shape
+        self._fused(q.contiguous().view(bs, 1, h, d), layer, plan, True, md, out.view(bs, 1, h, -1))
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
                        md: ForwardMetadata, out: torch.Tensor) -> None:
-        plan = self._fia_plan(q, layer, kv, md)
+        plan = self._fused_plan("extend", q, layer, kv, md)
         if plan is None:
             self._torch_attention(q, layer, kv, md, out)
             return
+        t, h, d = q.shape
+        if md.graph:  # every request has the same rows (checked in the metadata step)
+            bs = md.batch_size
+            self._fused(q.contiguous().view(bs, t // bs, h, d), layer, plan, False, md, out.view(bs, t // bs, h, -1))
+            return
+        rows = md.extra[_ROWS]
+        qpad = q.new_zeros(rows.batch_size, rows.max_q, h, d)
+        qpad[rows.req, rows.row] = q
         k_buf, v_buf = self.kv_buffers(layer)
-        npu_ops.fia_extend(q, k_buf, v_buf, plan, layer.scaling, md.extra["npu_rows"], self._causal_mask, out)
+        res = fia.run_eager(self.npu, qpad, k_buf, v_buf, plan, layer, False, self.env, self._mask2048)
+        out.copy_(res[rows.req, rows.row])
+
+    def _fused(self, q4: torch.Tensor, layer: AttentionLayer, plan: fia.FIAPlan, decode: bool, md: ForwardMetadata,
+               out4: torch.Tensor) -> None:
+        k_buf, v_buf = self.kv_buffers(layer)
+        mask = None if decode else self._mask2048
+        if md.graph:
+            fia.graph_call(self.npu, q4, k_buf, v_buf, out4, plan, layer, decode, self.env, mask, self._scratch_for,
+                           record_task)
+        else:
+            out4.copy_(fia.run_eager(self.npu, q4, k_buf, v_buf, plan, layer, decode, self.env, mask))
+
+    def _scratch_for(self, key: Tuple[Any, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Buffers captured graphs keep reading (workspaces, lse): made once, kept for the backend's life."""
+        t = self._scratch.get(key)
+        if t is None:
+            t = self._scratch[key] = make()
+        return t
 
     def _torch_attention(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
                          md: ForwardMetadata, out: torch.Tensor) -> None:
@@ -135,3 +201,12 @@ class NPUBackend(AttentionBackend):
         npu_ops.torch_attention(q, k_buf, v_buf, kv.indptr, kv.indices, kv.pos0, md.qo_indptr, md.q_pos0, out,
                                 md.max_q_len, kv.max_len, layer.scaling, layer.window, layer.logit_cap,
                                 layer.sinks, layer.k_scale, layer.v_scale)
+
+
+def device_reason(device: torch.device) -> Optional[str]:
+    """None for an NPU pool, else why the fused op cannot read it."""
+    return None if device.type == "npu" else f"the pool lives on {device}, not on an NPU"
+
+
+def _torch_npu_installed() -> bool:
+    return importlib.util.find_spec("torch_npu") is not None

@@ -1,45 +1,32 @@
-"""Kernels of the Ascend NPU backend: torch_npu ops where verified, device-agnostic torch otherwise.
+"""Kernels of the Ascend NPU backend: the K/V store (ATB reshape-and-cache) and the device-agnostic torch
+attention every layer the fused op cannot compute falls back to (hwkv_npu.fia holds the fused op).
 
 torch_npu is imported lazily (first use), never at import time.
 
-Verified vendor APIs (argument names, layouts, constraints):
 - `torch_npu._npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices)`: ATB
   ReshapeAndCache, schema registered in Ascend/op-plugin (`atb::_npu_reshape_and_cache`); caches
-  ND [num_blocks, block_size, KVH, D], fp16/bf16/int8, slot_indices int32 (as vllm-ascend and
-  SGLang's NPU pool call it).
-- `torch.ops.npu.npu_fused_infer_attention_score` (Ascend/op-plugin
-  docs/context/torch_npu-npu_fused_infer_attention_score.md): page attention needs `block_table`
-  int32 [B, max_blocks], `block_size`, a host `actual_seq_lengths_kv` list and caches viewed as
-  [blocks, block_size, KVH * D] for BSH/BSND layouts; fp16/bf16 only; no sinks and no soft-cap
-  argument; `pre_tokens`/`next_tokens`/`sparse_mode` are ignored when Q_S == 1 (decode), which is
-  why decode windows are trimmed by the index list plus a [B, 1, 1, KV_S] bool mask (True =
-  masked) for the keys before the window on its first page; Q_S > 1 page attention needs
-  block_size a multiple of 128 in [128, 512] and sparse_mode=3 with a 2048x2048 upper-triangular
-  mask for bottom-right causal masking. Host length lists make it unsuitable for graph replay
-  without torch_npu's task-update machinery, so graphs use the torch kernel below.
-
-`torch_attention` is plain torch over the paged pool (runs on any device, static shapes from the
-host bounds it is given, so it can be captured in a graph): the fallback for every feature
-combination the fused op lacks (sinks, soft-cap, fp32/fp8 pools, K/V scales, windowed extend).
+  ND [num_blocks, block_size, KVH, D], fp16/bf16/int8 in the key's dtype, slot_indices int32 (as
+  vllm-ascend and SGLang's NPU pool call it; hwkv.testing.vendor_schemas.npu checks the same).
+- `torch_attention` is plain torch over the paged pool (runs on any device, static shapes from the
+  host bounds it is given, so it can be captured in a graph): the fallback for every feature
+  combination the fused op lacks (soft-cap, fp32/fp8 pools, K/V scales, sinks without v2, page sizes
+  it refuses).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 import torch
 
 from hwkv import ops as core_ops
-from hwkv.metadata import block_table_from_csr  # noqa: F401 - used by the NPU plans
+from hwkv.metadata import block_table_from_csr  # noqa: F401 - re-exported: the NPU page tables come from it
 
 NEG_BIG = -1.0e30  # finite running-max floor: exp(m_old - m_new) never sees inf - inf
 SCORE_BUDGET = 1 << 25  # fp32 score elements per torch_attention step (128 MiB)
 KV_CHUNK = 1024
-FIA_DTYPES = (torch.float16, torch.bfloat16)
-FIA_MASK_SIZE = 2048  # sparse_mode 2/3/4 take a compressed 2048 x 2048 causal mask
-FIA_REQUIRED_ARGS = ("block_table", "block_size", "actual_seq_lengths", "actual_seq_lengths_kv",
-                     "num_heads", "num_key_value_heads", "input_layout", "atten_mask", "sparse_mode")
+CACHE_DTYPES = (torch.float16, torch.bfloat16)  # the ones hwkv stores through ATB reshape-and-cache
 
 
 def _torch_npu() -> Any:
@@ -63,7 +50,7 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
     """k_buf[loc] = k / k_scale (cast), same for v: ATB reshape-and-cache for fp16/bf16 pools,
     hwkv's torch store otherwise. The caller's k and v are never modified."""
     block = _cache_block(k_buf.shape[0])
-    if (k_buf.dtype not in FIA_DTYPES or v_buf.dtype != k_buf.dtype or not block
+    if (k_buf.dtype not in CACHE_DTYPES or v_buf.dtype != k_buf.dtype or not block
             or not (k_buf.is_contiguous() and v_buf.is_contiguous())):
         core_ops.store_kv_torch(k_buf, v_buf, loc, k, v, k_scale, v_scale)
         return
@@ -72,85 +59,6 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
     _torch_npu()._npu_reshape_and_cache(
         key=kq, value=vq, key_cache=k_buf.view(-1, block, *k_buf.shape[1:]),
         value_cache=v_buf.view(-1, block, *v_buf.shape[1:]), slot_indices=loc.to(torch.int32))
-
-
-# ---- CSR list -> page table (no host sync) -----------------------------------------------------
-
-# ---- fused infer attention --------------------------------------------------------------------
-
-@dataclass
-class FIAPlan:
-    """Per-forward inputs of npu_fused_infer_attention_score for one index list (built once)."""
-
-    block_table: torch.Tensor           # int32 [bs, max_pages]
-    kv_lens: List[int]                  # host: keys from the list's first page start to seq_len
-    block_size: int
-    mask: Optional[torch.Tensor] = None  # decode windows: bool [bs, 1, 1, max_pages * P], True = masked
-    q_lens: Optional[List[int]] = None   # extend: query rows per request (host)
-
-
-_FIA_ARGS: frozenset = frozenset()
-
-
-def _fia_arg_names() -> frozenset:
-    """Argument names of the fused op's schema (empty until torch_npu has registered it)."""
-    global _FIA_ARGS
-    if not _FIA_ARGS:
-        overload = getattr(getattr(torch.ops.npu, "npu_fused_infer_attention_score", None), "default", None)
-        if overload is not None:
-            _FIA_ARGS = frozenset(a.name for a in overload._schema.arguments)
-    return _FIA_ARGS
-
-
-def fia_schema_reason() -> Optional[str]:
-    """None when this torch_npu's fused infer attention takes every argument hwkv passes."""
-    names = _fia_arg_names()
-    if not names:
-        return "torch.ops.npu has no npu_fused_infer_attention_score"
-    missing = [n for n in FIA_REQUIRED_ARGS if n not in names]
-    if missing or not ({"scale", "scale_value"} & names):
-        return f"npu_fused_infer_attention_score lacks {missing or ['scale']}"
-    return None
-
-
-def _scale_kwarg() -> str:
-    """Newer torch_npu names the softmax scale `scale`, older releases `scale_value`."""
-    return "scale" if "scale" in _fia_arg_names() else "scale_value"
-
-
-def _fia(q4: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, plan: FIAPlan, num_heads: int,
-         scaling: float, **extra: Any) -> torch.Tensor:
-    kvh, d, dv = k_buf.shape[1], k_buf.shape[2], v_buf.shape[2]
-    p = plan.block_size
-    kwargs = {_scale_kwarg(): float(scaling)}
-    out, _ = torch.ops.npu.npu_fused_infer_attention_score(
-        q4, k_buf.view(-1, p, kvh * d), v_buf.view(-1, p, kvh * dv), num_heads=num_heads,
-        num_key_value_heads=kvh, input_layout="BSND", block_table=plan.block_table, block_size=p,
-        actual_seq_lengths_kv=plan.kv_lens, **kwargs, **extra)
-    return out
-
-
-def fia_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, plan: FIAPlan, scaling: float,
-               out: torch.Tensor) -> None:
-    """out [B, H, Dv] for one query per request over the plan's pages (Q_S = 1, BSND)."""
-    bs, h, d = q.shape
-    res = _fia(q.contiguous().view(bs, 1, h, d), k_buf, v_buf, plan, h, scaling, atten_mask=plan.mask)
-    out.copy_(res.view(bs, h, -1))
-
-
-def fia_extend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, plan: FIAPlan, scaling: float,
-               rows: "TokenRows", causal_mask: torch.Tensor, out: torch.Tensor) -> None:
-    """out [T, H, Dv]: queries padded to [B, max_q, H, D], bottom-right causal (sparse_mode=3)."""
-    qpad = q.new_zeros(rows.batch_size, rows.max_q, q.shape[1], q.shape[2])
-    qpad[rows.req, rows.row] = q
-    res = _fia(qpad, k_buf, v_buf, plan, q.shape[1], scaling, atten_mask=causal_mask, sparse_mode=3,
-               actual_seq_lengths=plan.q_lens)
-    out.copy_(res[rows.req, rows.row])
-
-
-def fia_causal_mask(device: torch.device) -> torch.Tensor:
-    """The compressed 2048 x 2048 mask sparse_mode 3 takes: True above the diagonal (masked)."""
-    return torch.ones(FIA_MASK_SIZE, FIA_MASK_SIZE, dtype=torch.bool, device=device).triu_(1)
 
 
 # ---- device-agnostic torch attention ------------------------------------------------------------

@@ -28,5 +28,6 @@ DEVICE = DeviceSpec(
     backend="hwkv_rocm.backend:ROCmBackend",
     graph_adapter="hwkv_cuda.graph:CUDAGraphAdapter",  # HIP graphs answer torch.cuda.CUDAGraph
     torch_device="cuda",
+    layer_paths="hwkv_rocm.paths:layer_paths",
     description="AMD GPU (ROCm torch): AITER when importable, else Triton kernels; HIP graphs",
 )

@@ -1,11 +1,11 @@
-"""ROCmBackend: hwkv_cuda's Triton kernels on AMD GPUs, with AITER's decode where it fits the layer.
+"""ROCmBackend: hwkv_cuda's Triton kernels on AMD GPUs, with AITER's decode and prefill where they fit.
 
 ROCm torch answers device type "cuda", so the Triton store/fill kernels registered by
 hwkv_cuda.backend already serve ROCm pools, and HIP graphs are torch.cuda.CUDAGraph.
-Decode layers go to `aiter.paged_attention_ragged` (see `hwkv_rocm.aiter_ops` for what was
-verified) when AITER is installed with the verified signature, the GPU is gfx90a/gfx942/gfx950 and
-the layer has no sinks, no K/V scale, fp16/bf16 and head size 64 or 128; every other layer, and
-every extend, runs the Triton kernels. `aiter_status` says which and why.
+Each layer asks `aiter_ops.decide` (the same function `hwkv info` prints) whether AITER computes it
+exactly: decode through `aiter.paged_attention_ragged` (soft-cap and fp8 KV included), extend through
+`aiter.mha_batch_prefill_func` (SWA as window (W - 1, 0), soft-cap included); sinks and whatever else
+the ops lack run the Triton kernels, layer by layer. `aiter_status` says what AITER offers here.
 """
 from __future__ import annotations
 
@@ -19,19 +19,22 @@ from hwkv.backend import BackendOptions
 from hwkv.batch import ForwardBatch
 from hwkv.layer import AttentionLayer
 from hwkv.metadata import ForwardMetadata, KVIndexList
+from hwkv.paths import FUSED
 from hwkv_cuda.backend import TritonBackend
 from hwkv_rocm import aiter_ops
+
+_INDICES = "aiter_indices"
 
 
 @dataclass(frozen=True)
 class ROCmOptions(BackendOptions):
-    """`aiter`: use AITER's decode kernel where it supports the layer (when AITER is installed)."""
+    """`aiter`: use AITER's kernels where they support the layer (when AITER is installed)."""
 
     aiter: bool = True
 
 
 class ROCmBackend(TritonBackend):
-    """TritonBackend plus AITER decode; HIP graphs through the CUDA graph adapter."""
+    """TritonBackend plus AITER decode and prefill; HIP graphs through the CUDA graph adapter."""
 
     metadata_in_graph = False  # graph refill stays before each replay (not verified inside this vendor's graphs)
 
@@ -40,21 +43,27 @@ class ROCmBackend(TritonBackend):
 
     def __init__(self, pool: Any, req_to_token_pool: Any, **options: Any) -> None:
         super().__init__(pool, req_to_token_pool, **options)
-        self.aiter, self.aiter_status = self._load_aiter()
+        self.aiter, self.aiter_env, self.aiter_status = self._load_aiter()
         self._indices_i32: Dict[Optional[int], torch.Tensor] = {}
 
-    def _load_aiter(self) -> Tuple[Optional[aiter_ops.AiterDecode], str]:
+    def _load_aiter(self) -> Tuple[Optional[aiter_ops.AiterKernels], Optional[aiter_ops.AiterEnv], str]:
         if not self.options.aiter:
-            return None, "Triton only: disabled by aiter=False"
+            return None, None, "Triton only: disabled by aiter=False"
         ctx = int(self.req_to_token_pool.max_context_len)
-        if ctx > aiter_ops.MAX_CONTEXT:
-            return None, f"Triton only: max_context_len {ctx} > {aiter_ops.MAX_CONTEXT}"
         reason = aiter_ops.arch_reason(self.device)
-        if reason is None:
-            fn, reason = aiter_ops.load_paged_attention_ragged()
-            if fn is not None:
-                return aiter_ops.AiterDecode(fn, self.device, ctx), "AITER decode where the layer allows"
-        return None, f"Triton only: {reason}"
+        if reason is not None:
+            return None, None, f"Triton only: {reason}"
+        decode_fn, decode_why = aiter_ops.load_paged_attention_ragged()
+        if decode_fn is not None and ctx > aiter_ops.MAX_CONTEXT:
+            decode_fn, decode_why = None, f"max_context_len {ctx} > {aiter_ops.MAX_CONTEXT}"
+        prefill_fn, prefill_why = aiter_ops.load_batch_prefill()
+        if decode_fn is None and prefill_fn is None:
+            return None, None, f"Triton only: {decode_why}"
+        env = aiter_ops.AiterEnv(aiter_ops.gpu_arch(self.device), decode_fn is not None, prefill_fn is not None,
+                                 decode_why, prefill_why)
+        status = "; ".join(f"{what}: {'AITER where the layer allows' if fn is not None else 'Triton (' + why + ')'}"
+                           for what, fn, why in (("decode", decode_fn, decode_why), ("extend", prefill_fn, prefill_why)))
+        return aiter_ops.AiterKernels(decode_fn, prefill_fn, self.device, ctx), env, status
 
     def init_graph_state(self, max_bs: int, max_num_tokens: int, max_context_len: Optional[int] = None) -> None:
         super().init_graph_state(max_bs, max_num_tokens, max_context_len)
@@ -67,27 +76,46 @@ class ROCmBackend(TritonBackend):
                                  for w, t in lists.items()}
 
     def init_kernel_metadata(self, md: ForwardMetadata, batch: ForwardBatch, graph: bool) -> None:
-        """Decode with AITER: the index lists as int32, once per forward. In graph mode the full list is
-        filled straight into its int32 twin from req_to_token (live entries only, never the capacity of
-        max_bs x context); window lists, bounded by W per request, are converted in place."""
-        if self.aiter is None or not md.is_decode:
+        """The index lists as int32, once per forward, when an AITER op may read them. In graph mode the full
+        list is filled straight into its int32 twin from req_to_token (live entries only, never the
+        capacity of max_bs x context); window lists, bounded by W per request, are converted in place."""
+        env = self.aiter_env
+        if env is None or not (env.decode if md.is_decode else env.prefill):
             return
         if not graph:
             lists = {None: md.full, **md.windows}
-            md.extra["aiter_indices"] = {w: lst.indices.to(torch.int32) for w, lst in lists.items()}
+            md.extra[_INDICES] = {w: lst.indices.to(torch.int32) for w, lst in lists.items()}
             return
         full = self._indices_i32[None]
         ops.fill_kv_indices(self.req_to_token_pool.req_to_token, batch.req_pool_indices, md.full.pos0,
                             md.full.indptr, full)
         wins = {w: self._indices_i32[w].copy_(lst.indices) for w, lst in md.windows.items()}
-        md.extra["aiter_indices"] = {None: full, **wins}
+        md.extra[_INDICES] = {None: full, **wins}
+
+    def _aiter_path(self, mode: str, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
+                    md: ForwardMetadata) -> Optional[torch.Tensor]:
+        """The int32 slot list when AITER computes this layer, else None (Triton)."""
+        indices = md.extra.get(_INDICES)
+        if indices is None:
+            return None
+        k_buf, v_buf = self.kv_buffers(layer)
+        facts = aiter_ops.facts_of(mode, q, layer, kv, k_buf, v_buf)
+        return indices[kv.window] if aiter_ops.decide(facts, self.aiter_env).path == FUSED else None
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
                        md: ForwardMetadata, out: torch.Tensor) -> None:
-        indices = md.extra.get("aiter_indices")
-        if indices is not None:
-            k_buf, v_buf = self.kv_buffers(layer)
-            if aiter_ops.layer_reason(q, layer, kv, k_buf, v_buf) is None:
-                self.aiter(q, k_buf, v_buf, kv.indptr, indices[kv.window], out, layer.scaling, layer.logit_cap)
-                return
-        super().forward_decode(q, layer, kv, md, out)
+        indices = self._aiter_path("decode", q, layer, kv, md)
+        if indices is None:
+            super().forward_decode(q, layer, kv, md, out)
+            return
+        k_buf, v_buf = self.kv_buffers(layer)
+        self.aiter.decode(q, k_buf, v_buf, kv.indptr, indices, out, layer)
+
+    def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
+                       md: ForwardMetadata, out: torch.Tensor) -> None:
+        indices = self._aiter_path("extend", q, layer, kv, md)
+        if indices is None:
+            super().forward_extend(q, layer, kv, md, out)
+            return
+        k_buf, v_buf = self.kv_buffers(layer)
+        self.aiter.prefill(q, k_buf, v_buf, md.qo_indptr, kv.indptr, indices, md.max_q_len, kv.max_len, out, layer)

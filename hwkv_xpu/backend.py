@@ -1,12 +1,26 @@
-"""XPUBackend: hwkv_cuda's Triton kernels on Intel GPUs (Triton's XPU backend runs them unchanged).
+"""XPUBackend: hwkv_cuda's Triton kernels on Intel GPUs (Triton's XPU backend runs them unchanged), and
+IPEX's flash_attn_varlen_func for the layers it fits when asked for (`ipex=True`).
 
 Importing this module registers the Triton store, index-fill, graph-refill and allocator kernels for "xpu";
-attention is TritonBackend's. Graphs go through `hwkv_xpu.graph.XPUGraphAdapter`.
+attention is TritonBackend's. Graphs go through `hwkv_xpu.graph.XPUGraphAdapter`. With `ipex=True` and an
+XPU build of IPEX, decode and extend of fp16/bf16 layers without sinks or K/V scales, with 64 | head dim
+and W != 1, run IPEX's varlen op over page tables built once per forward (see `hwkv_cpu.ipex`, "Intel GPU",
+for what was read in IPEX's source and what could not be checked without an Intel GPU); the rest, Triton.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
 from hwkv import ops
+from hwkv.backend import BackendOptions
+from hwkv.batch import ForwardBatch
+from hwkv.layer import AttentionLayer
+from hwkv.metadata import ForwardMetadata, KVIndexList
 from hwkv.pages import register_page_ops
+from hwkv_cpu import ipex
 from hwkv_cuda import kernels
 from hwkv_cuda.kernels.alloc import TritonPageOps
 from hwkv_cuda.backend import TritonBackend
@@ -16,10 +30,74 @@ ops.register_fill_kv_indices("xpu", kernels.fill_kv_indices)
 ops.register_graph_refill("xpu", kernels.refill.KERNELS)
 register_page_ops("xpu", TritonPageOps())
 
+_IPEX = "ipex_xpu_lists"
+
+
+@dataclass(frozen=True)
+class XPUOptions(BackendOptions):
+    """`ipex`: IPEX's XPU flash_attn_varlen_func for the layers it fits (off: not yet run on an Intel GPU)."""
+
+    ipex: bool = False
+
 
 class XPUBackend(TritonBackend):
-    """TritonBackend on torch.xpu pools; XPU graphs."""
+    """TritonBackend on torch.xpu pools, IPEX's varlen attention per layer when enabled; XPU graphs."""
 
     metadata_in_graph = False  # graph refill stays before each replay (not verified inside this vendor's graphs)
 
     name = "xpu"
+    Options = XPUOptions
+
+    def __init__(self, pool: Any, req_to_token_pool: Any, **options: Any) -> None:
+        super().__init__(pool, req_to_token_pool, **options)
+        self.page_size = int(pool.page_size)
+        self.ipex_reason: Optional[str] = self._ipex_reason()  # None: IPEX in use where it fits
+        self._ipex_graph: Optional[ipex.GraphTables] = None
+
+    def _ipex_reason(self) -> Optional[str]:
+        if not self.options.ipex:
+            return "off (XPUBackend(..., ipex=True) enables IPEX's varlen attention)"
+        if self.device.type != "xpu":
+            return f"the pool lives on {self.device}, not on an Intel GPU"
+        return ipex.xpu_reason()
+
+    def init_graph_state(self, max_bs: int, max_num_tokens: int, max_context_len: Optional[int] = None) -> None:
+        super().init_graph_state(max_bs, max_num_tokens, max_context_len)
+        if self.ipex_reason is None and self._ipex_graph is None:
+            st = self.static
+            self._ipex_graph = ipex.GraphTables.alloc(st.max_bs, st.max_num_tokens, self.graph_max_context_len,
+                                                      self.windows, self.device, self.page_size)
+
+    def init_kernel_metadata(self, md: ForwardMetadata, batch: ForwardBatch, graph: bool) -> None:
+        super().init_kernel_metadata(md, batch, graph)
+        if self.ipex_reason is not None or not md.batch_size:
+            return
+        p, lists = self.page_size, {None: md.full, **md.windows}
+        if graph:
+            g = self._ipex_graph
+            md.extra[_IPEX] = {w: ipex.plan_list(lst, g.width(w), p, out=g) for w, lst in lists.items()}
+        else:
+            md.extra[_IPEX] = {w: ipex.plan_list(lst, -(-(lst.max_len + p - 1) // p), p) for w, lst in lists.items()}
+
+    def _ipex_attend(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList, md: ForwardMetadata,
+                     out: torch.Tensor) -> bool:
+        plans = md.extra.get(_IPEX)
+        if plans is None:
+            return False
+        k_buf, v_buf = self.kv_buffers(layer)
+        if k_buf.shape[0] % self.page_size or ipex.xpu_layer_reason(q, layer, k_buf, v_buf) is not None:
+            return False
+        k_cache, v_cache = ipex.xpu_caches(k_buf, v_buf, self.page_size)
+        ipex.varlen(q, k_cache, v_cache, plans[kv.window], md.qo_indptr, md.max_q_len, out, layer.scaling,
+                    layer.window, layer.logit_cap)
+        return True
+
+    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
+                       md: ForwardMetadata, out: torch.Tensor) -> None:
+        if not self._ipex_attend(q, layer, kv, md, out):
+            super().forward_decode(q, layer, kv, md, out)
+
+    def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
+                       md: ForwardMetadata, out: torch.Tensor) -> None:
+        if not self._ipex_attend(q, layer, kv, md, out):
+            super().forward_extend(q, layer, kv, md, out)

@@ -5,3 +5,49 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import sys  # noqa: E402
+import types  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def npu_standin(monkeypatch):
+    """torch_npu and torch.npu replaced by hwkv.testing.vendor_schemas.npu's stand-ins, NPU pools faked by CPU
+    tensors. `.graphs()` makes a graph adapter that captures task groups in the stand-in runtime and
+    replays by re-running the step under the capture-checking adapter (fused calls take their task
+    groups' updated arguments, as a device graph would); `.use(v2_sinks=...)` reinstalls another release."""
+    from hwkv.testing.capture_check import CaptureCheckingAdapter
+    from hwkv.testing.vendor_schemas.npu import make_torch_npu
+    from hwkv_npu import backend as npu_backend
+    from hwkv_npu.graph import NPUTaskUpdates
+
+    state = types.SimpleNamespace()
+
+    def use(v2_sinks=True):
+        state.mod = make_torch_npu(v2_sinks=v2_sinks)
+        state.runtime = state.mod.npu
+        monkeypatch.setitem(sys.modules, "torch_npu", state.mod)
+        monkeypatch.setattr(torch, "npu", state.runtime, raising=False)
+        return state
+
+    class StandInNPUGraphs(NPUTaskUpdates, CaptureCheckingAdapter):
+        def capture(self, fn):
+            g = state.runtime.NPUGraph()
+            with state.runtime.graph(g):
+                handle, out = super().capture(fn)
+            return (g, handle), out
+
+        def pre_replay(self, graph):
+            super().pre_replay(graph[1])
+
+        def replay(self, graph):
+            g, handle = graph
+            with g.replaying():
+                return super().replay(handle)
+
+    monkeypatch.setattr(npu_backend, "device_reason", lambda device: None)
+    state.use, state.graphs = use, StandInNPUGraphs
+    return use()

@@ -1,5 +1,7 @@
 """The capture-checking graph adapter: it fails a replay whose metadata moved (what a real device graph
-would read stale), and every in-tree backend's graph path passes through it on CPU."""
+would read stale), and every in-tree backend's graph path passes through it on CPU: the contract suite's graph
+tests for the torch backends, the NPU fused path with the torch_npu stand-ins, ROCm with the AITER stand-ins,
+and the Triton backends interpreted (a short scenario: the interpreter is slow)."""
 import os
 
 import pytest
@@ -9,6 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hwkv.batch import ForwardMode  # noqa: E402
+from hwkv.testing import ContractTarget, contract  # noqa: E402
 from hwkv.testing.capture_check import CaptureCheckingAdapter, StaleCaptureError  # noqa: E402
 from hwkv.testing.harness import Harness, ModelGeometry, run_scenario  # noqa: E402
 from hwkv.testing.reference_backend import ReferenceBackend  # noqa: E402
@@ -57,3 +60,72 @@ def test_triton_backends_pass(which, monkeypatch):
     else:
         from hwkv_rocm.backend import ROCmBackend as cls
     assert _run(cls).runner.replays > 0
+
+
+# ---- the contract suite's graph tests, every graph replay checked for moved metadata ------------------
+GRAPH_CONTRACT = [
+    lambda t: contract.test_one_translation_per_forward_with_many_swa_layers(t, graph=True),
+    contract.test_graph_replay_with_fewer_tokens_zeroes_the_tail_and_keeps_live_slots,
+    contract.test_batch_larger_than_every_bucket_runs_eagerly,
+    contract.test_speculative_verify_through_graphs_reads_swa_slots,
+] + [lambda t, n=name: contract.test_outputs_match_reference(t, n, graph=True) for name in sorted(contract.SCENARIOS)]
+GRAPH_CONTRACT_IDS = ["translate-once", "tail-zeroed", "eager-fallback", "verify"] + [
+    f"outputs-{n}" for n in sorted(contract.SCENARIOS)]
+
+
+def _targets():
+    from hwkv_cpu.backend import TorchCPUBackend
+    from hwkv_npu.backend import NPUBackend
+
+    return {"reference": ReferenceBackend, "cpu": TorchCPUBackend, "npu-torch": NPUBackend}
+
+
+@pytest.mark.parametrize("check", GRAPH_CONTRACT, ids=GRAPH_CONTRACT_IDS)
+@pytest.mark.parametrize("which", ["reference", "cpu", "npu-torch"])
+def test_graph_contract_through_the_capture_checking_adapter(which, check):
+    check(ContractTarget(which, _targets()[which], "cpu", CaptureCheckingAdapter))
+
+
+@pytest.mark.parametrize("page_size, mode, tpr", [(16, ForwardMode.DECODE, 1), (128, ForwardMode.TARGET_VERIFY, 2)],
+                         ids=["decode", "verify"])
+def test_npu_fused_graph_path_passes(npu_standin, page_size, mode, tpr):
+    """The NPU backend's fused graph path (task groups of the stand-in torch_npu, updated before every
+    replay) under the capture-checking adapter: the page tables, masks and workspaces stay where captured."""
+    from hwkv_npu.backend import NPUBackend
+
+    g = ModelGeometry(num_layers=2, swa_every=2, window=6, num_heads=4, num_kv_heads=2, head_dim=16, sinks=False,
+                      swa_sinks=True)
+    h = Harness(NPUBackend, "cpu", g, size=1024, size_swa=16 * page_size, page_size=page_size, dtype=torch.float16)
+    h.enable_graphs([1, 2, 4], npu_standin.graphs(), mode=mode, tokens_per_req=tpr)
+    rids = [h.add_request() for _ in range(3)]
+    h.forward(rids, [5, 9, 14], ForwardMode.EXTEND)
+    for step in range(5):
+        live = rids[:1 + step % 3]
+        h.forward(live, [tpr] * len(live), mode)
+        h.release()
+        h.check_integrity()
+    assert h.runner.replays == 5
+    mod = npu_standin.mod
+    assert mod.npu_fused_infer_attention_score.out.calls and mod.npu_fused_infer_attention_score_v2.out.calls
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="a GPU is present: real graphs run there")
+def test_rocm_aiter_graph_path_passes(monkeypatch):
+    """ROCm with the AITER stand-ins: decode replays read the int32 twins allocated once."""
+    pytest.importorskip("triton")
+    import sys
+
+    from hwkv.testing.vendor_schemas import aiter as aiter_standin
+    from hwkv_rocm import aiter_ops
+    from hwkv_rocm.backend import ROCmBackend
+
+    mod = aiter_standin.make_aiter("gfx942")
+    monkeypatch.setitem(sys.modules, "aiter", mod)
+    monkeypatch.setattr(aiter_ops, "arch_reason", lambda device: None)
+    monkeypatch.setattr(aiter_ops, "gpu_arch", lambda device: "gfx942")
+    g = ModelGeometry(num_layers=2, swa_every=2, window=6, num_heads=4, num_kv_heads=2, head_dim=64)
+    h = Harness(ROCmBackend, "cpu", g, size=256, size_swa=64, page_size=2, dtype=torch.float16)
+    h.enable_graphs([1, 2, 4], CaptureCheckingAdapter())
+    run_scenario(h, steps=4, prompt_lens=(5, 9), chunk=8)
+    assert h.runner.replays > 0 and aiter_standin.calls(mod)["paged_attention_ragged"] > 0

@@ -180,3 +180,47 @@ def test_sgl_kernel_is_found_not_imported(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.syspath_prepend(str(tmp_path))
     features = _amx.cpu_features()
     assert features.sgl_kernel and "sgl_kernel" not in sys.modules
+
+
+# ------------------------------------------------------------------ layer paths
+
+def test_info_layer_paths_for_a_named_device(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
+    """`hwkv info --device rocm|npu` answers, for every layer kind, the path the backend would take there
+    (from the plugin's own decision function), with what the answer assumes off that hardware."""
+    monkeypatch.setenv("HWKV_DEVICE", "cpu")
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # not installed: the NPU answer states its assumption
+    assert cli.main(["info", "--json", "--device", "rocm"]) == 0
+    rocm = json.loads(capsys.readouterr().out)["layer_paths"]
+    by_kind = {(r["layer"], r["mode"], r["feature"]): r for r in rocm["rows"]}
+    assert len(by_kind) == 16
+    assert by_kind[("SWA", "decode", "soft-cap")]["op"] == "aiter.paged_attention_ragged"
+    assert by_kind[("SWA", "extend", "plain")]["op"] == "aiter.mha_batch_prefill_func"
+    assert by_kind[("full", "decode", "fp8")]["path"] == "fused vendor op"  # gfx942 with an fnuz pool
+    assert by_kind[("full", "decode", "sinks")]["path"] == "Triton" and "sink" in by_kind[("full", "decode", "sinks")]["why"]
+    assert by_kind[("full", "extend", "fp8")]["path"] == "Triton"
+    assert any("gfx942" in a for a in rocm["assumptions"])
+
+    monkeypatch.setattr(cli, "_use_rich", lambda: False)
+    assert cli.main(["info", "--device", "npu"]) == 0
+    out = capsys.readouterr().out
+    assert "layer paths on npu" in out and "assumes: torch_npu is not installed" in out
+    rows = [line for line in out.splitlines() if line.startswith(("full ", "SWA "))]
+    assert len(rows) == 16
+    sink_rows = [r for r in rows if " sinks " in r]
+    assert all("npu_fused_infer_attention_score_v2" in r for r in sink_rows)
+    assert all("plain torch" in r for r in rows if " soft-cap " in r or " fp8 " in r)
+    assert any("band sparse_mode 4" in r for r in rows if r.startswith("SWA") and " extend " in r)
+
+
+def test_info_layer_paths_of_the_detected_device_and_bad_names(capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("HWKV_DEVICE", "cpu")
+    assert cli.main(["info", "--json"]) == 0
+    paths = json.loads(capsys.readouterr().out)["layer_paths"]
+    assert paths["device"] == "cpu"  # the CPU plugin reports no table: said, not hidden
+    assert paths["rows"] or "reports no per-kind table" in paths["assumptions"][0]
+    assert cli.main(["info", "--json", "--device", "cuda"]) == 0
+    cuda = json.loads(capsys.readouterr().out)["layer_paths"]
+    assert {r["path"] for r in cuda["rows"]} == {"Triton"}
+    assert cli.main(["info", "--device", "bogus"]) == 2
+    assert "names no known device" in capsys.readouterr().err

@@ -295,42 +295,23 @@ def test_active_path_names_the_path():
         assert amx.compute_dtype(torch.bfloat16) == torch.float32
 
 
-# ---- sgl-kernel glue, against a torch stand-in with sgl-kernel's documented semantics --------
-class FakeSgl:
-    """decode_attention_cpu / extend_attention_cpu as sgl-kernel defines them (see hwkv_cpu.amx)."""
+# ---- sgl-kernel glue, against the schema stand-ins (hwkv.testing.vendor_schemas.sgl_kernel) ----------
+class StandInSgl:
+    """decode_attention_cpu / extend_attention_cpu as sgl-kernel registers them: a wrong call fails."""
 
     def __init__(self):
-        self.calls = []
+        from hwkv.testing.vendor_schemas.sgl_kernel import make_sgl_ops
 
-    def decode(self, query, k_cache, v_cache, output, key, value, loc, attn_logits, req_to_token,
-               req_pool_indices, seq_lens, sm_scale, logit_cap):
-        self.calls.append("decode")
-        assert attn_logits.shape[:2] == query.shape[:2] and attn_logits.shape[3] == v_cache.shape[2] + 1
-        k_cache[loc], v_cache[loc] = key, value
-        for b in range(query.shape[0]):
-            slots = req_to_token[req_pool_indices[b], :seq_lens[b]]
-            n = int(seq_lens[b])
-            o = reference.attention(query[b:b + 1], k_cache[slots], v_cache[slots], torch.tensor([n - 1]),
-                                    torch.arange(n), sm_scale, None, logit_cap)
-            output[b] = o[0].to(output.dtype)
+        self.decode, self.extend = make_sgl_ops()
 
-    def extend(self, q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, req_to_token, req_pool_indices,
-               seq_lens, extend_seq_lens, extend_start_loc, max_len_extend, sm_scale, logit_cap):
-        self.calls.append("extend")
-        for b in range(seq_lens.shape[0]):
-            n, e, s = int(seq_lens[b]), int(extend_seq_lens[b]), int(extend_start_loc[b])
-            assert e <= max_len_extend
-            pre = req_to_token[req_pool_indices[b], :n - e]
-            k = torch.cat([k_buffer[pre], k_extend[s:s + e]])
-            v = torch.cat([v_buffer[pre], v_extend[s:s + e]])
-            o = reference.attention(q_extend[s:s + e], k, v, torch.arange(n - e, n), torch.arange(n),
-                                    sm_scale, None, logit_cap)
-            o_extend[s:s + e] = o.to(o_extend.dtype)
+    @property
+    def calls(self):
+        return ["decode"] * len(self.decode.calls) + ["extend"] * len(self.extend.calls)
 
 
 @pytest.fixture
 def fake_sgl(monkeypatch):
-    fake = FakeSgl()
+    fake = StandInSgl()
     monkeypatch.setattr(amx, "sgl_ops", lambda: (amx.SglOps(fake.decode, fake.extend), ""))
     return fake
 

@@ -3,10 +3,11 @@
 - Each backend class imports without its vendor library and fills in the core template.
 - ROCmBackend and XPUBackend run the write/translation contract on CPU tensors, their Triton
   kernels under TRITON_INTERPRET=1 (tests/conftest.py sets it when no GPU is present).
-- ROCm's AITER plumbing runs against a stand-in `aiter` module that implements
-  `paged_attention_ragged` as documented (int32 ragged slot lists, block_size 1, "NHD").
-- NPUBackend's torch path passes the whole contract suite on CPU tensors; its fused-attention
-  plans (page tables, host lengths, window masks) run against a stand-in of the fused op.
+- ROCm's AITER plumbing (decode, prefill, fp8 KV on MI300, per-layer fallback) runs against the schema
+  stand-ins of hwkv.testing.vendor_schemas.aiter: a call AITER would refuse fails here.
+- NPUBackend's torch path passes the whole contract suite on CPU tensors; its fused-attention path
+  (page tables, host lengths, window masks, band prefill, v2 sinks, graph task groups updated before
+  each replay) runs against hwkv.testing.vendor_schemas.npu (the `npu_standin` fixture of conftest.py).
 - Graph adapters refuse with ConfigError when their torch module cannot capture here.
 - Tests marked rocm / xpu / npu need the device and skip with the reason otherwise.
 """
@@ -28,10 +29,12 @@ from hwkv.testing import ContractTarget
 from hwkv.testing import contract
 from hwkv.testing.contract import *  # noqa: F401,F403  (the contract suite, run for the NPU torch path)
 from hwkv.testing.harness import Harness, ModelGeometry, run_scenario
+from hwkv.testing.vendor_schemas import aiter as aiter_standin
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install hwkv[cpu])")
 
 from hwkv_cuda.backend import TritonBackend  # noqa: E402
+from hwkv_npu import fia  # noqa: E402
 from hwkv_npu import ops as npu_ops  # noqa: E402
 from hwkv_npu.backend import NPUBackend  # noqa: E402
 from hwkv_rocm import aiter_ops  # noqa: E402
@@ -99,7 +102,7 @@ def test_graph_adapters_refuse_without_their_runtime():
     if importlib.util.find_spec("torch_npu") is None:
         with pytest.raises(ConfigError, match="torch_npu is not installed"):
             NPUGraphAdapter()
-        assert "has no npu_fused_infer_attention_score" in npu_ops.fia_schema_reason()
+        assert "has no npu_fused_infer_attention_score" in fia.load_env(types.SimpleNamespace()).fused_why
 
 
 def test_options_are_validated():
@@ -140,43 +143,15 @@ def test_triton_vendor_backend_translates_once_per_forward(cls):
         counter.calls = 0
 
 
-# ---- ROCm: AITER plumbing against a stand-in module ------------------------------------------------
-def _fake_paged_attention_ragged(calls):
-    """aiter.paged_attention_ragged as its source documents it, in torch (checks what it is handed)."""
-    def paged_attention_ragged(out, workspace_buffer, query, key_cache, value_cache, scale, kv_indptr,
-                               kv_page_indices, kv_last_page_lens, block_size, max_num_partitions, alibi_slopes,
-                               kv_cache_dtype, kv_cache_layout, logits_soft_cap, k_scale, v_scale,
-                               fp8_out_scale=None, partition_size=256, mtp=1):
-        assert kv_indptr.dtype == torch.int32 and kv_page_indices.dtype == torch.int32
-        assert (block_size, kv_cache_layout, kv_cache_dtype, alibi_slopes) == (1, "NHD", "auto", None)
-        s, h, d = query.shape
-        assert key_cache.shape[1] == 1 and key_cache.shape[3] == d and out.shape == (s, h, d)
-        assert workspace_buffer.dtype == torch.uint8
-        assert workspace_buffer.numel() >= s * h * max_num_partitions * (d * query.element_size() + 8)
-        g = h // key_cache.shape[2]
-        ptr = kv_indptr.tolist()
-        for b in range(s):
-            idx = kv_page_indices[ptr[b]:ptr[b + 1]].long()
-            assert idx.numel() <= max_num_partitions * partition_size
-            k = key_cache[idx, 0].float().repeat_interleave(g, 1) * k_scale
-            v = value_cache[idx, 0].float().repeat_interleave(g, 1) * v_scale
-            logits = torch.einsum("hd,nhd->hn", query[b].float(), k) * scale
-            if logits_soft_cap:
-                logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
-            out[b] = torch.einsum("hn,nhd->hd", torch.softmax(logits, -1), v).to(out.dtype)
-        calls.append(s)
-    return paged_attention_ragged
-
-
+# ---- ROCm: AITER against the schema stand-ins (hwkv.testing.vendor_schemas.aiter) --------------------
 @pytest.fixture
-def fake_aiter(monkeypatch):
-    calls = []
-    mod = types.ModuleType("aiter")
-    mod.__spec__ = importlib.machinery.ModuleSpec("aiter", None)
-    mod.paged_attention_ragged = _fake_paged_attention_ragged(calls)
+def standin_aiter(monkeypatch):
+    """The aiter stand-in on a gfx942 (MI300): its fp8 is float8_e4m3fnuz."""
+    mod = aiter_standin.make_aiter("gfx942")
     monkeypatch.setitem(sys.modules, "aiter", mod)
     monkeypatch.setattr(aiter_ops, "arch_reason", lambda device: None)
-    return mod, calls
+    monkeypatch.setattr(aiter_ops, "gpu_arch", lambda device: "gfx942")
+    return mod
 
 
 AITER_GEOMETRY = ModelGeometry(num_layers=2, swa_every=2, window=6, num_heads=4, num_kv_heads=2, head_dim=64,
@@ -186,32 +161,59 @@ AITER_GEOMETRY = ModelGeometry(num_layers=2, swa_every=2, window=6, num_heads=4,
 @needs_interpreter
 @pytest.mark.interpret
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_rocm_decode_goes_through_aiter_and_matches_reference(fake_aiter, graph):
-    _, calls = fake_aiter
+def test_rocm_decode_and_prefill_go_through_aiter_and_match_reference(standin_aiter, graph):
+    """Soft-capped full and SWA layers: decode through paged_attention_ragged, chunked prefill through
+    mha_batch_prefill_func with the window as (W - 1, 0); every output checked against the reference."""
     h = Harness(ROCmBackend, "cpu", AITER_GEOMETRY, size=256, size_swa=48, page_size=2, dtype=torch.float16)
     assert h.backend.aiter is not None, h.backend.aiter_status
     if graph:
         h.enable_graphs([1, 2], EagerAdapter())
-    run_scenario(h, steps=3, prompt_lens=(3, 9), chunk=8)
-    assert len(calls) >= 3 * 2, "every decode layer of this geometry is one AITER supports"
+    run_scenario(h, steps=3, prompt_lens=(3, 9), chunk=4)
+    calls = aiter_standin.calls(standin_aiter)
+    assert calls["paged_attention_ragged"] >= 3 * 2 and calls["mha_batch_prefill_func"] >= 2 * 3
 
 
 @needs_interpreter
 @pytest.mark.interpret
-def test_rocm_keeps_unsupported_layers_on_triton(fake_aiter):
-    _, calls = fake_aiter
-    g = ModelGeometry(num_layers=2, swa_every=2, window=6, num_heads=4, num_kv_heads=2, head_dim=16, sinks=True)
+def test_rocm_keeps_sink_layers_on_triton_layer_by_layer(standin_aiter):
+    """Sinks only on the SWA layers (GPT-OSS style): those run Triton, the full layer still runs AITER."""
+    g = ModelGeometry(num_layers=2, swa_every=2, window=6, num_heads=4, num_kv_heads=2, head_dim=64, sinks=False,
+                      swa_sinks=True)
     h = Harness(ROCmBackend, "cpu", g, size=128, size_swa=32, dtype=torch.float16)
     run_scenario(h, steps=2, prompt_lens=(4,), chunk=8)
-    assert calls == []
+    ragged = standin_aiter.paged_attention_ragged.calls
+    assert ragged and all(c["query"].shape[1] == 4 for c in ragged)
+    # one full layer per step: the SWA (sink) layer never reached AITER
+    assert len(ragged) == 2 and len(standin_aiter.mha_batch_prefill_func.calls) == 1
+
+
+@needs_interpreter
+@pytest.mark.interpret
+@pytest.mark.parametrize("pool_fp8, fused", [("float8_e4m3fnuz", True), ("float8_e4m3fn", False)],
+                         ids=["fnuz-aiter", "ocp-triton"])
+def test_rocm_fp8_decode_on_mi300_needs_fnuz_pools(standin_aiter, pool_fp8, fused):
+    """gfx942 reads fp8 as e4m3fnuz: such pools decode through AITER with their scales; an OCP e4m3fn pool
+    there stays on Triton (the stand-in would decode its bytes as fnuz: wrong values)."""
+    h = Harness(ROCmBackend, "cpu", AITER_GEOMETRY, size=256, size_swa=48, dtype=getattr(torch, pool_fp8),
+                kv_scale=0.5)
+    run_scenario(h, steps=3, prompt_lens=(3, 9), chunk=8)
+    ragged = standin_aiter.paged_attention_ragged.calls
+    assert bool(ragged) == fused
+    if fused:
+        assert {c["kv_cache_dtype"] for c in ragged} == {"fp8"}
+        assert all(float(c["k_scale"]) == 0.5 for c in ragged)
+    assert not standin_aiter.mha_batch_prefill_func.calls, "fp8 prefill stays on Triton"
 
 
 def test_rocm_refuses_an_aiter_with_another_signature(monkeypatch):
     mod = types.ModuleType("aiter")
     mod.__spec__ = importlib.machinery.ModuleSpec("aiter", None)
     mod.paged_attention_ragged = lambda out, query, key_cache: None
+    mod.mha_batch_prefill_func = lambda q, k, v: None
     monkeypatch.setitem(sys.modules, "aiter", mod)
     fn, reason = aiter_ops.load_paged_attention_ragged()
+    assert fn is None and "not the verified" in reason
+    fn, reason = aiter_ops.load_batch_prefill()
     assert fn is None and "not the verified" in reason
     monkeypatch.setattr(aiter_ops, "arch_reason", lambda device: None)
     h = Harness(ROCmBackend, "cpu", contract.SMALL, size=128, size_swa=32)
@@ -242,20 +244,10 @@ def test_block_table_from_csr_names_the_page_of_each_span():
     assert table.tolist() == [[3, 7, 2, 0], [5, 9, 1, 0]]
 
 
-def test_npu_store_uses_reshape_and_cache_for_half_pools(monkeypatch):
-    """Against a stand-in torch_npu whose op writes key_cache[slot // block, slot % block] = key."""
-    seen = []
-
-    def reshape_and_cache(key, value, key_cache, value_cache, slot_indices):
-        assert slot_indices.dtype == torch.int32 and key_cache.dim() == 4 and key.dtype == key_cache.dtype
-        block = key_cache.shape[1]
-        for i, s in enumerate(slot_indices.tolist()):
-            key_cache[s // block, s % block] = key[i]
-            value_cache[s // block, s % block] = value[i]
-        seen.append(block)
-
-    monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(_npu_reshape_and_cache=reshape_and_cache))
+def test_npu_store_uses_reshape_and_cache_for_half_pools(npu_standin):
+    """fp16/bf16 pools store through the ATB reshape-and-cache stand-in (schema-checked); fp32 through torch."""
     loc = torch.tensor([5, 130, 17])
+    op = npu_standin.mod._npu_reshape_and_cache
     for dtype, scale in ((torch.float16, None), (torch.bfloat16, 2.0), (torch.float32, None)):
         k_buf, v_buf = torch.zeros(2 * 128, 2, 16, dtype=dtype), torch.zeros(2 * 128, 2, 8, dtype=dtype)
         k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 8)
@@ -264,80 +256,115 @@ def test_npu_store_uses_reshape_and_cache_for_half_pools(monkeypatch):
         assert torch.equal(k, k_in)
         assert torch.equal(k_buf[loc], (k / (scale or 1.0)).to(dtype))
         assert torch.equal(v_buf[loc], (v / (scale or 1.0)).to(dtype))
-    assert seen == [128, 128], "fp16/bf16 pools go through the op, fp32 through hwkv's torch store"
+    assert [c["key_cache"].shape[1] for c in op.calls] == [128, 128], "fp16/bf16 through the op, fp32 through torch"
 
 
-def _pages_to_slots(plan, b, n):
-    p = plan.block_size
-    return (plan.block_table[b].long()[:, None] * p + torch.arange(p)).reshape(-1)[:n]
+def _npu_calls(mod):
+    return {"v1": len(mod.npu_fused_infer_attention_score.calls),
+            "v1.out": len(mod.npu_fused_infer_attention_score.out.calls),
+            "v2": len(mod.npu_fused_infer_attention_score_v2.calls),
+            "v2.out": len(mod.npu_fused_infer_attention_score_v2.out.calls)}
 
 
-def _fake_fia_decode(calls):
-    """npu_fused_infer_attention_score with Q_S = 1 as documented: pages of block_table, the first
-    kv_lens[b] tokens, atten_mask True = masked."""
-    def fia_decode(q, k_buf, v_buf, plan, scaling, out):
-        g = q.shape[1] // k_buf.shape[1]
-        for b in range(q.shape[0]):
-            n = plan.kv_lens[b]
-            slots = _pages_to_slots(plan, b, n)
-            if plan.mask is not None:
-                assert plan.mask.shape[-1] >= plan.block_table.shape[1] * plan.block_size
-                slots = slots[~plan.mask[b, 0, 0, :n]]
-            k = k_buf[slots].float().repeat_interleave(g, 1)
-            v = v_buf[slots].float().repeat_interleave(g, 1)
-            logits = torch.einsum("hd,nhd->hn", q[b].float(), k) * scaling
-            out[b] = torch.einsum("hn,nhd->hd", torch.softmax(logits, -1), v).to(out.dtype)
-        calls.append(("decode", q.shape[0]))
-    return fia_decode
-
-
-def _fake_fia_extend(calls):
-    """Q_S > 1 with sparse_mode 3: query i of q_len sees keys j <= kv_len - q_len + i."""
-    def fia_extend(q, k_buf, v_buf, plan, scaling, rows, causal_mask, out):
-        assert causal_mask.shape == (2048, 2048) and bool(causal_mask[0, 1]) and not bool(causal_mask[1, 0])
-        g = q.shape[1] // k_buf.shape[1]
-        t0 = 0
-        for b, (ql, n) in enumerate(zip(plan.q_lens, plan.kv_lens)):
-            assert rows.req[t0:t0 + ql].eq(b).all() and rows.row[t0:t0 + ql].tolist() == list(range(ql))
-            slots = _pages_to_slots(plan, b, n)
-            k = k_buf[slots].float().repeat_interleave(g, 1)
-            v = v_buf[slots].float().repeat_interleave(g, 1)
-            logits = torch.einsum("qhd,nhd->hqn", q[t0:t0 + ql].float(), k) * scaling
-            hide = torch.arange(n)[None, :] > (n - ql + torch.arange(ql))[:, None]
-            probs = torch.softmax(logits.masked_fill(hide, float("-inf")), -1)
-            out[t0:t0 + ql] = torch.einsum("hqn,nhd->qhd", probs, v).to(out.dtype)
-            t0 += ql
-        calls.append(("extend", q.shape[0]))
-    return fia_extend
-
-
-@pytest.fixture
-def fake_fia(monkeypatch):
-    calls = []
-    monkeypatch.setattr(NPUBackend, "_fused_reason", lambda self: None)
-    monkeypatch.setattr(npu_ops, "fia_decode", _fake_fia_decode(calls))
-    monkeypatch.setattr(npu_ops, "fia_extend", _fake_fia_extend(calls))
-    return calls
-
-
-@pytest.mark.parametrize("page_size,window", [(16, 20), (16, 7), (128, 20)])
-def test_npu_fused_plans_match_reference(fake_fia, page_size, window):
+@pytest.mark.parametrize("page_size,window", [(16, 20), (16, 7), (128, 20), (128, 5)])
+def test_npu_fused_op_matches_reference(npu_standin, page_size, window):
+    """Decode (page tables, window head masks) and, at page sizes of 128, chunked prefill of full layers
+    (sparse_mode 3) and SWA layers (band sparse_mode 4, pre_tokens W - 1) through the schema stand-in."""
     g = ModelGeometry(num_layers=2, swa_every=2, window=window, num_heads=4, num_kv_heads=2, head_dim=16)
-    h = Harness(NPUBackend, "cpu", g, size=1024, size_swa=8 * page_size, page_size=page_size,
-                dtype=torch.float16)
+    h = Harness(NPUBackend, "cpu", g, size=1024, size_swa=8 * page_size, page_size=page_size, dtype=torch.float16)
+    assert h.backend.fused_reason is None
     run_scenario(h, steps=6, prompt_lens=(5, 37, 23), chunk=16)
-    kinds = {k for k, _ in fake_fia}
-    assert "decode" in kinds and ("extend" in kinds) == (page_size == 128)
+    calls = npu_standin.mod.npu_fused_infer_attention_score.calls
+    decodes = [c for c in calls if c["query"].shape[1] == 1]
+    extends = [c for c in calls if c["query"].shape[1] > 1]
+    assert decodes and bool(extends) == (page_size == 128)
+    assert {c["sparse_mode"] for c in extends} <= {3, 4}
+    assert all(c["pre_tokens"] == window - 1 and c["next_tokens"] == 0 for c in extends if c["sparse_mode"] == 4)
 
 
-def test_npu_fused_op_skips_what_it_cannot_compute(fake_fia):
+@pytest.mark.parametrize("v2_sinks", [True, False], ids=["v2-learnable-sink", "no-v2-sink"])
+def test_npu_sink_layers_take_v2_when_the_release_has_learnable_sink(npu_standin, v2_sinks):
+    npu_standin.use(v2_sinks=v2_sinks)
     g = ModelGeometry(num_layers=2, swa_every=2, window=9, num_heads=4, num_kv_heads=2, head_dim=16, sinks=True)
-    h = Harness(NPUBackend, "cpu", g, size=512, size_swa=128, page_size=16, dtype=torch.float16)
+    h = Harness(NPUBackend, "cpu", g, size=1024, size_swa=256, page_size=128, dtype=torch.float16)
     run_scenario(h, steps=3, prompt_lens=(5, 20), chunk=16)
-    assert fake_fia == []  # sinks: every layer ran the torch kernel (and matched the reference)
+    calls = _npu_calls(npu_standin.mod)
+    assert (calls["v2"] > 0) == v2_sinks and calls["v1"] == 0
+    if v2_sinks:
+        assert all(c["learnable_sink"] is not None for c in npu_standin.mod.npu_fused_infer_attention_score_v2.calls)
+
+
+def test_npu_falls_back_per_layer_for_what_the_op_cannot_compute(npu_standin):
+    """Soft-cap on the SWA layers only (the full layer keeps the fused op), then an fp32 pool (no layer)."""
+    g = ModelGeometry(num_layers=2, swa_every=2, window=9, num_heads=4, num_kv_heads=2, head_dim=16)
+    h = Harness(NPUBackend, "cpu", g, size=512, size_swa=128, page_size=16, dtype=torch.float16)
+    for layer in h.layers:
+        if layer.window is not None:
+            layer.logit_cap = 5.0
+    run_scenario(h, steps=3, prompt_lens=(5, 20), chunk=16)
+    calls = npu_standin.mod.npu_fused_infer_attention_score.calls
+    assert calls and all(c["query"].shape[2] == 4 and c["atten_mask"] is None for c in calls), "full layers only"
+    n = len(calls)
     h = Harness(NPUBackend, "cpu", contract.SMALL, size=512, size_swa=128, page_size=16)  # fp32 pool
     run_scenario(h, steps=2, prompt_lens=(5,), chunk=16)
-    assert fake_fia == []
+    assert len(calls) == n
+
+
+@pytest.mark.parametrize("page_size,mode,tpr", [(16, ForwardMode.DECODE, 1), (128, ForwardMode.TARGET_VERIFY, 3)],
+                         ids=["decode", "verify"])
+def test_npu_graph_replays_run_the_fused_op_with_updated_lengths(npu_standin, page_size, mode, tpr):
+    """Graph replays take the fused op's `.out` in task groups; pre_replay updates every group with this
+    forward's lengths (the stand-in replays the groups' updated arguments, as a device graph would)."""
+    g = ModelGeometry(num_layers=2, swa_every=2, window=7, num_heads=4, num_kv_heads=2, head_dim=16)
+    h = Harness(NPUBackend, "cpu", g, size=1024, size_swa=16 * page_size, page_size=page_size, dtype=torch.float16)
+    h.enable_graphs([1, 2, 4], npu_standin.graphs(), mode=mode, tokens_per_req=tpr)
+    rids = [h.add_request() for _ in range(3)]
+    h.forward(rids, [5, 19, 9], ForwardMode.EXTEND)
+    for step in range(4):
+        h.forward(rids[:2 + step % 2], [tpr] * (2 + step % 2), mode)  # checked against the reference inside
+        h.release()
+    assert h.runner.replays == 4
+    out_calls = npu_standin.mod.npu_fused_infer_attention_score.out.calls
+    assert out_calls and all(c["workspace"] is not None for c in out_calls)
+
+
+def test_npu_graph_without_updates_is_caught(npu_standin, monkeypatch):
+    """A replay whose task groups were not updated: the stand-in runtime refuses it (the device would wait
+    forever on the group's event); updates that keep the captured lengths fail the reference check."""
+    from hwkv.errors import ReferenceMismatchError
+    from hwkv.testing.vendor_schemas import VendorCallError
+    from hwkv_npu import graph as npu_graph
+
+    g = ModelGeometry(num_layers=2, swa_every=2, window=7, num_heads=4, num_kv_heads=2, head_dim=16)
+
+    def run():
+        h = Harness(NPUBackend, "cpu", g, size=1024, size_swa=256, page_size=16, dtype=torch.float16)
+        h.enable_graphs([2], npu_standin.graphs())
+        rids = [h.add_request() for _ in range(2)]
+        h.forward(rids, [5, 19], ForwardMode.EXTEND)
+        h.forward(rids, [1, 1], ForwardMode.DECODE)
+
+    with monkeypatch.context() as m:
+        m.setattr(npu_graph, "update_tasks", lambda tasks, stream: None)
+        with pytest.raises(VendorCallError, match="not updated since the last replay"):
+            run()
+    with monkeypatch.context() as m:
+        frozen = {}
+
+        def stale_kwargs(self):
+            kw = fia.kwargs_for(self.plan, self.layer, self.decode, self.env, self.mask2048, self.bs)
+            return frozen.setdefault(id(self), kw)  # the lengths of the first issue (capture), forever
+
+        m.setattr(fia.FIACall, "kwargs", stale_kwargs)
+        with pytest.raises(ReferenceMismatchError):
+            run()
+
+
+def test_npu_env_reads_the_installed_schemas(npu_standin):
+    env = fia.load_env(npu_standin.mod)
+    assert env.fused and env.sinks and env.graph and env.scale_kw == "scale"
+    env = fia.load_env(npu_standin.use(v2_sinks=False).mod)
+    assert env.fused and not env.sinks and "learnable_sink" in env.sinks_why
 
 
 # ---- on the devices ---------------------------------------------------------------------------------
@@ -404,7 +431,7 @@ def test_npu_on_device(page_size):
 
 @needs_interpreter
 @pytest.mark.interpret
-def test_rocm_int32_lists_are_allocated_once_and_filled_live_only(fake_aiter, monkeypatch):
+def test_rocm_int32_lists_are_allocated_once_and_filled_live_only(standin_aiter, monkeypatch):
     """A second runner must not reallocate the int32 lists a captured decode graph reads, and a refill
     writes the live entries of the full list only (never max_bs x context of copy per replay)."""
     from hwkv import ops

@@ -75,7 +75,9 @@ def _recorded(fn: Callable[[], torch.Tensor]) -> Tuple[torch.Tensor, Dict[int, s
     rec = _Recorder()
     patched = []
     for cls in _triton_classes():
-        original = cls.run
+        original = getattr(cls, "run", None)
+        if original is None:  # e.g. Triton 3.4's InterpretedFunction launches through another method
+            continue
 
         def run(self, *args, __orig=original, **kwargs):  # noqa: ANN001
             rec.note_reads(f"triton {getattr(self, '__name__', 'kernel')}", list(args) + list(kwargs.values()))

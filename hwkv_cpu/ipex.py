@@ -1,0 +1,380 @@
+"""IPEX (intel_extension_for_pytorch) paged-attention ops over hwkv's pools: probe, per-forward plan, wrappers.
+
+What was verified, and where. The API is `ipex.llm.modules.PagedAttention` (IPEX 2.8.0,
+intel_extension_for_pytorch/llm/modules/mha_fusion.py), which hands CPU tensors to
+`_IPEXPagedAttentionCPU` (transformers/models/cpu/fusions/mha_fusion.py) and so to
+`torch.ops.torch_ipex.*`. The behaviour below was measured by running the 2.8.0+cpu wheel against
+`hwkv.reference` (tests/test_ipex.py keeps those checks; docs/devices.md, "IPEX", has the run):
+- Cache layout: the CPU kernels read K/V caches as [num_blocks, num_kv_heads, block_size, head_size]
+  (the layout `single_query_cached_kv_attention`'s docstring gives; `reshape_and_cache`'s docstring
+  says otherwise and is wrong). `flash_attn_varlen_func` ignores strides, so hwkv's token-major pool
+  [S, KVH, D] fits only as block_size 1: the contiguous view [S, KVH, 1, D]. hwkv uses block_size 1 for
+  every op, so a request's block table is its index list (slots, int32) and any page size works.
+- `reshape_and_cache`: key/value dtype must equal the cache's (TORCH_CHECK), slot_mapping int32.
+- `single_query_cached_kv_attention`: int32 tables, head_mapping int32 [H] (q head -> KV head); q must be
+  contiguous (a strided q gave wrong results); window_size = W in hwkv's meaning (key j visible to
+  query i iff j > i - W); softcap s = cap * tanh(scale * q.k / cap); window_size together with softcap
+  is refused (TORCH_CHECK). hwkv's decode window lists already hold exactly the visible keys, so a
+  layer reading its own window list needs no window argument at all.
+- `flash_attn_varlen_func`: is_causal must be True; queries are the last q_len keys of each request;
+  window_size_left = W - 1 with window_size_right = 0, and window_size_left = 0 means no window (so
+  W = 1 cannot be expressed); softcap works with or without a window; GQA; fp32, bf16, fp16.
+- None of the ops takes attention sinks; fp8 caches are e5m2 only with kv_cache_dtype="fp8" (hwkv's
+  e4m3fn pools and K/V scales take the torch path); a V head dim unlike K's corrupted the heap in the
+  varlen op, so such layers are never handed to IPEX.
+IPEX pins torch's major.minor (its __init__ refuses any other), so the probe compares versions from
+package metadata before importing anything. Nothing here translates locations: the tables are read off
+the index lists the core built (SWA slots already for SWA layers).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from hwkv.metadata import KVIndexList, block_table_from_csr, cumsum_into
+from hwkv.ops import store_kv_torch
+
+MODULE = "intel_extension_for_pytorch"
+DIST = "intel-extension-for-pytorch"
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INT32_MAX = 2**31 - 1
+
+# Argument names of ipex.llm.modules.PagedAttention in IPEX 2.8.0 (llm/modules/mha_fusion.py); called by
+# keyword, so another release's order cannot shift an argument; any other set of names is not called.
+SIGNATURES = {
+    "reshape_and_cache": ("key", "value", "key_cache", "value_cache", "slot_mapping", "kv_cache_dtype",
+                          "k_scale", "v_scale"),
+    "single_query_cached_kv_attention": (
+        "output", "query", "key_cache", "value_cache", "head_mapping", "scale", "block_tables",
+        "context_lens", "block_size", "max_context_len", "alibi_slopes", "window_size", "k_scale",
+        "v_scale", "softcap"),
+    "flash_attn_varlen_func": (
+        "output", "query", "key_cache", "value_cache", "cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q",
+        "max_seqlen_kv", "scale", "is_cusal", "block_tables", "alibi_slopes", "window_size_left",
+        "window_size_right", "kv_cache_dtype", "k_scale", "v_scale", "softcap"),
+}
+
+
+# ---- probe -----------------------------------------------------------------------------------------
+
+def _major_minor(version: str) -> str:
+    m = re.match(r"(\d+\.\d+)", version)
+    return m.group(1) if m else ""
+
+
+def installed_reason() -> Optional[str]:
+    """None when IPEX is installed for this torch (nothing imported), else why not."""
+    if importlib.util.find_spec(MODULE) is None:
+        return f"{MODULE} is not installed (pip install 'hwkv[ipex]')"
+    try:
+        version = importlib.metadata.version(DIST)
+    except importlib.metadata.PackageNotFoundError:
+        return f"{MODULE} is importable but its distribution {DIST} has no metadata"
+    if _major_minor(version) != _major_minor(torch.__version__):
+        return f"IPEX {version} needs torch {_major_minor(version)}.*, this is torch {torch.__version__}"
+    return None
+
+
+@dataclass(frozen=True)
+class IpexOps:
+    """The three `PagedAttention` class methods, their argument names checked against SIGNATURES."""
+
+    reshape_and_cache: Any
+    single_query_cached_kv_attention: Any
+    flash_attn_varlen_func: Any
+    version: str
+
+
+_LOADED: Optional[Tuple[Optional[IpexOps], str]] = None
+
+
+def load() -> Tuple[Optional[IpexOps], str]:
+    """(the ops, "") when IPEX is installed with the verified API; otherwise (None, why not). Imports IPEX
+    at the first call; later calls (the store, per layer) read the kept answer."""
+    global _LOADED
+    if _LOADED is None:
+        _LOADED = _load()
+    return _LOADED
+
+
+def _load() -> Tuple[Optional[IpexOps], str]:
+    reason = installed_reason()
+    if reason is not None:
+        return None, reason
+    try:
+        import intel_extension_for_pytorch as ipex
+        paged = ipex.llm.modules.PagedAttention
+    except (ImportError, OSError, AttributeError) as e:  # kept and reported (status), never silent
+        return None, f"import {MODULE} failed: {type(e).__name__}: {e}"
+    fns = {}
+    for name, want in SIGNATURES.items():
+        fn = getattr(paged, name, None)
+        if fn is None:
+            return None, f"IPEX {ipex.__version__}: PagedAttention has no {name}"
+        got = tuple(inspect.signature(fn).parameters)
+        if got != want:
+            return None, f"IPEX {ipex.__version__}: PagedAttention.{name} takes {got}, hwkv verified only {want}"
+        fns[name] = fn
+    return IpexOps(version=str(ipex.__version__), **fns), ""
+
+
+# ---- what each op can run ---------------------------------------------------------------------------
+
+def layer_reason(q: torch.Tensor, layer: Any, kv: KVIndexList, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                 decode: bool) -> Optional[str]:
+    """None when IPEX's op for this mode runs this layer exactly here, else why the layer falls back."""
+    if layer.sinks is not None:
+        return "IPEX paged attention takes no attention sinks"
+    if q.dtype not in DTYPES or not (q.dtype == k_buf.dtype == v_buf.dtype):
+        return f"IPEX needs q and the pool in one of fp32/bf16/fp16, got q {q.dtype}, pool {k_buf.dtype}"
+    if layer.k_scale not in (None, 1.0) or layer.v_scale not in (None, 1.0):
+        return "IPEX scales only e5m2 fp8 caches; K/V scales take the torch path"
+    if v_buf.shape[2] != k_buf.shape[2]:
+        return f"IPEX needs equal K/V head dims, got {k_buf.shape[2]} and {v_buf.shape[2]}"
+    if decode:
+        if layer.window is not None and kv.window != layer.window and layer.logit_cap:
+            return "single_query_cached_kv_attention refuses a window together with softcap"
+    elif layer.window == 1:
+        return "flash_attn_varlen_func reads window_size_left=0 (W=1) as no window"
+    return None
+
+
+def decode_window(layer: Any, kv: KVIndexList) -> int:
+    """window_size for single_query_cached_kv_attention: -1 when the list holds only visible keys."""
+    return -1 if layer.window is None or kv.window == layer.window else int(layer.window)
+
+
+# ---- per-forward plan ---------------------------------------------------------------------------------
+
+@dataclass
+class IpexList:
+    """One index list as IPEX takes it: a block table from the page holding the list's first key."""
+
+    table: torch.Tensor     # int32 [bs, width]: pages (slots when block_size is 1), 0 past the list
+    kv_lens: torch.Tensor   # int32 [bs]: keys from the first table entry's start (listed + pos0 % block)
+    cu_kv: torch.Tensor     # int32 [bs + 1]: their cumulative sums
+    max_kv: int             # host bound on any request's kv_lens
+
+
+def plan_list(kv: KVIndexList, width: int, block: int = 1, out: Optional["GraphTables"] = None) -> IpexList:
+    """The list's block table and lengths: a few torch ops, no host read. With `out` (graph mode) they are
+    written into its static buffers' [:bs] rows. With block > 1 the table starts at the page of the first
+    listed key, whose earlier keys a window mask must hide (IPEX's window arguments do)."""
+    bs = kv.pos0.shape[0]
+    table = block_table_from_csr(kv.indptr, kv.indices, kv.pos0, block, width)
+    lens = kv.indptr[1:] - kv.indptr[:-1]
+    if block > 1:
+        lens = lens + (kv.pos0 % block).to(lens.dtype)
+    cu = kv.indptr if block == 1 else cumsum_into(lens, torch.empty_like(kv.indptr))
+    if out is not None:
+        w = kv.window
+        table = out.tables[w][:bs].copy_(table)
+        lens = out.lens[w][:bs].copy_(lens)
+        cu = out.cu[w][:bs + 1].copy_(cu)
+    return IpexList(table, lens.to(torch.int32), cu.to(torch.int32), int(kv.max_len) + block - 1)
+
+
+@dataclass
+class GraphTables:
+    """Static IPEX tables per list (None: the full list), allocated once by init_graph_state and shared
+    by every runner; sized for any batch of the graph state."""
+
+    tables: Dict[Optional[int], torch.Tensor]
+    lens: Dict[Optional[int], torch.Tensor]
+    cu: Dict[Optional[int], torch.Tensor]
+
+    @classmethod
+    def alloc(cls, max_bs: int, max_num_tokens: int, context: int, windows: Tuple[int, ...],
+              device: torch.device, block: int = 1) -> "GraphTables":
+        keys = {None: context, **{w: min(context, w + max_num_tokens - 1) for w in windows}}
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls({w: torch.zeros(max_bs, -(-(n + block - 1) // block), **i32) for w, n in keys.items()},
+                   {w: torch.zeros(max_bs, **i32) for w in keys},
+                   {w: torch.zeros(max_bs + 1, **i32) for w in keys})
+
+    def width(self, window: Optional[int]) -> int:
+        return self.tables[window].shape[1]
+
+
+# ---- the ops, as torch custom ops (opaque to torch.compile; they write only their outputs) -------------
+
+def _cache(buf: torch.Tensor) -> torch.Tensor:
+    """The pool [S, KVH, D] as IPEX's CPU cache [num_blocks=S, KVH, block_size=1, D]: a view."""
+    return buf.unsqueeze(2)
+
+
+@torch.library.custom_op("hwkv_cpu::ipex_store_kv", mutates_args=("k_buf", "v_buf"), device_types="cpu")
+def _store_op(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+    ops, _ = load()
+    # PagedAttention.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, ...):
+    # IPEX 2.8.0 llm/modules/mha_fusion.py; int32 slot_mapping, dtypes equal to the cache's
+    ops.reshape_and_cache(key=k, value=v, key_cache=_cache(k_buf), value_cache=_cache(v_buf),
+                          slot_mapping=loc.to(torch.int32), kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0)
+
+
+@_store_op.register_fake
+def _store_fake(*args, **kwargs) -> None:
+    return None
+
+
+@torch.library.custom_op("hwkv_cpu::ipex_decode", mutates_args=("out",), device_types="cpu")
+def _decode_op(out: torch.Tensor, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+               head_mapping: torch.Tensor, table: torch.Tensor, kv_lens: torch.Tensor, scale: float,
+               max_kv: int, window: int, softcap: float) -> None:
+    ops, _ = load()
+    # PagedAttention.single_query_cached_kv_attention: IPEX 2.8.0 llm/modules/mha_fusion.py (argument
+    # names in SIGNATURES); q contiguous, int32 tables, block_size 1 over the [S, KVH, 1, D] view
+    ops.single_query_cached_kv_attention(
+        output=out, query=q.contiguous(), key_cache=_cache(k_buf), value_cache=_cache(v_buf),
+        head_mapping=head_mapping, scale=scale, block_tables=table, context_lens=kv_lens, block_size=1,
+        max_context_len=max_kv, alibi_slopes=None, window_size=window, k_scale=1.0, v_scale=1.0,
+        softcap=softcap)
+
+
+@_decode_op.register_fake
+def _decode_fake(*args, **kwargs) -> None:
+    return None
+
+
+@torch.library.custom_op("hwkv_cpu::ipex_extend", mutates_args=("out",), device_types="cpu")
+def _extend_op(out: torch.Tensor, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+               cu_q: torch.Tensor, cu_kv: torch.Tensor, table: torch.Tensor, max_q: int, max_kv: int,
+               scale: float, window: int, softcap: float) -> None:
+    ops, _ = load()
+    # PagedAttention.flash_attn_varlen_func: IPEX 2.8.0 llm/modules/mha_fusion.py; causal only, queries
+    # bottom-right aligned, window_size_left = W - 1 (0 would mean none), block_size 1 (strides ignored)
+    ops.flash_attn_varlen_func(
+        output=out, query=q, key_cache=_cache(k_buf), value_cache=_cache(v_buf), cu_seqlens_q=cu_q,
+        cu_seqlens_kv=cu_kv, max_seqlen_q=max_q, max_seqlen_kv=max_kv, scale=scale, is_cusal=True,
+        block_tables=table, alibi_slopes=None, window_size_left=window - 1 if window > 0 else -1,
+        window_size_right=0 if window > 0 else -1, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
+        softcap=softcap)
+
+
+@_extend_op.register_fake
+def _extend_fake(*args, **kwargs) -> None:
+    return None
+
+
+def decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, lst: IpexList, head_mapping: torch.Tensor,
+           out: torch.Tensor, scaling: float, window: int, logit_cap: float) -> None:
+    """out [B, H, D] for one query per request over its listed keys (window -1: every listed key)."""
+    torch.ops.hwkv_cpu.ipex_decode(out, q, k_buf, v_buf, head_mapping, lst.table, lst.kv_lens, float(scaling),
+                                   lst.max_kv, window, float(logit_cap) if logit_cap else -1.0)
+
+
+def extend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, lst: IpexList, qo_indptr: torch.Tensor,
+           max_q: int, out: torch.Tensor, scaling: float, window: Optional[int], logit_cap: float) -> None:
+    """out [T, H, D] for each request's queries, the last of its listed keys, causal and windowed by W."""
+    torch.ops.hwkv_cpu.ipex_extend(out, q, k_buf, v_buf, qo_indptr, lst.cu_kv, lst.table, int(max_q), lst.max_kv,
+                                   float(scaling), int(window or 0), float(logit_cap) if logit_cap else -1.0)
+
+
+def head_mapping(num_heads: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+    """int32 [H]: the KV head each q head reads."""
+    group = num_heads // num_kv_heads
+    return torch.div(torch.arange(num_heads, device=device), group, rounding_mode="floor").to(torch.int32)
+
+
+# ---- K/V store ----------------------------------------------------------------------------------------
+
+def store_reason(k_buf: torch.Tensor, v_buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 k_scale: Optional[float], v_scale: Optional[float]) -> Optional[str]:
+    """None when reshape_and_cache stores these K/V exactly, else why the torch store runs."""
+    if k_scale not in (None, 1.0) or v_scale not in (None, 1.0):
+        return "K/V scales"
+    if k_buf.dtype not in DTYPES or not (k.dtype == v.dtype == k_buf.dtype == v_buf.dtype):
+        return f"dtypes: k {k.dtype}, v {v.dtype}, pool {k_buf.dtype}"
+    if v_buf.shape[2] != k_buf.shape[2] or not (k_buf.is_contiguous() and v_buf.is_contiguous()):
+        return "V head dim differs from K's, or a strided pool"
+    if k_buf.shape[0] > INT32_MAX:
+        return "slots past int32"
+    return None
+
+
+def store_kv_prechecked(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor, k_scale: Optional[float] = None, v_scale: Optional[float] = None) -> None:
+    """The pool's store (loc and shapes already checked by the pool): reshape_and_cache where it stores
+    exactly, the torch store otherwise. Registered for "cpu" only when IPEX is installed."""
+    if load()[0] is None or store_reason(k_buf, v_buf, k, v, k_scale, v_scale) is not None:
+        store_kv_torch(k_buf, v_buf, loc, k, v, k_scale, v_scale)
+        return
+    torch.ops.hwkv_cpu.ipex_store_kv(k_buf, v_buf, loc, k, v)
+
+
+def status() -> Tuple[bool, str]:
+    """(IPEX paged attention in use, why / what for) for `hwkv info` and the backend."""
+    ops, why_not = load()
+    if ops is None:
+        return False, why_not
+    return True, (f"IPEX {ops.version}: single_query_cached_kv_attention for decode of fp32/bf16/fp16 layers with "
+                  "equal K/V head dims, no sinks and no K/V scale (not a window over the full list with softcap); "
+                  "flash_attn_varlen_func for extend only with ipex_extend=True (slower here), not with W=1")
+
+
+# ---- Intel GPU (hwkv_xpu, opt-in) ------------------------------------------------------------------------
+# Read in the IPEX source, not run (no Intel GPU here): intel/intel-extension-for-pytorch,
+# intel_extension_for_pytorch/transformers/models/xpu/fusions/mha_fusion.py, `_IPEXPagedAttentionXPU`:
+# - flash_attn_varlen_func takes block_size = k_cache.size(1), i.e. caches [num_blocks, block_size, KVH, D]:
+#   hwkv's pool [S, KVH, D] viewed as [S / P, P, KVH, D], no copy; it forwards window_size_left/right and
+#   softcap to torch_ipex.chunked_prefill; no sinks argument;
+# - an fp8 cache is converted whole (k_cache.to(q.dtype) * k_scale) on every call, and a head dim that is
+#   not a multiple of 64 pads every block the table names, also on every call: such layers stay on Triton;
+# - single_query_cached_kv_attention there takes a kv dtype before window_size and does not pass
+#   window_size on: hwkv_xpu does not call it (decode runs the varlen op with one query per request).
+# The window convention (W - 1, as measured on CPU), causal alignment and the block sizes the XPU kernel
+# accepts could not be checked here, so hwkv_xpu uses this path only with XPUBackend(..., ipex=True).
+XPU_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def xpu_reason() -> Optional[str]:
+    """None when an XPU build of IPEX with the verified API is importable, else why not (imports IPEX)."""
+    ops, why_not = load()
+    if ops is None:
+        return why_not
+    if "xpu" not in ops.version:
+        return f"IPEX {ops.version} is not an XPU build"
+    return None
+
+
+def xpu_layer_reason(q: torch.Tensor, layer: Any, k_buf: torch.Tensor, v_buf: torch.Tensor) -> Optional[str]:
+    """None when IPEX's XPU flash_attn_varlen_func runs this layer without per-call copies, else why not."""
+    if layer.sinks is not None:
+        return "IPEX paged attention takes no attention sinks"
+    if q.dtype not in XPU_DTYPES or not (q.dtype == k_buf.dtype == v_buf.dtype):
+        return f"fp16/bf16 q and pool only, got q {q.dtype}, pool {k_buf.dtype}"
+    if layer.k_scale not in (None, 1.0) or layer.v_scale not in (None, 1.0):
+        return "K/V scales: IPEX XPU converts the whole fp8 cache per call"
+    if v_buf.shape[2] != k_buf.shape[2] or k_buf.shape[2] % 64:
+        return f"head dims {k_buf.shape[2]}/{v_buf.shape[2]}: IPEX XPU pads every block unless 64 | D = Dv"
+    if layer.window == 1:
+        return "window_size_left=0 (W=1) reads as no window"
+    return None
+
+
+def xpu_caches(k_buf: torch.Tensor, v_buf: torch.Tensor, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The pool [S, KVH, D] as IPEX's XPU caches [S / P, P, KVH, D]: views, no copy."""
+    s, kvh = k_buf.shape[0], k_buf.shape[1]
+    return k_buf.view(s // block, block, kvh, k_buf.shape[2]), v_buf.view(s // block, block, kvh, v_buf.shape[2])
+
+
+def varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lst: IpexList, qo_indptr: torch.Tensor,
+           max_q: int, out: torch.Tensor, scaling: float, window: Optional[int], logit_cap: float) -> None:
+    """IPEX's flash_attn_varlen_func, called directly on caches in the device's layout (hwkv_xpu: `xpu_caches`)
+    with the plan's block tables; decode is one query per request."""
+    ops, _ = load()
+    # PagedAttention.flash_attn_varlen_func: IPEX llm/modules/mha_fusion.py (names in SIGNATURES); on XPU
+    # transformers/models/xpu/fusions/mha_fusion.py _IPEXPagedAttentionXPU.flash_attn_varlen_func
+    ops.flash_attn_varlen_func(
+        output=out, query=q, key_cache=k_cache, value_cache=v_cache, cu_seqlens_q=qo_indptr,
+        cu_seqlens_kv=lst.cu_kv, max_seqlen_q=int(max_q), max_seqlen_kv=lst.max_kv, scale=float(scaling),
+        is_cusal=True, block_tables=lst.table, alibi_slopes=None,
+        window_size_left=window - 1 if window else -1, window_size_right=0 if window else -1,
+        kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, softcap=float(logit_cap) if logit_cap else -1.0)

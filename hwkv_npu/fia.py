@@ -1,0 +1,277 @@
+"""torch_npu's fused infer attention for the NPU backend: which layers it computes (`decide`), the plans
+it reads (page tables and host lengths, once per forward), and its eager and graph calls.
+
+Verified in Ascend/op-plugin (the stand-ins in hwkv.testing.vendor_schemas.npu carry the same schemas):
+- docs/context/torch_npu-npu_fused_infer_attention_score.md: page attention takes `block_table` int32
+  [B, >= max blocks], `block_size`, host `actual_seq_lengths_kv` and caches [blocks, block_size, KVH*D]
+  for BSH/BSND; fp16/bf16 query, key/value of one shape (so D == Dv) in the query's dtype (int8 only with
+  antiquant scales: no fp8 KV); no soft-cap argument; num_heads/num_key_value_heads <= 64, N <= 256,
+  D <= 512 and a multiple of 16, KV_N * D <= 65535. With Q_S == 1 the op ignores pre_tokens,
+  next_tokens and sparse_mode: decode windows are trimmed by the index list plus a bool mask
+  [B, 1, 1, KV_S] (True = masked) over the keys before the window on its first page. With Q_S > 1,
+  page attention needs block_size a multiple of 128 in [128, 512]; sparse_mode 3 is causal and 4 a band
+  between pre_tokens and next_tokens, both measured from the bottom-right corner (docs
+  "sparse_mode参数说明"), with the compressed 2048 x 2048 lower-triangular mask: SWA prefill is
+  sparse_mode 4 with pre_tokens = W - 1 (`hwkv.window.window_left`), next_tokens = 0.
+- docs/context/torch_npu-npu_fused_infer_attention_score_v2.md and op-plugin's v2 kernel source
+  (`npu_fused_infer_attention_score_v2_symint` and its `_out_symint`, which take `learnable_sink` and
+  hand it to aclnnFusedInferAttentionScoreV4; the `.out` form takes `workspace`): one logit per
+  query head in the softmax denominator (torch_npu's v2 test computes it so): sink layers take v2 when
+  the installed release has it (vllm-ascend passes the model's sinks there the same way).
+- graphs (docs/context/torch_npu-npu-graph_task_group_begin.md, ..._update_begin.md): inside capture an
+  ExternalEvent is waited and reset, the `.out` overload runs between graph_task_group_begin/end with a
+  workspace from `_npu_fused_infer_attention_score_get_max_workspace` (same arguments), and before
+  every replay graph_task_update_begin/end re-issues it on another stream with the new host lengths,
+  then records the event (hwkv_npu.graph does that from the adapter's pre_replay hook).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from hwkv.paths import FUSED, TORCH, LayerPath
+from hwkv.window import window_left
+
+FIA_DTYPES = (torch.float16, torch.bfloat16)
+FIA_MASK_SIZE = 2048  # sparse_mode 2/3/4 take a compressed 2048 x 2048 causal mask
+INT_MAX = 2147483647
+V1, V2 = "npu_fused_infer_attention_score", "npu_fused_infer_attention_score_v2"
+V1_ARGS = ("block_table", "block_size", "actual_seq_lengths", "actual_seq_lengths_kv", "num_heads",
+           "num_key_value_heads", "input_layout", "atten_mask", "sparse_mode", "pre_tokens", "next_tokens")
+V2_ARGS = ("block_table", "block_size", "actual_seq_qlen", "actual_seq_kvlen", "num_query_heads",
+           "num_key_value_heads", "input_layout", "atten_mask", "sparse_mode", "pre_tokens", "next_tokens",
+           "softmax_scale", "learnable_sink")
+V1_TO_V2 = {"num_heads": "num_query_heads", "actual_seq_lengths": "actual_seq_qlen",
+            "actual_seq_lengths_kv": "actual_seq_kvlen"}
+GRAPH_API = ("graph_task_group_begin", "graph_task_group_end", "graph_task_update_begin", "graph_task_update_end",
+             "ExternalEvent")
+
+
+def _names(op: Any) -> Tuple[str, ...]:
+    """Argument names of a torch op overload or packet (its schema), () when absent."""
+    schema = getattr(op, "_schema", None) or getattr(getattr(op, "default", None), "_schema", None)
+    return tuple(a.name for a in schema.arguments) if schema is not None else ()
+
+
+@dataclass(frozen=True)
+class NPUEnv:
+    """What the installed torch_npu offers hwkv: the fused op, v2 with sinks, the graph update API."""
+
+    fused: bool
+    fused_why: str = ""
+    sinks: bool = False
+    sinks_why: str = ""
+    graph: bool = False
+    graph_why: str = ""
+    scale_kw: str = "scale"
+
+
+def load_env(mod: Any) -> NPUEnv:
+    """Read the ops' schemas of an imported torch_npu (no device work)."""
+    v1 = getattr(mod, V1, None)
+    names = _names(v1)
+    if not names:
+        return NPUEnv(False, f"torch_npu has no {V1}")
+    missing = [n for n in V1_ARGS if n not in names]
+    scale_kw = "scale" if "scale" in names else "scale_value"  # older releases name it scale_value
+    if missing or scale_kw not in names:
+        return NPUEnv(False, f"{V1} lacks {missing or ['scale']}")
+    v2_names = _names(getattr(mod, V2, None))
+    v2_missing = [n for n in V2_ARGS if n not in v2_names]
+    sinks_why = "" if not v2_missing else (f"{V2} lacks {v2_missing}" if v2_names else f"torch_npu has no {V2}")
+    rt = getattr(torch, "npu", None)
+    gaps = [n for n in GRAPH_API if not hasattr(rt, n)]
+    if getattr(v1, "out", None) is None:
+        gaps.append(f"{V1}.out")
+    if getattr(mod, f"_{V1}_get_max_workspace", None) is None:
+        gaps.append(f"_{V1}_get_max_workspace")
+    graph_why = f"torch_npu lacks the graph task-update API ({', '.join(gaps)})" if gaps else ""
+    return NPUEnv(True, "", not v2_missing, sinks_why, not gaps, graph_why, scale_kw)
+
+
+@dataclass(frozen=True)
+class LayerFacts:
+    """What decides a layer's path on the NPU."""
+
+    mode: str               # "decode" | "extend"
+    swa: bool
+    sinks: bool
+    logit_cap: float
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    head_dim: int
+    v_head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    scaled: bool
+    page_size: int
+    graph: bool = False
+    list_trimmed: bool = True
+
+
+def page_size_reason(mode: str, p: int) -> Optional[str]:
+    if mode == "decode" and p % 16:
+        return f"page size {p} (Q_S = 1 page attention: a multiple of 16)"
+    if mode == "extend" and (p % 128 or not 128 <= p <= 512):
+        return f"page size {p} (Q_S > 1 page attention: a multiple of 128 in [128, 512])"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def decide(f: LayerFacts, env: NPUEnv) -> LayerPath:
+    """The path one layer takes on the NPU (the backend per layer and `hwkv info` ask this, nothing else)."""
+    if not env.fused:
+        return LayerPath(TORCH, "torch", env.fused_why)
+    if f.graph and not env.graph:
+        return LayerPath(TORCH, "torch", f"graph replay: {env.graph_why}")
+    if f.logit_cap:
+        return LayerPath(TORCH, "torch", "soft-cap: the fused op (v1 and v2) has no soft-cap argument")
+    if f.kv_dtype != f.q_dtype or f.scaled:
+        return LayerPath(TORCH, "torch", f"KV {f.kv_dtype}{' with scales' if f.scaled else ''}: the fused op reads "
+                         "fp16/bf16 caches in the query's dtype (int8 only with antiquant scales; no fp8)")
+    if f.sinks and not env.sinks:
+        return LayerPath(TORCH, "torch", f"sinks: {env.sinks_why}")
+    if f.q_dtype not in FIA_DTYPES:
+        return LayerPath(TORCH, "torch", f"dtype {f.q_dtype} (the fused op takes fp16/bf16)")
+    h, kvh, d = f.num_heads, f.num_kv_heads, f.head_dim
+    if f.v_head_dim != d or d % 16 or d > 512 or h > 256 or h % kvh or h // kvh > 64 or kvh * d > 65535:
+        return LayerPath(TORCH, "torch", f"geometry H={h} KVH={kvh} D={d} Dv={f.v_head_dim} (one K/V shape, "
+                         "D % 16 == 0 and <= 512, H <= 256, H/KVH <= 64, KVH*D <= 65535)")
+    why = page_size_reason(f.mode, f.page_size)
+    if why is not None:
+        return LayerPath(TORCH, "torch", why)
+    if f.mode == "decode" and not f.list_trimmed:
+        return LayerPath(TORCH, "torch", "the index list is not trimmed to the layer's window")
+    op = f"torch_npu.{V2 if f.sinks else V1}"
+    how = {("decode", False): "page attention", ("decode", True): "window list + head mask",
+           ("extend", False): "sparse_mode 3", ("extend", True): "band sparse_mode 4, pre_tokens W-1"}[(f.mode, f.swa)]
+    notes = [how] + (["learnable_sink"] if f.sinks else []) + (["graph task update"] if f.graph else [])
+    return LayerPath(FUSED, op, f"supported ({', '.join(notes)})")
+
+
+def facts_of(mode: str, q: torch.Tensor, layer: Any, kv: Any, k_buf: torch.Tensor, v_buf: torch.Tensor,
+             page_size: int, graph: bool) -> LayerFacts:
+    return LayerFacts(mode, layer.window is not None, layer.sinks is not None, float(layer.logit_cap or 0.0),
+                      q.dtype, k_buf.dtype, q.shape[2], v_buf.shape[2], q.shape[1], k_buf.shape[1],
+                      layer.k_scale not in (None, 1.0) or layer.v_scale not in (None, 1.0), page_size, graph,
+                      layer.window is None or kv.window == layer.window)
+
+
+@dataclass
+class FIAPlan:
+    """One index list's inputs to the fused op for this forward (graph plans persist, refilled in place)."""
+
+    block_table: torch.Tensor           # int32 [bs, max_pages]
+    kv_lens: List[int]                  # host: keys from the list's first page start to seq_len
+    block_size: int
+    mask: Optional[torch.Tensor] = None  # decode windows: bool [bs, 1, 1, max_pages * P], True = masked
+    q_lens: Optional[List[int]] = None   # extend: query rows per request (host)
+
+
+def causal_mask(device: torch.device) -> torch.Tensor:
+    """The compressed 2048 x 2048 mask sparse_mode 3/4 take: True above the diagonal (masked)."""
+    return torch.ones(FIA_MASK_SIZE, FIA_MASK_SIZE, dtype=torch.bool, device=device).triu_(1)
+
+
+def kwargs_for(plan: FIAPlan, layer: Any, decode: bool, env: NPUEnv, mask2048: Optional[torch.Tensor],
+               bs: int) -> Dict[str, Any]:
+    """The op's keyword arguments (v1 names, or v2's for sink layers) for `bs` requests of `plan`."""
+    kw: Dict[str, Any] = dict(num_heads=layer.num_heads, num_key_value_heads=layer.num_kv_heads, input_layout="BSND",
+                              block_table=plan.block_table[:bs], block_size=plan.block_size,
+                              actual_seq_lengths_kv=list(plan.kv_lens[:bs]))
+    if decode:
+        kw["atten_mask"] = None if plan.mask is None else plan.mask[:bs]
+    else:
+        kw.update(atten_mask=mask2048, actual_seq_lengths=list(plan.q_lens[:bs]))
+        if layer.window is not None:
+            kw.update(sparse_mode=4, pre_tokens=window_left(layer.window), next_tokens=0)
+        else:
+            kw.update(sparse_mode=3)
+    if layer.sinks is None:
+        kw[env.scale_kw] = float(layer.scaling)
+        return kw
+    kw = {V1_TO_V2.get(k, k): v for k, v in kw.items()}
+    kw.update(softmax_scale=float(layer.scaling), learnable_sink=layer.sinks)
+    return kw
+
+
+def run_eager(mod: Any, q4: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, plan: FIAPlan, layer: Any,
+              decode: bool, env: NPUEnv, mask2048: Optional[torch.Tensor]) -> torch.Tensor:
+    """One functional call over q4 [B, S, H, D] (BSND); returns [B, S, H, Dv]."""
+    p, kvh = plan.block_size, k_buf.shape[1]
+    op = getattr(mod, V2 if layer.sinks is not None else V1)
+    out, _ = op(q4, k_buf.view(-1, p, kvh * k_buf.shape[2]), v_buf.view(-1, p, kvh * v_buf.shape[2]),
+                **kwargs_for(plan, layer, decode, env, mask2048, q4.shape[0]))
+    return out
+
+
+@dataclass
+class FIACall:
+    """One captured call site: the tensors it runs on (fixed at capture) and the plan whose host lengths
+    it reads when issued, at capture and at every task update."""
+
+    mod: Any
+    q4: torch.Tensor
+    k3: torch.Tensor
+    v3: torch.Tensor
+    out4: torch.Tensor
+    lse: torch.Tensor
+    workspace: torch.Tensor
+    plan: FIAPlan
+    layer: Any
+    decode: bool
+    env: NPUEnv
+    mask2048: Optional[torch.Tensor]
+    bs: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.bs = self.q4.shape[0]
+
+    def kwargs(self) -> Dict[str, Any]:
+        return kwargs_for(self.plan, self.layer, self.decode, self.env, self.mask2048, self.bs)
+
+    def issue(self) -> None:
+        """The `.out` overload with this forward's lengths (inside a task group at capture or update)."""
+        op = getattr(self.mod, V2 if self.layer.sinks is not None else V1).out
+        op(self.q4, self.k3, self.v3, workspace=self.workspace, **self.kwargs(), out=[self.out4, self.lse])
+
+
+def graph_call(mod: Any, q4: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out4: torch.Tensor,
+               plan: FIAPlan, layer: Any, decode: bool, env: NPUEnv, mask2048: Optional[torch.Tensor],
+               scratch: Callable[[Tuple[Any, ...], Callable[[], torch.Tensor]], torch.Tensor],
+               record: Callable[[Any, Any, FIACall], None]) -> None:
+    """The layer's fused call in a graph step: inside capture, its own task group (recorded for updates);
+    otherwise (warm-up, or a re-run replay) the `.out` overload on the same buffers."""
+    p, kvh = plan.block_size, k_buf.shape[1]
+    k3, v3 = k_buf.view(-1, p, kvh * k_buf.shape[2]), v_buf.view(-1, p, kvh * v_buf.shape[2])
+    bs = q4.shape[0]
+    lse = scratch(("lse", bs, q4.shape[1], layer.layer_id),
+                  lambda: torch.zeros(1, dtype=torch.float32, device=q4.device))
+    v2 = layer.sinks is not None
+    ws_fn = getattr(mod, f"_{V2 if v2 else V1}_get_max_workspace")
+    # one workspace per bucket and call shape, shared by the layers (they run one after another)
+    shape_key = ("workspace", v2, bs, q4.shape[1], q4.shape[2], kvh, q4.shape[3], p, decode, layer.window is not None)
+    workspace = scratch(shape_key, lambda: ws_fn(q4, k3, v3, **kwargs_for(plan, layer, decode, env, mask2048, bs)))
+    call = FIACall(mod, q4, k3, v3, out4, lse, workspace, plan, layer, decode, env, mask2048)
+    rt = torch.npu
+    if not rt.is_current_stream_capturing():
+        call.issue()
+        return
+    stream = rt.current_stream()
+    event = rt.ExternalEvent()  # the replay waits here until pre_replay's update records it
+    event.wait(stream)
+    event.reset(stream)
+    rt.graph_task_group_begin(stream)
+    call.issue()
+    handle = rt.graph_task_group_end(stream)
+    record(handle, event, call)
+
+
+def import_torch_npu() -> Any:
+    """torch_npu, imported on first use (it registers torch.npu and torch.ops.npu)."""
+    return importlib.import_module("torch_npu")
