@@ -17,12 +17,14 @@ import torch
 from hwkv import ops
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.checks import check_shape
+from hwkv.draft import DraftMetadataMixin
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, EvictedSlotError, ShapeError
 from hwkv.layer import AttentionLayer
 from hwkv.loc import KVWriteLoc, LocRuns, SWALocCache
 from hwkv.metadata import (ForwardMetadata, GraphViews, KVIndexList, StaticBuffers, alloc_static, check_fits,
                            cumsum_into, fill_list, window_pos0)
+from hwkv.spec import DraftTree, TreeMask, build_tree_mask, check_tree
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ def make_options(cls: Type[BackendOptions], options: Dict[str, Any]) -> BackendO
     return cls(**options)
 
 
-class AttentionBackend:
+class AttentionBackend(DraftMetadataMixin):
     """Template: metadata once per forward in the base class, kernels in the subclass."""
 
     name: ClassVar[str] = "base"
@@ -70,6 +72,7 @@ class AttentionBackend:
         self.forward_metadata: Optional[ForwardMetadata] = None
         self.static: Optional[StaticBuffers] = None
         self._views: Dict[Tuple[int, int], GraphViews] = {}
+        self._tree_static: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (mask_indptr, q_positions)
 
     # ---- subclass hooks -------------------------------------------------------------------
     def init_kernel_metadata(self, md: ForwardMetadata, batch: ForwardBatch, graph: bool) -> None:
@@ -112,10 +115,32 @@ class AttentionBackend:
                                           int(lens_cpu.max()) if bs else 0)
         md = ForwardMetadata(write_loc, swa, qo_indptr, q_pos0, full, windows,
                              int(ext_cpu.max()) if bs else 0, bs, batch.forward_mode.is_decode(),
-                             seq_lens_cpu=seq_cpu, extend_lens_cpu=ext_cpu)
+                             seq_lens_cpu=seq_cpu, extend_lens_cpu=ext_cpu,
+                             tree=self._tree_mask(batch, ext, qo_indptr, q_pos0, ext_cpu))
         self.init_kernel_metadata(md, batch, graph=False)
         self.forward_metadata = md
         return md
+
+    def _tree_mask(self, batch: ForwardBatch, ext: torch.Tensor, qo_indptr: torch.Tensor, q_pos0: torch.Tensor,
+                   ext_cpu: Optional[torch.Tensor], graph: bool = False) -> Optional[TreeMask]:
+        """The verify tree's kernel form (mask offsets, query positions), once per forward; None without one."""
+        info = batch.spec_info
+        if not isinstance(info, DraftTree):
+            return None
+        if batch.forward_mode != ForwardMode.TARGET_VERIFY:
+            raise ConfigError(f"a DraftTree belongs to a TARGET_VERIFY forward, not {batch.forward_mode.name}")
+        if info.mask.device != self.device:
+            raise ShapeError(f"DraftTree.mask lives on {info.mask.device}, the pool on {self.device}")
+        if ext_cpu is None:  # graph mode: equal draft counts per request, the mask's length is static
+            total = int(info.mask.shape[0])
+            per = batch.num_tokens // max(batch.batch_size, 1)
+            if total != batch.batch_size * per * per:
+                raise ShapeError(f"DraftTree.mask has {total} entries; {batch.batch_size} requests of {per} draft "
+                                 f"tokens need {batch.batch_size * per * per}")
+        else:
+            total = check_tree(info, ext_cpu, self.debug)
+        indptr, positions = self._tree_static if graph else (None, None)
+        return build_tree_mask(info, ext, qo_indptr, q_pos0, total, batch.num_tokens, indptr, positions)
 
     def _eager_list(self, batch: ForwardBatch, seq: torch.Tensor, pos0: torch.Tensor, total: int,
                     window: Optional[int], max_len: int) -> KVIndexList:
@@ -163,6 +188,8 @@ class AttentionBackend:
         self._views = {}
         self.loc_cache.alloc_graph_buffer(max_num_tokens, self.device)
         self.graph_max_context_len = ctx
+        self._tree_static = (torch.zeros(max_bs + 1, dtype=torch.int64, device=self.device),
+                             torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device))
 
     def init_forward_metadata_graph(self, batch: ForwardBatch) -> ForwardMetadata:
         """Refill the static buffers in place for a (padded) batch: no allocation of index storage,
@@ -188,8 +215,10 @@ class AttentionBackend:
             self._refill_fused(batch, kernels, views)
         else:
             views = self._refill_torch(batch, max_q)
+        ext = None if decode else batch.extend_seq_lens
+        tree = None if decode else self._tree_mask(batch, ext, views.qo_indptr, views.q_pos0, None, graph=True)
         md = ForwardMetadata(write_loc, swa, views.qo_indptr, views.q_pos0, views.full, views.windows, max_q, bs,
-                             decode, graph=True)
+                             decode, graph=True, tree=tree)
         self.init_kernel_metadata(md, batch, graph=True)
         self.forward_metadata = md
         return md
@@ -323,6 +352,7 @@ class KernelSetBackend(AttentionBackend):
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
                        md: ForwardMetadata, out: torch.Tensor) -> None:
         k_buf, v_buf = self.kv_buffers(layer)
+        tree = {} if md.tree is None else {"tree": md.tree}  # kernels without tree support still run the rest
         self.kernels.extend_attention(q, k_buf, v_buf, kv.indptr, kv.indices, kv.pos0, md.qo_indptr,
                                       md.q_pos0, out, md.max_q_len, layer.scaling, layer.window,
-                                      layer.logit_cap, layer.sinks, layer.k_scale, layer.v_scale)
+                                      layer.logit_cap, layer.sinks, layer.k_scale, layer.v_scale, **tree)

@@ -59,8 +59,9 @@ class ForwardBatch:
                 raise ShapeError(f"{name} has {t.shape[0]} entries, batch_size is {self.batch_size}")
         if self.forward_mode.is_extend_like() and self.extend_seq_lens is None:
             raise ShapeError(f"{self.forward_mode.name} needs extend_seq_lens (new tokens per request)")
-        if self.forward_mode.is_decode() and self.out_cache_loc.shape[0] != self.batch_size:
-            raise ShapeError(f"DECODE writes one token per request: out_cache_loc has "
+        steps = getattr(self.spec_info, "num_steps", 1)  # hwkv.spec.MultiStepDraft: that many tokens each
+        if self.forward_mode.is_decode() and self.out_cache_loc.shape[0] != self.batch_size * steps:
+            raise ShapeError(f"DECODE writes {steps} token(s) per request: out_cache_loc has "
                              f"{self.out_cache_loc.shape[0]} entries, batch_size is {self.batch_size}")
 
     @property

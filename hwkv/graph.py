@@ -15,6 +15,7 @@ import torch
 
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.errors import ConfigError, ShapeError
+from hwkv.spec import DraftTree
 
 ModelFn = Callable[[ForwardBatch, Dict[str, torch.Tensor]], torch.Tensor]
 
@@ -56,15 +57,20 @@ class GraphRunner:
 
     `inputs` maps names to per-token tensors [T, ...]; `input_shapes` gives their trailing
     shapes and dtypes so the runner can own static copies. `tokens_per_req` is 1 for decode
-    (or the draft length for TARGET_VERIFY).
+    (or the draft length for TARGET_VERIFY). `tree=True` (TARGET_VERIFY only): batches carry a
+    `hwkv.spec.DraftTree`, copied into a static mask (padded requests get a chain, i.e. causal).
     """
 
     def __init__(self, backend: Any, fn: ModelFn, batch_sizes: Sequence[int],
                  input_shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]],
                  adapter: Optional[GraphAdapter] = None, mode: ForwardMode = ForwardMode.DECODE,
-                 tokens_per_req: int = 1) -> None:
+                 tokens_per_req: int = 1, tree: bool = False) -> None:
         if not batch_sizes or min(batch_sizes) < 1:
             raise ConfigError(f"batch_sizes={list(batch_sizes)} must be non-empty and >= 1")
+        if tree and mode != ForwardMode.TARGET_VERIFY:
+            raise ConfigError(f"tree=True is for TARGET_VERIFY graphs, not {mode.name}")
+        if mode == ForwardMode.DECODE and tokens_per_req != 1:
+            raise ConfigError(f"DECODE graphs run one token per request, not tokens_per_req={tokens_per_req}")
         self.backend, self.fn, self.mode, self.tpr = backend, fn, mode, tokens_per_req
         self.buckets: List[int] = sorted(set(batch_sizes))
         self.adapter = adapter if adapter is not None else EagerAdapter()
@@ -83,6 +89,10 @@ class GraphRunner:
         self.seq_lens_cpu = torch.full((max_bs,), tokens_per_req, dtype=torch.int64)
         self.extend_seq_lens_cpu = torch.full((max_bs,), tokens_per_req, dtype=torch.int64)
         self._host_lens = True
+        # the verify tree's static mask: every request's [tpr, tpr] block, a chain (causal) until filled
+        chain = torch.ones(tokens_per_req, tokens_per_req, dtype=torch.bool).tril_().reshape(-1)
+        self.chain_mask = chain.to(dev)
+        self.tree_mask = chain.repeat(max_bs).to(dev) if tree else None
         self.inputs = {k: torch.zeros((max_tokens, *shape), dtype=dt, device=dev)
                        for k, (shape, dt) in input_shapes.items()}
         self.graphs: Dict[int, _Captured] = {}
@@ -99,8 +109,9 @@ class GraphRunner:
         extend = None if self.mode == ForwardMode.DECODE else self.extend_seq_lens[:bs]
         prefix = None if self.mode == ForwardMode.DECODE else self.extend_prefix_lens[:bs]
         host = self._host_lens
+        spec = None if self.tree_mask is None else DraftTree(self.tree_mask[:bs * self.tpr * self.tpr])
         return ForwardBatch(self.mode, bs, self.req_pool_indices[:bs], self.seq_lens[:bs],
-                            self.out_cache_loc[:n], prefix, extend,
+                            self.out_cache_loc[:n], prefix, extend, spec_info=spec,
                             seq_lens_cpu=self.seq_lens_cpu[:bs] if host else None,
                             extend_seq_lens_cpu=self.extend_seq_lens_cpu[:bs] if host else None)
 
@@ -139,6 +150,9 @@ class GraphRunner:
         self.seq_lens[live:bs_pad].fill_(self.tpr)
         self.seq_lens_cpu[live:bs_pad].fill_(self.tpr)
         self.out_cache_loc[live * self.tpr:bs_pad * self.tpr].zero_()
+        if self.tree_mask is not None:
+            blk = self.tpr * self.tpr
+            self.tree_mask[live * blk:bs_pad * blk].view(-1, blk).copy_(self.chain_mask)
         for v in self.inputs.values():
             v[live * self.tpr:bs_pad * self.tpr].zero_()
 
@@ -151,6 +165,12 @@ class GraphRunner:
             raise ShapeError(f"graph mode needs {self.tpr} token(s) per request: {batch.num_tokens} tokens "
                              f"for {bs} requests")
         n = bs * self.tpr
+        tree = batch.spec_info if isinstance(batch.spec_info, DraftTree) else None
+        if tree is not None and self.tree_mask is None:
+            raise ConfigError("this batch carries a DraftTree: capture its graphs with GraphRunner(..., tree=True)")
+        if tree is not None and tree.mask.shape[0] != bs * self.tpr * self.tpr:
+            raise ShapeError(f"DraftTree.mask has {tree.mask.shape[0]} entries; {bs} requests of {self.tpr} "
+                             f"draft tokens need {bs * self.tpr * self.tpr}")
         i = bisect.bisect_left(self.buckets, bs)
         if i == len(self.buckets):
             self.backend.init_forward_metadata(batch)
@@ -162,6 +182,12 @@ class GraphRunner:
         if self._host_lens:
             self.seq_lens_cpu[:bs].copy_(batch.seq_lens_cpu)
         self.out_cache_loc[:n].copy_(batch.out_cache_loc)
+        if self.tree_mask is not None:
+            blk = self.tpr * self.tpr
+            if tree is None:  # no tree: a plain (chain) verify
+                self.tree_mask[:bs * blk].view(-1, blk).copy_(self.chain_mask)
+            else:
+                self.tree_mask[:bs * blk].copy_(tree.mask)
         for k, v in self.inputs.items():
             src = inputs[k]
             if src.data_ptr() != v.data_ptr():  # inputs produced in the static buffers need no copy

@@ -88,6 +88,16 @@ class MHATokenToKVPool:
         ops.store_kv_prechecked(self.k_buffer[layer_id], self.v_buffer[layer_id], loc, cache_k, cache_v,
                                 k_scale, v_scale)
 
+    def move_kv(self, src_loc: torch.Tensor, dst_loc: torch.Tensor) -> None:
+        """Every layer's K/V at src_loc copied to dst_loc (gathered first, so overlaps are safe): speculative
+        acceptance moves accepted draft tokens to the slots of their final positions."""
+        for name, t in (("src_loc", src_loc), ("dst_loc", dst_loc)):
+            check_loc(name, t, self.size + self.page_size, self._buffer_device)
+        if src_loc.shape != dst_loc.shape:
+            raise LocError(f"move_kv: src_loc has {tuple(src_loc.shape)} entries, dst_loc {tuple(dst_loc.shape)}")
+        for buf in (*self.k_buffer, *self.v_buffer):
+            buf.index_copy_(0, dst_loc, buf.index_select(0, src_loc))
+
     def check_integrity(self) -> None:
         """Buffers keep their shapes and dtype (writes never reallocate them)."""
         for i, (k, v) in enumerate(zip(self.k_buffer, self.v_buffer)):
@@ -210,6 +220,14 @@ class SWAKVPool:
             swa_loc = KVWriteLoc(loc, swa_loc).swa_loc
         self.swa_kv_pool.set_kv_buffer(layer, swa_loc, cache_k, cache_v, k_scale, v_scale,
                                        layer_id_override=local)
+
+    def move_kv(self, src_loc: torch.Tensor, dst_loc: torch.Tensor) -> None:
+        """Both groups' K/V at src_loc copied to dst_loc; the SWA group at the slots they map to
+        (accepted draft tokens are recent, so both ends are mapped)."""
+        self.full_kv_pool.move_kv(src_loc, dst_loc)
+        both = self.translate_loc_from_full_to_swa(torch.cat([src_loc, dst_loc]))
+        n = src_loc.shape[0]
+        self.swa_kv_pool.move_kv(both[:n], both[n:])
 
     def bytes_per_token(self) -> Tuple[int, int]:
         """(full-group, SWA-group) K + V bytes per token."""

@@ -31,8 +31,11 @@ def attention(
     window: Optional[int] = None,
     logit_cap: float = 0.0,
     sinks: Optional[torch.Tensor] = None,
+    mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """One request: q [Tq, H, D], k [Tk, KVH, D], v [Tk, KVH, Dv] -> [Tq, H, Dv] fp32."""
+    """One request: q [Tq, H, D], k [Tk, KVH, D], v [Tk, KVH, Dv] -> [Tq, H, Dv] fp32.
+    `mask` [Tq, Tk] bool, when given, is the visibility itself (a verify tree's, `hwkv.spec.tree_visible`)
+    instead of the window rule over q_pos/k_pos."""
     tq, h, d = q.shape
     kvh = k.shape[1]
     if h % kvh:
@@ -44,7 +47,9 @@ def attention(
     logits = torch.einsum("qhd,khd->hqk", qf, kf) * scale
     if logit_cap and logit_cap > 0:
         logits = logit_cap * torch.tanh(logits / logit_cap)
-    mask = visible_mask(q_pos, k_pos, window)
+    if mask is None:
+        mask = visible_mask(q_pos, k_pos, window)
+    mask = mask.bool().cpu()
     logits = logits.masked_fill(~mask[None], float("-inf"))
     if sinks is not None:
         sink_col = sinks.detach().float().cpu().view(h, 1, 1).expand(h, tq, 1)

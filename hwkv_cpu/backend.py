@@ -84,7 +84,7 @@ class TorchCPUBackend(KernelSetBackend):
                    decode: bool) -> Optional[ipex.IpexList]:
         """The list's IPEX plan when IPEX runs this layer, else None (the torch kernels)."""
         plans = md.extra.get(_IPEX)
-        if plans is None:
+        if plans is None or md.tree is not None:  # IPEX's ops take no verify-tree mask: the torch kernels do
             return None
         k_buf, v_buf = self.kv_buffers(layer)
         if ipex.layer_reason(q, layer, kv, k_buf, v_buf, decode) is not None:

@@ -65,7 +65,7 @@ class TritonBackend(KernelSetBackend):
                     workspace=self._graph_workspace(q, k_buf, v_buf, kv) if md.graph else None)
             else:
                 plan = _kernels.plan_extend(q, k_buf, v_buf, kv.indptr, kv.indices, kv.pos0, md.qo_indptr,
-                                            md.q_pos0, out, md.max_q_len, layer.sinks)
+                                            md.q_pos0, out, md.max_q_len, layer.sinks, tree=md.tree)
             plans[key] = plan
         return plan
 
@@ -83,7 +83,7 @@ class TritonBackend(KernelSetBackend):
         plan = self._plan(md, False, q, layer, kv, k_buf, v_buf, out)
         _kernels.extend_attention_planned(plan, q, k_buf, v_buf, kv.indptr, kv.indices, kv.pos0, md.qo_indptr,
                                           md.q_pos0, out, md.max_q_len, layer.scaling, layer.window,
-                                          layer.logit_cap, layer.sinks, layer.k_scale, layer.v_scale)
+                                          layer.logit_cap, layer.sinks, layer.k_scale, layer.v_scale, tree=md.tree)
 
     def _graph_workspace(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                          kv: KVIndexList) -> Optional[_kernels.DecodeWorkspace]:

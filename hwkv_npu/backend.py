@@ -162,7 +162,8 @@ class NPUBackend(AttentionBackend):
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
                        md: ForwardMetadata, out: torch.Tensor) -> None:
-        plan = self._fused_plan("extend", q, layer, kv, md)
+        # the fused op's masks are causal/band only: a verify tree runs the torch path, which takes it
+        plan = None if md.tree is not None else self._fused_plan("extend", q, layer, kv, md)
         if plan is None:
             self._torch_attention(q, layer, kv, md, out)
             return
@@ -200,7 +201,7 @@ class NPUBackend(AttentionBackend):
         k_buf, v_buf = self.kv_buffers(layer)
         npu_ops.torch_attention(q, k_buf, v_buf, kv.indptr, kv.indices, kv.pos0, md.qo_indptr, md.q_pos0, out,
                                 md.max_q_len, kv.max_len, layer.scaling, layer.window, layer.logit_cap,
-                                layer.sinks, layer.k_scale, layer.v_scale)
+                                layer.sinks, layer.k_scale, layer.v_scale, tree=md.tree)
 
 
 def device_reason(device: torch.device) -> Optional[str]:

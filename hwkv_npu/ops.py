@@ -92,8 +92,10 @@ def torch_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, k
                     kv_indices: torch.Tensor, kv_pos0: torch.Tensor, qo_indptr: torch.Tensor,
                     q_pos0: torch.Tensor, out: torch.Tensor, max_q_len: int, max_kv_len: int,
                     scaling: Optional[float], window: Optional[int], logit_cap: float = 0.0,
-                    sinks: Optional[torch.Tensor] = None, k_scale: Any = None, v_scale: Any = None) -> None:
-    """out[t] = softmax(scaling * q[t] . K^T) V over the keys of t's request visible to it.
+                    sinks: Optional[torch.Tensor] = None, k_scale: Any = None, v_scale: Any = None,
+                    tree: Any = None) -> None:
+    """out[t] = softmax(scaling * q[t] . K^T) V over the keys of t's request visible to it
+    (`tree`: a verify tree's hwkv.spec.TreeMask, whose rule hwkv/spec.py states).
 
     The interface of docs/architecture.md (decode is the case qo_indptr = arange, max_q_len = 1).
     max_q_len / max_kv_len are host upper bounds of any request's query rows / list length; they
@@ -114,11 +116,16 @@ def torch_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, k
     qs = qs.view(bs, rows.max_q, kvh, g, d).permute(0, 2, 1, 3, 4)  # [bs, KVH, Mq, G, D]
     res = torch.empty(bs, kvh, rows.max_q, g, dv, dtype=torch.float32, device=q.device)
     kv = _KeyLists(kv_indptr, kv_indices, kv_pos0, max(int(max_kv_len), 0), k_buf, v_buf)
+    trees = None if tree is None else _TreeRows(tree, qo_indptr, q_pos0)
     step = max(1, SCORE_BUDGET // max(1, bs * h * min(KV_CHUNK, max(kv.max_len, 1))))
     for i0 in range(0, rows.max_q, step):
         i1 = min(rows.max_q, i0 + step)
-        qpos = q_pos0.to(torch.int64)[:, None] + torch.arange(i0, i1, device=q.device)[None, :]
-        res[:, :, i0:i1] = _attend_rows(qs[:, :, i0:i1], qpos, kv, window, cap, sinks, g)
+        if trees is None:
+            qpos = q_pos0.to(torch.int64)[:, None] + torch.arange(i0, i1, device=q.device)[None, :]
+        else:
+            qpos = trees.q_positions(i0, i1)
+        res[:, :, i0:i1] = _attend_rows(qs[:, :, i0:i1], qpos, kv, window, cap, sinks, g,
+                                        None if trees is None else (trees, i0, i1))
     res.mul_(_scalar(v_scale))
     out.copy_(res.permute(0, 2, 1, 3, 4).reshape(bs, rows.max_q, h, dv)[rows.req, rows.row].to(out.dtype))
 
@@ -144,9 +151,39 @@ class _KeyLists:
         return k, v, valid, self.pos0[:, None] + j[None, :]
 
 
+class _TreeRows:
+    """A verify tree over the padded [bs, rows] layout: query positions and which draft keys a row sees."""
+
+    def __init__(self, tree: Any, qo_indptr: torch.Tensor, q_pos0: torch.Tensor) -> None:
+        self.tree = tree
+        self.start = qo_indptr[:-1].to(torch.int64)
+        self.n = qo_indptr[1:].to(torch.int64) - self.start
+        self.q_pos0 = q_pos0.to(torch.int64)
+
+    def _row(self, i0: int, i1: int) -> torch.Tensor:
+        i = torch.arange(i0, i1, device=self.start.device)[None, :]
+        return torch.minimum(i, (self.n - 1).clamp(min=0)[:, None])  # rows past a request's end: clamped
+
+    def q_positions(self, i0: int, i1: int) -> torch.Tensor:
+        pos = self.tree.q_positions
+        return pos[(self.start[:, None] + self._row(i0, i1)).clamp(0, max(pos.numel() - 1, 0))]
+
+    def keys(self, kpos: torch.Tensor, i0: int, i1: int) -> "tuple[torch.Tensor, torch.Tensor]":
+        """(key positions [bs, 1, n], tree visibility [bs, m, n]) for list positions kpos [bs, n]."""
+        draft = kpos >= self.q_pos0[:, None]
+        t = torch.minimum((kpos - self.q_pos0[:, None]).clamp(min=0), (self.n - 1).clamp(min=0)[:, None])
+        pos, mask = self.tree.q_positions, self.tree.mask
+        kp = torch.where(draft, pos[(self.start[:, None] + t).clamp(0, max(pos.numel() - 1, 0))], kpos)
+        bit = (self.tree.mask_indptr[:-1, None, None] + self._row(i0, i1)[:, :, None] * self.n[:, None, None]
+               + t[:, None, :])
+        see = mask[bit.clamp(0, max(mask.numel() - 1, 0))] | ~draft[:, None, :]
+        return kp[:, None, :], see
+
+
 def _attend_rows(qs: torch.Tensor, qpos: torch.Tensor, kv: _KeyLists, window: Optional[int], cap: float,
-                 sinks: Optional[torch.Tensor], g: int) -> torch.Tensor:
-    """Online softmax of query rows qs [bs, KVH, m, G, D] (pre-scaled) at positions qpos [bs, m]."""
+                 sinks: Optional[torch.Tensor], g: int, tree: Any = None) -> torch.Tensor:
+    """Online softmax of query rows qs [bs, KVH, m, G, D] (pre-scaled) at positions qpos [bs, m];
+    `tree`: (_TreeRows, i0, i1) of a verify tree, whose draft keys take their tree positions and mask."""
     bs, kvh, m, _, d = qs.shape
     rows = qs.reshape(bs, kvh, m * g, d)
     rpos = qpos.repeat_interleave(g, dim=1)[:, None, :, None]  # [bs, 1, m*G, 1]
@@ -164,7 +201,12 @@ def _attend_rows(qs: torch.Tensor, qpos: torch.Tensor, kv: _KeyLists, window: Op
         if cap:
             s = s.tanh_().mul_(cap)
         kp = kpos[:, None, None, :]
-        vis = valid[:, None, None, :] & (kp <= rpos)
+        vis = valid[:, None, None, :]
+        if tree is not None:
+            tkp, see = tree[0].keys(kpos, tree[1], tree[2])
+            kp = tkp[:, None]                                                  # [bs, 1, 1, n]
+            vis = vis & see.repeat_interleave(g, dim=1)[:, None]               # [bs, 1, m*G, n]
+        vis = vis & (kp <= rpos)
         if window:
             vis &= kp > rpos - window
         s = s.masked_fill_(~vis, float("-inf"))

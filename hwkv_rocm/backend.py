@@ -113,7 +113,8 @@ class ROCmBackend(TritonBackend):
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
                        md: ForwardMetadata, out: torch.Tensor) -> None:
-        indices = self._aiter_path("extend", q, layer, kv, md)
+        # AITER's prefill takes no per-request custom mask: a verify tree runs hwkv's Triton kernel
+        indices = None if md.tree is not None else self._aiter_path("extend", q, layer, kv, md)
         if indices is None:
             super().forward_extend(q, layer, kv, md, out)
             return

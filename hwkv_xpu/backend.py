@@ -82,7 +82,7 @@ class XPUBackend(TritonBackend):
     def _ipex_attend(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList, md: ForwardMetadata,
                      out: torch.Tensor) -> bool:
         plans = md.extra.get(_IPEX)
-        if plans is None:
+        if plans is None or md.tree is not None:  # IPEX's varlen op takes no verify-tree mask
             return False
         k_buf, v_buf = self.kv_buffers(layer)
         if k_buf.shape[0] % self.page_size or ipex.xpu_layer_reason(q, layer, k_buf, v_buf) is not None:

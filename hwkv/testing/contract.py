@@ -241,3 +241,6 @@ def test_debug_mode_refuses_an_evicted_in_window_token(hwkv_target):
     batch = h.make_batch([rid], [1], ForwardMode.DECODE)
     with pytest.raises(EvictedSlotError, match="W=8"):
         h.backend.init_forward_metadata(batch)
+
+
+from hwkv.testing.contract_spec import *  # noqa: E402,F401,F403  (the speculative modes' contract)

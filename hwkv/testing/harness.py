@@ -391,7 +391,7 @@ class Harness:
         return worst
 
     def enable_graphs(self, batch_sizes: Sequence[int], adapter: Any = None, mode: ForwardMode = ForwardMode.DECODE,
-                      tokens_per_req: int = 1) -> GraphRunner:
+                      tokens_per_req: int = 1, tree: bool = False) -> GraphRunner:
         """Run `mode` forwards (decode, or e.g. TARGET_VERIFY with a fixed draft length) through a
         GraphRunner with these buckets (captured now)."""
         shapes = {}
@@ -400,7 +400,8 @@ class Harness:
             shapes[f"q{l.layer_id}"] = ((l.num_heads, l.head_dim), dt)
             shapes[f"k{l.layer_id}"] = ((l.num_kv_heads, l.head_dim), dt)
             shapes[f"v{l.layer_id}"] = ((l.num_kv_heads, l.v_head_dim), dt)
-        self.runner = GraphRunner(self.backend, self.model_step, batch_sizes, shapes, adapter, mode, tokens_per_req)
+        self.runner = GraphRunner(self.backend, self.model_step, batch_sizes, shapes, adapter, mode, tokens_per_req,
+                                  tree=tree)
         self.runner.capture()
         return self.runner
 

@@ -26,9 +26,27 @@ class ReferenceBackend(AttentionBackend):
             nq = qo[b + 1] - qo[b]
             q_pos = torch.arange(qpos0[b], qpos0[b] + nq)
             k_pos = torch.arange(pos0[b], pos0[b] + idx.numel())
+            mask = None if md.tree is None else _tree_visibility(md.tree, b, qo[b], nq, qpos0[b], k_pos, layer.window)
             o = reference.attention(q[qo[b]:qo[b + 1]], k, v, q_pos, k_pos, layer.scaling, layer.window,
-                                    layer.logit_cap, layer.sinks)
+                                    layer.logit_cap, layer.sinks, mask=mask)
             out[qo[b]:qo[b + 1]] = o.to(out.dtype)
 
     forward_decode = _attend
     forward_extend = _attend
+
+
+def _tree_visibility(tree, b: int, q_start: int, nq: int, first_draft: int, k_pos: torch.Tensor,
+                     window) -> torch.Tensor:
+    """[nq, keys] bool of request b under a verify tree, entry by entry from hwkv/spec.py's rule."""
+    mask, off = tree.mask.cpu(), int(tree.mask_indptr[b])
+    pos = tree.q_positions.cpu()[q_start:q_start + nq].tolist()
+    see = torch.zeros(nq, k_pos.numel(), dtype=torch.bool)
+    for i in range(nq):
+        for j, p in enumerate(k_pos.tolist()):
+            if p < first_draft:
+                kp, ok = p, True
+            else:
+                t = p - first_draft
+                kp, ok = pos[t], bool(mask[off + i * nq + t])
+            see[i, j] = ok and kp <= pos[i] and (not window or kp > pos[i] - window)
+    return see

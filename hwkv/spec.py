@@ -1,0 +1,210 @@
+"""Speculative decoding with the hybrid pool: the verify tree, multi-step drafts, accept/reject.
+
+Tree verify (TARGET_VERIFY with top-k > 1): request b's n_b draft tokens sit in its row at positions
+q_pos0[b] .. q_pos0[b] + n_b - 1 (written by the forward, like any extend), in an order where a
+token's ancestors come before it. `DraftTree.mask` says which draft tokens each draft token sees:
+mask[i, j] is True iff j is i or an ancestor of i. A draft token's position is q_pos0[b] + depth,
+depth = (number of True in its row) - 1; the window applies to positions (W keys, itself included),
+so a prefix key at position p is visible to draft i iff p > pos_i - W, and draft j iff mask[i, j]
+and pos_j > pos_i - W. The metadata step turns the tree into a `TreeMask` once per forward; the
+extend kernels take it as `tree=`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from hwkv.errors import ShapeError
+
+
+@dataclass(frozen=True)
+class MultiStepDraft:
+    """`ForwardBatch.spec_info` of a multi-step draft decode: `num_steps` draft tokens per request whose
+    slots were allocated at once; `out_cache_loc` holds them step-major ([step 0 of every request,
+    step 1 ...]), already written into the rows at positions seq_lens - 1 + step, and `seq_lens` are
+    the lengths after step 0. `writes_swa=False`: the draft model has no SWA layer, so nothing is
+    translated and no window list is built (an SWA layer forwarded anyway raises MissingSWALocError)."""
+
+    num_steps: int
+    writes_swa: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_steps, int) or self.num_steps < 1:
+            raise ShapeError(f"MultiStepDraft.num_steps={self.num_steps!r} must be an int >= 1")
+
+
+class TreeMask(NamedTuple):
+    """Kernel-facing form of a verify tree, built once per forward by the metadata step.
+
+    mask: bool [sum_b n_b^2], request b's [n_b, n_b] block row-major from mask_indptr[b];
+    mask_indptr: int64 [bs + 1]; q_positions: int64 [T], each query's position (q_pos0 + depth).
+    Request b's draft j is at list position q_pos0[b] + j, and its position is
+    q_positions[qo_indptr[b] + j].
+    """
+
+    mask: torch.Tensor
+    mask_indptr: torch.Tensor
+    q_positions: torch.Tensor
+
+
+@dataclass
+class DraftTree:
+    """What the engine hands as `ForwardBatch.spec_info` for a tree verify: the draft tokens'
+    ancestor masks, flattened per request ([n_b, n_b] row-major, n_b = extend_seq_lens[b])."""
+
+    mask: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mask, torch.Tensor) or self.mask.dtype != torch.bool or self.mask.dim() != 1:
+            raise ShapeError(f"DraftTree.mask must be a 1-D bool tensor (each request's [n, n] block "
+                             f"flattened), got {getattr(self.mask, 'dtype', type(self.mask))} "
+                             f"of shape {tuple(getattr(self.mask, 'shape', ()))}")
+
+    @staticmethod
+    def from_parents(parents: "list[list[int]]", device: Optional[torch.device] = None) -> "DraftTree":
+        """Build from each request's parent lists (parents[b][i] < i, or -1 for a root): a host
+        helper for tests and engines that keep trees as parent arrays."""
+        blocks = []
+        for par in parents:
+            n = len(par)
+            m = torch.zeros(n, n, dtype=torch.bool)
+            for i, p in enumerate(par):
+                if p >= i:
+                    raise ShapeError(f"draft token {i} has parent {p}: parents must come before their children")
+                m[i, i] = True
+                if p >= 0:
+                    m[i] |= m[p]
+            blocks.append(m.reshape(-1))
+        flat = torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.bool)
+        return DraftTree(flat.to(device) if device is not None else flat)
+
+
+def check_tree(tree: DraftTree, ext_cpu: torch.Tensor, debug: bool) -> int:
+    """The mask's length must be sum(n_b^2) (host lengths: no sync); debug also checks the values
+    (diagonal set, nothing above it), which reads the mask. Returns the mask length."""
+    need = int((ext_cpu.to(torch.int64) ** 2).sum())
+    got = int(tree.mask.shape[0])
+    if got != need:
+        raise ShapeError(f"DraftTree.mask has {got} entries; the draft tokens per request "
+                         f"{ext_cpu.tolist()} need sum(n^2) = {need}")
+    if debug and need:
+        at = 0
+        for n in ext_cpu.tolist():
+            block = tree.mask[at:at + n * n].view(n, n).cpu()
+            if not bool(block.diagonal().all()) or bool(torch.triu(block, 1).any()):
+                raise ShapeError(f"DraftTree.mask block at {at} ({n} x {n}) must have its diagonal set and "
+                                 "nothing above it (ancestors come first)")
+            at += n * n
+    return need
+
+
+def build_tree_mask(tree: DraftTree, ext: torch.Tensor, qo_indptr: torch.Tensor, q_pos0: torch.Tensor,
+                    total: int, num_tokens: int, mask_indptr: Optional[torch.Tensor] = None,
+                    q_positions: Optional[torch.Tensor] = None) -> TreeMask:
+    """mask_indptr and each query's position from the tree, in a constant number of device ops (no
+    host sync); `mask_indptr`/`q_positions` given: written in place (graph buffers)."""
+    dev = q_pos0.device
+    ext = ext.to(torch.int64)
+    bs = ext.shape[0]
+    if mask_indptr is None:
+        mask_indptr = torch.zeros(bs + 1, dtype=torch.int64, device=dev)
+    mask_indptr[:1].zero_()
+    torch.cumsum(ext * ext, 0, out=mask_indptr[1:bs + 1])
+    if q_positions is None:
+        q_positions = torch.empty(num_tokens, dtype=torch.int64, device=dev)
+    req = torch.repeat_interleave(torch.arange(bs, device=dev), ext * ext, output_size=total)
+    local = torch.arange(total, device=dev) - mask_indptr[req]
+    row = qo_indptr[req].to(torch.int64) + torch.div(local, ext[req].clamp(min=1), rounding_mode="floor")
+    depth = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+    depth.index_add_(0, row, tree.mask.to(torch.int64))
+    tok_req = torch.repeat_interleave(torch.arange(bs, device=dev), ext, output_size=num_tokens)
+    torch.add(q_pos0[tok_req], depth - 1, out=q_positions[:num_tokens])
+    return TreeMask(tree.mask, mask_indptr[:bs + 1], q_positions[:num_tokens])
+
+
+def tree_visible(prefix_len: int, tree_block: torch.Tensor, window: Optional[int]) -> "tuple[torch.Tensor, torch.Tensor]":
+    """For the reference: ([n, prefix_len + n] bool visibility, [n] query positions) of one request's
+    draft tokens over its prefix and drafts, straight from the definition in this module's docstring."""
+    n = tree_block.shape[0]
+    block = tree_block.bool().cpu()
+    q_pos = prefix_len + block.sum(1).to(torch.int64) - 1
+    k_pos = torch.cat([torch.arange(prefix_len), q_pos])
+    see = torch.cat([torch.ones(n, prefix_len, dtype=torch.bool), block], dim=1)
+    if window is not None and window > 0:
+        see &= k_pos[None, :] > q_pos[:, None] - window
+    return see, q_pos
+
+
+def accept_draft_tokens(allocator: Any, pool: Any, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                        prefix_lens: torch.Tensor, accept_index: torch.Tensor, accept_lens: torch.Tensor, *,
+                        prefix_lens_cpu: torch.Tensor, accept_lens_cpu: torch.Tensor,
+                        frontiers: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """After a verify: keep each request's accepted draft tokens as its next positions, free the rest
+    in both pools; returns the new seq_lens (prefix + accepted), on the device.
+
+    accept_index int64 [bs, n]: row b's first accept_lens[b] entries are the accepted drafts' indices
+    (0..n-1, in path order: ancestors first), n = drafts per request, which sit at row positions
+    prefix .. prefix + n - 1. Page size 1: the row is pointed at the accepted slots and every other
+    draft slot is freed. Page size P > 1 (a token's in-page offset must equal its position's): the
+    accepted K/V move to the slots of their final positions (`pool.move_kv`) and the pages wholly past
+    the new length go back. Host lengths size everything: no host sync. Call it before the step's
+    out-of-window release, which then runs on the accepted lengths (`frontiers`, if given, are
+    checked on the host where the allocator checks eagerly: none may pass a request's prefix).
+    """
+    bs = int(req_pool_indices.shape[0])
+    if accept_index.dim() != 2 or accept_index.shape[0] != bs or accept_index.dtype != torch.int64:
+        raise ShapeError(f"accept_index must be int64 [batch {bs}, drafts], got {accept_index.dtype} "
+                         f"{tuple(accept_index.shape)}")
+    n = int(accept_index.shape[1])
+    pre_cpu, acc_cpu = prefix_lens_cpu.to(torch.int64).cpu(), accept_lens_cpu.to(torch.int64).cpu()
+    for name, t in (("prefix_lens", prefix_lens), ("accept_lens", accept_lens), ("prefix_lens_cpu", pre_cpu),
+                    ("accept_lens_cpu", acc_cpu)):
+        if t.shape != (bs,):
+            raise ShapeError(f"{name} has shape {tuple(t.shape)}, expected ({bs},)")
+    if bs and (int(acc_cpu.max()) > n or int(acc_cpu.min()) < 0):
+        bad = int(torch.argmax(((acc_cpu > n) | (acc_cpu < 0)).to(torch.int8)))
+        raise ShapeError(f"request {bad} accepts {int(acc_cpu[bad])} tokens; it drafted {n} (accept 0..{n})")
+    if bs and int((pre_cpu + n).max()) > req_to_token.shape[1]:
+        raise ShapeError(f"drafts reach position {int((pre_cpu + n).max())}, past max_context_len {req_to_token.shape[1]}")
+    dev = req_to_token.device
+    valid = torch.arange(n, device=dev)[None, :] < accept_lens.to(torch.int64)[:, None]
+    idx = torch.where(valid, accept_index, 0)
+    if allocator.immediate:  # host checks where they cost nothing (CPU, debug): before anything changes
+        _check_accept(idx.cpu(), valid.cpu(), n, frontiers, pre_cpu)
+    rows = req_pool_indices.to(torch.int64)[:, None]
+    pos = prefix_lens.to(torch.int64)[:, None] + torch.arange(n, device=dev)[None, :]
+    locs = req_to_token[rows, pos]                                   # [bs, n] the drafts' slots, as written
+    kept_locs = torch.where(valid, locs.gather(1, idx), locs)        # slot of each final position
+    page = allocator.page_size
+    if page == 1:
+        kept = torch.zeros(bs, n, dtype=torch.int64, device=dev).scatter_add_(1, idx, valid.to(torch.int64)) > 0
+        req_to_token[rows, pos] = kept_locs
+        rejected = int(bs * n - int(acc_cpu.sum()))
+        order = torch.argsort(kept.view(-1).to(torch.int8), stable=True)[:rejected]  # not kept first: no sync
+        allocator.free(locs.view(-1)[order])
+    else:
+        pool.move_kv(kept_locs.view(-1), locs.view(-1))
+        new_end = ((pre_cpu + acc_cpu + page - 1) // page) * page   # first position of the first page to free
+        old_end = pre_cpu + n
+        pages = ((old_end - new_end + page - 1) // page).clamp(min=0)
+        total = int(pages.sum())
+        if total:
+            req = torch.repeat_interleave(torch.arange(bs), pages, output_size=total)
+            first = torch.cat([torch.zeros(1, dtype=torch.int64), pages.cumsum(0)[:-1]])
+            at = new_end[req] + (torch.arange(total) - first[req]) * page
+            allocator.free(req_to_token[req_pool_indices.to(torch.int64)[req.to(dev)], at.to(dev)])
+    return prefix_lens.to(torch.int64) + accept_lens.to(torch.int64)
+
+
+def _check_accept(idx: torch.Tensor, valid: torch.Tensor, n: int, frontiers: Optional[torch.Tensor],
+                  prefix_cpu: torch.Tensor) -> None:
+    if bool(((idx < 0) | (idx >= n)).any()):
+        raise ShapeError(f"accept_index holds a draft index outside [0, {n})")
+    taken = torch.zeros(idx.shape[0], n, dtype=torch.int64).scatter_add_(1, idx, valid.to(torch.int64))
+    if bool((taken > 1).any()):
+        raise ShapeError("accept_index names one draft token twice in a request's accepted path")
+    if frontiers is not None and bool((frontiers.cpu() > prefix_cpu).any()):
+        raise ShapeError("an SWA frontier passed its request's prefix: release ran on the drafted length "
+                         "before the accept; run accept_draft_tokens first")

@@ -1,0 +1,131 @@
+"""Speculative steps on a `Harness`: tree verify with accept/reject, and multi-step drafts, each
+checked against hwkv.reference (the shadow K/V follows what acceptance keeps)."""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence
+
+import torch
+
+from hwkv import reference
+from hwkv.batch import ForwardMode
+from hwkv.errors import ReferenceMismatchError
+from hwkv.spec import DraftTree, MultiStepDraft, accept_draft_tokens, tree_visible
+from hwkv.testing.harness import Harness, _as_stored
+
+I64 = torch.int64
+
+
+def _tol(h: Harness) -> float:
+    return 2e-3 if h.dtype == torch.float32 else 3e-2
+
+
+def _compare(h: Harness, layer, got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    err = (got.float().cpu() - ref).abs().max().item() if ref.numel() else 0.0
+    if not math.isfinite(err) or err > _tol(h):
+        raise ReferenceMismatchError(f"{what}, layer {layer.layer_id} (W={layer.window}): max |out - reference| = "
+                                     f"{err:.3g} > tolerance {_tol(h)}")
+    h.max_err = max(h.max_err, err)
+
+
+def _stored(h: Harness, x: torch.Tensor, scale) -> torch.Tensor:
+    return _as_stored(x, h.dtype, scale)
+
+
+def tree_verify(h: Harness, rids: Sequence[int], parents: Sequence[Sequence[int]], accept: Sequence[Sequence[int]],
+                check: bool = True) -> List[torch.Tensor]:
+    """One TARGET_VERIFY over a draft tree per request (`parents[b]`, equal lengths), eager or through the
+    harness's graph runner, then `accept_draft_tokens` keeping `accept[b]` (draft indices, path order)."""
+    n = len(parents[0])
+    prefix_cpu = torch.tensor([h.requests[r].seq_len for r in rids], dtype=I64)
+    tree = DraftTree.from_parents([list(p) for p in parents], device=h.device)
+    batch = h.make_batch(rids, [n] * len(rids), ForwardMode.TARGET_VERIFY)
+    batch.spec_info = tree
+    inputs = h.random_inputs(batch.num_tokens)
+    flat = h.step(batch, inputs)
+    outs = h.split_outputs(flat)
+    h._record(rids, [n] * len(rids), inputs)
+    if check:
+        blocks = tree.mask.cpu().view(len(rids), n, n)
+        for l, out in zip(h.layers, outs):
+            i = l.layer_id
+            for b, rid in enumerate(rids):
+                r = h.requests[rid]
+                p = int(prefix_cpu[b])
+                see, q_pos = tree_visible(p, blocks[b], l.window)
+                k, v = torch.cat(r.k[i]), torch.cat(r.v[i])
+                ref = reference.attention(inputs[f"q{i}"][b * n:(b + 1) * n].float().cpu(), k, v, q_pos,
+                                          torch.arange(p + n), l.scaling, l.window, l.logit_cap,
+                                          l.sinks.cpu() if l.sinks is not None else None, mask=see)
+                _compare(h, l, out[b * n:(b + 1) * n], ref, f"tree verify request {b}")
+    _accept(h, rids, batch, prefix_cpu, n, accept)
+    return outs
+
+
+def _accept(h: Harness, rids: Sequence[int], batch, prefix_cpu: torch.Tensor, n: int,
+            accept: Sequence[Sequence[int]]) -> None:
+    acc_cpu = torch.tensor([len(a) for a in accept], dtype=I64)
+    idx = torch.zeros(len(rids), n, dtype=I64)
+    for b, a in enumerate(accept):
+        idx[b, :len(a)] = torch.tensor(a, dtype=I64)
+    frontiers = h.frontiers[batch.req_pool_indices]
+    accept_draft_tokens(h.allocator, h.pool, h.rtt.req_to_token, batch.req_pool_indices,
+                        prefix_cpu.to(h.device), idx.to(h.device), acc_cpu.to(h.device),
+                        prefix_lens_cpu=prefix_cpu, accept_lens_cpu=acc_cpu, frontiers=frontiers)
+    for b, rid in enumerate(rids):  # the shadow keeps the prefix and the accepted drafts, in path order
+        r, p = h.requests[rid], int(prefix_cpu[b])
+        keep = torch.cat([torch.arange(p), p + torch.tensor(list(accept[b]), dtype=I64)])
+        for i in r.k:
+            r.k[i] = [torch.cat(r.k[i])[keep]]
+            r.v[i] = [torch.cat(r.v[i])[keep]]
+        r.seq_len = p + len(accept[b])
+
+
+def draft_steps(h: Harness, rids: Sequence[int], num_steps: int, check: bool = True,
+                writes_swa: bool = True, layers: Optional[Sequence] = None) -> List[List[torch.Tensor]]:
+    """One multi-step draft forward: `num_steps` decode steps whose slots are allocated at once
+    (step-major), metadata built once by `init_draft_metadata`; each step checked against the reference.
+    `layers`: the draft model's layers (default: the harness's); with writes_swa=False they must be full."""
+    layers = list(h.layers if layers is None else layers)
+    bs = len(rids)
+    seq0 = [h.requests[r].seq_len for r in rids]
+    s = h.step_lens(rids, [num_steps] * bs, ForwardMode.EXTEND)
+    rtt = h.rtt.req_to_token
+    last = torch.where(s.prefix_dev > 0, rtt[s.rows_dev, (s.prefix_dev - 1).clamp(min=0)], -1)
+    loc = h.allocator.alloc_extend(s.prefix_dev, s.seq_dev, last, bs * num_steps, prefix_lens_cpu=s.prefix_cpu,
+                                   seq_lens_cpu=s.seq_cpu)                      # request-major
+    step_major = loc.view(bs, num_steps).t().reshape(-1).contiguous()
+    for b, rid in enumerate(rids):
+        h.rtt.write(rid, seq0[b], loc[b * num_steps:(b + 1) * num_steps])
+    seq_cpu = torch.tensor(seq0, dtype=I64) + 1
+    from hwkv.batch import ForwardBatch
+    batch = ForwardBatch(ForwardMode.DECODE, bs, s.rows_dev, seq_cpu.to(h.device), step_major,
+                         spec_info=MultiStepDraft(num_steps, writes_swa=writes_swa), seq_lens_cpu=seq_cpu)
+    steps = h.backend.init_draft_metadata(batch)
+    results = []
+    for i, step_batch in enumerate(steps):
+        inputs = h.random_inputs(bs)
+        outs = []
+        for l in layers:
+            j = l.layer_id
+            outs.append(h.backend.forward(inputs[f"q{j}"], inputs[f"k{j}"], inputs[f"v{j}"], l, step_batch))
+        for rid in rids:
+            h.requests[rid].seq_len += 1
+        for l in layers:  # shadow what the draft's layers stored (others stored nothing)
+            j = l.layer_id
+            k = _stored(h, inputs[f"k{j}"], l.k_scale)
+            v = _stored(h, inputs[f"v{j}"], l.v_scale)
+            for b, rid in enumerate(rids):
+                h.requests[rid].k[j].append(k[b:b + 1])
+                h.requests[rid].v[j].append(v[b:b + 1])
+        if check:
+            for l, out in zip(layers, outs):
+                j = l.layer_id
+                reqs = [h.requests[r] for r in rids]
+                ref = reference.batch_attention(inputs[f"q{j}"].float().cpu(), [torch.cat(r.k[j]) for r in reqs],
+                                                [torch.cat(r.v[j]) for r in reqs], [r.seq_len for r in reqs],
+                                                [1] * bs, l.scaling, l.window, l.logit_cap,
+                                                l.sinks.cpu() if l.sinks is not None else None)
+                _compare(h, l, out, ref, f"draft step {i}")
+        results.append(outs)
+    return results
