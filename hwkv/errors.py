@@ -52,3 +52,7 @@ class EvictedSlotError(HwkvError):
 
 class ReferenceMismatchError(HwkvError, AssertionError):
     """A backend's output differs from hwkv.reference beyond tolerance."""
+
+
+class ShardError(HwkvError, ValueError):
+    """Context-parallel ranks disagree (token count, shard sizes, the layer saved); every rank raises it."""

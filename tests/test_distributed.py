@@ -1,0 +1,325 @@
+"""Context parallelism (hwkv.distributed) over gloo with 2 and 4 processes: each rank computes only its
+shard of K/V and saves through cp_allgather_and_save_kv; pools and outputs must equal a single-process run
+that saves the full K/V directly, nothing may translate per layer, and bad input on one rank must raise the
+same typed error on every rank with no pool changed. One spawn per world size holds all its checks."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import hwkv
+from hwkv.allocator import SWATokenToKVPoolAllocator, release_out_of_window_batch
+from hwkv.batch import ForwardBatch, ForwardMode
+from hwkv.devices import discover
+from hwkv.distributed import BACKENDS, CPShards, cp_allgather_and_save_kv, cp_plan, default_backend
+from hwkv.errors import ConfigError, LocError, MissingSWALocError, ShapeError, ShardError
+from hwkv.layer import AttentionLayer
+from hwkv.loc import KVWriteLoc
+from hwkv.pool import SWAKVPool
+
+I64 = torch.int64
+EXTEND, DECODE = ForwardMode.EXTEND, ForwardMode.DECODE
+
+
+@dataclass(frozen=True)
+class Scenario:
+    page_size: int
+    window: int
+    size: int
+    size_swa: int
+    layer_is_swa: Tuple[bool, ...]
+    head_dim: int
+    v_head_dim: int
+    # per forward: mode, new tokens per request, shard sizes (None: cp_plan's even split), through a plan?
+    steps: Tuple[Tuple[ForwardMode, Tuple[int, ...], Optional[Tuple[int, ...]], bool], ...]
+    num_heads: int = 4
+    num_kv_heads: int = 2
+
+
+SCENARIOS: Dict[int, Scenario] = {
+    2: Scenario(page_size=1, window=8, size=256, size_swa=64, layer_is_swa=(True, False, True, False),
+                head_dim=16, v_head_dim=16,
+                steps=((EXTEND, (5, 13, 20), None, True),         # requests longer than W, equal shards
+                       (EXTEND, (3, 9, 6), (11, 7), False),       # chunked prefill, DESIGN.md's signature
+                       (DECODE, (1, 1, 1), None, True),           # 3 tokens over 2 ranks
+                       (EXTEND, (12, 1, 4), (0, 17), True))),     # an empty shard
+    4: Scenario(page_size=4, window=6, size=256, size_swa=96, layer_is_swa=(True, True, False),
+                head_dim=16, v_head_dim=8,
+                steps=((EXTEND, (7, 10, 3), None, True),
+                       (EXTEND, (5, 2, 9), (0, 9, 1, 6), True),
+                       (DECODE, (1, 1, 1), None, False),          # shards [1, 1, 1, 0]
+                       (EXTEND, (4, 11, 2), (3, 3, 8, 3), False))),
+}
+
+
+class Engine:
+    """The README's "Use from an engine" setup on CPU: SWAKVPool + SWA allocator + ReqToTokenPool + backend."""
+
+    def __init__(self, sc: Scenario, num_requests: int = 3) -> None:
+        self.sc = sc
+        swa = [i for i, s in enumerate(sc.layer_is_swa) if s]
+        full = [i for i, s in enumerate(sc.layer_is_swa) if not s]
+        self.pool = SWAKVPool(size=sc.size, size_swa=sc.size_swa, page_size=sc.page_size, dtype=torch.float32,
+                              head_num=sc.num_kv_heads, head_dim=sc.head_dim, swa_attention_layer_ids=swa,
+                              full_attention_layer_ids=full, device="cpu", v_head_dim=sc.v_head_dim)
+        self.alloc = SWATokenToKVPoolAllocator(sc.size, sc.size_swa, sc.page_size, "cpu", self.pool)
+        self.rtt = hwkv.ReqToTokenPool(size=num_requests + 1, max_context_len=128, device="cpu")
+        self.backend = hwkv.make_backend(self.pool, self.rtt, device="cpu", sliding_window=sc.window)
+        self.layers = [AttentionLayer(i, sc.num_heads, sc.num_kv_heads, sc.head_dim, v_head_dim=sc.v_head_dim,
+                                      sliding_window=sc.window if s else None)
+                       for i, s in enumerate(sc.layer_is_swa)]
+        self.rows = torch.tensor(self.rtt.alloc(num_requests), dtype=I64)
+        self.seq = torch.zeros(num_requests, dtype=I64)
+        self.frontiers = torch.zeros(num_requests, dtype=I64)
+
+    def allocate(self, mode: ForwardMode, new_lens: Sequence[int]) -> ForwardBatch:
+        """Slots for the new tokens of every request, written into req_to_token; the ForwardBatch."""
+        new = torch.tensor(list(new_lens), dtype=I64)
+        prefix, seq = self.seq.clone(), self.seq + new
+        rtt = self.rtt.req_to_token
+        last = torch.where(prefix > 0, rtt[self.rows, (prefix - 1).clamp(min=0)], -1)
+        if mode == DECODE:
+            loc = self.alloc.alloc_decode(seq, last, seq_lens_cpu=seq)
+        else:
+            loc = self.alloc.alloc_extend(prefix, seq, last, int(new.sum()), prefix_lens_cpu=prefix,
+                                          seq_lens_cpu=seq)
+        start = 0
+        for row, p, n in zip(self.rows.tolist(), prefix.tolist(), new.tolist()):
+            self.rtt.write(row, p, loc[start:start + n])
+            start += n
+        self.seq = seq
+        return ForwardBatch(mode, len(new_lens), self.rows, seq, loc, extend_prefix_lens=prefix,
+                            extend_seq_lens=new, seq_lens_cpu=seq, extend_seq_lens_cpu=new)
+
+    def release(self) -> None:
+        release_out_of_window_batch(self.alloc, self.rtt.req_to_token, self.rows, self.seq, self.frontiers,
+                                    self.sc.window)
+
+    def check_integrity(self) -> None:
+        self.alloc.check_integrity()
+        self.pool.check_integrity()
+        self.rtt.check_integrity()
+
+
+def inputs(step: int, layer: AttentionLayer, t: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward's full q, k, v of one layer: the same on every rank (seeded by step and layer)."""
+    g = torch.Generator().manual_seed(1000 * step + layer.layer_id)
+    q = torch.randn(t, layer.num_heads, layer.head_dim, generator=g)
+    k = torch.randn(t, layer.num_kv_heads, layer.head_dim, generator=g)
+    v = torch.randn(t, layer.num_kv_heads, layer.v_head_dim, generator=g)
+    return q, k, v
+
+
+def snapshot(pool: SWAKVPool) -> List[torch.Tensor]:
+    return [b.clone() for sub in (pool.full_kv_pool, pool.swa_kv_pool) for b in sub.k_buffer + sub.v_buffer]
+
+
+def same_pools(a: SWAKVPool, b: SWAKVPool) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(snapshot(a), snapshot(b))) and torch.equal(
+        a.full_to_swa_index_mapping, b.full_to_swa_index_mapping)
+
+
+def count_translations(pool: SWAKVPool) -> List[int]:
+    """Wrap the pool's translate method: every translation anyone asks for is counted in the list."""
+    calls, translate = [0], pool.translate_loc_from_full_to_swa
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return translate(*args, **kwargs)
+
+    pool.translate_loc_from_full_to_swa = counted
+    return calls
+
+
+def even_split(t: int, world: int) -> Tuple[int, ...]:
+    return tuple(t // world + (r < t % world) for r in range(world))
+
+
+# ---- the spawned jobs ---------------------------------------------------------------------------------
+
+def run_equivalence(sc: Scenario, rank: int, world: int) -> Dict[str, object]:
+    """Every forward: CP saves of each rank's shard equal direct saves of the full K/V, pools and outputs."""
+    cp, ref = Engine(sc), Engine(sc)
+    calls = count_translations(cp.pool)
+    per_forward = []
+    for step, (mode, new_lens, sizes, planned) in enumerate(sc.steps):
+        batch, ref_batch = cp.allocate(mode, new_lens), ref.allocate(mode, new_lens)
+        assert torch.equal(batch.out_cache_loc, ref_batch.out_cache_loc)
+        writes0, windows0, calls0 = cp.backend.loc_cache.translations, cp.backend.window_translations, calls[0]
+        md = cp.backend.init_forward_metadata(batch)
+        ref.backend.init_forward_metadata(ref_batch)
+        calls_md = calls[0]
+        t = batch.num_tokens
+        shards = cp_plan(md.write_loc, None if sizes is None else sizes[rank])
+        assert shards.sizes == (sizes or even_split(t, world)) and shards.num_tokens == t
+        for layer in cp.layers:
+            q, k, v = inputs(step, layer, t)
+            k_mine, v_mine = k[shards.local_slice].clone(), v[shards.local_slice].clone()
+            k_before, v_before = k_mine.clone(), v_mine.clone()
+            if planned:
+                k_full, v_full = cp_allgather_and_save_kv(cp.pool, layer, md.write_loc, k_mine, v_mine,
+                                                          shards=shards)
+            else:
+                k_full, v_full = cp_allgather_and_save_kv(cp.pool, layer, md.write_loc, k_mine, v_mine,
+                                                          dist.group.WORLD)
+            assert torch.equal(k_mine, k_before) and torch.equal(v_mine, v_before)  # inputs untouched
+            assert torch.equal(k_full, k) and torch.equal(v_full, v)
+            out = cp.backend.forward(q, k_full, v_full, layer, batch, save_kv_cache=False)
+            assert torch.equal(out, ref.backend.forward(q, k, v, layer, ref_batch)), (step, layer.layer_id)
+        # translation happened in the metadata step only: the write locs once, each window list once
+        assert calls[0] == calls_md, "a CP save translated locations"
+        assert cp.backend.loc_cache.translations == writes0 + 1
+        assert calls_md - calls0 == 1 + (cp.backend.window_translations - windows0)
+        assert same_pools(cp.pool, ref.pool), f"step {step}: pools differ"
+        per_forward.append([cp.backend.loc_cache.translations - writes0, calls[0] - calls0, len(cp.layers)])
+        cp.release()
+        ref.release()
+        cp.check_integrity()
+    swa_live = sc.size_swa - cp.alloc.swa_available_size()
+    return {"forwards": per_forward, "swa_slots_released": int(cp.frontiers.sum()) > 0, "swa_live": swa_live}
+
+
+def run_bad_inputs(sc: Scenario, rank: int, world: int) -> List[List[str]]:
+    """The last rank alone gets bad input: every rank must raise the same error and no pool may change."""
+    eng, ref = Engine(sc, num_requests=2), Engine(sc, num_requests=2)
+    batch, ref_batch = eng.allocate(EXTEND, (6, 9)), ref.allocate(EXTEND, (6, 9))
+    md = eng.backend.init_forward_metadata(batch)
+    ref.backend.init_forward_metadata(ref_batch)
+    wl, t, bad = md.write_loc, batch.num_tokens, rank == world - 1
+    shards = cp_plan(wl)
+    swa_layer = next(l for l in eng.layers if l.is_swa)
+    full_layer = next(l for l in eng.layers if not l.is_swa)
+    _, k, v = inputs(0, swa_layer, t)
+    k_mine, v_mine = k[shards.local_slice], v[shards.local_slice]
+    n, kvh, d = k_mine.shape
+    before = snapshot(eng.pool)
+    seen: List[List[str]] = []
+
+    def expect(error: type, match: str, call: Callable[[], object]) -> None:
+        with pytest.raises(error, match=match) as e:
+            call()
+        assert all(torch.equal(x, y) for x, y in zip(before, snapshot(eng.pool))), f"{match}: pool changed"
+        seen.append([type(e.value).__name__, str(e.value)])
+
+    def save(layer=swa_layer, write_loc=wl, k_=k_mine, v_=v_mine, plan: Optional[CPShards] = shards):
+        return cp_allgather_and_save_kv(eng.pool, layer, write_loc, k_, v_, shards=plan)
+
+    short = KVWriteLoc(wl.loc[:-1], wl.swa_loc[:-1])
+    last = world - 1
+    expect(ShardError, rf"shards of .* add up to {t + 1}, len\(write_loc\) is {t}",
+           lambda: cp_plan(wl, shards.local_size + bad))
+    expect(ShardError, rf"disagree on the forward's token count .*\[{t}, .*{t - 1}\]",
+           lambda: cp_plan(short if bad else wl))
+    expect(ShardError, "disagree on the forward's token count",  # the same through the plan-less call
+           lambda: cp_allgather_and_save_kv(eng.pool, swa_layer, short if bad else wl, k_mine, v_mine, None))
+    expect(ShardError, rf"rank {last}: local_num_tokens must be an int in \[0, {t}\] .*, got {t + 5}",
+           lambda: cp_plan(wl, t + 5 if bad else shards.local_size))
+    n_last = shards.sizes[last]  # what the last rank holds: every rank's message names it
+    expect(ShapeError, rf"rank {last}: layer {swa_layer.layer_id}: k has shape \[{n_last}, {kvh}, {d + 1}\], "
+                       rf"expected \[{n_last}, {kvh}, {d}\]",
+           lambda: save(k_=torch.zeros(n, kvh, d + 1) if bad else k_mine))
+    expect(ShapeError, rf"rank {last}: layer {swa_layer.layer_id}: v has shape \[{n_last - 1}, ",
+           lambda: save(v_=v_mine[:-1] if bad else v_mine))
+    expect(ShapeError, r"k is torch.float32, v is torch.float64",
+           lambda: save(v_=v_mine.double() if bad else v_mine))
+    expect(ShapeError, r"dtypes differ: .*torch.float64",
+           lambda: save(k_=k_mine.double() if bad else k_mine, v_=v_mine.double() if bad else v_mine))
+    expect(LocError, rf"rank {last}: write_loc must be a KVWriteLoc .*got Tensor",
+           lambda: save(write_loc=wl.loc if bad else wl))
+    expect(LocError, rf"rank {last}: write_loc must be a KVWriteLoc .*got Tensor",  # plan-less: the inline plan
+           lambda: save(write_loc=wl.loc if bad else wl, plan=None))
+    expect(MissingSWALocError, rf"rank {last}: layer {swa_layer.layer_id}: an SWA layer, but write_loc has no swa_loc",
+           lambda: save(write_loc=KVWriteLoc(wl.loc) if bad else wl))
+    expect(ShardError, r"different layers",
+           lambda: save(layer=full_layer if bad else swa_layer, v_=(torch.zeros(n, kvh, full_layer.v_head_dim)
+                                                                   if bad else v_mine)))
+    stale = CPShards(rank, tuple(s + 1 for s in shards.sizes))
+    expect(ShardError, rf"rank {last}: layer {swa_layer.layer_id}: the CPShards plan is for rank {last} of "
+                       rf"{world} and {t + world} tokens, this call is rank {last} of {world} with "
+                       rf"len\(write_loc\)={t}",
+           lambda: save(plan=stale if bad else shards))
+    # the pool's own refusal of an SWA write without swa_loc stays (a local call: no collective)
+    with pytest.raises(MissingSWALocError):
+        eng.pool.set_kv_buffer(swa_layer, KVWriteLoc(wl.loc), k, v)
+    assert all(torch.equal(x, y) for x, y in zip(before, snapshot(eng.pool)))
+    # the group is still in step: good saves of every layer (a full layer ignores the missing swa_loc)
+    for layer in eng.layers:
+        q, k, v = inputs(7, layer, t)
+        write_loc = wl if layer.is_swa else KVWriteLoc(wl.loc)
+        cp_allgather_and_save_kv(eng.pool, layer, write_loc, k[shards.local_slice], v[shards.local_slice],
+                                 shards=shards)
+        ref.backend.forward(q, k, v, layer, ref_batch)
+    assert same_pools(eng.pool, ref.pool)
+    return seen
+
+
+def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))  # a desynchronised collective fails, not hangs
+    try:
+        torch.set_num_threads(1)
+        sc = SCENARIOS[world]
+        report = {"equivalence": run_equivalence(sc, rank, world), "errors": run_bad_inputs(sc, rank, world)}
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_saves_equal_single_process(tmp_path: Path, world: int) -> None:
+    mp.spawn(worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=True)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    sc = SCENARIOS[world]
+    for rep in reports:
+        eq = rep["equivalence"]
+        # per forward: one write-loc translation, 1 + one per window in all, however many layers
+        assert eq["forwards"] == [[1, 2, len(sc.layer_is_swa)]] * len(sc.steps)
+        assert eq["swa_slots_released"] and 0 < eq["swa_live"] < sc.size_swa
+    errors = [rep["errors"] for rep in reports]
+    assert len(errors[0]) == 13
+    assert all(e == errors[0] for e in errors), "ranks raised different errors"
+
+
+# ---- in-process -----------------------------------------------------------------------------------------
+
+def test_default_backend_by_device_name() -> None:
+    assert default_backend(torch.device("cuda", 1)) == "nccl"
+    assert default_backend("cuda:0") == default_backend("rocm") == "nccl"
+    assert default_backend("npu:3") == "hccl"
+    assert default_backend("xpu") == "xccl"
+    assert default_backend("musa") == "mccl"
+    assert default_backend("cpu") == default_backend(torch.device("cpu")) == "gloo"
+    specs = discover()
+    assert {name: default_backend(spec) for name, spec in specs.items() if name in BACKENDS} == {
+        "cpu": "gloo", "cuda": "nccl", "rocm": "nccl", "npu": "hccl", "xpu": "xccl", "musa": "mccl"}
+    with pytest.raises(ConfigError, match=r"device type 'tpu'; known: \['cpu', 'cuda'"):
+        default_backend("tpu:0")
+    with pytest.raises(ConfigError, match="got int"):
+        default_backend(0)
+
+
+def test_default_backend_xccl_needs_torch_2_8(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "__version__", "2.7.1+xpu")
+    with pytest.raises(ConfigError, match=r"torch 2.7.1\+xpu has no 'xccl'.*'ccl'"):
+        default_backend("xpu:0")
+    assert default_backend("cuda") == "nccl"
+
+
+def test_plan_needs_an_initialized_group() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(ConfigError, match="not initialized"):
+        cp_plan(4)
+
+
+def test_shards_layout() -> None:
+    s = CPShards(2, (3, 0, 5, 1))
+    assert (s.world_size, s.num_tokens, s.max_size, s.local_size) == (4, 9, 5, 5)
+    assert s.offsets == (0, 3, 3, 8, 9) and s.local_slice == slice(3, 8)
