@@ -61,7 +61,8 @@ class ForwardBatch:
             raise ShapeError(f"{self.forward_mode.name} needs extend_seq_lens (new tokens per request)")
         steps = getattr(self.spec_info, "num_steps", 1)  # hwkv.spec.MultiStepDraft: that many tokens each
         if self.forward_mode.is_decode() and self.out_cache_loc.shape[0] != self.batch_size * steps:
-            raise ShapeError(f"DECODE writes {steps} token(s) per request: out_cache_loc has "
+            per = "one token" if steps == 1 else f"{steps} tokens (MultiStepDraft)"
+            raise ShapeError(f"DECODE writes {per} per request: out_cache_loc has "
                              f"{self.out_cache_loc.shape[0]} entries, batch_size is {self.batch_size}")
 
     @property

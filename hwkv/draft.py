@@ -75,7 +75,7 @@ class DraftMetadataMixin:
                 lens_cpu = seq_cpu + (k - 1) - window_pos0(seq_cpu - 1, w)
                 lst = self._eager_list(_Rows(batch), last, pos0, int(lens_cpu.sum()), w, int(lens_cpu.max()) if bs else 0)
                 combined[w] = (lst, pos0)
-        ones = torch.ones(bs, dtype=torch.int64)
+        ones = torch.ones(bs, dtype=torch.int64, device="cpu")
         qo_indptr = torch.arange(bs + 1, dtype=torch.int32, device=self.device)
         batches, mds = [], []
         for i in range(k):

@@ -90,9 +90,9 @@ class GraphRunner:
         self.extend_seq_lens_cpu = torch.full((max_bs,), tokens_per_req, dtype=torch.int64)
         self._host_lens = True
         # the verify tree's static mask: every request's [tpr, tpr] block, a chain (causal) until filled
-        chain = torch.ones(tokens_per_req, tokens_per_req, dtype=torch.bool).tril_().reshape(-1)
-        self.chain_mask = chain.to(dev)
-        self.tree_mask = chain.repeat(max_bs).to(dev) if tree else None
+        chain = torch.ones(tokens_per_req, tokens_per_req, dtype=torch.bool, device=dev).tril_().reshape(-1)
+        self.chain_mask = chain
+        self.tree_mask = chain.repeat(max_bs) if tree else None
         self.inputs = {k: torch.zeros((max_tokens, *shape), dtype=dt, device=dev)
                        for k, (shape, dt) in input_shapes.items()}
         self.graphs: Dict[int, _Captured] = {}

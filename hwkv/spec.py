@@ -69,7 +69,7 @@ class DraftTree:
         blocks = []
         for par in parents:
             n = len(par)
-            m = torch.zeros(n, n, dtype=torch.bool)
+            m = torch.zeros(n, n, dtype=torch.bool, device="cpu")
             for i, p in enumerate(par):
                 if p >= i:
                     raise ShapeError(f"draft token {i} has parent {p}: parents must come before their children")
@@ -77,7 +77,7 @@ class DraftTree:
                 if p >= 0:
                     m[i] |= m[p]
             blocks.append(m.reshape(-1))
-        flat = torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.bool)
+        flat = torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.bool, device="cpu")
         return DraftTree(flat.to(device) if device is not None else flat)
 
 
@@ -130,8 +130,8 @@ def tree_visible(prefix_len: int, tree_block: torch.Tensor, window: Optional[int
     n = tree_block.shape[0]
     block = tree_block.bool().cpu()
     q_pos = prefix_len + block.sum(1).to(torch.int64) - 1
-    k_pos = torch.cat([torch.arange(prefix_len), q_pos])
-    see = torch.cat([torch.ones(n, prefix_len, dtype=torch.bool), block], dim=1)
+    k_pos = torch.cat([torch.arange(prefix_len, device="cpu"), q_pos])
+    see = torch.cat([torch.ones(n, prefix_len, dtype=torch.bool, device="cpu"), block], dim=1)
     if window is not None and window > 0:
         see &= k_pos[None, :] > q_pos[:, None] - window
     return see, q_pos
@@ -191,9 +191,9 @@ def accept_draft_tokens(allocator: Any, pool: Any, req_to_token: torch.Tensor, r
         pages = ((old_end - new_end + page - 1) // page).clamp(min=0)
         total = int(pages.sum())
         if total:
-            req = torch.repeat_interleave(torch.arange(bs), pages, output_size=total)
-            first = torch.cat([torch.zeros(1, dtype=torch.int64), pages.cumsum(0)[:-1]])
-            at = new_end[req] + (torch.arange(total) - first[req]) * page
+            req = torch.repeat_interleave(torch.arange(bs, device="cpu"), pages, output_size=total)
+            first = torch.cat([torch.zeros(1, dtype=torch.int64, device="cpu"), pages.cumsum(0)[:-1]])
+            at = new_end[req] + (torch.arange(total, device="cpu") - first[req]) * page
             allocator.free(req_to_token[req_pool_indices.to(torch.int64)[req.to(dev)], at.to(dev)])
     return prefix_lens.to(torch.int64) + accept_lens.to(torch.int64)
 
@@ -202,7 +202,7 @@ def _check_accept(idx: torch.Tensor, valid: torch.Tensor, n: int, frontiers: Opt
                   prefix_cpu: torch.Tensor) -> None:
     if bool(((idx < 0) | (idx >= n)).any()):
         raise ShapeError(f"accept_index holds a draft index outside [0, {n})")
-    taken = torch.zeros(idx.shape[0], n, dtype=torch.int64).scatter_add_(1, idx, valid.to(torch.int64))
+    taken = torch.zeros(idx.shape[0], n, dtype=torch.int64, device="cpu").scatter_add_(1, idx, valid.to(torch.int64))
     if bool((taken > 1).any()):
         raise ShapeError("accept_index names one draft token twice in a request's accepted path")
     if frontiers is not None and bool((frontiers.cpu() > prefix_cpu).any()):

@@ -18,8 +18,9 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from hwkv.checks import check_shape, scale_value
+from hwkv.checks import check_shape, scale_value, values_checkable
 from hwkv.errors import LocError, ShapeError
+from hwkv.spec import TreeMask
 from hwkv_cpu import amx
 from hwkv_cpu.kernels_decode import Params, decode_torch, key_range
 from hwkv_cpu.kernels_extend import extend_torch
@@ -68,6 +69,48 @@ def _check_common(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_
             raise LocError(f"{name} must be int32 or int64, got {t.dtype}")
 
 
+def check_tree_mask(tree: TreeMask, q: torch.Tensor, qo_indptr: torch.Tensor, q_pos0: torch.Tensor) -> None:
+    """A verify tree's kernel form against the batch: mask bool [*], mask_indptr int64 [bs + 1],
+    q_positions int64 [T], on q's device (CPU); request b's block holds n_b^2 bits inside the mask and
+    its positions lie in q_pos0[b] + [0, n_b) (values read: free on CPU; skipped while torch.compile traces)."""
+    if not isinstance(tree, TreeMask):
+        raise ShapeError(f"tree must be a hwkv.spec.TreeMask, got {type(tree).__name__}")
+    bs = qo_indptr.shape[0] - 1
+    for name, t, dtype, shape in (("tree.mask", tree.mask, torch.bool, [None]),
+                                  ("tree.mask_indptr", tree.mask_indptr, torch.int64, [bs + 1]),
+                                  ("tree.q_positions", tree.q_positions, torch.int64, [q.shape[0]])):
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+            raise ShapeError(f"{name} must be a {dtype} tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+        check_shape(name, t, shape)
+        if t.device != q.device:
+            raise ShapeError(f"{name} is on {t.device}, q is on {q.device}")
+    if bs > 0 and values_checkable(tree.mask_indptr):
+        _check_tree_values(tree, qo_indptr.cpu().to(torch.int64), q_pos0.cpu().to(torch.int64))
+
+
+def _check_tree_values(tree: TreeMask, qo: torch.Tensor, q_pos0: torch.Tensor) -> None:
+    """Request b's mask block holds n_b^2 bits inside the mask, its positions lie in q_pos0[b] + [0, n_b)
+    (qo, q_pos0: host int64 copies of qo_indptr and q_pos0)."""
+    n = qo[1:] - qo[:-1]
+    ptr = tree.mask_indptr.cpu()
+    bad = torch.nonzero(ptr[1:] - ptr[:-1] != n * n).flatten()
+    if bad.numel():
+        b = int(bad[0])
+        raise ShapeError(f"tree.mask_indptr gives request {b} {int(ptr[b + 1] - ptr[b])} mask entries; its "
+                         f"{int(n[b])} draft tokens need {int(n[b]) ** 2}")
+    if int(ptr[0]) < 0 or int(ptr[-1]) > tree.mask.shape[0]:
+        raise ShapeError(f"tree.mask_indptr spans [{int(ptr[0])}, {int(ptr[-1])}), past tree.mask's "
+                         f"{tree.mask.shape[0]} entries")
+    req = torch.repeat_interleave(torch.arange(n.shape[0], device="cpu"), n)
+    pos = tree.q_positions.cpu()[int(qo[0]): int(qo[0]) + req.shape[0]]
+    rel = pos - q_pos0[req]
+    bad = torch.nonzero((rel < 0) | (rel >= n[req])).flatten()
+    if bad.numel():
+        r, b = int(bad[0]), int(req[bad[0]])
+        raise ShapeError(f"tree.q_positions[{int(qo[0]) + r}] = {int(pos[r])} lies outside request {b}'s draft "
+                         f"positions [{int(q_pos0[b])}, {int(q_pos0[b] + n[b])})")
+
+
 def _norm_sinks(sinks: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if sinks is None else sinks.detach().to(torch.float32).contiguous()
 
@@ -103,10 +146,16 @@ def _decode_fake(*args, **kwargs) -> None:
 def _extend_op(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
                kv_indices: torch.Tensor, kv_pos0: torch.Tensor, qo_indptr: torch.Tensor,
                q_pos0: torch.Tensor, out: torch.Tensor, max_q_len: int, qk_scale: float, cap: float,
-               v_scale: float, window: int, sinks: Optional[torch.Tensor]) -> None:
+               v_scale: float, window: int, sinks: Optional[torch.Tensor],
+               tree_mask: Optional[torch.Tensor] = None, tree_mask_indptr: Optional[torch.Tensor] = None,
+               tree_q_positions: Optional[torch.Tensor] = None) -> None:
     ptr, pos0, qo, qp0 = kv_indptr.tolist(), kv_pos0.tolist(), qo_indptr.tolist(), q_pos0.tolist()
     indices = kv_indices.long()
     p = Params(qk_scale, cap, v_scale, window, amx.compute_dtype(k_buf.dtype))
+    if tree_mask is not None:  # sgl-kernel takes no tree mask
+        extend_torch(q, k_buf, v_buf, ptr, indices, pos0, qo, qp0, out, p, sinks,
+                     tree=TreeMask(tree_mask, tree_mask_indptr, tree_q_positions))
+        return
     if sinks is None and v_scale == 1.0 and amx.sgl_dtype_ok(q, k_buf, v_buf, out) and out.is_contiguous():
         ops, _ = amx.sgl_ops()
         lens = [ptr[b + 1] - ptr[b] for b in range(len(pos0))]
@@ -158,18 +207,26 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                      kv_indices: torch.Tensor, kv_pos0: torch.Tensor, qo_indptr: torch.Tensor,
                      q_pos0: torch.Tensor, out: torch.Tensor, max_q_len: int, scaling: Optional[float],
                      window: Optional[int], logit_cap: Optional[float], sinks: Optional[torch.Tensor],
-                     k_scale: Scale, v_scale: Scale) -> None:
+                     k_scale: Scale, v_scale: Scale, *, tree: Optional[TreeMask] = None) -> None:
     """out[t] for query rows t of request b (qo_indptr[b] <= t < qo_indptr[b+1], position
     q_pos0[b] + t - qo_indptr[b]) over the keys of request b visible to it; q [T, H, D],
     out [T, H, Dv]. Everything else as in `decode_attention`. The new tokens' K/V are read from
     the pool (stored before attention runs).
+
+    tree: a verify tree (`hwkv.spec.TreeMask`, checked by `check_tree_mask`): row t sits at position
+    tree.q_positions[t] and sees the prefix keys (list positions < q_pos0[b]) inside its window and
+    draft key j (list position q_pos0[b] + j) iff the tree's mask says j is t or an ancestor and
+    j's position is inside t's window (see hwkv.spec).
     """
     _check_common(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, out, sinks)
     bs = kv_pos0.shape[0]
     check_shape("qo_indptr", qo_indptr, [bs + 1])
     check_shape("q_pos0", q_pos0, [bs])
+    if tree is not None:
+        check_tree_mask(tree, q, qo_indptr, q_pos0)
     if q.shape[0] == 0 or bs == 0:
         return
     qk_scale, cap, v_sc, win = _scalars(q, scaling, window, logit_cap, k_scale, v_scale)
+    trees = (None, None, None) if tree is None else tuple(tree)
     torch.ops.hwkv_cpu.extend_attention(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0,
-                                        out, int(max_q_len), qk_scale, cap, v_sc, win, _norm_sinks(sinks))
+                                        out, int(max_q_len), qk_scale, cap, v_sc, win, _norm_sinks(sinks), *trees)

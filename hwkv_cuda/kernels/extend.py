@@ -10,6 +10,13 @@ the last), in three loops: masked tiles at the window edge, unmasked tiles every
 full (no mask arithmetic at all), masked tiles across the causal diagonal. Window prefill thus
 costs about N x (W + BLOCK_T) keys, not N x N. Token blocks run from the last (the heaviest
 under the causal mask) to the first, so the long programs start first.
+
+Tree verify (`tree=`, a `hwkv.spec.TreeMask`; HAS_TREE constexpr): each row's position comes from
+q_positions; a program walks list entries [window start of its smallest row position, the
+request's list end restricted to positions <= q_pos0 + n_b - 1), every tile masked: a prefix key
+(list position < q_pos0) by the window (tiles holding only prefix keys take the causal tiles' mask,
+which is that), a draft key t by its ancestor bit mask[row, t] (loaded per row token and draft key,
+only in tiles reaching the draft region) and the window over the draft's position.
 """
 from __future__ import annotations
 
@@ -20,7 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from hwkv.checks import values_checkable
 from hwkv.errors import ShapeError
+from hwkv.spec import TreeMask
 from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, check_dims, check_same_device, dot,
                                       fold_sink, interpreting, logits_log2, online_softmax_step, pow2)
 
@@ -72,13 +81,32 @@ def tile_rows(config: ExtendConfig, group: int, max_q_len: int) -> Tuple[int, in
 
 
 @triton.jit
+def _tree_visible(offs_n, mask_n, q_rel, window, tree_mask, tree_row, tok_ok, tree_pos, rel0, pos0,
+                  HAS_WINDOW: tl.constexpr):
+    """[rows, keys] visibility in a tree verify: list entry j < rel0 is a prefix key (window only);
+    j >= rel0 is draft t = j - rel0, seen iff its ancestor bit tree_mask[tree_row + t] is set and
+    its position tree_pos[t] is inside the row's window (positions relative to pos0)."""
+    draft = mask_n & (offs_n >= rel0)
+    t = offs_n - rel0
+    bit = tl.load(tree_mask + tree_row[:, None] + t[None, :], mask=tok_ok[:, None] & draft[None, :], other=0)
+    vis = mask_n[None, :] & ((bit != 0) | (offs_n < rel0)[None, :])
+    if HAS_WINDOW:
+        k_rel = tl.where(draft, tl.load(tree_pos + t, mask=draft, other=0) - pos0, offs_n)
+        vis = vis & (k_rel[None, :] > q_rel[:, None] - window)
+    return vis
+
+
+@triton.jit
 def _extend_tile(qt, k_buf, v_buf, kv_indices, kv_start, start, hi, q_rel, m, l_sum, acc, kvh,
                  s_kb, s_kh, s_vb, s_vh, qk_scale, cap, window, offs_d, offs_dv,
+                 tree_mask, tree_row, tok_ok, tree_pos, rel0, pos0,
                  D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BLOCK_N: tl.constexpr, HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                 MASKED: tl.constexpr, F32: tl.constexpr):
+                 MASKED: tl.constexpr, F32: tl.constexpr, TREE: tl.constexpr):
     """Fold key tile [start, start + BLOCK_N) into (m, l_sum, acc); MASKED: apply the list end, the
-    causal bound and the window per element (otherwise every row sees every key of the tile)."""
+    causal bound and the window per element (otherwise every row sees every key of the tile); TREE
+    (masked tiles only): the tree's visibility instead of the causal bound (`_tree_visible`; the
+    tree_* arguments are unused otherwise)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     mask_n = offs_n < hi
     if MASKED:
@@ -95,9 +123,13 @@ def _extend_tile(qt, k_buf, v_buf, kv_indices, kv_start, start, hi, q_rel, m, l_
         kt = tl.load(k_ptr, mask=offs_d[None, :] < D, other=0.0)
     s = logits_log2(dot(qt, tl.trans(kt.to(qt.dtype)), F32), qk_scale, cap, HAS_CAP)
     if MASKED:
-        vis = mask_n[None, :] & (offs_n[None, :] <= q_rel[:, None])
-        if HAS_WINDOW:
-            vis = vis & (offs_n[None, :] > q_rel[:, None] - window)
+        if TREE:
+            vis = _tree_visible(offs_n, mask_n, q_rel, window, tree_mask, tree_row, tok_ok, tree_pos, rel0, pos0,
+                                HAS_WINDOW)
+        else:
+            vis = mask_n[None, :] & (offs_n[None, :] <= q_rel[:, None])
+            if HAS_WINDOW:
+                vis = vis & (offs_n[None, :] > q_rel[:, None] - window)
         s = tl.where(vis, s, float("-inf"))
         vt = tl.load(v_ptr, mask=mask_n[:, None] & (offs_dv[None, :] < DV), other=0.0)
     elif BLOCK_DV == DV:
@@ -109,12 +141,13 @@ def _extend_tile(qt, k_buf, v_buf, kv_indices, kv_start, start, hi, q_rel, m, l_
 
 @triton.jit
 def _extend_kernel(
-        q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, sinks, out,
-        qk_scale, v_scale, cap, window,
+        q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, sinks, tree_mask, tree_indptr,
+        q_positions, out, qk_scale, v_scale, cap, window,
         s_qt, s_qh, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh,
         GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, F32: tl.constexpr):
+        HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, F32: tl.constexpr,
+        HAS_TREE: tl.constexpr):
     BLOCK_M: tl.constexpr = BLOCK_T * GP
     kvh = tl.program_id(0)
     first = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_T   # heaviest (last) token blocks first
@@ -123,26 +156,15 @@ def _extend_kernel(
     q_len = tl.load(qo_indptr + b + 1).to(tl.int64) - q_start
     kv_start = tl.load(kv_indptr + b).to(tl.int64)
     kv_len = tl.load(kv_indptr + b + 1).to(tl.int64) - kv_start
-    rel0 = tl.load(q_pos0 + b).to(tl.int64) - tl.load(kv_pos0 + b).to(tl.int64)  # q_pos0 - pos0
+    pos0 = tl.load(kv_pos0 + b).to(tl.int64)
+    rel0 = tl.load(q_pos0 + b).to(tl.int64) - pos0  # q_pos0 - pos0
     last = tl.minimum(q_len, first + BLOCK_T) - 1   # last valid token of the block (< first: empty)
-    # List entries some query of the block may see, [lo, hi), and those all of them see, [full_lo, full_hi).
-    lo = tl.zeros_like(rel0)
-    full_lo = lo
-    if HAS_WINDOW:
-        lo = tl.maximum(lo, rel0 + first - window + 1)
-        full_lo = tl.maximum(lo, rel0 + last - window + 1)
-    hi = tl.minimum(kv_len, rel0 + last + 1)
-    hi = tl.where(last < first, lo, tl.maximum(hi, lo))
-    full_hi = tl.minimum(kv_len, rel0 + first + 1)
-    a_end = tl.minimum(lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N) * BLOCK_N, hi)
-    b_end = a_end + tl.maximum((full_hi - a_end) // BLOCK_N, 0) * BLOCK_N
 
     offs_r = tl.arange(0, BLOCK_M)
     tok = first + offs_r // GP
     g = offs_r % GP
     head = kvh * GROUP + g
     mask_r = (tok < q_len) & (g < GROUP)
-    q_rel = rel0 + tok                              # query positions, relative to pos0
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     qt = tl.load(q + (q_start + tok)[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :],
@@ -151,18 +173,59 @@ def _extend_kernel(
     m = tl.full([BLOCK_M], NEG_BIG, tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for start in range(lo, a_end, BLOCK_N):          # window edge
-        m, l_sum, acc = _extend_tile(qt, k_buf, v_buf, kv_indices, kv_start, start, hi, q_rel, m, l_sum, acc, kvh,
-                                     s_kb, s_kh, s_vb, s_vh, qk_scale, cap, window, offs_d, offs_dv, D, DV,
-                                     BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, HAS_WINDOW, True, F32)
-    for start in range(a_end, b_end, BLOCK_N):       # seen by every row: no masks
-        m, l_sum, acc = _extend_tile(qt, k_buf, v_buf, kv_indices, kv_start, start, hi, q_rel, m, l_sum, acc, kvh,
-                                     s_kb, s_kh, s_vb, s_vh, qk_scale, cap, window, offs_d, offs_dv, D, DV,
-                                     BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, HAS_WINDOW, False, F32)
-    for start in range(b_end, hi, BLOCK_N):          # causal diagonal
-        m, l_sum, acc = _extend_tile(qt, k_buf, v_buf, kv_indices, kv_start, start, hi, q_rel, m, l_sum, acc, kvh,
-                                     s_kb, s_kh, s_vb, s_vh, qk_scale, cap, window, offs_d, offs_dv, D, DV,
-                                     BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, HAS_WINDOW, True, F32)
+    if HAS_TREE:
+        # Rows at their tree positions; list entries [lo, hi): from the smallest row position's window
+        # start to the last draft; every tile masked (a prefix key is older than every row: the causal
+        # bound holds, the window applies as usual).
+        tok_ok = tok < q_len
+        q_rel = tl.load(q_positions + q_start + tok, mask=tok_ok, other=0).to(tl.int64) - pos0
+        lo = tl.zeros_like(rel0)
+        if HAS_WINDOW:
+            lo = tl.maximum(lo, tl.min(tl.where(tok_ok, q_rel, tl.max(q_rel, 0)), 0) - window + 1)
+        hi = tl.minimum(kv_len, rel0 + q_len)
+        hi = tl.where(last < first, lo, tl.maximum(hi, lo))
+        d_lo = tl.minimum(lo + tl.maximum(rel0 - lo, 0) // BLOCK_N * BLOCK_N, hi)   # first tile with a draft
+        tree_row = tl.load(tree_indptr + b).to(tl.int64) + tok * q_len   # row token's [n_b] mask bits
+        tree_pos = q_positions + q_start                                 # draft t's position: tree_pos[t]
+        for start in range(lo, d_lo, BLOCK_N):           # prefix keys only: list end and window, no bits
+            m, l_sum, acc = _extend_tile(qt, k_buf, v_buf, kv_indices, kv_start, start, hi, q_rel, m, l_sum, acc,
+                                         kvh, s_kb, s_kh, s_vb, s_vh, qk_scale, cap, window, offs_d, offs_dv,
+                                         tree_mask, tree_row, tok_ok, tree_pos, rel0, pos0, D, DV,
+                                         BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, HAS_WINDOW, True, F32, False)
+        for start in range(d_lo, hi, BLOCK_N):           # tiles reaching the drafts: the tree's bits
+            m, l_sum, acc = _extend_tile(qt, k_buf, v_buf, kv_indices, kv_start, start, hi, q_rel, m, l_sum, acc,
+                                         kvh, s_kb, s_kh, s_vb, s_vh, qk_scale, cap, window, offs_d, offs_dv,
+                                         tree_mask, tree_row, tok_ok, tree_pos, rel0, pos0, D, DV,
+                                         BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, HAS_WINDOW, True, F32, True)
+    else:
+        # List entries some query of the block may see, [lo, hi), and those all of them see, [full_lo, full_hi).
+        lo = tl.zeros_like(rel0)
+        full_lo = lo
+        if HAS_WINDOW:
+            lo = tl.maximum(lo, rel0 + first - window + 1)
+            full_lo = tl.maximum(lo, rel0 + last - window + 1)
+        hi = tl.minimum(kv_len, rel0 + last + 1)
+        hi = tl.where(last < first, lo, tl.maximum(hi, lo))
+        full_hi = tl.minimum(kv_len, rel0 + first + 1)
+        a_end = tl.minimum(lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N) * BLOCK_N, hi)
+        b_end = a_end + tl.maximum((full_hi - a_end) // BLOCK_N, 0) * BLOCK_N
+        q_rel = rel0 + tok                              # query positions, relative to pos0
+        # (the tree arguments of _extend_tile are unused without TREE: placeholders)
+        for start in range(lo, a_end, BLOCK_N):          # window edge
+            m, l_sum, acc = _extend_tile(qt, k_buf, v_buf, kv_indices, kv_start, start, hi, q_rel, m, l_sum, acc,
+                                         kvh, s_kb, s_kh, s_vb, s_vh, qk_scale, cap, window, offs_d, offs_dv,
+                                         kv_indices, q_rel, mask_r, kv_indices, rel0, pos0, D, DV,
+                                         BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, HAS_WINDOW, True, F32, False)
+        for start in range(a_end, b_end, BLOCK_N):       # seen by every row: no masks
+            m, l_sum, acc = _extend_tile(qt, k_buf, v_buf, kv_indices, kv_start, start, hi, q_rel, m, l_sum, acc,
+                                         kvh, s_kb, s_kh, s_vb, s_vh, qk_scale, cap, window, offs_d, offs_dv,
+                                         kv_indices, q_rel, mask_r, kv_indices, rel0, pos0, D, DV,
+                                         BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, HAS_WINDOW, False, F32, False)
+        for start in range(b_end, hi, BLOCK_N):          # causal diagonal
+            m, l_sum, acc = _extend_tile(qt, k_buf, v_buf, kv_indices, kv_start, start, hi, q_rel, m, l_sum, acc,
+                                         kvh, s_kb, s_kh, s_vb, s_vh, qk_scale, cap, window, offs_d, offs_dv,
+                                         kv_indices, q_rel, mask_r, kv_indices, rel0, pos0, D, DV,
+                                         BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, HAS_WINDOW, True, F32, False)
 
     if HAS_SINKS:
         sink = tl.load(sinks + head, mask=mask_r, other=0.0).to(tl.float32) * LOG2E
@@ -193,9 +256,52 @@ def _check_extend(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_
                       kv_pos0=kv_pos0, qo_indptr=qo_indptr, q_pos0=q_pos0, out=out, sinks=sinks)
 
 
+def check_tree_mask(tree: TreeMask, q: torch.Tensor, qo_indptr: torch.Tensor, q_pos0: torch.Tensor) -> None:
+    """A verify tree's kernel form against the batch: mask bool [*], mask_indptr int64 [bs + 1],
+    q_positions int64 [T], all on q's device. Where values are checkable (CPU; debug mode elsewhere):
+    request b's block holds n_b^2 bits inside the mask and its positions lie in q_pos0[b] + [0, n_b)."""
+    if not isinstance(tree, TreeMask):
+        raise ShapeError(f"tree must be a hwkv.spec.TreeMask, got {type(tree).__name__}")
+    bs = qo_indptr.shape[0] - 1
+    for name, t, dtype, shape in (("tree.mask", tree.mask, torch.bool, [None]),
+                                  ("tree.mask_indptr", tree.mask_indptr, torch.int64, [bs + 1]),
+                                  ("tree.q_positions", tree.q_positions, torch.int64, [q.shape[0]])):
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+            raise ShapeError(f"{name} must be a {dtype} tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+        check_dims(name, t, shape)
+        if t.device != q.device:
+            raise ShapeError(f"{name} is on {t.device}, q is on {q.device}")
+    if bs > 0 and values_checkable(tree.mask_indptr):
+        _check_tree_values(tree, qo_indptr.cpu().to(torch.int64), q_pos0.cpu().to(torch.int64))
+
+
+def _check_tree_values(tree: TreeMask, qo: torch.Tensor, q_pos0: torch.Tensor) -> None:
+    """Request b's mask block holds n_b^2 bits inside the mask, its positions lie in q_pos0[b] + [0, n_b)
+    (qo, q_pos0: host int64 copies of qo_indptr and q_pos0)."""
+    n = qo[1:] - qo[:-1]
+    ptr = tree.mask_indptr.cpu()
+    bad = torch.nonzero(ptr[1:] - ptr[:-1] != n * n).flatten()
+    if bad.numel():
+        b = int(bad[0])
+        raise ShapeError(f"tree.mask_indptr gives request {b} {int(ptr[b + 1] - ptr[b])} mask entries; its "
+                         f"{int(n[b])} draft tokens need {int(n[b]) ** 2}")
+    if int(ptr[0]) < 0 or int(ptr[-1]) > tree.mask.shape[0]:
+        raise ShapeError(f"tree.mask_indptr spans [{int(ptr[0])}, {int(ptr[-1])}), past tree.mask's "
+                         f"{tree.mask.shape[0]} entries")
+    req = torch.repeat_interleave(torch.arange(n.shape[0], device="cpu"), n)
+    pos = tree.q_positions.cpu()[int(qo[0]): int(qo[0]) + req.shape[0]]
+    rel = pos - q_pos0[req]
+    bad = torch.nonzero((rel < 0) | (rel >= n[req])).flatten()
+    if bad.numel():
+        r, b = int(bad[0]), int(req[bad[0]])
+        raise ShapeError(f"tree.q_positions[{int(qo[0]) + r}] = {int(pos[r])} lies outside request {b}'s draft "
+                         f"positions [{int(q_pos0[b])}, {int(q_pos0[b] + n[b])})")
+
+
 class ExtendPlan(NamedTuple):
     """How to launch extend for calls sharing a batch, a head geometry and the metadata lists: the
-    grid and tile config, and the shapes/strides the first call was checked with (`plan_extend`)."""
+    grid and tile config, and the shapes/strides the first call was checked with (`plan_extend`);
+    has_tree: planned with a verify tree (the kernel's HAS_TREE)."""
 
     q_shape: Tuple[int, ...]
     k_shape: Tuple[int, ...]
@@ -208,9 +314,10 @@ class ExtendPlan(NamedTuple):
     config: ExtendConfig
     consts: Dict[str, Any]       # the kernel's constexprs and launch options
     interpreted: bool
+    has_tree: bool
 
 
-def _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config) -> ExtendPlan:
+def _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config, has_tree) -> ExtendPlan:
     t, h, d = q.shape
     bs, kvh, dv = kv_pos0.shape[0], k_buf.shape[1], v_buf.shape[2]
     cfg = config or default_config(d, q.dtype == torch.float32)
@@ -218,20 +325,24 @@ def _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config) -> ExtendPlan:
     empty = t == 0 or bs == 0 or max_q_len <= 0
     grid = (0, 0, 0) if empty else (kvh, triton.cdiv(int(max_q_len), block_t), bs)
     consts = dict(GROUP=h // kvh, GP=gp, D=d, DV=dv, BLOCK_T=block_t, BLOCK_D=pow2(d), BLOCK_DV=pow2(dv),
-                  BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  BLOCK_N=cfg.block_n, HAS_TREE=has_tree, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return ExtendPlan(tuple(q.shape), tuple(k_buf.shape), tuple(v_buf.shape), k_buf.stride(), v_buf.stride(),
-                      tuple(out.shape), q.device, grid, cfg, consts, interpreting())
+                      tuple(out.shape), q.device, grid, cfg, consts, interpreting(), has_tree)
 
 
 def _run(plan: ExtendPlan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, scaling,
-         window, logit_cap, sinks, k_scale, v_scale) -> None:
+         window, logit_cap, sinks, k_scale, v_scale, tree) -> None:
     if plan.grid[0] == 0:
         return
     cap = float(logit_cap or 0.0)
     window = int(window or 0)
+    if tree is None:   # pointers the kernel never reads without HAS_TREE
+        tree_mask = tree_indptr = q_positions = q
+    else:
+        tree_mask, tree_indptr, q_positions = tree.mask.view(torch.uint8), tree.mask_indptr, tree.q_positions
     _extend_kernel[plan.grid](
         q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0,
-        sinks if sinks is not None else q, out,
+        sinks if sinks is not None else q, tree_mask, tree_indptr, q_positions, out,
         float(scaling) * as_scale(k_scale), as_scale(v_scale), cap, window,
         q.stride(0), q.stride(1), plan.k_stride[0], plan.k_stride[1], plan.v_stride[0],
         plan.v_stride[1], out.stride(0), out.stride(1),
@@ -245,29 +356,36 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      max_q_len: int, scaling: float, window: Optional[int] = None,
                      logit_cap: float = 0.0, sinks: Optional[torch.Tensor] = None,
                      k_scale: Optional[float] = None, v_scale: Optional[float] = None, *,
-                     config: Optional[ExtendConfig] = None) -> None:
+                     config: Optional[ExtendConfig] = None, tree: Optional[TreeMask] = None) -> None:
     """Causal (+ window) attention of query runs over their request's listed keys.
 
     q [T, H, D]; out [T, H, Dv] (written). Request b's queries are rows
     qo_indptr[b]:qo_indptr[b+1] at positions q_pos0[b] + row - qo_indptr[b]; its keys are
     kv_indices[kv_indptr[b]:kv_indptr[b+1]] at positions kv_pos0[b] + j. max_q_len: host
     upper bound on any request's query count (sizes the grid; rows past it are not written).
-    Other arguments as in decode_attention. No host sync.
+    tree: a verify tree (`hwkv.spec.TreeMask`): rows sit at tree.q_positions and see prefix keys
+    (list positions < q_pos0[b]) in their window and draft keys by the tree's ancestor mask (see
+    hwkv.spec; its values are checked on CPU tensors and in debug mode). Other arguments as in
+    decode_attention. No host sync.
     """
     _check_extend(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, sinks)
-    plan = _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config)
+    if tree is not None:
+        check_tree_mask(tree, q, qo_indptr, q_pos0)
+    plan = _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config, tree is not None)
     _run(plan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, scaling, window,
-         logit_cap, sinks, k_scale, v_scale)
+         logit_cap, sinks, k_scale, v_scale, tree)
 
 
 def plan_extend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
                 kv_indices: torch.Tensor, kv_pos0: torch.Tensor, qo_indptr: torch.Tensor, q_pos0: torch.Tensor,
                 out: torch.Tensor, max_q_len: int, sinks: Optional[torch.Tensor] = None, *,
-                config: Optional[ExtendConfig] = None) -> ExtendPlan:
+                config: Optional[ExtendConfig] = None, tree: Optional[TreeMask] = None) -> ExtendPlan:
     """Check one call's arguments as `extend_attention` does and plan it; calls with the same shapes
-    and the same metadata tensors reuse the plan through `extend_attention_planned`."""
+    and the same metadata tensors (the tree's included) reuse the plan through `extend_attention_planned`."""
     _check_extend(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, sinks)
-    return _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config)
+    if tree is not None:
+        check_tree_mask(tree, q, qo_indptr, q_pos0)
+    return _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config, tree is not None)
 
 
 def extend_attention_planned(plan: ExtendPlan, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
@@ -275,17 +393,17 @@ def extend_attention_planned(plan: ExtendPlan, q: torch.Tensor, k_buf: torch.Ten
                              qo_indptr: torch.Tensor, q_pos0: torch.Tensor, out: torch.Tensor, max_q_len: int,
                              scaling: float, window: Optional[int] = None, logit_cap: float = 0.0,
                              sinks: Optional[torch.Tensor] = None, k_scale: Optional[float] = None,
-                             v_scale: Optional[float] = None) -> None:
+                             v_scale: Optional[float] = None, *, tree: Optional[TreeMask] = None) -> None:
     """`extend_attention` under a plan from `plan_extend` (internal: the backend's per-layer call).
-    Tensors are compared with the plan (tuples, no helper calls); a call that differs takes the
-    checked `extend_attention`."""
+    Tensors are compared with the plan (tuples, no helper calls); a call that differs (a tree where the
+    plan has none or the reverse included) takes the checked `extend_attention`."""
     if (q.shape != plan.q_shape or k_buf.shape != plan.k_shape or v_buf.shape != plan.v_shape
             or out.shape != plan.out_shape or k_buf.stride() != plan.k_stride or v_buf.stride() != plan.v_stride
             or (q.stride(2) != 1 and plan.q_shape[2] > 1) or (out.stride(2) != 1 and plan.out_shape[2] > 1)
-            or q.device != plan.device or k_buf.device != plan.device
+            or q.device != plan.device or k_buf.device != plan.device or (tree is not None) != plan.has_tree
             or (sinks is not None and (sinks.shape != plan.q_shape[1:2] or sinks.device != plan.device))):
         extend_attention(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, max_q_len,
-                         scaling, window, logit_cap, sinks, k_scale, v_scale, config=plan.config)
+                         scaling, window, logit_cap, sinks, k_scale, v_scale, config=plan.config, tree=tree)
         return
     _run(plan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, scaling, window,
-         logit_cap, sinks, k_scale, v_scale)
+         logit_cap, sinks, k_scale, v_scale, tree)

@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from hwkv.errors import ShapeError
+from hwkv.spec import TreeMask
 from hwkv_cuda.kernels.decode import decode_attention
 from hwkv_cuda.kernels.extend import extend_attention
 from hwkv_cuda.kernels.store import store_kv
@@ -51,13 +53,31 @@ def extend_attention_op(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tenso
                         kv_indices: torch.Tensor, kv_pos0: torch.Tensor, qo_indptr: torch.Tensor,
                         q_pos0: torch.Tensor, out: torch.Tensor, max_q_len: int, scaling: float,
                         window: Optional[int] = None, logit_cap: float = 0.0, sinks: Optional[torch.Tensor] = None,
-                        k_scale: Optional[float] = None, v_scale: Optional[float] = None) -> None:
-    """Causal (+ window) query runs over their listed keys into `out` (see hwkv_cuda.kernels.extend_attention)."""
+                        k_scale: Optional[float] = None, v_scale: Optional[float] = None,
+                        tree_mask: Optional[torch.Tensor] = None, tree_mask_indptr: Optional[torch.Tensor] = None,
+                        tree_q_positions: Optional[torch.Tensor] = None) -> None:
+    """Causal (+ window) query runs over their listed keys into `out` (see hwkv_cuda.kernels.extend_attention);
+    a verify tree as its three tensors (the fields of hwkv.spec.TreeMask: all three or none)."""
     extend_attention(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, max_q_len, scaling,
-                     window, logit_cap, sinks, k_scale, v_scale)
+                     window, logit_cap, sinks, k_scale, v_scale,
+                     tree=_tree(tree_mask, tree_mask_indptr, tree_q_positions))
 
 
 @extend_attention_op.register_fake
 def _(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, max_q_len, scaling, window=None,
-      logit_cap=0.0, sinks=None, k_scale=None, v_scale=None) -> None:
+      logit_cap=0.0, sinks=None, k_scale=None, v_scale=None, tree_mask=None, tree_mask_indptr=None,
+      tree_q_positions=None) -> None:
+    _tree(tree_mask, tree_mask_indptr, tree_q_positions)
     return None
+
+
+def _tree(mask: Optional[torch.Tensor], mask_indptr: Optional[torch.Tensor],
+          q_positions: Optional[torch.Tensor]) -> Optional[TreeMask]:
+    given = [t is not None for t in (mask, mask_indptr, q_positions)]
+    if not any(given):
+        return None
+    if not all(given):
+        raise ShapeError("a verify tree takes tree_mask, tree_mask_indptr and tree_q_positions together; got "
+                         + ", ".join(n for n, g in zip(("tree_mask", "tree_mask_indptr", "tree_q_positions"), given)
+                                     if g) + " only")
+    return TreeMask(mask, mask_indptr, q_positions)

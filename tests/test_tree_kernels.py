@@ -1,0 +1,309 @@
+"""Tree verify (speculative top-k > 1) in both extend kernel sets, against hwkv.reference with the
+visibility of hwkv.spec.tree_visible, on tiny shapes.
+
+hwkv_cpu.kernels runs as is; hwkv_cuda.kernels runs under TRITON_INTERPRET=1 without a GPU (compiled
+on one). Each batch mixes prefix lengths and tree shapes (chains, top-2/top-3 trees, a forest, a
+single token, a request without drafts) over random non-contiguous or page-structured slots.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+
+from hwkv import reference  # noqa: E402
+from hwkv.checks import values_checkable  # noqa: E402
+from hwkv.errors import ShapeError  # noqa: E402
+from hwkv.ops import quantize  # noqa: E402
+from hwkv.spec import DraftTree, TreeMask, build_tree_mask, tree_visible  # noqa: E402
+from hwkv.window import first_visible  # noqa: E402
+
+CHAIN4 = [-1, 0, 1, 2]
+CHAIN6 = [-1, 0, 1, 2, 3, 4]
+TOP2 = [-1, 0, 0, 1, 1, 2, 2]                   # depth 2, two children per node
+TOP3 = [-1, 0, 0, 0, 1, 1, 1, 2, 2, 3, 4]       # three wide, depth 3 (token 10), more tokens than a tile's rows
+FOREST = [-1, -1, 0, 1, 2]                      # two roots
+SINGLE = [-1]
+FP8 = [d for d in (getattr(torch, "float8_e4m3fn", None),) if d]
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+class Kernels:
+    """One kernel set: its module, its device, and (CPU) chunks of a few keys and query blocks of a few
+    rows, so that every test crosses chunk and block borders."""
+
+    def __init__(self, name, monkeypatch):
+        self.name = name
+        if name == "triton":
+            pytest.importorskip("triton")
+            from hwkv_cuda import kernels
+            self.dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            from hwkv_cpu import kernels, kernels_extend
+            monkeypatch.setattr(kernels_extend.extend_torch, "__defaults__", (4, 12))
+            self.extend_module = kernels_extend
+            self.dev = torch.device("cpu")
+        self.mod = kernels
+
+
+@pytest.fixture(params=[pytest.param("cpu", marks=pytest.mark.cpu),
+                        pytest.param("triton", marks=pytest.mark.interpret)])
+def ks(request, monkeypatch):
+    return Kernels(request.param, monkeypatch)
+
+
+def _indptr(lens, dev):
+    return torch.tensor([0] + list(lens), dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
+
+
+class TreeCase:
+    """Request b: prefix_lens[b] cached tokens, then the draft tree parents[b] (its tokens at list
+    positions prefix .. prefix + n - 1), K/V at scattered slots (page > 1: whole pages) of a larger pool.
+    window_list: the list starts at first_visible(q_pos0, W) (kv_pos0 > 0), else at 0."""
+
+    def __init__(self, ks, prefix_lens, parents, h=4, kvh=2, d=16, dv=None, dtype=torch.float32, window=None,
+                 window_list=True, seed=0, page=1, kv_dtype=None, k_scale=None, v_scale=None):
+        g = torch.Generator().manual_seed(seed)
+        dev, dv = ks.dev, dv or d
+        self.ks, self.window, self.h, self.dv, self.dtype = ks, window, h, dv, dtype
+        self.prefix, self.parents = list(prefix_lens), [list(p) for p in parents]
+        self.ns = [len(p) for p in parents]
+        seq = [a + n for a, n in zip(self.prefix, self.ns)]
+        size = 2 * sum(seq) + 7
+        if page == 1:
+            self.slots = list(torch.split(torch.randperm(size - 1, generator=g)[:sum(seq)] + 1, seq))
+        else:   # request r's token j at page_r[j // page] * page + j % page
+            pages = torch.randperm((size - 1) // page, generator=g) + 1
+            size, at, self.slots = (int(pages.max()) + 1) * page, 0, []
+            for n in seq:
+                own = pages[at:at + -(-n // page)]
+                at += len(own)
+                self.slots.append((own[:, None] * page + torch.arange(page)).reshape(-1)[:n])
+        kv_dtype = kv_dtype or dtype
+        self.k_scale, self.v_scale = k_scale, v_scale
+        self.k_buf = quantize(torch.randn(size, kvh, d, generator=g), kv_dtype, k_scale).to(dev)
+        self.v_buf = quantize(torch.randn(size, kvh, dv, generator=g), kv_dtype, v_scale).to(dev)
+        k_deq = self.k_buf.float().cpu() * (k_scale or 1.0)   # what the pool holds: the kernels' exact target
+        v_deq = self.v_buf.float().cpu() * (v_scale or 1.0)
+        self.keys = [k_deq[s] for s in self.slots]
+        self.values = [v_deq[s] for s in self.slots]
+        self.pos0 = [first_visible(p, window) if window_list else 0 for p in self.prefix]
+        lists = [s[p:] for s, p in zip(self.slots, self.pos0)]
+        self.kv_indptr = _indptr([len(x) for x in lists], dev)
+        self.kv_indices = torch.cat(lists + [torch.zeros(5, dtype=torch.int64)]).to(dev)   # unspecified tail
+        self.kv_pos0 = torch.tensor(self.pos0, dtype=torch.int64, device=dev)
+        self.qo_indptr = _indptr(self.ns, dev)
+        self.q_pos0 = torch.tensor(self.prefix, dtype=torch.int64, device=dev)
+        self.q = torch.randn(sum(self.ns), h, d, generator=g).to(dtype).to(dev)
+        self.scaling = 1.0 / math.sqrt(d)
+        draft = DraftTree.from_parents(self.parents, device=dev)
+        ext = torch.tensor(self.ns, dtype=torch.int64, device=dev)
+        self.tree = build_tree_mask(draft, ext, self.qo_indptr, self.q_pos0, int(draft.mask.shape[0]), sum(self.ns))
+        self.blocks = [DraftTree.from_parents([p]).mask.view(len(p), len(p)) for p in self.parents]
+
+    def ref(self, logit_cap=0.0, sinks=None, q=None):
+        q = (self.q if q is None else q).float().cpu()
+        outs, at = [torch.zeros(0, self.h, self.dv)], 0
+        for pre, n, blk, k, v in zip(self.prefix, self.ns, self.blocks, self.keys, self.values):
+            if n:
+                see, q_pos = tree_visible(pre, blk, self.window)
+                outs.append(reference.attention(q[at:at + n], k, v, q_pos, torch.arange(pre + n), self.scaling,
+                                                None, logit_cap, None if sinks is None else sinks.cpu(), mask=see))
+            at += n
+        return torch.cat(outs)
+
+    def args(self, out, logit_cap=0.0, sinks=None):
+        return (self.q, self.k_buf, self.v_buf, self.kv_indptr, self.kv_indices, self.kv_pos0, self.qo_indptr,
+                self.q_pos0, out, max(self.ns), self.scaling, self.window, logit_cap, sinks, self.k_scale,
+                self.v_scale)
+
+    def new_out(self):
+        return torch.full((self.q.shape[0], self.h, self.dv), float("nan"), dtype=self.dtype, device=self.ks.dev)
+
+    def extend(self, logit_cap=0.0, sinks=None, tree=True):
+        out = self.new_out()
+        self.ks.mod.extend_attention(*self.args(out, logit_cap, sinks), tree=self.tree if tree else None)
+        return out
+
+
+def _tol(ks, pool_dtype=torch.float32, out_dtype=torch.float32):
+    """Output rounding, or the error of bf16 scores where the CPU kernels compute in bf16 (AMX)."""
+    tol = TOL[out_dtype]
+    if ks.name == "cpu":
+        from hwkv_cpu import amx
+        if amx.compute_dtype(pool_dtype) == torch.bfloat16:
+            return max(tol, 4e-2)
+    return tol
+
+
+def _close(out, ref, tol=TOL[torch.float32]):
+    assert not torch.isnan(out).any(), "output holds NaN (unwritten or 0/0)"
+    err = (out.float().cpu() - ref).abs().max().item() if ref.numel() else 0.0
+    assert err <= tol * max(1.0, ref.abs().max().item() if ref.numel() else 1.0), f"max abs error {err} > {tol}"
+
+
+def _sinks(h, dev, seed=1):
+    return (torch.randn(h, generator=torch.Generator().manual_seed(seed)) * 2).float().to(dev)
+
+
+# --------------------------------------------------------------------------- against the reference
+@pytest.mark.parametrize("window,window_list,page", [(None, True, 1), (1, True, 1), (3, True, 1), (3, False, 1),
+                                                     (5, True, 4), (100, True, 1)])
+def test_tree_matches_reference(ks, monkeypatch, window, window_list, page):
+    if ks.name == "cpu" and window_list is False:   # keys streamed per chunk rather than gathered once
+        monkeypatch.setattr(ks.extend_module, "RESIDENT_BYTES", 0)
+    c = TreeCase(ks, [0, 5, 23, 40, 9, 3], [TOP2, CHAIN6, SINGLE, TOP3, FOREST, []], window=window,
+                 window_list=window_list, page=page, seed=(window or 0) + page)
+    _close(c.extend(), c.ref())
+
+
+@pytest.mark.parametrize("h,kvh,dtype", [(6, 2, torch.float32), (6, 2, torch.bfloat16), (8, 1, torch.float32),
+                                         (2, 2, torch.float32)])
+def test_tree_sinks_softcap_gqa_dv(ks, h, kvh, dtype):
+    """Groups of 3 (not a power of two: padded rows), 8 (a tile of two tokens) and 1; Dv != D."""
+    c = TreeCase(ks, [17, 2, 30], [TOP3, TOP2, CHAIN4], h=h, kvh=kvh, d=16, dv=24, dtype=dtype, window=4, seed=h)
+    sinks = _sinks(h, ks.dev)
+    _close(c.extend(logit_cap=2.0, sinks=sinks), c.ref(2.0, sinks), _tol(ks, dtype, dtype))
+
+
+def test_tree_reads_fp8_with_scales(ks):
+    if not FP8:
+        pytest.skip("this torch has no float8 dtypes")
+    c = TreeCase(ks, [21, 6], [TOP2, FOREST], window=3, kv_dtype=FP8[0], k_scale=0.25, v_scale=0.5, seed=40)
+    _close(c.extend(), c.ref(), _tol(ks, FP8[0]))
+
+
+@pytest.mark.parametrize("window,want", [(None, [2.0, 2.5, 2.5, 3.0, 3.5]), (3, [3.0, 4.0, 4.0, 5.0, 6.0]),
+                                         (2, [3.5, 4.5, 4.5, 5.5, 6.5]), (1, [4.0, 5.0, 5.0, 6.0, 7.0])])
+def test_tree_hand_computed(ks, window, want):
+    """Prefix of 4 (positions 0..3), drafts d0 (root, position 4), d1 and d2 (children of d0, 5), d3 (child
+    of d2, 6), d4 (child of d3, 7). Each key's value is its position and q = 0, so each output is the mean
+    of its visible keys' positions. No window: d0 sees 0..4 (2), d1 0..4 + d1 (2.5), d2 likewise, d3 0..4 +
+    d2 + d3 (3), d4 0..4 + d2 + d3 + d4 (3.5). W = 3: d0 sees 2, 3, 4; d1 3, d0, d1; d3 d0, d2, d3; d4 d2,
+    d3, d4. W = 2: d4 sees d3 and itself only, although d2 sits at list position 6 (its position is 5).
+    W = 1: each sees itself."""
+    c = TreeCase(ks, [4], [[-1, 0, 0, 2, 3]], h=2, kvh=1, window=window, seed=50)
+    positions = [0, 1, 2, 3, 4, 5, 5, 6, 7]
+    v = torch.zeros_like(c.v_buf)
+    for slot, pos in zip(c.slots[0].tolist(), positions):
+        v[slot] = float(pos)
+    c.v_buf, c.k_buf, c.q = v, torch.zeros_like(c.k_buf), torch.zeros_like(c.q)
+    out = c.extend().float().cpu()
+    assert torch.allclose(out, torch.tensor(want)[:, None, None].expand_as(out), atol=1e-5)
+
+
+# --------------------------------------------------------------------------- agreement with other paths
+@pytest.mark.parametrize("window", [None, 3])
+def test_chain_tree_is_plain_causal_verify(ks, window):
+    c = TreeCase(ks, [7, 30, 2, 0], [CHAIN4, CHAIN6, SINGLE, CHAIN6], window=window, seed=60 + (window or 0))
+    sinks = _sinks(4, ks.dev)
+    tree, plain = c.extend(1.5, sinks), c.extend(1.5, sinks, tree=False)
+    assert torch.allclose(tree, plain, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_each_draft_agrees_with_decode_over_its_ancestor_path(ks, window):
+    """Draft i at depth d sees the prefix and its ancestors, which sit at positions q_pos0 .. q_pos0 + d:
+    a decode of the query at q_pos0 + d over the list (prefix, root .. i) sees the same keys."""
+    c = TreeCase(ks, [5, 19, 0], [TOP2, FOREST, TOP3], window=window, seed=70 + (window or 0))
+    sinks = _sinks(4, ks.dev)
+    ext = c.extend(2.0, sinks)
+    lists, pos0, q_pos = [], [], []
+    for pre, p0, par, slots in zip(c.prefix, c.pos0, c.parents, c.slots):
+        for i in range(len(par)):
+            path = [i]
+            while par[path[-1]] >= 0:
+                path.append(par[path[-1]])
+            lists.append(torch.cat([slots[p0:pre], slots[pre + torch.tensor(path[::-1])]]))
+            pos0.append(p0)
+            q_pos.append(pre + len(path) - 1)
+    i64 = dict(dtype=torch.int64, device=c.ks.dev)
+    out = torch.full_like(ext, float("nan"))
+    ks.mod.decode_attention(c.q, c.k_buf, c.v_buf, _indptr([len(x) for x in lists], ks.dev), torch.cat(lists).to(ks.dev),
+                            torch.tensor(pos0, **i64), torch.tensor(q_pos, **i64), out, c.scaling, window, 2.0, sinks,
+                            None, None, max_kv_len=max(len(x) for x in lists))
+    assert torch.allclose(out, ext, atol=1e-5, rtol=1e-5)
+
+
+def test_inputs_unchanged(ks):
+    c = TreeCase(ks, [11, 3], [TOP2, CHAIN4], window=3, seed=80)
+    before = [t.clone() for t in (c.q, c.k_buf, c.v_buf, c.kv_indptr, c.kv_indices, *c.tree)]
+    c.extend(sinks=_sinks(4, ks.dev))
+    after = (c.q, c.k_buf, c.v_buf, c.kv_indptr, c.kv_indices, *c.tree)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+# --------------------------------------------------------------------------- bad trees
+def _bad_trees(c):
+    """(tree, message): wrong dtypes, shapes and devices (always checked), then wrong values (checked where
+    that costs no device sync: CPU tensors, or debug mode)."""
+    m, ptr, pos = c.tree
+    meta = torch.device("meta")
+    values = [
+        (TreeMask(m, ptr.clone().fill_(0), pos), "request 0 0 mask entries; its 7 draft tokens need 49"),
+        (TreeMask(m[:-1], ptr, pos), r"tree.mask_indptr spans \[0, 65\), past tree.mask's 64 entries"),
+        (TreeMask(m, ptr, pos + 3), r"tree.q_positions\[\d+\] = \d+ lies outside request \d's draft positions"),
+    ]
+    return ([
+        (TreeMask(m.to(torch.int64), ptr, pos), "tree.mask must be a torch.bool"),
+        (TreeMask(m.view(1, -1), ptr, pos), r"tree.mask has shape \[1, \d+\], expected \[\*\]"),
+        (TreeMask(m, ptr.to(torch.int32), pos), "tree.mask_indptr must be a torch.int64"),
+        (TreeMask(m, ptr[:-1], pos), r"tree.mask_indptr has shape \[2\], expected \[3\]"),
+        (TreeMask(m, ptr, pos[:-1]), r"tree.q_positions has shape \[10\], expected \[11\]"),
+        (TreeMask(m.to(meta), ptr, pos), "tree.mask is on meta"),
+        (tuple(c.tree), "tree must be a hwkv.spec.TreeMask"),
+    ] + (values if values_checkable(ptr) else []))
+
+
+@pytest.mark.parametrize("debug", ["0", "1"])
+def test_bad_trees_raise_shape_errors(ks, monkeypatch, debug):
+    monkeypatch.setenv("HWKV_DEBUG", debug)   # debug: value checks on accelerators too
+    c = TreeCase(ks, [6, 2], [TOP2, CHAIN4], window=3, seed=90)
+    for bad, msg in _bad_trees(c):
+        out = c.new_out()
+        with pytest.raises(ShapeError, match=msg):
+            ks.mod.extend_attention(*c.args(out), tree=bad)
+        assert torch.isnan(out).all(), "a refused call wrote its output"
+
+
+# --------------------------------------------------------------------------- Triton: plans and custom ops
+@pytest.mark.interpret
+def test_planned_path_records_the_tree(monkeypatch):
+    ks = Kernels("triton", monkeypatch)
+    k = ks.mod
+    c = TreeCase(ks, [13, 4], [TOP3, FOREST], window=5, seed=100)
+    plain = c.extend(tree=False)
+    for has_tree in (True, False):
+        out = c.new_out()
+        plan = k.plan_extend(*c.args(out)[:10], None, tree=c.tree if has_tree else None)
+        assert plan.has_tree is has_tree and plan.consts["HAS_TREE"] is has_tree
+        for tree in (c.tree, None):   # the other kind of call falls back to the checked entry point
+            out = c.new_out()
+            k.extend_attention_planned(plan, *c.args(out), tree=tree)
+            if tree is None:
+                assert torch.equal(out, plain)
+            else:
+                _close(out, c.ref())
+
+
+@pytest.mark.interpret
+def test_custom_op_takes_the_tree_and_compiles(monkeypatch):
+    ks = Kernels("triton", monkeypatch)
+    from hwkv_cuda.kernels import torch_ops  # noqa: F401  (registers torch.ops.hwkv.*)
+    c = TreeCase(ks, [9, 1], [TOP2, CHAIN4], window=3, seed=110)
+
+    def layer(*tree):
+        out = c.new_out()
+        torch.ops.hwkv.extend_attention(*c.args(out), *tree)
+        return out * 1.0
+
+    _close(layer(*c.tree), c.ref())
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")   # raises on any graph break
+    _close(compiled(*c.tree), c.ref())
+    with pytest.raises(ShapeError, match="together"):
+        layer(c.tree.mask, c.tree.mask_indptr)
