@@ -224,9 +224,10 @@ def test_each_draft_agrees_with_decode_over_its_ancestor_path(ks, window):
             q_pos.append(pre + len(path) - 1)
     i64 = dict(dtype=torch.int64, device=c.ks.dev)
     out = torch.full_like(ext, float("nan"))
-    ks.mod.decode_attention(c.q, c.k_buf, c.v_buf, _indptr([len(x) for x in lists], ks.dev), torch.cat(lists).to(ks.dev),
-                            torch.tensor(pos0, **i64), torch.tensor(q_pos, **i64), out, c.scaling, window, 2.0, sinks,
-                            None, None, max_kv_len=max(len(x) for x in lists))
+    indptr, indices = _indptr([len(x) for x in lists], ks.dev), torch.cat(lists).to(ks.dev)
+    ks.mod.decode_attention(c.q, c.k_buf, c.v_buf, indptr, indices, torch.tensor(pos0, **i64),
+                            torch.tensor(q_pos, **i64), out, c.scaling, window, 2.0, sinks, None, None,
+                            max_kv_len=max(len(x) for x in lists))
     assert torch.allclose(out, ext, atol=1e-5, rtol=1e-5)
 
 

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from hwkv.checks import values_checkable
 from hwkv.errors import ShapeError
-from hwkv.spec import TreeMask
+from hwkv.spec import TreeMask, check_tree_mask
 from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, check_dims, check_same_device, dot,
                                       fold_sink, interpreting, logits_log2, online_softmax_step, pow2)
 
@@ -254,48 +254,6 @@ def _check_extend(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_
         raise ShapeError(f"q has {h} heads, not a multiple of the buffers' {kvh} kv heads")
     check_same_device(q=q, k_buf=k_buf, v_buf=v_buf, kv_indptr=kv_indptr, kv_indices=kv_indices,
                       kv_pos0=kv_pos0, qo_indptr=qo_indptr, q_pos0=q_pos0, out=out, sinks=sinks)
-
-
-def check_tree_mask(tree: TreeMask, q: torch.Tensor, qo_indptr: torch.Tensor, q_pos0: torch.Tensor) -> None:
-    """A verify tree's kernel form against the batch: mask bool [*], mask_indptr int64 [bs + 1],
-    q_positions int64 [T], all on q's device. Where values are checkable (CPU; debug mode elsewhere):
-    request b's block holds n_b^2 bits inside the mask and its positions lie in q_pos0[b] + [0, n_b)."""
-    if not isinstance(tree, TreeMask):
-        raise ShapeError(f"tree must be a hwkv.spec.TreeMask, got {type(tree).__name__}")
-    bs = qo_indptr.shape[0] - 1
-    for name, t, dtype, shape in (("tree.mask", tree.mask, torch.bool, [None]),
-                                  ("tree.mask_indptr", tree.mask_indptr, torch.int64, [bs + 1]),
-                                  ("tree.q_positions", tree.q_positions, torch.int64, [q.shape[0]])):
-        if not isinstance(t, torch.Tensor) or t.dtype != dtype:
-            raise ShapeError(f"{name} must be a {dtype} tensor, got {getattr(t, 'dtype', type(t).__name__)}")
-        check_dims(name, t, shape)
-        if t.device != q.device:
-            raise ShapeError(f"{name} is on {t.device}, q is on {q.device}")
-    if bs > 0 and values_checkable(tree.mask_indptr):
-        _check_tree_values(tree, qo_indptr.cpu().to(torch.int64), q_pos0.cpu().to(torch.int64))
-
-
-def _check_tree_values(tree: TreeMask, qo: torch.Tensor, q_pos0: torch.Tensor) -> None:
-    """Request b's mask block holds n_b^2 bits inside the mask, its positions lie in q_pos0[b] + [0, n_b)
-    (qo, q_pos0: host int64 copies of qo_indptr and q_pos0)."""
-    n = qo[1:] - qo[:-1]
-    ptr = tree.mask_indptr.cpu()
-    bad = torch.nonzero(ptr[1:] - ptr[:-1] != n * n).flatten()
-    if bad.numel():
-        b = int(bad[0])
-        raise ShapeError(f"tree.mask_indptr gives request {b} {int(ptr[b + 1] - ptr[b])} mask entries; its "
-                         f"{int(n[b])} draft tokens need {int(n[b]) ** 2}")
-    if int(ptr[0]) < 0 or int(ptr[-1]) > tree.mask.shape[0]:
-        raise ShapeError(f"tree.mask_indptr spans [{int(ptr[0])}, {int(ptr[-1])}), past tree.mask's "
-                         f"{tree.mask.shape[0]} entries")
-    req = torch.repeat_interleave(torch.arange(n.shape[0], device="cpu"), n)
-    pos = tree.q_positions.cpu()[int(qo[0]): int(qo[0]) + req.shape[0]]
-    rel = pos - q_pos0[req]
-    bad = torch.nonzero((rel < 0) | (rel >= n[req])).flatten()
-    if bad.numel():
-        r, b = int(bad[0]), int(req[bad[0]])
-        raise ShapeError(f"tree.q_positions[{int(qo[0]) + r}] = {int(pos[r])} lies outside request {b}'s draft "
-                         f"positions [{int(q_pos0[b])}, {int(q_pos0[b] + n[b])})")
 
 
 class ExtendPlan(NamedTuple):
