@@ -245,6 +245,7 @@ COMMANDS: dict[str, Command] = {
                       add_verify_arguments, run_verify),
     "bench": Command(BENCH_HELP, add_bench_arguments, run_bench),
     "plan": Command("size the full and SWA pools for a memory budget", add_plan_arguments, run_plan),
+    "generate": Command(*importlib.import_module("hwkv.integrations.generate_cli").GENERATE),
 }
 
 

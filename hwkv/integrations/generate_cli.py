@@ -1,0 +1,178 @@
+"""`hwkv generate`: a local Hugging Face model generating through hwkv's hybrid cache.
+
+The prompt is text when the model folder has a tokenizer, otherwise comma- or space-separated token ids.
+Prints each output, tokens/s and the KV memory held against an all-full cache (`--json`: one object,
+schema `hwkv-generate/1`). transformers is imported only when the command runs.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import sys
+import time
+from typing import Any, List, Sequence, Tuple
+
+from hwkv.errors import ConfigError, HwkvError
+
+GENERATE_HELP = "generate with a local Hugging Face model through the hybrid cache"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+EXIT_OK, EXIT_ERROR = 0, 2
+
+
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    """The `generate` flags."""
+    p.epilog = "example: hwkv generate --model ./tiny-gpt-oss --prompt '1,2,3' --max-new-tokens 16"
+    p.add_argument("--model", required=True, metavar="PATH",
+                   help="a local model folder (config + weights), or a name already in the local HF cache")
+    p.add_argument("--prompt", action="append", required=True,
+                   help="prompt text (token ids '1,2,3' when the folder has no tokenizer); repeat for a batch")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
+    p.add_argument("--device", metavar="NAME", help="hwkv device plugin (default: the detected one)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
+                   help="weights and KV dtype (default: fp32 on CPU, the config's dtype elsewhere)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt; prompt i uses seed + i")
+    p.add_argument("--memory", help="KV memory budget, e.g. 2GiB (default: what the batch needs, capped at "
+                                    "80%% of the device's free memory)")
+    p.add_argument("--context", type=int, help="KV tokens the cache holds per request (default: the longest prompt + "
+                   "--max-new-tokens - 1); a prompt that needs more is refused with its error, the others run")
+    p.add_argument("--max-running", type=int, help="concurrent requests (default: every prompt at once)")
+    p.add_argument("--chunk", type=int, default=512, help="prefill tokens per forward (default 512)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
+    p.add_argument("--graphs", choices=("auto", "on", "off", "eager"), default="auto",
+                   help="decode graph replay: auto = the device's graphs, none on CPU (default)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print one JSON object (schema hwkv-generate/1)")
+
+
+def parse_token_ids(text: str, vocab_size: int) -> List[int]:
+    """'1,2,3' or '1 2 3' -> [1, 2, 3]; ConfigError names a bad item or an id outside the vocabulary."""
+    items = [s for s in re.split(r"[,\s]+", text.strip()) if s]
+    if not items:
+        raise ConfigError("the prompt is empty (give token ids like '1,2,3': the model folder has no tokenizer)")
+    ids = []
+    for s in items:
+        if not re.fullmatch(r"\d+", s):
+            raise ConfigError(f"prompt item {s!r} is not a token id; the model folder has no tokenizer, so the "
+                              "prompt must be comma- or space-separated integers")
+        if int(s) >= vocab_size:
+            raise ConfigError(f"token id {s} is outside the vocabulary [0, {vocab_size})")
+        ids.append(int(s))
+    return ids
+
+
+def _stop_tokens(model: Any) -> Tuple[int, ...]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def _load(args: argparse.Namespace) -> Tuple[Any, Any, Any]:
+    """(device spec, model, tokenizer or None)."""
+    from hwkv import devices
+    from hwkv.integrations.transformers import load_model
+
+    spec = devices.discover().get(args.device) if args.device else devices.current_device()
+    if spec is None:
+        from hwkv.errors import DeviceError
+        raise DeviceError(f"unknown device {args.device!r}; known devices: {', '.join(sorted(devices.discover()))}")
+    dtype = args.dtype or ("fp32" if spec.torch_device == "cpu" else None)
+    try:
+        model = load_model(args.model, device=spec.torch_device, dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot load model {args.model!r} from local files: {e}") from e
+    tokenizer = None
+    if os.path.isdir(args.model) and any(os.path.exists(os.path.join(args.model, f)) for f in TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    return spec, model, tokenizer
+
+
+def _progress(enabled: bool, total: int) -> Tuple[Any, Any]:
+    """A rich progress bar on stderr (or a no-op) and its advance function."""
+    if not enabled or importlib.util.find_spec("rich") is None:
+        return None, lambda n: None
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=Console(stderr=True), transient=True)
+    task = bar.add_task("tokens", total=total)
+    return bar, lambda n: bar.advance(task, n)
+
+
+def _generate(args: argparse.Namespace) -> Tuple[dict, int]:
+    """Load, run every prompt, and return the JSON-ready result and the exit code."""
+    from hwkv.integrations.transformers import HybridRunner, SamplingParams
+
+    spec, model, tokenizer = _load(args)
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    prompts = [tokenizer.encode(p) if tokenizer is not None else parse_token_ids(p, vocab) for p in args.prompt]
+    stops = _stop_tokens(model)
+    params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                             seed=args.seed + i, stop_token_ids=stops) for i in range(len(prompts))]
+    context = args.context or max(len(p) for p in prompts) + args.max_new_tokens - 1
+    with HybridRunner(model, device=spec.name, memory=args.memory, context=context,
+                      max_running=args.max_running or len(prompts), chunk=args.chunk, page_size=args.page_size,
+                      graphs=args.graphs) as runner:
+        bar, advance = _progress(not args.no_progress, args.max_new_tokens * len(prompts))
+        t0 = time.perf_counter()
+        if bar is not None:
+            with bar:
+                results = runner.generate(prompts, params, on_step=advance)
+        else:
+            results = runner.generate(prompts, params)
+        wall = time.perf_counter() - t0
+        stats = runner.stats
+    rows = []
+    for text, ids, res in zip(args.prompt, prompts, results):
+        rows.append({"prompt": text, "prompt_ids": ids, "tokens": res.tokens, "finish_reason": res.finish_reason,
+                     "text": tokenizer.decode(res.tokens) if tokenizer is not None and res.error is None else None,
+                     "error": None if res.error is None else f"{type(res.error).__name__}: {res.error}"})
+    data = {"schema": "hwkv-generate/1", "model": args.model, "device": spec.name, "dtype": str(model.dtype),
+            "backend": type(runner.cache.backend).__name__, "graphs": runner.graph is not None,
+            "wall_seconds": wall, "results": rows, "stats": stats.as_dict(), "memory": stats.memory_line()}
+    return data, EXIT_ERROR if any(r["error"] for r in rows) else EXIT_OK
+
+
+def _print_plain(data: dict) -> None:
+    for i, r in enumerate(data["results"]):
+        out = r["error"] or (r["text"] if r["text"] is not None else ",".join(map(str, r["tokens"])))
+        why = "" if r["error"] else f"  [{len(r['tokens'])} tokens, {r['finish_reason']}]"
+        print(f"[{i}] {r['prompt']!r} -> {out}{why}")
+    s = data["stats"]
+    print(f"{s['generated_tokens']} tokens in {s['seconds']:.2f} s: {s['tokens_per_second']:.1f} tokens/s "
+          f"({s['prefill_tokens']} prompt tokens; {data['device']}, {data['backend']}, "
+          f"graphs {'on' if data['graphs'] else 'off'})")
+    if s["graph_error"]:
+        print(f"decode ran eagerly: {s['graph_error']}")
+    print(data["memory"])
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Run `hwkv generate`; exit 2 on a bad value, a model that cannot load, or a refused prompt."""
+    if importlib.util.find_spec("transformers") is None:
+        print("hwkv generate: error: transformers is not installed (pip install 'hwkv[transformers]')",
+              file=sys.stderr)
+        return EXIT_ERROR
+    try:
+        data, code = _generate(args)
+    except HwkvError as e:
+        print(f"hwkv generate: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        _print_plain(data)
+    for r in data["results"]:
+        if r["error"]:
+            print(f"hwkv generate: error: prompt {r['prompt']!r}: {r['error']}", file=sys.stderr)
+    return code
+
+
+GENERATE: Sequence[Any] = (GENERATE_HELP, add_generate_arguments, run_generate)

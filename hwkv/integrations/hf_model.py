@@ -1,0 +1,200 @@
+"""A Hugging Face config as hwkv sees it: layer kinds and geometry (`model_shape`), pool sizes from a memory
+budget by `hwkv plan`'s planner (`plan_pools`), and the pools, allocator, request rows and backend (`build_cache`).
+
+Nothing here imports transformers: a config is read through its attributes only.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple, Union
+
+import torch
+
+from hwkv import make_backend
+from hwkv.allocator import PagedTokenToKVPoolAllocator, ReqToTokenPool, SWATokenToKVPoolAllocator
+from hwkv.bench.plan import format_bytes, parse_bytes, plan, round_up, swa_tokens_per_request
+from hwkv.bench.presets import ModelShape
+from hwkv.errors import ConfigError
+from hwkv.pool import MHATokenToKVPool, SWAKVPool
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+DEFAULT_MEMORY_FRACTION = 0.8  # of the device's free memory, when no budget is given
+
+
+def text_config(config: Any) -> Any:
+    """The decoder's config (a multimodal config's text part; the config itself otherwise)."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def layer_kinds(config: Any) -> Tuple[bool, ...]:
+    """Per layer: is it sliding-window? From `layer_types`, else `use_sliding_window` / `sliding_window`
+    (Mistral-style: a window and no layer types means every layer slides)."""
+    cfg = text_config(config)
+    n = int(cfg.num_hidden_layers)
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if types is not None:
+        types = list(types)
+        unknown = sorted(set(types) - {SLIDING, FULL})
+        if unknown:
+            raise ConfigError(f"layer_types holds {unknown}; hwkv runs only {FULL!r} and {SLIDING!r} layers")
+        if len(types) != n:
+            raise ConfigError(f"layer_types has {len(types)} entries, num_hidden_layers is {n}")
+        if SLIDING in types and not window:
+            raise ConfigError(f"layer_types names sliding layers but sliding_window is {window!r}")
+        return tuple(t == SLIDING for t in types)
+    if getattr(cfg, "use_sliding_window", True) is False or not window:
+        return (False,) * n
+    return (True,) * n
+
+
+def model_shape(config: Any, dtype: torch.dtype, name: Optional[str] = None) -> ModelShape:
+    """The attention geometry of a Hugging Face config as `hwkv plan`'s ModelShape (KV in `dtype`)."""
+    cfg = text_config(config)
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    kinds = layer_kinds(cfg)
+    window = int(cfg.sliding_window) if any(kinds) else 0
+    return ModelShape(name=name or str(getattr(cfg, "model_type", "model")), layer_is_swa=kinds, window=window,
+                      num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                      dtype_bytes=torch.empty(0, dtype=dtype).element_size(),
+                      source="read from the Hugging Face config")
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """Pool sizes for one model and budget; bytes count each pool's padding page."""
+
+    size: int                     # full-pool slots (for an all-SWA model: locs only, no K/V behind them)
+    size_swa: int                 # SWA-pool slots (0 without SWA layers)
+    page_size: int
+    context: int                  # KV tokens one request may hold (its prompt + max_new_tokens - 1)
+    max_running: int              # request rows: concurrent requests
+    chunk: int                    # prefill tokens per forward (the SWA pool reserves them once)
+    full_bytes_per_token: int
+    swa_bytes_per_token: int
+    memory_bytes: int             # the budget the plan was made for
+
+    @property
+    def pool_bytes(self) -> int:
+        """K/V bytes the two pools allocate."""
+        p = self.page_size
+        swa = (self.size_swa + p) * self.swa_bytes_per_token if self.swa_bytes_per_token else 0
+        full = (self.size + p) * self.full_bytes_per_token if self.full_bytes_per_token else 0
+        return full + swa
+
+    @property
+    def chunk_reserve(self) -> int:
+        """SWA slots kept for one forward's prefill chunk (plan's reserve; 0 without SWA layers)."""
+        return round_up(self.chunk, self.page_size) if self.swa_bytes_per_token else 0
+
+
+def kv_bytes_needed(shape: ModelShape, context: int, page_size: int, max_running: int, chunk: int) -> int:
+    """KV bytes that `max_running` requests of `context` tokens need under `hwkv plan`'s sizing."""
+    p, full_b, swa_b = page_size, shape.bytes_per_token_full_group, shape.bytes_per_token_swa_group
+    has_swa = bool(shape.swa_layer_ids)
+    fixed = p * full_b + ((round_up(chunk, p) + p) * swa_b if has_swa else 0)
+    per_request = round_up(context, p) * full_b + (swa_tokens_per_request(shape.window, p) * swa_b if has_swa else 0)
+    return fixed + max_running * per_request
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """Free memory of `device`: the runtime's `mem_get_info` on accelerators, available RAM on the CPU."""
+    if device.type == "cpu":
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    mod = getattr(torch, device.type, None)
+    info = getattr(mod, "mem_get_info", None)
+    if info is None:
+        raise ConfigError(f"torch.{device.type} reports no free memory (no mem_get_info): give memory= explicitly")
+    return int(info(device)[0])
+
+
+def plan_pools(shape: ModelShape, *, context: int, max_running: int, chunk: int, page_size: int,
+               memory: Union[None, int, str], device: torch.device) -> PoolPlan:
+    """Size the pools: `memory` (bytes or '2GiB'), or by default what `max_running` requests of `context`
+    tokens need, capped at a fraction of the device's free memory; fewer rows when fewer fit."""
+    for label, value in (("context", context), ("max_running", max_running), ("chunk", chunk),
+                         ("page_size", page_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{label} must be an integer >= 1, got {value!r}")
+    if memory is None:
+        need = kv_bytes_needed(shape, context, page_size, max_running, chunk)
+        free = int(DEFAULT_MEMORY_FRACTION * free_device_bytes(device))
+        budget = min(need, free)
+    else:
+        budget = parse_bytes(memory)
+    if not shape.full_layer_ids:
+        return _all_swa_plan(shape, budget, context, max_running, chunk, page_size)
+    fit = plan(shape, budget, context, page_size=page_size, chunk=chunk).max_running
+    result = plan(shape, budget, context, page_size=page_size, chunk=chunk, max_running=min(fit, max_running))
+    return PoolPlan(result.full_pool_tokens, result.swa_pool_tokens, page_size, context, result.max_running,
+                    chunk, shape.bytes_per_token_full_group, shape.bytes_per_token_swa_group, budget)
+
+
+def _all_swa_plan(shape: ModelShape, budget: int, context: int, max_running: int, chunk: int,
+                  page_size: int) -> PoolPlan:
+    """Every layer slides: the SWA pool is planned as `hwkv plan` does; the full pool holds only locs
+    (no K/V), one context per request."""
+    p, swa_b = page_size, shape.bytes_per_token_swa_group
+    need = swa_tokens_per_request(shape.window, p)
+    fixed = (round_up(chunk, p) + p) * swa_b
+    fit = max(0, (budget - fixed) // (need * swa_b))
+    running = min(fit, max_running)
+    if running < 1:
+        one = fixed + need * swa_b
+        raise ConfigError(f"{shape.name}: one request needs {one} bytes ({format_bytes(one)}) of KV memory, "
+                          f"given {budget} ({format_bytes(budget)})")
+    return PoolPlan(running * round_up(context, p), running * need + round_up(chunk, p), p, context, running, chunk,
+                    0, swa_b, budget)
+
+
+@dataclass
+class Cache:
+    """The pools, allocator, request rows and backend of one model on one device."""
+
+    pool: Any
+    allocator: Any
+    rtt: ReqToTokenPool
+    backend: Any
+    plan: PoolPlan
+    shape: ModelShape
+
+    @property
+    def hybrid(self) -> bool:
+        return isinstance(self.pool, SWAKVPool)
+
+    def held_slots(self) -> Tuple[int, int]:
+        """(full, SWA) slots in use now (reads the allocator's free counts)."""
+        if not self.hybrid:
+            return self.plan.size - self.allocator.available_size(), 0
+        return (self.plan.size - self.allocator.full_available_size(),
+                self.plan.size_swa - self.allocator.swa_available_size())
+
+    def check_integrity(self) -> None:
+        """Allocator, pools and request rows are consistent (tests call it after every step)."""
+        self.allocator.check_integrity()
+        self.pool.check_integrity()
+        self.rtt.check_integrity()
+
+
+def build_cache(shape: ModelShape, pool_plan: PoolPlan, dtype: torch.dtype, device: torch.device,
+                backend_device: Any = None, **backend_options: Any) -> Cache:
+    """Pools (hybrid when the model has SWA layers), allocator, ReqToTokenPool and the device's backend."""
+    p = pool_plan
+    kw = dict(head_num=shape.num_kv_heads, head_dim=shape.head_dim, v_head_dim=shape.v_head_dim)
+    if shape.swa_layer_ids:
+        pool = SWAKVPool(p.size, p.size_swa, p.page_size, dtype, swa_attention_layer_ids=list(shape.swa_layer_ids),
+                         full_attention_layer_ids=list(shape.full_layer_ids), device=device,
+                         swa_head_num=shape.swa_num_kv_heads, swa_head_dim=shape.swa_head_dim,
+                         swa_v_head_dim=shape.swa_v_head_dim, **kw)
+        allocator: Any = SWATokenToKVPoolAllocator(p.size, p.size_swa, p.page_size, device, pool)
+        backend_options.setdefault("sliding_window", shape.window)
+    else:
+        pool = MHATokenToKVPool(p.size, p.page_size, dtype, layer_num=shape.num_layers, device=device, **kw)
+        allocator = PagedTokenToKVPoolAllocator(p.size, p.page_size, device)
+    rtt = ReqToTokenPool(p.max_running, p.context, device)
+    backend = make_backend(pool, rtt, device=backend_device, **backend_options)
+    return Cache(pool, allocator, rtt, backend, p, shape)

@@ -1,0 +1,348 @@
+"""Hugging Face models through hwkv (`hwkv.integrations.transformers`, `hwkv generate`), on tiny random models.
+
+Each architecture is saved with `save_pretrained` and loaded back in fp32; greedy tokens of prompts longer
+than the window, added at different steps, must equal transformers' own `generate()` token for token.
+Weights are drawn with initializer_range 0.3 and untied embeddings, so attention is far from uniform and the
+output is not an echo of the input token (Gemma's scaled, tied embeddings do that): while writing these tests,
+every prompt's greedy output changed when the window was ignored, and most changed when the softmax scale was
+multiplied by 1.3. Every reference step must be decisive (`hf_greedy` checks its top-2 logit gap), so equality
+is not decided by float rounding.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is in hwkv's test extra")
+
+from hwkv import cli  # noqa: E402
+from hwkv.errors import ConfigError, OutOfSlotsError  # noqa: E402
+from hwkv.integrations.hf_model import layer_kinds, model_shape, plan_pools  # noqa: E402
+from hwkv.integrations.sampling import SamplingParams, sample  # noqa: E402
+from hwkv.integrations.transformers import HybridRunner, load_model  # noqa: E402
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.3,
+              tie_word_embeddings=False, eos_token_id=None, pad_token_id=None, bos_token_id=None)
+ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU machine: the CUDA backend and graphs
+
+
+def _configs() -> Dict[str, object]:
+    t = transformers
+    return {
+        "gpt_oss": t.GptOssConfig(**COMMON, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+                                  rope_parameters=ROPE),  # sinks on every layer, [s, f, s, f]
+        "gemma2": t.Gemma2Config(**COMMON, sliding_window=8, query_pre_attn_scalar=32, attn_logit_softcapping=5.0),
+        "gemma3": t.Gemma3TextConfig(**COMMON, sliding_window=12, query_pre_attn_scalar=24,
+                                     layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                                  "sliding_attention"]),
+        "cohere2": t.Cohere2Config(**COMMON, sliding_window=8, logit_scale=1.0),  # [s, s, s, f], no RoPE on full
+        "mistral": t.MistralConfig(**COMMON, sliding_window=10),  # every layer slides
+        "mistral_full": t.MistralConfig(**COMMON, sliding_window=None),  # no SWA layer: one MHA pool
+    }
+
+
+ARCHS = list(_configs())
+PROMPT_LENS = (3, 11, 20, 29)
+NEW = 12
+WEIGHT_SEED = 2     # with these configs every reference step's top-2 gap exceeds MIN_GAP
+MIN_GAP = 1e-3      # 50x the largest fp32 logit difference measured between hwkv and the eager forward (2e-5)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls gain nothing from threads, and lose a lot on a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Dict[str, Path]:
+    """Every tiny model, saved and ready to load back."""
+    out = {}
+    for name, cfg in _configs().items():
+        torch.manual_seed(WEIGHT_SEED)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        out[name] = tmp_path_factory.mktemp(name)
+        model.save_pretrained(out[name])
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts() -> List[List[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 128, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def _load(path: Path):
+    return load_model(str(path), device=DEVICE, dtype="fp32", attn_implementation="eager")
+
+
+def hf_greedy(model, prompts: List[List[int]], new: int = NEW) -> List[List[int]]:
+    """transformers' own generate(), one prompt at a time (no padding: an explicit all-ones mask, or generate
+    would mask every prompt token equal to pad_token_id), greedy; every step's top-2 gap must be >= MIN_GAP."""
+    out = []
+    for p in prompts:
+        gen = model.generate(torch.tensor([p], device=model.device),
+                             attention_mask=torch.ones(1, len(p), dtype=torch.int64, device=model.device),
+                             max_new_tokens=new, do_sample=False, pad_token_id=0, output_logits=True,
+                             return_dict_in_generate=True)
+        gap = min(float(top[0] - top[1]) for top in (lg[0].topk(2).values for lg in gen.logits))
+        assert gap >= MIN_GAP, f"the reference is nearly tied (top-2 gap {gap:.1e}): pick other weights"
+        out.append(gen.sequences[0, len(p):].tolist())
+    return out
+
+
+def run_staggered(runner: HybridRunner, prompts, params, add_at=(0, 0, 2, 5)) -> Dict[int, List[int]]:
+    """Add prompt i before step add_at[i]; step to the end, checking integrity after every step."""
+    rids, out, step = {}, {}, 0
+    while len(rids) < len(prompts) or runner.has_work():
+        for i, at in enumerate(add_at):
+            if at == step and i not in rids:
+                rids[i] = runner.add_request(prompts[i], params)
+        for res in runner.step():
+            out[res.rid] = res.tokens
+        runner.check_integrity()
+        assert len(runner.scheduler.running) <= runner.cache.plan.max_running
+        step += 1
+    return {i: out[rid] for i, rid in rids.items()}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_transformers(arch, saved, prompts):
+    model = _load(saved[arch])
+    want = hf_greedy(model, prompts)
+    with HybridRunner(model, max_running=3, chunk=8, page_size=4, context=48) as runner:
+        got = run_staggered(runner, prompts, SamplingParams(max_new_tokens=NEW))
+        assert runner.cache.hybrid == (arch != "mistral_full")
+        assert runner.stats.forwards["MIXED"] > 0 and runner.stats.forwards["DECODE"] > 0
+        assert runner.cache.held_slots() == (0, 0)  # every finished request gave its slots back
+        assert runner.stats.peak_held_bytes > 0
+    assert [got[i] for i in range(len(prompts))] == want
+    assert model.config._attn_implementation == "eager"  # restored by close()
+
+
+@pytest.mark.parametrize("arch,page_size,graphs,chunk", [("gpt_oss", 1, "eager", 16), ("gemma2", 16, "eager", 16),
+                                                         ("gemma3", 4, "eager", 1), ("mistral", 16, "off", 16),
+                                                         ("cohere2", 1, "off", 3)])
+def test_pages_and_graph_decode(arch, page_size, graphs, chunk, saved, prompts):
+    """Page sizes 1, < W and > W; decode through the graph runner's static buffers (EagerAdapter); chunk=1
+    puts one-token prompt chunks that do not sample into decode forwards."""
+    model = _load(saved[arch])
+    want = hf_greedy(model, prompts)
+    with HybridRunner(model, max_running=4, chunk=chunk, page_size=page_size, context=48, graphs=graphs) as runner:
+        got = runner.generate(prompts, SamplingParams(max_new_tokens=NEW))
+        runner.check_integrity()
+        replays = runner.stats.graph_replays
+    assert [r.tokens for r in got] == want
+    assert (replays > 0) == (graphs == "eager")
+
+
+def test_device_graph_adapter_decode(saved, prompts):
+    """graphs="on": the device's own adapter (on the CPU torch.compile over the static buffers, CUDA graphs on
+    NVIDIA)."""
+    model = _load(saved["cohere2"])
+    want = hf_greedy(model, prompts[:2])
+    with HybridRunner(model, max_running=2, chunk=32, context=48, graphs="on", graph_batch_sizes=[2]) as runner:
+        assert type(runner.graph.adapter) is runner.spec.load_graph_adapter()
+        got = runner.generate(prompts[:2], SamplingParams(max_new_tokens=NEW))
+        assert runner.stats.graph_replays > 0
+    assert [r.tokens for r in got] == want
+
+
+class _RefusingAdapter:
+    """A graph adapter whose capture fails, as a model whose code cannot be captured makes it fail."""
+
+    def capture(self, fn):
+        raise RuntimeError("boom: this step cannot be captured")
+
+
+def test_failed_capture_falls_back_under_auto_and_raises_under_on(saved, prompts, monkeypatch):
+    import hwkv.integrations.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "graph_adapter", lambda spec, choice: _RefusingAdapter())
+    model = _load(saved["mistral"])
+    want = hf_greedy(model, prompts[:2])
+    with HybridRunner(model, max_running=2, context=48, graphs="auto") as runner:
+        assert runner.graph is None
+        assert runner.stats.graph_error == \
+            "decode graph capture failed: RuntimeError: boom: this step cannot be captured"
+        assert [r.tokens for r in runner.generate(prompts[:2], SamplingParams(max_new_tokens=NEW))] == want
+    with pytest.raises(ConfigError, match="graphs='on': decode graph capture failed"):
+        HybridRunner(model, max_running=2, context=48, graphs="on")
+    assert model.config._attn_implementation == "eager"  # a runner that failed to start restored it too
+
+
+def test_stop_tokens_and_max_new_tokens(saved, prompts):
+    model = _load(saved["gpt_oss"])
+    want = hf_greedy(model, prompts[2:], new=NEW)
+    ref = want[0]
+    i = next(k for k in range(3, NEW) if ref[k] not in ref[:k])  # the first occurrence of a later token
+    with HybridRunner(model, max_running=2, chunk=16, context=48) as runner:
+        got = runner.generate(prompts[2:], [SamplingParams(max_new_tokens=NEW, stop_token_ids=(ref[i],)),
+                                            SamplingParams(max_new_tokens=5)])
+    assert (got[0].tokens, got[0].finish_reason) == (ref[:i + 1], "stop")
+    assert (got[1].tokens, got[1].finish_reason) == (want[1][:5], "length")
+
+
+def test_sampling_is_reproducible_and_independent_of_the_batch(saved, prompts):
+    model = _load(saved["gemma2"])
+    params = [SamplingParams(max_new_tokens=16, temperature=0.9, top_p=0.9, seed=s) for s in (7, 8, 9, 10)]
+
+    def run(ps, prs):
+        with HybridRunner(model, max_running=4, chunk=16, context=48) as runner:
+            return [r.tokens for r in runner.generate(ps, prs)]
+
+    first = run(prompts, params)
+    assert run(prompts, params) == first
+    assert run(prompts[1:2], params[1:2]) == first[1:2]  # alone, it draws what it drew beside the others
+    other = run(prompts, [SamplingParams(max_new_tokens=16, temperature=0.9, top_p=0.9, seed=s) for s in (1, 2, 3, 4)])
+    assert other != first
+    assert first != hf_greedy(model, prompts, new=16)
+
+
+def test_sampler_follows_the_softmax_and_the_nucleus():
+    n = 6000
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05])).repeat(n, 1)
+    ones, seeds, steps = torch.ones(n), torch.arange(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)
+    freq = torch.bincount(sample(logits, ones, ones, seeds, steps, True), minlength=4).float() / n
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03), freq
+    freq = torch.bincount(sample(logits, ones, ones * 0.7, seeds, steps, True), minlength=4).float() / n
+    assert freq[2:].sum() == 0 and abs(float(freq[0]) - 0.625) < 0.03, freq  # nucleus {0, 1}, renormalised
+    cold = sample(logits, ones * 0.05, ones, seeds, steps, True)
+    assert (cold == 0).float().mean() > 0.99
+    greedy = sample(logits, torch.zeros(n), ones, seeds, steps, True)
+    assert (greedy == 0).all()
+
+
+def test_request_too_long_for_the_cache_gets_a_typed_error(saved, prompts):
+    model = _load(saved["gemma3"])
+    long_prompt = list(range(40))
+    want = hf_greedy(model, [prompts[0], prompts[1]])
+    with HybridRunner(model, max_running=2, chunk=8, page_size=4, context=32) as runner:
+        with pytest.raises(OutOfSlotsError, match=r"prompt 40 \+ max_new_tokens 12 needs 51 KV slots.*at most 32"):
+            runner.add_request(long_prompt, SamplingParams(max_new_tokens=NEW))
+        results = runner.generate([prompts[0], long_prompt, prompts[1]], SamplingParams(max_new_tokens=NEW))
+        runner.check_integrity()
+    assert isinstance(results[1].error, OutOfSlotsError) and results[1].tokens == []
+    assert [results[0].tokens, results[2].tokens] == want
+
+
+def test_requests_wait_for_room_in_a_small_budget(saved, prompts):
+    """A budget that holds two requests' worst case: the others wait, nothing hangs, tokens stay exact."""
+    model = _load(saved["gpt_oss"])
+    want = hf_greedy(model, prompts)
+    shape = model_shape(model.config, torch.float32)
+    probe = plan_pools(shape, context=40, max_running=2, chunk=8, page_size=4, memory=None, device=torch.device("cpu"))
+    with HybridRunner(model, memory=probe.memory_bytes, max_running=8, chunk=8, page_size=4, context=40) as runner:
+        assert runner.cache.plan.max_running == 2
+        got = run_staggered(runner, prompts, SamplingParams(max_new_tokens=NEW), add_at=(0, 0, 0, 0))
+    assert [got[i] for i in range(4)] == want
+
+
+def test_layer_kinds_and_shape_from_configs():
+    cfgs = _configs()
+    assert layer_kinds(cfgs["gpt_oss"]) == (True, False, True, False)
+    assert layer_kinds(cfgs["cohere2"]) == (True, True, True, False)
+    assert layer_kinds(cfgs["mistral"]) == (True,) * 4
+    assert layer_kinds(cfgs["mistral_full"]) == (False,) * 4
+    qwen = transformers.Qwen2Config(**COMMON, sliding_window=8, use_sliding_window=False)
+    assert layer_kinds(qwen) == (False,) * 4
+    shape = model_shape(cfgs["gemma3"], torch.bfloat16)
+    assert (shape.swa_layer_ids, shape.full_layer_ids, shape.window, shape.num_kv_heads, shape.head_dim,
+            shape.dtype_bytes) == ((0, 1, 3), (2,), 12, 2, 16, 2)
+    bad = transformers.GptOssConfig(**COMMON, sliding_window=8, rope_parameters=ROPE)
+    bad.layer_types = ["sliding_attention", "chunked_attention", "full_attention", "full_attention"]
+    with pytest.raises(ConfigError, match="chunked_attention"):
+        layer_kinds(bad)
+
+
+def test_pools_are_planned_like_hwkv_plan():
+    from hwkv.bench.plan import plan
+
+    shape = model_shape(_configs()["gpt_oss"], torch.float32)
+    got = plan_pools(shape, context=64, max_running=64, chunk=16, page_size=4, memory="1MiB",
+                     device=torch.device("cpu"))
+    want = plan(shape, 2**20, 64, page_size=4, chunk=16)
+    assert (got.size, got.size_swa, got.max_running) == (want.full_pool_tokens, want.swa_pool_tokens, want.max_running)
+    all_swa = plan_pools(model_shape(_configs()["mistral"], torch.float32), context=64, max_running=3, chunk=16,
+                         page_size=4, memory=None, device=torch.device("cpu"))
+    assert (all_swa.size, all_swa.size_swa, all_swa.full_bytes_per_token) == (3 * 64, 3 * 20 + 16, 0)
+    with pytest.raises(ConfigError, match="at most 0 fit"):
+        plan_pools(shape, context=64, max_running=1, chunk=16, page_size=4, memory="1KiB", device=torch.device("cpu"))
+
+
+def test_attention_function_needs_the_runner(saved):
+    model = _load(saved["cohere2"])
+    runner = HybridRunner(model, max_running=1, context=16)
+    ids = torch.tensor([[1, 2, 3]], device=DEVICE)
+    with pytest.raises(ConfigError, match="without hwkv_forward"):
+        model(input_ids=ids, use_cache=False)
+    runner.close()
+    assert model(input_ids=ids).logits.shape == (1, 3, 128)
+    with pytest.raises(ConfigError, match="closed"):
+        runner.step()
+
+
+def _cli(capsys, *argv: str):
+    code = cli.main(["generate", *argv, "--no-progress"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_generate_from_token_ids(saved, prompts, capsys):
+    want = hf_greedy(_load(saved["gpt_oss"]), prompts[:2], new=6)
+    args = ["--model", str(saved["gpt_oss"]), "--prompt", ",".join(map(str, prompts[0])),
+            "--prompt", " ".join(map(str, prompts[1])), "--max-new-tokens", "6"]
+    code, out, err = _cli(capsys, *args, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["schema"] == "hwkv-generate/1" and [r["tokens"] for r in data["results"]] == want
+    assert data["stats"]["generated_tokens"] == 12 and data["stats"]["kv_memory"]["peak_held_bytes"] > 0
+    code, out, err = _cli(capsys, *args)
+    assert code == 0 and "tokens/s" in out and "KV memory held at peak" in out and "all-full" in out
+
+
+def test_cli_generate_with_a_tokenizer(saved, tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder = tmp_path / "with-tokenizer"
+    model = _load(saved["gemma2"])
+    model.save_pretrained(folder)
+    vocab = {f"w{i}": i for i in range(128)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(folder)
+    want = hf_greedy(model, [[5, 9, 17, 33]], new=5)[0]
+    code, out, err = _cli(capsys, "--model", str(folder), "--prompt", "w5 w9 w17 w33", "--max-new-tokens", "5",
+                          "--json")
+    assert code == 0, err
+    res = json.loads(out)["results"][0]
+    assert res["prompt_ids"] == [5, 9, 17, 33] and res["tokens"] == want
+    assert res["text"].split() == [f"w{t}" for t in want]
+
+
+def test_cli_generate_errors(saved, tmp_path, capsys):
+    path = str(saved["cohere2"])
+    code, _, err = _cli(capsys, "--model", path, "--prompt", "1,two,3")
+    assert code == 2 and "'two' is not a token id" in err
+    code, _, err = _cli(capsys, "--model", str(tmp_path / "missing"), "--prompt", "1")
+    assert code == 2 and "cannot load model" in err
+    code, out, err = _cli(capsys, "--model", path, "--prompt", "1,2", "--prompt", ",".join(["3"] * 30),
+                          "--context", "16", "--max-new-tokens", "4")
+    assert code == 2 and "OutOfSlotsError" in err and "[0] '1,2' -> " in out
+
+
+def test_hwkv_imports_no_transformers():
+    code = ("import sys, hwkv, hwkv.cli, hwkv.integrations.transformers; "
+            "assert 'transformers' not in sys.modules, 'transformers was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
