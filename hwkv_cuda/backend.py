@@ -65,7 +65,8 @@ class TritonBackend(KernelSetBackend):
                     workspace=self._graph_workspace(q, k_buf, v_buf, kv) if md.graph else None)
             else:
                 plan = _kernels.plan_extend(q, k_buf, v_buf, kv.indptr, kv.indices, kv.pos0, md.qo_indptr,
-                                            md.q_pos0, out, md.max_q_len, layer.sinks, tree=md.tree)
+                                            md.q_pos0, out, md.max_q_len, layer.sinks, tree=md.tree,
+                                            window=kv.window)
             plans[key] = plan
         return plan
 

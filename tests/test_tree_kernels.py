@@ -281,7 +281,8 @@ def test_planned_path_records_the_tree(monkeypatch):
     plain = c.extend(tree=False)
     for has_tree in (True, False):
         out = c.new_out()
-        plan = k.plan_extend(*c.args(out)[:10], None, tree=c.tree if has_tree else None)
+        # the list's window picks the tile config: plan with it, so the planned call is bitwise the plain one
+        plan = k.plan_extend(*c.args(out)[:10], None, tree=c.tree if has_tree else None, window=c.window)
         assert plan.has_tree is has_tree and plan.consts["HAS_TREE"] is has_tree
         for tree in (c.tree, None):   # the other kind of call falls back to the checked entry point
             out = c.new_out()

@@ -340,3 +340,16 @@ def test_fill_kv_indices():
     want = torch.cat([req_to_token[3, 0:33], req_to_token[4, 20:50]])
     assert torch.equal(out[:63], want)
     assert (out[63:] == -1).all()
+
+
+def test_extend_config_follows_head_dim_dtype_and_window(monkeypatch):
+    """The recorded launch configs: window lists take the small tiles, fp32 halves the tiles, and the
+    interpreter always gets its tiny one."""
+    from hwkv_cuda.kernels import extend as ext
+    monkeypatch.setattr(ext, "interpreting", lambda: False)
+    assert ext.default_config(64) == ext.TUNED[(64, False)]
+    assert ext.default_config(64, window=128) == ext.WINDOWED[64]
+    assert ext.default_config(64, window=4096) == ext.TUNED[(64, False)]      # long windows: causal tiles
+    assert ext.default_config(128, window=128) == ext.TUNED[(128, False)]     # unswept: no window entry
+    half = ext.default_config(64, fp32=True)
+    assert (half.block_m, half.block_n) == (64, 64) and half.num_stages <= 2

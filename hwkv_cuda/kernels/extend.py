@@ -47,24 +47,30 @@ class ExtendConfig:
 
 # Keyed by (head dim rounded up to a power of two, fp32 queries). Recorded here rather than
 # autotuned at run time, so every run (CI, graphs, the interpreter) launches the same config and
-# no first call pays a search. PROVISIONAL: these are the usual FlashAttention-2 Triton starting
-# points, not yet swept on a GPU (no device was lent to the sessions that wrote the tiled kernel);
-# `benchmarks/bench_cuda_kernels.py --only extend --sweep --sweep-head-dims` on the H200 picks the
-# values to record here.
+# no first call pays a search. D=64 (GPT-OSS) was swept on an H200 on 2026-12-01
+# (`benchmarks/bench_cuda_kernels.py --only extend --sweep`, docs/benchmarks.md): causal 1 x 8192
+# and 4 x 2048 over 2048 were fastest at 128/128/4 warps/2 stages (3-6% over 128/64/4/3). D=128
+# and 256 are the usual FlashAttention-2 Triton starting points, not yet swept (`--sweep-head-dims`).
 TUNED: Dict[Tuple[int, bool], ExtendConfig] = {
-    (64, False): ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
+    (64, False): ExtendConfig(block_m=128, block_n=128, num_warps=4, num_stages=2),
     (128, False): ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
     (256, False): ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
 }
+# Window lists (W <= WINDOWED_MAX): a program walks only W + BLOCK_T keys, so smaller tiles waste less
+# (same sweep: 133.5 vs 178.3 us for W=128 over 8192 tokens at 64/32/4/2).
+WINDOWED_MAX = 512
+WINDOWED: Dict[int, ExtendConfig] = {64: ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)}
 INTERPRET_CONFIG = ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
 
 
-def default_config(head_dim: int, fp32: bool = False) -> ExtendConfig:
-    """The recorded config for this head dim and query dtype (tiny blocks under the interpreter)."""
+def default_config(head_dim: int, fp32: bool = False, window: Optional[int] = None) -> ExtendConfig:
+    """The recorded config for this head dim, query dtype and window (tiny blocks under the interpreter)."""
     if interpreting():
         return INTERPRET_CONFIG
-    d = pow2(head_dim)
-    cfg = TUNED[(min(max(d, 64), 256), False)]
+    d = min(max(pow2(head_dim), 64), 256)
+    cfg = TUNED[(d, False)]
+    if window and window <= WINDOWED_MAX and d in WINDOWED:
+        cfg = WINDOWED[d]
     if fp32:   # fp32 tiles take twice the registers and shared memory of bf16 ones
         cfg = ExtendConfig(block_m=max(16, cfg.block_m // 2), block_n=max(16, cfg.block_n // 2),
                            num_warps=cfg.num_warps, num_stages=min(cfg.num_stages, 2))
@@ -275,10 +281,10 @@ class ExtendPlan(NamedTuple):
     has_tree: bool
 
 
-def _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config, has_tree) -> ExtendPlan:
+def _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config, has_tree, window=None) -> ExtendPlan:
     t, h, d = q.shape
     bs, kvh, dv = kv_pos0.shape[0], k_buf.shape[1], v_buf.shape[2]
-    cfg = config or default_config(d, q.dtype == torch.float32)
+    cfg = config or default_config(d, q.dtype == torch.float32, window)
     block_t, gp = tile_rows(cfg, h // kvh, max_q_len)
     empty = t == 0 or bs == 0 or max_q_len <= 0
     grid = (0, 0, 0) if empty else (kvh, triton.cdiv(int(max_q_len), block_t), bs)
@@ -329,7 +335,7 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     _check_extend(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, sinks)
     if tree is not None:
         check_tree_mask(tree, q, qo_indptr, q_pos0)
-    plan = _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config, tree is not None)
+    plan = _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config, tree is not None, window)
     _run(plan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, scaling, window,
          logit_cap, sinks, k_scale, v_scale, tree)
 
@@ -337,13 +343,15 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
 def plan_extend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
                 kv_indices: torch.Tensor, kv_pos0: torch.Tensor, qo_indptr: torch.Tensor, q_pos0: torch.Tensor,
                 out: torch.Tensor, max_q_len: int, sinks: Optional[torch.Tensor] = None, *,
-                config: Optional[ExtendConfig] = None, tree: Optional[TreeMask] = None) -> ExtendPlan:
-    """Check one call's arguments as `extend_attention` does and plan it; calls with the same shapes
-    and the same metadata tensors (the tree's included) reuse the plan through `extend_attention_planned`."""
+                config: Optional[ExtendConfig] = None, tree: Optional[TreeMask] = None,
+                window: Optional[int] = None) -> ExtendPlan:
+    """Check one call's arguments as `extend_attention` does and plan it (`window`: the list's W, which
+    picks the tile config); calls with the same shapes and metadata tensors (the tree's included) reuse
+    the plan through `extend_attention_planned`."""
     _check_extend(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, sinks)
     if tree is not None:
         check_tree_mask(tree, q, qo_indptr, q_pos0)
-    return _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config, tree is not None)
+    return _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config, tree is not None, window)
 
 
 def extend_attention_planned(plan: ExtendPlan, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
