@@ -4,13 +4,18 @@ new tokens; the shards are all-gathered and every rank writes the full K/V into 
 Three lifetimes, as everywhere in hwkv:
 - per forward, the backend's metadata step translates the write locs once
   (`backend.forward_metadata.write_loc`, a KVWriteLoc); nothing here translates;
-- per forward, `cp_plan` agrees on the shard sizes (one small collective, one host read);
-- per layer, `cp_allgather_and_save_kv` gathers K and V in one collective and writes them through
-  `pool.set_kv_buffer` with the pre-translated `swa_loc`.
+- per forward, `cp_plan` agrees on everything that is rank-dependent but layer-independent: token
+  count, shard sizes, the K/V dtype, the device type, the pool's layer groups and their geometry, the
+  presence of `swa_loc`, and whether the layers check across ranks (one small collective, one host read);
+- per layer, `cp_allgather_and_save_kv(..., shards=plan)` checks its inputs locally (shape tuples
+  against the layer, the pool and the plan: no collective, no host read of device values), gathers K and
+  V in one collective and writes them through `pool.set_kv_buffer` with the pre-translated `swa_loc`.
 
 Bad input: a rank that raised alone would leave the others blocked in the collective it skipped. So every
-check is a row of ints that all ranks all-gather; each rank reads the same table, so all raise the same
-typed error before any rank writes its pool.
+per-forward check is a row of ints that all ranks all-gather in `cp_plan`; each rank reads the same
+table, so all raise the same typed error before any rank writes its pool. Agreeing on per-layer inputs
+would cost one collective per layer: that is opt-in (`check_ranks=True`, or `HWKV_DEBUG=1`); by default a
+per-layer check fails on the bad rank only, before its gather (see `cp_allgather_and_save_kv`).
 """
 from __future__ import annotations
 
@@ -24,12 +29,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, HwkvError, LocError, MissingSWALocError, ShapeError, ShardError
 from hwkv.layer import AttentionLayer
 from hwkv.loc import KVWriteLoc
 from hwkv.pool import MHATokenToKVPool, SWAKVPool
 
 Pool = Union[SWAKVPool, MHATokenToKVPool]
+Dims = Tuple[int, int, int]  # one layer group's (KVH, D, Dv)
 
 # The collective backend per device type, by name only: the core imports no vendor library. ROCm builds
 # of torch use the "cuda" device type and name RCCL "nccl"; "rocm" is hwkv's device name for them.
@@ -65,13 +72,23 @@ def default_backend(device: Union[str, torch.device, Any]) -> str:
 
 @dataclass(frozen=True, eq=False)
 class CPShards:
-    """One forward's shard layout, agreed by every rank (`cp_plan`, once per forward): rank r holds the
-    forward's tokens [offsets[r], offsets[r + 1]) in write_loc order; sizes may differ, zero included."""
+    """One forward's shard layout and per-forward agreement (`cp_plan`, once per forward): rank r holds the
+    forward's tokens [offsets[r], offsets[r + 1]) in write_loc order; sizes may differ, zero included.
+
+    What every rank agreed on, for the per-layer calls' local checks (None: not fixed by the plan):
+    `dtype` of every layer's k and v, `device_type` of the pool (else of the write locs), `groups` the
+    pool's (full, SWA) layer-group geometry (KVH, D, Dv), None for a group the pool lacks; `check_ranks`:
+    the per-layer calls agree across ranks too (one more collective per layer).
+    """
 
     rank: int
     sizes: Tuple[int, ...]
     # unequal sizes: the rows of the gather (padded to max_size per rank) that hold tokens, in token order
     row_index: Optional[torch.Tensor] = None
+    dtype: Optional[torch.dtype] = None
+    device_type: Optional[str] = None
+    groups: Optional[Tuple[Optional[Dims], Optional[Dims]]] = None
+    check_ranks: bool = False
 
     @property
     def world_size(self) -> int:
@@ -104,46 +121,164 @@ class CPShards:
 
 
 def cp_plan(write_loc_or_num_tokens: Union[KVWriteLoc, int], local_num_tokens: Optional[int] = None,
-            group: Optional["dist.ProcessGroup"] = None, *,
-            device: Union[None, str, torch.device] = None) -> CPShards:
-    """Agree on one forward's shards: each rank's token count and shard size are all-gathered (one small
-    collective and one host read, once per forward) and checked the same way on every rank.
+            group: Optional["dist.ProcessGroup"] = None, *, device: Union[None, str, torch.device] = None,
+            pool: Optional[Pool] = None, dtype: Optional[torch.dtype] = None,
+            check_ranks: Optional[bool] = None) -> CPShards:
+    """Agree on one forward, once per forward: one small all-gather of a row of ints per rank and one host
+    read; every rank checks the same table the same way, so a bad value on any rank raises the same typed
+    error on every rank before anything is written.
+
+    Agreed: the token count (len(write_loc)) and each rank's shard size; with `pool`, its device type, its
+    layer groups (which layer ids are SWA) and each group's (KVH, D, Dv); the K/V `dtype` (default the
+    pool's dtype, except for an fp8 pool, whose K/V arrive in a compute dtype only the caller knows: pass
+    it); whether the write locs carry a `swa_loc`; `check_ranks` (default `HWKV_DEBUG`; on if any rank has
+    it on, so all ranks run the same collectives). The per-layer calls then check their inputs against
+    the plan locally.
 
     `write_loc_or_num_tokens`: this forward's KVWriteLoc, or its length. `local_num_tokens`: this rank's
-    shard size; None splits evenly (the first T % world ranks take one token more). `device`: where the
-    sizes travel, which must suit the group's backend (cuda for NCCL); default the write locs' device,
-    else CPU. Raises on every rank: ShardError when ranks disagree on the token count or the shards do
-    not add up to it, LocError when a rank's write_loc is neither a KVWriteLoc nor an int >= 0.
+    shard size; None splits evenly (the first T % world ranks take one token more). `pool`: the pool the
+    layers will write (recommended: without it the geometry is checked only against each rank's own pool).
+    `device`: where the row travels, which must suit the group's backend (cuda for NCCL); default the write
+    locs' device, else the pool's, else CPU. Raises on every rank: ShardError when ranks disagree on the
+    token count or the shards do not add up to it, LocError when a rank's write_loc is neither a KVWriteLoc
+    nor an int >= 0, ShapeError when the ranks' dtypes or pools' geometry differ, ConfigError when their
+    device types differ or pool= is given on some ranks only, MissingSWALocError when some ranks' write
+    locs carry a swa_loc and others' do not.
     """
-    return _plan(write_loc_or_num_tokens, local_num_tokens, group, device, accept_int=True)
+    if check_ranks is None:
+        check_ranks = HWKV_DEBUG.get()
+    return _plan(write_loc_or_num_tokens, local_num_tokens, group, device, pool, dtype, bool(check_ranks),
+                 accept_int=True)
 
+
+def cp_allgather_and_save_kv(pool: Pool, layer: AttentionLayer, write_loc: KVWriteLoc, k: torch.Tensor, v: torch.Tensor,
+                             group: Optional["dist.ProcessGroup"] = None, *, shards: Optional[CPShards] = None,
+                             check_ranks: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Gather every rank's shard of one layer's K/V and write the full K/V into this rank's pool.
+
+    k [n_r, KVH, D], v [n_r, KVH, Dv]: this rank's shard (`shards.local_slice` of the forward's tokens),
+    never modified. `write_loc`: the metadata step's KVWriteLoc; an SWA layer writes its `swa_loc` as
+    is (never translated here), a full layer ignores it.
+
+    `shards`: this forward's `cp_plan` (engines pass it). Per call then: local checks only (shape tuples
+    and dtypes against the layer, the pool and the plan; no collective, no host read of device values),
+    one all-gather of K and V together, one pool write. Precondition: every rank of the group calls this
+    for the same layers, in the same order, with the same shapes and the same `check_ranks` (as any engine
+    does; agreeing on per-layer inputs would cost a collective per layer). A rank whose local check fails
+    raises its typed error before its gather and writes nothing; the other ranks have entered that
+    gather and wait in it until the group's timeout (`init_process_group(timeout=...)`), when the
+    collective raises the backend's error (gloo: a RuntimeError "Timed out waiting ..."; NCCL's watchdog
+    may tear the process down instead). The forward is lost on every rank: the raising rank must not issue more
+    collectives on the group for it (its next one would be matched with the others' pending gather; gloo
+    aborts the process when their sizes differ).
+    `check_ranks=True` (default the plan's: on with `HWKV_DEBUG=1`) restores the agreement per call: one
+    more small all-gather and one host read per layer, and any rank's bad input raises the same typed
+    error on every rank (ranks saving different layers included) with no pool written.
+
+    Without `shards` (DESIGN.md's `cp_allgather_and_save_kv(pool, layer, write_loc, k, v, group)`) the
+    call plans itself: one agreement per call (plan and this layer's checks in one small all-gather, one
+    host read) before the K/V gather, so bad input on any rank raises on every rank. Engines should plan
+    once per forward and pass `shards=`.
+
+    Returns (k_full, v_full) [T, KVH, D] / [T, KVH, Dv] in token order for a caller that also attends
+    with them: views into one gathered buffer (row stride KVH * (D + Dv), last dim contiguous).
+    """
+    pool_device = torch.device(getattr(pool, "device", "cpu"))
+    rank, world = _rank_and_world(group)
+    if shards is None:
+        shards = _self_planned(pool, layer, write_loc, k, v, group, rank, world, pool_device)
+    elif check_ranks if check_ranks is not None else shards.check_ranks:
+        fail = _layer_fail(pool, layer, write_loc, k, v, None, shards, rank, world, pool_device)
+        table = _agree(_layer_row(layer, k, fail), group, pool_device)
+        _raise_first(table)
+        _check_layer_table(table)
+    else:
+        fail = _layer_fail(pool, layer, write_loc, k, v, None, shards, rank, world, pool_device)
+        if fail is not None:
+            e = _error(rank, _layer_row(layer, k, fail))
+            raise type(e)(f"{e} [raised on this rank only, before its K/V gather: the other ranks wait in "
+                          "theirs until the group's timeout; check_ranks=True or HWKV_DEBUG=1 makes every "
+                          "rank raise it]") from None
+    k_full, v_full = _gather_kv(k, v, shards, group)
+    pool.set_kv_buffer(layer, write_loc, k_full, v_full, layer.k_scale, layer.v_scale)
+    return k_full, v_full
+
+
+# ---- planning ------------------------------------------------------------------------------------------
 
 def _plan(x: object, local_num_tokens: Optional[int], group: Optional["dist.ProcessGroup"],
-          device: Union[None, str, torch.device], accept_int: bool) -> CPShards:
-    """`cp_plan`; the per-layer call's inline plan passes accept_int=False (it needs a KVWriteLoc)."""
+          device: Union[None, str, torch.device], pool: Optional[Pool], dtype: Optional[torch.dtype],
+          check_ranks: bool, accept_int: bool) -> CPShards:
     rank, world = _rank_and_world(group)
+    row, device, info = _plan_row(x, local_num_tokens, rank, world, device, pool, dtype, check_ranks, accept_int)
+    table = _agree(row, group, device)
+    _raise_first(table)
+    return _shards_from(table, rank, device, info)
+
+
+def _self_planned(pool: Pool, layer: AttentionLayer, write_loc: object, k: object, v: object,
+                  group: Optional["dist.ProcessGroup"], rank: int, world: int,
+                  pool_device: torch.device) -> CPShards:
+    """The plan-less call: this forward's plan and this layer's checks in one agreement."""
+    local = k.shape[0] if isinstance(k, torch.Tensor) and k.dim() == 3 else None
+    dtype = k.dtype if isinstance(k, torch.Tensor) else None
+    prow, device, info = _plan_row(write_loc, local, rank, world, pool_device, pool, dtype, False,
+                                   accept_int=False)
+    n_local = prow[4] if prow[0] == _Fail.OK else 0
+    lrow = _layer_row(layer, k, _layer_fail(pool, layer, write_loc, k, v, n_local, None, rank, world, pool_device))
+    table = _agree(prow + lrow, group, device)
+    plan_table, layer_table = [r[:_WIDTH] for r in table], [r[_WIDTH:] for r in table]
+    _raise_first(plan_table)
+    shards = _shards_from(plan_table, rank, device, info)
+    _raise_first(layer_table)
+    _check_layer_table(layer_table)
+    return shards
+
+
+def _plan_row(x: object, local_num_tokens: Optional[int], rank: int, world: int,
+              device: Union[None, str, torch.device], pool: Optional[Pool], dtype: Optional[torch.dtype],
+              check_ranks: bool, accept_int: bool) -> Tuple[List[int], torch.device, Dict[str, Any]]:
+    """This rank's plan row, where it travels, and the local values the agreed codes stand for."""
+    pool_device = None if pool is None else torch.device(getattr(pool, "device", "cpu"))
     if isinstance(x, KVWriteLoc):
         n: Optional[int] = len(x)
+        has_swa = int(x.swa_loc is not None)
         device = x.loc.device if device is None else device
     elif accept_int and _is_int(x):
-        n = int(x)
+        n, has_swa = int(x), -1
     else:
-        n = None
-    device = torch.device("cpu" if device is None else device)
+        n, has_swa = None, -1
+    device = torch.device(device if device is not None else pool_device if pool_device is not None else "cpu")
+    if dtype is None and pool is not None:
+        pool_dtype = getattr(pool, "dtype", None)
+        if isinstance(pool_dtype, torch.dtype) and pool_dtype.is_floating_point and pool_dtype.itemsize > 1:
+            dtype = pool_dtype
+    device_type = (pool_device if pool_device is not None else device).type
+    groups = None if pool is None else _pool_groups(pool)
+    info = {"dtype": dtype, "device_type": device_type, "groups": None if groups is None else groups[:2]}
     if n is None:
         row = _row(_Fail.LOC_TYPE, 0, 0, _name_code(type(x).__name__), int(accept_int))
     elif n < 0:
         row = _row(_Fail.TOKENS, 0, 0, n)
-    elif local_num_tokens is None:
-        base, extra = divmod(n, world)
-        row = _row(_Fail.OK, 0, 0, n, base + (rank < extra))
-    elif not _is_int(local_num_tokens) or not 0 <= local_num_tokens <= n:
+    elif local_num_tokens is not None and (not _is_int(local_num_tokens) or not 0 <= local_num_tokens <= n):
         is_int = _is_int(local_num_tokens)
         row = _row(_Fail.LOCAL, 0, 0, n, int(local_num_tokens) if is_int else -1, int(is_int))
     else:
-        row = _row(_Fail.OK, 0, 0, n, int(local_num_tokens))
-    table = _agree(row, group, device)
-    _raise_first(table)
+        if local_num_tokens is None:
+            base, extra = divmod(n, world)
+            local_num_tokens = base + (rank < extra)
+        if groups is None:
+            geometry = [0, -1, -1, -1, -1, -1, -1, 0]
+        else:
+            full, swa, crc = groups
+            geometry = [1, *(full or (-1, -1, -1)), *(swa or (-1, -1, -1)), crc]
+        row = _row(_Fail.OK, 0, 0 if dtype is None else _name_code(str(dtype)), n, int(local_num_tokens), has_swa,
+                   int(check_ranks), _name_code(device_type), *geometry)
+    return row, device, info
+
+
+def _shards_from(table: List[List[int]], rank: int, device: torch.device, info: Dict[str, Any]) -> CPShards:
+    """The plan every rank reads from the same table (already free of failing rows)."""
     counts = [r[3] for r in table]
     if len(set(counts)) > 1:
         raise ShardError(f"ranks disagree on the forward's token count (len(write_loc)): {counts} in rank "
@@ -152,41 +287,49 @@ def _plan(x: object, local_num_tokens: Optional[int], group: Optional["dist.Proc
     if sum(sizes) != counts[0]:
         raise ShardError(f"shards of {list(sizes)} tokens (rank order) add up to {sum(sizes)}, "
                          f"len(write_loc) is {counts[0]} on every rank")
-    return CPShards(rank, sizes, _row_index(sizes, device))
-
-
-def cp_allgather_and_save_kv(pool: Pool, layer: AttentionLayer, write_loc: KVWriteLoc, k: torch.Tensor, v: torch.Tensor,
-                             group: Optional["dist.ProcessGroup"] = None, *,
-                             shards: Optional[CPShards] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Gather every rank's shard of one layer's K/V and write the full K/V into this rank's pool.
-
-    k [n_r, KVH, D], v [n_r, KVH, Dv]: this rank's shard (`shards.local_slice` of the forward's tokens),
-    never modified. `write_loc`: the metadata step's KVWriteLoc; an SWA layer writes its `swa_loc` as
-    is (never translated here), a full layer ignores it. `shards`: this forward's `cp_plan`; without it
-    the plan is made here (one more small collective per call). Per call: one small all-gather of the
-    checks (one host read: eager only), one of K and V together, one pool write.
-
-    Returns (k_full, v_full) [T, KVH, D] / [T, KVH, Dv] in token order for a caller that also attends
-    with them: views into one gathered buffer (row stride KVH * (D + Dv), last dim contiguous).
-    Bad input on any rank raises the same typed error on every rank, and no rank writes.
-    """
-    pool_device = torch.device(getattr(pool, "device", "cpu"))
-    if shards is None:
-        local = k.shape[0] if isinstance(k, torch.Tensor) and k.dim() == 3 else None
-        shards = _plan(write_loc, local, group, pool_device, accept_int=False)
-    rank, world = _rank_and_world(group)
-    table = _agree(_layer_row(pool, layer, write_loc, k, v, shards, rank, world, pool_device), group, pool_device)
-    _raise_first(table)
-    layer_ids = [r[1] for r in table]
-    if len(set(layer_ids)) > 1:
-        raise ShardError(f"ranks save different layers in one call: layer ids {layer_ids} in rank order")
+    pooled = [r[8] for r in table]
+    if len(set(pooled)) > 1:
+        raise ConfigError(f"cp_plan got pool= on ranks {[i for i, p in enumerate(pooled) if p]} only: pass it "
+                          "on every rank or on none")
+    devices = [r[7] for r in table]
+    if len(set(devices)) > 1:
+        raise ConfigError(f"ranks' pools are on different device types: {[_name(c) for c in devices]} in rank "
+                          "order")
+    geometry = [tuple(r[9:16]) for r in table]
+    if len(set(geometry)) > 1:
+        def show(g: Tuple[int, ...]) -> str:
+            full, swa = [d if d[0] >= 0 else None for d in (list(g[:3]), list(g[3:6]))]
+            return f"full {full} swa {swa} layers #{g[6]:08x}"
+        raise ShapeError("ranks' pools differ (layer groups' [KVH, D, Dv] and which layer ids are SWA): "
+                         + "; ".join(f"rank {i}: {show(g)}" for i, g in enumerate(geometry))
+                         + ": every rank must hold the same pool layout to write the gathered K/V")
     dtypes = [r[2] for r in table]
     if len(set(dtypes)) > 1:
-        raise ShapeError(f"ranks' K/V dtypes differ: {[_name(c) for c in dtypes]} in rank order; "
-                         "the gather needs one dtype")
-    k_full, v_full = _gather_kv(k, v, shards, group)
-    pool.set_kv_buffer(layer, write_loc, k_full, v_full, layer.k_scale, layer.v_scale)
-    return k_full, v_full
+        raise ShapeError(f"ranks' K/V dtypes differ: {[_name(c) if c else 'unfixed' for c in dtypes]} in rank "
+                         "order; the gather needs one dtype (cp_plan's dtype=, default the pool's)")
+    has_swa = [r[5] for r in table]
+    if 0 in has_swa and 1 in has_swa:
+        raise MissingSWALocError(f"the write locs of ranks {[i for i, h in enumerate(has_swa) if h == 0]} have no "
+                                 f"swa_loc, those of ranks {[i for i, h in enumerate(has_swa) if h == 1]} have "
+                                 "one: every rank passes its metadata step's KVWriteLoc")
+    return CPShards(rank, sizes, _row_index(sizes, device), dtype=info["dtype"], device_type=info["device_type"],
+                    groups=info["groups"], check_ranks=any(r[6] for r in table))
+
+
+def _pool_groups(pool: Pool) -> Tuple[Optional[Dims], Optional[Dims], int]:
+    """(full group's (KVH, D, Dv), SWA group's, a checksum of which layer ids are SWA), None for a group the
+    pool lacks or does not describe."""
+    mapping = getattr(pool, "layers_mapping", None)
+    if mapping is not None:
+        layout = sorted((int(lid), bool(m[1])) for lid, m in mapping.items())
+        return (_dims(getattr(pool, "full_kv_pool", None)), _dims(getattr(pool, "swa_kv_pool", None)),
+                zlib.crc32(repr(layout).encode()))
+    return _dims(pool), None, zlib.crc32(f"layers {getattr(pool, 'layer_num', None)}".encode())
+
+
+def _dims(sub: object) -> Optional[Dims]:
+    dims = tuple(getattr(sub, a, None) for a in ("head_num", "head_dim", "v_head_dim"))
+    return dims if all(_is_int(d) for d in dims) else None  # type: ignore[return-value]
 
 
 # ---- the gather ----------------------------------------------------------------------------------------
@@ -228,7 +371,7 @@ def _row_index(sizes: Sequence[int], device: torch.device) -> Optional[torch.Ten
     return rows[keep].to(device)
 
 
-# ---- checks every rank agrees on -----------------------------------------------------------------------
+# ---- checks --------------------------------------------------------------------------------------------
 
 class _Fail(enum.IntEnum):
     OK = 0
@@ -243,9 +386,16 @@ class _Fail(enum.IntEnum):
     DEVICE = 9
     GEOMETRY = 10
     NO_SWA_LOC = 11
+    PLAN_DTYPE = 12
+    PLAN_DEVICE = 13
+    PLAN_POOL = 14
 
 
-_WIDTH = 12  # one check's row: [code, layer_id, dtype code, payload x 9]
+# one check's row: [code, layer_id, dtype code, payload x 13]; a plan row's payload: token count, shard
+# size, has swa_loc (-1 unknown), check_ranks, device type, pool given, full (KVH, D, Dv), SWA (KVH, D, Dv),
+# SWA-layer checksum
+_WIDTH = 16
+Failure = Tuple[_Fail, Tuple[int, ...]]
 
 
 def _row(code: _Fail, layer_id: int, dtype: int, *payload: int) -> List[int]:
@@ -291,7 +441,7 @@ def _name(code: int) -> str:
     return _names().get(code, "another type")
 
 
-def _pool_group(pool: Pool, layer_id: int) -> Tuple[bool, Optional[Tuple[int, int, int]], bool]:
+def _pool_group(pool: Pool, layer_id: int) -> Tuple[bool, Optional[Dims], bool]:
     """(the pool holds layer_id, its group's (KVH, D, Dv) when the pool says, is an SWA layer)."""
     mapping = getattr(pool, "layers_mapping", None)
     if mapping is not None:
@@ -304,45 +454,68 @@ def _pool_group(pool: Pool, layer_id: int) -> Tuple[bool, Optional[Tuple[int, in
         if num is not None and not 0 <= layer_id < num:
             return False, None, False
         is_swa, sub = False, pool
-    dims = tuple(getattr(sub, a, None) for a in ("head_num", "head_dim", "v_head_dim"))
-    return True, (dims if None not in dims else None), is_swa
+    return True, _dims(sub), is_swa
 
 
-def _layer_row(pool: Pool, layer: AttentionLayer, write_loc: object, k: object, v: object, shards: CPShards, rank: int,
-               world: int, pool_device: torch.device) -> List[int]:
-    """This rank's verdict on one call's inputs, as a row (code OK carries the layer id and dtype that
-    the ranks must also agree on)."""
-    lid = int(layer.layer_id)
-    dtype = _name_code(str(k.dtype)) if isinstance(k, torch.Tensor) else 0
-
-    def row(code: _Fail, *payload: int) -> List[int]:
-        return _row(code, lid, dtype, *payload)
-
+def _layer_fail(pool: Pool, layer: AttentionLayer, write_loc: object, k: object, v: object, n: Optional[int],
+                plan: Optional[CPShards], rank: int, world: int, pool_device: torch.device) -> Optional[Failure]:
+    """This rank's verdict on one call's inputs, from local values only (shape tuples, dtypes, device
+    types, the pool's attributes and the plan): None when they are fine. `n`: the expected shard size
+    (None: the plan's); `plan`: the forward's plan to check against (None: the plan-less call, which
+    agrees on it in the same collective)."""
     if not isinstance(write_loc, KVWriteLoc):
-        return row(_Fail.LOC_TYPE, _name_code(type(write_loc).__name__), 0)
-    if (shards.world_size, shards.rank, shards.num_tokens) != (world, rank, len(write_loc)):
-        return row(_Fail.PLAN, shards.world_size, world, shards.rank, rank, shards.num_tokens, len(write_loc))
-    held, group_dims, is_swa = _pool_group(pool, lid)
+        return _Fail.LOC_TYPE, (_name_code(type(write_loc).__name__), 0)
+    if plan is not None and (plan.world_size, plan.rank, plan.num_tokens) != (world, rank, len(write_loc)):
+        return _Fail.PLAN, (plan.world_size, world, plan.rank, rank, plan.num_tokens, len(write_loc))
+    if n is None:
+        n = plan.local_size if plan is not None else 0
+    held, group_dims, is_swa = _pool_group(pool, int(layer.layer_id))
     if not held:
-        return row(_Fail.LAYER)
+        return _Fail.LAYER, ()
     for which, t in ((0, k), (1, v)):
         if not isinstance(t, torch.Tensor):
-            return row(_Fail.NOT_TENSOR, which, _name_code(type(t).__name__))
-    n, kvh, d, dv = shards.local_size, layer.num_kv_heads, layer.head_dim, layer.v_head_dim
+            return _Fail.NOT_TENSOR, (which, _name_code(type(t).__name__))
+    kvh, d, dv = layer.num_kv_heads, layer.head_dim, layer.v_head_dim
     for which, t, want in ((0, k, (n, kvh, d)), (1, v, (n, kvh, dv))):
-        if tuple(t.shape) != want:
+        if t.shape != want:
             dims = list(t.shape[:3]) + [-1] * (3 - min(t.dim(), 3))
-            return row(_Fail.SHAPE, which, t.dim(), *dims, *want)
+            return _Fail.SHAPE, (which, t.dim(), *dims, *want)
     if k.dtype != v.dtype:
-        return row(_Fail.DTYPE, _name_code(str(k.dtype)), _name_code(str(v.dtype)))
+        return _Fail.DTYPE, (_name_code(str(k.dtype)), _name_code(str(v.dtype)))
+    if plan is not None and plan.dtype is not None and k.dtype != plan.dtype:
+        return _Fail.PLAN_DTYPE, (_name_code(str(k.dtype)), _name_code(str(plan.dtype)))
     for which, t in ((0, k), (1, v)):
+        if plan is not None and plan.device_type is not None and t.device.type != plan.device_type:
+            return _Fail.PLAN_DEVICE, (which, _name_code(t.device.type), _name_code(plan.device_type))
         if t.device.type != pool_device.type:
-            return row(_Fail.DEVICE, which, _name_code(t.device.type), _name_code(pool_device.type))
+            return _Fail.DEVICE, (which, _name_code(t.device.type), _name_code(pool_device.type))
     if group_dims is not None and group_dims != (kvh, d, dv):
-        return row(_Fail.GEOMETRY, kvh, d, dv, *group_dims)
+        return _Fail.GEOMETRY, (kvh, d, dv, *group_dims)
+    if plan is not None and plan.groups is not None:
+        agreed = plan.groups[is_swa]
+        if group_dims != agreed:
+            return _Fail.PLAN_POOL, (int(is_swa), *(group_dims or (-1, -1, -1)), *(agreed or (-1, -1, -1)))
     if is_swa and write_loc.swa_loc is None:
-        return row(_Fail.NO_SWA_LOC)
-    return row(_Fail.OK)
+        return _Fail.NO_SWA_LOC, ()
+    return None
+
+
+def _layer_row(layer: AttentionLayer, k: object, fail: Optional[Failure]) -> List[int]:
+    """A verdict as a row; code OK carries the layer id and dtype that the ranks must also agree on."""
+    dtype = _name_code(str(k.dtype)) if isinstance(k, torch.Tensor) else 0
+    code, payload = fail if fail is not None else (_Fail.OK, ())
+    return _row(code, int(layer.layer_id), dtype, *payload)
+
+
+def _check_layer_table(table: List[List[int]]) -> None:
+    """What only the ranks together can tell about one call (rows already free of failures)."""
+    layer_ids = [r[1] for r in table]
+    if len(set(layer_ids)) > 1:
+        raise ShardError(f"ranks save different layers in one call: layer ids {layer_ids} in rank order")
+    dtypes = [r[2] for r in table]
+    if len(set(dtypes)) > 1:
+        raise ShapeError(f"ranks' K/V dtypes differ: {[_name(c) for c in dtypes]} in rank order; "
+                         "the gather needs one dtype")
 
 
 def _raise_first(table: List[List[int]]) -> None:
@@ -383,11 +556,20 @@ def _error(rank: int, r: List[int]) -> HwkvError:
     if code == _Fail.DTYPE:
         return ShapeError(f"{at} k is {_name(p[0])}, v is {_name(p[1])}: one gather carries both, so they "
                           "must share a dtype")
+    if code == _Fail.PLAN_DTYPE:
+        return ShapeError(f"{at} k and v are {_name(p[0])}, the plan agreed on {_name(p[1])} (cp_plan's dtype=, "
+                          "default the pool's)")
     if code == _Fail.DEVICE:
         return ShapeError(f"{at} {kv[p[0]]} is on {_name(p[1])}, the pool is on {_name(p[2])}")
+    if code == _Fail.PLAN_DEVICE:
+        return ShapeError(f"{at} {kv[p[0]]} is on {_name(p[1])}, the plan agreed on {_name(p[2])}")
     if code == _Fail.GEOMETRY:
         return ShapeError(f"{at} num_kv_heads={p[0]}, head_dim={p[1]}, v_head_dim={p[2]} do not match its pool "
                           f"group's [{p[3]}, {p[4]}, {p[5]}]")
+    if code == _Fail.PLAN_POOL:
+        show = [None if x[0] < 0 else list(x) for x in (p[1:4], p[4:7])]
+        return ShapeError(f"{at} its pool's {'SWA' if p[0] else 'full'} group is {show[0]} [KVH, D, Dv], the "
+                          f"plan agreed on {show[1]}: plan with the pool the layers write (cp_plan's pool=)")
     if code == _Fail.NO_SWA_LOC:
         return MissingSWALocError(f"{at} an SWA layer, but write_loc has no swa_loc: pass the metadata "
                                   "step's KVWriteLoc (backend.forward_metadata.write_loc), translated once "

@@ -30,7 +30,8 @@ HWKV_DEVICE: EnvVar[str] = EnvVar("HWKV_DEVICE", str, "", "Force the device plug
 HWKV_DEBUG: EnvVar[bool] = EnvVar(
     "HWKV_DEBUG", _flag, False,
     "Extra checks that cost host syncs on accelerators: loc range checks in the pool, "
-    "and an in-window token translating to SWA slot 0 raises EvictedSlotError.")
+    "an in-window token translating to SWA slot 0 raises EvictedSlotError, verify-tree and accept "
+    "values are checked, and context-parallel saves agree across ranks on every layer's inputs.")
 
 ALL = (HWKV_DEVICE, HWKV_DEBUG)
 
