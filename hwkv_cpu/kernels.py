@@ -73,12 +73,10 @@ def _norm_sinks(sinks: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if sinks is None else sinks.detach().to(torch.float32).contiguous()
 
 
-# ---- kernels, and the same as custom ops ---------------------------------------------------
-# Eager calls run `_decode_impl`/`_extend_impl` directly; under torch.compile the entry points call the
-# registered ops (torch.ops.hwkv_cpu.*), which keep graphs whole. The op dispatcher's autograd wrapper and
-# dynamo guard cost several hundred us per call, more than a small layer's attention, so eager skips them.
+# ---- custom ops ---------------------------------------------------------------------------
 
-def _decode_impl(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
+@torch.library.custom_op("hwkv_cpu::decode_attention", mutates_args=("out",), device_types="cpu")
+def _decode_op(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
                kv_indices: torch.Tensor, kv_pos0: torch.Tensor, q_pos: torch.Tensor, out: torch.Tensor,
                qk_scale: float, cap: float, v_scale: float, window: int,
                sinks: Optional[torch.Tensor]) -> None:
@@ -97,16 +95,13 @@ def _decode_impl(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_i
     decode_torch(q, k_buf, v_buf, ptr, indices, pos0, qp, out, p, sinks)
 
 
-_decode_op = torch.library.custom_op("hwkv_cpu::decode_attention", mutates_args=("out",),
-                                     device_types="cpu")(_decode_impl)
-
-
 @_decode_op.register_fake
 def _decode_fake(*args, **kwargs) -> None:
     return None
 
 
-def _extend_impl(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
+@torch.library.custom_op("hwkv_cpu::extend_attention", mutates_args=("out",), device_types="cpu")
+def _extend_op(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
                kv_indices: torch.Tensor, kv_pos0: torch.Tensor, qo_indptr: torch.Tensor,
                q_pos0: torch.Tensor, out: torch.Tensor, max_q_len: int, qk_scale: float, cap: float,
                v_scale: float, window: int, sinks: Optional[torch.Tensor],
@@ -131,10 +126,6 @@ def _extend_impl(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_i
                            qk_scale * cap if cap else qk_scale, cap)
             return
     extend_torch(q, k_buf, v_buf, ptr, indices, pos0, qo, qp0, out, p, sinks)
-
-
-_extend_op = torch.library.custom_op("hwkv_cpu::extend_attention", mutates_args=("out",),
-                                     device_types="cpu")(_extend_impl)
 
 
 @_extend_op.register_fake
@@ -166,8 +157,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     if q.shape[0] == 0:
         return
     qk_scale, cap, v_sc, win = _scalars(q, scaling, window, logit_cap, k_scale, v_scale)
-    op = torch.ops.hwkv_cpu.decode_attention if torch.compiler.is_compiling() else _decode_impl
-    op(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, qk_scale, cap, v_sc, win, _norm_sinks(sinks))
+    torch.ops.hwkv_cpu.decode_attention(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out,
+                                        qk_scale, cap, v_sc, win, _norm_sinks(sinks))
 
 
 def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
@@ -195,6 +186,5 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         return
     qk_scale, cap, v_sc, win = _scalars(q, scaling, window, logit_cap, k_scale, v_scale)
     trees = (None, None, None) if tree is None else tuple(tree)
-    op = torch.ops.hwkv_cpu.extend_attention if torch.compiler.is_compiling() else _extend_impl
-    op(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, int(max_q_len), qk_scale, cap,
-       v_sc, win, _norm_sinks(sinks), *trees)
+    torch.ops.hwkv_cpu.extend_attention(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0,
+                                        out, int(max_q_len), qk_scale, cap, v_sc, win, _norm_sinks(sinks), *trees)
