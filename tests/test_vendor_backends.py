@@ -353,7 +353,9 @@ def test_npu_graph_without_updates_is_caught(npu_standin, monkeypatch):
 
         def stale_kwargs(self):
             kw = fia.kwargs_for(self.plan, self.layer, self.decode, self.env, self.mask2048, self.bs)
-            return frozen.setdefault(id(self), kw)  # the lengths of the first issue (capture), forever
+            # the lengths of the first issue (capture), forever; the entry holds the call object so its id
+            # cannot be reused by a later call after it is collected (which made this test flaky)
+            return frozen.setdefault(id(self), (self, kw))[1]
 
         m.setattr(fia.FIACall, "kwargs", stale_kwargs)
         with pytest.raises(ReferenceMismatchError):
