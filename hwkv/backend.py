@@ -73,6 +73,7 @@ class AttentionBackend(DraftMetadataMixin):
         self.static: Optional[StaticBuffers] = None
         self._views: Dict[Tuple[int, int], GraphViews] = {}
         self._tree_static: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (mask_indptr, q_positions)
+        self.draft_static = None  # hwkv.draft.DraftStatic, made by init_draft_graph_state
 
     # ---- subclass hooks -------------------------------------------------------------------
     def init_kernel_metadata(self, md: ForwardMetadata, batch: ForwardBatch, graph: bool) -> None:

@@ -1,17 +1,25 @@
 """Multi-step draft decode: one metadata step for k draft steps (the write locs of all steps translated
-once, each window list cut from one translated list that covers every step), then k decode steps."""
+once; per window, every request's span covering all steps gathered as one dense block and translated
+once, each step's window list cut from it by a gather), then k decode steps, eager or through graphs."""
 from __future__ import annotations
 
+import bisect
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from hwkv import ops
 from hwkv.batch import ForwardBatch, ForwardMode
-from hwkv.errors import ConfigError
+from hwkv.errors import CapacityError, ConfigError
+from hwkv.graph import GraphAdapter, GraphRunner, ModelFn, PreparedStep
 from hwkv.loc import KVWriteLoc
-from hwkv.metadata import ForwardMetadata, KVIndexList, cumsum_into, fill_list, window_pos0
+from hwkv.metadata import (ForwardMetadata, GraphViews, KVIndexList, StaticBuffers, alloc_static, check_fits,
+                           cumsum_into, fill_list, window_pos0)
 from hwkv.spec import MultiStepDraft
+
+Block = Tuple[torch.Tensor, torch.Tensor]  # ([rows, width] slots of each request's span, its first position)
 
 
 @dataclass
@@ -36,60 +44,73 @@ class DraftSteps:
             yield self.select(i)
 
 
-def _cut(combined: KVIndexList, comb_pos0: torch.Tensor, pos0: torch.Tensor, seq: torch.Tensor, total: int,
-         window: int, max_len: int) -> KVIndexList:
-    """Step list [pos0, seq) of each request, gathered (not translated) from the combined list."""
-    bs = seq.shape[0]
-    lens = seq - pos0
-    indptr = cumsum_into(lens, torch.empty(bs + 1, dtype=torch.int32, device=seq.device))
-    req = torch.repeat_interleave(torch.arange(bs, device=seq.device), lens, output_size=total)
-    j = torch.arange(total, device=seq.device) - indptr[:-1].to(torch.int64)[req]
-    src = combined.indptr[:-1].to(torch.int64)[req] + (pos0 - comb_pos0)[req] + j
-    return KVIndexList(indptr, combined.indices[src], pos0, window, max_len, combined.is_swa_slots)
+@dataclass
+class DraftStatic:
+    """Graph buffers of drafts of up to k steps, allocated once: each step's lists (step 0 is the
+    backend's StaticBuffers), and per window the dense span block, as locs and translated."""
+
+    max_bs: int
+    steps: List[StaticBuffers]
+    widths: Dict[int, int]                # columns of each window's block (block_width)
+    rows: torch.Tensor                    # int64 arange(max_bs): the blocks' rows
+    block_locs: Dict[int, torch.Tensor]   # int64 [max_bs * width_W]
+    blocks: Dict[int, torch.Tensor]       # int64 [max_bs * width_W]: translated (hybrid), else block_locs
+    block_indptr: Dict[int, torch.Tensor]  # int32 [max_bs + 1]: b * width_W
+    block_pos0: Dict[int, torch.Tensor]   # int64 [max_bs]
+
+
+def block_width(window: int, num_steps: int, ctx: int) -> int:
+    """Columns of a window's span block: W keys of step 0 plus one per further step, at most the row."""
+    return min(window + num_steps - 1, ctx)
+
+
+def _draft_info(batch: ForwardBatch) -> MultiStepDraft:
+    info = batch.spec_info
+    if not isinstance(info, MultiStepDraft) or batch.forward_mode != ForwardMode.DECODE:
+        raise ConfigError("draft metadata takes a DECODE batch with spec_info=MultiStepDraft(num_steps)")
+    return info
 
 
 class DraftMetadataMixin:
-    """`init_draft_metadata` for AttentionBackend (kept apart: it is a mode, not the template)."""
+    """Multi-step draft metadata for AttentionBackend (kept apart: it is a mode, not the template)."""
+
+    draft_static: Optional[DraftStatic] = None
 
     def init_draft_metadata(self, batch: ForwardBatch) -> DraftSteps:
-        """All k steps' metadata at once: one write-loc translation, one translated window list per
-        window covering every step; each step's full and window lists (no further translation)."""
-        info = batch.spec_info
-        if not isinstance(info, MultiStepDraft) or batch.forward_mode != ForwardMode.DECODE:
-            raise ConfigError("init_draft_metadata takes a DECODE batch with spec_info=MultiStepDraft(num_steps)")
+        """All k steps' metadata at once: one write-loc translation, one translated span block per
+        window covering every step; each step's full list and window lists (no further translation)."""
+        info = _draft_info(batch)
         k, bs = info.num_steps, batch.batch_size
-        loc = batch.out_cache_loc
-        if info.writes_swa:
-            write_all = self._write_loc(loc, graph=False)
-        else:  # the draft has no SWA layer: nothing to translate (an SWA layer would raise MissingSWALocError)
-            if getattr(self.pool, "check_write_loc", None) is not None:
-                self.pool.check_write_loc(loc)
-            write_all = KVWriteLoc(loc)
-        seq = batch.seq_lens.to(torch.int64)
+        write_all = self._draft_write_loc(batch.out_cache_loc, info, graph=False)
+        seq, rows = batch.seq_lens.to(torch.int64), batch.req_pool_indices
         seq_cpu, _ = batch.host_lens()
-        combined: Dict[int, tuple] = {}
-        if info.writes_swa:
-            last = seq + (k - 1)          # lengths after the last step
-            for w in self.windows:
-                pos0 = window_pos0(seq - 1, w)
-                lens_cpu = seq_cpu + (k - 1) - window_pos0(seq_cpu - 1, w)
-                lst = self._eager_list(_Rows(batch), last, pos0, int(lens_cpu.sum()), w, int(lens_cpu.max()) if bs else 0)
-                combined[w] = (lst, pos0)
+        ctx = self.req_to_token_pool.req_to_token.shape[1]
+        blocks = {}
+        for w in (self.windows if info.writes_swa else ()):
+            width = block_width(w, k, ctx)
+            indptr = torch.arange(0, (bs + 1) * width, width, dtype=torch.int32, device=self.device)
+            locs = torch.empty(bs * width, dtype=torch.int64, device=self.device)
+            blocks[w] = self._span_block(rows, seq, w, width, indptr, locs, None, None)
+        arange = torch.arange(bs, device=self.device)
         ones = torch.ones(bs, dtype=torch.int64, device="cpu")
         qo_indptr = torch.arange(bs + 1, dtype=torch.int32, device=self.device)
         batches, mds = [], []
         for i in range(k):
             seq_i, seq_i_cpu = seq + i, seq_cpu + i
-            loc_i = loc[i * bs:(i + 1) * bs]
+            loc_i = batch.out_cache_loc[i * bs:(i + 1) * bs]
             swa_i = None if write_all.swa_loc is None else write_all.swa_loc[i * bs:(i + 1) * bs]
-            step = ForwardBatch(ForwardMode.DECODE, bs, batch.req_pool_indices, seq_i, loc_i, seq_lens_cpu=seq_i_cpu)
+            step = ForwardBatch(ForwardMode.DECODE, bs, rows, seq_i, loc_i, seq_lens_cpu=seq_i_cpu)
             full = self._eager_list(step, seq_i, torch.zeros_like(seq_i), int(seq_i_cpu.sum()), None,
                                     int(seq_i_cpu.max()) if bs else 0)
             windows = {}
-            for w, (lst, comb_pos0) in combined.items():
-                pos0 = window_pos0(seq_i - 1, w)
+            for w, block in blocks.items():
                 lens_cpu = seq_i_cpu - window_pos0(seq_i_cpu - 1, w)
-                windows[w] = _cut(lst, comb_pos0, pos0, seq_i, int(lens_cpu.sum()), w, int(lens_cpu.max()) if bs else 0)
+                out = torch.empty(int(lens_cpu.sum()), dtype=torch.int64, device=self.device)
+                indptr = torch.empty(bs + 1, dtype=torch.int32, device=self.device)
+                pos0 = _cut(block, arange, window_pos0(seq_i - 1, w), seq_i, indptr, out)
+                if self.debug and self.hybrid:
+                    self._check_not_evicted(out, w)
+                windows[w] = KVIndexList(indptr, out, pos0, w, int(lens_cpu.max()) if bs else 0, self.hybrid)
             md = ForwardMetadata(KVWriteLoc(loc_i, swa_i), swa_i, qo_indptr, seq_i - 1, full, windows, 1, bs, True,
                                  seq_lens_cpu=seq_i_cpu, extend_lens_cpu=ones)
             self.init_kernel_metadata(md, step, graph=False)
@@ -99,10 +120,228 @@ class DraftMetadataMixin:
         steps.select(0)
         return steps
 
+    # ---- graph mode ---------------------------------------------------------------------------
+    def init_draft_graph_state(self, max_bs: int, draft_steps: int, max_context_len: Optional[int] = None) -> None:
+        """Static buffers for drafts of up to `draft_steps` steps of up to `max_bs` requests, allocated once
+        and shared by every runner: the base state (write locs for max_bs * draft_steps tokens), then
+        each further step's lists and each window's span block."""
+        if not isinstance(draft_steps, int) or draft_steps < 1:
+            raise ConfigError(f"draft_steps={draft_steps!r} must be an int >= 1")
+        ds = self.draft_static
+        if ds is not None and (draft_steps > len(ds.steps) or max_bs > ds.max_bs):  # captured graphs read them
+            raise ConfigError(f"draft graph state exists for {len(ds.steps)} steps of {ds.max_bs} requests; asked "
+                              f"for {draft_steps} of {max_bs}: call init_draft_graph_state once with the largest "
+                              "sizes before capturing any graph")
+        self.init_graph_state(max_bs, max_bs * draft_steps, max_context_len)
+        if ds is not None:
+            return
+        ctx, dev = self.graph_max_context_len, self.device
+        i32, i64 = dict(dtype=torch.int32, device=dev), dict(dtype=torch.int64, device=dev)
+        width = {w: block_width(w, draft_steps, self.req_to_token_pool.req_to_token.shape[1]) for w in self.windows}
+        locs = {w: torch.zeros(max_bs * n, **i64) for w, n in width.items()}
+        steps = [self.static] + [alloc_static(max_bs, max_bs, ctx, self.windows, dev) for _ in range(draft_steps - 1)]
+        self.draft_static = DraftStatic(
+            max_bs, steps, width, torch.arange(max_bs, **i64), locs,
+            {w: torch.zeros(max_bs * n, **i64) for w, n in width.items()} if self.hybrid else locs,
+            {w: torch.arange(0, (max_bs + 1) * n, n, **i32) for w, n in width.items()},
+            {w: torch.zeros(max_bs, **i64) for w in self.windows})
 
-class _Rows:
-    """The two fields `_eager_list` reads of a batch (rows and their count)."""
+    def init_draft_metadata_graph(self, batch: ForwardBatch) -> DraftSteps:
+        """Refill every step's static buffers in place for a (padded) draft batch, with no host sync and
+        no allocation of index storage: one write-loc translation (tail zeroed), one per window.
+        Raises CapacityError (changing nothing) when the steps or requests exceed the graph state."""
+        info, ds = _draft_info(batch), self.draft_static
+        if ds is None:
+            raise ConfigError("init_draft_graph_state(max_bs, draft_steps) must run before draft graph metadata")
+        k, bs = info.num_steps, batch.batch_size
+        if k > len(ds.steps):
+            raise CapacityError(f"a draft of {k} steps exceeds the graph state's {len(ds.steps)} steps; run it "
+                                "eagerly (init_draft_metadata) or init_draft_graph_state with more steps")
+        check_fits("batch size", bs, ds.max_bs)
+        write_all = self._draft_write_loc(batch.out_cache_loc, info, graph=True)
+        rows, seq = batch.req_pool_indices, batch.seq_lens
+        blocks = {w: self._span_block(rows, seq, w, ds.widths[w], ds.block_indptr[w][:bs + 1], ds.block_locs[w],
+                                      ds.blocks[w], ds.block_pos0[w][:bs])
+                  for w in (self.windows if info.writes_swa else ())}
+        kernels = ops.graph_refill_kernels(self.device.type) if self._fusable_refill else None
+        batches, mds = [], []
+        for i, st in enumerate(ds.steps[:k]):
+            views = self._refill_draft_step(st, rows, seq, i, blocks, ds.rows[:bs], kernels)
+            loc_i = batch.out_cache_loc[i * bs:(i + 1) * bs]
+            swa_i = None if write_all.swa_loc is None else write_all.swa_loc[i * bs:(i + 1) * bs]
+            step = ForwardBatch(ForwardMode.DECODE, bs, rows, st.lens[:bs], loc_i)
+            md = ForwardMetadata(KVWriteLoc(loc_i, swa_i), swa_i, views.qo_indptr, views.q_pos0, views.full,
+                                 views.windows, 1, bs, True, graph=True)
+            self.init_kernel_metadata(md, step, graph=True)
+            batches.append(step)
+            mds.append(md)
+        shared = _shared_kernel_state(mds) if any(md.extra for md in mds) else None
+        if shared is not None:
+            raise ConfigError(f"{type(self).__name__}'s graph kernel metadata md.extra{shared} is one set of tables "
+                              "that every draft step would overwrite: run drafts eagerly (init_draft_metadata) "
+                              "until the backend keeps one set per step")
+        steps = DraftSteps(self, batches, mds)
+        steps.select(0)
+        return steps
 
-    def __init__(self, batch: ForwardBatch) -> None:
-        self.batch_size = batch.batch_size
-        self.req_pool_indices = batch.req_pool_indices
+    def _refill_draft_step(self, st: StaticBuffers, rows: torch.Tensor, seq: torch.Tensor, step: int,
+                           blocks: Dict[int, Block], arange: torch.Tensor, kernels: Optional[ops.GraphRefillKernels]
+                           ) -> GraphViews:
+        """Step `step`'s positions and lists into its static buffers: the full list from req_to_token (one
+        fused launch where the device has one), each window list cut from its block (nothing translated)."""
+        bs, rtt, ctx = rows.shape[0], self.req_to_token_pool.req_to_token, self.graph_max_context_len
+        lens = torch.add(seq, step, out=st.lens[:bs])
+        if kernels is not None:  # reads lens as the lengths it also stores there: the same values
+            kernels.fill_lists(rtt, rows, lens, None, st.list_windows, st.lens, st.q_pos0, st.qo_indptr,
+                               st.list_indptr, st.list_pos0, st.full_indices)
+        else:
+            torch.sub(lens, 1, out=st.q_pos0[:bs])
+            st.full_pos0[:bs].zero_()
+            fill_list(rtt, rows, lens, st.full_pos0[:bs], st.full_indptr[:bs + 1], st.full_indices)
+        q_pos0 = st.q_pos0[:bs]
+        windows = {}
+        for w, block in blocks.items():
+            pos0, indptr = st.win_pos0[w][:bs], st.win_indptr[w][:bs + 1]
+            if kernels is None:
+                torch.sub(q_pos0, w - 1, out=pos0).clamp_(min=0)
+            _cut(block, arange, pos0, lens, indptr, st.win_indices[w], indptr_done=kernels is not None)
+            windows[w] = KVIndexList(indptr, st.win_indices[w], pos0, w, min(ctx, w), self.hybrid)
+        full = KVIndexList(st.full_indptr[:bs + 1], st.full_indices, st.full_pos0[:bs], None, ctx)
+        return GraphViews(st.arange[:bs + 1], q_pos0, full, windows)
+
+    # ---- shared -------------------------------------------------------------------------------
+    def _draft_write_loc(self, loc: torch.Tensor, info: MultiStepDraft, graph: bool) -> KVWriteLoc:
+        """Every step's write locs, translated once; a draft without SWA layers translates nothing (an SWA
+        layer forwarded there raises MissingSWALocError)."""
+        if info.writes_swa:
+            return self._write_loc(loc, graph=graph)
+        check = getattr(self.pool, "check_write_loc", None)
+        if check is not None:
+            check(loc)
+        return KVWriteLoc(loc)
+
+    def _span_block(self, rows: torch.Tensor, seq: torch.Tensor, window: int, width: int, indptr: torch.Tensor,
+                    locs: torch.Tensor, out: Optional[torch.Tensor], pos0_out: Optional[torch.Tensor]) -> Block:
+        """Each request's `width` slots of its row from step 0's first window key (seq - W, at least 0)
+        as a dense block, gathered and translated once: the window's one translation for all k steps."""
+        pos0 = torch.sub(seq, window, out=pos0_out).clamp_(min=0)
+        ops.fill_kv_indices(self.req_to_token_pool.req_to_token, rows, pos0, indptr, locs)
+        if self.hybrid:
+            translated = self._translate_window(locs[:rows.shape[0] * width], out=out)
+            locs = translated if out is None else out  # graph: the whole static block (its tail zeroed)
+        return locs.view(-1, width), pos0
+
+
+def _cut(block: Block, rows: torch.Tensor, pos0: torch.Tensor, seq: torch.Tensor, indptr: torch.Tensor,
+         out: torch.Tensor, indptr_done: bool = False) -> torch.Tensor:
+    """Each request's list [pos0, seq) gathered from its span block (a gather: nothing translated); returns pos0."""
+    slots, first = block
+    if not indptr_done:
+        cumsum_into(seq - pos0, indptr)
+    ops.fill_kv_indices(slots, rows, pos0 - first, indptr, out)
+    return pos0
+
+
+def _shared_kernel_state(mds: List[ForwardMetadata]) -> Optional[str]:
+    """The `md.extra` entry through which a step shares memory (or a plan object) with an earlier step's, else None."""
+    owner: Dict[int, int] = {}
+    for i, md in enumerate(mds):
+        for where, ident in _identities(md.extra, ""):
+            if owner.setdefault(ident, i) != i:
+                return where
+    return None
+
+
+def _identities(obj: Any, where: str) -> Iterator[Tuple[str, int]]:
+    """(path, identity) of the tensors' storages and the dataclass objects inside kernel metadata."""
+    if isinstance(obj, torch.Tensor):
+        if obj.untyped_storage().nbytes():
+            yield where, obj.untyped_storage().data_ptr()
+    elif isinstance(obj, dict):
+        for key, v in obj.items():
+            yield from _identities(v, f"{where}[{key!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for j, v in enumerate(obj):
+            yield from _identities(v, f"{where}[{j}]")
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        yield where, id(obj)
+        for f in dataclasses.fields(obj):
+            yield from _identities(getattr(obj, f.name), f"{where}.{f.name}")
+
+
+def _by_step(buf: torch.Tensor, steps: int, bs: int) -> torch.Tensor:
+    """A step-major token buffer's first steps * bs rows as [steps, bs, ...]."""
+    return buf[:steps * bs].view(steps, bs, *buf.shape[1:])
+
+
+class DraftGraphRunner(GraphRunner):
+    """Captures the whole k-step draft forward per batch-size bucket: `fn(steps, inputs)` runs every
+    step (`for step_batch in steps:` its layers) and returns [k * bs, ...]; inputs are per token,
+    step-major [k * bs, ...]; `run` returns [k, bs, ...]. Larger batches run eagerly (never dropped)."""
+
+    def __init__(self, backend: Any, fn: ModelFn, batch_sizes: Sequence[int],
+                 input_shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], draft_steps: int,
+                 adapter: Optional[GraphAdapter] = None, writes_swa: bool = True) -> None:
+        if not isinstance(draft_steps, int) or draft_steps < 1:
+            raise ConfigError(f"draft_steps={draft_steps!r} must be an int >= 1")
+        self.draft = MultiStepDraft(draft_steps, writes_swa)
+        self.steps = draft_steps
+        self._current: Optional[DraftSteps] = None
+        super().__init__(backend, fn, batch_sizes, input_shapes, adapter, ForwardMode.DECODE)
+
+    def _init_state(self, max_bs: int, max_tokens: int) -> None:
+        self.backend.init_draft_graph_state(max_bs, self.steps)
+
+    def _refill(self, batch: ForwardBatch) -> None:
+        self._current = self.backend.init_draft_metadata_graph(batch)
+
+    def _arg(self, batch: ForwardBatch) -> Any:
+        return self._current  # the steps of the latest refill (their lists are static buffers)
+
+    def _eager(self, batch: ForwardBatch) -> Any:
+        return self.backend.init_draft_metadata(batch)
+
+    def _live(self, out: torch.Tensor, step: PreparedStep) -> torch.Tensor:
+        return out.view(self.steps, -1, *out.shape[1:])[:, :step.num_tokens // self.steps]
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        return ForwardBatch(ForwardMode.DECODE, bs, self.req_pool_indices[:bs], self.seq_lens[:bs],
+                            self.out_cache_loc[:bs * self.steps], spec_info=self.draft)
+
+    def _pad(self, bs_pad: int, live: int) -> None:
+        """Padded requests: row 0, length 1, every step's slot the padding slot 0."""
+        if live == bs_pad:
+            return
+        self.req_pool_indices[live:bs_pad].zero_()
+        self.seq_lens[live:bs_pad].fill_(1)
+        for buf in (self.out_cache_loc, *self.inputs.values()):
+            _by_step(buf, self.steps, bs_pad)[:, live:].zero_()
+
+    def prepare(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> PreparedStep:
+        """Copy the draft batch and inputs into the static buffers step by step, pad to the smallest
+        bucket that fits, refill every step's metadata; a batch larger than every bucket: eager metadata."""
+        info = batch.spec_info
+        if not isinstance(info, MultiStepDraft):
+            raise ConfigError("a DraftGraphRunner runs DECODE batches with spec_info=MultiStepDraft(num_steps)")
+        k = self.steps
+        if info.num_steps > k:
+            raise CapacityError(f"a draft of {info.num_steps} steps exceeds the {k} steps these graphs run; "
+                                f"capture a DraftGraphRunner with draft_steps={info.num_steps}")
+        if info != self.draft:
+            raise ConfigError(f"these graphs run {self.draft}, the batch carries {info}")
+        bs = batch.batch_size
+        i = bisect.bisect_left(self.buckets, bs)
+        if i == len(self.buckets):
+            return PreparedStep(None, batch.num_tokens, self._eager(batch), inputs)
+        bs_pad = self.buckets[i]
+        self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
+        self.seq_lens[:bs].copy_(batch.seq_lens)
+        _by_step(self.out_cache_loc, k, bs_pad)[:, :bs].copy_(_by_step(batch.out_cache_loc, k, bs))
+        for name, buf in self.inputs.items():
+            src = inputs[name]
+            if src.data_ptr() != buf.data_ptr():  # inputs produced in the static buffers need no copy
+                _by_step(buf, k, bs_pad)[:, :bs].copy_(_by_step(src, k, bs))
+        self._pad(bs_pad, bs)
+        if not self.metadata_in_graph:
+            self._refill(self._static_batch(bs_pad))
+        return PreparedStep(bs_pad, batch.num_tokens)

@@ -15,7 +15,7 @@ import torch
 
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.errors import ConfigError, ShapeError
-from hwkv.spec import DraftTree
+from hwkv.spec import DraftTree, MultiStepDraft
 
 ModelFn = Callable[[ForwardBatch, Dict[str, torch.Tensor]], torch.Tensor]
 
@@ -59,7 +59,10 @@ class GraphRunner:
     shapes and dtypes so the runner can own static copies. `tokens_per_req` is 1 for decode
     (or the draft length for TARGET_VERIFY). `tree=True` (TARGET_VERIFY only): batches carry a
     `hwkv.spec.DraftTree`, copied into a static mask (padded requests get a chain, i.e. causal).
+    Multi-step drafts run through `hwkv.draft.DraftGraphRunner`, a subclass.
     """
+
+    steps: int = 1  # forward steps one replay runs, tokens step-major (a DraftGraphRunner's k)
 
     def __init__(self, backend: Any, fn: ModelFn, batch_sizes: Sequence[int],
                  input_shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]],
@@ -76,8 +79,8 @@ class GraphRunner:
         self.adapter = adapter if adapter is not None else EagerAdapter()
         dev = backend.device
         max_bs = self.buckets[-1]
-        max_tokens = max_bs * tokens_per_req
-        backend.init_graph_state(max_bs, max_tokens)
+        max_tokens = max_bs * tokens_per_req * self.steps
+        self._init_state(max_bs, max_tokens)
         i64 = dict(dtype=torch.int64, device=dev)
         self.req_pool_indices = torch.zeros(max_bs, **i64)
         self.seq_lens = torch.ones(max_bs, **i64)
@@ -116,8 +119,28 @@ class GraphRunner:
                             extend_seq_lens_cpu=self.extend_seq_lens_cpu[:bs] if host else None)
 
     def _static_inputs(self, bs: int) -> Dict[str, torch.Tensor]:
-        n = bs * self.tpr
+        n = bs * self.tpr * self.steps
         return {k: v[:n] for k, v in self.inputs.items()}
+
+    # ---- what a subclass (DraftGraphRunner) changes ------------------------------------------------
+    def _init_state(self, max_bs: int, max_tokens: int) -> None:
+        self.backend.init_graph_state(max_bs, max_tokens)
+
+    def _refill(self, batch: ForwardBatch) -> None:
+        """Static metadata for a padded static batch (at capture, before a replay, or inside the graph)."""
+        self.backend.init_forward_metadata_graph(batch)
+
+    def _arg(self, batch: ForwardBatch) -> Any:
+        """What `fn` takes for a static batch: the batch itself."""
+        return batch
+
+    def _eager(self, batch: ForwardBatch) -> Any:
+        """Eager metadata for a batch larger than every bucket; returns what `fn` takes."""
+        self.backend.init_forward_metadata(batch)
+        return batch
+
+    def _live(self, out: torch.Tensor, step: "PreparedStep") -> torch.Tensor:
+        return out[:step.num_tokens]
 
     def capture(self) -> None:
         """Capture every bucket, largest first (so smaller ones can share the largest's memory)."""
@@ -125,22 +148,22 @@ class GraphRunner:
             self._pad(bs, 0)
             batch = self._static_batch(bs)
             inputs = self._static_inputs(bs)
-            self.backend.init_forward_metadata_graph(batch)
-            self.fn(batch, inputs)  # warm-up outside the graph (kernel compilation, autotuning)
+            self._refill(batch)
+            self.fn(self._arg(batch), inputs)  # warm-up outside the graph (kernel compilation, autotuning)
             if self.metadata_in_graph:  # the refill's launches are recorded too: a replay refills itself
                 before = self._translations()
                 graph, out = self.adapter.capture(lambda b=batch, i=inputs: self._refill_and_run(b, i))
                 self.recorded_translations[bs] = tuple(a - b for a, b in zip(self._translations(), before))
             else:
-                graph, out = self.adapter.capture(lambda b=batch, i=inputs: self.fn(b, i))
+                graph, out = self.adapter.capture(lambda b=batch, i=inputs: self.fn(self._arg(b), i))
             self.graphs[bs] = _Captured(graph, out)
 
     def _translations(self) -> Tuple[int, int]:
         return self.backend.loc_cache.translations, self.backend.window_translations
 
     def _refill_and_run(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
-        self.backend.init_forward_metadata_graph(batch)
-        return self.fn(batch, inputs)
+        self._refill(batch)
+        return self.fn(self._arg(batch), inputs)
 
     def _pad(self, bs_pad: int, live: int) -> None:
         """Padded requests: row 0, length 1, write to the padding slot 0 (nothing to do at bucket size)."""
@@ -161,6 +184,8 @@ class GraphRunner:
         smallest bucket that fits, refill the static metadata. A batch larger than every bucket gets
         eager metadata instead (and `replay` runs it eagerly: it is never dropped)."""
         bs = batch.batch_size
+        if isinstance(batch.spec_info, MultiStepDraft):
+            raise ConfigError("a MultiStepDraft batch runs through hwkv.draft.DraftGraphRunner, not GraphRunner")
         if batch.num_tokens != bs * self.tpr:
             raise ShapeError(f"graph mode needs {self.tpr} token(s) per request: {batch.num_tokens} tokens "
                              f"for {bs} requests")
@@ -173,8 +198,7 @@ class GraphRunner:
                              f"draft tokens need {bs * self.tpr * self.tpr}")
         i = bisect.bisect_left(self.buckets, bs)
         if i == len(self.buckets):
-            self.backend.init_forward_metadata(batch)
-            return PreparedStep(None, n, batch, inputs)
+            return PreparedStep(None, n, self._eager(batch), inputs)
         bs_pad = self.buckets[i]
         self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
         self.seq_lens[:bs].copy_(batch.seq_lens)
@@ -194,14 +218,14 @@ class GraphRunner:
                 v[:n].copy_(src)
         self._pad(bs_pad, bs)
         if not self.metadata_in_graph:
-            self.backend.init_forward_metadata_graph(self._static_batch(bs_pad))
+            self._refill(self._static_batch(bs_pad))
         return PreparedStep(bs_pad, n)
 
     def replay(self, step: "PreparedStep") -> torch.Tensor:
         """The layers of a prepared step: replay its bucket's graph (or run the eager fallback)."""
         if step.bucket is None:
             self.eager_runs += 1
-            return self.fn(step.batch, step.inputs)
+            return self._live(self.fn(step.batch, step.inputs), step)
         cap = self.graphs[step.bucket]
         self.adapter.pre_replay(cap.graph)
         before = self._translations()
@@ -211,7 +235,7 @@ class GraphRunner:
         if rec is not None and self._translations() == before:  # a device graph: the refill ran in it
             self.backend.loc_cache.translations += rec[0]     # keep the backend's counts of what ran
             self.backend.window_translations += rec[1]
-        return out[:step.num_tokens]
+        return self._live(out, step)
 
     def run(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
         """Replay the smallest bucket that fits, or run eagerly when the batch is larger than all."""
@@ -221,11 +245,12 @@ class GraphRunner:
 @dataclass(frozen=True)
 class PreparedStep:
     """What `GraphRunner.replay` needs after `prepare`: the bucket to replay and the live tokens;
-    bucket None means the eager fallback, which keeps the batch and inputs to run."""
+    bucket None means the eager fallback, which keeps what `fn` takes (the batch, or a draft's
+    DraftSteps) and the inputs to run."""
 
     bucket: Optional[int]
     num_tokens: int
-    batch: Optional[ForwardBatch] = None
+    batch: Any = None
     inputs: Optional[Dict[str, torch.Tensor]] = None
 
 

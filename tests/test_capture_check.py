@@ -41,6 +41,49 @@ def test_a_replay_reading_moved_metadata_fails():
         _run(MovingMetadata)
 
 
+class MovingDraftMetadata(ReferenceBackend):
+    """The same bug in the draft path: each step's window list copied to fresh memory on every refill."""
+
+    def init_draft_metadata_graph(self, batch):
+        steps = super().init_draft_metadata_graph(batch)
+        for md in steps.metadata:
+            for lst in md.windows.values():
+                lst.indices = lst.indices.clone()
+        return steps
+
+
+def test_a_draft_replay_reading_moved_metadata_fails():
+    from hwkv.testing.spec_harness import draft_graphs, draft_steps
+
+    h = Harness(MovingDraftMetadata, "cpu", GEOM, size=256, size_swa=64, page_size=2)
+    rids = [h.add_request() for _ in range(2)]
+    h.forward(rids, [5, 9], ForwardMode.EXTEND)
+    runner = draft_graphs(h, [2], CaptureCheckingAdapter(), 2)
+    with pytest.raises(StaleCaptureError, match="its capture did not"):
+        draft_steps(h, rids, 2, runner=runner)
+
+
+class OneTableSet(ReferenceBackend):
+    """A backend whose graph kernel metadata is one static table (as IPEX's, AITER's and the NPU plans are)."""
+
+    def init_graph_state(self, *args, **kwargs):
+        super().init_graph_state(*args, **kwargs)
+        self.table = torch.zeros(self.static.max_bs + 1, dtype=torch.int32)
+
+    def init_kernel_metadata(self, md, batch, graph):
+        if graph:
+            md.extra["plan"] = {"indptr": self.table[:md.batch_size + 1].copy_(md.full.indptr)}
+
+
+def test_draft_graphs_refuse_kernel_tables_every_step_would_overwrite():
+    from hwkv.errors import ConfigError
+    from hwkv.testing.spec_harness import draft_graphs
+
+    h = Harness(OneTableSet, "cpu", GEOM, size=256, size_swa=64)
+    with pytest.raises(ConfigError, match=r"md.extra\['plan'\]\['indptr'\] is one set of tables"):
+        draft_graphs(h, [2], CaptureCheckingAdapter(), 2)
+
+
 def test_the_reference_and_cpu_backends_pass():
     from hwkv_cpu.backend import TorchCPUBackend
 
@@ -68,9 +111,39 @@ GRAPH_CONTRACT = [
     contract.test_graph_replay_with_fewer_tokens_zeroes_the_tail_and_keeps_live_slots,
     contract.test_batch_larger_than_every_bucket_runs_eagerly,
     contract.test_speculative_verify_through_graphs_reads_swa_slots,
+    lambda t: contract.test_multi_step_draft_through_graphs_reuses_slots_and_translates_once(t, 2),
+    contract.test_draft_graph_replay_with_fewer_requests_zeroes_the_tail_and_keeps_live_slots,
 ] + [lambda t, n=name: contract.test_outputs_match_reference(t, n, graph=True) for name in sorted(contract.SCENARIOS)]
-GRAPH_CONTRACT_IDS = ["translate-once", "tail-zeroed", "eager-fallback", "verify"] + [
+GRAPH_CONTRACT_IDS = ["translate-once", "tail-zeroed", "eager-fallback", "verify", "draft", "draft-tail-zeroed"] + [
     f"outputs-{n}" for n in sorted(contract.SCENARIOS)]
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="a GPU is present: real graphs run there")
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-refill", "fused-refill"])
+def test_triton_draft_graphs_pass(fused, monkeypatch):
+    """Multi-step draft graphs of the Triton backend (interpreted) under the capture-checking adapter, with
+    the torch refill and with the fused refill kernels a GPU registers (here for CPU tensors): every step
+    equals the reference, a smaller bucket after a larger one, every replay reads what its capture read."""
+    pytest.importorskip("triton")
+    from hwkv import ops
+    from hwkv.testing.spec_harness import draft_graphs, draft_steps
+    from hwkv_cuda.backend import TritonBackend
+    from hwkv_cuda.kernels import fill_kv_indices, refill
+
+    if fused:
+        monkeypatch.setitem(ops._REFILL, "cpu", refill.KERNELS)
+        monkeypatch.setitem(ops._FILL, "cpu", fill_kv_indices)
+    h = Harness(TritonBackend, "cpu", GEOM, size=256, size_swa=32, page_size=2)
+    runner = draft_graphs(h, [1, 2], CaptureCheckingAdapter(), 3)
+    rids = [h.add_request() for _ in range(2)]
+    h.forward(rids, [5, 9], ForwardMode.EXTEND)
+    for step in range(3):
+        draft_steps(h, rids[:2 - step % 2], 3, runner=runner)
+        h.release()
+        h.check_integrity()
+    assert runner.replays == 3 and runner.eager_runs == 0
+    assert h.backend.loc_cache.translations == 1 + 2 + 3  # the extend, one refill per bucket's capture, 3 replays
 
 
 def _targets():

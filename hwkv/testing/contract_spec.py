@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from hwkv.batch import ForwardBatch, ForwardMode
-from hwkv.errors import MissingSWALocError, ShapeError
+from hwkv.errors import CapacityError, ConfigError, MissingSWALocError, ShapeError
 from hwkv.spec import DraftTree, MultiStepDraft, accept_draft_tokens
 from hwkv.testing.harness import Harness, ModelGeometry
-from hwkv.testing.spec_harness import draft_steps, tree_verify
+from hwkv.testing.spec_harness import draft_batch, draft_graphs, draft_steps, tree_verify
 
 GEOM = ModelGeometry(num_layers=4, swa_every=2, window=4, num_heads=4, num_kv_heads=2, head_dim=16)
 TREE = [-1, 0, 0, 1, 2]            # top-2 tree of 5 draft tokens: root, two children, a grandchild each
@@ -101,6 +101,96 @@ def test_draft_without_swa_layers_writes_nothing_to_the_swa_pool(hwkv_target):
     k = torch.zeros(2, swa.num_kv_heads, swa.head_dim, device=h.device)
     with pytest.raises(MissingSWALocError):
         h.backend.forward(q, k, k, swa, batch)
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_multi_step_draft_through_graphs_reuses_slots_and_translates_once(hwkv_target, page_size):
+    """k = 3 draft steps captured as one graph per bucket over an SWA pool a 32nd of the full pool, slots
+    released and reused between drafts: every step equals the reference; each draft forward translates
+    its write locs once and its window's block once, however many steps and layers (device graphs that
+    record the refill: the runner's counts); a batch larger than every bucket runs eagerly."""
+    h = _make(hwkv_target, page_size=page_size)
+    rids = [h.add_request() for _ in range(3)]
+    h.forward(rids, [9, 3, 6], ForwardMode.EXTEND)
+    h.release()
+    # captured after the prefill: the CPU kernels' per-thread scratch, grown by a larger extend, is not a
+    # buffer a replay may move to under the capture-checking adapter
+    runner = draft_graphs(h, [1, 2], hwkv_target.adapter_factory(), 3)
+    count = _Count(h.pool)
+    host = 0 if runner.metadata_in_graph else 2  # a recorded refill translates in the replay, not on the host
+    for step in range(4):
+        before = (count.calls, h.backend.loc_cache.translations, h.backend.window_translations)
+        draft_steps(h, rids[:1 + step % 2], 3, runner=runner)   # checked against the reference inside
+        assert (count.calls - before[0], h.backend.loc_cache.translations - before[1],
+                h.backend.window_translations - before[2]) == (host, 1, 1)
+        h.release()
+        h.check_integrity()
+    before = count.calls
+    draft_steps(h, rids, 3, runner=runner)                      # 3 requests: past every bucket
+    assert count.calls - before == 2
+    h.release()
+    h.check_integrity()
+    assert runner.replays == 4 and runner.eager_runs == 1
+    assert 1024 - h.allocator.full_available_size() > 32, "released SWA slots must have been reused"
+    for r in rids:
+        h.finish(r)
+    h.check_integrity()
+
+
+def test_draft_graph_replay_with_fewer_requests_zeroes_the_tail_and_keeps_live_slots(hwkv_target):
+    """A 2-step draft replayed for 4 requests, then for 1 (padded to 2): the write buffer holds the
+    padding slot for the padded request and zeros past the bucket; the others' K/V are untouched."""
+    h = _make(hwkv_target)
+    rids = [h.add_request() for _ in range(4)]
+    h.forward(rids, [3, 5, 9, 2], ForwardMode.EXTEND)
+    runner = draft_graphs(h, [2, 4], hwkv_target.adapter_factory(), 2)
+    draft_steps(h, rids, 2, runner=runner)
+    swa_big, loc_big = h.backend.loc_cache.buffer[:8].clone(), runner.out_cache_loc[:8].clone()
+    assert (swa_big > 0).all()
+    swa_id, full_id = h.layers[0].layer_id, h.layers[1].layer_id
+    others = [i for i in range(8) if i % 4 != 0]               # step-major [step, request]: requests 1..3
+    keep = (h.pool.get_key_buffer(swa_id)[swa_big[others]].clone(),
+            h.pool.get_key_buffer(full_id)[loc_big[others]].clone())
+    draft_steps(h, rids[:1], 2, runner=runner)
+    buf = h.backend.loc_cache.buffer
+    assert (buf[4:] == 0).all(), "stale slots left in the static buffer's tail"
+    assert int(buf[1]) == 0 and int(buf[3]) == 0, "the padded request must write the padding slot"
+    assert torch.equal(h.pool.get_key_buffer(swa_id)[swa_big[others]], keep[0]), "a live SWA slot was overwritten"
+    assert torch.equal(h.pool.get_key_buffer(full_id)[loc_big[others]], keep[1]), "a live slot was overwritten"
+    assert runner.replays == 2 and runner.eager_runs == 0
+
+
+def test_draft_steps_beyond_graph_capacity_are_refused_and_change_nothing(hwkv_target):
+    h = _make(hwkv_target)
+    rids = [h.add_request() for _ in range(2)]
+    h.forward(rids, [6, 4], ForwardMode.EXTEND)
+    runner = draft_graphs(h, [1, 2], hwkv_target.adapter_factory(), 2)
+    draft_steps(h, rids, 2, runner=runner)
+    batch = draft_batch(h, rids, 3)                     # the engine allocated 3 steps: the graphs run 2
+    inputs = h.random_inputs(6)
+    ds = h.backend.draft_static
+    state = lambda: [t.clone() for t in (runner.out_cache_loc, runner.seq_lens, h.backend.loc_cache.buffer,
+                                         *[st.full_indices for st in ds.steps], *ds.blocks.values(),
+                                         *[h.pool.get_key_buffer(l.layer_id) for l in h.layers])]
+    before, snap = state(), h.allocator.integrity_snapshot()
+    with pytest.raises(CapacityError, match="draft of 3 steps exceeds the 2 steps"):
+        runner.run(batch, inputs)
+    with pytest.raises(CapacityError, match="draft of 3 steps exceeds the graph state's 2 steps"):
+        h.backend.init_draft_metadata_graph(batch)
+    two = ForwardBatch(ForwardMode.DECODE, 2, batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc[:4],
+                       spec_info=MultiStepDraft(2, writes_swa=False))
+    with pytest.raises(ConfigError, match="these graphs run"):
+        runner.run(two, inputs)
+    three = ForwardBatch(ForwardMode.DECODE, 3, torch.tensor(rids + rids[:1], device=h.device),
+                         torch.cat([batch.seq_lens, batch.seq_lens[:1]]),
+                         torch.zeros(6, dtype=torch.int64, device=h.device), spec_info=MultiStepDraft(2))
+    with pytest.raises(CapacityError, match="batch size needs 3 entries, the graph buffer holds 2"):
+        h.backend.init_draft_metadata_graph(three)
+    with pytest.raises(ConfigError, match="init_draft_graph_state once"):
+        h.backend.init_draft_graph_state(2, 3)
+    assert all(torch.equal(a, b) for a, b in zip(before, state())), "a refused draft changed a buffer"
+    assert _same(snap, h.allocator.integrity_snapshot()) and runner.replays == 1
+    h.backend.init_draft_metadata(batch)                # eagerly it runs (the engine's fallback)
 
 
 def test_draft_extend_through_graphs_reads_swa_slots(hwkv_target):

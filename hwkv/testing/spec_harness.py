@@ -3,12 +3,13 @@ checked against hwkv.reference (the shadow K/V follows what acceptance keeps).""
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from hwkv import reference
-from hwkv.batch import ForwardMode
+from hwkv.batch import ForwardBatch, ForwardMode
+from hwkv.draft import DraftGraphRunner, DraftSteps
 from hwkv.errors import ReferenceMismatchError
 from hwkv.spec import DraftTree, MultiStepDraft, accept_draft_tokens, tree_visible
 from hwkv.testing.harness import Harness, _as_stored
@@ -81,12 +82,42 @@ def _accept(h: Harness, rids: Sequence[int], batch, prefix_cpu: torch.Tensor, n:
         r.seq_len = p + len(accept[b])
 
 
-def draft_steps(h: Harness, rids: Sequence[int], num_steps: int, check: bool = True,
-                writes_swa: bool = True, layers: Optional[Sequence] = None) -> List[List[torch.Tensor]]:
-    """One multi-step draft forward: `num_steps` decode steps whose slots are allocated at once
-    (step-major), metadata built once by `init_draft_metadata`; each step checked against the reference.
-    `layers`: the draft model's layers (default: the harness's); with writes_swa=False they must be full."""
+def draft_model(h: Harness, layers: Sequence) -> Callable[[DraftSteps, Dict[str, torch.Tensor]], torch.Tensor]:
+    """A draft model's forward over `layers` for every step (inputs step-major [k * bs, ...]):
+    per step, each layer's output flattened, concatenated per token; [k * bs, sum(H * Dv)]."""
+    def run(steps: DraftSteps, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
+        per_step = []
+        for i in range(len(steps)):
+            batch = steps.select(i)
+            n = batch.batch_size
+            outs = []
+            for l in layers:
+                q, k, v = (inputs[f"{t}{l.layer_id}"][i * n:(i + 1) * n] for t in "qkv")
+                outs.append(h.backend.forward(q, k, v, l, batch).reshape(n, -1))
+            per_step.append(torch.cat(outs, dim=1))
+        return torch.cat(per_step)
+    return run
+
+
+def draft_graphs(h: Harness, batch_sizes: Sequence[int], adapter: Any, num_steps: int, writes_swa: bool = True,
+                 layers: Optional[Sequence] = None) -> DraftGraphRunner:
+    """A DraftGraphRunner of `num_steps`-step drafts over the draft model's `layers` (default: the
+    harness's), captured now; hand it to `draft_steps(..., runner=)`."""
     layers = list(h.layers if layers is None else layers)
+    dt = h.dtype if h.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.bfloat16
+    shapes = {}
+    for l in layers:
+        shapes[f"q{l.layer_id}"] = ((l.num_heads, l.head_dim), dt)
+        shapes[f"k{l.layer_id}"] = ((l.num_kv_heads, l.head_dim), dt)
+        shapes[f"v{l.layer_id}"] = ((l.num_kv_heads, l.v_head_dim), dt)
+    runner = DraftGraphRunner(h.backend, draft_model(h, layers), batch_sizes, shapes, num_steps, adapter, writes_swa)
+    runner.capture()
+    return runner
+
+
+def draft_batch(h: Harness, rids: Sequence[int], num_steps: int, writes_swa: bool = True) -> ForwardBatch:
+    """Allocate `num_steps` draft slots per request at once, write them into the rows, and build the
+    step-major DECODE batch (seq_lens: the lengths after step 0)."""
     bs = len(rids)
     seq0 = [h.requests[r].seq_len for r in rids]
     s = h.step_lens(rids, [num_steps] * bs, ForwardMode.EXTEND)
@@ -98,23 +129,39 @@ def draft_steps(h: Harness, rids: Sequence[int], num_steps: int, check: bool = T
     for b, rid in enumerate(rids):
         h.rtt.write(rid, seq0[b], loc[b * num_steps:(b + 1) * num_steps])
     seq_cpu = torch.tensor(seq0, dtype=I64) + 1
-    from hwkv.batch import ForwardBatch
-    batch = ForwardBatch(ForwardMode.DECODE, bs, s.rows_dev, seq_cpu.to(h.device), step_major,
-                         spec_info=MultiStepDraft(num_steps, writes_swa=writes_swa), seq_lens_cpu=seq_cpu)
-    steps = h.backend.init_draft_metadata(batch)
+    return ForwardBatch(ForwardMode.DECODE, bs, s.rows_dev, seq_cpu.to(h.device), step_major,
+                        spec_info=MultiStepDraft(num_steps, writes_swa=writes_swa), seq_lens_cpu=seq_cpu)
+
+
+def draft_steps(h: Harness, rids: Sequence[int], num_steps: int, check: bool = True,
+                writes_swa: bool = True, layers: Optional[Sequence] = None,
+                runner: Optional[DraftGraphRunner] = None) -> List[List[torch.Tensor]]:
+    """One multi-step draft forward: `num_steps` decode steps whose slots are allocated at once
+    (step-major), metadata built once by `init_draft_metadata` or, with `runner` (from `draft_graphs`, over
+    the same layers), replayed from its graphs; each step checked against the reference.
+    `layers`: the draft model's layers (default: the harness's); with writes_swa=False they must be full."""
+    layers = list(h.layers if layers is None else layers)
+    bs = len(rids)
+    batch = draft_batch(h, rids, num_steps, writes_swa)
+    inputs = h.random_inputs(bs * num_steps)
+    if runner is not None:
+        flat = runner.run(batch, inputs)                                   # [k, bs, ...]
+    else:
+        flat = draft_model(h, layers)(h.backend.init_draft_metadata(batch), inputs).view(num_steps, bs, -1)
     results = []
-    for i, step_batch in enumerate(steps):
-        inputs = h.random_inputs(bs)
-        outs = []
+    for i in range(num_steps):
+        outs, c = [], 0
         for l in layers:
-            j = l.layer_id
-            outs.append(h.backend.forward(inputs[f"q{j}"], inputs[f"k{j}"], inputs[f"v{j}"], l, step_batch))
+            w = l.num_heads * l.v_head_dim
+            outs.append(flat[i, :, c:c + w].reshape(bs, l.num_heads, l.v_head_dim))
+            c += w
         for rid in rids:
             h.requests[rid].seq_len += 1
+        step_in = {name: t[i * bs:(i + 1) * bs] for name, t in inputs.items()}
         for l in layers:  # shadow what the draft's layers stored (others stored nothing)
             j = l.layer_id
-            k = _stored(h, inputs[f"k{j}"], l.k_scale)
-            v = _stored(h, inputs[f"v{j}"], l.v_scale)
+            k = _stored(h, step_in[f"k{j}"], l.k_scale)
+            v = _stored(h, step_in[f"v{j}"], l.v_scale)
             for b, rid in enumerate(rids):
                 h.requests[rid].k[j].append(k[b:b + 1])
                 h.requests[rid].v[j].append(v[b:b + 1])
@@ -122,7 +169,7 @@ def draft_steps(h: Harness, rids: Sequence[int], num_steps: int, check: bool = T
             for l, out in zip(layers, outs):
                 j = l.layer_id
                 reqs = [h.requests[r] for r in rids]
-                ref = reference.batch_attention(inputs[f"q{j}"].float().cpu(), [torch.cat(r.k[j]) for r in reqs],
+                ref = reference.batch_attention(step_in[f"q{j}"].float().cpu(), [torch.cat(r.k[j]) for r in reqs],
                                                 [torch.cat(r.v[j]) for r in reqs], [r.seq_len for r in reqs],
                                                 [1] * bs, l.scaling, l.window, l.logit_cap,
                                                 l.sinks.cpu() if l.sinks is not None else None)
