@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
+
+import torch
 
 FEATURES = ("plain", "sinks", "soft-cap", "fp8")
 MODES = ("decode", "extend")
@@ -31,6 +33,36 @@ class LayerKind:
     @property
     def label(self) -> str:
         return f"{'SWA' if self.swa else 'full'} {self.mode} {self.feature}"
+
+
+@dataclass(frozen=True)
+class LayerFacts:
+    """What a vendor's path rules read of one layer in one forward: mode, features, dtypes, head geometry
+    (the same facts for every device, so ROCm, NPU and `hwkv info` decide from one description)."""
+
+    mode: str                  # "decode" | "extend"
+    swa: bool
+    sinks: bool
+    logit_cap: float
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    head_dim: int
+    v_head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    scaled: bool               # a K/V scale other than 1
+    page_size: int = 1
+    graph: bool = False
+    list_trimmed: bool = True  # the index list holds only the layer's window (decode reads every listed key)
+
+
+def layer_facts(mode: str, q: torch.Tensor, layer: Any, kv: Any, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                page_size: int = 1, graph: bool = False) -> LayerFacts:
+    """A layer's facts from the tensors of this forward (`kv`: the index list it reads)."""
+    return LayerFacts(mode, layer.window is not None, layer.sinks is not None, float(layer.logit_cap or 0.0),
+                      q.dtype, k_buf.dtype, q.shape[2], v_buf.shape[2], q.shape[1], k_buf.shape[1],
+                      layer.k_scale not in (None, 1.0) or layer.v_scale not in (None, 1.0), page_size, graph,
+                      layer.window is None or kv.window == layer.window)
 
 
 @dataclass(frozen=True)

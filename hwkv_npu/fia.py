@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from hwkv.paths import FUSED, TORCH, LayerPath
+from hwkv.paths import FUSED, TORCH, LayerFacts, LayerPath, layer_facts
 from hwkv.window import window_left
 
 FIA_DTYPES = (torch.float16, torch.bfloat16)
@@ -94,26 +94,6 @@ def load_env(mod: Any) -> NPUEnv:
     return NPUEnv(True, "", not v2_missing, sinks_why, not gaps, graph_why, scale_kw)
 
 
-@dataclass(frozen=True)
-class LayerFacts:
-    """What decides a layer's path on the NPU."""
-
-    mode: str               # "decode" | "extend"
-    swa: bool
-    sinks: bool
-    logit_cap: float
-    q_dtype: torch.dtype
-    kv_dtype: torch.dtype
-    head_dim: int
-    v_head_dim: int
-    num_heads: int
-    num_kv_heads: int
-    scaled: bool
-    page_size: int
-    graph: bool = False
-    list_trimmed: bool = True
-
-
 def page_size_reason(mode: str, p: int) -> Optional[str]:
     if mode == "decode" and p % 16:
         return f"page size {p} (Q_S = 1 page attention: a multiple of 16)"
@@ -156,10 +136,8 @@ def decide(f: LayerFacts, env: NPUEnv) -> LayerPath:
 
 def facts_of(mode: str, q: torch.Tensor, layer: Any, kv: Any, k_buf: torch.Tensor, v_buf: torch.Tensor,
              page_size: int, graph: bool) -> LayerFacts:
-    return LayerFacts(mode, layer.window is not None, layer.sinks is not None, float(layer.logit_cap or 0.0),
-                      q.dtype, k_buf.dtype, q.shape[2], v_buf.shape[2], q.shape[1], k_buf.shape[1],
-                      layer.k_scale not in (None, 1.0) or layer.v_scale not in (None, 1.0), page_size, graph,
-                      layer.window is None or kv.window == layer.window)
+    """A layer's facts for the NPU rules (page size and graph mode matter here)."""
+    return layer_facts(mode, q, layer, kv, k_buf, v_buf, page_size, graph)
 
 
 @dataclass

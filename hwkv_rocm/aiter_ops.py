@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from hwkv.errors import ConfigError
-from hwkv.paths import FUSED, TRITON, LayerPath
+from hwkv.paths import FUSED, TRITON, LayerFacts, LayerPath, layer_facts
 from hwkv.window import window_left
 
 EXPECTED_PARAMS = ("out", "workspace_buffer", "query", "key_cache", "value_cache", "scale", "kv_indptr",
@@ -143,24 +143,6 @@ class AiterEnv:
         return getattr(torch, name, None) if name else None
 
 
-@dataclass(frozen=True)
-class LayerFacts:
-    """What decides a layer's path: its mode, features, dtypes and head geometry."""
-
-    mode: str                  # "decode" | "extend"
-    swa: bool
-    sinks: bool
-    logit_cap: float
-    q_dtype: torch.dtype
-    kv_dtype: torch.dtype
-    head_dim: int
-    v_head_dim: int
-    num_heads: int
-    num_kv_heads: int
-    scaled: bool               # a K/V scale other than 1
-    list_trimmed: bool = True  # the index list holds only the layer's window (decode reads every listed key)
-
-
 def _kv_cache_dtype(f: LayerFacts, env: AiterEnv) -> Tuple[Optional[str], str]:
     """paged_attention_ragged's kv_cache_dtype for this pool, or (None, why not)."""
     if f.kv_dtype == f.q_dtype:
@@ -214,10 +196,7 @@ def decide(f: LayerFacts, env: AiterEnv) -> LayerPath:
 
 def facts_of(mode: str, q: torch.Tensor, layer: Any, kv: Any, k_buf: torch.Tensor, v_buf: torch.Tensor) -> LayerFacts:
     """A layer's facts from the tensors of this forward."""
-    return LayerFacts(mode, layer.window is not None, layer.sinks is not None, float(layer.logit_cap or 0.0),
-                      q.dtype, k_buf.dtype, q.shape[2], v_buf.shape[2], q.shape[1], k_buf.shape[1],
-                      layer.k_scale not in (None, 1.0) or layer.v_scale not in (None, 1.0),
-                      layer.window is None or kv.window == layer.window)
+    return layer_facts(mode, q, layer, kv, k_buf, v_buf)
 
 
 class AiterKernels:

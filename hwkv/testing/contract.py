@@ -7,6 +7,7 @@ import torch
 from hwkv.batch import ForwardMode
 from hwkv.errors import ConfigError, EvictedSlotError, MissingSWALocError, ShapeError
 from hwkv.loc import KVWriteLoc
+from hwkv.testing.contract_spec import CountingTranslate
 from hwkv.testing.harness import Harness, ModelGeometry, run_scenario
 
 SMALL = ModelGeometry(num_layers=4, swa_every=2, window=8, num_heads=4, num_kv_heads=2, head_dim=16)
@@ -20,18 +21,6 @@ def make(target, geometry=SMALL, graph=False, buckets=(1, 2, 4), **kw):
     if graph:
         h.enable_graphs(list(buckets), target.adapter_factory())
     return h
-
-
-class CountingTranslate:
-    """Wraps pool.translate_loc_from_full_to_swa and counts calls."""
-
-    def __init__(self, pool):
-        self.inner, self.calls = pool.translate_loc_from_full_to_swa, 0
-        pool.translate_loc_from_full_to_swa = self
-
-    def __call__(self, *a, **k):
-        self.calls += 1
-        return self.inner(*a, **k)
 
 
 # ---- the write contract ------------------------------------------------------------------------

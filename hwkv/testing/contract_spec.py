@@ -21,7 +21,9 @@ def _make(target, page_size=1, size_swa=32, **kw):
     return Harness(target.backend_cls, target.device, GEOM, size=1024, size_swa=size_swa, page_size=page_size, **kw)
 
 
-class _Count:
+class CountingTranslate:
+    """Wraps pool.translate_loc_from_full_to_swa and counts calls (shared with hwkv.testing.contract)."""
+
     def __init__(self, pool):
         self.inner, self.calls = pool.translate_loc_from_full_to_swa, 0
         pool.translate_loc_from_full_to_swa = self
@@ -69,7 +71,7 @@ def test_multi_step_draft_translates_once(hwkv_target):
     rids = [h.add_request() for _ in range(3)]
     h.forward(rids, [7, 2, 11], ForwardMode.EXTEND)
     h.release()
-    count = _Count(h.pool)
+    count = CountingTranslate(h.pool)
     for _ in range(4):
         before = (count.calls, h.backend.loc_cache.translations, h.backend.window_translations)
         draft_steps(h, rids, 3)
@@ -88,7 +90,7 @@ def test_draft_without_swa_layers_writes_nothing_to_the_swa_pool(hwkv_target):
     h.forward(rids, [6, 9], ForwardMode.EXTEND)
     full_layers = [l for l in h.layers if l.window is None]
     swa_before = [h.pool.get_key_buffer(l.layer_id).clone() for l in h.layers if l.window is not None]
-    count = _Count(h.pool)
+    count = CountingTranslate(h.pool)
     draft_steps(h, rids, 2, writes_swa=False, layers=full_layers)
     assert count.calls == 0
     assert all(torch.equal(a, h.pool.get_key_buffer(l.layer_id))
@@ -116,7 +118,7 @@ def test_multi_step_draft_through_graphs_reuses_slots_and_translates_once(hwkv_t
     # captured after the prefill: the CPU kernels' per-thread scratch, grown by a larger extend, is not a
     # buffer a replay may move to under the capture-checking adapter
     runner = draft_graphs(h, [1, 2], hwkv_target.adapter_factory(), 3)
-    count = _Count(h.pool)
+    count = CountingTranslate(h.pool)
     host = 0 if runner.metadata_in_graph else 2  # a recorded refill translates in the replay, not on the host
     for step in range(4):
         before = (count.calls, h.backend.loc_cache.translations, h.backend.window_translations)
