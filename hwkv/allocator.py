@@ -249,8 +249,15 @@ class PagedTokenToKVPoolAllocator:
         self.pages.check_integrity()
 
     def integrity_snapshot(self) -> dict:
-        """Host copy of the whole state (tests: an error must leave it unchanged)."""
+        """Host copy of the whole state (tests: an error must leave it unchanged; `same_snapshot` compares)."""
         return {r.name: r.state() for r in self._rings()}
+
+
+def same_snapshot(a: dict, b: dict) -> bool:
+    """Two `integrity_snapshot()`s ({pool: {field: tensor or int}}) hold the same allocator state."""
+    return a.keys() == b.keys() and all(
+        a[p].keys() == b[p].keys() and all(torch.equal(torch.as_tensor(a[p][f]), torch.as_tensor(b[p][f])) for f in a[p])
+        for p in a)
 
 
 def _err(code: int, page: int, page_size: int, pool: str) -> Exception:

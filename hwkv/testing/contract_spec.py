@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hwkv.allocator import same_snapshot
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.errors import CapacityError, ConfigError, MissingSWALocError, ShapeError
 from hwkv.spec import DraftTree, MultiStepDraft, accept_draft_tokens
@@ -191,7 +192,7 @@ def test_draft_steps_beyond_graph_capacity_are_refused_and_change_nothing(hwkv_t
     with pytest.raises(ConfigError, match="init_draft_graph_state once"):
         h.backend.init_draft_graph_state(2, 3)
     assert all(torch.equal(a, b) for a, b in zip(before, state())), "a refused draft changed a buffer"
-    assert _same(snap, h.allocator.integrity_snapshot()) and runner.replays == 1
+    assert same_snapshot(snap, h.allocator.integrity_snapshot()) and runner.replays == 1
     h.backend.init_draft_metadata(batch)                # eagerly it runs (the engine's fallback)
 
 
@@ -235,14 +236,6 @@ def test_bad_speculative_input_raises_and_changes_nothing(hwkv_target):
                                 idx, torch.tensor([2, 1], device=h.device), prefix_lens_cpu=prefix_cpu,
                                 accept_lens_cpu=torch.tensor([2, 1]))
     assert torch.equal(rows_before, h.rtt.req_to_token)
-    assert _same(h.allocator.integrity_snapshot(), after_alloc) and not _same(snap, after_alloc)
+    assert same_snapshot(h.allocator.integrity_snapshot(), after_alloc) and not same_snapshot(snap, after_alloc)
     with pytest.raises(ShapeError, match="num_steps"):
         MultiStepDraft(0)
-
-
-def _same(a, b) -> bool:
-    """Two allocator snapshots ({pool: {field: array or int}}) hold the same state."""
-    if a.keys() != b.keys():
-        return False
-    return all(a[p].keys() == b[p].keys() and all(torch.equal(torch.as_tensor(a[p][f]), torch.as_tensor(b[p][f]))
-                                                  for f in a[p]) for p in a)

@@ -365,7 +365,7 @@ class Harness:
                       outs: List[torch.Tensor], atol: Optional[float] = None) -> float:
         """Compare every layer's output with hwkv.reference (the shadowed requests, each one's last
         `check_queries` queries); raise ReferenceMismatchError beyond tolerance."""
-        tol = atol if atol is not None else (2e-3 if self.dtype == torch.float32 else 3e-2)
+        tol = atol if atol is not None else self.tolerance
         spans = self._spans(rids, new_lens)
         if not spans:
             return 0.0
@@ -382,13 +382,25 @@ class Harness:
             ref = reference.batch_attention(q, keys, vals, [r.seq_len for r in reqs], m, l.scaling,
                                             l.window, l.logit_cap, l.sinks.cpu() if l.sinks is not None else None)
             got = self._take(out, pos, everything).float().cpu()
-            err = (got - ref).abs().max().item() if ref.numel() else 0.0
-            if not math.isfinite(err) or err > tol:
-                raise ReferenceMismatchError(f"layer {i} ({'SWA W=' + str(l.window) if l.window else 'full'}): "
-                                             f"max |out - reference| = {err:.3g} > tolerance {tol}")
-            worst = max(worst, err)
-        self.max_err = max(self.max_err, worst)
+            worst = max(worst, self.compare(l, got, ref, "", tol))
         return worst
+
+    @property
+    def tolerance(self) -> float:
+        """Largest |out - reference| a check accepts for this harness's dtype."""
+        return 2e-3 if self.dtype == torch.float32 else 3e-2
+
+    def compare(self, layer: AttentionLayer, got: torch.Tensor, ref: torch.Tensor, what: str = "",
+                tol: Optional[float] = None) -> float:
+        """max |got - ref| for one layer (recorded in max_err); ReferenceMismatchError beyond `tol`."""
+        tol = self.tolerance if tol is None else tol
+        err = (got.float().cpu() - ref).abs().max().item() if ref.numel() else 0.0
+        if not math.isfinite(err) or err > tol:
+            kind = "SWA W=" + str(layer.window) if layer.window else "full"
+            raise ReferenceMismatchError(f"{what + ', ' if what else ''}layer {layer.layer_id} ({kind}): "
+                                         f"max |out - reference| = {err:.3g} > tolerance {tol}")
+        self.max_err = max(self.max_err, err)
+        return err
 
     def enable_graphs(self, batch_sizes: Sequence[int], adapter: Any = None, mode: ForwardMode = ForwardMode.DECODE,
                       tokens_per_req: int = 1, tree: bool = False) -> GraphRunner:

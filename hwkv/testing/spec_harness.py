@@ -2,7 +2,6 @@
 checked against hwkv.reference (the shadow K/V follows what acceptance keeps)."""
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -10,27 +9,10 @@ import torch
 from hwkv import reference
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.draft import DraftGraphRunner, DraftSteps
-from hwkv.errors import ReferenceMismatchError
 from hwkv.spec import DraftTree, MultiStepDraft, accept_draft_tokens, tree_visible
 from hwkv.testing.harness import Harness, _as_stored
 
 I64 = torch.int64
-
-
-def _tol(h: Harness) -> float:
-    return 2e-3 if h.dtype == torch.float32 else 3e-2
-
-
-def _compare(h: Harness, layer, got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    err = (got.float().cpu() - ref).abs().max().item() if ref.numel() else 0.0
-    if not math.isfinite(err) or err > _tol(h):
-        raise ReferenceMismatchError(f"{what}, layer {layer.layer_id} (W={layer.window}): max |out - reference| = "
-                                     f"{err:.3g} > tolerance {_tol(h)}")
-    h.max_err = max(h.max_err, err)
-
-
-def _stored(h: Harness, x: torch.Tensor, scale) -> torch.Tensor:
-    return _as_stored(x, h.dtype, scale)
 
 
 def tree_verify(h: Harness, rids: Sequence[int], parents: Sequence[Sequence[int]], accept: Sequence[Sequence[int]],
@@ -58,7 +40,7 @@ def tree_verify(h: Harness, rids: Sequence[int], parents: Sequence[Sequence[int]
                 ref = reference.attention(inputs[f"q{i}"][b * n:(b + 1) * n].float().cpu(), k, v, q_pos,
                                           torch.arange(p + n), l.scaling, l.window, l.logit_cap,
                                           l.sinks.cpu() if l.sinks is not None else None, mask=see)
-                _compare(h, l, out[b * n:(b + 1) * n], ref, f"tree verify request {b}")
+                h.compare(l, out[b * n:(b + 1) * n], ref, f"tree verify request {b}")
     _accept(h, rids, batch, prefix_cpu, n, accept)
     return outs
 
@@ -160,8 +142,8 @@ def draft_steps(h: Harness, rids: Sequence[int], num_steps: int, check: bool = T
         step_in = {name: t[i * bs:(i + 1) * bs] for name, t in inputs.items()}
         for l in layers:  # shadow what the draft's layers stored (others stored nothing)
             j = l.layer_id
-            k = _stored(h, step_in[f"k{j}"], l.k_scale)
-            v = _stored(h, step_in[f"v{j}"], l.v_scale)
+            k = _as_stored(step_in[f"k{j}"], h.dtype, l.k_scale)
+            v = _as_stored(step_in[f"v{j}"], h.dtype, l.v_scale)
             for b, rid in enumerate(rids):
                 h.requests[rid].k[j].append(k[b:b + 1])
                 h.requests[rid].v[j].append(v[b:b + 1])
@@ -173,6 +155,6 @@ def draft_steps(h: Harness, rids: Sequence[int], num_steps: int, check: bool = T
                                                 [torch.cat(r.v[j]) for r in reqs], [r.seq_len for r in reqs],
                                                 [1] * bs, l.scaling, l.window, l.logit_cap,
                                                 l.sinks.cpu() if l.sinks is not None else None)
-                _compare(h, l, out, ref, f"draft step {i}")
+                h.compare(l, out, ref, f"draft step {i}")
         results.append(outs)
     return results
