@@ -157,8 +157,8 @@ class DecodeSetup:
                          self.list_len, workspace=ws, config=cfg)
 
     def time(self, cfg=None):
-        cfg = cfg or decode_mod.GPU_CONFIG
-        splits = decode_num_splits(self.bs, KVH, self.list_len, DEV, cfg)
+        cfg = cfg or decode_mod.decode_config(self.bs, KVH, D, self.list_len, DEV)
+        splits = decode_num_splits(self.bs, KVH, self.list_len, DEV, cfg, head_dim=D)
         ws = make_decode_workspace(self.bs, H, D, splits, DEV)
         return graph_us([lambda r=r: self.run(r, cfg, ws) for r in range(self.reps)]), splits
 
@@ -175,8 +175,8 @@ class DecodeSetup:
 
 
 SWEEP = [DecodeConfig(block_n=bn, mid_block_n=bn, num_warps=4, num_stages=st, ctas_per_sm=c,
-                      min_keys_per_split=mk)
-         for bn, st in ((64, 3), (128, 3), (128, 4)) for c, mk in ((2, 256), (4, 128), (8, 64))]
+                      min_keys_per_split=128, heads_per_program=hpp)
+         for hpp in (1, 2) for bn, st in ((64, 3), (128, 2), (128, 3), (128, 4)) for c in (1, 2, 4, 8)]
 
 
 def bench_decode(copy_bw, sweep):
@@ -462,7 +462,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("bench_cuda_kernels needs a CUDA GPU")
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "decode_config": repr(decode_mod.GPU_CONFIG)}
+              "decode_configs": {n: repr(getattr(decode_mod, n)) for n in ("GPU_CONFIG", "WIDE_CONFIG", "LONG_CONFIG")}}
     import triton
     result["triton"] = triton.__version__
     if not args.no_check:

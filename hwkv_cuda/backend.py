@@ -91,7 +91,8 @@ class TritonBackend(KernelSetBackend):
         """Graph metadata: the split-K scratch comes from the backend (it outlives the forward that
         captured it), sized to the largest batch seen, in powers of two; None when one split does."""
         bs, h, dv = q.shape[0], q.shape[1], v_buf.shape[2]
-        splits = _kernels.decode_num_splits(bs, k_buf.shape[1], kv.max_len, q.device)
+        splits = _kernels.decode_num_splits(bs, k_buf.shape[1], kv.max_len, q.device,
+                                             head_dim=max(q.shape[2], dv))
         if splits == 1:
             return None
         ws = self._graph_workspaces.get((h, dv, splits))

@@ -72,16 +72,17 @@ class Case:
                                          self.extend_lens, self.scaling, self.window, logit_cap,
                                          None if sinks is None else sinks.cpu())
 
-    def extend(self, logit_cap=0.0, sinks=None, out_dtype=None):
+    def extend(self, logit_cap=0.0, sinks=None, out_dtype=None, config=None):
         out = torch.full((self.q.shape[0], self.h, self.dv), float("nan"),
                          dtype=out_dtype or self.dtype, device=DEV)
         extend_attention(self.q, self.k_buf, self.v_buf, self.kv_indptr, self.kv_indices,
                          self.kv_pos0, self.qo_indptr,
                          torch.tensor(self.q_pos0, dtype=torch.int64, device=DEV), out,
-                         max(self.extend_lens), self.scaling, self.window, logit_cap, sinks, None, None)
+                         max(self.extend_lens), self.scaling, self.window, logit_cap, sinks, None, None,
+                         config=config)
         return out
 
-    def decode(self, logit_cap=0.0, sinks=None, splits=None, max_kv_len=None):
+    def decode(self, logit_cap=0.0, sinks=None, splits=None, max_kv_len=None, config=None):
         """Decode of each request's last query (requires extend_lens == 1 everywhere)."""
         bs = len(self.seq_lens)
         out = torch.full((bs, self.h, self.dv), float("nan"), dtype=self.dtype, device=DEV)
@@ -89,7 +90,7 @@ class Case:
         q_pos = torch.tensor([s - 1 for s in self.seq_lens], dtype=torch.int64, device=DEV)
         decode_attention(self.q, self.k_buf, self.v_buf, self.kv_indptr, self.kv_indices,
                          self.kv_pos0, q_pos, out, self.scaling, self.window, logit_cap, sinks,
-                         None, None, max_kv_len, workspace=ws)
+                         None, None, max_kv_len, workspace=ws, config=config)
         return out
 
 
@@ -127,6 +128,52 @@ def test_decode_dv_not_d_and_odd_head_dim():
     c = Case([5, 26], [1, 1], h=4, kvh=1, d=24, dv=40, window=None, seed=3)
     _close(c.decode(splits=4), c.ref(), torch.float32)
     _close(c.decode(max_kv_len=26), c.ref(), torch.float32)
+
+
+@pytest.mark.parametrize("hpp", [2, 4])
+@pytest.mark.parametrize("h,kvh,d,dv", [(8, 4, 16, 16), (8, 2, 24, 40), (4, 4, 16, 32)])
+def test_decode_several_kv_heads_per_program(hpp, h, kvh, d, dv):
+    """A program reading several kv heads (block-diagonal query tile) gives each head its own keys:
+    sinks, soft-cap, a window, Dv != D and an odd head dim, split and unsplit."""
+    from hwkv_cuda.kernels import DecodeConfig
+    from hwkv_cuda.kernels.decode import INTERPRET_CONFIG
+    cfg = DecodeConfig(**{**INTERPRET_CONFIG.__dict__, "heads_per_program": hpp})
+    assert cfg.kv_heads_per_program(kvh, max(d, dv)) > 1
+    c = Case([9, 40, 23], [1, 1, 1], h=h, kvh=kvh, d=d, dv=dv, window=11, seed=hpp + kvh)
+    sinks = _sinks(h)
+    ref = c.ref(2.0, sinks)
+    _close(c.decode(logit_cap=2.0, sinks=sinks, splits=3, config=cfg), ref, torch.float32)
+    _close(c.decode(logit_cap=2.0, sinks=sinks, config=cfg), ref, torch.float32)
+
+
+def test_decode_heads_per_program_divides_kv_heads_and_fits_the_row():
+    from hwkv_cuda.kernels import DecodeConfig
+    cfg = DecodeConfig(heads_per_program=8)
+    assert cfg.kv_heads_per_program(8, 64) == 2     # 2 x 64 columns: the widest row
+    assert cfg.kv_heads_per_program(6, 32) == 2     # the largest power of two dividing 6
+    assert cfg.kv_heads_per_program(8, 16) == 8
+    assert cfg.kv_heads_per_program(8, 128) == 1
+    assert cfg.kv_heads_per_program(1, 16) == 1
+    assert DecodeConfig().kv_heads_per_program(8, 16) == 1
+
+
+def test_decode_config_by_batch_and_list_length(monkeypatch):
+    """The recorded decode configs: wide batches and long lists take two kv heads per program."""
+    from hwkv_cuda.kernels import decode as dec
+    monkeypatch.setattr(dec, "interpreting", lambda: False)
+    monkeypatch.setattr(dec, "num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert dec.decode_config(64, 8, 64, 4096, cpu) == dec.WIDE_CONFIG
+    assert dec.decode_config(256, 8, 64, 128, cpu) == dec.LONG_CONFIG     # window lists, wide batch
+    assert dec.decode_config(1, 8, 64, 128, cpu) == dec.GPU_CONFIG        # window lists, batch 1
+    assert dec.decode_config(16, 8, 64, 32768, cpu) == dec.LONG_CONFIG
+    assert dec.decode_config(16, 8, 64, None, cpu) == dec.LONG_CONFIG
+    assert dec.decode_config(16, 8, 64, 4096, cpu) == dec.GPU_CONFIG
+    assert dec.decode_config(256, 8, 128, 4096, cpu) == dec.GPU_CONFIG    # a 2-head row is too wide
+    assert dec.decode_config(256, 1, 64, 4096, cpu) == dec.GPU_CONFIG     # one kv head
+    assert dec.decode_num_splits(64, 8, 4096, cpu, head_dim=64) == 1      # one program per SM already
+    monkeypatch.setattr(dec, "interpreting", lambda: True)
+    assert dec.decode_config(256, 8, 64, 4096, cpu) == dec.INTERPRET_CONFIG
 
 
 def test_decode_window_edge_sees_exactly_keys_3_4_5():
@@ -220,6 +267,20 @@ def test_extend_long_runs_take_unmasked_tiles(page):
     for window in (None, 21, 40):
         c = Case([130, 97], [90, 97], window=window, seed=32 + (window or 0), page=page)
         _close(c.extend(), c.ref(), torch.float32)
+
+
+@pytest.mark.parametrize("window", [None, 21, 40])
+@pytest.mark.parametrize("one_loop,mask32", [(True, True), (False, False), (True, False)])
+def test_extend_loop_and_mask_variants_match(window, one_loop, mask32):
+    """one_loop (every tile masked, one loop) and the int64-position mask see exactly what the
+    three-loop walk with int32 tile offsets sees."""
+    from hwkv_cuda.kernels import ExtendConfig
+    c = Case([130, 97, 5], [90, 97, 1], h=8, kvh=2, window=window, seed=33 + (window or 0), page=16)
+    sinks = _sinks(8)
+    out = c.extend(sinks=sinks, config=ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1,
+                                                     one_loop=one_loop, mask32=mask32))
+    _close(out, c.ref(sinks=sinks), torch.float32)
+    assert torch.allclose(out, c.extend(sinks=sinks), atol=1e-5, rtol=1e-5)
 
 
 def test_extend_window_edge_hand_computed():
@@ -350,6 +411,7 @@ def test_extend_config_follows_head_dim_dtype_and_window(monkeypatch):
     assert ext.default_config(64) == ext.TUNED[(64, False)]
     assert ext.default_config(64, window=128) == ext.WINDOWED[64]
     assert ext.default_config(64, window=4096) == ext.TUNED[(64, False)]      # long windows: causal tiles
-    assert ext.default_config(128, window=128) == ext.TUNED[(128, False)]     # unswept: no window entry
+    assert ext.default_config(128, window=128) == ext.WINDOWED[128]
+    assert ext.default_config(256, window=128).block_m == 64                  # not the causal 128-row tiles
     half = ext.default_config(64, fp32=True)
     assert (half.block_m, half.block_n) == (64, 64) and half.num_stages <= 2

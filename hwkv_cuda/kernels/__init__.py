@@ -10,7 +10,8 @@ with fake implementations, for models compiled with torch.compile: `torch_ops`).
 """
 from hwkv_cuda.kernels import refill, torch_ops
 from hwkv_cuda.kernels.decode import (DecodeConfig, DecodePlan, DecodeWorkspace, decode_attention,
-                                      decode_attention_planned, decode_num_splits, make_decode_workspace,
+                                      decode_attention_planned, decode_config, decode_num_splits,
+                                      make_decode_workspace,
                                       plan_decode)
 from hwkv_cuda.kernels.extend import ExtendConfig, ExtendPlan, extend_attention, extend_attention_planned, plan_extend
 from hwkv_cuda.kernels.index import fill_kv_indices
@@ -18,7 +19,7 @@ from hwkv_cuda.kernels.store import StoreConfig, store_kv, store_kv_prechecked
 
 __all__ = [
     "store_kv", "decode_attention", "extend_attention", "fill_kv_indices",
-    "DecodeConfig", "DecodeWorkspace", "decode_num_splits", "make_decode_workspace", "ExtendConfig",
+    "DecodeConfig", "DecodeWorkspace", "decode_config", "decode_num_splits", "make_decode_workspace", "ExtendConfig",
     "StoreConfig", "store_kv_prechecked", "DecodePlan", "plan_decode", "decode_attention_planned",
     "ExtendPlan", "plan_extend", "extend_attention_planned", "refill", "torch_ops",
 ]

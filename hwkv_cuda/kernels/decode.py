@@ -1,7 +1,9 @@
 """decode_attention: one query per request over a CSR list of token slots, split-K in two stages.
 
-Stage 1, grid (kv head, split, request): the program takes every q head of its GQA group as
-one [BLOCK_H, D] tile, walks its share of the request's *visible* keys (the window and the
+Stage 1, grid (kv-head program, split, request): a program takes HPP adjacent kv heads (HPP > 1
+where `decode_config` chooses it: each key row is then one wide load) and every q head of their GQA
+groups as one block-diagonal [BLOCK_H, HPP * D] query tile (a row is zero outside its own head's
+columns, so one dot gives each row its own head's logits), walks its share of the request's *visible* keys (the window and the
 causal bound are turned into one contiguous range of list entries first, so no masked tile
 is ever loaded) and keeps an online softmax (max, sum, acc) in fp32. With one split it
 finishes in place (sinks, normalisation, output dtype); otherwise it writes (acc / sum,
@@ -10,7 +12,8 @@ splits and the sink. Empty splits write lse = -inf and are ignored by the merge.
 
 The kv head is the fastest grid axis so that the programs reading the KVH slices of one
 token row run side by side (on an H200 this took batch 256 x 4K from 0.93 to 0.98 of copy
-bandwidth); the request is the z axis, so a call takes at most 65535 requests.
+bandwidth); the request is the z axis, so a call takes at most 65535 requests. Two kv heads per
+program (256-byte rows at D=64) took batch 64-256 from 0.91-0.93 of cuDNN over dense K/V to 0.99-1.01.
 """
 from __future__ import annotations
 
@@ -37,6 +40,16 @@ class DecodeConfig:
     ctas_per_sm: int = 4         # stage 1 aims for batch * kv_heads * splits >= ctas_per_sm * SMs
     min_keys_per_split: int = 128
     max_splits: int = 64
+    heads_per_program: int = 1   # kv heads one program reads (see kv_heads_per_program)
+
+    def kv_heads_per_program(self, num_kv_heads: int, head_dim: int) -> int:
+        """KV heads per program: at most heads_per_program, a power of two dividing num_kv_heads, and
+        no wider than MAX_ROW_COLUMNS key columns (wider rows overflow shared memory at 128-key tiles)."""
+        hpp = 1
+        while (hpp * 2 <= self.heads_per_program and num_kv_heads % (hpp * 2) == 0
+               and hpp * 2 * pow2(head_dim) <= MAX_ROW_COLUMNS):
+            hpp *= 2
+        return hpp
 
     def keys_per_iter(self, keys_per_split: Optional[int]) -> int:
         """Short splits (a few tiles) finish sooner with smaller tiles; H200 sweep, see benchmarks/."""
@@ -45,13 +58,35 @@ class DecodeConfig:
         return self.block_n
 
 
-GPU_CONFIG = DecodeConfig()
+MAX_ROW_COLUMNS = 128
+# Recorded from an H200 sweep (2026-12-01, GPT-OSS layer: 64 q / 8 kv heads, D=64, bf16; the
+# session's sweep script and docs/benchmarks.md): which config wins depends on how many programs
+# the batch makes and how long the lists are, so `decode_config` picks one of these per plan.
+GPU_CONFIG = DecodeConfig()   # one kv head per program: small batches over short lists, W=128 at batch 1
+# Two kv heads per program (each key row one 256-byte load at D=64, 16 query rows for GQA 8):
+WIDE_CONFIG = DecodeConfig(block_n=128, mid_block_n=128, num_stages=3, ctas_per_sm=1, heads_per_program=2)
+LONG_CONFIG = DecodeConfig(block_n=128, mid_block_n=128, num_stages=2, ctas_per_sm=2, heads_per_program=2)
+SHORT_LIST = 512    # lists at most this long (window layers) take LONG_CONFIG's two stages when wide
+LONG_LIST = 16384   # small batches over lists at least this long (or of unknown length) take LONG_CONFIG
 INTERPRET_CONFIG = DecodeConfig(block_n=16, mid_block_n=16, num_warps=1, num_stages=1, ctas_per_sm=2,
                                 min_keys_per_split=16, max_splits=4)
 
 
-def default_config() -> DecodeConfig:
-    return INTERPRET_CONFIG if interpreting() else GPU_CONFIG
+def decode_config(batch: int, num_kv_heads: int, head_dim: int, max_kv_len: Optional[int],
+                  device: torch.device) -> DecodeConfig:
+    """The recorded config for this shape: two kv heads per program where the head dim allows it and
+    the batch makes at least one program per SM (three stages, one split; two stages for short
+    lists) or the lists are long; otherwise GPU_CONFIG. Host ints only: decided once per plan."""
+    if interpreting():
+        return INTERPRET_CONFIG
+    if WIDE_CONFIG.kv_heads_per_program(num_kv_heads, head_dim) < 2:
+        return GPU_CONFIG
+    short = max_kv_len is not None and max_kv_len <= SHORT_LIST
+    if batch * num_kv_heads // 2 >= num_sms(torch.device(device)):
+        return LONG_CONFIG if short else WIDE_CONFIG
+    if max_kv_len is None or max_kv_len >= LONG_LIST:
+        return LONG_CONFIG
+    return GPU_CONFIG
 
 
 class DecodeWorkspace(NamedTuple):
@@ -70,10 +105,12 @@ class DecodeWorkspace(NamedTuple):
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_kv_len: Optional[int],
-                      device: torch.device, config: Optional[DecodeConfig] = None) -> int:
-    """Splits per (request, kv head) that fill the device; capped by max_kv_len when known."""
-    cfg = config or default_config()
-    want = triton.cdiv(cfg.ctas_per_sm * num_sms(torch.device(device)), max(1, batch * num_kv_heads))
+                      device: torch.device, config: Optional[DecodeConfig] = None, *, head_dim: int) -> int:
+    """Splits per (request, kv-head program) that fill the device; capped by max_kv_len when known.
+    Without a config, the one `decode_config` picks for this shape."""
+    cfg = config or decode_config(batch, num_kv_heads, head_dim, max_kv_len, device)
+    programs = batch * (num_kv_heads // cfg.kv_heads_per_program(num_kv_heads, head_dim))
+    want = triton.cdiv(cfg.ctas_per_sm * num_sms(torch.device(device)), max(1, programs))
     if max_kv_len is not None:
         want = min(want, triton.cdiv(max(int(max_kv_len), 1), cfg.min_keys_per_split))
     return max(1, min(want, cfg.max_splits))
@@ -106,10 +143,13 @@ def _decode_split_kernel(
         q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, sinks, out, ws_acc, ws_lse,
         qk_scale, v_scale, cap, window, num_splits,
         s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_ob, s_oh, s_ab, s_ah, s_as, s_lb, s_lh,
-        GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, DIRECT: tl.constexpr,
+        GROUP: tl.constexpr, HPP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, DIRECT: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, F32: tl.constexpr):
-    kvh = tl.program_id(0)   # kv heads fastest: the programs reading one token row run together
+    # A program reads HPP adjacent kv heads: each key row is one [HPP * D] load, and the query tile is
+    # block-diagonal (row r belongs to local kv head r // GROUP and is zero outside that head's columns),
+    # so one dot gives every row its own head's logits and the rows of a small GQA group fill the tile.
+    kvh0 = tl.program_id(0) * HPP   # kv heads fastest: the programs reading one token row run together
     split = tl.program_id(1)
     b = tl.program_id(2)
     kv_start, lo, hi = _visible_range(kv_indptr, kv_pos0, q_pos, b, window)
@@ -118,43 +158,51 @@ def _decode_split_kernel(
     s_hi = tl.minimum(s_lo + per, hi)
 
     offs_h = tl.arange(0, BLOCK_H)
-    heads = kvh * GROUP + offs_h
-    mask_h = offs_h < GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_d = offs_d < D
-    mask_dv = offs_dv < DV
-    qt = tl.load(q + b * s_qb + heads[:, None] * s_qh + offs_d[None, :],
-                 mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    heads = kvh0 * GROUP + offs_h
+    mask_h = offs_h < HPP * GROUP
+    row_kv = offs_h // GROUP
+    offs_c = tl.arange(0, HPP * BLOCK_D)       # K columns: local kv head c // BLOCK_D, dim c % BLOCK_D
+    col_d = offs_c % BLOCK_D
+    col_kv = offs_c // BLOCK_D
+    mask_d = col_d < D
+    offs_cv = tl.arange(0, HPP * BLOCK_DV)     # V / output columns, the same way
+    col_dv = offs_cv % BLOCK_DV
+    col_kv_v = offs_cv // BLOCK_DV
+    mask_dv = col_dv < DV
+    qt = tl.load(q + b * s_qb + heads[:, None] * s_qh + col_d[None, :],
+                 mask=mask_h[:, None] & mask_d[None, :] & (row_kv[:, None] == col_kv[None, :]), other=0.0)
+    k_cols = (kvh0 + col_kv) * s_kh + col_d
+    v_cols = (kvh0 + col_kv_v) * s_vh + col_dv
 
     m = tl.full([BLOCK_H], NEG_BIG, tl.float32)
     l_sum = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    acc = tl.zeros([BLOCK_H, HPP * BLOCK_DV], tl.float32)
     for start in range(s_lo, s_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < s_hi
         slot = tl.load(kv_indices + kv_start + offs_n, mask=mask_n, other=0)
-        kt = tl.load(k_buf + slot[:, None] * s_kb + kvh * s_kh + offs_d[None, :],
+        kt = tl.load(k_buf + slot[:, None] * s_kb + k_cols[None, :],
                      mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         s = logits_log2(dot(qt, tl.trans(kt.to(qt.dtype)), F32), qk_scale, cap, HAS_CAP)
         s = tl.where(mask_n[None, :], s, float("-inf"))
-        vt = tl.load(v_buf + slot[:, None] * s_vb + kvh * s_vh + offs_dv[None, :],
+        vt = tl.load(v_buf + slot[:, None] * s_vb + v_cols[None, :],
                      mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(qt.dtype)
         m, l_sum, acc = online_softmax_step(m, l_sum, acc, s, vt, F32)
 
-    mask_o = mask_h[:, None] & mask_dv[None, :]
+    # a row's result is its own head's columns of acc (the others mix in another head's values)
+    mask_o = mask_h[:, None] & mask_dv[None, :] & (row_kv[:, None] == col_kv_v[None, :])
     if DIRECT:  # one split: finish here: sink, normalisation, output dtype
         if HAS_SINKS:
             sink = tl.load(sinks + heads, mask=mask_h, other=0.0).to(tl.float32) * LOG2E
             m_fin, l_sum, acc = fold_sink(m, l_sum, acc, sink)
         o = acc * v_scale / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-        tl.store(out + b * s_ob + heads[:, None] * s_oh + offs_dv[None, :],
+        tl.store(out + b * s_ob + heads[:, None] * s_oh + col_dv[None, :],
                  o.to(out.dtype.element_ty), mask=mask_o)
     else:
         l_safe = tl.where(l_sum > 0, l_sum, 1.0)
         lse = tl.where(l_sum > 0, m + tl.log2(l_safe), float("-inf"))
         o = acc / l_safe[:, None]
-        tl.store(ws_acc + b * s_ab + heads[:, None] * s_ah + split * s_as + offs_dv[None, :],
+        tl.store(ws_acc + b * s_ab + heads[:, None] * s_ah + split * s_as + col_dv[None, :],
                  o, mask=mask_o)
         tl.store(ws_lse + b * s_lb + heads * s_lh + split, lse, mask=mask_h)
 
@@ -205,7 +253,7 @@ def _check_decode(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, s
                       kv_pos0=kv_pos0, q_pos=q_pos, out=out, sinks=sinks)
 
 
-def _workspace(workspace, bs, h, kvh, dv, max_kv_len, device, cfg):
+def _workspace(workspace, bs, h, kvh, d, dv, max_kv_len, device, cfg):
     """(acc, lse) scratch: the caller's (checked), a fresh one, or (out-free) dummies for 1 split."""
     if workspace is not None:
         splits = workspace.num_splits
@@ -213,7 +261,7 @@ def _workspace(workspace, bs, h, kvh, dv, max_kv_len, device, cfg):
             raise ShapeError(f"workspace acc has shape {list(workspace.acc.shape)}, expected "
                              f"[>={bs}, {h}, {splits}, {dv}]")
         return workspace
-    splits = decode_num_splits(bs, kvh, max_kv_len, device, cfg)
+    splits = decode_num_splits(bs, kvh, max_kv_len, device, cfg, head_dim=max(d, dv))
     if splits > 1:
         return make_decode_workspace(bs, h, dv, splits, device)
     dummy = torch.empty(0, dtype=torch.float32, device=device)   # never touched with one split
@@ -252,14 +300,17 @@ class DecodePlan(NamedTuple):
 def _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, cfg) -> DecodePlan:
     bs, h, d = q.shape
     kvh, dv = k_buf.shape[1], v_buf.shape[2]
-    ws_acc, ws_lse = _workspace(workspace, bs, h, kvh, dv, max_kv_len, q.device, cfg)
+    cfg = cfg or decode_config(bs, kvh, max(d, dv), max_kv_len, q.device)
+    ws_acc, ws_lse = _workspace(workspace, bs, h, kvh, d, dv, max_kv_len, q.device, cfg)
     splits = ws_lse.shape[2] if ws_lse.dim() == 3 else 1
     per_split = None if max_kv_len is None else triton.cdiv(max(int(max_kv_len), 1), splits)
     ws_strides = ((ws_acc.stride(0), ws_acc.stride(1), ws_acc.stride(2), ws_lse.stride(0),
                    ws_lse.stride(1)) if splits > 1 else (0,) * 5)
     interpreted = interpreting()
     group = h // kvh
-    split_consts = dict(GROUP=group, D=d, DV=dv, DIRECT=splits == 1, BLOCK_H=pow2(group), BLOCK_D=pow2(d),
+    hpp = cfg.kv_heads_per_program(kvh, max(d, dv))
+    split_consts = dict(GROUP=group, HPP=hpp, D=d, DV=dv, DIRECT=splits == 1, BLOCK_H=pow2(hpp * group),
+                        BLOCK_D=pow2(d),
                         BLOCK_DV=pow2(dv), BLOCK_N=cfg.keys_per_iter(per_split), num_warps=cfg.num_warps,
                         num_stages=cfg.num_stages)
     merge_consts = dict(DV=dv, BLOCK_S=triton.next_power_of_2(splits), BLOCK_DV=triton.next_power_of_2(dv),
@@ -281,7 +332,7 @@ def _run(plan: DecodePlan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_po
     strides = (q.stride(0), q.stride(1), plan.k_stride[0], plan.k_stride[1], plan.v_stride[0],
                plan.v_stride[1], out.stride(0), out.stride(1))
     sinks_arg = sinks if sinks is not None else q
-    _decode_split_kernel[(plan.k_shape[1], splits, bs)](
+    _decode_split_kernel[(plan.k_shape[1] // plan.split_consts["HPP"], splits, bs)](
         q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, sinks_arg, out, plan.ws_acc, plan.ws_lse,
         float(scaling) * as_scale(k_scale), vs, cap, int(window or 0), splits, *strides, *plan.ws_strides,
         HAS_CAP=cap > 0, HAS_SINKS=sinks is not None, F32=q.dtype == torch.float32 or plan.interpreted,
@@ -313,7 +364,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     _check_decode(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks)
     if q.shape[0] == 0:
         return
-    plan = _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, config or default_config())
+    plan = _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, config)
     _run(plan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, scaling, window, logit_cap, sinks,
          k_scale, v_scale)
 
@@ -326,7 +377,7 @@ def plan_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_in
     the given one, else a fresh one when it splits). Calls with the same shapes, the same index
     list and q_pos reuse the plan through `decode_attention_planned`."""
     _check_decode(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks)
-    return _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, config or default_config())
+    return _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, config)
 
 
 def decode_attention_planned(plan: DecodePlan, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,

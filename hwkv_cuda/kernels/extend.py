@@ -43,23 +43,37 @@ class ExtendConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    one_loop: bool = False   # walk every key tile in one masked loop (no edge / full / diagonal split)
+    mask32: bool = True      # mask from int32 offsets inside the tile (else int64 list positions)
 
 
 # Keyed by (head dim rounded up to a power of two, fp32 queries). Recorded here rather than
 # autotuned at run time, so every run (CI, graphs, the interpreter) launches the same config and
 # no first call pays a search. D=64 (GPT-OSS) was swept on an H200 on 2026-12-01
 # (`benchmarks/bench_cuda_kernels.py --only extend --sweep`, docs/benchmarks.md): causal 1 x 8192
-# and 4 x 2048 over 2048 were fastest at 128/128/4 warps/2 stages (3-6% over 128/64/4/3). D=128
-# and 256 are the usual FlashAttention-2 Triton starting points, not yet swept (`--sweep-head-dims`).
+# and 4 x 2048 over 2048 were fastest at 128/128/4 warps/2 stages (3-6% over 128/64/4/3). With
+# 128-key tiles the mask from int64 list positions measured 10-18% faster than from int32 tile
+# offsets (1 x 8192: 1504 vs 1672 us; 1 x 2048 over 30K: 2961 vs 3595); with 32- and 64-key tiles
+# the int32 form was 4-7% faster, hence the flag. D=128 and 256 were swept on the same day with
+# `--sweep-head-dims` (Llama-like 32 q / 8 kv heads, causal 1 x 8192): D=128 128/64/4/3 1389 us
+# (396 TFLOP/s; the earlier FlashAttention-2 starting point 128/64/8/3 took 1724 us), D=256 128/64/8/3
+# 2664 us (414 TFLOP/s; 64/32/4/2 took 4325 us); 4 stages were within 0.5%.
 TUNED: Dict[Tuple[int, bool], ExtendConfig] = {
-    (64, False): ExtendConfig(block_m=128, block_n=128, num_warps=4, num_stages=2),
-    (128, False): ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
-    (256, False): ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
+    (64, False): ExtendConfig(block_m=128, block_n=128, num_warps=4, num_stages=2, mask32=False),
+    (128, False): ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
+    (256, False): ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
 }
-# Window lists (W <= WINDOWED_MAX): a program walks only W + BLOCK_T keys, so smaller tiles waste less
-# (same sweep: 133.5 vs 178.3 us for W=128 over 8192 tokens at 64/32/4/2).
+# Window lists (W <= WINDOWED_MAX): a program walks only W + BLOCK_T keys, so smaller tiles waste less,
+# and one masked loop (about five tiles) pipelines where three short loops do not: W=128 over 8192
+# tokens 121 us at 64/32/4/2 in one loop, 130 us in three (same sweep; 178 us at the causal tiles).
 WINDOWED_MAX = 512
-WINDOWED: Dict[int, ExtendConfig] = {64: ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)}
+# D=128 W=128: 128/32/4/3 134 us against 183 us at the earlier causal tiles. D=256 W=128: 64/32/4/2
+# (272 us) was within 0.6% of the sweep's best and far ahead of the new causal tiles there.
+WINDOWED: Dict[int, ExtendConfig] = {
+    64: ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2, one_loop=True),
+    128: ExtendConfig(block_m=128, block_n=32, num_warps=4, num_stages=3),
+    256: ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
+}
 INTERPRET_CONFIG = ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
 
 
@@ -73,7 +87,8 @@ def default_config(head_dim: int, fp32: bool = False, window: Optional[int] = No
         cfg = WINDOWED[d]
     if fp32:   # fp32 tiles take twice the registers and shared memory of bf16 ones
         cfg = ExtendConfig(block_m=max(16, cfg.block_m // 2), block_n=max(16, cfg.block_n // 2),
-                           num_warps=cfg.num_warps, num_stages=min(cfg.num_stages, 2))
+                           num_warps=cfg.num_warps, num_stages=min(cfg.num_stages, 2), one_loop=cfg.one_loop,
+                           mask32=cfg.mask32)
     return cfg
 
 
@@ -108,7 +123,7 @@ def _extend_tile(qt, k_buf, v_buf, kv_indices, kv_start, start, hi, q_rel, m, l_
                  tree_mask, tree_row, tok_ok, tree_pos, rel0, pos0,
                  D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BLOCK_N: tl.constexpr, HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                 MASKED: tl.constexpr, F32: tl.constexpr, TREE: tl.constexpr):
+                 MASKED: tl.constexpr, F32: tl.constexpr, TREE: tl.constexpr, MASK32: tl.constexpr = True):
     """Fold key tile [start, start + BLOCK_N) into (m, l_sum, acc); MASKED: apply the list end, the
     causal bound and the window per element (otherwise every row sees every key of the tile); TREE
     (masked tiles only): the tree's visibility instead of the causal bound (`_tree_visible`; the
@@ -133,9 +148,17 @@ def _extend_tile(qt, k_buf, v_buf, kv_indices, kv_start, start, hi, q_rel, m, l_
             vis = _tree_visible(offs_n, mask_n, q_rel, window, tree_mask, tree_row, tok_ok, tree_pos, rel0, pos0,
                                 HAS_WINDOW)
         else:
-            vis = mask_n[None, :] & (offs_n[None, :] <= q_rel[:, None])
-            if HAS_WINDOW:
-                vis = vis & (offs_n[None, :] > q_rel[:, None] - window)
+            if MASK32:
+                # int32 offsets inside the tile: one compare per element instead of int64 arithmetic
+                ar = tl.arange(0, BLOCK_N)
+                dq = (q_rel - start).to(tl.int32)
+                vis = (ar[None, :] < (hi - start).to(tl.int32)) & (ar[None, :] <= dq[:, None])
+                if HAS_WINDOW:
+                    vis = vis & (ar[None, :] > dq[:, None] - window)
+            else:
+                vis = mask_n[None, :] & (offs_n[None, :] <= q_rel[:, None])
+                if HAS_WINDOW:
+                    vis = vis & (offs_n[None, :] > q_rel[:, None] - window)
         s = tl.where(vis, s, float("-inf"))
         vt = tl.load(v_ptr, mask=mask_n[:, None] & (offs_dv[None, :] < DV), other=0.0)
     elif BLOCK_DV == DV:
@@ -153,7 +176,7 @@ def _extend_kernel(
         GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, F32: tl.constexpr,
-        HAS_TREE: tl.constexpr):
+        HAS_TREE: tl.constexpr, ONE_LOOP: tl.constexpr, MASK32: tl.constexpr):
     BLOCK_M: tl.constexpr = BLOCK_T * GP
     kvh = tl.program_id(0)
     first = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_T   # heaviest (last) token blocks first
@@ -197,7 +220,7 @@ def _extend_kernel(
             m, l_sum, acc = _extend_tile(qt, k_buf, v_buf, kv_indices, kv_start, start, hi, q_rel, m, l_sum, acc,
                                          kvh, s_kb, s_kh, s_vb, s_vh, qk_scale, cap, window, offs_d, offs_dv,
                                          tree_mask, tree_row, tok_ok, tree_pos, rel0, pos0, D, DV,
-                                         BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, HAS_WINDOW, True, F32, False)
+                                         BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, HAS_WINDOW, True, F32, False, MASK32)
         for start in range(d_lo, hi, BLOCK_N):           # tiles reaching the drafts: the tree's bits
             m, l_sum, acc = _extend_tile(qt, k_buf, v_buf, kv_indices, kv_start, start, hi, q_rel, m, l_sum, acc,
                                          kvh, s_kb, s_kh, s_vb, s_vh, qk_scale, cap, window, offs_d, offs_dv,
@@ -217,21 +240,24 @@ def _extend_kernel(
         b_end = a_end + tl.maximum((full_hi - a_end) // BLOCK_N, 0) * BLOCK_N
         q_rel = rel0 + tok                              # query positions, relative to pos0
         # (the tree arguments of _extend_tile are unused without TREE: placeholders)
+        if ONE_LOOP:   # short walks (window lists): one pipelined loop of masked tiles beats three short loops
+            a_end = hi
+            b_end = hi
         for start in range(lo, a_end, BLOCK_N):          # window edge
             m, l_sum, acc = _extend_tile(qt, k_buf, v_buf, kv_indices, kv_start, start, hi, q_rel, m, l_sum, acc,
                                          kvh, s_kb, s_kh, s_vb, s_vh, qk_scale, cap, window, offs_d, offs_dv,
                                          kv_indices, q_rel, mask_r, kv_indices, rel0, pos0, D, DV,
-                                         BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, HAS_WINDOW, True, F32, False)
+                                         BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, HAS_WINDOW, True, F32, False, MASK32)
         for start in range(a_end, b_end, BLOCK_N):       # seen by every row: no masks
             m, l_sum, acc = _extend_tile(qt, k_buf, v_buf, kv_indices, kv_start, start, hi, q_rel, m, l_sum, acc,
                                          kvh, s_kb, s_kh, s_vb, s_vh, qk_scale, cap, window, offs_d, offs_dv,
                                          kv_indices, q_rel, mask_r, kv_indices, rel0, pos0, D, DV,
-                                         BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, HAS_WINDOW, False, F32, False)
+                                         BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, HAS_WINDOW, False, F32, False, MASK32)
         for start in range(b_end, hi, BLOCK_N):          # causal diagonal
             m, l_sum, acc = _extend_tile(qt, k_buf, v_buf, kv_indices, kv_start, start, hi, q_rel, m, l_sum, acc,
                                          kvh, s_kb, s_kh, s_vb, s_vh, qk_scale, cap, window, offs_d, offs_dv,
                                          kv_indices, q_rel, mask_r, kv_indices, rel0, pos0, D, DV,
-                                         BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, HAS_WINDOW, True, F32, False)
+                                         BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, HAS_WINDOW, True, F32, False, MASK32)
 
     if HAS_SINKS:
         sink = tl.load(sinks + head, mask=mask_r, other=0.0).to(tl.float32) * LOG2E
@@ -289,7 +315,7 @@ def _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config, has_tree, windo
     empty = t == 0 or bs == 0 or max_q_len <= 0
     grid = (0, 0, 0) if empty else (kvh, triton.cdiv(int(max_q_len), block_t), bs)
     consts = dict(GROUP=h // kvh, GP=gp, D=d, DV=dv, BLOCK_T=block_t, BLOCK_D=pow2(d), BLOCK_DV=pow2(dv),
-                  BLOCK_N=cfg.block_n, HAS_TREE=has_tree, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  BLOCK_N=cfg.block_n, HAS_TREE=has_tree, ONE_LOOP=cfg.one_loop, MASK32=cfg.mask32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return ExtendPlan(tuple(q.shape), tuple(k_buf.shape), tuple(v_buf.shape), k_buf.stride(), v_buf.stride(),
                       tuple(out.shape), q.device, grid, cfg, consts, interpreting(), has_tree)
 
