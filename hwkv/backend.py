@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, Optional, Tuple, Type
+from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
 
 import torch
 
@@ -74,10 +74,21 @@ class AttentionBackend(DraftMetadataMixin):
         self._views: Dict[Tuple[int, int], GraphViews] = {}
         self._tree_static: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (mask_indptr, q_positions)
         self.draft_static = None  # hwkv.draft.DraftStatic, made by init_draft_graph_state
+        self._graph_tables: List[Any] = []  # alloc_graph_tables per static buffer set (index: md.graph_step)
 
     # ---- subclass hooks -------------------------------------------------------------------
+    def alloc_graph_tables(self, static: StaticBuffers) -> Any:
+        """A backend's own graph-mode kernel tables for one set of static buffers (sized by them), made once
+        beside them: the graph state's set and one per further draft step. None: the backend keeps none."""
+        return None
+
+    def graph_tables(self, md: ForwardMetadata) -> Any:
+        """The `alloc_graph_tables` set of the static buffers a graph forward's metadata was built in."""
+        return self._graph_tables[md.graph_step]
+
     def init_kernel_metadata(self, md: ForwardMetadata, batch: ForwardBatch, graph: bool) -> None:
-        """Kernel-specific fields into `md.extra` (graph=True: only into pre-allocated buffers)."""
+        """Kernel-specific fields into `md.extra` (graph=True: only into pre-allocated buffers, e.g. the
+        backend's `graph_tables(md)`)."""
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
                        md: ForwardMetadata, out: torch.Tensor) -> None:
@@ -191,6 +202,7 @@ class AttentionBackend(DraftMetadataMixin):
         self.graph_max_context_len = ctx
         self._tree_static = (torch.zeros(max_bs + 1, dtype=torch.int64, device=self.device),
                              torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device))
+        self._graph_tables = [self.alloc_graph_tables(self.static)]
 
     def init_forward_metadata_graph(self, batch: ForwardBatch) -> ForwardMetadata:
         """Refill the static buffers in place for a (padded) batch: no allocation of index storage,

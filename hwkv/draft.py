@@ -140,6 +140,7 @@ class DraftMetadataMixin:
         width = {w: block_width(w, draft_steps, self.req_to_token_pool.req_to_token.shape[1]) for w in self.windows}
         locs = {w: torch.zeros(max_bs * n, **i64) for w, n in width.items()}
         steps = [self.static] + [alloc_static(max_bs, max_bs, ctx, self.windows, dev) for _ in range(draft_steps - 1)]
+        self._graph_tables[1:] = [self.alloc_graph_tables(st) for st in steps[1:]]  # the backend's, per step
         self.draft_static = DraftStatic(
             max_bs, steps, width, torch.arange(max_bs, **i64), locs,
             {w: torch.zeros(max_bs * n, **i64) for w, n in width.items()} if self.hybrid else locs,
@@ -169,17 +170,18 @@ class DraftMetadataMixin:
             views = self._refill_draft_step(st, rows, seq, i, blocks, ds.rows[:bs], kernels)
             loc_i = batch.out_cache_loc[i * bs:(i + 1) * bs]
             swa_i = None if write_all.swa_loc is None else write_all.swa_loc[i * bs:(i + 1) * bs]
-            step = ForwardBatch(ForwardMode.DECODE, bs, rows, st.lens[:bs], loc_i)
+            host = None if batch.seq_lens_cpu is None else batch.seq_lens_cpu + i   # host ints: no sync
+            step = ForwardBatch(ForwardMode.DECODE, bs, rows, st.lens[:bs], loc_i, seq_lens_cpu=host)
             md = ForwardMetadata(KVWriteLoc(loc_i, swa_i), swa_i, views.qo_indptr, views.q_pos0, views.full,
-                                 views.windows, 1, bs, True, graph=True)
+                                 views.windows, 1, bs, True, graph=True, graph_step=i)
             self.init_kernel_metadata(md, step, graph=True)
             batches.append(step)
             mds.append(md)
         shared = _shared_kernel_state(mds) if any(md.extra for md in mds) else None
         if shared is not None:
             raise ConfigError(f"{type(self).__name__}'s graph kernel metadata md.extra{shared} is one set of tables "
-                              "that every draft step would overwrite: run drafts eagerly (init_draft_metadata) "
-                              "until the backend keeps one set per step")
+                              "that every draft step would overwrite: run drafts eagerly (init_draft_metadata), or "
+                              "keep the tables per step (alloc_graph_tables / graph_tables(md))")
         steps = DraftSteps(self, batches, mds)
         steps.select(0)
         return steps
@@ -306,7 +308,8 @@ class DraftGraphRunner(GraphRunner):
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         return ForwardBatch(ForwardMode.DECODE, bs, self.req_pool_indices[:bs], self.seq_lens[:bs],
-                            self.out_cache_loc[:bs * self.steps], spec_info=self.draft)
+                            self.out_cache_loc[:bs * self.steps], spec_info=self.draft,
+                            seq_lens_cpu=self.seq_lens_cpu[:bs] if self._host_lens else None)
 
     def _pad(self, bs_pad: int, live: int) -> None:
         """Padded requests: row 0, length 1, every step's slot the padding slot 0."""
@@ -314,6 +317,7 @@ class DraftGraphRunner(GraphRunner):
             return
         self.req_pool_indices[live:bs_pad].zero_()
         self.seq_lens[live:bs_pad].fill_(1)
+        self.seq_lens_cpu[live:bs_pad].fill_(1)
         for buf in (self.out_cache_loc, *self.inputs.values()):
             _by_step(buf, self.steps, bs_pad)[:, live:].zero_()
 
@@ -336,6 +340,9 @@ class DraftGraphRunner(GraphRunner):
         bs_pad = self.buckets[i]
         self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
         self.seq_lens[:bs].copy_(batch.seq_lens)
+        self._host_lens = batch.seq_lens_cpu is not None   # handed on to each step (backends with host lengths)
+        if self._host_lens:
+            self.seq_lens_cpu[:bs].copy_(batch.seq_lens_cpu)
         _by_step(self.out_cache_loc, k, bs_pad)[:, :bs].copy_(_by_step(batch.out_cache_loc, k, bs))
         for name, buf in self.inputs.items():
             src = inputs[name]

@@ -24,7 +24,7 @@ from hwkv import ops
 from hwkv.backend import BackendOptions, KernelSetBackend
 from hwkv.batch import ForwardBatch
 from hwkv.layer import AttentionLayer
-from hwkv.metadata import ForwardMetadata, KVIndexList
+from hwkv.metadata import ForwardMetadata, KVIndexList, StaticBuffers
 from hwkv_cpu import ipex
 from hwkv_cpu import kernels as _kernels
 
@@ -53,7 +53,6 @@ class TorchCPUBackend(KernelSetBackend):
     def __init__(self, pool: Any, req_to_token_pool: Any, **options: Any) -> None:
         super().__init__(pool, req_to_token_pool, **options)
         self.ipex_reason: Optional[str] = self._ipex_reason()  # None: IPEX ops in use where they fit
-        self._ipex_graph: Optional[ipex.GraphTables] = None
         self._head_maps: Dict[Tuple[int, int], torch.Tensor] = {}
 
     def _ipex_reason(self) -> Optional[str]:
@@ -64,18 +63,18 @@ class TorchCPUBackend(KernelSetBackend):
         return ipex.load()[1] or None
 
     # ---- metadata: IPEX's slot tables, once per forward --------------------------------------------
-    def init_graph_state(self, max_bs: int, max_num_tokens: int, max_context_len: Optional[int] = None) -> None:
-        super().init_graph_state(max_bs, max_num_tokens, max_context_len)
-        if self.ipex_reason is None and self._ipex_graph is None:
-            st = self.static  # allocated once, like the core's static buffers: every runner shares them
-            self._ipex_graph = ipex.GraphTables.alloc(st.max_bs, st.max_num_tokens, self.graph_max_context_len,
-                                                      self.windows, self.device)
+    def alloc_graph_tables(self, static: StaticBuffers) -> Optional[ipex.GraphTables]:
+        """IPEX's slot tables for one static buffer set (once, like them: every runner shares them)."""
+        if self.ipex_reason is not None:
+            return None
+        return ipex.GraphTables.alloc(static.max_bs, static.max_num_tokens, self.graph_max_context_len,
+                                      self.windows, self.device)
 
     def init_kernel_metadata(self, md: ForwardMetadata, batch: ForwardBatch, graph: bool) -> None:
         if self.ipex_reason is None and md.batch_size and (md.is_decode or self.options.ipex_extend):
             lists = {None: md.full, **md.windows}
             if graph:
-                g = self._ipex_graph
+                g = self.graph_tables(md)
                 md.extra[_IPEX] = {w: ipex.plan_list(lst, g.width(w), out=g) for w, lst in lists.items()}
             else:
                 md.extra[_IPEX] = {w: ipex.plan_list(lst, max(lst.max_len, 1)) for w, lst in lists.items()}

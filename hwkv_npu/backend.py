@@ -21,7 +21,7 @@ from hwkv import ops
 from hwkv.backend import AttentionBackend, BackendOptions
 from hwkv.batch import ForwardBatch
 from hwkv.layer import AttentionLayer
-from hwkv.metadata import ForwardMetadata, KVIndexList, block_table_from_csr, window_pos0
+from hwkv.metadata import ForwardMetadata, KVIndexList, StaticBuffers, block_table_from_csr, window_pos0
 from hwkv.paths import FUSED
 from hwkv_npu import fia
 from hwkv_npu import ops as npu_ops
@@ -62,7 +62,6 @@ class NPUBackend(AttentionBackend):
         self.env: fia.NPUEnv = self._load_env()
         self.fused_reason: Optional[str] = None if self.env.fused else self.env.fused_why
         self._mask2048: Optional[torch.Tensor] = None
-        self._graph_lists: Dict[Optional[int], _GraphList] = {}
         self._scratch: Dict[Tuple[Any, ...], torch.Tensor] = {}
 
     def _load_env(self) -> fia.NPUEnv:
@@ -76,20 +75,23 @@ class NPUBackend(AttentionBackend):
         self.npu = fia.import_torch_npu()
         return fia.load_env(self.npu)
 
-    # ---- graph buffers: allocated once, shared by every runner ---------------------------------------
-    def init_graph_state(self, max_bs: int, max_num_tokens: int, max_context_len: Optional[int] = None) -> None:
-        super().init_graph_state(max_bs, max_num_tokens, max_context_len)
-        if self._graph_lists or not (self.env.fused and self.env.graph):
-            return
-        p, ctx, st = self.page_size, self.graph_max_context_len, self.static
+    # ---- graph buffers: allocated once per static buffer set, shared by every runner -------------------
+    def alloc_graph_tables(self, static: StaticBuffers) -> Optional[Dict[Optional[int], _GraphList]]:
+        """Each list's persistent plan and page table / head mask for one static buffer set (one set per
+        draft step, so each step's captured calls keep their own plan and host lengths)."""
+        if not (self.env.fused and self.env.graph):
+            return None
+        p, ctx, st = self.page_size, self.graph_max_context_len, static
         max_q = st.max_num_tokens - st.max_bs + 1  # the most query rows one request of a graph batch has
+        lists: Dict[Optional[int], _GraphList] = {}
         for w in [None, *self.windows]:
             span = ctx if w is None else min(ctx, w + max_q - 1)
             pages = -(-span // p) + 1  # + 1: a list may start mid-page
             table = torch.zeros(st.max_bs, pages, dtype=torch.int32, device=self.device)
             mask = None if w is None else torch.zeros(st.max_bs, 1, 1, pages * p, dtype=torch.bool, device=self.device)
             plan = fia.FIAPlan(table, [], p, mask)
-            self._graph_lists[w] = _GraphList(plan, table, mask, torch.arange(pages * p, device=self.device))
+            lists[w] = _GraphList(plan, table, mask, torch.arange(pages * p, device=self.device))
+        return lists
 
     # ---- metadata: page tables and host lengths, once per forward -----------------------------------
     def init_kernel_metadata(self, md: ForwardMetadata, batch: ForwardBatch, graph: bool) -> None:
@@ -131,7 +133,7 @@ class NPUBackend(AttentionBackend):
                     ext_cpu: torch.Tensor, md: ForwardMetadata) -> fia.FIAPlan:
         """The persistent plan refilled in place: page table and head mask into the static buffers (device
         work), host lengths into the plan that every captured call of this list reads when updated."""
-        g, p, bs = self._graph_lists[w], self.page_size, md.batch_size
+        g, p, bs = self.graph_tables(md)[w], self.page_size, md.batch_size
         g.table[:bs].copy_(block_table_from_csr(lst.indptr, lst.indices, lst.pos0, p, g.table.shape[1]))
         if g.mask is not None:
             off = torch.remainder(lst.pos0, p)

@@ -18,7 +18,7 @@ from hwkv import ops
 from hwkv.backend import BackendOptions
 from hwkv.batch import ForwardBatch
 from hwkv.layer import AttentionLayer
-from hwkv.metadata import ForwardMetadata, KVIndexList
+from hwkv.metadata import ForwardMetadata, KVIndexList, StaticBuffers
 from hwkv.paths import FUSED
 from hwkv_cuda.backend import TritonBackend
 from hwkv_rocm import aiter_ops
@@ -44,7 +44,6 @@ class ROCmBackend(TritonBackend):
     def __init__(self, pool: Any, req_to_token_pool: Any, **options: Any) -> None:
         super().__init__(pool, req_to_token_pool, **options)
         self.aiter, self.aiter_env, self.aiter_status = self._load_aiter()
-        self._indices_i32: Dict[Optional[int], torch.Tensor] = {}
 
     def _load_aiter(self) -> Tuple[Optional[aiter_ops.AiterKernels], Optional[aiter_ops.AiterEnv], str]:
         if not self.options.aiter:
@@ -65,15 +64,13 @@ class ROCmBackend(TritonBackend):
                            for what, fn, why in (("decode", decode_fn, decode_why), ("extend", prefill_fn, prefill_why)))
         return aiter_ops.AiterKernels(decode_fn, prefill_fn, self.device, ctx), env, status
 
-    def init_graph_state(self, max_bs: int, max_num_tokens: int, max_context_len: Optional[int] = None) -> None:
-        super().init_graph_state(max_bs, max_num_tokens, max_context_len)
-        if self.aiter is not None and not self._indices_i32:
-            # int32 twins of the static index lists AITER reads: allocated once, like the core's static
-            # buffers, and shared by every runner (a graph captured earlier keeps reading them)
-            st = self.static
-            lists = {None: st.full_indices, **st.win_indices}
-            self._indices_i32 = {w: torch.zeros(t.shape, dtype=torch.int32, device=self.device)
-                                 for w, t in lists.items()}
+    def alloc_graph_tables(self, static: StaticBuffers) -> Optional[Dict[Optional[int], torch.Tensor]]:
+        """int32 twins of one static buffer set's index lists, which AITER reads: made once beside them and
+        shared by every runner (a graph captured earlier keeps reading them); one set per draft step."""
+        if self.aiter is None:
+            return None
+        lists = {None: static.full_indices, **static.win_indices}
+        return {w: torch.zeros(t.shape, dtype=torch.int32, device=self.device) for w, t in lists.items()}
 
     def init_kernel_metadata(self, md: ForwardMetadata, batch: ForwardBatch, graph: bool) -> None:
         """The index lists as int32, once per forward, when an AITER op may read them. In graph mode the full
@@ -86,10 +83,11 @@ class ROCmBackend(TritonBackend):
             lists = {None: md.full, **md.windows}
             md.extra[_INDICES] = {w: lst.indices.to(torch.int32) for w, lst in lists.items()}
             return
-        full = self._indices_i32[None]
+        i32 = self.graph_tables(md)
+        full = i32[None]
         ops.fill_kv_indices(self.req_to_token_pool.req_to_token, batch.req_pool_indices, md.full.pos0,
                             md.full.indptr, full)
-        wins = {w: self._indices_i32[w].copy_(lst.indices) for w, lst in md.windows.items()}
+        wins = {w: i32[w].copy_(lst.indices) for w, lst in md.windows.items()}
         md.extra[_INDICES] = {None: full, **wins}
 
     def _aiter_path(self, mode: str, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,

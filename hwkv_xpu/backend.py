@@ -18,7 +18,7 @@ from hwkv import ops
 from hwkv.backend import BackendOptions
 from hwkv.batch import ForwardBatch
 from hwkv.layer import AttentionLayer
-from hwkv.metadata import ForwardMetadata, KVIndexList
+from hwkv.metadata import ForwardMetadata, KVIndexList, StaticBuffers
 from hwkv.pages import register_page_ops
 from hwkv_cpu import ipex
 from hwkv_cuda import kernels
@@ -52,7 +52,6 @@ class XPUBackend(TritonBackend):
         super().__init__(pool, req_to_token_pool, **options)
         self.page_size = int(pool.page_size)
         self.ipex_reason: Optional[str] = self._ipex_reason()  # None: IPEX in use where it fits
-        self._ipex_graph: Optional[ipex.GraphTables] = None
 
     def _ipex_reason(self) -> Optional[str]:
         if not self.options.ipex:
@@ -61,12 +60,12 @@ class XPUBackend(TritonBackend):
             return f"the pool lives on {self.device}, not on an Intel GPU"
         return ipex.xpu_reason()
 
-    def init_graph_state(self, max_bs: int, max_num_tokens: int, max_context_len: Optional[int] = None) -> None:
-        super().init_graph_state(max_bs, max_num_tokens, max_context_len)
-        if self.ipex_reason is None and self._ipex_graph is None:
-            st = self.static
-            self._ipex_graph = ipex.GraphTables.alloc(st.max_bs, st.max_num_tokens, self.graph_max_context_len,
-                                                      self.windows, self.device, self.page_size)
+    def alloc_graph_tables(self, static: StaticBuffers) -> Optional[ipex.GraphTables]:
+        """IPEX's page tables for one static buffer set (once, like them: every runner shares them)."""
+        if self.ipex_reason is not None:
+            return None
+        return ipex.GraphTables.alloc(static.max_bs, static.max_num_tokens, self.graph_max_context_len,
+                                      self.windows, self.device, self.page_size)
 
     def init_kernel_metadata(self, md: ForwardMetadata, batch: ForwardBatch, graph: bool) -> None:
         super().init_kernel_metadata(md, batch, graph)
@@ -74,7 +73,7 @@ class XPUBackend(TritonBackend):
             return
         p, lists = self.page_size, {None: md.full, **md.windows}
         if graph:
-            g = self._ipex_graph
+            g = self.graph_tables(md)
             md.extra[_IPEX] = {w: ipex.plan_list(lst, g.width(w), p, out=g) for w, lst in lists.items()}
         else:
             md.extra[_IPEX] = {w: ipex.plan_list(lst, -(-(lst.max_len + p - 1) // p), p) for w, lst in lists.items()}

@@ -301,13 +301,13 @@ def test_graph_replays_read_only_the_static_ipex_tables(monkeypatch):
     geom = ModelGeometry(num_layers=2, swa_every=2, window=6, num_heads=4, num_kv_heads=2, head_dim=16)
     h = Harness(TorchCPUBackend, "cpu", geom, size=256, size_swa=64, page_size=2)
     h.enable_graphs([1, 2, 4], CaptureCheckingAdapter())
-    tables = {w: t.data_ptr() for w, t in h.backend._ipex_graph.tables.items()}
+    tables = {w: t.data_ptr() for w, t in h.backend._graph_tables[0].tables.items()}
     _, real = _route(h, monkeypatch)
     run_scenario(h, steps=5, prompt_lens=(5, 9), chunk=8)
     assert h.runner.replays > 0 and real["decode"] >= h.runner.replays * len(h.layers)
-    assert {w: t.data_ptr() for w, t in h.backend._ipex_graph.tables.items()} == tables
+    assert {w: t.data_ptr() for w, t in h.backend._graph_tables[0].tables.items()} == tables
     h.backend.init_graph_state(2, 2)  # a second runner shares them
-    assert {w: t.data_ptr() for w, t in h.backend._ipex_graph.tables.items()} == tables
+    assert {w: t.data_ptr() for w, t in h.backend._graph_tables[0].tables.items()} == tables
 
 
 @needs_ipex

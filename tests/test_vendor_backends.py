@@ -173,6 +173,51 @@ def test_rocm_decode_and_prefill_go_through_aiter_and_match_reference(standin_ai
     assert calls["paged_attention_ragged"] >= 3 * 2 and calls["mha_batch_prefill_func"] >= 2 * 3
 
 
+def _draft_graph_rounds(h, runner, rids, rounds=3, steps=3):
+    """Draft forwards through `runner` for 1, 2, 1, ... requests (each step checked against the reference
+    inside draft_steps), slots released between them."""
+    from hwkv.testing.spec_harness import draft_steps
+    for r in range(rounds):
+        draft_steps(h, rids[:1 + r % 2], steps, runner=runner)
+        h.release()
+        h.check_integrity()
+
+
+def _distinct_tables(tables):
+    """Every draft step's kernel tables are their own memory (no storage shared between two steps)."""
+    ptrs = [{t.untyped_storage().data_ptr() for t in _tensors(set_)} for set_ in tables]
+    return all(not (a & b) for i, a in enumerate(ptrs) for b in ptrs[i + 1:])
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for name in obj.__dataclass_fields__:
+            yield from _tensors(getattr(obj, name))
+
+
+@needs_interpreter
+@pytest.mark.interpret
+def test_rocm_draft_graphs_run_aiter_with_a_table_set_per_step(standin_aiter):
+    """Multi-step draft graphs over AITER: each step keeps its own int32 lists (alloc_graph_tables), so the
+    k captured steps read k different tables, and every step matches the reference."""
+    from hwkv.testing.spec_harness import draft_graphs
+    h = Harness(ROCmBackend, "cpu", AITER_GEOMETRY, size=256, size_swa=48, page_size=2, dtype=torch.float16)
+    rids = [h.add_request() for _ in range(2)]
+    h.forward(rids, [5, 9], ForwardMode.EXTEND)
+    h.release()
+    runner = draft_graphs(h, [1, 2], EagerAdapter(), 3)
+    before = aiter_standin.calls(standin_aiter)["paged_attention_ragged"]
+    _draft_graph_rounds(h, runner, rids)
+    assert runner.replays == 3
+    assert aiter_standin.calls(standin_aiter)["paged_attention_ragged"] - before >= 3 * 3 * 2, "AITER ran each step"
+    assert len(h.backend._graph_tables) == 3 and _distinct_tables(h.backend._graph_tables)
+
+
 @needs_interpreter
 @pytest.mark.interpret
 def test_rocm_keeps_sink_layers_on_triton_layer_by_layer(standin_aiter):
@@ -328,6 +373,27 @@ def test_npu_graph_replays_run_the_fused_op_with_updated_lengths(npu_standin, pa
     assert out_calls and all(c["workspace"] is not None for c in out_calls)
 
 
+@pytest.mark.parametrize("page_size", [16, 128])
+def test_npu_draft_graphs_update_each_steps_own_plan(npu_standin, page_size):
+    """Multi-step draft graphs through the fused op: each step has its own persistent plans and tables, so
+    pre_replay updates every step's task groups with that step's host lengths (seq + i, from the batch's
+    host copy: no device read), and every step matches the reference."""
+    from hwkv.testing.spec_harness import draft_graphs
+    g = ModelGeometry(num_layers=2, swa_every=2, window=7, num_heads=4, num_kv_heads=2, head_dim=16)
+    h = Harness(NPUBackend, "cpu", g, size=1024, size_swa=16 * page_size, page_size=page_size, dtype=torch.float16)
+    rids = [h.add_request() for _ in range(2)]
+    h.forward(rids, [5, 19], ForwardMode.EXTEND)
+    h.release()
+    runner = draft_graphs(h, [1, 2], npu_standin.graphs(), 3)
+    out = npu_standin.mod.npu_fused_infer_attention_score.out
+    before = len(out.calls)
+    _draft_graph_rounds(h, runner, rids)
+    assert runner.replays == 3 and len(out.calls) > before
+    plans = [{w: gl.plan for w, gl in t.items()} for t in h.backend._graph_tables]
+    assert len(plans) == 3 and len({id(p[None]) for p in plans}) == 3
+    assert _distinct_tables([{w: gl.table for w, gl in t.items()} for t in h.backend._graph_tables])
+
+
 def test_npu_graph_without_updates_is_caught(npu_standin, monkeypatch):
     """A replay whose task groups were not updated: the stand-in runtime refuses it (the device would wait
     forever on the group's event); updates that keep the captured lengths fail the reference check."""
@@ -448,10 +514,10 @@ def test_rocm_int32_lists_are_allocated_once_and_filled_live_only(standin_aiter,
     monkeypatch.setattr(ops, "fill_kv_indices", fill)
     h = Harness(ROCmBackend, "cpu", AITER_GEOMETRY, size=256, size_swa=48, page_size=2, dtype=torch.float16)
     h.enable_graphs([1, 2], EagerAdapter())
-    ptrs = {w: t.data_ptr() for w, t in h.backend._indices_i32.items()}
+    ptrs = {w: t.data_ptr() for w, t in h.backend._graph_tables[0].items()}
     h.enable_graphs([1], EagerAdapter(), mode=ForwardMode.TARGET_VERIFY, tokens_per_req=2)
-    assert {w: t.data_ptr() for w, t in h.backend._indices_i32.items()} == ptrs, "int32 lists reallocated"
-    full = h.backend._indices_i32[None]
+    assert {w: t.data_ptr() for w, t in h.backend._graph_tables[0].items()} == ptrs, "int32 lists reallocated"
+    full = h.backend._graph_tables[0][None]
     full.fill_(-7)
     rids = [h.add_request() for _ in range(2)]
     h.forward(rids, [3, 5], ForwardMode.EXTEND)
