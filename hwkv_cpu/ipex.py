@@ -182,8 +182,8 @@ def plan_list(kv: KVIndexList, width: int, block: int = 1, out: Optional["GraphT
 
 @dataclass
 class GraphTables:
-    """Static IPEX tables per list (None: the full list), allocated once by init_graph_state and shared
-    by every runner; sized for any batch of the graph state."""
+    """Static IPEX tables per list (None: the full list), allocated once per static buffer set (the backend's
+    alloc_graph_tables) and shared by every runner; sized for any batch of that set."""
 
     tables: Dict[Optional[int], torch.Tensor]
     lens: Dict[Optional[int], torch.Tensor]

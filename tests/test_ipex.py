@@ -311,6 +311,26 @@ def test_graph_replays_read_only_the_static_ipex_tables(monkeypatch):
 
 
 @needs_ipex
+def test_draft_graphs_keep_ipex_tables_per_step(monkeypatch):
+    """Multi-step draft graphs: every step has its own IPEX tables (alloc_graph_tables per static buffer
+    set), IPEX runs every step of every replay, and each step matches the reference."""
+    from hwkv.testing.spec_harness import draft_graphs, draft_steps
+    geom = ModelGeometry(num_layers=2, swa_every=2, window=6, num_heads=4, num_kv_heads=2, head_dim=16)
+    h = Harness(TorchCPUBackend, "cpu", geom, size=256, size_swa=64, page_size=2)
+    rids = [h.add_request() for _ in range(2)]
+    h.forward(rids, [5, 9], ForwardMode.EXTEND)
+    h.release()
+    runner = draft_graphs(h, [1, 2], CaptureCheckingAdapter(), 3)
+    _, real = _route(h, monkeypatch)
+    for r in range(3):
+        draft_steps(h, rids[:1 + r % 2], 3, runner=runner)   # checked against the reference inside
+        h.release()
+    assert runner.replays == 3 and real["decode"] >= 3 * 3 * len(h.layers)
+    ptrs = [{t.data_ptr() for t in g.tables.values()} for g in h.backend._graph_tables]
+    assert len(ptrs) == 3 and all(not (a & b) for i, a in enumerate(ptrs) for b in ptrs[i + 1:])
+
+
+@needs_ipex
 def test_ipex_false_keeps_the_torch_kernels(monkeypatch):
     h = Harness(TorchCPUBackend, "cpu", ModelGeometry(), size=256, size_swa=64, ipex=False)
     _, real = _route(h, monkeypatch)
