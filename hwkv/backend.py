@@ -24,7 +24,8 @@ from hwkv.layer import AttentionLayer
 from hwkv.loc import KVWriteLoc, LocRuns, SWALocCache
 from hwkv.metadata import (ForwardMetadata, GraphViews, KVIndexList, StaticBuffers, alloc_static, check_fits,
                            cumsum_into, fill_list, window_pos0)
-from hwkv.spec import DraftTree, TreeMask, build_tree_mask, check_tree
+from hwkv.spec import (DraftTree, TreeDecodeBuffers, TreeMask, alloc_tree_decode, build_tree_mask, check_tree,
+                       tree_decode_list)
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,13 @@ class BackendOptions:
 
     sliding_window: Tuple[int, ...] = ()
     debug: Optional[bool] = None  # None: follow HWKV_DEBUG
+    # a verify tree through the extend kernels (its ancestor mask), or "decode": one decode query per draft
+    # token over its own list (hwkv.spec.tree_decode_list; split-K over long prefixes at small batches)
+    tree_verify: str = "extend"
 
     def __post_init__(self) -> None:
+        if self.tree_verify not in ("extend", "decode"):
+            raise ConfigError(f"tree_verify={self.tree_verify!r} must be 'extend' or 'decode'")
         sw = self.sliding_window
         sw = () if sw is None else ((sw,) if isinstance(sw, int) else tuple(sw))
         if any((not isinstance(w, int)) or w < 1 for w in sw):
@@ -73,6 +79,8 @@ class AttentionBackend(DraftMetadataMixin):
         self.static: Optional[StaticBuffers] = None
         self._views: Dict[Tuple[int, int], GraphViews] = {}
         self._tree_static: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (mask_indptr, q_positions)
+        self._tree_decode_static: Dict[Optional[int], TreeDecodeBuffers] = {}  # tree_verify="decode", graphs
+        self._token_arange: Optional[torch.Tensor] = None  # int32 [max_num_tokens + 1]: its qo_indptr
         self.draft_static = None  # hwkv.draft.DraftStatic, made by init_draft_graph_state
         self._graph_tables: List[Any] = []  # alloc_graph_tables per static buffer set (index: md.graph_step)
 
@@ -129,6 +137,7 @@ class AttentionBackend(DraftMetadataMixin):
                              int(ext_cpu.max()) if bs else 0, bs, batch.forward_mode.is_decode(),
                              seq_lens_cpu=seq_cpu, extend_lens_cpu=ext_cpu,
                              tree=self._tree_mask(batch, ext, qo_indptr, q_pos0, ext_cpu))
+        self._tree_decode(md, ext, batch.num_tokens)
         self.init_kernel_metadata(md, batch, graph=False)
         self.forward_metadata = md
         return md
@@ -153,6 +162,27 @@ class AttentionBackend(DraftMetadataMixin):
             total = check_tree(info, ext_cpu, self.debug)
         indptr, positions = self._tree_static if graph else (None, None)
         return build_tree_mask(info, ext, qo_indptr, q_pos0, total, batch.num_tokens, indptr, positions)
+
+    def _tree_decode(self, md: ForwardMetadata, ext: torch.Tensor, num_tokens: int) -> None:
+        """With tree_verify="decode": md.tree_decode, the verify as a decode forward of one query per draft
+        token over its own lists (no kernel metadata of the backend's own: vendor decode ops need their
+        tables, so those layers take the portable kernels). Graph mode writes the static lists."""
+        if md.tree is None or self.options.tree_verify != "decode":
+            return
+        static = self._tree_decode_static if md.graph else {}
+        if md.graph and not static:
+            raise ConfigError("tree_verify='decode' was set after init_graph_state: its lists were not allocated")
+
+        def one(lst: KVIndexList) -> KVIndexList:
+            buf = static.get(lst.window)
+            cap = buf.row_cap if buf is not None else (min(lst.max_len, lst.window) if lst.window else lst.max_len)
+            return tree_decode_list(md.tree, lst, md.qo_indptr, md.q_pos0, ext, num_tokens, max(cap, 1), buf)
+
+        qo = (self._token_arange[:num_tokens + 1] if md.graph
+              else torch.arange(num_tokens + 1, dtype=torch.int32, device=self.device))
+        md.tree_decode = ForwardMetadata(md.write_loc, md.swa_out_cache_loc, qo, md.tree.q_positions, one(md.full),
+                                         {w: one(lst) for w, lst in md.windows.items()}, 1, num_tokens, True,
+                                         graph=md.graph)
 
     def _eager_list(self, batch: ForwardBatch, seq: torch.Tensor, pos0: torch.Tensor, total: int,
                     window: Optional[int], max_len: int) -> KVIndexList:
@@ -203,6 +233,10 @@ class AttentionBackend(DraftMetadataMixin):
         self._tree_static = (torch.zeros(max_bs + 1, dtype=torch.int64, device=self.device),
                              torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device))
         self._graph_tables = [self.alloc_graph_tables(self.static)]
+        if self.options.tree_verify == "decode":  # every token's own list: max_num_tokens rows of its bound
+            self._token_arange = torch.arange(max_num_tokens + 1, dtype=torch.int32, device=self.device)
+            self._tree_decode_static = {w: alloc_tree_decode(max_num_tokens, ctx if w is None else min(ctx, w),
+                                                             self.device) for w in [None, *self.windows]}
 
     def init_forward_metadata_graph(self, batch: ForwardBatch) -> ForwardMetadata:
         """Refill the static buffers in place for a (padded) batch: no allocation of index storage,
@@ -232,6 +266,8 @@ class AttentionBackend(DraftMetadataMixin):
         tree = None if decode else self._tree_mask(batch, ext, views.qo_indptr, views.q_pos0, None, graph=True)
         md = ForwardMetadata(write_loc, swa, views.qo_indptr, views.q_pos0, views.full, views.windows, max_q, bs,
                              decode, graph=True, tree=tree)
+        if tree is not None:
+            self._tree_decode(md, ext, n)
         self.init_kernel_metadata(md, batch, graph=True)
         self.forward_metadata = md
         return md
@@ -338,6 +374,10 @@ class AttentionBackend(DraftMetadataMixin):
             self.pool.set_kv_buffer(layer, md.write_loc, k, v, layer.k_scale, layer.v_scale)
         out = q.new_empty(t, h, dv)
         if t == 0:
+            return out
+        if md.tree_decode is not None:  # a tree verify as one decode query per draft token
+            dmd = md.tree_decode
+            self.forward_decode(q, layer, dmd.list_for(layer, self.is_swa_group(layer)), dmd, out)
             return out
         kv = md.list_for(layer, self.is_swa_group(layer))
         if md.is_decode:

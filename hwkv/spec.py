@@ -8,6 +8,11 @@ depth = (number of True in its row) - 1; the window applies to positions (W keys
 so a prefix key at position p is visible to draft i iff p > pos_i - W, and draft j iff mask[i, j]
 and pos_j > pos_i - W. The metadata step turns the tree into a `TreeMask` once per forward; the
 extend kernels take it as `tree=`.
+
+Decode-like tree verify (backend option `tree_verify="decode"`): every draft token becomes a decode
+query over its own list: its request's prefix keys, then its ancestors in depth order, then itself.
+Those keys sit at consecutive positions (prefix ... q_pos0 - 1, then q_pos0 + depth), so any decode
+kernel is window-exact over the list with no mask at all (`tree_decode_list`, once per forward per list).
 """
 from __future__ import annotations
 
@@ -17,7 +22,8 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from hwkv.checks import check_shape, values_checkable
-from hwkv.errors import ShapeError
+from hwkv.errors import CapacityError, ShapeError
+from hwkv.metadata import KVIndexList, cumsum_into
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,78 @@ def build_tree_mask(tree: DraftTree, ext: torch.Tensor, qo_indptr: torch.Tensor,
     tok_req = torch.repeat_interleave(torch.arange(bs, device=dev), ext, output_size=num_tokens)
     torch.add(q_pos0[tok_req], depth - 1, out=q_positions[:num_tokens])
     return TreeMask(tree.mask, mask_indptr[:bs + 1], q_positions[:num_tokens])
+
+
+class TreeDecodeBuffers(NamedTuple):
+    """Static storage of one decode-like tree list (graph mode): indptr int32 [T + 1], pos0 int64 [T],
+    indices int64 [T * row_cap + 1] (the last entry takes the writes of masked-off elements)."""
+
+    indptr: torch.Tensor
+    pos0: torch.Tensor
+    indices: torch.Tensor
+    row_cap: int
+
+
+def alloc_tree_decode(num_tokens: int, row_cap: int, device: torch.device) -> TreeDecodeBuffers:
+    """Storage for `tree_decode_list` of up to `num_tokens` draft tokens whose lists hold <= row_cap keys."""
+    return TreeDecodeBuffers(torch.zeros(num_tokens + 1, dtype=torch.int32, device=device),
+                             torch.zeros(num_tokens, dtype=torch.int64, device=device),
+                             torch.zeros(num_tokens * row_cap + 1, dtype=torch.int64, device=device), row_cap)
+
+
+def tree_decode_list(tree: TreeMask, lst: KVIndexList, qo_indptr: torch.Tensor, q_pos0: torch.Tensor,
+                     ext: torch.Tensor, num_tokens: int, row_cap: int,
+                     out: Optional[TreeDecodeBuffers] = None) -> KVIndexList:
+    """Request lists -> one decode list per draft token (see the module doc), in a constant number of
+    device ops and no host sync: token t of request b reads b's list entries [lo_t, q_pos0 - pos0)
+    (lo_t: the window start of t for window lists, else 0), its ancestors by depth (for window lists
+    those inside the window), then itself; the list starts at its first key's position. row_cap: host bound on any token's list (the request lists'
+    max_len; at most W for window lists, which keep only the keys in t's window). `out`: static storage
+    from `alloc_tree_decode` (graph mode), else allocated here."""
+    dev = q_pos0.device
+    t_all, ext = num_tokens, ext.to(torch.int64)
+    bs = ext.shape[0]
+    if out is None:
+        out = alloc_tree_decode(t_all, row_cap, dev)
+    elif t_all > out.pos0.shape[0] or row_cap > out.row_cap:
+        raise CapacityError(f"{t_all} draft tokens with lists of {row_cap} keys exceed the tree-decode buffers "
+                            f"({out.pos0.shape[0]} tokens of {out.row_cap})")
+    tok_req = torch.repeat_interleave(torch.arange(bs, device=dev), ext, output_size=t_all)
+    q_pos = tree.q_positions[:t_all]
+    pos0_b, kv_start = lst.pos0.to(torch.int64), lst.indptr.to(torch.int64)
+    rel0 = (q_pos0.to(torch.int64) - pos0_b)[tok_req]            # list entries before the drafts
+    depth = q_pos - q_pos0.to(torch.int64)[tok_req]
+    lo, dmin = torch.zeros_like(rel0), torch.zeros_like(rel0)
+    if lst.window:   # keep only the window: prefix entries from lo_t, ancestors from depth dmin_t
+        start = q_pos - lst.window + 1 - pos0_b[tok_req]       # window start, relative to the list
+        lo = torch.minimum(start.clamp(min=0), rel0)
+        dmin = (start - rel0).clamp(min=0)
+    prefix = rel0 - lo
+    lens = prefix + depth - dmin + 1
+    cumsum_into(lens, out.indptr[:t_all + 1])
+    starts = out.indptr[:t_all].to(torch.int64)
+    torch.add(pos0_b[tok_req], lo + dmin, out=out.pos0[:t_all])
+    dump = out.indices.shape[0] - 1
+    # prefix keys: element (t, k) of a [T, row_cap] grid, kept where k < prefix_t
+    k = torch.arange(row_cap, device=dev)
+    keep = k[None, :] < prefix[:, None]
+    src = (kv_start[tok_req] + lo)[:, None] + k[None, :]
+    dst = torch.where(keep, starts[:, None] + k[None, :], dump)
+    out.indices.index_copy_(0, dst.reshape(-1), lst.indices[torch.where(keep, src, 0).reshape(-1)])
+    # drafts: mask entry (row r, draft j) of request b, set bits only, into t's slot prefix_t + depth_j
+    total = tree.mask.shape[0]
+    if total:
+        req = torch.repeat_interleave(torch.arange(bs, device=dev), ext * ext, output_size=total)
+        local = torch.arange(total, device=dev) - tree.mask_indptr[req]
+        n_b = ext[req].clamp(min=1)
+        first = qo_indptr.to(torch.int64)[req]
+        row = first + torch.div(local, n_b, rounding_mode="floor")
+        col = first + torch.remainder(local, n_b)
+        keep_d = tree.mask & (depth[col] >= dmin[row])
+        dst_d = torch.where(keep_d, starts[row] + prefix[row] + depth[col] - dmin[row], dump)
+        src_d = kv_start[req] + rel0[col] + (col - first)
+        out.indices.index_copy_(0, dst_d, lst.indices[src_d])
+    return KVIndexList(out.indptr[:t_all + 1], out.indices, out.pos0[:t_all], lst.window, row_cap, lst.is_swa_slots)
 
 
 def tree_visible(prefix_len: int, tree_block: torch.Tensor, window: Optional[int]) -> "tuple[torch.Tensor, torch.Tensor]":

@@ -231,6 +231,65 @@ def test_each_draft_agrees_with_decode_over_its_ancestor_path(ks, window):
     assert torch.allclose(out, ext, atol=1e-5, rtol=1e-5)
 
 
+def test_tree_decode_list_hand_computed():
+    """Prefix slots 10..13 at positions 0-3, drafts 20..24 of the tree [-1, 0, 0, 1, 2] at 4, 5, 5, 6, 6:
+    each token's own list is the prefix (its window of it), its ancestors by depth, then itself."""
+    from hwkv.metadata import KVIndexList
+    from hwkv.spec import tree_decode_list
+    i64 = dict(dtype=torch.int64)
+    par = [-1, 0, 0, 1, 2]
+    draft = DraftTree.from_parents([par])
+    ext, qo, q_pos0 = torch.tensor([5]), torch.tensor([0, 5], dtype=torch.int32), torch.tensor([4])
+    tree = build_tree_mask(draft, ext, qo, q_pos0, 25, 5)
+    slots = torch.tensor([10, 11, 12, 13, 20, 21, 22, 23, 24])
+    full = KVIndexList(torch.tensor([0, 9], dtype=torch.int32), slots, torch.tensor([0]), None, 9)
+    got = tree_decode_list(tree, full, qo, q_pos0, ext, 5, 9)
+    pre = [10, 11, 12, 13]
+    want = [pre + [20], pre + [20, 21], pre + [20, 22], pre + [20, 21, 23], pre + [20, 22, 24]]
+    ptr = got.indptr.tolist()
+    assert [got.indices[ptr[t]:ptr[t + 1]].tolist() for t in range(5)] == want
+    assert got.pos0.tolist() == [0] * 5
+    # W = 3: the request's window list starts at position 2 (slots 12, 13, then the drafts)
+    win = KVIndexList(torch.tensor([0, 7], dtype=torch.int32), slots[2:], torch.tensor([2]), 3, 7)
+    got = tree_decode_list(tree, win, qo, q_pos0, ext, 5, 3)
+    ptr = got.indptr.tolist()
+    assert [got.indices[ptr[t]:ptr[t + 1]].tolist() for t in range(5)] == [
+        [12, 13, 20], [13, 20, 21], [13, 20, 22], [20, 21, 23], [20, 22, 24]]
+    assert got.pos0.tolist() == [2, 3, 3, 4, 4]
+    assert tree.q_positions.tolist() == [4, 5, 5, 6, 6]
+    # a chain deeper than the window: W = 3 over prefix 10, 11 (positions 0-1) and drafts 20..24 (2-6)
+    chain = build_tree_mask(DraftTree.from_parents([[-1, 0, 1, 2, 3]]), ext, qo, torch.tensor([2]), 25, 5)
+    lst = KVIndexList(torch.tensor([0, 7], dtype=torch.int32), torch.tensor([10, 11, 20, 21, 22, 23, 24]),
+                      torch.tensor([0]), 3, 7)
+    got = tree_decode_list(chain, lst, qo, torch.tensor([2]), ext, 5, 3)
+    ptr = got.indptr.tolist()
+    assert [got.indices[ptr[t]:ptr[t + 1]].tolist() for t in range(5)] == [
+        [10, 11, 20], [11, 20, 21], [20, 21, 22], [21, 22, 23], [22, 23, 24]]
+    assert got.pos0.tolist() == [0, 1, 2, 3, 4]
+    assert torch.equal(slots, torch.tensor([10, 11, 12, 13, 20, 21, 22, 23, 24], **i64)), "input list unchanged"
+
+
+@pytest.mark.parametrize("window,window_list", [(None, True), (3, True), (3, False), (7, True)])
+def test_tree_decode_lists_through_the_decode_kernel_equal_the_tree_extend(ks, window, window_list):
+    """tree_verify="decode": the decode kernel over tree_decode_list's per-token lists gives what the tree
+    extend kernel gives (and the reference), for mixed trees, a forest, a request without drafts."""
+    from hwkv.metadata import KVIndexList
+    from hwkv.spec import tree_decode_list
+    c = TreeCase(ks, [5, 19, 0, 8, 2], [TOP2, FOREST, TOP3, SINGLE, CHAIN6], window=window, window_list=window_list,
+                 seed=90 + (window or 0))
+    sinks = _sinks(4, ks.dev)
+    lens = (c.kv_indptr[1:] - c.kv_indptr[:-1]).tolist()
+    lst = KVIndexList(c.kv_indptr, c.kv_indices, c.kv_pos0, window if window_list else None, max(lens))
+    ext = torch.tensor(c.ns, dtype=torch.int64, device=ks.dev)
+    cap = min(max(lens), window) if (window and window_list) else max(lens)
+    rows = tree_decode_list(c.tree, lst, c.qo_indptr, c.q_pos0, ext, sum(c.ns), cap)
+    out = c.new_out()
+    ks.mod.decode_attention(c.q, c.k_buf, c.v_buf, rows.indptr, rows.indices, rows.pos0, c.tree.q_positions, out,
+                            c.scaling, window, 2.0, sinks, None, None, max_kv_len=rows.max_len)
+    _close(out, c.ref(2.0, sinks), _tol(ks))
+    assert torch.allclose(out, c.extend(2.0, sinks), atol=1e-5, rtol=1e-5)
+
+
 def test_inputs_unchanged(ks):
     c = TreeCase(ks, [11, 3], [TOP2, CHAIN4], window=3, seed=80)
     before = [t.clone() for t in (c.q, c.k_buf, c.v_buf, c.kv_indptr, c.kv_indices, *c.tree)]
@@ -309,3 +368,36 @@ def test_custom_op_takes_the_tree_and_compiles(monkeypatch):
     _close(compiled(*c.tree), c.ref())
     with pytest.raises(ShapeError, match="together"):
         layer(c.tree.mask, c.tree.mask_indptr)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_decode_like_tree_verify_runs_the_decode_kernels(graph, monkeypatch):
+    """tree_verify="decode": a tree verify's layers call forward_decode with one query per draft token and
+    never forward_extend; an eager verify without a tree keeps the extend kernels; a bad value is a ConfigError."""
+    from hwkv.batch import ForwardMode
+    from hwkv.errors import ConfigError
+    from hwkv.graph import EagerAdapter
+    from hwkv.testing.harness import Harness, ModelGeometry
+    from hwkv.testing.spec_harness import tree_verify
+    from hwkv_cpu.backend import TorchCPUBackend
+
+    with pytest.raises(ConfigError, match="tree_verify='both' must be 'extend' or 'decode'"):
+        Harness(TorchCPUBackend, "cpu", ModelGeometry(), size=256, size_swa=64, tree_verify="both")
+    geom = ModelGeometry(num_layers=2, swa_every=2, window=4, num_heads=4, num_kv_heads=2, head_dim=16)
+    h = Harness(TorchCPUBackend, "cpu", geom, size=256, size_swa=64, tree_verify="decode")
+    if graph:
+        h.enable_graphs([2], EagerAdapter(), mode=ForwardMode.TARGET_VERIFY, tokens_per_req=5, tree=True)
+    calls = []
+    for name in ("forward_decode", "forward_extend"):
+        inner = getattr(h.backend, name)
+        monkeypatch.setattr(h.backend, name, lambda q, *a, __f=inner, __n=name: (calls.append((__n, q.shape[0])),
+                                                                                 __f(q, *a))[1])
+    rids = [h.add_request() for _ in range(2)]
+    h.forward(rids, [9, 3], ForwardMode.EXTEND)
+    calls.clear()
+    tree_verify(h, rids, [[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 3]], [[0, 2], [0, 1, 2]])   # checked inside
+    assert calls and all(c == ("forward_decode", 10) for c in calls), calls
+    if not graph:   # a verify without a tree keeps the extend kernels (graphs captured with tree=True run chains)
+        calls.clear()
+        h.forward(rids, [2, 2], ForwardMode.TARGET_VERIFY)
+        assert calls and all(c[0] == "forward_extend" for c in calls), calls

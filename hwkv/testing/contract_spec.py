@@ -35,11 +35,13 @@ class CountingTranslate:
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("verify_kernel", ["extend", "decode"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_tree_verify_accept_and_reuse(hwkv_target, page_size, graph):
+def test_tree_verify_accept_and_reuse(hwkv_target, page_size, graph, verify_kernel):
     """Tree verify (top-k > 1) against the reference, accepted paths kept and the rest freed in both
-    pools, decode after it; graphs replayed for 2 requests then 1 (the tail padded with chains)."""
-    h = _make(hwkv_target, page_size=page_size)
+    pools, decode after it; graphs replayed for 2 requests then 1 (the tail padded with chains); through
+    the extend kernels (the tree's mask) and decode-like (one decode query per draft token)."""
+    h = _make(hwkv_target, page_size=page_size, tree_verify=verify_kernel)
     if graph:
         h.enable_graphs([1, 2], hwkv_target.adapter_factory(), mode=ForwardMode.TARGET_VERIFY, tokens_per_req=5,
                         tree=True)
