@@ -338,6 +338,49 @@ def sweep_extend_head_dims():
     return out
 
 
+# ----------------------------------------------------------------------------- tree verify
+TREE_CASES = [(1, 32768, None), (8, 32768, None), (1, 32768, 128), (8, 4096, None)]   # (batch, prefix, W)
+
+
+def bench_tree_verify():
+    """Tree verify (top-2 tree of 15 drafts) over a long prefix: the extend kernel with the tree's mask
+    against the decode-like path (hwkv.spec.tree_decode_list, then split-K decode), the list build
+    included, for batch 1 and 8; full list, and W=128."""
+    from hwkv.metadata import KVIndexList
+    from hwkv.spec import DraftTree, build_tree_mask, tree_decode_list
+    par = [-1] + [(i - 1) // 2 for i in range(1, 15)]
+    rows = []
+    for bs, prefix, window in TREE_CASES:
+        n = len(par)
+        s = ExtendSetup(bs, n, prefix, window)
+        draft = DraftTree.from_parents([par] * bs, device=DEV)
+        ext = torch.full((bs,), n, dtype=torch.int64, device=DEV)
+        tree = build_tree_mask(draft, ext, s.qo_indptr, s.q_pos0, int(draft.mask.shape[0]), bs * n)
+        keys = prefix + n - s.pos0
+        lst = KVIndexList(s.kv_indptr, s.indices, s.kv_pos0, window, keys)
+        cap = min(keys, window) if window else keys
+
+        def ext_fn():
+            extend_attention(s.q, s.k_buf, s.v_buf, s.kv_indptr, s.indices, s.kv_pos0, s.qo_indptr, s.q_pos0,
+                             s.out, n, 0.125, window, 0.0, s.sinks, None, None, tree=tree)
+
+        def dec_fn():
+            r = tree_decode_list(tree, lst, s.qo_indptr, s.q_pos0, ext, bs * n, cap)
+            decode_attention(s.q, s.k_buf, s.v_buf, r.indptr, r.indices, r.pos0, tree.q_positions, s.out, 0.125,
+                             window, 0.0, s.sinks, None, None, cap)
+        ext_fn()
+        want = s.out.clone()
+        dec_fn()
+        err = rel_err(s.out, want.float())
+        row = dict(batch=bs, prefix=prefix, drafts=n, window=window, extend_us=graph_us([ext_fn], reps=20),
+                   decode_like_us=graph_us([dec_fn], reps=20), rel_diff=err)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del s
+        torch.cuda.empty_cache()
+    return rows
+
+
 # ----------------------------------------------------------------------------- checks
 def dense_ref(q, k, v, q_pos, k_pos, scaling, window, sinks, cap=0.0):
     """fp32 attention of one request on the GPU: q [T,H,D], k/v [N,KVH,*] at positions."""
@@ -454,8 +497,8 @@ def main():
     ap.add_argument("--out", default="bench_cuda_kernels.json")
     ap.add_argument("--sweep", action="store_true", help="also time a grid of launch configs")
     ap.add_argument("--no-check", action="store_true", help="skip the large-shape correctness checks")
-    ap.add_argument("--only", choices=["all", "extend", "decode"], default="all",
-                    help="run only the prefill/extend or only the store+decode sections")
+    ap.add_argument("--only", choices=["all", "extend", "decode", "tree"], default="all",
+                    help="run only the prefill/extend, the store+decode or the tree-verify section")
     ap.add_argument("--sweep-head-dims", action="store_true",
                     help="also sweep extend configs for head dims 128 and 256 (the recorded table)")
     args = ap.parse_args()
@@ -473,6 +516,8 @@ def main():
         result["extend"] = bench_extend(copy_bw, args.sweep)
         if args.sweep_head_dims:
             result["extend_head_dims"] = sweep_extend_head_dims()
+    if args.only in ("all", "tree"):
+        result["tree_verify"] = bench_tree_verify()
     if args.only in ("all", "decode"):
         result["store"] = bench_store(copy_bw, args.sweep)
         result["decode"] = bench_decode(copy_bw, args.sweep)
