@@ -4,7 +4,8 @@ The base class owns everything location-related: it translates the write locs on
 forward (`SWALocCache`), builds the full and window index lists once (window lists already
 hold SWA slots), refills graph buffers before replay, and writes K/V through the pool. A
 subclass supplies only kernels: `forward_decode`, `forward_extend` and optionally
-`init_kernel_metadata`.
+`init_kernel_metadata` (with `alloc_graph_tables` for graph-mode tables of its own, one set per
+static buffer set).
 """
 from __future__ import annotations
 
@@ -137,7 +138,7 @@ class AttentionBackend(DraftMetadataMixin):
                              int(ext_cpu.max()) if bs else 0, bs, batch.forward_mode.is_decode(),
                              seq_lens_cpu=seq_cpu, extend_lens_cpu=ext_cpu,
                              tree=self._tree_mask(batch, ext, qo_indptr, q_pos0, ext_cpu))
-        self._tree_decode(md, ext, batch.num_tokens)
+        self._tree_decode(md, ext, batch.num_tokens, batch.req_pool_indices)
         self.init_kernel_metadata(md, batch, graph=False)
         self.forward_metadata = md
         return md
@@ -163,20 +164,24 @@ class AttentionBackend(DraftMetadataMixin):
         indptr, positions = self._tree_static if graph else (None, None)
         return build_tree_mask(info, ext, qo_indptr, q_pos0, total, batch.num_tokens, indptr, positions)
 
-    def _tree_decode(self, md: ForwardMetadata, ext: torch.Tensor, num_tokens: int) -> None:
+    def _tree_decode(self, md: ForwardMetadata, ext: torch.Tensor, num_tokens: int, rows: torch.Tensor) -> None:
         """With tree_verify="decode": md.tree_decode, the verify as a decode forward of one query per draft
         token over its own lists (no kernel metadata of the backend's own: vendor decode ops need their
         tables, so those layers take the portable kernels). Graph mode writes the static lists."""
         if md.tree is None or self.options.tree_verify != "decode":
             return
         static = self._tree_decode_static if md.graph else {}
-        if md.graph and not static:
-            raise ConfigError("tree_verify='decode' was set after init_graph_state: its lists were not allocated")
+        if md.graph and not static:  # the first graph tree verify: its capture's warm-up refill, not a replay
+            st, ctx = self.static, self.graph_max_context_len
+            static.update({w: alloc_tree_decode(st.max_num_tokens, ctx if w is None else min(ctx, w), self.device)
+                           for w in [None, *self.windows]})
+            self._token_arange = torch.arange(st.max_num_tokens + 1, dtype=torch.int32, device=self.device)
 
         def one(lst: KVIndexList) -> KVIndexList:
             buf = static.get(lst.window)
             cap = buf.row_cap if buf is not None else (min(lst.max_len, lst.window) if lst.window else lst.max_len)
-            return tree_decode_list(md.tree, lst, md.qo_indptr, md.q_pos0, ext, num_tokens, max(cap, 1), buf)
+            return tree_decode_list(md.tree, lst, md.qo_indptr, md.q_pos0, ext, num_tokens, max(cap, 1), buf,
+                                    (self.req_to_token_pool.req_to_token, rows))
 
         qo = (self._token_arange[:num_tokens + 1] if md.graph
               else torch.arange(num_tokens + 1, dtype=torch.int32, device=self.device))
@@ -233,10 +238,6 @@ class AttentionBackend(DraftMetadataMixin):
         self._tree_static = (torch.zeros(max_bs + 1, dtype=torch.int64, device=self.device),
                              torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device))
         self._graph_tables = [self.alloc_graph_tables(self.static)]
-        if self.options.tree_verify == "decode":  # every token's own list: max_num_tokens rows of its bound
-            self._token_arange = torch.arange(max_num_tokens + 1, dtype=torch.int32, device=self.device)
-            self._tree_decode_static = {w: alloc_tree_decode(max_num_tokens, ctx if w is None else min(ctx, w),
-                                                             self.device) for w in [None, *self.windows]}
 
     def init_forward_metadata_graph(self, batch: ForwardBatch) -> ForwardMetadata:
         """Refill the static buffers in place for a (padded) batch: no allocation of index storage,
@@ -267,7 +268,7 @@ class AttentionBackend(DraftMetadataMixin):
         md = ForwardMetadata(write_loc, swa, views.qo_indptr, views.q_pos0, views.full, views.windows, max_q, bs,
                              decode, graph=True, tree=tree)
         if tree is not None:
-            self._tree_decode(md, ext, n)
+            self._tree_decode(md, ext, n, batch.req_pool_indices)
         self.init_kernel_metadata(md, batch, graph=True)
         self.forward_metadata = md
         return md

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from hwkv import ops
 from hwkv.checks import check_shape, values_checkable
 from hwkv.errors import CapacityError, ShapeError
 from hwkv.metadata import KVIndexList, cumsum_into
@@ -89,8 +90,9 @@ class DraftTree:
 
 
 def check_tree(tree: DraftTree, ext_cpu: torch.Tensor, debug: bool) -> int:
-    """The mask's length must be sum(n_b^2) (host lengths: no sync); debug also checks the values
-    (diagonal set, nothing above it), which reads the mask. Returns the mask length."""
+    """The mask's length must be sum(n_b^2) (host lengths: no sync); debug also checks the values (diagonal
+    set, nothing above it, and a tree: each token's ancestors are one path, one at every depth below its
+    own, whose ancestors are its too), which reads the mask. Returns the mask length."""
     need = int((ext_cpu.to(torch.int64) ** 2).sum())
     got = int(tree.mask.shape[0])
     if got != need:
@@ -103,6 +105,14 @@ def check_tree(tree: DraftTree, ext_cpu: torch.Tensor, debug: bool) -> int:
             if not bool(block.diagonal().all()) or bool(torch.triu(block, 1).any()):
                 raise ShapeError(f"DraftTree.mask block at {at} ({n} x {n}) must have its diagonal set and "
                                  "nothing above it (ancestors come first)")
+            depth = block.sum(1) - 1
+            for i in range(n):
+                anc = block[i].nonzero().flatten()
+                if (not torch.equal(depth[anc].sort().values, torch.arange(len(anc)))
+                        or bool((block[anc] & ~block[i]).any())):
+                    raise ShapeError(f"DraftTree.mask block at {at}: token {i}'s row {block[i].int().tolist()} is "
+                                     "not one ancestor path (one token at every depth below its own, each "
+                                     "with its own ancestors in the row)")
             at += n * n
     return need
 
@@ -143,6 +153,9 @@ class TreeDecodeBuffers(NamedTuple):
 
 def alloc_tree_decode(num_tokens: int, row_cap: int, device: torch.device) -> TreeDecodeBuffers:
     """Storage for `tree_decode_list` of up to `num_tokens` draft tokens whose lists hold <= row_cap keys."""
+    if num_tokens * row_cap >= 2 ** 31:   # the lists' indptr is int32
+        raise CapacityError(f"{num_tokens} draft tokens x {row_cap} keys = {num_tokens * row_cap} list entries "
+                            f"exceed the int32 indptr's {2 ** 31 - 1}")
     return TreeDecodeBuffers(torch.zeros(num_tokens + 1, dtype=torch.int32, device=device),
                              torch.zeros(num_tokens, dtype=torch.int64, device=device),
                              torch.zeros(num_tokens * row_cap + 1, dtype=torch.int64, device=device), row_cap)
@@ -150,13 +163,16 @@ def alloc_tree_decode(num_tokens: int, row_cap: int, device: torch.device) -> Tr
 
 def tree_decode_list(tree: TreeMask, lst: KVIndexList, qo_indptr: torch.Tensor, q_pos0: torch.Tensor,
                      ext: torch.Tensor, num_tokens: int, row_cap: int,
-                     out: Optional[TreeDecodeBuffers] = None) -> KVIndexList:
+                     out: Optional[TreeDecodeBuffers] = None,
+                     rows: Optional["tuple[torch.Tensor, torch.Tensor]"] = None) -> KVIndexList:
     """Request lists -> one decode list per draft token (see the module doc), in a constant number of
     device ops and no host sync: token t of request b reads b's list entries [lo_t, q_pos0 - pos0)
     (lo_t: the window start of t for window lists, else 0), its ancestors by depth (for window lists
     those inside the window), then itself; the list starts at its first key's position. row_cap: host bound on any token's list (the request lists'
     max_len; at most W for window lists, which keep only the keys in t's window). `out`: static storage
-    from `alloc_tree_decode` (graph mode), else allocated here."""
+    from `alloc_tree_decode` (graph mode), else allocated here. `rows`: (req_to_token, req_pool_indices)
+    of the batch: a full list (slot j = req_to_token[row, j]) then takes its prefixes straight from the
+    rows with `ops.fill_kv_indices`, which writes live entries only, instead of a [T, row_cap] grid."""
     dev = q_pos0.device
     t_all, ext = num_tokens, ext.to(torch.int64)
     bs = ext.shape[0]
@@ -181,12 +197,21 @@ def tree_decode_list(tree: TreeMask, lst: KVIndexList, qo_indptr: torch.Tensor, 
     starts = out.indptr[:t_all].to(torch.int64)
     torch.add(pos0_b[tok_req], lo + dmin, out=out.pos0[:t_all])
     dump = out.indices.shape[0] - 1
-    # prefix keys: element (t, k) of a [T, row_cap] grid, kept where k < prefix_t
-    k = torch.arange(row_cap, device=dev)
-    keep = k[None, :] < prefix[:, None]
-    src = (kv_start[tok_req] + lo)[:, None] + k[None, :]
-    dst = torch.where(keep, starts[:, None] + k[None, :], dump)
-    out.indices.index_copy_(0, dst.reshape(-1), lst.indices[torch.where(keep, src, 0).reshape(-1)])
+    if rows is not None and not lst.window and not lst.is_swa_slots:
+        # 2T runs (t's prefix, then a placeholder run of t's path length that the drafts overwrite below)
+        rtt, req_rows = rows
+        runs = torch.stack([prefix, lens - prefix], 1).reshape(-1)
+        run_ptr = cumsum_into(runs, torch.empty(2 * t_all + 1, dtype=torch.int32, device=dev))
+        run_rows = torch.stack([req_rows.to(torch.int64)[tok_req], torch.zeros_like(tok_req)], 1).reshape(-1)
+        run_pos0 = torch.stack([pos0_b[tok_req] + lo, torch.zeros_like(lo)], 1).reshape(-1)
+        ops.fill_kv_indices(rtt, run_rows, run_pos0, run_ptr, out.indices)
+    else:
+        # prefix keys: element (t, k) of a [T, row_cap] grid, kept where k < prefix_t
+        k = torch.arange(row_cap, device=dev)
+        keep = k[None, :] < prefix[:, None]
+        src = (kv_start[tok_req] + lo)[:, None] + k[None, :]
+        dst = torch.where(keep, starts[:, None] + k[None, :], dump)
+        out.indices.index_copy_(0, dst.reshape(-1), lst.indices[torch.where(keep, src, 0).reshape(-1)])
     # drafts: mask entry (row r, draft j) of request b, set bits only, into t's slot prefix_t + depth_j
     total = tree.mask.shape[0]
     if total:

@@ -6,7 +6,7 @@ single_query_cached_kv_attention, and with `ipex_extend=True` extend to its flas
 `ipex.layer_reason` finds nothing the op lacks (sinks, fp8/K-V scales, unequal K/V head dims, a window with
 softcap in decode over the full list, W=1 in extend); every other layer runs `hwkv_cpu.kernels`. The slot
 tables IPEX reads are built once per forward from the core's index lists (graph mode: into tables
-allocated once).
+allocated once per static buffer set by `alloc_graph_tables`).
 
 Extend stays on the torch kernels unless asked for: the varlen op reads hwkv's token-major pool only with
 block_size 1, and there it measured 7-13x slower than `hwkv_cpu.kernels` (IPEX 2.8.0, 2-core AVX-512 VM,

@@ -41,7 +41,7 @@ class NPUOptions(BackendOptions):
 
 @dataclass
 class _GraphList:
-    """One index list's persistent graph plan and its static buffers (allocated once)."""
+    """One index list's persistent graph plan and its static buffers (allocated once per static buffer set)."""
 
     plan: fia.FIAPlan
     table: torch.Tensor            # int32 [max_bs, max_pages]

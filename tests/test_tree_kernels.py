@@ -249,6 +249,11 @@ def test_tree_decode_list_hand_computed():
     ptr = got.indptr.tolist()
     assert [got.indices[ptr[t]:ptr[t + 1]].tolist() for t in range(5)] == want
     assert got.pos0.tolist() == [0] * 5
+    rtt = torch.zeros(3, 12, dtype=torch.int64)
+    rtt[2, :9] = slots                    # the same full list read straight from the request's row
+    via_rows = tree_decode_list(tree, full, qo, q_pos0, ext, 5, 9, rows=(rtt, torch.tensor([2])))
+    ptr = via_rows.indptr.tolist()
+    assert [via_rows.indices[ptr[t]:ptr[t + 1]].tolist() for t in range(5)] == want
     # W = 3: the request's window list starts at position 2 (slots 12, 13, then the drafts)
     win = KVIndexList(torch.tensor([0, 7], dtype=torch.int32), slots[2:], torch.tensor([2]), 3, 7)
     got = tree_decode_list(tree, win, qo, q_pos0, ext, 5, 3)
@@ -401,3 +406,24 @@ def test_decode_like_tree_verify_runs_the_decode_kernels(graph, monkeypatch):
         calls.clear()
         h.forward(rids, [2, 2], ForwardMode.TARGET_VERIFY)
         assert calls and all(c[0] == "forward_extend" for c in calls), calls
+
+
+def test_check_tree_in_debug_mode_accepts_trees_and_names_what_is_not_one():
+    """check_tree(debug=True) reads the mask: forests and deep trees pass; a missing diagonal, a bit above it,
+    two ancestors at one depth, and an ancestor whose own ancestors are missing raise ShapeError."""
+    from hwkv.spec import check_tree
+    good = DraftTree.from_parents([TOP3, FOREST, SINGLE])
+    assert check_tree(good, torch.tensor([11, 5, 1]), debug=True) == 121 + 25 + 1
+
+    def one(rows):
+        return DraftTree(torch.tensor(rows, dtype=torch.bool).reshape(-1)), torch.tensor([len(rows)])
+
+    bad = [([[0, 0], [1, 1]], "diagonal set"),
+           ([[1, 1], [0, 1]], "nothing above it"),
+           ([[1, 0, 0], [0, 1, 0], [1, 1, 1]], "not one ancestor path"),    # two roots, both "ancestors" of 2
+           ([[1, 0, 0], [1, 1, 0], [0, 1, 1]], "not one ancestor path")]    # 1's ancestor 0 missing from row 2
+    for rows, msg in bad:
+        tree, ext = one(rows)
+        check_tree(tree, ext, debug=False)            # the length alone is right: no values read
+        with pytest.raises(ShapeError, match=msg):
+            check_tree(tree, ext, debug=True)

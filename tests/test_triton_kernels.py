@@ -163,6 +163,8 @@ def test_decode_config_by_batch_and_list_length(monkeypatch):
     monkeypatch.setattr(dec, "interpreting", lambda: False)
     monkeypatch.setattr(dec, "num_sms", lambda device: 132)
     cpu = torch.device("cpu")
+    assert dec.decode_config(256, 8, 64, 4096, cpu) == dec.GPU_CONFIG     # not a Hopper-class GPU: portable
+    monkeypatch.setattr(dec, "hopper_class", lambda device: True)
     assert dec.decode_config(64, 8, 64, 4096, cpu) == dec.WIDE_CONFIG
     assert dec.decode_config(256, 8, 64, 128, cpu) == dec.LONG_CONFIG     # window lists, wide batch
     assert dec.decode_config(1, 8, 64, 128, cpu) == dec.GPU_CONFIG        # window lists, batch 1
@@ -172,6 +174,7 @@ def test_decode_config_by_batch_and_list_length(monkeypatch):
     assert dec.decode_config(256, 8, 128, 4096, cpu) == dec.GPU_CONFIG    # a 2-head row is too wide
     assert dec.decode_config(256, 1, 64, 4096, cpu) == dec.GPU_CONFIG     # one kv head
     assert dec.decode_num_splits(64, 8, 4096, cpu, head_dim=64) == 1      # one program per SM already
+    assert dec.decode_num_splits(64, 8, 4096, cpu) == 2                   # no head dim: one kv head per program
     monkeypatch.setattr(dec, "interpreting", lambda: True)
     assert dec.decode_config(256, 8, 64, 4096, cpu) == dec.INTERPRET_CONFIG
 
@@ -413,5 +416,8 @@ def test_extend_config_follows_head_dim_dtype_and_window(monkeypatch):
     assert ext.default_config(64, window=4096) == ext.TUNED[(64, False)]      # long windows: causal tiles
     assert ext.default_config(128, window=128) == ext.WINDOWED[128]
     assert ext.default_config(256, window=128).block_m == 64                  # not the causal 128-row tiles
+    assert ext.default_config(256) == ext.PORTABLE[256]                       # no Hopper-class device named
+    monkeypatch.setattr(ext, "hopper_class", lambda device: True)
+    assert ext.default_config(256, device=torch.device("cuda")) == ext.TUNED[(256, False)]
     half = ext.default_config(64, fp32=True)
     assert (half.block_m, half.block_n) == (64, 64) and half.num_stages <= 2

@@ -34,6 +34,19 @@ def interpreting() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def hopper_class(device: torch.device) -> bool:
+    """An NVIDIA GPU of compute capability >= 9.0 (H100/H200 and later; not ROCm): the devices the
+    shared-memory-hungry configs were recorded on. Elsewhere the kernels keep their portable configs."""
+    if interpreting() or device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> "tuple[int, int]":
+    return torch.cuda.get_device_capability(index)
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of `device` (Xe-cores on XPU; a small stand-in under the interpreter)."""
     if interpreting():

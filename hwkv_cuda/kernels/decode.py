@@ -26,7 +26,8 @@ import triton.language as tl
 
 from hwkv.errors import ShapeError
 from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, check_dims, check_same_device, dot,
-                                      fold_sink, interpreting, logits_log2, num_sms, online_softmax_step, pow2)
+                                      fold_sink, hopper_class, interpreting, logits_log2, num_sms, online_softmax_step,
+                                      pow2)
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class DecodeConfig:
     mid_block_n: int = 64        # ... when a split holds between block_n and 1024 keys
     num_warps: int = 4
     num_stages: int = 3
-    ctas_per_sm: int = 4         # stage 1 aims for batch * kv_heads * splits >= ctas_per_sm * SMs
+    ctas_per_sm: int = 4         # stage 1 aims for batch * kv-head programs * splits >= ctas_per_sm * SMs
     min_keys_per_split: int = 128
     max_splits: int = 64
     heads_per_program: int = 1   # kv heads one program reads (see kv_heads_per_program)
@@ -79,8 +80,8 @@ def decode_config(batch: int, num_kv_heads: int, head_dim: int, max_kv_len: Opti
     lists) or the lists are long; otherwise GPU_CONFIG. Host ints only: decided once per plan."""
     if interpreting():
         return INTERPRET_CONFIG
-    if WIDE_CONFIG.kv_heads_per_program(num_kv_heads, head_dim) < 2:
-        return GPU_CONFIG
+    if not hopper_class(torch.device(device)) or WIDE_CONFIG.kv_heads_per_program(num_kv_heads, head_dim) < 2:
+        return GPU_CONFIG   # the two-head tiles (up to 192 KiB of shared memory) were recorded on an H200
     short = max_kv_len is not None and max_kv_len <= SHORT_LIST
     if batch * num_kv_heads // 2 >= num_sms(torch.device(device)):
         return LONG_CONFIG if short else WIDE_CONFIG
@@ -105,11 +106,18 @@ class DecodeWorkspace(NamedTuple):
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_kv_len: Optional[int],
-                      device: torch.device, config: Optional[DecodeConfig] = None, *, head_dim: int) -> int:
+                      device: torch.device, config: Optional[DecodeConfig] = None, *,
+                      head_dim: Optional[int] = None) -> int:
     """Splits per (request, kv-head program) that fill the device; capped by max_kv_len when known.
-    Without a config, the one `decode_config` picks for this shape."""
-    cfg = config or decode_config(batch, num_kv_heads, head_dim, max_kv_len, device)
-    programs = batch * (num_kv_heads // cfg.kv_heads_per_program(num_kv_heads, head_dim))
+    Without a config, the one `decode_config` picks for this shape; without head_dim (older callers),
+    one kv head per program as in GPU_CONFIG."""
+    if head_dim is None:
+        cfg = config or (INTERPRET_CONFIG if interpreting() else GPU_CONFIG)
+        hpp = 1
+    else:
+        cfg = config or decode_config(batch, num_kv_heads, head_dim, max_kv_len, device)
+        hpp = cfg.kv_heads_per_program(num_kv_heads, head_dim)
+    programs = batch * (num_kv_heads // hpp)
     want = triton.cdiv(cfg.ctas_per_sm * num_sms(torch.device(device)), max(1, programs))
     if max_kv_len is not None:
         want = min(want, triton.cdiv(max(int(max_kv_len), 1), cfg.min_keys_per_split))

@@ -7,7 +7,8 @@ key tile is loaded once for the whole GQA group, and a decode row inside a mixed
 GROUP rows of a small tile rather than one row of a 128-row tile. The program walks only the
 key tiles some of its queries can see (window start of the first token to the causal end of
 the last), in three loops: masked tiles at the window edge, unmasked tiles every row sees in
-full (no mask arithmetic at all), masked tiles across the causal diagonal. Window prefill thus
+full (no mask arithmetic at all), masked tiles across the causal diagonal (`one_loop` configs, for
+window lists, walk them all as one masked loop instead). Window prefill thus
 costs about N x (W + BLOCK_T) keys, not N x N. Token blocks run from the last (the heaviest
 under the causal mask) to the first, so the long programs start first.
 
@@ -31,7 +32,7 @@ from hwkv.checks import values_checkable
 from hwkv.errors import ShapeError
 from hwkv.spec import TreeMask, check_tree_mask
 from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, check_dims, check_same_device, dot,
-                                      fold_sink, interpreting, logits_log2, online_softmax_step, pow2)
+                                      fold_sink, hopper_class, interpreting, logits_log2, online_softmax_step, pow2)
 
 
 @dataclass(frozen=True)
@@ -74,15 +75,22 @@ WINDOWED: Dict[int, ExtendConfig] = {
     128: ExtendConfig(block_m=128, block_n=32, num_warps=4, num_stages=3),
     256: ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
 }
+# Devices other than Hopper-class NVIDIA GPUs (less shared memory: MI300's 64 KiB LDS, sm_8x's 100-164 KiB)
+# keep the configs that ran there before the H200 sweep wherever the swept one needs more.
+PORTABLE: Dict[int, ExtendConfig] = {256: ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)}
 INTERPRET_CONFIG = ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
 
 
-def default_config(head_dim: int, fp32: bool = False, window: Optional[int] = None) -> ExtendConfig:
-    """The recorded config for this head dim, query dtype and window (tiny blocks under the interpreter)."""
+def default_config(head_dim: int, fp32: bool = False, window: Optional[int] = None,
+                   device: Optional[torch.device] = None) -> ExtendConfig:
+    """The recorded config for this head dim, query dtype, window and device (tiny blocks under the
+    interpreter; `PORTABLE` off Hopper-class GPUs, and when no device is named)."""
     if interpreting():
         return INTERPRET_CONFIG
     d = min(max(pow2(head_dim), 64), 256)
     cfg = TUNED[(d, False)]
+    if d in PORTABLE and (device is None or not hopper_class(torch.device(device))):
+        cfg = PORTABLE[d]
     if window and window <= WINDOWED_MAX and d in WINDOWED:
         cfg = WINDOWED[d]
     if fp32:   # fp32 tiles take twice the registers and shared memory of bf16 ones
@@ -310,7 +318,7 @@ class ExtendPlan(NamedTuple):
 def _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config, has_tree, window=None) -> ExtendPlan:
     t, h, d = q.shape
     bs, kvh, dv = kv_pos0.shape[0], k_buf.shape[1], v_buf.shape[2]
-    cfg = config or default_config(d, q.dtype == torch.float32, window)
+    cfg = config or default_config(d, q.dtype == torch.float32, window, q.device)
     block_t, gp = tile_rows(cfg, h // kvh, max_q_len)
     empty = t == 0 or bs == 0 or max_q_len <= 0
     grid = (0, 0, 0) if empty else (kvh, triton.cdiv(int(max_q_len), block_t), bs)
