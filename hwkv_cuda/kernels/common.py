@@ -33,7 +33,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.lru_cache(maxsize=None)
 def hopper_class(device: torch.device) -> bool:
     """An NVIDIA GPU of compute capability >= 9.0 (H100/H200 and later; not ROCm): the devices the
     shared-memory-hungry configs were recorded on. Elsewhere the kernels keep their portable configs."""
@@ -47,6 +46,7 @@ def _capability(index: int) -> "tuple[int, int]":
     return torch.cuda.get_device_capability(index)
 
 
+@functools.lru_cache(maxsize=None)
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of `device` (Xe-cores on XPU; a small stand-in under the interpreter)."""
     if interpreting():
