@@ -507,6 +507,21 @@ def test_cp_saves_equal_single_process(tmp_path: Path, world: int) -> None:
 
 # ---- in-process -----------------------------------------------------------------------------------------
 
+def test_two_gpu_script_runs_over_gloo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/bench_cp_nccl.py (issue 13's two-GPU run) on 2 CPU processes over gloo: every rank's pool
+    equals its single-process save, and the timing fields are filled."""
+    import importlib
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # spawned children too
+    mod = importlib.import_module("bench_cp_nccl")
+    out = tmp_path / "cp.json"
+    mod.main(["--spawn", "2", "--device", "cpu", "--tokens", "24", "--layers", "2", "--repeats", "1",
+              "--warmup", "0", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert res["all_pools_equal"] and len(res["rows"]) == 2
+    assert all(r["backend"] == "gloo" and r["save_forward_us"] > 0 and r["fraction_of_allgather"] > 0
+               for r in res["rows"])
+
+
 def test_default_backend_by_device_name() -> None:
     assert default_backend(torch.device("cuda", 1)) == "nccl"
     assert default_backend("cuda:0") == default_backend("rocm") == "nccl"
