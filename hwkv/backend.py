@@ -138,7 +138,7 @@ class AttentionBackend(DraftMetadataMixin):
                              int(ext_cpu.max()) if bs else 0, bs, batch.forward_mode.is_decode(),
                              seq_lens_cpu=seq_cpu, extend_lens_cpu=ext_cpu,
                              tree=self._tree_mask(batch, ext, qo_indptr, q_pos0, ext_cpu))
-        self._tree_decode(md, ext, batch.num_tokens, batch.req_pool_indices)
+        self._tree_decode(md, ext, batch)
         self.init_kernel_metadata(md, batch, graph=False)
         self.forward_metadata = md
         return md
@@ -164,10 +164,12 @@ class AttentionBackend(DraftMetadataMixin):
         indptr, positions = self._tree_static if graph else (None, None)
         return build_tree_mask(info, ext, qo_indptr, q_pos0, total, batch.num_tokens, indptr, positions)
 
-    def _tree_decode(self, md: ForwardMetadata, ext: torch.Tensor, num_tokens: int, rows: torch.Tensor) -> None:
+    def _tree_decode(self, md: ForwardMetadata, ext: torch.Tensor, batch: ForwardBatch) -> None:
         """With tree_verify="decode": md.tree_decode, the verify as a decode forward of one query per draft
-        token over its own lists (no kernel metadata of the backend's own: vendor decode ops need their
-        tables, so those layers take the portable kernels). Graph mode writes the static lists."""
+        token over its own lists. Eager: the backend's kernel metadata for it too (vendor decode ops that
+        plan from the lists alone take it); graph mode writes the static lists and builds no vendor tables
+        (theirs are sized for the graph's own lists), so those layers run the portable kernels."""
+        num_tokens, rows = batch.num_tokens, batch.req_pool_indices
         if md.tree is None or self.options.tree_verify != "decode":
             return
         static = self._tree_decode_static if md.graph else {}
@@ -188,6 +190,8 @@ class AttentionBackend(DraftMetadataMixin):
         md.tree_decode = ForwardMetadata(md.write_loc, md.swa_out_cache_loc, qo, md.tree.q_positions, one(md.full),
                                          {w: one(lst) for w, lst in md.windows.items()}, 1, num_tokens, True,
                                          graph=md.graph)
+        if not md.graph:  # no host lengths of its lists (tree depths live on the device): None
+            self.init_kernel_metadata(md.tree_decode, batch, graph=False)
 
     def _eager_list(self, batch: ForwardBatch, seq: torch.Tensor, pos0: torch.Tensor, total: int,
                     window: Optional[int], max_len: int) -> KVIndexList:
@@ -268,7 +272,7 @@ class AttentionBackend(DraftMetadataMixin):
         md = ForwardMetadata(write_loc, swa, views.qo_indptr, views.q_pos0, views.full, views.windows, max_q, bs,
                              decode, graph=True, tree=tree)
         if tree is not None:
-            self._tree_decode(md, ext, n, batch.req_pool_indices)
+            self._tree_decode(md, ext, batch)
         self.init_kernel_metadata(md, batch, graph=True)
         self.forward_metadata = md
         return md

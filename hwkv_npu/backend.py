@@ -103,6 +103,8 @@ class NPUBackend(AttentionBackend):
             seq, ext = batch.host_lens()  # the runner's host copies when the engine gave them: no sync
         else:
             seq, ext = md.seq_lens_cpu, md.extend_lens_cpu  # the base class's host copies: no second sync
+            if seq is None:  # lists whose host lengths nobody has (a decode-like tree verify): torch path
+                return
         if graph and not md.is_decode and not bool((ext == ext[0]).all()):
             return  # a graph extend step runs q as [B, S, H, D]: uneven rows run the torch kernel
         plans: Dict[Optional[int], fia.FIAPlan] = {}

@@ -331,6 +331,20 @@ def test_draft_graphs_keep_ipex_tables_per_step(monkeypatch):
 
 
 @needs_ipex
+def test_decode_like_tree_verify_runs_ipex_decode(monkeypatch):
+    """tree_verify="decode", eager: IPEX's paged decode takes the per-token lists (window lists trimmed to
+    each token's window), and every draft token matches the reference."""
+    from hwkv.testing.spec_harness import tree_verify
+    geom = ModelGeometry(num_layers=2, swa_every=2, window=4, num_heads=4, num_kv_heads=2, head_dim=16)
+    h = Harness(TorchCPUBackend, "cpu", geom, size=256, size_swa=64, tree_verify="decode")
+    rids = [h.add_request() for _ in range(2)]
+    h.forward(rids, [5, 9], ForwardMode.EXTEND)
+    seen, real = _route(h, monkeypatch)
+    tree_verify(h, rids, [[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 3]], [[0, 2], [0, 1, 2, 3]])   # checked inside
+    assert real["decode"] == len(h.layers) and real["extend"] == 0, (real, seen)
+
+
+@needs_ipex
 def test_ipex_false_keeps_the_torch_kernels(monkeypatch):
     h = Harness(TorchCPUBackend, "cpu", ModelGeometry(), size=256, size_swa=64, ipex=False)
     _, real = _route(h, monkeypatch)

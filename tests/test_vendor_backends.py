@@ -220,6 +220,24 @@ def test_rocm_draft_graphs_run_aiter_with_a_table_set_per_step(standin_aiter):
 
 @needs_interpreter
 @pytest.mark.interpret
+def test_rocm_decode_like_tree_verify_runs_aiter_decode(standin_aiter):
+    """tree_verify="decode", eager: AITER's paged decode takes the per-token lists (it plans from the lists
+    alone), and every draft token matches the reference."""
+    from hwkv.testing.spec_harness import tree_verify
+    h = Harness(ROCmBackend, "cpu", AITER_GEOMETRY, size=256, size_swa=48, page_size=2, dtype=torch.float16,
+                tree_verify="decode")
+    rids = [h.add_request() for _ in range(2)]
+    h.forward(rids, [5, 9], ForwardMode.EXTEND)
+    h.release()
+    before = aiter_standin.calls(standin_aiter)
+    tree_verify(h, rids, [[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 3]], [[0, 2], [0, 1, 2, 3]])   # checked inside
+    after = aiter_standin.calls(standin_aiter)
+    assert after["paged_attention_ragged"] - before["paged_attention_ragged"] == len(h.layers)
+    assert after["mha_batch_prefill_func"] == before["mha_batch_prefill_func"], "no extend-like call"
+
+
+@needs_interpreter
+@pytest.mark.interpret
 def test_rocm_keeps_sink_layers_on_triton_layer_by_layer(standin_aiter):
     """Sinks only on the SWA layers (GPT-OSS style): those run Triton, the full layer still runs AITER."""
     g = ModelGeometry(num_layers=2, swa_every=2, window=6, num_heads=4, num_kv_heads=2, head_dim=64, sinks=False,
