@@ -117,6 +117,18 @@ def check_tree(tree: DraftTree, ext_cpu: torch.Tensor, debug: bool) -> int:
     return need
 
 
+def _mask_entries(ext: torch.Tensor, qo_indptr: torch.Tensor, mask_indptr: torch.Tensor, total: int
+                  ) -> "tuple[torch.Tensor, torch.Tensor, torch.Tensor]":
+    """For each of the `total` mask entries: its request, and the batch rows of its query token (row) and
+    of the draft it looks at (col); request b's [n_b, n_b] block is row-major from mask_indptr[b]."""
+    dev = ext.device
+    req = torch.repeat_interleave(torch.arange(ext.shape[0], device=dev), ext * ext, output_size=total)
+    local = torch.arange(total, device=dev) - mask_indptr[req]
+    n_b = ext[req].clamp(min=1)
+    first = qo_indptr.to(torch.int64)[req]
+    return req, first + torch.div(local, n_b, rounding_mode="floor"), first + torch.remainder(local, n_b)
+
+
 def build_tree_mask(tree: DraftTree, ext: torch.Tensor, qo_indptr: torch.Tensor, q_pos0: torch.Tensor,
                     total: int, num_tokens: int, mask_indptr: Optional[torch.Tensor] = None,
                     q_positions: Optional[torch.Tensor] = None) -> TreeMask:
@@ -131,9 +143,7 @@ def build_tree_mask(tree: DraftTree, ext: torch.Tensor, qo_indptr: torch.Tensor,
     torch.cumsum(ext * ext, 0, out=mask_indptr[1:bs + 1])
     if q_positions is None:
         q_positions = torch.empty(num_tokens, dtype=torch.int64, device=dev)
-    req = torch.repeat_interleave(torch.arange(bs, device=dev), ext * ext, output_size=total)
-    local = torch.arange(total, device=dev) - mask_indptr[req]
-    row = qo_indptr[req].to(torch.int64) + torch.div(local, ext[req].clamp(min=1), rounding_mode="floor")
+    _, row, _ = _mask_entries(ext, qo_indptr, mask_indptr, total)
     depth = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
     depth.index_add_(0, row, tree.mask.to(torch.int64))
     tok_req = torch.repeat_interleave(torch.arange(bs, device=dev), ext, output_size=num_tokens)
@@ -168,8 +178,9 @@ def tree_decode_list(tree: TreeMask, lst: KVIndexList, qo_indptr: torch.Tensor, 
     """Request lists -> one decode list per draft token (see the module doc), in a constant number of
     device ops and no host sync: token t of request b reads b's list entries [lo_t, q_pos0 - pos0)
     (lo_t: the window start of t for window lists, else 0), its ancestors by depth (for window lists
-    those inside the window), then itself; the list starts at its first key's position. row_cap: host bound on any token's list (the request lists'
-    max_len; at most W for window lists, which keep only the keys in t's window). `out`: static storage
+    those inside the window), then itself; the list starts at its first key's position. row_cap: host
+    bound on any token's list (the request lists' max_len; at most W for window lists, which keep only
+    the keys in t's window). `out`: static storage
     from `alloc_tree_decode` (graph mode), else allocated here. `rows`: (req_to_token, req_pool_indices)
     of the batch: a full list (slot j = req_to_token[row, j]) then takes its prefixes straight from the
     rows with `ops.fill_kv_indices`, which writes live entries only, instead of a [T, row_cap] grid."""
@@ -215,15 +226,10 @@ def tree_decode_list(tree: TreeMask, lst: KVIndexList, qo_indptr: torch.Tensor, 
     # drafts: mask entry (row r, draft j) of request b, set bits only, into t's slot prefix_t + depth_j
     total = tree.mask.shape[0]
     if total:
-        req = torch.repeat_interleave(torch.arange(bs, device=dev), ext * ext, output_size=total)
-        local = torch.arange(total, device=dev) - tree.mask_indptr[req]
-        n_b = ext[req].clamp(min=1)
-        first = qo_indptr.to(torch.int64)[req]
-        row = first + torch.div(local, n_b, rounding_mode="floor")
-        col = first + torch.remainder(local, n_b)
+        req, row, col = _mask_entries(ext, qo_indptr, tree.mask_indptr, total)
         keep_d = tree.mask & (depth[col] >= dmin[row])
         dst_d = torch.where(keep_d, starts[row] + prefix[row] + depth[col] - dmin[row], dump)
-        src_d = kv_start[req] + rel0[col] + (col - first)
+        src_d = kv_start[req] + rel0[col] + (col - qo_indptr.to(torch.int64)[req])   # + draft j of request b
         out.indices.index_copy_(0, dst_d, lst.indices[src_d])
     return KVIndexList(out.indptr[:t_all + 1], out.indices, out.pos0[:t_all], lst.window, row_cap, lst.is_swa_slots)
 
