@@ -13,7 +13,9 @@ Measures, each as the median over repeats of a CUDA graph replay:
     4 x 2048 new tokens over a 2048-token prefix, 8 x 1024, one 2048-token chunk over a 30K
     prefix, each full and W=128, beside torch SDPA's flash and cuDNN backends over dense K/V
     (causal_lower_right for prefixes, an explicit boolean mask for windows; "n/a" where a
-    backend refuses); TFLOP/s counts visible (query, key) pairs only.
+    backend refuses); TFLOP/s counts visible (query, key) pairs only,
+  * tree verify (15 drafts, top-2 tree) over 4K/32K prefixes, full and W=128: the extend kernel with
+    the tree mask against the decode-like path, and the decode-like lists' build (fused and torch).
 Each request's slots are one contiguous run at a random place in the pool. Small cases
 rotate over several disjoint KV sets inside one graph so that the L2 cache does not serve them.
 Prints a Markdown table last and writes every number as JSON to --out.
@@ -339,15 +341,21 @@ def sweep_extend_head_dims():
 
 
 # ----------------------------------------------------------------------------- tree verify
-TREE_CASES = [(1, 32768, None), (8, 32768, None), (1, 32768, 128), (8, 4096, None)]   # (batch, prefix, W)
+TREE_CASES = [(1, 32768, None), (8, 32768, None), (8, 4096, None), (32, 4096, None),
+              (1, 32768, 128), (8, 32768, 128), (32, 4096, 128)]   # (batch, prefix, W)
+TREE_LAYERS = 18    # GPT-OSS-120B: 18 full and 18 window layers, each kind's lists built once per forward
 
 
 def bench_tree_verify():
-    """Tree verify (top-2 tree of 15 drafts) over a long prefix: the extend kernel with the tree's mask
-    against the decode-like path (hwkv.spec.tree_decode_list, then split-K decode), the list build
-    included, for batch 1 and 8; full list, and W=128."""
+    """Tree verify (top-2 tree of 15 drafts) over a long prefix, one layer of each kind: the extend
+    kernel with the tree's mask against the decode-like path (split-K decode over one list per draft
+    token). The decode-like lists are built once per forward (per list kind), so the build is timed
+    apart: the fused builder (hwkv_cuda.kernels.tree) and the torch path it replaces; `forward_*_us`
+    prices TREE_LAYERS layers of the kind plus one build."""
+    import hwkv_cuda.backend  # noqa: F401 - registers the fused builder for "cuda", as an engine's backend does
+    from hwkv import ops
     from hwkv.metadata import KVIndexList
-    from hwkv.spec import DraftTree, build_tree_mask, tree_decode_list
+    from hwkv.spec import DraftTree, alloc_tree_decode, build_tree_mask, tree_decode_list
     par = [-1] + [(i - 1) // 2 for i in range(1, 15)]
     rows = []
     for bs, prefix, window in TREE_CASES:
@@ -359,24 +367,44 @@ def bench_tree_verify():
         keys = prefix + n - s.pos0
         lst = KVIndexList(s.kv_indptr, s.indices, s.kv_pos0, window, keys)
         cap = min(keys, window) if window else keys
+        buf = alloc_tree_decode(bs * n, cap, DEV)
+
+        def build():
+            return tree_decode_list(tree, lst, s.qo_indptr, s.q_pos0, ext, bs * n, cap, buf)
+
+        def build_torch():
+            fused = ops._TREE_DECODE.pop("cuda")
+            try:
+                return build()
+            finally:
+                ops._TREE_DECODE["cuda"] = fused
+
+        r = build_torch()
+        want_lists = (r.indptr.clone(), r.pos0.clone(), r.indices[:int(r.indptr[-1])].clone())
+        r = build()
+        same = (torch.equal(r.indptr, want_lists[0]) and torch.equal(r.pos0, want_lists[1])
+                and torch.equal(r.indices[:int(r.indptr[-1])], want_lists[2]))
 
         def ext_fn():
             extend_attention(s.q, s.k_buf, s.v_buf, s.kv_indptr, s.indices, s.kv_pos0, s.qo_indptr, s.q_pos0,
                              s.out, n, 0.125, window, 0.0, s.sinks, None, None, tree=tree)
 
         def dec_fn():
-            r = tree_decode_list(tree, lst, s.qo_indptr, s.q_pos0, ext, bs * n, cap)
             decode_attention(s.q, s.k_buf, s.v_buf, r.indptr, r.indices, r.pos0, tree.q_positions, s.out, 0.125,
                              window, 0.0, s.sinks, None, None, cap)
         ext_fn()
         want = s.out.clone()
         dec_fn()
         err = rel_err(s.out, want.float())
-        row = dict(batch=bs, prefix=prefix, drafts=n, window=window, extend_us=graph_us([ext_fn], reps=20),
-                   decode_like_us=graph_us([dec_fn], reps=20), rel_diff=err)
+        ext_us, dec_us = graph_us([ext_fn], reps=20), graph_us([dec_fn], reps=20)
+        build_us, build_torch_us = graph_us([build], reps=20), graph_us([build_torch], reps=20)
+        row = dict(batch=bs, prefix=prefix, drafts=n, window=window, extend_us=ext_us, decode_like_us=dec_us,
+                   build_us=build_us, build_torch_us=build_torch_us, fused_equals_torch=same,
+                   forward_extend_us=TREE_LAYERS * ext_us, forward_decode_like_us=TREE_LAYERS * dec_us + build_us,
+                   rel_diff=err)
         rows.append(row)
         print(json.dumps(row), flush=True)
-        del s
+        del s, buf
         torch.cuda.empty_cache()
     return rows
 

@@ -14,6 +14,7 @@ _STORE: Dict[str, Callable[..., None]] = {}
 _STORE_PRECHECKED: Dict[str, Callable[..., None]] = {}
 _FILL: Dict[str, Callable[..., None]] = {}
 _REFILL: Dict[str, "GraphRefillKernels"] = {}
+_TREE_DECODE: Dict[str, Callable[..., None]] = {}
 
 # OCP e4m3fn / e5m2, and e4m3fnuz: the fp8 that MI300 (gfx942) computes in, so ROCm pools feeding AITER's fp8
 # kernels there must hold it (ROCm/aiter aiter/utility/dtypes.py: gfx942 -> float8_e4m3fnuz, gfx950 -> e4m3fn)
@@ -63,6 +64,17 @@ def register_graph_refill(device_type: str, kernels: GraphRefillKernels) -> None
 def graph_refill_kernels(device_type: str) -> Optional[GraphRefillKernels]:
     """The fused refill kernels registered for `device_type`, or None (the backend's torch path)."""
     return _REFILL.get(device_type)
+
+
+def register_tree_decode(device_type: str, fn: Callable[..., None]) -> None:
+    """Build the decode-like tree verify's lists on `device_type` with `fn` (signature of
+    `hwkv_cuda.kernels.tree.tree_decode_fill`); `hwkv.spec.tree_decode_list`'s torch path stays the default."""
+    _TREE_DECODE[device_type] = fn
+
+
+def tree_decode_kernel(device_type: str) -> Optional[Callable[..., None]]:
+    """The fused tree-decode list builder registered for `device_type`, or None (the torch path)."""
+    return _TREE_DECODE.get(device_type)
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, scale: Optional[float]) -> torch.Tensor:

@@ -186,12 +186,26 @@ def tree_decode_list(tree: TreeMask, lst: KVIndexList, qo_indptr: torch.Tensor, 
     rows with `ops.fill_kv_indices`, which writes live entries only, instead of a [T, row_cap] grid."""
     dev = q_pos0.device
     t_all, ext = num_tokens, ext.to(torch.int64)
-    bs = ext.shape[0]
     if out is None:
         out = alloc_tree_decode(t_all, row_cap, dev)
     elif t_all > out.pos0.shape[0] or row_cap > out.row_cap:
         raise CapacityError(f"{t_all} draft tokens with lists of {row_cap} keys exceed the tree-decode buffers "
                             f"({out.pos0.shape[0]} tokens of {out.row_cap})")
+    from_rows = rows is not None and not lst.window and not lst.is_swa_slots
+    fused = ops.tree_decode_kernel(dev.type)
+    if fused is not None:
+        fused(tree.q_positions, tree.mask, tree.mask_indptr, qo_indptr, q_pos0, lst.indptr, lst.indices, lst.pos0,
+              lst.window, out.indptr, out.pos0, out.indices, t_all, ext.shape[0], row_cap, rows if from_rows else None)
+    else:
+        _tree_decode_torch(tree, lst, qo_indptr, q_pos0, ext, t_all, row_cap, out, rows if from_rows else None)
+    return KVIndexList(out.indptr[:t_all + 1], out.indices, out.pos0[:t_all], lst.window, row_cap, lst.is_swa_slots)
+
+
+def _tree_decode_torch(tree: TreeMask, lst: KVIndexList, qo_indptr: torch.Tensor, q_pos0: torch.Tensor,
+                       ext: torch.Tensor, t_all: int, row_cap: int, out: TreeDecodeBuffers,
+                       rows: Optional["tuple[torch.Tensor, torch.Tensor]"]) -> None:
+    """`tree_decode_list` in torch ops (about sixty small ones): every device's default."""
+    dev, bs = q_pos0.device, ext.shape[0]
     tok_req = torch.repeat_interleave(torch.arange(bs, device=dev), ext, output_size=t_all)
     q_pos = tree.q_positions[:t_all]
     pos0_b, kv_start = lst.pos0.to(torch.int64), lst.indptr.to(torch.int64)
@@ -208,7 +222,7 @@ def tree_decode_list(tree: TreeMask, lst: KVIndexList, qo_indptr: torch.Tensor, 
     starts = out.indptr[:t_all].to(torch.int64)
     torch.add(pos0_b[tok_req], lo + dmin, out=out.pos0[:t_all])
     dump = out.indices.shape[0] - 1
-    if rows is not None and not lst.window and not lst.is_swa_slots:
+    if rows is not None:
         # 2T runs (t's prefix, then a placeholder run of t's path length that the drafts overwrite below)
         rtt, req_rows = rows
         runs = torch.stack([prefix, lens - prefix], 1).reshape(-1)
@@ -231,7 +245,6 @@ def tree_decode_list(tree: TreeMask, lst: KVIndexList, qo_indptr: torch.Tensor, 
         dst_d = torch.where(keep_d, starts[row] + prefix[row] + depth[col] - dmin[row], dump)
         src_d = kv_start[req] + rel0[col] + (col - qo_indptr.to(torch.int64)[req])   # + draft j of request b
         out.indices.index_copy_(0, dst_d, lst.indices[src_d])
-    return KVIndexList(out.indptr[:t_all + 1], out.indices, out.pos0[:t_all], lst.window, row_cap, lst.is_swa_slots)
 
 
 def tree_visible(prefix_len: int, tree_block: torch.Tensor, window: Optional[int]) -> "tuple[torch.Tensor, torch.Tensor]":

@@ -24,6 +24,7 @@ for _dev in ("cuda", "musa"):
     ops.register_store_kv(_dev, _kernels.store_kv, prechecked=_kernels.store_kv_prechecked)
     ops.register_fill_kv_indices(_dev, _kernels.fill_kv_indices)
     ops.register_graph_refill(_dev, _kernels.refill.KERNELS)
+    ops.register_tree_decode(_dev, _kernels.tree.tree_decode_fill)
 
 
 _PLANS = "triton_plans"

@@ -28,6 +28,7 @@ from hwkv_cuda.backend import TritonBackend
 ops.register_store_kv("xpu", kernels.store_kv, prechecked=kernels.store_kv_prechecked)
 ops.register_fill_kv_indices("xpu", kernels.fill_kv_indices)
 ops.register_graph_refill("xpu", kernels.refill.KERNELS)
+ops.register_tree_decode("xpu", kernels.tree.tree_decode_fill)
 register_page_ops("xpu", TritonPageOps())
 
 _IPEX = "ipex_xpu_lists"

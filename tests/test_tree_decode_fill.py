@@ -1,0 +1,161 @@
+"""The fused decode-like tree list builder (hwkv_cuda.kernels.tree; interpreted on CPU, compiled on a GPU)
+against hwkv.spec's torch path, on random forests, windows, prefixes and reused graph buffers.
+
+Both paths fill the same kind of buffers from the same lists; they must agree exactly on the live
+part (indptr[:T + 1], pos0[:T], indices[:indptr[T]]): nothing reads past it.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from hwkv import ops  # noqa: E402
+from hwkv.errors import CapacityError  # noqa: E402
+from hwkv.metadata import KVIndexList  # noqa: E402
+from hwkv.spec import DraftTree, alloc_tree_decode, build_tree_mask, tree_decode_list  # noqa: E402
+from hwkv.window import first_visible  # noqa: E402
+from hwkv_cuda.kernels.tree import tree_decode_fill  # noqa: E402
+
+pytestmark = [pytest.mark.interpret, pytest.mark.cuda]
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+I32, I64 = dict(dtype=torch.int32, device=DEV), dict(dtype=torch.int64, device=DEV)
+
+
+def _parents(rng, n):
+    """A random forest of n tokens in ancestor-first order."""
+    return [rng.randrange(-1, i) if i else -1 for i in range(n)]
+
+
+class Batch:
+    """Requests with random prefixes and draft forests; request lists full (pos0 0) or windowed."""
+
+    def __init__(self, seed, window, window_list=True, max_prefix=30, max_drafts=9):
+        rng = random.Random(seed)
+        bs = rng.randint(1, 5)
+        self.prefix = [rng.randint(0, max_prefix) for _ in range(bs)]
+        self.parents = [_parents(rng, rng.choice([0, 1, rng.randint(2, max_drafts)])) for _ in range(bs)]
+        self.ns = [len(p) for p in self.parents]
+        self.T, self.bs, self.window = sum(self.ns), bs, window
+        seq = [p + n for p, n in zip(self.prefix, self.ns)]
+        g = torch.Generator().manual_seed(seed)
+        rows = torch.randperm(8, generator=g)[:bs]
+        self.req_to_token = torch.full((8, max_prefix + max_drafts + 3), -7, dtype=torch.int64)
+        pos0 = [first_visible(p, window) if (window and window_list) else 0 for p in self.prefix]
+        lists = []
+        for b, (r, n) in enumerate(zip(rows.tolist(), seq)):
+            slots = torch.randperm(1000, generator=g)[:n] + 1
+            self.req_to_token[r, :n] = slots
+            lists.append(slots[pos0[b]:])
+        indptr = torch.tensor([0] + [len(x) for x in lists]).cumsum(0)
+        self.max_len = max(len(x) for x in lists)
+        self.lst = KVIndexList(indptr.to(**I32), torch.cat(lists + [torch.zeros(3, dtype=torch.int64)]).to(DEV),
+                               torch.tensor(pos0).to(**I64), window if window_list else None, self.max_len)
+        self.rows = (self.req_to_token.to(DEV), rows.to(DEV))
+        self.ext = torch.tensor(self.ns).to(**I64)
+        self.qo = torch.tensor([0] + self.ns).cumsum(0).to(**I32)
+        self.q_pos0 = torch.tensor(self.prefix).to(**I64)
+        draft = DraftTree.from_parents(self.parents, device=DEV)
+        self.tree = build_tree_mask(draft, self.ext, self.qo, self.q_pos0, int(draft.mask.shape[0]), self.T)
+        self.cap = max(1, min(self.max_len, window) if (window and window_list) else self.max_len)
+
+    def build(self, fused, monkeypatch, rows=False, out=None):
+        if fused:
+            monkeypatch.setitem(ops._TREE_DECODE, DEV.type, tree_decode_fill)
+        else:
+            monkeypatch.delitem(ops._TREE_DECODE, DEV.type, raising=False)
+        return tree_decode_list(self.tree, self.lst, self.qo, self.q_pos0, self.ext, self.T, self.cap, out,
+                                self.rows if rows else None)
+
+
+def _live(lst, T):
+    end = int(lst.indptr[T])
+    return lst.indptr[:T + 1].tolist(), lst.pos0[:T].tolist(), lst.indices[:end].tolist()
+
+
+@pytest.mark.parametrize("window,window_list", [(None, True), (1, True), (3, True), (3, False), (7, True),
+                                                (100, True)])
+@pytest.mark.parametrize("rows", [False, True])
+def test_fused_equals_torch_path(window, window_list, rows, monkeypatch):
+    for seed in range(6):
+        b = Batch(seed * 13 + (window or 0), window, window_list)
+        want = _live(b.build(False, monkeypatch, rows), b.T)
+        garbage = alloc_tree_decode(b.T + 3, b.cap + 2, DEV)     # a graph buffer holding the last replay's lists
+        for t in garbage[:3]:
+            t.fill_(12345)
+        got = b.build(True, monkeypatch, rows, out=garbage)
+        assert _live(got, b.T) == want, f"seed {seed}: {b.parents} over {b.prefix}"
+        assert got.window == b.lst.window and got.max_len == b.cap
+
+
+def test_fused_hand_computed(monkeypatch):
+    """The hand-computed lists of test_tree_kernels (prefix 10..13, drafts 20..24 of [-1, 0, 0, 1, 2])."""
+    monkeypatch.setitem(ops._TREE_DECODE, DEV.type, tree_decode_fill)
+    ext, qo, q_pos0 = torch.tensor([5]).to(**I64), torch.tensor([0, 5]).to(**I32), torch.tensor([4]).to(**I64)
+    tree = build_tree_mask(DraftTree.from_parents([[-1, 0, 0, 1, 2]], device=DEV), ext, qo, q_pos0, 25, 5)
+    slots = torch.tensor([10, 11, 12, 13, 20, 21, 22, 23, 24]).to(DEV)
+    full = KVIndexList(torch.tensor([0, 9]).to(**I32), slots, torch.tensor([0]).to(**I64), None, 9)
+    pre = [10, 11, 12, 13]
+    ptr, _, ind = _live(tree_decode_list(tree, full, qo, q_pos0, ext, 5, 9), 5)
+    assert [ind[ptr[t]:ptr[t + 1]] for t in range(5)] == [pre + [20], pre + [20, 21], pre + [20, 22],
+                                                          pre + [20, 21, 23], pre + [20, 22, 24]]
+    win = KVIndexList(torch.tensor([0, 7]).to(**I32), slots[2:], torch.tensor([2]).to(**I64), 3, 7)
+    ptr, pos0, ind = _live(tree_decode_list(tree, win, qo, q_pos0, ext, 5, 3), 5)
+    assert [ind[ptr[t]:ptr[t + 1]] for t in range(5)] == [[12, 13, 20], [13, 20, 21], [13, 20, 22],
+                                                          [20, 21, 23], [20, 22, 24]]
+    assert pos0 == [2, 3, 3, 4, 4]
+
+
+def test_fused_many_requests_and_long_prefixes(monkeypatch):
+    """More requests than one binary-search step and tokens than one token block; prefixes over
+    several prefix chunks (the interpreter's blocks are 8 wide)."""
+    rng = random.Random(5)
+    parents = [_parents(rng, rng.randint(0, 4)) for _ in range(37)]
+    ns = [len(p) for p in parents]
+    prefix = [rng.randint(0, 60) for _ in parents]
+    lists = [torch.arange(p + n) * 3 + 1 + 1000 * b for b, (p, n) in enumerate(zip(prefix, ns))]
+    lst = KVIndexList(torch.tensor([0] + [len(x) for x in lists]).cumsum(0).to(**I32), torch.cat(lists).to(DEV),
+                      torch.zeros(len(parents)).to(**I64), None, max(len(x) for x in lists))
+    ext, qo = torch.tensor(ns).to(**I64), torch.tensor([0] + ns).cumsum(0).to(**I32)
+    q_pos0 = torch.tensor(prefix).to(**I64)
+    tree = build_tree_mask(DraftTree.from_parents(parents, device=DEV), ext, qo, q_pos0, sum(n * n for n in ns),
+                           sum(ns))
+    ref = _live(tree_decode_list(tree, lst, qo, q_pos0, ext, sum(ns), lst.max_len), sum(ns))
+    monkeypatch.setitem(ops._TREE_DECODE, DEV.type, tree_decode_fill)
+    assert _live(tree_decode_list(tree, lst, qo, q_pos0, ext, sum(ns), lst.max_len), sum(ns)) == ref
+
+
+def test_fused_refuses_buffers_too_small(monkeypatch):
+    monkeypatch.setitem(ops._TREE_DECODE, DEV.type, tree_decode_fill)
+    b = Batch(3, None)
+    small = alloc_tree_decode(max(1, b.T - 1), b.cap, DEV)
+    before = [t.clone() for t in small[:3]]
+    with pytest.raises(CapacityError):
+        b.build(True, monkeypatch, out=small)
+    assert all(torch.equal(x, y) for x, y in zip(before, small[:3])), "buffers changed by a refused build"
+
+
+@pytest.mark.skipif(DEV.type != "cpu", reason="a GPU is present: its contract run builds the lists with this kernel")
+def test_decode_like_verify_through_the_backend_with_the_fused_builder(monkeypatch):
+    """The contract's tree check through graphs (accept/reject, reuse over a 32-slot SWA pool, replay for
+    fewer requests over static lists the last replay filled) on the interpreted Triton backend with the
+    fused builder in place of the torch path, as on a GPU (eager builds are test_fused_equals_torch_path's)."""
+    from hwkv.graph import EagerAdapter
+    from hwkv.testing import ContractTarget, contract_spec
+    from hwkv_cuda.backend import TritonBackend
+    calls = []
+
+    def counted(*a, **k):
+        calls.append(a[12])
+        return tree_decode_fill(*a, **k)
+    monkeypatch.setitem(ops._TREE_DECODE, "cpu", counted)
+    target = ContractTarget("cuda-interpret", TritonBackend, "cpu", EagerAdapter)
+    contract_spec.test_tree_verify_accept_and_reuse(target, 4, True, "decode")
+    assert calls, "the fused builder never ran"
