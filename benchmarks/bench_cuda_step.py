@@ -7,7 +7,8 @@ attention, 36 layers) eager vs graph; torch SDPA over the same KV gathered dense
 allocator's part of a decode step (`alloc_decode` for B requests + one
 `release_out_of_window_batch`, W=128) per batch size, context and page size, in host wall time
 and host syncs; and the whole engine decode step (allocate + release + metadata refill +
-replay) against the replay alone.
+replay) against the replay alone; a tree verify forward (15 drafts, top-2 tree: metadata + 36 layers'
+write and attention, eager and through CUDA graphs) per `tree_verify` mode, extend, decode and auto.
 
     python3 benchmarks/bench_cuda_step.py --out results.json
     python3 benchmarks/bench_cuda_step.py --device cpu --sections alloc,engine-step --alloc-batches 1,4 \
@@ -33,7 +34,7 @@ from hwkv.loc import KVWriteLoc
 from hwkv.pool import SWAKVPool
 
 LAYERS, W, H, KVH, D = 36, 128, 64, 8, 64
-SECTIONS = ("kv-write", "decode-step", "alloc", "engine-step")
+SECTIONS = ("kv-write", "decode-step", "alloc", "engine-step", "tree-verify")
 
 
 def timeit(fn: Callable[[], object], dev: str, iters: int = 50, warmup: int = 5) -> float:
@@ -339,6 +340,66 @@ def engine_step_rows(dev: str, bs: int, ctx: int, page_size: int, backend_cls, i
     return [row]
 
 
+def tree_verify_rows(dev: str, batches: List[int], ctxs: List[int], backend_cls, drafts: int = 15) -> List[Dict]:
+    """One tree verify forward per `tree_verify` mode over the same pools and batch (K/V random): the
+    extend kernels with the tree mask, decode-like, and auto (with what it picked); eager and graph.
+    `max_rel_diff`: the largest relative difference of any layer's output from the extend mode's."""
+    from hwkv.spec import DraftTree
+    par = [-1] + [(i - 1) // 2 for i in range(1, drafts)]
+    adapter_cls = EagerAdapter if dev != "cuda" else __import__("hwkv_cuda.graph", fromlist=["x"]).CUDAGraphAdapter
+    rows = []
+    for ctx in ctxs:
+        for bs in batches:
+            s = Setup(dev, bs, ctx)
+            for group in (s.pool.full_kv_pool, s.pool.swa_kv_pool):
+                for buf in group.k_buffer + group.v_buffer:
+                    buf.normal_()
+            i64 = dict(dtype=torch.int64, device=dev)
+            new = torch.full((bs,), drafts, **i64)
+            last = s.rtt.req_to_token[s.rows, s.seq - 1]
+            loc = s.alloc.alloc_extend(s.seq, s.seq + new, last, bs * drafts, prefix_lens_cpu=s.seq_cpu,
+                                       seq_lens_cpu=s.seq_cpu + drafts)
+            s.rtt.req_to_token[s.rows[:, None], s.seq[:, None] + torch.arange(drafts, device=dev)] = loc.view(bs, -1)
+            batch = ForwardBatch(ForwardMode.TARGET_VERIFY, bs, s.rows, s.seq + new, loc, extend_prefix_lens=s.seq,
+                                 extend_seq_lens=new, spec_info=DraftTree.from_parents([par] * bs, device=dev),
+                                 seq_lens_cpu=s.seq_cpu + drafts, extend_seq_lens_cpu=torch.full((bs,), drafts))
+            t = bs * drafts
+            inputs = {"q": torch.randn(t, H, D, device=dev, dtype=torch.bfloat16),
+                      "k": torch.randn(t, KVH, D, device=dev, dtype=torch.bfloat16),
+                      "v": torch.randn(t, KVH, D, device=dev, dtype=torch.bfloat16)}
+            shapes = {k: (tuple(v.shape[1:]), v.dtype) for k, v in inputs.items()}
+            want = None
+            for mode in ("extend", "decode", "auto"):
+                be = backend_cls(s.pool, s.rtt, sliding_window=W, tree_verify=mode)
+
+                def step(b, i, be=be):
+                    return [be.forward(i["q"], i["k"], i["v"], layer, b) for layer in s.layers]
+
+                def eager(be=be, step=step):
+                    be.init_forward_metadata(batch)
+                    return step(batch, inputs)
+
+                outs = [o.float() for o in eager()]
+                if want is None:
+                    want = outs
+                diff = max(((o - w).norm() / w.norm()).item() for o, w in zip(outs, want))
+                us_eager = timeit(eager, dev, iters=10, warmup=2)
+                runner = GraphRunner(be, lambda b, i, step=step: step(b, i)[-1], [bs], shapes, adapter_cls(),
+                                     ForwardMode.TARGET_VERIFY, drafts, tree=True)
+                runner.capture()
+                us_graph = timeit(lambda: runner.run(batch, inputs), dev, iters=20, warmup=3)
+                picked = mode if mode != "auto" else ("decode" if be.decode_like_verify_pays(bs, t) else "extend")
+                rows.append(dict(bench="tree-verify", bs=bs, ctx=ctx, drafts=drafts, mode=mode, ran=picked,
+                                 eager_us=round(us_eager, 1), graph_us=round(us_graph, 1),
+                                 max_rel_diff=float(f"{diff:.3g}")))
+                print(json.dumps(rows[-1]), flush=True)
+                del runner, be
+            del s
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
 def _ints(text: str) -> List[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -366,6 +427,11 @@ def print_tables(res: Dict) -> None:
             print(f"| {r['page_size']} | {r['ctx']} | {r['bs']} | {r['step_us']} | {r['step_host_us']} | "
                   f"{r['alloc_us']} | {r['alloc_host_us']} | {r['release_us']} | {r['release_host_us']} | "
                   f"{r['syncs_alloc']} | {r['syncs_release']} |")
+    if res.get("tree_verify"):
+        print("| bs | ctx | tree_verify | ran | eager us | graph us | max rel diff vs extend |\n|---|---|---|---|---|---|---|")
+        for r in res["tree_verify"]:
+            print(f"| {r['bs']} | {r['ctx']} | {r['mode']} | {r['ran']} | {r['eager_us']} | {r['graph_us']} | "
+                  f"{r['max_rel_diff']} |")
     if res.get("engine_step"):
         print("| bs | ctx | page | engine step us | host us | replay only us | not replay | alloc us | prepare us "
               "| replay us | release us | syncs/step |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -389,6 +455,8 @@ def main() -> None:
     p.add_argument("--step-ctx", type=int, default=4096, help="engine-step: context per request")
     p.add_argument("--step-page", type=int, default=16, help="engine-step: page size")
     p.add_argument("--iters", type=int, default=50, help="alloc, engine-step: timed steps")
+    p.add_argument("--tree-batches", default="1,8,32", help="tree-verify: batch sizes")
+    p.add_argument("--tree-ctx", default="4096,32768", help="tree-verify: contexts per request")
     p.add_argument("--out", default="")
     a = p.parse_args()
     dev, sections = a.device, set(a.sections.split(","))
@@ -410,6 +478,8 @@ def main() -> None:
         res["alloc"] = alloc_rows(dev, _ints(a.alloc_batches), _ints(a.alloc_ctx), _ints(a.pages), a.iters)
     if "engine-step" in sections:
         res["engine_step"] = engine_step_rows(dev, a.step_bs, a.step_ctx, a.step_page, backend_cls, a.iters)
+    if "tree-verify" in sections:
+        res["tree_verify"] = tree_verify_rows(dev, _ints(a.tree_batches), _ints(a.tree_ctx), backend_cls)
     print_tables(res)
     if a.out:
         with open(a.out, "w") as f:

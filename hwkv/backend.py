@@ -36,12 +36,13 @@ class BackendOptions:
     sliding_window: Tuple[int, ...] = ()
     debug: Optional[bool] = None  # None: follow HWKV_DEBUG
     # a verify tree through the extend kernels (its ancestor mask), or "decode": one decode query per draft
-    # token over its own list (hwkv.spec.tree_decode_list; split-K over long prefixes at small batches)
+    # token over its own list (hwkv.spec.tree_decode_list; split-K over long prefixes at small batches), or
+    # "auto": per forward, whichever the backend's `decode_like_verify_pays` picks for the batch
     tree_verify: str = "extend"
 
     def __post_init__(self) -> None:
-        if self.tree_verify not in ("extend", "decode"):
-            raise ConfigError(f"tree_verify={self.tree_verify!r} must be 'extend' or 'decode'")
+        if self.tree_verify not in ("extend", "decode", "auto"):
+            raise ConfigError(f"tree_verify={self.tree_verify!r} must be 'extend', 'decode' or 'auto'")
         sw = self.sliding_window
         sw = () if sw is None else ((sw,) if isinstance(sw, int) else tuple(sw))
         if any((not isinstance(w, int)) or w < 1 for w in sw):
@@ -98,6 +99,11 @@ class AttentionBackend(DraftMetadataMixin):
     def init_kernel_metadata(self, md: ForwardMetadata, batch: ForwardBatch, graph: bool) -> None:
         """Kernel-specific fields into `md.extra` (graph=True: only into pre-allocated buffers, e.g. the
         backend's `graph_tables(md)`)."""
+
+    def decode_like_verify_pays(self, num_requests: int, num_tokens: int) -> bool:
+        """tree_verify="auto": whether this tree verify runs decode-like rather than through the extend
+        kernels. Host ints only (graph mode: the captured bucket's). Default: never, the extend kernels."""
+        return False
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
                        md: ForwardMetadata, out: torch.Tensor) -> None:
@@ -165,12 +171,14 @@ class AttentionBackend(DraftMetadataMixin):
         return build_tree_mask(info, ext, qo_indptr, q_pos0, total, batch.num_tokens, indptr, positions)
 
     def _tree_decode(self, md: ForwardMetadata, ext: torch.Tensor, batch: ForwardBatch) -> None:
-        """With tree_verify="decode": md.tree_decode, the verify as a decode forward of one query per draft
-        token over its own lists. Eager: the backend's kernel metadata for it too (vendor decode ops that
-        plan from the lists alone take it); graph mode writes the static lists and builds no vendor tables
-        (theirs are sized for the graph's own lists), so those layers run the portable kernels."""
-        num_tokens, rows = batch.num_tokens, batch.req_pool_indices
-        if md.tree is None or self.options.tree_verify != "decode":
+        """With tree_verify="decode" (or "auto" where `decode_like_verify_pays`): md.tree_decode, the verify
+        as a decode forward of one query per draft token over its own lists. Eager: the backend's kernel
+        metadata for it too (vendor decode ops that plan from the lists alone take it); graph mode writes the
+        static lists and builds no vendor tables (theirs are sized for the graph's own lists), so those
+        layers run the portable kernels."""
+        num_tokens, rows, mode = batch.num_tokens, batch.req_pool_indices, self.options.tree_verify
+        if md.tree is None or mode == "extend" or (
+                mode == "auto" and not self.decode_like_verify_pays(batch.batch_size, num_tokens)):
             return
         static = self._tree_decode_static if md.graph else {}
         if md.graph and not static:  # the first graph tree verify: its capture's warm-up refill, not a replay
@@ -243,9 +251,12 @@ class AttentionBackend(DraftMetadataMixin):
                              torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device))
         self._graph_tables = [self.alloc_graph_tables(self.static)]
 
-    def init_forward_metadata_graph(self, batch: ForwardBatch) -> ForwardMetadata:
+    def init_forward_metadata_graph(self, batch: ForwardBatch, max_q_len: Optional[int] = None) -> ForwardMetadata:
         """Refill the static buffers in place for a (padded) batch: no allocation of index storage,
         no host sync. Used at capture and before every replay; raises CapacityError when too big.
+        `max_q_len`: a bound on any request's new tokens that holds for every replay of the graph (GraphRunner
+        passes its tokens per request); it sizes the extend kernels' grids, which otherwise take the
+        batch's whole token count (a verify of 32 x 15 drafts would launch 30 token blocks per request).
 
         On devices that registered fused refill kernels (`hwkv.ops.register_graph_refill`) this is
         2 + len(windows) launches, whatever the mode: the write locs (translated, tail zeroed), one
@@ -260,7 +271,9 @@ class AttentionBackend(DraftMetadataMixin):
         write_loc = self._write_loc(batch.out_cache_loc, graph=True)
         swa = write_loc.swa_loc
         decode = batch.forward_mode.is_decode()
-        max_q = 1 if decode else n  # static bounds: no sync on the replay path
+        if max_q_len is not None and (not isinstance(max_q_len, int) or max_q_len < 1):
+            raise ConfigError(f"max_q_len={max_q_len!r} must be an int >= 1")
+        max_q = 1 if decode else min(n, max_q_len or n)  # static bounds: no sync on the replay path
         kernels = ops.graph_refill_kernels(self.device.type) if self._fusable_refill else None
         if kernels is not None:
             views = self._graph_views(bs, max_q)

@@ -127,8 +127,19 @@ class GraphRunner:
         self.backend.init_graph_state(max_bs, max_tokens)
 
     def _refill(self, batch: ForwardBatch) -> None:
-        """Static metadata for a padded static batch (at capture, before a replay, or inside the graph)."""
-        self.backend.init_forward_metadata_graph(batch)
+        """Static metadata for a padded static batch (at capture, before a replay, or inside the graph);
+        every request has exactly `tpr` new tokens (prepare checks it), which bounds the extend grids."""
+        self.backend.init_forward_metadata_graph(batch, max_q_len=self.tpr)
+
+    def _check_tokens_per_request(self, batch: ForwardBatch) -> None:
+        """The static batch gives every request `tpr` new tokens: a batch whose requests differ would run
+        with the wrong lengths. Checked on the engine's host copies (no sync), or on the device in debug mode."""
+        ext = batch.extend_seq_lens_cpu
+        if ext is None and getattr(self.backend, "debug", False) and batch.extend_seq_lens is not None:
+            ext = batch.extend_seq_lens.cpu()
+        if ext is not None and bool((ext != self.tpr).any()):
+            raise ShapeError(f"graph mode needs {self.tpr} new token(s) per request; extend_seq_lens are "
+                             f"{ext.tolist()}")
 
     def _arg(self, batch: ForwardBatch) -> Any:
         """What `fn` takes for a static batch: the batch itself."""
@@ -189,6 +200,8 @@ class GraphRunner:
         if batch.num_tokens != bs * self.tpr:
             raise ShapeError(f"graph mode needs {self.tpr} token(s) per request: {batch.num_tokens} tokens "
                              f"for {bs} requests")
+        if self.mode != ForwardMode.DECODE:
+            self._check_tokens_per_request(batch)
         n = bs * self.tpr
         tree = batch.spec_info if isinstance(batch.spec_info, DraftTree) else None
         if tree is not None and self.tree_mask is None:

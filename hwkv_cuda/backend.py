@@ -18,6 +18,7 @@ from hwkv.metadata import ForwardMetadata, KVIndexList
 from hwkv.pages import register_page_ops
 from hwkv_cuda import kernels as _kernels
 from hwkv_cuda.kernels.alloc import TritonPageOps
+from hwkv_cuda.kernels.common import num_sms
 
 for _dev in ("cuda", "musa"):
     register_page_ops(_dev, TritonPageOps())
@@ -86,6 +87,18 @@ class TritonBackend(KernelSetBackend):
         _kernels.extend_attention_planned(plan, q, k_buf, v_buf, kv.indptr, kv.indices, kv.pos0, md.qo_indptr,
                                           md.q_pos0, out, md.max_q_len, layer.scaling, layer.window,
                                           layer.logit_cap, layer.sinks, layer.k_scale, layer.v_scale, tree=md.tree)
+
+    def decode_like_verify_pays(self, num_requests: int, num_tokens: int) -> bool:
+        """tree_verify="auto": decode-like while the extend kernel's verify grid (a program per request and kv
+        head for trees of up to BLOCK_T drafts) holds fewer programs than the device has SMs, so it would
+        leave most of them idle; the decode lists split every draft's keys instead. H200, 15 drafts, GQA 8
+        (docs/benchmarks.md): decode-like 8.2x at batch 1 over 32K keys, 1.5x at 8 over 4K, even at 8 over
+        32K; extend 1.2x ahead at batch 32 (256 programs), where the decode lists' 15 reads of each
+        prefix cost more than the idle SMs."""
+        pool = self.pool
+        groups = (pool.full_kv_pool, pool.swa_kv_pool) if self.hybrid else (pool,)
+        kv_heads = min(g.head_num for g in groups)
+        return num_requests * kv_heads < num_sms(self.device)
 
     def _graph_workspace(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                          kv: KVIndexList) -> Optional[_kernels.DecodeWorkspace]:

@@ -22,8 +22,8 @@ GEOM = ModelGeometry(num_layers=2, swa_every=2, window=6, num_heads=4, num_kv_he
 class MovingMetadata(ReferenceBackend):
     """A backend bug: a fresh tensor for the window list on every refill instead of the static buffer."""
 
-    def init_forward_metadata_graph(self, batch):
-        md = super().init_forward_metadata_graph(batch)
+    def init_forward_metadata_graph(self, batch, max_q_len=None):
+        md = super().init_forward_metadata_graph(batch, max_q_len)
         for w, lst in md.windows.items():
             lst.indices = lst.indices.clone()
         return md

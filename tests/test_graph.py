@@ -1,8 +1,9 @@
 """GraphRunner and graph state: runners of one backend share its static buffers safely."""
 import pytest
+import torch
 
 from hwkv.batch import ForwardMode
-from hwkv.errors import ConfigError
+from hwkv.errors import ConfigError, ShapeError
 from hwkv.testing.harness import Harness, ModelGeometry
 from hwkv.testing.reference_backend import ReferenceBackend
 
@@ -66,9 +67,9 @@ def test_refill_captured_with_the_layers_when_backend_and_adapter_allow_it():
         metadata_in_graph = True
         refills = 0
 
-        def init_forward_metadata_graph(self, batch):
+        def init_forward_metadata_graph(self, batch, max_q_len=None):
             DeviceOnlyRefill.refills += 1
-            return super().init_forward_metadata_graph(batch)
+            return super().init_forward_metadata_graph(batch, max_q_len)
 
     h = Harness(DeviceOnlyRefill, geometry=ModelGeometry(), size=512, size_swa=96, page_size=2)
     runner = h.enable_graphs([2, 4], RecordingAdapter())
@@ -87,3 +88,33 @@ def test_refill_stays_before_replay_for_other_adapters():
 
     h = Harness(DeviceOnlyRefill, geometry=ModelGeometry(), size=512, size_swa=96)
     assert not h.enable_graphs([2], EagerAdapter()).metadata_in_graph
+
+
+def test_verify_graphs_bound_the_extend_grid_by_tokens_per_request():
+    """A verify graph's metadata takes the runner's tokens per request as its static query bound (not the
+    batch's token count), and the window lists' bound follows; outputs still match the reference."""
+    h = Harness(ReferenceBackend, geometry=ModelGeometry(), size=512, size_swa=128)
+    h.enable_graphs([2, 4], mode=ForwardMode.TARGET_VERIFY, tokens_per_req=3)
+    rids = [h.add_request() for _ in range(3)]
+    h.forward(rids, [6, 9, 4], ForwardMode.EXTEND)
+    h.forward(rids, [3, 3, 3], ForwardMode.TARGET_VERIFY)   # bucket 4, padded: checked against the reference
+    md = h.backend.forward_metadata
+    assert md.graph and md.max_q_len == 3
+    w = h.backend.windows[0]
+    assert md.windows[w].max_len == w + 2
+
+
+def test_verify_graph_refuses_requests_of_other_lengths_and_changes_nothing():
+    """The static batch gives each request tokens_per_req new tokens: a batch with the right total but other
+    per-request lengths (host copies given) is a ShapeError before any static buffer is touched."""
+    h = Harness(ReferenceBackend, geometry=ModelGeometry(), size=512, size_swa=128)
+    runner = h.enable_graphs([2], mode=ForwardMode.TARGET_VERIFY, tokens_per_req=2)
+    rids = [h.add_request() for _ in range(2)]
+    h.forward(rids, [6, 9], ForwardMode.EXTEND)
+    batch, inputs = h.prepare(rids, [1, 3], ForwardMode.TARGET_VERIFY)
+    assert batch.extend_seq_lens_cpu is not None
+    before = [t.clone() for t in (runner.req_pool_indices, runner.seq_lens, runner.out_cache_loc)]
+    with pytest.raises(ShapeError, match=r"2 new token\(s\) per request; extend_seq_lens are \[1, 3\]"):
+        runner.prepare(batch, inputs)
+    assert all(torch.equal(a, b) for a, b in zip(before, (runner.req_pool_indices, runner.seq_lens,
+                                                           runner.out_cache_loc)))

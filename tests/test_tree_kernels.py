@@ -375,23 +375,16 @@ def test_custom_op_takes_the_tree_and_compiles(monkeypatch):
         layer(c.tree.mask, c.tree.mask_indptr)
 
 
-@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_decode_like_tree_verify_runs_the_decode_kernels(graph, monkeypatch):
-    """tree_verify="decode": a tree verify's layers call forward_decode with one query per draft token and
-    never forward_extend; an eager verify without a tree keeps the extend kernels; a bad value is a ConfigError."""
+def _recording_verify_harness(backend_cls, tree_verify, buckets, monkeypatch):
+    """A 2-layer hybrid harness (verify graphs of 5 drafts for `buckets`, if any) whose backend records each
+    forward_decode / forward_extend call as (name, query rows); two requests prefilled."""
     from hwkv.batch import ForwardMode
-    from hwkv.errors import ConfigError
     from hwkv.graph import EagerAdapter
     from hwkv.testing.harness import Harness, ModelGeometry
-    from hwkv.testing.spec_harness import tree_verify
-    from hwkv_cpu.backend import TorchCPUBackend
-
-    with pytest.raises(ConfigError, match="tree_verify='both' must be 'extend' or 'decode'"):
-        Harness(TorchCPUBackend, "cpu", ModelGeometry(), size=256, size_swa=64, tree_verify="both")
     geom = ModelGeometry(num_layers=2, swa_every=2, window=4, num_heads=4, num_kv_heads=2, head_dim=16)
-    h = Harness(TorchCPUBackend, "cpu", geom, size=256, size_swa=64, tree_verify="decode")
-    if graph:
-        h.enable_graphs([2], EagerAdapter(), mode=ForwardMode.TARGET_VERIFY, tokens_per_req=5, tree=True)
+    h = Harness(backend_cls, "cpu", geom, size=256, size_swa=64, tree_verify=tree_verify)
+    if buckets:
+        h.enable_graphs(buckets, EagerAdapter(), mode=ForwardMode.TARGET_VERIFY, tokens_per_req=5, tree=True)
     calls = []
     for name in ("forward_decode", "forward_extend"):
         inner = getattr(h.backend, name)
@@ -400,12 +393,69 @@ def test_decode_like_tree_verify_runs_the_decode_kernels(graph, monkeypatch):
     rids = [h.add_request() for _ in range(2)]
     h.forward(rids, [9, 3], ForwardMode.EXTEND)
     calls.clear()
+    return h, rids, calls
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_decode_like_tree_verify_runs_the_decode_kernels(graph, monkeypatch):
+    """tree_verify="decode": a tree verify's layers call forward_decode with one query per draft token and
+    never forward_extend; an eager verify without a tree keeps the extend kernels; a bad value is a ConfigError."""
+    from hwkv.batch import ForwardMode
+    from hwkv.errors import ConfigError
+    from hwkv.testing.harness import Harness, ModelGeometry
+    from hwkv.testing.spec_harness import tree_verify
+    from hwkv_cpu.backend import TorchCPUBackend
+
+    with pytest.raises(ConfigError, match="tree_verify='both' must be 'extend', 'decode' or 'auto'"):
+        Harness(TorchCPUBackend, "cpu", ModelGeometry(), size=256, size_swa=64, tree_verify="both")
+    h, rids, calls = _recording_verify_harness(TorchCPUBackend, "decode", [2] if graph else None, monkeypatch)
     tree_verify(h, rids, [[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 3]], [[0, 2], [0, 1, 2]])   # checked inside
     assert calls and all(c == ("forward_decode", 10) for c in calls), calls
     if not graph:   # a verify without a tree keeps the extend kernels (graphs captured with tree=True run chains)
         calls.clear()
         h.forward(rids, [2, 2], ForwardMode.TARGET_VERIFY)
         assert calls and all(c[0] == "forward_extend" for c in calls), calls
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_auto_tree_verify_asks_the_backend_per_forward(graph, monkeypatch):
+    """tree_verify="auto": each verify runs decode-like where the backend's decode_like_verify_pays says so for
+    its batch (here: one request) and through the extend kernels otherwise, both matching the reference; in
+    graph mode the captured bucket decides (the 1-bucket decode-like, the 2-bucket extend)."""
+    from hwkv.testing.spec_harness import tree_verify
+    from hwkv_cpu.backend import TorchCPUBackend
+
+    asked = []
+
+    class OneRequestPays(TorchCPUBackend):
+        def decode_like_verify_pays(self, num_requests, num_tokens):
+            asked.append((num_requests, num_tokens))
+            return num_requests == 1
+
+    h, rids, calls = _recording_verify_harness(OneRequestPays, "auto", [1, 2] if graph else None, monkeypatch)
+    for batch_rids, kernel in ((rids, "forward_extend"), (rids[:1], "forward_decode"), (rids, "forward_extend")):
+        calls.clear()
+        asked.clear()
+        tree_verify(h, batch_rids, [[-1, 0, 0, 1, 2]] * len(batch_rids), [[0, 1]] * len(batch_rids))
+        assert calls and all(c == (kernel, 5 * len(batch_rids)) for c in calls), (kernel, calls)
+        assert graph or asked == [(len(batch_rids), 5 * len(batch_rids))], asked
+        h.check_integrity()
+
+
+@pytest.mark.interpret
+def test_triton_auto_verify_goes_decode_like_below_one_program_per_sm(monkeypatch):
+    """TritonBackend's rule: decode-like while requests x kv heads (the extend verify grid) < SMs, taking the
+    smaller kv-head count of a hybrid pool's two groups."""
+    pytest.importorskip("triton")
+    from hwkv_cuda import backend as triton_backend
+    from hwkv.testing.harness import Harness, ModelGeometry
+    monkeypatch.setattr(triton_backend, "num_sms", lambda device: 132)
+    geom = ModelGeometry(num_layers=2, swa_every=2, window=4, num_heads=16, num_kv_heads=8, head_dim=16)
+    h = Harness(triton_backend.TritonBackend, "cpu", geom, size=64, size_swa=32, tree_verify="auto")
+    pays = h.backend.decode_like_verify_pays
+    assert pays(1, 15) and pays(16, 240) and not pays(17, 255) and not pays(32, 480)
+    h.pool.swa_kv_pool.head_num = 2     # a narrower SWA group: its grid is the smaller one
+    assert pays(65, 975) and not pays(66, 990)
 
 
 def test_check_tree_in_debug_mode_accepts_trees_and_names_what_is_not_one():

@@ -48,9 +48,9 @@ class PerLayerTranslation:
         self._graph_metadata = False
         return super().init_forward_metadata(batch)  # type: ignore[misc]
 
-    def init_forward_metadata_graph(self, batch: ForwardBatch) -> ForwardMetadata:
+    def init_forward_metadata_graph(self, batch: ForwardBatch, max_q_len: Optional[int] = None) -> ForwardMetadata:
         self._graph_metadata = True
-        return super().init_forward_metadata_graph(batch)  # type: ignore[misc]
+        return super().init_forward_metadata_graph(batch, max_q_len)  # type: ignore[misc]
 
     def _layer_list(self, kv: KVIndexList, batch: ForwardBatch) -> KVIndexList:
         """Rebuild one window list from req_to_token and translate it to SWA slots."""
