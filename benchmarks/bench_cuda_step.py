@@ -428,7 +428,8 @@ def print_tables(res: Dict) -> None:
                   f"{r['alloc_us']} | {r['alloc_host_us']} | {r['release_us']} | {r['release_host_us']} | "
                   f"{r['syncs_alloc']} | {r['syncs_release']} |")
     if res.get("tree_verify"):
-        print("| bs | ctx | tree_verify | ran | eager us | graph us | max rel diff vs extend |\n|---|---|---|---|---|---|---|")
+        print("| bs | ctx | tree_verify | ran | eager us | graph us | max rel diff vs extend |\n"
+              "|---|---|---|---|---|---|---|")
         for r in res["tree_verify"]:
             print(f"| {r['bs']} | {r['ctx']} | {r['mode']} | {r['ran']} | {r['eager_us']} | {r['graph_us']} | "
                   f"{r['max_rel_diff']} |")

@@ -81,7 +81,7 @@ class AttentionBackend(DraftMetadataMixin):
         self.static: Optional[StaticBuffers] = None
         self._views: Dict[Tuple[int, int], GraphViews] = {}
         self._tree_static: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (mask_indptr, q_positions)
-        self._tree_decode_static: Dict[Optional[int], TreeDecodeBuffers] = {}  # tree_verify="decode", graphs
+        self._tree_decode_static: Dict[Optional[int], TreeDecodeBuffers] = {}  # decode-like verify graphs' lists
         self._token_arange: Optional[torch.Tensor] = None  # int32 [max_num_tokens + 1]: its qo_indptr
         self.draft_static = None  # hwkv.draft.DraftStatic, made by init_draft_graph_state
         self._graph_tables: List[Any] = []  # alloc_graph_tables per static buffer set (index: md.graph_step)
@@ -181,9 +181,12 @@ class AttentionBackend(DraftMetadataMixin):
                 mode == "auto" and not self.decode_like_verify_pays(batch.batch_size, num_tokens)):
             return
         static = self._tree_decode_static if md.graph else {}
-        if md.graph and not static:  # the first graph tree verify: its capture's warm-up refill, not a replay
+        if md.graph and not static:  # the first decode-like graph verify: its capture's warm-up refill, not a replay
+            # "decode": every bucket takes these lists; "auto": only small ones do, and GraphRunner captures its
+            # largest bucket first, so this one is the largest (a later, larger one is a CapacityError)
             st, ctx = self.static, self.graph_max_context_len
-            static.update({w: alloc_tree_decode(st.max_num_tokens, ctx if w is None else min(ctx, w), self.device)
+            tokens = st.max_num_tokens if mode == "decode" else num_tokens
+            static.update({w: alloc_tree_decode(tokens, ctx if w is None else min(ctx, w), self.device)
                            for w in [None, *self.windows]})
             self._token_arange = torch.arange(st.max_num_tokens + 1, dtype=torch.int32, device=self.device)
 

@@ -8,6 +8,7 @@ pad, metadata refill) and `replay` are its two halves, for callers that time the
 from __future__ import annotations
 
 import bisect
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
@@ -106,6 +107,7 @@ class GraphRunner:
                                       and getattr(self.adapter, "records_device_work", False))
         self.eager_runs = 0
         self.replays = 0
+        self._bounds_q = "max_q_len" in inspect.signature(backend.init_forward_metadata_graph).parameters
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         n = bs * self.tpr
@@ -128,8 +130,12 @@ class GraphRunner:
 
     def _refill(self, batch: ForwardBatch) -> None:
         """Static metadata for a padded static batch (at capture, before a replay, or inside the graph);
-        every request has exactly `tpr` new tokens (prepare checks it), which bounds the extend grids."""
-        self.backend.init_forward_metadata_graph(batch, max_q_len=self.tpr)
+        every request has exactly `tpr` new tokens, which bounds the extend grids (a backend whose override
+        of init_forward_metadata_graph predates `max_q_len` gets the batch's token count, as before)."""
+        if self._bounds_q:
+            self.backend.init_forward_metadata_graph(batch, max_q_len=self.tpr)
+        else:
+            self.backend.init_forward_metadata_graph(batch)
 
     def _check_tokens_per_request(self, batch: ForwardBatch) -> None:
         """The static batch gives every request `tpr` new tokens: a batch whose requests differ would run
@@ -200,8 +206,6 @@ class GraphRunner:
         if batch.num_tokens != bs * self.tpr:
             raise ShapeError(f"graph mode needs {self.tpr} token(s) per request: {batch.num_tokens} tokens "
                              f"for {bs} requests")
-        if self.mode != ForwardMode.DECODE:
-            self._check_tokens_per_request(batch)
         n = bs * self.tpr
         tree = batch.spec_info if isinstance(batch.spec_info, DraftTree) else None
         if tree is not None and self.tree_mask is None:
@@ -212,6 +216,8 @@ class GraphRunner:
         i = bisect.bisect_left(self.buckets, bs)
         if i == len(self.buckets):
             return PreparedStep(None, n, self._eager(batch), inputs)
+        if self.mode != ForwardMode.DECODE:   # eager runs take any lengths; the static batch takes tpr each
+            self._check_tokens_per_request(batch)
         bs_pad = self.buckets[i]
         self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
         self.seq_lens[:bs].copy_(batch.seq_lens)

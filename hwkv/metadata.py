@@ -42,7 +42,7 @@ class ForwardMetadata:
     graph: bool = False  # built into the static graph buffers (what a layer allocates must outlive it)
     tree: Optional[Any] = None  # hwkv.spec.TreeMask of a tree verify (TARGET_VERIFY, top-k > 1), else None
     graph_step: int = 0  # graph mode: which static buffer set (draft step) the lists live in
-    tree_decode: Optional["ForwardMetadata"] = None  # tree_verify="decode": the verify as one decode per token
+    tree_decode: Optional["ForwardMetadata"] = None  # decode-like tree verify: one decode per draft token
 
     def list_for(self, layer: Any, swa_group: bool) -> KVIndexList:
         """The index list a layer reads: its window's list when it has one, else the full list."""

@@ -183,7 +183,9 @@ def tree_decode_list(tree: TreeMask, lst: KVIndexList, qo_indptr: torch.Tensor, 
     the keys in t's window). `out`: static storage
     from `alloc_tree_decode` (graph mode), else allocated here. `rows`: (req_to_token, req_pool_indices)
     of the batch: a full list (slot j = req_to_token[row, j]) then takes its prefixes straight from the
-    rows with `ops.fill_kv_indices`, which writes live entries only, instead of a [T, row_cap] grid."""
+    rows, live entries only (the torch path: `ops.fill_kv_indices`, instead of a [T, row_cap] grid).
+    Devices that registered a builder (`ops.register_tree_decode`: the Triton ones) run it instead of
+    the torch path's sixty-odd small ops."""
     dev = q_pos0.device
     t_all, ext = num_tokens, ext.to(torch.int64)
     if out is None:

@@ -89,16 +89,14 @@ class TritonBackend(KernelSetBackend):
                                           layer.logit_cap, layer.sinks, layer.k_scale, layer.v_scale, tree=md.tree)
 
     def decode_like_verify_pays(self, num_requests: int, num_tokens: int) -> bool:
-        """tree_verify="auto": decode-like while the extend kernel's verify grid (a program per request and kv
-        head for trees of up to BLOCK_T drafts) holds fewer programs than the device has SMs, so it would
-        leave most of them idle; the decode lists split every draft's keys instead. H200, 15 drafts, GQA 8
-        (docs/benchmarks.md): decode-like 8.2x at batch 1 over 32K keys, 1.5x at 8 over 4K, even at 8 over
-        32K; extend 1.2x ahead at batch 32 (256 programs), where the decode lists' 15 reads of each
-        prefix cost more than the idle SMs."""
-        pool = self.pool
-        groups = (pool.full_kv_pool, pool.swa_kv_pool) if self.hybrid else (pool,)
-        kv_heads = min(g.head_num for g in groups)
-        return num_requests * kv_heads < num_sms(self.device)
+        """tree_verify="auto": decode-like while the extend kernel's verify grid over the full layers (a program
+        per request and kv head for trees of up to 16 drafts at GQA 8) holds fewer programs than the device has
+        SMs, so it would leave most of them idle; the decode lists split every draft's keys instead. The full
+        layers decide: their lists are long, while both kernels take a few us over a window. H200, 15 drafts,
+        GQA 8, one 36-layer verify through graphs (docs/benchmarks.md): decode-like 6.4x at batch 1 over 4K, 7.6x
+        over 32K, 1.7x at batch 8 over 4K; extend 1.85x ahead at batch 32 over 32K. Measured on NVIDIA only."""
+        pool = self.pool.full_kv_pool if self.hybrid else self.pool
+        return num_requests * pool.head_num < num_sms(self.device)
 
     def _graph_workspace(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                          kv: KVIndexList) -> Optional[_kernels.DecodeWorkspace]:

@@ -118,3 +118,30 @@ def test_verify_graph_refuses_requests_of_other_lengths_and_changes_nothing():
         runner.prepare(batch, inputs)
     assert all(torch.equal(a, b) for a, b in zip(before, (runner.req_pool_indices, runner.seq_lens,
                                                            runner.out_cache_loc)))
+
+
+def test_an_override_without_max_q_len_keeps_working_with_the_token_count_bound():
+    """A backend that overrides init_forward_metadata_graph(self, batch) (written before max_q_len) still
+    captures and replays verify graphs; its static bound is the batch's token count, as before."""
+
+    class OldSignature(ReferenceBackend):
+        def init_forward_metadata_graph(self, batch):
+            return super().init_forward_metadata_graph(batch)
+
+    h = Harness(OldSignature, geometry=ModelGeometry(), size=512, size_swa=128)
+    h.enable_graphs([2], mode=ForwardMode.TARGET_VERIFY, tokens_per_req=3)
+    rids = [h.add_request() for _ in range(2)]
+    h.forward(rids, [6, 9], ForwardMode.EXTEND)
+    h.forward(rids, [3, 3], ForwardMode.TARGET_VERIFY)   # checked against the reference
+    assert h.backend.forward_metadata.graph and h.backend.forward_metadata.max_q_len == 6
+
+
+def test_a_batch_larger_than_every_bucket_runs_eagerly_with_its_own_lengths():
+    """Only a batch that goes through the static buffers must have tokens_per_req per request; a larger
+    one runs eagerly with whatever lengths it has (same total), checked against the reference."""
+    h = Harness(ReferenceBackend, geometry=ModelGeometry(), size=512, size_swa=128)
+    runner = h.enable_graphs([1], mode=ForwardMode.TARGET_VERIFY, tokens_per_req=2)
+    rids = [h.add_request() for _ in range(2)]
+    h.forward(rids, [6, 9], ForwardMode.EXTEND)
+    h.forward(rids, [1, 3], ForwardMode.TARGET_VERIFY)
+    assert runner.eager_runs == 1 and not h.backend.forward_metadata.graph

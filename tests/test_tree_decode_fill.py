@@ -37,7 +37,7 @@ def _parents(rng, n):
 class Batch:
     """Requests with random prefixes and draft forests; request lists full (pos0 0) or windowed."""
 
-    def __init__(self, seed, window, window_list=True, max_prefix=30, max_drafts=9):
+    def __init__(self, seed, window, window_list=True, max_prefix=30, max_drafts=9, swa=False):
         rng = random.Random(seed)
         bs = rng.randint(1, 5)
         self.prefix = [rng.randint(0, max_prefix) for _ in range(bs)]
@@ -56,8 +56,10 @@ class Batch:
             lists.append(slots[pos0[b]:])
         indptr = torch.tensor([0] + [len(x) for x in lists]).cumsum(0)
         self.max_len = max(len(x) for x in lists)
+        if swa:   # "translated" slots: a builder that read the rows instead of the list would differ
+            lists = [x + 5000 for x in lists]
         self.lst = KVIndexList(indptr.to(**I32), torch.cat(lists + [torch.zeros(3, dtype=torch.int64)]).to(DEV),
-                               torch.tensor(pos0).to(**I64), window if window_list else None, self.max_len)
+                               torch.tensor(pos0).to(**I64), window if window_list else None, self.max_len, swa)
         self.rows = (self.req_to_token.to(DEV), rows.to(DEV))
         self.ext = torch.tensor(self.ns).to(**I64)
         self.qo = torch.tensor([0] + self.ns).cumsum(0).to(**I32)
@@ -80,12 +82,16 @@ def _live(lst, T):
     return lst.indptr[:T + 1].tolist(), lst.pos0[:T].tolist(), lst.indices[:end].tolist()
 
 
-@pytest.mark.parametrize("window,window_list", [(None, True), (1, True), (3, True), (3, False), (7, True),
-                                                (100, True)])
-@pytest.mark.parametrize("rows", [False, True])
-def test_fused_equals_torch_path(window, window_list, rows, monkeypatch):
+# (window, list trimmed to the window, rows handed over, SWA slots): rows serve full lists only
+CASES = [(None, False, False, False), (None, False, True, False), (None, False, True, True),
+         (1, True, False, False), (3, True, True, False), (3, True, True, True), (7, True, False, False),
+         (100, True, False, False)]
+
+
+@pytest.mark.parametrize("window,window_list,rows,swa", CASES)
+def test_fused_equals_torch_path(window, window_list, rows, swa, monkeypatch):
     for seed in range(6):
-        b = Batch(seed * 13 + (window or 0), window, window_list)
+        b = Batch(seed * 13 + (window or 0), window, window_list, swa=swa)
         want = _live(b.build(False, monkeypatch, rows), b.T)
         garbage = alloc_tree_decode(b.T + 3, b.cap + 2, DEV)     # a graph buffer holding the last replay's lists
         for t in garbage[:3]:
@@ -111,6 +117,18 @@ def test_fused_hand_computed(monkeypatch):
     assert [ind[ptr[t]:ptr[t + 1]] for t in range(5)] == [[12, 13, 20], [13, 20, 21], [13, 20, 22],
                                                           [20, 21, 23], [20, 22, 24]]
     assert pos0 == [2, 3, 3, 4, 4]
+
+
+@pytest.mark.parametrize("window,window_list,rows,swa", [CASES[0], CASES[1], CASES[4]])
+def test_fused_copies_a_prefix_chunk_in_several_passes(window, window_list, rows, swa, monkeypatch):
+    """One prefix chunk per token (as with many tokens on a GPU), so each program copies its prefix in
+    several key blocks."""
+    from hwkv_cuda.kernels import tree
+    monkeypatch.setattr(tree, "_TARGET_PROGRAMS", 1)
+    for seed in range(4):
+        b = Batch(seed * 7 + 1, window, window_list, max_prefix=40, swa=swa)
+        want = _live(b.build(False, monkeypatch, rows), b.T)
+        assert _live(b.build(True, monkeypatch, rows), b.T) == want, f"seed {seed}"
 
 
 def test_fused_many_requests_and_long_prefixes(monkeypatch):

@@ -442,10 +442,30 @@ def test_auto_tree_verify_asks_the_backend_per_forward(graph, monkeypatch):
         h.check_integrity()
 
 
+def test_auto_graph_lists_are_sized_by_the_first_decode_like_capture(monkeypatch):
+    """"auto" keeps graph lists for its first decode-like capture only (not max_num_tokens as "decode" does); a
+    later, larger decode-like capture is a CapacityError naming both sizes."""
+    from hwkv.batch import ForwardMode
+    from hwkv.errors import CapacityError
+    from hwkv.graph import EagerAdapter
+    from hwkv_cpu.backend import TorchCPUBackend
+
+    class AlwaysPays(TorchCPUBackend):
+        def decode_like_verify_pays(self, num_requests, num_tokens):
+            return True
+
+    h, rids, calls = _recording_verify_harness(AlwaysPays, "auto", None, monkeypatch)
+    h.backend.init_graph_state(4, 20)
+    h.enable_graphs([1], EagerAdapter(), mode=ForwardMode.TARGET_VERIFY, tokens_per_req=5, tree=True)
+    assert {b.pos0.shape[0] for b in h.backend._tree_decode_static.values()} == {5}, "sized for 1 x 5 drafts"
+    with pytest.raises(CapacityError, match="10 draft tokens .* exceed the tree-decode buffers"):
+        h.enable_graphs([2], EagerAdapter(), mode=ForwardMode.TARGET_VERIFY, tokens_per_req=5, tree=True)
+
+
 @pytest.mark.interpret
 def test_triton_auto_verify_goes_decode_like_below_one_program_per_sm(monkeypatch):
-    """TritonBackend's rule: decode-like while requests x kv heads (the extend verify grid) < SMs, taking the
-    smaller kv-head count of a hybrid pool's two groups."""
+    """TritonBackend's rule: decode-like while requests x kv heads of the full layers (their extend verify
+    grid) < SMs; the SWA group's heads do not count."""
     pytest.importorskip("triton")
     from hwkv_cuda import backend as triton_backend
     from hwkv.testing.harness import Harness, ModelGeometry
@@ -454,7 +474,9 @@ def test_triton_auto_verify_goes_decode_like_below_one_program_per_sm(monkeypatc
     h = Harness(triton_backend.TritonBackend, "cpu", geom, size=64, size_swa=32, tree_verify="auto")
     pays = h.backend.decode_like_verify_pays
     assert pays(1, 15) and pays(16, 240) and not pays(17, 255) and not pays(32, 480)
-    h.pool.swa_kv_pool.head_num = 2     # a narrower SWA group: its grid is the smaller one
+    h.pool.swa_kv_pool.head_num = 2     # a narrower SWA group changes nothing
+    assert pays(16, 240) and not pays(17, 255)
+    h.pool.full_kv_pool.head_num = 2
     assert pays(65, 975) and not pays(66, 990)
 
 

@@ -68,7 +68,8 @@ def _tree_lens_kernel(qo_indptr, q_positions, q_pos0, list_pos0, out_indptr, out
 @triton.jit
 def _tree_fill_kernel(qo_indptr, q_positions, q_pos0, list_indptr, list_indices, list_pos0, mask, mask_indptr,
                       req_to_token, req_pool_indices, out_indptr, out_indices, bs, window, chunk, cap, stride_rtt,
-                      FROM_ROWS: tl.constexpr, LOG_BS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_J: tl.constexpr):
+                      FROM_ROWS: tl.constexpr, LOG_BS: tl.constexpr, BLOCK: tl.constexpr,
+                      BLOCK_J: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1).to(tl.int64)
     b, qp0, lp0, rel0, depth, lo, dmin = _token_facts(t, t >= 0, qo_indptr, q_positions, q_pos0, list_pos0, bs,
@@ -101,6 +102,9 @@ def _tree_fill_kernel(qo_indptr, q_positions, q_pos0, list_indptr, list_indices,
             tl.store(out_indices + dst, slot.to(tl.int64), mask=keep)
 
 
+_TARGET_PROGRAMS = 2048   # fill programs to aim for (token x prefix chunk) when the tokens are few
+
+
 def _sizes() -> "tuple[int, int, int, int]":
     """(token block, key block, draft block, warps): tiny blocks under the interpreter."""
     return (8, 8, 4, 1) if _INTERPRETED else (1024, 1024, 32, 4)
@@ -112,8 +116,8 @@ def tree_decode_fill(q_positions: torch.Tensor, mask: torch.Tensor, mask_indptr:
                      out_indptr: torch.Tensor, out_pos0: torch.Tensor, out_indices: torch.Tensor,
                      num_tokens: int, num_requests: int, row_cap: int,
                      rows: Optional["tuple[torch.Tensor, torch.Tensor]"] = None) -> None:
-    """`tree_decode_list`'s lists of `num_tokens` draft tokens of `num_requests` requests into out_indptr [>= T + 1] (int32),
-    out_pos0 [>= T] and out_indices (entries past out_indptr[T] untouched), in two launches.
+    """`tree_decode_list`'s lists of `num_tokens` draft tokens of `num_requests` requests into out_indptr
+    [>= T + 1] (int32), out_pos0 [>= T] and out_indices (entries past out_indptr[T] untouched), two launches.
 
     rows = (req_to_token, req_pool_indices): the prefixes come from the rows instead of the list
     (full lists only). row_cap: host bound on one token's list, sizes the prefix chunks."""
@@ -129,6 +133,8 @@ def tree_decode_fill(q_positions: torch.Tensor, mask: torch.Tensor, mask_indptr:
                          f"[{list_pos0.shape[0]}] {bs}")
     if not (out_indices.is_contiguous() and list_indices.is_contiguous() and mask.is_contiguous()):
         raise ShapeError("out_indices, list_indices and the tree mask must be contiguous")
+    if rows is not None and (rows[0].dim() != 2 or rows[0].stride(1) != 1):
+        raise ShapeError(f"req_to_token must be [rows, ctx] with contiguous rows, got {list(rows[0].shape)}")
     if num_tokens == 0 or bs == 0:
         out_indptr[:1].zero_()
         return
@@ -138,14 +144,12 @@ def tree_decode_fill(q_positions: torch.Tensor, mask: torch.Tensor, mask_indptr:
     _tree_lens_kernel[(1,)](qo_indptr, q_positions, q_pos0, list_pos0, out_indptr, out_pos0, num_tokens, bs, w,
                             LOG_BS=log_bs, BLOCK_T=block_t, num_warps=warps)
     # prefix chunks per token: enough programs to fill the device at small token counts, one at large
-    splits = max(1, min(triton.cdiv(max(row_cap, 1), block), triton.cdiv(2048, num_tokens)))
+    splits = max(1, min(triton.cdiv(max(row_cap, 1), block), triton.cdiv(_TARGET_PROGRAMS, num_tokens)))
     chunk = triton.cdiv(triton.cdiv(max(row_cap, 1), splits), block) * block
     if rows is None:
         rtt, req_rows, stride = list_indices, q_pos0, 0   # unused (FROM_ROWS off)
     else:
         rtt, req_rows = rows
-        if rtt.dim() != 2 or rtt.stride(1) != 1:
-            raise ShapeError(f"req_to_token must be [rows, ctx] with contiguous rows, got {list(rtt.shape)}")
         stride = rtt.stride(0)
     _tree_fill_kernel[(num_tokens, splits)](
         qo_indptr, q_positions, q_pos0, list_indptr, list_indices, list_pos0, mask, mask_indptr, rtt, req_rows,
