@@ -162,11 +162,14 @@ def test_fused_refuses_buffers_too_small(monkeypatch):
 
 @pytest.mark.skipif(DEV.type != "cpu", reason="a GPU is present: its contract run builds the lists with this kernel")
 def test_decode_like_verify_through_the_backend_with_the_fused_builder(monkeypatch):
-    """The contract's tree check through graphs (accept/reject, reuse over a 32-slot SWA pool, replay for
-    fewer requests over static lists the last replay filled) on the interpreted Triton backend with the
-    fused builder in place of the torch path, as on a GPU (eager builds are test_fused_equals_torch_path's)."""
+    """The interpreted Triton backend with the fused builder in place of the torch path, as on a GPU: tree
+    verifies through graphs over a 32-slot SWA pool at page 4 (two requests, then one: the replay reuses
+    static lists the last one filled), each checked against the reference, accepted paths kept."""
+    from hwkv.batch import ForwardMode
     from hwkv.graph import EagerAdapter
-    from hwkv.testing import ContractTarget, contract_spec
+    from hwkv.testing.contract_spec import GEOM, TREE
+    from hwkv.testing.harness import Harness
+    from hwkv.testing.spec_harness import tree_verify
     from hwkv_cuda.backend import TritonBackend
     calls = []
 
@@ -174,6 +177,14 @@ def test_decode_like_verify_through_the_backend_with_the_fused_builder(monkeypat
         calls.append(a[12])
         return tree_decode_fill(*a, **k)
     monkeypatch.setitem(ops._TREE_DECODE, "cpu", counted)
-    target = ContractTarget("cuda-interpret", TritonBackend, "cpu", EagerAdapter)
-    contract_spec.test_tree_verify_accept_and_reuse(target, 4, True, "decode")
-    assert calls, "the fused builder never ran"
+    h = Harness(TritonBackend, "cpu", GEOM, size=1024, size_swa=32, page_size=4, tree_verify="decode")
+    h.enable_graphs([1, 2], EagerAdapter(), mode=ForwardMode.TARGET_VERIFY, tokens_per_req=5, tree=True)
+    rids = [h.add_request() for _ in range(2)]
+    h.forward(rids, [9, 3], ForwardMode.EXTEND)
+    h.release()
+    calls.clear()
+    tree_verify(h, rids, [TREE, [-1, 0, 1, 2, 3]], [[0, 1, 3], [0, 2]])   # checked against the reference inside
+    h.release()
+    tree_verify(h, rids[:1], [TREE], [[0, 2, 4]])
+    h.check_integrity()
+    assert calls == [10, 10, 5, 5], calls   # per verify: the full list and the window list

@@ -5,8 +5,9 @@ store_kv, decode_attention, extend_attention, fill_kv_indices. The public functi
 arguments on every call; the backend checks once per forward and uses the internal entry points
 (`store_kv_prechecked`, `plan_decode` + `decode_attention_planned`, `plan_extend` +
 `extend_attention_planned`). `refill` holds the fused graph-metadata refill, `tree` the decode-like
-tree verify's list builder. Importing this package registers `torch.ops.hwkv.store_kv`, `.decode_attention` and `.extend_attention` (custom ops
-with fake implementations, for models compiled with torch.compile: `torch_ops`).
+tree verify's list builder. Importing this package registers `torch.ops.hwkv.store_kv`,
+`.decode_attention` and `.extend_attention` (custom ops with fake implementations, for models
+compiled with torch.compile: `torch_ops`).
 """
 from hwkv_cuda.kernels import refill, torch_ops, tree
 from hwkv_cuda.kernels.decode import (DecodeConfig, DecodePlan, DecodeWorkspace, decode_attention,
