@@ -33,6 +33,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def jit_interpreted(kernel: object) -> bool:
+    """Whether Triton decorated `kernel` for its interpreter (decided at decoration, unlike `interpreting()`,
+    which reads the environment now): launch sizes must follow what the kernel will actually run as."""
+    return not isinstance(kernel, triton.runtime.JITFunction)
+
+
 def hopper_class(device: torch.device) -> bool:
     """An NVIDIA GPU of compute capability >= 9.0 (H100/H200 and later; not ROCm): the devices the
     shared-memory-hungry configs were recorded on. Elsewhere the kernels keep their portable configs."""

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from hwkv.errors import LocError, ShapeError
 from hwkv.ops import GraphRefillKernels
+from hwkv_cuda.kernels.common import jit_interpreted
 
 
 def _launch_sizes() -> "tuple[int, int, int]":
@@ -188,5 +189,5 @@ def translate_runs(mapping: torch.Tensor, req_to_token: torch.Tensor, req_pool_i
                                   BLOCK=block, num_warps=warps)
 
 
-_INTERPRETED = not isinstance(_translate_into_kernel, triton.runtime.JITFunction)
+_INTERPRETED = jit_interpreted(_translate_into_kernel)
 KERNELS = GraphRefillKernels(translate_into, translate_runs, fill_lists)

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from hwkv.errors import LocError, ShapeError
+from hwkv_cuda.kernels.common import jit_interpreted
 
 
 @triton.jit
@@ -157,4 +158,4 @@ def tree_decode_fill(q_positions: torch.Tensor, mask: torch.Tensor, mask_indptr:
         FROM_ROWS=rows is not None, LOG_BS=log_bs, BLOCK=block, BLOCK_J=block_j, num_warps=warps)
 
 
-_INTERPRETED = not isinstance(_tree_lens_kernel, triton.runtime.JITFunction)
+_INTERPRETED = jit_interpreted(_tree_lens_kernel)
