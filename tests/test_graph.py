@@ -145,3 +145,41 @@ def test_a_batch_larger_than_every_bucket_runs_eagerly_with_its_own_lengths():
     h.forward(rids, [6, 9], ForwardMode.EXTEND)
     h.forward(rids, [1, 3], ForwardMode.TARGET_VERIFY)
     assert runner.eager_runs == 1 and not h.backend.forward_metadata.graph
+
+
+def _kv_rows(h):
+    """Every layer's K and V buffers, cloned (a snapshot of both pools)."""
+    return {l.layer_id: tuple(b.clone() for b in h.pool.get_kv_buffer(l.layer_id)) for l in h.layers}
+
+
+def test_padding_a_partial_bucket_writes_only_the_padding_slot():
+    """A full bucket leaves every static write slot pointing at a live token; the next, smaller batch in the
+    same bucket pads the rest. Padded requests must write the padding slot 0 only: every other slot of both
+    pools keeps the previous step's K/V byte for byte, except the new tokens' own slots, which hold their K/V."""
+    h = Harness(ReferenceBackend, geometry=ModelGeometry(), size=512, size_swa=128)
+    runner = h.enable_graphs([4])
+    rids = [h.add_request() for _ in range(4)]
+    h.forward(rids, [5, 9, 7, 6], ForwardMode.EXTEND)
+    h.release()
+    h.forward(rids, [1, 1, 1, 1], ForwardMode.DECODE)  # bucket 4, nothing padded
+    h.release()
+    before = _kv_rows(h)
+    live = rids[:3]
+    batch, inputs = h.prepare(live, [1, 1, 1], ForwardMode.DECODE)
+    step = runner.prepare(batch, inputs)
+    assert step.bucket == 4 and step.num_tokens == 3 and runner.replays == 1  # one request padded
+    h.complete(live, [1, 1, 1], inputs, runner.replay(step))  # outputs checked against the reference
+    after = _kv_rows(h)
+    new_full = batch.out_cache_loc.cpu()
+    new_swa = h.allocator.translate_loc_from_full_to_swa(batch.out_cache_loc).cpu()
+    for l in h.layers:
+        new = new_swa if l.sliding_window else new_full
+        keep = torch.ones(before[l.layer_id][0].shape[0], dtype=torch.bool)
+        keep[new] = False
+        keep[0] = False  # the padding slot
+        for kind, old, now, x in zip("kv", before[l.layer_id], after[l.layer_id],
+                                     (inputs[f"k{l.layer_id}"], inputs[f"v{l.layer_id}"])):
+            changed = (old[keep] != now[keep]).flatten(1).any(1).nonzero().flatten()
+            assert changed.numel() == 0, \
+                f"layer {l.layer_id} {kind}: slots {keep.nonzero().flatten()[changed].tolist()} were overwritten"
+            assert torch.equal(now[new], x.to(now.dtype)), f"layer {l.layer_id} {kind}: a new token's slot"
