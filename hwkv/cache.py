@@ -5,15 +5,19 @@ A radix tree over token ids in whole pages. Each node holds the full-pool locs o
 tombstone, one reference on their SWA pages too. A prefix of length m is reusable when its full
 KV is there (always, for a node in the tree) and the SWA KV of the tokens the next query can
 see is there: positions from `window_start(m)` (page-aligned, see below) to m. A match is cut
-back to the longest such prefix, so tombstones stay matchable as interior nodes.
+back to the longest such prefix, so tombstones stay matchable as interior nodes; inserting a
+prefix again with its SWA KV revives the tombstones it covers.
 
-Full and SWA memory are evicted separately, each least-recently-used first and only where no
-running request holds a lock: full eviction removes unlocked leaves (their full and SWA
-references), SWA eviction turns unlocked nodes into tombstones (their SWA references only).
+Full and SWA memory are evicted separately, each from its own lazily updated priority heap and
+only where no running request holds a lock: full eviction removes unlocked leaves (tombstone
+leaves first, then least recently used), SWA eviction turns unlocked nodes into tombstones
+(SWA no window needs first, then by the best window a node serves). An eviction costs what it
+frees plus a log factor, whatever the size of the tree.
 
 Running requests hold their own page references (taken by `acquire`), so eviction never frees
 a page in use; locks keep the nodes a request shares with the cache (`acquire`, `cache_running`)
 from eviction, so an unlocked node's pages are the cache's alone and evicting it frees them.
+A match stays valid until the nodes it names change; `acquire` refuses a stale one.
 Tree operations run on the host; the locs they hand out and take in stay on the pool's device.
 """
 from __future__ import annotations
@@ -22,15 +26,16 @@ import heapq
 import itertools
 from collections import Counter
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
 from hwkv.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator
-from hwkv.errors import CacheError, ConfigError, LocError
+from hwkv.errors import CacheError, ConfigError, LocError, NotAllocatedError
 
 TokenIds = Union[torch.Tensor, np.ndarray, Sequence[int]]
+Rank = Tuple[int, int]
 
 
 def window_start(m: int, window: int, page_size: int) -> int:
@@ -40,7 +45,8 @@ def window_start(m: int, window: int, page_size: int) -> int:
 
 
 class _Node:
-    __slots__ = ("key", "locs", "children", "parent", "swa", "lock_full", "swa_locks", "t_full", "t_swa", "start")
+    __slots__ = ("key", "locs", "children", "parent", "swa", "lock_full", "swa_locks", "t_full", "t_swa", "start",
+                 "changed")
 
     def __init__(self, key: np.ndarray, locs: torch.Tensor, parent: Optional["_Node"], start: int, swa: bool) -> None:
         self.key, self.locs, self.parent, self.start, self.swa = key, locs, parent, start, swa
@@ -48,6 +54,7 @@ class _Node:
         self.lock_full = 0
         self.swa_locks: Counter = Counter()  # window start of each SWA lock on this node -> count
         self.t_full = self.t_swa = 0
+        self.changed = 0  # clock when its locs were last set: a match taken before is stale
 
     @property
     def end(self) -> int:
@@ -61,12 +68,14 @@ class _Node:
 @dataclass
 class PrefixMatch:
     """The longest reusable cached prefix of a prompt: `length` tokens (a multiple of the page size)
-    whose full-pool locs are `locs` (on the pool's device); SWA KV is there from `swa_start` on."""
+    whose full-pool locs are `locs` (on the pool's device); SWA KV is there from `swa_start` on.
+    `stamp`: the cache's clock when it was matched (`acquire` checks nothing it names changed since)."""
 
     length: int
     locs: torch.Tensor
     swa_start: int
     node: "_Node"
+    stamp: int = 0
 
 
 @dataclass
@@ -90,8 +99,9 @@ class HybridPrefixCache:
                           None, 0, True)
         self.root.lock_full = 1  # never evicted
         self._clock = itertools.count(1)
-        self._full_heap: List[Tuple[int, int, _Node]] = []  # (t_full, tie, node): leaves, lazily invalidated
         self._tie = itertools.count()
+        self._full_heap: List[Tuple[Rank, int, _Node]] = []  # evictable leaves, keys <= their current rank
+        self._swa_heap: List[Tuple[Rank, int, _Node]] = []   # unlocked SWA nodes, keys <= their current rank
         self.full_tokens = 0       # tokens whose full pages the cache references
         self.swa_tokens = 0        # ... whose SWA pages it references
         self.evictable_full = 0    # tokens of nodes no lock covers (full)
@@ -132,19 +142,42 @@ class HybridPrefixCache:
             node = child
         return path, pos
 
+    def _node_at(self, path: List[_Node], m: int) -> _Node:
+        """The node of `path` ending exactly at m (splitting the one m falls inside); the root for m == 0."""
+        node = self.root
+        for nd in path:
+            if nd.start >= m:
+                break
+            node = self._split(nd, m) if nd.end > m else nd
+        return node
+
     def _split(self, node: _Node, at: int) -> _Node:
-        """Split `node` at absolute position `at` (page-aligned, strictly inside); returns the upper part."""
+        """Split `node` at absolute position `at` (page-aligned, strictly inside); returns the upper part.
+        Both parts own copies of their keys and locs, so neither pins the other's storage."""
         k = at - node.start
-        up = _Node(node.key[:k], node.locs[:k], node.parent, node.start, node.swa)
-        up.lock_full, up.t_full, up.t_swa = node.lock_full, node.t_full, node.t_swa
+        up = _Node(node.key[:k].copy(), node.locs[:k].clone(), node.parent, node.start, node.swa)
+        up.lock_full, up.t_full, up.t_swa, up.changed = node.lock_full, node.t_full, node.t_swa, node.changed
         up.swa_locks = Counter({s: c for s, c in node.swa_locks.items() if s < at})
         node.parent.children[tuple(node.key[:self.page_size].tolist())] = up
-        node.key, node.locs, node.start, node.parent = node.key[k:], node.locs[k:], at, up
+        node.key, node.locs, node.start, node.parent = node.key[k:].copy(), node.locs[k:].clone(), at, up
         up.children[tuple(node.key[:self.page_size].tolist())] = node
         if up.swa and node.lock_swa and not up.lock_swa:  # no lock's window reaches the upper part
             self.evictable_swa += k
         self._nodes_count += 1
+        self._push_swa(up)
+        self._push_swa(node)
         return up
+
+    def _touch(self, node: _Node, swa_from: int) -> int:
+        """Stamp the path to `node` as used now (full), and its SWA from `swa_from` on; returns the stamp."""
+        t = next(self._clock)
+        nd = node
+        while nd is not self.root:
+            nd.t_full = t
+            if nd.end > swa_from and nd.swa:
+                nd.t_swa = t
+            nd = nd.parent
+        return t
 
     # ---- match --------------------------------------------------------------------------------
     def match_prefix(self, token_ids: TokenIds) -> PrefixMatch:
@@ -155,24 +188,10 @@ class HybridPrefixCache:
         ids = self._ids(token_ids)
         path, m = self._walk(ids)
         m = self._reusable(path, m)
-        node = self.root
-        for nd in path:
-            if nd.start >= m:
-                break
-            if nd.end > m:
-                nd = self._split(nd, m)
-            node = nd
-        t = next(self._clock)
+        node = self._node_at(path, m)
         s0 = window_start(m, self.window, self.page_size)
-        nd = node
-        while nd is not self.root:
-            nd.t_full = t
-            if nd.end > s0 and nd.swa:
-                nd.t_swa = t
-            if not nd.children:
-                self._push_full(nd)
-            nd = nd.parent
-        return PrefixMatch(m, self._locs(node), s0, node)
+        t = self._touch(node, s0)
+        return PrefixMatch(m, self._locs(node), s0, node, t)
 
     def _reusable(self, path: List[_Node], m: int) -> int:
         """Cut m back to the longest page-aligned prefix whose window's SWA pages are all cached."""
@@ -200,25 +219,45 @@ class HybridPrefixCache:
             return self.root.locs
         return parts[0] if len(parts) == 1 else torch.cat(parts[::-1])
 
+    def _check_current(self, match: PrefixMatch) -> None:
+        """Refuse a match whose nodes left the tree, lost the SWA of its window or changed their locs."""
+        nd = match.node
+        while nd is not self.root:
+            if nd.parent is None:
+                raise CacheError(f"the match of {match.length} tokens is stale: its node at [{nd.start}, {nd.end}) "
+                                 "was evicted since match_prefix; match again")
+            if nd.changed >= match.stamp:
+                raise CacheError(f"the match of {match.length} tokens is stale: the locs of [{nd.start}, {nd.end}) "
+                                 "changed since match_prefix; match again")
+            if nd.end > match.swa_start and not nd.swa:
+                raise CacheError(f"the match of {match.length} tokens is stale: the SWA KV of [{nd.start}, "
+                                 f"{nd.end}) in its window was evicted since match_prefix; match again")
+            nd = nd.parent
+
     # ---- locks --------------------------------------------------------------------------------
     def lock(self, match: PrefixMatch) -> PrefixLock:
         """Keep the matched nodes (and the SWA of its window) from eviction while a request uses them."""
-        node = match.node
-        while node is not self.root and node.start > match.swa_start:
+        if match.node is not self.root and match.stamp:
+            self._check_current(match)
+        return self._lock(match.node, match.swa_start)
+
+    def _lock(self, target: _Node, swa_start: int) -> PrefixLock:
+        node = target
+        while node is not self.root and node.start > swa_start:
             node = node.parent
-        if node is not self.root and node.start < match.swa_start < node.end:
-            self._split(node, match.swa_start)  # the SWA lock covers the window only, not the node's head
-        node = match.node
+        if node is not self.root and node.start < swa_start < node.end:
+            self._split(node, swa_start)  # the SWA lock covers the window only, not the node's head
+        node = target
         while node is not self.root:
             if node.lock_full == 0:
                 self.evictable_full -= len(node.key)
             node.lock_full += 1
-            if node.end > match.swa_start:
+            if node.end > swa_start:
                 if node.swa and node.lock_swa == 0:
                     self.evictable_swa -= len(node.key)
-                node.swa_locks[match.swa_start] += 1
+                node.swa_locks[swa_start] += 1
             node = node.parent
-        return PrefixLock(match.node, match.swa_start)
+        return PrefixLock(target, swa_start)
 
     def unlock(self, lock: PrefixLock) -> None:
         """Release a lock taken by `lock` (once)."""
@@ -230,80 +269,140 @@ class HybridPrefixCache:
             node.lock_full -= 1
             if node.lock_full == 0:
                 self.evictable_full += len(node.key)
-                if not node.children:
-                    self._push_full(node)
+                self._push_full(node)
             if lock.swa_start in node.swa_locks:
                 node.swa_locks[lock.swa_start] -= 1
                 if node.swa_locks[lock.swa_start] == 0:
                     del node.swa_locks[lock.swa_start]
                 if node.swa and node.lock_swa == 0:
                     self.evictable_swa += len(node.key)
+                    self._push_swa(node)
             node = node.parent
 
     # ---- insert -------------------------------------------------------------------------------
     def insert(self, token_ids: TokenIds, locs: torch.Tensor, swa_start: int) -> int:
         """Cache a request's tokens (whole pages only): `locs` are their full-pool locs, SWA KV is still
         held from position `swa_start` on (the request's release frontier). The cache takes its own
-        references on the pages it did not hold yet; returns how many tokens it newly caches."""
+        references on what it did not hold yet: new nodes, and tombstones it now has SWA KV for (revived
+        with the request's locs; their old full pages are dropped). Returns how many tokens it newly
+        holds KV of. A refusal (pages not live, SWA released below the frontier) changes nothing."""
         ids = self._ids(token_ids)
         p = self.page_size
         n = len(ids) // p * p
         if not isinstance(locs, torch.Tensor) or locs.dtype != torch.int64 or locs.numel() < n:
             raise LocError(f"locs must be an int64 tensor of >= {n} entries, got "
                            f"{getattr(locs, 'dtype', type(locs).__name__)} of {getattr(locs, 'numel', lambda: '?')()}")
-        if swa_start % p or swa_start < 0:
+        if not isinstance(swa_start, int) or swa_start % p or swa_start < 0:
             raise LocError(f"swa_start {swa_start} must be a non-negative multiple of page_size {p}")
+        locs = locs.reshape(-1)[:n]
         path, m = self._walk(ids[:n])
-        if m >= n:
-            self.match_prefix(ids[:n])  # refresh the access stamps
+        cut = min(swa_start, n)
+        revive = [nd for nd in path if nd.start < m and not nd.swa and min(nd.end, m) > cut]
+        new_cut = min(max(cut, m), n)
+        # every check before any change: the allocator's share would raise only after a first share
+        self._precheck(locs[m:n], locs[min(cut, m) if revive else new_cut:n], cut)
+        if m == n and not revive:
+            self._touch(self._node_at(path, n), window_start(n, self.window, p))
             return 0
-        cut = min(max(swa_start, m), n)
-        locs = locs.reshape(-1)
-        # references first: the allocator checks the pages and raises before anything changes
-        self.allocator.share(locs[m:cut], with_swa=False)
-        self.allocator.share(locs[cut:n], with_swa=True)
-        parent = self.root
-        for nd in path:
-            if nd.start >= m:
-                break
-            parent = self._split(nd, m) if nd.end > m else nd
         t = next(self._clock)
-        for lo, hi, swa in ((m, cut, False), (cut, n, True)):
+        old, revived = [], []
+        for nd in revive:  # the parts of tombstones in [cut, m): take the request's locs (with SWA) instead
+            if nd.start < cut:
+                self._split(nd, cut)      # nd keeps [cut, end)
+            if nd.end > m:
+                nd = self._split(nd, m)   # the part before m
+            old.append(nd.locs)
+            revived.append(nd)
+        swa_ranges = [locs[nd.start:nd.end] for nd in revived] + [locs[new_cut:n]]
+        self.allocator.share(locs[m:new_cut], with_swa=False)
+        self.allocator.share(torch.cat(swa_ranges) if len(swa_ranges) > 1 else swa_ranges[0], with_swa=True)
+        if old:
+            self.allocator.free(torch.cat(old), with_swa=False)  # after the share: a page in both keeps a holder
+        for nd in revived:
+            nd.locs, nd.swa, nd.changed = locs[nd.start:nd.end].clone(), True, t
+            self.swa_tokens += len(nd.key)
+            if nd.lock_swa == 0:
+                self.evictable_swa += len(nd.key)
+            self._push_swa(nd)
+        if revived:
+            path, m = self._walk(ids[:n])  # the splits above put new nodes on the path
+        parent = self._node_at(path, m)
+        added = sum(len(nd.key) for nd in revived)
+        for lo, hi, swa in ((m, new_cut, False), (new_cut, n, True)):
             if hi > lo:
-                child = _Node(ids[lo:hi].copy(), locs[lo:hi].clone(), parent, lo, swa)
-                child.t_full = child.t_swa = t
-                parent.children[tuple(ids[lo:lo + p].tolist())] = child
-                self._nodes_count += 1
-                self.full_tokens += hi - lo
-                self.evictable_full += hi - lo
-                if swa:
-                    self.swa_tokens += hi - lo
-                    self.evictable_swa += hi - lo
-                parent = child
-        self._push_full(parent)
-        return n - m
+                parent = self._add_child(parent, ids[lo:hi].copy(), locs[lo:hi].clone(), lo, swa, t)
+                added += hi - lo
+        self._touch(parent, window_start(n, self.window, p))
+        return added
+
+    def _add_child(self, parent: _Node, key: np.ndarray, locs: torch.Tensor, start: int, swa: bool, t: int) -> _Node:
+        child = _Node(key, locs, parent, start, swa)
+        child.t_full = child.t_swa = child.changed = t
+        parent.children[tuple(key[:self.page_size].tolist())] = child
+        self._nodes_count += 1
+        n = len(key)
+        self.full_tokens += n
+        self.evictable_full += n
+        if swa:
+            self.swa_tokens += n
+            self.evictable_swa += n
+        self._push_full(child)
+        self._push_swa_around(child)
+        return child
+
+    def _precheck(self, full: torch.Tensor, swa: torch.Tensor, swa_start: int) -> None:
+        """Host checks of the pages an insert or acquire will share (CPU, debug mode; on accelerators the
+        allocator records a problem on the device instead of syncing): full pages live, SWA still mapped."""
+        a = self.allocator
+        if not a.immediate:
+            return
+        p = self.page_size
+        if full.numel():
+            pages = full.cpu() // p
+            bad = (pages < 1) | (pages > a.num_pages)
+            if not bad.any():
+                bad = a.pages.refs.cpu()[pages] < 1
+            if bad.any():
+                i = int(bad.to(torch.int8).argmax())
+                raise NotAllocatedError(f"loc {int(full[i])} (full page {int(pages[i])}) is not live: never "
+                                        "allocated or already free; the cache only takes pages a request holds")
+        if swa.numel():
+            gone = a.full_to_swa_index_mapping.cpu()[swa.cpu()] <= 0
+            if gone.any():
+                i = int(gone.to(torch.int8).argmax())
+                raise LocError(f"loc {int(swa[i])} has no SWA slot (released) but lies at or after swa_start "
+                               f"{swa_start}: pass the request's release frontier")
 
     # ---- engine wiring ------------------------------------------------------------------------
     def acquire(self, match: PrefixMatch, req_to_token_pool: ReqToTokenPool, row: int) -> Tuple[PrefixLock, int]:
         """Start a request from a match: copy its locs into the request's row, take the request's own
         references (full pages, and SWA pages from the window start on), lock the nodes. Returns the
-        lock and the request's SWA frontier (for `release_out_of_window_batch`)."""
+        lock and the request's SWA frontier (for `release_out_of_window_batch`). A match whose nodes were
+        evicted or changed since `match_prefix` raises CacheError; a refusal changes nothing."""
         m, s0 = match.length, match.swa_start
         if m:
-            req_to_token_pool.write(row, 0, match.locs)
+            self._check_current(match)
+            if m > req_to_token_pool.max_context_len:
+                raise LocError(f"a match of {m} tokens exceeds max_context_len {req_to_token_pool.max_context_len}")
+            self._precheck(match.locs, match.locs[s0:m], s0)
             self.allocator.share(match.locs[:s0], with_swa=False)
             self.allocator.share(match.locs[s0:m], with_swa=True)
-        return self.lock(match), s0
+            req_to_token_pool.write(row, 0, match.locs)
+        return self._lock(match.node, s0), s0
 
     def cache_running(self, token_ids: TokenIds, req_to_token_pool: ReqToTokenPool, row: int, seq_len: int,
                       frontier: int, lock: Optional[PrefixLock] = None) -> PrefixLock:
         """Cache a running request's tokens so far (e.g. after its prefill) and move its lock to the
-        deepest node: the nodes it shares with the cache stay locked while it runs (so unlocked nodes are
-        the cache's alone and evicting them frees memory). Returns the new lock (the old one is released)."""
-        self.insert(token_ids[:seq_len], req_to_token_pool.req_to_token[row, :seq_len], frontier)
-        # the lock covers the whole path (full) and the last window (SWA): the request's frontier moves on,
-        # and the SWA it leaves behind becomes the cache's alone, so it must stay evictable
-        new = self.lock(self.match_prefix(token_ids[:seq_len // self.page_size * self.page_size]))
+        deepest node: the whole path (full) and the SWA from its frontier on, exactly what the request
+        still holds, so unlocked nodes are the cache's alone and evicting them frees what it says.
+        Returns the new lock (the old one is released)."""
+        if lock is not None and not lock.active:
+            raise CacheError("this prefix lock was already released")
+        ids = self._ids(token_ids)[:seq_len]
+        self.insert(ids, req_to_token_pool.req_to_token[row, :seq_len], frontier)
+        n = seq_len // self.page_size * self.page_size
+        path, m = self._walk(ids[:n])
+        new = self._lock(self._node_at(path, m), min(frontier, m))
         if lock is not None:
             self.unlock(lock)
         return new
@@ -312,6 +411,8 @@ class HybridPrefixCache:
                         frontier: int, lock: Optional[PrefixLock] = None, cache: bool = True) -> int:
         """A request ends: optionally cache its tokens, drop its lock and its own page references
         (full pages of [0, seq_len), SWA pages from its frontier on). Returns tokens newly cached."""
+        if lock is not None and not lock.active:
+            raise CacheError("this prefix lock was already released")
         locs = req_to_token_pool.req_to_token[row, :seq_len]
         added = self.insert(token_ids[:seq_len], locs, frontier) if cache else 0
         if lock is not None:
@@ -320,19 +421,75 @@ class HybridPrefixCache:
         self.allocator.free(locs[frontier:])
         return added
 
-    # ---- eviction -----------------------------------------------------------------------------
-    def _push_full(self, node: _Node) -> None:
-        """Lazy LRU of evictable leaves: stale entries are skipped when popped; the heap is rebuilt from
-        the tree when they outnumber the nodes. (The SWA order is derived from the tree at eviction.)"""
-        if node is self.root or node.children or node.lock_full:
-            return
-        heap = self._full_heap
-        heapq.heappush(heap, (node.t_full, next(self._tie), node))
-        if len(heap) > 4 * self._nodes_count + 64:
-            heap[:] = [(nd.t_full, next(self._tie), nd) for nd in self._nodes()
-                       if not nd.children and nd.lock_full == 0]
-            heapq.heapify(heap)
+    # ---- eviction order -----------------------------------------------------------------------
+    @staticmethod
+    def _full_rank(node: _Node) -> Rank:
+        """Tombstone leaves first (no match can end inside them), then least recently used."""
+        return (1 if node.swa else 0, node.t_full)
 
+    def _push_full(self, node: _Node) -> None:
+        if node is self.root or node.children or node.lock_full or node.parent is None:
+            return
+        heapq.heappush(self._full_heap, (self._full_rank(node), next(self._tie), node))
+        if len(self._full_heap) > 4 * self._nodes_count + 64:
+            self._full_heap = [(self._full_rank(nd), next(self._tie), nd) for nd in self._nodes()
+                               if not nd.children and nd.lock_full == 0]
+            heapq.heapify(self._full_heap)
+
+    def _swa_rank(self, nd: _Node) -> Tuple[Rank, int]:
+        """(rank, keep_from) of an SWA node. The window of an end E is [window_start(E), E) and may span
+        several nodes; nd's SWA is worth the best window it lies in. SWA no window needs (a head below
+        keep_from) ranks first (class 0); then ends one conversation went past (1: one child), leaves
+        (2: a next turn continues there), branch points (3: shared prefixes); least recent first."""
+        p, w = self.page_size, self.window
+        keep_from, best = nd.end, (0, 0)
+        stack = [nd]
+        while stack:  # nd and the descendants whose window reaches back into nd
+            d = stack.pop()
+            ws = window_start(d.end, w, p)
+            if ws < nd.end:
+                cls = 2 if not d.children else (3 if len(d.children) > 1 else 1)
+                best = max(best, (cls, d.t_swa))
+                keep_from = min(keep_from, max(ws, nd.start))
+                stack.extend(d.children.values())
+        if keep_from > nd.start:
+            return (0, nd.t_swa), keep_from
+        return best, keep_from
+
+    def _push_swa(self, node: _Node) -> None:
+        if node is self.root or not node.swa or node.lock_swa or node.parent is None:
+            return
+        heapq.heappush(self._swa_heap, (self._swa_rank(node)[0], next(self._tie), node))
+        if len(self._swa_heap) > 4 * self._nodes_count + 64:
+            self._swa_heap = [(self._swa_rank(nd)[0], next(self._tie), nd) for nd in self._nodes()
+                              if nd.swa and not nd.lock_swa]
+            heapq.heapify(self._swa_heap)
+
+    def _push_swa_around(self, node: _Node) -> None:
+        """`node` came or is about to go: the end before it (node.start) changed class, so the ranks of the
+        ancestors its window reaches may drop (a rank that rises is caught when popped): queue them anew."""
+        reach = window_start(node.start, self.window, self.page_size)
+        nd = node
+        while nd is not self.root and nd is not None and (nd is node or nd.end > reach):
+            self._push_swa(nd)
+            nd = nd.parent
+
+    def _pop(self, heap: List[Tuple[Rank, int, _Node]], ok: Callable[[_Node], bool],
+             rank: Callable[[_Node], Tuple[Rank, int]]) -> Tuple[_Node, Rank, int]:
+        """The valid node of least current rank: keys never exceed current ranks, so a popped key equal to
+        its node's current rank is a true minimum; a stale key goes back in at the node's current rank."""
+        while heap:
+            key, _, node = heapq.heappop(heap)
+            if not ok(node):
+                continue
+            cur, extra = rank(node)
+            if cur != key:
+                heapq.heappush(heap, (cur, next(self._tie), node))
+                continue
+            return node, cur, extra
+        raise CacheError("internal: an eviction heap lost an evictable node (check_integrity would say which)")
+
+    # ---- eviction -----------------------------------------------------------------------------
     def evict(self, num_tokens: int) -> int:
         """Free at least `num_tokens` of full-pool KV (whole unlocked leaves with their SWA KV): first
         tombstone leaves (no match can use them), then least recently used leaves; returns tokens freed.
@@ -341,80 +498,48 @@ class HybridPrefixCache:
             raise CacheError(f"asked to evict {num_tokens} tokens of full KV, only {self.evictable_full} are "
                              f"unlocked ({self.full_tokens} cached)")
         freed = 0
-        # tombstone leaves first: no window is left in them, so no match can end inside them
-        dead = sorted((nd for nd in self._nodes() if not nd.swa and not nd.children and nd.lock_full == 0),
-                      key=lambda nd: nd.t_full)
-        while dead and freed < num_tokens:
-            nd = dead.pop(0)
-            parent = nd.parent
-            self.allocator.free(nd.locs, with_swa=False)
-            self._detach(nd)
-            freed += len(nd.key)
-            if parent is not self.root and not parent.swa and not parent.children and parent.lock_full == 0:
-                dead.insert(0, parent)
+        gone: Dict[bool, List[torch.Tensor]] = {True: [], False: []}
+        ok = lambda nd: nd.parent is not None and not nd.children and nd.lock_full == 0  # noqa: E731
         while freed < num_tokens:
-            t, _, node = heapq.heappop(self._full_heap)
-            if node.children or node.lock_full or node.parent is None or t != node.t_full or not self._in_tree(node):
-                continue
-            self.allocator.free(node.locs, with_swa=node.swa)
+            node, _, _ = self._pop(self._full_heap, ok, lambda nd: (self._full_rank(nd), 0))
+            gone[node.swa].append(node.locs)
             self._detach(node)
             freed += len(node.key)
+        self._free(gone)
         return freed
+
+    def _free(self, gone: Dict[bool, List[torch.Tensor]]) -> None:
+        """One allocator call per kind (with / without SWA) for everything an eviction dropped."""
+        for with_swa, parts in gone.items():
+            if parts:
+                self.allocator.free(torch.cat(parts) if len(parts) > 1 else parts[0], with_swa=with_swa)
 
     def evict_swa(self, num_tokens: int) -> int:
         """Free at least `num_tokens` of SWA KV by turning unlocked nodes (or their heads) into tombstones;
-        their full KV stays. A node's SWA is worth what the windows it lies in are worth: the window of a
-        node end E is [window_start(E), E), and may span several nodes. First the SWA no window needs
-        (heads), then by the best window each node serves, lowest first: ends one conversation went past
-        (one child), then leaves (where a next turn continues), then branch points (shared prefixes);
-        least recently used first within each. Returns tokens freed. More than is evictable raises
+        their full KV stays. Order: see `_swa_rank`. Returns tokens freed. More than is evictable raises
         CacheError."""
         if num_tokens > self.evictable_swa:
             raise CacheError(f"asked to evict {num_tokens} tokens of SWA KV, only {self.evictable_swa} are "
                              f"unlocked ({self.swa_tokens} cached)")
-        plan = self._swa_plan()
         freed = 0
-        for nd, keep_from, _ in sorted(plan, key=lambda e: e[0].t_swa):  # 1. heads no window needs
-            if freed >= num_tokens:
-                return freed
-            if keep_from >= nd.end:
-                freed += self._tombstone(nd)
-            elif keep_from > nd.start:
-                freed += self._tombstone(self._split(nd, keep_from))
-        for nd, _, rank in sorted(plan, key=lambda e: e[2]):  # 2. windows, least valuable first
-            if freed >= num_tokens:
-                break
-            if nd.swa:
-                freed += self._tombstone(nd)
+        drop: List[torch.Tensor] = []
+        ok = lambda nd: nd.parent is not None and nd.swa and nd.lock_swa == 0  # noqa: E731
+        while freed < num_tokens:
+            node, rank, keep_from = self._pop(self._swa_heap, ok, self._swa_rank)
+            if rank[0] == 0 and keep_from < node.end:  # only the head: the rest still serves a window
+                node = self._split(node, keep_from)
+            drop.append(node.locs)
+            freed += self._tombstone(node)
+        if drop:
+            self.allocator.free_swa(torch.cat(drop) if len(drop) > 1 else drop[0])
         return freed
 
-    def _swa_plan(self) -> List[Tuple[_Node, int, Tuple[int, int]]]:
-        """For each unlocked SWA node: the first position some window still needs, and the rank (class,
-        last use) of the best window it serves."""
-        p, w = self.page_size, self.window
-        plan = []
-        for nd in self._nodes():
-            if not nd.swa or nd.lock_swa:
-                continue
-            keep_from, best = nd.end, (0, 0)
-            stack = [nd]
-            while stack:  # nd itself and the descendants whose window reaches back into nd
-                d = stack.pop()
-                ws = window_start(d.end, w, p)
-                if ws < nd.end:
-                    cls = 2 if not d.children else (3 if len(d.children) > 1 else 1)
-                    best = max(best, (cls, d.t_swa))
-                    keep_from = min(keep_from, max(ws, nd.start))
-                    stack.extend(d.children.values())
-            plan.append((nd, keep_from, best))
-        return plan
-
     def _tombstone(self, node: _Node) -> int:
-        """Drop the cache's SWA references of an unlocked node; its full KV stays matchable."""
-        self.allocator.free_swa(node.locs)
+        """Drop the node's SWA from the books (the caller frees the cache's SWA references)."""
         node.swa = False
         self.swa_tokens -= len(node.key)
         self.evictable_swa -= len(node.key)
+        self._push_full(node)  # a tombstone leaf goes first
         return len(node.key)
 
     def evict_node(self, match: PrefixMatch) -> int:
@@ -422,33 +547,35 @@ class HybridPrefixCache:
         node = match.node
         if node is self.root:
             return 0
+        if node.parent is None:
+            raise CacheError(f"node at positions [{node.start}, {node.end}) is no longer cached")
         subtree = list(self._nodes(node))
         locked = [nd for nd in subtree if nd.lock_full]
         if locked:
             raise CacheError(f"node at positions [{locked[0].start}, {locked[0].end}) is locked by "
                              f"{locked[0].lock_full} running request(s)")
         freed = 0
+        gone: Dict[bool, List[torch.Tensor]] = {True: [], False: []}
         for nd in reversed(subtree):  # leaves first
-            self.allocator.free(nd.locs, with_swa=nd.swa)
+            gone[nd.swa].append(nd.locs)
             self._detach(nd)
             freed += len(nd.key)
+        self._free(gone)
         return freed
 
     def _detach(self, node: _Node) -> None:
         parent = node.parent
         del parent.children[tuple(node.key[:self.page_size].tolist())]
-        node.parent = None
-        self._nodes_count -= 1
         n = len(node.key)
+        self._nodes_count -= 1
         self.full_tokens -= n
         self.evictable_full -= n
         if node.swa:
             self.swa_tokens -= n
             self.evictable_swa -= n if node.lock_swa == 0 else 0
         self._push_full(parent)
-
-    def _in_tree(self, node: _Node) -> bool:
-        return node.parent is not None
+        self._push_swa_around(node)  # before it leaves: the walk starts at it
+        node.parent = None
 
     def _nodes(self, top: Optional[_Node] = None) -> Iterator[_Node]:
         stack = [top or self.root]
@@ -460,16 +587,22 @@ class HybridPrefixCache:
 
     # ---- integrity ----------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Rebuild counts and the full LRU from the tree and compare (the SWA order is derived from the tree
-        at eviction); check keys, locks and that every
-        cached page is live on the device (and mapped where the node holds SWA)."""
+        """Rebuild counts from the tree and compare; check keys, locks, that each heap ranks every candidate
+        no later than it should, that nodes own their storage, and that every cached page is live on the
+        device (and mapped where the node holds SWA)."""
         p = self.page_size
         full = swa = ev_full = ev_swa = 0
         full_locs, swa_locs = [], []
-        in_full = {(id(e[2]), e[0]) for e in self._full_heap}
+        full_keys: Dict[int, Rank] = {}
+        swa_keys: Dict[int, Rank] = {}
+        for key, _, nd in self._full_heap:
+            full_keys[id(nd)] = min(full_keys.get(id(nd), key), key)
+        for key, _, nd in self._swa_heap:
+            swa_keys[id(nd)] = min(swa_keys.get(id(nd), key), key)
         for nd in self._nodes():
             n = len(nd.key)
             assert n and n % p == 0 and nd.locs.numel() == n, f"node [{nd.start}, {nd.end}) is not whole pages"
+            assert nd.locs.untyped_storage().nbytes() == 8 * n, f"node [{nd.start}, {nd.end}) pins a larger storage"
             assert nd.parent.children.get(tuple(nd.key[:p].tolist())) is nd, "a node is not under its first page"
             assert nd.start == nd.parent.end, f"node at {nd.start} does not continue its parent ({nd.parent.end})"
             assert nd.lock_full <= nd.parent.lock_full or nd.parent is self.root, "a lock does not cover its path"
@@ -481,8 +614,11 @@ class HybridPrefixCache:
                 swa += n
                 ev_swa += n if nd.lock_swa == 0 else 0
                 swa_locs.append(nd.locs)
+                if nd.lock_swa == 0:
+                    assert swa_keys.get(id(nd), (9, 0)) <= self._swa_rank(nd)[0], \
+                        f"SWA node [{nd.start}, {nd.end}) is missing from the SWA heap or ranked too late"
             if not nd.children and nd.lock_full == 0:
-                assert (id(nd), nd.t_full) in in_full, "an evictable leaf left the LRU"
+                assert full_keys.get(id(nd), (9, 0)) <= self._full_rank(nd), "an evictable leaf left the LRU"
         assert len(list(self._nodes())) == self._nodes_count, "node count"
         assert (full, swa, ev_full, ev_swa) == (self.full_tokens, self.swa_tokens, self.evictable_full,
                                                 self.evictable_swa), \

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hwkv.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator, release_out_of_window_batch
+from hwkv.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator, release_out_of_window_batch, same_snapshot
 from hwkv.cache import HybridPrefixCache
 from hwkv.errors import CacheError, LocError, OutOfSlotsError
 from hwkv.pool import SWAKVPool
@@ -115,12 +115,39 @@ class CacheMachine(RuleBasedStateMachine):
         n = int(self.cache.evictable_full * frac)
         before = self.a.full_available_size()
         freed = self.cache.evict(n)
-        assert freed >= n and self.a.full_available_size() >= before  # shared pages stay with their requests
+        # unlocked nodes are the cache's alone: the pool gains exactly what eviction reports
+        assert freed >= n and self.a.full_available_size() - before == freed
 
     @rule(frac=st.floats(0, 1))
     def evict_swa(self, frac):
         n = int(self.cache.evictable_swa * frac)
-        assert self.cache.evict_swa(n) >= n
+        before = self.a.swa_available_size()
+        freed = self.cache.evict_swa(n)
+        assert freed >= n and self.a.swa_available_size() - before == freed
+
+    @precondition(lambda self: self.rtt.available_size() > 0 and self.finished)
+    @rule(pick=st.integers(0, 9), frac=st.floats(0, 1), swa=st.booleans())
+    def stale_match(self, pick, frac, swa):
+        """Evicting between match and acquire (an admission making room) makes the match stale: acquire
+        refuses it with nothing changed, and a new match starts the request."""
+        ids = self.finished[pick % len(self.finished)] + [4242]
+        match = self.cache.match_prefix(ids[:-1])
+        if swa:
+            self.cache.evict_swa(int(self.cache.evictable_swa * frac))
+        else:
+            self.cache.evict(int(self.cache.evictable_full * frac))
+        row = self.rtt.alloc(1)[0]
+        snap = (self.a.integrity_snapshot(), self.rtt.req_to_token.clone())
+        try:
+            lock, frontier = self.cache.acquire(match, self.rtt, row)
+        except CacheError:
+            assert same_snapshot(snap[0], self.a.integrity_snapshot())
+            assert torch.equal(snap[1], self.rtt.req_to_token)
+            match = self.cache.match_prefix(ids[:-1])
+            lock, frontier = self.cache.acquire(match, self.rtt, row)
+        self.reqs[row] = dict(ids=ids, seq=match.length, frontier=frontier, lock=lock)
+        if not self._alloc(row, len(ids) - match.length):
+            self._finish(row, cache=False)
 
     @rule()
     def refused(self):

@@ -1,0 +1,276 @@
+"""The prefix cache's defects found by review (issue 21), each pinned by a test that failed before its fix:
+tombstones revived on insert, atomic insert/acquire, stale matches refused, evictions that free what they
+report, eviction cost independent of the tree's size, nodes owning their storage, and the window / lock /
+recency rules that single-line mutants got past the suite."""
+import pytest
+import torch
+
+import hwkv.cache
+
+from hwkv.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator, release_out_of_window_batch, same_snapshot
+from hwkv.cache import HybridPrefixCache, window_start
+from hwkv.errors import CacheError, LocError
+from hwkv.pool import SWAKVPool
+
+
+class Setup:
+    """Allocator, rows and cache, no attention: requests are rows of allocated locs."""
+
+    def __init__(self, page=4, window=8, size=1024, size_swa=1024, rows=8, ctx=512):
+        self.p, self.w = page, window
+        pool = SWAKVPool(size, size_swa, page, torch.float32, 1, 1, [0], [1], "cpu")
+        self.a = SWATokenToKVPoolAllocator(size, size_swa, page, "cpu", pool)
+        self.rtt = ReqToTokenPool(rows, ctx, "cpu")
+        self.c = HybridPrefixCache(self.a, window)
+        self.size, self.size_swa = size, size_swa
+
+    def run(self, ids, release=True):
+        """A request for `ids`: reuse the cache's prefix, allocate the rest, release out of window;
+        returns its state (row, seq, frontier, lock)."""
+        m = self.c.match_prefix(ids[:-1])
+        row = self.rtt.alloc(1)[0]
+        lock, f = self.c.acquire(m, self.rtt, row)
+        s = m.length
+        last = self.rtt.req_to_token[row, s - 1:s] if s else torch.zeros(1, dtype=torch.int64)
+        loc = self.a.alloc_extend([s], [len(ids)], last, len(ids) - s)
+        self.rtt.write(row, s, loc)
+        fr = torch.tensor([f])
+        if release:
+            release_out_of_window_batch(self.a, self.rtt.req_to_token, torch.tensor([row]),
+                                        torch.tensor([len(ids)]), fr, self.w)
+        return dict(ids=ids, row=row, seq=len(ids), frontier=int(fr), lock=lock, reused=m.length)
+
+    def finish(self, r, cache=True):
+        self.c.release_request(r["ids"], self.rtt, r["row"], r["seq"], r["frontier"], r["lock"], cache=cache)
+        self.rtt.free(r["row"])
+
+    def check(self):
+        self.a.check_integrity()
+        self.c.check_integrity()
+
+    def snapshot(self):
+        c = self.c
+        return (self.a.integrity_snapshot(), self.rtt.req_to_token.clone(), c.full_tokens, c.swa_tokens,
+                c.evictable_full, c.evictable_swa, c._nodes_count)
+
+    def same(self, s1, s2):
+        return same_snapshot(s1[0], s2[0]) and torch.equal(s1[1], s2[1]) and s1[2:] == s2[2:]
+
+    def empty(self):
+        """Everything back: evict the whole cache, every slot free."""
+        self.c.evict(self.c.evictable_full)
+        self.check()
+        return self.a.full_available_size() == self.size and self.a.swa_available_size() == self.size_swa
+
+
+def test_tombstones_are_revived_by_a_recomputed_prompt():
+    s = Setup(page=16, window=32)
+    prompt = list(range(1000, 1080))                       # 80 tokens: matches end at 64 (all but one token)
+    s.finish(s.run(prompt))
+    lengths = []
+    for _ in range(4):
+        s.c.evict_swa(s.c.evictable_swa)                    # the SWA KV goes: the prompt is recomputed ...
+        r = s.run(prompt)
+        lengths.append(r["reused"])
+        s.finish(r)                                         # ... and cached again, SWA and all
+        s.check()
+        assert s.c.match_prefix(prompt[:-1]).length == 64, "the recomputed prompt is not matchable again"
+    assert lengths == [0, 0, 0, 0]
+    r = s.run(prompt)
+    assert r["reused"] == 64
+    s.finish(r)
+    assert s.empty()
+
+
+def test_insert_with_a_frontier_a_page_early_changes_nothing():
+    s = Setup(page=4, window=8)
+    r = s.run(list(range(40)))                              # frontier 28: SWA of [0, 28) released
+    assert r["frontier"] == 28
+    before = s.snapshot()
+    with pytest.raises(LocError, match="no SWA slot.*swa_start 24"):
+        s.c.insert(r["ids"], s.rtt.req_to_token[r["row"], :40], 24)
+    assert s.same(before, s.snapshot())
+    s.finish(r, cache=False)
+    assert s.empty(), "a refused insert left references behind"
+
+
+def test_a_stale_match_is_refused_and_changes_nothing():
+    s = Setup(page=4, window=8)
+    s.finish(s.run(list(range(40))))
+    m = s.c.match_prefix(list(range(39)))
+    assert m.length == 36
+    s.c.evict(s.c.evictable_full)                           # what the chat workload's admission did between
+    row = s.rtt.alloc(1)[0]
+    before = s.snapshot()
+    with pytest.raises(CacheError, match="stale"):
+        s.c.acquire(m, s.rtt, row)
+    assert s.same(before, s.snapshot())
+    # the SWA of its window evicted, or its node revived with other locs: stale as well
+    s.finish(s.run(list(range(40))))
+    m = s.c.match_prefix(list(range(39)))
+    s.c.evict_swa(s.c.evictable_swa)
+    with pytest.raises(CacheError, match="stale"):
+        s.c.acquire(m, s.rtt, row)
+    m = s.c.match_prefix(list(range(39)))
+    assert m.length == 0
+    s.finish(s.run(list(range(40))))                        # revives the tombstones with new locs
+    m2 = s.c.match_prefix(list(range(39)))
+    assert m2.length == 36
+    s.rtt.free(row)
+    assert s.empty()
+
+
+def test_evictions_free_what_they_report_after_cache_running():
+    """cache_running used to lock only the cut-back match (the root, over tombstones) and the window's start,
+    not the frontier: evict() said 68 tokens while the pool gained 64; evict_swa() said 4 and freed 0."""
+    s = Setup(page=4, window=8)
+    s.finish(s.run(list(range(40))))
+    s.c.evict_swa(s.c.evictable_swa)                        # [0, 40) are tombstones
+    ids = list(range(40)) + list(range(500, 530))
+    r = s.run(ids)                                          # reuses nothing: its window's SWA is gone
+    assert r["reused"] == 0
+    r["lock"] = s.c.cache_running(ids, s.rtt, r["row"], r["seq"], r["frontier"], r["lock"])
+    s.check()
+    full0, swa0 = s.a.full_available_size(), s.a.swa_available_size()
+    n_swa = s.c.evictable_swa
+    assert s.c.evict_swa(n_swa) == s.a.swa_available_size() - swa0 == n_swa
+    n_full = s.c.evictable_full
+    assert s.c.evict(n_full) == s.a.full_available_size() - full0 == n_full
+    s.finish(r)
+    assert s.empty()
+
+
+def counting(monkeypatch):
+    """Count window computations: the ranking does one per node it looks at."""
+    calls = [0]
+    real = hwkv.cache.window_start
+
+    def ws(*a):
+        calls[0] += 1
+        return real(*a)
+    monkeypatch.setattr(hwkv.cache, "window_start", ws)
+    return calls
+
+
+def test_eviction_cost_does_not_grow_with_the_tree(monkeypatch):
+    """Ranking nodes looks at what it evicts (and the windows near it), not the whole tree; one allocator
+    call per eviction, however many nodes it drops."""
+    visits = []
+    for n_leaves in (64, 1024):
+        s = Setup(page=1, window=4, size=4 * n_leaves + 64, size_swa=4 * n_leaves + 64, rows=2)
+        for i in range(n_leaves):                           # leaves [i, 0..3] under one shared first token
+            s.finish(s.run([7, 10_000 + i, 3, 4, 5], release=False))
+        s.check()
+        calls = counting(monkeypatch)
+        s.c.evict_swa(4)
+        visits.append(calls[0])
+        monkeypatch.undo()
+        frees = []
+        real = s.a.free
+        s.a.free = lambda loc, with_swa=True: (frees.append(loc.numel()), real(loc, with_swa))
+        s.c.evict(s.c.evictable_full)
+        s.a.free = real
+        assert len(frees) <= 2, f"{len(frees)} allocator calls for one eviction"
+        assert s.empty()
+    assert visits[1] <= visits[0] + 4, f"nodes ranked per evict_swa grew with the tree: {visits}"
+
+
+def test_chain_eviction_ranks_a_bounded_number_of_nodes(monkeypatch):
+    s = Setup(page=4, window=64, size=8192, size_swa=8192, rows=2, ctx=8192)
+    ids = list(range(4096))
+    r = s.run(ids, release=False)
+    for e in range(4, 4097, 4):                             # one node per page: a chain of 1,024 nodes
+        s.c.insert(ids[:e], s.rtt.req_to_token[r["row"], :e], 0)
+    s.finish(r)
+    calls = counting(monkeypatch)
+    s.c.evict_swa(4)
+    assert calls[0] <= 4 * (64 // 4 + 2), f"one evict_swa looked at {calls[0]} nodes of a 1,024-node chain"
+    s.check()
+
+
+def test_split_nodes_own_their_storage():
+    s = Setup(page=4, window=8, size=2048, size_swa=2048, ctx=1024)
+    s.finish(s.run(list(range(1024)), release=False))
+    assert s.c.match_prefix(list(range(8)) + [9999]).length == 8  # splits the 1024-token node at 8
+    head = s.c.match_prefix(list(range(8)) + [9999]).node
+    assert head.locs.untyped_storage().nbytes() == 8 * 8, "the head pins the whole insertion's locs"
+    s.check()
+
+
+@pytest.mark.parametrize("page", [1, 2, 4])
+@pytest.mark.parametrize("window", [2, 3, 5, 8])
+def test_every_key_the_next_query_sees_stays_mapped_through_swa_eviction(page, window):
+    s = Setup(page=page, window=window, size=512, size_swa=512)
+    ids = list(range(100, 160))
+    s.finish(s.run(ids))
+    for m_end in range(window, 60, 3):
+        m = s.c.match_prefix(ids[:m_end])
+        if not m.length:
+            continue
+        row = s.rtt.alloc(1)[0]
+        lock, f = s.c.acquire(m, s.rtt, row)
+        assert f == window_start(m.length, window, page)
+        s.c.evict_swa(s.c.evictable_swa)                    # all the cache can spare
+        first = max(0, m.length - window + 1)               # the next query (position m) sees keys > m - W
+        seen = s.rtt.req_to_token[row, first:m.length]
+        assert (s.a.full_to_swa_index_mapping[seen] > 0).all(), f"m={m.length}: a visible key lost its SWA"
+        s.c.release_request(ids[:m.length], s.rtt, row, m.length, f, lock)
+        s.rtt.free(row)
+        s.check()
+    assert s.empty()
+
+
+def test_a_lock_leaves_the_swa_below_its_window_evictable():
+    s = Setup(page=4, window=8)
+    ids = list(range(64))
+    r = s.run(ids, release=False)                           # SWA of all 64 tokens held
+    s.c.insert(ids, s.rtt.req_to_token[r["row"], :64], 0)   # the cache holds SWA of all 64 as well
+    s.finish(r)
+    m = s.c.match_prefix(ids)
+    lock = s.c.lock(m)                                       # window start 60 - 4 = 56
+    assert m.swa_start == window_start(64, 8, 4) == 56
+    assert s.c.evictable_swa == 56
+    swa0 = s.a.swa_available_size()
+    assert s.c.evict_swa(56) == 56 == s.a.swa_available_size() - swa0
+    mp = s.a.full_to_swa_index_mapping[m.locs]
+    assert (mp[:56] == 0).all() and (mp[56:] > 0).all()
+    s.c.unlock(lock)
+    assert s.c.match_prefix(ids).length == 64
+    assert s.empty()
+
+
+def test_full_eviction_takes_tombstone_leaves_then_the_least_recently_used():
+    s = Setup(page=4, window=4)
+    a, b, c = ([k] * 4 + list(range(k * 10, k * 10 + 8)) for k in (1, 2, 3))  # three 12-token leaves
+    for ids in (a, b):
+        s.finish(s.run(ids + [0], release=False))
+    r = s.run(c + [0], release=False)
+    s.c.insert(c, s.rtt.req_to_token[r["row"], :12], 12)   # c: a tombstone leaf, the most recent insert
+    s.finish(r, cache=False)
+    leaves = [s.c.match_prefix(ids).node for ids in (b, c, a)]  # a used after b: b is the least recent
+    order = []
+    for _ in range(3):
+        s.c.evict(12)
+        order.append([nd.parent is not None for nd in leaves])
+    # the tombstone leaf first (c), then b (least recently used), then a
+    assert order == [[True, False, True], [False, False, True], [False, False, False]]
+    assert s.empty()
+
+
+def test_swa_eviction_takes_heads_then_the_least_recently_used_window_of_a_class():
+    s = Setup(page=4, window=4)
+    a, b = [1] * 4 + list(range(10, 18)), [2] * 4 + list(range(20, 28))
+    s.finish(s.run(a + [0], release=False))                 # SWA of all 12 tokens each; their windows are
+    s.finish(s.run(b + [0], release=False))                 # [8, 12): [0, 8) of each is SWA no window needs
+    assert s.c.evict_swa(16) == 16                          # the heads go first, every window stays
+    assert s.c.match_prefix(a).length == 12 and s.c.match_prefix(b).length == 12
+    for first, second in ((a, b), (b, a)):
+        s.c.match_prefix(second)                             # `first`'s window is now the least recent
+        assert s.c.evict_swa(1) == 4
+        assert s.c.match_prefix(first).length == 0 and s.c.match_prefix(second).length == 12
+        r = s.run(first + [0], release=False)                # recompute it; caching it again revives it
+        s.c.insert(first, s.rtt.req_to_token[r["row"], :12], 8)
+        s.finish(r, cache=False)
+        assert s.c.match_prefix(first).length == 12
+        s.check()
+    assert s.empty()
