@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is in hw
 
 from hwkv import cli  # noqa: E402
 from hwkv.errors import ConfigError, OutOfSlotsError  # noqa: E402
+from hwkv.integrations import hf_model  # noqa: E402
 from hwkv.integrations.hf_model import layer_kinds, model_shape, plan_pools  # noqa: E402
 from hwkv.integrations.sampling import SamplingParams, sample  # noqa: E402
 from hwkv.integrations.transformers import HybridRunner, load_model  # noqa: E402
@@ -36,7 +37,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU machine: the
 
 def _configs() -> Dict[str, object]:
     t = transformers
-    return {
+    cfgs = {
         "gpt_oss": t.GptOssConfig(**COMMON, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
                                   rope_parameters=ROPE),  # sinks on every layer, [s, f, s, f]
         "gemma2": t.Gemma2Config(**COMMON, sliding_window=8, query_pre_attn_scalar=32, attn_logit_softcapping=5.0),
@@ -47,6 +48,11 @@ def _configs() -> Dict[str, object]:
         "mistral": t.MistralConfig(**COMMON, sliding_window=10),  # every layer slides
         "mistral_full": t.MistralConfig(**COMMON, sliding_window=None),  # no SWA layer: one MHA pool
     }
+    if hasattr(t, "MiMoV2FlashConfig"):  # the transformers versions with a MiMo-V2-Flash model (5.24 has one)
+        # [f, s, s, s]; K head_dim 24, V head_dim 8; SWA layers have 2 x the KV heads (4) and sinks, full ones 2
+        cfgs["mimo_v2"] = t.MiMoV2FlashConfig(**{**COMMON, "head_dim": 24}, v_head_dim=8, sliding_window=9,
+                                              moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2)
+    return cfgs
 
 
 ARCHS = list(_configs())
@@ -336,7 +342,7 @@ def test_cli_generate_errors(saved, tmp_path, capsys):
     code, _, err = _cli(capsys, "--model", path, "--prompt", "1,two,3")
     assert code == 2 and "'two' is not a token id" in err
     code, _, err = _cli(capsys, "--model", str(tmp_path / "missing"), "--prompt", "1")
-    assert code == 2 and "cannot load model" in err
+    assert code == 2 and ("cannot load model" in err or "no such folder" in err)
     code, out, err = _cli(capsys, "--model", path, "--prompt", "1,2", "--prompt", ",".join(["3"] * 30),
                           "--context", "16", "--max-new-tokens", "4")
     assert code == 2 and "OutOfSlotsError" in err and "[0] '1,2' -> " in out
@@ -346,3 +352,101 @@ def test_hwkv_imports_no_transformers():
     code = ("import sys, hwkv, hwkv.cli, hwkv.integrations.transformers; "
             "assert 'transformers' not in sys.modules, 'transformers was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+# ---- MiMo-V2-Flash: V head dim unlike K's, SWA layers with their own KV head count -------------------------------
+needs_mimo = pytest.mark.skipif("mimo_v2" not in ARCHS, reason="this transformers has no MiMo-V2-Flash model")
+
+
+@needs_mimo
+def test_mimo_v2_shape_reads_v_head_dim_and_the_swa_kv_heads():
+    cfg = _configs()["mimo_v2"]
+    shape = model_shape(cfg, torch.float32)
+    assert shape.layer_is_swa == (False, True, True, True)  # transformers' default: layer 0 and every 6th full
+    assert (shape.num_kv_heads, shape.head_dim, shape.v_head_dim) == (2, 24, 8)
+    assert (shape.swa_num_kv_heads, shape.swa_head_dim, shape.swa_v_head_dim, shape.window) == (4, 24, 8, 9)
+    cfg.swa_num_key_value_heads = 8  # the hub config names it; transformers' module still builds 2 x 2
+    with pytest.raises(ConfigError, match="swa_num_key_value_heads=8.*= 4"):
+        model_shape(cfg, torch.float32)
+    cfg.swa_num_key_value_heads = 4
+    assert model_shape(cfg, torch.float32) == shape
+
+
+@needs_mimo
+def test_mimo_v2_through_pages_of_one_and_graph_decode(saved, prompts):
+    model = _load(saved["mimo_v2"])
+    want = hf_greedy(model, prompts)
+    with HybridRunner(model, max_running=4, chunk=5, page_size=1, context=48, graphs="eager") as runner:
+        pool = runner.cache.pool
+        assert (pool.swa_kv_pool.head_num, pool.full_kv_pool.head_num) == (4, 2)
+        got = runner.generate(prompts, SamplingParams(max_new_tokens=NEW))
+        runner.check_integrity()
+        assert runner.stats.graph_replays > 0
+    assert [r.tokens for r in got] == want
+
+
+@needs_mimo
+def test_a_layer_geometry_the_config_misses_is_a_config_error(saved, prompts, monkeypatch):
+    """What MiMo-V2 hit before hwkv knew its SWA layers' KV heads: now a ConfigError naming the layer, at its
+    first call, instead of a ShapeError from inside the pool."""
+    monkeypatch.setattr(hf_model, "SWA_KV_HEADS_MULTIPLE", {})
+    model = _load(saved["mimo_v2"])
+    with HybridRunner(model, max_running=1, context=48) as runner:
+        with pytest.raises(ConfigError, match=r"layer 1 \(sliding\).*\(4, 24, 8\).*\(2, 24, 8\)"):
+            runner.generate(prompts[:1], SamplingParams(max_new_tokens=2))
+
+
+# ---- seeds: one SamplingParams for many prompts, requests added without a seed -----------------------------------
+def test_one_sampling_params_gives_each_prompt_its_own_seed(saved, prompts):
+    model = _load(saved["gemma2"])
+    same = [prompts[3]] * 3
+    hot = dict(max_new_tokens=16, temperature=1.0)
+    with HybridRunner(model, max_running=3, chunk=32, context=48) as runner:
+        got = runner.generate(same, SamplingParams(**hot, seed=5))
+        assert [r.seed for r in got] == [5, 6, 7]
+        assert len({tuple(r.tokens) for r in got}) == 3, "equal prompts drew the same stream"
+        pinned = runner.generate(same, [SamplingParams(**hot, seed=s) for s in (5, 6, 7)])
+        assert [r.tokens for r in pinned] == [r.tokens for r in got]  # seed + i, as `hwkv generate --seed` does
+        assert [r.seed for r in runner.generate(same[:2], SamplingParams(**hot))] == [0, 1]  # no seed: the index
+        rids = [runner.add_request(prompts[3], SamplingParams(**hot)) for _ in range(2)]
+        added = {}
+        while runner.has_work():
+            added.update({r.rid: r for r in runner.step()})
+    assert [added[r].seed for r in rids] == rids  # no seed: the request id
+    assert added[rids[0]].tokens != added[rids[1]].tokens
+    with pytest.raises(ConfigError, match="seed must be None or an integer"):
+        SamplingParams(seed=-1)
+    assert SamplingParams(seed=2**32 - 1).with_seed(2).seed == 1  # wraps into [0, 2**32)
+
+
+# ---- default pool memory: a share of what the device has free ----------------------------------------------------
+GiB = 2**30
+
+
+def test_available_ram_reads_meminfo(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n")
+    assert hf_model.available_ram_bytes(str(meminfo)) == 20000000 * 1024
+    assert hf_model.available_ram_bytes(str(tmp_path / "missing")) > 0  # sysconf's free pages instead
+    assert 0 < hf_model.free_device_bytes(torch.device("cpu"))
+
+
+def test_default_memory_is_a_modest_share_of_free_memory(monkeypatch):
+    cpu = torch.device("cpu")
+    shape = model_shape(_configs()["gpt_oss"], torch.float32)
+    monkeypatch.setattr(hf_model, "available_ram_bytes", lambda: 24 * GiB)
+    assert hf_model.default_memory_cap(cpu) == 4 * GiB  # a quarter is 6 GiB: capped
+    big = plan_pools(shape, context=4096, max_running=100_000, chunk=512, page_size=16, memory=None, device=cpu)
+    assert big.memory_bytes == 4 * GiB and big.pool_bytes <= 4 * GiB and big.max_running < 100_000
+    small = plan_pools(shape, context=64, max_running=4, chunk=16, page_size=4, memory=None, device=cpu)
+    assert small.memory_bytes == hf_model.kv_bytes_needed(shape, 64, 4, 4, 16)  # what the requests need
+    monkeypatch.setattr(hf_model, "available_ram_bytes", lambda: 8 * GiB)
+    assert hf_model.default_memory_cap(cpu) == 2 * GiB
+    with pytest.raises(ConfigError, match="more than the 8.00 GiB cpu has free"):
+        plan_pools(shape, context=64, max_running=4, chunk=16, page_size=4, memory="20GiB", device=cpu)
+    # accelerators: torch.<type>.mem_get_info, the device-neutral path (no GPU needed to test it)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * GiB, 80 * GiB))
+    assert hf_model.free_device_bytes(torch.device("cuda")) == 10 * GiB
+    assert hf_model.default_memory_cap(torch.device("cuda")) == 8 * GiB
+    with pytest.raises(ConfigError, match="no mem_get_info"):
+        hf_model.free_device_bytes(torch.device("meta"))

@@ -28,6 +28,7 @@ class LayerTable:
 
     is_swa: Sequence[bool]
     window: int
+    shape: Any = None  # the ModelShape the pools were built for: each layer's K/V geometry is checked against it
     layers: Dict[int, AttentionLayer] = field(default_factory=dict)
 
     def get(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: Optional[float],
@@ -52,6 +53,15 @@ class LayerTable:
         if sliding_window != expected:
             raise ConfigError(f"layer {layer_id}: the model passes sliding_window={sliding_window!r}, the config "
                               f"read as {'sliding' if swa else 'full'} gives {expected!r}")
+        if self.shape is not None:
+            s = self.shape
+            want = (s.swa_num_kv_heads, s.swa_head_dim, s.swa_v_head_dim) if swa else \
+                (s.num_kv_heads, s.head_dim, s.v_head_dim)
+            got = (int(key.shape[1]), int(key.shape[-1]), int(value.shape[-1]))
+            if got != want:
+                raise ConfigError(f"layer {layer_id} ({'sliding' if swa else 'full'}): the model passes K/V with "
+                                  f"(kv heads, head_dim, v_head_dim) = {got}, the pools were built from the config "
+                                  f"as {want}; hwkv does not know this model's {s.name!r} attention geometry")
         return AttentionLayer(layer_id, int(query.shape[1]), int(key.shape[1]), int(query.shape[-1]),
                               scaling=scaling, v_head_dim=int(value.shape[-1]), sliding_window=expected,
                               logit_cap=float(softcap or 0.0), sinks=None if sinks is None else sinks.detach())

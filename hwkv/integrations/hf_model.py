@@ -19,7 +19,13 @@ from hwkv.errors import ConfigError
 from hwkv.pool import MHATokenToKVPool, SWAKVPool
 
 SLIDING, FULL = "sliding_attention", "full_attention"
-DEFAULT_MEMORY_FRACTION = 0.8  # of the device's free memory, when no budget is given
+# The default KV budget (no memory= given) is what the requests need, capped at a fraction of the device's free
+# memory. An accelerator's memory holds little besides the weights, so most of it; the CPU's RAM is shared with
+# the weights, activations and every other process, so a modest part and at most CPU_MEMORY_CAP bytes.
+DEFAULT_MEMORY_FRACTION = 0.8
+CPU_MEMORY_FRACTION = 0.25
+CPU_MEMORY_CAP = 4 << 30
+MEMINFO = "/proc/meminfo"
 
 
 def text_config(config: Any) -> Any:
@@ -50,16 +56,47 @@ def layer_kinds(config: Any) -> Tuple[bool, ...]:
     return (True,) * n
 
 
+# Models whose attention modules give SWA layers another geometry than the config's shared fields say, and
+# how transformers' own module builds it (the config carries no field for it): model_type -> SWA KV heads
+# as a multiple of num_key_value_heads.
+SWA_KV_HEADS_MULTIPLE = {"mimo_v2_flash": 2}  # MiMoV2FlashAttention: "SWA layers double the kv heads"
+
+
+def _positive(cfg: Any, name: str) -> Optional[int]:
+    value = getattr(cfg, name, None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"config {name}={value!r}: expected an integer >= 1")
+    return value
+
+
 def model_shape(config: Any, dtype: torch.dtype, name: Optional[str] = None) -> ModelShape:
-    """The attention geometry of a Hugging Face config as `hwkv plan`'s ModelShape (KV in `dtype`)."""
+    """The attention geometry of a Hugging Face config as `hwkv plan`'s ModelShape (KV in `dtype`).
+
+    Full layers: `num_key_value_heads`, `head_dim` (K) and `v_head_dim` (V, when the config has one, as
+    MiMo-V2 does). SWA layers: `swa_num_key_value_heads` / `swa_head_dim` / `swa_v_head_dim` where the config
+    names them, else the model type's rule (`SWA_KV_HEADS_MULTIPLE`), else the full layers' values."""
     cfg = text_config(config)
+    model_type = str(getattr(cfg, "model_type", "model"))
     heads = int(cfg.num_attention_heads)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    kv_heads = _positive(cfg, "num_key_value_heads") or heads
+    head_dim = _positive(cfg, "head_dim") or cfg.hidden_size // heads
+    v_head_dim = _positive(cfg, "v_head_dim") or head_dim
+    swa_kv_heads = _positive(cfg, "swa_num_key_value_heads")
+    multiple = SWA_KV_HEADS_MULTIPLE.get(model_type)
+    if multiple is not None:
+        if swa_kv_heads is not None and swa_kv_heads != multiple * kv_heads:
+            raise ConfigError(f"{model_type}: swa_num_key_value_heads={swa_kv_heads}, but transformers' model builds "
+                              f"its SWA layers with {multiple} x num_key_value_heads = {multiple * kv_heads}")
+        swa_kv_heads = multiple * kv_heads
+    swa_head_dim = _positive(cfg, "swa_head_dim") or head_dim
+    swa_v_head_dim = _positive(cfg, "swa_v_head_dim") or (v_head_dim if swa_head_dim == head_dim else swa_head_dim)
     kinds = layer_kinds(cfg)
     window = int(cfg.sliding_window) if any(kinds) else 0
-    return ModelShape(name=name or str(getattr(cfg, "model_type", "model")), layer_is_swa=kinds, window=window,
-                      num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+    return ModelShape(name=name or model_type, layer_is_swa=kinds, window=window,
+                      num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim,
+                      swa_num_kv_heads=swa_kv_heads, swa_head_dim=swa_head_dim, swa_v_head_dim=swa_v_head_dim,
                       dtype_bytes=torch.empty(0, dtype=dtype).element_size(),
                       source="read from the Hugging Face config")
 
@@ -101,10 +138,28 @@ def kv_bytes_needed(shape: ModelShape, context: int, page_size: int, max_running
     return fixed + max_running * per_request
 
 
-def free_device_bytes(device: torch.device) -> int:
-    """Free memory of `device`: the runtime's `mem_get_info` on accelerators, available RAM on the CPU."""
-    if device.type == "cpu":
+def available_ram_bytes(meminfo: str = MEMINFO) -> int:
+    """RAM the kernel says can be allocated without swapping: /proc/meminfo's MemAvailable (free memory plus
+    reclaimable caches), else the free pages `os.sysconf` reports."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        raise ConfigError("cannot read the available RAM (no /proc/meminfo MemAvailable, no "
+                          "sysconf SC_AVPHYS_PAGES): give memory= explicitly") from None
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """Free memory of `device`: the runtime's `mem_get_info` on accelerators (torch.cuda, torch.xpu, torch.npu,
+    ... by device type), available RAM on the CPU."""
+    if device.type == "cpu":
+        return available_ram_bytes()
     mod = getattr(torch, device.type, None)
     info = getattr(mod, "mem_get_info", None)
     if info is None:
@@ -112,20 +167,36 @@ def free_device_bytes(device: torch.device) -> int:
     return int(info(device)[0])
 
 
+def default_memory_cap(device: torch.device) -> int:
+    """The most KV memory a default budget takes on `device`: CPU_MEMORY_FRACTION of the available RAM, at
+    most CPU_MEMORY_CAP, on the CPU; DEFAULT_MEMORY_FRACTION of the free memory elsewhere."""
+    free = free_device_bytes(device)
+    if device.type == "cpu":
+        return min(int(CPU_MEMORY_FRACTION * free), CPU_MEMORY_CAP)
+    return int(DEFAULT_MEMORY_FRACTION * free)
+
+
 def plan_pools(shape: ModelShape, *, context: int, max_running: int, chunk: int, page_size: int,
                memory: Union[None, int, str], device: torch.device) -> PoolPlan:
-    """Size the pools: `memory` (bytes or '2GiB'), or by default what `max_running` requests of `context`
-    tokens need, capped at a fraction of the device's free memory; fewer rows when fewer fit."""
+    """Size the pools: `memory` (bytes or '2GiB'; more than the device has free is a ConfigError), or by default
+    what `max_running` requests of `context` tokens need, capped by `default_memory_cap`; fewer rows when fewer
+    fit."""
     for label, value in (("context", context), ("max_running", max_running), ("chunk", chunk),
                          ("page_size", page_size)):
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"{label} must be an integer >= 1, got {value!r}")
     if memory is None:
         need = kv_bytes_needed(shape, context, page_size, max_running, chunk)
-        free = int(DEFAULT_MEMORY_FRACTION * free_device_bytes(device))
-        budget = min(need, free)
+        budget = min(need, default_memory_cap(device))
     else:
         budget = parse_bytes(memory)
+        try:
+            free = free_device_bytes(device)
+        except ConfigError:  # the device cannot say: the caller's budget stands
+            free = None
+        if free is not None and budget > free:
+            raise ConfigError(f"memory={memory!r} ({format_bytes(budget)}) is more than the {format_bytes(free)} "
+                              f"{device.type} has free: give a smaller budget, or none to size it from the requests")
     if not shape.full_layer_ids:
         return _all_swa_plan(shape, budget, context, max_running, chunk, page_size)
     fit = plan(shape, budget, context, page_size=page_size, chunk=chunk).max_running

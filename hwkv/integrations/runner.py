@@ -1,6 +1,6 @@
 """HybridRunner: a Hugging Face causal LM generating through hwkv's hybrid cache, continuously batched.
 
-One step is one forward, as DESIGN.md lays it out: the scheduler picks the rows (every decoding request,
+One step is one forward (the engine loop of docs/architecture.md): the scheduler picks the rows (every decoding request,
 then prompt chunks), the allocator serves the whole batch in one call and req_to_token gets one scatter,
 the backend's metadata step runs once, the model runs with every request packed into one row (B=1,
 position_ids per token, `use_cache=False`: attention is the only place tokens meet, and hwkv does it per
@@ -40,6 +40,7 @@ class Result:
     tokens: List[int] = field(default_factory=list)
     finish_reason: Optional[str] = None
     error: Optional[HwkvError] = None
+    seed: Optional[int] = None  # the sampling seed it ran with (as given, or derived for it)
 
 
 class HybridRunner:
@@ -60,7 +61,7 @@ class HybridRunner:
         self.cache: Cache = build_cache(self.shape, pool_plan, model.dtype, dev, backend_device=self.spec)
         self.device = dev
         self.window = self.shape.window if self.shape.swa_layer_ids else None
-        self.table = LayerTable(self.shape.layer_is_swa, self.shape.window)
+        self.table = LayerTable(self.shape.layer_is_swa, self.shape.window, self.shape)
         self.scheduler = Scheduler(pool_plan, self.window)
         self.frontiers = torch.zeros(pool_plan.max_running, dtype=I64, device=dev)  # per request row
         self.stats = RunnerStats(self.shape, pool_plan)
@@ -121,12 +122,16 @@ class HybridRunner:
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], params: SamplingParams = SamplingParams()) -> int:
-        """Queue a request (it joins the next forward that has room); returns its id. OutOfSlotsError when
-        the pools can never hold it: nothing was queued and the other requests are untouched."""
+        """Queue a request (it joins the next forward that has room); returns its id. A `params.seed` of None
+        samples with the request id as its seed, so requests added with the same parameters draw different
+        streams. OutOfSlotsError when the pools can never hold it: nothing was queued and the other requests
+        are untouched."""
         ids = [int(t) for t in prompt]
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ConfigError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if params.seed is None:
+            params = params.with_seed(self._next_rid)
         req = Request(self._next_rid, ids, params)
         self.scheduler.add(req)
         self.requests[req.rid] = req
@@ -139,10 +144,16 @@ class HybridRunner:
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: Union[SamplingParams, Sequence[SamplingParams]] = SamplingParams(),
                  on_step: Optional[Any] = None) -> List[Result]:
-        """Run `prompts` to completion, in order. A prompt the cache can never hold gets its OutOfSlotsError in
-        its Result and the others still run. `on_step(new_tokens)` is called after every forward. Requests
-        queued with `add_request` that finish meanwhile keep their Result in `self.unclaimed`."""
-        per = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        """Run `prompts` to completion, in order. One SamplingParams serves every prompt with its own seed: prompt
+        i samples with (params.seed or 0) + i, so equal prompts do not draw the same stream; a sequence gives
+        each prompt its own (a None seed there is the prompt's index too). A prompt the cache can never hold
+        gets its OutOfSlotsError in its Result and the others still run. `on_step(new_tokens)` is called after
+        every forward. Requests queued with `add_request` that finish meanwhile keep their Result in
+        `self.unclaimed`."""
+        if isinstance(params, SamplingParams):
+            per = [params.with_seed(i) for i in range(len(prompts))]
+        else:
+            per = [p if p.seed is not None else p.with_seed(i) for i, p in enumerate(params)]
         if len(per) != len(prompts):
             raise ConfigError(f"{len(per)} SamplingParams for {len(prompts)} prompts")
         results: List[Optional[Result]] = [None] * len(prompts)
@@ -151,7 +162,7 @@ class HybridRunner:
             try:
                 index[self.add_request(prompt, p)] = i
             except HwkvError as e:  # refused up front: reported in its own Result
-                results[i] = Result(-1, list(prompt), error=e)
+                results[i] = Result(-1, list(prompt), error=e, seed=p.seed)
         while any(rid in self.requests for rid in index):
             before = self.stats.generated_tokens
             for res in self.step():
@@ -266,7 +277,7 @@ class HybridRunner:
             for r in done:
                 self.scheduler.finish(r)
                 del self.requests[r.rid]
-        return [Result(r.rid, r.prompt, r.output, r.finish_reason) for r in done]
+        return [Result(r.rid, r.prompt, r.output, r.finish_reason, seed=r.params.seed) for r in done]
 
     def check_integrity(self) -> None:
         """Allocator, pools, request rows and reservations are consistent (tests call it after steps)."""

@@ -6,8 +6,8 @@ seed, never on which requests share its forward, the batch order or the device's
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence, Tuple
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -18,12 +18,16 @@ _M32 = 0xFFFFFFFF
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request generates: temperature 0 is greedy; `stop_token_ids` end it (the stop token is kept)."""
+    """How one request generates: temperature 0 is greedy; `stop_token_ids` end it (the stop token is kept).
+
+    `seed` None (the default) lets the runner give each request its own (`with_seed`): `generate` uses the
+    prompt's index, `add_request` the request id. One SamplingParams with a seed, given to `generate` for many
+    prompts, is a base: prompt i samples with seed + i. Only per-request SamplingParams pin each seed as given."""
 
     max_new_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
-    seed: int = 0
+    seed: Optional[int] = None
     stop_token_ids: Tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -33,13 +37,18 @@ class SamplingParams:
             raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.seed, int) or not 0 <= self.seed <= _M32:
-            raise ConfigError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed <= _M32):
+            raise ConfigError(f"seed must be None or an integer in [0, 2**32), got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def with_seed(self, offset: int) -> "SamplingParams":
+        """These parameters with seed (seed or 0) + offset, wrapped into [0, 2**32)."""
+        return replace(self, seed=((self.seed or 0) + offset) & _M32)
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -82,6 +91,6 @@ def params_tensors(params: Sequence[SamplingParams], steps: Sequence[int],
                    device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(temperature, top_p, seeds, steps) of the sampled rows, on `device` (two host-to-device copies)."""
     floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]], dtype=torch.float32)
-    ints = torch.tensor([[p.seed for p in params], list(steps)], dtype=torch.int64)
+    ints = torch.tensor([[p.seed or 0 for p in params], list(steps)], dtype=torch.int64)
     floats, ints = floats.to(device), ints.to(device)
     return floats[0], floats[1], ints[0], ints[1]
