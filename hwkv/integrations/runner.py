@@ -1,6 +1,6 @@
 """HybridRunner: a Hugging Face causal LM generating through hwkv's hybrid cache, continuously batched.
 
-One step is one forward (the engine loop of docs/architecture.md): the scheduler picks the rows (every decoding request,
+One step is one forward: the scheduler picks the rows (every decoding request,
 then prompt chunks), the allocator serves the whole batch in one call and req_to_token gets one scatter,
 the backend's metadata step runs once, the model runs with every request packed into one row (B=1,
 position_ids per token, `use_cache=False`: attention is the only place tokens meet, and hwkv does it per

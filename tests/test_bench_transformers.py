@@ -1,0 +1,35 @@
+"""`benchmarks/bench_transformers.py --tiny` is a smoke run: seconds and well under a GB, every method's rows."""
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is in hwkv's test extra")
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_RSS = 1.5 * 2**30   # measured 0.54 GB (the imports alone 0.26 GB); 4.7-12.5 GB before --tiny sized its caches
+MAX_SECONDS = 120       # measured 10 s on a shared 2-core CPU; 68-77 s before
+
+
+def test_tiny_is_tiny():
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_transformers.py"), "--tiny", "--json"]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=2 * MAX_SECONDS)
+    wall = time.perf_counter() - t0
+    assert r.returncode == 0, r.stderr[-2000:]
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # Linux: KiB
+    data = json.loads(r.stdout)
+    setup = data["setup"]
+    assert (setup["prompt_len"], setup["new_tokens"], setup["batch_sizes"], setup["repeats"]) == (32, 16, "1,8", 1)
+    assert not [row for row in data["rows"] if "error" in row], data["rows"]
+    methods = {(row["method"], row["batch"]) for row in data["rows"]}
+    assert {("hwkv", 1), ("hwkv", 8), ("hf-generate", 1), ("hf-generate", 8)} <= methods
+    hwkv8 = next(row for row in data["rows"] if (row["method"], row["batch"]) == ("hwkv", 8))
+    assert hwkv8["kv_held_bytes"] < hwkv8["kv_all_full_bytes"]  # W=8, page 4: the SWA layers gave slots back
+    assert wall < MAX_SECONDS and rss < MAX_RSS, (wall, rss)
