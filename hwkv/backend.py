@@ -123,6 +123,10 @@ class AttentionBackend(DraftMetadataMixin):
     # ---- eager metadata ----------------------------------------------------------------------
     def init_forward_metadata(self, batch: ForwardBatch) -> ForwardMetadata:
         """Translate the write locs once and build every index list once, for any forward mode."""
+        if not isinstance(batch.forward_mode, ForwardMode):  # e.g. "decode": its methods are missing below
+            members = ", ".join(f"ForwardMode.{m}" for m in ForwardMode.__members__)
+            raise ConfigError(f"batch.forward_mode is {batch.forward_mode!r} ({type(batch.forward_mode).__name__}), "
+                              f"not a ForwardMode; use one of {members}")
         write_loc = self._write_loc(batch.out_cache_loc, graph=False)
         swa = write_loc.swa_loc
         seq = batch.seq_lens.to(torch.int64)

@@ -6,9 +6,11 @@ Heavy imports belong inside the run function, so `hwkv info` stays fast.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.metadata
 import importlib.util
 import json
+import os
 import platform
 import sys
 from dataclasses import dataclass
@@ -16,11 +18,17 @@ from typing import Any, Callable, Optional
 
 from hwkv import __version__, devices
 from hwkv._amx import cpu_features
+from hwkv.env import ALL as ENV_VARS
 from hwkv.env import HWKV_DEVICE
-from hwkv.errors import DeviceError
+from hwkv.errors import DeviceError, HwkvError
 
 EXIT_OK = 0
-EXIT_ERROR = 2  # a typed hwkv error (e.g. DeviceError); the message goes to stderr
+EXIT_MISMATCH = 1  # reserved: an output differed from hwkv.reference (bench, verify)
+EXIT_ERROR = 2  # a typed hwkv error (e.g. DeviceError, ConfigError) or a write error; one line on stderr
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
+EXIT_BROKEN_PIPE = 141  # stdout closed early (128 + SIGPIPE)
+# a write that fails with one of these (no file name attached) is the output failing, e.g. `> /dev/full`
+OUTPUT_ERRNOS = frozenset(getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EFBIG", "EIO") if hasattr(errno, n))
 
 
 @dataclass(frozen=True)
@@ -172,39 +180,41 @@ def print_info_plain(data: dict[str, Any]) -> None:
 def print_info_rich(data: dict[str, Any]) -> None:
     """`hwkv info` as rich tables."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
+    # every text is escaped: rich reads "[...]" as markup, so "pip install 'hwkv[ipex]'" would lose "[ipex]"
     console = Console()
     for line in _summary_lines(data):
-        console.print(line, highlight=False)
+        console.print(escape(line), highlight=False)
     table = Table(title="devices (highest priority first)")
     table.add_column("device", no_wrap=True)
     table.add_column("prio", justify="right", no_wrap=True)
     table.add_column(DEVICE_HEADER[2], overflow="fold", ratio=1)
     table.add_column("backend / graph adapter", no_wrap=True)
     for name, prio, status, backend, graph in _device_rows(data):
-        table.add_row(name, prio, status, f"{backend}\n{graph}",
+        table.add_row(escape(name), prio, escape(status), escape(f"{backend}\n{graph}"),
                       style="bold green" if name == data["device"] else None)
     console.print(table)
     cpu = Table(title="CPU", show_header=False)
     cpu.add_column("feature")
     cpu.add_column("value", overflow="fold")
     for row in _cpu_rows(data):
-        cpu.add_row(*row)
+        cpu.add_row(*(escape(c) for c in row))
     console.print(cpu)
     notes = _path_notes(data)
     if notes and not _path_rows(data):
         for line in notes:
-            console.print(line, highlight=False)
+            console.print(escape(line), highlight=False)
     elif notes:
-        paths = Table(title=notes[0])
+        paths = Table(title=escape(notes[0]))
         for i, col in enumerate(PATH_HEADER):
             paths.add_column(col, no_wrap=i < 4, overflow="fold", ratio=1 if col == "why" else None)
         for row in _path_rows(data):
-            paths.add_row(*row, style="green" if row[3] == "fused vendor op" else None)
+            paths.add_row(*(escape(c) for c in row), style="green" if row[3] == "fused vendor op" else None)
         console.print(paths)
         for line in notes[1:]:
-            console.print(line, highlight=False)
+            console.print(escape(line), highlight=False)
 
 
 def _use_rich() -> bool:
@@ -259,13 +269,76 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point of `hwkv` and `python -m hwkv.cli`; returns the exit code."""
-    args = build_parser().parse_args(argv)
+def one_line(message: object) -> str:
+    """An error's text on one line: its lines joined, blanks collapsed (a message names the value and the limit)."""
+    text = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    return text or type(message).__name__
+
+
+def _report(prog: str, text: str) -> None:
+    """One line on stderr; quietly nothing when stderr itself is gone."""
     try:
-        return COMMANDS[args.command].run(args)
-    except DeviceError as e:  # e.g. a device plugin that fails to load
-        print(f"hwkv: error: {e}", file=sys.stderr)
+        print(f"{prog}: {text}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def _drop_stdout() -> None:
+    """Point the process's stdout at /dev/null: what is still buffered for a closed pipe or a full disk
+    would otherwise fail again when Python flushes it at exit (its own traceback, exit code 120)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (captured in a test): nothing to drop
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+def _from_rich_broken_pipe(e: BaseException) -> bool:
+    """Whether `e` came out of rich's Console.on_broken_pipe (which already pointed stdout at /dev/null)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code if tb is not None else None
+    return code is not None and code.co_name == "on_broken_pipe" and "rich" in code.co_filename
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of `hwkv` and `python -m hwkv.cli`; returns the exit code.
+
+    Every subcommand gets the same endings here: a typed hwkv error is one line on stderr and exit 2 (a
+    subcommand may print its own line first and return its code: 1 stays a reference mismatch); Ctrl-C
+    is "interrupted" and exit 130; stdout closing early (`| head`) ends quietly with exit 141 (128 +
+    SIGPIPE, what the shell reports for a process the pipe killed) and a full disk (`> /dev/full`) or
+    another write error is one line and exit 2. Nothing ends in a traceback but a bug.
+    """
+    args = build_parser().parse_args(argv)
+    prog = f"hwkv {args.command}"
+    try:
+        for var in ENV_VARS:  # a bad value (HWKV_DEBUG=maybe) fails here, not deep inside a run
+            var.get()
+        code = COMMANDS[args.command].run(args)
+        sys.stdout.flush()  # a write error surfaces here, inside the handlers, not at interpreter exit
+        return code
+    except KeyboardInterrupt:
+        _report(prog, "interrupted")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader went away (| head): what it wanted was written
+        _drop_stdout()
+        return EXIT_BROKEN_PIPE
+    except SystemExit as e:  # rich's Console.on_broken_pipe exits 1 (our mismatch code) on a closed pipe
+        if not _from_rich_broken_pipe(e):
+            raise
+        return EXIT_BROKEN_PIPE
+    except HwkvError as e:  # e.g. a device plugin that fails to load, a bad environment variable
+        _report(prog, f"error: {one_line(e)}")
+        return EXIT_ERROR
+    except OSError as e:
+        if e.errno not in OUTPUT_ERRNOS or e.filename is not None:  # not our output failing: a bug, keep it
+            raise
+        _drop_stdout()
+        _report(prog, f"error: cannot write the output: {e.strerror or one_line(e)} (errno {e.errno})")
         return EXIT_ERROR
 
 

@@ -5,11 +5,25 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Generic, TypeVar
 
+from hwkv.errors import ConfigError
+
 T = TypeVar("T")
 
 
+TRUE_VALUES = ("1", "true", "yes", "on")
+FALSE_VALUES = ("", "0", "false", "no", "off")
+
+
 def _flag(raw: str) -> bool:
-    return raw.strip().lower() not in ("", "0", "false", "no", "off")
+    """A boolean flag: one of TRUE_VALUES or FALSE_VALUES (any case, surrounding blanks ignored); anything
+    else is a ValueError, which `EnvVar.get` turns into a ConfigError naming the variable."""
+    value = raw.strip().lower()
+    if value in TRUE_VALUES:
+        return True
+    if value in FALSE_VALUES:
+        return False
+    raise ValueError(f"allowed: {'/'.join(TRUE_VALUES)} (on), {'/'.join(v for v in FALSE_VALUES if v)} or empty "
+                     "(off), any case")
 
 
 @dataclass(frozen=True)
@@ -22,8 +36,15 @@ class EnvVar(Generic[T]):
     doc: str
 
     def get(self) -> T:
+        """The parsed value (the default when unset); ConfigError names the variable, its value and the
+        allowed values when the value does not parse."""
         raw = os.environ.get(self.name)
-        return self.default if raw is None else self.parse(raw)
+        if raw is None:
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as e:
+            raise ConfigError(f"{self.name}={raw!r} is not a valid value; {e}") from None
 
 
 HWKV_DEVICE: EnvVar[str] = EnvVar("HWKV_DEVICE", str, "", "Force the device plugin by name (error if unavailable).")

@@ -1,23 +1,110 @@
 """KV pools: one layer group (`MHATokenToKVPool`) and the hybrid full + SWA pair (`SWAKVPool`)."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+import os
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from hwkv import ops
 from hwkv.checks import check_loc, check_shape
-from hwkv.errors import CapacityError, ConfigError, LocError, MissingSWALocError
+from hwkv.errors import CapacityError, ConfigError, DeviceError, LocError, MissingSWALocError, ShapeError
 from hwkv.loc import KVWriteLoc, LocRuns
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16) + ops.FP8_DTYPES
+# the dtypes models compute K/V in: writing them into any pool is an intended cast (downcast, fp8 quantization)
+WORKING_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _lossless(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Every finite `src` value is exactly a `dst` value (both floating): finer steps, wider range."""
+    if not (src.is_floating_point and dst.is_floating_point):
+        return False
+    a, b = torch.finfo(src), torch.finfo(dst)
+    return b.eps <= a.eps and b.max >= a.max and b.smallest_normal <= a.smallest_normal
+
+
+def writable_dtypes(dtype: torch.dtype) -> FrozenSet[torch.dtype]:
+    """K/V dtypes a pool of `dtype` takes: its own, the working dtypes (fp32/fp16/bf16: an intended cast)
+    and any dtype it holds losslessly (e.g. fp8 into bf16). float64 into a lower-precision pool, integer
+    or complex K/V are refused: a silent lossy cast hides a caller bug."""
+    candidates = (torch.float64,) + DTYPES
+    return frozenset({dtype, *WORKING_DTYPES} | {d for d in candidates if _lossless(d, dtype)})
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def check_device(device: Union[str, torch.device]) -> torch.device:
+    """`device` as a torch.device whose runtime is present (DeviceError naming it and why not), before any
+    buffer is allocated on it."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise DeviceError(f"device={device!r} is not a torch device: {str(e).splitlines()[0]}") from None
+    if dev.type in ("cpu", "meta"):
+        return dev
+    mod = getattr(torch, dev.type, None)
+    available = getattr(mod, "is_available", None)
+    if available is not None and not available():
+        raise DeviceError(f"device={str(device)!r}: torch.{dev.type}.is_available() is False "
+                          f"(torch {torch.__version__}; see `hwkv info`)")
+    count = getattr(mod, "device_count", None)
+    if dev.index is not None and count is not None and dev.index >= count():
+        raise DeviceError(f"device={str(device)!r}: torch sees {count()} {dev.type} device(s), index {dev.index} "
+                          "is out of range")
+    return dev
+
+
+def device_free_bytes(device: Union[str, torch.device]) -> Optional[int]:
+    """Memory free for new buffers on `device`: MemAvailable on the CPU (free RAM plus reclaimable cache),
+    the runtime's mem_get_info on accelerators; None when the device cannot say."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    info = getattr(getattr(torch, dev.type, None), "mem_get_info", None)
+    if info is None:
+        return None
+    try:
+        return int(info(dev)[0])
+    except Exception:  # a runtime that cannot answer: no check, the allocation itself decides
+        return None
+
+
+def check_fits(what: str, nbytes: int, device: torch.device) -> None:
+    """ConfigError before allocating `nbytes` on `device` when it has less free (what it needs vs has)."""
+    free = device_free_bytes(device)
+    if free is not None and nbytes > free:
+        raise ConfigError(f"{what} needs {nbytes} bytes ({_fmt_bytes(nbytes)}) for its K/V buffers; {device} has "
+                          f"{free} bytes ({_fmt_bytes(free)}) free")
+
+
+def _group_bytes(size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int, v_head_dim: int,
+                 layer_num: int) -> int:
+    item = torch.empty(0, dtype=dtype).element_size()
+    return layer_num * (size + page_size) * head_num * (head_dim + v_head_dim) * item
 
 
 class MHATokenToKVPool:
     """K/V buffers of one layer group: `k_buffer[i]`, `v_buffer[i]` are [size + page_size, H, D]."""
 
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int,
-                 layer_num: int, device: Union[str, torch.device], v_head_dim: Optional[int] = None) -> None:
+                 layer_num: int, device: Union[str, torch.device], v_head_dim: Optional[int] = None,
+                 _prechecked: bool = False) -> None:
         if dtype not in DTYPES:
             raise ConfigError(f"dtype {dtype} is not supported; use one of {[str(d) for d in DTYPES]}")
         for name, val, lo in (("size", size, 0), ("page_size", page_size, 1), ("head_num", head_num, 1),
@@ -30,7 +117,11 @@ class MHATokenToKVPool:
         self.head_num, self.head_dim = head_num, head_dim
         self.v_head_dim = v_head_dim if v_head_dim is not None else head_dim
         self.layer_num = layer_num
-        self.device = torch.device(device)
+        self.device = check_device(device)
+        if not _prechecked:
+            check_fits(f"MHATokenToKVPool(size={size}, {layer_num} layers)", _group_bytes(
+                size, page_size, dtype, head_num, head_dim, self.v_head_dim, layer_num), self.device)
+        self.kv_dtypes = writable_dtypes(dtype)
         rows = size + page_size  # slot 0 (page 0) is the padding slot
         self.k_buffer: List[torch.Tensor] = [
             torch.zeros(rows, head_num, head_dim, dtype=dtype, device=self.device) for _ in range(layer_num)]
@@ -85,6 +176,11 @@ class MHATokenToKVPool:
             check_shape("cache_k", cache_k, (n, self.head_num, self.head_dim))
         if cache_v.shape != (n, self.head_num, self.v_head_dim):
             check_shape("cache_v", cache_v, (n, self.head_num, self.v_head_dim))
+        if cache_k.dtype not in self.kv_dtypes or cache_v.dtype not in self.kv_dtypes:
+            bad = cache_k.dtype if cache_k.dtype not in self.kv_dtypes else cache_v.dtype
+            name = "cache_k" if bad is cache_k.dtype else "cache_v"
+            raise ShapeError(f"{name} is {bad}, the pool stores {self.dtype}: a lossy cast hwkv does not make "
+                             f"silently; pass one of {', '.join(sorted(str(d) for d in self.kv_dtypes))}")
         ops.store_kv_prechecked(self.k_buffer[layer_id], self.v_buffer[layer_id], loc, cache_k, cache_v,
                                 k_scale, v_scale)
 
@@ -119,13 +215,20 @@ class SWAKVPool:
         if both or len(set(swa_ids)) != len(swa_ids) or len(set(full_ids)) != len(full_ids):
             raise ConfigError(f"layer ids must be unique and in one group only; repeated: {sorted(both) or 'within a group'}")
         self.size, self.size_swa, self.page_size, self.dtype = size, size_swa, page_size, dtype
-        self.device = torch.device(device)
-        self.full_kv_pool = MHATokenToKVPool(size, page_size, dtype, head_num, head_dim, len(full_ids),
-                                             device, v_head_dim)
+        self.device = check_device(device)
         swa_d = swa_head_dim if swa_head_dim is not None else head_dim
         swa_vd = swa_v_head_dim if swa_v_head_dim is not None else (v_head_dim if swa_head_dim is None else swa_d)
-        self.swa_kv_pool = MHATokenToKVPool(size_swa, page_size, dtype, swa_head_num or head_num, swa_d,
-                                            len(swa_ids), device, swa_vd)
+        full_group = (size, page_size, dtype, head_num, head_dim, len(full_ids), device, v_head_dim)
+        swa_group = (size_swa, page_size, dtype, swa_head_num or head_num, swa_d, len(swa_ids), device, swa_vd)
+        try:  # sizes of both groups, checked against the device before either allocates
+            nbytes = sum(_group_bytes(n, p, dt, h, d, d if vd is None else vd, layers)
+                         for n, p, dt, h, d, layers, _, vd in (full_group, swa_group))
+        except (TypeError, RuntimeError):
+            nbytes = 0  # a bad argument: the group's own checks below name it
+        check_fits(f"SWAKVPool(size={size}, size_swa={size_swa}, {len(full_ids)} full + {len(swa_ids)} SWA layers)",
+                   nbytes, self.device)
+        self.full_kv_pool = MHATokenToKVPool(*full_group, _prechecked=True)
+        self.swa_kv_pool = MHATokenToKVPool(*swa_group, _prechecked=True)
         self.layers_mapping: Dict[int, Tuple[int, bool]] = {}
         for local, gid in enumerate(full_ids):
             self.layers_mapping[gid] = (local, False)
@@ -207,7 +310,11 @@ class SWAKVPool:
         if isinstance(loc, KVWriteLoc):
             swa_loc = loc.swa_loc if swa_loc is None else swa_loc
             loc = loc.loc
-        local, is_swa = self.layers_mapping[layer.layer_id]
+        try:
+            local, is_swa = self.layers_mapping[layer.layer_id]
+        except KeyError:
+            raise ConfigError(f"layer_id {layer.layer_id!r} is in neither group of the pool; its layer ids are "
+                              f"{sorted(self.layers_mapping)}") from None
         if not is_swa:
             self.full_kv_pool.set_kv_buffer(layer, loc, cache_k, cache_v, k_scale, v_scale,
                                             layer_id_override=local)

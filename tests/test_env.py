@@ -17,3 +17,20 @@ def test_flags_parse(monkeypatch):
     monkeypatch.delenv("HWKV_DEBUG")
     assert HWKV_DEBUG.get() is False
     assert {v.name for v in ALL} == {"HWKV_DEVICE", "HWKV_DEBUG"}
+
+
+def test_flag_values_any_case_and_blanks(monkeypatch):
+    for raw, want in (("TRUE", True), (" on ", True), ("Yes", True), ("off", False), ("", False), ("No", False)):
+        monkeypatch.setenv("HWKV_DEBUG", raw)
+        assert HWKV_DEBUG.get() is want, raw
+
+
+def test_unknown_flag_value_is_a_config_error_naming_the_variable_and_the_allowed_values(monkeypatch):
+    import pytest
+
+    from hwkv.errors import ConfigError
+
+    monkeypatch.setenv("HWKV_DEBUG", "maybe")
+    with pytest.raises(ConfigError, match=r"HWKV_DEBUG='maybe' is not a valid value; allowed: 1/true/yes/on \(on\), "
+                                          r"0/false/no/off or empty \(off\)"):
+        HWKV_DEBUG.get()

@@ -173,3 +173,74 @@ def test_registry_form_add_arguments_then_run(capsys):
     add_plan_arguments(parser.add_subparsers(dest="command").add_parser("plan"))
     args = parser.parse_args(["plan", "--model", "gpt-oss-120b", "--memory", "80GiB", "--context", "131072", "--json"])
     assert run_plan(args) == 0 and json.loads(capsys.readouterr().out)["max_concurrent_requests"] == 17
+
+
+# ------------------------------------------------- short contexts: a request's SWA share is its context
+
+
+def test_short_context_plans_as_many_requests_as_all_full_within_the_chunk_reserve():
+    """gemma-3-27b at context 512 (W = 1024) in 80 GiB: each request holds 512 SWA slots, not W + 2 pages."""
+    r = plan(PRESETS["gemma-3-27b"], 80 * GiB, 512)
+    full_b, swa_b, all_b = 81920, 425984, 507904
+    assert r.swa_tokens_per_request == r.full_tokens_per_request == 512
+    per_request = 512 * all_b                           # 260046848: the same bytes as all-full
+    fixed = 16 * full_b + (8192 + 16) * swa_b           # padding rows + the chunk reserve
+    assert r.max_running == (80 * GiB - fixed) // per_request == 316
+    assert r.all_full_requests == 330                   # (the old plan: 167, "saving 0.51x")
+    chunk_share = -(-(8192 + 16) * swa_b // per_request)  # requests the chunk reserve costs: 14
+    assert r.all_full_requests - chunk_share <= r.max_concurrent_requests <= r.all_full_requests
+    assert r.saving_bytes_per_request == 1.0 == r.saving_limit
+
+
+def test_huge_window_at_a_short_context_is_not_a_0_02x_plan():
+    shape = custom_shape(layers=4, window=100_000, heads=8, kv_heads=8, head_dim=64, full_every=2)
+    r = plan(shape, 8 * GiB, 1000, chunk=512)
+    assert r.swa_tokens_per_request == 1008 == r.full_tokens_per_request
+    assert r.max_concurrent_requests >= r.all_full_requests - 1 and r.saving_requests >= 0.99
+
+
+@pytest.mark.parametrize("context, expected", [(1, 16), (512, 512), (1000, 1008), (1024, 1024), (1025, 1040),
+                                               (1040, 1040), (1041, 1056), (32768, 1056)])
+def test_swa_share_is_the_context_up_to_the_window_bound(context, expected):
+    assert swa_tokens_per_request(1024, 16, 1, context) == expected
+    assert swa_tokens_per_request(1024, 16, 1) == 1056   # without a context: the window bound, as before
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(sorted(PRESETS)), gib=st.integers(8, 512), frac=st.floats(0.001, 1.0),
+       page_size=st.sampled_from([1, 16, 64]), chunk=st.integers(1, 16384))
+def test_contexts_within_the_window_lose_only_the_chunk_reserve(name, gib, frac, page_size, chunk):
+    shape = PRESETS[name]
+    context = max(1, int(shape.window * frac))
+    try:
+        r = plan(shape, gib * GiB, context, page_size=page_size, chunk=chunk)
+    except ConfigError:
+        return
+    per_request = r.full_tokens_per_request * r.all_full_bytes_per_token
+    chunk_share = -(-(r.chunk_reserve_tokens + page_size) * r.swa_bytes_per_token // per_request)
+    assert r.max_concurrent_requests >= r.all_full_requests - chunk_share - 1
+    assert r.saving_bytes_per_request == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("context, max_new", [(512, 64), (40, 8), (4096, 512)])
+def test_the_scheduler_admits_every_request_the_plan_sized_for(context, max_new):
+    """The runner sizes its pools through plan() and the scheduler reserves min(round_up(kv, P), window
+    bound) SWA pages per request: every one of max_running requests of the full context is admitted at once."""
+    from hwkv.integrations.hf_model import PoolPlan
+    from hwkv.integrations.sampling import SamplingParams
+    from hwkv.integrations.scheduler import Request, Scheduler
+
+    shape = PRESETS["gemma-3-27b"]
+    r = plan(shape, 20 * GiB, context, chunk=512)
+    pool_plan = PoolPlan(r.full_pool_tokens, r.swa_pool_tokens, r.page_size, context, r.max_running, r.chunk,
+                         r.full_bytes_per_token, r.swa_bytes_per_token, r.memory_bytes)
+    sched = Scheduler(pool_plan, shape.window)
+    params = SamplingParams(max_new_tokens=max_new, seed=0)
+    for i in range(r.max_running):
+        sched.add(Request(i, list(range(context - max_new + 1)), params))
+    admitted = sched.admit()
+    assert len(admitted) == r.max_running and not sched.waiting
+    for row, req in enumerate(admitted):  # the runner gives each its request row
+        req.row = row
+    sched.check_integrity(r.max_running)
+    assert sched.reserved_swa <= sched.swa_capacity and sched.reserved_full <= sched.full_capacity

@@ -6,7 +6,7 @@ import types
 import pytest
 import torch
 
-from hwkv.errors import LocError, MissingSWALocError, ShapeError
+from hwkv.errors import ConfigError, DeviceError, LocError, MissingSWALocError, ShapeError
 from hwkv.loc import KVWriteLoc
 from hwkv.pool import MHATokenToKVPool, SWAKVPool
 
@@ -179,3 +179,98 @@ def test_translate_is_a_plain_int64_gather():
     assert swa.dtype == torch.int64 and torch.equal(swa, alloc.full_to_swa_index_mapping[loc])
     assert int(pool.translate_loc_from_full_to_swa(torch.tensor([-1]))) == -1
     pool.check_integrity()
+
+
+# ------------------------------------------- refusals: typed, one line, naming the value and the limit
+
+
+def snapshot(pool):
+    """Every K/V buffer of a pool (either kind), cloned."""
+    groups = [pool.full_kv_pool, pool.swa_kv_pool] if isinstance(pool, SWAKVPool) else [pool]
+    return [b.clone() for g in groups for b in (*g.k_buffer, *g.v_buffer)]
+
+
+def unchanged(pool, before):
+    return all(torch.equal(a, b) for a, b in zip(before, snapshot(pool)))
+
+
+@pytest.mark.parametrize("src", [torch.float64, torch.int32, torch.complex64])
+def test_kv_of_a_dtype_the_pool_would_cast_lossily_is_refused(src):
+    pool = make_hybrid(torch.bfloat16)
+    before = snapshot(pool)
+    k = torch.ones(2, 2, 8, dtype=src)
+    for lid, wl in ((1, torch.tensor([3, 4])), (0, KVWriteLoc(torch.tensor([3, 4]), torch.tensor([5, 6])))):
+        with pytest.raises(ShapeError, match=rf"cache_k is {src}, the pool stores torch.bfloat16: a lossy cast .*"
+                                             r"pass one of .*torch.float32"):
+            pool.set_kv_buffer(layer(lid), wl, k, torch.ones(2, 2, 8, dtype=torch.bfloat16))
+        with pytest.raises(ShapeError, match=rf"cache_v is {src}"):
+            pool.set_kv_buffer(layer(lid), wl, torch.ones(2, 2, 8, dtype=torch.bfloat16), k)
+    assert unchanged(pool, before)
+
+
+@pytest.mark.parametrize("pool_dtype, src", [
+    (torch.bfloat16, torch.float32), (torch.bfloat16, torch.float16), (torch.float32, torch.bfloat16),
+    (torch.float16, torch.float32), (torch.bfloat16, torch.float8_e4m3fn), (torch.float8_e4m3fn, torch.bfloat16),
+    (torch.float8_e5m2, torch.float32),
+])
+def test_working_dtypes_and_lossless_casts_are_written(pool_dtype, src):
+    pool = MHATokenToKVPool(16, 4, pool_dtype, 1, 4, 1, "cpu")
+    k = torch.full((2, 1, 4), 1.5).to(src)
+    pool.set_kv_buffer(layer(0), torch.tensor([4, 5]), k, k)
+    assert torch.equal(pool.get_key_buffer(0)[4:6].float(), k.float())
+
+
+def test_float64_into_a_float32_pool_is_refused_too():
+    pool = MHATokenToKVPool(16, 4, torch.float32, 1, 4, 1, "cpu")
+    with pytest.raises(ShapeError, match="cache_k is torch.float64, the pool stores torch.float32"):
+        pool.set_kv_buffer(layer(0), torch.tensor([4]), torch.ones(1, 1, 4, dtype=torch.float64),
+                           torch.ones(1, 1, 4))
+    assert pool.get_key_buffer(0).abs().sum() == 0
+
+
+def test_a_layer_id_the_pool_lacks_names_it_and_the_pools_ids():
+    pool = make_hybrid()
+    before = snapshot(pool)
+    k = torch.ones(2, 2, 8)
+    with pytest.raises(ConfigError, match=r"layer_id 5 is in neither group of the pool; its layer ids are \[0, 1, 2\]"):
+        pool.set_kv_buffer(layer(5), KVWriteLoc(torch.tensor([3, 4]), torch.tensor([5, 6])), k, k)
+    with pytest.raises(ConfigError, match=r"layer_id 5 is in neither group; known ids \[0, 1, 2\]"):
+        pool.get_key_buffer(5)
+    bare = bare_pool()  # the bare-instance contract: the check reads only layers_mapping
+    with pytest.raises(ConfigError, match=r"layer_id 7.*\[0, 1, 2\]"):
+        bare.set_kv_buffer(layer(7), torch.tensor([1]), k[:1], k[:1])
+    assert not bare.full_kv_pool.calls and not bare.swa_kv_pool.calls
+    assert unchanged(pool, before)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_a_device_without_its_runtime_is_a_device_error(device):
+    with pytest.raises(DeviceError, match=rf"device='{device}': torch.cuda.is_available\(\) is False"):
+        SWAKVPool(64, 16, 16, torch.bfloat16, 2, 8, [0], [1], device=device)
+    with pytest.raises(DeviceError, match="is_available"):
+        MHATokenToKVPool(64, 16, torch.bfloat16, 2, 8, 1, device)
+
+
+def test_a_device_name_torch_does_not_know_is_a_device_error():
+    with pytest.raises(DeviceError, match=r"device='gpu0' is not a torch device"):
+        SWAKVPool(64, 16, 16, torch.bfloat16, 2, 8, [0], [1], device="gpu0")
+
+
+def test_a_pool_larger_than_the_device_is_refused_before_allocating(monkeypatch):
+    # (2**40 + 16) full rows and 32 SWA rows of 2 heads x (8 + 8) dims x 2 bytes = 2**46 + 3072 bytes
+    with pytest.raises(ConfigError, match=r"SWAKVPool\(size=1099511627776, size_swa=16, 1 full \+ 1 SWA layers\) "
+                                          r"needs 70368744180736 bytes \(64.00 TiB\) for its K/V buffers; cpu has \d+ "
+                                          r"bytes \(.*\) free"):
+        SWAKVPool(2**40, 16, 16, torch.bfloat16, 2, 8, [0], [1], device="cpu")
+    import hwkv.pool as pool_mod
+
+    # deterministic: a device with 1 MiB free; a pool of 4 MiB is refused before any buffer exists
+    monkeypatch.setattr(pool_mod, "device_free_bytes", lambda device: 2**20)
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: pytest.fail("a buffer was allocated before the check"))
+    with pytest.raises(ConfigError, match=r"MHATokenToKVPool\(size=16368, 2 layers\) needs 4194304 bytes \(4.00 MiB\) "
+                                          r"for its "
+                                          r"K/V buffers; cpu has 1048576 bytes \(1.00 MiB\) free"):
+        MHATokenToKVPool(1024 * 16 - 16, 16, torch.float32, 4, 4, 2, "cpu")
+    with pytest.raises(ConfigError, match=r"SWAKVPool\(size=8192, size_swa=8192, 1 full \+ 1 SWA layers\) needs"):
+        SWAKVPool(8192, 8192, 16, torch.float32, 4, 8, [0], [1], device="cpu")

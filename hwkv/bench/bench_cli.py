@@ -99,8 +99,9 @@ def _ints(flag: str, text: str) -> Tuple[int, ...]:
 
 
 def _check_plot_path(path: Optional[str]) -> None:
-    """Fail before the run when the --plot PNG cannot be written: create it and remove it again (an existing
-    file is only opened for appending, so it stays as it is)."""
+    """Fail before the run when the --plot file cannot be written: a format matplotlib cannot write (by the
+    extension), or a path that cannot be created (created and removed again; an existing file is only opened
+    for appending, so it stays as it is)."""
     if path is None:
         return
     import importlib.util
@@ -108,6 +109,9 @@ def _check_plot_path(path: Optional[str]) -> None:
 
     if importlib.util.find_spec("matplotlib") is None:
         raise ConfigError("--plot needs matplotlib: pip install hwkv[bench]")
+    from hwkv.bench.report import plot_format
+
+    plot_format(path)
     existed = os.path.exists(path)
     try:
         with open(path, "ab" if existed else "xb"):
@@ -116,6 +120,54 @@ def _check_plot_path(path: Optional[str]) -> None:
             os.remove(path)
     except OSError as e:
         raise ConfigError(f"--plot cannot write {path!r}: {e.strerror or e}") from None
+
+
+def memory_needed(shape: ModelShape, run_layers: int, w: Workload, bs: int, n_configs: int) -> int:
+    """Bytes one batch size's run allocates at least: the Harness pools as `hwkv.bench.run._harness` sizes them
+    (every token in the full pool, the windows and one chunk in the SWA pool, each with its padding page) and,
+    when outputs are checked, the reference's copy of the checked requests' K/V."""
+    from dataclasses import replace
+
+    from hwkv.bench.plan import round_up, swa_tokens_per_request
+    from hwkv.bench.run import DTYPES
+
+    p, lens = w.page_size, w.prompt_lens(bs)
+    decode = (w.warmup + w.steps) * n_configs
+    size = sum(round_up(n + decode, p) + p for n in lens)
+    sub = replace(shape, layer_is_swa=shape.layer_is_swa[:run_layers], dtype_bytes=DTYPES[w.dtype].itemsize)
+    if sub.swa_layer_ids:
+        size_swa = min(size, bs * (swa_tokens_per_request(sub.window, p) + 2 * p) + round_up(w.chunk, p) + p)
+        pools = (size + p) * sub.bytes_per_token_full_group + (size_swa + p) * sub.bytes_per_token_swa_group
+    else:
+        pools = (size + p) * sub.bytes_per_token_all_full
+    shadow = 0
+    if w.check_every > 0:
+        checked = lens[:min(bs, w.check_requests or bs)]
+        shadow = (sum(checked) + len(checked) * decode) * sub.bytes_per_token_all_full
+    return pools + shadow
+
+
+def _check_memory(shape: ModelShape, run_layers: int, w: Workload, n_configs: int, torch_device: str) -> None:
+    """ConfigError before the run when a batch size's pools (and reference copies) exceed the device's free
+    memory, naming the largest batch size that fits."""
+    from hwkv.bench.plan import format_bytes
+    from hwkv.pool import device_free_bytes
+
+    free = device_free_bytes(torch_device)
+    if free is None:
+        return
+    for bs in w.batch_sizes:
+        need = memory_needed(shape, run_layers, w, bs, n_configs)
+        if need <= free:
+            continue
+        lo, hi = 0, bs  # the largest batch size whose estimate fits: lo fits (0 trivially), hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if memory_needed(shape, run_layers, w, mid, n_configs) <= free else (lo, mid)
+        fits = f"at most batch size {lo} fits" if lo else "no batch size fits: lower --prompt-len or --steps"
+        raise ConfigError(f"--batch-sizes: batch size {bs} needs at least {format_bytes(need)} (KV pools of "
+                          f"{run_layers} layers and the reference's K/V copies) and {torch_device} has "
+                          f"{format_bytes(free)} free; {fits}")
 
 
 def _shape(args: argparse.Namespace) -> ModelShape:
@@ -144,17 +196,10 @@ def _workload(args: argparse.Namespace, dtype: str, torch_device: str) -> Worklo
 
 
 def _target(name: Optional[str]) -> Target:
-    from hwkv import devices
     from hwkv.bench.run import Target
-    from hwkv.errors import DeviceError
+    from hwkv.integrations.device_choice import available_spec
 
-    specs = devices.discover()
-    spec = devices.current_device() if name is None else specs.get(name)
-    if spec is None:
-        raise DeviceError(f"unknown device {name!r}; known devices: {', '.join(sorted(specs))}")
-    reason = spec.unavailable_reason()
-    if reason is not None:
-        raise DeviceError(f"device {spec.name!r} is unavailable: {reason}")
+    spec = available_spec(name)
     return Target(spec.name, spec.load_backend_class(), spec.torch_device, spec.load_graph_adapter())
 
 
@@ -191,7 +236,7 @@ def _progress(enabled: bool, total: int) -> Tuple[Any, Callable[[str], None]]:
 def _run(args: argparse.Namespace) -> BenchResult:
     import torch
 
-    from hwkv.bench.run import run_benchmark
+    from hwkv.bench.run import default_run_layers, geometry, run_benchmark
 
     _check_plot_path(args.plot)
     if args.threads is not None:
@@ -202,13 +247,17 @@ def _run(args: argparse.Namespace) -> BenchResult:
     target = _target(args.device)
     w = _workload(args, _dtype(args, target.torch_device), target.torch_device)
     configs = _configs(args, target.adapter_factory is not None, target.name)
+    if args.run_layers is not None:
+        geometry(shape, args.run_layers)  # ConfigError naming the allowed range (0 is not "the default")
+    layers = args.run_layers if args.run_layers is not None else default_run_layers(shape, target.torch_device)
+    _check_memory(shape, layers, w, len(configs), target.torch_device)
     total = len(w.batch_sizes) * w.repeats * (w.warmup + w.steps) * len(configs)
     bar, tick = _progress(sys.stdout.isatty() and not args.json, total)
     if bar is None:
-        res = run_benchmark(target, shape, configs, w, args.run_layers, tick)
+        res = run_benchmark(target, shape, configs, w, layers, tick)
     else:
         with bar:
-            res = run_benchmark(target, shape, configs, w, args.run_layers, tick)
+            res = run_benchmark(target, shape, configs, w, layers, tick)
     if target.adapter_factory is None:
         res.notes.append(f"device {target.name!r} has no graph adapter: graph configurations not run")
     return res

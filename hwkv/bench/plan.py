@@ -3,11 +3,14 @@
 Per running request the full pool holds every token: round_up(context, P) slots. The SWA pool
 holds what `hwkv.allocator.release_out_of_window` leaves mapped at the worst decode step:
 
-    swa_tokens_per_request = round_up(W + margin_pages * P + P, P) = P * (ceil(W / P) + 1 + margin_pages)
+    swa_tokens_per_request = min(round_up(W + margin_pages * P + P, P), round_up(context, P))
 
 the window, the page(s) of margin the release keeps behind it (it frees page-aligned, one page
-behind the oldest visible token), and one page for the window's partially filled first/last page.
-This bound is tight for hwkv's allocator. A request being prefilled also holds its new chunk
+behind the oldest visible token), and one page for the window's partially filled first/last page;
+but never more than the request's own tokens: a request of context <= W releases nothing and holds
+round_up(context, P) SWA slots, as many as full ones (the scheduler reserves
+min(round_up(kv, P), the window bound) per request, the same rule). This bound is tight for hwkv's
+allocator. A request being prefilled also holds its new chunk
 until the step's release, round_up(chunk, P) more slots; the chunk budget (like SGLang's
 chunked_prefill_size) bounds the new tokens of one forward over the whole batch, so it is
 reserved once per pool, not once per request:
@@ -64,9 +67,12 @@ def round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def swa_tokens_per_request(window: int, page_size: int, eviction_margin_pages: int = 1) -> int:
-    """SWA slots one decoding request holds at most: P * (ceil(W / P) + 1 + margin_pages)."""
-    return round_up(window + eviction_margin_pages * page_size + page_size, page_size)
+def swa_tokens_per_request(window: int, page_size: int, eviction_margin_pages: int = 1,
+                           context: Optional[int] = None) -> int:
+    """SWA slots one decoding request holds at most: P * (ceil(W / P) + 1 + margin_pages), and with
+    `context` never more than the request's own round_up(context, P) (a short request releases nothing)."""
+    bound = round_up(window + eviction_margin_pages * page_size + page_size, page_size)
+    return bound if context is None else min(bound, round_up(context, page_size))
 
 
 @dataclass(frozen=True)
@@ -126,7 +132,7 @@ def plan(shape: ModelShape, memory_bytes: int, context: int, page_size: int = 16
     P, full_b, swa_b = page_size, shape.bytes_per_token_full_group, shape.bytes_per_token_swa_group
     has_swa = bool(shape.swa_layer_ids)
     full_need = round_up(context, P)
-    swa_need = swa_tokens_per_request(shape.window, P, eviction_margin_pages) if has_swa else 0
+    swa_need = swa_tokens_per_request(shape.window, P, eviction_margin_pages, context) if has_swa else 0
     chunk_reserve = round_up(chunk, P) if has_swa else 0
     swa_pad = P if has_swa else 0
     fixed = P * full_b + (chunk_reserve + swa_pad) * swa_b      # padding rows + the chunk, once

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Any, Dict, List, Sequence
 
 from hwkv.bench.plan import format_bytes
 from hwkv.bench.run import PHASES, STEP, BenchResult
+from hwkv.errors import ConfigError
 
 SCHEMA = "hwkv-bench/2"
 TIME_HEADER = ["config", "bs", "ms/step", "p10-p90 ms", "tokens/s", "translations/fwd", "max |err|"]
@@ -129,6 +131,7 @@ def print_plain(res: BenchResult) -> None:
 def print_rich(res: BenchResult) -> None:
     """The three tables through rich."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
@@ -137,23 +140,48 @@ def print_rich(res: BenchResult) -> None:
     for head, rows, name, cap in ((TIME_HEADER, time_rows(res), title(res), caption(res)),
                                   (PHASE_HEADER, phase_rows(res), "Phases of a decode step", phase_caption()),
                                   (MEMORY_HEADER, memory_rows(res), memory_title(res), None)):
-        table = Table(title=name, caption=cap, title_justify="left", caption_justify="left")
+        # text is escaped: rich would take a bracketed part such as "[ipex]" for markup and drop it
+        table = Table(title=escape(name), caption=None if cap is None else escape(cap), title_justify="left",
+                      caption_justify="left")
         for i, col in enumerate(head):
-            table.add_column(col, justify="left" if i == 0 else "right", no_wrap=i == 0)
+            table.add_column(escape(col), justify="left" if i == 0 else "right", no_wrap=i == 0)
         for row in rows:
-            table.add_row(*row)
+            table.add_row(*(escape(str(c)) for c in row))
         console.print(table)
     for note in res.notes:
-        console.print(f"note: {note}", highlight=False)
+        console.print(f"note: {escape(note)}", highlight=False)
+
+
+def plot_formats() -> Dict[str, str]:
+    """File formats the plot can be written in (matplotlib's Agg canvas): extension -> description."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    return dict(FigureCanvasAgg.get_supported_filetypes())
+
+
+def plot_format(path: str) -> str:
+    """The format `plot` writes `path` in: its extension (ConfigError, before any run, when matplotlib cannot
+    write it), or png for a path without one (written at exactly `path`)."""
+    ext = os.path.splitext(path)[1].lower().lstrip(".")
+    if not ext:
+        return "png"
+    formats = plot_formats()
+    if ext not in formats:
+        raise ConfigError(f"--plot {path!r}: cannot write a .{ext} file; use one of "
+                          f"{', '.join('.' + f for f in sorted(formats))} (or no extension for png)")
+    return ext
 
 
 def plot(res: BenchResult, path: str) -> None:
-    """PNG: time per decode step vs batch size per configuration (p10-p90 bars), the memory comparison,
-    and below them the step's phases stacked, per configuration and batch size."""
+    """PNG (or the format of the path's extension, `plot_format`): time per decode step vs batch size per
+    configuration (p10-p90 bars), the memory comparison, and below them the step's phases stacked, per
+    configuration and batch size."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    fmt = plot_format(path)
 
     fig = plt.figure(figsize=(13, 9.5), layout="constrained")
     top, bottom = fig.subfigures(2, 1)
@@ -162,7 +190,7 @@ def plot(res: BenchResult, path: str) -> None:
     _plot_memory(ax_m, res)
     _plot_phases(bottom, res)
     fig.suptitle(f"hwkv bench: {res.model.name} on {res.target} ({res.backend})")
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format=fmt)
     plt.close(fig)
 
 

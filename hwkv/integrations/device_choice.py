@@ -10,6 +10,22 @@ from hwkv.errors import ConfigError, DeviceError
 GRAPH_CHOICES = ("auto", "on", "off", "eager")
 
 
+def available_spec(name: Optional[str]) -> DeviceSpec:
+    """The plugin called `name` (default: the detected one), present here: DeviceError when the name is
+    unknown (listing the known ones) or the device is unavailable (with its probe's reason). `hwkv bench`,
+    `verify` and `generate` all pick their device through this."""
+    if name is None:
+        return devices.current_device()
+    specs = devices.discover()
+    spec = specs.get(name)
+    if spec is None:
+        raise DeviceError(f"unknown device {name!r}; known devices: {', '.join(sorted(specs))}")
+    reason = spec.unavailable_reason()
+    if reason is not None:
+        raise DeviceError(f"device {spec.name!r} is unavailable: {reason}")
+    return spec
+
+
 def resolve_spec(name: Optional[str], torch_device: str) -> DeviceSpec:
     """The plugin called `name`, or the detected one when it serves `torch_device` tensors, else the
     highest-priority available plugin that does; it must run on the model's device type."""

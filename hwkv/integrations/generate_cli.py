@@ -13,7 +13,7 @@ import os
 import re
 import sys
 import time
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from hwkv.errors import ConfigError, HwkvError
 
@@ -72,25 +72,84 @@ def _stop_tokens(model: Any) -> Tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse bad flag values before the model loads (seconds), each naming the flag, its value and the limit."""
+    from hwkv.bench.plan import parse_bytes
+
+    for flag, value, lo in (("--max-new-tokens", args.max_new_tokens, 1), ("--max-running", args.max_running, 1),
+                            ("--context", args.context, 1), ("--chunk", args.chunk, 1),
+                            ("--page-size", args.page_size, 1), ("--seed", args.seed, 0)):
+        if value is not None and value < lo:
+            raise ConfigError(f"{flag} must be >= {lo}, got {value}")
+    if args.temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.memory is not None:
+        parse_bytes(args.memory)
+
+
+def _looks_like_path(name: str) -> bool:
+    """A local path rather than a Hugging Face repo id ('org/name'): absolute, relative to . or ~, or deeper."""
+    return os.path.isabs(name) or name.startswith((".", "~")) or name.endswith("/") or name.count("/") > 1
+
+
+def _check_model_path(name: str) -> None:
+    """A model given as a path must be a folder with a config.json: say which of those it is not."""
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise ConfigError(f"cannot load model {name!r}: the folder has no config.json (not a Hugging Face "
+                              "model folder)")
+    elif os.path.exists(path):
+        raise ConfigError(f"cannot load model {name!r}: it is a file; give the model's folder (config.json and "
+                          "weights)")
+    elif _looks_like_path(name):
+        raise ConfigError(f"cannot load model {name!r}: no such folder")
+
+
 def _load(args: argparse.Namespace) -> Tuple[Any, Any, Any]:
     """(device spec, model, tokenizer or None)."""
-    from hwkv import devices
+    from hwkv.integrations.device_choice import available_spec
     from hwkv.integrations.transformers import load_model
 
-    spec = devices.discover().get(args.device) if args.device else devices.current_device()
-    if spec is None:
-        from hwkv.errors import DeviceError
-        raise DeviceError(f"unknown device {args.device!r}; known devices: {', '.join(sorted(devices.discover()))}")
+    spec = available_spec(args.device)
+    _check_model_path(args.model)
     dtype = args.dtype or ("fp32" if spec.torch_device == "cpu" else None)
+    if args.no_progress:  # transformers' own "Loading weights" bar too
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     try:
-        model = load_model(args.model, device=spec.torch_device, dtype=dtype)
+        model = load_model(os.path.expanduser(args.model), device=spec.torch_device, dtype=dtype)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot load model {args.model!r} from local files: {e}") from e
+        if not os.path.exists(os.path.expanduser(args.model)):
+            raise ConfigError(f"cannot load model {args.model!r}: no such folder, and no model of that name in the "
+                              "local Hugging Face cache (nothing is downloaded)") from e
+        raise ConfigError(f"cannot load model {args.model!r} from local files: {_first_line(e)}") from e
     tokenizer = None
-    if os.path.isdir(args.model) and any(os.path.exists(os.path.join(args.model, f)) for f in TOKENIZER_FILES):
+    folder = os.path.expanduser(args.model)
+    if os.path.isdir(folder) and any(os.path.exists(os.path.join(folder, f)) for f in TOKENIZER_FILES):
         from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return spec, model, tokenizer
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
+def _error_text(res: Any) -> Optional[str]:
+    """A refused prompt's error as '<type>: <message>'. A prompt refused before it was queued never got a
+    request id (its Result's rid is -1), so the 'request N: ' its message starts with is dropped: the CLI
+    names prompts by their index."""
+    if res.error is None:
+        return None
+    msg = str(res.error)
+    if res.rid < 0:
+        msg = re.sub(r"^request -?\d+: ", "", msg)
+    return f"{type(res.error).__name__}: {msg}"
 
 
 def _progress(enabled: bool, total: int) -> Tuple[Any, Any]:
@@ -116,9 +175,10 @@ def _generate(args: argparse.Namespace) -> Tuple[dict, int]:
     stops = _stop_tokens(model)
     params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                              seed=args.seed + i, stop_token_ids=stops) for i in range(len(prompts))]
-    context = args.context or max(len(p) for p in prompts) + args.max_new_tokens - 1
+    context = args.context if args.context is not None else max(len(p) for p in prompts) + args.max_new_tokens - 1
     with HybridRunner(model, device=spec.name, memory=args.memory, context=context,
-                      max_running=args.max_running or len(prompts), chunk=args.chunk, page_size=args.page_size,
+                      max_running=args.max_running if args.max_running is not None else len(prompts),
+                      chunk=args.chunk, page_size=args.page_size,
                       graphs=args.graphs) as runner:
         bar, advance = _progress(not args.no_progress, args.max_new_tokens * len(prompts))
         t0 = time.perf_counter()
@@ -133,7 +193,7 @@ def _generate(args: argparse.Namespace) -> Tuple[dict, int]:
     for text, ids, res in zip(args.prompt, prompts, results):
         rows.append({"prompt": text, "prompt_ids": ids, "tokens": res.tokens, "finish_reason": res.finish_reason,
                      "text": tokenizer.decode(res.tokens) if tokenizer is not None and res.error is None else None,
-                     "error": None if res.error is None else f"{type(res.error).__name__}: {res.error}"})
+                     "error": _error_text(res)})
     data = {"schema": "hwkv-generate/1", "model": args.model, "device": spec.name, "dtype": str(model.dtype),
             "backend": type(runner.cache.backend).__name__, "graphs": runner.graph is not None,
             "wall_seconds": wall, "results": rows, "stats": stats.as_dict(), "memory": stats.memory_line()}
@@ -161,6 +221,7 @@ def run_generate(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return EXIT_ERROR
     try:
+        _check_args(args)
         data, code = _generate(args)
     except HwkvError as e:
         print(f"hwkv generate: error: {e}", file=sys.stderr)
@@ -169,9 +230,9 @@ def run_generate(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
     else:
         _print_plain(data)
-    for r in data["results"]:
+    for i, r in enumerate(data["results"]):
         if r["error"]:
-            print(f"hwkv generate: error: prompt {r['prompt']!r}: {r['error']}", file=sys.stderr)
+            print(f"hwkv generate: error: prompt [{i}] {r['prompt']!r}: {r['error']}", file=sys.stderr)
     return code
 
 

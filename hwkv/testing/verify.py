@@ -7,11 +7,11 @@ import io
 import os
 import sys
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, TextIO, Tuple
 
 import pytest
 
-from hwkv.errors import DeviceError
+from hwkv.errors import ConfigError, DeviceError
 from hwkv.testing import ContractTarget, available_targets
 
 EXIT_USAGE = 2  # an unknown or unavailable device, or -k matching no check; the message goes to stderr
@@ -20,15 +20,29 @@ CONTRACT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "contract.py
 
 
 class ContractPlugin:
-    """Parametrizes `hwkv_target` over the chosen targets and records each test's outcome."""
+    """Parametrizes `hwkv_target` over the chosen targets and records each test's outcome; with `progress`
+    (a text stream) it writes one line per check as it runs: its number, name, result and seconds."""
 
-    def __init__(self, targets: List[ContractTarget]) -> None:
+    def __init__(self, targets: List[ContractTarget], progress: Optional[TextIO] = None) -> None:
         self.targets = targets
         self.results: "OrderedDict[str, Tuple[str, str]]" = OrderedDict()
+        self.progress = progress
+        self.total = 0
+        self.started = 0
+        self._open: Optional[str] = None  # the check whose progress line awaits its result
 
     def pytest_generate_tests(self, metafunc: Any) -> None:
         if "hwkv_target" in metafunc.fixturenames:
             metafunc.parametrize("hwkv_target", self.targets, ids=[t.name for t in self.targets])
+
+    def pytest_collection_finish(self, session: Any) -> None:
+        self.total = len(session.items)
+
+    def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
+        self.started += 1
+        self._open = nodeid
+        width = len(str(self.total))
+        self._write(f"hwkv verify: [{self.started:>{width}}/{self.total}] {nodeid.split('::', 1)[-1]} ... ")
 
     def pytest_runtest_logreport(self, report: Any) -> None:
         if report.when == "call" or report.outcome != "passed":
@@ -38,12 +52,56 @@ class ContractPlugin:
             elif report.outcome == "skipped" and isinstance(report.longrepr, tuple):
                 msg = str(report.longrepr[2])
             self.results[report.nodeid.split("::", 1)[-1]] = (report.outcome, msg.splitlines()[0] if msg else "")
+            if self._open == report.nodeid:
+                self._open = None
+                self._write(f"{OUTCOMES.get(report.outcome, report.outcome.upper())} ({report.duration:.2f} s)\n")
+            elif report.outcome == "failed":  # a teardown error after the check's own line
+                self._write(f"hwkv verify:   {report.nodeid.split('::', 1)[-1]}: {report.when} FAIL\n")
+
+    def pytest_runtest_logfinish(self, nodeid: str, location: Any) -> None:
+        if self._open == nodeid:  # no report closed the line (should not happen): end it anyway
+            self._open = None
+            self._write("done\n")
+
+    def interrupted(self) -> None:
+        """Ctrl-C: end the open progress line, so the caller's own line starts on a fresh one."""
+        if self._open is not None:
+            self._open = None
+            self._write("interrupted\n")
+
+    def _write(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.write(text)
+            self.progress.flush()
 
 
-def run_contract(targets: List[ContractTarget], select: Optional[str] = None,
-                 verbose: bool = False) -> Tuple[int, "OrderedDict[str, Tuple[str, str]]"]:
-    """Run the contract tests over `targets`; return pytest's exit code and per-test outcomes."""
-    plugin = ContractPlugin(targets)
+OUTCOMES = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP"}
+
+
+def check_select(select: Optional[str]) -> None:
+    """ConfigError when `select` is not a valid pytest -k expression (checked before anything runs; pytest
+    itself would only say 'usage error')."""
+    if not select:
+        return
+    try:
+        from _pytest.mark.expression import Expression
+    except ImportError:  # pytest moved it: pytest's own check still runs
+        return
+    try:
+        Expression.compile(select)
+    except Exception as e:  # SyntaxError (pytest >= 8.x) or ParseError (older)
+        why = getattr(e, "msg", None) or str(e)
+        col = getattr(e, "offset", None) or getattr(e, "column", None)
+        where = f" at column {col}" if col else ""
+        raise ConfigError(f"-k {select!r} is not a valid pytest -k expression{where}: {why}") from None
+
+
+def run_contract(targets: List[ContractTarget], select: Optional[str] = None, verbose: bool = False,
+                 progress: Optional[TextIO] = None) -> Tuple[int, "OrderedDict[str, Tuple[str, str]]"]:
+    """Run the contract tests over `targets`; return pytest's exit code and per-test outcomes. `progress`:
+    where to write a line per check as it runs (None: nowhere). Ctrl-C raises KeyboardInterrupt (pytest
+    would turn it into its exit code)."""
+    plugin = ContractPlugin(targets, None if verbose else progress)
     args = [CONTRACT, "-p", "no:cacheprovider", "--rootdir", os.path.dirname(CONTRACT), "-c", os.devnull,
             "-q" if verbose else "-qq", "--no-header", "-W", "ignore::pytest.PytestAssertRewriteWarning"]
     if not verbose:
@@ -51,11 +109,17 @@ def run_contract(targets: List[ContractTarget], select: Optional[str] = None,
     if select:
         args += ["-k", select]
     if verbose:
-        return int(pytest.main(args, plugins=[plugin])), plugin.results
+        code = int(pytest.main(args, plugins=[plugin]))
+        if code == pytest.ExitCode.INTERRUPTED:
+            raise KeyboardInterrupt  # pytest printed its own summary
+        return code, plugin.results
     # quiet: pytest's progress line would sit above our table, so its output is kept aside and shown
     # (on stderr) only when pytest itself failed: a usage error, a collection error, an internal error
     with contextlib.redirect_stdout(io.StringIO()) as captured:
         code = int(pytest.main(args, plugins=[plugin]))
+    if code == pytest.ExitCode.INTERRUPTED:  # Ctrl-C: pytest's summary of it stays aside; hwkv.cli says it
+        plugin.interrupted()
+        raise KeyboardInterrupt
     if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.NO_TESTS_COLLECTED):
         sys.stderr.write(captured.getvalue())
     return code, plugin.results
@@ -65,36 +129,31 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="device plugin to verify (default: the detected one)")
     parser.add_argument("-k", dest="select", default=None, help="only tests matching this pytest -k expression")
     parser.add_argument("-v", "--verbose", action="store_true", help="show pytest's own output")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="no progress line per check on stderr (the table still prints)")
 
 
 def _device_name(name: Optional[str]) -> str:
     """The device to verify: `name` when known and available (else a DeviceError saying why), or the detected one."""
-    from hwkv import devices
+    from hwkv.integrations.device_choice import available_spec
 
-    if name is None:
-        return devices.current_device().name
-    specs = devices.discover()
-    spec = specs.get(name)
-    if spec is None:
-        raise DeviceError(f"unknown device {name!r}; known devices: {', '.join(sorted(specs))}")
-    reason = spec.unavailable_reason()
-    if reason is not None:
-        raise DeviceError(f"device {name!r} is unavailable: {reason}")
-    return name
+    return available_spec(name).name
 
 
 def run_verify(args: argparse.Namespace) -> int:
     """Print one row per contract test: PASS / FAIL / SKIP; exit 0 only when nothing failed, 2 on a bad argument."""
     try:
+        check_select(args.select)
         name = _device_name(args.device)
-    except DeviceError as e:
+    except (ConfigError, DeviceError) as e:
         print(f"hwkv verify: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     targets = available_targets(only=name)
     if not targets:
         print(f"hwkv verify: error: device {name!r} is not available here", file=sys.stderr)
         return EXIT_USAGE
-    code, results = run_contract(targets, args.select, args.verbose)
+    code, results = run_contract(targets, args.select, args.verbose,
+                                 progress=None if getattr(args, "quiet", False) else sys.stderr)
     if not results:  # nothing ran: -k matched no check, or collection failed
         if code == NO_TESTS_COLLECTED and args.select:
             print(f"hwkv verify: error: no contract check matched -k {args.select!r}", file=sys.stderr)
