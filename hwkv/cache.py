@@ -347,7 +347,7 @@ class HybridPrefixCache:
             self.swa_tokens += n
             self.evictable_swa += n
         self._push_full(child)
-        self._push_swa_around(child)
+        self._push_swa_around(child, child)
         return child
 
     def _precheck(self, full: torch.Tensor, swa: torch.Tensor, swa_start: int) -> None:
@@ -465,11 +465,12 @@ class HybridPrefixCache:
                               if nd.swa and not nd.lock_swa]
             heapq.heapify(self._swa_heap)
 
-    def _push_swa_around(self, node: _Node) -> None:
-        """`node` came or is about to go: the end before it (node.start) changed class, so the ranks of the
-        ancestors its window reaches may drop (a rank that rises is caught when popped): queue them anew."""
+    def _push_swa_around(self, node: _Node, first: _Node) -> None:
+        """The end before `node` (node.start) changed class, as `node` came or goes: the ranks of the nodes
+        from `first` up that its window reaches may drop (a rank that rises is caught when popped), so they
+        are queued anew. A few nodes: those within a window of node.start."""
         reach = window_start(node.start, self.window, self.page_size)
-        nd = node
+        nd = first
         while nd is not self.root and nd is not None and (nd is node or nd.end > reach):
             self._push_swa(nd)
             nd = nd.parent
@@ -573,9 +574,9 @@ class HybridPrefixCache:
         if node.swa:
             self.swa_tokens -= n
             self.evictable_swa -= n if node.lock_swa == 0 else 0
-        self._push_full(parent)
-        self._push_swa_around(node)  # before it leaves: the walk starts at it
         node.parent = None
+        self._push_full(parent)
+        self._push_swa_around(node, parent)
 
     def _nodes(self, top: Optional[_Node] = None) -> Iterator[_Node]:
         stack = [top or self.root]
