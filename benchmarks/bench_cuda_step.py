@@ -34,7 +34,7 @@ from hwkv.loc import KVWriteLoc
 from hwkv.pool import SWAKVPool
 
 LAYERS, W, H, KVH, D = 36, 128, 64, 8, 64
-SECTIONS = ("kv-write", "decode-step", "alloc", "engine-step", "tree-verify")
+SECTIONS = ("kv-write", "decode-step", "alloc", "engine-step", "tree-verify", "host")
 
 
 def timeit(fn: Callable[[], object], dev: str, iters: int = 50, warmup: int = 5) -> float:
@@ -340,6 +340,69 @@ def engine_step_rows(dev: str, bs: int, ctx: int, page_size: int, backend_cls, i
     return [row]
 
 
+def host_per_call(fn: Callable[[], object], dev: str, n: int = 200) -> float:
+    """Host microseconds per call: n calls back to back, timed until the last returns (the device, busy
+    with small kernels, never makes the host wait), then one sync."""
+    for _ in range(5):
+        fn()
+    sync(dev)
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t) * 1e6 / n
+    sync(dev)
+    return us
+
+
+def host_rows(dev: str, ctx: int, backend_cls) -> List[Dict]:
+    """Host time of the eager per-layer path at B=1, with the kernels launched through their compiled
+    launchers (direct) and through Triton's JIT dispatch (jit), in one run: the public decode_attention
+    call (checks + plan + launches each call), a planned decode layer, one full layer (store + attention),
+    one metadata step, and the eager 36-layer step (metadata + layers, device time included); a torch op
+    and a 1-element Triton launch as the floor."""
+    from hwkv_cuda.kernels import decode_attention
+    from hwkv_cuda.kernels import launch as L
+    convention = L._CONVENTION
+    rows: List[Dict] = []
+    for mode in ("jit", "direct"):
+        L._CONVENTION = convention if mode == "direct" else None
+        s = Setup(dev, 1, ctx)
+        be = backend_cls(s.pool, s.rtt, sliding_window=W)
+        batch = s.decode_batch()
+        q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(1, KVH, D, device=dev, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        be.init_forward_metadata(batch)
+        md = be.forward_metadata
+        full, swa = s.layers[1], s.layers[0]
+        out = torch.empty(1, H, D, device=dev, dtype=torch.bfloat16)
+        kb, vb = s.pool.get_key_buffer(1), s.pool.get_value_buffer(1)
+        lst = md.full
+
+        def public() -> None:
+            decode_attention(q, kb, vb, lst.indptr, lst.indices, lst.pos0, md.q_pos0, out, full.scaling,
+                             None, 0.0, full.sinks, max_kv_len=lst.max_len)
+
+        def layers() -> None:
+            be.init_forward_metadata(batch)
+            for layer in s.layers:
+                be.forward(q, k, v, layer, batch)
+
+        row = dict(bench="host", mode=mode, bs=1, ctx=ctx,
+                   public_decode_call_host_us=round(host_per_call(public, dev), 1),
+                   full_layer_host_us=round(host_per_call(lambda: be.forward(q, k, v, full, batch), dev), 1),
+                   swa_layer_host_us=round(host_per_call(lambda: be.forward(q, k, v, swa, batch), dev), 1),
+                   metadata_host_us=round(host_per_call(lambda: be.init_forward_metadata(batch), dev, 50), 1))
+        host, done = wall(layers, dev, 20)
+        row.update(step_36_layers_host_us=med(host), step_36_layers_us=med(done))
+        x = torch.zeros(1, device=dev)
+        row["torch_add_host_us"] = round(host_per_call(lambda: x.add_(1), dev), 1)
+        rows.append(row)
+        del s, be
+    L._CONVENTION = convention
+    return rows
+
+
 def tree_verify_rows(dev: str, batches: List[int], ctxs: List[int], backend_cls, drafts: int = 15) -> List[Dict]:
     """One tree verify forward per `tree_verify` mode over the same pools and batch (K/V random): the
     extend kernels with the tree mask, decode-like, and auto (with what it picked); eager and graph.
@@ -433,6 +496,12 @@ def print_tables(res: Dict) -> None:
         for r in res["tree_verify"]:
             print(f"| {r['bs']} | {r['ctx']} | {r['mode']} | {r['ran']} | {r['eager_us']} | {r['graph_us']} | "
                   f"{r['max_rel_diff']} |")
+    if res.get("host"):
+        keys = [k for k in res["host"][0] if k not in ("bench", "mode")]
+        print("host time, eager path (us; launches through the JIT's dispatch vs the compiled launcher)")
+        print("| mode | " + " | ".join(keys) + " |\n|" + "---|" * (len(keys) + 1))
+        for r in res["host"]:
+            print(f"| {r['mode']} | " + " | ".join(str(r[k]) for k in keys) + " |")
     if res.get("engine_step"):
         print("| bs | ctx | page | engine step us | host us | replay only us | not replay | alloc us | prepare us "
               "| replay us | release us | syncs/step |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -458,6 +527,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=50, help="alloc, engine-step: timed steps")
     p.add_argument("--tree-batches", default="1,8,32", help="tree-verify: batch sizes")
     p.add_argument("--tree-ctx", default="4096,32768", help="tree-verify: contexts per request")
+    p.add_argument("--host-ctx", type=int, default=4096, help="host: context of the one request")
     p.add_argument("--out", default="")
     a = p.parse_args()
     dev, sections = a.device, set(a.sections.split(","))
@@ -479,6 +549,8 @@ def main() -> None:
         res["alloc"] = alloc_rows(dev, _ints(a.alloc_batches), _ints(a.alloc_ctx), _ints(a.pages), a.iters)
     if "engine-step" in sections:
         res["engine_step"] = engine_step_rows(dev, a.step_bs, a.step_ctx, a.step_page, backend_cls, a.iters)
+    if "host" in sections:
+        res["host"] = host_rows(dev, a.host_ctx, backend_cls)
     if "tree-verify" in sections:
         res["tree_verify"] = tree_verify_rows(dev, _ints(a.tree_batches), _ints(a.tree_ctx), backend_cls)
     print_tables(res)

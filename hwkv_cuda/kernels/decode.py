@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from hwkv.errors import ShapeError
+from hwkv_cuda.kernels.launch import Launch, launch
 from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, check_dims, check_same_device, dot,
                                       fold_sink, hopper_class, interpreting, logits_log2, num_sms, online_softmax_step,
                                       pow2)
@@ -299,6 +300,7 @@ class DecodePlan(NamedTuple):
     split_consts: Dict[str, Any]   # the split kernel's constexprs and launch options
     merge_consts: Dict[str, Any]
     interpreted: bool
+    launches: Dict[Any, Launch]    # the compiled launches, per layer flags (see hwkv_cuda.kernels.launch)
 
     @property
     def workspace(self) -> Optional[DecodeWorkspace]:
@@ -325,7 +327,7 @@ def _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, cfg) -> DecodePlan:
                         num_warps=1 if interpreted else 4)
     return DecodePlan(tuple(q.shape), tuple(k_buf.shape), tuple(v_buf.shape), k_buf.stride(), v_buf.stride(),
                       tuple(out.shape), q.device, splits, ws_acc, ws_lse, ws_strides, cfg, split_consts,
-                      merge_consts, interpreted)
+                      merge_consts, interpreted, {})
 
 
 def _run(plan: DecodePlan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, scaling, window,
@@ -340,15 +342,16 @@ def _run(plan: DecodePlan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_po
     strides = (q.stride(0), q.stride(1), plan.k_stride[0], plan.k_stride[1], plan.v_stride[0],
                plan.v_stride[1], out.stride(0), out.stride(1))
     sinks_arg = sinks if sinks is not None else q
-    _decode_split_kernel[(plan.k_shape[1] // plan.split_consts["HPP"], splits, bs)](
-        q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, sinks_arg, out, plan.ws_acc, plan.ws_lse,
-        float(scaling) * as_scale(k_scale), vs, cap, int(window or 0), splits, *strides, *plan.ws_strides,
-        HAS_CAP=cap > 0, HAS_SINKS=sinks is not None, F32=q.dtype == torch.float32 or plan.interpreted,
-        **plan.split_consts)
+    flags = (cap > 0, sinks is not None, q.dtype == torch.float32 or plan.interpreted)
+    launch(plan.launches, ("split",) + flags, _decode_split_kernel,
+           (plan.k_shape[1] // plan.split_consts["HPP"], splits, bs),
+           (q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, sinks_arg, out, plan.ws_acc, plan.ws_lse,
+            float(scaling) * as_scale(k_scale), vs, cap, int(window or 0), splits, *strides, *plan.ws_strides),
+           dict(HAS_CAP=flags[0], HAS_SINKS=flags[1], F32=flags[2], **plan.split_consts))
     if splits > 1:
-        _decode_merge_kernel[(bs, h)](
-            sinks_arg, out, plan.ws_acc, plan.ws_lse, vs, splits, out.stride(0), out.stride(1), *plan.ws_strides,
-            HAS_SINKS=sinks is not None, **plan.merge_consts)
+        launch(plan.launches, ("merge", flags[1]), _decode_merge_kernel, (bs, h),
+               (sinks_arg, out, plan.ws_acc, plan.ws_lse, vs, splits, out.stride(0), out.stride(1), *plan.ws_strides),
+               dict(HAS_SINKS=flags[1], **plan.merge_consts))
 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,

@@ -31,6 +31,7 @@ import triton.language as tl
 from hwkv.checks import values_checkable
 from hwkv.errors import ShapeError
 from hwkv.spec import TreeMask, check_tree_mask
+from hwkv_cuda.kernels.launch import Launch, launch
 from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, check_dims, check_same_device, dot,
                                       fold_sink, hopper_class, interpreting, logits_log2, online_softmax_step, pow2)
 
@@ -313,6 +314,7 @@ class ExtendPlan(NamedTuple):
     consts: Dict[str, Any]       # the kernel's constexprs and launch options
     interpreted: bool
     has_tree: bool
+    launches: Dict[Any, Launch]  # the compiled launches, per layer flags (see hwkv_cuda.kernels.launch)
 
 
 def _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config, has_tree, window=None) -> ExtendPlan:
@@ -325,7 +327,7 @@ def _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config, has_tree, windo
     consts = dict(GROUP=h // kvh, GP=gp, D=d, DV=dv, BLOCK_T=block_t, BLOCK_D=pow2(d), BLOCK_DV=pow2(dv),
                   BLOCK_N=cfg.block_n, HAS_TREE=has_tree, ONE_LOOP=cfg.one_loop, MASK32=cfg.mask32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return ExtendPlan(tuple(q.shape), tuple(k_buf.shape), tuple(v_buf.shape), k_buf.stride(), v_buf.stride(),
-                      tuple(out.shape), q.device, grid, cfg, consts, interpreting(), has_tree)
+                      tuple(out.shape), q.device, grid, cfg, consts, interpreting(), has_tree, {})
 
 
 def _run(plan: ExtendPlan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, scaling,
@@ -338,14 +340,14 @@ def _run(plan: ExtendPlan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_i
         tree_mask = tree_indptr = q_positions = q
     else:
         tree_mask, tree_indptr, q_positions = tree.mask.view(torch.uint8), tree.mask_indptr, tree.q_positions
-    _extend_kernel[plan.grid](
-        q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0,
-        sinks if sinks is not None else q, tree_mask, tree_indptr, q_positions, out,
-        float(scaling) * as_scale(k_scale), as_scale(v_scale), cap, window,
-        q.stride(0), q.stride(1), plan.k_stride[0], plan.k_stride[1], plan.v_stride[0],
-        plan.v_stride[1], out.stride(0), out.stride(1),
-        HAS_CAP=cap > 0, HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None,
-        F32=q.dtype == torch.float32 or plan.interpreted, **plan.consts)
+    flags = (cap > 0, window > 0, sinks is not None, q.dtype == torch.float32 or plan.interpreted)
+    launch(plan.launches, flags, _extend_kernel, plan.grid,
+           (q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0,
+            sinks if sinks is not None else q, tree_mask, tree_indptr, q_positions, out,
+            float(scaling) * as_scale(k_scale), as_scale(v_scale), cap, window,
+            q.stride(0), q.stride(1), plan.k_stride[0], plan.k_stride[1], plan.v_stride[0],
+            plan.v_stride[1], out.stride(0), out.stride(1)),
+           dict(HAS_CAP=flags[0], HAS_WINDOW=flags[1], HAS_SINKS=flags[2], F32=flags[3], **plan.consts))
 
 
 def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,

@@ -1,12 +1,15 @@
 """fill_kv_indices: gather each request's run of slots from req_to_token into a CSR list."""
 from __future__ import annotations
 
+from typing import Dict
+
 import torch
 import triton
 import triton.language as tl
 
 from hwkv.errors import LocError
 from hwkv_cuda.kernels.common import check_dims, check_same_device, interpreting
+from hwkv_cuda.kernels.launch import Launch, launch
 
 
 @triton.jit
@@ -44,5 +47,9 @@ def fill_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, 
     if bs == 0:
         return
     block, warps = (16, 1) if interpreting() else (1024, 4)
-    _fill_kv_indices_kernel[(bs,)](req_to_token, req_pool_indices, pos0, indptr, out,
-                                   req_to_token.stride(0), BLOCK=block, num_warps=warps)
+    launch(_LAUNCHES, bs, _fill_kv_indices_kernel, (bs,),
+           (req_to_token, req_pool_indices, pos0, indptr, out, req_to_token.stride(0)),
+           dict(BLOCK=block, num_warps=warps))
+
+
+_LAUNCHES: Dict[int, Launch] = {}  # planned launches, by request count

@@ -19,7 +19,7 @@ torch indexing does (`mapping[-1] == -1`).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import triton
@@ -28,6 +28,7 @@ import triton.language as tl
 from hwkv.errors import LocError, ShapeError
 from hwkv.ops import GraphRefillKernels
 from hwkv_cuda.kernels.common import jit_interpreted
+from hwkv_cuda.kernels.launch import Launch, launch
 
 
 def _launch_sizes() -> "tuple[int, int, int]":
@@ -63,8 +64,8 @@ def translate_into(mapping: torch.Tensor, loc: torch.Tensor, out: torch.Tensor) 
     if cap == 0:
         return
     block, _, warps = _launch_sizes()
-    _translate_into_kernel[(-(-cap // block),)](mapping, loc, out, n, cap, mapping.shape[0],
-                                                       BLOCK=block, num_warps=warps)
+    launch(_LAUNCHES, ("into", cap), _translate_into_kernel, (-(-cap // block),),
+           (mapping, loc, out, n, cap, mapping.shape[0]), dict(BLOCK=block, num_warps=warps))
 
 
 @triton.jit
@@ -148,11 +149,11 @@ def fill_lists(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_l
         return
     block, block_b, warps = _launch_sizes()
     ext = extend_lens if extend_lens is not None else seq_lens
-    _fill_lists_kernel[(bs, nlists)](
-        req_to_token, req_pool_indices, seq_lens, ext, windows, lens, q_pos0, qo_indptr, list_indptr,
-        list_pos0, full_indices, req_to_token.stride(0), req_to_token.shape[1], full_indices.shape[0],
-        list_indptr.stride(0), list_pos0.stride(0),
-        DECODE=extend_lens is None, BLOCK_B=block_b, BLOCK=block, num_warps=warps)
+    launch(_LAUNCHES, ("fill", bs, nlists, extend_lens is None), _fill_lists_kernel, (bs, nlists),
+           (req_to_token, req_pool_indices, seq_lens, ext, windows, lens, q_pos0, qo_indptr, list_indptr,
+            list_pos0, full_indices, req_to_token.stride(0), req_to_token.shape[1], full_indices.shape[0],
+            list_indptr.stride(0), list_pos0.stride(0)),
+           dict(DECODE=extend_lens is None, BLOCK_B=block_b, BLOCK=block, num_warps=warps))
 
 
 @triton.jit
@@ -184,10 +185,12 @@ def translate_runs(mapping: torch.Tensor, req_to_token: torch.Tensor, req_pool_i
     if bs == 0:
         return
     block, _, warps = _launch_sizes()
-    _translate_runs_kernel[(bs,)](mapping, req_to_token, req_pool_indices, pos0, indptr, out,
-                                  req_to_token.stride(0), req_to_token.shape[1], out.shape[0], mapping.shape[0],
-                                  BLOCK=block, num_warps=warps)
+    launch(_LAUNCHES, ("runs", bs), _translate_runs_kernel, (bs,),
+           (mapping, req_to_token, req_pool_indices, pos0, indptr, out,
+            req_to_token.stride(0), req_to_token.shape[1], out.shape[0], mapping.shape[0]),
+           dict(BLOCK=block, num_warps=warps))
 
 
 _INTERPRETED = jit_interpreted(_translate_into_kernel)
+_LAUNCHES: Dict[Tuple, Launch] = {}  # planned launches of the refill kernels, by kernel and grid
 KERNELS = GraphRefillKernels(translate_into, translate_runs, fill_lists)

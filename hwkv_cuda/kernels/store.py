@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import triton
@@ -15,6 +15,7 @@ import triton.language as tl
 
 from hwkv.errors import LocError
 from hwkv_cuda.kernels.common import FP8_MAX, as_scale, check_dims, check_same_device
+from hwkv_cuda.kernels.launch import Launch, launch
 
 
 @dataclass(frozen=True)
@@ -124,9 +125,14 @@ def _launch(k_buf, v_buf, loc, k, v, k_scale, v_scale, config) -> None:
     ks, vs = as_scale(k_scale), as_scale(v_scale)
     block_t, warps, block_ek, block_ev, k_clamp, v_clamp = _launch_config(
         kvh, d, dv, k_buf.dtype, v_buf.dtype, config)
-    _store_kv_kernel[(-(-n // block_t),)](
-        k_buf, v_buf, loc, k, v, n, ks, vs,
-        k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        KVH=kvh, D=d, DV=dv, BLOCK_T=block_t, BLOCK_EK=block_ek, BLOCK_EV=block_ev,
-        K_SCALE=ks != 1.0, V_SCALE=vs != 1.0, K_CLAMP=k_clamp, V_CLAMP=v_clamp, num_warps=warps)
+    key = (n, kvh, d, dv, k_buf.dtype, v_buf.dtype, config, ks != 1.0, vs != 1.0)
+    launch(_LAUNCHES, key, _store_kv_kernel, (-(-n // block_t),),
+           (k_buf, v_buf, loc, k, v, n, ks, vs,
+            k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1)),
+           dict(KVH=kvh, D=d, DV=dv, BLOCK_T=block_t, BLOCK_EK=block_ek, BLOCK_EV=block_ev,
+                K_SCALE=ks != 1.0, V_SCALE=vs != 1.0, K_CLAMP=k_clamp, V_CLAMP=v_clamp, num_warps=warps))
+
+
+# planned launches of the store, by token count and buffer geometry (the layers of a forward share one)
+_LAUNCHES: Dict[Tuple, Launch] = {}

@@ -1,0 +1,88 @@
+"""hwkv_cuda.kernels.launch: the first call goes through the JIT, later ones through the compiled launcher
+with the same argument order and constexprs; a call that would specialise differently goes through the
+JIT again. A fake kernel stands in for Triton's here; the GPU run compares real launches (test_triton_kernels)."""
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from hwkv_cuda.kernels import launch as L  # noqa: E402
+
+
+class Param:
+    def __init__(self, name, constexpr=False, default=None, has_default=False):
+        self.name, self.is_constexpr, self.default, self.has_default = name, constexpr, default, has_default
+
+
+class FakeKernel:
+    """Records JIT launches and launcher calls the way Triton's would receive them."""
+
+    def __init__(self):
+        self.params = [Param("x"), Param("n"), Param("scale"), Param("BLOCK", True),
+                       Param("FLAG", True, default=False, has_default=True)]
+        self.jit_calls, self.direct_calls = [], []
+
+    def __getitem__(self, grid):
+        def run(*args, **consts):
+            self.jit_calls.append((grid, args, consts))
+            return types.SimpleNamespace(run=lambda *a: self.direct_calls.append(a), function="fn",
+                                         packed_metadata="meta")
+        return run
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    monkeypatch.setattr(L, "JITFunction", FakeKernel)
+    monkeypatch.setattr(L, "_CONVENTION", "all")
+    monkeypatch.setattr(L, "driver", types.SimpleNamespace(active=types.SimpleNamespace(
+        get_current_device=lambda: 0, get_current_stream=lambda dev: 1234)))
+    return FakeKernel()
+
+
+def test_later_calls_use_the_launcher_with_every_argument(fake):
+    plans = {}
+    x = torch.zeros(64)
+    L.launch(plans, "k", fake, (4, 2), (x, 32, 0.5), dict(BLOCK=16, num_warps=4))
+    assert len(fake.jit_calls) == 1 and plans["k"].direct
+    L.launch(plans, "k", fake, (4, 2), (x, 48, 0.25), {})
+    assert len(fake.jit_calls) == 1
+    (call,) = fake.direct_calls
+    assert call[:9] == (4, 2, 1, 1234, "fn", "meta", None, None, None)
+    assert call[9:] == (x, 48, 0.25, 16, False)  # runtime args, then constexprs in signature order
+
+
+def test_the_runtime_convention_passes_no_constexprs(fake, monkeypatch):
+    monkeypatch.setattr(L, "_CONVENTION", "runtime")
+    x = torch.zeros(64)
+    launch = L.Launch(fake, (1,), (x, 32, 0.5), dict(BLOCK=16))
+    launch(x, 64, 1.0)
+    assert fake.direct_calls[0][9:] == (x, 64, 1.0)
+
+
+@pytest.mark.parametrize("changed", [
+    lambda x: (x[1:], 32, 0.5),                    # a pointer that is not 16-byte aligned
+    lambda x: (x.to(torch.float16), 32, 0.5),      # another dtype
+    lambda x: (x, 1, 0.5),                         # an int that becomes 1
+    lambda x: (x, 33, 0.5),                        # ... no longer divisible by 16
+    lambda x: (x, 2 ** 33, 0.5),                   # ... wider than 32 bits
+])
+def test_a_call_that_specialises_differently_goes_through_the_jit(fake, changed):
+    x = torch.zeros(64)
+    launch = L.Launch(fake, (1,), (x, 32, 0.5), dict(BLOCK=16))
+    launch(*changed(x))
+    assert len(fake.jit_calls) == 2 and not fake.direct_calls
+    assert fake.jit_calls[1][2] == dict(BLOCK=16)
+    launch(x, 64, 2.0)                              # the planned variant still launches directly
+    assert len(fake.direct_calls) == 1
+
+
+def test_unknown_conventions_and_interpreted_kernels_keep_the_jit(fake, monkeypatch):
+    x = torch.zeros(64)
+    monkeypatch.setattr(L, "_CONVENTION", None)
+    launch = L.Launch(fake, (1,), (x, 32, 0.5), dict(BLOCK=16))
+    launch(x, 32, 0.5)
+    assert not launch.direct and len(fake.jit_calls) == 2
+    monkeypatch.setattr(L, "_CONVENTION", "all")
+    monkeypatch.setattr(L, "JITFunction", type("Other", (), {}))  # e.g. Triton's InterpretedFunction
+    assert not L.Launch(fake, (1,), (x, 32, 0.5), dict(BLOCK=16)).direct
