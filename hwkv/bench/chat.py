@@ -5,8 +5,10 @@ Every conversation starts with the same system prompt; each turn appends user to
 in chunks (a token budget per forward, beside the decoding turns) from the longest reusable cached
 prefix, is cached when its prompt is in, generates its reply token by token (out-of-window release
 after every forward) and is cached again when it finishes, so the next turn continues from it. The
-scheduler admits turns up to a concurrency, evicts cached KV (full or SWA, least recently used,
-unlocked) when an allocation does not fit, and queues a turn that still does not fit.
+scheduler admits turns up to a concurrency while each one's worst case fits beside the running ones'
+(so no forward runs out of slots; a turn too large for the pools on their own is refused before
+anything runs), and evicts cached KV (full or SWA, least recently used, unlocked) when a forward's
+allocation needs it.
 
 This measures the cache, not attention: allocation, matching, eviction and release run for real on
 the device (the allocator's kernels), no K/V is computed. Pools come from `hwkv.bench.plan` for the
@@ -27,7 +29,7 @@ from hwkv.allocator import SWATokenToKVPoolAllocator, ReqToTokenPool, release_ou
 from hwkv.bench.plan import plan, round_up, swa_tokens_per_request
 from hwkv.bench.presets import ModelShape
 from hwkv.cache import HybridPrefixCache
-from hwkv.errors import CacheError, ConfigError, OutOfSlotsError
+from hwkv.errors import ConfigError, OutOfSlotsError
 
 
 @dataclass(frozen=True)
@@ -104,11 +106,40 @@ class _Turn:
 
 
 class _Sim:
-    """One variant: allocator + cache + scheduler (chunked prefill beside decode) over the pools."""
+    """One variant: allocator + cache + scheduler (chunked prefill beside decode) over the pools.
 
-    def __init__(self, w: ChatWorkload, size: int, size_swa: int, window: Optional[int], device: str) -> None:
-        self.w, self.device, self.window = w, torch.device(device), window
-        self.alloc = SWATokenToKVPoolAllocator(size, size_swa, w.page_size, device, None)
+    Admission reserves each turn's worst case, so a forward never runs out of slots (as the runner's
+    `hwkv.integrations.scheduler` does; every page a running turn can pin is counted, and whatever no running
+    turn pins is the cache's alone, unlocked, and freed by evicting it):
+    - full: the turn's whole context, round_up(prompt + reply, P) slots, of which the matched prefix is
+      already held: a turn is admitted while the running turns' remaining pages and its own new pages fit in
+      the free slots plus what the cache can evict (its match locked first, so that is not counted);
+    - SWA (hybrid): its own window, `swa_tokens_per_request(W, P)` (window + eviction margin + the page being
+      written), plus the window its cache lock keeps (the SWA it held when its prompt was last cached,
+      round_up(W, P) + P at most), each at most what the turn has; and one prefill chunk for all turns. The
+      running turns' bounds and the chunk must fit in the SWA pool.
+    Every forward evicts (least recently used, unlocked) what its new pages need beyond the free slots.
+    """
+
+    def __init__(self, name: str, w: ChatWorkload, size: int, size_swa: int, window: Optional[int],
+                 device: str) -> None:
+        self.name, self.w, self.device, self.window = name, w, torch.device(device), window
+        self.size, self.size_swa = size, size_swa
+        p = w.page_size
+        self.swa_own = swa_tokens_per_request(window, p) if window else 0
+        self.swa_locked = round_up(window, p) + p if window else 0
+        self.chunk_reserve = round_up(w.chunk, p) if window else 0
+        # the largest turn (a conversation's last) must fit on its own: said before anything runs
+        full, swa = round_up(w.context, p), self._swa_bound(w.context - w.reply)
+        turn = f"a turn of {w.context} tokens (system {w.system} + {w.turns} x (user {w.user} + reply {w.reply}))"
+        if window and (full > size or swa + self.chunk_reserve > size_swa):
+            raise OutOfSlotsError(f"chat workload ({name}): {turn} needs {full} full-pool slots and {swa} SWA slots "
+                                  f"beside a prefill chunk of {self.chunk_reserve}; the pools have {size} full / "
+                                  f"{size_swa} SWA: raise --memory or shorten the conversations")
+        if not window and full > size:
+            raise OutOfSlotsError(f"chat workload ({name}): {turn} needs {full} slots; the pool has {size} for "
+                                  f"{w.memory} bytes: raise --memory or shorten the conversations")
+        self.alloc = SWATokenToKVPoolAllocator(size, size_swa, p, device, None)
         # all-full: no window (the cache's window spans every context, so a match needs no SWA cut)
         self.cache = HybridPrefixCache(self.alloc, window or (w.context + 1))
         self.rtt = ReqToTokenPool(w.concurrency, round_up(w.context + w.page_size, w.page_size), device)
@@ -117,18 +148,21 @@ class _Sim:
         self.match_us: List[float] = []
         self.insert_us: List[float] = []
 
-    def _reserved(self, running: List[_Turn]) -> Tuple[int, int]:
-        """Slots the running turns will still take: the rest of their prompt and reply (full), a chunk
-        beside a window and a page each (SWA: the release gives pages back as the window moves)."""
-        p, w = self.w.page_size, self.w
-        full = sum(round_up(len(t.prompt) - t.seq, p) + round_up(w.reply - t.generated, p) + p
-                   if t.seq < len(t.prompt) else round_up(w.reply - t.generated, p) + p for t in running)
-        return full, ((round_up(w.chunk, p) + 2 * p * len(running)) if self.window else 0)
+    def _swa_bound(self, prompt: int) -> int:
+        """SWA slots a turn of `prompt` tokens (and its reply) can pin at once, its prefill chunk aside."""
+        if not self.window:
+            return 0
+        p = self.w.page_size
+        return min(self.swa_own, round_up(prompt + self.w.reply, p)) + min(self.swa_locked, round_up(prompt, p))
+
+    def _full_left(self, t: _Turn) -> int:
+        """Full slots a running turn will still allocate (its last page may be partly filled)."""
+        p = self.w.page_size
+        return round_up(len(t.prompt) + self.w.reply, p) - round_up(t.seq, p)
 
     def _room(self, full_tokens: int, swa_tokens: int) -> bool:
-        """Evict cached KV until both pools have room; False (evicting nothing) if they cannot. Evicted
-        tokens free memory only where no running turn holds the pages: the pools are read again after
-        each round."""
+        """Evict cached KV until both pools have room; False if they cannot. Evicted tokens free memory only
+        where no running turn holds the pages: the pools are read again after each round."""
         a, c = self.alloc, self.cache
         if full_tokens > a.full_available_size() + c.evictable_full or \
                 swa_tokens > a.swa_available_size() + c.evictable_swa:
@@ -145,17 +179,31 @@ class _Sim:
         return True
 
     def admit(self, t: _Turn, running: List[_Turn]) -> bool:
-        """Match and acquire the turn's cached prefix if its whole turn fits beside the running ones."""
-        p = self.w.page_size
+        """Acquire the turn's cached prefix if its worst case fits beside the running turns' (class doc).
+        Nothing is evicted between the match and the acquire: the match stays valid."""
+        p, a, c = self.w.page_size, self.alloc, self.cache
         t0 = time.perf_counter()
-        m = self.cache.match_prefix(t.prompt[:-1])
+        m = c.match_prefix(t.prompt[:-1])
         self.match_us.append((time.perf_counter() - t0) * 1e6)
-        res_full, res_swa = self._reserved(running)
-        full = round_up(len(t.prompt) - m.length, p) + round_up(self.w.reply, p) + p
-        if not self._room(full + res_full, (self.cache.window + 2 * p + res_swa) if self.window else 0):
+        held = c.lock(m)  # what the match names is not the cache's to evict any more
+        full = sum(self._full_left(r) for r in running) + round_up(len(t.prompt) + self.w.reply, p) - m.length
+        swa = sum(self._swa_bound(len(r.prompt)) for r in running) + self._swa_bound(len(t.prompt))
+        free, evictable = a.full_available_size(), c.evictable_full
+        if full > free + evictable or (self.window and swa + self.chunk_reserve > self.size_swa):
+            c.unlock(held)
             return False
+        # The cache may still hold this prompt's history past the match (its window evicted, so the match was
+        # cut back): the turn recomputes it, and caching the turn's prompt locks those old nodes beside the
+        # turn's own pages. Make the room now, with the match locked, so that lock cannot take what the running
+        # turns and this one still need.
+        stale = max(0, (len(t.prompt) - self.w.user) // p * p - m.length)
+        if full + min(stale, evictable) > free + evictable:
+            self._room(full, 0)
         t.row = self.rtt.alloc(1)[0]
-        t.lock, t.frontier = self.cache.acquire(m, self.rtt, t.row)
+        try:
+            t.lock, t.frontier = c.acquire(m, self.rtt, t.row)
+        finally:
+            c.unlock(held)
         t.seq = m.length
         self.frontiers[t.row] = t.frontier
         self.stats["prompt"] += len(t.prompt)
@@ -183,12 +231,13 @@ class _Sim:
                     budget -= n
             else:
                 batch.append((t, 1))
-        need = sum(round_up(n, p) + p for _, n in batch)
-        if not self._room(need, need if self.window else 0):
+        need = sum(round_up(t.seq + n, p) - round_up(t.seq, p) for t, n in batch)  # new pages (pairs)
+        if not self._room(need, need if self.window else 0):  # admission reserved them: a bug if it happens
             a, c = self.alloc, self.cache
-            raise OutOfSlotsError(f"chat workload: {len(running)} running turns need {need} more slots; free "
-                                  f"{a.full_available_size()} full / {a.swa_available_size()} SWA, cache evictable "
-                                  f"{c.evictable_full} / {c.evictable_swa}: lower --concurrency or raise --memory")
+            raise OutOfSlotsError(f"chat workload ({self.name}): {len(running)} running turns need {need} more slots; "
+                                  f"free {a.full_available_size()} full / {a.swa_available_size()} SWA, cache "
+                                  f"evictable {c.evictable_full} / {c.evictable_swa}: admission reserved less than "
+                                  "they take (a bug); lower --concurrency or raise --memory")
         prefix_cpu = torch.tensor([t.seq for t, _ in batch], dtype=torch.int64)
         seq_cpu = prefix_cpu + torch.tensor([n for _, n in batch], dtype=torch.int64)
         rows = torch.tensor([t.row for t, _ in batch], dtype=torch.int64, device=dev)
@@ -251,15 +300,16 @@ def run_chat(shape: ModelShape, w: ChatWorkload, device: str = "cpu") -> ChatRes
     res = ChatResult(shape.name, device, w)
     hybrid_bytes = (full + w.page_size) * shape.bytes_per_token_full_group + \
         (swa + w.page_size) * shape.bytes_per_token_swa_group
-    for name, size, size_swa, window, nbytes in (("hybrid", full, swa, shape.window, hybrid_bytes),
-                                                  ("all-full", all_full, all_full, None, all_bytes)):
-        res.rows.append(_run_variant(name, w, size, size_swa, window, nbytes, device))
+    # both variants' pools first: a turn that fits neither's is refused before anything runs
+    sims = [(_Sim("hybrid", w, full, swa, shape.window, device), hybrid_bytes),
+            (_Sim("all-full", w, all_full, all_full, None, device), all_bytes)]
+    for sim, nbytes in sims:
+        res.rows.append(_run_variant(sim, nbytes))
     return res
 
 
-def _run_variant(name: str, w: ChatWorkload, size: int, size_swa: int, window: Optional[int], nbytes: int,
-                 device: str) -> ChatRow:
-    sim = _Sim(w, size, size_swa, window, device)
+def _run_variant(sim: _Sim, nbytes: int) -> ChatRow:
+    w, name, size, size_swa, window = sim.w, sim.name, sim.size, sim.size_swa, sim.window
     gen = torch.Generator().manual_seed(w.seed)
     system = torch.randint(0, 50_000, (w.system,), generator=gen).tolist()
     history = {c: list(system) for c in range(w.conversations)}
@@ -276,7 +326,7 @@ def _run_variant(name: str, w: ChatWorkload, size: int, size_swa: int, window: O
             t = _Turn(c, history[c] + user, history[c] + user)
             if not sim.admit(t, running):
                 sim.stats["queued"] += 1
-                if not running:
+                if not running:  # the largest turn was checked against the pools: a bug if it happens
                     raise OutOfSlotsError(f"chat workload ({name}): a turn of {len(t.ids)} tokens does not fit "
                                           f"{size} full / {size_swa} SWA slots even with an empty cache")
                 break
