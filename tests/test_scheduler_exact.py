@@ -43,9 +43,14 @@ class _Run:
         self.first = self.most = self.peak_full = self.peak_swa = self.steps = 0
 
 
+def _plan(size: int, size_swa: int, chunk: int) -> PoolPlan:
+    return PoolPlan(size=size, size_swa=size_swa, page_size=P, context=64, max_running=MAX_RUNNING, chunk=chunk,
+                    full_bytes_per_token=1, swa_bytes_per_token=1, memory_bytes=0)
+
+
 def drive(size: int, size_swa: int, chunk: int, reqs: List[Request]) -> _Run:
     """Every request to the end, as HybridRunner.step runs them (no model: each sample is token 1)."""
-    plan = PoolPlan(size, size_swa, P, 64, MAX_RUNNING, chunk, 1, 1, 0)
+    plan = _plan(size, size_swa, chunk)
     sched = Scheduler(plan, W)
     alloc = SWATokenToKVPoolAllocator(size, size_swa, P, "cpu", None)
     rtt = ReqToTokenPool(MAX_RUNNING, 64 + P, "cpu")
@@ -152,8 +157,7 @@ def test_chunk_reserve_is_kept_and_bounds_each_forwards_new_pages():
     assert run.first == run.most == 3
     run = drive(size, size_swa - P, 8, _requests((10, 10, 10), 4))
     assert run.first == run.most == 2
-    plan = PoolPlan(size, size_swa, P, 64, MAX_RUNNING, 8, 1, 1, 0)
-    sched = Scheduler(plan, W)
+    sched = Scheduler(_plan(size, size_swa, 8), W)
     for r in _requests((10, 10, 10), 4):
         sched.add(r)
     assert len(sched.admit()) == 3
