@@ -394,18 +394,44 @@ class HybridPrefixCache:
                       frontier: int, lock: Optional[PrefixLock] = None) -> PrefixLock:
         """Cache a running request's tokens so far (e.g. after its prefill) and move its lock to the
         deepest node: the whole path (full) and the SWA from its frontier on, exactly what the request
-        still holds, so unlocked nodes are the cache's alone and evicting them frees what it says.
-        Returns the new lock (the old one is released)."""
+        still holds, so unlocked nodes are the cache's alone and evicting them frees what it says. Nodes
+        of the path that hold other copies of the same tokens (a history the request recomputed) take the
+        request's pages instead, so a lock never pins a second copy. Returns the new lock (the old one is
+        released)."""
         if lock is not None and not lock.active:
             raise CacheError("this prefix lock was already released")
         ids = self._ids(token_ids)[:seq_len]
-        self.insert(ids, req_to_token_pool.req_to_token[row, :seq_len], frontier)
+        locs = req_to_token_pool.req_to_token[row, :seq_len]
+        before = next(self._clock)
+        self.insert(ids, locs, frontier)
         n = seq_len // self.page_size * self.page_size
         path, m = self._walk(ids[:n])
-        new = self._lock(self._node_at(path, m), min(frontier, m))
+        node = self._node_at(path, m)
+        self._adopt(node, locs, frontier, before)
+        new = self._lock(node, min(frontier, m))
         if lock is not None:
             self.unlock(lock)
         return new
+
+    def _adopt(self, node: _Node, locs: torch.Tensor, frontier: int, since: int) -> None:
+        """The nodes up to `node` that this insert did not make take the running request's locs: the full
+        pages of tombstones, full and SWA pages of SWA nodes from its frontier on (where it holds SWA). Pages
+        the node already shares with the request come out even (a reference taken, one dropped); older
+        copies go back to the pool (or stay with other requests holding them)."""
+        full, swa, old_full, old_swa = [], [], [], []
+        t = next(self._clock)
+        nd = node
+        while nd is not self.root:
+            if nd.changed <= since and (not nd.swa or nd.start >= frontier):
+                (swa if nd.swa else full).append(locs[nd.start:nd.end])
+                (old_swa if nd.swa else old_full).append(nd.locs)
+                nd.locs, nd.changed = locs[nd.start:nd.end].clone(), t
+            nd = nd.parent
+        cat = lambda parts: torch.cat(parts) if len(parts) > 1 else parts[0]  # noqa: E731
+        for new, old, with_swa in ((full, old_full, False), (swa, old_swa, True)):
+            if new:
+                self.allocator.share(cat(new), with_swa=with_swa)  # first: a page in both keeps a holder
+                self.allocator.free(cat(old), with_swa=with_swa)
 
     def release_request(self, token_ids: TokenIds, req_to_token_pool: ReqToTokenPool, row: int, seq_len: int,
                         frontier: int, lock: Optional[PrefixLock] = None, cache: bool = True) -> int:

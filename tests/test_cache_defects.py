@@ -274,3 +274,25 @@ def test_swa_eviction_takes_heads_then_the_least_recently_used_window_of_a_class
         assert s.c.match_prefix(first).length == 12
         s.check()
     assert s.empty()
+
+
+def test_a_recomputed_history_is_cached_with_the_running_requests_pages():
+    """A turn whose history lost its window recomputes it; caching it while it runs must not lock the old
+    copy beside the request's own (found by the chat workload at tight pools)."""
+    s = Setup(page=4, window=8, size=256, size_swa=256)
+    s.finish(s.run(list(range(40))))
+    s.c.evict_swa(s.c.evictable_swa)                        # the history's window is gone: no reuse
+    ids = list(range(40)) + list(range(500, 530))
+    r = s.run(ids)
+    assert r["reused"] == 0
+    r["lock"] = s.c.cache_running(ids, s.rtt, r["row"], r["seq"], r["frontier"], r["lock"])
+    s.check()
+    row = s.rtt.req_to_token[r["row"], :68]
+    nd = s.c.match_prefix(ids[:68]).node
+    while nd is not s.c.root:
+        assert torch.equal(nd.locs, row[nd.start:nd.end]), f"node [{nd.start}, {nd.end}) holds another copy"
+        nd = nd.parent
+    held = (len(ids) + 3) // 4 * 4                          # the request's pages, and nothing else
+    assert s.a.full_available_size() == s.size - held
+    s.finish(r)
+    assert s.empty()
