@@ -23,24 +23,36 @@ import torch
 from hwkv import ops
 from hwkv.backend import BackendOptions, KernelSetBackend
 from hwkv.batch import ForwardBatch
+from hwkv.errors import ConfigError
 from hwkv.layer import AttentionLayer
 from hwkv.metadata import ForwardMetadata, KVIndexList, StaticBuffers
 from hwkv_cpu import ipex
 from hwkv_cpu import kernels as _kernels
+from hwkv_cpu.kernels_dense import DENSE_MAX_ELEMENTS, DensePlan, dense_attention, plan_dense
 
 if ipex.installed_reason() is None:  # cheap: package metadata only; IPEX itself is imported on first use
     ops.register_store_kv("cpu", ops.store_kv_torch, prechecked=ipex.store_kv_prechecked)
 
 _IPEX = "ipex_lists"
+_DENSE = "dense_plans"
 
 
 @dataclass(frozen=True)
 class CPUOptions(BackendOptions):
     """`ipex`: IPEX's decode op where it runs the layer exactly (when IPEX is installed); `ipex_extend`: its
-    varlen op for extend too (off: slower than the torch kernels over this pool's layout, see above)."""
+    varlen op for extend too (off: slower than the torch kernels over this pool's layout, see above).
+    `dense_max_elements`: eager forwards whose padded key tables stay under this many elements per layer
+    (gathered K/V plus scores) run `hwkv_cpu.kernels_dense`, planned once per forward; 0 turns it off."""
 
     ipex: bool = True
     ipex_extend: bool = False
+    dense_max_elements: int = DENSE_MAX_ELEMENTS
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        m = self.dense_max_elements
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ConfigError(f"dense_max_elements={m!r} must be an int >= 0 (0: off)")
 
 
 class TorchCPUBackend(KernelSetBackend):
@@ -97,12 +109,46 @@ class TorchCPUBackend(KernelSetBackend):
             hm = self._head_maps[key] = ipex.head_mapping(layer.num_heads, layer.num_kv_heads, q.device)
         return hm
 
+    def _dense_plan(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList, md: ForwardMetadata,
+                    k_buf: torch.Tensor, v_buf: torch.Tensor) -> Optional[DensePlan]:
+        """The list's dense plan for this layer's geometry and window: made by the first layer that reads it
+        in this forward, reused by the others; None where the chunked kernels run (graph mode, a verify tree,
+        no host lengths, too large, or arguments their checks should see)."""
+        if (not self.options.dense_max_elements or md.graph or md.tree is not None or md.seq_lens_cpu is None
+                or k_buf.dim() != 3 or q.dim() != 3):
+            return None
+        kvh, d, dv = k_buf.shape[1], k_buf.shape[2], v_buf.shape[2]
+        h = q.shape[1]
+        if h % kvh or q.shape[2] != d or v_buf.shape[:2] != k_buf.shape[:2] or q.device.type != "cpu":
+            return None
+        plans = md.extra.get(_DENSE)
+        if plans is None:
+            plans = md.extra[_DENSE] = {}
+        key = (kv.window, kv.is_swa_slots, layer.window or 0, kvh, h // kvh, d, dv)
+        if key not in plans:
+            plans[key] = plan_dense(kv.indptr, kv.indices, kv.pos0, md.q_pos0, None if md.is_decode else md.qo_indptr,
+                                    kv.max_len, md.max_q_len, layer.window or 0, kvh, h // kvh, d, dv,
+                                    self.options.dense_max_elements)
+        return plans[key]
+
+    def _run_dense(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList, md: ForwardMetadata,
+                   out: torch.Tensor) -> bool:
+        k_buf, v_buf = self.kv_buffers(layer)
+        plan = self._dense_plan(q, layer, kv, md, k_buf, v_buf)
+        if plan is None:
+            return False
+        qk_scale, cap, v_scale, _ = _kernels._scalars(q, layer.scaling, layer.window, layer.logit_cap,
+                                                      layer.k_scale, layer.v_scale)
+        dense_attention(q, k_buf, v_buf, plan, out, qk_scale, cap, v_scale, layer.sinks)
+        return True
+
     # ---- kernels ---------------------------------------------------------------------------------------
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
                        md: ForwardMetadata, out: torch.Tensor) -> None:
         lst = self._ipex_list(q, layer, kv, md, decode=True)
         if lst is None:
-            super().forward_decode(q, layer, kv, md, out)
+            if not self._run_dense(q, layer, kv, md, out):
+                super().forward_decode(q, layer, kv, md, out)
             return
         k_buf, v_buf = self.kv_buffers(layer)
         ipex.decode(q, k_buf, v_buf, lst, self._head_map(q, layer), out, layer.scaling,
@@ -112,7 +158,8 @@ class TorchCPUBackend(KernelSetBackend):
                        md: ForwardMetadata, out: torch.Tensor) -> None:
         lst = self._ipex_list(q, layer, kv, md, decode=False) if self.options.ipex_extend else None
         if lst is None:
-            super().forward_extend(q, layer, kv, md, out)
+            if not self._run_dense(q, layer, kv, md, out):
+                super().forward_extend(q, layer, kv, md, out)
             return
         k_buf, v_buf = self.kv_buffers(layer)
         ipex.extend(q, k_buf, v_buf, lst, md.qo_indptr, md.max_q_len, out, layer.scaling, layer.window,

@@ -334,3 +334,68 @@ def test_sgl_not_used_where_it_would_be_wrong(fake_sgl):
     s = Case([9], [9], h=4, kvh=2, d=32, dtype=torch.bfloat16, seed=84)
     _close(s.extend(sinks=_sinks(4)), s.ref(0.0, _sinks(4)), _tol(torch.bfloat16, torch.bfloat16))  # sinks
     assert fake_sgl.calls == []
+
+
+# ---- the dense path (hwkv_cpu.kernels_dense): planned once per forward, a fixed handful of ops per layer ----
+
+def _dense(case, mode, window=None, logit_cap=0.0, sinks=None, out_dtype=None, max_elements=None):
+    """case's decode / extend through plan_dense + dense_attention (None: the plan declined)."""
+    from hwkv_cpu.kernels_dense import DENSE_MAX_ELEMENTS, dense_attention, plan_dense
+
+    kvh, d, dv = case.k_buf.shape[1], case.k_buf.shape[2], case.v_buf.shape[2]
+    lens = (case.kv_indptr[1:] - case.kv_indptr[:-1]).tolist()
+    decode = mode == "decode"
+    q_pos0 = torch.tensor([s - 1 for s in case.seq_lens] if decode else case.q_pos0, dtype=torch.int64)
+    plan = plan_dense(case.kv_indptr, case.kv_indices, case.kv_pos0, q_pos0, None if decode else case.qo_indptr,
+                      max(lens), max(case.extend_lens), window or 0, kvh, case.h // kvh, d, dv,
+                      DENSE_MAX_ELEMENTS if max_elements is None else max_elements)
+    if plan is None:
+        return None
+    q = case.q if not decode else case.q[(case.qo_indptr[1:] - 1).long()]
+    out = torch.full((q.shape[0], case.h, case.dv), float("nan"), dtype=out_dtype or q.dtype)
+    qk, cap, vs, _ = kernels._scalars(q, case.scaling, window, logit_cap, case.k_scale, case.v_scale)
+    dense_attention(q, case.k_buf, case.v_buf, plan, out, qk, cap, vs, sinks)
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 9])
+@pytest.mark.parametrize("window_list", [True, False])
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+def test_dense_matches_chunked_kernels(window, window_list, mode):
+    """Mixed lengths (padding), prefixes and single-token rows, windows trimmed or masked, GQA."""
+    case = Case([5, 17, 1, 30], [1, 6, 1, 12] if mode == "extend" else [1, 1, 1, 1], h=6, kvh=2, d=8, dv=12,
+                window=window, window_list=window_list, seed=3)
+    got = _dense(case, mode, window)
+    assert got is not None
+    if mode == "decode":
+        q = case.q[(case.qo_indptr[1:] - 1).long()]
+        want = case.decode(q=q)
+    else:
+        want = case.extend()
+    torch.testing.assert_close(got, want, atol=3e-5, rtol=3e-5)
+
+
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+def test_dense_sinks_softcap_scales_reduced_out(mode):
+    ext = [3, 1, 4] if mode == "extend" else [1, 1, 1]
+    for dtype in (torch.float32, torch.bfloat16, *FP8):
+        case = Case([9, 4, 13], ext, h=4, kvh=1, d=16, dv=8, dtype=dtype, window=5,
+                    k_scale=0.5 if dtype in FP8 else None, v_scale=2.0 if dtype in FP8 else None, seed=7)
+        sinks = torch.randn(4)
+        for cap, s, out_dtype in ((0.0, sinks, None), (20.0, None, torch.bfloat16), (7.0, sinks, torch.float32)):
+            got = _dense(case, mode, 5, cap, s, out_dtype)
+            if mode == "decode":
+                want = case.decode(cap, s, out_dtype, q=case.q[(case.qo_indptr[1:] - 1).long()])
+            else:
+                want = case.extend(cap, s, out_dtype)
+            tol = 3e-5 if got.dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_dense_declines_large_tables_and_queries_without_keys():
+    case = Case([40, 40], [1, 1], seed=1)
+    assert _dense(case, "decode", max_elements=100) is None, "above the size cap: the chunked kernels"
+    # a list that ends before its query's window: no visible key, which must give zeros (chunked kernels)
+    empty = Case([6], [1], window=2, window_list=False, seed=2)
+    empty.kv_indptr = torch.tensor([0, 2], dtype=torch.int32)
+    assert _dense(empty, "decode", 2) is None

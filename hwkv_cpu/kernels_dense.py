@@ -1,0 +1,149 @@
+"""Small forwards' attention over a dense key table planned once per forward.
+
+The vectorized kernels of `kernels_decode` / `kernels_extend` read a CSR list on the host and plan
+their chunks, slot tables and masks inside every call: at a few dozen keys per request that planning
+is most of a layer's time, repeated in every layer of the forward. Here the backend plans once per
+forward and list (`plan_dense`): a padded key table [bs, L] (L = the list's longest request), the
+pool rows each KV head reads, and, where anything is hidden, one additive mask (padding, causal,
+window) in the score layout. A layer then costs a fixed handful of torch ops whatever the batch:
+two row gathers, one batched matmul with the scale and mask folded in (`baddbmm`), the sinks'
+column, one softmax and one matmul into `out` (`dense_attention`).
+
+The padding makes this pay only while the tables are small: `plan_dense` returns None above
+`max_elements` (gathered K/V plus scores), when a real query would see no key (the contract gives
+it zeros, which a softmax over an all-hidden row would not), or without host lengths (graph mode),
+and the layer runs the chunked kernels instead. Computation is in fp32 (fp64 for fp64 pools):
+reduced-precision pools are upcast when gathered, as the chunked kernels do without AMX.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+I64 = torch.int64
+DENSE_MAX_ELEMENTS = 1 << 21  # gathered K/V plus scores (fp32 elements, 8 MiB) per layer call
+
+
+@dataclass
+class DensePlan:
+    """One list's dense layout for one forward (shared by every layer reading it with this geometry)."""
+
+    bs: int
+    kvh: int
+    g: int                            # query heads per KV head
+    tq: int                           # query rows per request (1: decode)
+    keys: int                         # L: key columns per request
+    rows: torch.Tensor                # int64 [bs * kvh * L]: rows of the pool viewed as [slots * kvh, D]
+    bias: Optional[torch.Tensor]      # fp32 [bs * kvh, tq * g or 1, L]: 0 / -inf, None when nothing is hidden
+    q_src: Optional[torch.Tensor]     # extend: int64 [bs * tq], the token of each padded query row
+    out_b: Optional[torch.Tensor]     # extend: int64 [T], each token's request
+    out_t: Optional[torch.Tensor]     # extend: int64 [T], its row within the request
+
+
+def plan_dense(indptr: torch.Tensor, indices: torch.Tensor, pos0: torch.Tensor, q_pos0: torch.Tensor,
+               qo_indptr: Optional[torch.Tensor], max_len: int, max_q_len: int, window: int, kvh: int, g: int,
+               d: int, dv: int, max_elements: int = DENSE_MAX_ELEMENTS) -> Optional[DensePlan]:
+    """The dense plan of a CSR list (see `hwkv.metadata.KVIndexList`) for queries at q_pos0[b] + t, or None
+    where the chunked kernels should run (too large, or a real query with no visible key).
+
+    qo_indptr None: decode, one query per request at q_pos0[b]. window: the layer's W (0: none); the
+    mask applies it whatever the list was trimmed to. max_len / max_q_len: host bounds of the list's and
+    the queries' lengths per request (eager metadata has them exact)."""
+    bs = int(pos0.shape[0])
+    n = min(int(indptr[-1]), int(indices.shape[0])) if bs else 0  # listed entries (a graph buffer's tail is not)
+    decode = qo_indptr is None
+    tq = 1 if decode else int(max_q_len)
+    keys = int(max_len)
+    if bs == 0 or keys <= 0 or n == 0 or tq <= 0:
+        return None
+    if bs * keys * (kvh * (d + dv) + kvh * g * tq) > max_elements:
+        return None
+    col = torch.arange(keys, dtype=I64)
+    start = indptr[:-1].to(I64)
+    lens = indptr[1:].to(I64) - start
+    table = indices[(start[:, None] + col).clamp_(max=n - 1)]  # padding reads listed slots, masked below
+    rows = (table[:, None, :] * kvh + torch.arange(kvh, dtype=I64)[:, None]).view(-1)
+    kpos = pos0.to(I64)[:, None] + col  # [bs, L]
+    if decode:
+        qpos = q_pos0.to(I64)[:, None]  # [bs, 1]
+        q_src = out_b = out_t = None
+    else:
+        qo = qo_indptr.to(I64)
+        ext = qo[1:] - qo[:-1]
+        t = torch.arange(tq, dtype=I64)
+        # padded rows repeat their request's last query (their output is dropped): never an all-hidden row
+        t_eff = torch.minimum(t[None, :], (ext - 1).clamp(min=0)[:, None])  # [bs, tq]
+        qpos = q_pos0.to(I64)[:, None] + t_eff
+        total = int(qo[-1])
+        q_src = (qo[:-1, None] + t_eff).clamp_(0, max(total - 1, 0)).view(-1)
+        out_b = torch.repeat_interleave(torch.arange(bs, dtype=I64), ext, output_size=total)
+        out_t = torch.arange(total, dtype=I64) - qo[:-1][out_b]
+    dist = qpos[:, :, None] - kpos[:, None, :]  # [bs, tq, L]: query position - key position
+    hide = (dist < 0) | (col >= lens[:, None])[:, None, :]
+    if window:
+        hide |= dist >= window
+    bias = None
+    if bool(hide.any()):
+        seen = ~hide.all(-1)  # [bs, tq]
+        real = seen if decode else seen | (t[None, :] >= ext[:, None])
+        if not bool(real.all()):
+            return None  # a query with no visible key gets zeros: the chunked kernels' contract
+        per_row = 1 if decode else g
+        bias = torch.zeros(bs, 1, tq, 1, keys).masked_fill_(hide.view(bs, 1, tq, 1, keys), float("-inf"))
+        bias = bias.expand(bs, kvh, tq, per_row, keys).reshape(bs * kvh, tq * per_row, keys)
+    return DensePlan(bs, kvh, g, tq, keys, rows, bias, q_src, out_b, out_t)
+
+
+def dense_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, plan: DensePlan, out: torch.Tensor,
+                    qk_scale: float, cap: float, v_scale: float, sinks: Optional[torch.Tensor]) -> None:
+    """out [T, H, Dv] = attention of q [T, H, D] over the plan's keys of k_buf / v_buf [S, KVH, D(v)].
+
+    qk_scale: scaling * k_scale (divided by cap when soft-capping: s = cap * tanh(q.k * qk_scale));
+    v_scale multiplies the output; sinks [H] (one raw logit per head in the denominator) or None."""
+    bs, kvh, g, tq, keys = plan.bs, plan.kvh, plan.g, plan.tq, plan.keys
+    d, dv = k_buf.shape[2], v_buf.shape[2]
+    cdt = torch.float64 if k_buf.dtype == torch.float64 else torch.float32
+    k = k_buf.view(-1, d).index_select(0, plan.rows)
+    v = v_buf.view(-1, dv).index_select(0, plan.rows)
+    if k.dtype != cdt:
+        k, v = k.to(cdt), v.to(cdt)
+    k, v = k.view(bs * kvh, keys, d), v.view(bs * kvh, keys, dv)
+    if plan.q_src is None:  # decode: [bs, H, D] is already [bs * KVH, G, D]
+        qg = q.reshape(bs * kvh, g, d)
+    else:  # the tokens into padded rows [bs, tq, KVH, G, D], then KV-head-major rows (t, g)
+        qg = q.index_select(0, plan.q_src).view(bs, tq, kvh, g, d).transpose(1, 2).reshape(bs * kvh, tq * g, d)
+    if qg.dtype != cdt:
+        qg = qg.to(cdt)
+    bias = plan.bias
+    if bias is not None and bias.dtype != cdt:
+        bias = bias.to(cdt)
+    kt = k.transpose(1, 2)
+    if cap:
+        s = torch.bmm(qg, kt).mul_(qk_scale).tanh_().mul_(cap)
+        if bias is not None:
+            s.add_(bias)
+    elif bias is not None:
+        s = torch.baddbmm(bias, qg, kt, alpha=qk_scale)
+    else:
+        s = torch.bmm(qg, kt).mul_(qk_scale)
+    if sinks is not None:  # one more column holding each head's sink: in the denominator only
+        sink = sinks.to(cdt).view(1, kvh, 1, g, 1).expand(bs, kvh, tq, g, 1)
+        s = torch.cat([s.view(bs, kvh, tq, g, keys), sink], -1).view(bs * kvh, tq * g, keys + 1)
+        p = torch.softmax(s, -1)[..., :keys]
+    else:
+        p = torch.softmax(s, -1)
+    if plan.q_src is None:
+        if v_scale == 1.0 and out.dtype == cdt and out.is_contiguous():
+            torch.bmm(p, v, out=out.view(bs * kvh, g, dv))
+            return
+        o = torch.bmm(p, v)
+        if v_scale != 1.0:
+            o.mul_(v_scale)
+        out.copy_(o.view(bs, kvh * g, dv))
+        return
+    o = torch.bmm(p, v).view(bs, kvh, tq, g, dv)[plan.out_b, :, plan.out_t]  # [T, KVH, G, Dv]
+    if v_scale != 1.0:
+        o.mul_(v_scale)
+    out.view(out.shape[0], kvh, g, dv).copy_(o)
