@@ -5,8 +5,9 @@ batch is allocated, freed or released in a constant number of device ops (one Tr
 on GPUs), with no per-request Python and no host sync. Sizes come from host values: the
 arguments, or the `*_cpu` copies an engine keeps. Checks that need device values (double
 free, never allocated) run first and raise before any change on CPU and with HWKV_DEBUG=1;
-otherwise the device op skips the bad pages, records the first one and the next call that
-synchronizes anyway (`available_size`, `check_integrity`) raises it.
+otherwise (`immediate = False`) the device op skips the bad pages, records one (`hwkv.pages`:
+the same one whichever implementation runs) and the next call that synchronizes anyway
+(`available_size`, `check_integrity`) raises it.
 
 A full page and its SWA page are paired whole: `full_to_swa_index_mapping[F*P + o] = S*P + o`
 for every offset o of a live pair, so continuing a partial page needs no lookup.
@@ -20,8 +21,8 @@ import torch
 
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, DoubleFreeError, LocError, NotAllocatedError, OutOfSlotsError
-from hwkv.pages import (ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_RANGE, ERR_SWA_RELEASED, NEVER,
-                        PageRing, page_ops_for)
+from hwkv.pages import (CODE_SHIFT, ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_RANGE, ERR_SWA_RELEASED,
+                        NEVER, PAGE_LO, PAGE_MASK, PageRing, op_key, page_ops_for)
 
 IntsLike = Union[torch.Tensor, Sequence[int]]
 I64 = torch.int64
@@ -199,12 +200,18 @@ class PagedTokenToKVPoolAllocator:
         if plan.n == 0:
             return out
         heads = [r.take(plan.pages) for r in self._rings()]
+        self._next_op()
         ops = self._ops or TORCH_OPS
         ops.alloc_extend(self.pages, self._swa, self._mapping, prefix, seq, last, out, plan.pages, heads, decode)
         return out
 
     def _check_continuations(self, prefix, seq, last, plan, decode) -> None:
         """Hybrid only: a request continuing a partial page must still own that page's SWA slots."""
+
+    def _next_op(self) -> None:
+        """Number the op about to run on every ring (orders the errors it may record)."""
+        for r in self._rings():
+            r.next_op()
 
     # ---- free -------------------------------------------------------------------------------------------
     def free(self, loc: torch.Tensor, with_swa: bool = True) -> None:
@@ -224,6 +231,7 @@ class PagedTokenToKVPoolAllocator:
             return
         if self.immediate:
             self._check_free(loc, swa_required=swa_delta != 0 and full_delta >= 0 and self._swa is not None)
+        self._next_op()
         (self._ops or TORCH_OPS).change_refs(self.pages, self._swa, self._mapping, loc, full_delta,
                                              swa_delta if self._swa is not None else 0)
 
@@ -244,20 +252,32 @@ class PagedTokenToKVPoolAllocator:
             if bool(gone.any()):
                 raise _err(ERR_SWA_RELEASED, int(pages[int(gone.to(torch.int8).argmax())]), self.page_size, "full")
 
+    def record_error(self, bad: torch.Tensor, which: torch.Tensor, code: int) -> None:
+        """Record error `code` (`hwkv.pages.ERR_*`) for the lowest of which[bad] as an op of its own, on
+        the device, no host sync: the next `available_size`/`check_integrity` raises it. For callers
+        whose checks need device values (speculative accept) outside the allocator's own ops."""
+        self._next_op()
+        _record(self.pages, bad.reshape(-1), which.reshape(-1).to(I64), code, force=True)
+
     def check_integrity(self) -> None:
         """Free ring and reference counts agree; no page is free twice; no deferred error pending."""
         self.pages.check_integrity()
 
     def integrity_snapshot(self) -> dict:
         """Host copy of the whole state (tests: an error must leave it unchanged; `same_snapshot` compares)."""
-        return {r.name: r.state() for r in self._rings()}
+        snap = {r.name: r.state() for r in self._rings()}
+        if self._mapping is not None:
+            snap["full->SWA"] = {"table": self._mapping.cpu().clone()}
+        return snap
 
 
 def same_snapshot(a: dict, b: dict) -> bool:
     """Two `integrity_snapshot()`s ({pool: {field: tensor or int}}) hold the same allocator state."""
+    def t(x: object) -> torch.Tensor:
+        return torch.as_tensor(x, device="cpu")
+
     return a.keys() == b.keys() and all(
-        a[p].keys() == b[p].keys() and all(torch.equal(torch.as_tensor(a[p][f]), torch.as_tensor(b[p][f])) for f in a[p])
-        for p in a)
+        a[p].keys() == b[p].keys() and all(torch.equal(t(a[p][f]), t(b[p][f])) for f in a[p]) for p in a)
 
 
 def _err(code: int, page: int, page_size: int, pool: str) -> Exception:
@@ -272,6 +292,19 @@ class TokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         super().__init__(size, 1, device)
 
 
+def _check_fits_pool(size: int, size_swa: int, page_size: int, kvcache: object) -> None:
+    """The pool must hold every slot the allocator hands out (else the first write past it fails)."""
+    if kvcache is None:
+        return
+    for name, mine in (("size", size), ("size_swa", size_swa), ("page_size", page_size)):
+        theirs = getattr(kvcache, name, None)
+        if not isinstance(theirs, int):
+            continue
+        if (mine != theirs) if name == "page_size" else (mine > theirs):
+            raise ConfigError(f"allocator {name}={mine} does not fit its pool's {name}={theirs} "
+                              f"({type(kvcache).__name__}); build both with the same sizes")
+
+
 class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     """Allocates each token a full slot and an SWA slot (equal in-page offsets) and owns the table."""
 
@@ -280,6 +313,7 @@ class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         super().__init__(size, page_size, device, "full")
         if not isinstance(size_swa, int) or size_swa < 0 or size_swa % page_size:
             raise ConfigError(f"size_swa={size_swa} must be a non-negative multiple of page_size={page_size}")
+        _check_fits_pool(size, size_swa, page_size, kvcache)
         self.size_swa = size_swa
         self.full_attn_allocator = self  # SGLang's names for the two halves
         self.swa_attn_allocator = PagedTokenToKVPoolAllocator(size_swa, page_size, device, "SWA")
@@ -361,14 +395,16 @@ class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
 
 
 # ---- the torch implementation of the batched ops (CPU; any device without registered kernels) -----
-def _record(ring: PageRing, bad: torch.Tensor, pages: torch.Tensor, code: int) -> None:
-    """First error wins: (code, first bad page) into ring.err, without a host sync (deferred checks only:
-    otherwise the allocator checked on the host before the op)."""
-    if not ring.deferred:
+def _record(ring: PageRing, bad: torch.Tensor, pages: torch.Tensor, code: int, force: bool = False) -> None:
+    """Record the error of pages[bad] (`hwkv.pages.error_key`: this op, `code`, the lowest bad page) into
+    ring.err, without a host sync. Deferred checks only (otherwise the allocator checked on the host
+    before the op), unless `force`."""
+    if not (ring.deferred or force) or pages.numel() == 0:
         return
-    first = pages[bad.to(torch.int32).argmax()] if pages.numel() else pages.new_zeros(())
-    upd = bad.any() & (ring.err[0] == 0)
-    ring.err.copy_(torch.where(upd, torch.stack([first.new_tensor(code), first]), ring.err))
+    part = op_key(ring.op) + ((8 - code) << CODE_SHIFT) + PAGE_MASK + PAGE_LO
+    keys = part - pages.clamp(PAGE_LO, -PAGE_LO - 1)
+    best = torch.where(bad, keys, 0).amax().reshape(1)
+    torch.maximum(ring.err[:1], best, out=ring.err[:1])
 
 
 def _g(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -430,7 +466,7 @@ class TorchPageOps:
                 off = torch.arange(p, device=dev)
                 _s(mapping, (fpages[:, None] * p + off).reshape(-1), (spages[:, None] * p + off).reshape(-1))
         out.copy_(res)
-        if swa is not None and not full.on_host:
+        if swa is not None and full.deferred:  # immediate mode checked on the host first
             bad = is_cont & (_g(mapping, res) <= 0)
             _record(full, bad, torch.div(res, p, rounding_mode="floor"), ERR_CONT_RELEASED)
 
@@ -462,7 +498,7 @@ class TorchPageOps:
         s = torch.div(_g(mapping, fp * p), p, rounding_mode="floor")
         if full_delta >= 0:  # the SWA page must be there
             _record(full, live & (s <= 0), fp, ERR_SWA_RELEASED)
-        _change_swa(swa, mapping, fp, s, live & (s > 0), swa_delta, p)
+        _change_swa(full, swa, mapping, fp, s, live & (s > 0), swa_delta)
 
     @staticmethod
     def release_window(full: PageRing, swa: PageRing, mapping: torch.Tensor, req_to_token: torch.Tensor,
@@ -480,33 +516,46 @@ class TorchPageOps:
             fp = torch.div(loc, p, rounding_mode="floor")
             s = torch.div(_g(mapping, fp * p), p, rounding_mode="floor")
             _record(full, s <= 0, fp, ERR_SWA_RELEASED)
-            _change_swa(swa, mapping, fp, s, s > 0, -1, p)
+            _change_swa(full, swa, mapping, fp, s, s > 0, -1)
         frontiers.copy_(new_f)
 
 
-def _change_swa(swa: PageRing, mapping: torch.Tensor, fp: torch.Tensor, s: torch.Tensor, sel: torch.Tensor,
-                delta: int, p: int) -> None:
+def _change_swa(full: PageRing, swa: PageRing, mapping: torch.Tensor, fp: torch.Tensor, s: torch.Tensor,
+                sel: torch.Tensor, delta: int) -> None:
     """Add delta to the references of SWA pages s[sel] (of full pages fp), once per entry: a page may
     appear once per holder (a release batch of requests sharing a prefix). At 0 a page is unmapped
-    and pushed, once."""
+    and pushed, once. A drop with no holder left is recorded on the full ring as its full page's
+    (ERR_SWA_RELEASED): where concurrent programs may see the row already unmapped, that is what
+    they record too."""
+    p = full.page_size
     s = torch.where(sel, s, 0)
     refs = _g(swa.refs, s)
     ok = sel & (refs >= 1)
-    _record(swa, sel & (refs < 1), s, ERR_DOUBLE_FREE)
+    _record(full, sel & (refs < 1), fp, ERR_SWA_RELEASED)
     swa.refs.index_add_(0, torch.where(ok, s, 0), ok.to(I64) * delta)
     if delta > 0:
         return
     after = _g(swa.refs, s)
     over = ok & (after < 0)  # more drops than holders within one batch
-    _record(swa, over, s, ERR_DOUBLE_FREE)
+    _record(full, over, fp, ERR_SWA_RELEASED)
     _s(swa.refs, torch.where(over, s, 0), torch.where(over, 0, NEVER))
     i = torch.arange(s.numel(), device=s.device)
     _s(swa.who, s, i)
     gone = ok & (_g(swa.who, s) == i) & (_g(swa.refs, s) == 0)
-    off = torch.arange(p, device=fp.device)
-    rows = (torch.where(gone, fp, 0)[:, None] * p + off).reshape(-1)
-    _s(mapping, rows, torch.zeros_like(rows))
+    _unmap(mapping, fp, gone, p)
     _push(swa, s, gone)
+
+
+def _unmap(mapping: torch.Tensor, fp: torch.Tensor, gone: torch.Tensor, p: int) -> None:
+    """Zero the table rows of full pages fp[gone] (each listed once). On the host only those rows are
+    touched (P entries per page, not per entry of fp: a free of n locs costs O(n + P x pages)); other
+    devices keep a static size, P per entry, since counting the pages would be a host sync."""
+    if fp.device.type == "cpu":
+        fp = _g(fp, gone.nonzero().reshape(-1))
+    else:
+        fp = torch.where(gone, fp, 0)  # page 0's row is the padding row: zero already
+    rows = (fp[:, None] * p + torch.arange(p, device=fp.device)).reshape(-1)
+    _s(mapping, rows, torch.zeros_like(rows))
 
 
 TORCH_OPS = TorchPageOps()
@@ -539,6 +588,7 @@ def release_out_of_window_batch(allocator: SWATokenToKVPoolAllocator, req_to_tok
         return frontiers
     if allocator.immediate:
         _check_release(allocator, req_to_token, req_pool_indices, seq_lens, frontiers, window)
+    allocator._next_op()
     (allocator._ops or TORCH_OPS).release_window(allocator.pages, allocator._swa, allocator._mapping, req_to_token,
                                                  req_pool_indices, seq_lens, frontiers, window)
     return frontiers
@@ -561,6 +611,21 @@ def _check_release(a: SWATokenToKVPoolAllocator, rtt: torch.Tensor, rows: torch.
         rr, j = _owners(cnt, int(cnt.sum()))
         loc = rtt.cpu()[r[rr], f[rr] + j * p]
         a._check_free(loc, swa_required=True)
+        # each entry drops one SWA reference: requests sharing a page may drop it once per holder, no more
+        fp = torch.div(loc, p, rounding_mode="floor")
+        sp = torch.div(_g(a._mapping.cpu(), fp * p), p, rounding_mode="floor")  # all >= 1: checked above
+        swa = a._swa
+        drops = swa.who if swa.on_host else torch.zeros(swa.num_pages + 1, dtype=I64, device="cpu")  # scratch
+        drops.index_fill_(0, sp, 0).index_add_(0, sp, torch.ones_like(sp))     # O(entries), not O(pages)
+        drops, holders = _g(drops, sp), _g(swa.refs.cpu(), sp)
+        over = drops > holders
+        if bool(over.any()):
+            i = int(over.to(torch.int8).argmax())
+            f_page = int(fp[i])
+            raise DoubleFreeError(f"this release drops the SWA slots of full page {f_page} (locs {f_page * p}..) "
+                                  f"{int(drops[i])} times; they have {int(holders[i])} holder(s): "
+                                  "a request's frontier is behind pages it already released, or two rows "
+                                  "name one page that only one of them holds")
 
 
 def release_out_of_window(allocator: SWATokenToKVPoolAllocator, token_row: torch.Tensor, seq_len: int,

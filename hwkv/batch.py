@@ -80,7 +80,7 @@ class ForwardBatch:
         (no sync), else one device-to-host read each; DECODE's extend lens are known ones."""
         seq = self.seq_lens_cpu if self.seq_lens_cpu is not None else self.seq_lens.cpu()
         if self.forward_mode.is_decode():
-            ext = torch.ones(self.batch_size, dtype=torch.int64)
+            ext = torch.ones(self.batch_size, dtype=torch.int64, device="cpu")  # not torch's default device
         elif self.extend_seq_lens_cpu is not None:
             ext = self.extend_seq_lens_cpu
         else:

@@ -8,10 +8,14 @@ refreshed by an async copy once it runs low) and only waits for the tail when th
 an allocation might not fit.
 
 Frees and releases run as batched device ops (`PageOps`: torch here, Triton kernels
-registered by device packages) that skip bad pages and record the first problem in `err`;
+registered by device packages) that skip bad pages and record a problem in `err`;
 `raise_pending()` turns it into the typed error at the next call that synchronizes anyway
 (`available_size`, `check_integrity`). On CPU and with HWKV_DEBUG=1 the allocators check
 first and raise before any state changes (see allocator.py).
+
+The error record is one int64 key in err[0] (err[1] is spare), kept with an atomic max so every
+implementation records the same error whatever order its lanes or programs run in: the earliest
+op since the last check wins, then the lowest code, then the lowest page (`error_key`). 0 = none.
 """
 from __future__ import annotations
 
@@ -19,12 +23,35 @@ from typing import Any, Dict, Optional, Union
 
 import torch
 
-from hwkv.errors import DoubleFreeError, HwkvError, LocError, NotAllocatedError
+from hwkv.errors import DoubleFreeError, HwkvError, LocError, NotAllocatedError, ShapeError
 
 NEVER, FREE = -1, 0  # refs values: never allocated / allocated once and free again; >= 1: holders
 
-# codes of the device-side error record (first error wins)
+# codes of the device-side error record
 ERR_NONE, ERR_DOUBLE_FREE, ERR_NEVER, ERR_RANGE, ERR_SWA_RELEASED, ERR_CONT_RELEASED = 0, 1, 2, 3, 4, 5
+ERR_ACCEPT_INDEX, ERR_ACCEPTED = 6, 7  # accept_draft_tokens: a draft named twice / out of range; applied twice
+
+# error key: [op: 26 bits, earlier = larger][8 - code: 3 bits][page: 33 bits, lower = larger]
+PAGE_BITS, CODE_SHIFT, OP_SHIFT = 33, 33, 36
+OP_MAX = (1 << 26) - 1          # ops since the last check saturate here (then code and page decide)
+PAGE_LO = -(1 << 32)            # recorded pages clamp into [PAGE_LO, -PAGE_LO)
+PAGE_MASK = (1 << PAGE_BITS) - 1
+
+
+def op_key(op: int) -> int:
+    """The op part of an error key (host int a kernel adds the code and page parts to)."""
+    return (OP_MAX - min(op, OP_MAX)) << OP_SHIFT
+
+
+def error_key(op: int, code: int, page: int) -> int:
+    """Key of one error: the larger key wins the record (earliest op, lowest code, lowest page)."""
+    page = min(max(page, PAGE_LO), -PAGE_LO - 1)
+    return op_key(op) + ((8 - code) << CODE_SHIFT) + (PAGE_MASK - (page - PAGE_LO))
+
+
+def decode_key(key: int) -> "tuple[int, int]":
+    """(code, page) of a non-zero error key."""
+    return 8 - ((key >> CODE_SHIFT) & 7), PAGE_MASK - (key & PAGE_MASK) + PAGE_LO
 
 
 class PageRing:
@@ -40,6 +67,7 @@ class PageRing:
         self.tail, self.err = self.buf[2 * n:2 * n + 1], self.buf[2 * n + 1:]
         self.who = torch.zeros(n, dtype=torch.int64, device=device)  # scratch: one batch entry per page
         self.head = 0
+        self.op = 0               # ops since the error record was last read (its keys' first part)
         self.deferred = device.type != "cpu"  # errors recorded on the device (else checked before, on the host)
         self._tail_seen = 0       # tail as last read on the host: free >= _tail_seen - head
         self._snap: Optional[torch.Tensor] = None
@@ -55,7 +83,7 @@ class PageRing:
         self.refs.fill_(NEVER)
         self.err.zero_()
         self.tail.fill_(n)
-        self.head, self._tail_seen = 0, n
+        self.head, self._tail_seen, self.op = 0, n, 0
         self._snap_pending = False
 
     # ---- the free count on the host -------------------------------------------------------------
@@ -108,38 +136,56 @@ class PageRing:
         return h
 
     # ---- errors --------------------------------------------------------------------------------
+    def next_op(self) -> int:
+        """Number the next op on this ring (its errors rank after earlier ops' in the record)."""
+        self.op += 1
+        return self.op
+
+    def pending(self) -> "Optional[tuple[int, int]]":
+        """(code, page) of the recorded error, or None (reads the device)."""
+        key = int(self.err[0])
+        return None if key == 0 else decode_key(key)
+
     def raise_pending(self) -> None:
-        """Raise (once) the first error a device-side free or release recorded."""
-        code, page = (int(x) for x in self.err.tolist())
-        if code == ERR_NONE:
+        """Raise (once) the error a device-side op recorded; the record and the op count start over."""
+        found = self.pending()
+        self.op = 0  # the read waited for every op issued so far: later ops start a new count
+        if found is None:
             return
         self.err.zero_()
-        raise error_for(code, page, self.page_size, self.name)
+        raise error_for(found[0], found[1], self.page_size, self.name)
 
     def state(self) -> Dict[str, Any]:
-        """Host copy of everything (tests compare these to prove an error changed nothing)."""
-        return dict(head=self.head, tail=int(self.tail[0]), ring=self.ring.cpu().clone(), refs=self.refs.cpu().clone())
+        """Host copy of everything (tests compare these to prove an error changed nothing): head, tail,
+        the free pages in ring order (entries outside them are scratch), reference counts."""
+        return dict(head=self.head, tail=int(self.tail[0]), ring=self.free_list().clone(),
+                    refs=self.refs.cpu().clone())
 
     def free_list(self) -> torch.Tensor:
         """The free pages in ring order (host tensor; syncs)."""
         n = self.num_pages
         t = int(self.tail[0])
-        idx = torch.arange(self.head, t, dtype=torch.int64, device="cpu") % max(n, 1)
+        idx = torch.arange(self.head, max(t, self.head), dtype=torch.int64, device="cpu") % max(n, 1)
         return self.ring.cpu()[idx]
 
     def check_integrity(self) -> None:
-        """Ring holds exactly the non-live pages, each once; refs sane; no pending device error."""
+        """Ring holds exactly the non-live pages, each once; free + held = total; refs sane; no pending
+        device error."""
         self.raise_pending()
         n = self.num_pages
+        tail = int(self.tail[0])
+        assert 0 <= tail - self.head <= n, \
+            f"{self.name}: tail {tail} - head {self.head} is not a free count in [0, {n}]"
         free = self.free_list()
         refs = self.refs.cpu()
-        assert 0 <= free.numel() <= n, f"{self.name}: {free.numel()} pages on the free ring of {n}"
+        held = int((refs[1:] >= 1).sum())
+        assert free.numel() == tail - self.head, f"{self.name}: free list and free count disagree"
+        assert (tail - self.head) + held == n, \
+            f"{self.name}: {tail - self.head} free + {held} held != {n} pages (a page is lost or counted twice)"
         assert free.numel() == torch.unique(free).numel(), f"{self.name}: a page is on the free ring twice"
         assert free.numel() == 0 or (int(free.min()) >= 1 and int(free.max()) <= n), f"{self.name}: bad page on ring"
         assert int(refs[0]) == NEVER, f"{self.name}: the padding page 0 was allocated"
         assert not (refs[free] >= 1).any(), f"{self.name}: a live page is on the free ring"
-        live = int((refs[1:] >= 1).sum())
-        assert live + free.numel() == n, f"{self.name}: {live} live + {free.numel()} free != {n} pages"
         assert int(refs.min()) >= NEVER, f"{self.name}: a negative reference count"
 
 
@@ -157,6 +203,12 @@ def error_for(code: int, page: int, page_size: int, pool: str) -> HwkvError:
     if code == ERR_CONT_RELEASED:
         return NotAllocatedError(f"last_loc on full page {page} {slots} has no SWA slot (released or never "
                                  "allocated); release must keep a page of margin behind the last page")
+    if code == ERR_ACCEPT_INDEX:
+        return ShapeError(f"accept_index of request {page} names a draft token twice or one outside [0, drafts); "
+                          "its accept kept the first drafts in place instead")
+    if code == ERR_ACCEPTED:
+        return DoubleFreeError(f"request {page}'s draft positions hold no slot: its drafts were already accepted "
+                               "(accept_draft_tokens applied twice?); nothing was freed for it")
     return HwkvError(f"{pool} allocator recorded unknown error code {code} (page {page})")
 
 

@@ -23,8 +23,9 @@ import torch
 
 from hwkv import ops
 from hwkv.checks import check_shape, values_checkable
-from hwkv.errors import CapacityError, ShapeError
+from hwkv.errors import CapacityError, DoubleFreeError, ShapeError
 from hwkv.metadata import KVIndexList, cumsum_into
+from hwkv.pages import ERR_ACCEPT_INDEX, ERR_ACCEPTED
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ def check_tree(tree: DraftTree, ext_cpu: torch.Tensor, debug: bool) -> int:
             depth = block.sum(1) - 1
             for i in range(n):
                 anc = block[i].nonzero().flatten()
-                if (not torch.equal(depth[anc].sort().values, torch.arange(len(anc)))
+                if (not torch.equal(depth[anc].sort().values, torch.arange(len(anc), device="cpu"))
                         or bool((block[anc] & ~block[i]).any())):
                     raise ShapeError(f"DraftTree.mask block at {at}: token {i}'s row {block[i].int().tolist()} is "
                                      "not one ancestor path (one token at every depth below its own, each "
@@ -276,9 +277,17 @@ def accept_draft_tokens(allocator: Any, pool: Any, req_to_token: torch.Tensor, r
     prefix .. prefix + n - 1. Page size 1: the row is pointed at the accepted slots and every other
     draft slot is freed. Page size P > 1 (a token's in-page offset must equal its position's): the
     accepted K/V move to the slots of their final positions (`pool.move_kv`) and the pages wholly past
-    the new length go back. Host lengths size everything: no host sync. Call it before the step's
-    out-of-window release, which then runs on the accepted lengths (`frontiers`, if given, are
-    checked on the host where the allocator checks eagerly: none may pass a request's prefix).
+    the new length go back. The row's draft positions past the new length are cleared to 0, so a second
+    accept of the same drafts is caught (its positions hold no slot). Host lengths size everything: no
+    host sync. Call it before the step's out-of-window release, which then runs on the accepted lengths
+    (`frontiers`, if given, are checked on the host where the allocator checks eagerly: none may pass a
+    request's prefix).
+
+    Where the allocator checks eagerly (CPU, HWKV_DEBUG) a draft named twice or out of range raises
+    ShapeError and an accept applied twice DoubleFreeError, before anything changes. Otherwise they are
+    found on the device and recorded in the allocator (raised by its next `available_size` or
+    `check_integrity`): such a request keeps its first accept_lens[b] drafts in place (nothing leaks),
+    and one whose drafts were already accepted is left as it is.
     """
     bs = int(req_pool_indices.shape[0])
     if accept_index.dim() != 2 or accept_index.shape[0] != bs or accept_index.dtype != torch.int64:
@@ -296,42 +305,72 @@ def accept_draft_tokens(allocator: Any, pool: Any, req_to_token: torch.Tensor, r
     if bs and int((pre_cpu + n).max()) > req_to_token.shape[1]:
         raise ShapeError(f"drafts reach position {int((pre_cpu + n).max())}, past max_context_len {req_to_token.shape[1]}")
     dev = req_to_token.device
-    valid = torch.arange(n, device=dev)[None, :] < accept_lens.to(torch.int64)[:, None]
+    ar = torch.arange(n, device=dev)[None, :]
+    valid = ar < accept_lens.to(torch.int64)[:, None]
     idx = torch.where(valid, accept_index, 0)
-    if allocator.immediate:  # host checks where they cost nothing (CPU, debug): before anything changes
-        _check_accept(idx.cpu(), valid.cpu(), n, frontiers, pre_cpu)
     rows = req_pool_indices.to(torch.int64)[:, None]
-    pos = prefix_lens.to(torch.int64)[:, None] + torch.arange(n, device=dev)[None, :]
+    pos = prefix_lens.to(torch.int64)[:, None] + ar
     locs = req_to_token[rows, pos]                                   # [bs, n] the drafts' slots, as written
-    kept_locs = torch.where(valid, locs.gather(1, idx), locs)        # slot of each final position
     page = allocator.page_size
+    if allocator.immediate:  # host checks where they cost nothing (CPU, debug): before anything changes
+        _check_accept(idx.cpu(), valid.cpu(), n, frontiers, pre_cpu, locs.cpu())
+    else:  # the same checks on the device: recorded, and the bad requests changed so that nothing leaks
+        inside = (idx >= 0) & (idx < n)
+        taken = torch.zeros(bs, n, dtype=torch.int64, device=dev).scatter_add_(
+            1, torch.where(inside, idx, 0), valid.to(torch.int64))
+        bad_index = (valid & ~inside).any(1) | (taken > 1).any(1)
+        accepted = (locs == 0).any(1)                                # drafts already accepted: keep as they are
+        which = torch.arange(bs, device=dev)
+        allocator.record_error(bad_index, which, ERR_ACCEPT_INDEX)
+        allocator.record_error(accepted, which, ERR_ACCEPTED)
+        idx = torch.where((bad_index | accepted)[:, None], ar, idx)  # keep the first drafts in place
+    kept_locs = torch.where(valid, locs.gather(1, idx), locs)        # slot of each final position
     if page == 1:
         kept = torch.zeros(bs, n, dtype=torch.int64, device=dev).scatter_add_(1, idx, valid.to(torch.int64)) > 0
-        req_to_token[rows, pos] = kept_locs
         rejected = int(bs * n - int(acc_cpu.sum()))
         order = torch.argsort(kept.view(-1).to(torch.int8), stable=True)[:rejected]  # not kept first: no sync
-        allocator.free(locs.view(-1)[order])
+        free = locs.view(-1)[order]
+        if allocator.immediate:
+            allocator._check_free(free, swa_required=False)          # raise before the row changes
+        req_to_token[rows, pos] = torch.where(valid, kept_locs, 0)
+        allocator.free(free)
     else:
-        pool.move_kv(kept_locs.view(-1), locs.view(-1))
         new_end = ((pre_cpu + acc_cpu + page - 1) // page) * page   # first position of the first page to free
         old_end = pre_cpu + n
         pages = ((old_end - new_end + page - 1) // page).clamp(min=0)
         total = int(pages.sum())
+        free = None
         if total:
             req = torch.repeat_interleave(torch.arange(bs, device="cpu"), pages, output_size=total)
             first = torch.cat([torch.zeros(1, dtype=torch.int64, device="cpu"), pages.cumsum(0)[:-1]])
             at = new_end[req] + (torch.arange(total, device="cpu") - first[req]) * page
-            allocator.free(req_to_token[req_pool_indices.to(torch.int64)[req.to(dev)], at.to(dev)])
+            free = req_to_token[req_pool_indices.to(torch.int64)[req.to(dev)], at.to(dev)]
+            if allocator.immediate:
+                allocator._check_free(free, swa_required=False)      # raise before anything moves
+        pool.move_kv(kept_locs.view(-1), locs.view(-1))
+        req_to_token[rows, pos] = torch.where(valid, locs, 0)
+        if free is not None:
+            allocator.free(free)
     return prefix_lens.to(torch.int64) + accept_lens.to(torch.int64)
 
 
 def _check_accept(idx: torch.Tensor, valid: torch.Tensor, n: int, frontiers: Optional[torch.Tensor],
-                  prefix_cpu: torch.Tensor) -> None:
-    if bool(((idx < 0) | (idx >= n)).any()):
-        raise ShapeError(f"accept_index holds a draft index outside [0, {n})")
+                  prefix_cpu: torch.Tensor, locs: torch.Tensor) -> None:
+    """Host checks of an accept (immediate mode): indices in range and distinct, drafts not yet accepted."""
+    out = valid & ((idx < 0) | (idx >= n))
+    if bool(out.any()):
+        b = int(out.any(1).to(torch.int8).argmax())
+        raise ShapeError(f"accept_index of request {b} holds a draft index outside [0, {n}): "
+                         f"{idx[b][valid[b]].tolist()}")
     taken = torch.zeros(idx.shape[0], n, dtype=torch.int64, device="cpu").scatter_add_(1, idx, valid.to(torch.int64))
     if bool((taken > 1).any()):
-        raise ShapeError("accept_index names one draft token twice in a request's accepted path")
+        b = int((taken > 1).any(1).to(torch.int8).argmax())
+        raise ShapeError(f"accept_index names one draft token twice in request {b}'s accepted path: "
+                         f"{idx[b][valid[b]].tolist()}")
+    if bool((locs == 0).any()):
+        b = int((locs == 0).any(1).to(torch.int8).argmax())
+        raise DoubleFreeError(f"request {b}'s draft positions {int(prefix_cpu[b])}.. hold no slot (0): its drafts "
+                              "were already accepted (accept_draft_tokens applied twice?)")
     if frontiers is not None and bool((frontiers.cpu() > prefix_cpu).any()):
         raise ShapeError("an SWA frontier passed its request's prefix: release ran on the drafted length "
                          "before the accept; run accept_draft_tokens first")

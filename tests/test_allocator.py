@@ -1,9 +1,11 @@
 """Allocators: equal in-page offsets, long decode in a small SWA pool with release, reuse, errors."""
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hwkv.allocator import (PagedTokenToKVPoolAllocator, ReqToTokenPool, SWATokenToKVPoolAllocator,
-                            TokenToKVPoolAllocator, release_out_of_window)
+                            TokenToKVPoolAllocator, release_out_of_window, release_out_of_window_batch,
+                            same_snapshot)
 from hwkv.errors import ConfigError, DoubleFreeError, LocError, NotAllocatedError, OutOfSlotsError
 from hwkv.pool import SWAKVPool
 
@@ -19,10 +21,7 @@ def state(a):
 
 
 def same_state(s1, s2):
-    same_rings = all(s1[3][k]["head"] == s2[3][k]["head"] and s1[3][k]["tail"] == s2[3][k]["tail"]
-                     and torch.equal(s1[3][k]["ring"], s2[3][k]["ring"]) and torch.equal(s1[3][k]["refs"], s2[3][k]["refs"])
-                     for k in s1[3])
-    return s1[0] == s2[0] and s1[1] == s2[1] and torch.equal(s1[2], s2[2]) and same_rings
+    return s1[0] == s2[0] and s1[1] == s2[1] and torch.equal(s1[2], s2[2]) and same_snapshot(s1[3], s2[3])
 
 
 def test_mapping_shape_and_trailing_minus_one():
@@ -198,3 +197,159 @@ def test_shared_pages_return_only_when_every_holder_let_go(page):
     with pytest.raises(DoubleFreeError):
         a.share(loc)                    # sharing freed pages is refused, nothing changes
     a.check_integrity()
+
+
+# ---- issue 21: deferred checks, release over released pages, integrity counts, pool size, frontier, cost ----
+def deferred(size=64, size_swa=32, page=4):
+    pool, a = make(size, size_swa, page)
+    a.immediate = False  # what accelerators run: errors recorded on the device, raised at the next sync
+    return pool, a
+
+
+def test_deferred_mode_on_cpu_records_a_continuation_of_a_released_page():
+    """Continuing a partial page whose SWA slots were released: immediate mode raises before any change;
+    deferred mode on CPU tensors records it like a device does, and the next sync raises it."""
+    for immediate in (True, False):
+        _, a = make(64, 32, 4)
+        a.immediate = immediate
+        loc = a.alloc_extend([0], [6], [0], 6)           # page 2 holds tokens 4, 5
+        a.free_swa(loc[4:6])                             # its SWA slots go back: the page cannot be continued
+        before = state(a)
+        if immediate:
+            with pytest.raises(NotAllocatedError, match="no SWA slot"):
+                a.alloc_decode([7], [int(loc[5])])
+            assert same_state(before, state(a))
+        else:
+            a.alloc_decode([7], [int(loc[5])])
+            with pytest.raises(NotAllocatedError, match=f"full page {int(loc[5]) // 4} .*no SWA slot"):
+                a.available_size()
+            a.available_size()  # raised once
+
+
+@pytest.mark.parametrize("immediate", [True, False])
+def test_release_over_already_released_pages_is_an_error(immediate):
+    """Two rows naming the same pages (one SWA holder) released in one batch: the second drop has no holder.
+    Immediate mode raises the typed error before any change; deferred mode records it."""
+    _, a = make(256, 64, 4)
+    a.immediate = immediate
+    loc = a.alloc_extend([0], [32], [0], 32)
+    rtt = torch.zeros(2, 64, dtype=torch.int64)
+    rtt[0, :32] = rtt[1, :32] = loc
+    f = torch.zeros(2, dtype=torch.int64)
+    before, f_before = state(a), f.clone()
+    if immediate:
+        with pytest.raises(DoubleFreeError, match=r"full page \d+ .* 2 times; they have 1 holder"):
+            release_out_of_window_batch(a, rtt, torch.tensor([0, 1]), torch.tensor([32, 32]), f, 1)
+        assert same_state(before, state(a)) and torch.equal(f, f_before)
+    else:
+        release_out_of_window_batch(a, rtt, torch.tensor([0, 1]), torch.tensor([32, 32]), f, 1)
+        with pytest.raises(DoubleFreeError, match=f"full page {int(loc[0]) // 4} .*already released"):
+            a.available_size()
+    # a frontier set back over pages its own request released: the same error
+    _, b = make(256, 64, 4)
+    b.immediate = immediate
+    loc = b.alloc_extend([0], [32], [0], 32)
+    assert release_out_of_window(b, loc, 32, 0, 1) == 28
+    before = state(b)
+    with pytest.raises(DoubleFreeError, match="already released"):
+        release_out_of_window(b, loc, 32, 0, 1)
+        b.available_size()
+    if immediate:
+        assert same_state(before, state(b))
+
+
+def test_shared_pages_released_once_per_holder_is_not_an_error():
+    _, a = make(256, 64, 4)
+    loc = a.alloc_extend([0], [32], [0], 32)
+    a.share(loc)                                          # two holders of every page, full and SWA
+    rtt = torch.zeros(2, 64, dtype=torch.int64)
+    rtt[0, :32] = rtt[1, :32] = loc
+    f = torch.zeros(2, dtype=torch.int64)
+    swa0 = a.swa_available_size()
+    release_out_of_window_batch(a, rtt, torch.tensor([0, 1]), torch.tensor([32, 32]), f, 1)
+    assert f.tolist() == [28, 28] and a.swa_available_size() == swa0 + 28
+    a.check_integrity()
+
+
+def test_check_integrity_counts_free_plus_held():
+    """A ring whose free count (tail - head) disagrees with the held pages fails the check, in both pools."""
+    for ring in ("full", "swa"):
+        _, a = make(64, 16, 4)
+        a.alloc(16)                                       # every SWA page held, 4 of 16 full pages
+        r = a.pages if ring == "full" else a.swa_attn_allocator.pages
+        r.tail -= 1                                       # a page lost: neither free nor held
+        with pytest.raises(AssertionError, match="free count|free \\+ .* held"):
+            a.check_integrity()
+
+
+def test_allocator_larger_than_its_pool_is_a_config_error():
+    pool = SWAKVPool(64, 16, 4, torch.float32, 1, 4, [0], [1], "cpu")
+    for size, size_swa, page, what in ((128, 16, 4, "size=128 .*size=64"), (64, 32, 4, "size_swa=32 .*size_swa=16"),
+                                      (64, 16, 2, "page_size=2 .*page_size=4")):
+        with pytest.raises(ConfigError, match=what):
+            SWATokenToKVPoolAllocator(size, size_swa, page, "cpu", pool)
+    assert pool.full_to_swa_index_mapping is None        # nothing registered with the pool
+    SWATokenToKVPoolAllocator(64, 16, 4, "cpu", pool)     # the same sizes fit
+    SWATokenToKVPoolAllocator(32, 8, 4, "cpu", None)      # no pool: nothing to check
+
+
+# (page, window, seq_len) -> frontier, by hand: tokens below dead = seq - W + 1 are invisible to every later
+# query; the frontier is the start of dead's page, one page back, at least 0.
+FRONTIERS = [
+    (1, 1, 1, 0), (1, 1, 2, 1), (1, 1, 10, 9), (1, 4, 4, 0), (1, 4, 5, 1), (1, 4, 10, 6), (1, 8, 8, 0),
+    (1, 8, 9, 1), (1, 8, 20, 12), (1, 3, 2, 0),
+    (2, 1, 3, 0), (2, 1, 4, 2), (2, 1, 5, 2), (2, 1, 10, 8), (2, 3, 5, 0), (2, 3, 6, 2), (2, 3, 7, 2),
+    (2, 3, 8, 4), (2, 8, 9, 0), (2, 8, 11, 2), (2, 8, 20, 10), (2, 6, 7, 0), (2, 2, 7, 4),
+    (4, 1, 7, 0), (4, 1, 8, 4), (4, 1, 11, 4), (4, 1, 12, 8), (4, 1, 30, 24), (4, 2, 8, 0), (4, 2, 9, 4),
+    (4, 5, 11, 0), (4, 5, 12, 4), (4, 5, 30, 20), (4, 8, 14, 0), (4, 8, 15, 4), (4, 8, 30, 16),
+    (4, 6, 100, 88), (4, 7, 3, 0), (4, 3, 13, 4), (4, 4, 16, 8),
+]
+
+
+@pytest.mark.parametrize("page, window, seq, expect", FRONTIERS)
+def test_release_frontier_formula_by_hand(page, window, seq, expect):
+    """Pins max(frontier, floor((seq - W + 1) / P) * P - P) clamped at 0: off by a token or a page fails
+    some case. The pages below the frontier lose their SWA slots, the rest keep them."""
+    _, a = make(256, 256, page)
+    loc = a.alloc_extend([0], [seq], [0], seq)
+    rows = torch.zeros(1, 128, dtype=torch.int64)
+    rows[0, :seq] = loc
+    f = torch.zeros(1, dtype=torch.int64)
+    release_out_of_window_batch(a, rows, torch.tensor([0]), torch.tensor([seq]), f, window)
+    assert int(f[0]) == expect
+    m = a.full_to_swa_index_mapping
+    assert (m[loc[:expect]] == 0).all() and (m[loc[expect:]] > 0).all()
+    ahead = torch.tensor([expect + page])                 # a frontier already past the formula stays
+    release_out_of_window_batch(a, rows, torch.tensor([0]), torch.tensor([seq]), ahead, window)
+    assert int(ahead[0]) == expect + page
+
+
+class _CountElements(TorchDispatchMode):
+    """Elements of every tensor an op creates (in-place ops and views create none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.elements = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func._schema.is_mutable and not func.is_view:
+            self.elements += sum(t.numel() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+@pytest.mark.parametrize("immediate", [True, False])
+def test_free_work_is_linear_in_the_locs_not_locs_times_page_size(immediate):
+    """Freeing n locs (n / P pages, with their SWA pages) creates O(n) elements, not n x P (the table rows
+    of each distinct page are cleared once): counted, not timed, for the same n at P = 16 and P = 256
+    (the old cost grew 16x; now the page size barely matters)."""
+    n, counts = 2048, {}
+    for page in (16, 256):
+        _, a = make(n, n, page)
+        a.immediate = immediate
+        loc = a.alloc(n)
+        with _CountElements() as count:
+            a.free(loc)
+        assert a.full_available_size() == a.swa_available_size() == n
+        counts[page] = count.elements
+    assert counts[256] < 1.25 * counts[16] and counts[256] < 128 * n, counts

@@ -3,7 +3,7 @@ on torch's default device (`torch.set_default_device`)."""
 import pytest
 import torch
 
-from hwkv.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator, release_out_of_window_batch
+from hwkv.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator, release_out_of_window_batch, same_snapshot
 from hwkv.errors import DoubleFreeError
 from hwkv.pool import SWAKVPool
 
@@ -75,8 +75,7 @@ def test_device_double_free_is_reported_at_the_next_sync_and_changes_nothing():
     with pytest.raises(DoubleFreeError, match="already free"):
         a.available_size()
     after = a.integrity_snapshot()
-    for k in before:
-        assert torch.equal(before[k]["refs"], after[k]["refs"]) and before[k]["tail"] == after[k]["tail"]
+    assert same_snapshot(before, after)  # rings, reference counts and the full->SWA table
     a.check_integrity()
 
 
@@ -93,5 +92,40 @@ def test_host_bookkeeping_names_its_device(monkeypatch):
         h = Harness(TorchCPUBackend, "cpu", ModelGeometry(), size=512, size_swa=96, page_size=4)
         h.enable_graphs([1, 4], EagerAdapter())
         run_scenario(h, steps=6)
+    finally:
+        torch.set_default_device(None)
+
+
+def test_allocator_and_an_eager_decode_forward_without_host_lengths_under_a_meta_default_device():
+    """A DECODE batch without host copies of its lengths (ForwardBatch.host_lens makes the extend lengths
+    itself) through the CPU backend while torch's default device is meta: every tensor hwkv makes names
+    its device, so nothing lands on meta."""
+    import hwkv
+    from hwkv.batch import ForwardBatch, ForwardMode
+    from hwkv.layer import AttentionLayer
+
+    torch.set_default_device("meta")
+    try:
+        cpu, page, bs = torch.device("cpu"), 4, 2
+        pool = SWAKVPool(64, 32, page, torch.float32, 2, 8, [0], [1], cpu)
+        a = SWATokenToKVPoolAllocator(64, 32, page, cpu, pool)
+        rtt = ReqToTokenPool(bs, 32, cpu)
+        backend = hwkv.make_backend(pool, rtt, device="cpu", sliding_window=4)
+        layers = [AttentionLayer(0, 2, 2, 8, sliding_window=4), AttentionLayer(1, 2, 2, 8)]
+        prompt = a.alloc_extend([0, 0], [5, 3], [0, 0], 8)
+        rtt.write(0, 0, prompt[:5])
+        rtt.write(1, 0, prompt[5:])
+        rows = torch.tensor([0, 1], device=cpu)
+        seq = torch.tensor([6, 4], device=cpu)
+        loc = a.alloc_decode(seq, rtt.req_to_token[rows, seq - 2])
+        rtt.req_to_token[rows, seq - 1] = loc
+        batch = ForwardBatch(ForwardMode.DECODE, bs, rows, seq, loc)  # no seq_lens_cpu
+        backend.init_forward_metadata(batch)
+        for layer in layers:
+            q, k, v = (torch.randn(bs, 2, 8, device=cpu) for _ in range(3))
+            out = backend.forward(q, k, v, layer, batch)
+            assert out.device == cpu and out.shape == (bs, 2, 8) and bool(torch.isfinite(out).all())
+        a.check_integrity()
+        assert same_snapshot(a.integrity_snapshot(), a.integrity_snapshot())
     finally:
         torch.set_default_device(None)

@@ -9,7 +9,10 @@ free-page ring, reference counts, error record) without any host sync:
   picks one entry per page), adding -1/0/+1 to each page's full and SWA references.
 - release: grid (request,); each program frees the SWA pages between its frontier and the new
   one, pushes them with an atomic add on the ring's tail, and moves its frontier.
-Bad pages are skipped and the first one is recorded in the ring's `err` (code, page).
+Bad pages are skipped and recorded in the full ring's `err` with an atomic max of their error keys
+(`hwkv.pages.error_key`), so the record is the torch ops' whatever order the programs run in.
+Index tensors are made contiguous here (the kernels read them with unit stride); req_to_token is
+read through both its strides.
 """
 from __future__ import annotations
 
@@ -29,16 +32,27 @@ ERR_DOUBLE_FREE = tl.constexpr(pages.ERR_DOUBLE_FREE)
 ERR_NEVER = tl.constexpr(pages.ERR_NEVER)
 ERR_RANGE = tl.constexpr(pages.ERR_RANGE)
 ERR_SWA_RELEASED = tl.constexpr(pages.ERR_SWA_RELEASED)
+CODE_SHIFT = tl.constexpr(pages.CODE_SHIFT)
+PAGE_LO = tl.constexpr(pages.PAGE_LO)
+PAGE_HI = tl.constexpr(-pages.PAGE_LO - 1)
+KEY_BASE = tl.constexpr(pages.PAGE_MASK + pages.PAGE_LO)
 
 
 @triton.jit
-def _record(err, bad, pages, code: tl.constexpr):
-    """First error wins: (code, some bad page) into err[0:2]."""
+def _record(err, bad, pages, code: tl.constexpr, opk):
+    """Error key of this op (`opk`), `code` and the lowest bad page, atomically maxed into err[0]."""
     if tl.sum(bad.to(tl.int32), 0) > 0:
-        page = tl.max(tl.where(bad, pages, -1), 0)
-        zero = tl.zeros([], tl.int64)
-        if tl.atomic_cas(err, zero, zero + code) == 0:
-            tl.store(err + 1, page)
+        lo = tl.full([], PAGE_LO, tl.int64)  # int64 constants: a literal in [2^31, 2^32) would be uint32
+        hi = tl.full([], PAGE_HI, tl.int64)
+        page = tl.minimum(tl.maximum(pages.to(tl.int64), lo), hi)
+        key = opk.to(tl.int64) + tl.full([], ((8 - code) << CODE_SHIFT) + KEY_BASE, tl.int64) - page
+        tl.atomic_max(err, tl.max(tl.where(bad, key, 0), 0))
+
+
+@triton.jit
+def _floor_div(x, P: tl.constexpr):
+    """x // P rounded down like torch's floor division (Triton's integer division truncates)."""
+    return tl.where(x >= 0, x // P, -((P - 1 - x) // P))
 
 
 @triton.jit
@@ -60,8 +74,8 @@ def _parts(buf, n):
     return buf, buf + n + 1, buf + 2 * n + 2, buf + 2 * n + 3
 
 
-@triton.jit(do_not_specialize=["head_f", "head_s"])
-def _alloc_kernel(seq, prefix, last, out, buf_f, head_f, n_full, buf_s, head_s, n_swa, mapping,
+@triton.jit(do_not_specialize=["head_f", "head_s", "opk"])
+def _alloc_kernel(seq, prefix, last, out, buf_f, head_f, n_full, buf_s, head_s, n_swa, mapping, opk,
                   P: tl.constexpr, HYBRID: tl.constexpr, DECODE: tl.constexpr,
                   BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
     ring_f, refs_f, tail_f, err = _parts(buf_f, n_full)
@@ -108,19 +122,21 @@ def _alloc_kernel(seq, prefix, last, out, buf_f, head_f, n_full, buf_s, head_s, 
             tl.store(mapping + fp * P + o, sp * P + o, mask=m)
         if c > 0:
             mapped = tl.load(mapping + last_b + 1 + one)
-            _record(err, mapped <= 0, (last_b + 1 + one) // P, ERR_CONT_RELEASED)
+            _record(err, mapped <= 0, _floor_div(last_b + 1 + one, P), ERR_CONT_RELEASED, opk)
 
 
 @triton.jit
-def _change_swa(buf_s, n_swa, mapping, fp, sp, sel, DELTA: tl.constexpr, P: tl.constexpr):
-    """Add DELTA to the references of SWA pages sp[sel]; at zero unmap full page fp and push sp."""
+def _change_swa(err_f, buf_s, n_swa, mapping, fp, sp, sel, opk, DELTA: tl.constexpr, P: tl.constexpr):
+    """Add DELTA to the references of SWA pages sp[sel]; at zero unmap full page fp and push sp. A drop
+    with no holder left is recorded as full page fp's ERR_SWA_RELEASED (what a program that reads the
+    row after another unmapped it records too, so the record does not depend on their order)."""
     ring_s, refs_s, tail_s, err_s = _parts(buf_s, n_swa)
     # atomics: a page may appear in several lanes or programs (holders sharing it); the lane that
     # takes it to zero pushes it, once
     srefs = tl.atomic_add(refs_s + sp, sp * 0 + DELTA, mask=sel)
     ok = sel & (srefs >= 1) & (srefs + DELTA >= 0)
     bad = sel & ~ok
-    _record(err_s, bad, sp, ERR_DOUBLE_FREE)
+    _record(err_f, bad, fp, ERR_SWA_RELEASED, opk)
     tl.atomic_add(refs_s + sp, sp * 0 - DELTA, mask=bad)  # undo what a bad lane added
     if DELTA < 0:
         gone = ok & (srefs + DELTA == 0)
@@ -133,8 +149,8 @@ def _change_swa(buf_s, n_swa, mapping, fp, sp, sel, DELTA: tl.constexpr, P: tl.c
             tl.store(ring_s + pos % tl.maximum(n_swa, 1), sp, mask=gone)
 
 
-@triton.jit
-def _refs_kernel(loc, n, buf_f, n_full, buf_s, n_swa, mapping, who, P: tl.constexpr, HYBRID: tl.constexpr,
+@triton.jit(do_not_specialize=["opk"])
+def _refs_kernel(loc, n, buf_f, n_full, buf_s, n_swa, mapping, who, opk, P: tl.constexpr, HYBRID: tl.constexpr,
                  FULL_DELTA: tl.constexpr, SWA_DELTA: tl.constexpr, BLOCK: tl.constexpr):
     ring_f, refs_f, tail_f, err_f = _parts(buf_f, n_full)
     for i0 in range(0, n, BLOCK):  # pass 1: one entry per distinct page wins `who`
@@ -151,12 +167,12 @@ def _refs_kernel(loc, n, buf_f, n_full, buf_s, n_swa, mapping, who, P: tl.conste
         l = tl.load(loc + i, mask=m, other=0)
         fp = l // P
         inr = m & (l >= 0) & (fp >= 1) & (fp <= n_full)
-        _record(err_f, m & ~inr, fp, ERR_RANGE)
+        _record(err_f, m & ~inr, _floor_div(l, P), ERR_RANGE, opk)
         rep = inr & (tl.load(who + fp, mask=inr, other=-1) == i)
         refs = tl.load(refs_f + fp, mask=rep, other=0)
         live = rep & (refs >= 1)
-        _record(err_f, rep & (refs == -1), fp, ERR_NEVER)
-        _record(err_f, rep & (refs == 0), fp, ERR_DOUBLE_FREE)
+        _record(err_f, rep & (refs == -1), fp, ERR_NEVER, opk)
+        _record(err_f, rep & (refs == 0), fp, ERR_DOUBLE_FREE, opk)
         if FULL_DELTA != 0:
             tl.store(refs_f + fp, refs + FULL_DELTA, mask=live)
             if FULL_DELTA < 0:
@@ -170,13 +186,13 @@ def _refs_kernel(loc, n, buf_f, n_full, buf_s, n_swa, mapping, who, P: tl.conste
             if SWA_DELTA != 0:
                 sp = tl.load(mapping + fp * P, mask=live, other=0) // P
                 if FULL_DELTA >= 0:  # the SWA page must be there
-                    _record(err_f, live & (sp <= 0), fp, ERR_SWA_RELEASED)
-                _change_swa(buf_s, n_swa, mapping, fp, sp, live & (sp > 0), SWA_DELTA, P)
+                    _record(err_f, live & (sp <= 0), fp, ERR_SWA_RELEASED, opk)
+                _change_swa(err_f, buf_s, n_swa, mapping, fp, sp, live & (sp > 0), opk, SWA_DELTA, P)
 
 
-@triton.jit
-def _release_kernel(rtt, stride_row, rows, seq, frontiers, window, buf_f, n_full, buf_s, n_swa, mapping,
-                    P: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["opk"])
+def _release_kernel(rtt, stride_row, stride_pos, rows, seq, frontiers, window, buf_f, n_full, buf_s, n_swa,
+                    mapping, opk, P: tl.constexpr, BLOCK: tl.constexpr):
     ring_f, refs_f, tail_f, err_f = _parts(buf_f, n_full)
     b = tl.program_id(0)
     f = tl.load(frontiers + b)
@@ -188,11 +204,11 @@ def _release_kernel(rtt, stride_row, rows, seq, frontiers, window, buf_f, n_full
     for i0 in range(0, cnt, BLOCK):
         i = i0 + tl.arange(0, BLOCK)
         act = i < cnt
-        l = tl.load(rtt + row * stride_row + f + i * P, mask=act, other=0)
+        l = tl.load(rtt + row * stride_row + (f + i * P) * stride_pos, mask=act, other=0)
         fp = l // P
         sp = tl.load(mapping + fp * P, mask=act, other=0) // P
-        _record(err_f, act & (sp <= 0), fp, ERR_SWA_RELEASED)
-        _change_swa(buf_s, n_swa, mapping, fp, sp, act & (sp > 0), -1, P)
+        _record(err_f, act & (sp <= 0), fp, ERR_SWA_RELEASED, opk)
+        _change_swa(err_f, buf_s, n_swa, mapping, fp, sp, act & (sp > 0), opk, -1, P)
     tl.store(frontiers + b, nf)
 
 
@@ -209,9 +225,10 @@ class TritonPageOps:
                      k: int, heads: List[int], decode: bool) -> None:
         hybrid = swa is not None
         s = swa if hybrid else full
+        seq, last = seq.contiguous(), last.contiguous()
         _alloc_kernel[(seq.numel(),)](
-            seq, prefix if prefix is not None else seq, last, out, full.buf, heads[0], full.num_pages,
-            s.buf, heads[1] if hybrid else 0, s.num_pages, mapping if hybrid else full.buf,
+            seq, prefix.contiguous() if prefix is not None else seq, last, out, full.buf, heads[0], full.num_pages,
+            s.buf, heads[1] if hybrid else 0, s.num_pages, mapping if hybrid else full.buf, pages.op_key(full.op),
             P=full.page_size, HYBRID=hybrid, DECODE=prefix is None, BLOCK_B=_block(256), BLOCK=_block(256),
             num_warps=1 if interpreting() else 4)
 
@@ -220,15 +237,19 @@ class TritonPageOps:
                     full_delta: int, swa_delta: int) -> None:
         hybrid = swa is not None
         s = swa if hybrid else full
+        loc = loc.contiguous()
         _refs_kernel[(1,)](
             loc, loc.numel(), full.buf, full.num_pages, s.buf, s.num_pages, mapping if hybrid else full.buf, full.who,
-            P=full.page_size, HYBRID=hybrid, FULL_DELTA=full_delta, SWA_DELTA=swa_delta, BLOCK=_block(1024),
-            num_warps=1 if interpreting() else 8)
+            pages.op_key(full.op), P=full.page_size, HYBRID=hybrid, FULL_DELTA=full_delta, SWA_DELTA=swa_delta,
+            BLOCK=_block(1024), num_warps=1 if interpreting() else 8)
 
     @staticmethod
     def release_window(full: PageRing, swa: PageRing, mapping: torch.Tensor, req_to_token: torch.Tensor,
                        rows: torch.Tensor, seq: torch.Tensor, frontiers: torch.Tensor, window: int) -> None:
+        f = frontiers if frontiers.is_contiguous() else frontiers.contiguous()  # moved in place: copied back
         _release_kernel[(frontiers.numel(),)](
-            req_to_token, req_to_token.stride(0), rows, seq, frontiers, int(window), full.buf, full.num_pages,
-            swa.buf, swa.num_pages, mapping, P=full.page_size, BLOCK=_block(128),
-            num_warps=1 if interpreting() else 4)
+            req_to_token, req_to_token.stride(0), req_to_token.stride(1), rows.contiguous(), seq.contiguous(), f,
+            int(window), full.buf, full.num_pages, swa.buf, swa.num_pages, mapping, pages.op_key(full.op),
+            P=full.page_size, BLOCK=_block(128), num_warps=1 if interpreting() else 4)
+        if f is not frontiers:
+            frontiers.copy_(f)

@@ -1,0 +1,123 @@
+"""accept_draft_tokens (hwkv.spec) on a real allocator and pool: a draft named twice never leaks, an accept
+applied twice raises and changes nothing, in immediate (CPU) and deferred (device-style) checking."""
+import pytest
+import torch
+
+from hwkv.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator, same_snapshot
+from hwkv.errors import DoubleFreeError, ShapeError
+from hwkv.pool import SWAKVPool
+from hwkv.spec import accept_draft_tokens
+
+I64 = torch.int64
+SIZE, SIZE_SWA, N = 128, 64, 4  # slots, SWA slots, drafts per request
+
+
+class Setup:
+    """Two requests with prefixes 5 and 6, N drafts each allocated and written at their next positions."""
+
+    def __init__(self, page, immediate):
+        self.pool = SWAKVPool(SIZE, SIZE_SWA, page, torch.float32, 1, 4, [0], [1], "cpu")
+        self.a = SWATokenToKVPoolAllocator(SIZE, SIZE_SWA, page, "cpu", self.pool)
+        self.a.immediate = immediate
+        self.rtt = ReqToTokenPool(2, 64, "cpu")
+        self.rows = torch.tensor(self.rtt.alloc(2), dtype=I64)
+        self.prefix = torch.tensor([5, 6], dtype=I64)
+        loc = self.a.alloc_extend([0, 0], self.prefix.tolist(), [0, 0], 11)
+        self.rtt.write(int(self.rows[0]), 0, loc[:5])
+        self.rtt.write(int(self.rows[1]), 0, loc[5:])
+        seq = self.prefix + N
+        last = self.rtt.req_to_token[self.rows, self.prefix - 1]
+        drafts = self.a.alloc_extend(self.prefix, seq, last, 2 * N)
+        for b in range(2):
+            self.rtt.write(int(self.rows[b]), int(self.prefix[b]), drafts[b * N:(b + 1) * N])
+
+    def accept(self, index, lens):
+        idx = torch.zeros(2, N, dtype=I64)
+        for b, a in enumerate(index):
+            idx[b, :len(a)] = torch.tensor(a, dtype=I64)
+        lens = torch.tensor(lens, dtype=I64)
+        return accept_draft_tokens(self.a, self.pool, self.rtt.req_to_token, self.rows, self.prefix, idx, lens,
+                                   prefix_lens_cpu=self.prefix, accept_lens_cpu=lens)
+
+    def held_slots(self):
+        """Full slots the requests' rows name up to their lengths (what the allocator must hold, no more)."""
+        return self.a.size - self.a.full_available_size()
+
+    def snapshot(self):
+        return self.a.integrity_snapshot(), self.rtt.req_to_token.clone()
+
+    def unchanged(self, snap):
+        return same_snapshot(snap[0], self.a.integrity_snapshot()) and torch.equal(snap[1], self.rtt.req_to_token)
+
+    def finish(self, seq):
+        """Free both requests' rows up to `seq`: every page must come back."""
+        for b in range(2):
+            self.a.free(self.rtt.req_to_token[int(self.rows[b]), :int(seq[b])].clone())
+        self.a.check_integrity()
+        assert self.a.full_available_size() == SIZE and self.a.swa_available_size() == SIZE_SWA
+
+
+def held_pages(page, seq):
+    return sum(-(-int(s) // page) for s in seq)
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_accept_keeps_the_path_and_frees_the_rest(page):
+    s = Setup(page, immediate=True)
+    seq = s.accept([[0, 2], [1]], [2, 1])
+    assert seq.tolist() == [7, 7]
+    assert s.held_slots() == held_pages(page, seq) * page
+    row0 = s.rtt.req_to_token[int(s.rows[0])]
+    assert (row0[7:9] == 0).all(), "draft positions past the new length name no slot"
+    s.finish(seq)
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_a_draft_named_twice_raises_before_any_change_where_checked_eagerly(page):
+    s = Setup(page, immediate=True)
+    snap = s.snapshot()
+    with pytest.raises(ShapeError, match="twice in request 0"):
+        s.accept([[1, 1], [0]], [2, 1])
+    assert s.unchanged(snap)
+    with pytest.raises(ShapeError, match=r"outside \[0, 4\)"):
+        s.accept([[0], [4]], [1, 1])
+    assert s.unchanged(snap)
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_a_draft_named_twice_in_deferred_mode_is_recorded_and_leaks_nothing(page):
+    """Deferred checks (accelerators): no host read, the error raised at the next sync; the bad request
+    keeps its first drafts in place, so the allocator holds exactly what the rows name."""
+    s = Setup(page, immediate=False)
+    seq = s.accept([[1, 1], [0]], [2, 1])
+    with pytest.raises(ShapeError, match="accept_index of request 0 names a draft token twice"):
+        s.a.available_size()
+    assert s.held_slots() == held_pages(page, seq) * page, "a slot leaked"
+    s.finish(seq)
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_a_draft_index_out_of_range_in_deferred_mode_is_recorded_and_leaks_nothing(page):
+    s = Setup(page, immediate=False)
+    seq = s.accept([[0], [7, 1]], [1, 2])
+    with pytest.raises(ShapeError, match="request 1 names a draft token twice or one outside"):
+        s.a.check_integrity()
+    assert s.held_slots() == held_pages(page, seq) * page
+    s.finish(seq)
+
+
+@pytest.mark.parametrize("page", [1, 4])
+@pytest.mark.parametrize("immediate", [True, False])
+def test_accept_applied_twice_raises_and_changes_nothing(page, immediate):
+    """The second call with the same arguments would free accepted slots its row still names: it raises a
+    typed error (deferred: at the next sync) and leaves the allocator and req_to_token as they were."""
+    s = Setup(page, immediate)
+    args = ([[0, 2], [1, 3]], [2, 2])
+    seq = s.accept(*args)
+    s.a.check_integrity()
+    snap = s.snapshot()
+    with pytest.raises(DoubleFreeError, match="already accepted"):
+        s.accept(*args)
+        s.a.available_size()
+    assert s.unchanged(snap)
+    s.finish(seq)

@@ -1,0 +1,418 @@
+"""The torch page ops (`hwkv.allocator.TorchPageOps`) against the Triton ones (`hwkv_cuda.kernels.alloc`).
+
+Both drive one allocator each through the same random op sequences (hypothesis: alloc_extend, alloc_decode,
+free, free_swa, share, release_out_of_window_batch, and bad ops, all with the deferred device-side checks
+accelerators run) and are compared after every op: free pages as a multiset (their order in the ring is
+unspecified: a GPU pushes in whatever order its programs run, so the Triton ring is given the torch order
+after each comparison), reference counts, the full->SWA table, frontiers, req_to_token and the error record.
+A sweep (page-rounded runs released out of window and freed, page sizes 4..256, windows 1..8) must return
+every page. CI runs the kernels under TRITON_INTERPRET=1 on CPU tensors; `HWKV_TEST_DEVICE=cuda` runs them
+compiled on a GPU, with larger pools and more examples.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hypothesis import HealthCheck, Phase, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule  # noqa: E402
+
+from hwkv.allocator import (TORCH_OPS, ReqToTokenPool, SWATokenToKVPoolAllocator,  # noqa: E402
+                            release_out_of_window_batch)
+from hwkv.errors import HwkvError  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+DEVICE = os.environ.get("HWKV_TEST_DEVICE", "cpu")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+GPU = DEVICE != "cpu"
+pytestmark = [
+    pytest.mark.interpret,
+    pytest.mark.skipif(not GPU and not INTERPRET, reason="Triton kernels on CPU tensors need TRITON_INTERPRET=1 "
+                                                         "(on a GPU machine set HWKV_TEST_DEVICE=cuda)"),
+    pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="no CUDA GPU on this machine"),
+]
+if DEVICE == "cuda":
+    pytestmark.append(pytest.mark.cuda)
+
+I64 = torch.int64
+
+
+def triton_ops():
+    from hwkv_cuda.kernels.alloc import TritonPageOps
+    return TritonPageOps()
+
+
+def allocator(ops, size, size_swa, page):
+    a = SWATokenToKVPoolAllocator(size, size_swa, page, DEVICE, None)
+    a._ops = a.swa_attn_allocator._ops = ops
+    a.immediate = False  # device-side checks, errors recorded: what accelerators run
+    return a
+
+
+def T(xs):
+    return torch.tensor(xs, dtype=I64, device=DEVICE)
+
+
+class System:
+    """One allocator with its rows and frontiers."""
+
+    def __init__(self, ops, page, pages, swa_pages, rows, ctx):
+        self.a = allocator(ops, pages * page, swa_pages * page, page)
+        self.rtt = torch.zeros(rows, ctx, dtype=I64, device=DEVICE)
+        self.frontiers = torch.zeros(rows, dtype=I64, device=DEVICE)
+
+
+def same_state(ref: System, tri: System, what: str) -> None:
+    """Compare, then give the Triton ring the torch ring's order and clear both error records."""
+    for r, t in zip(ref.a._rings(), tri.a._rings()):
+        assert r.head == t.head and int(r.tail[0]) == int(t.tail[0]), f"{what}: {r.name} head/tail differ"
+        assert sorted(r.free_list().tolist()) == sorted(t.free_list().tolist()), f"{what}: {r.name} free pages"
+        assert torch.equal(r.refs.cpu(), t.refs.cpu()), f"{what}: {r.name} reference counts"
+        assert r.pending() == t.pending(), f"{what}: {r.name} error record torch {r.pending()} triton {t.pending()}"
+    assert torch.equal(ref.a.full_to_swa_index_mapping.cpu(), tri.a.full_to_swa_index_mapping.cpu()), \
+        f"{what}: full->SWA table"
+    assert torch.equal(ref.frontiers.cpu(), tri.frontiers.cpu()), f"{what}: frontiers"
+    assert torch.equal(ref.rtt.cpu(), tri.rtt.cpu()), f"{what}: req_to_token (the allocated slots)"
+    for r, t in zip(ref.a._rings(), tri.a._rings()):
+        t.ring.copy_(r.ring)
+        for ring in (r, t):
+            try:
+                ring.raise_pending()
+            except HwkvError:
+                pass
+
+
+class PageOpsMachine(RuleBasedStateMachine):
+    """Engine-like and bad ops on two allocators, torch and Triton page ops, compared after each."""
+
+    ROWS = 4
+    PAGES, SWA_PAGES, CTX, LEN = (48, 20, 256, 40) if GPU else (24, 10, 96, 12)
+
+    @initialize(page=st.sampled_from([1, 2, 4, 8] if GPU else [1, 2, 4]), window=st.integers(1, 9))
+    def setup(self, page, window):
+        self.page, self.window = page, window
+        self.sys = [System(ops, page, self.PAGES, self.SWA_PAGES, self.ROWS, self.CTX)
+                    for ops in (TORCH_OPS, triton_ops())]
+        self.reqs = {}  # row -> seq_len
+        self.free_rows = list(range(self.ROWS))
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def both(self, what, fn):
+        """Run fn(system) on both; the same typed error or none; then compare."""
+        res = []
+        for s in self.sys:
+            try:
+                res.append((None, fn(s)))
+            except HwkvError as e:
+                res.append((type(e), str(e)))
+        assert res[0][0] == res[1][0], f"{what}: torch {res[0]} triton {res[1]}"
+        same_state(*self.sys, what)
+        return res[0][0] is None
+
+    @property
+    def ref(self):
+        return self.sys[0]
+
+    def frontier(self, row):
+        return int(self.ref.frontiers[row])
+
+    def swa_refs(self, locs):
+        a = self.ref.a
+        sp = a.full_to_swa_index_mapping[locs] // self.page
+        return a.swa_attn_allocator.pages.refs[sp]
+
+    def alloc(self, rows, prefix, new):
+        seq = [p + n for p, n in zip(prefix, new)]
+
+        def go(s):
+            last = s.rtt[T(rows), (T(prefix) - 1).clamp(min=0)]
+            loc = s.a.alloc_extend(T(prefix), T(seq), last, sum(new), prefix_lens_cpu=torch.tensor(prefix),
+                                   seq_lens_cpu=torch.tensor(seq))
+            at = 0
+            for r, p, n in zip(rows, prefix, new):
+                s.rtt[r, p:p + n] = loc[at:at + n]
+                at += n
+        return go, seq
+
+    # ---- engine ops ----------------------------------------------------------------------------
+    @precondition(lambda self: self.free_rows)
+    @rule(lens=st.lists(st.integers(1, 99), min_size=1, max_size=3))
+    def new(self, lens):
+        rows = self.free_rows[:len(lens)]
+        lens = [1 + x % self.LEN for x in lens[:len(rows)]]
+        go, seq = self.alloc(rows, [0] * len(rows), lens)
+
+        def fresh(s):
+            s.frontiers[T(rows)] = 0
+            go(s)
+        if self.both("new", fresh):
+            self.reqs.update(zip(rows, seq))
+            self.free_rows = self.free_rows[len(rows):]
+
+    @precondition(lambda self: self.reqs)
+    @rule(picks=st.lists(st.integers(0, 7), min_size=1, max_size=4, unique=True),
+          lens=st.lists(st.integers(0, 99), min_size=4, max_size=4))
+    def extend(self, picks, lens):
+        """Several requests at once, continuing partial pages; a request may add nothing."""
+        live = sorted(self.reqs)
+        rows = sorted({live[p % len(live)] for p in picks})
+        new = [x % (self.LEN // 2 + 1) for x in lens[:len(rows)]]
+        prefix = [self.reqs[r] for r in rows]
+        if max(p + n for p, n in zip(prefix, new)) > self.CTX:
+            return
+        go, seq = self.alloc(rows, prefix, new)
+        if self.both("extend", go):
+            self.reqs.update(zip(rows, seq))
+
+    @precondition(lambda self: self.reqs)
+    @rule(host=st.booleans())
+    def decode(self, host):
+        rows = sorted(self.reqs)
+        seq = [self.reqs[r] + 1 for r in rows]
+        if max(seq) > self.CTX:
+            return
+
+        def go(s):
+            last = s.rtt[T(rows), T(seq) - 2]
+            loc = s.a.alloc_decode(T(seq), last, seq_lens_cpu=torch.tensor(seq) if host else None)
+            s.rtt[T(rows), T(seq) - 1] = loc
+        if self.both("decode", go):
+            self.reqs.update(zip(rows, seq))
+
+    @precondition(lambda self: self.reqs)
+    @rule()
+    def release(self):
+        rows = sorted(self.reqs)
+        self.both("release", lambda s: self._release(s, rows, [self.reqs[r] for r in rows]))
+
+    def _release(self, s, rows, seq, frontiers=None):
+        f = s.frontiers[T(rows)] if frontiers is None else frontiers
+        release_out_of_window_batch(s.a, s.rtt, T(rows), T(seq), f, self.window)
+        if frontiers is None:
+            s.frontiers[T(rows)] = f
+
+    @precondition(lambda self: self.reqs)
+    @rule(pick=st.integers(0, 7), strided=st.booleans())
+    def finish(self, pick, strided):
+        """Free a request: below its frontier without SWA (released already), from it with."""
+        row = sorted(self.reqs)[pick % len(self.reqs)]
+        seq, f = self.reqs.pop(row), self.frontier(row)
+
+        def view(x):  # a strided view: the kernels must not read it as contiguous
+            return torch.stack([x, torch.zeros_like(x)], 1)[:, 0] if strided else x.clone()
+
+        def go(s):
+            if f:
+                s.a.free(view(s.rtt[row, :f]), with_swa=False)
+            s.a.free(view(s.rtt[row, f:seq]))
+            s.rtt[row] = 0
+        self.both("finish", go)
+        self.free_rows.append(row)
+
+    @precondition(lambda self: self.reqs and self.free_rows)
+    @rule(pick=st.integers(0, 7), n=st.integers(0, 99))
+    def share(self, pick, n):
+        """A new request takes the whole pages of another from its frontier on (a cached prefix), then extends."""
+        src = sorted(self.reqs)[pick % len(self.reqs)]
+        f = self.frontier(src)
+        k = (self.reqs[src] - f) // self.page * self.page
+        if k == 0:
+            return
+        row, new = self.free_rows[0], n % self.LEN
+        go, seq = self.alloc([row], [k], [new])
+
+        def shared(s):
+            s.frontiers[row] = 0
+            s.rtt[row, :k] = s.rtt[src, f:f + k]
+            go(s)                      # allocate first: out of slots changes nothing
+            s.a.share(s.rtt[row, :k].clone())
+        if self.both("share", shared):
+            self.reqs[row] = seq[0]
+            self.free_rows.pop(0)
+        else:
+            for s in self.sys:
+                s.rtt[row] = 0
+
+    @precondition(lambda self: self.reqs)
+    @rule(pick=st.integers(0, 7))
+    def free_swa_shared(self, pick):
+        """Another holder of a request's first live page drops its SWA reference (legal when shared)."""
+        row = sorted(self.reqs)[pick % len(self.reqs)]
+        f = self.frontier(row)
+        if f + self.page > self.reqs[row] or int(self.swa_refs(self.ref.rtt[row, f:f + 1])[0]) < 2:
+            return
+        self.both("free_swa", lambda s: s.a.free_swa(s.rtt[row, f:f + 1].clone()))
+
+    # ---- bad ops (deferred: recorded, skipped) ----------------------------------------------------
+    @precondition(lambda self: self.reqs)
+    @rule(pick=st.integers(0, 7))
+    def free_swa_released(self, pick):
+        row = sorted(self.reqs)[pick % len(self.reqs)]
+        if self.frontier(row):
+            self.both("free_swa of a released page", lambda s: s.a.free_swa(s.rtt[row, :1].clone()))
+
+    @rule(kinds=st.lists(st.integers(0, 3), min_size=1, max_size=40), salt=st.integers(0, 10 ** 6))
+    def bad_locs(self, kinds, salt):
+        """Locs that may not be freed or shared: free pages, never allocated ones, out of range, negative."""
+        a, p = self.ref.a, self.page
+        refs = a.pages.refs.cpu()
+        free = (refs[1:] == 0).nonzero().flatten() + 1
+        never = (refs[1:] == -1).nonzero().flatten() + 1
+        locs = []
+        for i, kind in enumerate(kinds):
+            h = salt + 7919 * i
+            if kind == 0 and free.numel():
+                locs.append(int(free[h % free.numel()]) * p + h % p)
+            elif kind == 1 and never.numel():
+                locs.append(int(never[h % never.numel()]) * p + h % p)
+            elif kind == 2:
+                locs.append((a.num_pages + 1) * p + h % (3 * p))
+            else:
+                locs.append(-1 - h % (2 * p))
+        op = ("free", "share", "free_swa")[salt % 3]
+        self.both(f"bad {op}", lambda s: getattr(s.a, op)(T(locs)))
+
+    @precondition(lambda self: self.reqs)
+    @rule(pick=st.integers(0, 7))
+    def rerelease(self, pick):
+        """A frontier set back to 0 right after a release: every page it names is released already."""
+        row = sorted(self.reqs)[pick % len(self.reqs)]
+        self.both("release", lambda s: self._release(s, [row], [self.reqs[row]]))
+        if self.frontier(row):
+            self.both("release over released pages", lambda s: self._release(
+                s, [row], [self.reqs[row]], frontiers=torch.zeros(1, dtype=I64, device=DEVICE)))
+
+    @precondition(lambda self: self.reqs)
+    @rule(pick=st.integers(0, 7))
+    def release_twice_in_one_batch(self, pick):
+        """One request named twice in a release batch: each page it passes is dropped twice, with one holder."""
+        row = sorted(self.reqs)[pick % len(self.reqs)]
+        seq, f, p = self.reqs[row], self.frontier(row), self.page
+        new_f = max(f, ((seq - self.window + 1) // p) * p - p)
+        if new_f == f or bool((self.swa_refs(self.ref.rtt[row, f:new_f:p]) != 1).any()):
+            return  # nothing to release, or a shared page (dropping it twice would be legal)
+
+        def go(s):
+            fs = s.frontiers[T([row, row])]
+            self._release(s, [row, row], [seq, seq], frontiers=fs)
+            s.frontiers[row] = fs[0]
+        self.both("release twice in one batch", go)
+
+    @precondition(lambda self: self.reqs)
+    @rule(pick=st.integers(0, 7))
+    def continue_released_page(self, pick):
+        """A request's partial last page loses its SWA slots, then a decode continues it: recorded
+        (ERR_CONT_RELEASED); the request is then finished."""
+        p = self.page
+        rows = [r for r in sorted(self.reqs) if self.reqs[r] % p and self.reqs[r] + 1 <= self.CTX]
+        if not rows:
+            return
+        row = rows[pick % len(rows)]
+        seq, f = self.reqs[row], self.frontier(row)
+        start = seq // p * p
+        if start < f or int(self.swa_refs(self.ref.rtt[row, start:start + 1])[0]) != 1:
+            return
+        self.both("free_swa of the last page", lambda s: s.a.free_swa(s.rtt[row, start:start + 1].clone()))
+
+        def go(s):
+            loc = s.a.alloc_decode(T([seq + 1]), s.rtt[row, seq - 1:seq].clone(), seq_lens_cpu=torch.tensor([seq + 1]))
+            s.rtt[row, seq] = loc[0]
+        self.both("decode continuing a released page", go)
+        del self.reqs[row]
+
+        def finish(s):
+            if f:
+                s.a.free(s.rtt[row, :f].clone(), with_swa=False)
+            if start > f:
+                s.a.free(s.rtt[row, f:start].clone())
+            s.a.free(s.rtt[row, start:seq + 1].clone(), with_swa=False)
+            s.rtt[row] = 0
+        self.both("finish", finish)
+        self.free_rows.append(row)
+
+
+SUPPRESS = [HealthCheck.too_slow, HealthCheck.filter_too_much]
+TestPageOpsMachine = PageOpsMachine.TestCase
+TestPageOpsMachine.settings = (settings(max_examples=150, stateful_step_count=60, deadline=None,
+                                        suppress_health_check=SUPPRESS) if GPU else
+                               settings(max_examples=20, stateful_step_count=30, deadline=None,
+                                        suppress_health_check=SUPPRESS,  # shrinking interpreted kernels: minutes
+                                        phases=[Phase.explicit, Phase.reuse, Phase.generate]))
+
+
+# ---- the sweep of issue 21 ------------------------------------------------------------------------
+SWEEP = ([(p, w) for p in (4, 8, 16, 32, 64, 128, 256) for w in range(1, 9)] if GPU else
+         [(4, 1), (4, 3), (16, 8), (32, 2)])
+
+
+def release_points(seq_len, page, most=48):
+    """Lengths to release at, up to seq_len - 1: every page boundary and its neighbours (a spread of
+    them on long runs) and the last."""
+    pts = sorted({s for k in range(seq_len // page + 1) for s in (k * page - 1, k * page, k * page + 1)
+                  if 1 <= s <= seq_len - 1})
+    if len(pts) > most:
+        pts = [pts[i * len(pts) // most] for i in range(most)]
+    return pts + [seq_len - 1] if seq_len > 1 else pts
+
+
+@pytest.mark.parametrize("page, window", SWEEP)
+def test_sweep_returns_every_page(page, window):
+    """Allocate a page-rounded run, write req_to_token, release out of window up to seq_len - 1, free,
+    repeat: every page of both pools comes back, torch and Triton alike, with nothing recorded."""
+    pages = 1024 if GPU else 12
+    systems = [System(ops, page, pages, pages, 1, pages * page) for ops in (TORCH_OPS, triton_ops())]
+    row = T([0])
+    for seq_len in (pages * page - page // 2, pages * page // 3 + 1, page + 1, pages * page):
+        run = -(-seq_len // page) * page
+        for s in systems:
+            loc = s.a.alloc(run)
+            s.rtt[0, :run] = loc
+            f = torch.zeros(1, dtype=I64, device=DEVICE)
+            for n in release_points(seq_len, page):
+                release_out_of_window_batch(s.a, s.rtt, row, T([n]), f, window)
+            s.frontiers[0] = f[0]
+            s.a.free(loc)
+        same_state(*systems, f"sweep page {page} window {window} seq_len {seq_len}")
+        for s in systems:
+            s.a.check_integrity()
+            assert s.a.full_available_size() == s.a.swa_available_size() == pages * page
+
+
+# (page, window, seq_len) -> frontier, worked by hand as in test_allocator.FRONTIERS
+FRONTIERS = [(1, 1, 2, 1), (1, 4, 10, 6), (2, 1, 4, 2), (2, 1, 5, 2), (2, 3, 6, 2), (2, 8, 20, 10),
+             (4, 1, 7, 0), (4, 1, 8, 4), (4, 1, 12, 8), (4, 5, 30, 20), (4, 8, 15, 4), (4, 8, 14, 0)]
+
+
+@pytest.mark.parametrize("page, window, seq, expect", FRONTIERS)
+def test_triton_release_frontier_by_hand(page, window, seq, expect):
+    a = allocator(triton_ops(), 64 * page, 64 * page, page)
+    rows = torch.zeros(1, 64, dtype=I64, device=DEVICE)
+    rows[0, :seq] = a.alloc_extend(T([0]), T([seq]), T([0]), seq, prefix_lens_cpu=torch.tensor([0]),
+                                   seq_lens_cpu=torch.tensor([seq]))
+    f = torch.zeros(1, dtype=I64, device=DEVICE)
+    release_out_of_window_batch(a, rows, T([0]), T([seq]), f, window)
+    assert int(f[0]) == expect
+    m = a.full_to_swa_index_mapping[rows[0, :seq]]
+    assert (m[:expect] == 0).all() and (m[expect:] > 0).all()
+    a.check_integrity()
+
+
+def test_strided_inputs_are_read_by_their_strides():
+    """Index tensors that are views with a stride (a column, every other entry) free and release the
+    same pages as the torch ops; a strided frontier view moves in place."""
+    systems = [System(ops, 4, 32, 32, 2, 64) for ops in (TORCH_OPS, triton_ops())]
+    for s in systems:
+        loc = s.a.alloc_extend(T([0, 0]), T([20, 24]), T([0, 0]), 44, prefix_lens_cpu=torch.tensor([0, 0]),
+                               seq_lens_cpu=torch.tensor([20, 24]))
+        s.rtt[0, :20], s.rtt[1, :24] = loc[:20], loc[20:]
+        table = torch.zeros(2, 3, dtype=I64, device=DEVICE)
+        release_out_of_window_batch(s.a, s.rtt, T([0, 1]), T([20, 24]), table[:, 1], 2)
+        s.frontiers.copy_(table[:, 1])
+        s.a.free(torch.stack([s.rtt[1, 16:24], s.rtt[1, 16:24]], 1)[:, 0], with_swa=True)
+    same_state(*systems, "strided")
+    assert systems[1].frontiers.tolist() == [12, 16]
