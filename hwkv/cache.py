@@ -360,14 +360,14 @@ class HybridPrefixCache:
         if full.numel():
             pages = full.cpu() // p
             bad = (pages < 1) | (pages > a.num_pages)
-            if not bad.any():
-                bad = a.pages.refs.cpu()[pages] < 1
+            if not bad.any():  # index_select: advanced indexing opens an OpenMP region per call on a busy CPU
+                bad = a.pages.refs.cpu().index_select(0, pages) < 1
             if bad.any():
                 i = int(bad.to(torch.int8).argmax())
                 raise NotAllocatedError(f"loc {int(full[i])} (full page {int(pages[i])}) is not live: never "
                                         "allocated or already free; the cache only takes pages a request holds")
         if swa.numel():
-            gone = a.full_to_swa_index_mapping.cpu()[swa.cpu()] <= 0
+            gone = a.full_to_swa_index_mapping.cpu().index_select(0, swa.cpu()) <= 0
             if gone.any():
                 i = int(gone.to(torch.int8).argmax())
                 raise LocError(f"loc {int(swa[i])} has no SWA slot (released) but lies at or after swa_start "
