@@ -1,7 +1,10 @@
 """The prefix cache's defects found by review (issue 21), each pinned by a test that failed before its fix:
 tombstones revived on insert, atomic insert/acquire, stale matches refused, evictions that free what they
 report, eviction cost independent of the tree's size, nodes owning their storage, and the window / lock /
-recency rules that single-line mutants got past the suite."""
+recency rules that single-line mutants got past the suite. HWKV_TEST_DEVICE=cuda runs them on a GPU (the
+allocator's Triton ops, with host checks on so refusals raise where they happen)."""
+import os
+
 import pytest
 import torch
 
@@ -13,14 +16,22 @@ from hwkv.errors import CacheError, LocError
 from hwkv.pool import SWAKVPool
 
 
+DEVICE = os.environ.get("HWKV_TEST_DEVICE", "cpu")
+
+
+def t(values):
+    return torch.tensor(values, dtype=torch.int64, device=DEVICE)
+
+
 class Setup:
     """Allocator, rows and cache, no attention: requests are rows of allocated locs."""
 
     def __init__(self, page=4, window=8, size=1024, size_swa=1024, rows=8, ctx=512):
         self.p, self.w = page, window
-        pool = SWAKVPool(size, size_swa, page, torch.float32, 1, 1, [0], [1], "cpu")
-        self.a = SWATokenToKVPoolAllocator(size, size_swa, page, "cpu", pool)
-        self.rtt = ReqToTokenPool(rows, ctx, "cpu")
+        pool = SWAKVPool(size, size_swa, page, torch.float32, 1, 1, [0], [1], DEVICE)
+        self.a = SWATokenToKVPoolAllocator(size, size_swa, page, DEVICE, pool)
+        self.a.immediate = True
+        self.rtt = ReqToTokenPool(rows, ctx, DEVICE)
         self.c = HybridPrefixCache(self.a, window)
         self.size, self.size_swa = size, size_swa
 
@@ -31,13 +42,12 @@ class Setup:
         row = self.rtt.alloc(1)[0]
         lock, f = self.c.acquire(m, self.rtt, row)
         s = m.length
-        last = self.rtt.req_to_token[row, s - 1:s] if s else torch.zeros(1, dtype=torch.int64)
+        last = self.rtt.req_to_token[row, s - 1:s] if s else t([0])
         loc = self.a.alloc_extend([s], [len(ids)], last, len(ids) - s)
         self.rtt.write(row, s, loc)
-        fr = torch.tensor([f])
+        fr = t([f])
         if release:
-            release_out_of_window_batch(self.a, self.rtt.req_to_token, torch.tensor([row]),
-                                        torch.tensor([len(ids)]), fr, self.w)
+            release_out_of_window_batch(self.a, self.rtt.req_to_token, t([row]), t([len(ids)]), fr, self.w)
         return dict(ids=ids, row=row, seq=len(ids), frontier=int(fr), lock=lock, reused=m.length)
 
     def finish(self, r, cache=True):
