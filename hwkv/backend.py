@@ -129,26 +129,34 @@ class AttentionBackend(DraftMetadataMixin):
                               f"not a ForwardMode; use one of {members}")
         write_loc = self._write_loc(batch.out_cache_loc, graph=False)
         swa = write_loc.swa_loc
+        bs, decode = batch.batch_size, batch.forward_mode.is_decode()
         seq = batch.seq_lens.to(torch.int64)
-        ext = batch.extend_lens().to(torch.int64)
         seq_cpu, ext_cpu = batch.host_lens()
-        q_pos0 = seq - ext
-        bs = batch.batch_size
-        qo_indptr = cumsum_into(ext, torch.empty(bs + 1, dtype=torch.int32, device=self.device))
-        full = self._eager_list(batch, seq, torch.zeros_like(seq), int(seq_cpu.sum()), None,
-                                int(seq_cpu.max()) if bs else 0)
+        # sizes from the host lengths, as Python ints: one read each, then host arithmetic only
+        seq_h, ext_h = seq_cpu.tolist(), ext_cpu.tolist()
+        if decode:  # one query per request: no extend lengths to sum on the device
+            ext = None
+            q_pos0 = seq - 1
+            qo_indptr = torch.arange(bs + 1, dtype=torch.int32, device=self.device)
+        else:
+            ext = batch.extend_lens().to(torch.int64)
+            q_pos0 = seq - ext
+            qo_indptr = cumsum_into(ext, torch.empty(bs + 1, dtype=torch.int32, device=self.device))
+        full = self._eager_list(batch, seq, torch.zeros_like(seq), sum(seq_h), None, max(seq_h, default=0),
+                                min_len=min(seq_h, default=0))
         windows = {}
         for w in self.windows:
             pos0 = window_pos0(q_pos0, w)
-            pos0_cpu = window_pos0(seq_cpu - ext_cpu, w)  # the same rule on the host copies, for sizes
-            lens_cpu = seq_cpu - pos0_cpu
-            windows[w] = self._eager_list(batch, seq, pos0, int(lens_cpu.sum()), w,
-                                          int(lens_cpu.max()) if bs else 0)
-        md = ForwardMetadata(write_loc, swa, qo_indptr, q_pos0, full, windows,
-                             int(ext_cpu.max()) if bs else 0, bs, batch.forward_mode.is_decode(),
-                             seq_lens_cpu=seq_cpu, extend_lens_cpu=ext_cpu,
-                             tree=self._tree_mask(batch, ext, qo_indptr, q_pos0, ext_cpu))
-        self._tree_decode(md, ext, batch)
+            # the same rule on the host lengths, for sizes: max(0, seq - ext - W + 1)
+            lens = [s - max(0, s - e - w + 1) for s, e in zip(seq_h, ext_h)]
+            windows[w] = self._eager_list(batch, seq, pos0, sum(lens), w, max(lens, default=0),
+                                          min_len=min(lens, default=0))
+        md = ForwardMetadata(write_loc, swa, qo_indptr, q_pos0, full, windows, max(ext_h, default=0), bs, decode,
+                             seq_lens_cpu=seq_cpu, extend_lens_cpu=ext_cpu)
+        if batch.spec_info is not None:  # a verify tree (DraftTree) or another mode's draft info
+            ext = batch.extend_lens().to(torch.int64) if ext is None else ext
+            md.tree = self._tree_mask(batch, ext, qo_indptr, q_pos0, ext_cpu)
+            self._tree_decode(md, ext, batch)
         self.init_kernel_metadata(md, batch, graph=False)
         self.forward_metadata = md
         return md
@@ -209,7 +217,9 @@ class AttentionBackend(DraftMetadataMixin):
             self.init_kernel_metadata(md.tree_decode, batch, graph=False)
 
     def _eager_list(self, batch: ForwardBatch, seq: torch.Tensor, pos0: torch.Tensor, total: int,
-                    window: Optional[int], max_len: int) -> KVIndexList:
+                    window: Optional[int], max_len: int, min_len: int = 0) -> KVIndexList:
+        """One eager index list: request b's locs from pos0[b] to seq[b] (a window list translated to SWA
+        slots once); total, max_len and min_len are host sizes (the sum, largest and smallest length)."""
         indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int32, device=self.device)
         indices = torch.empty(total, dtype=torch.int64, device=self.device)
         fill_list(self.req_to_token_pool.req_to_token, batch.req_pool_indices, seq, pos0, indptr, indices)
@@ -219,7 +229,7 @@ class AttentionBackend(DraftMetadataMixin):
             swa_slots = True
             if self.debug:
                 self._check_not_evicted(indices, window)
-        return KVIndexList(indptr, indices, pos0, window, max_len, swa_slots)
+        return KVIndexList(indptr, indices, pos0, window, max_len, swa_slots, min_len)
 
     def _translate_window(self, locs: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The one translation of a window list per forward (counted, like SWALocCache's)."""

@@ -21,6 +21,10 @@ class KVIndexList:
     window: Optional[int]  # W the list was trimmed to, None for full layers
     max_len: int           # host-side bound on any request's list length (sizes kernel grids)
     is_swa_slots: bool = False
+    min_len: int = 0       # host-side lower bound on any request's list length (eager lists: exact)
+    # eager lists of backends that build them so (CPU): int64 [bs, max_len], row b = request b's slots, then
+    # arbitrary valid slots of the same pool past its length; None elsewhere
+    table: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -120,10 +124,7 @@ def alloc_static(max_bs: int, max_num_tokens: int, max_context_len: int, windows
 def cumsum_into(lens: torch.Tensor, indptr: torch.Tensor) -> torch.Tensor:
     """indptr[0] = 0, indptr[1:] = cumsum(lens), written in place (int32); no host sync."""
     indptr[:1].zero_()
-    if indptr.dtype == lens.dtype:
-        torch.cumsum(lens, 0, out=indptr[1:])
-    else:
-        indptr[1:].copy_(lens.cumsum(0))
+    torch.cumsum(lens, 0, dtype=indptr.dtype, out=indptr[1:])
     return indptr
 
 

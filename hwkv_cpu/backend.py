@@ -25,7 +25,7 @@ from hwkv.backend import BackendOptions, KernelSetBackend
 from hwkv.batch import ForwardBatch
 from hwkv.errors import ConfigError
 from hwkv.layer import AttentionLayer
-from hwkv.metadata import ForwardMetadata, KVIndexList, StaticBuffers
+from hwkv.metadata import ForwardMetadata, KVIndexList, StaticBuffers, cumsum_into
 from hwkv_cpu import ipex
 from hwkv_cpu import kernels as _kernels
 from hwkv_cpu.kernels_dense import DENSE_MAX_ELEMENTS, DensePlan, dense_attention, plan_dense
@@ -35,6 +35,7 @@ if ipex.installed_reason() is None:  # cheap: package metadata only; IPEX itself
 
 _IPEX = "ipex_lists"
 _DENSE = "dense_plans"
+TABLE_SLACK = 1 << 16  # table entries beyond twice the list's that an eager list may take to be one gather
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,37 @@ class TorchCPUBackend(KernelSetBackend):
         if self.device.type != "cpu":
             return f"the pool lives on {self.device}"
         return ipex.load()[1] or None
+
+    # ---- metadata: the lists through one dense gather, once per forward ------------------------------
+    def _eager_list(self, batch: ForwardBatch, seq: torch.Tensor, pos0: torch.Tensor, total: int,
+                    window: Optional[int], max_len: int, min_len: int = 0) -> KVIndexList:
+        """On the CPU a list is one gather of req_to_token into a [bs, max_len] table (translated at once for
+        a window of a hybrid pool: still the list's one translation), the CSR entries its valid part; the
+        table stays on the list for the dense kernels. Tables much larger than the list (lengths far apart,
+        long contexts) take the core's CSR fill."""
+        bs = batch.batch_size
+        if bs == 0 or max_len <= 0 or bs * max_len > 2 * total + TABLE_SLACK or self.device.type != "cpu":
+            return super()._eager_list(batch, seq, pos0, total, window, max_len, min_len)
+        rtt = self.req_to_token_pool.req_to_token
+        uniform = min_len == max_len  # every request lists max_len keys: no padding, no clamping
+        col = torch.arange(max_len, dtype=torch.int64)
+        pos = col if window is None else pos0[:, None] + col  # the full list starts at 0
+        if not uniform:
+            pos = pos.clamp(max=rtt.shape[1] - 1)
+        table = rtt[batch.req_pool_indices.to(torch.int64)[:, None], pos]
+        swa_slots = window is not None and self.hybrid
+        if swa_slots:
+            table = self._translate_window(table)
+        if uniform:
+            indices = table.view(-1)
+            indptr = torch.arange(0, (bs + 1) * max_len, max_len, dtype=torch.int32)
+        else:
+            lens = seq - pos0
+            indices = table[col < lens[:, None]]
+            indptr = cumsum_into(lens, torch.empty(bs + 1, dtype=torch.int32))
+        if swa_slots and self.debug:
+            self._check_not_evicted(indices, window)
+        return KVIndexList(indptr, indices, pos0, window, max_len, swa_slots, min_len, table)
 
     # ---- metadata: IPEX's slot tables, once per forward --------------------------------------------
     def alloc_graph_tables(self, static: StaticBuffers) -> Optional[ipex.GraphTables]:
@@ -126,9 +158,12 @@ class TorchCPUBackend(KernelSetBackend):
             plans = md.extra[_DENSE] = {}
         key = (kv.window, kv.is_swa_slots, layer.window or 0, kvh, h // kvh, d, dv)
         if key not in plans:
+            # decode over lists of equal lengths ending at each query (the metadata step's): nothing to hide
+            # unless the layer's window is shorter than the list
+            full_rows = md.is_decode and kv.table is not None and kv.min_len == kv.max_len
             plans[key] = plan_dense(kv.indptr, kv.indices, kv.pos0, md.q_pos0, None if md.is_decode else md.qo_indptr,
                                     kv.max_len, md.max_q_len, layer.window or 0, kvh, h // kvh, d, dv,
-                                    self.options.dense_max_elements)
+                                    self.options.dense_max_elements, table=kv.table, all_visible=full_rows)
         return plans[key]
 
     def _run_dense(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList, md: ForwardMetadata,

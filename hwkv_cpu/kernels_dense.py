@@ -18,7 +18,7 @@ reduced-precision pools are upcast when gathered, as the chunked kernels do with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
@@ -42,15 +42,29 @@ class DensePlan:
     out_t: Optional[torch.Tensor]     # extend: int64 [T], its row within the request
 
 
+_ZEROS: Dict[torch.dtype, torch.Tensor] = {}
+
+
+def _zero(dtype: torch.dtype) -> torch.Tensor:
+    """A [1, 1, 1] zero of `dtype`: baddbmm's ignored input when nothing is masked (made once per dtype)."""
+    z = _ZEROS.get(dtype)
+    if z is None:
+        z = _ZEROS[dtype] = torch.zeros(1, 1, 1, dtype=dtype)
+    return z
+
+
 def plan_dense(indptr: torch.Tensor, indices: torch.Tensor, pos0: torch.Tensor, q_pos0: torch.Tensor,
                qo_indptr: Optional[torch.Tensor], max_len: int, max_q_len: int, window: int, kvh: int, g: int,
-               d: int, dv: int, max_elements: int = DENSE_MAX_ELEMENTS) -> Optional[DensePlan]:
+               d: int, dv: int, max_elements: int = DENSE_MAX_ELEMENTS, table: Optional[torch.Tensor] = None,
+               all_visible: bool = False) -> Optional[DensePlan]:
     """The dense plan of a CSR list (see `hwkv.metadata.KVIndexList`) for queries at q_pos0[b] + t, or None
     where the chunked kernels should run (too large, or a real query with no visible key).
 
     qo_indptr None: decode, one query per request at q_pos0[b]. window: the layer's W (0: none); the
     mask applies it whatever the list was trimmed to. max_len / max_q_len: host bounds of the list's and
-    the queries' lengths per request (eager metadata has them exact)."""
+    the queries' lengths per request (eager metadata has them exact). table: the list as [bs, max_len]
+    (`KVIndexList.table`) where the metadata step built it, else gathered here. all_visible: decode where
+    every request lists max_len keys ending at its query, so only a window shorter than that hides any."""
     bs = int(pos0.shape[0])
     n = min(int(indptr[-1]), int(indices.shape[0])) if bs else 0  # listed entries (a graph buffer's tail is not)
     decode = qo_indptr is None
@@ -60,11 +74,15 @@ def plan_dense(indptr: torch.Tensor, indices: torch.Tensor, pos0: torch.Tensor, 
         return None
     if bs * keys * (kvh * (d + dv) + kvh * g * tq) > max_elements:
         return None
-    col = torch.arange(keys, dtype=I64)
-    start = indptr[:-1].to(I64)
-    lens = indptr[1:].to(I64) - start
-    table = indices[(start[:, None] + col).clamp_(max=n - 1)]  # padding reads listed slots, masked below
+    if table is None:
+        col = torch.arange(keys, dtype=I64)
+        start = indptr[:-1].to(I64)
+        table = indices[(start[:, None] + col).clamp_(max=n - 1)]  # padding reads listed slots, masked below
     rows = (table[:, None, :] * kvh + torch.arange(kvh, dtype=I64)[:, None]).view(-1)
+    if decode and all_visible and (not window or keys <= window):
+        return DensePlan(bs, kvh, g, 1, keys, rows, None, None, None, None)
+    col = torch.arange(keys, dtype=I64)
+    lens = indptr[1:].to(I64) - indptr[:-1].to(I64)
     kpos = pos0.to(I64)[:, None] + col  # [bs, L]
     if decode:
         qpos = q_pos0.to(I64)[:, None]  # [bs, 1]
@@ -124,10 +142,9 @@ def dense_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, p
         s = torch.bmm(qg, kt).mul_(qk_scale).tanh_().mul_(cap)
         if bias is not None:
             s.add_(bias)
-    elif bias is not None:
-        s = torch.baddbmm(bias, qg, kt, alpha=qk_scale)
-    else:
-        s = torch.bmm(qg, kt).mul_(qk_scale)
+    else:  # scale (and mask) folded into the matmul; beta=0 ignores the placeholder input
+        s = torch.baddbmm(_zero(cdt) if bias is None else bias, qg, kt, beta=0.0 if bias is None else 1.0,
+                          alpha=qk_scale)
     if sinks is not None:  # one more column holding each head's sink: in the denominator only
         sink = sinks.to(cdt).view(1, kvh, 1, g, 1).expand(bs, kvh, tq, g, 1)
         s = torch.cat([s.view(bs, kvh, tq, g, keys), sink], -1).view(bs * kvh, tq * g, keys + 1)

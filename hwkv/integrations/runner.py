@@ -64,6 +64,9 @@ class HybridRunner:
         self.table = LayerTable(self.shape.layer_is_swa, self.shape.window, self.shape)
         self.scheduler = Scheduler(pool_plan, self.window)
         self.frontiers = torch.zeros(pool_plan.max_running, dtype=I64, device=dev)  # per request row
+        # the host's copy of each row's frontier, moved by the release rule: steps where no frontier moves
+        # (most of them: a request's frontier moves one page every page_size tokens) skip the release call
+        self._host_frontiers: List[int] = [0] * pool_plan.max_running
         self.stats = RunnerStats(self.shape, pool_plan)
         self.requests: Dict[int, Request] = {}
         self.unclaimed: Dict[int, Result] = {}  # finished inside generate(), queued by add_request: pop them
@@ -180,16 +183,20 @@ class HybridRunner:
         if self.closed:
             raise ConfigError("this HybridRunner is closed (the model has its own attention back): make a new one")
         t0 = time.perf_counter()
-        for req in self.scheduler.admit():
-            req.row = self.cache.rtt.alloc(1)[0]
-            self.frontiers[req.row] = 0
+        admitted = self.scheduler.admit()
+        if admitted:
+            new_rows = self.cache.rtt.alloc(len(admitted))
+            for req, row in zip(admitted, new_rows):
+                req.row = row
+                self._host_frontiers[row] = 0
+            self.frontiers[torch.tensor(new_rows, dtype=I64).to(self.device)] = 0
         rows = self.scheduler.schedule()
         if not rows:
             return []
         with torch.no_grad():
             batch, ids, pos = self._allocate(rows)
             tokens = self._forward(rows, batch, ids, pos)
-            self._release(batch)
+            self._release(batch, rows)
         new = tokens.tolist()  # the sampled tokens: the step's one wait for the device
         self.stats.record_memory(self.cache.held_slots())  # two scalar reads, after that wait
         prefill = sum(r.n for r in rows if r.prefix < len(r.req.prompt))
@@ -201,12 +208,15 @@ class HybridRunner:
         """Slots for every new token in one allocator call, req_to_token in one scatter, the ForwardBatch."""
         ids, pos, row_of = split_rows(rows)
         host = torch.tensor([[r.req.row for r in rows], [r.prefix for r in rows],
-                             [r.prefix + r.n for r in rows], [r.n for r in rows]], dtype=I64)
+                             [r.prefix + r.n for r in rows], [r.n for r in rows],
+                             [max(r.prefix - 1, 0) for r in rows]], dtype=I64)
         flat = torch.tensor([ids, pos, row_of], dtype=I64)
         host_dev, flat_dev = _to_device(host, self.device), _to_device(flat, self.device)
-        rows_dev, prefix_dev, seq_dev, ext_dev = host_dev
+        rows_dev, prefix_dev, seq_dev, ext_dev, before_dev = host_dev
         rtt = self.cache.rtt.req_to_token
-        last = torch.where(prefix_dev > 0, rtt[rows_dev, (prefix_dev - 1).clamp(min=0)], -1)
+        last = rtt[rows_dev, before_dev]  # the slot of each request's token prefix - 1 (-1 for a new request)
+        if any(r.prefix == 0 for r in rows):
+            last = torch.where(prefix_dev > 0, last, -1)
         decode = all(r.n == 1 and r.prefix > 0 for r in rows)
         if decode:
             mode = ForwardMode.DECODE
@@ -238,8 +248,10 @@ class HybridRunner:
             self.cache.backend.init_forward_metadata(batch)
             logits = self._run_model(batch, ids, pos, 0 if keep_dev is None else keep_dev)
         params = [r.req.params for r in sampled]
+        if all(p.greedy for p in params):  # argmax only: the sampling tensors would go unread
+            return logits.argmax(dim=-1)
         temp, top_p, seeds, steps = params_tensors(params, [len(r.req.output) for r in sampled], self.device)
-        return sample(logits, temp, top_p, seeds, steps, any(not p.greedy for p in params))
+        return sample(logits, temp, top_p, seeds, steps, True)
 
     def _run_model(self, batch: ForwardBatch, ids: torch.Tensor, pos: torch.Tensor,
                    keep: Union[int, torch.Tensor]) -> torch.Tensor:
@@ -253,9 +265,18 @@ class HybridRunner:
         """The graph runner's step: the model over the static decode inputs (every token's logits)."""
         return self._run_model(batch, inputs["input_ids"], inputs["positions"], 0)
 
-    def _release(self, batch: ForwardBatch) -> None:
-        """One out-of-window release for the batch's requests (hybrid pools only)."""
+    def _release(self, batch: ForwardBatch, rows: List[Row]) -> None:
+        """One out-of-window release for the batch's requests (hybrid pools only), in the steps where some
+        request's frontier moves (`release_out_of_window_batch`'s rule on the host lengths: the page-aligned
+        frontier kept one page behind seq_len - W + 1); the others have nothing to release."""
         if self.window is None:
+            return
+        p, w, host_f, moves = self.cache.plan.page_size, self.window, self._host_frontiers, False
+        for r in rows:
+            f = max(host_f[r.req.row], ((r.prefix + r.n - w + 1) // p) * p - p)
+            if f != host_f[r.req.row]:
+                host_f[r.req.row], moves = f, True
+        if not moves:
             return
         f = self.frontiers[batch.req_pool_indices]
         release_out_of_window_batch(self.cache.allocator, self.cache.rtt.req_to_token, batch.req_pool_indices,
