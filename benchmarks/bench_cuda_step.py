@@ -513,7 +513,8 @@ def print_tables(res: Dict) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="cuda (the default, needs a GPU) or cpu (a smoke run of the "
+                   "same code: pass small sizes, see the module doc)")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {', '.join(SECTIONS)}")
     p.add_argument("--tokens", default="1,8,64,256,2048,8192", help="kv-write: tokens per forward")
     p.add_argument("--batches", default="1,64", help="decode-step: batch sizes")
@@ -530,6 +531,11 @@ def main() -> None:
     p.add_argument("--host-ctx", type=int, default=4096, help="host: context of the one request")
     p.add_argument("--out", default="")
     a = p.parse_args()
+    if a.device is None:
+        if not torch.cuda.is_available():  # said at once, not after minutes of CPU runs at GPU sizes
+            p.exit(2, f"{p.prog}: error: this benchmark measures a CUDA GPU and torch sees none; for a CPU smoke "
+                      "run pass --device cpu with small sizes (see --help's example)\n")
+        a.device = "cuda"
     dev, sections = a.device, set(a.sections.split(","))
     unknown = sections - set(SECTIONS)
     if unknown:
