@@ -40,6 +40,7 @@ class DensePlan:
     q_src: Optional[torch.Tensor]     # extend: int64 [bs * tq], the token of each padded query row
     out_b: Optional[torch.Tensor]     # extend: int64 [T], each token's request
     out_t: Optional[torch.Tensor]     # extend: int64 [T], its row within the request
+    decode: bool = True               # False: extend; q_src None there means every request has tq queries
 
 
 _ZEROS: Dict[torch.dtype, torch.Tensor] = {}
@@ -91,13 +92,17 @@ def plan_dense(indptr: torch.Tensor, indices: torch.Tensor, pos0: torch.Tensor, 
         qo = qo_indptr.to(I64)
         ext = qo[1:] - qo[:-1]
         t = torch.arange(tq, dtype=I64)
-        # padded rows repeat their request's last query (their output is dropped): never an all-hidden row
-        t_eff = torch.minimum(t[None, :], (ext - 1).clamp(min=0)[:, None])  # [bs, tq]
-        qpos = q_pos0.to(I64)[:, None] + t_eff
         total = int(qo[-1])
-        q_src = (qo[:-1, None] + t_eff).clamp_(0, max(total - 1, 0)).view(-1)
-        out_b = torch.repeat_interleave(torch.arange(bs, dtype=I64), ext, output_size=total)
-        out_t = torch.arange(total, dtype=I64) - qo[:-1][out_b]
+        if total == bs * tq:  # every request has tq queries (max_q_len bounds them): no padding
+            t_eff = t[None, :]
+            q_src = out_b = out_t = None
+        else:
+            # padded rows repeat their request's last query (their output is dropped): never an all-hidden row
+            t_eff = torch.minimum(t[None, :], (ext - 1).clamp(min=0)[:, None])  # [bs, tq]
+            q_src = (qo[:-1, None] + t_eff).clamp_(0, max(total - 1, 0)).view(-1)
+            out_b = torch.repeat_interleave(torch.arange(bs, dtype=I64), ext, output_size=total)
+            out_t = torch.arange(total, dtype=I64) - qo[:-1][out_b]
+        qpos = q_pos0.to(I64)[:, None] + t_eff
     dist = qpos[:, :, None] - kpos[:, None, :]  # [bs, tq, L]: query position - key position
     hide = (dist < 0) | (col >= lens[:, None])[:, None, :]
     if window:
@@ -111,7 +116,7 @@ def plan_dense(indptr: torch.Tensor, indices: torch.Tensor, pos0: torch.Tensor, 
         per_row = 1 if decode else g
         bias = torch.zeros(bs, 1, tq, 1, keys).masked_fill_(hide.view(bs, 1, tq, 1, keys), float("-inf"))
         bias = bias.expand(bs, kvh, tq, per_row, keys).reshape(bs * kvh, tq * per_row, keys)
-    return DensePlan(bs, kvh, g, tq, keys, rows, bias, q_src, out_b, out_t)
+    return DensePlan(bs, kvh, g, tq, keys, rows, bias, q_src, out_b, out_t, decode)
 
 
 def dense_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, plan: DensePlan, out: torch.Tensor,
@@ -128,10 +133,11 @@ def dense_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, p
     if k.dtype != cdt:
         k, v = k.to(cdt), v.to(cdt)
     k, v = k.view(bs * kvh, keys, d), v.view(bs * kvh, keys, dv)
-    if plan.q_src is None:  # decode: [bs, H, D] is already [bs * KVH, G, D]
+    if plan.decode:  # [bs, H, D] is already [bs * KVH, G, D]
         qg = q.reshape(bs * kvh, g, d)
-    else:  # the tokens into padded rows [bs, tq, KVH, G, D], then KV-head-major rows (t, g)
-        qg = q.index_select(0, plan.q_src).view(bs, tq, kvh, g, d).transpose(1, 2).reshape(bs * kvh, tq * g, d)
+    else:  # the tokens as rows [bs, tq, KVH, G, D] (padded where requests have fewer), KV-head-major (t, g)
+        qt = q if plan.q_src is None else q.index_select(0, plan.q_src)
+        qg = qt.view(bs, tq, kvh, g, d).transpose(1, 2).reshape(bs * kvh, tq * g, d)
     if qg.dtype != cdt:
         qg = qg.to(cdt)
     bias = plan.bias
@@ -151,7 +157,7 @@ def dense_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, p
         p = torch.softmax(s, -1)[..., :keys]
     else:
         p = torch.softmax(s, -1)
-    if plan.q_src is None:
+    if plan.decode:
         if v_scale == 1.0 and out.dtype == cdt and out.is_contiguous():
             torch.bmm(p, v, out=out.view(bs * kvh, g, dv))
             return
@@ -160,7 +166,11 @@ def dense_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, p
             o.mul_(v_scale)
         out.copy_(o.view(bs, kvh * g, dv))
         return
-    o = torch.bmm(p, v).view(bs, kvh, tq, g, dv)[plan.out_b, :, plan.out_t]  # [T, KVH, G, Dv]
+    o = torch.bmm(p, v).view(bs, kvh, tq, g, dv)
     if v_scale != 1.0:
         o.mul_(v_scale)
-    out.view(out.shape[0], kvh, g, dv).copy_(o)
+    o = o.transpose(1, 2) if plan.q_src is None else o[plan.out_b, :, plan.out_t]  # [bs, tq | T, KVH, G, Dv]
+    if out.is_contiguous():
+        out.view(o.shape).copy_(o)
+    else:
+        out.copy_(o.reshape(out.shape))

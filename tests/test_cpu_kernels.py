@@ -360,11 +360,13 @@ def _dense(case, mode, window=None, logit_cap=0.0, sinks=None, out_dtype=None, m
 
 @pytest.mark.parametrize("window", [None, 1, 3, 9])
 @pytest.mark.parametrize("window_list", [True, False])
-@pytest.mark.parametrize("mode", ["decode", "extend"])
+@pytest.mark.parametrize("mode", ["decode", "extend", "extend-uniform"])
 def test_dense_matches_chunked_kernels(window, window_list, mode):
-    """Mixed lengths (padding), prefixes and single-token rows, windows trimmed or masked, GQA."""
-    case = Case([5, 17, 1, 30], [1, 6, 1, 12] if mode == "extend" else [1, 1, 1, 1], h=6, kvh=2, d=8, dv=12,
-                window=window, window_list=window_list, seed=3)
+    """Mixed lengths (padding), prefixes and single-token rows, windows trimmed or masked, GQA; extend with
+    queries padded per request, or with as many for every request (no padding)."""
+    ext = {"decode": [1, 1, 1, 1], "extend": [1, 6, 1, 12], "extend-uniform": [4, 4, 4, 4]}[mode]
+    case = Case([5, 17, 4, 30], ext, h=6, kvh=2, d=8, dv=12, window=window, window_list=window_list, seed=3)
+    mode = mode.split("-")[0]
     got = _dense(case, mode, window)
     assert got is not None
     if mode == "decode":

@@ -67,6 +67,9 @@ class HybridRunner:
         # the host's copy of each row's frontier, moved by the release rule: steps where no frontier moves
         # (most of them: a request's frontier moves one page every page_size tokens) skip the release call
         self._host_frontiers: List[int] = [0] * pool_plan.max_running
+        # decode steps whose tokens all continue a page take last + 1 without an allocator call, except in
+        # debug mode (HWKV_DEBUG), where the allocator checks every continuation (its SWA page still mapped)
+        self._check_every_alloc = bool(self.cache.backend.debug)
         self.stats = RunnerStats(self.shape, pool_plan)
         self.requests: Dict[int, Request] = {}
         self.unclaimed: Dict[int, Result] = {}  # finished inside generate(), queued by add_request: pop them
@@ -207,11 +210,15 @@ class HybridRunner:
     def _allocate(self, rows: List[Row]) -> "tuple[ForwardBatch, torch.Tensor, torch.Tensor]":
         """Slots for every new token in one allocator call, req_to_token in one scatter, the ForwardBatch."""
         ids, pos, row_of = split_rows(rows)
-        host = torch.tensor([[r.req.row for r in rows], [r.prefix for r in rows],
-                             [r.prefix + r.n for r in rows], [r.n for r in rows],
-                             [max(r.prefix - 1, 0) for r in rows]], dtype=I64)
-        flat = torch.tensor([ids, pos, row_of], dtype=I64)
-        host_dev, flat_dev = _to_device(host, self.device), _to_device(flat, self.device)
+        bs, t = len(rows), len(ids)
+        # per request (row, prefix, seq, new tokens, prefix - 1) and per token (id, position, row): one host
+        # tensor, one copy to the device
+        both = torch.tensor([r.req.row for r in rows] + [r.prefix for r in rows] + [r.prefix + r.n for r in rows]
+                            + [r.n for r in rows] + [max(r.prefix - 1, 0) for r in rows] + ids + pos + row_of,
+                            dtype=I64)
+        host = both[:5 * bs].view(5, bs)
+        both_dev = _to_device(both, self.device)
+        host_dev, flat_dev = both_dev[:5 * bs].view(5, bs), both_dev[5 * bs:].view(3, t)
         rows_dev, prefix_dev, seq_dev, ext_dev, before_dev = host_dev
         rtt = self.cache.rtt.req_to_token
         last = rtt[rows_dev, before_dev]  # the slot of each request's token prefix - 1 (-1 for a new request)
@@ -220,7 +227,13 @@ class HybridRunner:
         decode = all(r.n == 1 and r.prefix > 0 for r in rows)
         if decode:
             mode = ForwardMode.DECODE
-            loc = self.cache.allocator.alloc_decode(seq_dev, last, seq_lens_cpu=host[2])
+            p = self.cache.plan.page_size
+            if p > 1 and not self._check_every_alloc and all(r.prefix % p for r in rows):
+                # every token continues its request's page: the allocator's continuation rule (pages are
+                # allocated whole, a slot's in-page offset is its position's) gives last + 1, no page moves
+                loc = last + 1
+            else:
+                loc = self.cache.allocator.alloc_decode(seq_dev, last, seq_lens_cpu=host[2])
         else:
             mode = ForwardMode.MIXED if any(not r.req.prefilling for r in rows) else ForwardMode.EXTEND
             loc = self.cache.allocator.alloc_extend(prefix_dev, seq_dev, last, len(ids), prefix_lens_cpu=host[1],

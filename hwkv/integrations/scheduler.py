@@ -49,8 +49,10 @@ class Request:
 
     def next_tokens(self, n: int) -> List[int]:
         """The n token ids this request feeds next (prompt chunk, or its last output token)."""
-        seq = self.prompt if self.prefilling else self.prompt + self.output
-        return seq[self.kv_len:self.kv_len + n]
+        p = len(self.prompt)
+        if self.kv_len < p:
+            return self.prompt[self.kv_len:self.kv_len + n]
+        return self.output[self.kv_len - p:self.kv_len - p + n]  # never a copy of prompt + output
 
     def add_token(self, token: int) -> bool:
         """Append a sampled token; True when the request is now finished."""
