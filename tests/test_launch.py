@@ -11,8 +11,9 @@ from hwkv_cuda.kernels import launch as L  # noqa: E402
 
 
 class Param:
-    def __init__(self, name, constexpr=False, default=None, has_default=False):
+    def __init__(self, name, constexpr=False, default=None, has_default=False, free=False):
         self.name, self.is_constexpr, self.default, self.has_default = name, constexpr, default, has_default
+        self.do_not_specialize = free
 
 
 class FakeKernel:
@@ -88,3 +89,14 @@ def test_unknown_conventions_and_interpreted_kernels_keep_the_jit(fake, monkeypa
     monkeypatch.setattr(L, "_CONVENTION", "all")
     monkeypatch.setattr(L, "JITFunction", type("Other", (), {}))  # e.g. Triton's InterpretedFunction
     assert not L.Launch(fake, (1,), (x, 32, 0.5), dict(BLOCK=16)).direct
+
+
+def test_ints_the_kernel_does_not_specialise_on_only_keep_their_width(fake):
+    fake.params[1].do_not_specialize = True
+    x = torch.zeros(64)
+    launch = L.Launch(fake, (1,), (x, 33, 0.5), dict(BLOCK=16))
+    launch(x, 1, 0.5)           # 1 and 16 would specialise a plain int; not this one
+    launch(x, 16, 0.5)
+    assert len(fake.direct_calls) == 2 and len(fake.jit_calls) == 1
+    launch(x, 2 ** 40, 0.5)     # but a 64-bit value is another signature
+    assert len(fake.jit_calls) == 2

@@ -16,7 +16,7 @@ read through both its strides.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import triton
@@ -25,6 +25,7 @@ import triton.language as tl
 from hwkv import pages
 from hwkv.pages import PageRing
 from hwkv_cuda.kernels.common import interpreting
+from hwkv_cuda.kernels.launch import Launch, launch
 
 # the error codes, as constants a jit'ed function may read
 ERR_CONT_RELEASED = tl.constexpr(pages.ERR_CONT_RELEASED)
@@ -216,6 +217,9 @@ def _block(n_gpu: int) -> int:
     return 16 if interpreting() else n_gpu
 
 
+_LAUNCHES: Dict[Tuple, Launch] = {}  # planned launches of the page ops, by kernel, batch and geometry
+
+
 class TritonPageOps:
     """hwkv.allocator's batched ops, one launch each (registered for cuda, musa, rocm and xpu)."""
 
@@ -226,11 +230,13 @@ class TritonPageOps:
         hybrid = swa is not None
         s = swa if hybrid else full
         seq, last = seq.contiguous(), last.contiguous()
-        _alloc_kernel[(seq.numel(),)](
-            seq, prefix.contiguous() if prefix is not None else seq, last, out, full.buf, heads[0], full.num_pages,
-            s.buf, heads[1] if hybrid else 0, s.num_pages, mapping if hybrid else full.buf, pages.op_key(full.op),
-            P=full.page_size, HYBRID=hybrid, DECODE=prefix is None, BLOCK_B=_block(256), BLOCK=_block(256),
-            num_warps=1 if interpreting() else 4)
+        launch(_LAUNCHES, ("alloc", seq.numel(), full.page_size, hybrid, prefix is None), _alloc_kernel,
+               (seq.numel(),),
+               (seq, prefix.contiguous() if prefix is not None else seq, last, out, full.buf, heads[0],
+                full.num_pages, s.buf, heads[1] if hybrid else 0, s.num_pages, mapping if hybrid else full.buf,
+                pages.op_key(full.op)),
+               dict(P=full.page_size, HYBRID=hybrid, DECODE=prefix is None, BLOCK_B=_block(256), BLOCK=_block(256),
+                    num_warps=1 if interpreting() else 4))
 
     @staticmethod
     def change_refs(full: PageRing, swa: Optional[PageRing], mapping: Optional[torch.Tensor], loc: torch.Tensor,
@@ -238,18 +244,19 @@ class TritonPageOps:
         hybrid = swa is not None
         s = swa if hybrid else full
         loc = loc.contiguous()
-        _refs_kernel[(1,)](
-            loc, loc.numel(), full.buf, full.num_pages, s.buf, s.num_pages, mapping if hybrid else full.buf, full.who,
-            pages.op_key(full.op), P=full.page_size, HYBRID=hybrid, FULL_DELTA=full_delta, SWA_DELTA=swa_delta,
-            BLOCK=_block(1024), num_warps=1 if interpreting() else 8)
+        launch(_LAUNCHES, ("refs", full.page_size, hybrid, full_delta, swa_delta), _refs_kernel, (1,),
+               (loc, loc.numel(), full.buf, full.num_pages, s.buf, s.num_pages, mapping if hybrid else full.buf,
+                full.who, pages.op_key(full.op)),
+               dict(P=full.page_size, HYBRID=hybrid, FULL_DELTA=full_delta, SWA_DELTA=swa_delta, BLOCK=_block(1024),
+                    num_warps=1 if interpreting() else 8))
 
     @staticmethod
     def release_window(full: PageRing, swa: PageRing, mapping: torch.Tensor, req_to_token: torch.Tensor,
                        rows: torch.Tensor, seq: torch.Tensor, frontiers: torch.Tensor, window: int) -> None:
         f = frontiers if frontiers.is_contiguous() else frontiers.contiguous()  # moved in place: copied back
-        _release_kernel[(frontiers.numel(),)](
-            req_to_token, req_to_token.stride(0), req_to_token.stride(1), rows.contiguous(), seq.contiguous(), f,
-            int(window), full.buf, full.num_pages, swa.buf, swa.num_pages, mapping, pages.op_key(full.op),
-            P=full.page_size, BLOCK=_block(128), num_warps=1 if interpreting() else 4)
+        launch(_LAUNCHES, ("release", frontiers.numel(), full.page_size), _release_kernel, (frontiers.numel(),),
+               (req_to_token, req_to_token.stride(0), req_to_token.stride(1), rows.contiguous(), seq.contiguous(), f,
+                int(window), full.buf, full.num_pages, swa.buf, swa.num_pages, mapping, pages.op_key(full.op)),
+               dict(P=full.page_size, BLOCK=_block(128), num_warps=1 if interpreting() else 4))
         if f is not frontiers:
             frontiers.copy_(f)

@@ -44,6 +44,11 @@ def _spec(v: Any) -> Hashable:
     return 0
 
 
+def _width(v: Any) -> Hashable:
+    """An unspecialised int's type as Triton derives it: 32 or 64 bits (anything else: its type)."""
+    return I32[0] <= v < I32[1] if type(v) is int else type(v)
+
+
 def _kind(v: Any) -> str:
     if isinstance(v, torch.Tensor):
         return "t"
@@ -64,7 +69,8 @@ class Launch:
     """One kernel launch planned: grid, constexprs and the compiled kernel (see module doc)."""
 
     __slots__ = ("kernel", "grid", "consts", "launcher", "function", "metadata", "tail", "device", "stream",
-                 "tensors", "tensor_key", "values", "value_key", "value_spec", "floats", "float_types")
+                 "tensors", "tensor_key", "values", "value_key", "value_spec", "floats", "float_types",
+                 "free", "free_key")
 
     def __init__(self, kernel: Any, grid: Tuple[int, ...], args: Sequence[Any], consts: Dict[str, Any]) -> None:
         self.kernel, self.consts = kernel, consts
@@ -89,8 +95,12 @@ class Launch:
             return  # constexprs passed positionally: keep the JIT path
         # what a later call is compared with (see _same): tensors by dtype and alignment, ints/None/bools by
         # value, floats by type (Triton never specialises a float's value)
-        pos = {kind: tuple(i for i, a in enumerate(args) if _kind(a) == kind) for kind in ("t", "v", "f")}
-        self.tensors, self.values, self.floats = (_getter(pos[k]) for k in ("t", "v", "f"))
+        # ints the kernel does not specialise on (do_not_specialize): only their width matters
+        free = {i for i, p in enumerate(kernel.params[:len(args)]) if getattr(p, "do_not_specialize", False)}
+        kinds = ["n" if i in free and _kind(a) == "v" else _kind(a) for i, a in enumerate(args)]
+        pos = {kind: tuple(i for i, k in enumerate(kinds) if k == kind) for kind in ("t", "v", "f", "n")}
+        self.tensors, self.values, self.floats, self.free = (_getter(pos[k]) for k in ("t", "v", "f", "n"))
+        self.free_key = tuple(map(_width, self.free(args)))
         self.tensor_key = tuple([(a.dtype, a.data_ptr() & 15) for a in self.tensors(args)])
         self.value_key, self.float_types = self.values(args), tuple(map(type, self.floats(args)))
         self.value_spec = tuple(map(_spec, self.value_key))
@@ -113,7 +123,8 @@ class Launch:
             values = self.values(args)
             return ((values == self.value_key or tuple(map(_spec, values)) == self.value_spec)
                     and tuple([(a.dtype, a.data_ptr() & 15) for a in self.tensors(args)]) == self.tensor_key
-                    and tuple(map(type, self.floats(args))) == self.float_types)
+                    and tuple(map(type, self.floats(args))) == self.float_types
+                    and tuple(map(_width, self.free(args))) == self.free_key)
         except (AttributeError, RuntimeError, TypeError):
             return False
 
