@@ -17,9 +17,10 @@ the same tokens. --json prints one object.
 
 --tiny is a smoke run sized to itself (about 10 s and 0.5 GB on a 2-core CPU): a 4-layer model with W=8,
 prompts of 32, 16 new tokens, batch sizes 1 and 8, one timed run per length, one CPU thread, hwkv at page 4
-prefilling 16 tokens a forward, and every cache sized to the run: hwkv's pools by default, transformers'
-paged cache --cb-blocks pages (by default what the batch needs) instead of half the free memory, which on
-a 24 GiB machine took most of a minute and gigabytes of RAM to set up.
+prefilling the whole batch's prompts in one forward as generate() does (--chunk 16 measures chunked prefill:
+at batch 32 that is 64 prefill forwards against generate()'s one), and every cache sized to the run: hwkv's
+pools by default, transformers' paged cache --cb-blocks pages (by default what the batch needs) instead of
+half the free memory, which on a 24 GiB machine took most of a minute and gigabytes of RAM to set up.
 """
 from __future__ import annotations
 
@@ -94,7 +95,8 @@ def _check(outputs: List[List[int]], n: int, method: str) -> None:
 
 
 def hwkv_method(model: Any, prompts: List[List[int]], new: int, device: str, args: argparse.Namespace) -> Dict:
-    with HybridRunner(model, max_running=len(prompts), context=len(prompts[0]) + new, chunk=args.chunk,
+    chunk = args.chunk or len(prompts) * len(prompts[0])  # tiny default: the batch's prompts in one forward
+    with HybridRunner(model, max_running=len(prompts), context=len(prompts[0]) + new, chunk=chunk,
                       page_size=args.page_size, graphs=args.graphs) as runner:
         def run(n: int) -> None:
             _check([r.tokens for r in runner.generate(prompts, SamplingParams(max_new_tokens=n))], n, "hwkv")
@@ -190,7 +192,8 @@ def main() -> None:
     p.add_argument("--batch-sizes", default=None, help="default 1,32 (tiny: 1,8)")
     p.add_argument("--prompt-len", type=int, default=None, help="default 512 (tiny: 32)")
     p.add_argument("--new", type=int, default=None, help="new tokens per request; default 128 (tiny: 16)")
-    p.add_argument("--chunk", type=int, default=None, help="hwkv: prefill tokens per forward; default 8192 (tiny: 16)")
+    p.add_argument("--chunk", type=int, default=None, help="hwkv: prefill tokens per forward; default 8192 (tiny: the "
+                   "batch's prompts, one forward)")
     p.add_argument("--page-size", type=int, default=None, help="hwkv: tokens per page; default 16 (tiny: 4)")
     p.add_argument("--graphs", default="auto", choices=("auto", "on", "off", "eager"))
     p.add_argument("--repeats", type=int, default=None, help="timed runs per length (median); default 3 (tiny: 1)")
@@ -212,7 +215,7 @@ def main() -> None:
     prompt_len = args.prompt_len or (32 if args.tiny else 512)
     new = args.new or (16 if args.tiny else 128)
     args.repeats = args.repeats or (1 if args.tiny else 3)
-    args.chunk = args.chunk or (16 if args.tiny else 8192)
+    args.chunk = args.chunk or (None if args.tiny else 8192)
     args.page_size = args.page_size or (4 if args.tiny else 16)
     args.batch_sizes = args.batch_sizes or ("1,8" if args.tiny else "1,32")
     model = build_model(args, device)
@@ -229,7 +232,7 @@ def main() -> None:
     setup = {"device": device, "dtype": str(model.dtype), "layers": args.layers, "tiny": args.tiny,
              "prompt_len": prompt_len, "new_tokens": new, "threads": torch.get_num_threads(),
              "batch_sizes": args.batch_sizes, "repeats": args.repeats, "page_size": args.page_size,
-             "chunk": args.chunk, "hf_continuous_batching": has_cb}
+             "chunk": args.chunk or "batch x prompt_len", "hf_continuous_batching": has_cb}
     if args.json:
         print(json.dumps({"schema": "hwkv-bench-transformers/1", "setup": setup, "rows": rows}, indent=2))
     else:
