@@ -85,6 +85,7 @@ class AttentionBackend(DraftMetadataMixin):
         self._token_arange: Optional[torch.Tensor] = None  # int32 [max_num_tokens + 1]: its qo_indptr
         self.draft_static = None  # hwkv.draft.DraftStatic, made by init_draft_graph_state
         self._graph_tables: List[Any] = []  # alloc_graph_tables per static buffer set (index: md.graph_step)
+        self._list_windows: Optional[torch.Tensor] = None  # [0, *windows] on the device, for the fused eager lists
 
     # ---- subclass hooks -------------------------------------------------------------------
     def alloc_graph_tables(self, static: StaticBuffers) -> Any:
@@ -130,27 +131,30 @@ class AttentionBackend(DraftMetadataMixin):
         write_loc = self._write_loc(batch.out_cache_loc, graph=False)
         swa = write_loc.swa_loc
         bs, decode = batch.batch_size, batch.forward_mode.is_decode()
-        seq = batch.seq_lens.to(torch.int64)
         seq_cpu, ext_cpu = batch.host_lens()
         # sizes from the host lengths, as Python ints: one read each, then host arithmetic only
-        seq_h, ext_h = seq_cpu.tolist(), ext_cpu.tolist()
-        if decode:  # one query per request: no extend lengths to sum on the device
-            ext = None
-            q_pos0 = seq - 1
-            qo_indptr = torch.arange(bs + 1, dtype=torch.int32, device=self.device)
+        seq_h = seq_cpu.tolist()
+        ext_h = [1] * bs if decode else ext_cpu.tolist()
+        # the same rule as window_pos0 on the host lengths, for sizes: max(0, seq - ext - W + 1)
+        win_lens = {w: [s - max(0, s - e - w + 1) for s, e in zip(seq_h, ext_h)] for w in self.windows}
+        ext = None if decode else batch.extend_lens().to(torch.int64)
+        kernels = ops.graph_refill_kernels(self.device.type) if self._fusable_refill and not self.debug else None
+        if kernels is not None and bs and batch.spec_info is None:  # the graph refill's launches, buffers sized here
+            q_pos0, qo_indptr, full, windows = self._eager_fused(batch, kernels, ext, seq_h, win_lens)
         else:
-            ext = batch.extend_lens().to(torch.int64)
-            q_pos0 = seq - ext
-            qo_indptr = cumsum_into(ext, torch.empty(bs + 1, dtype=torch.int32, device=self.device))
-        full = self._eager_list(batch, seq, torch.zeros_like(seq), sum(seq_h), None, max(seq_h, default=0),
-                                min_len=min(seq_h, default=0))
-        windows = {}
-        for w in self.windows:
-            pos0 = window_pos0(q_pos0, w)
-            # the same rule on the host lengths, for sizes: max(0, seq - ext - W + 1)
-            lens = [s - max(0, s - e - w + 1) for s, e in zip(seq_h, ext_h)]
-            windows[w] = self._eager_list(batch, seq, pos0, sum(lens), w, max(lens, default=0),
-                                          min_len=min(lens, default=0))
+            seq = batch.seq_lens.to(torch.int64)
+            if decode:  # one query per request: no extend lengths to sum on the device
+                q_pos0 = seq - 1
+                qo_indptr = torch.arange(bs + 1, dtype=torch.int32, device=self.device)
+            else:
+                q_pos0 = seq - ext
+                qo_indptr = cumsum_into(ext, torch.empty(bs + 1, dtype=torch.int32, device=self.device))
+            full = self._eager_list(batch, seq, torch.zeros_like(seq), sum(seq_h), None, max(seq_h, default=0),
+                                    min_len=min(seq_h, default=0))
+            windows = {}
+            for w, lens in win_lens.items():
+                windows[w] = self._eager_list(batch, seq, window_pos0(q_pos0, w), sum(lens), w, max(lens, default=0),
+                                              min_len=min(lens, default=0))
         md = ForwardMetadata(write_loc, swa, qo_indptr, q_pos0, full, windows, max(ext_h, default=0), bs, decode,
                              seq_lens_cpu=seq_cpu, extend_lens_cpu=ext_cpu)
         if batch.spec_info is not None:  # a verify tree (DraftTree) or another mode's draft info
@@ -215,6 +219,34 @@ class AttentionBackend(DraftMetadataMixin):
                                          graph=md.graph)
         if not md.graph:  # no host lengths of its lists (tree depths live on the device): None
             self.init_kernel_metadata(md.tree_decode, batch, graph=False)
+
+    def _eager_fused(self, batch: ForwardBatch, kernels: ops.GraphRefillKernels, ext: Optional[torch.Tensor],
+                     seq_h: List[int], win_lens: Dict[int, List[int]]) -> Tuple[torch.Tensor, torch.Tensor,
+                                                                                KVIndexList, Dict[int, KVIndexList]]:
+        """Eager lists through the device's fused refill kernels (one launch for positions, qo_indptr, every
+        indptr/pos0 and the full list; one per window list, gathered and translated at once) into buffers
+        sized from the host lengths: 2 + len(windows) launches instead of a dozen torch ops per list."""
+        bs, dev, nl = batch.batch_size, self.device, 1 + len(self.windows)
+        if self._list_windows is None:
+            self._list_windows = torch.tensor([0] + list(self.windows), dtype=torch.int64, device=dev)
+        i64, i32 = dict(dtype=torch.int64, device=dev), dict(dtype=torch.int32, device=dev)
+        lens, q_pos0 = torch.empty(bs, **i64), torch.empty(bs, **i64)
+        qo_indptr = torch.empty(bs + 1, **i32)
+        list_indptr, list_pos0 = torch.empty(nl, bs + 1, **i32), torch.empty(nl, bs, **i64)
+        full_indices = torch.empty(sum(seq_h), **i64)
+        rtt = self.req_to_token_pool.req_to_token
+        kernels.fill_lists(rtt, batch.req_pool_indices, batch.seq_lens, ext, self._list_windows, lens, q_pos0, qo_indptr, list_indptr, list_pos0, full_indices)
+        full = KVIndexList(list_indptr[0], full_indices, list_pos0[0], None, max(seq_h), False, min(seq_h))
+        windows = {}
+        for i, (w, wl) in enumerate(win_lens.items()):
+            indptr, pos0 = list_indptr[1 + i], list_pos0[1 + i]
+            indices = torch.empty(sum(wl), **i64)
+            if self.hybrid:
+                self._translate_window(LocRuns(rtt, batch.req_pool_indices, pos0, indptr), out=indices)
+            else:
+                ops.fill_kv_indices(rtt, batch.req_pool_indices, pos0, indptr, indices)
+            windows[w] = KVIndexList(indptr, indices, pos0, w, max(wl), self.hybrid, min(wl))
+        return q_pos0, qo_indptr, full, windows
 
     def _eager_list(self, batch: ForwardBatch, seq: torch.Tensor, pos0: torch.Tensor, total: int,
                     window: Optional[int], max_len: int, min_len: int = 0) -> KVIndexList:

@@ -271,3 +271,32 @@ def test_two_windows_and_a_plain_pool(mode, new, monkeypatch, launches):
         assert_same(h, ref, got, 4)
         assert_matches_eager(h, md, batch)
         assert counts[1] == (expect, [])
+
+
+def eager_both(h, batch, monkeypatch):
+    """Eager metadata through the torch lists and through the fused refill kernels (buffers sized per forward)."""
+    out = []
+    for on in (False, True):
+        fused(monkeypatch, on)
+        out.append(h.backend.init_forward_metadata(batch))
+    return out
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_eager_metadata_through_the_fused_kernels_matches_torch(mode, page_size, monkeypatch):
+    """The eager path on devices with refill kernels: 2 + windows launches instead of a dozen ops per list;
+    every list, length bound and position equal to the torch path's on the same random batch."""
+    gen = torch.Generator().manual_seed(page_size)
+    h = harness(page_size, windows=[W, 3])
+    lens = torch.randint(1, 40, (5,), generator=gen).tolist()
+    rids = warm(h, lens)
+    new = [1] * 5 if mode == ForwardMode.DECODE else torch.randint(1, 7, (5,), generator=gen).tolist()
+    batch = h.make_batch(rids, new, mode)
+    ref, got = eager_both(h, batch, monkeypatch)
+    assert torch.equal(ref.q_pos0, got.q_pos0) and torch.equal(ref.qo_indptr, got.qo_indptr)
+    assert torch.equal(ref.swa_out_cache_loc, got.swa_out_cache_loc) and ref.max_q_len == got.max_q_len
+    for a, b in [(ref.full, got.full)] + [(ref.windows[w], got.windows[w]) for w in ref.windows]:
+        assert torch.equal(a.indptr, b.indptr) and torch.equal(a.pos0, b.pos0) and torch.equal(a.indices, b.indices)
+        assert (a.max_len, a.min_len, a.is_swa_slots, a.window) == (b.max_len, b.min_len, b.is_swa_slots, b.window)
+    assert h.backend.window_translations >= 2 * len(ref.windows)  # still one counted translation per list
