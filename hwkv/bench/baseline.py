@@ -59,7 +59,8 @@ class PerLayerTranslation:
         fill_list(self.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens.to(torch.int64),
                   kv.pos0, indptr, locs)
         swa = self.pool.translate_loc_from_full_to_swa(locs)
-        return dataclasses.replace(kv, indptr=indptr, indices=swa, is_swa_slots=True)
+        # table: a backend's per-forward gather of the list (CPU) holds full-pool locs; this list is rebuilt
+        return dataclasses.replace(kv, indptr=indptr, indices=swa, is_swa_slots=True, table=None)
 
     def _layer_metadata(self, md: ForwardMetadata, layer: AttentionLayer, batch: ForwardBatch) -> ForwardMetadata:
         swa_loc = self.pool.translate_loc_from_full_to_swa(md.write_loc.loc)
