@@ -119,7 +119,13 @@ class AttentionBackend(DraftMetadataMixin):
         return self.pool.get_key_buffer(layer.layer_id), self.pool.get_value_buffer(layer.layer_id)
 
     def is_swa_group(self, layer: AttentionLayer) -> bool:
-        return self.hybrid and self.pool.layers_mapping[layer.layer_id][1]
+        if not self.hybrid:
+            return False
+        group = self.pool.layers_mapping.get(layer.layer_id)
+        if group is None:
+            raise ConfigError(f"layer {layer.layer_id} is in neither group of the pool; its layer ids are "
+                              f"{sorted(self.pool.layers_mapping)}")
+        return group[1]
 
     # ---- eager metadata ----------------------------------------------------------------------
     def init_forward_metadata(self, batch: ForwardBatch) -> ForwardMetadata:

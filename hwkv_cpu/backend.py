@@ -67,6 +67,7 @@ class TorchCPUBackend(KernelSetBackend):
         super().__init__(pool, req_to_token_pool, **options)
         self.ipex_reason: Optional[str] = self._ipex_reason()  # None: IPEX ops in use where they fit
         self._head_maps: Dict[Tuple[int, int], torch.Tensor] = {}
+        self._cols = torch.arange(256, dtype=torch.int64)  # see _columns
 
     def _ipex_reason(self) -> Optional[str]:
         if not self.options.ipex:
@@ -87,7 +88,7 @@ class TorchCPUBackend(KernelSetBackend):
             return super()._eager_list(batch, seq, pos0, total, window, max_len, min_len)
         rtt = self.req_to_token_pool.req_to_token
         uniform = min_len == max_len  # every request lists max_len keys: no padding, no clamping
-        col = torch.arange(max_len, dtype=torch.int64)
+        col = self._columns(max_len)
         pos = col if window is None else pos0[:, None] + col  # the full list starts at 0
         if not uniform:
             pos = pos.clamp(max=rtt.shape[1] - 1)
@@ -105,6 +106,13 @@ class TorchCPUBackend(KernelSetBackend):
         if swa_slots and self.debug:
             self._check_not_evicted(indices, window)
         return KVIndexList(indptr, indices, pos0, window, max_len, swa_slots, min_len, table)
+
+    def _columns(self, n: int) -> torch.Tensor:
+        """arange(n) as a view of one kept arange (grown by doubling; read only, never written)."""
+        cols = self._cols
+        if cols.shape[0] < n:
+            cols = self._cols = torch.arange(max(n, 2 * cols.shape[0]), dtype=torch.int64)
+        return cols[:n]
 
     # ---- metadata: IPEX's slot tables, once per forward --------------------------------------------
     def alloc_graph_tables(self, static: StaticBuffers) -> Optional[ipex.GraphTables]:

@@ -67,15 +67,17 @@ def plan_dense(indptr: torch.Tensor, indices: torch.Tensor, pos0: torch.Tensor, 
     (`KVIndexList.table`) where the metadata step built it, else gathered here. all_visible: decode where
     every request lists max_len keys ending at its query, so only a window shorter than that hides any."""
     bs = int(pos0.shape[0])
-    n = min(int(indptr[-1]), int(indices.shape[0])) if bs else 0  # listed entries (a graph buffer's tail is not)
     decode = qo_indptr is None
     tq = 1 if decode else int(max_q_len)
     keys = int(max_len)
-    if bs == 0 or keys <= 0 or n == 0 or tq <= 0:
+    if bs == 0 or keys <= 0 or tq <= 0 or indices.shape[0] == 0:
         return None
     if bs * keys * (kvh * (d + dv) + kvh * g * tq) > max_elements:
         return None
     if table is None:
+        n = min(int(indptr[-1]), int(indices.shape[0]))  # listed entries (a graph buffer's tail is not)
+        if n == 0:
+            return None
         col = torch.arange(keys, dtype=I64)
         start = indptr[:-1].to(I64)
         table = indices[(start[:, None] + col).clamp_(max=n - 1)]  # padding reads listed slots, masked below

@@ -83,15 +83,16 @@ class ForwardContext:
         if query.shape[0] != 1:
             raise ShapeError(f"hwkv attention takes the batch packed into one row (B=1), got query {list(query.shape)}")
         layer = self.table.get(module, query, key, value, scaling, sliding_window, softcap, sinks)
-        q, k, v = (_tokens_major(t) for t in (query, key, value))
-        out = self.backend.forward(q, k, v, layer, self.batch)
+        out = self.backend.forward(_tokens_major(query), _tokens_major(key), _tokens_major(value), layer, self.batch)
         return out.unsqueeze(0)
 
 
 def _tokens_major(t: torch.Tensor) -> torch.Tensor:
-    """[1, H, T, D] -> [T, H, D] (a view; a copy only when D is not the innermost dimension)."""
-    t = t[0].transpose(0, 1)
-    return t if t.stride(-1) == 1 else t.contiguous()
+    """[1, H, T, D] -> [T, H, D] (one view; a copy only when D is not the innermost dimension)."""
+    _, h, n, d = t.shape
+    _, sh, sn, sd = t.stride()
+    t = t.as_strided((n, h, d), (sn, sh, sd), t.storage_offset())
+    return t if sd == 1 else t.contiguous()
 
 
 def hwkv_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -209,6 +209,8 @@ class HybridRunner:
 
     def _allocate(self, rows: List[Row]) -> "tuple[ForwardBatch, torch.Tensor, torch.Tensor]":
         """Slots for every new token in one allocator call, req_to_token in one scatter, the ForwardBatch."""
+        if all(r.n == 1 and r.prefix > 0 for r in rows):
+            return self._allocate_decode(rows)
         ids, pos, row_of = split_rows(rows)
         bs, t = len(rows), len(ids)
         # per request (row, prefix, seq, new tokens, prefix - 1) and per token (id, position, row): one host
@@ -224,24 +226,34 @@ class HybridRunner:
         last = rtt[rows_dev, before_dev]  # the slot of each request's token prefix - 1 (-1 for a new request)
         if any(r.prefix == 0 for r in rows):
             last = torch.where(prefix_dev > 0, last, -1)
-        decode = all(r.n == 1 and r.prefix > 0 for r in rows)
-        if decode:
-            mode = ForwardMode.DECODE
-            p = self.cache.plan.page_size
-            if p > 1 and not self._check_every_alloc and all(r.prefix % p for r in rows):
-                # every token continues its request's page: the allocator's continuation rule (pages are
-                # allocated whole, a slot's in-page offset is its position's) gives last + 1, no page moves
-                loc = last + 1
-            else:
-                loc = self.cache.allocator.alloc_decode(seq_dev, last, seq_lens_cpu=host[2])
-        else:
-            mode = ForwardMode.MIXED if any(not r.req.prefilling for r in rows) else ForwardMode.EXTEND
-            loc = self.cache.allocator.alloc_extend(prefix_dev, seq_dev, last, len(ids), prefix_lens_cpu=host[1],
-                                                    seq_lens_cpu=host[2])
+        mode = ForwardMode.MIXED if any(not r.req.prefilling for r in rows) else ForwardMode.EXTEND
+        loc = self.cache.allocator.alloc_extend(prefix_dev, seq_dev, last, t, prefix_lens_cpu=host[1],
+                                                seq_lens_cpu=host[2])
         rtt[flat_dev[2], flat_dev[1]] = loc
-        batch = ForwardBatch(mode, len(rows), rows_dev, seq_dev, loc, prefix_dev, ext_dev, positions=flat_dev[1],
+        batch = ForwardBatch(mode, bs, rows_dev, seq_dev, loc, prefix_dev, ext_dev, positions=flat_dev[1],
                              seq_lens_cpu=host[2], extend_seq_lens_cpu=host[3])
         return batch, flat_dev[0], flat_dev[1]
+
+    def _allocate_decode(self, rows: List[Row]) -> "tuple[ForwardBatch, torch.Tensor, torch.Tensor]":
+        """A decode step: one token per request at position prefix (its row, position, position - 1, length
+        after, token id: one host tensor, one copy to the device), one slot each, one scatter."""
+        both = torch.tensor([r.req.row for r in rows] + [r.prefix for r in rows] + [r.prefix - 1 for r in rows]
+                            + [r.prefix + 1 for r in rows] + [r.req.next_tokens(1)[0] for r in rows], dtype=I64)
+        bs = len(rows)
+        seq_cpu = both[3 * bs:4 * bs]
+        rows_dev, pos_dev, before_dev, seq_dev, ids_dev = _to_device(both, self.device).view(5, bs)
+        rtt = self.cache.rtt.req_to_token
+        last = rtt[rows_dev, before_dev]  # each request's slot of its previous token
+        p = self.cache.plan.page_size
+        if p > 1 and not self._check_every_alloc and all(r.prefix % p for r in rows):
+            # every token continues its request's page: the allocator's continuation rule (pages are allocated
+            # whole, a slot's in-page offset is its position's) gives last + 1, and no page moves
+            loc = last + 1
+        else:
+            loc = self.cache.allocator.alloc_decode(seq_dev, last, seq_lens_cpu=seq_cpu)
+        rtt[rows_dev, pos_dev] = loc
+        batch = ForwardBatch(ForwardMode.DECODE, bs, rows_dev, seq_dev, loc, positions=pos_dev, seq_lens_cpu=seq_cpu)
+        return batch, ids_dev, pos_dev
 
     def _forward(self, rows: List[Row], batch: ForwardBatch, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Metadata once, the model over the packed tokens (a graph replay for decode), the next tokens."""
