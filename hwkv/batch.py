@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import torch
 
-from hwkv.errors import ShapeError
+from hwkv.errors import ConfigError, ShapeError
 
 
 class ForwardMode(enum.IntEnum):
@@ -51,6 +51,10 @@ class ForwardBatch:
     extend_seq_lens_cpu: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.forward_mode, ForwardMode):  # e.g. "decode": typed here, not an AttributeError below
+            members = ", ".join(f"ForwardMode.{m}" for m in ForwardMode.__members__)
+            raise ConfigError(f"forward_mode is {self.forward_mode!r} ({type(self.forward_mode).__name__}), not a "
+                              f"ForwardMode; use one of {members}")
         if self.forward_mode.is_idle():
             return
         for name in ("req_pool_indices", "seq_lens"):

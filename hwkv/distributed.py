@@ -175,7 +175,7 @@ def cp_allgather_and_save_kv(pool: Pool, layer: AttentionLayer, write_loc: KVWri
     more small all-gather and one host read per layer, and any rank's bad input raises the same typed
     error on every rank (ranks saving different layers included) with no pool written.
 
-    Without `shards` (DESIGN.md's `cp_allgather_and_save_kv(pool, layer, write_loc, k, v, group)`) the
+    Without `shards` (the public `cp_allgather_and_save_kv(pool, layer, write_loc, k, v, group)`) the
     call plans itself: one agreement per call (plan and this layer's checks in one small all-gather, one
     host read) before the K/V gather, so bad input on any rank raises on every rank. Engines should plan
     once per forward and pass `shards=`.

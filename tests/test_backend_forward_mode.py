@@ -29,3 +29,26 @@ def test_a_forward_mode_that_is_not_a_forward_mode_is_a_config_error(mode):
     assert before[:2] == after[:2] and torch.equal(before[2], after[2])
     batch.forward_mode = ForwardMode.DECODE
     assert backend.init_forward_metadata(batch).full.window is None  # the same batch runs once it is fixed
+
+
+@pytest.mark.parametrize("mode", ["decode", 2, None])
+def test_a_batch_built_with_a_mode_that_is_not_a_forward_mode_is_a_config_error(mode):
+    with pytest.raises(ConfigError, match=rf"forward_mode is {mode!r} .*not a ForwardMode; use one of"):
+        ForwardBatch(mode, 1, torch.tensor([0]), torch.tensor([1]), torch.tensor([16]))
+
+
+def test_a_layer_the_pool_lacks_is_a_config_error_naming_its_ids():
+    pool = SWAKVPool(64, 64, 16, torch.float32, 2, 8, [0], [1], "cpu")
+    alloc = SWATokenToKVPoolAllocator(64, 64, 16, "cpu", pool)
+    rtt = hwkv.ReqToTokenPool(size=2, max_context_len=64, device="cpu")
+    backend = hwkv.make_backend(pool, rtt, sliding_window=8)
+    row = rtt.alloc(1)[0]
+    loc = alloc.alloc_extend(prefix_lens=[0], seq_lens=[1], last_loc=[0], extend_num_tokens=1)
+    rtt.write(row, 0, loc)
+    batch = ForwardBatch(ForwardMode.DECODE, 1, torch.tensor([row]), torch.tensor([1]), loc)
+    backend.init_forward_metadata(batch)
+    q, kv = torch.randn(1, 4, 8), torch.randn(1, 2, 8)
+    with pytest.raises(ConfigError, match=r"layer_id 5 is in neither group|layer 5 is in neither group"):
+        backend.forward(q, kv, kv, hwkv.AttentionLayer(5, 4, 2, 8), batch)
+    with pytest.raises(ConfigError, match=r"layer 5 is in neither group of the pool; its layer ids are \[0, 1\]"):
+        backend.forward(q, None, None, hwkv.AttentionLayer(5, 4, 2, 8), batch, save_kv_cache=False)

@@ -36,7 +36,7 @@ from hwkv.pool import SWAKVPool
 
 I64 = torch.int64
 EXTEND, DECODE = ForwardMode.EXTEND, ForwardMode.DECODE
-# how a forward saves: "plan" cp_plan(pool=) once then shards=; "self" DESIGN.md's plan-less signature;
+# how a forward saves: "plan" cp_plan(pool=) once then shards=; "self" the public plan-less signature;
 # "debug" HWKV_DEBUG=1 while planning; "rank0" cp_plan(check_ranks=True) on rank 0 only
 PLAN, SELF, DEBUG, RANK0 = "plan", "self", "debug", "rank0"
 
@@ -60,7 +60,7 @@ SCENARIOS: Dict[int, Scenario] = {
     2: Scenario(page_size=1, window=8, size=256, size_swa=64, layer_is_swa=(True, False, True, False),
                 head_dim=16, v_head_dim=16,
                 steps=((EXTEND, (5, 13, 20), None, PLAN),         # requests longer than W, equal shards
-                       (EXTEND, (3, 9, 6), (11, 7), SELF),        # chunked prefill, DESIGN.md's signature
+                       (EXTEND, (3, 9, 6), (11, 7), SELF),        # chunked prefill, the public signature
                        (DECODE, (1, 1, 1), None, PLAN),           # 3 tokens over 2 ranks
                        (EXTEND, (12, 1, 4), (0, 17), PLAN),       # an empty shard
                        (DECODE, (1, 1, 1), None, DEBUG))),

@@ -1,4 +1,4 @@
-"""The contract tests (DESIGN.md, "Contracts every backend passes"). Needs a `hwkv_target` fixture."""
+"""The contract tests every backend passes (docs/architecture.md, "Contracts"). Needs a `hwkv_target` fixture."""
 from __future__ import annotations
 
 import pytest
