@@ -60,13 +60,13 @@ def check_device(device: Union[str, torch.device]) -> torch.device:
     return dev
 
 
-def device_free_bytes(device: Union[str, torch.device]) -> Optional[int]:
-    """Memory free for new buffers on `device`: MemAvailable on the CPU (free RAM plus reclaimable cache),
-    the runtime's mem_get_info on accelerators; None when the device cannot say."""
+def device_free_bytes(device: Union[str, torch.device], meminfo: str = "/proc/meminfo") -> Optional[int]:
+    """Memory free for new buffers on `device`: MemAvailable on the CPU (free RAM plus reclaimable cache; else
+    sysconf's free pages), the runtime's mem_get_info on accelerators; None when the device cannot say."""
     dev = torch.device(device)
     if dev.type == "cpu":
         try:
-            with open("/proc/meminfo") as f:
+            with open(meminfo) as f:
                 for line in f:
                     if line.startswith("MemAvailable:"):
                         return int(line.split()[1]) * 1024

@@ -5,7 +5,6 @@ Nothing here imports transformers: a config is read through its attributes only.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple, Union
 
@@ -16,7 +15,7 @@ from hwkv.allocator import PagedTokenToKVPoolAllocator, ReqToTokenPool, SWAToken
 from hwkv.bench.plan import format_bytes, parse_bytes, plan, round_up, swa_tokens_per_request
 from hwkv.bench.presets import ModelShape
 from hwkv.errors import ConfigError
-from hwkv.pool import MHATokenToKVPool, SWAKVPool
+from hwkv.pool import MHATokenToKVPool, SWAKVPool, device_free_bytes
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # The default KV budget (no memory= given) is what the requests need, capped at a fraction of the device's free
@@ -139,20 +138,12 @@ def kv_bytes_needed(shape: ModelShape, context: int, page_size: int, max_running
 
 
 def available_ram_bytes(meminfo: str = MEMINFO) -> int:
-    """RAM the kernel says can be allocated without swapping: /proc/meminfo's MemAvailable (free memory plus
-    reclaimable caches), else the free pages `os.sysconf` reports."""
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
+    """RAM the kernel says can be allocated without swapping (`hwkv.pool.device_free_bytes` on the CPU)."""
+    free = device_free_bytes("cpu", meminfo)
+    if free is None:
         raise ConfigError("cannot read the available RAM (no /proc/meminfo MemAvailable, no "
-                          "sysconf SC_AVPHYS_PAGES): give memory= explicitly") from None
+                          "sysconf SC_AVPHYS_PAGES): give memory= explicitly")
+    return free
 
 
 def free_device_bytes(device: torch.device) -> int:

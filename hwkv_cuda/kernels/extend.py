@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from hwkv.checks import values_checkable
 from hwkv.errors import ShapeError
 from hwkv.spec import TreeMask, check_tree_mask
 from hwkv_cuda.kernels.launch import Launch, launch
