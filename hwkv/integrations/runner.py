@@ -1,11 +1,13 @@
 """HybridRunner: a Hugging Face causal LM generating through hwkv's hybrid cache, continuously batched.
 
 One step is one forward: the scheduler picks the rows (every decoding request,
-then prompt chunks), the allocator serves the whole batch in one call and req_to_token gets one scatter,
+then prompt chunks), the allocator serves the whole batch in one call (none in a decode step whose tokens
+all continue their pages: each slot follows its predecessor's) and req_to_token gets one scatter,
 the backend's metadata step runs once, the model runs with every request packed into one row (B=1,
 position_ids per token, `use_cache=False`: attention is the only place tokens meet, and hwkv does it per
-request), one out-of-window release for the batch, the sampled tokens back to the host (the step's one wait
-for the device), and one free for the requests that finished. Decode-only forwards replay graphs where the device
+request), one out-of-window release for the batch (in the steps where some request's frontier moves), the
+sampled tokens back to the host (the step's one wait for the device), and one free for the requests that
+finished. Host work is a constant number of torch calls per step, none per request or per layer. Decode-only forwards replay graphs where the device
 has them (`graphs=`). The model's attention implementation is "hwkv" while the runner is open; `close()`
 restores it.
 """
@@ -70,6 +72,7 @@ class HybridRunner:
         # decode steps whose tokens all continue a page take last + 1 without an allocator call, except in
         # debug mode (HWKV_DEBUG), where the allocator checks every continuation (its SWA page still mapped)
         self._check_every_alloc = bool(self.cache.backend.debug)
+        self._pools_changed = False  # this step called the allocator (the KV held may have moved)
         self.stats = RunnerStats(self.shape, pool_plan)
         self.requests: Dict[int, Request] = {}
         self.unclaimed: Dict[int, Result] = {}  # finished inside generate(), queued by add_request: pop them
@@ -196,12 +199,14 @@ class HybridRunner:
         rows = self.scheduler.schedule()
         if not rows:
             return []
+        self._pools_changed = bool(admitted)
         with torch.no_grad():
             batch, ids, pos = self._allocate(rows)
             tokens = self._forward(rows, batch, ids, pos)
             self._release(batch, rows)
         new = tokens.tolist()  # the sampled tokens: the step's one wait for the device
-        self.stats.record_memory(self.cache.held_slots())  # two scalar reads, after that wait
+        if self._pools_changed:  # slots are taken and given back only by allocator calls: else the same as before
+            self.stats.record_memory(self.cache.held_slots())  # two scalar reads, after that wait
         prefill = sum(r.n for r in rows if r.prefix < len(r.req.prompt))
         finished = self._complete(rows, new)
         self.stats.record_step(batch.forward_mode, prefill, len(new), time.perf_counter() - t0)
@@ -227,6 +232,7 @@ class HybridRunner:
         if any(r.prefix == 0 for r in rows):
             last = torch.where(prefix_dev > 0, last, -1)
         mode = ForwardMode.MIXED if any(not r.req.prefilling for r in rows) else ForwardMode.EXTEND
+        self._pools_changed = True
         loc = self.cache.allocator.alloc_extend(prefix_dev, seq_dev, last, t, prefix_lens_cpu=host[1],
                                                 seq_lens_cpu=host[2])
         rtt[flat_dev[2], flat_dev[1]] = loc
@@ -250,6 +256,7 @@ class HybridRunner:
             # whole, a slot's in-page offset is its position's) gives last + 1, and no page moves
             loc = last + 1
         else:
+            self._pools_changed = True
             loc = self.cache.allocator.alloc_decode(seq_dev, last, seq_lens_cpu=seq_cpu)
         rtt[rows_dev, pos_dev] = loc
         batch = ForwardBatch(ForwardMode.DECODE, bs, rows_dev, seq_dev, loc, positions=pos_dev, seq_lens_cpu=seq_cpu)
@@ -303,6 +310,7 @@ class HybridRunner:
                 host_f[r.req.row], moves = f, True
         if not moves:
             return
+        self._pools_changed = True
         f = self.frontiers[batch.req_pool_indices]
         release_out_of_window_batch(self.cache.allocator, self.cache.rtt.req_to_token, batch.req_pool_indices,
                                     batch.seq_lens, f, self.window)
