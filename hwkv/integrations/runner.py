@@ -8,8 +8,8 @@ position_ids per token, `use_cache=False`: attention is the only place tokens me
 request), one out-of-window release for the batch (in the steps where some request's frontier moves), the
 sampled tokens back to the host (the step's one wait for the device), and one free for the requests that
 finished. Host work is a constant number of torch calls per step, none per request; a layer only stores
-and attends. Decode-only forwards replay graphs where the device has them (`graphs=`). The model's attention implementation is "hwkv" while the runner is open; `close()`
-restores it.
+and attends. Decode-only forwards replay graphs where the device has them (`graphs=`). The model's attention
+implementation is "hwkv" while the runner is open; `close()` restores it.
 """
 from __future__ import annotations
 
