@@ -205,6 +205,26 @@ class PagedTokenToKVPoolAllocator:
         ops.alloc_extend(self.pages, self._swa, self._mapping, prefix, seq, last, out, plan.pages, heads, decode)
         return out
 
+    def reserve(self, pages: int) -> List[int]:
+        """Claim `pages` pages of every ring for an allocation the device runs later (a captured decode step):
+        the room is settled here, on the host's bound of free pages (OutOfSlotsError, nothing changed, when
+        they might not fit); returns the rings' heads (mod their sizes) for `alloc_reserved`."""
+        if not isinstance(pages, int) or pages < 0:
+            raise ConfigError(f"reserve({pages!r}) needs an int >= 0")
+        self._check_room(pages)
+        heads = [r.take(pages) for r in self._rings()]
+        self._next_op()
+        return heads
+
+    def alloc_reserved(self, prefix: torch.Tensor, seq: torch.Tensor, last: torch.Tensor, out: torch.Tensor,
+                       heads: Union[List[int], torch.Tensor], pages: int) -> None:
+        """Slots for tokens [prefix, seq) of each request, from the pages `reserve` claimed, into `out` (token
+        order). `heads`: reserve's list, or an int64 device tensor holding it (read when the kernel runs, so a
+        captured step takes the heads the host writes before each replay). A request with prefix == seq takes
+        nothing (a graph bucket's padding). The caller planned it: nothing is checked here."""
+        (self._ops or TORCH_OPS).alloc_extend(self.pages, self._swa, self._mapping, prefix, seq, last, out, pages,
+                                              heads, False)
+
     def _check_continuations(self, prefix, seq, last, plan, decode) -> None:
         """Hybrid only: a request continuing a partial page must still own that page's SWA slots."""
 
@@ -447,6 +467,8 @@ class TorchPageOps:
                      prefix: Optional[torch.Tensor], seq: torch.Tensor, last: torch.Tensor, out: torch.Tensor,
                      k: int, heads: List[int], decode: bool) -> None:
         p, dev, n = full.page_size, out.device, out.numel()
+        if isinstance(heads, torch.Tensor):  # a captured step's heads: on the CPU a read costs nothing
+            heads = heads.tolist()
         if prefix is None:
             prefix = seq - 1
         ext = seq - prefix

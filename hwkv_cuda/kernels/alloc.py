@@ -76,9 +76,12 @@ def _parts(buf, n):
 
 
 @triton.jit(do_not_specialize=["head_f", "head_s", "opk"])
-def _alloc_kernel(seq, prefix, last, out, buf_f, head_f, n_full, buf_s, head_s, n_swa, mapping, opk,
-                  P: tl.constexpr, HYBRID: tl.constexpr, DECODE: tl.constexpr,
+def _alloc_kernel(seq, prefix, last, out, buf_f, head_f, n_full, buf_s, head_s, n_swa, mapping, opk, heads,
+                  P: tl.constexpr, HYBRID: tl.constexpr, DECODE: tl.constexpr, HEADS_PTR: tl.constexpr,
                   BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
+    if HEADS_PTR:  # the ring heads from device memory (a captured step: the host writes them before a replay)
+        head_f = tl.load(heads).to(tl.int64)
+        head_s = tl.load(heads + 1).to(tl.int64)
     ring_f, refs_f, tail_f, err = _parts(buf_f, n_full)
     ring_s, refs_s, tail_s, err_s = _parts(buf_s, n_swa)
     mod_f = tl.maximum(n_full, 1)
@@ -230,13 +233,14 @@ class TritonPageOps:
         hybrid = swa is not None
         s = swa if hybrid else full
         seq, last = seq.contiguous(), last.contiguous()
-        launch(_LAUNCHES, ("alloc", seq.numel(), full.page_size, hybrid, prefix is None), _alloc_kernel,
+        on_device = isinstance(heads, torch.Tensor)  # [head_full, head_swa] read by the kernel (graph replays)
+        launch(_LAUNCHES, ("alloc", seq.numel(), full.page_size, hybrid, prefix is None, on_device), _alloc_kernel,
                (seq.numel(),),
-               (seq, prefix.contiguous() if prefix is not None else seq, last, out, full.buf, heads[0],
-                full.num_pages, s.buf, heads[1] if hybrid else 0, s.num_pages, mapping if hybrid else full.buf,
-                pages.op_key(full.op)),
-               dict(P=full.page_size, HYBRID=hybrid, DECODE=prefix is None, BLOCK_B=_block(256), BLOCK=_block(256),
-                    num_warps=1 if interpreting() else 4))
+               (seq, prefix.contiguous() if prefix is not None else seq, last, out, full.buf,
+                0 if on_device else heads[0], full.num_pages, s.buf, 0 if on_device or not hybrid else heads[1],
+                s.num_pages, mapping if hybrid else full.buf, pages.op_key(full.op), heads if on_device else seq),
+               dict(P=full.page_size, HYBRID=hybrid, DECODE=prefix is None, HEADS_PTR=on_device, BLOCK_B=_block(256),
+                    BLOCK=_block(256), num_warps=1 if interpreting() else 4))
 
     @staticmethod
     def change_refs(full: PageRing, swa: Optional[PageRing], mapping: Optional[torch.Tensor], loc: torch.Tensor,

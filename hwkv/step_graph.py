@@ -1,0 +1,162 @@
+"""DecodeStepGraph: the whole decode step in one graph per batch bucket.
+
+One replay runs what an engine's decode step runs (steps 1-5 of a forward, docs/architecture.md):
+the allocation (`alloc_reserved`: the ring heads come from a device buffer the host writes before the
+replay), the req_to_token write, the metadata refill, the layers and the out-of-window release. Between
+two replays the host settles the step's capacity on its bound of free pages (`allocator.reserve`: an
+OutOfSlotsError before anything runs when the step might not fit), copies the live rows, the lengths
+after the step and [head_full, head_swa, live count] into static buffers, and launches once.
+
+Padded requests of a bucket write into a row the graph reserves for them (position 0, the padding slot
+0), take no pages and release nothing. Frontiers stay on the device, one per request row
+(`frontiers[row]`), moved by the release inside the graph. A batch larger than every bucket runs the
+same step eagerly. Errors a device op records stay deferred to the next synchronizing call.
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from hwkv.allocator import release_out_of_window_batch
+from hwkv.batch import ForwardBatch, ForwardMode
+from hwkv.errors import ConfigError, LocError
+from hwkv.graph import GraphAdapter, GraphRunner, ModelFn, PreparedStep, _Captured
+
+
+class DecodeStepGraph(GraphRunner):
+    """Captures `alloc + req_to_token write + refill + fn(batch, inputs) + release` per bucket (see module doc).
+
+    `frontiers`: int64 [req_to_token rows] on the device, each row's release frontier (None: no release, a
+    pool without windows). `step(rows, seq_lens, seq_lens_cpu, inputs)` runs one decode step: rows and
+    seq_lens (lengths after the step) on the device, seq_lens_cpu their host copy.
+    """
+
+    def __init__(self, backend: Any, allocator: Any, fn: ModelFn, batch_sizes: Sequence[int],
+                 input_shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], adapter: Optional[GraphAdapter] = None,
+                 frontiers: Optional[torch.Tensor] = None, window: Optional[int] = None) -> None:
+        super().__init__(backend, fn, batch_sizes, input_shapes, adapter, ForwardMode.DECODE, 1)
+        if (frontiers is None) != (window is None):
+            raise ConfigError("frontiers and window go together: both for a pool with windows, neither without")
+        rtt_pool = backend.req_to_token_pool
+        if frontiers is not None and (frontiers.dtype != torch.int64 or frontiers.shape != (rtt_pool.size,)
+                                      or frontiers.device.type != backend.device.type):
+            raise LocError(f"frontiers must be int64 [{rtt_pool.size}] (one per request row) on {backend.device}, "
+                           f"got {frontiers.dtype} {list(frontiers.shape)} on {frontiers.device}")
+        self.allocator, self.frontiers, self.window = allocator, frontiers, window
+        # the allocation reads its heads on the device only through a device's page-op kernels; the torch ops
+        # size themselves from host values, so they run only where the host runs every step (no device graph)
+        self.device_alloc = getattr(allocator, "_ops", None) is not None
+        if self.adapter_records and not self.device_alloc:
+            raise ConfigError(f"a whole-step graph on {backend.device.type} needs the device's page-op kernels "
+                              "(hwkv.pages.register_page_ops); run the step through GraphRunner instead")
+        self.rtt = rtt_pool.req_to_token
+        self.pad_row = rtt_pool.alloc(1)[0]  # padded requests write here, never into a live row
+        dev, b = backend.device, self.buckets[-1]
+        self.rows_in = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.seq_in = torch.ones(b, dtype=torch.int64, device=dev)
+        self.ctl = torch.zeros(3, dtype=torch.int64, device=dev)  # head_full, head_swa, live requests
+        self._ctl_host = torch.zeros(3, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self.arange = torch.arange(b, dtype=torch.int64, device=dev)
+        self._host: Tuple[int, int, list] = (0, 0, [0, 0])  # live, pages, heads: what an eager 'replay' reads
+        self.req_pool_indices.fill_(self.pad_row)
+        self.allocations = 0  # steps whose allocation ran inside a replay
+
+    def release_rows(self) -> None:
+        """Give the padding row back to the req_to_token pool (the graph is done with)."""
+        self.backend.req_to_token_pool.free(self.pad_row)
+
+    # ---- the step, as captured -------------------------------------------------------------------
+    def _refill_and_run(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
+        bs = batch.batch_size
+        live = self.arange[:bs] < self.ctl[2]
+        rows = self.req_pool_indices[:bs]
+        rows.copy_(self.rows_in[:bs]).masked_fill_(~live, self.pad_row)
+        seq = self.seq_lens[:bs]
+        seq.copy_(self.seq_in[:bs]).masked_fill_(~live, 1)
+        prefix = seq - live.to(torch.int64)  # padded requests: prefix == seq, no token, no page
+        last = self.rtt[rows, (prefix - 1).clamp_(min=0)]
+        out = self.out_cache_loc[:bs]
+        out.zero_()  # padded tokens write the padding slot 0
+        n, pages, heads = self._host
+        if self.device_alloc:
+            self.allocator.alloc_reserved(prefix, seq, last, out, self.ctl, 0)
+        else:  # a step the host runs (no device graph): the torch ops size themselves from host values
+            self.allocator.alloc_reserved(prefix[:n], seq[:n], last[:n], out[:n], heads, pages)
+        self.rtt[rows, seq - 1] = out
+        self._refill(batch)
+        result = self.fn(batch, inputs)
+        if self.frontiers is not None:
+            f = self.frontiers[rows]
+            release_out_of_window_batch(self.allocator, self.rtt, rows, seq, f, self.window)
+            self.frontiers[rows] = f
+        return result
+
+    @property
+    def adapter_records(self) -> bool:
+        return bool(getattr(self.adapter, "records_device_work", False))
+
+    def capture(self) -> None:
+        """Capture every bucket; the allocation, the release and the refill are recorded with the layers."""
+        if not self.adapter_records:
+            self.metadata_in_graph = True  # an eager 'replay' runs the whole body too
+        for bs in reversed(self.buckets):
+            batch, inputs = self._static_batch(bs), self._static_inputs(bs)
+            self._set_ctl(0, 0, self.allocator.reserve(0))  # no live request: the warm-up takes nothing
+            self._refill_and_run(batch, inputs)  # warm-up outside the graph (compilation)
+            graph, out = self.adapter.capture(lambda b=batch, i=inputs: self._refill_and_run(b, i))
+            self.graphs[bs] = _Captured(graph, out)
+
+    def _set_ctl(self, live: int, pages: int, heads: list) -> None:
+        self._host = (live, pages, heads)
+        h = self._ctl_host
+        h[0], h[1], h[2] = heads[0], heads[1] if len(heads) > 1 else 0, live
+        self.ctl.copy_(h, non_blocking=True)
+
+    # ---- one step on the host --------------------------------------------------------------------
+    def step(self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
+             inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """One decode step of `rows` (lengths after it: seq_lens, seq_lens_cpu); returns the layers' output for
+        the live tokens. Capacity is settled before anything runs: OutOfSlotsError leaves everything as it was."""
+        bs = rows.numel()
+        if seq_lens.numel() != bs or seq_lens_cpu.numel() != bs:
+            raise LocError(f"rows ({bs}), seq_lens ({seq_lens.numel()}) and seq_lens_cpu ({seq_lens_cpu.numel()}) "
+                           "must have one entry per request")
+        seq_h = seq_lens_cpu.numpy() if seq_lens_cpu.dtype == torch.int64 else seq_lens_cpu.to(torch.int64).numpy()
+        if bs and int(seq_h.min()) < 2:
+            raise LocError(f"a decode step continues a request: seq_lens must be >= 2, got {int(seq_h.min())}")
+        pages = int(np.count_nonzero((seq_h - 1) % self.allocator.page_size == 0))
+        i = bisect.bisect_left(self.buckets, bs)
+        if i == len(self.buckets):
+            return self._eager_step(rows, seq_lens, seq_lens_cpu, inputs)
+        bucket = self.buckets[i]
+        heads = self.allocator.reserve(pages)  # raises before anything changed when the step might not fit
+        self._set_ctl(bs, pages, heads)
+        self.rows_in[:bs].copy_(rows)
+        self.seq_in[:bs].copy_(seq_lens)
+        self.seq_lens_cpu[:bs].copy_(seq_lens_cpu)
+        for k, v in self.inputs.items():
+            src = inputs[k]
+            if src.data_ptr() != v.data_ptr():
+                v[:bs].copy_(src)
+        self.allocations += 1
+        return self.replay(PreparedStep(bucket, bs))
+
+    def _eager_step(self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
+                    inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """A batch larger than every bucket: the same step through the eager API (never dropped)."""
+        last = self.rtt[rows, seq_lens - 2]
+        loc = self.allocator.alloc_decode(seq_lens, last, seq_lens_cpu=seq_lens_cpu)
+        self.rtt[rows, seq_lens - 1] = loc
+        batch = ForwardBatch(ForwardMode.DECODE, rows.numel(), rows, seq_lens, loc, seq_lens_cpu=seq_lens_cpu)
+        self.backend.init_forward_metadata(batch)
+        out = self.fn(batch, inputs)
+        if self.frontiers is not None:
+            f = self.frontiers[rows]
+            release_out_of_window_batch(self.allocator, self.rtt, rows, seq_lens, f, self.window)
+            self.frontiers[rows] = f
+        self.eager_runs += 1
+        return out
+

@@ -1,0 +1,157 @@
+"""DecodeStepGraph (the whole decode step in one graph) against the same steps run eagerly: outputs token for
+token, the allocator's state, req_to_token and the frontiers after every step, on the same random inputs;
+buckets with padding, batches larger than every bucket, page sizes 1 and 4, a small SWA pool whose slots are
+released and reused; a step that might not fit is refused before anything changes.
+
+CPU: the step 'replays' as the host running it (EagerAdapter), and through an adapter that records device
+work, so the allocation reads its ring heads from the device buffer (the Triton page ops under the
+interpreter when TRITON_INTERPRET=1). HWKV_TEST_DEVICE=cuda runs it under CUDA graphs."""
+import os
+
+import pytest
+import torch
+
+import hwkv
+from hwkv.allocator import SWATokenToKVPoolAllocator, release_out_of_window_batch, same_snapshot
+from hwkv.batch import ForwardBatch, ForwardMode
+from hwkv.errors import OutOfSlotsError
+from hwkv.graph import EagerAdapter
+from hwkv.pool import SWAKVPool
+from hwkv.step_graph import DecodeStepGraph
+
+DEVICE = os.environ.get("HWKV_TEST_DEVICE", "cpu")
+H, KVH, D, W = 4, 2, 16, 8
+
+
+class RecordingEager(EagerAdapter):
+    """A host 'graph' that takes the device-side path: heads read from the device buffer."""
+
+    records_device_work = True
+
+
+def adapter():
+    if DEVICE == "cuda":
+        from hwkv_cuda.graph import CUDAGraphAdapter
+        return CUDAGraphAdapter()
+    return None
+
+
+class Engine:
+    """Pools, rows, a backend and 2 layers (SWA + full); requests prefilled eagerly and released."""
+
+    def __init__(self, page, size=1024, size_swa=160, lens=(13, 30, 7, 21, 40)):
+        self.page = page
+        self.pool = SWAKVPool(size, size_swa, page, torch.float32, KVH, D, [0], [1], DEVICE)
+        self.alloc = SWATokenToKVPoolAllocator(size, size_swa, page, DEVICE, self.pool)
+        self.rtt = hwkv.ReqToTokenPool(8, 128, DEVICE)
+        self.backend = hwkv.make_backend(self.pool, self.rtt, device=DEVICE, sliding_window=W)
+        self.layers = [hwkv.AttentionLayer(0, H, KVH, D, sliding_window=W), hwkv.AttentionLayer(1, H, KVH, D)]
+        self.frontiers = torch.zeros(8, dtype=torch.int64, device=DEVICE)
+        self.rows = self.rtt.alloc(len(lens))
+        i64 = dict(dtype=torch.int64, device=DEVICE)
+        gen = torch.Generator().manual_seed(page)
+        for r, n in zip(self.rows, lens):
+            loc = self.alloc.alloc_extend([0], [n], [0], n)
+            self.rtt.write(r, 0, loc)
+            batch = ForwardBatch(ForwardMode.EXTEND, 1, torch.tensor([r], **i64), torch.tensor([n], **i64), loc,
+                                 extend_prefix_lens=torch.tensor([0], **i64), extend_seq_lens=torch.tensor([n], **i64))
+            self.backend.init_forward_metadata(batch)
+            for layer in self.layers:
+                k = torch.randn(n, KVH, D, generator=gen).to(DEVICE)
+                self.backend.forward(torch.randn(n, H, D, generator=gen).to(DEVICE), k, k.clone(), layer, batch)
+            f = self.frontiers[r:r + 1].clone()
+            release_out_of_window_batch(self.alloc, self.rtt.req_to_token, torch.tensor([r], **i64),
+                                        torch.tensor([n], **i64), f, W)
+            self.frontiers[r] = f[0]
+        self.seq = torch.tensor(lens, dtype=torch.int64)
+
+    def layers_fn(self, batch, inputs):
+        out = None
+        for layer in self.layers:
+            out = self.backend.forward(inputs["q"], inputs["k"], inputs["v"], layer, batch)
+        return out
+
+    def eager_step(self, pick, inputs):
+        """The reference: the eager API, one call each."""
+        rows = torch.tensor([self.rows[i] for i in pick], dtype=torch.int64, device=DEVICE)
+        seq_cpu = self.seq[pick] + 1
+        seq = seq_cpu.to(DEVICE)
+        last = self.rtt.req_to_token[rows, seq - 2]
+        loc = self.alloc.alloc_decode(seq, last, seq_lens_cpu=seq_cpu)
+        self.rtt.req_to_token[rows, seq - 1] = loc
+        batch = ForwardBatch(ForwardMode.DECODE, len(pick), rows, seq, loc, seq_lens_cpu=seq_cpu)
+        self.backend.init_forward_metadata(batch)
+        out = self.layers_fn(batch, inputs).clone()
+        f = self.frontiers[rows]
+        release_out_of_window_batch(self.alloc, self.rtt.req_to_token, rows, seq, f, W)
+        self.frontiers[rows] = f
+        self.seq[pick] = seq_cpu
+        return out
+
+    def graph_step(self, graph, pick, inputs):
+        rows = torch.tensor([self.rows[i] for i in pick], dtype=torch.int64, device=DEVICE)
+        seq_cpu = self.seq[pick] + 1
+        out = graph.step(rows, seq_cpu.to(DEVICE), seq_cpu, inputs).clone()
+        self.seq[pick] = seq_cpu
+        return out
+
+    def state(self):
+        return (self.alloc.integrity_snapshot(), self.rtt.req_to_token.cpu().clone(), self.frontiers.cpu().clone())
+
+
+def same_state(a, b):
+    return same_snapshot(a[0], b[0]) and torch.equal(a[1][:, :100], b[1][:, :100]) and torch.equal(a[2][:5], b[2][:5])
+
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.parametrize("recording", [False, True] if DEVICE == "cpu" else [True])
+@pytest.mark.parametrize("page", [1, 4])
+def test_whole_step_graph_equals_the_eager_step(page, recording):
+    if recording and DEVICE == "cpu" and not INTERPRET:
+        pytest.skip("the device-side allocation path runs the Triton page ops: TRITON_INTERPRET=1 on CPU")
+    ref, got = Engine(page), Engine(page)
+    if recording and DEVICE == "cpu":  # both sides through the Triton page ops (interpreted), heads from the device
+        from hwkv_cuda.kernels.alloc import TritonPageOps
+        ref.alloc._ops = got.alloc._ops = TritonPageOps()
+    graph = DecodeStepGraph(got.backend, got.alloc, got.layers_fn, [2, 4],
+                            {"q": ((H, D), torch.float32), "k": ((KVH, D), torch.float32),
+                             "v": ((KVH, D), torch.float32)},
+                            adapter() or (RecordingEager() if recording else EagerAdapter()),
+                            frontiers=got.frontiers, window=W)
+    graph.capture()
+    gen = torch.Generator().manual_seed(7)
+    picks = [[0, 1, 2, 3], [1, 3, 4], [0], [0, 1, 2, 3, 4], [2, 4]] * 6  # full, padded, eager (5 > 4)
+    for step, pick in enumerate(picks):
+        n = len(pick)
+        inputs = {"q": torch.randn(n, H, D, generator=gen).to(DEVICE),
+                  "k": torch.randn(n, KVH, D, generator=gen).to(DEVICE),
+                  "v": torch.randn(n, KVH, D, generator=gen).to(DEVICE)}
+        want = ref.eager_step(pick, inputs)
+        have = got.graph_step(graph, pick, inputs)
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+        assert same_state(ref.state(), got.state()), f"step {step}: allocator, rows or frontiers differ"
+        got.alloc.check_integrity()
+    assert graph.eager_runs == 6 and graph.replays == 24
+    assert int(got.frontiers.max()) > 0  # releases ran inside the step
+
+
+def test_a_step_that_might_not_fit_is_refused_before_anything_changes():
+    """40 full pages of 4: four requests of 32 tokens hold 32; steps to 33 and to 37 take 4 pages each (the
+    last 4 free ones), the step to 41 would need 4 more: refused on the host, before the replay."""
+    e = Engine(4, size=160, size_swa=160, lens=(32, 32, 32, 32))
+    graph = DecodeStepGraph(e.backend, e.alloc, e.layers_fn, [4],
+                            {"q": ((H, D), torch.float32), "k": ((KVH, D), torch.float32),
+                             "v": ((KVH, D), torch.float32)}, adapter() or EagerAdapter(), e.frontiers, W)
+    graph.capture()
+    inputs = {"q": torch.randn(4, H, D, device=DEVICE), "k": torch.randn(4, KVH, D, device=DEVICE),
+              "v": torch.randn(4, KVH, D, device=DEVICE)}
+    for _ in range(8):
+        e.graph_step(graph, [0, 1, 2, 3], inputs)
+    assert e.alloc.full_available_size() == 0 and graph.replays == 8
+    before, seq = e.state(), e.seq.clone()
+    with pytest.raises(OutOfSlotsError, match="need 4 pages"):
+        e.graph_step(graph, [0, 1, 2, 3], inputs)
+    assert same_state(before, e.state()) and graph.replays == 8
+    e.alloc.check_integrity()
