@@ -34,7 +34,7 @@ from hwkv.loc import KVWriteLoc
 from hwkv.pool import SWAKVPool
 
 LAYERS, W, H, KVH, D = 36, 128, 64, 8, 64
-SECTIONS = ("kv-write", "decode-step", "alloc", "engine-step", "tree-verify", "host")
+SECTIONS = ("kv-write", "decode-step", "alloc", "engine-step", "tree-verify", "host", "whole-step")
 
 
 def timeit(fn: Callable[[], object], dev: str, iters: int = 50, warmup: int = 5) -> float:
@@ -148,7 +148,7 @@ class Setup:
     `room` more decode steps. The pools are sized from those numbers."""
 
     def __init__(self, dev: str, bs: int, ctx: int, page_size: int = 1, room: int = 16, layers: int = LAYERS,
-                 size: Optional[int] = None, size_swa: Optional[int] = None) -> None:
+                 size: Optional[int] = None, size_swa: Optional[int] = None, spare_rows: int = 0) -> None:
         p = page_size
         self.dev, self.bs, self.p = dev, bs, p
         per_req = round_up(ctx + room, p) + p
@@ -158,7 +158,7 @@ class Setup:
         full_ids = [i for i in range(layers) if i % 2 == 1]
         self.pool = SWAKVPool(size, size_swa, p, torch.bfloat16, KVH, D, swa_ids, full_ids, dev)
         self.alloc = SWATokenToKVPoolAllocator(size, size_swa, p, dev, self.pool)
-        self.rtt = ReqToTokenPool(max(bs, 1), ctx + room + p, dev)
+        self.rtt = ReqToTokenPool(max(bs, 1) + spare_rows, ctx + room + p, dev)
         self.layers = [AttentionLayer(i, H, KVH, D, sliding_window=W if i % 2 == 0 else None,
                                       sinks=torch.zeros(H, device=dev)) for i in range(layers)]
         i64 = dict(dtype=torch.int64, device=dev)
@@ -340,6 +340,55 @@ def engine_step_rows(dev: str, bs: int, ctx: int, page_size: int, backend_cls, i
     return [row]
 
 
+def whole_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, backend_cls, iters: int) -> List[Dict]:
+    """The whole decode step in one graph (hwkv.step_graph.DecodeStepGraph: allocation, req_to_token write,
+    refill, 36 layers, release) against the same 36 layers replayed alone (a GraphRunner of the layers):
+    host time per step (calls back to back), step wall (device synchronized around each), replay alone."""
+    from hwkv.step_graph import DecodeStepGraph
+    rows = []
+    for bs in batches:
+        s = Setup(dev, bs, ctx, page_size=page_size, room=4 * iters + 64, spare_rows=1)
+        be = backend_cls(s.pool, s.rtt, sliding_window=W)
+        inputs = {"q": torch.randn(bs, H, D, device=dev, dtype=torch.bfloat16),
+                  "k": torch.randn(bs, KVH, D, device=dev, dtype=torch.bfloat16),
+                  "v": torch.randn(bs, KVH, D, device=dev, dtype=torch.bfloat16)}
+        shapes = {k: (tuple(v.shape[1:]), v.dtype) for k, v in inputs.items()}
+
+        def layers(b, i):
+            out = None
+            for layer in s.layers:
+                out = be.forward(i["q"], i["k"], i["v"], layer, b)
+            return out
+
+        adapter = EagerAdapter() if dev != "cuda" else __import__("hwkv_cuda.graph", fromlist=["x"]).CUDAGraphAdapter()
+        frontiers = torch.zeros(s.rtt.size, dtype=torch.int64, device=dev)
+        frontiers[s.rows] = s.frontiers
+        g = DecodeStepGraph(be, s.alloc, layers, [bs], shapes, adapter, frontiers, W)
+        g.capture()
+        only = GraphRunner(be, layers, [bs], shapes, adapter)
+        only.capture()
+        state = {"cpu": s.seq_cpu.clone(), "dev": s.seq.clone()}
+
+        def step() -> None:  # an engine that keeps its lengths on the device, and their host copy
+            state["cpu"] += 1
+            state["dev"] += 1
+            g.step(s.rows, state["dev"], state["cpu"], inputs)
+
+        host = host_per_call(step, dev, iters)
+        _, done = wall(step, dev, iters)
+        _, replay = wall(lambda: only.adapter.replay(only.graphs[bs].graph), dev, iters)
+        syncs = host_syncs(step, dev)
+        s.alloc.check_integrity()
+        step_us, replay_us = statistics.median(done), statistics.median(replay)
+        rows.append(dict(bench="whole-step", bs=bs, ctx=ctx, page_size=page_size, host_us=round(host, 1),
+                         step_us=round(step_us, 1), layers_replay_us=round(replay_us, 1),
+                         ratio=round(step_us / replay_us, 3), syncs_per_step=syncs))
+        del s, be, g, only
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
 def host_per_call(fn: Callable[[], object], dev: str, n: int = 200) -> float:
     """Host microseconds per call: n calls back to back, timed until the last returns (the device, busy
     with small kernels, never makes the host wait), then one sync."""
@@ -502,6 +551,13 @@ def print_tables(res: Dict) -> None:
         print("| mode | " + " | ".join(keys) + " |\n|" + "---|" * (len(keys) + 1))
         for r in res["host"]:
             print(f"| {r['mode']} | " + " | ".join(str(r[k]) for k in keys) + " |")
+    if res.get("whole_step"):
+        print("whole decode step in one graph vs the 36 layers replayed alone (us, median)")
+        print("| bs | ctx | page | host us/step | step us | layers replay us | ratio | syncs/step |\n"
+              "|---|---|---|---|---|---|---|---|")
+        for r in res["whole_step"]:
+            print(f"| {r['bs']} | {r['ctx']} | {r['page_size']} | {r['host_us']} | {r['step_us']} | "
+                  f"{r['layers_replay_us']} | {r['ratio']} | {r['syncs_per_step']} |")
     if res.get("engine_step"):
         print("| bs | ctx | page | engine step us | host us | replay only us | not replay | alloc us | prepare us "
               "| replay us | release us | syncs/step |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -529,6 +585,8 @@ def main() -> None:
     p.add_argument("--tree-batches", default="1,8,32", help="tree-verify: batch sizes")
     p.add_argument("--tree-ctx", default="4096,32768", help="tree-verify: contexts per request")
     p.add_argument("--host-ctx", type=int, default=4096, help="host: context of the one request")
+    p.add_argument("--whole-batches", default="1,64,256", help="whole-step: batch sizes (context --step-ctx, "
+                   "page --step-page)")
     p.add_argument("--out", default="")
     a = p.parse_args()
     if a.device is None:
@@ -557,6 +615,9 @@ def main() -> None:
         res["engine_step"] = engine_step_rows(dev, a.step_bs, a.step_ctx, a.step_page, backend_cls, a.iters)
     if "host" in sections:
         res["host"] = host_rows(dev, a.host_ctx, backend_cls)
+    if "whole-step" in sections:
+        res["whole_step"] = whole_step_rows(dev, _ints(a.whole_batches), a.step_ctx, a.step_page, backend_cls,
+                                            a.iters)
     if "tree-verify" in sections:
         res["tree_verify"] = tree_verify_rows(dev, _ints(a.tree_batches), _ints(a.tree_ctx), backend_cls)
     print_tables(res)
