@@ -58,7 +58,6 @@ class DecodeStepGraph(GraphRunner):
         self.rows_in = torch.zeros(b, dtype=torch.int64, device=dev)
         self.seq_in = torch.ones(b, dtype=torch.int64, device=dev)
         self.ctl = torch.zeros(3, dtype=torch.int64, device=dev)  # head_full, head_swa, live requests
-        self._ctl_host = torch.zeros(3, dtype=torch.int64, pin_memory=dev.type == "cuda")
         self.arange = torch.arange(b, dtype=torch.int64, device=dev)
         self._host: Tuple[int, int, list] = (0, 0, [0, 0])  # live, pages, heads: what an eager 'replay' reads
         self.req_pool_indices.fill_(self.pad_row)
@@ -110,10 +109,12 @@ class DecodeStepGraph(GraphRunner):
             self.graphs[bs] = _Captured(graph, out)
 
     def _set_ctl(self, live: int, pages: int, heads: list) -> None:
+        """Write [head_full, head_swa, live] for the next replay. As kernel arguments (fill_), not an async copy
+        from one pinned buffer: steps issued back to back would overwrite that buffer before the device read it
+        (found on the H200: two steps took the same pages)."""
         self._host = (live, pages, heads)
-        h = self._ctl_host
-        h[0], h[1], h[2] = heads[0], heads[1] if len(heads) > 1 else 0, live
-        self.ctl.copy_(h, non_blocking=True)
+        for i, v in enumerate((heads[0], heads[1] if len(heads) > 1 else 0, live)):
+            self.ctl[i].fill_(v)
 
     # ---- one step on the host --------------------------------------------------------------------
     def step(self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
