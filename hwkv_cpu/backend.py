@@ -67,7 +67,7 @@ class TorchCPUBackend(KernelSetBackend):
         super().__init__(pool, req_to_token_pool, **options)
         self.ipex_reason: Optional[str] = self._ipex_reason()  # None: IPEX ops in use where they fit
         self._head_maps: Dict[Tuple[int, int], torch.Tensor] = {}
-        self._cols = torch.arange(256, dtype=torch.int64)  # see _columns
+        self._cols = torch.arange(256, dtype=torch.int64, device=self.device)  # see _columns
 
     def _ipex_reason(self) -> Optional[str]:
         if not self.options.ipex:
@@ -98,11 +98,11 @@ class TorchCPUBackend(KernelSetBackend):
             table = self._translate_window(table)
         if uniform:
             indices = table.view(-1)
-            indptr = torch.arange(0, (bs + 1) * max_len, max_len, dtype=torch.int32)
+            indptr = torch.arange(0, (bs + 1) * max_len, max_len, dtype=torch.int32, device=self.device)
         else:
             lens = seq - pos0
             indices = table[col < lens[:, None]]
-            indptr = cumsum_into(lens, torch.empty(bs + 1, dtype=torch.int32))
+            indptr = cumsum_into(lens, torch.empty(bs + 1, dtype=torch.int32, device=self.device))
         if swa_slots and self.debug:
             self._check_not_evicted(indices, window)
         return KVIndexList(indptr, indices, pos0, window, max_len, swa_slots, min_len, table)
@@ -111,7 +111,7 @@ class TorchCPUBackend(KernelSetBackend):
         """arange(n) as a view of one kept arange (grown by doubling; read only, never written)."""
         cols = self._cols
         if cols.shape[0] < n:
-            cols = self._cols = torch.arange(max(n, 2 * cols.shape[0]), dtype=torch.int64)
+            cols = self._cols = torch.arange(max(n, 2 * cols.shape[0]), dtype=torch.int64, device=self.device)
         return cols[:n]
 
     # ---- metadata: IPEX's slot tables, once per forward --------------------------------------------

@@ -50,7 +50,7 @@ def _zero(dtype: torch.dtype) -> torch.Tensor:
     """A [1, 1, 1] zero of `dtype`: baddbmm's ignored input when nothing is masked (made once per dtype)."""
     z = _ZEROS.get(dtype)
     if z is None:
-        z = _ZEROS[dtype] = torch.zeros(1, 1, 1, dtype=dtype)
+        z = _ZEROS[dtype] = torch.zeros(1, 1, 1, dtype=dtype, device="cpu")
     return z
 
 
@@ -78,13 +78,13 @@ def plan_dense(indptr: torch.Tensor, indices: torch.Tensor, pos0: torch.Tensor, 
         n = min(int(indptr[-1]), int(indices.shape[0]))  # listed entries (a graph buffer's tail is not)
         if n == 0:
             return None
-        col = torch.arange(keys, dtype=I64)
+        col = torch.arange(keys, dtype=I64, device=indices.device)
         start = indptr[:-1].to(I64)
         table = indices[(start[:, None] + col).clamp_(max=n - 1)]  # padding reads listed slots, masked below
-    rows = (table[:, None, :] * kvh + torch.arange(kvh, dtype=I64)[:, None]).view(-1)
+    rows = (table[:, None, :] * kvh + torch.arange(kvh, dtype=I64, device=table.device)[:, None]).view(-1)
     if decode and all_visible and (not window or keys <= window):
         return DensePlan(bs, kvh, g, 1, keys, rows, None, None, None, None)
-    col = torch.arange(keys, dtype=I64)
+    col = torch.arange(keys, dtype=I64, device=table.device)
     lens = indptr[1:].to(I64) - indptr[:-1].to(I64)
     kpos = pos0.to(I64)[:, None] + col  # [bs, L]
     if decode:
@@ -93,7 +93,7 @@ def plan_dense(indptr: torch.Tensor, indices: torch.Tensor, pos0: torch.Tensor, 
     else:
         qo = qo_indptr.to(I64)
         ext = qo[1:] - qo[:-1]
-        t = torch.arange(tq, dtype=I64)
+        t = torch.arange(tq, dtype=I64, device=table.device)
         total = int(qo[-1])
         if total == bs * tq:  # every request has tq queries (max_q_len bounds them): no padding
             t_eff = t[None, :]
@@ -102,8 +102,8 @@ def plan_dense(indptr: torch.Tensor, indices: torch.Tensor, pos0: torch.Tensor, 
             # padded rows repeat their request's last query (their output is dropped): never an all-hidden row
             t_eff = torch.minimum(t[None, :], (ext - 1).clamp(min=0)[:, None])  # [bs, tq]
             q_src = (qo[:-1, None] + t_eff).clamp_(0, max(total - 1, 0)).view(-1)
-            out_b = torch.repeat_interleave(torch.arange(bs, dtype=I64), ext, output_size=total)
-            out_t = torch.arange(total, dtype=I64) - qo[:-1][out_b]
+            out_b = torch.repeat_interleave(torch.arange(bs, dtype=I64, device=table.device), ext, output_size=total)
+            out_t = torch.arange(total, dtype=I64, device=table.device) - qo[:-1][out_b]
         qpos = q_pos0.to(I64)[:, None] + t_eff
     dist = qpos[:, :, None] - kpos[:, None, :]  # [bs, tq, L]: query position - key position
     hide = (dist < 0) | (col >= lens[:, None])[:, None, :]
@@ -116,7 +116,7 @@ def plan_dense(indptr: torch.Tensor, indices: torch.Tensor, pos0: torch.Tensor, 
         if not bool(real.all()):
             return None  # a query with no visible key gets zeros: the chunked kernels' contract
         per_row = 1 if decode else g
-        bias = torch.zeros(bs, 1, tq, 1, keys).masked_fill_(hide.view(bs, 1, tq, 1, keys), float("-inf"))
+        bias = torch.zeros(bs, 1, tq, 1, keys, device=table.device).masked_fill_(hide.view(bs, 1, tq, 1, keys), float("-inf"))
         bias = bias.expand(bs, kvh, tq, per_row, keys).reshape(bs * kvh, tq * per_row, keys)
     return DensePlan(bs, kvh, g, tq, keys, rows, bias, q_src, out_b, out_t, decode)
 
