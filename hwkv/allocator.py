@@ -196,6 +196,15 @@ class PagedTokenToKVPoolAllocator:
         self._check_room(plan.pages)
         if self.immediate:
             self._check_continuations(prefix, seq, last, plan, decode)
+        if decode and plan.n and plan.pages == 0:
+            # every token continues its request's page (pages are whole, in-page offsets equal): last + 1, and
+            # no ring moves; the deferred record of a continuation whose SWA slots were released stays
+            self._next_op()
+            out = last + 1
+            if self._mapping is not None:
+                _record(self.pages, _g(self._mapping, out) <= 0, torch.div(out, self.page_size, rounding_mode="floor"),
+                        ERR_CONT_RELEASED)
+            return out
         out = torch.empty(plan.n, dtype=I64, device=self.device)
         if plan.n == 0:
             return out

@@ -353,3 +353,32 @@ def test_free_work_is_linear_in_the_locs_not_locs_times_page_size(immediate):
         assert a.full_available_size() == a.swa_available_size() == n
         counts[page] = count.elements
     assert counts[256] < 1.25 * counts[16] and counts[256] < 128 * n, counts
+
+
+def test_decode_where_every_token_continues_its_page_moves_no_ring_and_still_checks():
+    """alloc_decode's fast path (no request starts a page): last + 1, no ring op; a continuation of a page
+    whose SWA slots were released is still refused (immediate) or recorded (deferred)."""
+    from hwkv.allocator import SWATokenToKVPoolAllocator
+    from hwkv.errors import NotAllocatedError
+    from hwkv.pool import SWAKVPool
+    for immediate in (True, False):
+        pool = SWAKVPool(64, 64, 4, torch.float32, 1, 2, [0], [1], "cpu")
+        a = SWATokenToKVPoolAllocator(64, 64, 4, "cpu", pool)
+        a.immediate = immediate
+        loc = a.alloc_extend([0, 0], [6, 9], [0, 0], 15)           # two requests: pages continue at 6 and 9
+        before = a.integrity_snapshot()
+        out = a.alloc_decode(torch.tensor([7, 10]), torch.tensor([int(loc[5]), int(loc[14])]),
+                             seq_lens_cpu=torch.tensor([7, 10]))
+        assert out.tolist() == [int(loc[5]) + 1, int(loc[14]) + 1]
+        assert same_snapshot(before, a.integrity_snapshot())        # no page moved
+        a.free_swa(loc[14:15])                                      # the second request's last page loses its SWA
+        before = a.integrity_snapshot()
+        last = torch.tensor([int(loc[14]) + 1])
+        if immediate:
+            with pytest.raises(NotAllocatedError, match="has no SWA slot"):
+                a.alloc_decode(torch.tensor([11]), last, seq_lens_cpu=torch.tensor([11]))
+            assert same_snapshot(before, a.integrity_snapshot())
+        else:
+            a.alloc_decode(torch.tensor([11]), last, seq_lens_cpu=torch.tensor([11]))
+            with pytest.raises(NotAllocatedError, match="no SWA slot"):
+                a.available_size()

@@ -69,10 +69,7 @@ class HybridRunner:
         # the host's copy of each row's frontier, moved by the release rule: steps where no frontier moves
         # (most of them: a request's frontier moves one page every page_size tokens) skip the release call
         self._host_frontiers: List[int] = [0] * pool_plan.max_running
-        # decode steps whose tokens all continue a page take last + 1 without an allocator call, except in
-        # debug mode (HWKV_DEBUG), where the allocator checks every continuation (its SWA page still mapped)
-        self._check_every_alloc = bool(self.cache.backend.debug)
-        self._pools_changed = False  # this step called the allocator (the KV held may have moved)
+        self._pools_changed = False  # this step moved a page (the KV held may have changed)
         self.stats = RunnerStats(self.shape, pool_plan)
         self.requests: Dict[int, Request] = {}
         self.unclaimed: Dict[int, Result] = {}  # finished inside generate(), queued by add_request: pop them
@@ -251,13 +248,9 @@ class HybridRunner:
         rtt = self.cache.rtt.req_to_token
         last = rtt[rows_dev, before_dev]  # each request's slot of its previous token
         p = self.cache.plan.page_size
-        if p > 1 and not self._check_every_alloc and all(r.prefix % p for r in rows):
-            # every token continues its request's page: the allocator's continuation rule (pages are allocated
-            # whole, a slot's in-page offset is its position's) gives last + 1, and no page moves
-            loc = last + 1
-        else:
+        if p == 1 or not all(r.prefix % p for r in rows):  # a page moves (else every token continues its page)
             self._pools_changed = True
-            loc = self.cache.allocator.alloc_decode(seq_dev, last, seq_lens_cpu=seq_cpu)
+        loc = self.cache.allocator.alloc_decode(seq_dev, last, seq_lens_cpu=seq_cpu)
         rtt[rows_dev, pos_dev] = loc
         batch = ForwardBatch(ForwardMode.DECODE, bs, rows_dev, seq_dev, loc, positions=pos_dev, seq_lens_cpu=seq_cpu)
         return batch, ids_dev, pos_dev
