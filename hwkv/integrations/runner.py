@@ -1,8 +1,8 @@
 """HybridRunner: a Hugging Face causal LM generating through hwkv's hybrid cache, continuously batched.
 
 One step is one forward: the scheduler picks the rows (every decoding request,
-then prompt chunks), the allocator serves the whole batch in one call (none in a decode step whose tokens
-all continue their pages: each slot follows its predecessor's) and req_to_token gets one scatter,
+then prompt chunks), the allocator serves the whole batch in one call (a decode step whose tokens all
+continue their pages moves no page: each slot follows its predecessor's) and req_to_token gets one scatter,
 the backend's metadata step runs once, the model runs with every request packed into one row (B=1,
 position_ids per token, `use_cache=False`: attention is the only place tokens meet, and hwkv does it per
 request), one out-of-window release for the batch (in the steps where some request's frontier moves), the
