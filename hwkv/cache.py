@@ -407,8 +407,14 @@ class HybridPrefixCache:
         n = seq_len // self.page_size * self.page_size
         path, m = self._walk(ids[:n])
         node = self._node_at(path, m)
+        f = min(frontier, m)
+        nd = node
+        while nd is not self.root and nd.start >= f:  # the node the frontier falls in: split there first, so the
+            nd = nd.parent                            # part from the frontier on is adopted (with its SWA)
+        if nd is not self.root and nd.start < f < nd.end:
+            self._split(nd, f)
         self._adopt(node, locs, frontier, before)
-        new = self._lock(node, min(frontier, m))
+        new = self._lock(node, f)
         if lock is not None:
             self.unlock(lock)
         return new

@@ -22,7 +22,7 @@ import torch
 
 from hwkv.allocator import release_out_of_window_batch
 from hwkv.batch import ForwardBatch, ForwardMode
-from hwkv.errors import ConfigError, LocError
+from hwkv.errors import ConfigError, LocError, ShapeError
 from hwkv.graph import GraphAdapter, GraphRunner, ModelFn, PreparedStep, _Captured
 
 
@@ -133,15 +133,20 @@ class DecodeStepGraph(GraphRunner):
         if i == len(self.buckets):
             return self._eager_step(rows, seq_lens, seq_lens_cpu, inputs)
         bucket = self.buckets[i]
-        heads = self.allocator.reserve(pages)  # raises before anything changed when the step might not fit
-        self._set_ctl(bs, pages, heads)
-        self.rows_in[:bs].copy_(rows)
-        self.seq_in[:bs].copy_(seq_lens)
-        self.seq_lens_cpu[:bs].copy_(seq_lens_cpu)
+        for k, v in self.inputs.items():  # checked and copied before the pages are claimed: a bad input changes nothing
+            src = inputs.get(k)
+            if src is None or src.shape[0] < bs or tuple(src.shape[1:]) != tuple(v.shape[1:]):
+                raise ShapeError(f"input {k!r} must be [{bs}, {', '.join(map(str, v.shape[1:]))}], got "
+                                 f"{None if src is None else list(src.shape)}")
         for k, v in self.inputs.items():
             src = inputs[k]
             if src.data_ptr() != v.data_ptr():
-                v[:bs].copy_(src)
+                v[:bs].copy_(src[:bs])
+        self.rows_in[:bs].copy_(rows)
+        self.seq_in[:bs].copy_(seq_lens)
+        self.seq_lens_cpu[:bs].copy_(seq_lens_cpu)
+        heads = self.allocator.reserve(pages)  # raises before anything changed when the step might not fit
+        self._set_ctl(bs, pages, heads)
         self.allocations += 1
         return self.replay(PreparedStep(bucket, bs))
 

@@ -306,3 +306,29 @@ def test_a_recomputed_history_is_cached_with_the_running_requests_pages():
     assert s.a.full_available_size() == s.size - held
     s.finish(r)
     assert s.empty()
+
+
+def test_a_node_the_frontier_falls_in_is_adopted_from_the_frontier_on():
+    """cache_running splits at the request's frontier before adopting, so the part the SWA lock covers holds
+    the running request's pages, not a second copy (found by review)."""
+    s = Setup(page=4, window=8)
+    s.finish(s.run(list(range(100, 140))))                  # cached: [0, 28) tombstones, [28, 40) with SWA
+    ids = list(range(100, 140)) + list(range(500, 506))
+    n = len(ids)
+    row = s.rtt.alloc(1)[0]
+    loc = s.a.alloc_extend([0], [n], t([0]), n)             # the same 40 tokens recomputed, and 6 more
+    s.rtt.write(row, 0, loc)
+    fr = t([0])
+    release_out_of_window_batch(s.a, s.rtt.req_to_token, t([row]), t([n]), fr, s.w)
+    assert int(fr) == 32                                    # inside the cached node [28, 40)
+    lock = s.c.cache_running(ids, s.rtt, row, n, int(fr), None)
+    s.check()
+    nd = lock.node
+    while nd is not s.c.root:
+        if nd.end > 32:
+            assert nd.start >= 32 and torch.equal(nd.locs, s.rtt.req_to_token[row, nd.start:nd.end]), \
+                f"locked node [{nd.start}, {nd.end}) holds another copy"
+        nd = nd.parent
+    s.c.release_request(ids, s.rtt, row, n, int(fr), lock)
+    s.rtt.free(row)
+    assert s.empty()

@@ -68,6 +68,8 @@ def test_the_runtime_convention_passes_no_constexprs(fake, monkeypatch):
     lambda x: (x, 33, 0.5),                        # ... no longer divisible by 16
     lambda x: (x, 2 ** 33, 0.5),                   # ... wider than 32 bits
     lambda x: (x, 32, 1),                          # an int where a float was
+    lambda x: (x, 32.0, 0.5),                      # a float where an int was (32 == 32.0)
+    lambda x: (x, 2 ** 63, 0.5),                   # unsigned 64 bits
     lambda x: (None, 32, 0.5),                     # None where a tensor was
 ])
 def test_a_call_that_specialises_differently_goes_through_the_jit(fake, changed):

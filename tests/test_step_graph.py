@@ -14,7 +14,7 @@ import torch
 import hwkv
 from hwkv.allocator import SWATokenToKVPoolAllocator, release_out_of_window_batch, same_snapshot
 from hwkv.batch import ForwardBatch, ForwardMode
-from hwkv.errors import OutOfSlotsError
+from hwkv.errors import OutOfSlotsError, ShapeError
 from hwkv.graph import EagerAdapter
 from hwkv.pool import SWAKVPool
 from hwkv.step_graph import DecodeStepGraph
@@ -165,4 +165,19 @@ def test_a_step_that_might_not_fit_is_refused_before_anything_changes():
     with pytest.raises(OutOfSlotsError, match="need 4 pages"):
         e.graph_step(graph, [0, 1, 2, 3], inputs)
     assert same_state(before, e.state()) and graph.replays == 8
+    e.alloc.check_integrity()
+
+
+def test_a_bad_input_is_refused_before_any_page_is_claimed():
+    e = Engine(4)
+    graph = DecodeStepGraph(e.backend, e.alloc, e.layers_fn, [4],
+                            {"q": ((H, D), torch.float32), "k": ((KVH, D), torch.float32),
+                             "v": ((KVH, D), torch.float32)}, adapter() or EagerAdapter(), e.frontiers, W)
+    graph.capture()
+    before = e.state()
+    good = {"q": torch.randn(2, H, D, device=DEVICE), "k": torch.randn(2, KVH, D, device=DEVICE)}
+    for bad in (good, {**good, "v": torch.randn(2, KVH, D + 1, device=DEVICE)}):
+        with pytest.raises(ShapeError, match="input 'v' must be"):
+            e.graph_step(graph, [0, 4], bad)  # request 4 starts a page at 41: a page would be claimed
+        assert same_state(before, e.state())
     e.alloc.check_integrity()

@@ -36,17 +36,19 @@ def _spec(v: Any) -> Hashable:
     """What Triton specialises a runtime argument on: a pointer's dtype and 16-byte alignment, an int's width,
     being 1, divisibility by 16; None and bools by value. Floats are never specialised."""
     if isinstance(v, torch.Tensor):
-        return v.dtype, v.data_ptr() & 15 == 0
+        return v.dtype, v.get_device(), v.data_ptr() & 15 == 0
     if isinstance(v, bool) or v is None:
         return v
     if isinstance(v, int):
-        return (v == 1, v & 15 == 0, I32[0] <= v < I32[1])
+        return (v == 1, v & 15 == 0, _width(v))
     return 0
 
 
 def _width(v: Any) -> Hashable:
-    """An unspecialised int's type as Triton derives it: 32 or 64 bits (anything else: its type)."""
-    return I32[0] <= v < I32[1] if type(v) is int else type(v)
+    """An unspecialised int's type as Triton derives it: i32, i64 or u64 (anything else: its type)."""
+    if type(v) is not int:
+        return type(v)
+    return 32 if I32[0] <= v < I32[1] else (64 if -2 ** 63 <= v < 2 ** 63 else 65)
 
 
 def _kind(v: Any) -> str:
@@ -69,8 +71,8 @@ class Launch:
     """One kernel launch planned: grid, constexprs and the compiled kernel (see module doc)."""
 
     __slots__ = ("kernel", "grid", "consts", "launcher", "function", "metadata", "tail", "device", "stream",
-                 "tensors", "tensor_key", "values", "value_key", "value_spec", "floats", "float_types",
-                 "free", "free_key")
+                 "tensors", "tensor_key", "values", "value_key", "value_types", "value_spec", "floats",
+                 "float_types", "free", "free_key")
 
     def __init__(self, kernel: Any, grid: Tuple[int, ...], args: Sequence[Any], consts: Dict[str, Any]) -> None:
         self.kernel, self.consts = kernel, consts
@@ -101,9 +103,10 @@ class Launch:
         pos = {kind: tuple(i for i, k in enumerate(kinds) if k == kind) for kind in ("t", "v", "f", "n")}
         self.tensors, self.values, self.floats, self.free = (_getter(pos[k]) for k in ("t", "v", "f", "n"))
         self.free_key = tuple(map(_width, self.free(args)))
-        self.tensor_key = tuple([(a.dtype, a.data_ptr() & 15) for a in self.tensors(args)])
+        self.tensor_key = tuple([(a.dtype, a.get_device(), a.data_ptr() & 15) for a in self.tensors(args)])
         self.value_key, self.float_types = self.values(args), tuple(map(type, self.floats(args)))
         self.value_spec = tuple(map(_spec, self.value_key))
+        self.value_types = tuple(map(type, self.value_key))  # 1 == True == 1.0, but Triton tells them apart
         self.tail = tuple(tail)
         self.launcher, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
         dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
@@ -116,13 +119,16 @@ class Launch:
         return self.launcher is not None
 
     def _same(self, args: Sequence[Any]) -> bool:
-        """Whether `args` specialise as the first call's did: a few C-level tuple compares (~2 us for 25
-        arguments, against ~8 us for `_spec` on each); ints that changed value are compared by what Triton
-        specialises them on. Anything unexpected says no, and the JIT decides."""
+        """Whether `args` specialise as the first call's did: a few C-level tuple compares (~2-3 us for 25
+        arguments, against ~8 us for `_spec` on each): tensors by dtype, device (a plan's compiled function
+        belongs to one device) and alignment; other arguments by type, and ints that changed value by what
+        Triton specialises them on. Anything unexpected says no, and the JIT decides."""
         try:
             values = self.values(args)
-            return ((values == self.value_key or tuple(map(_spec, values)) == self.value_spec)
-                    and tuple([(a.dtype, a.data_ptr() & 15) for a in self.tensors(args)]) == self.tensor_key
+            return (tuple(map(type, values)) == self.value_types
+                    and (values == self.value_key or tuple(map(_spec, values)) == self.value_spec)
+                    and tuple([(a.dtype, a.get_device(), a.data_ptr() & 15)
+                               for a in self.tensors(args)]) == self.tensor_key
                     and tuple(map(type, self.floats(args))) == self.float_types
                     and tuple(map(_width, self.free(args))) == self.free_key)
         except (AttributeError, RuntimeError, TypeError):
