@@ -37,7 +37,7 @@ class DecodeStepGraph(GraphRunner):
     def __init__(self, backend: Any, allocator: Any, fn: ModelFn, batch_sizes: Sequence[int],
                  input_shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], adapter: Optional[GraphAdapter] = None,
                  frontiers: Optional[torch.Tensor] = None, window: Optional[int] = None) -> None:
-        super().__init__(backend, fn, batch_sizes, input_shapes, adapter, ForwardMode.DECODE, 1)
+        # checked before anything is made (the base class sets up the backend's graph state)
         if (frontiers is None) != (window is None):
             raise ConfigError("frontiers and window go together: both for a pool with windows, neither without")
         rtt_pool = backend.req_to_token_pool
@@ -45,13 +45,14 @@ class DecodeStepGraph(GraphRunner):
                                       or frontiers.device.type != backend.device.type):
             raise LocError(f"frontiers must be int64 [{rtt_pool.size}] (one per request row) on {backend.device}, "
                            f"got {frontiers.dtype} {list(frontiers.shape)} on {frontiers.device}")
-        self.allocator, self.frontiers, self.window = allocator, frontiers, window
         # the allocation reads its heads on the device only through a device's page-op kernels; the torch ops
         # size themselves from host values, so they run only where the host runs every step (no device graph)
         self.device_alloc = getattr(allocator, "_ops", None) is not None
-        if self.adapter_records and not self.device_alloc:
+        if getattr(adapter, "records_device_work", False) and not self.device_alloc:
             raise ConfigError(f"a whole-step graph on {backend.device.type} needs the device's page-op kernels "
                               "(hwkv.pages.register_page_ops); run the step through GraphRunner instead")
+        super().__init__(backend, fn, batch_sizes, input_shapes, adapter, ForwardMode.DECODE, 1)
+        self.allocator, self.frontiers, self.window = allocator, frontiers, window
         self.rtt = rtt_pool.req_to_token
         self.pad_row = rtt_pool.alloc(1)[0]  # padded requests write here, never into a live row
         dev, b = backend.device, self.buckets[-1]

@@ -181,3 +181,17 @@ def test_a_bad_input_is_refused_before_any_page_is_claimed():
             e.graph_step(graph, [0, 4], bad)  # request 4 starts a page at 41: a page would be claimed
         assert same_state(before, e.state())
     e.alloc.check_integrity()
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU's torch page ops are the case refused")
+def test_a_device_graph_without_page_op_kernels_is_refused():
+    """The torch page ops size themselves from host values: recorded into a device graph they would replay one
+    step's sizes forever, so a whole-step graph over them is refused at construction."""
+    from hwkv.errors import ConfigError
+    e = Engine(4)
+    assert e.alloc._ops is None
+    rows = e.rtt.available_size()
+    with pytest.raises(ConfigError, match="needs the device's page-op kernels"):
+        DecodeStepGraph(e.backend, e.alloc, e.layers_fn, [4], {"q": ((H, D), torch.float32)}, RecordingEager(),
+                        e.frontiers, W)
+    assert e.rtt.available_size() == rows and e.backend.static is None  # nothing made
