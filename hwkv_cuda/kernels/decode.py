@@ -277,6 +277,10 @@ def _workspace(workspace, bs, h, kvh, d, dv, max_kv_len, device, cfg):
     return dummy, dummy
 
 
+# planned launches of the decode kernels: a plan is per forward, its launches outlive it (keyed by what fixes them)
+_LAUNCHES: Dict[Any, Launch] = {}
+
+
 class DecodePlan(NamedTuple):
     """How to launch decode for a set of calls that share a batch, a head geometry and a key-list
     bound: split count, workspace, tile sizes, and the shapes/strides the first call was checked with.
@@ -300,7 +304,7 @@ class DecodePlan(NamedTuple):
     split_consts: Dict[str, Any]   # the split kernel's constexprs and launch options
     merge_consts: Dict[str, Any]
     interpreted: bool
-    launches: Dict[Any, Launch]    # the compiled launches, per layer flags (see hwkv_cuda.kernels.launch)
+    launch_key: Tuple[Any, ...]    # what fixes its launches (grids, constexprs): shared across forwards
 
     @property
     def workspace(self) -> Optional[DecodeWorkspace]:
@@ -327,7 +331,8 @@ def _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, cfg) -> DecodePlan:
                         num_warps=1 if interpreted else 4)
     return DecodePlan(tuple(q.shape), tuple(k_buf.shape), tuple(v_buf.shape), k_buf.stride(), v_buf.stride(),
                       tuple(out.shape), q.device, splits, ws_acc, ws_lse, ws_strides, cfg, split_consts,
-                      merge_consts, interpreted, {})
+                      merge_consts, interpreted,
+                      (bs, kvh // hpp, splits, h, tuple(split_consts.items()), tuple(merge_consts.items())))
 
 
 def _run(plan: DecodePlan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, scaling, window,
@@ -343,13 +348,13 @@ def _run(plan: DecodePlan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_po
                plan.v_stride[1], out.stride(0), out.stride(1))
     sinks_arg = sinks if sinks is not None else q
     flags = (cap > 0, sinks is not None, q.dtype == torch.float32 or plan.interpreted)
-    launch(plan.launches, ("split",) + flags, _decode_split_kernel,
+    launch(_LAUNCHES, (plan.launch_key, "split") + flags, _decode_split_kernel,
            (plan.k_shape[1] // plan.split_consts["HPP"], splits, bs),
            (q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, sinks_arg, out, plan.ws_acc, plan.ws_lse,
             float(scaling) * as_scale(k_scale), vs, cap, int(window or 0), splits, *strides, *plan.ws_strides),
            dict(HAS_CAP=flags[0], HAS_SINKS=flags[1], F32=flags[2], **plan.split_consts))
     if splits > 1:
-        launch(plan.launches, ("merge", flags[1]), _decode_merge_kernel, (bs, h),
+        launch(_LAUNCHES, (plan.launch_key, "merge", flags[1]), _decode_merge_kernel, (bs, h),
                (sinks_arg, out, plan.ws_acc, plan.ws_lse, vs, splits, out.stride(0), out.stride(1), *plan.ws_strides),
                dict(HAS_SINKS=flags[1], **plan.merge_consts))
 

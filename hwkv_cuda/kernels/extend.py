@@ -296,6 +296,10 @@ def _check_extend(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_
                       kv_pos0=kv_pos0, qo_indptr=qo_indptr, q_pos0=q_pos0, out=out, sinks=sinks)
 
 
+# planned launches of the extend kernel: a plan is per forward, its launches outlive it (keyed by what fixes them)
+_LAUNCHES: Dict[Any, Launch] = {}
+
+
 class ExtendPlan(NamedTuple):
     """How to launch extend for calls sharing a batch, a head geometry and the metadata lists: the
     grid and tile config, and the shapes/strides the first call was checked with (`plan_extend`);
@@ -313,7 +317,7 @@ class ExtendPlan(NamedTuple):
     consts: Dict[str, Any]       # the kernel's constexprs and launch options
     interpreted: bool
     has_tree: bool
-    launches: Dict[Any, Launch]  # the compiled launches, per layer flags (see hwkv_cuda.kernels.launch)
+    launch_key: Tuple[Any, ...]  # what fixes its launch (grid, constexprs): shared across forwards
 
 
 def _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config, has_tree, window=None) -> ExtendPlan:
@@ -326,7 +330,8 @@ def _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config, has_tree, windo
     consts = dict(GROUP=h // kvh, GP=gp, D=d, DV=dv, BLOCK_T=block_t, BLOCK_D=pow2(d), BLOCK_DV=pow2(dv),
                   BLOCK_N=cfg.block_n, HAS_TREE=has_tree, ONE_LOOP=cfg.one_loop, MASK32=cfg.mask32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return ExtendPlan(tuple(q.shape), tuple(k_buf.shape), tuple(v_buf.shape), k_buf.stride(), v_buf.stride(),
-                      tuple(out.shape), q.device, grid, cfg, consts, interpreting(), has_tree, {})
+                      tuple(out.shape), q.device, grid, cfg, consts, interpreting(), has_tree,
+                      (grid, tuple(consts.items())))
 
 
 def _run(plan: ExtendPlan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, scaling,
@@ -340,7 +345,7 @@ def _run(plan: ExtendPlan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_i
     else:
         tree_mask, tree_indptr, q_positions = tree.mask.view(torch.uint8), tree.mask_indptr, tree.q_positions
     flags = (cap > 0, window > 0, sinks is not None, q.dtype == torch.float32 or plan.interpreted)
-    launch(plan.launches, flags, _extend_kernel, plan.grid,
+    launch(_LAUNCHES, (plan.launch_key,) + flags, _extend_kernel, plan.grid,
            (q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0,
             sinks if sinks is not None else q, tree_mask, tree_indptr, q_positions, out,
             float(scaling) * as_scale(k_scale), as_scale(v_scale), cap, window,
