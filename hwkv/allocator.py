@@ -259,13 +259,22 @@ class PagedTokenToKVPoolAllocator:
         if loc.numel() == 0:
             return
         if self.immediate:
-            self._check_free(loc, swa_required=swa_delta != 0 and full_delta >= 0 and self._swa is not None)
+            self._check_free(loc, swa_required=swa_delta != 0 and full_delta >= 0 and self._swa is not None,
+                             sharing=full_delta > 0)
         self._next_op()
         (self._ops or TORCH_OPS).change_refs(self.pages, self._swa, self._mapping, loc, full_delta,
                                              swa_delta if self._swa is not None else 0)
 
-    def _check_free(self, loc: torch.Tensor, swa_required: bool) -> None:
-        """Raise what the device op would record, before anything changes (CPU, debug mode)."""
+    def check_share(self, loc: torch.Tensor, with_swa: bool = True) -> None:
+        """Raise what `share(loc, with_swa)` would refuse, changing nothing: for a share taken in several calls,
+        checked whole before the first (CPU, HWKV_DEBUG=1; with deferred checks the device op records it)."""
+        loc = _check_loc_tensor(loc)
+        if self.immediate and loc.numel():
+            self._check_free(loc, swa_required=with_swa and self._swa is not None, sharing=True)
+
+    def _check_free(self, loc: torch.Tensor, swa_required: bool, sharing: bool = False) -> None:
+        """Raise what the device op would record, before anything changes (CPU, debug mode). `sharing`: a page
+        whose SWA slots are gone cannot give them another holder (NotAllocatedError, not a double free)."""
         full = self.pages
         pages = torch.div(loc.cpu(), self.page_size, rounding_mode="floor")  # repeats are harmless here
         out = (pages < 1) | (pages > self.num_pages)
@@ -279,7 +288,11 @@ class PagedTokenToKVPoolAllocator:
         if swa_required:
             gone = _g(self._mapping.cpu(), pages * self.page_size) <= 0
             if bool(gone.any()):
-                raise _err(ERR_SWA_RELEASED, int(pages[int(gone.to(torch.int8).argmax())]), self.page_size, "full")
+                i = int(gone.to(torch.int8).argmax())
+                if sharing:
+                    raise NotAllocatedError(f"loc {int(loc.reshape(-1)[i])} (full page {int(pages[i])}) has no SWA "
+                                            "slot (released): its SWA cannot be shared")
+                raise _err(ERR_SWA_RELEASED, int(pages[i]), self.page_size, "full")
 
     def record_error(self, bad: torch.Tensor, which: torch.Tensor, code: int) -> None:
         """Record error `code` (`hwkv.pages.ERR_*`) for the lowest of which[bad] as an op of its own, on

@@ -351,27 +351,17 @@ class HybridPrefixCache:
         return child
 
     def _precheck(self, full: torch.Tensor, swa: torch.Tensor, swa_start: int) -> None:
-        """Host checks of the pages an insert or acquire will share (CPU, debug mode; on accelerators the
-        allocator records a problem on the device instead of syncing): full pages live, SWA still mapped."""
+        """The allocator's checks of the pages an insert or acquire will share, all before the first share
+        (`check_share`: CPU and debug mode; on accelerators the device op records a problem instead)."""
         a = self.allocator
         if not a.immediate:
             return
-        p = self.page_size
-        if full.numel():
-            pages = full.cpu() // p
-            bad = (pages < 1) | (pages > a.num_pages)
-            if not bad.any():  # index_select: advanced indexing opens an OpenMP region per call on a busy CPU
-                bad = a.pages.refs.cpu().index_select(0, pages) < 1
-            if bad.any():
-                i = int(bad.to(torch.int8).argmax())
-                raise NotAllocatedError(f"loc {int(full[i])} (full page {int(pages[i])}) is not live: never "
-                                        "allocated or already free; the cache only takes pages a request holds")
-        if swa.numel():
-            gone = a.full_to_swa_index_mapping.cpu().index_select(0, swa.cpu()) <= 0
-            if gone.any():
-                i = int(gone.to(torch.int8).argmax())
-                raise LocError(f"loc {int(swa[i])} has no SWA slot (released) but lies at or after swa_start "
-                               f"{swa_start}: pass the request's release frontier")
+        a.check_share(torch.cat([full.reshape(-1), swa.reshape(-1)]), with_swa=False)  # every page live
+        try:
+            a.check_share(swa, with_swa=True)
+        except NotAllocatedError as e:  # live, so its SWA is what is missing: the caller's frontier is wrong
+            raise LocError(f"{e}; it lies at or after swa_start {swa_start}: pass the request's release "
+                           "frontier") from None
 
     # ---- engine wiring ------------------------------------------------------------------------
     def acquire(self, match: PrefixMatch, req_to_token_pool: ReqToTokenPool, row: int) -> Tuple[PrefixLock, int]:

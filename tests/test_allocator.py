@@ -382,3 +382,21 @@ def test_decode_where_every_token_continues_its_page_moves_no_ring_and_still_che
             a.alloc_decode(torch.tensor([11]), last, seq_lens_cpu=torch.tensor([11]))
             with pytest.raises(NotAllocatedError, match="no SWA slot"):
                 a.available_size()
+
+
+def test_sharing_the_swa_of_a_released_page_says_so_and_changes_nothing():
+    """share(with_swa) of a page whose SWA slots are gone is refused as what it is (no SWA slot), not as a
+    double free; check_share raises the same before anything changes."""
+    from hwkv.allocator import SWATokenToKVPoolAllocator
+    from hwkv.errors import NotAllocatedError
+    from hwkv.pool import SWAKVPool
+    pool = SWAKVPool(64, 64, 4, torch.float32, 1, 2, [0], [1], "cpu")
+    a = SWATokenToKVPoolAllocator(64, 64, 4, "cpu", pool)
+    loc = a.alloc(8)
+    a.free_swa(loc[:4])
+    before = a.integrity_snapshot()
+    for call in (lambda: a.check_share(loc), lambda: a.share(loc)):
+        with pytest.raises(NotAllocatedError, match=rf"loc {int(loc[0])} .* has no SWA slot \(released\)"):
+            call()
+        assert same_snapshot(before, a.integrity_snapshot())
+    a.check_share(loc, with_swa=False)  # the full pages are live
