@@ -138,6 +138,16 @@ def capture(fn: Callable[[], object], dev: str) -> Callable[[], None]:
     return g.replay
 
 
+def layers_fn(be, layers: List[AttentionLayer]) -> Callable[[ForwardBatch, Dict[str, torch.Tensor]], torch.Tensor]:
+    """The model step a graph runner captures: every layer's write and attention on the same q/k/v."""
+    def fn(b: ForwardBatch, i: Dict[str, torch.Tensor]) -> torch.Tensor:
+        out = None
+        for layer in layers:
+            out = be.forward(i["q"], i["k"], i["v"], layer, b)
+        return out
+    return fn
+
+
 def round_up(n: int, p: int) -> int:
     return -(-n // p) * p
 
@@ -239,11 +249,7 @@ def decode_step_rows(dev: str, batches: List[int], ctx: int, backend_cls) -> Lis
                   "k": torch.randn(bs, KVH, D, device=dev, dtype=torch.bfloat16),
                   "v": torch.randn(bs, KVH, D, device=dev, dtype=torch.bfloat16)}
 
-        def step(b, i):
-            out = None
-            for layer in s.layers:
-                out = be.forward(i["q"], i["k"], i["v"], layer, b)
-            return out
+        step = layers_fn(be, s.layers)
 
         def eager():
             be.init_forward_metadata(batch)
@@ -309,11 +315,7 @@ def engine_step_rows(dev: str, bs: int, ctx: int, page_size: int, backend_cls, i
               "k": torch.randn(bs, KVH, D, device=dev, dtype=torch.bfloat16),
               "v": torch.randn(bs, KVH, D, device=dev, dtype=torch.bfloat16)}
 
-    def layers(b, i):
-        out = None
-        for layer in s.layers:
-            out = be.forward(i["q"], i["k"], i["v"], layer, b)
-        return out
+    layers = layers_fn(be, s.layers)
 
     adapter = EagerAdapter() if dev != "cuda" else __import__("hwkv_cuda.graph", fromlist=["x"]).CUDAGraphAdapter()
     runner = GraphRunner(be, layers, [bs], {k: (tuple(v.shape[1:]), v.dtype) for k, v in inputs.items()}, adapter)
@@ -354,11 +356,7 @@ def whole_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, back
                   "v": torch.randn(bs, KVH, D, device=dev, dtype=torch.bfloat16)}
         shapes = {k: (tuple(v.shape[1:]), v.dtype) for k, v in inputs.items()}
 
-        def layers(b, i):
-            out = None
-            for layer in s.layers:
-                out = be.forward(i["q"], i["k"], i["v"], layer, b)
-            return out
+        layers = layers_fn(be, s.layers)
 
         adapter = EagerAdapter() if dev != "cuda" else __import__("hwkv_cuda.graph", fromlist=["x"]).CUDAGraphAdapter()
         frontiers = torch.zeros(s.rtt.size, dtype=torch.int64, device=dev)

@@ -231,6 +231,9 @@ class PagedTokenToKVPoolAllocator:
         order). `heads`: reserve's list, or an int64 device tensor holding it (read when the kernel runs, so a
         captured step takes the heads the host writes before each replay). A request with prefix == seq takes
         nothing (a graph bucket's padding). The caller planned it: nothing is checked here."""
+        if isinstance(heads, torch.Tensor) and self._ops is None:
+            raise ConfigError("heads on the device need the device's page-op kernels: the torch ops take reserve's "
+                              "host list (they size themselves from host values)")
         (self._ops or TORCH_OPS).alloc_extend(self.pages, self._swa, self._mapping, prefix, seq, last, out, pages,
                                               heads, False)
 
@@ -489,8 +492,6 @@ class TorchPageOps:
                      prefix: Optional[torch.Tensor], seq: torch.Tensor, last: torch.Tensor, out: torch.Tensor,
                      k: int, heads: List[int], decode: bool) -> None:
         p, dev, n = full.page_size, out.device, out.numel()
-        if isinstance(heads, torch.Tensor):  # a captured step's heads: on the CPU a read costs nothing
-            heads = heads.tolist()
         if prefix is None:
             prefix = seq - 1
         ext = seq - prefix

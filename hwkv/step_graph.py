@@ -62,7 +62,6 @@ class DecodeStepGraph(GraphRunner):
         self.arange = torch.arange(b, dtype=torch.int64, device=dev)
         self._host: Tuple[int, int, list] = (0, 0, [0, 0])  # live, pages, heads: what an eager 'replay' reads
         self.req_pool_indices.fill_(self.pad_row)
-        self.allocations = 0  # steps whose allocation ran inside a replay
 
     def release_rows(self) -> None:
         """Give the padding row back to the req_to_token pool (the graph is done with)."""
@@ -148,7 +147,6 @@ class DecodeStepGraph(GraphRunner):
         self.seq_lens_cpu[:bs].copy_(seq_lens_cpu)
         heads = self.allocator.reserve(pages)  # raises before anything changed when the step might not fit
         self._set_ctl(bs, pages, heads)
-        self.allocations += 1
         return self.replay(PreparedStep(bucket, bs))
 
     def _eager_step(self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
