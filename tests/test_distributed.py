@@ -476,6 +476,9 @@ def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         report = {"equivalence": run_equivalence(sc, rank, world, probe),
                   "errors": run_bad_inputs(sc, rank, world, probe)}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+        # every rank done before any tears the group down: a rank destroying it while another still talks
+        # to it aborted that process in gloo's teardown ("terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
