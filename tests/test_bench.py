@@ -11,9 +11,9 @@ import pytest
 from hwkv import devices
 from hwkv.bench.baseline import per_layer_backend
 from hwkv.bench.run import CONFIGS, PHASES, Target, Workload, run_benchmark
-from hwkv.bench.presets import custom_shape
 from hwkv.cli import main
 from hwkv.devices import DeviceSpec
+from hwkv.engine.presets import custom_shape
 from hwkv.errors import ReferenceMismatchError
 from hwkv.graph import EagerAdapter
 from hwkv.testing.harness import Harness, ModelGeometry, run_scenario
@@ -182,7 +182,7 @@ def test_bad_values_exit_2_naming_them(capsys, extra, message):
 
 
 def test_default_model_is_a_preset_prefix_on_cpu():
-    from hwkv.bench.presets import PRESETS
+    from hwkv.engine.presets import PRESETS
     from hwkv.bench.run import default_run_layers
 
     assert default_run_layers(PRESETS["gpt-oss-20b"], "cpu") == 4

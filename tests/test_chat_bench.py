@@ -2,8 +2,8 @@
 import pytest
 
 from hwkv.bench.chat import ChatWorkload, run_chat
-from hwkv.bench.plan import round_up
-from hwkv.bench.presets import ModelShape, get_preset, layer_pattern
+from hwkv.engine.plan import round_up
+from hwkv.engine.presets import ModelShape, get_preset, layer_pattern
 from hwkv.errors import ConfigError, OutOfSlotsError
 
 SMALL = ChatWorkload(conversations=12, turns=3, system=512, user=64, reply=32, concurrency=4,
@@ -106,7 +106,7 @@ def test_a_match_is_acquired_before_anything_is_evicted(monkeypatch, w):
 
 
 def _all_full_exact(w):
-    """Memory whose all-full pool holds exactly one longest turn (hwkv.bench.plan's rounding and padding page)."""
+    """Memory whose all-full pool holds exactly one longest turn (hwkv.engine.plan's rounding and padding page)."""
     return (round_up(w.context, w.page_size) + w.page_size) * GPT.bytes_per_token_all_full
 
 

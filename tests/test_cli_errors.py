@@ -179,7 +179,7 @@ def test_bench_plot_without_an_extension_is_a_png(tmp_path):
 def test_bench_batch_size_beyond_memory_says_how_many_fit(capsys, no_bench_run, monkeypatch):
     import hwkv.pool
     from hwkv.bench import bench_cli
-    from hwkv.bench.presets import PRESETS
+    from hwkv.engine.presets import PRESETS
     from hwkv.bench.run import Workload
 
     monkeypatch.setattr(hwkv.pool, "device_free_bytes", lambda device: 2**30)
@@ -198,7 +198,7 @@ def test_bench_memory_estimate_counts_the_pools_the_harness_allocates():
     from dataclasses import replace
 
     from hwkv.bench import bench_cli, run
-    from hwkv.bench.presets import PRESETS
+    from hwkv.engine.presets import PRESETS
     from hwkv_cpu.backend import TorchCPUBackend
 
     shape = PRESETS["gpt-oss-20b"]

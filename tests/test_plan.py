@@ -7,9 +7,9 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from hwkv.bench.plan import parse_bytes, plan, swa_tokens_per_request
 from hwkv.bench.plan_cli import add_plan_arguments, add_plan_parser, run_plan
-from hwkv.bench.presets import PRESETS, custom_shape
+from hwkv.engine.plan import parse_bytes, plan, swa_tokens_per_request
+from hwkv.engine.presets import PRESETS, custom_shape
 from hwkv.errors import ConfigError
 
 GiB = 2**30

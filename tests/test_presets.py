@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from hwkv.bench.presets import (PRESETS, ModelShape, add_model_arguments, custom_shape, get_preset,
-                                layer_pattern, shape_from_args)
+from hwkv.engine.presets import (PRESETS, ModelShape, add_model_arguments, custom_shape, get_preset,
+                                 layer_pattern, shape_from_args)
 from hwkv.errors import ConfigError
 
 

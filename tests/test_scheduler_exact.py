@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hwkv.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator, release_out_of_window_batch
-from hwkv.bench.plan import swa_tokens_per_request
+from hwkv.engine.plan import swa_tokens_per_request
 from hwkv.integrations.hf_model import PoolPlan
 from hwkv.integrations.sampling import SamplingParams
 from hwkv.integrations.scheduler import Request, Scheduler, split_rows

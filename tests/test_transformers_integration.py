@@ -273,7 +273,7 @@ def test_layer_kinds_and_shape_from_configs():
 
 
 def test_pools_are_planned_like_hwkv_plan():
-    from hwkv.bench.plan import plan
+    from hwkv.engine.plan import plan
 
     shape = model_shape(_configs()["gpt_oss"], torch.float32)
     got = plan_pools(shape, context=64, max_running=64, chunk=16, page_size=4, memory="1MiB",

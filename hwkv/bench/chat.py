@@ -11,7 +11,7 @@ anything runs), and evicts cached KV (full or SWA, least recently used, unlocked
 allocation needs it.
 
 This measures the cache, not attention: allocation, matching, eviction and release run for real on
-the device (the allocator's kernels), no K/V is computed. Pools come from `hwkv.bench.plan` for the
+the device (the allocator's kernels), no K/V is computed. Pools come from `hwkv.engine.plan` for the
 budget, with room in the SWA pool for the windows the cache keeps; the all-full run puts every layer
 in one pool of the same budget (its SWA layers keep every token, so no window is ever missing).
 """
@@ -26,9 +26,9 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 import torch
 
 from hwkv.allocator import SWATokenToKVPoolAllocator, ReqToTokenPool, release_out_of_window_batch
-from hwkv.bench.plan import plan, round_up, swa_tokens_per_request
-from hwkv.bench.presets import ModelShape
 from hwkv.cache import HybridPrefixCache
+from hwkv.engine.plan import plan, round_up, swa_tokens_per_request
+from hwkv.engine.presets import ModelShape
 from hwkv.errors import ConfigError, OutOfSlotsError
 
 
@@ -277,7 +277,7 @@ def _sizes(shape: ModelShape, w: ChatWorkload) -> Tuple[int, int, int, int]:
     The SWA pool holds the running turns' windows, one prefill chunk (released after each forward),
     and one cached window per conversation (what its next turn needs to continue from the cache);
     the full pool gets the rest. The
-    all-full pool comes from `hwkv.bench.plan` (every layer in one pool, the same padding rules).
+    all-full pool comes from `hwkv.engine.plan` (every layer in one pool, the same padding rules).
     """
     p = w.page_size
     swa_need = swa_tokens_per_request(shape.window, p)

@@ -6,8 +6,8 @@ import json
 import sys
 from typing import Any, List, Tuple
 
-from hwkv.bench.plan import Plan, format_bytes, parse_bytes, plan
-from hwkv.bench.presets import ModelShape, add_model_arguments, shape_from_args
+from hwkv.engine.plan import Plan, format_bytes, parse_bytes, plan
+from hwkv.engine.presets import ModelShape, add_model_arguments, shape_from_args
 from hwkv.errors import ConfigError
 
 

@@ -9,8 +9,8 @@ import json
 import os
 from typing import Any, Dict, List, Sequence
 
-from hwkv.bench.plan import format_bytes
 from hwkv.bench.run import PHASES, STEP, BenchResult
+from hwkv.engine.plan import format_bytes
 from hwkv.errors import ConfigError
 
 SCHEMA = "hwkv-bench/2"

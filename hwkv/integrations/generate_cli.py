@@ -74,7 +74,7 @@ def _stop_tokens(model: Any) -> Tuple[int, ...]:
 
 def _check_args(args: argparse.Namespace) -> None:
     """Refuse bad flag values before the model loads (seconds), each naming the flag, its value and the limit."""
-    from hwkv.bench.plan import parse_bytes
+    from hwkv.engine.plan import parse_bytes
 
     for flag, value, lo in (("--max-new-tokens", args.max_new_tokens, 1), ("--max-running", args.max_running, 1),
                             ("--context", args.context, 1), ("--chunk", args.chunk, 1),

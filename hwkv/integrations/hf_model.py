@@ -12,8 +12,8 @@ import torch
 
 from hwkv import make_backend
 from hwkv.allocator import PagedTokenToKVPoolAllocator, ReqToTokenPool, SWATokenToKVPoolAllocator
-from hwkv.bench.plan import format_bytes, parse_bytes, plan, round_up, swa_tokens_per_request
-from hwkv.bench.presets import ModelShape
+from hwkv.engine.plan import format_bytes, parse_bytes, plan, round_up, swa_tokens_per_request
+from hwkv.engine.presets import ModelShape
 from hwkv.errors import ConfigError
 from hwkv.pool import MHATokenToKVPool, SWAKVPool, device_free_bytes
 

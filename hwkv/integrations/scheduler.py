@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Deque, List, Optional, Sequence, Tuple
 
-from hwkv.bench.plan import swa_tokens_per_request
+from hwkv.engine.plan import swa_tokens_per_request
 from hwkv.errors import ConfigError, OutOfSlotsError
 from hwkv.integrations.hf_model import PoolPlan
 from hwkv.integrations.sampling import SamplingParams

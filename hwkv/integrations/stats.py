@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 from hwkv.batch import ForwardMode
-from hwkv.bench.plan import format_bytes
-from hwkv.bench.presets import ModelShape
+from hwkv.engine.plan import format_bytes
+from hwkv.engine.presets import ModelShape
 from hwkv.integrations.hf_model import PoolPlan
 
 

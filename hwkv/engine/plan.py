@@ -1,0 +1,164 @@
+"""Size the full and SWA pools for a KV memory budget the way an engine would (`hwkv plan`).
+
+Per running request the full pool holds every token: round_up(context, P) slots. The SWA pool
+holds what `hwkv.allocator.release_out_of_window` leaves mapped at the worst decode step:
+
+    swa_tokens_per_request = min(round_up(W + margin_pages * P + P, P), round_up(context, P))
+
+the window, the page(s) of margin the release keeps behind it (it frees page-aligned, one page
+behind the oldest visible token), and one page for the window's partially filled first/last page;
+but never more than the request's own tokens: a request of context <= W releases nothing and holds
+round_up(context, P) SWA slots, as many as full ones (the scheduler reserves
+min(round_up(kv, P), the window bound) per request, the same rule). This bound is tight for hwkv's
+allocator. A request being prefilled also holds its new chunk
+until the step's release, round_up(chunk, P) more slots; the chunk budget (like SGLang's
+chunked_prefill_size) bounds the new tokens of one forward over the whole batch, so it is
+reserved once per pool, not once per request:
+
+    size_swa = R * swa_tokens_per_request + round_up(chunk, P)
+
+R (running requests) is --max-running or the largest R whose pools fit; the full pool then gets
+all memory left, rounded down to pages. Each pool's buffers carry P extra rows (slot 0 is the
+padding slot, buffers are [size + P, H, D]), and those bytes are counted. The all-full baseline
+puts every layer in one pool of the same budget, with the same padding.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Optional, Union
+
+from hwkv.engine.presets import ModelShape
+from hwkv.errors import ConfigError
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(value: Union[str, int]) -> int:
+    """'80GiB' / '80GB' / '512MiB' / '1.5TiB' / '1234' (bytes) -> bytes; ConfigError names a bad value."""
+    if isinstance(value, bool):
+        raise ConfigError(f"memory size must be a number of bytes or a string like '80GiB', got {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = _BYTES_RE.match(str(value))
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ConfigError(f"cannot read memory size {value!r}: expected a number with an optional unit "
+                              f"(B, KB, MB, GB, TB = powers of 1000; KiB, MiB, GiB, TiB = powers of 1024)")
+        n = int(float(m.group(1)) * _UNITS[unit]) if "." in m.group(1) else int(m.group(1)) * _UNITS[unit]
+    if n < 1:
+        raise ConfigError(f"memory size must be at least 1 byte, got {value!r}")
+    return n
+
+
+def format_bytes(n: int) -> str:
+    """Bytes with a binary unit, e.g. '80.00 GiB'."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def round_up(x: int, multiple: int) -> int:
+    """Smallest multiple of `multiple` that is >= x."""
+    return -(-x // multiple) * multiple
+
+
+def swa_tokens_per_request(window: int, page_size: int, eviction_margin_pages: int = 1,
+                           context: Optional[int] = None) -> int:
+    """SWA slots one decoding request holds at most: P * (ceil(W / P) + 1 + margin_pages), and with
+    `context` never more than the request's own round_up(context, P) (a short request releases nothing)."""
+    bound = round_up(window + eviction_margin_pages * page_size + page_size, page_size)
+    return bound if context is None else min(bound, round_up(context, page_size))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Pool sizes for one model, budget and context; every *_bytes counts the pools' padding rows."""
+
+    model: str
+    memory_bytes: int
+    context: int
+    page_size: int
+    chunk: int
+    eviction_margin_pages: int
+    full_bytes_per_token: int
+    swa_bytes_per_token: int
+    all_full_bytes_per_token: int
+    full_tokens_per_request: int
+    swa_tokens_per_request: int
+    chunk_reserve_tokens: int
+    max_running: int
+    full_pool_tokens: int
+    full_pool_bytes: int
+    swa_pool_tokens: int
+    swa_pool_bytes: int
+    max_concurrent_requests: int
+    all_full_pool_tokens: int
+    all_full_pool_bytes: int
+    all_full_requests: int
+    saving_requests: Optional[float]    # hybrid / all-full concurrent requests; None if all-full fits none
+    saving_bytes_per_request: float     # all-full / hybrid KV bytes of one request
+    saving_limit: float                 # ModelShape.saving_limit(context)
+
+    @property
+    def unused_bytes(self) -> int:
+        return self.memory_bytes - self.full_pool_bytes - self.swa_pool_bytes
+
+    def to_dict(self) -> Dict[str, Any]:
+        """JSON-ready fields (schema 'hwkv-plan/1')."""
+        return {"schema": "hwkv-plan/1", **asdict(self), "unused_bytes": self.unused_bytes}
+
+
+def _check_inputs(shape: ModelShape, memory_bytes: int, context: int, page_size: int,
+                  max_running: Optional[int], chunk: int, margin: int) -> None:
+    if not shape.full_layer_ids:
+        raise ConfigError(f"{shape.name}: plan needs at least one full-attention layer (the full pool holds the locs)")
+    for name, value, lo in (("memory_bytes", memory_bytes, 1), ("context", context, 1), ("page_size", page_size, 1),
+                            ("chunk", chunk, 1), ("eviction_margin_pages", margin, 0)):
+        if not isinstance(value, int) or value < lo:
+            raise ConfigError(f"{name} must be an integer >= {lo}, got {value!r}")
+    if max_running is not None and (not isinstance(max_running, int) or max_running < 1):
+        raise ConfigError(f"max_running must be an integer >= 1 or None, got {max_running!r}")
+
+
+def plan(shape: ModelShape, memory_bytes: int, context: int, page_size: int = 16,
+         max_running: Optional[int] = None, chunk: int = 8192, eviction_margin_pages: int = 1) -> Plan:
+    """Size both pools for `memory_bytes` of KV memory and requests of `context` tokens (see module doc)."""
+    _check_inputs(shape, memory_bytes, context, page_size, max_running, chunk, eviction_margin_pages)
+    P, full_b, swa_b = page_size, shape.bytes_per_token_full_group, shape.bytes_per_token_swa_group
+    has_swa = bool(shape.swa_layer_ids)
+    full_need = round_up(context, P)
+    swa_need = swa_tokens_per_request(shape.window, P, eviction_margin_pages, context) if has_swa else 0
+    chunk_reserve = round_up(chunk, P) if has_swa else 0
+    swa_pad = P if has_swa else 0
+    fixed = P * full_b + (chunk_reserve + swa_pad) * swa_b      # padding rows + the chunk, once
+    per_request = full_need * full_b + swa_need * swa_b
+    fit = max(0, (memory_bytes - fixed) // per_request)
+    running = fit if max_running is None else max_running
+    if running < 1 or running > fit:
+        want = max(1, running)
+        raise ConfigError(
+            f"{shape.name}: {want} request(s) of context {context} need {fixed + want * per_request} bytes "
+            f"({format_bytes(fixed + want * per_request)}) of KV memory, given {memory_bytes} "
+            f"({format_bytes(memory_bytes)}); at most {fit} fit")
+    size_swa = running * swa_need + chunk_reserve
+    swa_bytes = (size_swa + swa_pad) * swa_b
+    size = ((memory_bytes - swa_bytes) // full_b - P) // P * P
+    concurrent = min(size // full_need, (size_swa - chunk_reserve) // swa_need if has_swa else size // full_need)
+    all_b = shape.bytes_per_token_all_full
+    all_size = max(0, (memory_bytes // all_b - P) // P * P)
+    all_requests = all_size // full_need
+    return Plan(
+        model=shape.name, memory_bytes=memory_bytes, context=context, page_size=P, chunk=chunk,
+        eviction_margin_pages=eviction_margin_pages, full_bytes_per_token=full_b, swa_bytes_per_token=swa_b,
+        all_full_bytes_per_token=all_b, full_tokens_per_request=full_need, swa_tokens_per_request=swa_need,
+        chunk_reserve_tokens=chunk_reserve, max_running=running, full_pool_tokens=size,
+        full_pool_bytes=(size + P) * full_b, swa_pool_tokens=size_swa, swa_pool_bytes=swa_bytes,
+        max_concurrent_requests=concurrent, all_full_pool_tokens=all_size,
+        all_full_pool_bytes=(all_size + P) * all_b if all_size else 0, all_full_requests=all_requests,
+        saving_requests=concurrent / all_requests if all_requests else None,
+        saving_bytes_per_request=full_need * all_b / per_request, saving_limit=shape.saving_limit(context))
