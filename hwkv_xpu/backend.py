@@ -4,7 +4,7 @@ IPEX's flash_attn_varlen_func for the layers it fits when asked for (`ipex=True`
 Importing this module registers the Triton store, index-fill, graph-refill and allocator kernels for "xpu";
 attention is TritonBackend's. Graphs go through `hwkv_xpu.graph.XPUGraphAdapter`. With `ipex=True` and an
 XPU build of IPEX, decode and extend of fp16/bf16 layers without sinks or K/V scales, with 64 | head dim
-and W != 1, run IPEX's varlen op over page tables built once per forward (see `hwkv_cpu.ipex`, "Intel GPU",
+and W != 1, run IPEX's varlen op over page tables built once per forward (see `hwkv_intel.ipex`, "Intel GPU",
 for what was read in IPEX's source and what could not be checked without an Intel GPU); the rest, Triton.
 """
 from __future__ import annotations
@@ -20,10 +20,10 @@ from hwkv.batch import ForwardBatch
 from hwkv.layer import AttentionLayer
 from hwkv.metadata import ForwardMetadata, KVIndexList, StaticBuffers
 from hwkv.pages import register_page_ops
-from hwkv_cpu import ipex
 from hwkv_cuda import kernels
 from hwkv_cuda.kernels.alloc import TritonPageOps
 from hwkv_cuda.backend import TritonBackend
+from hwkv_intel import ipex
 
 ops.register_store_kv("xpu", kernels.store_kv, prechecked=kernels.store_kv_prechecked)
 ops.register_fill_kv_indices("xpu", kernels.fill_kv_indices)

@@ -1,10 +1,14 @@
-"""IPEX's paged-attention ops through hwkv_cpu (and the planner hwkv_xpu shares), against hwkv.reference.
+"""IPEX's paged-attention ops through hwkv_cpu (and the glue hwkv_xpu shares, hwkv_intel), against hwkv.reference.
 
 The real-op tests need intel_extension_for_pytorch built for this torch (IPEX 2.8 pins torch 2.8) and skip
 with the reason otherwise, so the default `make test` skips them; docs/devices.md ("IPEX") records
 the command and result of the real run. The probe, the per-layer decisions and the plan run everywhere.
 """
+import ast
 import itertools
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +25,10 @@ from hwkv.testing.contract import *  # noqa: F401,F403  (the contract suite, run
 from hwkv_cpu import ipex
 from hwkv_cpu.backend import TorchCPUBackend
 from hwkv_cpu.graph import CompileGraphAdapter
+from hwkv_intel import ipex as intel
 
 pytestmark = pytest.mark.ipex
+ROOT = Path(__file__).resolve().parents[1]
 WHY_NOT = ipex.installed_reason()
 needs_ipex = pytest.mark.skipif(WHY_NOT is not None, reason=f"IPEX unavailable: {WHY_NOT}")
 
@@ -47,14 +53,14 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 
 # ---- probe and decisions (no IPEX needed) -----------------------------------------------------------
 def test_probe_says_why_before_importing(monkeypatch):
-    monkeypatch.setattr(ipex.importlib.util, "find_spec", lambda name: None)
-    assert "not installed" in ipex.installed_reason()
-    monkeypatch.setattr(ipex.importlib.util, "find_spec", lambda name: object())
-    monkeypatch.setattr(ipex.importlib.metadata, "version", lambda dist: "2.8.0+cpu")
+    monkeypatch.setattr(intel.importlib.util, "find_spec", lambda name: None)
+    assert "not installed" in intel.installed_reason()
+    monkeypatch.setattr(intel.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(intel.importlib.metadata, "version", lambda dist: "2.8.0+cpu")
     monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
-    assert ipex.installed_reason() == "IPEX 2.8.0+cpu needs torch 2.8.*, this is torch 2.13.0+cpu"
+    assert intel.installed_reason() == "IPEX 2.8.0+cpu needs torch 2.8.*, this is torch 2.13.0+cpu"
     monkeypatch.setattr(torch, "__version__", "2.8.1")
-    assert ipex.installed_reason() is None
+    assert intel.installed_reason() is None
 
 
 def _layer(**kw):
@@ -102,7 +108,7 @@ def test_plan_reads_the_index_list_without_translating(block):
     pos0 = torch.tensor([5, 0])
     lst = KVIndexList(indptr, indices, pos0, 8, 6)
     width = -(-(6 + block - 1) // block)
-    plan = ipex.plan_list(lst, width, block)
+    plan = intel.plan_list(lst, width, block)
     if block == 1:
         assert plan.table.tolist() == [[25, 26, 27, 28, 29, 30], [40, 41, 42, 0, 0, 0]]
         assert plan.kv_lens.tolist() == [6, 3] and plan.cu_kv.tolist() == [0, 6, 9]
@@ -111,8 +117,8 @@ def test_plan_reads_the_index_list_without_translating(block):
         assert plan.kv_lens.tolist() == [7, 3] and plan.cu_kv.tolist() == [0, 7, 10]
     assert plan.table.dtype == plan.kv_lens.dtype == plan.cu_kv.dtype == torch.int32
     assert plan.max_kv >= int(plan.kv_lens.max())
-    graph = ipex.GraphTables.alloc(4, 8, 16, (8,), torch.device("cpu"), block)
-    planned = ipex.plan_list(lst, graph.width(8), block, out=graph)
+    graph = intel.GraphTables.alloc(4, 8, 16, (8,), torch.device("cpu"), block)
+    planned = intel.plan_list(lst, graph.width(8), block, out=graph)
     assert planned.table.data_ptr() == graph.tables[8].data_ptr()
     assert torch.equal(planned.table[:, :width], plan.table) and torch.equal(planned.kv_lens, plan.kv_lens)
 
@@ -207,9 +213,9 @@ def test_xpu_varlen_call_matches_reference_on_the_cpu_op():
     lst, per_req = _requests(seq, ext, 6, 128, gen)
     q = torch.randn(3, 4, 16, generator=gen)
     out = torch.zeros(3, 4, 16)
-    ipex.varlen(q, k_buf.unsqueeze(2), v_buf.unsqueeze(2), ipex.plan_list(lst, lst.max_len),
+    intel.varlen(q, k_buf.unsqueeze(2), v_buf.unsqueeze(2), intel.plan_list(lst, lst.max_len),
                 torch.arange(4, dtype=torch.int32), 1, out, 0.25, 6, 2.0)
-    k_cache, v_cache = ipex.xpu_caches(k_buf, v_buf, 4)
+    k_cache, v_cache = intel.xpu_caches(k_buf, v_buf, 4)
     assert k_cache.shape == (32, 4, 2, 16) and k_cache.data_ptr() == k_buf.data_ptr()
     want = _expected(q, k_buf, v_buf, per_req, ext, seq, 0.25, 6, 2.0)
     assert (out - want).abs().max().item() < 1e-4
@@ -366,6 +372,32 @@ def test_extend_stays_on_the_torch_kernels_by_default(monkeypatch):
     assert real == {"decode": len(h.layers), "extend": 0}
 
 
+# ---- hwkv_intel: the glue both Intel packages share (no IPEX needed) --------------------------------------
+def test_cpu_module_re_exports_the_shared_glue_and_xpu_imports_it_from_hwkv_intel():
+    for name in ("installed_reason", "load", "IpexOps", "IpexList", "plan_list", "GraphTables"):
+        assert getattr(ipex, name) is getattr(intel, name), name
+    imports = {n.module for n in ast.walk(ast.parse((ROOT / "hwkv_xpu" / "backend.py").read_text()))
+               if isinstance(n, ast.ImportFrom)}
+    assert "hwkv_intel" in imports and not any(m.startswith("hwkv_cpu") for m in imports)
+
+
+def test_core_never_names_ipex_or_hwkv_intel():
+    for path in (ROOT / "hwkv").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.startswith(("hwkv_intel", "intel_extension_for_pytorch")) for n in names), path
+
+
+def test_importing_the_glue_never_imports_ipex():
+    """With IPEX blocked, the shared and CPU modules import and the probe answers why (IPEX loads on first use)."""
+    code = ("import sys; sys.modules['intel_extension_for_pytorch'] = None\n"
+            "import hwkv_intel, hwkv_intel.ipex, hwkv_cpu.ipex, hwkv_cpu.backend\n"
+            "print(hwkv_intel.ipex.load()[1])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert "intel_extension_for_pytorch is not installed" in out
+
+
 # ---- hwkv_xpu's opt-in path and the CI job (no IPEX needed) --------------------------------------------
 def test_xpu_backend_keeps_triton_unless_asked_and_on_an_intel_gpu():
     pytest.importorskip("triton")
@@ -380,19 +412,17 @@ def test_xpu_backend_keeps_triton_unless_asked_and_on_an_intel_gpu():
 def test_xpu_layer_reason_keeps_per_call_copies_on_triton():
     q, buf = torch.zeros(1, 4, 64, dtype=torch.bfloat16), torch.zeros(8, 2, 64, dtype=torch.bfloat16)
     layer = AttentionLayer(0, 4, 2, 64, sliding_window=8, logit_cap=30.0)
-    assert ipex.xpu_layer_reason(q, layer, buf, buf) is None
-    assert "fp16/bf16" in ipex.xpu_layer_reason(q.float(), layer, buf.float(), buf.float())
+    assert intel.xpu_layer_reason(q, layer, buf, buf) is None
+    assert "fp16/bf16" in intel.xpu_layer_reason(q.float(), layer, buf.float(), buf.float())
     small = torch.zeros(8, 2, 16, dtype=torch.bfloat16)
-    assert "64" in ipex.xpu_layer_reason(q[..., :16], AttentionLayer(0, 4, 2, 16), small, small)
-    assert "sinks" in ipex.xpu_layer_reason(q, AttentionLayer(0, 4, 2, 64, sinks=torch.zeros(4)), buf, buf)
-    assert "W=1" in ipex.xpu_layer_reason(q, AttentionLayer(0, 4, 2, 64, sliding_window=1), buf, buf)
+    assert "64" in intel.xpu_layer_reason(q[..., :16], AttentionLayer(0, 4, 2, 16), small, small)
+    assert "sinks" in intel.xpu_layer_reason(q, AttentionLayer(0, 4, 2, 64, sinks=torch.zeros(4)), buf, buf)
+    assert "W=1" in intel.xpu_layer_reason(q, AttentionLayer(0, 4, 2, 64, sliding_window=1), buf, buf)
 
 
 def test_ci_has_a_non_blocking_ipex_job_running_these_tests():
     yaml = pytest.importorskip("yaml", reason="PyYAML is not installed (pip install pyyaml)")
-    from pathlib import Path
-
-    job = yaml.safe_load((Path(__file__).resolve().parents[1] / ".github/workflows/ci.yml").read_text())["jobs"]["ipex"]
+    job = yaml.safe_load((ROOT / ".github/workflows/ci.yml").read_text())["jobs"]["ipex"]
     runs = "\n".join(str(s.get("run", "")) for s in job["steps"])
     assert '"torch==2.8.*" --index-url https://download.pytorch.org/whl/cpu' in runs
     assert '"intel-extension-for-pytorch==2.8.*"' in runs and ".[cpu,ipex,test]" in runs

@@ -121,6 +121,7 @@ def test_path_filters_keep_cpu_only_changes_off_gpu_runners():
     for device, globs in filters.items():
         assert "hwkv/**" in globs and f"{package[device]}/**" in globs, device
         assert not any(g.startswith(("hwkv_cpu", "docs", "tests")) for g in globs), (device, globs)
+    assert "hwkv_intel/**" in filters["xpu"]  # the IPEX glue hwkv_xpu shares with hwkv_cpu
 
 
 def test_ci_run_installs_actionlint_and_runs_the_readme_test_command():
