@@ -88,9 +88,7 @@ def info_data(paths_device: Optional[str] = None) -> dict[str, Any]:
     except DeviceError as e:
         error = str(e)
     cpu = cpu_features()
-    from hwkv_cpu.amx import active_path  # the CPU plugin's own choice: one definition of the path
-
-    path, why = active_path()
+    path, why = specs["cpu"].describe_attention_path()  # the CPU plugin answers (discover() always knows it)
     return {
         "device": device,
         "forced": forced is not None,

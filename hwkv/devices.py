@@ -65,6 +65,9 @@ class DeviceSpec:
     # optional "module:function" returning a hwkv.paths.PathTable: which path each layer kind takes here
     # (imported only by `hwkv info`; empty: the device reports none)
     layer_paths: str = ""
+    # optional "module:function" returning (path, why): the attention path this device takes on this machine
+    # (imported only when asked, by `hwkv info`; empty: the device names its backend)
+    attention_path: str = ""
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
@@ -75,7 +78,8 @@ class DeviceSpec:
             raise ConfigError(f"DeviceSpec {self.name!r}: probe must be callable, got {self.probe!r}")
         for field, value, optional in (("backend", self.backend, False),
                                        ("graph_adapter", self.graph_adapter, True),
-                                       ("layer_paths", self.layer_paths, True)):
+                                       ("layer_paths", self.layer_paths, True),
+                                       ("attention_path", self.attention_path, True)):
             if not (optional and value == "") and value.count(":") != 1:
                 raise ConfigError(f"DeviceSpec {self.name!r}: {field} must be 'module:attr'"
                                   f"{' or empty' if optional else ''}, got {value!r}")
@@ -101,6 +105,17 @@ class DeviceSpec:
         if not self.layer_paths:
             return None
         return import_string(self.layer_paths, f"layer paths of device {self.name!r}")
+
+    def describe_attention_path(self) -> tuple[str, str]:
+        """(the attention path this device takes here, why), from the plugin's hook, imported only now; a spec
+        without one (e.g. a third party's) answers with its backend, so setting the hook stays optional."""
+        if not self.attention_path:
+            return self.backend, f"the {self.name} plugin reports none (DeviceSpec.attention_path is empty)"
+        answer = import_string(self.attention_path, f"attention path of device {self.name!r}")()
+        if not (isinstance(answer, tuple) and len(answer) == 2 and all(isinstance(a, str) and a for a in answer)):
+            raise DeviceError(f"device {self.name!r}: {self.attention_path} must return (path, why), two non-empty "
+                              f"strings, got {answer!r}")
+        return answer
 
     def load_graph_adapter(self) -> Optional[type]:
         """Import the graph adapter class, or None when the device has none."""

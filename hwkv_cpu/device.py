@@ -18,4 +18,5 @@ DEVICE = DeviceSpec(
     graph_adapter="hwkv_cpu.graph:CompileGraphAdapter",
     torch_device="cpu",
     description="CPU: torch matmul (oneDNN, AMX when present); sgl-kernel CPU ops when importable",
+    attention_path="hwkv_cpu.amx:active_path",
 )

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
 import json
 import os
 import shutil
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hwkv import _amx, cli
+from hwkv import _amx, cli, devices
 
 REPO = Path(__file__).resolve().parents[1]
 DUMMY_SRC = Path(__file__).parent / "plugins" / "hwkv_dummy.py"
@@ -180,6 +182,23 @@ def test_sgl_kernel_is_found_not_imported(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.syspath_prepend(str(tmp_path))
     features = _amx.cpu_features()
     assert features.sgl_kernel and "sgl_kernel" not in sys.modules
+
+
+def test_info_asks_the_cpu_spec_for_the_attention_path(monkeypatch: pytest.MonkeyPatch):
+    """The CLI imports no device package: the cpu DeviceSpec names the path, and a replacement spec without the
+    hook (a third party's) still gives `hwkv info` an answer."""
+    tree = ast.parse((REPO / "hwkv" / "cli.py").read_text())
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not any(m.startswith("hwkv_") for m in imported), imported
+    cpu = devices.discover()["cpu"]
+    assert cli.info_data()["cpu"]["attention_path"] == cpu.describe_attention_path()[0]
+    devices.register(dataclasses.replace(cpu, attention_path=""), replace=True)
+    try:
+        data = cli.info_data()["cpu"]
+    finally:
+        devices.unregister("cpu")
+    assert data["attention_path"] == cpu.backend and "attention_path is empty" in data["attention_path_reason"]
 
 
 # ------------------------------------------------------------------ layer paths

@@ -200,10 +200,28 @@ def test_loading_by_import_string():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("name", ""), ("priority", "1"), ("backend", "no_colon"), ("graph_adapter", "a:b:c"), ("probe", None)])
+    ("name", ""), ("priority", "1"), ("backend", "no_colon"), ("graph_adapter", "a:b:c"), ("probe", None),
+    ("attention_path", "no_colon")])
 def test_spec_validation(field: str, value: object):
     with pytest.raises(ConfigError, match=field):
         dataclasses.replace(_spec("x", 1), **{field: value})
+
+
+def test_attention_path_is_asked_of_the_plugin_only_when_needed(in_tree):
+    """A spec without the hook (a third party's) answers with its backend and imports nothing; a hook is
+    imported on the call, and a failing or malformed one is a DeviceError naming it."""
+    assert _spec("x", 1).describe_attention_path() == (
+        "x_pkg.backend:B", "the x plugin reports none (DeviceSpec.attention_path is empty)")
+    unimportable = dataclasses.replace(_spec("x", 1), attention_path="hwkv_nope.amx:active_path")
+    with pytest.raises(DeviceError, match="attention path of device 'x'.*'hwkv_nope.amx:active_path'"):
+        unimportable.describe_attention_path()
+    with pytest.raises(DeviceError, match=r"os:getcwd must return \(path, why\)"):
+        dataclasses.replace(_spec("x", 1), attention_path="os:getcwd").describe_attention_path()
+    from hwkv_cpu.amx import active_path
+
+    assert in_tree["cpu"].attention_path == "hwkv_cpu.amx:active_path"
+    assert in_tree["cpu"].describe_attention_path() == active_path()
+    assert all(not s.attention_path for n, s in in_tree.items() if n != "cpu")
 
 
 # -------------------------------------------------------------------- probes
