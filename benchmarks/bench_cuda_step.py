@@ -34,7 +34,7 @@ from hwkv.loc import KVWriteLoc
 from hwkv.pool import SWAKVPool
 
 LAYERS, W, H, KVH, D = 36, 128, 64, 8, 64
-SECTIONS = ("kv-write", "decode-step", "alloc", "engine-step", "tree-verify", "host", "whole-step")
+SECTIONS = ("kv-write", "decode-step", "alloc", "engine-step", "tree-verify", "host", "whole-step", "profile")
 
 
 def timeit(fn: Callable[[], object], dev: str, iters: int = 50, warmup: int = 5) -> float:
@@ -365,15 +365,22 @@ def whole_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, back
         g.capture()
         only = GraphRunner(be, layers, [bs], shapes, adapter)
         only.capture()
-        state = {"cpu": s.seq_cpu.clone(), "dev": s.seq.clone()}
+        for k, v in inputs.items():  # an engine writes the step's inputs into the graph's buffers
+            g.inputs[k][:bs].copy_(v)
+        step_inputs = {k: v[:bs] for k, v in g.inputs.items()}
+        rows_cpu, seq = s.rows.cpu(), s.seq_cpu.clone()
 
-        def step() -> None:  # an engine that keeps its lengths on the device, and their host copy
-            state["cpu"] += 1
-            state["dev"] += 1
-            g.step(s.rows, state["dev"], state["cpu"], inputs)
+        def step() -> None:  # an engine: rows and lengths on the host, one copy with the step's control words
+            seq.add_(1)
+            g.step(rows_cpu, seq, seq, step_inputs)
 
         host = host_per_call(step, dev, iters)
         _, done = wall(step, dev, iters)
+        # the same layers over the same requests, replayed alone: the batch of the last step (its slots rewritten)
+        seq_dev = seq.to(dev)
+        batch = ForwardBatch(ForwardMode.DECODE, bs, s.rows, seq_dev, s.rtt.req_to_token[s.rows, seq_dev - 1],
+                             seq_lens_cpu=seq.clone())
+        only.prepare(batch, inputs)
         _, replay = wall(lambda: only.adapter.replay(only.graphs[bs].graph), dev, iters)
         syncs = host_syncs(step, dev)
         s.alloc.check_integrity()
@@ -385,6 +392,79 @@ def whole_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, back
         if dev == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def profile_text(fn: Callable[[], object], dev: str, n: int = 200, top: int = 18) -> str:
+    """Where the host time of `fn` goes: cProfile over n calls, the `top` functions by own time (us per call)."""
+    import cProfile
+    import pstats
+    for _ in range(5):
+        fn()
+    sync(dev)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    sync(dev)
+    st = pstats.Stats(prof)
+    lines = [f"{'own us/call':>11} {'cum us/call':>11} {'calls/call':>10}  function"]
+    for (file, line, name), (_, calls, own, cum, _) in sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]:
+        where = f"{'/'.join(file.rsplit('/', 2)[-2:])}:{line}" if line else file
+        lines.append(f"{own * 1e6 / n:11.1f} {cum * 1e6 / n:11.1f} {calls / n:10.1f}  {name} ({where})")
+    return "\n".join(lines)
+
+
+def profile_rows(dev: str, ctx: int, page_size: int, backend_cls) -> List[Dict]:
+    """Profiles (not timings) of the host paths the targets name: one whole-step graph step at B=1, one eager
+    full layer (store + attention), one SWA layer, one eager metadata step."""
+    from hwkv.step_graph import DecodeStepGraph
+    out: List[Dict] = []
+    s = Setup(dev, 1, ctx, page_size=page_size, room=600, spare_rows=1)
+    be = backend_cls(s.pool, s.rtt, sliding_window=W)
+    q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(1, KVH, D, device=dev, dtype=torch.bfloat16)
+    shapes = {"q": ((H, D), q.dtype), "k": ((KVH, D), k.dtype), "v": ((KVH, D), k.dtype)}
+    adapter = EagerAdapter() if dev != "cuda" else __import__("hwkv_cuda.graph", fromlist=["x"]).CUDAGraphAdapter()
+    frontiers = torch.zeros(s.rtt.size, dtype=torch.int64, device=dev)
+    frontiers[s.rows] = s.frontiers
+    g = DecodeStepGraph(be, s.alloc, layers_fn(be, s.layers), [1], shapes, adapter, frontiers, W)
+    g.capture()
+    rows_cpu, seq = s.rows.cpu(), s.seq_cpu.clone()
+    step_inputs = {k_: v[:1] for k_, v in g.inputs.items()}
+
+    def step() -> None:
+        seq.add_(1)
+        g.step(rows_cpu, seq, seq, step_inputs)
+
+    out.append(dict(bench="profile", what="whole-step graph step, B=1", text=profile_text(step, dev, 200)))
+    batch = ForwardBatch(ForwardMode.DECODE, 1, s.rows, seq.to(dev), s.rtt.req_to_token[s.rows, seq.to(dev) - 1],
+                         seq_lens_cpu=seq.clone())
+    be.init_forward_metadata(batch)
+    for what, fn in (("eager full layer (store + attention), B=1", lambda: be.forward(q, k, k, s.layers[1], batch)),
+                     ("eager SWA layer, B=1", lambda: be.forward(q, k, k, s.layers[0], batch)),
+                     ("eager metadata step, B=1", lambda: be.init_forward_metadata(batch))):
+        before = _jit_counts()
+        text = profile_text(fn, dev, 200)
+        after = _jit_counts()
+        jit = {k_: n - before.get(k_, 0) for k_, n in after.items() if n - before.get(k_, 0) > 0}
+        text += "\nlaunches through the JIT per call, by planned kernel: " + (
+            ", ".join(f"{k_} {n / 205:.2f}" for k_, n in jit.items()) or "none")
+        out.append(dict(bench="profile", what=what, text=text))
+    return out
+
+
+def _jit_counts() -> Dict[str, int]:
+    """Launches through Triton's JIT so far, per planned kernel (hwkv_cuda's launch tables, variants included)."""
+    import importlib
+    counts: Dict[str, int] = {}
+    for mod in ("alloc", "decode", "extend", "index", "refill", "store"):
+        table = getattr(importlib.import_module(f"hwkv_cuda.kernels.{mod}"), "_LAUNCHES", {})
+        for plan in table.values():
+            for p_ in (plan, *plan.variants.values()):
+                name = f"{mod}.{getattr(getattr(p_.kernel, 'fn', None), '__name__', '?')}{'' if p_.direct else ' (no plan)'}"
+                counts[name] = counts.get(name, 0) + p_.jit_calls
+    return counts
 
 
 def host_per_call(fn: Callable[[], object], dev: str, n: int = 200) -> float:
@@ -556,6 +636,8 @@ def print_tables(res: Dict) -> None:
         for r in res["whole_step"]:
             print(f"| {r['bs']} | {r['ctx']} | {r['page_size']} | {r['host_us']} | {r['step_us']} | "
                   f"{r['layers_replay_us']} | {r['ratio']} | {r['syncs_per_step']} |")
+    for r in res.get("profile", []):
+        print(f"profile: {r['what']}\n{r['text']}")
     if res.get("engine_step"):
         print("| bs | ctx | page | engine step us | host us | replay only us | not replay | alloc us | prepare us "
               "| replay us | release us | syncs/step |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -616,6 +698,8 @@ def main() -> None:
     if "whole-step" in sections:
         res["whole_step"] = whole_step_rows(dev, _ints(a.whole_batches), a.step_ctx, a.step_page, backend_cls,
                                             a.iters)
+    if "profile" in sections:
+        res["profile"] = profile_rows(dev, a.host_ctx, a.step_page, backend_cls)
     if "tree-verify" in sections:
         res["tree_verify"] = tree_verify_rows(dev, _ints(a.tree_batches), _ints(a.tree_ctx), backend_cls)
     print_tables(res)

@@ -23,7 +23,8 @@ import torch
 from hwkv.allocator import release_out_of_window_batch
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.errors import ConfigError, LocError, ShapeError
-from hwkv.graph import GraphAdapter, GraphRunner, ModelFn, PreparedStep, _Captured
+from hwkv.graph import GraphAdapter, GraphRunner, ModelFn, _Captured
+from hwkv.staging import StagingRing
 
 
 class DecodeStepGraph(GraphRunner):
@@ -53,12 +54,16 @@ class DecodeStepGraph(GraphRunner):
                               "(hwkv.pages.register_page_ops); run the step through GraphRunner instead")
         super().__init__(backend, fn, batch_sizes, input_shapes, adapter, ForwardMode.DECODE, 1)
         self.allocator, self.frontiers, self.window = allocator, frontiers, window
+        self._records = bool(getattr(self.adapter, "records_device_work", False))
         self.rtt = rtt_pool.req_to_token
         self.pad_row = rtt_pool.alloc(1)[0]  # padded requests write here, never into a live row
         dev, b = backend.device, self.buckets[-1]
-        self.rows_in = torch.zeros(b, dtype=torch.int64, device=dev)
-        self.seq_in = torch.ones(b, dtype=torch.int64, device=dev)
-        self.ctl = torch.zeros(3, dtype=torch.int64, device=dev)  # head_full, head_swa, live requests
+        # what the host sends each step, one copy: [head_full, head_swa, live requests] then (row, length) pairs
+        self.staged = torch.zeros(3 + 2 * b, dtype=torch.int64, device=dev)
+        self.staged[4::2] = 1
+        self.ctl = self.staged[:3]
+        self._ring = StagingRing(3 + 2 * b, dev)
+        self.rows_in, self.seq_in = self.staged[3::2], self.staged[4::2]
         self.arange = torch.arange(b, dtype=torch.int64, device=dev)
         self._host: Tuple[int, int, list] = (0, 0, [0, 0])  # live, pages, heads: what an eager 'replay' reads
         self.req_pool_indices.fill_(self.pad_row)
@@ -95,7 +100,7 @@ class DecodeStepGraph(GraphRunner):
 
     @property
     def adapter_records(self) -> bool:
-        return bool(getattr(self.adapter, "records_device_work", False))
+        return self._records
 
     def capture(self) -> None:
         """Capture every bucket; the allocation, the release and the refill are recorded with the layers."""
@@ -108,19 +113,27 @@ class DecodeStepGraph(GraphRunner):
             graph, out = self.adapter.capture(lambda b=batch, i=inputs: self._refill_and_run(b, i))
             self.graphs[bs] = _Captured(graph, out)
 
-    def _set_ctl(self, live: int, pages: int, heads: list) -> None:
-        """Write [head_full, head_swa, live] for the next replay. As kernel arguments (fill_), not an async copy
-        from one pinned buffer: steps issued back to back would overwrite that buffer before the device read it
-        (found on the H200: two steps took the same pages)."""
+    def _set_ctl(self, live: int, pages: int, heads: list, rows: Optional[np.ndarray] = None,
+                 seq: Optional[np.ndarray] = None) -> None:
+        """Send [head_full, head_swa, live] and, when given, the live (row, length) pairs for the next replay in one
+        host-to-device copy, from a ring of pinned blocks that are rewritten only after the device read them
+        (hwkv.staging; one reused block was overwritten before the device read it, on the H200: two steps
+        took the same pages)."""
         self._host = (live, pages, heads)
-        for i, v in enumerate((heads[0], heads[1] if len(heads) > 1 else 0, live)):
-            self.ctl[i].fill_(v)
+        n = 3 if rows is None else 3 + 2 * live
+        host = self._ring.next()
+        host[:3] = heads[0], heads[1] if len(heads) > 1 else 0, live
+        if rows is not None:
+            host[3:n:2], host[4:n:2] = rows, seq
+        self._ring.send(self.staged, n)
 
     # ---- one step on the host --------------------------------------------------------------------
     def step(self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
              inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
         """One decode step of `rows` (lengths after it: seq_lens, seq_lens_cpu); returns the layers' output for
-        the live tokens. Capacity is settled before anything runs: OutOfSlotsError leaves everything as it was."""
+        the live tokens. Capacity is settled before anything runs: OutOfSlotsError leaves everything as it was.
+        Rows and lengths on the host travel with the step's control words in one copy; on the device, as copies
+        there. Inputs already in `self.inputs` (an engine that writes them there) are not copied."""
         bs = rows.numel()
         if seq_lens.numel() != bs or seq_lens_cpu.numel() != bs:
             raise LocError(f"rows ({bs}), seq_lens ({seq_lens.numel()}) and seq_lens_cpu ({seq_lens_cpu.numel()}) "
@@ -142,16 +155,27 @@ class DecodeStepGraph(GraphRunner):
             src = inputs[k]
             if src.data_ptr() != v.data_ptr():
                 v[:bs].copy_(src[:bs])
-        self.rows_in[:bs].copy_(rows)
-        self.seq_in[:bs].copy_(seq_lens)
-        self.seq_lens_cpu[:bs].copy_(seq_lens_cpu)
+        on_host = rows.device.type == "cpu" and seq_lens.device.type == "cpu"
+        if not self.adapter_records:  # an eager 'replay' reads the host lengths; a device graph never does
+            self.seq_lens_cpu[:bs].copy_(seq_lens_cpu)
         heads = self.allocator.reserve(pages)  # raises before anything changed when the step might not fit
-        self._set_ctl(bs, pages, heads)
-        return self.replay(PreparedStep(bucket, bs))
+        if on_host:
+            self._set_ctl(bs, pages, heads, rows.numpy(), seq_h if seq_lens is seq_lens_cpu else seq_lens.numpy())
+        else:
+            self._set_ctl(bs, pages, heads)
+            self.rows_in[:bs].copy_(rows)
+            self.seq_in[:bs].copy_(seq_lens)
+        graph = self.graphs[bucket].graph
+        self.adapter.pre_replay(graph)
+        out = self.adapter.replay(graph)  # the whole step; nothing else to do on the host
+        self.replays += 1
+        return out[:bs]
 
     def _eager_step(self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
                     inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
         """A batch larger than every bucket: the same step through the eager API (never dropped)."""
+        dev = self.rtt.device
+        rows, seq_lens = rows.to(dev), seq_lens.to(dev)
         last = self.rtt[rows, seq_lens - 2]
         loc = self.allocator.alloc_decode(seq_lens, last, seq_lens_cpu=seq_lens_cpu)
         self.rtt[rows, seq_lens - 1] = loc

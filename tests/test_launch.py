@@ -102,3 +102,77 @@ def test_ints_the_kernel_does_not_specialise_on_only_keep_their_width(fake):
     assert len(fake.direct_calls) == 2 and len(fake.jit_calls) == 1
     launch(x, 2 ** 40, 0.5)     # but a 64-bit value is another signature
     assert len(fake.jit_calls) == 2
+
+
+def test_another_specialisation_gets_a_plan_of_its_own(fake):
+    """A buffer at another alignment under the same key: the JIT once, then its own direct launches."""
+    x = torch.zeros(64)
+    launch = L.Launch(fake, (1,), (x, 32, 0.5), dict(BLOCK=16))
+    for _ in range(3):
+        launch(x[1:], 32, 0.5)
+    assert len(fake.jit_calls) == 2 and len(fake.direct_calls) == 2
+    assert fake.direct_calls[-1][9] is not x  # the variant launched the misaligned view
+    launch(x, 32, 0.5)  # the first specialisation keeps its plan
+    assert len(fake.jit_calls) == 2 and len(fake.direct_calls) == 3
+
+
+class FakeLauncher:
+    """Stands in for a Triton launcher: its __call__ passes on to the C `launch` the way Triton 3.6's does."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = False, True
+    arg_annotations, kernel_signature = "ann", "sig"
+
+    def __init__(self):
+        self.calls = []
+        self.launch = lambda *a: self.calls.append(a)
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata, launch_enter_hook,
+                 launch_exit_hook, *args):
+        global_scratch = profile_scratch = None
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl,
+                    kernel_metadata, launch_metadata, launch_enter_hook, launch_exit_hook, global_scratch,
+                    profile_scratch, self.arg_annotations, self.kernel_signature, args)
+
+
+def test_the_c_launch_is_called_as_the_launchers_own_call_would():
+    launcher = FakeLauncher()
+    fast = L._fast_launcher(launcher)
+    fast(4, 2, 1, 99, "fn", "meta", ("x", 7))
+    launcher(4, 2, 1, 99, "fn", "meta", None, None, None, "x", 7)
+    assert launcher.calls[0] == launcher.calls[1] == (4, 2, 1, 99, "fn", False, True, "meta", None, None, None, None,
+                                                      None, "ann", "sig", ("x", 7))
+
+
+def test_a_launcher_that_needs_scratch_or_an_unknown_call_keeps_its_own_call():
+    launcher = FakeLauncher()
+    launcher.global_scratch_size = 128
+    assert L._fast_launcher(launcher) is None
+
+    class Odd(FakeLauncher):
+        def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+            self.launch(gridX, gridY, gridZ, stream, function, compute_something(), *args)  # noqa: F821
+    assert L._fast_launcher(Odd()) is None
+
+
+def test_the_installed_triton_launcher_is_understood():
+    """The Triton this suite runs with: its CUDA launcher's call is read (the GPU run launches through it)."""
+    from triton.backends.nvidia.driver import CudaLauncher
+    assert L._launch_template(CudaLauncher) is not None
+
+
+class OlderLauncher(FakeLauncher):
+    """Triton 3.6's form: the kernel metadata and the launch hooks arrive at the head of *args."""
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        global_scratch = profile_scratch = None
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl,
+                    global_scratch, profile_scratch, *args)
+
+
+def test_the_older_launcher_form_gets_the_metadata_at_the_head_of_its_arguments():
+    launcher = OlderLauncher()
+    L._fast_launcher(launcher)(4, 2, 1, 99, "fn", "meta", ("x", 7))
+    launcher(4, 2, 1, 99, "fn", "meta", None, None, None, "x", 7)
+    assert launcher.calls[0] == launcher.calls[1] == (4, 2, 1, 99, "fn", False, True, None, None, "meta", None, None,
+                                                      None, "x", 7)

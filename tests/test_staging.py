@@ -1,0 +1,37 @@
+"""StagingRing: per-step host values reach the device in one copy, and a pinned block is never rewritten before
+the device read it (HWKV_TEST_DEVICE=cuda runs the second test on the GPU)."""
+import os
+
+import pytest
+import torch
+
+from hwkv.staging import StagingRing
+
+DEVICE = os.environ.get("HWKV_TEST_DEVICE", "cpu")
+
+
+def test_the_values_of_each_step_arrive():
+    ring = StagingRing(8, torch.device(DEVICE), slots=2)
+    dst = torch.full((8,), -1, dtype=torch.int64, device=DEVICE)
+    for step in range(5):
+        block = ring.next()
+        block[:3] = step, step + 1, step + 2
+        ring.send(dst, 3)
+        assert dst.tolist()[:3] == [step, step + 1, step + 2]
+        assert dst.tolist()[3:] == [-1] * 5  # only the first k values are copied
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="needs HWKV_TEST_DEVICE=cuda and a GPU")
+def test_a_block_is_not_rewritten_before_the_device_read_it():
+    """The host issues 64 steps while the device is still busy with a long kernel: with 4 blocks, each block is
+    reused 16 times, and every step's copy must still deliver that step's values."""
+    ring = StagingRing(2, torch.device("cuda"), slots=4)
+    outs = torch.zeros(64, 2, dtype=torch.int64, device="cuda")
+    torch.cuda._sleep(200_000_000)  # keep the stream busy while the host races ahead
+    for step in range(64):
+        block = ring.next()
+        block[0], block[1] = step, -step
+        ring.send(outs[step], 2)
+    torch.cuda.synchronize()
+    assert outs[:, 0].tolist() == list(range(64)) and outs[:, 1].tolist() == [-s for s in range(64)]
