@@ -390,7 +390,8 @@ def test_dense_sinks_softcap_scales_reduced_out(mode):
                 want = case.decode(cap, s, out_dtype, q=case.q[(case.qo_indptr[1:] - 1).long()])
             else:
                 want = case.extend(cap, s, out_dtype)
-            tol = 3e-5 if got.dtype == torch.float32 else 2e-2
+            # the chunked kernels compute bf16 pools' scores in bf16 where the CPU has AMX: _tol allows for it
+            tol = max(_tol(dtype, got.dtype), 3e-5 if got.dtype == torch.float32 else 2e-2)
             torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
