@@ -450,3 +450,31 @@ def test_default_memory_is_a_modest_share_of_free_memory(monkeypatch):
     assert hf_model.default_memory_cap(torch.device("cuda")) == 8 * GiB
     with pytest.raises(ConfigError, match="no mem_get_info"):
         hf_model.free_device_bytes(torch.device("meta"))
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "gemma3"])
+def test_overlap_reads_tokens_a_step_late_and_changes_no_token(arch, saved, prompts):
+    """overlap=True (the accelerators' default) on the CPU: the sampled tokens feed the next forward from the
+    device and the host reads them one step late. Greedy tokens equal transformers', stops and lengths finish as
+    without overlap, the token a stopped request sampled after its stop is dropped (and not counted), and every
+    step leaves the cache consistent (slots of finished requests freed after their extra forward)."""
+    model = _load(saved[arch])
+    want = hf_greedy(model, prompts)
+    with HybridRunner(model, max_running=3, chunk=8, page_size=4, context=48, overlap=True) as runner:
+        got = run_staggered(runner, prompts, SamplingParams(max_new_tokens=NEW))
+        assert runner.cache.held_slots() == (0, 0) and not runner.has_work()
+        assert runner.stats.generated_tokens == NEW * len(prompts) and runner.stats.peak_held_bytes > 0
+    assert [got[i] for i in range(len(prompts))] == want
+    ref = want[2]
+    i = next(k for k in range(3, NEW) if ref[k] not in ref[:k])
+    params = [SamplingParams(max_new_tokens=NEW, stop_token_ids=(ref[i],)), SamplingParams(max_new_tokens=5),
+              SamplingParams(max_new_tokens=9, temperature=0.8, seed=3)]
+    results = {}
+    for overlap in (False, True):
+        with HybridRunner(model, max_running=2, chunk=16, context=48, overlap=overlap) as runner:
+            results[overlap] = [(r.tokens, r.finish_reason) for r in runner.generate(prompts[2:] + prompts[:1], params)]
+            runner.check_integrity()
+            assert runner.stats.generated_tokens == sum(len(t) for t, _ in results[overlap])
+            assert runner.stats.dropped_tokens == (1 if overlap else 0)  # the stopped request's one extra token
+    assert results[True] == results[False]
+    assert results[True][0] == (ref[:i + 1], "stop") and results[True][1] == (want[3][:5], "length")

@@ -6,7 +6,7 @@ Nothing here imports transformers: a config is read through its attributes only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -234,6 +234,18 @@ class Cache:
             return self.plan.size - self.allocator.available_size(), 0
         return (self.plan.size - self.allocator.full_available_size(),
                 self.plan.size_swa - self.allocator.swa_available_size())
+
+    def free_counts_async(self) -> "Tuple[torch.Tensor, List[int]]":
+        """The rings' tails as a device tensor (no wait: copy it to the host with the step's results) and their
+        host heads now; `held_from` turns both into `held_slots`' answer for that moment."""
+        rings = self.allocator._rings()
+        return torch.cat([r.tail for r in rings]), [r.head for r in rings]
+
+    def held_from(self, tails: Sequence[int], heads: Sequence[int]) -> Tuple[int, int]:
+        """(full, SWA) slots in use, from `free_counts_async`'s tails (read back) and heads."""
+        p = self.plan.page_size
+        full = self.plan.size - (tails[0] - heads[0]) * p
+        return (full, 0) if len(tails) == 1 else (full, self.plan.size_swa - (tails[1] - heads[1]) * p)
 
     def check_integrity(self) -> None:
         """Allocator, pools and request rows are consistent (tests call it after every step)."""

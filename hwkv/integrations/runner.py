@@ -50,7 +50,8 @@ class HybridRunner:
 
     def __init__(self, model: Any, *, device: Optional[str] = None, memory: Union[None, int, str] = None,
                  context: Optional[int] = None, max_running: int = 16, chunk: int = 512, page_size: int = 16,
-                 graphs: GraphsOption = "auto", graph_batch_sizes: Optional[Sequence[int]] = None) -> None:
+                 graphs: GraphsOption = "auto", graph_batch_sizes: Optional[Sequence[int]] = None,
+                 overlap: Optional[bool] = None) -> None:
         self.model = model
         dev = next(model.parameters()).device
         self.spec = resolve_spec(device, dev.type)
@@ -66,6 +67,14 @@ class HybridRunner:
         self.table = LayerTable(self.shape.layer_is_swa, self.shape.window, self.shape)
         self.scheduler = Scheduler(pool_plan, self.window)
         self.frontiers = torch.zeros(pool_plan.max_running, dtype=I64, device=dev)  # per request row
+        # each row's last sampled token, the next forward's input: sampled tokens never wait for the host
+        self.next_ids = torch.zeros(pool_plan.max_running, dtype=I64, device=dev)
+        # overlap: a step's tokens are read by the host during the next step (see `step`)
+        self.overlap = dev.type != "cpu" if overlap is None else bool(overlap)
+        pin = dev.type != "cpu"
+        self._readback = [torch.zeros(pool_plan.max_running + 2, dtype=I64, pin_memory=pin) for _ in range(2)]
+        self._inflight: Optional[_Inflight] = None
+        self._steps = 0
         # the host's copy of each row's frontier, moved by the release rule: steps where no frontier moves
         # (most of them: a request's frontier moves one page every page_size tokens) skip the release call
         self._host_frontiers: List[int] = [0] * pool_plan.max_running
@@ -144,9 +153,6 @@ class HybridRunner:
         self._next_rid += 1
         return req.rid
 
-    def has_work(self) -> bool:
-        return self.scheduler.has_work()
-
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: Union[SamplingParams, Sequence[SamplingParams]] = SamplingParams(),
                  on_step: Optional[Any] = None) -> List[Result]:
@@ -182,7 +188,12 @@ class HybridRunner:
 
     # ---- one forward ---------------------------------------------------------------------------
     def step(self) -> List[Result]:
-        """Admit, run one forward over the scheduled rows, sample, release; returns the requests that finished."""
+        """Admit, run one forward over the scheduled rows, sample, release; returns the requests that finished.
+
+        With `overlap` (the default on accelerators) the forward's sampled tokens stay on the device as the next
+        forward's inputs, and the host reads them during the next step: stop tokens and finished requests are
+        seen one step late (a stopped request may run one more forward, whose token is dropped), so the host
+        prepares step N+1 while the device runs step N. Without it the host reads them at the end of the step."""
         if self.closed:
             raise ConfigError("this HybridRunner is closed (the model has its own attention back): make a new one")
         t0 = time.perf_counter()
@@ -194,20 +205,82 @@ class HybridRunner:
                 self._host_frontiers[row] = 0
             self.frontiers[torch.tensor(new_rows, dtype=I64).to(self.device)] = 0
         rows = self.scheduler.schedule()
-        if not rows:
-            return []
+        if not rows:  # nothing to run: what is still in flight finishes
+            return self._read_back()
         self._pools_changed = bool(admitted)
         with torch.no_grad():
             batch, ids, pos = self._allocate(rows)
             tokens = self._forward(rows, batch, ids, pos)
             self._release(batch, rows)
-        new = tokens.tolist()  # the sampled tokens: the step's one wait for the device
-        if self._pools_changed:  # slots are taken and given back only by allocator calls: else the same as before
-            self.stats.record_memory(self.cache.held_slots())  # two scalar reads, after that wait
+        sampled = [r for r in rows if r.samples]
+        record = self._send(rows, sampled, batch, tokens)
+        finished = self._read_back()  # the previous step's tokens (with overlap: while this one runs)
+        self._inflight = record
+        if not self.overlap:
+            finished += self._read_back()
         prefill = sum(r.n for r in rows if r.prefix < len(r.req.prompt))
-        finished = self._complete(rows, new)
-        self.stats.record_step(batch.forward_mode, prefill, len(new), time.perf_counter() - t0)
+        self.stats.record_step(batch.forward_mode, prefill, len(sampled), time.perf_counter() - t0)
         return finished
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or self._inflight is not None
+
+    def _send(self, rows: List[Row], sampled: List[Row], batch: ForwardBatch, tokens: torch.Tensor) -> "_Inflight":
+        """After a forward is issued: lengths forward, the sampled tokens into `next_ids` (device) and on their way
+        to the host (one async copy, with the allocator's free counts when pages moved)."""
+        for r in rows:
+            r.req.kv_len += r.n
+        for r in sampled:
+            r.req.pending += 1
+        n = len(sampled)
+        if n:
+            where = batch.req_pool_indices if n == len(rows) else batch.req_pool_indices.index_select(
+                0, _to_device(torch.tensor([i for i, r in enumerate(rows) if r.samples], dtype=I64), self.device))
+            self.next_ids[where] = tokens
+        buf = self._readback[self._steps % 2]
+        self._steps += 1
+        buf[:n].copy_(tokens, non_blocking=True)
+        heads = None
+        if self._pools_changed:  # slots are taken and given back only by allocator calls: else as before
+            tails, heads = self.cache.free_counts_async()
+            buf[n:n + len(heads)].copy_(tails, non_blocking=True)
+        event = None
+        if self.device.type != "cpu":
+            event = torch.Event(device=self.device.type)
+            event.record()
+        return _Inflight(sampled, buf, event, heads, batch.forward_mode)
+
+    def _read_back(self) -> List[Result]:
+        """The step in flight's sampled tokens (its one wait for the device): appended, stops checked, finished
+        requests free their slots and rows at once."""
+        rec, self._inflight = self._inflight, None
+        if rec is None:
+            return []
+        if rec.event is not None:
+            rec.event.synchronize()
+        n = len(rec.sampled)
+        values = rec.buf[:n + (0 if rec.heads is None else len(rec.heads))].tolist()
+        if rec.heads is not None:
+            self.stats.record_memory(self.cache.held_from(values[n:], rec.heads))
+        done: List[Request] = []
+        dropped = 0
+        for r, tok in zip(rec.sampled, values[:n]):
+            req = r.req
+            req.pending -= 1
+            if req.finish_reason is not None:  # sampled after its stop token (overlap): dropped, never counted
+                dropped += 1
+            elif req.add_token(tok):
+                done.append(req)
+        if dropped:
+            self.stats.drop_tokens(rec.mode, dropped)
+        if done:
+            rtt = self.cache.rtt.req_to_token
+            self.cache.allocator.free(torch.cat([rtt[r.row, :r.kv_len] for r in done]))
+            self.cache.rtt.free([r.row for r in done])
+            for r in done:
+                self.scheduler.finish(r)
+                del self.requests[r.rid]
+        return [Result(r.rid, r.prompt, r.output, r.finish_reason, seed=r.params.seed) for r in done]
 
     def _allocate(self, rows: List[Row]) -> "tuple[ForwardBatch, torch.Tensor, torch.Tensor]":
         """Slots for every new token in one allocator call, req_to_token in one scatter, the ForwardBatch."""
@@ -235,16 +308,24 @@ class HybridRunner:
         rtt[flat_dev[2], flat_dev[1]] = loc
         batch = ForwardBatch(mode, bs, rows_dev, seq_dev, loc, prefix_dev, ext_dev, positions=flat_dev[1],
                              seq_lens_cpu=host[2], extend_seq_lens_cpu=host[3])
-        return batch, flat_dev[0], flat_dev[1]
+        ids_dev = flat_dev[0]
+        if any(not r.req.prefilling for r in rows):  # decoding requests feed their last sampled token
+            ids_dev = torch.where(ids_dev < 0, self.next_ids[flat_dev[2]], ids_dev)
+        return batch, ids_dev, flat_dev[1]
 
     def _allocate_decode(self, rows: List[Row]) -> "tuple[ForwardBatch, torch.Tensor, torch.Tensor]":
         """A decode step: one token per request at position prefix (its row, position, position - 1, length
-        after, token id: one host tensor, one copy to the device), one slot each, one scatter."""
+        after: one host tensor, one copy to the device), its last sampled token from the device, one slot each,
+        one scatter."""
         both = torch.tensor([r.req.row for r in rows] + [r.prefix for r in rows] + [r.prefix - 1 for r in rows]
-                            + [r.prefix + 1 for r in rows] + [r.req.next_tokens(1)[0] for r in rows], dtype=I64)
+                            + [r.prefix + 1 for r in rows], dtype=I64)
         bs = len(rows)
         seq_cpu = both[3 * bs:4 * bs]
-        rows_dev, pos_dev, before_dev, seq_dev, ids_dev = _to_device(both, self.device).view(5, bs)
+        rows_dev, pos_dev, before_dev, seq_dev = _to_device(both, self.device).view(4, bs)
+        ids_dev = self.next_ids[rows_dev]
+        if any(r.req.prefilling for r in rows):  # a prompt's last token rides along: its id comes from the host
+            prompt = _to_device(torch.tensor([r.req.next_tokens(1)[0] for r in rows], dtype=I64), self.device)
+            ids_dev = torch.where(prompt < 0, ids_dev, prompt)
         rtt = self.cache.rtt.req_to_token
         last = rtt[rows_dev, before_dev]  # each request's slot of its previous token
         p = self.cache.plan.page_size
@@ -275,7 +356,7 @@ class HybridRunner:
         params = [r.req.params for r in sampled]
         if all(p.greedy for p in params):  # argmax only: the sampling tensors would go unread
             return logits.argmax(dim=-1)
-        temp, top_p, seeds, steps = params_tensors(params, [len(r.req.output) for r in sampled], self.device)
+        temp, top_p, seeds, steps = params_tensors(params, [r.req.sampled for r in sampled], self.device)
         return sample(logits, temp, top_p, seeds, steps, True)
 
     def _run_model(self, batch: ForwardBatch, ids: torch.Tensor, pos: torch.Tensor,
@@ -309,27 +390,22 @@ class HybridRunner:
                                     batch.seq_lens, f, self.window)
         self.frontiers[batch.req_pool_indices] = f
 
-    def _complete(self, rows: List[Row], new: List[int]) -> List[Result]:
-        """Lengths forward, sampled tokens appended; finished requests free their slots and rows at once."""
-        it = iter(new)
-        done: List[Request] = []
-        for r in rows:
-            r.req.kv_len += r.n
-            if r.samples and r.req.add_token(next(it)):
-                done.append(r.req)
-        if done:
-            rtt = self.cache.rtt.req_to_token
-            self.cache.allocator.free(torch.cat([rtt[r.row, :r.kv_len] for r in done]))
-            self.cache.rtt.free([r.row for r in done])
-            for r in done:
-                self.scheduler.finish(r)
-                del self.requests[r.rid]
-        return [Result(r.rid, r.prompt, r.output, r.finish_reason, seed=r.params.seed) for r in done]
-
     def check_integrity(self) -> None:
         """Allocator, pools, request rows and reservations are consistent (tests call it after steps)."""
         self.cache.check_integrity()
         self.scheduler.check_integrity(self.cache.plan.max_running - self.cache.rtt.available_size())
+
+
+@dataclass
+class _Inflight:
+    """A forward issued and not yet read back: its sampling rows, the pinned block its tokens (and the free
+    counts, when `heads` is set: the rings' host heads at that moment) are copied into, the copy's event."""
+
+    sampled: List[Row]
+    buf: torch.Tensor
+    event: Any
+    heads: Optional[List[int]]
+    mode: ForwardMode
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

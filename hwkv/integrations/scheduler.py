@@ -37,6 +37,7 @@ class Request:
     full_pages: int = 0            # reserved worst case
     swa_pages: int = 0
     finish_reason: Optional[str] = None  # "stop" (a stop token) or "length" (max_new_tokens)
+    pending: int = 0               # tokens sampled on the device that the host has not read yet (overlap)
 
     @property
     def kv_needed(self) -> int:
@@ -47,12 +48,24 @@ class Request:
     def prefilling(self) -> bool:
         return self.kv_len < len(self.prompt)
 
+    @property
+    def sampled(self) -> int:
+        """Output tokens sampled so far, read by the host or not."""
+        return len(self.output) + self.pending
+
+    @property
+    def decodes(self) -> bool:
+        """Whether it feeds a token next forward: prompt done, no stop seen, max_new_tokens not yet sampled."""
+        return (self.kv_len >= len(self.prompt) and self.finish_reason is None
+                and self.sampled < self.params.max_new_tokens)
+
     def next_tokens(self, n: int) -> List[int]:
-        """The n token ids this request feeds next (prompt chunk, or its last output token)."""
+        """The n prompt token ids this request feeds next; a decoding request's next token is its last sampled
+        one, which stays on the device (the runner's next_ids): -1 stands for it here."""
         p = len(self.prompt)
         if self.kv_len < p:
             return self.prompt[self.kv_len:self.kv_len + n]
-        return self.output[self.kv_len - p:self.kv_len - p + n]  # never a copy of prompt + output
+        return [-1] * n
 
     def add_token(self, token: int) -> bool:
         """Append a sampled token; True when the request is now finished."""
@@ -128,7 +141,7 @@ class Scheduler:
 
     def schedule(self) -> List[Row]:
         """This forward's rows: every decoding request, then prompt chunks under the token and page budget."""
-        rows = [Row(r, r.kv_len, 1, True) for r in self.running if not r.prefilling]
+        rows = [Row(r, r.kv_len, 1, True) for r in self.running if r.decodes]
         tokens_left, pages_left = self.plan.chunk, self.chunk_pages
         for r in self.running:
             if not r.prefilling or tokens_left <= 0:
@@ -162,7 +175,8 @@ class Scheduler:
 
 
 def split_rows(rows: Sequence[Row]) -> Tuple[List[int], List[int], List[int]]:
-    """Host lists of a forward: (token ids, positions, request row per token), in row order."""
+    """Host lists of a forward: (token ids, positions, request row per token), in row order; -1 for a decoding
+    request's token, which the device holds."""
     ids: List[int] = []
     pos: List[int] = []
     row_of: List[int] = []

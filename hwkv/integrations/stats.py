@@ -24,6 +24,7 @@ class RunnerStats:
     graph_replays: int = 0        # decode forwards replayed through the graph runner
     graph_error: Optional[str] = None  # why decode runs eagerly although graphs were asked for ("auto")
     generated_tokens: int = 0
+    dropped_tokens: int = 0       # sampled after their request's stop token, which the host read a step late
     seconds: float = 0.0
     peak_held_bytes: int = 0
     peak_all_full_bytes: int = 0
@@ -38,6 +39,13 @@ class RunnerStats:
         if mode == ForwardMode.DECODE:
             self.decode_tokens += generated
         self.seconds += seconds
+
+    def drop_tokens(self, mode: ForwardMode, n: int) -> None:
+        """Take back n tokens a forward of `mode` sampled after their requests had stopped (read one step late)."""
+        self.generated_tokens -= n
+        if mode == ForwardMode.DECODE:
+            self.decode_tokens -= n
+        self.dropped_tokens += n
 
     def record_memory(self, held: Tuple[int, int]) -> None:
         """Slots in use after a step's release (before finished requests free theirs)."""
