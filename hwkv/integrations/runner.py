@@ -203,7 +203,7 @@ class HybridRunner:
             for req, row in zip(admitted, new_rows):
                 req.row = row
                 self._host_frontiers[row] = 0
-            self.frontiers[torch.tensor(new_rows, dtype=I64).to(self.device)] = 0
+            self.frontiers[_to_device(torch.tensor(new_rows, dtype=I64), self.device)] = 0
         rows = self.scheduler.schedule()
         if not rows:  # nothing to run: what is still in flight finishes
             return self._read_back()
@@ -344,7 +344,7 @@ class HybridRunner:
             ends += r.n
             if r.samples:
                 keep.append(ends - 1)
-        keep_dev = None if len(keep) == ends else torch.tensor(keep, dtype=I64).to(self.device)
+        keep_dev = None if len(keep) == ends else _to_device(torch.tensor(keep, dtype=I64), self.device)
         if batch.forward_mode == ForwardMode.DECODE and self.graph is not None:
             logits = self.graph.run(batch, {"input_ids": ids, "positions": pos})
             self.stats.graph_replays = self.graph.replays
