@@ -90,6 +90,28 @@ def test_translations_are_measured_once_vs_per_layer(graph):
         assert per[(names[0], bs)] == 2 * len(SHAPE.swa_layer_ids) == 8   # both, in each of 4 SWA layers
 
 
+def test_the_whole_step_graph_config_is_checked_against_the_reference_beside_the_others():
+    """once/step-graph decodes through hwkv.step_graph.DecodeStepGraph (the host's run of the same body under
+    EagerAdapter, the torch page ops): its outputs are checked against the reference every other step, taking
+    turns with once/graph on the same requests; its phases put the whole step in forward."""
+    target = Target("cpu", TorchCPUBackend, "cpu", EagerAdapter)
+    res = run_benchmark(target, SHAPE, ["once/graph", "once/step-graph"], WORKLOAD)
+    rows = {(r.config, r.batch_size): r for r in res.rows}
+    for bs in WORKLOAD.batch_sizes:
+        r = rows[("once/step-graph", bs)]
+        assert r.checked_forwards > 0 and r.max_abs_err is not None and r.translations_per_forward == 2
+        assert r.phases["alloc_release"].median_ms == r.phases["metadata"].median_ms == 0
+        assert r.phases["forward"].median_ms > 0 and rows[("once/graph", bs)].checked_forwards > 0
+
+
+def test_the_step_graph_config_needs_device_page_ops(capsys):
+    """The CPU registers no page-op kernels: once/step-graph is left out by default and refused when asked."""
+    data = bench_json(capsys, "--batch-sizes", "2")
+    assert "once/step-graph" not in {r["config"] for r in data["rows"]}
+    assert main(["bench", *TINY, "--configs", "once/step-graph"]) == 2
+    assert "page-op kernels" in capsys.readouterr().err
+
+
 def test_graph_configs_through_the_cpu_graph_adapter(capsys):
     data = bench_json(capsys, "--configs", "once/graph,per-layer/graph", "--batch-sizes", "2")
     assert {r["config"]: r["translations_per_forward"] for r in data["rows"]} == {
@@ -188,7 +210,7 @@ def test_default_model_is_a_preset_prefix_on_cpu():
     assert default_run_layers(PRESETS["gpt-oss-20b"], "cpu") == 4
     assert default_run_layers(PRESETS["gemma-3-27b"], "cpu") == 6    # its first full layer is layer 5
     assert default_run_layers(PRESETS["gpt-oss-120b"], "cuda") == 36
-    assert set(CONFIGS) == {"per-layer/eager", "once/eager", "per-layer/graph", "once/graph"}
+    assert set(CONFIGS) == {"per-layer/eager", "once/eager", "per-layer/graph", "once/graph", "once/step-graph"}
 
 
 def test_harness_releases_a_batch_in_one_call(monkeypatch):

@@ -63,7 +63,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--run-layers", type=int, metavar="N", help="run only the first N layers (default: all on "
                    "accelerators; on CPU the shortest prefix of >= 4 layers with both kinds); memory is for all")
     r.add_argument("--configs", help="comma-separated subset of: per-layer/eager, once/eager, per-layer/graph, "
-                   "once/graph (default: all the device supports)")
+                   "once/graph, once/step-graph (the whole decode step in one graph) (default: all the device "
+                   "supports)")
     r.add_argument("--no-graph", action="store_true", help="skip the graph configurations")
     r.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
     r.add_argument("--seed", type=int, default=0, help="random inputs seed (default 0)")
@@ -203,8 +204,9 @@ def _target(name: Optional[str]) -> Target:
     return Target(spec.name, spec.load_backend_class(), spec.torch_device, spec.load_graph_adapter())
 
 
-def _configs(args: argparse.Namespace, has_graphs: bool, device: str) -> List[str]:
+def _configs(args: argparse.Namespace, has_graphs: bool, device: str, torch_device: str = "cpu") -> List[str]:
     from hwkv.bench.run import CONFIGS
+    from hwkv.pages import page_ops_for
 
     names = [c.strip() for c in args.configs.split(",") if c.strip()] if args.configs else list(CONFIGS)
     unknown = [c for c in names if c not in CONFIGS]
@@ -214,6 +216,11 @@ def _configs(args: argparse.Namespace, has_graphs: bool, device: str) -> List[st
         names = [c for c in names if not CONFIGS[c].graph]
     if not has_graphs and any(CONFIGS[c].graph for c in names):
         raise ConfigError(f"device {device!r} has no graph adapter; drop the graph configurations")
+    if page_ops_for(torch_device) is None:  # the whole step in a graph allocates on the device: its page-op kernels
+        if args.configs and any(CONFIGS[c].whole_step for c in names):
+            raise ConfigError(f"once/step-graph needs device page-op kernels (hwkv.pages.register_page_ops), which "
+                              f"{device!r} has not registered; drop it")
+        names = [c for c in names if not CONFIGS[c].whole_step]
     if not names:
         raise ConfigError("no configuration left to run (--no-graph with only graph --configs?)")
     return names
@@ -246,7 +253,7 @@ def _run(args: argparse.Namespace) -> BenchResult:
     shape = _shape(args)
     target = _target(args.device)
     w = _workload(args, _dtype(args, target.torch_device), target.torch_device)
-    configs = _configs(args, target.adapter_factory is not None, target.name)
+    configs = _configs(args, target.adapter_factory is not None, target.name, target.torch_device)
     if args.run_layers is not None:
         geometry(shape, args.run_layers)  # ConfigError naming the allowed range (0 is not "the default")
     layers = args.run_layers if args.run_layers is not None else default_run_layers(shape, target.torch_device)

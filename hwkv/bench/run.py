@@ -34,7 +34,9 @@ PHASES: Dict[str, str] = {
                      "written into req_to_token) plus release_out_of_window_batch after the step",
     "metadata": "eager: backend.init_forward_metadata(batch); graph: the graph runner's prepare (copy into the "
                 "static inputs, pad to the bucket, init_forward_metadata_graph refill)",
-    "forward": "eager: every layer's K/V write and attention; graph: the replay",
+    "forward": "eager: every layer's K/V write and attention; graph: the replay; step-graph: the whole step (the "
+               "host's one copy and one replay of allocation, req_to_token write, refill, layers and release: its "
+               "alloc_release and metadata phases are 0)",
 }
 STEP = "alloc_release + metadata + forward, summed per decode step; median/p10/p90/mean over the timed steps"
 
@@ -46,6 +48,7 @@ class BenchConfig:
     name: str
     per_layer: bool
     graph: bool
+    whole_step: bool = False  # the whole decode step in one graph (hwkv.step_graph.DecodeStepGraph)
 
 
 CONFIGS: Dict[str, BenchConfig] = {c.name: c for c in (
@@ -53,6 +56,7 @@ CONFIGS: Dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig("once/eager", per_layer=False, graph=False),
     BenchConfig("per-layer/graph", per_layer=True, graph=True),
     BenchConfig("once/graph", per_layer=False, graph=True),
+    BenchConfig("once/step-graph", per_layer=False, graph=True, whole_step=True),
 )}
 
 
@@ -251,7 +255,7 @@ def _harness(target: Target, g: ModelGeometry, w: Workload, bs: int, n_configs: 
     if g.swa_layer_ids:
         size_swa = min(size, bs * (swa_tokens_per_request(g.window, p) + 2 * p) + round_up(w.chunk, p) + p)
     return Harness(target.backend_cls, target.torch_device, g, size=size, size_swa=size_swa, page_size=p,
-                   dtype=DTYPES[w.dtype], max_reqs=bs, max_context_len=round_up(max(lens) + decode, p),
+                   dtype=DTYPES[w.dtype], max_reqs=bs + 1, max_context_len=round_up(max(lens) + decode, p),
                    seed=w.seed, device_inputs=True, shadow=w.check_every > 0,
                    shadow_requests=w.check_requests or None, check_queries=w.check_queries or None)
 
@@ -263,6 +267,7 @@ class _Arm:
     config: BenchConfig
     backend: Any
     runner: Any
+    step_graph: Any = None
     phases: Dict[str, List[float]] = field(default_factory=lambda: {p: [] for p in PHASES})  # seconds per step
     translations: int = 0
     forwards: int = 0    # every forward it ran (its reference sampling counts these)
@@ -281,16 +286,18 @@ def _arms(h: Harness, target: Target, configs: Sequence[BenchConfig], counter: T
     torch.compiler.reset()  # earlier batch sizes' traces are dead (torch.compile-based adapters)
     arms = []
     for c in configs:
-        h.runner = None
+        h.runner = h.step_graph = None
         h.backend = h.build_backend(per_layer_backend(target.backend_cls) if c.per_layer else target.backend_cls)
-        if c.graph:
+        if c.whole_step:
+            h.enable_step_graph([bs], CountingAdapter(target.adapter_factory(), counter))
+        elif c.graph:
             h.enable_graphs([bs], CountingAdapter(target.adapter_factory(), counter))
-        arms.append(_Arm(c, h.backend, h.runner))
+        arms.append(_Arm(c, h.backend, h.runner, h.step_graph))
     return arms
 
 
 def _use(h: Harness, arm: _Arm) -> None:
-    h.backend, h.runner = arm.backend, arm.runner
+    h.backend, h.runner, h.step_graph = arm.backend, arm.runner, arm.step_graph
 
 
 def _check(h: Harness, arm: _Arm, rids: Sequence[int], lens: Sequence[int], inputs: Dict[str, Any],
@@ -352,6 +359,18 @@ def _decode(h: Harness, arms: Sequence[_Arm], rids: Sequence[int], w: Workload, 
     for s in range(n):
         for arm in arms:
             _use(h, arm)
+            if arm.step_graph is not None:  # one call: the host's copy and the replay of the whole step
+                inputs = h.random_inputs(len(rids), arm.step_graph.inputs)
+                calls = counter.calls
+                flat, t_step = _timed(sync, h.step_graph_decode, rids, inputs)
+                translations = counter.calls - calls
+                _check(h, arm, rids, ones, inputs, flat, arm.due(w.check_every, last=s == n - 1), f"decode step {s}")
+                if s >= w.warmup:
+                    for phase, t in zip(PHASES, (0.0, 0.0, t_step)):
+                        arm.phases[phase].append(t)
+                    arm.translations += translations
+                tick()
+                continue
             lens = h.step_lens(rids, ones, ForwardMode.DECODE)
             batch, t_alloc = _timed(sync, h.allocate, lens)
             # graph arms: the inputs land in the runner's static buffers, as an engine's layers write them

@@ -134,6 +134,7 @@ class Harness:
         self.requests: Dict[int, Request] = {}
         self.max_err = 0.0
         self.runner: Optional[GraphRunner] = None
+        self.step_graph: Any = None  # a DecodeStepGraph (enable_step_graph)
 
     def _layer(self, i: int, kv_scale: Optional[float]) -> AttentionLayer:
         g = self.g
@@ -406,16 +407,41 @@ class Harness:
                       tokens_per_req: int = 1, tree: bool = False) -> GraphRunner:
         """Run `mode` forwards (decode, or e.g. TARGET_VERIFY with a fixed draft length) through a
         GraphRunner with these buckets (captured now)."""
-        shapes = {}
+        self.runner = GraphRunner(self.backend, self.model_step, batch_sizes, self._input_shapes(), adapter, mode,
+                                  tokens_per_req, tree=tree)
+        self.runner.capture()
+        return self.runner
+
+    def _input_shapes(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+        """Each layer's q/k/v per token: what a graph's static inputs hold."""
         dt = self.dtype if self.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.bfloat16
+        shapes = {}
         for l in self.layers:
             shapes[f"q{l.layer_id}"] = ((l.num_heads, l.head_dim), dt)
             shapes[f"k{l.layer_id}"] = ((l.num_kv_heads, l.head_dim), dt)
             shapes[f"v{l.layer_id}"] = ((l.num_kv_heads, l.v_head_dim), dt)
-        self.runner = GraphRunner(self.backend, self.model_step, batch_sizes, shapes, adapter, mode, tokens_per_req,
-                                  tree=tree)
-        self.runner.capture()
-        return self.runner
+        return shapes
+
+    def enable_step_graph(self, batch_sizes: Sequence[int], adapter: Any = None) -> Any:
+        """Run decode steps whole through a `hwkv.step_graph.DecodeStepGraph` (allocation, req_to_token write,
+        refill, every layer and the release in one replay), over this harness's rows and frontiers; captured
+        now. It takes one request row for its padding: build the Harness with a spare row."""
+        from hwkv.step_graph import DecodeStepGraph
+        hybrid = self.hybrid
+        self.step_graph = DecodeStepGraph(self.backend, self.allocator, self.model_step, batch_sizes,
+                                          self._input_shapes(), adapter, self.frontiers if hybrid else None,
+                                          self.g.window if hybrid else None)
+        self.step_graph.capture()
+        return self.step_graph
+
+    def step_graph_decode(self, rids: Sequence[int], inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """One decode step of `rids` through the step graph (`enable_step_graph`); the flat outputs. The host
+        lengths move here, as `allocate` moves them."""
+        seq = torch.tensor([self.requests[i].seq_len + 1 for i in rids], dtype=I64)
+        out = self.step_graph.step(torch.tensor(list(rids), dtype=I64), seq, seq, inputs)
+        for rid in rids:
+            self.requests[rid].seq_len += 1
+        return out
 
 
 def _as_stored(x: torch.Tensor, dtype: torch.dtype, scale: Optional[float]) -> torch.Tensor:

@@ -141,7 +141,7 @@ class Launch:
 
     __slots__ = ("kernel", "grid", "consts", "launcher", "fast", "function", "metadata", "tail", "device",
                  "stream", "tensors", "tensor_key", "values", "value_key", "value_types", "value_spec", "floats",
-                 "float_types", "free", "free_key", "variants", "device_id", "jit_calls")
+                 "float_types", "free", "free_key", "variants", "device_id", "jit_calls", "free_last")
 
     def __init__(self, kernel: Any, grid: Tuple[int, ...], args: Sequence[Any], consts: Dict[str, Any]) -> None:
         self.kernel, self.consts = kernel, consts
@@ -173,7 +173,8 @@ class Launch:
         kinds = ["n" if i in free and _kind(a) == "v" else _kind(a) for i, a in enumerate(args)]
         pos = {kind: tuple(i for i, k in enumerate(kinds) if k == kind) for kind in ("t", "v", "f", "n")}
         self.tensors, self.values, self.floats, self.free = (_getter(pos[k]) for k in ("t", "v", "f", "n"))
-        self.free_key = tuple(map(_width, self.free(args)))
+        self.free_last = self.free(args)
+        self.free_key = tuple(map(_width, self.free_last))
         self.tensor_key = tuple([(a.dtype, a.data_ptr() & 15) for a in self.tensors(args)])
         self.device_id = self.tensors(args)[0].get_device() if self.tensors(args) else None
         self.value_key, self.float_types = self.values(args), tuple(map(type, self.floats(args)))
@@ -197,13 +198,20 @@ class Launch:
         arguments by type, and ints that changed value by what Triton specialises them on. Anything
         unexpected says no, and the JIT decides."""
         try:
-            values, tensors = self.values(args), self.tensors(args)
-            return (tuple(map(type, values)) == self.value_types
-                    and (values == self.value_key or tuple(map(_spec, values)) == self.value_spec)
-                    and tuple([(a.dtype, a.data_ptr() & 15) for a in tensors]) == self.tensor_key
+            values, tensors, frees = self.values(args), self.tensors(args), self.free(args)
+            if tuple(map(type, values)) != self.value_types:
+                return False
+            if values != self.value_key:  # ints that moved: what Triton sees of them must not have
+                if tuple(map(_spec, values)) != self.value_spec:
+                    return False
+                self.value_key = values  # a plan called again with these values compares them as a tuple
+            if frees != self.free_last:
+                if tuple(map(_width, frees)) != self.free_key:
+                    return False
+                self.free_last = frees
+            return (tuple([(a.dtype, a.data_ptr() & 15) for a in tensors]) == self.tensor_key
                     and (not tensors or tensors[0].get_device() == self.device_id)
-                    and tuple(map(type, self.floats(args))) == self.float_types
-                    and tuple(map(_width, self.free(args))) == self.free_key)
+                    and tuple(map(type, self.floats(args))) == self.float_types)
         except (AttributeError, RuntimeError, TypeError):
             return False
 
