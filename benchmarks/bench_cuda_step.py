@@ -438,6 +438,19 @@ def profile_rows(dev: str, ctx: int, page_size: int, backend_cls) -> List[Dict]:
         g.step(rows_cpu, seq, seq, step_inputs)
 
     out.append(dict(bench="profile", what="whole-step graph step, B=1", text=profile_text(step, dev, 200)))
+    if dev == "cuda":  # the device time of the step's body, kernel by kernel (run eagerly, one live request)
+        from torch.profiler import ProfilerActivity, profile
+        seq.add_(1)
+        g.rows_in[:1].copy_(s.rows)
+        g.seq_in[:1].fill_(int(seq[0]))
+        g._set_ctl(1, int((int(seq[0]) - 1) % page_size == 0), s.alloc.reserve(int((int(seq[0]) - 1) % page_size == 0)))
+        batch1, inputs1 = g._static_batch(1), g._static_inputs(1)
+        sync(dev)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            g._refill_and_run(batch1, inputs1)
+            sync(dev)
+        out.append(dict(bench="profile", what="whole-step body's kernels, B=1 (eager, device us)",
+                        text=prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)))
     batch = ForwardBatch(ForwardMode.DECODE, 1, s.rows, seq.to(dev), s.rtt.req_to_token[s.rows, seq.to(dev) - 1],
                          seq_lens_cpu=seq.clone())
     be.init_forward_metadata(batch)

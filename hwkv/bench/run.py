@@ -191,6 +191,9 @@ class CountingAdapter:
 
     def __init__(self, inner: Any, counter: TranslationCounter) -> None:
         self.inner, self.counter = inner, counter
+        # a device graph records the metadata refill with the layers (GraphRunner.metadata_in_graph) as the
+        # adapter it wraps would: the bench measures what an engine runs
+        self.records_device_work = bool(getattr(inner, "records_device_work", False))
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> Tuple[Any, torch.Tensor]:
         before = self.counter.calls
