@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-import triton
 
 from hwkv import ops
 from hwkv.backend import KernelSetBackend
@@ -18,7 +17,7 @@ from hwkv.metadata import ForwardMetadata, KVIndexList
 from hwkv.pages import register_page_ops
 from hwkv_cuda import kernels as _kernels
 from hwkv_cuda.kernels.alloc import TritonPageOps
-from hwkv_cuda.kernels.common import num_sms
+from hwkv_cuda.kernels.common import next_pow2, num_sms
 
 for _dev in ("cuda", "musa"):
     register_page_ops(_dev, TritonPageOps())
@@ -111,6 +110,6 @@ class TritonBackend(KernelSetBackend):
         if ws is None or ws.lse.shape[0] < bs:
             if ws is not None:
                 self._outgrown.append(ws)
-            ws = _kernels.make_decode_workspace(triton.next_power_of_2(bs), h, dv, splits, q.device)
+            ws = _kernels.make_decode_workspace(next_pow2(bs), h, dv, splits, q.device)
             self._graph_workspaces[(h, dv, splits)] = ws
         return ws

@@ -70,9 +70,20 @@ def num_sms(device: torch.device) -> int:
     return 2
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints, in plain Python: `triton.cdiv` goes through Triton's constexpr-function call
+    machinery on recent releases (~4 us a call on the host), and plans call it every forward."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1), in plain Python (see `cdiv`)."""
+    return 1 << (int(n) - 1).bit_length() if n > 1 else 1
+
+
 def pow2(n: int, floor: int = 16) -> int:
     """Next power of two >= max(n, floor): tl.arange and tl.dot need power-of-two sizes >= 16."""
-    return max(floor, triton.next_power_of_2(max(int(n), 1)))
+    return max(floor, next_pow2(max(int(n), 1)))
 
 
 def dot_in_fp32(q: torch.Tensor) -> bool:

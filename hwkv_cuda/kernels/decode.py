@@ -26,8 +26,8 @@ import triton.language as tl
 
 from hwkv.errors import ShapeError
 from hwkv_cuda.kernels.launch import Launch, launch
-from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, check_dims, check_same_device, dot,
-                                      fold_sink, hopper_class, interpreting, logits_log2, num_sms, online_softmax_step,
+from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, cdiv, check_dims, check_same_device, dot, fold_sink,
+                                      hopper_class, interpreting, logits_log2, next_pow2, num_sms, online_softmax_step,
                                       pow2)
 
 
@@ -119,9 +119,9 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_kv_len: Optional[int],
         cfg = config or decode_config(batch, num_kv_heads, head_dim, max_kv_len, device)
         hpp = cfg.kv_heads_per_program(num_kv_heads, head_dim)
     programs = batch * (num_kv_heads // hpp)
-    want = triton.cdiv(cfg.ctas_per_sm * num_sms(torch.device(device)), max(1, programs))
+    want = cdiv(cfg.ctas_per_sm * num_sms(torch.device(device)), max(1, programs))
     if max_kv_len is not None:
-        want = min(want, triton.cdiv(max(int(max_kv_len), 1), cfg.min_keys_per_split))
+        want = min(want, cdiv(max(int(max_kv_len), 1), cfg.min_keys_per_split))
     return max(1, min(want, cfg.max_splits))
 
 
@@ -317,7 +317,7 @@ def _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, cfg) -> DecodePlan:
     cfg = cfg or decode_config(bs, kvh, max(d, dv), max_kv_len, q.device)
     ws_acc, ws_lse = _workspace(workspace, bs, h, kvh, d, dv, max_kv_len, q.device, cfg)
     splits = ws_lse.shape[2] if ws_lse.dim() == 3 else 1
-    per_split = None if max_kv_len is None else triton.cdiv(max(int(max_kv_len), 1), splits)
+    per_split = None if max_kv_len is None else cdiv(max(int(max_kv_len), 1), splits)
     ws_strides = ((ws_acc.stride(0), ws_acc.stride(1), ws_acc.stride(2), ws_lse.stride(0),
                    ws_lse.stride(1)) if splits > 1 else (0,) * 5)
     interpreted = interpreting()
@@ -327,7 +327,7 @@ def _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, cfg) -> DecodePlan:
                         BLOCK_D=pow2(d),
                         BLOCK_DV=pow2(dv), BLOCK_N=cfg.keys_per_iter(per_split), num_warps=cfg.num_warps,
                         num_stages=cfg.num_stages)
-    merge_consts = dict(DV=dv, BLOCK_S=triton.next_power_of_2(splits), BLOCK_DV=triton.next_power_of_2(dv),
+    merge_consts = dict(DV=dv, BLOCK_S=next_pow2(splits), BLOCK_DV=next_pow2(dv),
                         num_warps=1 if interpreted else 4)
     return DecodePlan(tuple(q.shape), tuple(k_buf.shape), tuple(v_buf.shape), k_buf.stride(), v_buf.stride(),
                       tuple(out.shape), q.device, splits, ws_acc, ws_lse, ws_strides, cfg, split_consts,

@@ -31,8 +31,8 @@ import triton.language as tl
 from hwkv.errors import ShapeError
 from hwkv.spec import TreeMask, check_tree_mask
 from hwkv_cuda.kernels.launch import Launch, launch
-from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, check_dims, check_same_device, dot,
-                                      fold_sink, hopper_class, interpreting, logits_log2, online_softmax_step, pow2)
+from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, cdiv, check_dims, check_same_device, dot, fold_sink,
+                                      hopper_class, interpreting, logits_log2, next_pow2, online_softmax_step, pow2)
 
 
 @dataclass(frozen=True)
@@ -104,8 +104,8 @@ def tile_rows(config: ExtendConfig, group: int, max_q_len: int) -> Tuple[int, in
     """(BLOCK_T tokens, GP packed heads) of one program: GP = group rounded up to a power of two;
     BLOCK_T fills config.block_m rows but never exceeds the longest query run, and the tile keeps
     at least 16 rows (tl.dot's minimum)."""
-    gp = triton.next_power_of_2(max(1, group))
-    block_t = max(1, min(config.block_m // gp, triton.next_power_of_2(max(1, int(max_q_len)))))
+    gp = next_pow2(max(1, group))
+    block_t = max(1, min(config.block_m // gp, next_pow2(max(1, int(max_q_len)))))
     return max(block_t, 16 // min(gp, 16)), gp
 
 
@@ -326,7 +326,7 @@ def _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config, has_tree, windo
     cfg = config or default_config(d, q.dtype == torch.float32, window, q.device)
     block_t, gp = tile_rows(cfg, h // kvh, max_q_len)
     empty = t == 0 or bs == 0 or max_q_len <= 0
-    grid = (0, 0, 0) if empty else (kvh, triton.cdiv(int(max_q_len), block_t), bs)
+    grid = (0, 0, 0) if empty else (kvh, cdiv(int(max_q_len), block_t), bs)
     consts = dict(GROUP=h // kvh, GP=gp, D=d, DV=dv, BLOCK_T=block_t, BLOCK_D=pow2(d), BLOCK_DV=pow2(dv),
                   BLOCK_N=cfg.block_n, HAS_TREE=has_tree, ONE_LOOP=cfg.one_loop, MASK32=cfg.mask32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return ExtendPlan(tuple(q.shape), tuple(k_buf.shape), tuple(v_buf.shape), k_buf.stride(), v_buf.stride(),

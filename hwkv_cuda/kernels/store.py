@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from hwkv.errors import LocError
-from hwkv_cuda.kernels.common import FP8_MAX, as_scale, check_dims, check_same_device
+from hwkv_cuda.kernels.common import FP8_MAX, as_scale, check_dims, check_same_device, next_pow2
 from hwkv_cuda.kernels.launch import Launch, launch
 
 
@@ -108,8 +108,8 @@ def store_kv_prechecked(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Ten
 def _launch_config(kvh: int, d: int, dv: int, k_dtype: torch.dtype, v_dtype: torch.dtype,
                    config: Optional[StoreConfig]) -> Tuple[int, int, int, int, float, float]:
     """(block_t, warps, block_ek, block_ev, k clamp, v clamp) of one buffer geometry, computed once."""
-    block_ek = triton.next_power_of_2(kvh * d)
-    block_ev = triton.next_power_of_2(kvh * dv)
+    block_ek = next_pow2(kvh * d)
+    block_ev = next_pow2(kvh * dv)
     if _INTERPRETED:
         block_t, warps = 4, 1
     else:

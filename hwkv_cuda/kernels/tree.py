@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from hwkv.errors import LocError, ShapeError
-from hwkv_cuda.kernels.common import jit_interpreted
+from hwkv_cuda.kernels.common import cdiv, jit_interpreted
 
 
 @triton.jit
@@ -145,8 +145,8 @@ def tree_decode_fill(q_positions: torch.Tensor, mask: torch.Tensor, mask_indptr:
     _tree_lens_kernel[(1,)](qo_indptr, q_positions, q_pos0, list_pos0, out_indptr, out_pos0, num_tokens, bs, w,
                             LOG_BS=log_bs, BLOCK_T=block_t, num_warps=warps)
     # prefix chunks per token: enough programs to fill the device at small token counts, one at large
-    splits = max(1, min(triton.cdiv(max(row_cap, 1), block), triton.cdiv(_TARGET_PROGRAMS, num_tokens)))
-    chunk = triton.cdiv(triton.cdiv(max(row_cap, 1), splits), block) * block
+    splits = max(1, min(cdiv(max(row_cap, 1), block), cdiv(_TARGET_PROGRAMS, num_tokens)))
+    chunk = cdiv(cdiv(max(row_cap, 1), splits), block) * block
     if rows is None:
         rtt, req_rows, stride = list_indices, q_pos0, 0   # unused (FROM_ROWS off)
     else:
