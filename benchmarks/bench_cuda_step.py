@@ -471,7 +471,7 @@ def _jit_counts() -> Dict[str, int]:
     """Launches through Triton's JIT so far, per planned kernel (hwkv_cuda's launch tables, variants included)."""
     import importlib
     counts: Dict[str, int] = {}
-    for mod in ("alloc", "decode", "extend", "index", "refill", "store"):
+    for mod in ("alloc", "decode", "extend", "index", "refill", "store", "tree"):
         table = getattr(importlib.import_module(f"hwkv_cuda.kernels.{mod}"), "_LAUNCHES", {})
         for plan in table.values():
             for p_ in (plan, *plan.variants.values()):

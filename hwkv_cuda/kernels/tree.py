@@ -16,7 +16,7 @@ which checks capacities and decides what is built. Nothing is read back to the h
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import triton
@@ -24,6 +24,7 @@ import triton.language as tl
 
 from hwkv.errors import LocError, ShapeError
 from hwkv_cuda.kernels.common import cdiv, jit_interpreted
+from hwkv_cuda.kernels.launch import Launch, launch
 
 
 @triton.jit
@@ -142,8 +143,9 @@ def tree_decode_fill(q_positions: torch.Tensor, mask: torch.Tensor, mask_indptr:
     block_t, block, block_j, warps = _sizes()
     log_bs = max(1, int(bs).bit_length())
     w = int(window or 0)
-    _tree_lens_kernel[(1,)](qo_indptr, q_positions, q_pos0, list_pos0, out_indptr, out_pos0, num_tokens, bs, w,
-                            LOG_BS=log_bs, BLOCK_T=block_t, num_warps=warps)
+    launch(_LAUNCHES, ("lens", log_bs), _tree_lens_kernel, (1,),
+           (qo_indptr, q_positions, q_pos0, list_pos0, out_indptr, out_pos0, num_tokens, bs, w),
+           dict(LOG_BS=log_bs, BLOCK_T=block_t, num_warps=warps))
     # prefix chunks per token: enough programs to fill the device at small token counts, one at large
     splits = max(1, min(cdiv(max(row_cap, 1), block), cdiv(_TARGET_PROGRAMS, num_tokens)))
     chunk = cdiv(cdiv(max(row_cap, 1), splits), block) * block
@@ -152,10 +154,11 @@ def tree_decode_fill(q_positions: torch.Tensor, mask: torch.Tensor, mask_indptr:
     else:
         rtt, req_rows = rows
         stride = rtt.stride(0)
-    _tree_fill_kernel[(num_tokens, splits)](
-        qo_indptr, q_positions, q_pos0, list_indptr, list_indices, list_pos0, mask, mask_indptr, rtt, req_rows,
-        out_indptr, out_indices, bs, w, chunk, out_indices.shape[0], stride,
-        FROM_ROWS=rows is not None, LOG_BS=log_bs, BLOCK=block, BLOCK_J=block_j, num_warps=warps)
+    launch(_LAUNCHES, ("fill", num_tokens, splits, rows is not None, log_bs), _tree_fill_kernel, (num_tokens, splits),
+           (qo_indptr, q_positions, q_pos0, list_indptr, list_indices, list_pos0, mask, mask_indptr, rtt, req_rows,
+            out_indptr, out_indices, bs, w, chunk, out_indices.shape[0], stride),
+           dict(FROM_ROWS=rows is not None, LOG_BS=log_bs, BLOCK=block, BLOCK_J=block_j, num_warps=warps))
 
 
 _INTERPRETED = jit_interpreted(_tree_lens_kernel)
+_LAUNCHES: Dict[Tuple, Launch] = {}  # planned launches of the tree-list kernels, by kernel, grid and constexprs
