@@ -129,11 +129,12 @@ class DecodeStepGraph(GraphRunner):
 
     # ---- one step on the host --------------------------------------------------------------------
     def step(self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
-             inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
+             inputs: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
         """One decode step of `rows` (lengths after it: seq_lens, seq_lens_cpu); returns the layers' output for
         the live tokens. Capacity is settled before anything runs: OutOfSlotsError leaves everything as it was.
         Rows and lengths on the host travel with the step's control words in one copy; on the device, as copies
-        there. Inputs already in `self.inputs` (an engine that writes them there) are not copied."""
+        there. `inputs` None: the engine wrote this step's inputs into `self.inputs` (nothing to check or
+        copy, however many there are); views of those buffers are not copied either."""
         bs = rows.numel()
         if seq_lens.numel() != bs or seq_lens_cpu.numel() != bs:
             raise LocError(f"rows ({bs}), seq_lens ({seq_lens.numel()}) and seq_lens_cpu ({seq_lens_cpu.numel()}) "
@@ -144,17 +145,13 @@ class DecodeStepGraph(GraphRunner):
         pages = int(np.count_nonzero((seq_h - 1) % self.allocator.page_size == 0))
         i = bisect.bisect_left(self.buckets, bs)
         if i == len(self.buckets):
+            if inputs is None:
+                raise ShapeError(f"a batch of {bs} is larger than every bucket (<= {self.buckets[-1]}): its inputs "
+                                 "cannot be in the graph's buffers; pass them")
             return self._eager_step(rows, seq_lens, seq_lens_cpu, inputs)
         bucket = self.buckets[i]
-        for k, v in self.inputs.items():  # checked and copied before the pages are claimed: a bad input changes nothing
-            src = inputs.get(k)
-            if src is None or src.shape[0] < bs or tuple(src.shape[1:]) != tuple(v.shape[1:]):
-                raise ShapeError(f"input {k!r} must be [{bs}, {', '.join(map(str, v.shape[1:]))}], got "
-                                 f"{None if src is None else list(src.shape)}")
-        for k, v in self.inputs.items():
-            src = inputs[k]
-            if src.data_ptr() != v.data_ptr():
-                v[:bs].copy_(src[:bs])
+        if inputs is not None:
+            self._take_inputs(inputs, bs)
         on_host = rows.device.type == "cpu" and seq_lens.device.type == "cpu"
         if not self.adapter_records:  # an eager 'replay' reads the host lengths; a device graph never does
             self.seq_lens_cpu[:bs].copy_(seq_lens_cpu)
@@ -170,6 +167,20 @@ class DecodeStepGraph(GraphRunner):
         out = self.adapter.replay(graph)  # the whole step; nothing else to do on the host
         self.replays += 1
         return out[:bs]
+
+    def _take_inputs(self, inputs: Dict[str, torch.Tensor], bs: int) -> None:
+        """Check every input, then copy those not already in the static buffers: before the pages are claimed,
+        so a bad input changes nothing."""
+        fresh = []
+        for k, v in self.inputs.items():
+            src = inputs.get(k)
+            if src is None or src.shape[0] < bs or src.shape[1:] != v.shape[1:]:
+                raise ShapeError(f"input {k!r} must be [{bs}, {', '.join(map(str, v.shape[1:]))}], got "
+                                 f"{None if src is None else list(src.shape)}")
+            if src.data_ptr() != v.data_ptr():
+                fresh.append((v, src))
+        for v, src in fresh:
+            v[:bs].copy_(src[:bs])
 
     def _eager_step(self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
                     inputs: Dict[str, torch.Tensor]) -> torch.Tensor:

@@ -94,7 +94,11 @@ class Engine:
         already on the device."""
         rows = torch.tensor([self.rows[i] for i in pick], dtype=torch.int64)
         seq_cpu = self.seq[pick] + 1
-        if on_host:
+        if on_host == "buffers":  # the engine wrote the inputs into the graph's buffers: nothing passed
+            for k, v in inputs.items():
+                graph.inputs[k][:v.shape[0]].copy_(v)
+            out = graph.step(rows, seq_cpu, seq_cpu).clone()
+        elif on_host:
             out = graph.step(rows, seq_cpu, seq_cpu, inputs).clone()
         else:
             out = graph.step(rows.to(DEVICE), seq_cpu.to(DEVICE), seq_cpu, inputs).clone()
@@ -145,7 +149,7 @@ def test_whole_step_graph_equals_the_eager_step(page, recording):
                   "k": torch.randn(n, KVH, D, generator=gen).to(DEVICE),
                   "v": torch.randn(n, KVH, D, generator=gen).to(DEVICE)}
         want = ref.eager_step(pick, inputs)
-        have = got.graph_step(graph, pick, inputs, on_host=step % 2 == 1)
+        have = got.graph_step(graph, pick, inputs, on_host=(False, True, "buffers")[step % 3] if n <= 4 else step % 2)
         torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
         assert same_state(ref.state(), got.state()), f"step {step}: allocator, rows or frontiers differ"
         got.alloc.check_integrity()
@@ -185,6 +189,10 @@ def test_a_bad_input_is_refused_before_any_page_is_claimed():
         with pytest.raises(ShapeError, match="input 'v' must be"):
             e.graph_step(graph, [0, 4], bad)  # request 4 starts a page at 41: a page would be claimed
         assert same_state(before, e.state())
+    rows, seq = torch.tensor(e.rows[:5], dtype=torch.int64), e.seq[:5] + 1
+    with pytest.raises(ShapeError, match="larger than every bucket"):  # 5 > 4: no buffers to hold its inputs
+        graph.step(rows, seq, seq)
+    assert same_state(before, e.state())
     e.alloc.check_integrity()
 
 
