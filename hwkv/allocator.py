@@ -40,6 +40,12 @@ def _host_ints(name: str, x: IntsLike, host: Optional[torch.Tensor] = None) -> n
     return np.asarray([int(v) for v in x], dtype=np.int64)
 
 
+def _host_view(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of t's values for host checks (t itself on the CPU, shared memory; else one device read):
+    numpy indexing and reductions cost a microsecond where torch's dispatch costs several."""
+    return t.detach().cpu().reshape(-1).numpy()
+
+
 def _on_device(device: torch.device, x: IntsLike, host: np.ndarray) -> torch.Tensor:
     """x as an int64 tensor on `device` (no copy when it already is one)."""
     if isinstance(x, torch.Tensor) and x.device.type == device.type:
@@ -201,7 +207,7 @@ class PagedTokenToKVPoolAllocator:
             # no ring moves; the deferred record of a continuation whose SWA slots were released stays
             self._next_op()
             out = last + 1
-            if self._mapping is not None:
+            if self._mapping is not None and self.pages.deferred:  # immediate mode checked on the host first
                 _record(self.pages, _g(self._mapping, out) <= 0, torch.div(out, self.page_size, rounding_mode="floor"),
                         ERR_CONT_RELEASED)
             return out
@@ -279,21 +285,22 @@ class PagedTokenToKVPoolAllocator:
         """Raise what the device op would record, before anything changes (CPU, debug mode). `sharing`: a page
         whose SWA slots are gone cannot give them another holder (NotAllocatedError, not a double free)."""
         full = self.pages
-        pages = torch.div(loc.cpu(), self.page_size, rounding_mode="floor")  # repeats are harmless here
+        loc_h = _host_view(loc)
+        pages = loc_h // self.page_size  # repeats are harmless here
         out = (pages < 1) | (pages > self.num_pages)
-        if bool(out.any()):
-            raise LocError(f"page {int(pages[int(out.to(torch.int8).argmax())])} of a slot to free is outside "
+        if out.any():
+            raise LocError(f"page {int(pages[int(out.argmax())])} of a slot to free is outside "
                            f"[1, {self.num_pages}]")
-        refs = _g(full.refs.cpu(), pages)
+        refs = _host_view(full.refs)[pages]
         for code, mask in ((ERR_NEVER, refs == NEVER), (ERR_DOUBLE_FREE, refs == 0)):
-            if bool(mask.any()):
-                raise _err(code, int(pages[int(mask.to(torch.int8).argmax())]), self.page_size, full.name)
+            if mask.any():
+                raise _err(code, int(pages[int(mask.argmax())]), self.page_size, full.name)
         if swa_required:
-            gone = _g(self._mapping.cpu(), pages * self.page_size) <= 0
-            if bool(gone.any()):
-                i = int(gone.to(torch.int8).argmax())
+            gone = _host_view(self._mapping)[pages * self.page_size] <= 0
+            if gone.any():
+                i = int(gone.argmax())
                 if sharing:
-                    raise NotAllocatedError(f"loc {int(loc.reshape(-1)[i])} (full page {int(pages[i])}) has no SWA "
+                    raise NotAllocatedError(f"loc {int(loc_h[i])} (full page {int(pages[i])}) has no SWA "
                                             "slot (released): its SWA cannot be shared")
                 raise _err(ERR_SWA_RELEASED, int(pages[i]), self.page_size, "full")
 
@@ -400,11 +407,10 @@ class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         return self.full_to_swa_index_mapping[loc]
 
     def _check_continuations(self, prefix, seq, last, plan, decode) -> None:
-        if plan.cont is None or not (plan.cont > 0).any():
+        if plan.cont is None or not plan.cont.any():
             return
-        cont = torch.from_numpy(plan.cont > 0)
-        last_cpu = last.cpu()[cont]
-        mapped = self.full_to_swa_index_mapping.cpu()[last_cpu]
+        last_cpu = _host_view(last)[plan.cont > 0]
+        mapped = _host_view(self.full_to_swa_index_mapping)[last_cpu]
         if (mapped <= 0).any():
             l = int(last_cpu[mapped <= 0][0])
             raise NotAllocatedError(f"last_loc {l} has no SWA slot (released or never allocated); "
@@ -632,7 +638,12 @@ def release_out_of_window_batch(allocator: SWATokenToKVPoolAllocator, req_to_tok
     if bs == 0:
         return frontiers
     if allocator.immediate:
-        _check_release(allocator, req_to_token, req_pool_indices, seq_lens, frontiers, window)
+        checked = _check_release(allocator, req_to_token, req_pool_indices, seq_lens, frontiers, window)
+        if allocator.device.type == "cpu" and allocator._ops is None:  # checked on the host: applied there too
+            allocator._next_op()
+            _release_on_host(allocator._swa, allocator._mapping, *checked)
+            frontiers.copy_(torch.from_numpy(checked[0]))
+            return frontiers
     allocator._next_op()
     (allocator._ops or TORCH_OPS).release_window(allocator.pages, allocator._swa, allocator._mapping, req_to_token,
                                                  req_pool_indices, seq_lens, frontiers, window)
@@ -640,37 +651,61 @@ def release_out_of_window_batch(allocator: SWATokenToKVPoolAllocator, req_to_tok
 
 
 def _check_release(a: SWATokenToKVPoolAllocator, rtt: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor,
-                   frontiers: torch.Tensor, window: int) -> None:
-    """Host checks of a batched release (CPU, debug mode); raise before anything changes."""
+                   frontiers: torch.Tensor, window: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Host checks of a batched release (CPU, debug mode); raise before anything changes. Returns what they
+    computed: the new frontiers, and per released page entry its full page and SWA page (host arrays)."""
     p = a.page_size
-    f, s, r = frontiers.cpu(), seq.cpu().to(I64), rows.cpu().to(I64)
+    f, s, r = _host_view(frontiers), _host_view(seq).astype(np.int64), _host_view(rows).astype(np.int64)
     if (f % p).any():
         raise LocError(f"frontier {int(f[(f % p) != 0][0])} is not a multiple of page_size {p}")
     if (f < 0).any() or (r < 0).any() or (r >= rtt.shape[0]).any() or (s > rtt.shape[1]).any():
         raise LocError(f"a request row is outside [0, {rtt.shape[0]}), a length beyond {rtt.shape[1]} "
                        "or a frontier negative")
     dead = s - window + 1
-    new_f = torch.maximum(f, (torch.div(dead, p, rounding_mode="floor") * p - p).clamp(min=0))
-    cnt = torch.div(new_f - f, p, rounding_mode="floor")
-    if int(cnt.sum()):
-        rr, j = _owners(cnt, int(cnt.sum()))
-        loc = rtt.cpu()[r[rr], f[rr] + j * p]
-        a._check_free(loc, swa_required=True)
+    new_f = np.maximum(f, np.maximum((dead // p) * p - p, 0))
+    cnt = (new_f - f) // p
+    total = int(cnt.sum())
+    fp = sp = np.zeros(0, dtype=np.int64)
+    if total:
+        rr = np.repeat(np.arange(cnt.size), cnt)
+        j = np.arange(total) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+        loc = rtt.detach().cpu().numpy()[r[rr], f[rr] + j * p]
+        a._check_free(torch.from_numpy(loc), swa_required=True)
         # each entry drops one SWA reference: requests sharing a page may drop it once per holder, no more
-        fp = torch.div(loc, p, rounding_mode="floor")
-        sp = torch.div(_g(a._mapping.cpu(), fp * p), p, rounding_mode="floor")  # all >= 1: checked above
-        swa = a._swa
-        drops = swa.who if swa.on_host else torch.zeros(swa.num_pages + 1, dtype=I64, device="cpu")  # scratch
-        drops.index_fill_(0, sp, 0).index_add_(0, sp, torch.ones_like(sp))     # O(entries), not O(pages)
-        drops, holders = _g(drops, sp), _g(swa.refs.cpu(), sp)
+        fp = loc // p
+        sp = _host_view(a._mapping)[fp * p] // p  # all >= 1: checked above
+        uniq, inverse, counts = np.unique(sp, return_inverse=True, return_counts=True)
+        drops, holders = counts[inverse], _host_view(a._swa.refs)[sp]
         over = drops > holders
-        if bool(over.any()):
-            i = int(over.to(torch.int8).argmax())
+        if over.any():
+            i = int(over.argmax())
             f_page = int(fp[i])
             raise DoubleFreeError(f"this release drops the SWA slots of full page {f_page} (locs {f_page * p}..) "
                                   f"{int(drops[i])} times; they have {int(holders[i])} holder(s): "
                                   "a request's frontier is behind pages it already released, or two rows "
                                   "name one page that only one of them holds")
+    return new_f, fp, sp
+
+
+def _release_on_host(swa: PageRing, mapping: torch.Tensor, new_f: np.ndarray, fp: np.ndarray,
+                     sp: np.ndarray) -> None:
+    """A checked release applied to host tensors in place through numpy (CPU): each entry drops one reference
+    to SWA page sp[i] (of full page fp[i]); a page left with none is unmapped and pushed once, in the order
+    of its last entry, as `TorchPageOps.release_window` does in about thirty torch dispatches."""
+    if not sp.size:
+        return
+    refs = swa.refs.numpy()
+    np.subtract.at(refs, sp, 1)
+    rev_first = np.unique(sp[::-1], return_index=True)[1]
+    last = np.sort(sp.size - 1 - rev_first)  # each page's last entry, in entry order
+    gone = last[refs[sp[last]] == 0]
+    if not gone.size:
+        return
+    p = swa.page_size
+    mapping.numpy()[(fp[gone, None] * p + np.arange(p)).reshape(-1)] = 0
+    tail = swa.tail.numpy()
+    swa.ring.numpy()[(int(tail[0]) + np.arange(gone.size)) % max(swa.num_pages, 1)] = sp[gone]
+    tail[0] += gone.size
 
 
 def release_out_of_window(allocator: SWATokenToKVPoolAllocator, token_row: torch.Tensor, seq_len: int,
