@@ -15,6 +15,7 @@ _STORE_PRECHECKED: Dict[str, Callable[..., None]] = {}
 _FILL: Dict[str, Callable[..., None]] = {}
 _REFILL: Dict[str, "GraphRefillKernels"] = {}
 _TREE_DECODE: Dict[str, Callable[..., None]] = {}
+_STEP: Dict[str, "StepKernels"] = {}
 
 # OCP e4m3fn / e5m2, and e4m3fnuz: the fp8 that MI300 (gfx942) computes in, so ROCm pools feeding AITER's fp8
 # kernels there must hold it (ROCm/aiter aiter/utility/dtypes.py: gfx942 -> float8_e4m3fnuz, gfx950 -> e4m3fn)
@@ -75,6 +76,54 @@ def register_tree_decode(device_type: str, fn: Callable[..., None]) -> None:
 def tree_decode_kernel(device_type: str) -> Optional[Callable[..., None]]:
     """The fused tree-decode list builder registered for `device_type`, or None (the torch path)."""
     return _TREE_DECODE.get(device_type)
+
+
+class StepKernels(NamedTuple):
+    """The whole-step graph's bookkeeping around the allocation (`hwkv.step_graph`), one launch each.
+
+    prologue(ctl, rows_in, seq_in, pad_row, req_to_token, rows, seq, prefix, last, out): for b < len(rows),
+        live = b < ctl[2]; rows[b] = rows_in[b] if live else pad_row; seq[b] = seq_in[b] if live else 1;
+        prefix[b] = seq[b] - live; last[b] = req_to_token[rows[b], max(prefix[b] - 1, 0)]; out[b] = 0.
+    write(req_to_token, rows, seq, out, frontiers, f): req_to_token[rows[b], seq[b] - 1] = out[b] and, when
+        frontiers is not None, f[b] = frontiers[rows[b]].
+    """
+
+    prologue: Callable[..., None]
+    write: Callable[..., None]
+
+
+def step_prologue_torch(ctl: torch.Tensor, rows_in: torch.Tensor, seq_in: torch.Tensor, pad_row: int,
+                        req_to_token: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor, prefix: torch.Tensor,
+                        last: torch.Tensor, out: torch.Tensor) -> None:
+    """`StepKernels.prologue` in torch ops (the default; about a dozen launches)."""
+    bs = rows.shape[0]
+    live = torch.arange(bs, device=rows.device) < ctl[2]
+    rows.copy_(rows_in[:bs]).masked_fill_(~live, pad_row)
+    seq.copy_(seq_in[:bs]).masked_fill_(~live, 1)
+    torch.sub(seq, live.to(seq.dtype), out=prefix)
+    last.copy_(req_to_token[rows, (prefix - 1).clamp_(min=0)])
+    out.zero_()
+
+
+def step_write_torch(req_to_token: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor, out: torch.Tensor,
+                     frontiers: Optional[torch.Tensor], f: Optional[torch.Tensor]) -> None:
+    """`StepKernels.write` in torch ops (the default)."""
+    req_to_token[rows, seq - 1] = out
+    if frontiers is not None:
+        f.copy_(frontiers[rows])
+
+
+TORCH_STEP = StepKernels(step_prologue_torch, step_write_torch)
+
+
+def register_step_kernels(device_type: str, kernels: StepKernels) -> None:
+    """Run the whole-step graph's bookkeeping on `device_type` with these kernels (torch stays the default)."""
+    _STEP[device_type] = kernels
+
+
+def step_kernels(device_type: str) -> StepKernels:
+    """The step kernels registered for `device_type`, else the torch ones."""
+    return _STEP.get(device_type, TORCH_STEP)
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, scale: Optional[float]) -> torch.Tensor:

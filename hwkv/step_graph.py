@@ -20,6 +20,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from hwkv import ops
 from hwkv.allocator import release_out_of_window_batch
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.errors import ConfigError, LocError, ShapeError
@@ -64,7 +65,10 @@ class DecodeStepGraph(GraphRunner):
         self.ctl = self.staged[:3]
         self._ring = StagingRing(3 + 2 * b, dev)
         self.rows_in, self.seq_in = self.staged[3::2], self.staged[4::2]
-        self.arange = torch.arange(b, dtype=torch.int64, device=dev)
+        self.prefix = torch.zeros(b, dtype=torch.int64, device=dev)  # the step's per-request temporaries
+        self.last = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.f = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.kernels = ops.step_kernels(dev.type)  # one launch each where the device registered them
         self._host: Tuple[int, int, list] = (0, 0, [0, 0])  # live, pages, heads: what an eager 'replay' reads
         self.req_pool_indices.fill_(self.pad_row)
 
@@ -75,25 +79,21 @@ class DecodeStepGraph(GraphRunner):
     # ---- the step, as captured -------------------------------------------------------------------
     def _refill_and_run(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
         bs = batch.batch_size
-        live = self.arange[:bs] < self.ctl[2]
-        rows = self.req_pool_indices[:bs]
-        rows.copy_(self.rows_in[:bs]).masked_fill_(~live, self.pad_row)
-        seq = self.seq_lens[:bs]
-        seq.copy_(self.seq_in[:bs]).masked_fill_(~live, 1)
-        prefix = seq - live.to(torch.int64)  # padded requests: prefix == seq, no token, no page
-        last = self.rtt[rows, (prefix - 1).clamp_(min=0)]
-        out = self.out_cache_loc[:bs]
-        out.zero_()  # padded tokens write the padding slot 0
+        rows, seq, out = self.req_pool_indices[:bs], self.seq_lens[:bs], self.out_cache_loc[:bs]
+        prefix, last = self.prefix[:bs], self.last[:bs]
+        # padded requests: the reserved row, length 1, prefix == seq (no token, no page), the padding slot 0
+        self.kernels.prologue(self.ctl, self.rows_in, self.seq_in, self.pad_row, self.rtt, rows, seq, prefix, last,
+                              out)
         n, pages, heads = self._host
         if self.device_alloc:
             self.allocator.alloc_reserved(prefix, seq, last, out, self.ctl, 0)
         else:  # a step the host runs (no device graph): the torch ops size themselves from host values
             self.allocator.alloc_reserved(prefix[:n], seq[:n], last[:n], out[:n], heads, pages)
-        self.rtt[rows, seq - 1] = out
+        f = self.f[:bs] if self.frontiers is not None else None
+        self.kernels.write(self.rtt, rows, seq, out, self.frontiers, f)  # the new slots, the rows' frontiers
         self._refill(batch)
         result = self.fn(batch, inputs)
         if self.frontiers is not None:
-            f = self.frontiers[rows]
             release_out_of_window_batch(self.allocator, self.rtt, rows, seq, f, self.window)
             self.frontiers[rows] = f
         return result

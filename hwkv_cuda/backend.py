@@ -25,6 +25,7 @@ for _dev in ("cuda", "musa"):
     ops.register_fill_kv_indices(_dev, _kernels.fill_kv_indices)
     ops.register_graph_refill(_dev, _kernels.refill.KERNELS)
     ops.register_tree_decode(_dev, _kernels.tree.tree_decode_fill)
+    ops.register_step_kernels(_dev, _kernels.step.KERNELS)
 
 
 _PLANS = "triton_plans"

@@ -29,6 +29,7 @@ ops.register_store_kv("xpu", kernels.store_kv, prechecked=kernels.store_kv_prech
 ops.register_fill_kv_indices("xpu", kernels.fill_kv_indices)
 ops.register_graph_refill("xpu", kernels.refill.KERNELS)
 ops.register_tree_decode("xpu", kernels.tree.tree_decode_fill)
+ops.register_step_kernels("xpu", kernels.step.KERNELS)
 register_page_ops("xpu", TritonPageOps())
 
 _IPEX = "ipex_xpu_lists"

@@ -5,11 +5,11 @@ store_kv, decode_attention, extend_attention, fill_kv_indices. The public functi
 arguments on every call; the backend checks once per forward and uses the internal entry points
 (`store_kv_prechecked`, `plan_decode` + `decode_attention_planned`, `plan_extend` +
 `extend_attention_planned`). `refill` holds the fused graph-metadata refill, `tree` the decode-like
-tree verify's list builder. Importing this package registers `torch.ops.hwkv.store_kv`,
-`.decode_attention` and `.extend_attention` (custom ops with fake implementations, for models
-compiled with torch.compile: `torch_ops`).
+tree verify's list builder, `step` the whole-step graph's bookkeeping. Importing this package registers
+`torch.ops.hwkv.store_kv`, `.decode_attention` and `.extend_attention` (custom ops with fake
+implementations, for models compiled with torch.compile: `torch_ops`).
 """
-from hwkv_cuda.kernels import refill, torch_ops, tree
+from hwkv_cuda.kernels import refill, step, torch_ops, tree
 from hwkv_cuda.kernels.decode import (DecodeConfig, DecodePlan, DecodeWorkspace, decode_attention,
                                       decode_attention_planned, decode_config, decode_num_splits,
                                       make_decode_workspace,
@@ -22,5 +22,5 @@ __all__ = [
     "store_kv", "decode_attention", "extend_attention", "fill_kv_indices",
     "DecodeConfig", "DecodeWorkspace", "decode_config", "decode_num_splits", "make_decode_workspace", "ExtendConfig",
     "StoreConfig", "store_kv_prechecked", "DecodePlan", "plan_decode", "decode_attention_planned",
-    "ExtendPlan", "plan_extend", "extend_attention_planned", "refill", "torch_ops", "tree",
+    "ExtendPlan", "plan_extend", "extend_attention_planned", "refill", "step", "torch_ops", "tree",
 ]
