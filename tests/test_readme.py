@@ -73,10 +73,11 @@ def test_readme_generate_output_is_what_the_command_prints(tmp_path, monkeypatch
     assert cli.main([*argv, "--no-progress"]) == 0
     out = capsys.readouterr().out.splitlines()
     prompts = [argv[i + 1] for i, a in enumerate(argv) if a == "--prompt"]
-    assert len(out) == len(printed) == len(prompts) + 2
+    assert len(out) == len(printed) == len(prompts) + 3
     for i, prompt in enumerate(prompts):
         head = f"[{i}] {prompt!r} -> "
         assert printed[i].startswith(head) and out[i].startswith(head)
         assert printed[i].endswith("[16 tokens, length]") and out[i].endswith("[16 tokens, length]")
     assert out[-1] == printed[-1]  # KV memory held at the peak and allocated
-    assert out[-2].split(" tokens in ")[0] == printed[-2].split(" tokens in ")[0]
+    assert out[-2] == printed[-2]  # prompt tokens reused and computed
+    assert out[-3].split(" tokens in ")[0] == printed[-3].split(" tokens in ")[0]

@@ -131,6 +131,9 @@ def test_greedy_matches_transformers(arch, saved, prompts):
         got = run_staggered(runner, prompts, SamplingParams(max_new_tokens=NEW))
         assert runner.cache.hybrid == (arch != "mistral_full")
         assert runner.stats.forwards["MIXED"] > 0 and runner.stats.forwards["DECODE"] > 0
+        held = runner.cache.held_slots()  # what finished requests left is the prefix cache's alone
+        assert held == (runner.prefix.full_tokens, runner.prefix.swa_tokens) if runner.prefix else held == (0, 0)
+        runner.clear_prefix_cache()
         assert runner.cache.held_slots() == (0, 0)  # every finished request gave its slots back
         assert runner.stats.peak_held_bytes > 0
     assert [got[i] for i in range(len(prompts))] == want
@@ -248,7 +251,8 @@ def test_requests_wait_for_room_in_a_small_budget(saved, prompts):
     model = _load(saved["gpt_oss"])
     want = hf_greedy(model, prompts)
     shape = model_shape(model.config, torch.float32)
-    probe = plan_pools(shape, context=40, max_running=2, chunk=8, page_size=4, memory=None, device=torch.device("cpu"))
+    probe = plan_pools(shape, context=40, max_running=2, chunk=8, page_size=4, memory=None, device=torch.device("cpu"),
+                       prefix_cache=True)  # the runner's default: room for each request's cache lock window
     with HybridRunner(model, memory=probe.memory_bytes, max_running=8, chunk=8, page_size=4, context=40) as runner:
         assert runner.cache.plan.max_running == 2
         got = run_staggered(runner, prompts, SamplingParams(max_new_tokens=NEW), add_at=(0, 0, 0, 0))
@@ -316,6 +320,25 @@ def test_cli_generate_from_token_ids(saved, prompts, capsys):
     assert data["stats"]["generated_tokens"] == 12 and data["stats"]["kv_memory"]["peak_held_bytes"] > 0
     code, out, err = _cli(capsys, *args)
     assert code == 0 and "tokens/s" in out and "KV memory held at peak" in out and "all-full" in out
+    assert "reused from the prefix cache" in out
+
+
+def test_cli_generate_reuses_a_shared_prefix_and_can_go_without(saved, prompts, capsys):
+    """Two prompts sharing 16 tokens, one at a time (--max-running 1): the second takes them from the cache;
+    --no-prefix-cache computes everything, with the same tokens."""
+    system = prompts[3][:16]
+    args = ["--model", str(saved["gpt_oss"]), "--max-new-tokens", "4", "--max-running", "1", "--page-size", "4",
+            "--prompt", ",".join(map(str, system + prompts[0])), "--prompt", ",".join(map(str, system + prompts[1]))]
+    runs = {}
+    for extra in ((), ("--no-prefix-cache",)):
+        code, out, err = _cli(capsys, *args, *extra, "--json")
+        assert code == 0, err
+        runs[extra] = json.loads(out)
+    on, off = runs[()], runs[("--no-prefix-cache",)]
+    assert on["prefix_cache"] and on["stats"]["reused_tokens"] == 16
+    assert not off["prefix_cache"] and off["stats"]["reused_tokens"] == 0
+    assert on["stats"]["prefill_tokens"] == off["stats"]["prefill_tokens"] - 16
+    assert [r["tokens"] for r in on["results"]] == [r["tokens"] for r in off["results"]]
 
 
 def test_cli_generate_with_a_tokenizer(saved, tmp_path, capsys):
@@ -462,6 +485,7 @@ def test_overlap_reads_tokens_a_step_late_and_changes_no_token(arch, saved, prom
     want = hf_greedy(model, prompts)
     with HybridRunner(model, max_running=3, chunk=8, page_size=4, context=48, overlap=True) as runner:
         got = run_staggered(runner, prompts, SamplingParams(max_new_tokens=NEW))
+        runner.clear_prefix_cache()
         assert runner.cache.held_slots() == (0, 0) and not runner.has_work()
         assert runner.stats.generated_tokens == NEW * len(prompts) and runner.stats.peak_held_bytes > 0
     assert [got[i] for i in range(len(prompts))] == want
@@ -478,3 +502,58 @@ def test_overlap_reads_tokens_a_step_late_and_changes_no_token(arch, saved, prom
             assert runner.stats.dropped_tokens == (1 if overlap else 0)  # the stopped request's one extra token
     assert results[True] == results[False]
     assert results[True][0] == (ref[:i + 1], "stop") and results[True][1] == (want[3][:5], "length")
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "gemma3"])
+def test_a_conversation_reuses_its_history_from_the_prefix_cache(arch, saved):
+    """Four turns, each prompt = the previous prompt + its reply + new user tokens, through one runner: every
+    turn's greedy tokens equal transformers' generate() on the same prompt, with the prefix cache and without;
+    with it, each later turn computes only what the cache did not hold (prefill = prompt - reused, exactly)
+    and reuses most of its history."""
+    model = _load(saved[arch])
+    g = torch.Generator().manual_seed(5)
+    user = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (8, 4, 4, 4)]
+    reply = 6
+    outputs = {}
+    for cached in (True, False):
+        with HybridRunner(model, max_running=2, chunk=8, page_size=4, context=48, prefix_cache=cached) as runner:
+            assert (runner.prefix is not None) == cached
+            prompt, turns = [], []
+            for t in range(4):
+                prompt = prompt + user[t]
+                before = (runner.stats.prompt_tokens, runner.stats.reused_tokens, runner.stats.prefill_tokens)
+                (res,) = runner.generate([prompt], SamplingParams(max_new_tokens=reply))
+                runner.check_integrity()
+                p_tok, reused, computed = (a - b for a, b in zip(
+                    (runner.stats.prompt_tokens, runner.stats.reused_tokens, runner.stats.prefill_tokens), before))
+                assert p_tok == len(prompt) and computed == p_tok - reused
+                if cached and t:  # the history up to the last whole page before the reply's last token
+                    assert reused >= (len(prompt) - len(user[t]) - 1) // 4 * 4 - 4, (t, reused, len(prompt))
+                elif not cached:
+                    assert reused == 0
+                turns.append(res.tokens)
+                prompt = prompt + res.tokens
+            outputs[cached] = turns
+            if cached:
+                assert runner.stats.reused_tokens > 0.5 * runner.stats.prompt_tokens - len(user[0])
+                assert "reused from the prefix cache" in runner.stats.prefix_line()
+    assert outputs[True] == outputs[False]
+    prompt = []
+    for t in range(4):  # transformers' own generate() on each turn's prompt
+        prompt = prompt + user[t]
+        assert hf_greedy(model, [prompt], new=reply)[0] == outputs[True][t]
+        prompt = prompt + outputs[True][t]
+
+
+def test_a_shared_system_prompt_is_computed_once(saved, prompts):
+    """Requests sharing a system prompt, one at a time: the later ones take it from the cache."""
+    model = _load(saved["gpt_oss"])
+    system = prompts[3][:16]
+    asks = [system + p[:5] for p in prompts[:3]]
+    want = hf_greedy(model, asks, new=5)
+    with HybridRunner(model, max_running=1, chunk=16, page_size=4, context=48) as runner:
+        got = runner.generate(asks, SamplingParams(max_new_tokens=5))
+        runner.check_integrity()
+        assert runner.stats.reused_tokens == 2 * 16  # the second and third take the 16 shared tokens
+        assert runner.stats.prefill_tokens == runner.stats.prompt_tokens - 32
+    assert [r.tokens for r in got] == want

@@ -75,6 +75,12 @@ def swa_tokens_per_request(window: int, page_size: int, eviction_margin_pages: i
     return bound if context is None else min(bound, round_up(context, page_size))
 
 
+def cache_lock_tokens(window: int, page_size: int, context: int) -> int:
+    """SWA slots a running request's prefix-cache lock can pin beyond its own window: the last window of its
+    cached prompt, round_up(W, P) + P, never more than round_up(context, P)."""
+    return min(round_up(window, page_size) + page_size, round_up(context, page_size))
+
+
 @dataclass(frozen=True)
 class Plan:
     """Pool sizes for one model, budget and context; every *_bytes counts the pools' padding rows."""
@@ -126,13 +132,17 @@ def _check_inputs(shape: ModelShape, memory_bytes: int, context: int, page_size:
 
 
 def plan(shape: ModelShape, memory_bytes: int, context: int, page_size: int = 16,
-         max_running: Optional[int] = None, chunk: int = 8192, eviction_margin_pages: int = 1) -> Plan:
-    """Size both pools for `memory_bytes` of KV memory and requests of `context` tokens (see module doc)."""
+         max_running: Optional[int] = None, chunk: int = 8192, eviction_margin_pages: int = 1,
+         prefix_cache: bool = False) -> Plan:
+    """Size both pools for `memory_bytes` of KV memory and requests of `context` tokens (see module doc).
+    `prefix_cache`: each request may also pin the window its prefix-cache lock keeps (`cache_lock_tokens`)."""
     _check_inputs(shape, memory_bytes, context, page_size, max_running, chunk, eviction_margin_pages)
     P, full_b, swa_b = page_size, shape.bytes_per_token_full_group, shape.bytes_per_token_swa_group
     has_swa = bool(shape.swa_layer_ids)
     full_need = round_up(context, P)
     swa_need = swa_tokens_per_request(shape.window, P, eviction_margin_pages, context) if has_swa else 0
+    if has_swa and prefix_cache:
+        swa_need += cache_lock_tokens(shape.window, P, context)
     chunk_reserve = round_up(chunk, P) if has_swa else 0
     swa_pad = P if has_swa else 0
     fixed = P * full_b + (chunk_reserve + swa_pad) * swa_b      # padding rows + the chunk, once

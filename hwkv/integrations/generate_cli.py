@@ -45,6 +45,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
     p.add_argument("--graphs", choices=("auto", "on", "off", "eager"), default="auto",
                    help="decode graph replay: auto = the device's graphs, none on CPU (default)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="no prefix caching (by default prompts sharing a "
+                   "prefix with an earlier one, e.g. a system prompt, take its KV from the cache)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print one JSON object (schema hwkv-generate/1)")
 
@@ -179,7 +181,7 @@ def _generate(args: argparse.Namespace) -> Tuple[dict, int]:
     with HybridRunner(model, device=spec.name, memory=args.memory, context=context,
                       max_running=args.max_running if args.max_running is not None else len(prompts),
                       chunk=args.chunk, page_size=args.page_size,
-                      graphs=args.graphs) as runner:
+                      graphs=args.graphs, prefix_cache=not args.no_prefix_cache) as runner:
         bar, advance = _progress(not args.no_progress, args.max_new_tokens * len(prompts))
         t0 = time.perf_counter()
         if bar is not None:
@@ -196,7 +198,8 @@ def _generate(args: argparse.Namespace) -> Tuple[dict, int]:
                      "error": _error_text(res)})
     data = {"schema": "hwkv-generate/1", "model": args.model, "device": spec.name, "dtype": str(model.dtype),
             "backend": type(runner.cache.backend).__name__, "graphs": runner.graph is not None,
-            "wall_seconds": wall, "results": rows, "stats": stats.as_dict(), "memory": stats.memory_line()}
+            "wall_seconds": wall, "results": rows, "stats": stats.as_dict(), "memory": stats.memory_line(),
+            "prefix_cache": runner.prefix is not None, "prefix": stats.prefix_line()}
     return data, EXIT_ERROR if any(r["error"] for r in rows) else EXIT_OK
 
 
@@ -207,10 +210,12 @@ def _print_plain(data: dict) -> None:
         print(f"[{i}] {r['prompt']!r} -> {out}{why}")
     s = data["stats"]
     print(f"{s['generated_tokens']} tokens in {s['seconds']:.2f} s: {s['tokens_per_second']:.1f} tokens/s "
-          f"({s['prefill_tokens']} prompt tokens; {data['device']}, {data['backend']}, "
+          f"({s['prefill_tokens']} prompt tokens computed; {data['device']}, {data['backend']}, "
           f"graphs {'on' if data['graphs'] else 'off'})")
     if s["graph_error"]:
         print(f"decode ran eagerly: {s['graph_error']}")
+    if data["prefix_cache"]:
+        print(data["prefix"])
     print(data["memory"])
 
 

@@ -12,7 +12,7 @@ import torch
 
 from hwkv import make_backend
 from hwkv.allocator import PagedTokenToKVPoolAllocator, ReqToTokenPool, SWATokenToKVPoolAllocator
-from hwkv.engine.plan import format_bytes, parse_bytes, plan, round_up, swa_tokens_per_request
+from hwkv.engine.plan import cache_lock_tokens, format_bytes, parse_bytes, plan, round_up, swa_tokens_per_request
 from hwkv.engine.presets import ModelShape
 from hwkv.errors import ConfigError
 from hwkv.pool import MHATokenToKVPool, SWAKVPool, device_free_bytes
@@ -128,12 +128,15 @@ class PoolPlan:
         return round_up(self.chunk, self.page_size) if self.swa_bytes_per_token else 0
 
 
-def kv_bytes_needed(shape: ModelShape, context: int, page_size: int, max_running: int, chunk: int) -> int:
-    """KV bytes that `max_running` requests of `context` tokens need under `hwkv plan`'s sizing."""
+def kv_bytes_needed(shape: ModelShape, context: int, page_size: int, max_running: int, chunk: int,
+                    prefix_cache: bool = False) -> int:
+    """KV bytes that `max_running` requests of `context` tokens need under `hwkv plan`'s sizing (with
+    `prefix_cache`, each request's cache lock window too)."""
     p, full_b, swa_b = page_size, shape.bytes_per_token_full_group, shape.bytes_per_token_swa_group
     has_swa = bool(shape.swa_layer_ids)
     fixed = p * full_b + ((round_up(chunk, p) + p) * swa_b if has_swa else 0)
-    per_request = round_up(context, p) * full_b + (swa_tokens_per_request(shape.window, p) * swa_b if has_swa else 0)
+    swa = swa_tokens_per_request(shape.window, p) + (cache_lock_tokens(shape.window, p, context) if prefix_cache else 0)
+    per_request = round_up(context, p) * full_b + (swa * swa_b if has_swa else 0)
     return fixed + max_running * per_request
 
 
@@ -168,16 +171,16 @@ def default_memory_cap(device: torch.device) -> int:
 
 
 def plan_pools(shape: ModelShape, *, context: int, max_running: int, chunk: int, page_size: int,
-               memory: Union[None, int, str], device: torch.device) -> PoolPlan:
+               memory: Union[None, int, str], device: torch.device, prefix_cache: bool = False) -> PoolPlan:
     """Size the pools: `memory` (bytes or '2GiB'; more than the device has free is a ConfigError), or by default
     what `max_running` requests of `context` tokens need, capped by `default_memory_cap`; fewer rows when fewer
-    fit."""
+    fit. `prefix_cache`: room for each request's cache lock window in the SWA pool too."""
     for label, value in (("context", context), ("max_running", max_running), ("chunk", chunk),
                          ("page_size", page_size)):
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"{label} must be an integer >= 1, got {value!r}")
     if memory is None:
-        need = kv_bytes_needed(shape, context, page_size, max_running, chunk)
+        need = kv_bytes_needed(shape, context, page_size, max_running, chunk, prefix_cache)
         budget = min(need, default_memory_cap(device))
     else:
         budget = parse_bytes(memory)
@@ -189,19 +192,20 @@ def plan_pools(shape: ModelShape, *, context: int, max_running: int, chunk: int,
             raise ConfigError(f"memory={memory!r} ({format_bytes(budget)}) is more than the {format_bytes(free)} "
                               f"{device.type} has free: give a smaller budget, or none to size it from the requests")
     if not shape.full_layer_ids:
-        return _all_swa_plan(shape, budget, context, max_running, chunk, page_size)
-    fit = plan(shape, budget, context, page_size=page_size, chunk=chunk).max_running
-    result = plan(shape, budget, context, page_size=page_size, chunk=chunk, max_running=min(fit, max_running))
+        return _all_swa_plan(shape, budget, context, max_running, chunk, page_size, prefix_cache)
+    fit = plan(shape, budget, context, page_size=page_size, chunk=chunk, prefix_cache=prefix_cache).max_running
+    result = plan(shape, budget, context, page_size=page_size, chunk=chunk, max_running=min(fit, max_running),
+                  prefix_cache=prefix_cache)
     return PoolPlan(result.full_pool_tokens, result.swa_pool_tokens, page_size, context, result.max_running,
                     chunk, shape.bytes_per_token_full_group, shape.bytes_per_token_swa_group, budget)
 
 
 def _all_swa_plan(shape: ModelShape, budget: int, context: int, max_running: int, chunk: int,
-                  page_size: int) -> PoolPlan:
+                  page_size: int, prefix_cache: bool = False) -> PoolPlan:
     """Every layer slides: the SWA pool is planned as `hwkv plan` does; the full pool holds only locs
     (no K/V), one context per request."""
     p, swa_b = page_size, shape.bytes_per_token_swa_group
-    need = swa_tokens_per_request(shape.window, p)
+    need = swa_tokens_per_request(shape.window, p) + (cache_lock_tokens(shape.window, p, context) if prefix_cache else 0)
     fixed = (round_up(chunk, p) + p) * swa_b
     fit = max(0, (budget - fixed) // (need * swa_b))
     running = min(fit, max_running)

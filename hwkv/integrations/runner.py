@@ -21,7 +21,8 @@ import torch
 
 from hwkv.allocator import release_out_of_window_batch
 from hwkv.batch import ForwardBatch, ForwardMode
-from hwkv.errors import ConfigError, HwkvError
+from hwkv.cache import HybridPrefixCache
+from hwkv.errors import ConfigError, HwkvError, OutOfSlotsError
 from hwkv.integrations.device_choice import graph_adapter, graph_choice, resolve_spec
 from hwkv.integrations.hf_attention import ForwardContext, LayerTable, register
 from hwkv.integrations.hf_model import Cache, build_cache, model_shape, plan_pools
@@ -51,7 +52,7 @@ class HybridRunner:
     def __init__(self, model: Any, *, device: Optional[str] = None, memory: Union[None, int, str] = None,
                  context: Optional[int] = None, max_running: int = 16, chunk: int = 512, page_size: int = 16,
                  graphs: GraphsOption = "auto", graph_batch_sizes: Optional[Sequence[int]] = None,
-                 overlap: Optional[bool] = None) -> None:
+                 overlap: Optional[bool] = None, prefix_cache: bool = True) -> None:
         self.model = model
         dev = next(model.parameters()).device
         self.spec = resolve_spec(device, dev.type)
@@ -59,13 +60,19 @@ class HybridRunner:
         if context is None:
             context = min(int(getattr(cfg, "max_position_embeddings", 4096) or 4096), 4096)
         self.shape = model_shape(model.config, model.dtype)
+        cached = prefix_cache and bool(self.shape.swa_layer_ids)  # the prefix cache serves the hybrid pools
         pool_plan = plan_pools(self.shape, context=context, max_running=max_running, chunk=chunk,
-                               page_size=page_size, memory=memory, device=dev)
+                               page_size=page_size, memory=memory, device=dev, prefix_cache=cached)
         self.cache: Cache = build_cache(self.shape, pool_plan, model.dtype, dev, backend_device=self.spec)
         self.device = dev
         self.window = self.shape.window if self.shape.swa_layer_ids else None
         self.table = LayerTable(self.shape.layer_is_swa, self.shape.window, self.shape)
-        self.scheduler = Scheduler(pool_plan, self.window)
+        # prefix caching (hybrid pools: HybridPrefixCache keeps full and SWA pages of finished and prefilled
+        # requests; a new request starts from its longest cached prefix)
+        self.prefix: Optional[HybridPrefixCache] = None
+        if cached:
+            self.prefix = HybridPrefixCache(self.cache.allocator, self.window)
+        self.scheduler = Scheduler(pool_plan, self.window, cached=self.prefix is not None)
         self.frontiers = torch.zeros(pool_plan.max_running, dtype=I64, device=dev)  # per request row
         # each row's last sampled token, the next forward's input: sampled tokens never wait for the host
         self.next_ids = torch.zeros(pool_plan.max_running, dtype=I64, device=dev)
@@ -197,21 +204,29 @@ class HybridRunner:
         if self.closed:
             raise ConfigError("this HybridRunner is closed (the model has its own attention back): make a new one")
         t0 = time.perf_counter()
-        admitted = self.scheduler.admit()
-        if admitted:
-            new_rows = self.cache.rtt.alloc(len(admitted))
-            for req, row in zip(admitted, new_rows):
-                req.row = row
-                self._host_frontiers[row] = 0
-            self.frontiers[_to_device(torch.tensor(new_rows, dtype=I64), self.device)] = 0
+        if self.prefix is None:
+            admitted = self.scheduler.admit()
+            if admitted:
+                new_rows = self.cache.rtt.alloc(len(admitted))
+                for req, row in zip(admitted, new_rows):
+                    req.row = row
+                    self._host_frontiers[row] = 0
+                    self.stats.record_prompt(len(req.prompt), 0)
+                self.frontiers[_to_device(torch.tensor(new_rows, dtype=I64), self.device)] = 0
+        else:
+            admitted = self.scheduler.admit(self._start_cached)
         rows = self.scheduler.schedule()
         if not rows:  # nothing to run: what is still in flight finishes
             return self._read_back()
         self._pools_changed = bool(admitted)
         with torch.no_grad():
+            if self.prefix is not None:
+                self._make_room(rows)
             batch, ids, pos = self._allocate(rows)
             tokens = self._forward(rows, batch, ids, pos)
             self._release(batch, rows)
+            if self.prefix is not None:
+                self._cache_prompts(rows)
         sampled = [r for r in rows if r.samples]
         record = self._send(rows, sampled, batch, tokens)
         finished = self._read_back()  # the previous step's tokens (with overlap: while this one runs)
@@ -274,13 +289,97 @@ class HybridRunner:
         if dropped:
             self.stats.drop_tokens(rec.mode, dropped)
         if done:
-            rtt = self.cache.rtt.req_to_token
-            self.cache.allocator.free(torch.cat([rtt[r.row, :r.kv_len] for r in done]))
+            if self.prefix is not None:  # each one's tokens go to the cache, its own references back
+                for r in done:
+                    ids = (r.prompt + r.output)[:r.kv_len]
+                    self.prefix.release_request(ids, self.cache.rtt, r.row, r.kv_len, self._host_frontiers[r.row],
+                                                r.lock)
+                    r.lock = None
+            else:
+                rtt = self.cache.rtt.req_to_token
+                self.cache.allocator.free(torch.cat([rtt[r.row, :r.kv_len] for r in done]))
             self.cache.rtt.free([r.row for r in done])
             for r in done:
                 self.scheduler.finish(r)
                 del self.requests[r.rid]
         return [Result(r.rid, r.prompt, r.output, r.finish_reason, seed=r.params.seed) for r in done]
+
+    # ---- prefix caching ----------------------------------------------------------------------
+    def _start_cached(self, req: Request) -> bool:
+        """Admit `req` from its longest cached prefix when its worst case fits: the running requests' pages
+        still to come and its own new pages within the free full slots plus what the cache can evict (its
+        match locked first, so that is not counted). Nothing is evicted between the match and the acquire."""
+        c, a, p = self.prefix, self.cache.allocator, self.cache.plan.page_size
+        m = c.match_prefix(req.prompt[:-1])
+        held = c.lock(m)
+        need = (self.scheduler.full_pages_left() + req.full_pages) * p - m.length
+        free, evictable = a.full_available_size(), c.evictable_full  # the one device read of an admission
+        if need > free + evictable:
+            c.unlock(held)
+            return False
+        # the cache may hold this prompt's history past the match (its window evicted, so the match was cut
+        # back): caching the recomputed prompt locks those nodes too, so make the room now, with the match locked
+        stale = max(0, len(req.prompt) // p * p - m.length)
+        if need + min(stale, evictable) > free + evictable:
+            self._evict(0, need - free)
+        row = self.cache.rtt.alloc(1)[0]
+        try:
+            req.lock, frontier = c.acquire(m, self.cache.rtt, row)
+        except BaseException:
+            self.cache.rtt.free([row])
+            raise
+        finally:
+            c.unlock(held)
+        req.row, req.kv_len, req.reused = row, m.length, m.length
+        self._host_frontiers[row] = frontier
+        self.frontiers[row] = frontier
+        self.stats.record_prompt(len(req.prompt), m.length)
+        return True
+
+    def clear_prefix_cache(self) -> int:
+        """Evict everything the prefix cache holds that no running request uses; returns the tokens evicted."""
+        if self.prefix is None:
+            return 0
+        n = 0
+        while self.prefix.evictable_full:
+            n += self.prefix.evict(self.prefix.evictable_full)
+        while self.prefix.evictable_swa:
+            self.prefix.evict_swa(self.prefix.evictable_swa)
+        return n
+
+    def _evict(self, swa_tokens: int, full_tokens: int) -> None:
+        """Evict cached KV (least recently used, unlocked) for this many more free tokens in each pool."""
+        c = self.prefix
+        if full_tokens > 0:
+            c.evict(min(full_tokens, c.evictable_full))
+        if swa_tokens > 0:
+            c.evict_swa(min(swa_tokens, c.evictable_swa))
+
+    def _make_room(self, rows: List[Row]) -> None:
+        """Before a forward's allocation: evict cached KV where its new pages exceed the free pages (the host's
+        bound of free pages first: the device is read only when that says they might not fit)."""
+        p = self.cache.plan.page_size
+        pages = sum(-(-(r.prefix + r.n) // p) - -(-r.prefix // p) for r in rows)
+        if not pages:
+            return
+        a, c = self.cache.allocator, self.prefix
+        for ring, evictable, evict in ((a.pages, lambda: c.evictable_full, c.evict),
+                                       (a.swa_attn_allocator.pages, lambda: c.evictable_swa, c.evict_swa)):
+            while not ring.has_room(pages):
+                short = (pages - ring.free_pages()) * p
+                if evictable() == 0:
+                    raise OutOfSlotsError(f"a forward needs {pages} pages in the {ring.name} pool, {ring.free_pages()} "
+                                          "are free and the prefix cache holds nothing evictable: admission reserved "
+                                          "less than the running requests take (a bug)")
+                evict(min(short, evictable()))
+
+    def _cache_prompts(self, rows: List[Row]) -> None:
+        """Cache what each prompt chunk of this forward completed (whole pages), its lock moving with it."""
+        for r in rows:
+            if r.prefix < len(r.req.prompt):
+                seq = r.prefix + r.n
+                r.req.lock = self.prefix.cache_running(r.req.prompt[:seq], self.cache.rtt, r.req.row, seq,
+                                                       self._host_frontiers[r.req.row], r.req.lock)
 
     def _allocate(self, rows: List[Row]) -> "tuple[ForwardBatch, torch.Tensor, torch.Tensor]":
         """Slots for every new token in one allocator call, req_to_token in one scatter, the ForwardBatch."""
@@ -391,8 +490,10 @@ class HybridRunner:
         self.frontiers[batch.req_pool_indices] = f
 
     def check_integrity(self) -> None:
-        """Allocator, pools, request rows and reservations are consistent (tests call it after steps)."""
+        """Allocator, pools, request rows, reservations and the prefix cache are consistent (tests call it)."""
         self.cache.check_integrity()
+        if self.prefix is not None:
+            self.prefix.check_integrity()
         self.scheduler.check_integrity(self.cache.plan.max_running - self.cache.rtt.available_size())
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 
 from hwkv.engine.plan import swa_tokens_per_request
 from hwkv.errors import ConfigError, OutOfSlotsError
@@ -38,6 +38,8 @@ class Request:
     swa_pages: int = 0
     finish_reason: Optional[str] = None  # "stop" (a stop token) or "length" (max_new_tokens)
     pending: int = 0               # tokens sampled on the device that the host has not read yet (overlap)
+    lock: Any = None               # its HybridPrefixCache lock (prefix caching)
+    reused: int = 0                # prompt tokens it took from the prefix cache
 
     @property
     def kv_needed(self) -> int:
@@ -91,9 +93,13 @@ class Row:
 class Scheduler:
     """Waiting and running requests, reservations, and the rows of each forward (host values only)."""
 
-    def __init__(self, plan: PoolPlan, window: Optional[int]) -> None:
+    def __init__(self, plan: PoolPlan, window: Optional[int], cached: bool = False) -> None:
         p = plan.page_size
         self.plan, self.page_size = plan, p
+        # with a prefix cache, the full pool's room is settled per admission on what is free or evictable (the
+        # runner's `start`), and a request's SWA bound includes the window its cache lock keeps
+        self.cached = cached
+        self.swa_locked = ((window + p - 1) // p + 1) if cached and window else 0
         self.full_capacity = plan.size // p
         self.hybrid = window is not None and plan.size_swa > 0
         self.swa_bound = swa_tokens_per_request(window, p) // p if self.hybrid else 0
@@ -111,6 +117,8 @@ class Scheduler:
         kv = req.kv_needed
         req.full_pages = _pages(kv, self.page_size)
         req.swa_pages = min(req.full_pages, self.swa_bound) if self.hybrid else 0
+        if self.hybrid and self.swa_locked:  # the window its cache lock keeps (at most its prompt)
+            req.swa_pages += min(self.swa_locked, _pages(len(req.prompt), self.page_size))
         if kv > self.plan.context or req.full_pages > self.full_capacity or req.swa_pages > self.swa_capacity:
             raise OutOfSlotsError(
                 f"request {req.rid}: prompt {len(req.prompt)} + max_new_tokens {req.params.max_new_tokens} needs "
@@ -121,13 +129,17 @@ class Scheduler:
         self.reserve(req)
         self.waiting.append(req)
 
-    def admit(self) -> List[Request]:
-        """Move waiting requests to running, first come first served, while their reservations fit."""
+    def admit(self, start: Optional[Callable[[Request], bool]] = None) -> List[Request]:
+        """Move waiting requests to running, first come first served, while their reservations fit. With a
+        prefix cache, `start(req)` settles the full pool's room (free plus evictable) and starts the request
+        from its cached prefix; False leaves it waiting."""
         admitted = []
         while self.waiting:
             req = self.waiting[0]
-            if (len(self.running) >= self.rows_capacity or self.reserved_full + req.full_pages > self.full_capacity
-                    or self.reserved_swa + req.swa_pages > self.swa_capacity):
+            if (len(self.running) >= self.rows_capacity or self.reserved_swa + req.swa_pages > self.swa_capacity
+                    or (not self.cached and self.reserved_full + req.full_pages > self.full_capacity)):
+                break
+            if start is not None and not start(req):
                 break
             self.waiting.popleft()
             self.reserved_full += req.full_pages
@@ -138,6 +150,10 @@ class Scheduler:
             raise OutOfSlotsError(f"request {self.waiting[0].rid} fits no empty cache: its reservation was checked "
                                   "when it was added, so this is a scheduler bug")
         return admitted
+
+    def full_pages_left(self) -> int:
+        """Full pages the running requests will still allocate (each one's worst case, less what it holds)."""
+        return sum(r.full_pages - _pages(r.kv_len, self.page_size) for r in self.running)
 
     def schedule(self) -> List[Row]:
         """This forward's rows: every decoding request, then prompt chunks under the token and page budget."""
@@ -167,7 +183,8 @@ class Scheduler:
 
     def check_integrity(self, rows_in_use: int) -> None:
         """Reservations add up and stay within the pools; one row per running request."""
-        assert self.reserved_full == sum(r.full_pages for r in self.running) <= self.full_capacity, "full reservations"
+        assert self.reserved_full == sum(r.full_pages for r in self.running), "full reservations"
+        assert self.cached or self.reserved_full <= self.full_capacity, "full reservations beyond the pool"
         swa = sum(r.swa_pages for r in self.running)
         assert self.reserved_swa == swa <= max(self.swa_capacity, 0), "SWA reservations"
         assert rows_in_use == len(self.running) <= self.rows_capacity, "request rows"

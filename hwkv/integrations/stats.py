@@ -19,7 +19,9 @@ class RunnerStats:
     plan: PoolPlan
     forwards: Dict[str, int] = field(default_factory=lambda: {m.name: 0 for m in ForwardMode})
     seconds_by_mode: Dict[str, float] = field(default_factory=lambda: {m.name: 0.0 for m in ForwardMode})
-    prefill_tokens: int = 0
+    prefill_tokens: int = 0       # prompt tokens computed
+    prompt_tokens: int = 0        # prompt tokens of the requests admitted
+    reused_tokens: int = 0        # ... of which came from the prefix cache (not computed)
     decode_tokens: int = 0        # tokens sampled by decode-only forwards
     graph_replays: int = 0        # decode forwards replayed through the graph runner
     graph_error: Optional[str] = None  # why decode runs eagerly although graphs were asked for ("auto")
@@ -39,6 +41,11 @@ class RunnerStats:
         if mode == ForwardMode.DECODE:
             self.decode_tokens += generated
         self.seconds += seconds
+
+    def record_prompt(self, prompt_tokens: int, reused: int) -> None:
+        """A request was admitted: its prompt, and how much of it the prefix cache gave."""
+        self.prompt_tokens += prompt_tokens
+        self.reused_tokens += reused
 
     def drop_tokens(self, mode: ForwardMode, n: int) -> None:
         """Take back n tokens a forward of `mode` sampled after their requests had stopped (read one step late)."""
@@ -76,7 +83,8 @@ class RunnerStats:
         p = self.plan
         return {"forwards": dict(self.forwards), "seconds_by_mode": dict(self.seconds_by_mode),
                 "graph_replays": self.graph_replays, "graph_error": self.graph_error,
-                "prefill_tokens": self.prefill_tokens,
+                "prefill_tokens": self.prefill_tokens, "prompt_tokens": self.prompt_tokens,
+                "reused_tokens": self.reused_tokens,
                 "generated_tokens": self.generated_tokens, "seconds": self.seconds,
                 "tokens_per_second": self.tokens_per_second,
                 "pools": {"full_slots": p.size, "swa_slots": p.size_swa, "page_size": p.page_size,
@@ -85,6 +93,12 @@ class RunnerStats:
                 "kv_memory": {"peak_held_bytes": self.peak_held_bytes, "peak_all_full_bytes": self.peak_all_full_bytes,
                               "peak_full_slots": self.peak_full_slots, "peak_swa_slots": self.peak_swa_slots,
                               "saving": self.saving}}
+
+    def prefix_line(self) -> str:
+        """One line: prompt tokens taken from the prefix cache and prefill tokens computed."""
+        share = self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return (f"prompt tokens {self.prompt_tokens:,}: {self.reused_tokens:,} reused from the prefix cache "
+                f"({share:.0%}), {self.prefill_tokens:,} computed")
 
     def memory_line(self) -> str:
         """One line: the peak KV held against an all-full cache holding the same tokens."""
