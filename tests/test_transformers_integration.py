@@ -557,3 +557,31 @@ def test_a_shared_system_prompt_is_computed_once(saved, prompts):
         assert runner.stats.reused_tokens == 2 * 16  # the second and third take the 16 shared tokens
         assert runner.stats.prefill_tokens == runner.stats.prompt_tokens - 32
     assert [r.tokens for r in got] == want
+
+
+def test_the_prefix_cache_under_memory_pressure_evicts_and_stays_exact(saved, prompts):
+    """A budget for two requests' worst case, eight requests with shared prefixes of different lengths added as
+    the run goes: the cache fills the pools, admissions and forwards evict from it, every step leaves pools,
+    allocator, rows and cache consistent, and the tokens equal those of a run without the cache."""
+    model = _load(saved["gemma3"])
+    shape = model_shape(model.config, torch.float32)
+    g = torch.Generator().manual_seed(9)
+    base = torch.randint(0, 128, (24,), generator=g).tolist()
+    asks = [base[:k] + torch.randint(0, 128, (n,), generator=g).tolist()
+            for k, n in ((20, 6), (12, 9), (20, 3), (4, 13), (16, 8), (24, 2), (8, 11), (20, 5))]
+    results = {}
+    for cached in (True, False):
+        probe = plan_pools(shape, context=40, max_running=2, chunk=8, page_size=4, memory=None,
+                           device=torch.device("cpu"), prefix_cache=cached)
+        with HybridRunner(model, memory=probe.memory_bytes, max_running=4, chunk=8, page_size=4, context=40,
+                          prefix_cache=cached) as runner:
+            evicted = []
+            if cached:
+                for name in ("evict", "evict_swa"):
+                    inner = getattr(runner.prefix, name)
+                    setattr(runner.prefix, name, lambda n, inner=inner: evicted.append(inner(n)) or evicted[-1])
+            got = run_staggered(runner, asks, SamplingParams(max_new_tokens=8), add_at=(0, 0, 1, 2, 3, 5, 8, 13))
+            results[cached] = [got[i] for i in range(len(asks))]
+            if cached:
+                assert runner.stats.reused_tokens > 0 and sum(evicted) > 0
+    assert results[True] == results[False]
