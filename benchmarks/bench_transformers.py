@@ -39,24 +39,9 @@ from hwkv.integrations.transformers import HybridRunner, SamplingParams
 
 def build_model(args: argparse.Namespace, device: str) -> Any:
     """A random-weight GPT-OSS causal LM: tiny, or GPT-OSS-20B's attention shapes with fewer layers."""
-    from transformers import AutoModelForCausalLM, GptOssConfig
+    from hwkv.bench.serve import random_gpt_oss
 
-    rope = {"rope_type": "default", "rope_theta": 150000.0}
-    if args.tiny:
-        cfg = GptOssConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=args.layers,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
-                           num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=4096,
-                           rope_parameters=rope, eos_token_id=None, pad_token_id=None, bos_token_id=None)
-    else:
-        cfg = GptOssConfig(num_hidden_layers=args.layers, num_local_experts=args.experts, sliding_window=128,
-                           max_position_embeddings=131072, rope_parameters=rope, eos_token_id=None,
-                           pad_token_id=None, bos_token_id=None)
-    cfg.layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(args.layers)]
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="eager")
-    return model.eval()
+    return random_gpt_oss(device, args.tiny, args.layers, args.experts)
 
 
 def _sync(device: str) -> None:

@@ -70,9 +70,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--seed", type=int, default=0, help="random inputs seed (default 0)")
     c = p.add_argument_group("chat workload (--workload chat)", "multi-turn conversations sharing a system "
                              "prompt, with the prefix cache, in one KV memory budget: hybrid pools vs all-full")
-    c.add_argument("--workload", choices=("decode", "chat"), default="decode",
+    c.add_argument("--workload", choices=("decode", "chat", "serve"), default="decode",
                    help="decode (default): time the attention stack; chat: prefix-cache hit rate and prefill "
-                        "tokens saved, hybrid vs an all-full pool of the same memory")
+                        "tokens saved, hybrid vs an all-full pool of the same memory; serve: a request trace "
+                        "through a transformers model, hwkv's runner vs transformers' continuous batching")
     c.add_argument("--conversations", type=int, default=64, help="conversations (default 64)")
     c.add_argument("--turns", type=int, default=4, help="turns per conversation (default 4)")
     c.add_argument("--system-len", type=int, default=2048, help="shared system prompt tokens (default 2048)")
@@ -80,6 +81,21 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--reply-len", type=int, default=128, help="generated tokens per turn (default 128)")
     c.add_argument("--concurrency", type=int, default=16, help="turns running at once (default 16)")
     c.add_argument("--memory", default="2GiB", help="KV memory budget, e.g. 2GiB (default 2GiB)")
+    s = p.add_argument_group("serve workload (--workload serve)", "requests arriving at a rate, some sharing a "
+                             "system prompt, through a transformers model: throughput, TTFT and TPOT p50/p99")
+    s.add_argument("--serve-model", metavar="PATH", help="a local Hugging Face model folder (default: random "
+                   "GPT-OSS weights, tiny on CPU, GPT-OSS-20B's attention shapes with 4 layers elsewhere)")
+    s.add_argument("--serve-requests", type=int, default=32, help="requests in the trace (default 32)")
+    s.add_argument("--serve-rate", type=float, default=8.0, help="arrivals per second, Poisson (0: all at once; "
+                   "default 8)")
+    s.add_argument("--serve-prompt-len", type=int, help="longest prompt; lengths uniform down to half of it "
+                   "(default 64 on CPU, 1024 elsewhere)")
+    s.add_argument("--serve-new", type=int, help="tokens generated per request (default 32 on CPU, 128 elsewhere)")
+    s.add_argument("--serve-shared", type=float, default=0.5, help="share of requests starting with the common "
+                   "system prompt (default 0.5)")
+    s.add_argument("--serve-system-len", type=int, help="system prompt tokens (default half the prompt length)")
+    s.add_argument("--serve-running", type=int, default=16, help="requests running at once (default 16)")
+    s.add_argument("--no-baseline", action="store_true", help="skip transformers' continuous batching")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object (schema hwkv-bench/2) instead of tables")
     o.add_argument("--plot", metavar="PATH", help="write a PNG: time per decode step vs batch size, KV memory, and "
@@ -303,13 +319,63 @@ def _run_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_serve(args: argparse.Namespace) -> int:
+    import json
+
+    from hwkv.bench.serve import ServeWorkload, random_gpt_oss, run_serve
+
+    if args.plot:
+        raise ConfigError("--plot draws the decode workload; the serve workload prints its table (or --json)")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ConfigError("the serve workload runs a transformers model: pip install hwkv[transformers]") from None
+    target = _target(args.device)
+    dev = target.torch_device
+    cpu = dev == "cpu"
+    prompt_len = args.serve_prompt_len or (64 if cpu else 1024)
+    w = ServeWorkload(requests=args.serve_requests, rate=args.serve_rate, prompt_len=prompt_len,
+                      new_tokens=args.serve_new or (32 if cpu else 128), shared=args.serve_shared,
+                      system_len=args.serve_system_len if args.serve_system_len is not None else prompt_len // 2,
+                      max_running=args.serve_running, chunk=args.chunk or 512, page_size=args.page_size,
+                      seed=args.seed)
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    if args.serve_model:
+        from hwkv.integrations.transformers import load_model
+        model, name = load_model(args.serve_model, device=dev), args.serve_model
+    else:
+        model = random_gpt_oss(dev, tiny=cpu)
+        name = "random GPT-OSS (tiny)" if cpu else "random GPT-OSS-20B attention shapes, 4 layers"
+    res = run_serve(model, w, target.name, name, baseline=not args.no_baseline)
+    if args.json:
+        print(json.dumps(res.to_dict(), indent=1))
+        return 0
+    print(f"hwkv bench --workload serve on {target.name}: {name}; {w.requests} requests at {w.rate}/s, prompts "
+          f"{int(w.prompt_len * (1 - w.spread))}-{w.prompt_len} tokens ({w.shared:.0%} behind a {w.system_len}-token "
+          f"system prompt), {w.new_tokens} new tokens each, {w.max_running} at once, page {w.page_size}")
+    cols = ("method", "tokens/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "prompt reused",
+            "wall s")
+    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for r in res.rows:
+        if r.error:
+            print(f"| {r.method} | failed: {r.error} |")
+            continue
+        reused = f"{r.reused_tokens:,} of {r.prompt_tokens:,}" if r.method.startswith("hwkv") else "-"
+        print(f"| {r.method} | {r.tokens_per_s:,.1f} | {r.ttft_p50_ms} | {r.ttft_p99_ms} | {r.tpot_p50_ms} | "
+              f"{r.tpot_p99_ms} | {reused} | {r.wall_s} |")
+    return 0
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run `hwkv bench`: tables or JSON on stdout, the plot on request; exit code as the module says."""
     from hwkv.bench import report
 
-    if getattr(args, "workload", "decode") == "chat":
+    workload = getattr(args, "workload", "decode")
+    if workload in ("chat", "serve"):
         try:
-            return _run_chat(args)
+            return _run_chat(args) if workload == "chat" else _run_serve(args)
         except HwkvError as e:
             print(f"hwkv bench: error: {e}", file=sys.stderr)
             return 2

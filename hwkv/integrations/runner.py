@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -224,9 +224,11 @@ class HybridRunner:
                 self._make_room(rows)
             batch, ids, pos = self._allocate(rows)
             tokens = self._forward(rows, batch, ids, pos)
+            if self.prefix is not None:
+                self._cache_prompts(rows, lock=False)  # with the chunk's SWA, which the release would drop
             self._release(batch, rows)
             if self.prefix is not None:
-                self._cache_prompts(rows)
+                self._cache_prompts(rows, lock=True)
         sampled = [r for r in rows if r.samples]
         record = self._send(rows, sampled, batch, tokens)
         finished = self._read_back()  # the previous step's tokens (with overlap: while this one runs)
@@ -255,15 +257,17 @@ class HybridRunner:
         buf = self._readback[self._steps % 2]
         self._steps += 1
         buf[:n].copy_(tokens, non_blocking=True)
-        heads = None
+        heads, cached = None, (0, 0)
         if self._pools_changed:  # slots are taken and given back only by allocator calls: else as before
             tails, heads = self.cache.free_counts_async()
             buf[n:n + len(heads)].copy_(tails, non_blocking=True)
+            if self.prefix is not None:  # slots only the prefix cache holds (evictable) are not the requests'
+                cached = (self.prefix.evictable_full, self.prefix.evictable_swa)
         event = None
         if self.device.type != "cpu":
             event = torch.Event(device=self.device.type)
             event.record()
-        return _Inflight(sampled, buf, event, heads, batch.forward_mode)
+        return _Inflight(sampled, buf, event, heads, batch.forward_mode, cached)
 
     def _read_back(self) -> List[Result]:
         """The step in flight's sampled tokens (its one wait for the device): appended, stops checked, finished
@@ -275,8 +279,9 @@ class HybridRunner:
             rec.event.synchronize()
         n = len(rec.sampled)
         values = rec.buf[:n + (0 if rec.heads is None else len(rec.heads))].tolist()
-        if rec.heads is not None:
-            self.stats.record_memory(self.cache.held_from(values[n:], rec.heads))
+        if rec.heads is not None:  # the requests' KV: what the pools hold less what only the cache holds
+            full, swa = self.cache.held_from(values[n:], rec.heads)
+            self.stats.record_memory((full - rec.cached[0], swa - rec.cached[1]))
         done: List[Request] = []
         dropped = 0
         for r, tok in zip(rec.sampled, values[:n]):
@@ -373,13 +378,20 @@ class HybridRunner:
                                           "less than the running requests take (a bug)")
                 evict(min(short, evictable()))
 
-    def _cache_prompts(self, rows: List[Row]) -> None:
-        """Cache what each prompt chunk of this forward completed (whole pages), its lock moving with it."""
+    def _cache_prompts(self, rows: List[Row], lock: bool) -> None:
+        """Cache what each prompt chunk of this forward completed (whole pages). Before the release (`lock`
+        False) with all the SWA the request still holds, so a prefix other prompts share (a system prompt
+        ending inside the chunk) keeps its window until SWA eviction needs the room; after it (`lock`), the
+        request's lock moves to the new end, over its SWA from its new frontier on."""
         for r in rows:
             if r.prefix < len(r.req.prompt):
-                seq = r.prefix + r.n
-                r.req.lock = self.prefix.cache_running(r.req.prompt[:seq], self.cache.rtt, r.req.row, seq,
-                                                       self._host_frontiers[r.req.row], r.req.lock)
+                seq, row = r.prefix + r.n, r.req.row
+                if not lock:
+                    self.prefix.insert(r.req.prompt[:seq], self.cache.rtt.req_to_token[row, :seq],
+                                       self._host_frontiers[row])
+                else:
+                    r.req.lock = self.prefix.cache_running(r.req.prompt[:seq], self.cache.rtt, row, seq,
+                                                           self._host_frontiers[row], r.req.lock)
 
     def _allocate(self, rows: List[Row]) -> "tuple[ForwardBatch, torch.Tensor, torch.Tensor]":
         """Slots for every new token in one allocator call, req_to_token in one scatter, the ForwardBatch."""
@@ -507,6 +519,7 @@ class _Inflight:
     event: Any
     heads: Optional[List[int]]
     mode: ForwardMode
+    cached: Tuple[int, int] = (0, 0)  # (full, SWA) slots only the prefix cache held then (evictable)
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,237 @@
+"""`hwkv bench --workload serve`: a seeded request trace through a transformers model, served by hwkv's
+`HybridRunner` (continuous batching, prefix cache, overlapped loop) and by transformers' own continuous
+batching on the same trace.
+
+Requests arrive as a Poisson process (`rate` per second; 0: all at once). Prompts draw their lengths
+uniformly from [prompt_len * (1 - spread), prompt_len]; a `shared` share of them starts with one common
+system prompt of `system_len` tokens; each generates `new_tokens` tokens (no stop token). Reported per
+method: output tokens per second over the whole run, time to first token (arrival to the host seeing the
+first token) and time per output token after it (p50 and p99), the prompt tokens reused from a prefix
+cache (hwkv) and the wall time. transformers is imported only when this runs.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from hwkv.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ServeWorkload:
+    """The trace's parameters (see module doc)."""
+
+    requests: int = 32
+    rate: float = 8.0
+    prompt_len: int = 64
+    spread: float = 0.5
+    new_tokens: int = 32
+    shared: float = 0.5
+    system_len: int = 32
+    max_running: int = 16
+    chunk: int = 512
+    page_size: int = 16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("requests", "prompt_len", "new_tokens", "max_running", "chunk", "page_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"serve workload: {name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not isinstance(self.system_len, int) or not 0 <= self.system_len < self.prompt_len:
+            raise ConfigError(f"serve workload: system_len must be in [0, prompt_len={self.prompt_len}), got "
+                              f"{self.system_len!r}")
+        for name, lo, hi in (("rate", 0.0, float("inf")), ("spread", 0.0, 1.0), ("shared", 0.0, 1.0)):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not lo <= v <= hi:
+                raise ConfigError(f"serve workload: {name} must be in [{lo}, {hi}], got {v!r}")
+
+    @property
+    def context(self) -> int:
+        return self.prompt_len + self.new_tokens
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    arrival_s: float
+    prompt: List[int]
+
+
+def make_trace(w: ServeWorkload, vocab: int) -> List[TraceRequest]:
+    """The seeded trace: arrival times, prompts (a `shared` share behind the common system prompt)."""
+    rng = random.Random(w.seed)
+    system = [rng.randrange(1, vocab) for _ in range(w.system_len)]
+    t, out = 0.0, []
+    for _ in range(w.requests):
+        if w.rate > 0:
+            t += rng.expovariate(w.rate)
+        n = rng.randint(max(w.system_len + 1, int(w.prompt_len * (1 - w.spread))), w.prompt_len)
+        head = system if rng.random() < w.shared else []
+        out.append(TraceRequest(t, head + [rng.randrange(1, vocab) for _ in range(n - len(head))]))
+    return out
+
+
+@dataclass
+class ServeRow:
+    """One method over the trace."""
+
+    method: str
+    requests: int
+    output_tokens: int = 0
+    wall_s: float = 0.0
+    tokens_per_s: float = 0.0
+    ttft_p50_ms: Optional[float] = None
+    ttft_p99_ms: Optional[float] = None
+    tpot_p50_ms: Optional[float] = None
+    tpot_p99_ms: Optional[float] = None
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    error: Optional[str] = None
+
+
+@dataclass
+class ServeResult:
+    model: str
+    device: str
+    workload: ServeWorkload
+    rows: List[ServeRow] = field(default_factory=list)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"schema": "hwkv-bench-serve/1", "model": self.model, "device": self.device,
+                "workload": asdict(self.workload), "rows": [asdict(r) for r in self.rows]}
+
+
+def _pct(xs: List[float], q: float) -> Optional[float]:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] * 1e3, 3)
+
+
+def _row(method: str, w: ServeWorkload, times: List[Tuple[float, float, float, int]], wall: float) -> ServeRow:
+    """times: per request (arrival, first token, finish, output tokens), seconds from the run's start."""
+    ttft = [f - a for a, f, _, _ in times]
+    tpot = [(e - f) / (n - 1) for _, f, e, n in times if n > 1]
+    tokens = sum(n for *_, n in times)
+    return ServeRow(method, len(times), tokens, round(wall, 3), round(tokens / wall, 1) if wall else 0.0,
+                    _pct(ttft, 0.5), _pct(ttft, 0.99), _pct(tpot, 0.5), _pct(tpot, 0.99))
+
+
+def serve_hwkv(model: Any, trace: List[TraceRequest], w: ServeWorkload, prefix_cache: bool = True,
+               memory: Any = None) -> ServeRow:
+    """The trace through one HybridRunner: requests join at their arrival, one `step()` at a time."""
+    from hwkv.integrations.sampling import SamplingParams
+    from hwkv.integrations.transformers import HybridRunner
+
+    name = "hwkv" if prefix_cache else "hwkv (no prefix cache)"
+    params = SamplingParams(max_new_tokens=w.new_tokens)
+    with HybridRunner(model, max_running=w.max_running, context=w.context, chunk=w.chunk, page_size=w.page_size,
+                      memory=memory, prefix_cache=prefix_cache) as runner:
+        warm = runner.generate([trace[0].prompt[:8]], SamplingParams(max_new_tokens=2))  # compile and capture
+        if warm[0].error is not None:
+            raise warm[0].error
+        runner.clear_prefix_cache()
+        base = (runner.stats.prompt_tokens, runner.stats.reused_tokens)
+        arrival: Dict[int, float] = {}
+        first: Dict[int, float] = {}
+        done: List[Tuple[float, float, float, int]] = []
+        i, t0 = 0, time.perf_counter()
+        while i < len(trace) or runner.has_work():
+            now = time.perf_counter() - t0
+            while i < len(trace) and trace[i].arrival_s <= now:
+                arrival[runner.add_request(trace[i].prompt, params)] = trace[i].arrival_s
+                i += 1
+            if not runner.has_work():
+                time.sleep(max(0.0, trace[i].arrival_s - now))
+                continue
+            finished = runner.step()
+            now = time.perf_counter() - t0
+            for rid, req in runner.requests.items():
+                if rid not in first and req.output:
+                    first[rid] = now
+            for res in finished:
+                if res.error is not None:
+                    raise res.error
+                first.setdefault(res.rid, now)
+                done.append((arrival[res.rid], first[res.rid], now, len(res.tokens)))
+        row = _row(name, w, done, time.perf_counter() - t0)
+        row.prompt_tokens = runner.stats.prompt_tokens - base[0]
+        row.reused_tokens = runner.stats.reused_tokens - base[1]
+    return row
+
+
+def serve_transformers(model: Any, trace: List[TraceRequest], w: ServeWorkload) -> ServeRow:
+    """The trace through transformers' continuous batching manager (paged cache), requests added at their
+    arrival; token times from its own timestamps."""
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=w.new_tokens, min_new_tokens=w.new_tokens, do_sample=False,
+                           eos_token_id=-1, pad_token_id=0)
+    manager = model.init_continuous_batching(generation_config=cfg)
+    manager.start()
+    try:
+        manager.add_request(trace[0].prompt[:8], request_id="warm-up", max_new_tokens=2)
+        manager.get_result(request_id="warm-up", timeout=600)
+        i, t0 = 0, time.perf_counter()
+        while i < len(trace):
+            now = time.perf_counter() - t0
+            if trace[i].arrival_s > now:
+                time.sleep(trace[i].arrival_s - now)
+                continue
+            manager.add_request(trace[i].prompt, request_id=str(i), max_new_tokens=w.new_tokens,
+                                record_timestamps=True)
+            i += 1
+        done = []
+        for k in range(len(trace)):
+            out = manager.get_result(request_id=str(k), timeout=600)
+            if out is None or out.error:
+                raise RuntimeError(f"request {k}: {None if out is None else out.error}")
+            stamps = out.timestamps or [out.lifespan[1]]
+            done.append((trace[k].arrival_s, stamps[0] - t0, stamps[-1] - t0, len(out.generated_tokens)))
+        wall = max(e for _, _, e, _ in done)
+    finally:
+        manager.stop(block=True)
+    return _row("transformers generate_batch (continuous batching)", w, done, wall)
+
+
+def random_gpt_oss(device: str, tiny: bool, layers: int = 4, experts: int = 32) -> Any:
+    """A random-weight GPT-OSS causal LM: tiny, or GPT-OSS-20B's attention shapes with `layers` layers (half
+    sliding, W=128) and `experts` experts per MoE layer; fp32 on the CPU, bf16 elsewhere."""
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    rope = {"rope_type": "default", "rope_theta": 150000.0}
+    if tiny:
+        cfg = GptOssConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                           num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=4096,
+                           rope_parameters=rope, eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    else:
+        cfg = GptOssConfig(num_hidden_layers=layers, num_local_experts=experts, sliding_window=128,
+                           max_position_embeddings=131072, rope_parameters=rope, eos_token_id=None,
+                           pad_token_id=None, bos_token_id=None)
+    cfg.layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="eager")
+    return model.eval()
+
+
+def run_serve(model: Any, w: ServeWorkload, device: str, model_name: str, baseline: bool = True,
+              compare_no_cache: bool = False) -> ServeResult:
+    """hwkv (and, on request, hwkv without its prefix cache), then transformers on the same trace."""
+    trace = make_trace(w, int(model.config.get_text_config().vocab_size))
+    res = ServeResult(model_name, device, w)
+    res.rows.append(serve_hwkv(model, trace, w))
+    if compare_no_cache:
+        res.rows.append(serve_hwkv(model, trace, w, prefix_cache=False))
+    if baseline:
+        try:
+            res.rows.append(serve_transformers(model, trace, w))
+        except Exception as e:  # reported in its row: an API this transformers lacks, or its own failure
+            res.rows.append(ServeRow("transformers generate_batch (continuous batching)", len(trace),
+                                     error=f"{type(e).__name__}: {str(e)[:300]}"))
+    return res
