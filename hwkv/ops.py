@@ -138,7 +138,14 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scale: Optional[float]) -> tor
 
 def store_kv_torch(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor, k_scale: Optional[float] = None, v_scale: Optional[float] = None) -> None:
-    """Reference store: k_buf[loc] = k / k_scale, v_buf[loc] = v / v_scale."""
+    """Reference store: k_buf[loc] = k / k_scale, v_buf[loc] = v / v_scale. Where nothing is quantized (the
+    pool's dtype, no scale) the rows are copied straight in: one index_copy_ each, no cast or indexing
+    machinery (a layer's store on CPU, ~4x fewer dispatches)."""
+    if k.dtype == k_buf.dtype and v.dtype == v_buf.dtype and k_scale in (None, 1.0) and v_scale in (None, 1.0) \
+            and k_buf.dtype not in FP8_DTYPES:
+        k_buf.index_copy_(0, loc, k)
+        v_buf.index_copy_(0, loc, v)
+        return
     k_buf[loc] = quantize(k, k_buf.dtype, k_scale)
     v_buf[loc] = quantize(v, v_buf.dtype, v_scale)
 
