@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from hwkv.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator, release_out_of_window_batch, same_snapshot
-from hwkv.errors import DoubleFreeError, NotAllocatedError, OutOfSlotsError
+from hwkv.errors import DoubleFreeError, HwkvError, NotAllocatedError, OutOfSlotsError
 from hwkv.pool import SWAKVPool
 
 DEVICE = os.environ.get("HWKV_TEST_DEVICE", "cpu")
@@ -213,3 +213,147 @@ class TritonAllocatorMachine(AllocatorMachine):
 TestTritonAllocatorMachine = pytest.mark.interpret(TritonAllocatorMachine.TestCase)
 TestTritonAllocatorMachine.settings = settings(max_examples=8, stateful_step_count=20, deadline=None,
                                                suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---- the host (numpy) path of checked CPU ops against the torch ops ------------------------------------------
+class Twin:
+    """An allocator whose every call also runs on a twin that applies the same ops through the torch ops
+    (`host_ops = False`): the same outputs, the same refusals and the same state after each call, rings in
+    the same order included (`integrity_snapshot` lists free pages in ring order)."""
+
+    CALLS = ("alloc_extend", "alloc_decode", "free", "free_swa", "share")
+
+    def __init__(self, host, torch_ops):
+        self.host, self.twin = host, torch_ops
+        torch_ops.host_ops = torch_ops.swa_attn_allocator.host_ops = False
+
+    def same(self):
+        assert same_snapshot(self.host.integrity_snapshot(), self.twin.integrity_snapshot())
+
+    def __getattr__(self, name):
+        attr = getattr(self.host, name)
+        if name not in self.CALLS:
+            return attr
+
+        def both(*args, **kw):
+            args2 = [x.clone() if isinstance(x, torch.Tensor) else x for x in args]
+            kw2 = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+            try:
+                out = attr(*args, **kw)
+            except HwkvError as e:
+                with pytest.raises(type(e)):
+                    getattr(self.twin, name)(*args2, **kw2)
+                self.same()
+                raise
+            out2 = getattr(self.twin, name)(*args2, **kw2)
+            assert (out is None and out2 is None) or torch.equal(out, out2), f"{name}: {out} != {out2}"
+            self.same()
+            return out
+
+        return both
+
+
+class HostOpsMachine(AllocatorMachine):
+    """The engine-like machine above on twinned allocators, plus forks sharing a request's whole pages (the
+    SWA pages too where still mapped), so pages with several holders are released and freed as well."""
+
+    @initialize(page=st.sampled_from([1, 2, 4]), window=st.integers(1, 9))
+    def setup(self, page, window):
+        super().setup(page, window)
+        twin_pool = SWAKVPool(SIZE, SIZE_SWA, page, torch.float32, 1, 2, [0], [1], DEVICE)
+        self.a = Twin(self.a, SWATokenToKVPoolAllocator(SIZE, SIZE_SWA, page, DEVICE, twin_pool))
+        self.forked = set()  # rows holding pages with another holder (the exclusive-page rules skip them)
+
+    @precondition(lambda self: self.reqs and self.rtt.available_size() > 0)
+    @rule(pick=st.integers(0, 7), pages=st.integers(1, 8))
+    def fork(self, pick, pages):
+        rows = sorted(self.reqs)
+        src = rows[pick % len(rows)]
+        n = min(pages * self.page, self.reqs[src] // self.page * self.page)
+        if n == 0:
+            return
+        f = min(int(self.frontiers[src]), n)
+        row = self.rtt.alloc(1)[0]
+        locs = self.rtt.req_to_token[src, :n].clone()
+        if f:
+            self.a.share(locs[:f], with_swa=False)
+        if f < n:
+            self.a.share(locs[f:])
+        self.rtt.write(row, 0, locs)
+        self.frontiers[row] = f
+        self.reqs[row] = n
+        self.forked |= {src, row}
+
+    def _exclusive(self):
+        return {r: s for r, s in self.reqs.items() if r not in self.forked}
+
+    @precondition(lambda self: self.reqs)
+    @rule(pick=st.integers(0, 7))
+    def bad_free(self, pick):
+        reqs, self.reqs = self.reqs, self._exclusive()
+        try:
+            if self.reqs:
+                super().bad_free(pick)
+        finally:
+            self.reqs = {**reqs, **{r: s for r, s in self.reqs.items()}}
+
+    @precondition(lambda self: self.reqs)
+    @rule(pick=st.integers(0, 7))
+    def continue_released_page(self, pick):
+        shared = {r: s for r, s in self.reqs.items() if r in self.forked}
+        self.reqs = self._exclusive()
+        try:
+            super().continue_released_page(pick)
+        finally:
+            self.reqs.update(shared)
+
+    @precondition(lambda self: self.reqs)
+    @rule()
+    def release(self):
+        rows = self.dev(sorted(self.reqs))
+        seq = self.dev([self.reqs[r] for r in sorted(self.reqs)])
+        f = self.frontiers[rows]
+        f2 = f.clone()
+        rtt2 = self.rtt.req_to_token.clone()
+        try:
+            release_out_of_window_batch(self.a.host, self.rtt.req_to_token, rows, seq, f, self.window)
+        except HwkvError as e:
+            with pytest.raises(type(e)):
+                release_out_of_window_batch(self.a.twin, rtt2, rows, seq, f2, self.window)
+            self.a.same()
+            raise
+        release_out_of_window_batch(self.a.twin, rtt2, rows, seq, f2, self.window)
+        assert torch.equal(f, f2)
+        self.a.same()
+        self.frontiers[rows] = f
+
+    @precondition(lambda self: self.reqs)
+    @rule(pick=st.integers(0, 7))
+    def finish(self, pick):
+        rows = sorted(self.reqs)
+        row = rows[pick % len(rows)]
+        s, f = self.reqs.pop(row), int(self.frontiers[row])
+        if f:  # released pages: their SWA references are gone already (another holder may still have its own)
+            self.a.free(self.rtt.req_to_token[row, :f].clone(), with_swa=False)
+        if f < s:
+            self.a.free(self.rtt.req_to_token[row, f:s].clone())
+        self.rtt.free(row)
+        self.forked.discard(row)
+
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "a"):
+            return
+        self.a.check_integrity()
+        self.a.twin.check_integrity()
+        self.a.same()
+        m = self.a.full_to_swa_index_mapping
+        for r, s in self.reqs.items():
+            f = int(self.frontiers[r])
+            row = self.rtt.req_to_token[r, :s]
+            assert bool((m[row[f:]] > 0).all()), "a token at or after the frontier lost its SWA slot"
+
+
+TestHostOpsMachine = HostOpsMachine.TestCase
+TestHostOpsMachine.settings = settings(max_examples=40, stateful_step_count=40, deadline=None,
+                                       suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
