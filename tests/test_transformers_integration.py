@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is in hw
 
 from hwkv import cli  # noqa: E402
 from hwkv.errors import ConfigError, OutOfSlotsError  # noqa: E402
+from hwkv.engine import pools  # noqa: E402
 from hwkv.integrations import hf_model  # noqa: E402
 from hwkv.integrations.hf_model import layer_kinds, model_shape, plan_pools  # noqa: E402
 from hwkv.integrations.sampling import SamplingParams, sample  # noqa: E402
@@ -449,30 +450,30 @@ GiB = 2**30
 def test_available_ram_reads_meminfo(tmp_path):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n")
-    assert hf_model.available_ram_bytes(str(meminfo)) == 20000000 * 1024
-    assert hf_model.available_ram_bytes(str(tmp_path / "missing")) > 0  # sysconf's free pages instead
-    assert 0 < hf_model.free_device_bytes(torch.device("cpu"))
+    assert pools.available_ram_bytes(str(meminfo)) == 20000000 * 1024
+    assert pools.available_ram_bytes(str(tmp_path / "missing")) > 0  # sysconf's free pages instead
+    assert 0 < pools.free_device_bytes(torch.device("cpu"))
 
 
 def test_default_memory_is_a_modest_share_of_free_memory(monkeypatch):
     cpu = torch.device("cpu")
     shape = model_shape(_configs()["gpt_oss"], torch.float32)
-    monkeypatch.setattr(hf_model, "available_ram_bytes", lambda: 24 * GiB)
-    assert hf_model.default_memory_cap(cpu) == 4 * GiB  # a quarter is 6 GiB: capped
+    monkeypatch.setattr(pools, "available_ram_bytes", lambda: 24 * GiB)
+    assert pools.default_memory_cap(cpu) == 4 * GiB  # a quarter is 6 GiB: capped
     big = plan_pools(shape, context=4096, max_running=100_000, chunk=512, page_size=16, memory=None, device=cpu)
     assert big.memory_bytes == 4 * GiB and big.pool_bytes <= 4 * GiB and big.max_running < 100_000
     small = plan_pools(shape, context=64, max_running=4, chunk=16, page_size=4, memory=None, device=cpu)
-    assert small.memory_bytes == hf_model.kv_bytes_needed(shape, 64, 4, 4, 16)  # what the requests need
-    monkeypatch.setattr(hf_model, "available_ram_bytes", lambda: 8 * GiB)
-    assert hf_model.default_memory_cap(cpu) == 2 * GiB
+    assert small.memory_bytes == pools.kv_bytes_needed(shape, 64, 4, 4, 16)  # what the requests need
+    monkeypatch.setattr(pools, "available_ram_bytes", lambda: 8 * GiB)
+    assert pools.default_memory_cap(cpu) == 2 * GiB
     with pytest.raises(ConfigError, match="more than the 8.00 GiB cpu has free"):
         plan_pools(shape, context=64, max_running=4, chunk=16, page_size=4, memory="20GiB", device=cpu)
     # accelerators: torch.<type>.mem_get_info, the device-neutral path (no GPU needed to test it)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * GiB, 80 * GiB))
-    assert hf_model.free_device_bytes(torch.device("cuda")) == 10 * GiB
-    assert hf_model.default_memory_cap(torch.device("cuda")) == 8 * GiB
+    assert pools.free_device_bytes(torch.device("cuda")) == 10 * GiB
+    assert pools.default_memory_cap(torch.device("cuda")) == 8 * GiB
     with pytest.raises(ConfigError, match="no mem_get_info"):
-        hf_model.free_device_bytes(torch.device("meta"))
+        pools.free_device_bytes(torch.device("meta"))
 
 
 @pytest.mark.parametrize("arch", ["gpt_oss", "gemma3"])

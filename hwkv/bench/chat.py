@@ -109,7 +109,7 @@ class _Sim:
     """One variant: allocator + cache + scheduler (chunked prefill beside decode) over the pools.
 
     Admission reserves each turn's worst case, so a forward never runs out of slots (as the runner's
-    `hwkv.integrations.scheduler` does; every page a running turn can pin is counted, and whatever no running
+    `hwkv.engine.scheduler` does; every page a running turn can pin is counted, and whatever no running
     turn pins is the cache's alone, unlocked, and freed by evicting it):
     - full: the turn's whole context, round_up(prompt + reply, P) slots, of which the matched prefix is
       already held: a turn is admitted while the running turns' remaining pages and its own new pages fit in

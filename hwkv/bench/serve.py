@@ -123,7 +123,7 @@ def _row(method: str, w: ServeWorkload, times: List[Tuple[float, float, float, i
 def serve_hwkv(model: Any, trace: List[TraceRequest], w: ServeWorkload, prefix_cache: bool = True,
                memory: Any = None) -> ServeRow:
     """The trace through one HybridRunner: requests join at their arrival, one `step()` at a time."""
-    from hwkv.integrations.sampling import SamplingParams
+    from hwkv.engine.sampling import SamplingParams
     from hwkv.integrations.transformers import HybridRunner
 
     name = "hwkv" if prefix_cache else "hwkv (no prefix cache)"

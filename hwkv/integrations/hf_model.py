@@ -1,30 +1,22 @@
-"""A Hugging Face config as hwkv sees it: layer kinds and geometry (`model_shape`), pool sizes from a memory
-budget by `hwkv plan`'s planner (`plan_pools`), and the pools, allocator, request rows and backend (`build_cache`).
+"""A Hugging Face config as hwkv sees it: layer kinds and geometry (`model_shape`). The pools' sizes and the
+pools themselves (`plan_pools`, `build_cache`, `Cache`, `PoolPlan`) live in `hwkv.engine.pools` and are
+re-exported here, where the integration imported them from before.
 
 Nothing here imports transformers: a config is read through its attributes only.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Optional, Tuple
 
 import torch
 
-from hwkv import make_backend
-from hwkv.allocator import PagedTokenToKVPoolAllocator, ReqToTokenPool, SWATokenToKVPoolAllocator
-from hwkv.engine.plan import cache_lock_tokens, format_bytes, parse_bytes, plan, round_up, swa_tokens_per_request
+from hwkv.engine.pools import (CPU_MEMORY_CAP, CPU_MEMORY_FRACTION, DEFAULT_MEMORY_FRACTION, MEMINFO,  # noqa: F401
+                               Cache, PoolPlan, available_ram_bytes, build_cache, default_memory_cap,
+                               free_device_bytes, kv_bytes_needed, plan_pools)
 from hwkv.engine.presets import ModelShape
 from hwkv.errors import ConfigError
-from hwkv.pool import MHATokenToKVPool, SWAKVPool, device_free_bytes
 
 SLIDING, FULL = "sliding_attention", "full_attention"
-# The default KV budget (no memory= given) is what the requests need, capped at a fraction of the device's free
-# memory. An accelerator's memory holds little besides the weights, so most of it; the CPU's RAM is shared with
-# the weights, activations and every other process, so a modest part and at most CPU_MEMORY_CAP bytes.
-DEFAULT_MEMORY_FRACTION = 0.8
-CPU_MEMORY_FRACTION = 0.25
-CPU_MEMORY_CAP = 4 << 30
-MEMINFO = "/proc/meminfo"
 
 
 def text_config(config: Any) -> Any:
@@ -98,181 +90,3 @@ def model_shape(config: Any, dtype: torch.dtype, name: Optional[str] = None) -> 
                       swa_num_kv_heads=swa_kv_heads, swa_head_dim=swa_head_dim, swa_v_head_dim=swa_v_head_dim,
                       dtype_bytes=torch.empty(0, dtype=dtype).element_size(),
                       source="read from the Hugging Face config")
-
-
-@dataclass(frozen=True)
-class PoolPlan:
-    """Pool sizes for one model and budget; bytes count each pool's padding page."""
-
-    size: int                     # full-pool slots (for an all-SWA model: locs only, no K/V behind them)
-    size_swa: int                 # SWA-pool slots (0 without SWA layers)
-    page_size: int
-    context: int                  # KV tokens one request may hold (its prompt + max_new_tokens - 1)
-    max_running: int              # request rows: concurrent requests
-    chunk: int                    # prefill tokens per forward (the SWA pool reserves them once)
-    full_bytes_per_token: int
-    swa_bytes_per_token: int
-    memory_bytes: int             # the budget the plan was made for
-
-    @property
-    def pool_bytes(self) -> int:
-        """K/V bytes the two pools allocate."""
-        p = self.page_size
-        swa = (self.size_swa + p) * self.swa_bytes_per_token if self.swa_bytes_per_token else 0
-        full = (self.size + p) * self.full_bytes_per_token if self.full_bytes_per_token else 0
-        return full + swa
-
-    @property
-    def chunk_reserve(self) -> int:
-        """SWA slots kept for one forward's prefill chunk (plan's reserve; 0 without SWA layers)."""
-        return round_up(self.chunk, self.page_size) if self.swa_bytes_per_token else 0
-
-
-def kv_bytes_needed(shape: ModelShape, context: int, page_size: int, max_running: int, chunk: int,
-                    prefix_cache: bool = False) -> int:
-    """KV bytes that `max_running` requests of `context` tokens need under `hwkv plan`'s sizing (with
-    `prefix_cache`, each request's cache lock window too)."""
-    p, full_b, swa_b = page_size, shape.bytes_per_token_full_group, shape.bytes_per_token_swa_group
-    has_swa = bool(shape.swa_layer_ids)
-    fixed = p * full_b + ((round_up(chunk, p) + p) * swa_b if has_swa else 0)
-    swa = swa_tokens_per_request(shape.window, p) + (cache_lock_tokens(shape.window, p, context) if prefix_cache else 0)
-    per_request = round_up(context, p) * full_b + (swa * swa_b if has_swa else 0)
-    return fixed + max_running * per_request
-
-
-def available_ram_bytes(meminfo: str = MEMINFO) -> int:
-    """RAM the kernel says can be allocated without swapping (`hwkv.pool.device_free_bytes` on the CPU)."""
-    free = device_free_bytes("cpu", meminfo)
-    if free is None:
-        raise ConfigError("cannot read the available RAM (no /proc/meminfo MemAvailable, no "
-                          "sysconf SC_AVPHYS_PAGES): give memory= explicitly")
-    return free
-
-
-def free_device_bytes(device: torch.device) -> int:
-    """Free memory of `device`: the runtime's `mem_get_info` on accelerators (torch.cuda, torch.xpu, torch.npu,
-    ... by device type), available RAM on the CPU."""
-    if device.type == "cpu":
-        return available_ram_bytes()
-    mod = getattr(torch, device.type, None)
-    info = getattr(mod, "mem_get_info", None)
-    if info is None:
-        raise ConfigError(f"torch.{device.type} reports no free memory (no mem_get_info): give memory= explicitly")
-    return int(info(device)[0])
-
-
-def default_memory_cap(device: torch.device) -> int:
-    """The most KV memory a default budget takes on `device`: CPU_MEMORY_FRACTION of the available RAM, at
-    most CPU_MEMORY_CAP, on the CPU; DEFAULT_MEMORY_FRACTION of the free memory elsewhere."""
-    free = free_device_bytes(device)
-    if device.type == "cpu":
-        return min(int(CPU_MEMORY_FRACTION * free), CPU_MEMORY_CAP)
-    return int(DEFAULT_MEMORY_FRACTION * free)
-
-
-def plan_pools(shape: ModelShape, *, context: int, max_running: int, chunk: int, page_size: int,
-               memory: Union[None, int, str], device: torch.device, prefix_cache: bool = False) -> PoolPlan:
-    """Size the pools: `memory` (bytes or '2GiB'; more than the device has free is a ConfigError), or by default
-    what `max_running` requests of `context` tokens need, capped by `default_memory_cap`; fewer rows when fewer
-    fit. `prefix_cache`: room for each request's cache lock window in the SWA pool too."""
-    for label, value in (("context", context), ("max_running", max_running), ("chunk", chunk),
-                         ("page_size", page_size)):
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{label} must be an integer >= 1, got {value!r}")
-    if memory is None:
-        need = kv_bytes_needed(shape, context, page_size, max_running, chunk, prefix_cache)
-        budget = min(need, default_memory_cap(device))
-    else:
-        budget = parse_bytes(memory)
-        try:
-            free = free_device_bytes(device)
-        except ConfigError:  # the device cannot say: the caller's budget stands
-            free = None
-        if free is not None and budget > free:
-            raise ConfigError(f"memory={memory!r} ({format_bytes(budget)}) is more than the {format_bytes(free)} "
-                              f"{device.type} has free: give a smaller budget, or none to size it from the requests")
-    if not shape.full_layer_ids:
-        return _all_swa_plan(shape, budget, context, max_running, chunk, page_size, prefix_cache)
-    fit = plan(shape, budget, context, page_size=page_size, chunk=chunk, prefix_cache=prefix_cache).max_running
-    result = plan(shape, budget, context, page_size=page_size, chunk=chunk, max_running=min(fit, max_running),
-                  prefix_cache=prefix_cache)
-    return PoolPlan(result.full_pool_tokens, result.swa_pool_tokens, page_size, context, result.max_running,
-                    chunk, shape.bytes_per_token_full_group, shape.bytes_per_token_swa_group, budget)
-
-
-def _all_swa_plan(shape: ModelShape, budget: int, context: int, max_running: int, chunk: int,
-                  page_size: int, prefix_cache: bool = False) -> PoolPlan:
-    """Every layer slides: the SWA pool is planned as `hwkv plan` does; the full pool holds only locs
-    (no K/V), one context per request."""
-    p, swa_b = page_size, shape.bytes_per_token_swa_group
-    need = swa_tokens_per_request(shape.window, p) + (cache_lock_tokens(shape.window, p, context) if prefix_cache else 0)
-    fixed = (round_up(chunk, p) + p) * swa_b
-    fit = max(0, (budget - fixed) // (need * swa_b))
-    running = min(fit, max_running)
-    if running < 1:
-        one = fixed + need * swa_b
-        raise ConfigError(f"{shape.name}: one request needs {one} bytes ({format_bytes(one)}) of KV memory, "
-                          f"given {budget} ({format_bytes(budget)})")
-    return PoolPlan(running * round_up(context, p), running * need + round_up(chunk, p), p, context, running, chunk,
-                    0, swa_b, budget)
-
-
-@dataclass
-class Cache:
-    """The pools, allocator, request rows and backend of one model on one device."""
-
-    pool: Any
-    allocator: Any
-    rtt: ReqToTokenPool
-    backend: Any
-    plan: PoolPlan
-    shape: ModelShape
-
-    @property
-    def hybrid(self) -> bool:
-        return isinstance(self.pool, SWAKVPool)
-
-    def held_slots(self) -> Tuple[int, int]:
-        """(full, SWA) slots in use now (reads the allocator's free counts)."""
-        if not self.hybrid:
-            return self.plan.size - self.allocator.available_size(), 0
-        return (self.plan.size - self.allocator.full_available_size(),
-                self.plan.size_swa - self.allocator.swa_available_size())
-
-    def free_counts_async(self) -> "Tuple[torch.Tensor, List[int]]":
-        """The rings' tails as a device tensor (no wait: copy it to the host with the step's results) and their
-        host heads now; `held_from` turns both into `held_slots`' answer for that moment."""
-        rings = self.allocator._rings()
-        return torch.cat([r.tail for r in rings]), [r.head for r in rings]
-
-    def held_from(self, tails: Sequence[int], heads: Sequence[int]) -> Tuple[int, int]:
-        """(full, SWA) slots in use, from `free_counts_async`'s tails (read back) and heads."""
-        p = self.plan.page_size
-        full = self.plan.size - (tails[0] - heads[0]) * p
-        return (full, 0) if len(tails) == 1 else (full, self.plan.size_swa - (tails[1] - heads[1]) * p)
-
-    def check_integrity(self) -> None:
-        """Allocator, pools and request rows are consistent (tests call it after every step)."""
-        self.allocator.check_integrity()
-        self.pool.check_integrity()
-        self.rtt.check_integrity()
-
-
-def build_cache(shape: ModelShape, pool_plan: PoolPlan, dtype: torch.dtype, device: torch.device,
-                backend_device: Any = None, **backend_options: Any) -> Cache:
-    """Pools (hybrid when the model has SWA layers), allocator, ReqToTokenPool and the device's backend."""
-    p = pool_plan
-    kw = dict(head_num=shape.num_kv_heads, head_dim=shape.head_dim, v_head_dim=shape.v_head_dim)
-    if shape.swa_layer_ids:
-        pool = SWAKVPool(p.size, p.size_swa, p.page_size, dtype, swa_attention_layer_ids=list(shape.swa_layer_ids),
-                         full_attention_layer_ids=list(shape.full_layer_ids), device=device,
-                         swa_head_num=shape.swa_num_kv_heads, swa_head_dim=shape.swa_head_dim,
-                         swa_v_head_dim=shape.swa_v_head_dim, **kw)
-        allocator: Any = SWATokenToKVPoolAllocator(p.size, p.size_swa, p.page_size, device, pool)
-        backend_options.setdefault("sliding_window", shape.window)
-    else:
-        pool = MHATokenToKVPool(p.size, p.page_size, dtype, layer_num=shape.num_layers, device=device, **kw)
-        allocator = PagedTokenToKVPoolAllocator(p.size, p.page_size, device)
-    rtt = ReqToTokenPool(p.max_running, p.context, device)
-    backend = make_backend(pool, rtt, device=backend_device, **backend_options)
-    return Cache(pool, allocator, rtt, backend, p, shape)

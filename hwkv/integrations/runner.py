@@ -1,53 +1,32 @@
 """HybridRunner: a Hugging Face causal LM generating through hwkv's hybrid cache, continuously batched.
 
-One step is one forward: the scheduler picks the rows (every decoding request,
-then prompt chunks), the allocator serves the whole batch in one call (a decode step whose tokens all
-continue their pages moves no page: each slot follows its predecessor's) and req_to_token gets one scatter,
-the backend's metadata step runs once, the model runs with every request packed into one row (B=1,
-position_ids per token, `use_cache=False`: attention is the only place tokens meet, and hwkv does it per
-request), one out-of-window release for the batch (in the steps where some request's frontier moves), the
-sampled tokens back to the host (the step's one wait for the device), and one free for the requests that
-finished. Host work is a constant number of torch calls per step, none per request; a layer only stores
-and attends. Decode-only forwards replay graphs where the device has them (`graphs=`). The model's attention
-implementation is "hwkv" while the runner is open; `close()` restores it.
+The step loop is `hwkv.engine.engine.Engine`'s; this class reads the model's layer kinds and geometry from its
+config, plans and builds the pools, serves the model's attention through hwkv (the model runs with every
+request packed into one row, B=1, position_ids per token, `use_cache=False`: attention is the only place
+tokens meet, and hwkv does it per request) and captures decode graphs where the device has them. The model's
+attention implementation is "hwkv" while the runner is open; `close()` restores it.
 """
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from hwkv.allocator import release_out_of_window_batch
-from hwkv.batch import ForwardBatch, ForwardMode
-from hwkv.cache import HybridPrefixCache
-from hwkv.errors import ConfigError, HwkvError, OutOfSlotsError
+from hwkv.batch import ForwardBatch
+from hwkv.engine.engine import Engine, Result
+from hwkv.engine.pools import build_cache, plan_pools
+from hwkv.engine.stats import RunnerStats
 from hwkv.integrations.device_choice import graph_adapter, graph_choice, resolve_spec
 from hwkv.integrations.hf_attention import ForwardContext, LayerTable, register
-from hwkv.integrations.hf_model import Cache, build_cache, model_shape, plan_pools
-from hwkv.integrations.sampling import SamplingParams, params_tensors, sample
-from hwkv.integrations.scheduler import Request, Row, Scheduler, split_rows
-from hwkv.integrations.stats import RunnerStats
+from hwkv.integrations.hf_model import model_shape
 
-I64 = torch.int64
 GraphsOption = Union[bool, str]
+__all__ = ["HybridRunner", "Result"]
 
 
-@dataclass
-class Result:
-    """A finished (or refused) request: its output token ids, why it stopped, or the typed error."""
-
-    rid: int
-    prompt: List[int]
-    tokens: List[int] = field(default_factory=list)
-    finish_reason: Optional[str] = None
-    error: Optional[HwkvError] = None
-    seed: Optional[int] = None  # the sampling seed it ran with (as given, or derived for it)
-
-
-class HybridRunner:
-    """Continuous batching over one model: `add_request` any time, `step` runs one forward, `generate` runs all."""
+class HybridRunner(Engine):
+    """Continuous batching over one transformers model (see `Engine`): `add_request` any time, `step` runs one
+    forward, `generate` runs all."""
 
     def __init__(self, model: Any, *, device: Optional[str] = None, memory: Union[None, int, str] = None,
                  context: Optional[int] = None, max_running: int = 16, chunk: int = 512, page_size: int = 16,
@@ -63,40 +42,18 @@ class HybridRunner:
         cached = prefix_cache and bool(self.shape.swa_layer_ids)  # the prefix cache serves the hybrid pools
         pool_plan = plan_pools(self.shape, context=context, max_running=max_running, chunk=chunk,
                                page_size=page_size, memory=memory, device=dev, prefix_cache=cached)
-        self.cache: Cache = build_cache(self.shape, pool_plan, model.dtype, dev, backend_device=self.spec)
-        self.device = dev
-        self.window = self.shape.window if self.shape.swa_layer_ids else None
+        cache = build_cache(self.shape, pool_plan, model.dtype, dev, backend_device=self.spec)
         self.table = LayerTable(self.shape.layer_is_swa, self.shape.window, self.shape)
-        # prefix caching (hybrid pools: HybridPrefixCache keeps full and SWA pages of finished and prefilled
-        # requests; a new request starts from its longest cached prefix)
-        self.prefix: Optional[HybridPrefixCache] = None
-        if cached:
-            self.prefix = HybridPrefixCache(self.cache.allocator, self.window)
-        self.scheduler = Scheduler(pool_plan, self.window, cached=self.prefix is not None)
-        self.frontiers = torch.zeros(pool_plan.max_running, dtype=I64, device=dev)  # per request row
-        # each row's last sampled token, the next forward's input: sampled tokens never wait for the host
-        self.next_ids = torch.zeros(pool_plan.max_running, dtype=I64, device=dev)
-        # overlap: a step's tokens are read by the host during the next step (see `step`)
-        self.overlap = dev.type != "cpu" if overlap is None else bool(overlap)
-        pin = dev.type != "cpu"
-        self._readback = [torch.zeros(pool_plan.max_running + 2, dtype=I64, pin_memory=pin) for _ in range(2)]
-        self._inflight: Optional[_Inflight] = None
-        self._steps = 0
-        # the host's copy of each row's frontier, moved by the release rule: steps where no frontier moves
-        # (most of them: a request's frontier moves one page every page_size tokens) skip the release call
-        self._host_frontiers: List[int] = [0] * pool_plan.max_running
-        self._pools_changed = False  # this step moved a page (the KV held may have changed)
-        self.stats = RunnerStats(self.shape, pool_plan)
-        self.requests: Dict[int, Request] = {}
-        self.unclaimed: Dict[int, Result] = {}  # finished inside generate(), queued by add_request: pop them
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        self._next_rid = 0
         self._previous_attn = model.config._attn_implementation
         self.closed = False
         model.set_attn_implementation(register())
-        self.graph = None
+        choice = graph_choice(graphs)
         try:
-            self.graph = self._graph_runner(graph_choice(graphs), graph_batch_sizes)
+            super().__init__(cache, self._run_model, stats=RunnerStats(self.shape, pool_plan),
+                             vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+                             window=self.shape.window if self.shape.swa_layer_ids else None,
+                             graph_adapter=graph_adapter(self.spec, choice), graph_choice=choice,
+                             graph_batch_sizes=graph_batch_sizes, overlap=overlap, prefix_cache=cached)
         except BaseException:
             self.close()
             raise
@@ -114,362 +71,6 @@ class HybridRunner:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _graph_runner(self, choice: str, batch_sizes: Optional[Sequence[int]]) -> Any:
-        """A GraphRunner for decode forwards, captured now; None when graphs are off (see `graph_adapter`).
-
-        The model's own code must be capturable too. With "auto" a capture that fails leaves decode eager and
-        the reason in `stats.graph_error` (e.g. fp32 grouped_mm MoE experts copy through the host on CUDA);
-        with "on" it raises ConfigError."""
-        adapter = graph_adapter(self.spec, choice)
-        if adapter is None:
-            return None
-        from hwkv.graph import GraphRunner
-
-        top = self.cache.plan.max_running
-        buckets = sorted({b for b in (batch_sizes or [1 << i for i in range(12)]) if b <= top} | {top})
-        shapes = {"input_ids": ((), I64), "positions": ((), I64)}
-        runner = GraphRunner(self.cache.backend, self._decode_step, buckets, shapes, adapter, ForwardMode.DECODE)
-        try:
-            with torch.no_grad():
-                runner.capture()
-        except HwkvError:
-            raise
-        except Exception as e:  # the model's code refused capture: reported, never silent
-            reason = f"decode graph capture failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            if choice != "auto":
-                raise ConfigError(f"graphs={choice!r}: {reason}; graphs='auto' falls back to eager decode") from e
-            self.stats.graph_error = reason
-            return None
-        return runner
-
-    # ---- requests ------------------------------------------------------------------------------
-    def add_request(self, prompt: Sequence[int], params: SamplingParams = SamplingParams()) -> int:
-        """Queue a request (it joins the next forward that has room); returns its id. A `params.seed` of None
-        samples with the request id as its seed, so requests added with the same parameters draw different
-        streams. OutOfSlotsError when the pools can never hold it: nothing was queued and the other requests
-        are untouched."""
-        ids = [int(t) for t in prompt]
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ConfigError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if params.seed is None:
-            params = params.with_seed(self._next_rid)
-        req = Request(self._next_rid, ids, params)
-        self.scheduler.add(req)
-        self.requests[req.rid] = req
-        self._next_rid += 1
-        return req.rid
-
-    def generate(self, prompts: Sequence[Sequence[int]],
-                 params: Union[SamplingParams, Sequence[SamplingParams]] = SamplingParams(),
-                 on_step: Optional[Any] = None) -> List[Result]:
-        """Run `prompts` to completion, in order. One SamplingParams serves every prompt with its own seed: prompt
-        i samples with (params.seed or 0) + i, so equal prompts do not draw the same stream; a sequence gives
-        each prompt its own (a None seed there is the prompt's index too). A prompt the cache can never hold
-        gets its OutOfSlotsError in its Result and the others still run. `on_step(new_tokens)` is called after
-        every forward. Requests queued with `add_request` that finish meanwhile keep their Result in
-        `self.unclaimed`."""
-        if isinstance(params, SamplingParams):
-            per = [params.with_seed(i) for i in range(len(prompts))]
-        else:
-            per = [p if p.seed is not None else p.with_seed(i) for i, p in enumerate(params)]
-        if len(per) != len(prompts):
-            raise ConfigError(f"{len(per)} SamplingParams for {len(prompts)} prompts")
-        results: List[Optional[Result]] = [None] * len(prompts)
-        index: Dict[int, int] = {}
-        for i, (prompt, p) in enumerate(zip(prompts, per)):
-            try:
-                index[self.add_request(prompt, p)] = i
-            except HwkvError as e:  # refused up front: reported in its own Result
-                results[i] = Result(-1, list(prompt), error=e, seed=p.seed)
-        while any(rid in self.requests for rid in index):
-            before = self.stats.generated_tokens
-            for res in self.step():
-                if res.rid in index:
-                    results[index[res.rid]] = res
-                else:
-                    self.unclaimed[res.rid] = res
-            if on_step is not None:
-                on_step(self.stats.generated_tokens - before)
-        return [r for r in results if r is not None]
-
-    # ---- one forward ---------------------------------------------------------------------------
-    def step(self) -> List[Result]:
-        """Admit, run one forward over the scheduled rows, sample, release; returns the requests that finished.
-
-        With `overlap` (the default on accelerators) the forward's sampled tokens stay on the device as the next
-        forward's inputs, and the host reads them during the next step: stop tokens and finished requests are
-        seen one step late (a stopped request may run one more forward, whose token is dropped), so the host
-        prepares step N+1 while the device runs step N. Without it the host reads them at the end of the step."""
-        if self.closed:
-            raise ConfigError("this HybridRunner is closed (the model has its own attention back): make a new one")
-        t0 = time.perf_counter()
-        if self.prefix is None:
-            admitted = self.scheduler.admit()
-            if admitted:
-                new_rows = self.cache.rtt.alloc(len(admitted))
-                for req, row in zip(admitted, new_rows):
-                    req.row = row
-                    self._host_frontiers[row] = 0
-                    self.stats.record_prompt(len(req.prompt), 0)
-                self.frontiers[_to_device(torch.tensor(new_rows, dtype=I64), self.device)] = 0
-        else:
-            admitted = self.scheduler.admit(self._start_cached)
-        rows = self.scheduler.schedule()
-        if not rows:  # nothing to run: what is still in flight finishes
-            return self._read_back()
-        self._pools_changed = bool(admitted)
-        with torch.no_grad():
-            if self.prefix is not None:
-                self._make_room(rows)
-            batch, ids, pos = self._allocate(rows)
-            tokens = self._forward(rows, batch, ids, pos)
-            if self.prefix is not None:
-                self._cache_prompts(rows, lock=False)  # with the chunk's SWA, which the release would drop
-            self._release(batch, rows)
-            if self.prefix is not None:
-                self._cache_prompts(rows, lock=True)
-        sampled = [r for r in rows if r.samples]
-        record = self._send(rows, sampled, batch, tokens)
-        finished = self._read_back()  # the previous step's tokens (with overlap: while this one runs)
-        self._inflight = record
-        if not self.overlap:
-            finished += self._read_back()
-        prefill = sum(r.n for r in rows if r.prefix < len(r.req.prompt))
-        self.stats.record_step(batch.forward_mode, prefill, len(sampled), time.perf_counter() - t0)
-        return finished
-
-    def has_work(self) -> bool:
-        return self.scheduler.has_work() or self._inflight is not None
-
-    def _send(self, rows: List[Row], sampled: List[Row], batch: ForwardBatch, tokens: torch.Tensor) -> "_Inflight":
-        """After a forward is issued: lengths forward, the sampled tokens into `next_ids` (device) and on their way
-        to the host (one async copy, with the allocator's free counts when pages moved)."""
-        for r in rows:
-            r.req.kv_len += r.n
-        for r in sampled:
-            r.req.pending += 1
-        n = len(sampled)
-        if n:
-            where = batch.req_pool_indices if n == len(rows) else batch.req_pool_indices.index_select(
-                0, _to_device(torch.tensor([i for i, r in enumerate(rows) if r.samples], dtype=I64), self.device))
-            self.next_ids[where] = tokens
-        buf = self._readback[self._steps % 2]
-        self._steps += 1
-        buf[:n].copy_(tokens, non_blocking=True)
-        heads, cached = None, (0, 0)
-        if self._pools_changed:  # slots are taken and given back only by allocator calls: else as before
-            tails, heads = self.cache.free_counts_async()
-            buf[n:n + len(heads)].copy_(tails, non_blocking=True)
-            if self.prefix is not None:  # slots only the prefix cache holds (evictable) are not the requests'
-                cached = (self.prefix.evictable_full, self.prefix.evictable_swa)
-        event = None
-        if self.device.type != "cpu":
-            event = torch.Event(device=self.device.type)
-            event.record()
-        return _Inflight(sampled, buf, event, heads, batch.forward_mode, cached)
-
-    def _read_back(self) -> List[Result]:
-        """The step in flight's sampled tokens (its one wait for the device): appended, stops checked, finished
-        requests free their slots and rows at once."""
-        rec, self._inflight = self._inflight, None
-        if rec is None:
-            return []
-        if rec.event is not None:
-            rec.event.synchronize()
-        n = len(rec.sampled)
-        values = rec.buf[:n + (0 if rec.heads is None else len(rec.heads))].tolist()
-        if rec.heads is not None:  # the requests' KV: what the pools hold less what only the cache holds
-            full, swa = self.cache.held_from(values[n:], rec.heads)
-            self.stats.record_memory((full - rec.cached[0], swa - rec.cached[1]))
-        done: List[Request] = []
-        dropped = 0
-        for r, tok in zip(rec.sampled, values[:n]):
-            req = r.req
-            req.pending -= 1
-            if req.finish_reason is not None:  # sampled after its stop token (overlap): dropped, never counted
-                dropped += 1
-            elif req.add_token(tok):
-                done.append(req)
-        if dropped:
-            self.stats.drop_tokens(rec.mode, dropped)
-        if done:
-            if self.prefix is not None:  # each one's tokens go to the cache, its own references back
-                for r in done:
-                    ids = (r.prompt + r.output)[:r.kv_len]
-                    self.prefix.release_request(ids, self.cache.rtt, r.row, r.kv_len, self._host_frontiers[r.row],
-                                                r.lock)
-                    r.lock = None
-            else:
-                rtt = self.cache.rtt.req_to_token
-                self.cache.allocator.free(torch.cat([rtt[r.row, :r.kv_len] for r in done]))
-            self.cache.rtt.free([r.row for r in done])
-            for r in done:
-                self.scheduler.finish(r)
-                del self.requests[r.rid]
-        return [Result(r.rid, r.prompt, r.output, r.finish_reason, seed=r.params.seed) for r in done]
-
-    # ---- prefix caching ----------------------------------------------------------------------
-    def _start_cached(self, req: Request) -> bool:
-        """Admit `req` from its longest cached prefix when its worst case fits: the running requests' pages
-        still to come and its own new pages within the free full slots plus what the cache can evict (its
-        match locked first, so that is not counted). Nothing is evicted between the match and the acquire."""
-        c, a, p = self.prefix, self.cache.allocator, self.cache.plan.page_size
-        m = c.match_prefix(req.prompt[:-1])
-        held = c.lock(m)
-        need = (self.scheduler.full_pages_left() + req.full_pages) * p - m.length
-        free, evictable = a.full_available_size(), c.evictable_full  # the one device read of an admission
-        if need > free + evictable:
-            c.unlock(held)
-            return False
-        # the cache may hold this prompt's history past the match (its window evicted, so the match was cut
-        # back): caching the recomputed prompt locks those nodes too, so make the room now, with the match locked
-        stale = max(0, len(req.prompt) // p * p - m.length)
-        if need + min(stale, evictable) > free + evictable:
-            self._evict(0, need - free)
-        row = self.cache.rtt.alloc(1)[0]
-        try:
-            req.lock, frontier = c.acquire(m, self.cache.rtt, row)
-        except BaseException:
-            self.cache.rtt.free([row])
-            raise
-        finally:
-            c.unlock(held)
-        req.row, req.kv_len, req.reused = row, m.length, m.length
-        self._host_frontiers[row] = frontier
-        self.frontiers[row] = frontier
-        self.stats.record_prompt(len(req.prompt), m.length)
-        return True
-
-    def clear_prefix_cache(self) -> int:
-        """Evict everything the prefix cache holds that no running request uses; returns the tokens evicted."""
-        if self.prefix is None:
-            return 0
-        n = 0
-        while self.prefix.evictable_full:
-            n += self.prefix.evict(self.prefix.evictable_full)
-        while self.prefix.evictable_swa:
-            self.prefix.evict_swa(self.prefix.evictable_swa)
-        return n
-
-    def _evict(self, swa_tokens: int, full_tokens: int) -> None:
-        """Evict cached KV (least recently used, unlocked) for this many more free tokens in each pool."""
-        c = self.prefix
-        if full_tokens > 0:
-            c.evict(min(full_tokens, c.evictable_full))
-        if swa_tokens > 0:
-            c.evict_swa(min(swa_tokens, c.evictable_swa))
-
-    def _make_room(self, rows: List[Row]) -> None:
-        """Before a forward's allocation: evict cached KV where its new pages exceed the free pages (the host's
-        bound of free pages first: the device is read only when that says they might not fit)."""
-        p = self.cache.plan.page_size
-        pages = sum(-(-(r.prefix + r.n) // p) - -(-r.prefix // p) for r in rows)
-        if not pages:
-            return
-        a, c = self.cache.allocator, self.prefix
-        for ring, evictable, evict in ((a.pages, lambda: c.evictable_full, c.evict),
-                                       (a.swa_attn_allocator.pages, lambda: c.evictable_swa, c.evict_swa)):
-            while not ring.has_room(pages):
-                short = (pages - ring.free_pages()) * p
-                if evictable() == 0:
-                    raise OutOfSlotsError(f"a forward needs {pages} pages in the {ring.name} pool, {ring.free_pages()} "
-                                          "are free and the prefix cache holds nothing evictable: admission reserved "
-                                          "less than the running requests take (a bug)")
-                evict(min(short, evictable()))
-
-    def _cache_prompts(self, rows: List[Row], lock: bool) -> None:
-        """Cache what each prompt chunk of this forward completed (whole pages). Before the release (`lock`
-        False) with all the SWA the request still holds, so a prefix other prompts share (a system prompt
-        ending inside the chunk) keeps its window until SWA eviction needs the room; after it (`lock`), the
-        request's lock moves to the new end, over its SWA from its new frontier on."""
-        for r in rows:
-            if r.prefix < len(r.req.prompt):
-                seq, row = r.prefix + r.n, r.req.row
-                if not lock:
-                    self.prefix.insert(r.req.prompt[:seq], self.cache.rtt.req_to_token[row, :seq],
-                                       self._host_frontiers[row])
-                else:
-                    r.req.lock = self.prefix.cache_running(r.req.prompt[:seq], self.cache.rtt, row, seq,
-                                                           self._host_frontiers[row], r.req.lock)
-
-    def _allocate(self, rows: List[Row]) -> "tuple[ForwardBatch, torch.Tensor, torch.Tensor]":
-        """Slots for every new token in one allocator call, req_to_token in one scatter, the ForwardBatch."""
-        if all(r.n == 1 and r.prefix > 0 for r in rows):
-            return self._allocate_decode(rows)
-        ids, pos, row_of = split_rows(rows)
-        bs, t = len(rows), len(ids)
-        # per request (row, prefix, seq, new tokens, prefix - 1) and per token (id, position, row): one host
-        # tensor, one copy to the device
-        both = torch.tensor([r.req.row for r in rows] + [r.prefix for r in rows] + [r.prefix + r.n for r in rows]
-                            + [r.n for r in rows] + [max(r.prefix - 1, 0) for r in rows] + ids + pos + row_of,
-                            dtype=I64)
-        host = both[:5 * bs].view(5, bs)
-        both_dev = _to_device(both, self.device)
-        host_dev, flat_dev = both_dev[:5 * bs].view(5, bs), both_dev[5 * bs:].view(3, t)
-        rows_dev, prefix_dev, seq_dev, ext_dev, before_dev = host_dev
-        rtt = self.cache.rtt.req_to_token
-        last = rtt[rows_dev, before_dev]  # the slot of each request's token prefix - 1 (-1 for a new request)
-        if any(r.prefix == 0 for r in rows):
-            last = torch.where(prefix_dev > 0, last, -1)
-        mode = ForwardMode.MIXED if any(not r.req.prefilling for r in rows) else ForwardMode.EXTEND
-        self._pools_changed = True
-        loc = self.cache.allocator.alloc_extend(prefix_dev, seq_dev, last, t, prefix_lens_cpu=host[1],
-                                                seq_lens_cpu=host[2])
-        rtt[flat_dev[2], flat_dev[1]] = loc
-        batch = ForwardBatch(mode, bs, rows_dev, seq_dev, loc, prefix_dev, ext_dev, positions=flat_dev[1],
-                             seq_lens_cpu=host[2], extend_seq_lens_cpu=host[3])
-        ids_dev = flat_dev[0]
-        if any(not r.req.prefilling for r in rows):  # decoding requests feed their last sampled token
-            ids_dev = torch.where(ids_dev < 0, self.next_ids[flat_dev[2]], ids_dev)
-        return batch, ids_dev, flat_dev[1]
-
-    def _allocate_decode(self, rows: List[Row]) -> "tuple[ForwardBatch, torch.Tensor, torch.Tensor]":
-        """A decode step: one token per request at position prefix (its row, position, position - 1, length
-        after: one host tensor, one copy to the device), its last sampled token from the device, one slot each,
-        one scatter."""
-        both = torch.tensor([r.req.row for r in rows] + [r.prefix for r in rows] + [r.prefix - 1 for r in rows]
-                            + [r.prefix + 1 for r in rows], dtype=I64)
-        bs = len(rows)
-        seq_cpu = both[3 * bs:4 * bs]
-        rows_dev, pos_dev, before_dev, seq_dev = _to_device(both, self.device).view(4, bs)
-        ids_dev = self.next_ids[rows_dev]
-        if any(r.req.prefilling for r in rows):  # a prompt's last token rides along: its id comes from the host
-            prompt = _to_device(torch.tensor([r.req.next_tokens(1)[0] for r in rows], dtype=I64), self.device)
-            ids_dev = torch.where(prompt < 0, ids_dev, prompt)
-        rtt = self.cache.rtt.req_to_token
-        last = rtt[rows_dev, before_dev]  # each request's slot of its previous token
-        p = self.cache.plan.page_size
-        if p == 1 or not all(r.prefix % p for r in rows):  # a page moves (else every token continues its page)
-            self._pools_changed = True
-        loc = self.cache.allocator.alloc_decode(seq_dev, last, seq_lens_cpu=seq_cpu)
-        rtt[rows_dev, pos_dev] = loc
-        batch = ForwardBatch(ForwardMode.DECODE, bs, rows_dev, seq_dev, loc, positions=pos_dev, seq_lens_cpu=seq_cpu)
-        return batch, ids_dev, pos_dev
-
-    def _forward(self, rows: List[Row], batch: ForwardBatch, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Metadata once, the model over the packed tokens (a graph replay for decode), the next tokens."""
-        sampled = [r for r in rows if r.samples]
-        ends, keep = 0, []
-        for r in rows:  # the last token of each row that samples
-            ends += r.n
-            if r.samples:
-                keep.append(ends - 1)
-        keep_dev = None if len(keep) == ends else _to_device(torch.tensor(keep, dtype=I64), self.device)
-        if batch.forward_mode == ForwardMode.DECODE and self.graph is not None:
-            logits = self.graph.run(batch, {"input_ids": ids, "positions": pos})
-            self.stats.graph_replays = self.graph.replays
-            if keep_dev is not None:  # a prompt's next-to-last chunk of one token rode along: no sample there
-                logits = logits.index_select(0, keep_dev)
-        else:
-            self.cache.backend.init_forward_metadata(batch)
-            logits = self._run_model(batch, ids, pos, 0 if keep_dev is None else keep_dev)
-        params = [r.req.params for r in sampled]
-        if all(p.greedy for p in params):  # argmax only: the sampling tensors would go unread
-            return logits.argmax(dim=-1)
-        temp, top_p, seeds, steps = params_tensors(params, [r.req.sampled for r in sampled], self.device)
-        return sample(logits, temp, top_p, seeds, steps, True)
-
     def _run_model(self, batch: ForwardBatch, ids: torch.Tensor, pos: torch.Tensor,
                    keep: Union[int, torch.Tensor]) -> torch.Tensor:
         """The HF model over one packed row; logits [K, V] at `keep` (0: every token)."""
@@ -477,53 +78,3 @@ class HybridRunner:
         out = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep,
                          hwkv_forward=ctx)
         return out.logits[0]
-
-    def _decode_step(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
-        """The graph runner's step: the model over the static decode inputs (every token's logits)."""
-        return self._run_model(batch, inputs["input_ids"], inputs["positions"], 0)
-
-    def _release(self, batch: ForwardBatch, rows: List[Row]) -> None:
-        """One out-of-window release for the batch's requests (hybrid pools only), in the steps where some
-        request's frontier moves (`release_out_of_window_batch`'s rule on the host lengths: the page-aligned
-        frontier kept one page behind seq_len - W + 1); the others have nothing to release."""
-        if self.window is None:
-            return
-        p, w, host_f, moves = self.cache.plan.page_size, self.window, self._host_frontiers, False
-        for r in rows:
-            f = max(host_f[r.req.row], ((r.prefix + r.n - w + 1) // p) * p - p)
-            if f != host_f[r.req.row]:
-                host_f[r.req.row], moves = f, True
-        if not moves:
-            return
-        self._pools_changed = True
-        f = self.frontiers[batch.req_pool_indices]
-        release_out_of_window_batch(self.cache.allocator, self.cache.rtt.req_to_token, batch.req_pool_indices,
-                                    batch.seq_lens, f, self.window)
-        self.frontiers[batch.req_pool_indices] = f
-
-    def check_integrity(self) -> None:
-        """Allocator, pools, request rows, reservations and the prefix cache are consistent (tests call it)."""
-        self.cache.check_integrity()
-        if self.prefix is not None:
-            self.prefix.check_integrity()
-        self.scheduler.check_integrity(self.cache.plan.max_running - self.cache.rtt.available_size())
-
-
-@dataclass
-class _Inflight:
-    """A forward issued and not yet read back: its sampling rows, the pinned block its tokens (and the free
-    counts, when `heads` is set: the rings' host heads at that moment) are copied into, the copy's event."""
-
-    sampled: List[Row]
-    buf: torch.Tensor
-    event: Any
-    heads: Optional[List[int]]
-    mode: ForwardMode
-    cached: Tuple[int, int] = (0, 0)  # (full, SWA) slots only the prefix cache held then (evictable)
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`: itself on the CPU, else one pinned, non-blocking copy."""
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)

@@ -5,9 +5,10 @@
     with HybridRunner(model, max_running=8) as runner:
         results = runner.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=32))
 
-The pieces: `hf_model` (config -> layer kinds, pool plan, pools and backend), `hf_attention` (the attention
-function registered as "hwkv"), `scheduler` and `runner` (continuous batching), `sampling`, `stats`.
-transformers itself is imported only by `load_model` and when the runner registers the attention function.
+The pieces: `hf_model` (config -> layer kinds and geometry), `hf_attention` (the attention function registered
+as "hwkv"), `runner` (the engine over a transformers model). The step loop, its scheduler, sampling, counters
+and pools are the engine's (`hwkv.engine`). transformers itself is imported only by `load_model` and when the
+runner registers the attention function.
 """
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ from typing import Any, Union
 
 import torch
 
+from hwkv.engine.pools import PoolPlan, plan_pools
+from hwkv.engine.sampling import SamplingParams
+from hwkv.engine.stats import RunnerStats
 from hwkv.errors import ConfigError
 from hwkv.integrations.hf_attention import ATTN_IMPLEMENTATION, hwkv_attention, register
-from hwkv.integrations.hf_model import PoolPlan, layer_kinds, model_shape, plan_pools
+from hwkv.integrations.hf_model import layer_kinds, model_shape
 from hwkv.integrations.runner import HybridRunner, Result
-from hwkv.integrations.sampling import SamplingParams
-from hwkv.integrations.stats import RunnerStats
 
 __all__ = ["HybridRunner", "Result", "SamplingParams", "RunnerStats", "PoolPlan", "load_model", "register",
            "hwkv_attention", "ATTN_IMPLEMENTATION", "layer_kinds", "model_shape", "plan_pools"]
