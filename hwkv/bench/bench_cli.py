@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from hwkv.bench.presets import ModelShape, add_model_arguments, shape_from_args
 from hwkv.errors import ConfigError, HwkvError, ReferenceMismatchError
@@ -287,8 +287,6 @@ def _run(args: argparse.Namespace) -> BenchResult:
 
 
 def _run_chat(args: argparse.Namespace) -> int:
-    import json
-
     from hwkv.bench.chat import ChatWorkload, run_chat
     from hwkv.bench.plan import parse_bytes
 
@@ -300,19 +298,16 @@ def _run_chat(args: argparse.Namespace) -> int:
                      reply=args.reply_len, concurrency=args.concurrency, memory=parse_bytes(args.memory),
                      page_size=args.page_size, chunk=chunk, seed=args.seed)
     res = run_chat(_shape(args), w, target.torch_device)
-    if args.json:
-        print(json.dumps(res.to_dict(), indent=1))
-        return 0
-    print(f"hwkv bench --workload chat on {target.name}: {res.model}, {w.conversations} conversations x {w.turns} "
-          f"turns (system {w.system}, user {w.user}, reply {w.reply} tokens), {w.concurrency} at once, "
-          f"{args.memory} of KV memory, page {w.page_size}, chunk {w.chunk}")
+    title = (f"hwkv bench --workload chat on {target.name}: {res.model}, {w.conversations} conversations x "
+             f"{w.turns} turns (system {w.system}, user {w.user}, reply {w.reply} tokens), {w.concurrency} at once, "
+             f"{args.memory} of KV memory, page {w.page_size}, chunk {w.chunk}")
     cols = ("variant", "full pool", "SWA pool", "hit rate", "reused", "prefilled", "evicted full", "evicted SWA",
             "match us", "insert us", "wall s")
-    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
-    for r in res.rows:
-        print(f"| {r.variant} | {r.full_pool_tokens:,} | {r.swa_pool_tokens:,} | {r.hit_rate:.3f} | "
-              f"{r.reused_tokens:,} | {r.prefill_tokens:,} | {r.evicted_full_tokens:,} | {r.evicted_swa_tokens:,} | "
-              f"{r.match_us_median} | {r.insert_us_median} | {r.wall_s} |")
+    lines = [f"| {r.variant} | {r.full_pool_tokens:,} | {r.swa_pool_tokens:,} | {r.hit_rate:.3f} | "
+             f"{r.reused_tokens:,} | {r.prefill_tokens:,} | {r.evicted_full_tokens:,} | {r.evicted_swa_tokens:,} | "
+             f"{r.match_us_median} | {r.insert_us_median} | {r.wall_s} |" for r in res.rows]
+    if _emit(args, res.to_dict(), title, cols, lines):
+        return 0
     hybrid, full = res.rows
     print(f"prefill tokens saved by the cache: hybrid {hybrid.reused_tokens:,}, all-full {full.reused_tokens:,} "
           f"({hybrid.reused_tokens / max(full.reused_tokens, 1):.2f}x)")
@@ -320,8 +315,6 @@ def _run_chat(args: argparse.Namespace) -> int:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    import json
-
     from hwkv.bench.serve import ServeWorkload, random_gpt_oss, run_serve
 
     if args.plot:
@@ -349,23 +342,35 @@ def _run_serve(args: argparse.Namespace) -> int:
         model = random_gpt_oss(dev, tiny=cpu)
         name = "random GPT-OSS (tiny)" if cpu else "random GPT-OSS-20B attention shapes, 4 layers"
     res = run_serve(model, w, target.name, name, baseline=not args.no_baseline)
-    if args.json:
-        print(json.dumps(res.to_dict(), indent=1))
-        return 0
-    print(f"hwkv bench --workload serve on {target.name}: {name}; {w.requests} requests at {w.rate}/s, prompts "
-          f"{int(w.prompt_len * (1 - w.spread))}-{w.prompt_len} tokens ({w.shared:.0%} behind a {w.system_len}-token "
-          f"system prompt), {w.new_tokens} new tokens each, {w.max_running} at once, page {w.page_size}")
+    title = (f"hwkv bench --workload serve on {target.name}: {name}; {w.requests} requests at {w.rate}/s, prompts "
+             f"{int(w.prompt_len * (1 - w.spread))}-{w.prompt_len} tokens ({w.shared:.0%} behind a {w.system_len}-"
+             f"token system prompt), {w.new_tokens} new tokens each, {w.max_running} at once, page {w.page_size}")
     cols = ("method", "tokens/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "prompt reused",
             "wall s")
-    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    lines = []
     for r in res.rows:
         if r.error:
-            print(f"| {r.method} | failed: {r.error} |")
+            lines.append(f"| {r.method} | failed: {r.error} |")
             continue
         reused = f"{r.reused_tokens:,} of {r.prompt_tokens:,}" if r.method.startswith("hwkv") else "-"
-        print(f"| {r.method} | {r.tokens_per_s:,.1f} | {r.ttft_p50_ms} | {r.ttft_p99_ms} | {r.tpot_p50_ms} | "
-              f"{r.tpot_p99_ms} | {reused} | {r.wall_s} |")
+        lines.append(f"| {r.method} | {r.tokens_per_s:,.1f} | {r.ttft_p50_ms} | {r.ttft_p99_ms} | {r.tpot_p50_ms} | "
+                     f"{r.tpot_p99_ms} | {reused} | {r.wall_s} |")
+    _emit(args, res.to_dict(), title, cols, lines)
     return 0
+
+
+def _emit(args: argparse.Namespace, data: dict, title: str, cols: Sequence[str], lines: List[str]) -> bool:
+    """A workload's result: its JSON with --json (returns True), else the title and a markdown table."""
+    import json
+
+    if args.json:
+        print(json.dumps(data, indent=1))
+        return True
+    print(title)
+    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for line in lines:
+        print(line)
+    return False
 
 
 def run_bench(args: argparse.Namespace) -> int:
