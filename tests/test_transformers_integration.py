@@ -586,3 +586,26 @@ def test_the_prefix_cache_under_memory_pressure_evicts_and_stays_exact(saved, pr
             if cached:
                 assert runner.stats.reused_tokens > 0 and sum(evicted) > 0
     assert results[True] == results[False]
+
+
+def test_cli_generate_runs_a_conversation_from_the_prefix_cache(saved, prompts, capsys):
+    """`hwkv generate --conversation`: four user turns, each sent with the conversation so far; the replies equal
+    transformers' generate() on each turn's whole prompt, and the cache spares recomputing the history
+    (prefill computed = prompt tokens - reused, against every prompt token without the cache)."""
+    turns = [prompts[1][:6], prompts[0][:3], prompts[2][:4], prompts[3][:3]]
+    args = ["--model", str(saved["gpt_oss"]), "--max-new-tokens", "5", "--page-size", "4", "--conversation",
+            *[a for t in turns for a in ("--prompt", ",".join(map(str, t)))], "--json"]
+    runs = {}
+    for extra in ((), ("--no-prefix-cache",)):
+        code, out, err = _cli(capsys, *args, *extra)
+        assert code == 0, err
+        runs[extra] = json.loads(out)
+    on, off = runs[()], runs[("--no-prefix-cache",)]
+    sent = [r["prompt_ids"] for r in on["results"]]
+    assert all(sent[i + 1][:len(sent[i]) + 5] == sent[i] + on["results"][i]["tokens"] for i in range(3))
+    assert [r["tokens"] for r in on["results"]] == [r["tokens"] for r in off["results"]]
+    assert [r["tokens"] for r in on["results"]] == [hf_greedy(_load(saved["gpt_oss"]), [s], new=5)[0] for s in sent]
+    s_on, s_off = on["stats"], off["stats"]
+    assert s_on["prompt_tokens"] == s_off["prompt_tokens"] == sum(map(len, sent))
+    assert s_on["prefill_tokens"] == s_on["prompt_tokens"] - s_on["reused_tokens"]
+    assert s_on["reused_tokens"] >= 0.5 * sum(map(len, sent[1:])) and s_off["reused_tokens"] == 0

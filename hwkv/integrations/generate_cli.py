@@ -7,6 +7,7 @@ schema `hwkv-generate/1`). transformers is imported only when the command runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -45,6 +46,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
     p.add_argument("--graphs", choices=("auto", "on", "off", "eager"), default="auto",
                    help="decode graph replay: auto = the device's graphs, none on CPU (default)")
+    p.add_argument("--conversation", action="store_true", help="the prompts are the user turns of one conversation: "
+                   "turn i is the conversation so far (earlier turns and their replies) plus prompt i, run after "
+                   "turn i - 1 finished; with the prefix cache each turn computes only its new tokens")
     p.add_argument("--no-prefix-cache", action="store_true", help="no prefix caching (by default prompts sharing a "
                    "prefix with an earlier one, e.g. a system prompt, take its KV from the cache)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -177,18 +181,29 @@ def _generate(args: argparse.Namespace) -> Tuple[dict, int]:
     stops = _stop_tokens(model)
     params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                              seed=args.seed + i, stop_token_ids=stops) for i in range(len(prompts))]
-    context = args.context if args.context is not None else max(len(p) for p in prompts) + args.max_new_tokens - 1
-    with HybridRunner(model, device=spec.name, memory=args.memory, context=context,
-                      max_running=args.max_running if args.max_running is not None else len(prompts),
+    if args.conversation:  # every turn in one context: all the user turns and every reply
+        longest = sum(len(p) for p in prompts) + len(prompts) * args.max_new_tokens
+    else:
+        longest = max(len(p) for p in prompts) + args.max_new_tokens - 1
+    context = args.context if args.context is not None else longest
+    running = args.max_running if args.max_running is not None else (1 if args.conversation else len(prompts))
+    with HybridRunner(model, device=spec.name, memory=args.memory, context=context, max_running=running,
                       chunk=args.chunk, page_size=args.page_size,
                       graphs=args.graphs, prefix_cache=not args.no_prefix_cache) as runner:
         bar, advance = _progress(not args.no_progress, args.max_new_tokens * len(prompts))
         t0 = time.perf_counter()
-        if bar is not None:
-            with bar:
+        with bar if bar is not None else contextlib.nullcontext():
+            if args.conversation:
+                results, history = [], []
+                for i, (turn, p) in enumerate(zip(prompts, params)):
+                    prompts[i] = history + turn  # what this turn sends: the conversation so far
+                    (res,) = runner.generate([prompts[i]], p, on_step=advance)
+                    results.append(res)
+                    if res.error is not None:
+                        break
+                    history = prompts[i] + res.tokens
+            else:
                 results = runner.generate(prompts, params, on_step=advance)
-        else:
-            results = runner.generate(prompts, params)
         wall = time.perf_counter() - t0
         stats = runner.stats
     rows = []
