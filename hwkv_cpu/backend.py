@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
+import numpy as np
 import torch
 
 from hwkv import ops
@@ -28,7 +29,8 @@ from hwkv.layer import AttentionLayer
 from hwkv.metadata import ForwardMetadata, KVIndexList, StaticBuffers, cumsum_into
 from hwkv_cpu import ipex
 from hwkv_cpu import kernels as _kernels
-from hwkv_cpu.kernels_dense import DENSE_MAX_ELEMENTS, DensePlan, dense_attention, plan_dense
+from hwkv_cpu.kernels_dense import (DENSE_MAX_ELEMENTS, DensePlan, compute_dtype, dense_attention, plan_dense,
+                                    sink_column)
 
 if ipex.installed_reason() is None:  # cheap: package metadata only; IPEX itself is imported on first use
     ops.register_store_kv("cpu", ops.store_kv_torch, prechecked=ipex.store_kv_prechecked)
@@ -68,6 +70,8 @@ class TorchCPUBackend(KernelSetBackend):
         self.ipex_reason: Optional[str] = self._ipex_reason()  # None: IPEX ops in use where they fit
         self._head_maps: Dict[Tuple[int, int], torch.Tensor] = {}
         self._cols = torch.arange(256, dtype=torch.int64, device=self.device)  # see _columns
+        # decode's sinks column per (layer, bs, kvh, g, dtype), with the sinks tensor it was made from
+        self._sink_cols: Dict[Tuple[Any, ...], Tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _ipex_reason(self) -> Optional[str]:
         if not self.options.ipex:
@@ -89,10 +93,18 @@ class TorchCPUBackend(KernelSetBackend):
         rtt = self.req_to_token_pool.req_to_token
         uniform = min_len == max_len  # every request lists max_len keys: no padding, no clamping
         col = self._columns(max_len)
-        pos = col if window is None else pos0[:, None] + col  # the full list starts at 0
-        if not uniform:
-            pos = pos.clamp(max=rtt.shape[1] - 1)
-        table = rtt[batch.req_pool_indices.to(torch.int64)[:, None], pos]
+        rows = batch.req_pool_indices
+        if rows.dtype == torch.int64 and pos0.dtype == torch.int64 and rows.dim() == 1 and not rtt.requires_grad:
+            # the gather as one numpy fancy index over views of the host tensors (fewer torch dispatches)
+            pos_h = col.numpy() if window is None else pos0.numpy()[:, None] + col.numpy()  # the full list: from 0
+            if not uniform:
+                pos_h = np.minimum(pos_h, rtt.shape[1] - 1)
+            table = torch.from_numpy(rtt.numpy()[rows.numpy()[:, None], pos_h])
+        else:
+            pos = col if window is None else pos0[:, None] + col  # the full list starts at 0
+            if not uniform:
+                pos = pos.clamp(max=rtt.shape[1] - 1)
+            table = rtt[rows.to(torch.int64)[:, None], pos]
         swa_slots = window is not None and self.hybrid
         if swa_slots:
             table = self._translate_window(table)
@@ -182,7 +194,15 @@ class TorchCPUBackend(KernelSetBackend):
             return False
         qk_scale, cap, v_scale, _ = _kernels._scalars(q, layer.scaling, layer.window, layer.logit_cap,
                                                       layer.k_scale, layer.v_scale)
-        dense_attention(q, k_buf, v_buf, plan, out, qk_scale, cap, v_scale, layer.sinks)
+        sinks, col = layer.sinks, None
+        if sinks is not None and plan.decode:  # the sinks' column, kept per layer and decode batch size
+            cdt = compute_dtype(k_buf.dtype)
+            key = (layer.layer_id, plan.bs, plan.kvh, plan.g, cdt)
+            kept = self._sink_cols.get(key)
+            if kept is None or kept[0] is not sinks:
+                kept = self._sink_cols[key] = (sinks, sink_column(sinks, plan, cdt))
+            col = kept[1]
+        dense_attention(q, k_buf, v_buf, plan, out, qk_scale, cap, v_scale, sinks, col)
         return True
 
     # ---- kernels ---------------------------------------------------------------------------------------

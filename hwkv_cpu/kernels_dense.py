@@ -6,10 +6,9 @@ is most of a layer's time, repeated in every layer of the forward. Here the back
 forward and list (`plan_dense`): a padded key table [bs, L] (L = the list's longest request), the
 pool rows each KV head reads, and, where anything is hidden, one additive mask (padding, causal,
 window) in the score layout. A layer then costs a fixed handful of torch ops whatever the batch:
-two row gathers (`torch.embedding` over the pool viewed as rows: gather and shape in one op), one batched
-matmul with the scale and mask folded in (`baddbmm`), one softmax and one matmul into `out`
-(`dense_attention`). With sinks the matmul writes into a score buffer the plan keeps for the forward, whose
-last column each layer fills with its sinks (one copy), instead of a concatenation per layer.
+two row gathers, one batched matmul with the scale and mask folded in (`baddbmm`), the sinks' column (made
+once per layer and batch geometry by the caller, `sink_column`), one softmax and one matmul into `out`
+(`dense_attention`).
 
 The padding makes this pay only while the tables are small: `plan_dense` returns None above
 `max_elements` (gathered K/V plus scores), when a real query would see no key (the contract gives
@@ -19,7 +18,7 @@ reduced-precision pools are upcast when gathered, as the chunked kernels do with
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Optional
 
 import torch
@@ -37,15 +36,12 @@ class DensePlan:
     g: int                            # query heads per KV head
     tq: int                           # query rows per request (1: decode)
     keys: int                         # L: key columns per request
-    rows: torch.Tensor                # int64 [bs * kvh, L]: rows of the pool viewed as [slots * kvh, D]
+    rows: torch.Tensor                # int64 [bs * kvh * L]: rows of the pool viewed as [slots * kvh, D]
     bias: Optional[torch.Tensor]      # fp32 [bs * kvh, tq * g or 1, L]: 0 / -inf, None when nothing is hidden
     q_src: Optional[torch.Tensor]     # extend: int64 [bs * tq], the token of each padded query row
     out_b: Optional[torch.Tensor]     # extend: int64 [T], each token's request
     out_t: Optional[torch.Tensor]     # extend: int64 [T], its row within the request
     decode: bool = True               # False: extend; q_src None there means every request has tq queries
-    # sinks: scores [bs * kvh, tq * g, L + 1] per compute dtype, made by the forward's first layer with sinks and
-    # reused by the next (each layer overwrites it whole before reading it)
-    sink_scores: Dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
 
 
 _ZEROS: Dict[torch.dtype, torch.Tensor] = {}
@@ -86,7 +82,7 @@ def plan_dense(indptr: torch.Tensor, indices: torch.Tensor, pos0: torch.Tensor, 
         col = torch.arange(keys, dtype=I64, device=indices.device)
         start = indptr[:-1].to(I64)
         table = indices[(start[:, None] + col).clamp_(max=n - 1)]  # padding reads listed slots, masked below
-    rows = (table[:, None, :] * kvh + torch.arange(kvh, dtype=I64, device=table.device)[:, None]).view(bs * kvh, keys)
+    rows = (table[:, None, :] * kvh + torch.arange(kvh, dtype=I64, device=table.device)[:, None]).view(-1)
     if decode and all_visible and (not window or keys <= window):
         return DensePlan(bs, kvh, g, 1, keys, rows, None, None, None, None)
     col = torch.arange(keys, dtype=I64, device=table.device)
@@ -126,17 +122,31 @@ def plan_dense(indptr: torch.Tensor, indices: torch.Tensor, pos0: torch.Tensor, 
     return DensePlan(bs, kvh, g, tq, keys, rows, bias, q_src, out_b, out_t, decode)
 
 
+def compute_dtype(pool_dtype: torch.dtype) -> torch.dtype:
+    """The dtype `dense_attention` computes in for a pool of `pool_dtype`."""
+    return torch.float64 if pool_dtype == torch.float64 else torch.float32
+
+
+def sink_column(sinks: torch.Tensor, plan: DensePlan, cdt: torch.dtype) -> torch.Tensor:
+    """The sinks [H] as the scores' extra column [bs * kvh, tq * g, 1] in `cdt` (rows KV-head-major as the
+    scores'): contiguous, so a caller may keep it for every forward of this geometry."""
+    bs, kvh, g, tq = plan.bs, plan.kvh, plan.g, plan.tq
+    return sinks.to(cdt).view(1, kvh, 1, g).expand(bs, kvh, tq, g).reshape(bs * kvh, tq * g, 1).contiguous()
+
+
 def dense_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, plan: DensePlan, out: torch.Tensor,
-                    qk_scale: float, cap: float, v_scale: float, sinks: Optional[torch.Tensor]) -> None:
+                    qk_scale: float, cap: float, v_scale: float, sinks: Optional[torch.Tensor],
+                    sink_col: Optional[torch.Tensor] = None) -> None:
     """out [T, H, Dv] = attention of q [T, H, D] over the plan's keys of k_buf / v_buf [S, KVH, D(v)].
 
     qk_scale: scaling * k_scale (divided by cap when soft-capping: s = cap * tanh(q.k * qk_scale));
-    v_scale multiplies the output; sinks [H] (one raw logit per head in the denominator) or None."""
+    v_scale multiplies the output; sinks [H] (one raw logit per head in the denominator) or None;
+    sink_col: `sink_column(sinks, plan, compute dtype)` made ahead (else made here)."""
     bs, kvh, g, tq, keys = plan.bs, plan.kvh, plan.g, plan.tq, plan.keys
     d, dv = k_buf.shape[2], v_buf.shape[2]
-    cdt = torch.float64 if k_buf.dtype == torch.float64 else torch.float32
-    k = torch.embedding(k_buf.view(-1, d), plan.rows)  # [bs * kvh, L, D]: the gather, shaped
-    v = torch.embedding(v_buf.view(-1, dv), plan.rows)
+    cdt = compute_dtype(k_buf.dtype)
+    k = k_buf.view(-1, d).index_select(0, plan.rows).view(bs * kvh, keys, d)
+    v = v_buf.view(-1, dv).index_select(0, plan.rows).view(bs * kvh, keys, dv)
     if k.dtype != cdt:
         k, v = k.to(cdt), v.to(cdt)
     if plan.decode:  # [bs, H, D] is already [bs * KVH, G, D]
@@ -150,29 +160,18 @@ def dense_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, p
     if bias is not None and bias.dtype != cdt:
         bias = bias.to(cdt)
     kt = k.transpose(1, 2)
-    s_out = None
-    if sinks is not None:  # one more column holding each head's sink: in the denominator only
-        buf = plan.sink_scores.get(cdt)
-        if buf is None:
-            buf = plan.sink_scores[cdt] = torch.empty(bs * kvh, tq * g, keys + 1, dtype=cdt, device=q.device)
-        if plan.decode:  # [bs * kvh, g, L + 1] is [bs, H, L + 1]: the sinks [H] broadcast over requests
-            buf.view(bs, kvh * g, keys + 1)[:, :, keys].copy_(sinks)
-        else:
-            buf.view(bs, kvh, tq, g, keys + 1)[..., keys].copy_(sinks.view(kvh, 1, g))
-        s_out = buf[..., :keys]
     if cap:
         s = torch.bmm(qg, kt).mul_(qk_scale).tanh_().mul_(cap)
         if bias is not None:
             s.add_(bias)
-        if s_out is not None:
-            s_out.copy_(s)
-    elif s_out is not None:  # scale (and mask) folded into the matmul, written beside the sinks' column
-        torch.baddbmm(_zero(cdt) if bias is None else bias, qg, kt, beta=0.0 if bias is None else 1.0,
-                      alpha=qk_scale, out=s_out)
     else:  # scale (and mask) folded into the matmul; beta=0 ignores the placeholder input
         s = torch.baddbmm(_zero(cdt) if bias is None else bias, qg, kt, beta=0.0 if bias is None else 1.0,
                           alpha=qk_scale)
-    p = torch.softmax(s, -1) if s_out is None else torch.softmax(buf, -1)[..., :keys]
+    if sinks is not None:  # one more column holding each head's sink: in the denominator only
+        col = sink_col if sink_col is not None else sink_column(sinks, plan, cdt)
+        p = torch.softmax(torch.cat([s, col], -1), -1)[..., :keys]
+    else:
+        p = torch.softmax(s, -1)
     if plan.decode:
         if v_scale == 1.0 and out.dtype == cdt and out.is_contiguous():
             torch.bmm(p, v, out=out.view(bs * kvh, g, dv))
