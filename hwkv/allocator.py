@@ -36,6 +36,8 @@ def _host_ints(name: str, x: IntsLike, host: Optional[torch.Tensor] = None) -> n
     if host is not None:
         x = host
     if isinstance(x, torch.Tensor):
+        if x.dtype == I64 and x.dim() == 1 and x.device.type == "cpu" and not x.requires_grad:
+            return x.numpy()  # already what the general path would give (a view): one call
         return x.reshape(-1).to("cpu", I64).numpy()
     return np.asarray([int(v) for v in x], dtype=np.int64)
 
@@ -43,6 +45,8 @@ def _host_ints(name: str, x: IntsLike, host: Optional[torch.Tensor] = None) -> n
 def _host_view(t: torch.Tensor) -> np.ndarray:
     """A numpy view of t's values for host checks (t itself on the CPU, shared memory; else one device read):
     numpy indexing and reductions cost a microsecond where torch's dispatch costs several."""
+    if t.dim() == 1 and t.device.type == "cpu" and not t.requires_grad:
+        return t.numpy()  # a strided view where t is one: one call instead of four
     return t.detach().cpu().reshape(-1).numpy()
 
 
@@ -713,8 +717,12 @@ def _check_release(a: SWATokenToKVPoolAllocator, rtt: torch.Tensor, rows: torch.
         # each entry drops one SWA reference: requests sharing a page may drop it once per holder, no more
         fp = loc // p
         sp = _host_view(a._mapping)[fp * p] // p  # all >= 1: checked above
-        uniq, inverse, counts = np.unique(sp, return_inverse=True, return_counts=True)
-        drops, holders = counts[inverse], _host_view(a._swa.refs)[sp]
+        holders = _host_view(a._swa.refs)[sp]
+        if _distinct(sp):  # each page dropped once (one page per request, no shared pages): no counting
+            drops = np.ones_like(sp)
+        else:
+            uniq, inverse, counts = np.unique(sp, return_inverse=True, return_counts=True)
+            drops = counts[inverse]
         over = drops > holders
         if over.any():
             i = int(over.argmax())
@@ -726,6 +734,11 @@ def _check_release(a: SWATokenToKVPoolAllocator, rtt: torch.Tensor, rows: torch.
     return new_f, fp, sp
 
 
+def _distinct(a: np.ndarray) -> bool:
+    """Whether a small host array holds no value twice (a set beats np.unique's sort at release sizes)."""
+    return a.size < 2 or (a.size <= 4096 and len(set(a.tolist())) == a.size)
+
+
 def _release_on_host(swa: PageRing, mapping: torch.Tensor, new_f: np.ndarray, fp: np.ndarray,
                      sp: np.ndarray) -> None:
     """A checked release applied to host tensors in place through numpy (CPU): each entry drops one reference
@@ -734,10 +747,14 @@ def _release_on_host(swa: PageRing, mapping: torch.Tensor, new_f: np.ndarray, fp
     if not sp.size:
         return
     refs = swa.refs.numpy()
-    np.subtract.at(refs, sp, 1)
-    rev_first = np.unique(sp[::-1], return_index=True)[1]
-    last = np.sort(sp.size - 1 - rev_first)  # each page's last entry, in entry order
-    gone = last[refs[sp[last]] == 0]
+    if _distinct(sp):  # each page has one entry, its last: entry order
+        refs[sp] -= 1
+        gone = np.flatnonzero(refs[sp] == 0)
+    else:
+        np.subtract.at(refs, sp, 1)
+        rev_first = np.unique(sp[::-1], return_index=True)[1]
+        last = np.sort(sp.size - 1 - rev_first)  # each page's last entry, in entry order
+        gone = last[refs[sp[last]] == 0]
     if not gone.size:
         return
     p = swa.page_size

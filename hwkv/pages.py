@@ -65,6 +65,8 @@ class PageRing:
         self.buf = torch.zeros(2 * n + 3, dtype=torch.int64, device=device)
         self.ring, self.refs = self.buf[:n], self.buf[n:2 * n]
         self.tail, self.err = self.buf[2 * n:2 * n + 1], self.buf[2 * n + 1:]
+        # on the CPU the host reads the tail through a numpy view of it (no torch dispatch per read)
+        self._tail_host = self.tail.numpy() if device.type == "cpu" else None
         self.who = torch.zeros(n, dtype=torch.int64, device=device)  # scratch: one batch entry per page
         self.head = 0
         self.op = 0               # ops since the error record was last read (its keys' first part)
@@ -93,8 +95,8 @@ class PageRing:
 
     def free_lower_bound(self) -> int:
         """Pages certainly free now, without waiting on the device (exact on CPU)."""
-        if self.on_host:
-            return int(self.tail[0]) - self.head
+        if self._tail_host is not None:
+            return int(self._tail_host[0]) - self.head
         if self._snap_pending and self._snap_event.query():
             self._tail_seen = max(self._tail_seen, int(self._snap[0]))
             self._snap_pending = False
@@ -102,7 +104,7 @@ class PageRing:
 
     def free_pages(self) -> int:
         """Exact free page count: reads the device tail (a host sync on accelerators)."""
-        self._tail_seen = int(self.tail[0])
+        self._tail_seen = int(self.tail[0]) if self._tail_host is None else int(self._tail_host[0])
         return self._tail_seen - self.head
 
     def has_room(self, k: int) -> bool:
