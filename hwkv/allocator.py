@@ -314,8 +314,39 @@ class PagedTokenToKVPoolAllocator:
             self._check_free(loc, swa_required=swa_delta != 0 and full_delta >= 0 and self._swa is not None,
                              sharing=full_delta > 0)
         self._next_op()
+        if self._on_host():
+            self._change_on_host(loc, full_delta, swa_delta if self._swa is not None else 0)
+            return
         (self._ops or TORCH_OPS).change_refs(self.pages, self._swa, self._mapping, loc, full_delta,
                                              swa_delta if self._swa is not None else 0)
+
+    def _change_on_host(self, loc: torch.Tensor, full_delta: int, swa_delta: int) -> None:
+        """`TorchPageOps.change_refs` applied through numpy views of the CPU tensors, after `_check_free` passed
+        (every page in range and live): the same counts, table rows and pushes in the same ring order (each
+        distinct page is represented by its last entry, as the torch op's scatter leaves it)."""
+        p = self.page_size
+        fp = _host_view(loc) // p
+        if not _distinct(fp):
+            fp = fp[np.sort(fp.size - 1 - np.unique(fp[::-1], return_index=True)[1])]
+        if full_delta:
+            refs = self.pages.refs.numpy()
+            left = refs[fp] + full_delta
+            refs[fp] = left
+            if full_delta < 0:
+                _push_on_host(self.pages, fp[left == 0])
+        swa = self._swa
+        if swa is None or not swa_delta:
+            return
+        sp = self._mapping.numpy()[fp * p] // p
+        srefs = swa.refs.numpy()
+        sel = (sp > 0) & (srefs[sp] >= 1)  # mapped: one SWA page per full page, so these are distinct too
+        fp, sp = fp[sel], sp[sel]
+        srefs[sp] += swa_delta
+        if swa_delta > 0:
+            return
+        gone = srefs[sp] == 0
+        self._mapping.numpy()[(fp[gone, None] * p + np.arange(p)).reshape(-1)] = 0
+        _push_on_host(swa, sp[gone])
 
     def check_share(self, loc: torch.Tensor, with_swa: bool = True) -> None:
         """Raise what `share(loc, with_swa)` would refuse, changing nothing: for a share taken in several calls,
@@ -759,9 +790,16 @@ def _release_on_host(swa: PageRing, mapping: torch.Tensor, new_f: np.ndarray, fp
         return
     p = swa.page_size
     mapping.numpy()[(fp[gone, None] * p + np.arange(p)).reshape(-1)] = 0
-    tail = swa.tail.numpy()
-    swa.ring.numpy()[(int(tail[0]) + np.arange(gone.size)) % max(swa.num_pages, 1)] = sp[gone]
-    tail[0] += gone.size
+    _push_on_host(swa, sp[gone])
+
+
+def _push_on_host(ring: PageRing, pages: np.ndarray) -> None:
+    """`_push` through numpy views (CPU): pages appended at the ring's tail, in order."""
+    if not pages.size:
+        return
+    tail = ring.tail.numpy()
+    ring.ring.numpy()[(int(tail[0]) + np.arange(pages.size)) % max(ring.num_pages, 1)] = pages
+    tail[0] += pages.size
 
 
 def release_out_of_window(allocator: SWATokenToKVPoolAllocator, token_row: torch.Tensor, seq_len: int,
