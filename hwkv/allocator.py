@@ -326,8 +326,8 @@ class PagedTokenToKVPoolAllocator:
         distinct page is represented by its last entry, as the torch op's scatter leaves it)."""
         p = self.page_size
         fp = _host_view(loc) // p
-        if not _distinct(fp):
-            fp = fp[np.sort(fp.size - 1 - np.unique(fp[::-1], return_index=True)[1])]
+        pages = _last_of_runs(fp)  # a row's locs come in runs of one page: its last entry ends the run
+        fp = pages if _distinct(pages) else fp[np.sort(fp.size - 1 - np.unique(fp[::-1], return_index=True)[1])]
         if full_delta:
             refs = self.pages.refs.numpy()
             left = refs[fp] + full_delta
@@ -361,6 +361,12 @@ class PagedTokenToKVPoolAllocator:
         full = self.pages
         loc_h = _host_view(loc)
         pages = loc_h // self.page_size  # repeats are harmless here
+        if not pages.size:
+            return
+        # the common case in four reductions: every page in range and live (and mapped where required)
+        if pages.min() >= 1 and pages.max() <= self.num_pages and _host_view(full.refs)[pages].min() >= 1 and (
+                not swa_required or _host_view(self._mapping)[pages * self.page_size].min() > 0):
+            return
         out = (pages < 1) | (pages > self.num_pages)
         if out.any():
             raise LocError(f"page {int(pages[int(out.argmax())])} of a slot to free is outside "
@@ -763,6 +769,17 @@ def _check_release(a: SWATokenToKVPoolAllocator, rtt: torch.Tensor, rows: torch.
                                   "a request's frontier is behind pages it already released, or two rows "
                                   "name one page that only one of them holds")
     return new_f, fp, sp
+
+
+def _last_of_runs(a: np.ndarray) -> np.ndarray:
+    """The last entry of each run of equal values in a (entry order): a's distinct values by their last entry
+    whenever the result holds no value twice."""
+    if a.size < 2:
+        return a
+    end = np.empty(a.size, dtype=bool)
+    end[-1] = True
+    np.not_equal(a[1:], a[:-1], out=end[:-1])
+    return a[end]
 
 
 def _distinct(a: np.ndarray) -> bool:

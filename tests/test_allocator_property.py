@@ -284,6 +284,21 @@ class HostOpsMachine(AllocatorMachine):
         self.reqs[row] = n
         self.forked |= {src, row}
 
+    @precondition(lambda self: self.reqs)
+    @rule(pick=st.integers(0, 7))
+    def share_and_free_repeated(self, pick):
+        """One more holder of a request's in-window pages, taken and dropped through locs naming each page in
+        two separate runs (as a batch of requests sharing a prefix does): each distinct page counts once."""
+        rows = sorted(self.reqs)
+        row = rows[pick % len(rows)]
+        f, s = int(self.frontiers[row]), self.reqs[row]
+        if f >= s:
+            return
+        locs = self.rtt.req_to_token[row, f:s]
+        twice = torch.cat([locs, locs.flip(0), locs])
+        self.a.share(twice)
+        self.a.free(twice)
+
     def _exclusive(self):
         return {r: s for r, s in self.reqs.items() if r not in self.forked}
 
@@ -335,8 +350,9 @@ class HostOpsMachine(AllocatorMachine):
         s, f = self.reqs.pop(row), int(self.frontiers[row])
         if f:  # released pages: their SWA references are gone already (another holder may still have its own)
             self.a.free(self.rtt.req_to_token[row, :f].clone(), with_swa=False)
-        if f < s:
-            self.a.free(self.rtt.req_to_token[row, f:s].clone())
+        if f < s:  # named twice, the second time backwards: pages go back in the order of their last entries
+            locs = self.rtt.req_to_token[row, f:s]
+            self.a.free(torch.cat([locs, locs.flip(0)]) if pick % 2 else locs.clone())
         self.rtt.free(row)
         self.forked.discard(row)
 
