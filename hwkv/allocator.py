@@ -42,6 +42,11 @@ def _host_ints(name: str, x: IntsLike, host: Optional[torch.Tensor] = None) -> n
     return np.asarray([int(v) for v in x], dtype=np.int64)
 
 
+def _refs_view(ring: PageRing) -> np.ndarray:
+    """A ring's reference counts as numpy: its kept view on the CPU, else one device read (debug checks)."""
+    return ring.refs_np if ring.refs_np is not None else _host_view(ring.refs)
+
+
 def _host_view(t: torch.Tensor) -> np.ndarray:
     """A numpy view of t's values for host checks (t itself on the CPU, shared memory; else one device read):
     numpy indexing and reductions cost a microsecond where torch's dispatch costs several."""
@@ -114,6 +119,8 @@ class PagedTokenToKVPoolAllocator:
         # checked ops on a CPU pool (no registered kernels) are applied through numpy views, not the torch ops
         # (same results, same ring order; tests set False to compare the two)
         self.host_ops = True
+        self._map_src: Optional[torch.Tensor] = None  # the table `_map_np` views (SWA allocator, CPU)
+        self._map_np: Optional[np.ndarray] = None
 
     @property
     def immediate(self) -> bool:
@@ -138,6 +145,13 @@ class PagedTokenToKVPoolAllocator:
 
     def _rings(self) -> Tuple[PageRing, ...]:
         return (self.pages,)
+
+    def _mapping_view(self) -> np.ndarray:
+        """The full->SWA table as a numpy array: a view kept from construction on the CPU, else one read."""
+        m = self._mapping
+        if m is not None and m is self._map_src:
+            return self._map_np
+        return _host_view(m)
 
     def _on_host(self) -> bool:
         """Apply this op through numpy on the host: checked first (immediate), CPU tensors, no kernels."""
@@ -250,16 +264,16 @@ class PagedTokenToKVPoolAllocator:
             cont = np.minimum(ext, (-pre_h) % p)
             newp = (ext - cont + p - 1) // p
             full = self.pages
-            fpages = full.ring.numpy()[(heads[0] + np.arange(k)) % full.num_pages]
+            fpages = full.ring_np[(heads[0] + np.arange(k)) % full.num_pages]
             pidx = np.clip((np.cumsum(newp) - newp)[r] + (j - cont[r]) // p, 0, k - 1)
             res = np.where(j < cont[r], res, fpages[pidx] * p + (pre_h[r] + j) % p)
-            full.refs.numpy()[fpages] = 1
+            full.refs_np[fpages] = 1
             swa = self._swa
             if swa is not None:
-                spages = swa.ring.numpy()[(heads[1] + np.arange(k)) % swa.num_pages]
-                swa.refs.numpy()[spages] = 1
+                spages = swa.ring_np[(heads[1] + np.arange(k)) % swa.num_pages]
+                swa.refs_np[spages] = 1
                 off = np.arange(p)
-                self._mapping.numpy()[(fpages[:, None] * p + off).reshape(-1)] = (spages[:, None] * p + off).reshape(-1)
+                self._mapping_view()[(fpages[:, None] * p + off).reshape(-1)] = (spages[:, None] * p + off).reshape(-1)
         self._next_op()
         return torch.from_numpy(np.ascontiguousarray(res, dtype=np.int64))
 
@@ -310,26 +324,29 @@ class PagedTokenToKVPoolAllocator:
         loc = _check_loc_tensor(loc)
         if loc.numel() == 0:
             return
+        pages = None
         if self.immediate:
-            self._check_free(loc, swa_required=swa_delta != 0 and full_delta >= 0 and self._swa is not None,
-                             sharing=full_delta > 0)
+            pages = self._check_free(loc, swa_required=swa_delta != 0 and full_delta >= 0 and self._swa is not None,
+                                     sharing=full_delta > 0)
         self._next_op()
         if self._on_host():
-            self._change_on_host(loc, full_delta, swa_delta if self._swa is not None else 0)
+            self._change_on_host(loc, full_delta, swa_delta if self._swa is not None else 0, pages)
             return
         (self._ops or TORCH_OPS).change_refs(self.pages, self._swa, self._mapping, loc, full_delta,
                                              swa_delta if self._swa is not None else 0)
 
-    def _change_on_host(self, loc: torch.Tensor, full_delta: int, swa_delta: int) -> None:
+    def _change_on_host(self, loc: torch.Tensor, full_delta: int, swa_delta: int,
+                        fp: Optional[np.ndarray] = None) -> None:
         """`TorchPageOps.change_refs` applied through numpy views of the CPU tensors, after `_check_free` passed
         (every page in range and live): the same counts, table rows and pushes in the same ring order (each
-        distinct page is represented by its last entry, as the torch op's scatter leaves it)."""
+        distinct page is represented by its last entry, as the torch op's scatter leaves it). fp: loc's pages
+        where the check computed them."""
         p = self.page_size
-        fp = _host_view(loc) // p
+        fp = _host_view(loc) // p if fp is None else fp
         pages = _last_of_runs(fp)  # a row's locs come in runs of one page: its last entry ends the run
         fp = pages if _distinct(pages) else fp[np.sort(fp.size - 1 - np.unique(fp[::-1], return_index=True)[1])]
         if full_delta:
-            refs = self.pages.refs.numpy()
+            refs = self.pages.refs_np
             left = refs[fp] + full_delta
             refs[fp] = left
             if full_delta < 0:
@@ -337,15 +354,16 @@ class PagedTokenToKVPoolAllocator:
         swa = self._swa
         if swa is None or not swa_delta:
             return
-        sp = self._mapping.numpy()[fp * p] // p
-        srefs = swa.refs.numpy()
+        mapping = self._mapping_view()
+        sp = mapping[fp * p] // p
+        srefs = swa.refs_np
         sel = (sp > 0) & (srefs[sp] >= 1)  # mapped: one SWA page per full page, so these are distinct too
         fp, sp = fp[sel], sp[sel]
         srefs[sp] += swa_delta
         if swa_delta > 0:
             return
         gone = srefs[sp] == 0
-        self._mapping.numpy()[(fp[gone, None] * p + np.arange(p)).reshape(-1)] = 0
+        mapping[(fp[gone, None] * p + np.arange(p)).reshape(-1)] = 0
         _push_on_host(swa, sp[gone])
 
     def check_share(self, loc: torch.Tensor, with_swa: bool = True) -> None:
@@ -355,34 +373,36 @@ class PagedTokenToKVPoolAllocator:
         if self.immediate and loc.numel():
             self._check_free(loc, swa_required=with_swa and self._swa is not None, sharing=True)
 
-    def _check_free(self, loc: torch.Tensor, swa_required: bool, sharing: bool = False) -> None:
+    def _check_free(self, loc: torch.Tensor, swa_required: bool, sharing: bool = False) -> np.ndarray:
         """Raise what the device op would record, before anything changes (CPU, debug mode). `sharing`: a page
-        whose SWA slots are gone cannot give them another holder (NotAllocatedError, not a double free)."""
+        whose SWA slots are gone cannot give them another holder (NotAllocatedError, not a double free).
+        Returns loc's pages (host array)."""
         full = self.pages
         loc_h = _host_view(loc)
         pages = loc_h // self.page_size  # repeats are harmless here
         if not pages.size:
-            return
+            return pages
         # the common case in four reductions: every page in range and live (and mapped where required)
-        if pages.min() >= 1 and pages.max() <= self.num_pages and _host_view(full.refs)[pages].min() >= 1 and (
-                not swa_required or _host_view(self._mapping)[pages * self.page_size].min() > 0):
-            return
+        if pages.min() >= 1 and pages.max() <= self.num_pages and _refs_view(full)[pages].min() >= 1 and (
+                not swa_required or self._mapping_view()[pages * self.page_size].min() > 0):
+            return pages
         out = (pages < 1) | (pages > self.num_pages)
         if out.any():
             raise LocError(f"page {int(pages[int(out.argmax())])} of a slot to free is outside "
                            f"[1, {self.num_pages}]")
-        refs = _host_view(full.refs)[pages]
+        refs = _refs_view(full)[pages]
         for code, mask in ((ERR_NEVER, refs == NEVER), (ERR_DOUBLE_FREE, refs == 0)):
             if mask.any():
                 raise _err(code, int(pages[int(mask.argmax())]), self.page_size, full.name)
         if swa_required:
-            gone = _host_view(self._mapping)[pages * self.page_size] <= 0
+            gone = self._mapping_view()[pages * self.page_size] <= 0
             if gone.any():
                 i = int(gone.argmax())
                 if sharing:
                     raise NotAllocatedError(f"loc {int(loc_h[i])} (full page {int(pages[i])}) has no SWA "
                                             "slot (released): its SWA cannot be shared")
                 raise _err(ERR_SWA_RELEASED, int(pages[i]), self.page_size, "full")
+        return pages
 
     def record_error(self, bad: torch.Tensor, which: torch.Tensor, code: int) -> None:
         """Record error `code` (`hwkv.pages.ERR_*`) for the lowest of which[bad] as an op of its own, on
@@ -453,6 +473,8 @@ class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         # one trailing -1 so that mapping[-1] == -1
         self.full_to_swa_index_mapping = torch.zeros(size + page_size + 1, dtype=I64, device=self.device)
         self.full_to_swa_index_mapping[-1] = -1
+        if self.device.type == "cpu":
+            self._map_src, self._map_np = self.full_to_swa_index_mapping, self.full_to_swa_index_mapping.numpy()
         self._kvcache = kvcache
         if kvcache is not None:
             kvcache.register_mapping(self.full_to_swa_index_mapping)
@@ -490,7 +512,7 @@ class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         if plan.cont is None or not plan.cont.any():
             return
         last_cpu = _host_view(last)[plan.cont > 0]
-        mapped = _host_view(self.full_to_swa_index_mapping)[last_cpu]
+        mapped = self._mapping_view()[last_cpu]
         if (mapped <= 0).any():
             l = int(last_cpu[mapped <= 0][0])
             raise NotAllocatedError(f"last_loc {l} has no SWA slot (released or never allocated); "
@@ -753,8 +775,8 @@ def _check_release(a: SWATokenToKVPoolAllocator, rtt: torch.Tensor, rows: torch.
         a._check_free(torch.from_numpy(loc), swa_required=True)
         # each entry drops one SWA reference: requests sharing a page may drop it once per holder, no more
         fp = loc // p
-        sp = _host_view(a._mapping)[fp * p] // p  # all >= 1: checked above
-        holders = _host_view(a._swa.refs)[sp]
+        sp = a._mapping_view()[fp * p] // p  # all >= 1: checked above
+        holders = _refs_view(a._swa)[sp]
         if _distinct(sp):  # each page dropped once (one page per request, no shared pages): no counting
             drops = np.ones_like(sp)
         else:
@@ -794,7 +816,7 @@ def _release_on_host(swa: PageRing, mapping: torch.Tensor, new_f: np.ndarray, fp
     of its last entry, as `TorchPageOps.release_window` does in about thirty torch dispatches."""
     if not sp.size:
         return
-    refs = swa.refs.numpy()
+    refs = swa.refs_np
     if _distinct(sp):  # each page has one entry, its last: entry order
         refs[sp] -= 1
         gone = np.flatnonzero(refs[sp] == 0)
@@ -814,8 +836,8 @@ def _push_on_host(ring: PageRing, pages: np.ndarray) -> None:
     """`_push` through numpy views (CPU): pages appended at the ring's tail, in order."""
     if not pages.size:
         return
-    tail = ring.tail.numpy()
-    ring.ring.numpy()[(int(tail[0]) + np.arange(pages.size)) % max(ring.num_pages, 1)] = pages
+    tail = ring._tail_host
+    ring.ring_np[(int(tail[0]) + np.arange(pages.size)) % max(ring.num_pages, 1)] = pages
     tail[0] += pages.size
 
 

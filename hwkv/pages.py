@@ -65,8 +65,11 @@ class PageRing:
         self.buf = torch.zeros(2 * n + 3, dtype=torch.int64, device=device)
         self.ring, self.refs = self.buf[:n], self.buf[n:2 * n]
         self.tail, self.err = self.buf[2 * n:2 * n + 1], self.buf[2 * n + 1:]
-        # on the CPU the host reads the tail through a numpy view of it (no torch dispatch per read)
-        self._tail_host = self.tail.numpy() if device.type == "cpu" else None
+        # on the CPU the host reads (and the allocator's host paths write) these through numpy views of them,
+        # made once: no torch dispatch per access
+        cpu = device.type == "cpu"
+        self.ring_np, self.refs_np = (self.ring.numpy(), self.refs.numpy()) if cpu else (None, None)
+        self._tail_host = self.tail.numpy() if cpu else None
         self.who = torch.zeros(n, dtype=torch.int64, device=device)  # scratch: one batch entry per page
         self.head = 0
         self.op = 0               # ops since the error record was last read (its keys' first part)
