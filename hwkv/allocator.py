@@ -65,10 +65,15 @@ def _on_device(device: torch.device, x: IntsLike, host: np.ndarray) -> torch.Ten
     return t.pin_memory().to(device, non_blocking=True)  # pinned: the copy does not stall the host
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """t as 1-D (itself when it already is: no dispatch)."""
+    return t if t.dim() == 1 else t.reshape(-1)
+
+
 def _check_loc_tensor(loc: object) -> torch.Tensor:
     if not isinstance(loc, torch.Tensor) or loc.dtype != I64:
         raise LocError(f"loc must be an int64 tensor, got {getattr(loc, 'dtype', type(loc).__name__)}")
-    return loc.reshape(-1)
+    return _flat(loc)
 
 
 class _Batch:
@@ -100,8 +105,8 @@ class _Batch:
             raise LocError(f"seq_lens_cpu has {seq.size} entries, seq_lens {bs}")
         if bs and int(seq.min()) < 1:
             raise LocError(f"decode seq_lens must be >= 1, got {int(seq.min())}")
-        cont = ((seq - 1) % page != 0).astype(np.int64)  # a request whose token starts a page takes a new one
-        return cls(bs, bs - int(cont.sum()), cont)
+        cont = (seq - 1) % page != 0  # bool: a request whose token starts a page takes a new one
+        return cls(bs, bs - int(np.count_nonzero(cont)), cont)
 
 
 class PagedTokenToKVPoolAllocator:
@@ -213,9 +218,9 @@ class PagedTokenToKVPoolAllocator:
         else:
             seq_cpu = _host_ints("seq_lens", seq_lens, seq_lens_cpu)
             plan = _Batch.decode(seq_cpu, bs, self.page_size)
-        seq_dev = seq_lens.reshape(-1) if isinstance(seq_lens, torch.Tensor) and \
+        seq_dev = _flat(seq_lens) if isinstance(seq_lens, torch.Tensor) and \
             seq_lens.device.type == self.device.type else _on_device(self.device, seq_lens, seq_cpu)
-        last_dev = last_loc.reshape(-1) if isinstance(last_loc, torch.Tensor) and \
+        last_dev = _flat(last_loc) if isinstance(last_loc, torch.Tensor) and \
             last_loc.device.type == self.device.type else _on_device(self.device, last_loc,
                                                                        _host_ints("last_loc", last_loc))
         if seq_dev.dtype != I64 or last_dev.dtype != I64:
@@ -511,7 +516,7 @@ class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     def _check_continuations(self, prefix, seq, last, plan, decode) -> None:
         if plan.cont is None or not plan.cont.any():
             return
-        last_cpu = _host_view(last)[plan.cont > 0]
+        last_cpu = _host_view(last)[plan.cont if plan.cont.dtype == np.bool_ else plan.cont > 0]
         mapped = self._mapping_view()[last_cpu]
         if (mapped <= 0).any():
             l = int(last_cpu[mapped <= 0][0])
