@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-import numpy as np
 import torch
 
 I64 = torch.int64
@@ -83,10 +82,7 @@ def plan_dense(indptr: torch.Tensor, indices: torch.Tensor, pos0: torch.Tensor, 
         col = torch.arange(keys, dtype=I64, device=indices.device)
         start = indptr[:-1].to(I64)
         table = indices[(start[:, None] + col).clamp_(max=n - 1)]  # padding reads listed slots, masked below
-    if table.device.type == "cpu" and table.dtype == I64 and not table.requires_grad:  # numpy: no dispatches
-        rows = torch.from_numpy((table.numpy()[:, None, :] * kvh + np.arange(kvh, dtype=np.int64)[:, None]).reshape(-1))
-    else:
-        rows = (table[:, None, :] * kvh + torch.arange(kvh, dtype=I64, device=table.device)[:, None]).view(-1)
+    rows = (table[:, None, :] * kvh + torch.arange(kvh, dtype=I64, device=table.device)[:, None]).view(-1)
     if decode and all_visible and (not window or keys <= window):
         return DensePlan(bs, kvh, g, 1, keys, rows, None, None, None, None)
     col = torch.arange(keys, dtype=I64, device=table.device)
