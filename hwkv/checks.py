@@ -35,7 +35,7 @@ def check_loc(name: str, loc: torch.Tensor, limit: int, device: torch.device) ->
     if loc.device.type != dev.type or (dev.index is not None and loc.device.index != dev.index):
         raise LocError(f"{name} is on {loc.device}, the pool is on {device}")
     if loc.numel() and values_checkable(loc):
-        lo, hi = (int(x) for x in torch.aminmax(loc))  # one reduction for both ends
+        lo, hi = int(loc.min()), int(loc.max())
         if lo < 0 or hi >= limit:
             raise LocError(f"{name} holds values in [{lo}, {hi}], allowed range is [0, {limit})")
 

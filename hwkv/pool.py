@@ -270,8 +270,8 @@ class SWAKVPool:
                 raise ConfigError("translating LocRuns needs out= (the list's static buffer)")
             ops.translate_runs(mapping, loc.req_to_token, loc.req_pool_indices, loc.pos0, loc.indptr, out)
             return out
-        if out is None:  # take: mapping[loc] for any shape of loc (negative indices too) in one dispatch
-            return torch.take(mapping, loc) if mapping.is_contiguous() else mapping[loc]
+        if out is None:
+            return mapping[loc]
         n, cap = loc.shape[0], out.shape[0]
         if cap == n:
             return torch.index_select(mapping, 0, loc, out=out)

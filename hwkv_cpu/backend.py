@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-import numpy as np
 import torch
 
 from hwkv import ops
@@ -93,18 +92,10 @@ class TorchCPUBackend(KernelSetBackend):
         rtt = self.req_to_token_pool.req_to_token
         uniform = min_len == max_len  # every request lists max_len keys: no padding, no clamping
         col = self._columns(max_len)
-        rows = batch.req_pool_indices
-        if rows.dtype == torch.int64 and pos0.dtype == torch.int64 and rows.dim() == 1 and not rtt.requires_grad:
-            # the gather as one numpy fancy index over views of the host tensors (fewer torch dispatches)
-            pos_h = col.numpy() if window is None else pos0.numpy()[:, None] + col.numpy()  # the full list: from 0
-            if not uniform:
-                pos_h = np.minimum(pos_h, rtt.shape[1] - 1)
-            table = torch.from_numpy(rtt.numpy()[rows.numpy()[:, None], pos_h])
-        else:
-            pos = col if window is None else pos0[:, None] + col  # the full list starts at 0
-            if not uniform:
-                pos = pos.clamp(max=rtt.shape[1] - 1)
-            table = rtt[rows.to(torch.int64)[:, None], pos]
+        pos = col if window is None else pos0[:, None] + col  # the full list starts at 0
+        if not uniform:
+            pos = pos.clamp(max=rtt.shape[1] - 1)
+        table = rtt[batch.req_pool_indices.to(torch.int64)[:, None], pos]
         swa_slots = window is not None and self.hybrid
         if swa_slots:
             table = self._translate_window(table)
