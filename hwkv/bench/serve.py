@@ -166,11 +166,16 @@ def serve_hwkv(model: Any, trace: List[TraceRequest], w: ServeWorkload, prefix_c
 def serve_transformers(model: Any, trace: List[TraceRequest], w: ServeWorkload) -> ServeRow:
     """The trace through transformers' continuous batching manager (paged cache), requests added at their
     arrival; token times from its own timestamps."""
-    from transformers import GenerationConfig
+    from transformers import ContinuousBatchingConfig, GenerationConfig
 
     cfg = GenerationConfig(max_new_tokens=w.new_tokens, min_new_tokens=w.new_tokens, do_sample=False,
                            eos_token_id=-1, pad_token_id=0)
-    manager = model.init_continuous_batching(generation_config=cfg)
+    # its cache sized as hwkv's pools are, for max_running requests of the longest context (by default it takes
+    # most of the free memory: 8 GiB of this machine's RAM for the tiny model)
+    pages = -(-w.context // w.page_size) + 1
+    cbc = ContinuousBatchingConfig(num_blocks=w.max_running * pages, page_size=w.page_size,
+                                   max_batch_tokens=max(w.chunk, w.prompt_len))
+    manager = model.init_continuous_batching(generation_config=cfg, continuous_batching_config=cbc)
     manager.start()
     try:
         manager.add_request(trace[0].prompt[:8], request_id="warm-up", max_new_tokens=2)
@@ -194,6 +199,7 @@ def serve_transformers(model: Any, trace: List[TraceRequest], w: ServeWorkload) 
         wall = max(e for _, _, e, _ in done)
     finally:
         manager.stop(block=True)
+        model.destroy_cached_continuous_batching_manager()
     return _row("transformers generate_batch (continuous batching)", w, done, wall)
 
 
