@@ -320,17 +320,18 @@ class PagedTokenToKVPoolAllocator:
         pages reaching 0 go back."""
         self._change(loc, -1, -1 if with_swa else 0)
 
-    def share(self, loc: torch.Tensor, with_swa: bool = True) -> None:
+    def share(self, loc: torch.Tensor, with_swa: bool = True, *, checked: bool = False) -> None:
         """Take one more reference to each live full page holding `loc` and, with `with_swa`, to its SWA
-        page (which must be there): a cached prefix or a second request now holds them too."""
-        self._change(loc, 1, 1 if with_swa else 0)
+        page (which must be there): a cached prefix or a second request now holds them too. `checked`: the
+        caller ran `check_share` over these pages (or more) since the last change, so it is not run again."""
+        self._change(loc, 1, 1 if with_swa else 0, checked)
 
-    def _change(self, loc: torch.Tensor, full_delta: int, swa_delta: int) -> None:
+    def _change(self, loc: torch.Tensor, full_delta: int, swa_delta: int, checked: bool = False) -> None:
         loc = _check_loc_tensor(loc)
         if loc.numel() == 0:
             return
         pages = None
-        if self.immediate:
+        if self.immediate and not checked:
             pages = self._check_free(loc, swa_required=swa_delta != 0 and full_delta >= 0 and self._swa is not None,
                                      sharing=full_delta > 0)
         self._next_op()

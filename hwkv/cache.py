@@ -314,8 +314,10 @@ class HybridPrefixCache:
             old.append(nd.locs)
             revived.append(nd)
         swa_ranges = [locs[nd.start:nd.end] for nd in revived] + [locs[new_cut:n]]
-        self.allocator.share(locs[m:new_cut], with_swa=False)
-        self.allocator.share(torch.cat(swa_ranges) if len(swa_ranges) > 1 else swa_ranges[0], with_swa=True)
+        # both within what _precheck passed (the pages of [m, n), the SWA of the revived parts and [new_cut, n))
+        self.allocator.share(locs[m:new_cut], with_swa=False, checked=True)
+        self.allocator.share(torch.cat(swa_ranges) if len(swa_ranges) > 1 else swa_ranges[0], with_swa=True,
+                             checked=True)
         if old:
             self.allocator.free(torch.cat(old), with_swa=False)  # after the share: a page in both keeps a holder
         for nd in revived:
@@ -375,8 +377,8 @@ class HybridPrefixCache:
             if m > req_to_token_pool.max_context_len:
                 raise LocError(f"a match of {m} tokens exceeds max_context_len {req_to_token_pool.max_context_len}")
             self._precheck(match.locs, match.locs[s0:m], s0)
-            self.allocator.share(match.locs[:s0], with_swa=False)
-            self.allocator.share(match.locs[s0:m], with_swa=True)
+            self.allocator.share(match.locs[:s0], with_swa=False, checked=True)
+            self.allocator.share(match.locs[s0:m], with_swa=True, checked=True)
             req_to_token_pool.write(row, 0, match.locs)
         return self._lock(match.node, s0), s0
 
