@@ -25,8 +25,7 @@ from hwkv.layer import AttentionLayer
 from hwkv.loc import KVWriteLoc, LocRuns, SWALocCache
 from hwkv.metadata import (ForwardMetadata, GraphViews, KVIndexList, StaticBuffers, alloc_static, check_fits,
                            cumsum_into, fill_list, window_pos0)
-from hwkv.spec import (DraftTree, TreeDecodeBuffers, TreeMask, alloc_tree_decode, build_tree_mask, check_tree,
-                       tree_decode_list)
+from hwkv.spec_plan import TreePlanner
 
 
 @dataclass(frozen=True)
@@ -80,9 +79,7 @@ class AttentionBackend(DraftMetadataMixin):
         self.forward_metadata: Optional[ForwardMetadata] = None
         self.static: Optional[StaticBuffers] = None
         self._views: Dict[Tuple[int, int], GraphViews] = {}
-        self._tree_static: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (mask_indptr, q_positions)
-        self._tree_decode_static: Dict[Optional[int], TreeDecodeBuffers] = {}  # decode-like verify graphs' lists
-        self._token_arange: Optional[torch.Tensor] = None  # int32 [max_num_tokens + 1]: its qo_indptr
+        self.tree_planner = TreePlanner(self)  # a verify tree's metadata (mask, decode-like lists)
         self.draft_static = None  # hwkv.draft.DraftStatic, made by init_draft_graph_state
         self._graph_tables: List[Any] = []  # alloc_graph_tables per static buffer set (index: md.graph_step)
         self._list_windows: Optional[torch.Tensor] = None  # [0, *windows] on the device, for the fused eager lists
@@ -165,66 +162,11 @@ class AttentionBackend(DraftMetadataMixin):
                              seq_lens_cpu=seq_cpu, extend_lens_cpu=ext_cpu)
         if batch.spec_info is not None:  # a verify tree (DraftTree) or another mode's draft info
             ext = batch.extend_lens().to(torch.int64) if ext is None else ext
-            md.tree = self._tree_mask(batch, ext, qo_indptr, q_pos0, ext_cpu)
-            self._tree_decode(md, ext, batch)
+            md.tree = self.tree_planner.mask(batch, ext, qo_indptr, q_pos0, ext_cpu)
+            self.tree_planner.decode_lists(md, ext, batch)
         self.init_kernel_metadata(md, batch, graph=False)
         self.forward_metadata = md
         return md
-
-    def _tree_mask(self, batch: ForwardBatch, ext: torch.Tensor, qo_indptr: torch.Tensor, q_pos0: torch.Tensor,
-                   ext_cpu: Optional[torch.Tensor], graph: bool = False) -> Optional[TreeMask]:
-        """The verify tree's kernel form (mask offsets, query positions), once per forward; None without one."""
-        info = batch.spec_info
-        if not isinstance(info, DraftTree):
-            return None
-        if batch.forward_mode != ForwardMode.TARGET_VERIFY:
-            raise ConfigError(f"a DraftTree belongs to a TARGET_VERIFY forward, not {batch.forward_mode.name}")
-        if info.mask.device.type != self.device.type:
-            raise ShapeError(f"DraftTree.mask lives on {info.mask.device}, the pool on {self.device}")
-        if ext_cpu is None:  # graph mode: equal draft counts per request, the mask's length is static
-            total = int(info.mask.shape[0])
-            per = batch.num_tokens // max(batch.batch_size, 1)
-            if total != batch.batch_size * per * per:
-                raise ShapeError(f"DraftTree.mask has {total} entries; {batch.batch_size} requests of {per} draft "
-                                 f"tokens need {batch.batch_size * per * per}")
-        else:
-            total = check_tree(info, ext_cpu, self.debug)
-        indptr, positions = self._tree_static if graph else (None, None)
-        return build_tree_mask(info, ext, qo_indptr, q_pos0, total, batch.num_tokens, indptr, positions)
-
-    def _tree_decode(self, md: ForwardMetadata, ext: torch.Tensor, batch: ForwardBatch) -> None:
-        """With tree_verify="decode" (or "auto" where `decode_like_verify_pays`): md.tree_decode, the verify
-        as a decode forward of one query per draft token over its own lists. Eager: the backend's kernel
-        metadata for it too (vendor decode ops that plan from the lists alone take it); graph mode writes the
-        static lists and builds no vendor tables (theirs are sized for the graph's own lists), so those
-        layers run the portable kernels."""
-        num_tokens, rows, mode = batch.num_tokens, batch.req_pool_indices, self.options.tree_verify
-        if md.tree is None or mode == "extend" or (
-                mode == "auto" and not self.decode_like_verify_pays(batch.batch_size, num_tokens)):
-            return
-        static = self._tree_decode_static if md.graph else {}
-        if md.graph and not static:  # the first decode-like graph verify: its capture's warm-up refill, not a replay
-            # "decode": every bucket takes these lists; "auto": only small ones do, and GraphRunner captures its
-            # largest bucket first, so this one is the largest (a later, larger one is a CapacityError)
-            st, ctx = self.static, self.graph_max_context_len
-            tokens = st.max_num_tokens if mode == "decode" else num_tokens
-            static.update({w: alloc_tree_decode(tokens, ctx if w is None else min(ctx, w), self.device)
-                           for w in [None, *self.windows]})
-            self._token_arange = torch.arange(st.max_num_tokens + 1, dtype=torch.int32, device=self.device)
-
-        def one(lst: KVIndexList) -> KVIndexList:
-            buf = static.get(lst.window)
-            cap = buf.row_cap if buf is not None else (min(lst.max_len, lst.window) if lst.window else lst.max_len)
-            return tree_decode_list(md.tree, lst, md.qo_indptr, md.q_pos0, ext, num_tokens, max(cap, 1), buf,
-                                    (self.req_to_token_pool.req_to_token, rows))
-
-        qo = (self._token_arange[:num_tokens + 1] if md.graph
-              else torch.arange(num_tokens + 1, dtype=torch.int32, device=self.device))
-        md.tree_decode = ForwardMetadata(md.write_loc, md.swa_out_cache_loc, qo, md.tree.q_positions, one(md.full),
-                                         {w: one(lst) for w, lst in md.windows.items()}, 1, num_tokens, True,
-                                         graph=md.graph)
-        if not md.graph:  # no host lengths of its lists (tree depths live on the device): None
-            self.init_kernel_metadata(md.tree_decode, batch, graph=False)
 
     def _eager_fused(self, batch: ForwardBatch, kernels: ops.GraphRefillKernels, ext: Optional[torch.Tensor],
                      seq_h: List[int], win_lens: Dict[int, List[int]]) -> Tuple[torch.Tensor, torch.Tensor,
@@ -302,8 +244,7 @@ class AttentionBackend(DraftMetadataMixin):
         self._views = {}
         self.loc_cache.alloc_graph_buffer(max_num_tokens, self.device)
         self.graph_max_context_len = ctx
-        self._tree_static = (torch.zeros(max_bs + 1, dtype=torch.int64, device=self.device),
-                             torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device))
+        self.tree_planner.init_graph_state(max_bs, max_num_tokens)
         self._graph_tables = [self.alloc_graph_tables(self.static)]
 
     def init_forward_metadata_graph(self, batch: ForwardBatch, max_q_len: Optional[int] = None) -> ForwardMetadata:
@@ -336,11 +277,11 @@ class AttentionBackend(DraftMetadataMixin):
         else:
             views = self._refill_torch(batch, max_q)
         ext = None if decode else batch.extend_seq_lens
-        tree = None if decode else self._tree_mask(batch, ext, views.qo_indptr, views.q_pos0, None, graph=True)
+        tree = None if decode else self.tree_planner.mask(batch, ext, views.qo_indptr, views.q_pos0, None, graph=True)
         md = ForwardMetadata(write_loc, swa, views.qo_indptr, views.q_pos0, views.full, views.windows, max_q, bs,
                              decode, graph=True, tree=tree)
         if tree is not None:
-            self._tree_decode(md, ext, batch)
+            self.tree_planner.decode_lists(md, ext, batch)
         self.init_kernel_metadata(md, batch, graph=True)
         self.forward_metadata = md
         return md

@@ -457,7 +457,7 @@ def test_auto_graph_lists_are_sized_by_the_first_decode_like_capture(monkeypatch
     h, rids, calls = _recording_verify_harness(AlwaysPays, "auto", None, monkeypatch)
     h.backend.init_graph_state(4, 20)
     h.enable_graphs([1], EagerAdapter(), mode=ForwardMode.TARGET_VERIFY, tokens_per_req=5, tree=True)
-    assert {b.pos0.shape[0] for b in h.backend._tree_decode_static.values()} == {5}, "sized for 1 x 5 drafts"
+    assert {b.pos0.shape[0] for b in h.backend.tree_planner._tree_decode_static.values()} == {5}, "sized for 1 x 5 drafts"
     with pytest.raises(CapacityError, match="10 draft tokens .* exceed the tree-decode buffers"):
         h.enable_graphs([2], EagerAdapter(), mode=ForwardMode.TARGET_VERIFY, tokens_per_req=5, tree=True)
 
