@@ -24,12 +24,12 @@ class StagingRing:
         self._blocks: List[torch.Tensor] = []
         if self.device.type != "cpu":
             try:
-                self._blocks = [torch.empty(n, dtype=torch.int64, pin_memory=True) for _ in range(slots)]
+                self._blocks = [torch.empty(n, dtype=torch.int64, device="cpu", pin_memory=True) for _ in range(slots)]
             except RuntimeError:  # no pinned memory here: copies from pageable memory finish before returning
                 self._blocks = []
         self.pinned = bool(self._blocks)
         if not self.pinned:
-            self._blocks = [torch.empty(n, dtype=torch.int64)]
+            self._blocks = [torch.empty(n, dtype=torch.int64, device="cpu")]
         self._events: List[Optional[torch.Event]] = [
             torch.Event(device=self.device.type) if self.pinned else None for _ in self._blocks]
         self._recorded = [False] * len(self._blocks)

@@ -35,3 +35,17 @@ def test_a_block_is_not_rewritten_before_the_device_read_it():
         ring.send(outs[step], 2)
     torch.cuda.synchronize()
     assert outs[:, 0].tolist() == list(range(64)) and outs[:, 1].tolist() == [-s for s in range(64)]
+
+
+def test_host_blocks_stay_on_the_host_under_a_default_device():
+    """Users call torch.set_default_device: the staging blocks and the sampling parameters' host copies are
+    host tensors whatever it is."""
+    from hwkv.engine.sampling import SamplingParams, params_tensors
+    torch.set_default_device("meta")
+    try:
+        ring = StagingRing(4, torch.device("cpu"), slots=2)
+        assert all(b.device.type == "cpu" for b in ring._blocks)
+        temp, top_p, seeds, steps = params_tensors([SamplingParams(seed=3)], [5], torch.device("cpu"))
+        assert temp.device.type == seeds.device.type == "cpu" and int(steps[0]) == 5
+    finally:
+        torch.set_default_device(None)

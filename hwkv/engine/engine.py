@@ -29,6 +29,7 @@ from hwkv.engine.stats import RunnerStats
 from hwkv.errors import ConfigError, HwkvError, OutOfSlotsError
 
 I64 = torch.int64
+HOST = dict(dtype=torch.int64, device="cpu")  # host values: never on the default device a user set
 # the model over one forward's packed tokens: (batch, token ids, positions, keep) -> logits [K, vocab], where
 # keep is 0 (every token) or the indices of the tokens whose logits are wanted
 ModelStep = Callable[[ForwardBatch, torch.Tensor, torch.Tensor, Union[int, torch.Tensor]], torch.Tensor]
@@ -77,7 +78,7 @@ class Engine:
         # overlap: a step's tokens are read by the host during the next step (see `step`)
         self.overlap = dev.type != "cpu" if overlap is None else bool(overlap)
         pin = dev.type != "cpu"
-        self._readback = [torch.zeros(pool_plan.max_running + 2, dtype=I64, pin_memory=pin) for _ in range(2)]
+        self._readback = [torch.zeros(pool_plan.max_running + 2, **HOST, pin_memory=pin) for _ in range(2)]
         self._inflight: Optional[_Inflight] = None
         self._steps = 0
         # the host's copy of each row's frontier, moved by the release rule: steps where no frontier moves
@@ -187,7 +188,7 @@ class Engine:
                     req.row = row
                     self._host_frontiers[row] = 0
                     self.stats.record_prompt(len(req.prompt), 0)
-                self.frontiers[_to_device(torch.tensor(new_rows, dtype=I64), self.device)] = 0
+                self.frontiers[_to_device(torch.tensor(new_rows, **HOST), self.device)] = 0
         else:
             admitted = self.scheduler.admit(self._start_cached)
         rows = self.scheduler.schedule()
@@ -227,7 +228,7 @@ class Engine:
         n = len(sampled)
         if n:
             where = batch.req_pool_indices if n == len(rows) else batch.req_pool_indices.index_select(
-                0, _to_device(torch.tensor([i for i, r in enumerate(rows) if r.samples], dtype=I64), self.device))
+                0, _to_device(torch.tensor([i for i, r in enumerate(rows) if r.samples], **HOST), self.device))
             self.next_ids[where] = tokens
         buf = self._readback[self._steps % 2]
         self._steps += 1
@@ -378,7 +379,7 @@ class Engine:
         # tensor, one copy to the device
         both = torch.tensor([r.req.row for r in rows] + [r.prefix for r in rows] + [r.prefix + r.n for r in rows]
                             + [r.n for r in rows] + [max(r.prefix - 1, 0) for r in rows] + ids + pos + row_of,
-                            dtype=I64)
+                            **HOST)
         host = both[:5 * bs].view(5, bs)
         both_dev = _to_device(both, self.device)
         host_dev, flat_dev = both_dev[:5 * bs].view(5, bs), both_dev[5 * bs:].view(3, t)
@@ -404,13 +405,13 @@ class Engine:
         after: one host tensor, one copy to the device), its last sampled token from the device, one slot each,
         one scatter."""
         both = torch.tensor([r.req.row for r in rows] + [r.prefix for r in rows] + [r.prefix - 1 for r in rows]
-                            + [r.prefix + 1 for r in rows], dtype=I64)
+                            + [r.prefix + 1 for r in rows], **HOST)
         bs = len(rows)
         seq_cpu = both[3 * bs:4 * bs]
         rows_dev, pos_dev, before_dev, seq_dev = _to_device(both, self.device).view(4, bs)
         ids_dev = self.next_ids[rows_dev]
         if any(r.req.prefilling for r in rows):  # a prompt's last token rides along: its id comes from the host
-            prompt = _to_device(torch.tensor([r.req.next_tokens(1)[0] for r in rows], dtype=I64), self.device)
+            prompt = _to_device(torch.tensor([r.req.next_tokens(1)[0] for r in rows], **HOST), self.device)
             ids_dev = torch.where(prompt < 0, ids_dev, prompt)
         rtt = self.cache.rtt.req_to_token
         last = rtt[rows_dev, before_dev]  # each request's slot of its previous token
@@ -430,7 +431,7 @@ class Engine:
             ends += r.n
             if r.samples:
                 keep.append(ends - 1)
-        keep_dev = None if len(keep) == ends else _to_device(torch.tensor(keep, dtype=I64), self.device)
+        keep_dev = None if len(keep) == ends else _to_device(torch.tensor(keep, **HOST), self.device)
         if batch.forward_mode == ForwardMode.DECODE and self.graph is not None:
             logits = self.graph.run(batch, {"input_ids": ids, "positions": pos})
             self.stats.graph_replays = self.graph.replays

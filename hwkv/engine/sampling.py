@@ -91,8 +91,9 @@ def params_tensors(params: Sequence[SamplingParams], steps: Sequence[int],
                    device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(temperature, top_p, seeds, steps) of the sampled rows, on `device` (two host-to-device copies, from
     pinned memory: the host does not wait)."""
-    floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]], dtype=torch.float32)
-    ints = torch.tensor([[p.seed or 0 for p in params], list(steps)], dtype=torch.int64)
+    floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]], dtype=torch.float32,
+                          device="cpu")
+    ints = torch.tensor([[p.seed or 0 for p in params], list(steps)], dtype=torch.int64, device="cpu")
     if torch.device(device).type != "cpu":
         floats, ints = floats.pin_memory().to(device, non_blocking=True), ints.pin_memory().to(device, non_blocking=True)
     return floats[0], floats[1], ints[0], ints[1]

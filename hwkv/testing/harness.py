@@ -437,8 +437,8 @@ class Harness:
     def step_graph_decode(self, rids: Sequence[int], inputs: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
         """One decode step of `rids` through the step graph (`enable_step_graph`); the flat outputs. `inputs`
         None: drawn into the graph's buffers already. The host lengths move here, as `allocate` moves them."""
-        seq = torch.tensor([self.requests[i].seq_len + 1 for i in rids], dtype=I64)
-        out = self.step_graph.step(torch.tensor(list(rids), dtype=I64), seq, seq, inputs)
+        seq = torch.tensor([self.requests[i].seq_len + 1 for i in rids], dtype=I64, device="cpu")
+        out = self.step_graph.step(torch.tensor(list(rids), dtype=I64, device="cpu"), seq, seq, inputs)
         for rid in rids:
             self.requests[rid].seq_len += 1
         return out
