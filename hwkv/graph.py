@@ -219,6 +219,7 @@ class GraphRunner:
         if self.mode != ForwardMode.DECODE:   # eager runs take any lengths; the static batch takes tpr each
             self._check_tokens_per_request(batch)
         bs_pad = self.buckets[i]
+        self._take_inputs(inputs, n)  # first: a bad input leaves the static batch as it was
         self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
         self.seq_lens[:bs].copy_(batch.seq_lens)
         self._host_lens = batch.seq_lens_cpu is not None
@@ -231,14 +232,24 @@ class GraphRunner:
                 self.tree_mask[:bs * blk].view(-1, blk).copy_(self.chain_mask)
             else:
                 self.tree_mask[:bs * blk].copy_(tree.mask)
-        for k, v in self.inputs.items():
-            src = inputs[k]
-            if src.data_ptr() != v.data_ptr():  # inputs produced in the static buffers need no copy
-                v[:n].copy_(src)
         self._pad(bs_pad, bs)
         if not self.metadata_in_graph:
             self._refill(self._static_batch(bs_pad))
         return PreparedStep(bs_pad, n)
+
+    def _take_inputs(self, inputs: Dict[str, torch.Tensor], n: int) -> None:
+        """Check every input for `n` tokens, then copy those not already in the static buffers (an engine that
+        writes them there copies nothing); checked whole before the first copy, so a bad input changes nothing."""
+        fresh = []
+        for k, v in self.inputs.items():
+            src = inputs.get(k)
+            if src is None or src.shape[0] < n or src.shape[1:] != v.shape[1:]:
+                raise ShapeError(f"input {k!r} must be [{n}, {', '.join(map(str, v.shape[1:]))}], got "
+                                 f"{None if src is None else list(src.shape)}")
+            if src.data_ptr() != v.data_ptr():
+                fresh.append((v, src))
+        for v, src in fresh:
+            v[:n].copy_(src[:n])
 
     def replay(self, step: "PreparedStep") -> torch.Tensor:
         """The layers of a prepared step: replay its bucket's graph (or run the eager fallback)."""

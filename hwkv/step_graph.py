@@ -168,20 +168,6 @@ class DecodeStepGraph(GraphRunner):
         self.replays += 1
         return out[:bs]
 
-    def _take_inputs(self, inputs: Dict[str, torch.Tensor], bs: int) -> None:
-        """Check every input, then copy those not already in the static buffers: before the pages are claimed,
-        so a bad input changes nothing."""
-        fresh = []
-        for k, v in self.inputs.items():
-            src = inputs.get(k)
-            if src is None or src.shape[0] < bs or src.shape[1:] != v.shape[1:]:
-                raise ShapeError(f"input {k!r} must be [{bs}, {', '.join(map(str, v.shape[1:]))}], got "
-                                 f"{None if src is None else list(src.shape)}")
-            if src.data_ptr() != v.data_ptr():
-                fresh.append((v, src))
-        for v, src in fresh:
-            v[:bs].copy_(src[:bs])
-
     def _eager_step(self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
                     inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
         """A batch larger than every bucket: the same step through the eager API (never dropped)."""
