@@ -609,3 +609,29 @@ def test_cli_generate_runs_a_conversation_from_the_prefix_cache(saved, prompts, 
     assert s_on["prompt_tokens"] == s_off["prompt_tokens"] == sum(map(len, sent))
     assert s_on["prefill_tokens"] == s_on["prompt_tokens"] - s_on["reused_tokens"]
     assert s_on["reused_tokens"] >= 0.5 * sum(map(len, sent[1:])) and s_off["reused_tokens"] == 0
+
+
+def test_a_waiting_request_does_not_read_the_device_every_step(saved, prompts):
+    """With the prefix cache, admission reads the allocator's free slots (a device read on accelerators). A
+    request refused for room is retried only after a request left or the cache grew, not at every step; then
+    it runs as usual."""
+    model = _load(saved["gpt_oss"])
+    want = hf_greedy(model, prompts[:2])
+    with HybridRunner(model, max_running=2, chunk=32, page_size=4, context=40) as runner:
+        first = runner.add_request(prompts[0], SamplingParams(max_new_tokens=NEW))
+        got = {r.rid: r.tokens for r in runner.step()}  # the first runs (its prompt cached)
+        reads, full = [], [0]  # the pools look full until full[0] is set back
+        inner = runner.cache.allocator.full_available_size
+        runner.cache.allocator.full_available_size = lambda: reads.append(1) or (full[0] if full[0] >= 0 else inner())
+        second = runner.add_request(prompts[1], SamplingParams(max_new_tokens=NEW))
+        for _ in range(5):
+            assert runner.scheduler.admit(runner._start_cached) == []
+        assert len(reads) == 1  # refused once, then the refusal stands: nothing changed
+        runner._finished += 1   # as if a request left: worth asking again
+        assert runner.scheduler.admit(runner._start_cached) == [] and len(reads) == 2
+        full[0] = -1            # room again
+        runner._finished += 1
+        while runner.has_work():
+            got.update({r.rid: r.tokens for r in runner.step()})
+            runner.check_integrity()
+    assert [got[first], got[second]] == want

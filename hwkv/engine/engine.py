@@ -88,6 +88,8 @@ class Engine:
         self.requests: Dict[int, Request] = {}
         self.unclaimed: Dict[int, Result] = {}  # finished inside generate(), queued by add_request: pop them
         self._next_rid = 0
+        self._finished = 0  # requests that left the engine (frees happen then)
+        self._refused_at: Optional[Tuple[int, int]] = None  # (finished, cached tokens) at the last refused admission
         self.graph = self._graph_runner(graph_adapter, graph_choice, graph_batch_sizes)
 
     def _graph_runner(self, adapter: Any, choice: str, batch_sizes: Optional[Sequence[int]]) -> Any:
@@ -270,6 +272,7 @@ class Engine:
         if dropped:
             self.stats.drop_tokens(rec.mode, dropped)
         if done:
+            self._finished += len(done)
             if self.prefix is not None:  # each one's tokens go to the cache, its own references back
                 for r in done:
                     ids = (r.prompt + r.output)[:r.kv_len]
@@ -291,12 +294,19 @@ class Engine:
         still to come and its own new pages within the free full slots plus what the cache can evict (its
         match locked first, so that is not counted). Nothing is evicted between the match and the acquire."""
         c, a, p = self.prefix, self.cache.allocator, self.cache.plan.page_size
+        # free + evictable - need grows only when a request leaves (running requests' allocations and evictions
+        # move both sides alike) or the cache holds more (a longer match): until then a refusal stands, with no
+        # device read while the queue waits
+        state = (self._finished, c.full_tokens)
+        if self._refused_at == state:
+            return False
         m = c.match_prefix(req.prompt[:-1])
         held = c.lock(m)
         need = (self.scheduler.full_pages_left() + req.full_pages) * p - m.length
         free, evictable = a.full_available_size(), c.evictable_full  # the one device read of an admission
         if need > free + evictable:
             c.unlock(held)
+            self._refused_at = state
             return False
         # the cache may hold this prompt's history past the match (its window evicted, so the match was cut
         # back): caching the recomputed prompt locks those nodes too, so make the room now, with the match locked
