@@ -32,13 +32,15 @@ class DecodeStepGraph(GraphRunner):
     """Captures `alloc + req_to_token write + refill + fn(batch, inputs) + release` per bucket (see module doc).
 
     `frontiers`: int64 [req_to_token rows] on the device, each row's release frontier (None: no release, a
-    pool without windows). `step(rows, seq_lens, seq_lens_cpu, inputs)` runs one decode step: rows and
+    pool without windows). `pad_row`: a req_to_token row the caller keeps for padded requests (None: the graph
+    takes one from the pool). `step(rows, seq_lens, seq_lens_cpu, inputs)` runs one decode step: rows and
     seq_lens (lengths after the step) on the device, seq_lens_cpu their host copy.
     """
 
     def __init__(self, backend: Any, allocator: Any, fn: ModelFn, batch_sizes: Sequence[int],
                  input_shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], adapter: Optional[GraphAdapter] = None,
-                 frontiers: Optional[torch.Tensor] = None, window: Optional[int] = None) -> None:
+                 frontiers: Optional[torch.Tensor] = None, window: Optional[int] = None,
+                 pad_row: Optional[int] = None) -> None:
         # checked before anything is made (the base class sets up the backend's graph state)
         if (frontiers is None) != (window is None):
             raise ConfigError("frontiers and window go together: both for a pool with windows, neither without")
@@ -57,7 +59,9 @@ class DecodeStepGraph(GraphRunner):
         self.allocator, self.frontiers, self.window = allocator, frontiers, window
         self._records = bool(getattr(self.adapter, "records_device_work", False))
         self.rtt = rtt_pool.req_to_token
-        self.pad_row = rtt_pool.alloc(1)[0]  # padded requests write here, never into a live row
+        # padded requests write here, never into a live row: the caller's reserved row, or one taken now
+        self._own_pad = pad_row is None
+        self.pad_row = rtt_pool.alloc(1)[0] if pad_row is None else int(pad_row)
         dev, b = backend.device, self.buckets[-1]
         # what the host sends each step, one copy: [head_full, head_swa, live requests] then (row, length) pairs
         self.staged = torch.zeros(3 + 2 * b, dtype=torch.int64, device=dev)
@@ -73,8 +77,11 @@ class DecodeStepGraph(GraphRunner):
         self.req_pool_indices.fill_(self.pad_row)
 
     def release_rows(self) -> None:
-        """Give the padding row back to the req_to_token pool (the graph is done with)."""
-        self.backend.req_to_token_pool.free(self.pad_row)
+        """Give the padding row back to the req_to_token pool (the graph is done with); a row the caller passed
+        stays the caller's."""
+        if self._own_pad:
+            self.backend.req_to_token_pool.free(self.pad_row)
+            self._own_pad = False
 
     # ---- the step, as captured -------------------------------------------------------------------
     def _refill_and_run(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:

@@ -157,6 +157,39 @@ def test_pages_and_graph_decode(arch, page_size, graphs, chunk, saved, prompts):
     assert (replays > 0) == (graphs == "eager")
 
 
+@pytest.mark.parametrize("arch,page_size,overlap", [("gpt_oss", 1, True), ("gemma2", 16, False), ("cohere2", 4, True)])
+def test_whole_step_graph_decode_equals_the_layers_graph(arch, page_size, overlap, saved, prompts):
+    """Decode steps as one graph each (allocation, req_to_token, metadata, layers, release inside: the
+    DecodeStepGraph) give the tokens the layers-only graph and transformers give, with the prefix cache serving
+    the second round; the pools end as consistent."""
+    from hwkv.step_graph import DecodeStepGraph
+
+    model = _load(saved[arch])
+    want = hf_greedy(model, prompts)
+    got = {}
+    for whole in (True, False):
+        with HybridRunner(model, max_running=4, chunk=16, page_size=page_size, context=48, graphs="eager",
+                          whole_step=whole, overlap=overlap) as runner:
+            assert runner.whole_step is whole and isinstance(runner.graph, DecodeStepGraph) is whole
+            rounds = [runner.generate(prompts, SamplingParams(max_new_tokens=NEW)) for _ in range(2)]
+            runner.check_integrity()
+            assert runner.stats.graph_replays > 0
+            if runner.prefix is not None:
+                assert runner.stats.reused_tokens > 0
+        got[whole] = [[r.tokens for r in res] for res in rounds]
+    assert got[True] == got[False] == [want, want]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU's compiled replay with torch page ops is the case refused")
+def test_whole_step_graph_needs_page_ops_or_eager_replay(saved):
+    """whole_step=True where the allocation cannot run inside the graph (the CPU's compiled replay, torch page
+    ops): a ConfigError naming the way out, and the model keeps its own attention."""
+    model = _load(saved["gemma2"])
+    with pytest.raises(ConfigError, match="whole_step=True.*graphs='eager'"):
+        HybridRunner(model, max_running=2, context=48, graphs="on", whole_step=True)
+    assert model.config._attn_implementation == "eager"
+
+
 def test_device_graph_adapter_decode(saved, prompts):
     """graphs="on": the device's own adapter (on the CPU torch.compile over the static buffers, CUDA graphs on
     NVIDIA)."""

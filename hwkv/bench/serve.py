@@ -122,15 +122,16 @@ def _row(method: str, w: ServeWorkload, times: List[Tuple[float, float, float, i
 
 
 def serve_hwkv(model: Any, trace: List[TraceRequest], w: ServeWorkload, prefix_cache: bool = True,
-               memory: Any = None) -> ServeRow:
-    """The trace through one HybridRunner: requests join at their arrival, one `step()` at a time."""
+               memory: Any = None, **runner_options: Any) -> ServeRow:
+    """The trace through one HybridRunner (`runner_options`: more of its keywords, e.g. whole_step): requests
+    join at their arrival, one `step()` at a time."""
     from hwkv.engine.sampling import SamplingParams
     from hwkv.integrations.transformers import HybridRunner
 
     name = "hwkv" if prefix_cache else "hwkv (no prefix cache)"
     params = SamplingParams(max_new_tokens=w.new_tokens)
     with HybridRunner(model, max_running=w.max_running, context=w.context, chunk=w.chunk, page_size=w.page_size,
-                      memory=memory, prefix_cache=prefix_cache) as runner:
+                      memory=memory, prefix_cache=prefix_cache, **runner_options) as runner:
         # untimed: the trace's first prompts twice (the second time from the cache), so every kernel the trace
         # runs (chunked and cached prefill, mixed and graph decode) is compiled before the clock starts
         warm = [r.prompt for r in trace[:2]] * 2

@@ -54,14 +54,17 @@ class Engine:
     the model (see `ModelStep`); `graph_adapter`: the device's, or None for eager decode (`graph_choice` is the
     user's setting, for messages); `prefix_cache`: a HybridPrefixCache over hybrid pools (the pools planned
     with room for each request's cache lock window); `overlap`: read each step's tokens during the next (None:
-    on accelerators)."""
+    on accelerators); `whole_step`: decode steps replay one graph each, allocation, req_to_token write, metadata
+    and release included (`hwkv.step_graph.DecodeStepGraph`; None: wherever the graph can hold them, i.e. the
+    allocator has the device's page-op kernels or the adapter replays eagerly), else graphs of the layers
+    only (`hwkv.graph.GraphRunner`)."""
 
     closed = False
 
     def __init__(self, cache: Cache, model_step: ModelStep, *, stats: RunnerStats, vocab_size: int,
                  window: Optional[int], graph_adapter: Any = None, graph_choice: str = "off",
                  graph_batch_sizes: Optional[Sequence[int]] = None, overlap: Optional[bool] = None,
-                 prefix_cache: bool = True) -> None:
+                 prefix_cache: bool = True, whole_step: Optional[bool] = None) -> None:
         self.cache, self.model_step, self.stats, self.vocab_size = cache, model_step, stats, int(vocab_size)
         pool_plan = cache.plan
         dev = self.device = cache.rtt.req_to_token.device
@@ -72,9 +75,12 @@ class Engine:
         if prefix_cache and cache.hybrid and window is not None:
             self.prefix = HybridPrefixCache(cache.allocator, window)
         self.scheduler = Scheduler(pool_plan, window, cached=self.prefix is not None)
-        self.frontiers = torch.zeros(pool_plan.max_running, dtype=I64, device=dev)  # per request row
+        rows = cache.rtt.size
+        # the row past the requests' (build_cache makes one more): a whole-step graph's padded requests write there
+        self.pad_row = cache.rtt.alloc(1)[0]
+        self.frontiers = torch.zeros(rows, dtype=I64, device=dev)  # per request row
         # each row's last sampled token, the next forward's input: sampled tokens never wait for the host
-        self.next_ids = torch.zeros(pool_plan.max_running, dtype=I64, device=dev)
+        self.next_ids = torch.zeros(rows, dtype=I64, device=dev)
         # overlap: a step's tokens are read by the host during the next step (see `step`)
         self.overlap = dev.type != "cpu" if overlap is None else bool(overlap)
         pin = dev.type != "cpu"
@@ -83,29 +89,46 @@ class Engine:
         self._steps = 0
         # the host's copy of each row's frontier, moved by the release rule: steps where no frontier moves
         # (most of them: a request's frontier moves one page every page_size tokens) skip the release call
-        self._host_frontiers: List[int] = [0] * pool_plan.max_running
+        self._host_frontiers: List[int] = [0] * rows
         self._pools_changed = False  # this step moved a page (the KV held may have changed)
         self.requests: Dict[int, Request] = {}
         self.unclaimed: Dict[int, Result] = {}  # finished inside generate(), queued by add_request: pop them
         self._next_rid = 0
         self._finished = 0  # requests that left the engine (frees happen then)
         self._refused_at: Optional[Tuple[int, int]] = None  # (finished, cached tokens) at the last refused admission
-        self.graph = self._graph_runner(graph_adapter, graph_choice, graph_batch_sizes)
+        self.whole_step = False
+        self.graph = self._graph_runner(graph_adapter, graph_choice, graph_batch_sizes, whole_step)
 
-    def _graph_runner(self, adapter: Any, choice: str, batch_sizes: Optional[Sequence[int]]) -> Any:
-        """A GraphRunner for decode forwards, captured now; None without an adapter (graphs off).
+    def _graph_runner(self, adapter: Any, choice: str, batch_sizes: Optional[Sequence[int]],
+                      whole_step: Optional[bool]) -> Any:
+        """A DecodeStepGraph (or a GraphRunner of the layers) for decode forwards, captured now; None without an
+        adapter (graphs off).
 
         The model's own code must be capturable too. With "auto" a capture that fails leaves decode eager and
         the reason in `stats.graph_error` (e.g. fp32 grouped_mm MoE experts copy through the host on CUDA);
         with "on" it raises ConfigError."""
         if adapter is None:
             return None
-        from hwkv.graph import GraphRunner
+        from hwkv.graph import EagerAdapter, GraphRunner
+        from hwkv.step_graph import DecodeStepGraph
 
         top = self.cache.plan.max_running
         buckets = sorted({b for b in (batch_sizes or [1 << i for i in range(12)]) if b <= top} | {top})
-        shapes = {"input_ids": ((), I64), "positions": ((), I64)}
-        runner = GraphRunner(self.cache.backend, self._decode_step, buckets, shapes, adapter, ForwardMode.DECODE)
+        # the allocation inside a graph reads its ring heads on the device (the device's page-op kernels); the
+        # torch ops size themselves from host values, so they serve only a replay that calls the step as it is
+        able = getattr(self.cache.allocator, "_ops", None) is not None or isinstance(adapter, EagerAdapter)
+        if whole_step and not able:
+            raise ConfigError(f"whole_step=True: a whole-step graph on {self.device.type} needs the device's page-op "
+                              "kernels (hwkv.pages.register_page_ops) or graphs='eager'; whole_step=None uses it "
+                              "where it can")
+        self.whole_step = able if whole_step is None else bool(whole_step)
+        if self.whole_step:
+            runner: Any = DecodeStepGraph(self.cache.backend, self.cache.allocator, self._whole_step_model, buckets,
+                                          {}, adapter, frontiers=self.frontiers if self.window is not None else None,
+                                          window=self.window, pad_row=self.pad_row)
+        else:
+            shapes = {"input_ids": ((), I64), "positions": ((), I64)}
+            runner = GraphRunner(self.cache.backend, self._decode_step, buckets, shapes, adapter, ForwardMode.DECODE)
         try:
             with torch.no_grad():
                 runner.capture()
@@ -116,6 +139,7 @@ class Engine:
             if choice != "auto":
                 raise ConfigError(f"graphs={choice!r}: {reason}; graphs='auto' falls back to eager decode") from e
             self.stats.graph_error = reason
+            self.whole_step = False
             return None
         return runner
 
@@ -197,40 +221,47 @@ class Engine:
         if not rows:  # nothing to run: what is still in flight finishes
             return self._read_back()
         self._pools_changed = bool(admitted)
+        sampled = [r for r in rows if r.samples]
         with torch.no_grad():
             if self.prefix is not None:
                 self._make_room(rows)
-            batch, ids, pos = self._allocate(rows)
-            tokens = self._forward(rows, batch, ids, pos)
-            if self.prefix is not None:
-                self._cache_prompts(rows, lock=False)  # with the chunk's SWA, which the release would drop
-            self._release(batch, rows)
-            if self.prefix is not None:
-                self._cache_prompts(rows, lock=True)
-        sampled = [r for r in rows if r.samples]
-        record = self._send(rows, sampled, batch, tokens)
+            if self.whole_step and all(r.n == 1 and r.prefix > 0 and not r.req.prefilling for r in rows):
+                mode, where, tokens = ForwardMode.DECODE, *self._decode_whole(rows, sampled)
+            else:
+                batch, ids, pos = self._allocate(rows)
+                tokens = self._forward(rows, batch, ids, pos, sampled)
+                if self.prefix is not None:
+                    self._cache_prompts(rows, lock=False)  # with the chunk's SWA, which the release would drop
+                self._release(batch, rows)
+                if self.prefix is not None:
+                    self._cache_prompts(rows, lock=True)
+                mode, where = batch.forward_mode, batch.req_pool_indices
+                if len(sampled) != len(rows):  # the rows that sample (a prompt chunk before its last does not)
+                    where = where.index_select(0, _to_device(torch.tensor(
+                        [i for i, r in enumerate(rows) if r.samples], **HOST), self.device))
+        record = self._send(rows, sampled, where, mode, tokens)
         finished = self._read_back()  # the previous step's tokens (with overlap: while this one runs)
         self._inflight = record
         if not self.overlap:
             finished += self._read_back()
         prefill = sum(r.n for r in rows if r.prefix < len(r.req.prompt))
-        self.stats.record_step(batch.forward_mode, prefill, len(sampled), time.perf_counter() - t0)
+        self.stats.record_step(mode, prefill, len(sampled), time.perf_counter() - t0)
         return finished
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
 
-    def _send(self, rows: List[Row], sampled: List[Row], batch: ForwardBatch, tokens: torch.Tensor) -> "_Inflight":
-        """After a forward is issued: lengths forward, the sampled tokens into `next_ids` (device) and on their way
-        to the host (one async copy, with the allocator's free counts when pages moved)."""
+    def _send(self, rows: List[Row], sampled: List[Row], where: torch.Tensor, mode: ForwardMode,
+              tokens: torch.Tensor) -> "_Inflight":
+        """After a forward is issued: lengths forward, the sampled tokens into `next_ids` (device; `where`: the
+        sampling rows' request rows there) and on their way to the host (one async copy, with the allocator's free
+        counts when pages moved)."""
         for r in rows:
             r.req.kv_len += r.n
         for r in sampled:
             r.req.pending += 1
         n = len(sampled)
         if n:
-            where = batch.req_pool_indices if n == len(rows) else batch.req_pool_indices.index_select(
-                0, _to_device(torch.tensor([i for i, r in enumerate(rows) if r.samples], **HOST), self.device))
             self.next_ids[where] = tokens
         buf = self._readback[self._steps % 2]
         self._steps += 1
@@ -245,7 +276,7 @@ class Engine:
         if self.device.type != "cpu":
             event = torch.Event(device=self.device.type)
             event.record()
-        return _Inflight(sampled, buf, event, heads, batch.forward_mode, cached)
+        return _Inflight(sampled, buf, event, heads, mode, cached)
 
     def _read_back(self) -> List[Result]:
         """The step in flight's sampled tokens (its one wait for the device): appended, stops checked, finished
@@ -433,16 +464,17 @@ class Engine:
         batch = ForwardBatch(ForwardMode.DECODE, bs, rows_dev, seq_dev, loc, positions=pos_dev, seq_lens_cpu=seq_cpu)
         return batch, ids_dev, pos_dev
 
-    def _forward(self, rows: List[Row], batch: ForwardBatch, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Metadata once, the model over the packed tokens (a graph replay for decode), the next tokens."""
-        sampled = [r for r in rows if r.samples]
+    def _forward(self, rows: List[Row], batch: ForwardBatch, ids: torch.Tensor, pos: torch.Tensor,
+                 sampled: List[Row]) -> torch.Tensor:
+        """Metadata once, the model over the packed tokens (a graph replay of the layers for decode), the next
+        tokens."""
         ends, keep = 0, []
         for r in rows:  # the last token of each row that samples
             ends += r.n
             if r.samples:
                 keep.append(ends - 1)
         keep_dev = None if len(keep) == ends else _to_device(torch.tensor(keep, **HOST), self.device)
-        if batch.forward_mode == ForwardMode.DECODE and self.graph is not None:
+        if batch.forward_mode == ForwardMode.DECODE and self.graph is not None and not self.whole_step:
             logits = self.graph.run(batch, {"input_ids": ids, "positions": pos})
             self.stats.graph_replays = self.graph.replays
             if keep_dev is not None:  # a prompt's next-to-last chunk of one token rode along: no sample there
@@ -450,6 +482,10 @@ class Engine:
         else:
             self.cache.backend.init_forward_metadata(batch)
             logits = self.model_step(batch, ids, pos, 0 if keep_dev is None else keep_dev)
+        return self._sample(sampled, logits)
+
+    def _sample(self, sampled: List[Row], logits: torch.Tensor) -> torch.Tensor:
+        """The next token of each sampling row from its logits (argmax when every row is greedy)."""
         params = [r.req.params for r in sampled]
         if all(p.greedy for p in params):  # argmax only: the sampling tensors would go unread
             return logits.argmax(dim=-1)
@@ -460,18 +496,32 @@ class Engine:
         """The graph runner's step: the model over the static decode inputs (every token's logits)."""
         return self.model_step(batch, inputs["input_ids"], inputs["positions"], 0)
 
+    def _whole_step_model(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """The whole-step graph's model: each row's last sampled token at position length - 1, both read on the
+        device inside the graph (the host sends nothing but the rows and lengths)."""
+        return self.model_step(batch, self.next_ids[batch.req_pool_indices], batch.seq_lens - 1, 0)
+
+    def _decode_whole(self, rows: List[Row], sampled: List[Row]) -> "tuple[torch.Tensor, torch.Tensor]":
+        """A decode step as one graph replay: the rows and lengths after it go to the device in one copy (the
+        allocation, req_to_token write, metadata, layers and out-of-window release run inside); returns the
+        request rows on the device (the graph's) and the sampled tokens. OutOfSlotsError before anything ran."""
+        bs = len(rows)
+        host = torch.tensor([r.req.row for r in rows] + [r.prefix + 1 for r in rows], **HOST)
+        seq = host[bs:]
+        logits = self.graph.step(host[:bs], seq, seq)
+        self.stats.graph_replays = self.graph.replays
+        p = self.cache.plan.page_size
+        if p == 1 or not all(r.prefix % p for r in rows):  # a page moved (else every token continued its page)
+            self._pools_changed = True
+        if self._move_frontiers(rows):  # the graph released what the host rule says moved
+            self._pools_changed = True
+        return self.graph.req_pool_indices[:bs], self._sample(sampled, logits)
+
     def _release(self, batch: ForwardBatch, rows: List[Row]) -> None:
         """One out-of-window release for the batch's requests (hybrid pools only), in the steps where some
         request's frontier moves (`release_out_of_window_batch`'s rule on the host lengths: the page-aligned
         frontier kept one page behind seq_len - W + 1); the others have nothing to release."""
-        if self.window is None:
-            return
-        p, w, host_f, moves = self.cache.plan.page_size, self.window, self._host_frontiers, False
-        for r in rows:
-            f = max(host_f[r.req.row], ((r.prefix + r.n - w + 1) // p) * p - p)
-            if f != host_f[r.req.row]:
-                host_f[r.req.row], moves = f, True
-        if not moves:
+        if not self._move_frontiers(rows):
             return
         self._pools_changed = True
         f = self.frontiers[batch.req_pool_indices]
@@ -479,12 +529,25 @@ class Engine:
                                     batch.seq_lens, f, self.window)
         self.frontiers[batch.req_pool_indices] = f
 
+    def _move_frontiers(self, rows: List[Row]) -> bool:
+        """The host's copy of each row's release frontier after this forward (`release_out_of_window_batch`'s rule
+        on the host lengths: the page-aligned frontier kept one page behind seq_len - W + 1); whether any moved."""
+        if self.window is None:
+            return False
+        p, w, host_f, moves = self.cache.plan.page_size, self.window, self._host_frontiers, False
+        for r in rows:
+            f = max(host_f[r.req.row], ((r.prefix + r.n - w + 1) // p) * p - p)
+            if f != host_f[r.req.row]:
+                host_f[r.req.row], moves = f, True
+        return moves
+
     def check_integrity(self) -> None:
         """Allocator, pools, request rows, reservations and the prefix cache are consistent (tests call it)."""
         self.cache.check_integrity()
         if self.prefix is not None:
             self.prefix.check_integrity()
-        self.scheduler.check_integrity(self.cache.plan.max_running - self.cache.rtt.available_size())
+        # every row but the padding row is a running request's or free
+        self.scheduler.check_integrity(self.cache.rtt.size - 1 - self.cache.rtt.available_size())
 
 
 

@@ -200,6 +200,7 @@ def build_cache(shape: ModelShape, pool_plan: PoolPlan, dtype: torch.dtype, devi
     else:
         pool = MHATokenToKVPool(p.size, p.page_size, dtype, layer_num=shape.num_layers, device=device, **kw)
         allocator = PagedTokenToKVPoolAllocator(p.size, p.page_size, device)
-    rtt = ReqToTokenPool(p.max_running, p.context, device)
+    # one row more than requests run: padded requests of a whole-step decode graph write there
+    rtt = ReqToTokenPool(p.max_running + 1, p.context, device)
     backend = make_backend(pool, rtt, device=backend_device, **backend_options)
     return Cache(pool, allocator, rtt, backend, p, shape)

@@ -31,7 +31,8 @@ class HybridRunner(Engine):
     def __init__(self, model: Any, *, device: Optional[str] = None, memory: Union[None, int, str] = None,
                  context: Optional[int] = None, max_running: int = 16, chunk: int = 512, page_size: int = 16,
                  graphs: GraphsOption = "auto", graph_batch_sizes: Optional[Sequence[int]] = None,
-                 overlap: Optional[bool] = None, prefix_cache: bool = True) -> None:
+                 overlap: Optional[bool] = None, prefix_cache: bool = True,
+                 whole_step: Optional[bool] = None) -> None:
         self.model = model
         dev = next(model.parameters()).device
         self.spec = resolve_spec(device, dev.type)
@@ -53,7 +54,8 @@ class HybridRunner(Engine):
                              vocab_size=int(model.get_output_embeddings().weight.shape[0]),
                              window=self.shape.window if self.shape.swa_layer_ids else None,
                              graph_adapter=graph_adapter(self.spec, choice), graph_choice=choice,
-                             graph_batch_sizes=graph_batch_sizes, overlap=overlap, prefix_cache=cached)
+                             graph_batch_sizes=graph_batch_sizes, overlap=overlap, prefix_cache=cached,
+                             whole_step=whole_step)
         except BaseException:
             self.close()
             raise
