@@ -152,12 +152,7 @@ class AttentionBackend(DraftMetadataMixin):
             else:
                 q_pos0 = seq - ext
                 qo_indptr = cumsum_into(ext, torch.empty(bs + 1, dtype=torch.int32, device=self.device))
-            full = self._eager_list(batch, seq, torch.zeros_like(seq), sum(seq_h), None, max(seq_h, default=0),
-                                    min_len=min(seq_h, default=0))
-            windows = {}
-            for w, lens in win_lens.items():
-                windows[w] = self._eager_list(batch, seq, window_pos0(q_pos0, w), sum(lens), w, max(lens, default=0),
-                                              min_len=min(lens, default=0))
+            full, windows = self._eager_lists(batch, seq, q_pos0, seq_h, win_lens)
         md = ForwardMetadata(write_loc, swa, qo_indptr, q_pos0, full, windows, max(ext_h, default=0), bs, decode,
                              seq_lens_cpu=seq_cpu, extend_lens_cpu=ext_cpu)
         if batch.spec_info is not None:  # a verify tree (DraftTree) or another mode's draft info
@@ -195,6 +190,18 @@ class AttentionBackend(DraftMetadataMixin):
                 ops.fill_kv_indices(rtt, batch.req_pool_indices, pos0, indptr, indices)
             windows[w] = KVIndexList(indptr, indices, pos0, w, max(wl), self.hybrid, min(wl))
         return q_pos0, qo_indptr, full, windows
+
+    def _eager_lists(self, batch: ForwardBatch, seq: torch.Tensor, q_pos0: torch.Tensor, seq_h: List[int],
+                     win_lens: Dict[int, List[int]]) -> Tuple[KVIndexList, Dict[int, KVIndexList]]:
+        """The forward's full list and one list per window (eager, torch path): `seq_h` and `win_lens` are the
+        lists' lengths per request on the host."""
+        full = self._eager_list(batch, seq, torch.zeros_like(seq), sum(seq_h), None, max(seq_h, default=0),
+                                min_len=min(seq_h, default=0))
+        windows = {}
+        for w, lens in win_lens.items():
+            windows[w] = self._eager_list(batch, seq, window_pos0(q_pos0, w), sum(lens), w, max(lens, default=0),
+                                          min_len=min(lens, default=0))
+        return full, windows
 
     def _eager_list(self, batch: ForwardBatch, seq: torch.Tensor, pos0: torch.Tensor, total: int,
                     window: Optional[int], max_len: int, min_len: int = 0) -> KVIndexList:

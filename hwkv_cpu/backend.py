@@ -16,7 +16,7 @@ decode measured 13.5 vs 28 ms in bf16 and 60 vs 55 ms in fp32 (8 requests x 2,04
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -28,7 +28,7 @@ from hwkv.layer import AttentionLayer
 from hwkv.metadata import ForwardMetadata, KVIndexList, StaticBuffers, cumsum_into
 from hwkv_cpu import ipex
 from hwkv_cpu import kernels as _kernels
-from hwkv_cpu.kernels_dense import (DENSE_MAX_ELEMENTS, DensePlan, compute_dtype, dense_attention, plan_dense,
+from hwkv_cpu.kernels_dense import (DENSE_MAX_ELEMENTS, compute_dtype, dense_attention, plan_dense,
                                     sink_column)
 
 if ipex.installed_reason() is None:  # cheap: package metadata only; IPEX itself is imported on first use
@@ -57,6 +57,35 @@ class CPUOptions(BackendOptions):
             raise ConfigError(f"dense_max_elements={m!r} must be an int >= 0 (0: off)")
 
 
+@dataclass
+class _LayerKit:
+    """One layer's dense-call constants: made from the fields in `sig` (and `sinks`, by identity) and the pool's
+    buffers of the layer (which never change), so a layer call reads them instead of deriving them."""
+
+    sig: Tuple[Any, ...]
+    sinks: Optional[torch.Tensor]
+    k_buf: torch.Tensor
+    v_buf: torch.Tensor
+    geometry: Optional[Tuple[int, int, int, int, int]]  # (kvh, g, d, dv, window or 0); None: not dense
+    qk_scale: float
+    cap: float
+    v_scale: float
+    cdt: torch.dtype
+    cols: Dict[int, torch.Tensor]  # decode's sinks column per batch size (sink_column)
+
+    @classmethod
+    def make(cls, layer: AttentionLayer, sig: Tuple[Any, ...], k_buf: torch.Tensor, v_buf: torch.Tensor) -> "_LayerKit":
+        h, d = layer.num_heads, layer.head_dim
+        geometry = None
+        if k_buf.dim() == 3 and v_buf.dim() == 3 and k_buf.device.type == "cpu":
+            kvh = k_buf.shape[1]
+            if not h % kvh and k_buf.shape[2] == d and v_buf.shape[:2] == k_buf.shape[:2]:
+                geometry = (kvh, h // kvh, d, v_buf.shape[2], layer.window or 0)
+        qk_scale, cap, v_scale, _ = _kernels._scalars(k_buf.new_empty(0, h, d), layer.scaling, layer.window,
+                                                      layer.logit_cap, layer.k_scale, layer.v_scale)
+        return cls(sig, layer.sinks, k_buf, v_buf, geometry, qk_scale, cap, v_scale, compute_dtype(k_buf.dtype), {})
+
+
 class TorchCPUBackend(KernelSetBackend):
     """CPU kernels over the paged pool; graph mode through torch.compile over static buffers."""
 
@@ -69,8 +98,7 @@ class TorchCPUBackend(KernelSetBackend):
         self.ipex_reason: Optional[str] = self._ipex_reason()  # None: IPEX ops in use where they fit
         self._head_maps: Dict[Tuple[int, int], torch.Tensor] = {}
         self._cols = torch.arange(256, dtype=torch.int64, device=self.device)  # see _columns
-        # decode's sinks column per (layer, bs, kvh, g, dtype), with the sinks tensor it was made from
-        self._sink_cols: Dict[Tuple[Any, ...], Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._kits: Dict[AttentionLayer, _LayerKit] = {}  # per layer object: see _layer_kit
 
     def _ipex_reason(self) -> Optional[str]:
         if not self.options.ipex:
@@ -80,6 +108,34 @@ class TorchCPUBackend(KernelSetBackend):
         return ipex.load()[1] or None
 
     # ---- metadata: the lists through one dense gather, once per forward ------------------------------
+    def _eager_lists(self, batch: ForwardBatch, seq: torch.Tensor, q_pos0: torch.Tensor, seq_h: List[int],
+                     win_lens: Dict[int, List[int]]) -> Tuple[KVIndexList, Dict[int, KVIndexList]]:
+        """Where every request lists as many keys as the others, in the full list and in each window's (one
+        request; a batch of equal lengths), every list comes from one gather of req_to_token: the full table
+        [bs, L] (the first L columns of the requests' rows), each window's the last columns of it, translated
+        once for a hybrid pool. Other batches build each list on its own (`_eager_list`)."""
+        bs, rtt = batch.batch_size, self.req_to_token_pool.req_to_token
+        n = max(seq_h, default=0)
+        if (bs == 0 or n <= 0 or min(seq_h) != n or n > rtt.shape[1] or self.device.type != "cpu"
+                or any(min(lens) != max(lens) for lens in win_lens.values())):
+            return super()._eager_lists(batch, seq, q_pos0, seq_h, win_lens)
+        i32, i64 = dict(dtype=torch.int32, device=self.device), dict(dtype=torch.int64, device=self.device)
+        table = rtt.narrow(1, 0, n).index_select(0, batch.req_pool_indices)
+        indptr = torch.arange(0, (bs + 1) * n, n, **i32)
+        full = KVIndexList(indptr, table.view(-1), torch.zeros(bs, **i64), None, n, False, n, table)
+        windows = {}
+        for w, lens in win_lens.items():
+            wl = lens[0]  # keys [n - wl, n) of every request: window_pos0 of the equal lengths
+            wt = table.narrow(1, n - wl, wl)
+            if self.hybrid:
+                wt = self._translate_window(wt)
+                if self.debug:
+                    self._check_not_evicted(wt.view(-1), w)
+            w_indptr = indptr if wl == n else torch.arange(0, (bs + 1) * wl, wl, **i32)
+            windows[w] = KVIndexList(w_indptr, wt.reshape(-1), torch.full((bs,), n - wl, **i64), w, wl, self.hybrid,
+                                     wl, wt)
+        return full, windows
+
     def _eager_list(self, batch: ForwardBatch, seq: torch.Tensor, pos0: torch.Tensor, total: int,
                     window: Optional[int], max_len: int, min_len: int = 0) -> KVIndexList:
         """On the CPU a list is one gather of req_to_token into a [bs, max_len] table (translated at once for
@@ -126,6 +182,8 @@ class TorchCPUBackend(KernelSetBackend):
                                       self.windows, self.device)
 
     def init_kernel_metadata(self, md: ForwardMetadata, batch: ForwardBatch, graph: bool) -> None:
+        if self.options.dense_max_elements and not graph and md.tree is None and md.seq_lens_cpu is not None:
+            md.extra[_DENSE] = {}  # this forward's dense plans, made by the first layer reading each list
         if self.ipex_reason is None and md.batch_size and (md.is_decode or self.options.ipex_extend):
             lists = {None: md.full, **md.windows}
             if graph:
@@ -152,48 +210,50 @@ class TorchCPUBackend(KernelSetBackend):
             hm = self._head_maps[key] = ipex.head_mapping(layer.num_heads, layer.num_kv_heads, q.device)
         return hm
 
-    def _dense_plan(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList, md: ForwardMetadata,
-                    k_buf: torch.Tensor, v_buf: torch.Tensor) -> Optional[DensePlan]:
-        """The list's dense plan for this layer's geometry and window: made by the first layer that reads it
-        in this forward, reused by the others; None where the chunked kernels run (graph mode, a verify tree,
-        no host lengths, too large, or arguments their checks should see)."""
-        if (not self.options.dense_max_elements or md.graph or md.tree is not None or md.seq_lens_cpu is None
-                or k_buf.dim() != 3 or q.dim() != 3):
-            return None
-        kvh, d, dv = k_buf.shape[1], k_buf.shape[2], v_buf.shape[2]
-        h = q.shape[1]
-        if h % kvh or q.shape[2] != d or v_buf.shape[:2] != k_buf.shape[:2] or q.device.type != "cpu":
-            return None
-        plans = md.extra.get(_DENSE)
-        if plans is None:
-            plans = md.extra[_DENSE] = {}
-        key = (kv.window, kv.is_swa_slots, layer.window or 0, kvh, h // kvh, d, dv)
-        if key not in plans:
-            # decode over lists of equal lengths ending at each query (the metadata step's): nothing to hide
-            # unless the layer's window is shorter than the list
-            full_rows = md.is_decode and kv.table is not None and kv.min_len == kv.max_len
-            plans[key] = plan_dense(kv.indptr, kv.indices, kv.pos0, md.q_pos0, None if md.is_decode else md.qo_indptr,
-                                    kv.max_len, md.max_q_len, layer.window or 0, kvh, h // kvh, d, dv,
-                                    self.options.dense_max_elements, table=kv.table, all_visible=full_rows)
-        return plans[key]
+    def _layer_kit(self, layer: AttentionLayer) -> Optional["_LayerKit"]:
+        """The layer's kept dense-call constants (buffers, scales, geometry, sinks columns), remade whenever a field
+        they came from changed; None where its geometry or pool is not the dense kernels' (the chunked kernels
+        and their checks run the layer)."""
+        kit = self._kits.get(layer)
+        sig = (layer.layer_id, layer.num_heads, layer.head_dim, layer.scaling, layer.sliding_window,
+               layer.logit_cap, layer.k_scale, layer.v_scale)
+        if kit is not None and kit.sig == sig and kit.sinks is layer.sinks:
+            return kit
+        kit = _LayerKit.make(layer, sig, *self.kv_buffers(layer))
+        self._kits[layer] = kit
+        return kit
 
     def _run_dense(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList, md: ForwardMetadata,
                    out: torch.Tensor) -> bool:
-        k_buf, v_buf = self.kv_buffers(layer)
-        plan = self._dense_plan(q, layer, kv, md, k_buf, v_buf)
+        """The layer through `hwkv_cpu.kernels_dense` where this forward planned for it (`init_kernel_metadata`):
+        the list's plan for this geometry and window, made by the first layer reading it and reused by the
+        others; False where the chunked kernels run (graph mode, a verify tree, no host lengths, too large, a
+        geometry their checks should see)."""
+        plans = md.extra.get(_DENSE)
+        if plans is None or not q.is_cpu:
+            return False
+        kit = self._layer_kit(layer)
+        if kit.geometry is None:
+            return False
+        key = (kv.window, kv.is_swa_slots, kit.geometry)
+        plan = plans.get(key, False)
+        if plan is False:
+            # decode over lists of equal lengths ending at each query (the metadata step's): nothing to hide
+            # unless the layer's window is shorter than the list
+            full_rows = md.is_decode and kv.table is not None and kv.min_len == kv.max_len
+            kvh, g, d, dv, window = kit.geometry
+            plan = plans[key] = plan_dense(kv.indptr, kv.indices, kv.pos0, md.q_pos0,
+                                           None if md.is_decode else md.qo_indptr, kv.max_len, md.max_q_len, window,
+                                           kvh, g, d, dv, self.options.dense_max_elements, table=kv.table,
+                                           all_visible=full_rows)
         if plan is None:
             return False
-        qk_scale, cap, v_scale, _ = _kernels._scalars(q, layer.scaling, layer.window, layer.logit_cap,
-                                                      layer.k_scale, layer.v_scale)
-        sinks, col = layer.sinks, None
-        if sinks is not None and plan.decode:  # the sinks' column, kept per layer and decode batch size
-            cdt = compute_dtype(k_buf.dtype)
-            key = (layer.layer_id, plan.bs, plan.kvh, plan.g, cdt)
-            kept = self._sink_cols.get(key)
-            if kept is None or kept[0] is not sinks:
-                kept = self._sink_cols[key] = (sinks, sink_column(sinks, plan, cdt))
-            col = kept[1]
-        dense_attention(q, k_buf, v_buf, plan, out, qk_scale, cap, v_scale, sinks, col)
+        col = None
+        if kit.sinks is not None and plan.decode:  # the sinks' column, kept per layer and decode batch size
+            col = kit.cols.get(plan.bs)
+            if col is None:
+                col = kit.cols[plan.bs] = sink_column(kit.sinks, plan, kit.cdt)
+        dense_attention(q, kit.k_buf, kit.v_buf, plan, out, kit.qk_scale, kit.cap, kit.v_scale, kit.sinks, col)
         return True
 
     # ---- kernels ---------------------------------------------------------------------------------------

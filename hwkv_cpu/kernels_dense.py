@@ -6,7 +6,8 @@ is most of a layer's time, repeated in every layer of the forward. Here the back
 forward and list (`plan_dense`): a padded key table [bs, L] (L = the list's longest request), the
 pool rows each KV head reads, and, where anything is hidden, one additive mask (padding, causal,
 window) in the score layout. A layer then costs a fixed handful of torch ops whatever the batch:
-two row gathers, one batched matmul with the scale and mask folded in (`baddbmm`), the sinks' column (made
+two row gathers (one request: the list's slots themselves, whole pool rows read through transposed views, so
+its plan computes nothing), one batched matmul with the scale and mask folded in (`baddbmm`), the sinks' column (made
 once per layer and batch geometry by the caller, `sink_column`), one softmax and one matmul into `out`
 (`dense_attention`).
 
@@ -36,7 +37,8 @@ class DensePlan:
     g: int                            # query heads per KV head
     tq: int                           # query rows per request (1: decode)
     keys: int                         # L: key columns per request
-    rows: torch.Tensor                # int64 [bs * kvh * L]: rows of the pool viewed as [slots * kvh, D]
+    rows: torch.Tensor                # int64 [bs * kvh * L]: rows of the pool viewed as [slots * kvh, D];
+    #                                   one request (bs 1): its slots [L], rows of the pool as it is
     bias: Optional[torch.Tensor]      # fp32 [bs * kvh, tq * g or 1, L]: 0 / -inf, None when nothing is hidden
     q_src: Optional[torch.Tensor]     # extend: int64 [bs * tq], the token of each padded query row
     out_b: Optional[torch.Tensor]     # extend: int64 [T], each token's request
@@ -82,7 +84,10 @@ def plan_dense(indptr: torch.Tensor, indices: torch.Tensor, pos0: torch.Tensor, 
         col = torch.arange(keys, dtype=I64, device=indices.device)
         start = indptr[:-1].to(I64)
         table = indices[(start[:, None] + col).clamp_(max=n - 1)]  # padding reads listed slots, masked below
-    rows = (table[:, None, :] * kvh + torch.arange(kvh, dtype=I64, device=table.device)[:, None]).view(-1)
+    if bs == 1:  # the slots themselves: [L, KVH, D] gathered whole, the heads split by views
+        rows = table.reshape(-1)
+    else:
+        rows = (table[:, None, :] * kvh + torch.arange(kvh, dtype=I64, device=table.device)[:, None]).view(-1)
     if decode and all_visible and (not window or keys <= window):
         return DensePlan(bs, kvh, g, 1, keys, rows, None, None, None, None)
     col = torch.arange(keys, dtype=I64, device=table.device)
@@ -145,10 +150,18 @@ def dense_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, p
     bs, kvh, g, tq, keys = plan.bs, plan.kvh, plan.g, plan.tq, plan.keys
     d, dv = k_buf.shape[2], v_buf.shape[2]
     cdt = compute_dtype(k_buf.dtype)
-    k = k_buf.view(-1, d).index_select(0, plan.rows).view(bs * kvh, keys, d)
-    v = v_buf.view(-1, dv).index_select(0, plan.rows).view(bs * kvh, keys, dv)
-    if k.dtype != cdt:
-        k, v = k.to(cdt), v.to(cdt)
+    if bs == 1:  # [L, KVH, D(v)] -> [KVH, L, D(v)] views; bmm reads them strided
+        k = k_buf.index_select(0, plan.rows)
+        v = v_buf.index_select(0, plan.rows)
+        if k.dtype != cdt:
+            k, v = k.to(cdt), v.to(cdt)
+        kt, v = k.permute(1, 2, 0), v.transpose(0, 1)
+    else:
+        k = k_buf.view(-1, d).index_select(0, plan.rows).view(bs * kvh, keys, d)
+        v = v_buf.view(-1, dv).index_select(0, plan.rows).view(bs * kvh, keys, dv)
+        if k.dtype != cdt:
+            k, v = k.to(cdt), v.to(cdt)
+        kt = k.transpose(1, 2)
     if plan.decode:  # [bs, H, D] is already [bs * KVH, G, D]
         qg = q.reshape(bs * kvh, g, d)
     else:  # the tokens as rows [bs, tq, KVH, G, D] (padded where requests have fewer), KV-head-major (t, g)
@@ -159,7 +172,6 @@ def dense_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, p
     bias = plan.bias
     if bias is not None and bias.dtype != cdt:
         bias = bias.to(cdt)
-    kt = k.transpose(1, 2)
     if cap:
         s = torch.bmm(qg, kt).mul_(qk_scale).tanh_().mul_(cap)
         if bias is not None:
