@@ -153,7 +153,7 @@ def _change_swa(err_f, buf_s, n_swa, mapping, fp, sp, sel, opk, DELTA: tl.conste
             tl.store(ring_s + pos % tl.maximum(n_swa, 1), sp, mask=gone)
 
 
-@triton.jit(do_not_specialize=["opk"])
+@triton.jit(do_not_specialize=["n", "opk"])
 def _refs_kernel(loc, n, buf_f, n_full, buf_s, n_swa, mapping, who, opk, P: tl.constexpr, HYBRID: tl.constexpr,
                  FULL_DELTA: tl.constexpr, SWA_DELTA: tl.constexpr, BLOCK: tl.constexpr):
     ring_f, refs_f, tail_f, err_f = _parts(buf_f, n_full)

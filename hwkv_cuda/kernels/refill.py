@@ -42,7 +42,7 @@ def _need(ok: bool, what: str) -> None:
         raise ShapeError(what)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "cap", "map_len"])  # sizes: one compile, whatever the batch
 def _translate_into_kernel(mapping, loc, out, n, cap, map_len, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = i < n
@@ -74,7 +74,7 @@ def _window_pos0(q_pos0, window):
     return tl.where(window > 0, tl.maximum(q_pos0 - window + 1, 0), 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["full_cap"])
 def _fill_lists_kernel(req_to_token, req_pool_indices, seq_lens, ext_lens, windows,
                        lens, q_pos0, qo_indptr, list_indptr, list_pos0, full_indices,
                        stride_rtt, rtt_cols, full_cap, stride_indptr, stride_pos0,
@@ -156,7 +156,7 @@ def fill_lists(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_l
            dict(DECODE=extend_lens is None, BLOCK_B=block_b, BLOCK=block, num_warps=warps))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["cap", "map_len"])
 def _translate_runs_kernel(mapping, req_to_token, req_pool_indices, pos0, indptr, out,
                            stride_rtt, rtt_cols, cap, map_len, BLOCK: tl.constexpr):
     b = tl.program_id(0)

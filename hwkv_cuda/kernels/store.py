@@ -45,7 +45,7 @@ def _store_rows(buf, src, loc, rows, mask_t, scale, stride_bs, stride_bh, stride
              x.to(buf.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # the token count: one compile, whatever the batch
 def _store_kv_kernel(k_buf, v_buf, loc, k, v, n, k_scale, v_scale,
                      skb_s, skb_h, svb_s, svb_h, sk_n, sk_h, sv_n, sv_h,
                      KVH: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
