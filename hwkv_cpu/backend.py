@@ -98,6 +98,7 @@ class TorchCPUBackend(KernelSetBackend):
         self.ipex_reason: Optional[str] = self._ipex_reason()  # None: IPEX ops in use where they fit
         self._head_maps: Dict[Tuple[int, int], torch.Tensor] = {}
         self._cols = torch.arange(256, dtype=torch.int64, device=self.device)  # see _columns
+        self._zeros = torch.zeros(64, dtype=torch.int64, device=self.device)  # see _kept_zeros
         self._kits: Dict[AttentionLayer, _LayerKit] = {}  # per layer object: see _layer_kit
 
     def _ipex_reason(self) -> Optional[str]:
@@ -122,7 +123,8 @@ class TorchCPUBackend(KernelSetBackend):
         i32, i64 = dict(dtype=torch.int32, device=self.device), dict(dtype=torch.int64, device=self.device)
         table = rtt.narrow(1, 0, n).index_select(0, batch.req_pool_indices)
         indptr = torch.arange(0, (bs + 1) * n, n, **i32)
-        full = KVIndexList(indptr, table.view(-1), torch.zeros(bs, **i64), None, n, False, n, table)
+        zeros = self._kept_zeros(bs)
+        full = KVIndexList(indptr, table.view(-1), zeros, None, n, False, n, table)
         windows = {}
         for w, lens in win_lens.items():
             wl = lens[0]  # keys [n - wl, n) of every request: window_pos0 of the equal lengths
@@ -132,8 +134,8 @@ class TorchCPUBackend(KernelSetBackend):
                 if self.debug:
                     self._check_not_evicted(wt.view(-1), w)
             w_indptr = indptr if wl == n else torch.arange(0, (bs + 1) * wl, wl, **i32)
-            windows[w] = KVIndexList(w_indptr, wt.reshape(-1), torch.full((bs,), n - wl, **i64), w, wl, self.hybrid,
-                                     wl, wt)
+            pos0 = zeros if wl == n else torch.full((bs,), n - wl, **i64)
+            windows[w] = KVIndexList(w_indptr, wt.reshape(-1), pos0, w, wl, self.hybrid, wl, wt)
         return full, windows
 
     def _eager_list(self, batch: ForwardBatch, seq: torch.Tensor, pos0: torch.Tensor, total: int,
@@ -165,6 +167,14 @@ class TorchCPUBackend(KernelSetBackend):
         if swa_slots and self.debug:
             self._check_not_evicted(indices, window)
         return KVIndexList(indptr, indices, pos0, window, max_len, swa_slots, min_len, table)
+
+    def _kept_zeros(self, n: int) -> torch.Tensor:
+        """int64 zeros(n) as a view of one kept tensor (grown by doubling; read only, never written): the pos0
+        of lists starting at each request's first token."""
+        z = self._zeros
+        if z.shape[0] < n:
+            z = self._zeros = torch.zeros(max(n, 2 * z.shape[0]), dtype=torch.int64, device=self.device)
+        return z[:n]
 
     def _columns(self, n: int) -> torch.Tensor:
         """arange(n) as a view of one kept arange (grown by doubling; read only, never written)."""
