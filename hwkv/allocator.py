@@ -105,7 +105,8 @@ class _Batch:
             raise LocError(f"seq_lens_cpu has {seq.size} entries, seq_lens {bs}")
         if bs and int(seq.min()) < 1:
             raise LocError(f"decode seq_lens must be >= 1, got {int(seq.min())}")
-        cont = (seq - 1) % page != 0  # bool: a request whose token starts a page takes a new one
+        # bool: a request whose token does not start a page continues it ((seq - 1) % page != 0, one op less)
+        cont = seq % page != 1 % page
         return cls(bs, bs - int(np.count_nonzero(cont)), cont)
 
 
@@ -229,7 +230,8 @@ class PagedTokenToKVPoolAllocator:
 
     def _alloc(self, prefix: Optional[torch.Tensor], seq: torch.Tensor, last: torch.Tensor, plan: _Batch,
                decode: bool) -> torch.Tensor:
-        self._check_room(plan.pages)
+        if plan.pages:  # no new page always fits
+            self._check_room(plan.pages)
         if self.immediate:
             self._check_continuations(prefix, seq, last, plan, decode)
         if decode and plan.n and plan.pages == 0:
@@ -237,7 +239,7 @@ class PagedTokenToKVPoolAllocator:
             # no ring moves; the deferred record of a continuation whose SWA slots were released stays
             self._next_op()
             out = last + 1
-            if self._mapping is not None and self.pages.deferred:  # immediate mode checked on the host first
+            if self.pages.deferred and self._mapping is not None:  # immediate mode checked on the host first
                 _record(self.pages, _g(self._mapping, out) <= 0, torch.div(out, self.page_size, rounding_mode="floor"),
                         ERR_CONT_RELEASED)
             return out
@@ -763,10 +765,11 @@ def _check_release(a: SWATokenToKVPoolAllocator, rtt: torch.Tensor, rows: torch.
     """Host checks of a batched release (CPU, debug mode); raise before anything changes. Returns what they
     computed: the new frontiers, and per released page entry its full page and SWA page (host arrays)."""
     p = a.page_size
-    f, s, r = _host_view(frontiers), _host_view(seq).astype(np.int64), _host_view(rows).astype(np.int64)
+    # int64 views (no copy when they already are): the checks below read them, nothing writes them
+    f, s, r = _host_view(frontiers), np.asarray(_host_view(seq), np.int64), np.asarray(_host_view(rows), np.int64)
     if (f % p).any():
         raise LocError(f"frontier {int(f[(f % p) != 0][0])} is not a multiple of page_size {p}")
-    if (f < 0).any() or (r < 0).any() or (r >= rtt.shape[0]).any() or (s > rtt.shape[1]).any():
+    if f.min() < 0 or r.min() < 0 or r.max() >= rtt.shape[0] or s.max() > rtt.shape[1]:
         raise LocError(f"a request row is outside [0, {rtt.shape[0]}), a length beyond {rtt.shape[1]} "
                        "or a frontier negative")
     dead = s - window + 1
