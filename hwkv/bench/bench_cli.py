@@ -28,6 +28,14 @@ QUICK: Dict[str, Any] = dict(DEFAULTS, batch_sizes="1,4", prompt_len=160, chunk=
                              check_every=2)
 
 
+# the chat workload's defaults: on CPU small enough to run in seconds on 2 cores (4 layers, fp32); elsewhere
+# hwkv.bench.chat.ChatWorkload's (2 GiB, 64 conversations of a 2048-token system prompt)
+_CHAT_ACCELERATOR: Dict[str, Any] = dict(conversations=64, turns=4, system=2048, user=256, reply=128, concurrency=16,
+                                         memory="2GiB", chunk=512, check_every=8, check_requests=2, check_queries=4)
+_CHAT_CPU: Dict[str, Any] = dict(_CHAT_ACCELERATOR, conversations=6, turns=4, system=512, user=128, reply=16,
+                                 concurrency=3, memory="150MiB", chunk=256, check_every=16)
+
+
 def _listing(values: Dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in values.items())
 
@@ -69,18 +77,25 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
     r.add_argument("--seed", type=int, default=0, help="random inputs seed (default 0)")
     c = p.add_argument_group("chat workload (--workload chat)", "multi-turn conversations sharing a system "
-                             "prompt, with the prefix cache, in one KV memory budget: hybrid pools vs all-full")
+                             "prompt through the engine (prefix cache, attention of a synthetic model of the "
+                             "model's shapes, checked against hwkv.reference every --check-every forwards) in one "
+                             "KV memory budget: hybrid pools vs all-full. Defaults on CPU: "
+                             f"{_listing(_CHAT_CPU)}, the first layers as --run-layers says and one thread (its "
+                             "tensors are small: a second thread mostly waits, much longer on a shared machine; "
+                             f"--threads wins); on accelerators: {_listing(_CHAT_ACCELERATOR)}, every layer")
     c.add_argument("--workload", choices=("decode", "chat", "serve"), default="decode",
-                   help="decode (default): time the attention stack; chat: prefix-cache hit rate and prefill "
-                        "tokens saved, hybrid vs an all-full pool of the same memory; serve: a request trace "
-                        "through a transformers model, hwkv's runner vs transformers' continuous batching")
-    c.add_argument("--conversations", type=int, default=64, help="conversations (default 64)")
-    c.add_argument("--turns", type=int, default=4, help="turns per conversation (default 4)")
-    c.add_argument("--system-len", type=int, default=2048, help="shared system prompt tokens (default 2048)")
-    c.add_argument("--user-len", type=int, default=256, help="user tokens per turn (default 256)")
-    c.add_argument("--reply-len", type=int, default=128, help="generated tokens per turn (default 128)")
-    c.add_argument("--concurrency", type=int, default=16, help="turns running at once (default 16)")
-    c.add_argument("--memory", default="2GiB", help="KV memory budget, e.g. 2GiB (default 2GiB)")
+                   help="decode (default): time the attention stack; chat: prefix-cache hit rate, prefill "
+                        "tokens saved, throughput and a step's phases, hybrid vs an all-full pool of the same "
+                        "memory; serve: a request trace through a transformers model, hwkv's runner vs "
+                        "transformers' continuous batching")
+    c.add_argument("--conversations", type=int, help="conversations")
+    c.add_argument("--turns", type=int, help="turns per conversation")
+    c.add_argument("--system-len", type=int, help="shared system prompt tokens")
+    c.add_argument("--user-len", type=int, help="user tokens per turn")
+    c.add_argument("--reply-len", type=int, help="generated tokens per turn")
+    c.add_argument("--concurrency", type=int, help="turns running at once")
+    c.add_argument("--memory", help="KV memory budget of the whole model, e.g. 2GiB (the pools' tokens; only the "
+                   "layers run are allocated)")
     s = p.add_argument_group("serve workload (--workload serve)", "requests arriving at a rate, some sharing a "
                              "system prompt, through a transformers model: throughput, TTFT and TPOT p50/p99")
     s.add_argument("--serve-model", metavar="PATH", help="a local Hugging Face model folder (default: random "
@@ -287,30 +302,70 @@ def _run(args: argparse.Namespace) -> BenchResult:
 
 
 def _run_chat(args: argparse.Namespace) -> int:
-    from hwkv.bench.chat import ChatWorkload, run_chat
-    from hwkv.bench.plan import parse_bytes
+    import torch
 
     if args.plot:
         raise ConfigError("--plot draws the decode workload; the chat workload prints its table (or --json)")
     target = _target(args.device)
-    chunk = args.chunk if args.chunk is not None else 512
-    w = ChatWorkload(conversations=args.conversations, turns=args.turns, system=args.system_len, user=args.user_len,
-                     reply=args.reply_len, concurrency=args.concurrency, memory=parse_bytes(args.memory),
-                     page_size=args.page_size, chunk=chunk, seed=args.seed)
-    res = run_chat(_shape(args), w, target.torch_device)
-    title = (f"hwkv bench --workload chat on {target.name}: {res.model}, {w.conversations} conversations x "
-             f"{w.turns} turns (system {w.system}, user {w.user}, reply {w.reply} tokens), {w.concurrency} at once, "
-             f"{args.memory} of KV memory, page {w.page_size}, chunk {w.chunk}")
+    dev = target.torch_device
+    threads = args.threads if args.threads is not None else (1 if dev == "cpu" else None)
+    if threads is not None and threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {threads}")
+    before = torch.get_num_threads()
+    try:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        return _chat(args, target, dev)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _chat(args: argparse.Namespace, target: Target, dev: str) -> int:
+    """The chat workload on `target` with the flags' values (CPU threads already set), its table or JSON."""
+    import torch
+
+    from hwkv.bench.chat import PHASES, ChatWorkload, run_chat
+    from hwkv.bench.plan import parse_bytes
+    from hwkv.bench.run import default_run_layers
+
+    base = _CHAT_CPU if dev == "cpu" else _CHAT_ACCELERATOR
+    v = {k: getattr(args, k) for k in ("conversations", "turns", "concurrency", "chunk")}
+    v.update(system=args.system_len, user=args.user_len, reply=args.reply_len, memory=args.memory,
+             check_every=args.check_every, check_requests=args.check_requests, check_queries=args.check_queries)
+    v = {k: (x if x is not None else base[k]) for k, x in v.items()}
+    shape = _shape(args)
+    layers = args.run_layers if args.run_layers is not None else default_run_layers(shape, dev)
+    memory = v.pop("memory")
+    w = ChatWorkload(memory=parse_bytes(memory), page_size=args.page_size, seed=args.seed,
+                     dtype=_dtype(args, dev), run_layers=layers, **v)
+    res = run_chat(shape, w, dev, backend_device=target.name)
+    where = f"{target.name}, {torch.get_num_threads()} thread(s)" if dev == "cpu" else target.name
+    title = (f"hwkv bench --workload chat on {where}: {res.model} ({res.layers} of {shape.num_layers} layers "
+             f"run, {w.dtype}), {w.conversations} conversations x {w.turns} turns (system {w.system}, user {w.user}, "
+             f"reply {w.reply} tokens), {w.concurrency} at once, {memory} of KV memory for the "
+             f"model, page {w.page_size}, chunk {w.chunk}")
     cols = ("variant", "full pool", "SWA pool", "hit rate", "reused", "prefilled", "evicted full", "evicted SWA",
-            "match us", "insert us", "wall s")
+            "forwards", "tokens/s", "prefill tok/s", "step ms p50", "wall s")
     lines = [f"| {r.variant} | {r.full_pool_tokens:,} | {r.swa_pool_tokens:,} | {r.hit_rate:.3f} | "
              f"{r.reused_tokens:,} | {r.prefill_tokens:,} | {r.evicted_full_tokens:,} | {r.evicted_swa_tokens:,} | "
-             f"{r.match_us_median} | {r.insert_us_median} | {r.wall_s} |" for r in res.rows]
+             f"{r.forwards:,} | {r.tokens_per_s:,.1f} | {r.prefill_tokens_per_s:,.1f} | {r.step_ms_median} | "
+             f"{r.wall_s} |" for r in res.rows]
     if _emit(args, res.to_dict(), title, cols, lines):
         return 0
     hybrid, full = res.rows
     print(f"prefill tokens saved by the cache: hybrid {hybrid.reused_tokens:,}, all-full {full.reused_tokens:,} "
           f"({hybrid.reused_tokens / max(full.reused_tokens, 1):.2f}x)")
+    print("\nphases of a step (mean ms per step; they add up to the mean step)")
+    print("| phase | " + " | ".join(r.variant for r in res.rows) + " | what |\n|---|" + "---|" * len(res.rows) + "---|")
+    for name, what in PHASES.items():
+        print(f"| {name} | " + " | ".join(f"{r.phase_ms[name]:.3f}" for r in res.rows) + f" | {what} |")
+    if w.check_every:
+        for r in res.rows:
+            print(f"reference check ({r.variant}): {r.checked_forwards} forwards (every {w.check_every}), "
+                  f"{r.checked_requests} request checks of their last {w.check_queries} queries in {res.layers} layers, "
+                  f"max |out - reference| {r.max_err:.3g}")
+    else:
+        print("reference check: off (--check-every 0)")
     return 0
 
 

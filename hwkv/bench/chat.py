@@ -1,40 +1,63 @@
-"""`hwkv bench --workload chat`: multi-turn conversations sharing a system prompt, with a prefix cache,
-in a fixed KV memory budget; the hybrid pools against one all-full pool of the same bytes.
+"""`hwkv bench --workload chat`: multi-turn conversations sharing a system prompt, served by the engine with its
+prefix cache in a fixed KV memory budget; the hybrid pools against one all-full pool of the same bytes.
 
-Every conversation starts with the same system prompt; each turn appends user tokens, is prefilled
-in chunks (a token budget per forward, beside the decoding turns) from the longest reusable cached
-prefix, is cached when its prompt is in, generates its reply token by token (out-of-window release
-after every forward) and is cached again when it finishes, so the next turn continues from it. The
-scheduler admits turns up to a concurrency while each one's worst case fits beside the running ones'
-(so no forward runs out of slots; a turn too large for the pools on their own is refused before
-anything runs), and evicts cached KV (full or SWA, least recently used, unlocked) when a forward's
-allocation needs it.
+Every conversation starts with the same system prompt; each turn appends user tokens to the conversation so far
+and generates a reply (greedy) through `hwkv.engine.engine.Engine`, the one step loop: admission from the longest
+cached prefix, chunked prefill beside the decoding turns, out-of-window release, caching on finish, eviction under
+memory pressure. A turn arrives when the previous one of its conversation has finished and no other turn is
+waiting or prefilling, so it is matched against everything cached before it (a server matching at prefill start).
 
-This measures the cache, not attention: allocation, matching, eviction and release run for real on
-the device (the allocator's kernels), no K/V is computed. Pools come from `hwkv.engine.plan` for the
-budget, with room in the SWA pool for the windows the cache keeps; the all-full run puts every layer
-in one pool of the same budget (its SWA layers keep every token, so no window is ever missing).
+The model is `hwkv.engine.synthetic.SyntheticModel`: the model's attention shapes (its first `run_layers` layers),
+K/V a fixed function of the tokens, stored and attended by the device's backend in every layer. Every
+`check_every`-th forward a few requests' last queries are recomputed densely by `hwkv.reference` from their token
+ids (`ReferenceCheck`); a mismatch raises ReferenceMismatchError.
+
+Pools are sized in tokens for the whole model in `memory` bytes (what the hit rate depends on), and allocated for
+the layers run. Hybrid: the SWA pool holds each running turn's window and cache lock window, one chunk and one
+cached window per conversation; the full pool the rest. All-full: every layer keeps every token, as one pool of the
+same bytes would; on the engine that is a full and an SWA pool of equal sizes whose pages are paired and never
+released (the engine's window is the whole context), so the prefix cache serves it the same way.
 """
 from __future__ import annotations
 
 import statistics
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from hwkv.allocator import SWATokenToKVPoolAllocator, ReqToTokenPool, release_out_of_window_batch
-from hwkv.cache import HybridPrefixCache
-from hwkv.engine.plan import plan, round_up, swa_tokens_per_request
+from hwkv.engine.engine import Engine
+from hwkv.engine.plan import cache_lock_tokens, round_up, swa_tokens_per_request
+from hwkv.engine.pools import Cache, PoolPlan, build_cache
 from hwkv.engine.presets import ModelShape
+from hwkv.engine.sampling import SamplingParams
+from hwkv.engine.stats import RunnerStats
+from hwkv.engine.synthetic import ReferenceCheck, SyntheticModel, engine_history
 from hwkv.errors import ConfigError, OutOfSlotsError
+
+VOCAB = 1024  # token ids of the conversations and the synthetic model's vocabulary
+DTYPES: Dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# the phases of a step, in the order they run; each call is timed exclusively (a phase nested in another counts
+# once, in the inner one); "other" is the step's time outside every phase
+PHASES: Dict[str, str] = {
+    "admit": "admission: the scheduler, the prefix match, lock and acquire of each admitted turn",
+    "allocate": "the allocator's one call for the forward's slots (alloc_extend / alloc_decode)",
+    "metadata": "backend.init_forward_metadata: the write locs' translation and the index lists",
+    "attention": "every layer's K/V write and attention (backend.forward)",
+    "model": "the synthetic model outside attention: Q/K/V from its tables, the readout and logits",
+    "release": "the out-of-window release of the batch",
+    "prefix_cache": "caching prompt chunks and finished turns, eviction",
+    "check": "the reference check (hwkv.reference on the picked requests; not counted in tokens/s)",
+    "other": "the rest of the step: scheduling, req_to_token writes, sampling, reading tokens back, finishing",
+}
 
 
 @dataclass(frozen=True)
 class ChatWorkload:
-    """Conversations x turns; each turn adds `user` tokens and generates `reply` tokens."""
+    """Conversations x turns; each turn adds `user` tokens and generates `reply` tokens. `check_every` 0 checks
+    nothing; `run_layers` None runs every layer of the model."""
 
     conversations: int = 64
     turns: int = 4
@@ -46,12 +69,24 @@ class ChatWorkload:
     page_size: int = 16
     chunk: int = 512
     seed: int = 0
+    dtype: str = "bf16"
+    run_layers: Optional[int] = None
+    check_every: int = 8
+    check_requests: int = 2
+    check_queries: int = 4
 
     def __post_init__(self) -> None:
         for name in ("conversations", "turns", "system", "user", "reply", "concurrency", "memory", "page_size",
-                     "chunk"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                     "chunk", "check_requests", "check_queries"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ConfigError(f"chat workload: {name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not _is_int(self.check_every) or self.check_every < 0:
+            raise ConfigError(f"chat workload: check_every must be an integer >= 0 (0 = never), got "
+                              f"{self.check_every!r}")
+        if self.run_layers is not None and (not _is_int(self.run_layers) or self.run_layers < 1):
+            raise ConfigError(f"chat workload: run_layers must be an integer >= 1, got {self.run_layers!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"chat workload: dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
     @property
     def context(self) -> int:
@@ -59,14 +94,26 @@ class ChatWorkload:
         return self.system + self.turns * (self.user + self.reply)
 
 
+# `hwkv bench --workload chat` on the CPU: sizes that run in seconds on 2 cores (4 layers), still memory bound
+# for the all-full pool; accelerators take ChatWorkload's defaults
+CPU_WORKLOAD = dict(conversations=8, turns=3, system=512, user=64, reply=16, concurrency=4, memory=200 * 2**20,
+                    chunk=256, dtype="fp32")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 @dataclass
 class ChatRow:
-    """One variant's run: pools, what was prefilled and reused, evictions, cache op times."""
+    """One variant's run: pools, what was prefilled and reused, evictions, throughput, a step's phases."""
 
     variant: str
     full_pool_tokens: int
     swa_pool_tokens: int
-    pool_bytes: int
+    pool_bytes: int               # the model's pools in the budget (every layer)
+    allocated_bytes: int          # the pools of the layers run
+    max_running: int
     turns_done: int
     prompt_tokens: int
     reused_tokens: int
@@ -74,10 +121,15 @@ class ChatRow:
     hit_rate: float
     evicted_full_tokens: int
     evicted_swa_tokens: int
-    queued_admissions: int
-    steps: int
-    match_us_median: float
-    insert_us_median: float
+    forwards: int
+    generated_tokens: int
+    tokens_per_s: float           # generated tokens per second of steps, the reference check's time left out
+    prefill_tokens_per_s: float   # prompt tokens computed per second of the same
+    step_ms_median: float
+    phase_ms: Dict[str, float]    # mean milliseconds per step of each phase (they add up to the mean step)
+    checked_forwards: int
+    checked_requests: int
+    max_err: float
     wall_s: float
 
 
@@ -86,263 +138,263 @@ class ChatResult:
     model: str
     device: str
     workload: ChatWorkload
+    layers: int
     rows: List[ChatRow] = field(default_factory=list)
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"schema": "hwkv-bench-chat/1", "model": self.model, "device": self.device,
-                "workload": asdict(self.workload), "rows": [asdict(r) for r in self.rows]}
+        return {"schema": "hwkv-bench-chat/2", "model": self.model, "device": self.device, "layers_run": self.layers,
+                "workload": asdict(self.workload), "phases": dict(PHASES), "rows": [asdict(r) for r in self.rows]}
 
 
-@dataclass
-class _Turn:
-    conv: int
-    ids: List[int]
-    prompt: List[int] = field(default_factory=list)
-    row: int = -1
-    seq: int = 0
-    frontier: int = 0
-    lock: Any = None
-    generated: int = 0
+# ---- pools ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Sizes:
+    """One variant's pools in tokens and the model's bytes for them."""
+
+    variant: str
+    size: int
+    size_swa: int   # the SWA pool's slots (the all-full variant's mirror: as many as the full pool)
+    pool_bytes: int
+    mirrored: bool  # all-full: the SWA pool mirrors the full pool, nothing is released
 
 
-class _Sim:
-    """One variant: allocator + cache + scheduler (chunked prefill beside decode) over the pools.
-
-    Admission reserves each turn's worst case, so a forward never runs out of slots (as the runner's
-    `hwkv.engine.scheduler` does; every page a running turn can pin is counted, and whatever no running
-    turn pins is the cache's alone, unlocked, and freed by evicting it):
-    - full: the turn's whole context, round_up(prompt + reply, P) slots, of which the matched prefix is
-      already held: a turn is admitted while the running turns' remaining pages and its own new pages fit in
-      the free slots plus what the cache can evict (its match locked first, so that is not counted);
-    - SWA (hybrid): its own window, `swa_tokens_per_request(W, P)` (window + eviction margin + the page being
-      written), plus the window its cache lock keeps (the SWA it held when its prompt was last cached,
-      round_up(W, P) + P at most), each at most what the turn has; and one prefill chunk for all turns. The
-      running turns' bounds and the chunk must fit in the SWA pool.
-    Every forward evicts (least recently used, unlocked) what its new pages need beyond the free slots.
-    """
-
-    def __init__(self, name: str, w: ChatWorkload, size: int, size_swa: int, window: Optional[int],
-                 device: str) -> None:
-        self.name, self.w, self.device, self.window = name, w, torch.device(device), window
-        self.size, self.size_swa = size, size_swa
-        p = w.page_size
-        self.swa_own = swa_tokens_per_request(window, p) if window else 0
-        self.swa_locked = round_up(window, p) + p if window else 0
-        self.chunk_reserve = round_up(w.chunk, p) if window else 0
-        # the largest turn (a conversation's last) must fit on its own: said before anything runs
-        full, swa = round_up(w.context, p), self._swa_bound(w.context - w.reply)
-        turn = f"a turn of {w.context} tokens (system {w.system} + {w.turns} x (user {w.user} + reply {w.reply}))"
-        if window and (full > size or swa + self.chunk_reserve > size_swa):
-            raise OutOfSlotsError(f"chat workload ({name}): {turn} needs {full} full-pool slots and {swa} SWA slots "
-                                  f"beside a prefill chunk of {self.chunk_reserve}; the pools have {size} full / "
-                                  f"{size_swa} SWA: raise --memory or shorten the conversations")
-        if not window and full > size:
-            raise OutOfSlotsError(f"chat workload ({name}): {turn} needs {full} slots; the pool has {size} for "
-                                  f"{w.memory} bytes: raise --memory or shorten the conversations")
-        self.alloc = SWATokenToKVPoolAllocator(size, size_swa, p, device, None)
-        # all-full: no window (the cache's window spans every context, so a match needs no SWA cut)
-        self.cache = HybridPrefixCache(self.alloc, window or (w.context + 1))
-        self.rtt = ReqToTokenPool(w.concurrency, round_up(w.context + w.page_size, w.page_size), device)
-        self.frontiers = torch.zeros(w.concurrency, dtype=torch.int64, device=device)
-        self.stats = dict(prompt=0, reused=0, evicted_full=0, evicted_swa=0, queued=0, steps=0, done=0)
-        self.match_us: List[float] = []
-        self.insert_us: List[float] = []
-
-    def _swa_bound(self, prompt: int) -> int:
-        """SWA slots a turn of `prompt` tokens (and its reply) can pin at once, its prefill chunk aside."""
-        if not self.window:
-            return 0
-        p = self.w.page_size
-        return min(self.swa_own, round_up(prompt + self.w.reply, p)) + min(self.swa_locked, round_up(prompt, p))
-
-    def _full_left(self, t: _Turn) -> int:
-        """Full slots a running turn will still allocate (its last page may be partly filled)."""
-        p = self.w.page_size
-        return round_up(len(t.prompt) + self.w.reply, p) - round_up(t.seq, p)
-
-    def _room(self, full_tokens: int, swa_tokens: int) -> bool:
-        """Evict cached KV until both pools have room; False if they cannot. Evicted tokens free memory only
-        where no running turn holds the pages: the pools are read again after each round."""
-        a, c = self.alloc, self.cache
-        if full_tokens > a.full_available_size() + c.evictable_full or \
-                swa_tokens > a.swa_available_size() + c.evictable_swa:
-            return False
-        for need, free, evictable, evict, key in (
-                (full_tokens, a.full_available_size, lambda: c.evictable_full, c.evict, "evicted_full"),
-                (swa_tokens, a.swa_available_size, lambda: c.evictable_swa, c.evict_swa, "evicted_swa")):
-            short = need - free()
-            while short > 0:
-                if evictable() == 0:
-                    return False
-                self.stats[key] += evict(min(short, evictable()))
-                short = need - free()
-        return True
-
-    def admit(self, t: _Turn, running: List[_Turn]) -> bool:
-        """Acquire the turn's cached prefix if its worst case fits beside the running turns' (class doc).
-        Nothing is evicted between the match and the acquire: the match stays valid."""
-        p, a, c = self.w.page_size, self.alloc, self.cache
-        t0 = time.perf_counter()
-        m = c.match_prefix(t.prompt[:-1])
-        self.match_us.append((time.perf_counter() - t0) * 1e6)
-        held = c.lock(m)  # what the match names is not the cache's to evict any more
-        full = sum(self._full_left(r) for r in running) + round_up(len(t.prompt) + self.w.reply, p) - m.length
-        swa = sum(self._swa_bound(len(r.prompt)) for r in running) + self._swa_bound(len(t.prompt))
-        free, evictable = a.full_available_size(), c.evictable_full
-        if full > free + evictable or (self.window and swa + self.chunk_reserve > self.size_swa):
-            c.unlock(held)
-            return False
-        # The cache may still hold this prompt's history past the match (its window evicted, so the match was
-        # cut back): the turn recomputes it, and caching the turn's prompt locks those old nodes beside the
-        # turn's own pages. Make the room now, with the match locked, so that lock cannot take what the running
-        # turns and this one still need.
-        stale = max(0, (len(t.prompt) - self.w.user) // p * p - m.length)
-        if full + min(stale, evictable) > free + evictable:
-            self._room(full, 0)
-        t.row = self.rtt.alloc(1)[0]
-        try:
-            t.lock, t.frontier = c.acquire(m, self.rtt, t.row)
-        finally:
-            c.unlock(held)
-        t.seq = m.length
-        self.frontiers[t.row] = t.frontier
-        self.stats["prompt"] += len(t.prompt)
-        self.stats["reused"] += m.length
-        return True
-
-    def _drop(self, t: _Turn, cache: bool) -> None:
-        t.frontier = int(self.frontiers[t.row])
-        self.cache.release_request(t.ids, self.rtt, t.row, t.seq, t.frontier, t.lock, cache=cache)
-        self.rtt.free(t.row)
-
-    def step(self, running: List[_Turn]) -> List[_Turn]:
-        """One forward: prompt chunks (up to `chunk` new tokens) beside one token for every decoding
-        turn, then out-of-window release; returns the turns that finished."""
-        if not running:
-            return []
-        w, p, dev = self.w, self.w.page_size, self.device
-        self.stats["steps"] += 1
-        budget, batch = w.chunk, []
-        for t in running:
-            if t.seq < len(t.prompt):
-                n = min(len(t.prompt) - t.seq, budget)
-                if n:
-                    batch.append((t, n))
-                    budget -= n
-            else:
-                batch.append((t, 1))
-        need = sum(round_up(t.seq + n, p) - round_up(t.seq, p) for t, n in batch)  # new pages (pairs)
-        if not self._room(need, need if self.window else 0):  # admission reserved them: a bug if it happens
-            a, c = self.alloc, self.cache
-            raise OutOfSlotsError(f"chat workload ({self.name}): {len(running)} running turns need {need} more slots; "
-                                  f"free {a.full_available_size()} full / {a.swa_available_size()} SWA, cache "
-                                  f"evictable {c.evictable_full} / {c.evictable_swa}: admission reserved less than "
-                                  "they take (a bug); lower --concurrency or raise --memory")
-        prefix_cpu = torch.tensor([t.seq for t, _ in batch], dtype=torch.int64)
-        seq_cpu = prefix_cpu + torch.tensor([n for _, n in batch], dtype=torch.int64)
-        rows = torch.tensor([t.row for t, _ in batch], dtype=torch.int64, device=dev)
-        prefix, seq = prefix_cpu.to(dev), seq_cpu.to(dev)
-        last = self.rtt.req_to_token[rows, (prefix - 1).clamp(min=0)]
-        loc = self.alloc.alloc_extend(prefix, seq, last, int((seq_cpu - prefix_cpu).sum()),
-                                      prefix_lens_cpu=prefix_cpu, seq_lens_cpu=seq_cpu)
-        start = 0
-        for t, n in batch:  # the engine's req_to_token rows (a host loop here: this is the simulator)
-            self.rtt.req_to_token[t.row, t.seq:t.seq + n] = loc[start:start + n]
-            start += n
-            if t.seq >= len(t.prompt):
-                t.generated += 1
-                t.ids.append(1_000_000 + t.conv * 10_000 + t.seq)  # the reply's tokens (deterministic)
-            t.seq += n
-        if self.window:
-            f = self.frontiers[rows]
-            release_out_of_window_batch(self.alloc, self.rtt.req_to_token, rows, seq, f, self.window)
-            self.frontiers[rows] = f
-        for t, n in batch:
-            if t.generated == 0:  # a prompt chunk went in: cache it (its SWA window at the chunk's end too,
-                # which the request's own release would drop: shared system prompts keep their window)
-                t.frontier = int(self.frontiers[t.row])
-                t0 = time.perf_counter()
-                t.lock = self.cache.cache_running(t.ids, self.rtt, t.row, t.seq, t.frontier, t.lock)
-                self.insert_us.append((time.perf_counter() - t0) * 1e6)
-        done = [t for t in running if t.generated >= w.reply]
-        for t in done:
-            self._drop(t, cache=True)
-            self.stats["done"] += 1
-        return done
-
-
-def _sizes(shape: ModelShape, w: ChatWorkload) -> Tuple[int, int, int, int]:
-    """(full, SWA) pool tokens of the hybrid pools for the budget, and the all-full pool's tokens and bytes.
-
-    The SWA pool holds the running turns' windows, one prefill chunk (released after each forward),
-    and one cached window per conversation (what its next turn needs to continue from the cache);
-    the full pool gets the rest. The
-    all-full pool comes from `hwkv.engine.plan` (every layer in one pool, the same padding rules).
-    """
+def chat_sizes(shape: ModelShape, w: ChatWorkload) -> Tuple[_Sizes, _Sizes]:
+    """(hybrid, all-full) pools of `shape` (the whole model) in `w.memory` bytes. Hybrid: the SWA pool holds each
+    running turn's own window and cache lock window, one cached window per conversation and one prefill chunk; the
+    full pool the rest. All-full: every layer in one pool of the same bytes (`hwkv.engine.plan`'s rounding and
+    padding page). ConfigError when the budget leaves the full pool nothing."""
     p = w.page_size
-    swa_need = swa_tokens_per_request(shape.window, p)
-    size_swa = (w.concurrency + w.conversations) * swa_need + round_up(w.chunk, p) + w.concurrency * p
+    own = swa_tokens_per_request(shape.window, p)
+    lock = cache_lock_tokens(shape.window, p, w.context)
+    size_swa = w.concurrency * (own + lock) + w.conversations * own + round_up(w.chunk, p)
     swa_bytes = (size_swa + p) * shape.bytes_per_token_swa_group
     size = ((w.memory - swa_bytes) // shape.bytes_per_token_full_group - p) // p * p
-    if size < round_up(w.context, p) * w.concurrency:
-        raise ConfigError(f"chat workload: {w.memory} bytes leave {max(size, 0)} full-pool tokens beside an SWA "
-                          f"pool of {size_swa}; {w.concurrency} turns of {w.context} tokens need "
-                          f"{round_up(w.context, p) * w.concurrency}: raise --memory or lower --concurrency")
-    pl = plan(shape, w.memory, w.context, p, max_running=None, chunk=w.system + w.user)
-    return size, size_swa, pl.all_full_pool_tokens, pl.all_full_pool_bytes
+    if size < p:
+        raise ConfigError(f"chat workload: {w.memory} bytes leave no full pool beside an SWA pool of {size_swa} "
+                          f"tokens ({swa_bytes} bytes): raise --memory or lower --concurrency / --conversations")
+    hybrid = _Sizes("hybrid", size, size_swa, (size + p) * shape.bytes_per_token_full_group + swa_bytes, False)
+    all_b = shape.bytes_per_token_all_full
+    all_size = max(0, (w.memory // all_b - p) // p * p)
+    return hybrid, _Sizes("all-full", all_size, all_size, (all_size + p) * all_b, True)
 
 
-def run_chat(shape: ModelShape, w: ChatWorkload, device: str = "cpu") -> ChatResult:
-    """Both variants over the same conversations (same token ids, same order)."""
-    if not shape.swa_layer_ids:
-        raise ConfigError(f"{shape.name} has no SWA layers: the chat workload compares hybrid with all-full")
-    full, swa, all_full, all_bytes = _sizes(shape, w)
-    res = ChatResult(shape.name, device, w)
-    hybrid_bytes = (full + w.page_size) * shape.bytes_per_token_full_group + \
-        (swa + w.page_size) * shape.bytes_per_token_swa_group
-    # both variants' pools first: a turn that fits neither's is refused before anything runs
-    sims = [(_Sim("hybrid", w, full, swa, shape.window, device), hybrid_bytes),
-            (_Sim("all-full", w, all_full, all_full, None, device), all_bytes)]
-    for sim, nbytes in sims:
-        res.rows.append(_run_variant(sim, nbytes))
-    return res
+def _check_fits(s: _Sizes, shape: ModelShape, w: ChatWorkload) -> None:
+    """OutOfSlotsError when the longest turn cannot fit the variant's pools on their own (said before any run)."""
+    p = w.page_size
+    turn = f"a turn of {w.context} tokens (system {w.system} + {w.turns} x (user {w.user} + reply {w.reply}))"
+    full = round_up(w.context, p)
+    if s.mirrored:
+        if full > s.size:
+            raise OutOfSlotsError(f"chat workload ({s.variant}): {turn} needs {full} slots; the pool has {s.size} "
+                                  f"for {w.memory} bytes: raise --memory or shorten the conversations")
+        return
+    own = swa_tokens_per_request(shape.window, p, context=w.context)
+    lock = cache_lock_tokens(shape.window, p, w.context - w.reply)
+    swa, chunk = own + lock, round_up(w.chunk, p)
+    if full > s.size or swa + chunk > s.size_swa:
+        raise OutOfSlotsError(f"chat workload ({s.variant}): {turn} needs {full} full-pool slots and {swa} SWA slots "
+                              f"beside a prefill chunk of {chunk}; the pools have {s.size} full / {s.size_swa} SWA: "
+                              "raise --memory or shorten the conversations")
 
 
-def _run_variant(sim: _Sim, nbytes: int) -> ChatRow:
-    w, name, size, size_swa, window = sim.w, sim.name, sim.size, sim.size_swa, sim.window
-    gen = torch.Generator().manual_seed(w.seed)
-    system = torch.randint(0, 50_000, (w.system,), generator=gen).tolist()
+class _MirroredCache(Cache):
+    """The all-full variant's pools: the SWA pool pairs a page with every full page and nothing is released, so
+    its plan reserves nothing for the SWA pool (`size_swa` 0 there: the scheduler's SWA bound would count each
+    turn's pages twice) and the SWA slots held are read from the pool's own size."""
+
+    swa_size: int = 0
+
+    def held_slots(self) -> Tuple[int, int]:
+        return (self.plan.size - self.allocator.full_available_size(),
+                self.swa_size - self.allocator.swa_available_size())
+
+    def held_from(self, tails: Sequence[int], heads: Sequence[int]) -> Tuple[int, int]:
+        p = self.plan.page_size
+        return self.plan.size - (tails[0] - heads[0]) * p, self.swa_size - (tails[1] - heads[1]) * p
+
+
+def _build(s: _Sizes, run: ModelShape, w: ChatWorkload, device: torch.device, backend_device: Any) -> Cache:
+    """The variant's pools for the layers run (`run`), allocator, request rows and backend."""
+    p, context = w.page_size, round_up(w.context, w.page_size)
+    plan = PoolPlan(s.size, 0 if s.mirrored else s.size_swa, p, context, w.concurrency, w.chunk,
+                    run.bytes_per_token_full_group, run.bytes_per_token_swa_group, w.memory)
+    cache = build_cache(run, replace(plan, size_swa=s.size_swa), DTYPES[w.dtype], device,
+                        backend_device=backend_device)
+    if not s.mirrored:
+        return cache
+    mirrored = _MirroredCache(cache.pool, cache.allocator, cache.rtt, cache.backend, plan, run)
+    mirrored.swa_size = s.size_swa
+    return mirrored
+
+
+# ---- phases -------------------------------------------------------------------------------------------------
+class _Clock:
+    """Exclusive time per phase: methods of the engine's objects wrapped on their instances (the device is
+    synchronized around each call on accelerators, so a phase holds its own device work)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.seconds: Dict[str, float] = {name: 0.0 for name in PHASES}
+        self.counts: Dict[str, int] = {}
+        self._stack: List[float] = []  # time spent in nested phases, per open call
+        mod = getattr(torch, device.type, None) if device.type != "cpu" else None
+        self._sync: Callable[[], None] = mod.synchronize if mod is not None else (lambda: None)
+
+    def wrap(self, obj: Any, method: str, phase: str, count: Optional[str] = None) -> None:
+        """Time `obj.method` as `phase`; with `count`, add up the ints it returns under that name."""
+        inner = getattr(obj, method)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._sync()
+            t0 = time.perf_counter()
+            self._stack.append(0.0)
+            try:
+                out = inner(*args, **kwargs)
+                self._sync()
+            finally:
+                spent = time.perf_counter() - t0
+                nested = self._stack.pop()
+                self.seconds[phase] += spent - nested
+                if self._stack:
+                    self._stack[-1] += spent
+            if count is not None:
+                self.counts[count] = self.counts.get(count, 0) + int(out)
+            return out
+
+        setattr(obj, method, timed)
+
+
+def _instrument(engine: Engine, model: SyntheticModel, clock: _Clock) -> None:
+    c = engine.cache
+    clock.wrap(engine.scheduler, "admit", "admit")
+    for name in ("alloc_extend", "alloc_decode"):
+        clock.wrap(c.allocator, name, "allocate")
+    clock.wrap(c.backend, "init_forward_metadata", "metadata")
+    clock.wrap(c.backend, "forward", "attention")
+    clock.wrap(engine, "model_step", "model")
+    clock.wrap(engine, "_release", "release")
+    if engine.prefix is not None:
+        for name in ("insert", "cache_running", "release_request"):
+            clock.wrap(engine.prefix, name, "prefix_cache")
+        clock.wrap(engine.prefix, "evict", "prefix_cache", count="evicted_full")
+        clock.wrap(engine.prefix, "evict_swa", "prefix_cache", count="evicted_swa")
+    if model.check is not None:
+        clock.wrap(model.check, "run", "check")
+
+
+# ---- one variant ----------------------------------------------------------------------------------------------
+def run_variant(s: _Sizes, shape: ModelShape, w: ChatWorkload, device: str = "cpu", backend_device: Any = None,
+                on_step: Optional[Callable[[Engine], None]] = None) -> ChatRow:
+    """Every conversation through one engine over the variant's pools; `on_step(engine)` after every step."""
+    run = run_shape(shape, w)
+    dev = torch.device(device)
+    cache = _build(s, run, w, dev, backend_device if backend_device is not None else dev.type)
+    model = SyntheticModel(run, cache.backend, vocab_size=VOCAB, dtype=DTYPES[w.dtype], device=dev,
+                           positions=cache.rtt.max_context_len, seed=w.seed)
+    window = w.context if s.mirrored else shape.window  # mirrored: nothing is ever out of the engine's window
+    engine = Engine(cache, model, stats=RunnerStats(run, cache.plan), vocab_size=VOCAB, window=window,
+                    prefix_cache=True)
+    _warm_up(engine, model, w)
+    if w.check_every:
+        model.check = ReferenceCheck(model, engine_history(engine), every=w.check_every,
+                                     requests=w.check_requests, queries=w.check_queries)
+    clock = _Clock(dev)
+    _instrument(engine, model, clock)
+    step_s: List[float] = []
+    done = _converse(engine, w, step_s, on_step)
+    engine.check_integrity()
+    st = engine.stats
+    total = sum(step_s)
+    clock.seconds["other"] = max(0.0, total - sum(clock.seconds.values()))
+    busy = max(total - clock.seconds["check"], 1e-9)
+    n = max(len(step_s), 1)
+    check = model.check
+    p = w.page_size
+    return ChatRow(
+        s.variant, s.size, 0 if s.mirrored else s.size_swa, s.pool_bytes,
+        (s.size + p) * run.bytes_per_token_full_group + (s.size_swa + p) * run.bytes_per_token_swa_group,
+        w.concurrency, done, st.prompt_tokens, st.reused_tokens, st.prefill_tokens,
+        st.reused_tokens / st.prompt_tokens if st.prompt_tokens else 0.0,
+        clock.counts.get("evicted_full", 0), clock.counts.get("evicted_swa", 0), len(step_s), st.generated_tokens,
+        round(st.generated_tokens / busy, 1), round(st.prefill_tokens / busy, 1),
+        round(statistics.median(step_s) * 1e3, 3) if step_s else 0.0,
+        {k: round(v / n * 1e3, 3) for k, v in clock.seconds.items()},
+        check.forwards_checked if check else 0, check.requests_checked if check else 0,
+        check.max_err if check else 0.0, round(total, 3))
+
+
+def _warm_up(engine: Engine, model: SyntheticModel, w: ChatWorkload) -> None:
+    """One short request (a prefill of a few pages, two decode steps) before the run: lazy imports and kernel
+    compilation stay out of its times. Its KV leaves the cache and the counters start again."""
+    n = min(w.context - 2, 3 * w.page_size + 1)
+    engine.generate([[VOCAB - 1 - i % 7 for i in range(n)]], SamplingParams(max_new_tokens=2))
+    engine.clear_prefix_cache()
+    engine.check_integrity()
+    held = engine.cache.held_slots()
+    if held != (0, 0):
+        raise OutOfSlotsError(f"chat workload: the warm-up request left {held} (full, SWA) slots held")
+    engine.stats = RunnerStats(engine.stats.shape, engine.stats.plan)
+    model.forwards = 0
+
+
+def run_shape(shape: ModelShape, w: ChatWorkload) -> ModelShape:
+    """The layers run: the first `w.run_layers` of `shape` (all by default), in the workload's dtype."""
+    n = shape.num_layers if w.run_layers is None else w.run_layers
+    if n > shape.num_layers:
+        raise ConfigError(f"chat workload: run_layers must be in [1, {shape.num_layers}] for {shape.name}, got {n}")
+    return replace(shape, layer_is_swa=shape.layer_is_swa[:n], dtype_bytes=DTYPES[w.dtype].itemsize)
+
+
+def _user_tokens(w: ChatWorkload, conv: int, turn: int) -> List[int]:
+    gen = torch.Generator(device="cpu").manual_seed(w.seed * 1_000_003 + conv * 101 + turn)
+    return torch.randint(0, VOCAB, (w.user,), generator=gen, device="cpu").tolist()
+
+
+def _converse(engine: Engine, w: ChatWorkload, step_s: List[float],
+              on_step: Optional[Callable[[Engine], None]]) -> int:
+    """Run every conversation's turns; returns the turns finished. A turn is added when none waits or prefills."""
+    gen = torch.Generator(device="cpu").manual_seed(w.seed)
+    system = torch.randint(0, VOCAB, (w.system,), generator=gen, device="cpu").tolist()
     history = {c: list(system) for c in range(w.conversations)}
     turn_no = {c: 0 for c in range(w.conversations)}
     ready: Deque[int] = deque(range(w.conversations))
-    running: List[_Turn] = []
-    t0 = time.perf_counter()
-    while ready or running:
-        # like an engine, a turn is matched when its prefill can start: after the one prefilling now
-        while ready and len(running) < w.concurrency and all(t.seq >= len(t.prompt) for t in running):
-            c = ready[0]
-            user = torch.randint(0, 50_000, (w.user,), generator=torch.Generator().manual_seed(
-                w.seed * 1_000_003 + c * 101 + turn_no[c])).tolist()
-            t = _Turn(c, history[c] + user, history[c] + user)
-            if not sim.admit(t, running):
-                sim.stats["queued"] += 1
-                if not running:  # the largest turn was checked against the pools: a bug if it happens
-                    raise OutOfSlotsError(f"chat workload ({name}): a turn of {len(t.ids)} tokens does not fit "
-                                          f"{size} full / {size_swa} SWA slots even with an empty cache")
-                break
-            ready.popleft()
-            running.append(t)
-        for t in sim.step(running):
-            running.remove(t)
-            history[t.conv] = t.ids[:t.seq]
-            turn_no[t.conv] += 1
-            if turn_no[t.conv] < w.turns:
-                ready.append(t.conv)
-    sim.cache.check_integrity()
-    sim.alloc.check_integrity()
-    st = sim.stats
-    return ChatRow(name, size, size_swa if window else 0, nbytes, st["done"], st["prompt"], st["reused"],
-                   st["prompt"] - st["reused"], st["reused"] / st["prompt"] if st["prompt"] else 0.0,
-                   st["evicted_full"], st["evicted_swa"], st["queued"], st["steps"],
-                   round(statistics.median(sim.match_us), 1), round(statistics.median(sim.insert_us), 1),
-                   round(time.perf_counter() - t0, 3))
+    conv_of: Dict[int, int] = {}
+    params = SamplingParams(max_new_tokens=w.reply)
+    sched, done = engine.scheduler, 0
+    while ready or engine.has_work():
+        if ready and not sched.waiting and len(sched.running) < w.concurrency and \
+                not any(r.prefilling for r in sched.running):
+            c = ready.popleft()
+            conv_of[engine.add_request(history[c] + _user_tokens(w, c, turn_no[c]), params)] = c
+        t0 = time.perf_counter()
+        finished = engine.step()
+        step_s.append(time.perf_counter() - t0)
+        for res in finished:
+            if res.error is not None:
+                raise res.error
+            c = conv_of.pop(res.rid)
+            history[c] = res.prompt + res.tokens
+            turn_no[c] += 1
+            done += 1
+            if turn_no[c] < w.turns:
+                ready.append(c)
+        if on_step is not None:
+            on_step(engine)
+    return done
+
+
+def run_chat(shape: ModelShape, w: ChatWorkload, device: str = "cpu", backend_device: Any = None) -> ChatResult:
+    """Both variants over the same conversations (same token ids, same order); both variants' pools are checked
+    for the longest turn before anything runs."""
+    if not shape.swa_layer_ids:
+        raise ConfigError(f"{shape.name} has no SWA layers: the chat workload compares hybrid with all-full")
+    run = run_shape(shape, w)
+    if not run.swa_layer_ids:
+        raise ConfigError(f"chat workload: the first {run.num_layers} layer(s) of {shape.name} hold no SWA layer; "
+                          f"its first is layer {shape.swa_layer_ids[0]}: run more layers")
+    sizes = chat_sizes(shape, w)
+    for s in sizes:
+        _check_fits(s, shape, w)
+    res = ChatResult(shape.name, device, w, run.num_layers)
+    for s in sizes:
+        res.rows.append(run_variant(s, shape, w, device, backend_device))
+    return res

@@ -1,0 +1,209 @@
+"""A model with a real model's attention shapes and no weights of its size, for the engine (`ModelStep`).
+
+`SyntheticModel`: in every layer the queries, keys and values of a token are a fixed function of (token id,
+position, layer): rows of seeded random tables (one per layer geometry, each layer reading them at its own
+offset), queries and keys rotated by their position (RoPE). hwkv's backend stores and attends them as it does a
+real model's, window, sinks, soft-cap and GQA included. The logits read every layer's output (a small readout
+per layer, summed, then an unembedding), so every layer's attention decides the sampled token.
+
+Because K/V depend only on the token sequence, `ReferenceCheck` can recompute a request's attention densely
+with `hwkv.reference` from its token ids alone and compare it with what the engine computed: cached prefixes
+(K/V written by another request), released windows and reused slots included.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from hwkv import reference
+from hwkv.batch import ForwardBatch, ForwardMode
+from hwkv.engine.presets import ModelShape
+from hwkv.errors import ConfigError, ReferenceMismatchError
+from hwkv.layer import AttentionLayer
+
+Geometry = Tuple[int, int, int, int]  # (heads, kv heads, head dim, v head dim)
+# the token ids a request row holds before the forward being checked (prompt and read outputs)
+History = Callable[[int], Sequence[int]]
+
+
+def layer_geometry(shape: ModelShape, layer_id: int) -> Geometry:
+    if shape.layer_is_swa[layer_id]:
+        return shape.swa_num_heads, shape.swa_num_kv_heads, shape.swa_head_dim, shape.swa_v_head_dim
+    return shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.v_head_dim
+
+
+class SyntheticModel:
+    """`model(batch, ids, positions, keep) -> logits [K, vocab]` over `backend` (the engine's), see the module.
+
+    `positions`: positions run (the engine's context; RoPE's angles are tabled for them); `tables`: rows of each
+    random table (token ids index them modulo this); `readout`: the width of each layer's readout. `check` (a `ReferenceCheck`, set after the engine exists) runs on the forwards it picks."""
+
+    def __init__(self, shape: ModelShape, backend: object, *, vocab_size: int, dtype: torch.dtype,
+                 device: Union[str, torch.device], positions: int, seed: int = 0, tables: int = 1024,
+                 readout: int = 64, rope_base: float = 10000.0) -> None:
+        for name, value, low in (("vocab_size", vocab_size, 2), ("positions", positions, 1), ("tables", tables, 1),
+                                 ("readout", readout, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"synthetic model: {name} must be an integer >= {low}, got {value!r}")
+        if not rope_base > 1:
+            raise ConfigError(f"synthetic model: rope_base must be > 1, got {rope_base!r}")
+        self.shape, self.backend, self.vocab_size, self.dtype = shape, backend, vocab_size, dtype
+        self.device = torch.device(device)
+        self.rows, self.positions, self.rope_base = tables, positions, float(rope_base)
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+
+        def randn(*size: int, scale: float = 1.0) -> torch.Tensor:  # drawn on the host: the same on every device
+            return (torch.randn(*size, generator=gen, device="cpu") * scale).to(self.device)
+
+        self.layers: List[AttentionLayer] = []
+        self._tables: Dict[Geometry, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._readout: List[torch.Tensor] = []
+        for i, swa in enumerate(shape.layer_is_swa):
+            h, kvh, d, dv = g = layer_geometry(shape, i)
+            if g not in self._tables:
+                self._tables[g] = (randn(tables, h, d), randn(tables, kvh, d), randn(tables, kvh, dv))
+            has_sinks = shape.swa_sinks if swa else shape.sinks
+            sinks = randn(h) if has_sinks else None
+            self.layers.append(AttentionLayer(i, h, kvh, d, scaling=shape.scaling, v_head_dim=dv,
+                                              sliding_window=shape.window if swa else None,
+                                              logit_cap=shape.logit_cap, sinks=sinks))
+            self._readout.append(randn(h * dv, readout, scale=(h * dv) ** -0.5))
+        self._unembed = randn(readout, vocab_size, scale=readout ** -0.5)
+        self._rope_tables: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self.forwards = 0
+        self.check: Optional["ReferenceCheck"] = None
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] rotated by each token's position (pairs (i, i + D/2); an odd last dim stays)."""
+        d = x.shape[-1]
+        half = d // 2
+        if half == 0:
+            return x
+        cos, sin = self._angles(d)
+        c, s = cos[pos][:, None], sin[pos][:, None]
+        a, b = x[..., :half], x[..., half:2 * half]
+        return torch.cat([a * c - b * s, a * s + b * c, x[..., 2 * half:]], dim=-1)
+
+    def _angles(self, d: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [positions, d // 2] of every position for head dim d, made once."""
+        table = self._rope_tables.get(d)
+        if table is None:
+            half = d // 2
+            inv = self.rope_base ** (-torch.arange(half, dtype=torch.float32, device="cpu") / half)
+            ang = torch.arange(self.positions, dtype=torch.float32, device="cpu")[:, None] * inv
+            table = self._rope_tables[d] = (ang.cos().to(self.device), ang.sin().to(self.device))
+        return table
+
+    def qkv(self, layer_id: int, ids: torch.Tensor, pos: torch.Tensor, queries: Optional[int] = None
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer `layer_id`'s q [T, H, D], k [T, KVH, D], v [T, KVH, Dv] of tokens `ids` at `pos`, in the model's
+        dtype; with `queries`, q of the last that many tokens only."""
+        q_t, k_t, v_t = self._tables[layer_geometry(self.shape, layer_id)]
+        rows = (ids + 7919 * layer_id) % self.rows  # each layer reads the tables at its own offset
+        qs = slice(None) if queries is None else slice(len(ids) - queries, None)
+        q = self._rope(q_t[rows[qs]], pos[qs])
+        k = self._rope(k_t[rows], pos)
+        return q.to(self.dtype), k.to(self.dtype), v_t[rows].to(self.dtype)
+
+    def __call__(self, batch: ForwardBatch, ids: torch.Tensor, pos: torch.Tensor,
+                 keep: Union[int, torch.Tensor]) -> torch.Tensor:
+        """Every layer stores and attends through the backend; logits [K, vocab] fp32 at `keep` (0: every token)."""
+        checking = self.check is not None and self.check.due(self.forwards)
+        self.forwards += 1
+        outs: List[torch.Tensor] = []
+        acc: Optional[torch.Tensor] = None
+        for layer, readout in zip(self.layers, self._readout):
+            q, k, v = self.qkv(layer.layer_id, ids, pos)
+            out = self.backend.forward(q, k, v, layer, batch)
+            if checking:
+                outs.append(out)
+            kept = out if isinstance(keep, int) else out.index_select(0, keep)
+            part = kept.reshape(kept.shape[0], readout.shape[0]).to(torch.float32) @ readout
+            acc = part if acc is None else acc + part
+        if checking:
+            self.check.run(batch, ids, outs)
+        return acc @ self._unembed
+
+
+class ReferenceCheck:
+    """Every `every`-th forward of `model` (the first included), the last `queries` queries of the first
+    `requests` requests of the batch, every layer, recomputed densely by `hwkv.reference` from the requests'
+    token ids (`history(row)`: the ids a row holds before the forward; the forward's own come from its inputs)
+    and compared with the backend's outputs. A difference beyond the dtype's tolerance raises
+    ReferenceMismatchError naming the forward, request row, layer and error."""
+
+    def __init__(self, model: SyntheticModel, history: History, *, every: int, requests: int = 2,
+                 queries: int = 4, tolerance: Optional[float] = None) -> None:
+        for name, value in (("every", every), ("requests", requests), ("queries", queries)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"reference check: {name} must be an integer >= 1, got {value!r}")
+        self.model, self.history = model, history
+        self.every, self.requests, self.queries = every, requests, queries
+        self.tolerance = tolerance if tolerance is not None else (2e-3 if model.dtype == torch.float32 else 3e-2)
+        self.forwards_checked = 0
+        self.requests_checked = 0
+        self.queries_checked = 0
+        self.max_err = 0.0
+
+    def due(self, forward: int) -> bool:
+        return forward % self.every == 0
+
+    def run(self, batch: ForwardBatch, ids: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+        """Compare the picked requests' outputs (one per layer, [T, H, Dv] over the batch's packed tokens)."""
+        m, dev = self.model, self.model.device
+        n = min(self.requests, batch.batch_size)
+        rows = batch.req_pool_indices[:n].tolist()
+        seq = _host_lens(batch.seq_lens_cpu, batch.seq_lens, batch.batch_size)
+        if batch.forward_mode == ForwardMode.DECODE:
+            ext = [1] * batch.batch_size
+        else:
+            ext = _host_lens(batch.extend_seq_lens_cpu, batch.extend_seq_lens, batch.batch_size)
+        ids_host = ids.tolist()
+        end = 0
+        for b in range(n):
+            end += ext[b]
+            start, prefix = end - ext[b], seq[b] - ext[b]
+            known = list(self.history(rows[b]))
+            if len(known) < prefix:
+                raise ReferenceMismatchError(f"reference check, forward {m.forwards - 1}: request row {rows[b]} "
+                                             f"holds {prefix} tokens but its history has {len(known)}")
+            tokens = torch.tensor(known[:prefix] + ids_host[start:end], dtype=torch.int64, device="cpu").to(dev)
+            positions = torch.arange(seq[b], dtype=torch.int64, device=dev)
+            nq = min(self.queries, ext[b])
+            q_pos = torch.arange(seq[b] - nq, seq[b], dtype=torch.int64, device="cpu")
+            for layer, out in zip(m.layers, outs):
+                q, k, v = m.qkv(layer.layer_id, tokens, positions, queries=nq)
+                ref = reference.attention(q, k, v, q_pos, positions.cpu(), layer.scaling, layer.window,
+                                          layer.logit_cap, layer.sinks)
+                err = (out[end - nq:end].float().cpu() - ref).abs().max().item()
+                if not math.isfinite(err) or err > self.tolerance:
+                    kind = f"SWA W={layer.window}" if layer.window else "full"
+                    raise ReferenceMismatchError(
+                        f"forward {m.forwards - 1} ({batch.forward_mode.name}), request row {rows[b]} at length "
+                        f"{seq[b]}, layer {layer.layer_id} ({kind}): max |out - reference| = {err:.3g} > tolerance "
+                        f"{self.tolerance}")
+                self.max_err = max(self.max_err, err)
+            self.requests_checked += 1
+            self.queries_checked += nq
+        self.forwards_checked += 1
+
+
+def _host_lens(host: Optional[torch.Tensor], dev: Optional[torch.Tensor], n: int) -> List[int]:
+    """A batch's lengths as host ints: its host copy when the engine gave one, else read from the device."""
+    src = host if host is not None else dev
+    if src is None:
+        raise ConfigError("reference check: the batch carries no lengths")
+    return [int(x) for x in src[:n].tolist()]
+
+
+def engine_history(engine: object) -> History:
+    """`history` for a ReferenceCheck over an `hwkv.engine.engine.Engine`: the running request in that row, its
+    prompt and the outputs the host has read (at least every token before the forward, overlap or not)."""
+    def history(row: int) -> Sequence[int]:
+        for req in engine.scheduler.running:  # type: ignore[attr-defined]
+            if req.row == row:
+                return req.prompt + req.output
+        raise ConfigError(f"reference check: no running request holds row {row}")
+    return history
