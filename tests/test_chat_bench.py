@@ -4,7 +4,7 @@ import json
 from dataclasses import replace
 
 import pytest
-import torch
+from test_synthetic_model import one_thread  # noqa: F401  (module-wide: the workload's tensors are small)
 
 from hwkv.bench import chat
 from hwkv.bench.chat import PHASES, ChatWorkload, chat_sizes, run_chat, run_variant
@@ -18,16 +18,6 @@ TINY = ModelShape(name="tiny", layer_is_swa=layer_pattern(4, "sf"), window=16, n
                   head_dim=16, sinks=True)
 SMALL = ChatWorkload(conversations=6, turns=3, system=64, user=48, reply=8, concurrency=3, memory=180_000,
                      page_size=8, chunk=64, dtype="fp32", check_every=4)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The workload's tensors are small: one thread runs them in seconds, also on a machine shared with other jobs
-    (what `hwkv bench --workload chat` does on CPU)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

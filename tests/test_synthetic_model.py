@@ -26,14 +26,15 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def _engine(shape=SHAPE, page_size=4, prefix_cache=True, max_running=4, chunk=24, every=1, requests=4, queries=64):
+def _engine(shape=SHAPE, page_size=4, prefix_cache=True, max_running=4, chunk=24, every=1, requests=4, queries=64,
+            overlap=None):
     plan = plan_pools(shape, context=160, max_running=max_running, chunk=chunk, page_size=page_size,
                       memory=None, device=CPU, prefix_cache=prefix_cache)
     cache = build_cache(shape, plan, torch.float32, CPU, backend_device="cpu")
     model = SyntheticModel(shape, cache.backend, vocab_size=VOCAB, dtype=torch.float32, device=CPU,
                            positions=cache.rtt.max_context_len, seed=3)
     engine = Engine(cache, model, stats=RunnerStats(shape, plan), vocab_size=VOCAB, window=shape.window,
-                    prefix_cache=prefix_cache)
+                    prefix_cache=prefix_cache, overlap=overlap)
     if every:
         model.check = ReferenceCheck(model, engine_history(engine), every=every, requests=requests, queries=queries)
     return engine, model
@@ -45,10 +46,10 @@ def _prompts(n, system=37, user=11, seed=0):
     return [head + torch.randint(0, VOCAB, (user + 3 * i,), generator=g, device="cpu").tolist() for i in range(n)]
 
 
-def _run(engine, prompts, new=12):
+def _run(engine, prompts, new=12, stop=()):
     """generate() one step at a time, the engine's integrity checked after every step."""
     results = {}
-    rids = [engine.add_request(p, SamplingParams(max_new_tokens=new)) for p in prompts]
+    rids = [engine.add_request(p, SamplingParams(max_new_tokens=new, stop_token_ids=stop)) for p in prompts]
     while engine.has_work():
         for r in engine.step():
             results[r.rid] = r.tokens
@@ -92,6 +93,16 @@ def test_engine_outputs_match_the_reference_through_prefix_cache_release_and_reu
     assert engine.stats.reused_tokens >= 37 * 3 and len(again) == 3
     assert m.check.forwards_checked == m.forwards and m.check.requests_checked >= m.forwards
     assert 0 < m.check.max_err < m.check.tolerance
+
+
+def test_the_history_holds_every_earlier_token_with_overlap_and_stops():
+    """Overlapped, the host reads a forward's tokens during the next one, and a stopped request may run one more
+    forward: the check still finds every token before the forward in the request's prompt and read outputs."""
+    engine, m = _engine(overlap=True)
+    stop = (3, 11, 29, 41, 57, 70, 88)
+    out = _run(engine, _prompts(4), new=16, stop=stop)
+    assert any(t[-1] in stop and len(t) < 16 for t in out)  # some stopped early
+    assert engine.overlap and m.check.forwards_checked == m.forwards > 0 and m.check.max_err < m.check.tolerance
 
 
 def test_greedy_tokens_are_the_same_with_and_without_the_prefix_cache():

@@ -362,8 +362,8 @@ def _chat(args: argparse.Namespace, target: Target, dev: str) -> int:
     if w.check_every:
         for r in res.rows:
             print(f"reference check ({r.variant}): {r.checked_forwards} forwards (every {w.check_every}), "
-                  f"{r.checked_requests} request checks of their last {w.check_queries} queries in {res.layers} layers, "
-                  f"max |out - reference| {r.max_err:.3g}")
+                  f"{r.checked_requests} request checks of their last {w.check_queries} queries in {res.layers} "
+                  f"layers, max |out - reference| {r.max_err:.3g}")
     else:
         print("reference check: off (--check-every 0)")
     return 0

@@ -38,7 +38,8 @@ class SyntheticModel:
     """`model(batch, ids, positions, keep) -> logits [K, vocab]` over `backend` (the engine's), see the module.
 
     `positions`: positions run (the engine's context; RoPE's angles are tabled for them); `tables`: rows of each
-    random table (token ids index them modulo this); `readout`: the width of each layer's readout. `check` (a `ReferenceCheck`, set after the engine exists) runs on the forwards it picks."""
+    random table (token ids index them modulo this); `readout`: the width of each layer's readout. `check` (a
+    `ReferenceCheck`, set after the engine exists) runs on the forwards it picks."""
 
     def __init__(self, shape: ModelShape, backend: object, *, vocab_size: int, dtype: torch.dtype,
                  device: Union[str, torch.device], positions: int, seed: int = 0, tables: int = 1024,
