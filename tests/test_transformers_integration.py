@@ -180,6 +180,102 @@ def test_whole_step_graph_decode_equals_the_layers_graph(arch, page_size, overla
     assert got[True] == got[False] == [want, want]
 
 
+# ---- speculative verify: drafts checked in one forward, tokens always greedy decoding's ------------------------
+def _oracle(prompts, want, wrong_at=None):
+    """A drafter that knows each prompt's greedy continuation (`wrong_at`: that draft position is corrupted)."""
+    def draft(tokens, k):
+        for p, w in zip(prompts, want):
+            if tokens[:len(p)] == p:
+                d = list(w[len(tokens) - len(p):len(tokens) - len(p) + k])
+                if wrong_at is not None and len(d) > wrong_at:
+                    d[wrong_at] = (d[wrong_at] + 1) % 128
+                return d
+        raise AssertionError("the drafter got a sequence of no prompt")
+    return draft
+
+
+@pytest.mark.parametrize("arch,page_size,wrong_at", [("gpt_oss", 1, None), ("gemma2", 16, 2), ("cohere2", 4, 1),
+                                                      ("gemma3", 16, None)])
+def test_speculative_verify_keeps_greedy_tokens(arch, page_size, wrong_at, saved, prompts):
+    """Drafts verified in one forward: the tokens equal transformers' greedy ones whatever the drafts (all right,
+    one wrong at a position), fewer forwards when they are right, pools consistent after every step, and the
+    prefix cache serves a second round."""
+    model = _load(saved[arch])
+    want = hf_greedy(model, prompts)
+    with HybridRunner(model, max_running=4, chunk=32, page_size=page_size, context=48,
+                      draft=_oracle(prompts, want, wrong_at), num_draft=4) as runner:
+        for _ in range(2):
+            rids = [runner.add_request(p, SamplingParams(max_new_tokens=NEW)) for p in prompts]
+            got = {}
+            while runner.has_work():
+                got.update({r.rid: r.tokens for r in runner.step()})
+                runner.check_integrity()
+            assert [got[r] for r in rids] == want
+        st = runner.stats
+        verifies = st.forwards["TARGET_VERIFY"]
+        assert verifies > 0 and st.draft_tokens > 0
+        if wrong_at is None:
+            assert st.accepted_tokens == st.draft_tokens  # every draft right: every one kept
+            assert st.generated_tokens == 2 * len(prompts) * NEW
+            assert st.forwards["DECODE"] + verifies < 2 * NEW  # fewer forwards than one per token
+        else:
+            assert 0 < st.accepted_tokens < st.draft_tokens
+        assert "accepted" in st.draft_line()
+
+
+def test_speculative_verify_with_wrong_drafts_stops_and_sampling(saved, prompts):
+    """Drafts that are always wrong change nothing; a stop token inside an accepted run ends the request there,
+    as it does without drafts; a request that samples (temperature > 0) never speculates and draws the same
+    stream as without a drafter."""
+    model = _load(saved["gemma2"])
+    want = hf_greedy(model, prompts)
+    g = torch.Generator().manual_seed(3)
+
+    def wrong(tokens, k):
+        return [int(t) for t in torch.randint(0, 128, (k,), generator=g)]
+
+    stop = SamplingParams(max_new_tokens=NEW, stop_token_ids=(want[0][5],))
+    hot = SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=7)
+    with HybridRunner(model, max_running=4, chunk=32, page_size=4, context=48) as plain:
+        ref_stop = plain.generate(prompts[:1], stop)[0]
+        ref_hot = plain.generate(prompts[:1], hot)[0]
+    with HybridRunner(model, max_running=4, chunk=32, page_size=4, context=48, draft=wrong) as runner:
+        assert [r.tokens for r in runner.generate(prompts, SamplingParams(max_new_tokens=NEW))] == want
+        runner.check_integrity()
+        assert runner.stats.draft_tokens > 0
+    with HybridRunner(model, max_running=4, chunk=32, page_size=4, context=48,
+                      draft=_oracle(prompts, want)) as runner:
+        got = runner.generate(prompts[:1], stop)[0]
+        assert (got.tokens, got.finish_reason) == (ref_stop.tokens, ref_stop.finish_reason) == (want[0][:6], "stop")
+        drafted = runner.stats.draft_tokens
+        assert drafted > 0
+        assert runner.generate(prompts[:1], hot)[0].tokens == ref_hot.tokens
+        assert runner.stats.draft_tokens == drafted  # sampling requests are not drafted for
+        runner.check_integrity()
+
+
+def test_speculative_verify_refusals(saved, prompts):
+    """A drafter that is not callable, num_draft < 1, or drafts outside the vocabulary: typed errors."""
+    model = _load(saved["gemma2"])
+    for bad in (dict(draft=3), dict(draft=lambda t, k: [], num_draft=0)):
+        with pytest.raises(ConfigError, match="speculative verify needs"):
+            HybridRunner(model, max_running=2, context=48, **bad)
+    with HybridRunner(model, max_running=2, context=48, draft=lambda t, k: [10 ** 6] * k) as runner:
+        with pytest.raises(ConfigError, match="drafter proposed token id 1000000"):
+            runner.generate(prompts[:1], SamplingParams(max_new_tokens=4))
+
+
+def test_prompt_lookup_drafter():
+    from hwkv.engine.drafters import prompt_lookup
+
+    d = prompt_lookup(max_ngram=2)
+    assert d([5, 6, 7, 8, 5, 6], 3) == [7, 8, 5]      # the 2-gram (5, 6) recurs: what followed it
+    assert d([1, 2, 3, 9, 3], 2) == [9, 3]              # no 2-gram: the 1-gram (3) at its latest earlier place
+    assert d([1, 2, 3, 4], 2) == []                     # nothing recurs
+    with pytest.raises(ConfigError, match="min_ngram"):
+        prompt_lookup(max_ngram=0)
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="the CPU's compiled replay with torch page ops is the case refused")
 def test_whole_step_graph_needs_page_ops_or_eager_replay(saved):
     """whole_step=True where the allocation cannot run inside the graph (the CPU's compiled replay, torch page
@@ -643,6 +739,25 @@ def test_cli_generate_runs_a_conversation_from_the_prefix_cache(saved, prompts, 
     assert s_on["prompt_tokens"] == s_off["prompt_tokens"] == sum(map(len, sent))
     assert s_on["prefill_tokens"] == s_on["prompt_tokens"] - s_on["reused_tokens"]
     assert s_on["reused_tokens"] >= 0.5 * sum(map(len, sent[1:])) and s_off["reused_tokens"] == 0
+
+
+def test_cli_generate_with_prompt_lookup_drafts(saved, prompts, capsys):
+    """`hwkv generate --draft prompt-lookup`: a prompt that repeats itself gets drafts from its own earlier
+    tokens; the tokens equal the run without drafts, and the draft line is printed; --num-draft 0 is refused."""
+    prompt = ",".join(map(str, prompts[3] * 2))  # its greedy reply repeats (64, 2, 64, 2, ...): drafts that hit
+    base = ["--model", str(saved["gemma2"]), "--max-new-tokens", "8", "--prompt", prompt]
+    runs = {}
+    for extra in ((), ("--draft", "prompt-lookup", "--num-draft", "3")):
+        code, out, err = _cli(capsys, *base, *extra, "--json")
+        assert code == 0, err
+        runs[extra] = json.loads(out)
+    spec = runs[("--draft", "prompt-lookup", "--num-draft", "3")]
+    assert spec["results"][0]["tokens"] == runs[()]["results"][0]["tokens"]
+    assert spec["stats"]["accepted_tokens"] > 0 and "accepted" in spec["draft"] and runs[()]["draft"] is None
+    code, out, err = _cli(capsys, *base, "--draft", "prompt-lookup")
+    assert code == 0 and "speculative verify:" in out
+    code, out, err = _cli(capsys, *base, "--num-draft", "0")
+    assert code == 2 and "--num-draft must be >= 1, got 0" in err and "Traceback" not in err
 
 
 def test_a_waiting_request_does_not_read_the_device_every_step(saved, prompts):

@@ -22,11 +22,13 @@ import torch
 from hwkv.allocator import release_out_of_window_batch
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.cache import HybridPrefixCache
+from hwkv.engine.drafters import Drafter
 from hwkv.engine.pools import Cache
 from hwkv.engine.sampling import SamplingParams, params_tensors, sample
 from hwkv.engine.scheduler import Request, Row, Scheduler, split_rows
 from hwkv.engine.stats import RunnerStats
 from hwkv.errors import ConfigError, HwkvError, OutOfSlotsError
+from hwkv.spec import accept_draft_tokens
 
 I64 = torch.int64
 HOST = dict(dtype=torch.int64, device="cpu")  # host values: never on the default device a user set
@@ -57,15 +59,21 @@ class Engine:
     on accelerators); `whole_step`: decode steps replay one graph each, allocation, req_to_token write, metadata
     and release included (`hwkv.step_graph.DecodeStepGraph`; None: wherever the graph can hold them, i.e. the
     allocator has the device's page-op kernels or the adapter replays eagerly), else graphs of the layers
-    only (`hwkv.graph.GraphRunner`)."""
+    only (`hwkv.graph.GraphRunner`). `draft`: speculative verify (see `_verify`): a callable (tokens so far, k)
+    -> up to k draft ids (`hwkv.engine.drafters`), `num_draft` = k; the tokens stay greedy decoding's."""
 
     closed = False
 
     def __init__(self, cache: Cache, model_step: ModelStep, *, stats: RunnerStats, vocab_size: int,
                  window: Optional[int], graph_adapter: Any = None, graph_choice: str = "off",
                  graph_batch_sizes: Optional[Sequence[int]] = None, overlap: Optional[bool] = None,
-                 prefix_cache: bool = True, whole_step: Optional[bool] = None) -> None:
+                 prefix_cache: bool = True, whole_step: Optional[bool] = None, draft: Optional[Drafter] = None,
+                 num_draft: int = 4) -> None:
+        if draft is not None and (not callable(draft) or not isinstance(num_draft, int) or num_draft < 1):
+            raise ConfigError(f"speculative verify needs a callable draft and num_draft >= 1, got draft={draft!r}, "
+                              f"num_draft={num_draft!r}")
         self.cache, self.model_step, self.stats, self.vocab_size = cache, model_step, stats, int(vocab_size)
+        self.draft, self.num_draft = draft, num_draft
         pool_plan = cache.plan
         dev = self.device = cache.rtt.req_to_token.device
         self.window = window
@@ -82,7 +90,8 @@ class Engine:
         # each row's last sampled token, the next forward's input: sampled tokens never wait for the host
         self.next_ids = torch.zeros(rows, dtype=I64, device=dev)
         # overlap: a step's tokens are read by the host during the next step (see `step`)
-        self.overlap = dev.type != "cpu" if overlap is None else bool(overlap)
+        # (a verify step reads its accepted tokens before the next step drafts from them: no overlap)
+        self.overlap = (dev.type != "cpu" if overlap is None else bool(overlap)) and draft is None
         pin = dev.type != "cpu"
         self._readback = [torch.zeros(pool_plan.max_running + 2, **HOST, pin_memory=pin) for _ in range(2)]
         self._inflight: Optional[_Inflight] = None
@@ -222,7 +231,13 @@ class Engine:
             return self._read_back()
         self._pools_changed = bool(admitted)
         sampled = [r for r in rows if r.samples]
+        k = self._draft_len(rows)
         with torch.no_grad():
+            if k:
+                finished = self._verify(rows, k)
+                if finished is not None:
+                    self.stats.record_step(ForwardMode.TARGET_VERIFY, 0, self._verified, time.perf_counter() - t0)
+                    return finished
             if self.prefix is not None:
                 self._make_room(rows)
             if self.whole_step and all(r.n == 1 and r.prefix > 0 and not r.req.prefilling for r in rows):
@@ -302,6 +317,10 @@ class Engine:
                 done.append(req)
         if dropped:
             self.stats.drop_tokens(rec.mode, dropped)
+        return self._finish(done)
+
+    def _finish(self, done: List[Request]) -> List[Result]:
+        """Finished requests leave: their KV to the prefix cache (or freed), their rows and reservations back."""
         if done:
             self._finished += len(done)
             if self.prefix is not None:  # each one's tokens go to the cache, its own references back
@@ -318,6 +337,80 @@ class Engine:
                 self.scheduler.finish(r)
                 del self.requests[r.rid]
         return [Result(r.rid, r.prompt, r.output, r.finish_reason, seed=r.params.seed) for r in done]
+
+    # ---- speculative verify --------------------------------------------------------------------
+    def _draft_len(self, rows: List[Row]) -> int:
+        """Draft tokens per request this step (0: a plain step): only when every row decodes greedily, within
+        each request's reservation (k <= max_new_tokens - sampled - 1, so the drafts' K/V fits what admission
+        reserved) and the forward's token budget (batch x (k + 1) <= chunk)."""
+        if self.draft is None or not rows:
+            return 0
+        k = min(self.num_draft, self.cache.plan.chunk // len(rows) - 1)
+        for r in rows:
+            req = r.req
+            if r.n != 1 or req.prefilling or not req.params.greedy or req.pending:
+                return 0
+            k = min(k, req.params.max_new_tokens - len(req.output) - 1)
+        return max(k, 0)
+
+    def _verify(self, rows: List[Row], k: int) -> Optional[List[Result]]:
+        """One verify forward: each request's last token and k drafts at its next k + 1 positions (one
+        allocation, one forward with every token's logits), then the longest draft prefix greedy decoding
+        agrees with plus the model's next token are kept, the rest of the drafts' slots freed
+        (`accept_draft_tokens`) before the out-of-window release, which runs on the accepted lengths. A stop
+        token or max_new_tokens inside the accepted run ends the request there. None: no drafter proposed
+        anything, or the pools have no room for the drafts now: the step runs as a plain decode."""
+        drafts, found = [], False
+        for r in rows:
+            d = [int(t) for t in self.draft(r.req.prompt + r.req.output, k)][:k]
+            bad = [t for t in d if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ConfigError(f"the drafter proposed token id {bad[0]}, outside the vocabulary [0, "
+                                  f"{self.vocab_size})")
+            found = found or bool(d)
+            drafts.append(d + [r.req.output[-1]] * (k - len(d)))  # padding: checked like any draft
+        p = self.cache.plan.page_size
+        pages = sum(-(-(r.prefix + k + 1) // p) - -(-r.prefix // p) for r in rows)
+        if not found or not all(ring.has_room(pages) for ring in self.cache.allocator._rings()):
+            return None
+        bs = len(rows)
+        ids = [t for r, d in zip(rows, drafts) for t in [r.req.output[-1]] + d]
+        batch, ids_dev, pos_dev = self._allocate([Row(r.req, r.prefix, k + 1, True) for r in rows], ids)
+        self._pools_changed = True
+        self.cache.backend.init_forward_metadata(batch)
+        pred = self.model_step(batch, ids_dev, pos_dev, 0).argmax(dim=-1).view(bs, k + 1).tolist()  # the one wait
+        accepted, done, used_all = [], [], 0
+        for r, d, pr in zip(rows, drafts, pred):
+            a = 0
+            while a < k and d[a] == pr[a]:
+                a += 1
+            used = 0
+            for t in d[:a] + [pr[a]]:
+                used += 1
+                if r.req.add_token(t):
+                    done.append(r.req)
+                    break
+            accepted.append(used - 1)
+            used_all += used
+        acc = torch.tensor(accepted, **HOST)
+        pre = torch.tensor([r.prefix + 1 for r in rows], **HOST)  # the drafts start after the last token
+        pre_dev, acc_dev = _to_device(torch.stack([pre, acc]), self.device)
+        c = self.cache
+        index = torch.arange(k, dtype=I64, device=self.device).expand(bs, k).contiguous()
+        seq = accept_draft_tokens(c.allocator, c.pool, c.rtt.req_to_token, batch.req_pool_indices, pre_dev, index,
+                                  acc_dev, prefix_lens_cpu=pre, accept_lens_cpu=acc)
+        self._release(batch, [Row(r.req, r.prefix, 1 + a, True) for r, a in zip(rows, accepted)], seq)
+        for r, a in zip(rows, accepted):
+            r.req.kv_len = r.prefix + 1 + a
+        self.next_ids[batch.req_pool_indices] = _to_device(torch.tensor([r.req.output[-1] for r in rows], **HOST),
+                                                           self.device)
+        tails, heads = c.free_counts_async()
+        full, swa = c.held_from(tails.tolist(), heads)
+        cached = (self.prefix.evictable_full, self.prefix.evictable_swa) if self.prefix is not None else (0, 0)
+        self.stats.record_memory((full - cached[0], swa - cached[1]))
+        self.stats.record_drafts(bs, bs * k, sum(accepted))
+        self._verified = used_all
+        return self._finish(done)
 
     # ---- prefix caching ----------------------------------------------------------------------
     def _start_cached(self, req: Request) -> bool:
@@ -410,11 +503,14 @@ class Engine:
                     r.req.lock = self.prefix.cache_running(r.req.prompt[:seq], self.cache.rtt, row, seq,
                                                            self._host_frontiers[row], r.req.lock)
 
-    def _allocate(self, rows: List[Row]) -> "tuple[ForwardBatch, torch.Tensor, torch.Tensor]":
-        """Slots for every new token in one allocator call, req_to_token in one scatter, the ForwardBatch."""
-        if all(r.n == 1 and r.prefix > 0 for r in rows):
+    def _allocate(self, rows: List[Row], ids: Optional[List[int]] = None
+                  ) -> "tuple[ForwardBatch, torch.Tensor, torch.Tensor]":
+        """Slots for every new token in one allocator call, req_to_token in one scatter, the ForwardBatch.
+        `ids`: the forward's token ids from the host (a verify's), instead of the rows' own."""
+        if ids is None and all(r.n == 1 and r.prefix > 0 for r in rows):
             return self._allocate_decode(rows)
-        ids, pos, row_of = split_rows(rows)
+        own, pos, row_of = split_rows(rows)
+        ids = own if ids is None else ids
         bs, t = len(rows), len(ids)
         # per request (row, prefix, seq, new tokens, prefix - 1) and per token (id, position, row): one host
         # tensor, one copy to the device
@@ -437,7 +533,7 @@ class Engine:
         batch = ForwardBatch(mode, bs, rows_dev, seq_dev, loc, prefix_dev, ext_dev, positions=flat_dev[1],
                              seq_lens_cpu=host[2], extend_seq_lens_cpu=host[3])
         ids_dev = flat_dev[0]
-        if any(not r.req.prefilling for r in rows):  # decoding requests feed their last sampled token
+        if ids is own and any(not r.req.prefilling for r in rows):  # decoding requests feed their last sampled token
             ids_dev = torch.where(ids_dev < 0, self.next_ids[flat_dev[2]], ids_dev)
         return batch, ids_dev, flat_dev[1]
 
@@ -517,7 +613,7 @@ class Engine:
             self._pools_changed = True
         return self.graph.req_pool_indices[:bs], self._sample(sampled, logits)
 
-    def _release(self, batch: ForwardBatch, rows: List[Row]) -> None:
+    def _release(self, batch: ForwardBatch, rows: List[Row], seq_lens: Optional[torch.Tensor] = None) -> None:
         """One out-of-window release for the batch's requests (hybrid pools only), in the steps where some
         request's frontier moves (`release_out_of_window_batch`'s rule on the host lengths: the page-aligned
         frontier kept one page behind seq_len - W + 1); the others have nothing to release."""
@@ -526,7 +622,7 @@ class Engine:
         self._pools_changed = True
         f = self.frontiers[batch.req_pool_indices]
         release_out_of_window_batch(self.cache.allocator, self.cache.rtt.req_to_token, batch.req_pool_indices,
-                                    batch.seq_lens, f, self.window)
+                                    batch.seq_lens if seq_lens is None else seq_lens, f, self.window)
         self.frontiers[batch.req_pool_indices] = f
 
     def _move_frontiers(self, rows: List[Row]) -> bool:

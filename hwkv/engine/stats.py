@@ -27,6 +27,9 @@ class RunnerStats:
     graph_error: Optional[str] = None  # why decode runs eagerly although graphs were asked for ("auto")
     generated_tokens: int = 0
     dropped_tokens: int = 0       # sampled after their request's stop token, which the host read a step late
+    verify_rows: int = 0          # speculative verify: requests verified (one per request per verify forward)
+    draft_tokens: int = 0         # ... draft tokens checked ...
+    accepted_tokens: int = 0      # ... and kept
     seconds: float = 0.0
     peak_held_bytes: int = 0
     peak_all_full_bytes: int = 0
@@ -41,6 +44,12 @@ class RunnerStats:
         if mode == ForwardMode.DECODE:
             self.decode_tokens += generated
         self.seconds += seconds
+
+    def record_drafts(self, rows: int, drafted: int, accepted: int) -> None:
+        """A verify forward of `rows` requests checked `drafted` draft tokens and kept `accepted` of them."""
+        self.verify_rows += rows
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
 
     def record_prompt(self, prompt_tokens: int, reused: int) -> None:
         """A request was admitted: its prompt, and how much of it the prefix cache gave."""
@@ -84,7 +93,8 @@ class RunnerStats:
         return {"forwards": dict(self.forwards), "seconds_by_mode": dict(self.seconds_by_mode),
                 "graph_replays": self.graph_replays, "graph_error": self.graph_error,
                 "prefill_tokens": self.prefill_tokens, "prompt_tokens": self.prompt_tokens,
-                "reused_tokens": self.reused_tokens,
+                "reused_tokens": self.reused_tokens, "verify_rows": self.verify_rows, "draft_tokens": self.draft_tokens,
+                "accepted_tokens": self.accepted_tokens,
                 "generated_tokens": self.generated_tokens, "seconds": self.seconds,
                 "tokens_per_second": self.tokens_per_second,
                 "pools": {"full_slots": p.size, "swa_slots": p.size_swa, "page_size": p.page_size,
@@ -99,6 +109,16 @@ class RunnerStats:
         share = self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
         return (f"prompt tokens {self.prompt_tokens:,}: {self.reused_tokens:,} reused from the prefix cache "
                 f"({share:.0%}), {self.prefill_tokens:,} computed")
+
+    def draft_line(self) -> str:
+        """One line: draft tokens checked by verify forwards, the share kept, and tokens per request per verify
+        forward (1 for a plain decode step)."""
+        share = self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+        rows = self.verify_rows
+        per = (self.accepted_tokens + rows) / rows if rows else 0.0
+        return (f"speculative verify: {self.draft_tokens:,} draft tokens, {self.accepted_tokens:,} accepted "
+                f"({share:.0%}); {per:.2f} tokens per request per verify forward over "
+                f"{self.forwards['TARGET_VERIFY']:,} forwards")
 
     def memory_line(self) -> str:
         """One line: the peak KV held against an all-full cache holding the same tokens."""

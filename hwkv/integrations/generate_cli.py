@@ -51,6 +51,10 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                    "turn i - 1 finished; with the prefix cache each turn computes only its new tokens")
     p.add_argument("--no-prefix-cache", action="store_true", help="no prefix caching (by default prompts sharing a "
                    "prefix with an earlier one, e.g. a system prompt, take its KV from the cache)")
+    p.add_argument("--draft", choices=("prompt-lookup",), help="speculative verify with this drafter: prompt-lookup "
+                   "proposes the tokens that followed the last n-gram's earlier occurrence (greedy requests only; "
+                   "the tokens stay greedy decoding's)")
+    p.add_argument("--num-draft", type=int, default=4, help="draft tokens per request per verify (default 4)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print one JSON object (schema hwkv-generate/1)")
 
@@ -84,7 +88,8 @@ def _check_args(args: argparse.Namespace) -> None:
 
     for flag, value, lo in (("--max-new-tokens", args.max_new_tokens, 1), ("--max-running", args.max_running, 1),
                             ("--context", args.context, 1), ("--chunk", args.chunk, 1),
-                            ("--page-size", args.page_size, 1), ("--seed", args.seed, 0)):
+                            ("--page-size", args.page_size, 1), ("--seed", args.seed, 0),
+                            ("--num-draft", args.num_draft, 1)):
         if value is not None and value < lo:
             raise ConfigError(f"{flag} must be >= {lo}, got {value}")
     if args.temperature < 0:
@@ -173,6 +178,7 @@ def _progress(enabled: bool, total: int) -> Tuple[Any, Any]:
 
 def _generate(args: argparse.Namespace) -> Tuple[dict, int]:
     """Load, run every prompt, and return the JSON-ready result and the exit code."""
+    from hwkv.engine.drafters import prompt_lookup
     from hwkv.integrations.transformers import HybridRunner, SamplingParams
 
     spec, model, tokenizer = _load(args)
@@ -189,7 +195,8 @@ def _generate(args: argparse.Namespace) -> Tuple[dict, int]:
     running = args.max_running if args.max_running is not None else (1 if args.conversation else len(prompts))
     with HybridRunner(model, device=spec.name, memory=args.memory, context=context, max_running=running,
                       chunk=args.chunk, page_size=args.page_size,
-                      graphs=args.graphs, prefix_cache=not args.no_prefix_cache) as runner:
+                      graphs=args.graphs, prefix_cache=not args.no_prefix_cache,
+                      draft=prompt_lookup() if args.draft else None, num_draft=args.num_draft) as runner:
         bar, advance = _progress(not args.no_progress, args.max_new_tokens * len(prompts))
         t0 = time.perf_counter()
         with bar if bar is not None else contextlib.nullcontext():
@@ -214,7 +221,8 @@ def _generate(args: argparse.Namespace) -> Tuple[dict, int]:
     data = {"schema": "hwkv-generate/1", "model": args.model, "device": spec.name, "dtype": str(model.dtype),
             "backend": type(runner.cache.backend).__name__, "graphs": runner.graph is not None,
             "wall_seconds": wall, "results": rows, "stats": stats.as_dict(), "memory": stats.memory_line(),
-            "prefix_cache": runner.prefix is not None, "prefix": stats.prefix_line()}
+            "prefix_cache": runner.prefix is not None, "prefix": stats.prefix_line(),
+            "draft": stats.draft_line() if args.draft else None}
     return data, EXIT_ERROR if any(r["error"] for r in rows) else EXIT_OK
 
 
@@ -231,6 +239,8 @@ def _print_plain(data: dict) -> None:
         print(f"decode ran eagerly: {s['graph_error']}")
     if data["prefix_cache"]:
         print(data["prefix"])
+    if data["draft"]:
+        print(data["draft"])
     print(data["memory"])
 
 

@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from hwkv.batch import ForwardBatch
+from hwkv.engine.drafters import Drafter
 from hwkv.engine.engine import Engine, Result
 from hwkv.engine.pools import build_cache, plan_pools
 from hwkv.engine.stats import RunnerStats
@@ -32,7 +33,7 @@ class HybridRunner(Engine):
                  context: Optional[int] = None, max_running: int = 16, chunk: int = 512, page_size: int = 16,
                  graphs: GraphsOption = "auto", graph_batch_sizes: Optional[Sequence[int]] = None,
                  overlap: Optional[bool] = None, prefix_cache: bool = True,
-                 whole_step: Optional[bool] = None) -> None:
+                 whole_step: Optional[bool] = None, draft: Optional[Drafter] = None, num_draft: int = 4) -> None:
         self.model = model
         dev = next(model.parameters()).device
         self.spec = resolve_spec(device, dev.type)
@@ -55,7 +56,7 @@ class HybridRunner(Engine):
                              window=self.shape.window if self.shape.swa_layer_ids else None,
                              graph_adapter=graph_adapter(self.spec, choice), graph_choice=choice,
                              graph_batch_sizes=graph_batch_sizes, overlap=overlap, prefix_cache=cached,
-                             whole_step=whole_step)
+                             whole_step=whole_step, draft=draft, num_draft=num_draft)
         except BaseException:
             self.close()
             raise
