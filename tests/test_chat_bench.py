@@ -161,6 +161,8 @@ def test_cli_chat_workload_json(capsys):
     assert data["layers_run"] == 2 and data["workload"]["check_every"] == 3 and data["workload"]["dtype"] == "fp32"
     assert all(r["turns_done"] == 6 and r["checked_forwards"] > 0 for r in data["rows"])
     assert main(["bench", "--workload", "chat", "--device", "cpu", "--memory", "1MiB"]) == 2
+    assert main(["bench", "--workload", "chat", "--device", "cpu", "--steps", "4", "--quick"]) == 2
+    assert "--steps, --quick: the decode workload's" in capsys.readouterr().err
 
 
 def test_cli_chat_table(capsys):

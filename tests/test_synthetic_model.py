@@ -59,7 +59,7 @@ def _run(engine, prompts, new=12, stop=()):
 
 def test_qkv_is_a_function_of_token_position_and_layer():
     _, m = _engine(every=0)
-    ids, pos = torch.tensor([5, 9, 5, 40]), torch.tensor([0, 1, 7, 3])
+    ids, pos = torch.tensor([5, 9, 5, 40], device="cpu"), torch.tensor([0, 1, 7, 3], device="cpu")
     q0, k0, v0 = m.qkv(0, ids, pos)
     q1, k1, v1 = m.qkv(0, ids.clone(), pos.clone())
     assert torch.equal(q0, q1) and torch.equal(k0, k1) and torch.equal(v0, v1)
@@ -73,8 +73,8 @@ def test_qkv_is_a_function_of_token_position_and_layer():
 def test_scores_depend_on_relative_positions_only():
     """RoPE: shifting every position alike leaves each q.k score as it was."""
     _, m = _engine(every=0)
-    ids = torch.tensor([3, 14, 15, 92, 65])
-    pos = torch.arange(5)
+    ids = torch.tensor([3, 14, 15, 92, 65], device="cpu")
+    pos = torch.arange(5, device="cpu")
     q, k, _ = m.qkv(1, ids, pos)
     qs, ks, _ = m.qkv(1, ids, pos + 50)
     scores = torch.einsum("qhd,khd->hqk", q[:, :2], k)

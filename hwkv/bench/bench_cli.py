@@ -29,9 +29,10 @@ QUICK: Dict[str, Any] = dict(DEFAULTS, batch_sizes="1,4", prompt_len=160, chunk=
 
 
 # the chat workload's defaults: on CPU small enough to run in seconds on 2 cores (4 layers, fp32); elsewhere
-# hwkv.bench.chat.ChatWorkload's (2 GiB, 64 conversations of a 2048-token system prompt)
+# hwkv.bench.chat.ChatWorkload's sizes (2 GiB, 64 conversations of a 2048-token system prompt), checked every 64th of
+# its ~2,000 forwards (the reference recomputes two requests' contexts in every layer on the host)
 _CHAT_ACCELERATOR: Dict[str, Any] = dict(conversations=64, turns=4, system=2048, user=256, reply=128, concurrency=16,
-                                         memory="2GiB", chunk=512, check_every=8, check_requests=2, check_queries=4)
+                                         memory="2GiB", chunk=512, check_every=64, check_requests=2, check_queries=4)
 _CHAT_CPU: Dict[str, Any] = dict(_CHAT_ACCELERATOR, conversations=6, turns=4, system=512, user=128, reply=16,
                                  concurrency=3, memory="150MiB", chunk=256, check_every=16)
 
@@ -306,6 +307,12 @@ def _run_chat(args: argparse.Namespace) -> int:
 
     if args.plot:
         raise ConfigError("--plot draws the decode workload; the chat workload prints its table (or --json)")
+    decode_only = [f"--{name.replace('_', '-')}" for name in ("batch_sizes", "prompt_len", "steps", "warmup", "repeats",
+                                                             "configs", "quick", "no_graph") if getattr(args, name)]
+    if decode_only:
+        raise ConfigError(f"{', '.join(decode_only)}: the decode workload's; the chat workload takes --conversations, "
+                          "--turns, --system-len, --user-len, --reply-len, --concurrency, --memory, --chunk and the "
+                          "--check-* flags")
     target = _target(args.device)
     dev = target.torch_device
     threads = args.threads if args.threads is not None else (1 if dev == "cpu" else None)

@@ -278,6 +278,7 @@ def _instrument(engine: Engine, model: SyntheticModel, clock: _Clock) -> None:
         clock.wrap(engine.prefix, "evict", "prefix_cache", count="evicted_full")
         clock.wrap(engine.prefix, "evict_swa", "prefix_cache", count="evicted_swa")
     if model.check is not None:
+        clock.wrap(model.check, "pick", "check")
         clock.wrap(model.check, "run", "check")
 
 

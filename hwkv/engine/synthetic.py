@@ -13,6 +13,7 @@ with `hwkv.reference` from its token ids alone and compare it with what the engi
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -111,20 +112,20 @@ class SyntheticModel:
     def __call__(self, batch: ForwardBatch, ids: torch.Tensor, pos: torch.Tensor,
                  keep: Union[int, torch.Tensor]) -> torch.Tensor:
         """Every layer stores and attends through the backend; logits [K, vocab] fp32 at `keep` (0: every token)."""
-        checking = self.check is not None and self.check.due(self.forwards)
         self.forwards += 1
-        outs: List[torch.Tensor] = []
+        pick = self.check.pick(batch, ids) if self.check is not None and self.check.due(self.forwards - 1) else None
+        outs: List[torch.Tensor] = []  # the checked queries' outputs, per layer
         acc: Optional[torch.Tensor] = None
         for layer, readout in zip(self.layers, self._readout):
             q, k, v = self.qkv(layer.layer_id, ids, pos)
             out = self.backend.forward(q, k, v, layer, batch)
-            if checking:
-                outs.append(out)
+            if pick is not None:
+                outs.append(out.index_select(0, pick.index))
             kept = out if isinstance(keep, int) else out.index_select(0, keep)
             part = kept.reshape(kept.shape[0], readout.shape[0]).to(torch.float32) @ readout
             acc = part if acc is None else acc + part
-        if checking:
-            self.check.run(batch, ids, outs)
+        if pick is not None:
+            self.check.run(pick, outs)
         return acc @ self._unembed
 
 
@@ -151,44 +152,65 @@ class ReferenceCheck:
     def due(self, forward: int) -> bool:
         return forward % self.every == 0
 
-    def run(self, batch: ForwardBatch, ids: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
-        """Compare the picked requests' outputs (one per layer, [T, H, Dv] over the batch's packed tokens)."""
-        m, dev = self.model, self.model.device
+    def pick(self, batch: ForwardBatch, ids: torch.Tensor) -> "Pick":
+        """Before the layers: the requests checked, their token ids (history and this forward's inputs) and the
+        packed rows of their last queries, which the model keeps from each layer's output."""
         n = min(self.requests, batch.batch_size)
         rows = batch.req_pool_indices[:n].tolist()
-        seq = _host_lens(batch.seq_lens_cpu, batch.seq_lens, batch.batch_size)
-        if batch.forward_mode == ForwardMode.DECODE:
-            ext = [1] * batch.batch_size
-        else:
-            ext = _host_lens(batch.extend_seq_lens_cpu, batch.extend_seq_lens, batch.batch_size)
-        ids_host = ids.tolist()
+        seq = _host_lens(batch.seq_lens_cpu, batch.seq_lens, n)
+        ext = [1] * n if batch.forward_mode == ForwardMode.DECODE else \
+            _host_lens(batch.extend_seq_lens_cpu, batch.extend_seq_lens, n)
+        forward = self.model.forwards - 1
+        keep: List[int] = []
+        requests: List[Tuple[int, List[int], int, int]] = []
         end = 0
-        for b in range(n):
-            end += ext[b]
-            start, prefix = end - ext[b], seq[b] - ext[b]
-            known = list(self.history(rows[b]))
+        for row, length, new in zip(rows, seq, ext):
+            end += new
+            prefix = length - new
+            known = list(self.history(row))
             if len(known) < prefix:
-                raise ReferenceMismatchError(f"reference check, forward {m.forwards - 1}: request row {rows[b]} "
-                                             f"holds {prefix} tokens but its history has {len(known)}")
-            tokens = torch.tensor(known[:prefix] + ids_host[start:end], dtype=torch.int64, device="cpu").to(dev)
-            positions = torch.arange(seq[b], dtype=torch.int64, device=dev)
-            nq = min(self.queries, ext[b])
-            q_pos = torch.arange(seq[b] - nq, seq[b], dtype=torch.int64, device="cpu")
+                raise ReferenceMismatchError(f"reference check, forward {forward}: request row {row} holds {prefix} "
+                                             f"tokens but its history has {len(known)}")
+            nq = min(self.queries, new)
+            keep += range(end - nq, end)
+            requests.append((row, known[:prefix] + ids[end - new:end].tolist(), length, nq))
+        index = torch.tensor(keep, dtype=torch.int64, device="cpu").to(self.model.device)
+        return Pick(forward, batch.forward_mode, index, requests)
+
+    def run(self, pick: "Pick", outs: Sequence[torch.Tensor]) -> None:
+        """Compare the picked queries' outputs (one tensor per layer, [len(pick.index), H, Dv]) with the reference."""
+        m, dev = self.model, self.model.device
+        start = 0
+        for row, ids, length, nq in pick.requests:
+            tokens = torch.tensor(ids, dtype=torch.int64, device="cpu").to(dev)
+            positions = torch.arange(length, dtype=torch.int64, device=dev)
+            q_pos = torch.arange(length - nq, length, dtype=torch.int64, device="cpu")
             for layer, out in zip(m.layers, outs):
                 q, k, v = m.qkv(layer.layer_id, tokens, positions, queries=nq)
                 ref = reference.attention(q, k, v, q_pos, positions.cpu(), layer.scaling, layer.window,
                                           layer.logit_cap, layer.sinks)
-                err = (out[end - nq:end].float().cpu() - ref).abs().max().item()
+                err = (out[start:start + nq].float().cpu() - ref).abs().max().item()
                 if not math.isfinite(err) or err > self.tolerance:
                     kind = f"SWA W={layer.window}" if layer.window else "full"
                     raise ReferenceMismatchError(
-                        f"forward {m.forwards - 1} ({batch.forward_mode.name}), request row {rows[b]} at length "
-                        f"{seq[b]}, layer {layer.layer_id} ({kind}): max |out - reference| = {err:.3g} > tolerance "
-                        f"{self.tolerance}")
+                        f"forward {pick.forward} ({pick.mode.name}), request row {row} at length {length}, layer "
+                        f"{layer.layer_id} ({kind}): max |out - reference| = {err:.3g} > tolerance {self.tolerance}")
                 self.max_err = max(self.max_err, err)
+            start += nq
             self.requests_checked += 1
             self.queries_checked += nq
         self.forwards_checked += 1
+
+
+@dataclass(frozen=True)
+class Pick:
+    """What one checked forward compares: its number and mode, the packed rows kept from each layer's output, and
+    per request (row, token ids up to the forward's end, length, queries checked)."""
+
+    forward: int
+    mode: ForwardMode
+    index: torch.Tensor
+    requests: List[Tuple[int, List[int], int, int]]
 
 
 def _host_lens(host: Optional[torch.Tensor], dev: Optional[torch.Tensor], n: int) -> List[int]:
