@@ -220,10 +220,10 @@ class TorchCPUBackend(KernelSetBackend):
             hm = self._head_maps[key] = ipex.head_mapping(layer.num_heads, layer.num_kv_heads, q.device)
         return hm
 
-    def _layer_kit(self, layer: AttentionLayer) -> Optional["_LayerKit"]:
+    def _layer_kit(self, layer: AttentionLayer) -> _LayerKit:
         """The layer's kept dense-call constants (buffers, scales, geometry, sinks columns), remade whenever a field
-        they came from changed; None where its geometry or pool is not the dense kernels' (the chunked kernels
-        and their checks run the layer)."""
+        they came from changed (its `geometry` None where the layer or pool is not the dense kernels': the chunked
+        kernels and their checks run it)."""
         kit = self._kits.get(layer)
         sig = (layer.layer_id, layer.num_heads, layer.head_dim, layer.scaling, layer.sliding_window,
                layer.logit_cap, layer.k_scale, layer.v_scale)
