@@ -41,7 +41,7 @@ def test_chat_rows_add_up_fit_the_budget_and_are_checked(small):
         # every layer run, in fp32: twice the bytes of the model's bf16 KV the budget is planned for
         assert 0 < r.pool_bytes <= SMALL.memory and r.allocated_bytes == 2 * r.pool_bytes
         assert r.checked_forwards == -(-r.forwards // SMALL.check_every) and r.checked_requests >= r.checked_forwards
-        assert 0 < r.max_err < 2e-3
+        assert r.max_err < 2e-3
         assert set(r.phase_ms) == set(PHASES) and r.phase_ms["attention"] > 0 and r.phase_ms["check"] > 0
         assert r.tokens_per_s > 0 and r.step_ms_median > 0
     hybrid, full = res.rows

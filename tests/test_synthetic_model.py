@@ -92,7 +92,7 @@ def test_engine_outputs_match_the_reference_through_prefix_cache_release_and_reu
     again = _run(engine, [p + t for p, t in zip(_prompts(3), first)])  # the next turns: their history is cached
     assert engine.stats.reused_tokens >= 37 * 3 and len(again) == 3
     assert m.check.forwards_checked == m.forwards and m.check.requests_checked >= m.forwards
-    assert 0 < m.check.max_err < m.check.tolerance
+    assert m.check.max_err < m.check.tolerance and m.check.queries_checked > m.forwards
 
 
 def test_the_history_holds_every_earlier_token_with_overlap_and_stops():
