@@ -30,6 +30,7 @@ History = Callable[[int], Sequence[int]]
 
 
 def layer_geometry(shape: ModelShape, layer_id: int) -> Geometry:
+    """(heads, kv heads, head dim, v head dim) of one layer of `shape`."""
     if shape.layer_is_swa[layer_id]:
         return shape.swa_num_heads, shape.swa_num_kv_heads, shape.swa_head_dim, shape.swa_v_head_dim
     return shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.v_head_dim
