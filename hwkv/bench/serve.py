@@ -121,6 +121,11 @@ def _row(method: str, w: ServeWorkload, times: List[Tuple[float, float, float, i
                     _pct(ttft, 0.5), _pct(ttft, 0.99), _pct(tpot, 0.5), _pct(tpot, 0.99))
 
 
+def _warm_up(trace: List[TraceRequest], w: ServeWorkload) -> List[TraceRequest]:
+    """The untimed requests both methods run first: the trace's first max_running, then two of them again."""
+    return trace[:w.max_running] + trace[:2]
+
+
 def serve_hwkv(model: Any, trace: List[TraceRequest], w: ServeWorkload, prefix_cache: bool = True,
                memory: Any = None, **runner_options: Any) -> ServeRow:
     """The trace through one HybridRunner (`runner_options`: more of its keywords, e.g. whole_step): requests
@@ -132,9 +137,10 @@ def serve_hwkv(model: Any, trace: List[TraceRequest], w: ServeWorkload, prefix_c
     params = SamplingParams(max_new_tokens=w.new_tokens)
     with HybridRunner(model, max_running=w.max_running, context=w.context, chunk=w.chunk, page_size=w.page_size,
                       memory=memory, prefix_cache=prefix_cache, **runner_options) as runner:
-        # untimed: the trace's first prompts twice (the second time from the cache), so every kernel the trace
-        # runs (chunked and cached prefill, mixed and graph decode) is compiled before the clock starts
-        warm = [r.prompt for r in trace[:2]] * 2
+        # untimed: the trace's first max_running prompts at once, then two of them again (from the cache), so
+        # every kernel the trace runs (chunked and cached prefill, mixed and graph decode at full batch) is
+        # compiled and the device allocator holds the trace's largest activations before the clock starts
+        warm = [r.prompt for r in _warm_up(trace, w)]
         for res in runner.generate(warm, SamplingParams(max_new_tokens=min(4, w.new_tokens))):
             if res.error is not None:
                 raise res.error
@@ -185,9 +191,10 @@ def serve_transformers(model: Any, trace: List[TraceRequest], w: ServeWorkload) 
     manager = model.init_continuous_batching(generation_config=cfg, continuous_batching_config=cbc)
     manager.start()
     try:
-        for k, r in enumerate(trace[:2] * 2):  # untimed, as hwkv's warm-up
+        warm = _warm_up(trace, w)  # untimed, as hwkv's warm-up
+        for k, r in enumerate(warm):
             manager.add_request(r.prompt, request_id=f"warm-up-{k}", max_new_tokens=min(4, w.new_tokens))
-        for k in range(len(trace[:2] * 2)):
+        for k in range(len(warm)):
             manager.get_result(request_id=f"warm-up-{k}", timeout=600)
         i, t0 = 0, time.perf_counter()
         while i < len(trace):
