@@ -246,6 +246,8 @@ class PagedTokenToKVPoolAllocator:
         if plan.n == 0:
             return torch.empty(0, dtype=I64, device=self.device)
         if self._on_host():
+            if decode and plan.cont is not None and plan.cont.dtype == np.bool_:
+                return self._alloc_decode_on_host(last, plan.cont, plan.pages)
             return self._alloc_on_host(prefix, seq, last, plan.n, plan.pages)
         out = torch.empty(plan.n, dtype=I64, device=self.device)
         heads = [r.take(plan.pages) for r in self._rings()]
@@ -283,6 +285,26 @@ class PagedTokenToKVPoolAllocator:
                 self._mapping_view()[(fpages[:, None] * p + off).reshape(-1)] = (spages[:, None] * p + off).reshape(-1)
         self._next_op()
         return torch.from_numpy(np.ascontiguousarray(res, dtype=np.int64))
+
+    def _alloc_decode_on_host(self, last: torch.Tensor, cont: np.ndarray, k: int) -> torch.Tensor:
+        """`_alloc_on_host` for a decode step (one token per request, `cont` from `_Batch.decode`): a continuing
+        request takes last + 1, each other one the first slot of a new page, popped in request order; the same
+        slots and ring order in half the numpy calls."""
+        p = self.page_size
+        res = _host_view(last) + 1
+        heads = [ring.take(k) for ring in self._rings()]
+        full = self.pages
+        fpages = full.ring_np[(heads[0] + np.arange(k)) % full.num_pages]
+        res[~cont] = fpages * p  # a request starting a page: its token sits at offset 0
+        full.refs_np[fpages] = 1
+        swa = self._swa
+        if swa is not None:
+            spages = swa.ring_np[(heads[1] + np.arange(k)) % swa.num_pages]
+            swa.refs_np[spages] = 1
+            off = np.arange(p)
+            self._mapping_view()[(fpages[:, None] * p + off).reshape(-1)] = (spages[:, None] * p + off).reshape(-1)
+        self._next_op()
+        return torch.from_numpy(res)
 
     def reserve(self, pages: int) -> List[int]:
         """Claim `pages` pages of every ring for an allocation the device runs later (a captured decode step):
