@@ -1,28 +1,36 @@
 """Benchmark (and check) hwkv_cuda's Triton kernels on one CUDA GPU.
 
     python3 benchmarks/bench_cuda_kernels.py --out results.json [--sweep] [--no-check]
+        [--layout random|contiguous] [--page-size 16] [--seed 0] [--only all|extend|decode|tree]
 
 Measures, each as the median over repeats of a CUDA graph replay:
   * device copy bandwidth (4 GiB device-to-device copy, bytes read + written),
   * store_kv for 36 layers x {1, 64, 8192} tokens (KVH=8, D=64, bf16) vs copy bandwidth,
   * decode attention, one layer (H=64, KVH=8, D=64, bf16, sinks), batch {1,16,64,256} x
     context {4K, 32K}, against copy bandwidth (bytes = K + V read), and SWA decode over a
-    128-key window list at batch 1 and 256,
-  * torch SDPA (enable_gqa) over the same K/V gathered dense, in the same run,
-  * prefill/extend (same layer shape, page 16, pages at random places): 1 x 8192 causal,
+    128-key window list at batch 1 and 256; where the plan splits the keys, both merges are timed
+    (the last split merging in place, and the separate merge kernel),
+  * torch SDPA (enable_gqa) over the same K/V gathered dense, in the same run: any fast backend
+    (`sdpa_us`), and cuDNN and flash each on their own, whose times the kernel's are divided by,
+  * prefill/extend (same layer shape, page 16): 1 x 8192 causal,
     4 x 2048 new tokens over a 2048-token prefix, 8 x 1024, one 2048-token chunk over a 30K
     prefix, each full and W=128, beside torch SDPA's flash and cuDNN backends over dense K/V
     (causal_lower_right for prefixes, an explicit boolean mask for windows; "n/a" where a
-    backend refuses); TFLOP/s counts visible (query, key) pairs only,
+    backend refuses); TFLOP/s counts visible (query, key) pairs only (decode: every listed key),
+    also as a fraction of the H200's dense bf16 peak (H200_BF16_TFLOPS),
   * tree verify (15 drafts, top-2 tree) over 4K/32K prefixes, full and W=128: the extend kernel with
     the tree mask against the decode-like path, and the decode-like lists' build (fused and torch).
-Each request's slots are one contiguous run at a random place in the pool. Small cases
-rotate over several disjoint KV sets inside one graph so that the L2 cache does not serve them.
+Pages (--page-size tokens, 16 by default) are placed by --layout: "random" (the default, what a serving
+pool looks like after churn) deals one seeded random permutation of the pool's pages out to the requests,
+so each request's pages sit at random places in random order; "contiguous" gives each request one run of
+pages (the runs in random order). One decode case puts every token at a random slot (page size 1). Small
+cases rotate over several disjoint KV sets inside one graph so that the L2 cache does not serve them.
 Prints a Markdown table last and writes every number as JSON to --out.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -45,6 +53,45 @@ LAYERS = 36
 L2_BYTES = 256 << 20    # rotate data until one graph replay touches at least this much
 DEV = torch.device("cuda")
 FAST_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+SDPA_BACKENDS = (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION))
+H200_BF16_TFLOPS = 989.4   # NVIDIA H200 SXM, dense bf16 tensor-core peak (no sparsity)
+LAYOUTS = ("random", "contiguous")
+EXPAND_LIMIT = 16 << 30    # bytes of K/V repeated per q head for an SDPA backend that refuses enable_gqa
+
+
+# ----------------------------------------------------------------------------- layout and metrics
+def place_pages(requests, tokens, page, layout, gen, device=None):
+    """Slots [requests, tokens] (int64) of `requests` sequences of `tokens` tokens in a pool of
+    `pool_slots(requests, tokens, page)` slots, page 0 reserved. "random": one random permutation of the
+    pool's pages (from `gen`) dealt out in order, so each request's pages are at random places in random
+    order; "contiguous": each request's pages are one run, the runs in random order."""
+    per = -(-tokens // page)
+    if layout == "random":
+        pages = (torch.randperm(requests * per, generator=gen) + 1).view(requests, per)
+    elif layout == "contiguous":
+        pages = torch.randperm(requests, generator=gen)[:, None] * per + torch.arange(per) + 1
+    else:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    slots = (pages[:, :, None] * page + torch.arange(page)).reshape(requests, per * page)[:, :tokens]
+    return slots.to(device or DEV)
+
+
+def pool_slots(requests, tokens, page):
+    """Slots of the pool `place_pages` places into (the reserved page included)."""
+    return (requests * -(-tokens // page) + 1) * page
+
+
+def tflops(flops, us):
+    return flops / (us * 1e-6) / 1e12 if isinstance(us, float) else None
+
+
+def frac_peak(tf):
+    return tf / H200_BF16_TFLOPS if isinstance(tf, float) else None
+
+
+def time_ratio(us, other_us):
+    """The kernel's time over another's (< 1: the kernel is faster); None where the other did not run."""
+    return us / other_us if isinstance(us, float) and isinstance(other_us, float) else None
 
 
 # ----------------------------------------------------------------------------- timing
@@ -123,17 +170,21 @@ def bench_store(copy_bw, sweep):
 
 # ----------------------------------------------------------------------------- decode
 class DecodeSetup:
-    """R disjoint KV sets of `bs` requests with `ctx` keys each (last `window` only when given)."""
+    """R disjoint KV sets of `bs` requests with `ctx` keys each (last `window` only when given), their pages
+    placed by `layout` (scatter: every token at a random slot)."""
 
-    def __init__(self, bs, ctx, window=None, dense=True, scatter=False):
+    def __init__(self, bs, ctx, window=None, dense=True, scatter=False, layout="random", page=16, seed=0):
         list_len = min(ctx, window) if window else ctx
         self.bytes = bs * list_len * KVH * 2 * D * 2
+        self.flops = 2 * bs * H * list_len * (D + D)     # q.k and p.v over every listed key
         self.reps = max(1, min(32, math.ceil(L2_BYTES / self.bytes)))
         total = self.reps * bs
-        slots = total * ctx + 1
+        page = 1 if scatter else page
+        gen = torch.Generator().manual_seed(seed)
+        placed = place_pages(total, ctx, page, "random" if scatter else layout, gen)  # request r*bs+b: row r*bs+b
+        slots = pool_slots(total, ctx, page)
         self.k_buf = torch.randn(slots, KVH, D, device=DEV).to(DT)
         self.v_buf = torch.randn(slots, KVH, D, device=DEV).to(DT)
-        order = torch.randperm(total, device=DEV)            # request r*bs+b lives at block order[.]
         self.bs, self.ctx, self.window, self.list_len = bs, ctx, window, list_len
         self.q = torch.randn(bs, H, D, device=DEV).to(DT)
         self.out = torch.empty(bs, H, D, device=DEV, dtype=DT)
@@ -141,12 +192,9 @@ class DecodeSetup:
         self.q_pos = torch.full((bs,), ctx - 1, dtype=torch.int64, device=DEV)
         self.kv_pos0 = torch.full((bs,), ctx - list_len, dtype=torch.int64, device=DEV)
         self.indptr = torch.arange(0, bs + 1, dtype=torch.int32, device=DEV) * list_len
-        j = torch.arange(ctx - list_len, ctx, device=DEV)
-        self.indices = [(1 + order[r * bs:(r + 1) * bs, None] * ctx + j[None]).reshape(-1)
+        self.indices = [placed[r * bs:(r + 1) * bs, ctx - list_len:].reshape(-1).contiguous()
                         for r in range(self.reps)]
-        if scatter:   # page size 1 after heavy churn: every token at a random slot
-            perm = torch.randperm(slots - 1, device=DEV) + 1
-            self.indices = [perm[ix - 1] for ix in self.indices]
+        del placed
         self.dense = None
         if dense:   # the same K/V gathered dense for SDPA: [bs, KVH, len, D]
             self.dense = [(self.k_buf[ix].view(bs, list_len, KVH, D).transpose(1, 2).contiguous(),
@@ -158,21 +206,50 @@ class DecodeSetup:
                          self.q_pos, self.out, 1 / 8, self.window, 0.0, self.sinks, None, None,
                          self.list_len, workspace=ws, config=cfg)
 
+    def config(self, cfg=None):
+        return cfg or decode_mod.decode_config(self.bs, KVH, D, self.list_len, DEV)
+
+    def plan(self, cfg=None):
+        """The plan a call with this config makes (split count, merge in place or not)."""
+        cfg = self.config(cfg)
+        splits = decode_num_splits(self.bs, KVH, self.list_len, DEV, cfg, head_dim=D)
+        return decode_mod.plan_decode(self.q, self.k_buf, self.v_buf, self.indptr, self.indices[0], self.kv_pos0,
+                                      self.q_pos, self.out, self.sinks, self.list_len,
+                                      workspace=make_decode_workspace(self.bs, H, D, splits, DEV), config=cfg)
+
     def time(self, cfg=None):
-        cfg = cfg or decode_mod.decode_config(self.bs, KVH, D, self.list_len, DEV)
+        cfg = self.config(cfg)
         splits = decode_num_splits(self.bs, KVH, self.list_len, DEV, cfg, head_dim=D)
         ws = make_decode_workspace(self.bs, H, D, splits, DEV)
         return graph_us([lambda r=r: self.run(r, cfg, ws) for r in range(self.reps)]), splits
 
-    def time_sdpa(self):
+    def time_merges(self):
+        """(us with the last split merging in place, us with the merge kernel) under this shape's config; None
+        for both where one split needs no merge."""
+        cfg = self.config()
+        if self.plan(cfg).splits == 1:
+            return None, None
+        return tuple(self.time(dataclasses.replace(cfg, fused_merge_bytes=b))[0] for b in (1 << 62, 0))
+
+    def time_sdpa(self, backends=FAST_SDPA):
+        """SDPA over the dense K/V with `backends` (enable_gqa; K/V repeated per q head for a backend that
+        refuses it, where that fits EXPAND_LIMIT); us, or 'n/a (why)'."""
         q4 = self.q.view(self.bs, H, 1, D)
 
-        def sdpa(k, v):
-            with sdpa_kernel(FAST_SDPA):   # never the math fallback (it would copy K/V per q head)
-                F.scaled_dot_product_attention(q4, k, v, scale=1 / 8, enable_gqa=True)
+        def sdpa(k, v, gqa):
+            with sdpa_kernel(backends):   # never the math fallback (it would copy K/V per q head)
+                F.scaled_dot_product_attention(q4, k, v, scale=1 / 8, enable_gqa=gqa)
         try:
-            return graph_us([lambda k=k, v=v: sdpa(k, v) for k, v in self.dense])
+            return graph_us([lambda k=k, v=v: sdpa(k, v, True) for k, v in self.dense])
         except Exception as e:  # noqa: BLE001 - reported in the table, not hidden
+            why = f"n/a ({type(e).__name__})"
+        if sum(k.numel() + v.numel() for k, v in self.dense) * 2 * (H // KVH) > EXPAND_LIMIT:
+            return why
+        g = H // KVH
+        try:
+            return graph_us([lambda k=k.repeat_interleave(g, 1), v=v.repeat_interleave(g, 1): sdpa(k, v, False)
+                             for k, v in self.dense])
+        except Exception as e:  # noqa: BLE001
             return f"n/a ({type(e).__name__})"
 
 
@@ -181,15 +258,27 @@ SWEEP = [DecodeConfig(block_n=bn, mid_block_n=bn, num_warps=4, num_stages=st, ct
          for hpp in (1, 2) for bn, st in ((64, 3), (128, 2), (128, 3), (128, 4)) for c in (1, 2, 4, 8)]
 
 
-def bench_decode(copy_bw, sweep):
+DECODE_CASES = ([(b, c, None, False) for c in (4096, 32768) for b in (1, 16, 64, 256)]
+                + [(1, 32768, 128, False), (256, 32768, 128, False), (64, 4096, None, True)])  # (bs, ctx, W, scatter)
+
+
+def bench_decode(copy_bw, sweep, layout="random", page=16, seed=0):
     rows = []
-    cases = ([(b, c, None, False) for c in (4096, 32768) for b in (1, 16, 64, 256)]
-             + [(1, 32768, 128, False), (256, 32768, 128, False), (64, 4096, None, True)])
-    for bs, ctx, window, scatter in cases:
-        s = DecodeSetup(bs, ctx, window, scatter=scatter)
+    for bs, ctx, window, scatter in DECODE_CASES:
+        s = DecodeSetup(bs, ctx, window, scatter=scatter, layout=layout, page=page, seed=seed)
         us, splits = s.time()
-        row = dict(batch=bs, context=ctx, window=window, scatter=scatter, keys=s.list_len, splits=splits, us=us,
-                   frac_copy_bw=s.bytes / (us * 1e-6) / copy_bw, sdpa_us=s.time_sdpa())
+        fused_us, merge_kernel_us = s.time_merges()
+        tf = tflops(s.flops, us)
+        row = dict(batch=bs, context=ctx, window=window, scatter=scatter, layout="scatter" if scatter else layout,
+                   page=1 if scatter else page, keys=s.list_len, splits=splits,
+                   merge="none" if splits == 1 else ("in place" if s.plan().fused else "kernel"), us=us,
+                   us_fused_merge=fused_us, us_merge_kernel=merge_kernel_us,
+                   frac_copy_bw=s.bytes / (us * 1e-6) / copy_bw, tflops=tf, frac_peak=frac_peak(tf),
+                   sdpa_us=s.time_sdpa())
+        for name, backend in SDPA_BACKENDS:
+            t = s.time_sdpa([backend])
+            row[f"sdpa_{name}_us"] = t
+            row[f"vs_{name}"] = time_ratio(us, t)
         if sweep:
             res = sorted((s.time(cfg)[0], repr(cfg)) for cfg in SWEEP)
             row.update(best_us=res[0][0], best_config=res[0][1], sweep=res)
@@ -206,17 +295,15 @@ PREFILL_CASES = [  # (requests, new tokens each, prefix each)
 
 
 class ExtendSetup:
-    """`bs` requests of `new` tokens over `prefix` cached ones, K/V in page-16 pages at random places."""
+    """`bs` requests of `new` tokens over `prefix` cached ones, K/V in pages of `page` tokens placed by `layout`."""
 
-    def __init__(self, bs, new, prefix, window=None, h=H, kvh=KVH, d=D, page=16):
+    def __init__(self, bs, new, prefix, window=None, h=H, kvh=KVH, d=D, page=16, layout="random", seed=0):
         seq = prefix + new
         self.bs, self.new, self.prefix, self.window, self.h, self.kvh, self.d = bs, new, prefix, window, h, kvh, d
-        pages_per = -(-seq // page)
-        n_pages = bs * pages_per + 1
-        self.k_buf = torch.randn(n_pages * page, kvh, d, device=DEV).to(DT)
-        self.v_buf = torch.randn(n_pages * page, kvh, d, device=DEV).to(DT)
-        order = (torch.randperm(n_pages - 1, device=DEV) + 1).view(bs, pages_per)
-        slots = (order[:, :, None] * page + torch.arange(page, device=DEV)).reshape(bs, -1)[:, :seq]
+        n_slots = pool_slots(bs, seq, page)
+        self.k_buf = torch.randn(n_slots, kvh, d, device=DEV).to(DT)
+        self.v_buf = torch.randn(n_slots, kvh, d, device=DEV).to(DT)
+        slots = place_pages(bs, seq, page, layout, torch.Generator().manual_seed(seed))
         self.pos0 = max(0, prefix - window + 1) if window else 0        # the SWA list starts at the window
         self.indices = slots[:, self.pos0:].reshape(-1).contiguous()
         i32, i64 = dict(dtype=torch.int32, device=DEV), dict(dtype=torch.int64, device=DEV)
@@ -240,7 +327,7 @@ class ExtendSetup:
         self.bytes = 2 * bs * new * h * d * 2 + bs * keys * kvh * 2 * d * 2
 
     def tflops(self, us):
-        return 4 * self.pairs * self.h * self.d / (us * 1e-6) / 1e12
+        return tflops(4 * self.pairs * self.h * self.d, us)
 
     def run(self, cfg=None):
         extend_attention(self.q, self.k_buf, self.v_buf, self.kv_indptr, self.indices, self.kv_pos0,
@@ -292,18 +379,20 @@ EXTEND_SWEEP = [ExtendConfig(bm, bn, w, st) for bm in (64, 128) for bn in (32, 6
                 for st in (2, 3, 4)]
 
 
-def bench_extend(copy_bw, sweep):
+def bench_extend(copy_bw, sweep, layout="random", page=16, seed=0):
     rows = []
     for bs, new, prefix in PREFILL_CASES:
         for window in (None, 128):
-            s = ExtendSetup(bs, new, prefix, window)
+            s = ExtendSetup(bs, new, prefix, window, page=page, layout=layout, seed=seed)
             us = s.time()
-            row = dict(batch=bs, new=new, prefix=prefix, window=window, us=us, tflops=s.tflops(us),
+            row = dict(batch=bs, new=new, prefix=prefix, window=window, layout=layout, page=page, us=us,
+                       tflops=s.tflops(us), frac_peak=frac_peak(s.tflops(us)),
                        frac_copy_bw=s.bytes / (us * 1e-6) / copy_bw, rel_err=s.check())
-            for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            for name, backend in SDPA_BACKENDS:
                 t = s.sdpa(backend)
                 row[f"sdpa_{name}_us"] = t
                 row[f"sdpa_{name}_tflops"] = s.tflops(t) if isinstance(t, float) else None
+                row[f"vs_{name}"] = time_ratio(us, t)
             if sweep and (bs, new, prefix) in ((1, 8192, 0), (4, 2048, 2048)):
                 res = []
                 for cfg in EXTEND_SWEEP:
@@ -346,7 +435,7 @@ TREE_CASES = [(1, 32768, None), (8, 32768, None), (8, 4096, None), (32, 4096, No
 TREE_LAYERS = 18    # GPT-OSS-120B: 18 full and 18 window layers, each kind's lists built once per forward
 
 
-def bench_tree_verify():
+def bench_tree_verify(layout="random", page=16, seed=0):
     """Tree verify (top-2 tree of 15 drafts) over a long prefix, one layer of each kind: the extend
     kernel with the tree's mask against the decode-like path (split-K decode over one list per draft
     token). The decode-like lists are built once per forward (per list kind), so the build is timed
@@ -360,7 +449,7 @@ def bench_tree_verify():
     rows = []
     for bs, prefix, window in TREE_CASES:
         n = len(par)
-        s = ExtendSetup(bs, n, prefix, window)
+        s = ExtendSetup(bs, n, prefix, window, page=page, layout=layout, seed=seed)
         draft = DraftTree.from_parents([par] * bs, device=DEV)
         ext = torch.full((bs,), n, dtype=torch.int64, device=DEV)
         tree = build_tree_mask(draft, ext, s.qo_indptr, s.q_pos0, int(draft.mask.shape[0]), bs * n)
@@ -447,6 +536,35 @@ def check_decode_large(cases=((16, 32768, None), (256, 4096, None), (256, 32768,
     return errs
 
 
+def check_decode_merges(cases=((1, 4096), (16, 4096), (1, 32768), (16, 32768)), repeats=50):
+    """The last split merging in place against the merge kernel (rel diff), and repeated in-place runs against
+    the first (must be bit-equal: which program merges changes, the order it sums the splits in does not; a
+    program that read a partial before its writer's stores landed would show here)."""
+    errs = {}
+    for bs, ctx in cases:
+        s = DecodeSetup(bs, ctx, dense=False)
+        cfg = s.config()
+        fused, separate = (dataclasses.replace(cfg, fused_merge_bytes=b) for b in (1 << 62, 0))
+        if s.plan(fused).splits == 1:
+            continue
+        splits = s.plan(fused).splits
+        outs = []
+        for c in (separate, fused):
+            ws = make_decode_workspace(bs, H, D, splits, DEV)
+            s.out.fill_(float("nan"))
+            s.run(0, c, ws)
+            outs.append(s.out.clone())
+        errs[f"decode {bs}x{ctx} merge in place vs kernel"] = rel_err(outs[1], outs[0].float())
+        ws = make_decode_workspace(bs, H, D, splits, DEV)
+        worst = 0.0
+        for _ in range(repeats):
+            s.run(0, fused, ws)
+            worst = max(worst, (s.out.float() - outs[1].float()).abs().max().item())
+        errs[f"decode {bs}x{ctx} merge in place repeated (max abs change, must be 0)"] = worst
+        del s
+    return errs
+
+
 def check_extend_large(d=64, dv=64, window=None, cap=0.0, heads=(H, KVH), dtype=DT,
                        prefix=(0, 1500, 3000, 37), ext=(700, 1000, 1, 200)):
     h, kvh = heads
@@ -477,11 +595,13 @@ def check_extend_large(d=64, dv=64, window=None, cap=0.0, heads=(H, KVH), dtype=
 
 def run_checks():
     errs = check_decode_large()
+    errs.update(check_decode_merges())
     for d, dv, window, cap in ((64, 64, None, 0.0), (64, 64, 128, 0.0), (80, 80, 100, 30.0), (96, 64, None, 0.0)):
         errs[f"extend d={d} dv={dv} W={window} cap={cap}"] = check_extend_large(d, dv, window, cap)
     errs["extend fp32 d=64 W=64"] = check_extend_large(64, 64, 64, 0.0, (8, 2), torch.float32)
     for name, e in errs.items():
-        print(f"check {name}: rel err {e:.2e} {'ok' if e < 1e-2 else 'FAIL'}", flush=True)
+        ok = e == 0 if "must be 0" in name else e < 1e-2
+        print(f"check {name}: {e:.2e} {'ok' if ok else 'FAIL'}", flush=True)
     return errs
 
 
@@ -490,17 +610,26 @@ def fmt(x, spec):
     return format(x, spec) if isinstance(x, (int, float)) else str(x)
 
 
+def ratio_cell(r, name):
+    """'1.03x' of the backend's time, or why there is none."""
+    x = r.get(f"vs_{name}")
+    return f"{x:.2f}x" if isinstance(x, float) else str(r.get(f"sdpa_{name}_us", "-"))
+
+
 def extend_table(rows):
-    lines = ["| prefill/extend (H=64 KVH=8 D=64 bf16, page 16) | us (graph) | TFLOP/s | frac of copy BW "
-             "| SDPA flash us (TFLOP/s) | SDPA cuDNN us (TFLOP/s) | best us (sweep) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    layout = f"{rows[0]['layout']} pages of {rows[0]['page']}" if rows and "layout" in rows[0] else "pages"
+    lines = [f"| prefill/extend (H=64 KVH=8 D=64 bf16, {layout}) | us (graph) | TFLOP/s | frac of peak "
+             "| frac of copy BW | SDPA flash us (TFLOP/s) | SDPA cuDNN us (TFLOP/s) | / cuDNN | / flash "
+             "| best us (sweep) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         name = (f"{r['batch']} x {r['new']}" + (f" over {r['prefix']}" if r["prefix"] else "")
                 + (f" W={r['window']}" if r["window"] else " causal"))
         sd = [f"{fmt(r[f'sdpa_{n}_us'], '.1f')}" + (f" ({r[f'sdpa_{n}_tflops']:.0f})" if r[f"sdpa_{n}_tflops"] else "")
               for n in ("flash", "cudnn")]
-        lines.append(f"| {name} | {r['us']:.1f} | {r['tflops']:.0f} | {r['frac_copy_bw']:.3f} | {sd[0]} | {sd[1]} "
-                     f"| {fmt(r.get('best_us', '-'), '.1f')} |")
+        lines.append(f"| {name} | {r['us']:.1f} | {r['tflops']:.0f} | {fmt(r.get('frac_peak'), '.3f')} "
+                     f"| {r['frac_copy_bw']:.3f} | {sd[0]} | {sd[1]} | {ratio_cell(r, 'cudnn')} "
+                     f"| {ratio_cell(r, 'flash')} | {fmt(r.get('best_us', '-'), '.1f')} |")
     return "\n".join(lines)
 
 
@@ -510,17 +639,25 @@ def table(copy_bw, store, decode):
     for r in store:
         lines.append(f"| {r['tokens']} tokens | {r['us_36_layers']:.1f} | {r['pct_copy_bw']:.1f} "
                      f"| {r['best_us']:.1f} |")
-    lines += ["", "| decode (H=64 KVH=8 D=64 bf16 sinks) | keys | splits | us (graph) | frac of copy BW "
-              "| SDPA dense us | best us (sweep) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    layout = next((f"{r['layout']} pages of {r['page']}" for r in decode if not r.get("scatter")), "pages")
+    lines += ["", f"| decode (H=64 KVH=8 D=64 bf16 sinks, {layout}) | keys | splits | merge | us (graph) "
+              "| us merge in place / kernel | TFLOP/s | frac of peak | frac of copy BW | SDPA dense us "
+              "| cuDNN us | / cuDNN | flash us | / flash | best us (sweep) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in decode:
         name = (f"{r['batch']} x {r['context']}" + (f" SWA W={r['window']}" if r["window"] else "")
                 + (" random slots" if r["scatter"] else ""))
-        lines.append(f"| {name} | {r['keys']} | {r['splits']} | {r['us']:.1f} | {r['frac_copy_bw']:.3f} "
-                     f"| {fmt(r['sdpa_us'], '.1f')} | {fmt(r.get('best_us', '-'), '.1f')} |")
+        merges = (f"{r['us_fused_merge']:.1f} / {r['us_merge_kernel']:.1f}"
+                  if isinstance(r.get("us_fused_merge"), float) else "-")
+        lines.append(f"| {name} | {r['keys']} | {r['splits']} | {r.get('merge', '-')} | {r['us']:.1f} | {merges} "
+                     f"| {fmt(r.get('tflops'), '.1f')} | {fmt(r.get('frac_peak'), '.4f')} | {r['frac_copy_bw']:.3f} "
+                     f"| {fmt(r['sdpa_us'], '.1f')} | {fmt(r.get('sdpa_cudnn_us', '-'), '.1f')} "
+                     f"| {ratio_cell(r, 'cudnn')} | {fmt(r.get('sdpa_flash_us', '-'), '.1f')} "
+                     f"| {ratio_cell(r, 'flash')} | {fmt(r.get('best_us', '-'), '.1f')} |")
     return "\n".join(lines)
 
 
-def main():
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_cuda_kernels.json")
     ap.add_argument("--sweep", action="store_true", help="also time a grid of launch configs")
@@ -529,10 +666,24 @@ def main():
                     help="run only the prefill/extend, the store+decode or the tree-verify section")
     ap.add_argument("--sweep-head-dims", action="store_true",
                     help="also sweep extend configs for head dims 128 and 256 (the recorded table)")
-    args = ap.parse_args()
+    ap.add_argument("--layout", choices=LAYOUTS, default="random",
+                    help="where the pages of the decode, extend and tree cases go: a seeded random permutation of "
+                         "the pool's pages (default), or one run of pages per request")
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
+    ap.add_argument("--seed", type=int, default=0, help="seeds the page placement and the random K/V/q")
+    args = ap.parse_args(argv)
+    if args.page_size < 1:
+        ap.error("--page-size must be at least 1")
+    return args
+
+
+def main():
+    args = parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_cuda_kernels needs a CUDA GPU")
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    torch.manual_seed(args.seed)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layout": args.layout,
+              "page_size": args.page_size, "seed": args.seed, "peak_bf16_tflops": H200_BF16_TFLOPS,
               "decode_configs": {n: repr(getattr(decode_mod, n)) for n in ("GPU_CONFIG", "WIDE_CONFIG", "LONG_CONFIG")}}
     import triton
     result["triton"] = triton.__version__
@@ -541,14 +692,14 @@ def main():
     copy_bw = copy_bandwidth()
     result["copy_bw_bytes_per_s"] = copy_bw
     if args.only in ("all", "extend"):
-        result["extend"] = bench_extend(copy_bw, args.sweep)
+        result["extend"] = bench_extend(copy_bw, args.sweep, args.layout, args.page_size, args.seed)
         if args.sweep_head_dims:
             result["extend_head_dims"] = sweep_extend_head_dims()
     if args.only in ("all", "tree"):
-        result["tree_verify"] = bench_tree_verify()
+        result["tree_verify"] = bench_tree_verify(args.layout, args.page_size, args.seed)
     if args.only in ("all", "decode"):
         result["store"] = bench_store(copy_bw, args.sweep)
-        result["decode"] = bench_decode(copy_bw, args.sweep)
+        result["decode"] = bench_decode(copy_bw, args.sweep, args.layout, args.page_size, args.seed)
     Path(args.out).write_text(json.dumps(result, indent=1))
     if "extend" in result:
         print(extend_table(result["extend"]))

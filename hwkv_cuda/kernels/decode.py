@@ -7,8 +7,12 @@ columns, so one dot gives each row its own head's logits), walks its share of th
 causal bound are turned into one contiguous range of list entries first, so no masked tile
 is ever loaded) and keeps an online softmax (max, sum, acc) in fp32. With one split it
 finishes in place (sinks, normalisation, output dtype); otherwise it writes (acc / sum,
-log2-sum-exp) per split into the workspace and stage 2, grid (request, q head), merges the
-splits and the sink. Empty splits write lse = -inf and are ignored by the merge.
+log2-sum-exp) per split into the workspace and the splits are merged with the sink, in one of two ways
+the plan picks: the last split program of a (request, kv-head program) to finish merges them itself
+(a self-resetting arrival counter per pair in the workspace; no second launch), or stage 2, grid
+(request, q head), merges them in a launch of its own (where the last program would read more partials
+alone than `DecodeConfig.fused_merge_bytes`, and off NVIDIA, where that ordering is not relied on).
+Empty splits write lse = -inf and are ignored by either merge.
 
 The kv head is the fastest grid axis so that the programs reading the KVH slices of one
 token row run side by side (on an H200 this took batch 256 x 4K from 0.93 to 0.98 of copy
@@ -43,6 +47,13 @@ class DecodeConfig:
     min_keys_per_split: int = 128
     max_splits: int = 64
     heads_per_program: int = 1   # kv heads one program reads (see kv_heads_per_program)
+    # the last split to finish merges in place while its rows' partials (splits x rows x Dv fp32) hold at
+    # most this many bytes, else the merge kernel runs; 0: always the merge kernel (see the module doc)
+    fused_merge_bytes: int = 64 << 10
+    # partial values the in-place merge loads per step, which bounds the registers it adds to the split kernel:
+    # sm_90 builds (Triton 3.9) of the H200 plans for B 1-16 x 4K-32K keep the merge kernel's 64-161 registers
+    # (+4 at most) at 2048, while 4096 took 16 x 4K from 64 to 96 and 8192 every plan up to 168-237
+    merge_chunk: int = 2048
 
     def kv_heads_per_program(self, num_kv_heads: int, head_dim: int) -> int:
         """KV heads per program: at most heads_per_program, a power of two dividing num_kv_heads, and
@@ -71,7 +82,7 @@ LONG_CONFIG = DecodeConfig(block_n=128, mid_block_n=128, num_stages=2, ctas_per_
 SHORT_LIST = 512    # lists at most this long (window layers) take LONG_CONFIG's two stages when wide
 LONG_LIST = 16384   # small batches over lists at least this long (or of unknown length) take LONG_CONFIG
 INTERPRET_CONFIG = DecodeConfig(block_n=16, mid_block_n=16, num_warps=1, num_stages=1, ctas_per_sm=2,
-                                min_keys_per_split=16, max_splits=4)
+                                min_keys_per_split=16, max_splits=4, merge_chunk=512)
 
 
 def decode_config(batch: int, num_kv_heads: int, head_dim: int, max_kv_len: Optional[int],
@@ -94,12 +105,15 @@ def decode_config(batch: int, num_kv_heads: int, head_dim: int, max_kv_len: Opti
 class DecodeWorkspace(NamedTuple):
     """Preallocated split-K scratch, so a CUDA graph capture allocates nothing.
 
-    acc fp32 [max_bs, H, splits, Dv]; lse fp32 [max_bs, H, splits]. The split count of a
-    call that is handed a workspace is the workspace's.
+    acc fp32 [max_bs, H, splits, Dv]; lse fp32 [max_bs, H, splits]; counts int32 [max_bs, >= kv heads],
+    zero between launches (the in-place merge's arrival counters: the merging program puts its own back to
+    zero; None: always the merge kernel). The split count of a call that is handed a workspace is the
+    workspace's.
     """
 
     acc: torch.Tensor
     lse: torch.Tensor
+    counts: Optional[torch.Tensor] = None
 
     @property
     def num_splits(self) -> int:
@@ -127,10 +141,22 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_kv_len: Optional[int],
 
 def make_decode_workspace(max_bs: int, num_heads: int, v_head_dim: int, num_splits: int,
                           device: torch.device) -> DecodeWorkspace:
-    """Scratch for decode_attention with `num_splits` splits and up to `max_bs` requests."""
+    """Scratch for decode_attention with `num_splits` splits and up to `max_bs` requests (counters for
+    up to `num_heads` kv heads, which bounds the kv heads of any layer with that many q heads).
+
+    Made while a CUDA graph is being captured it holds no counters (its calls take the merge kernel): the
+    zeroing would run only inside that graph's replays, and a workspace outlives the graph that made it
+    (other graphs and eager calls share it) while its memory holds whatever was there before."""
+    device = torch.device(device)
+    counts = None if _capturing(device) else torch.zeros(max_bs, num_heads, dtype=torch.int32, device=device)
     return DecodeWorkspace(
         torch.empty(max_bs, num_heads, num_splits, v_head_dim, dtype=torch.float32, device=device),
-        torch.empty(max_bs, num_heads, num_splits, dtype=torch.float32, device=device))
+        torch.empty(max_bs, num_heads, num_splits, dtype=torch.float32, device=device), counts)
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream is capturing a graph (False off CUDA)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 @triton.jit
@@ -149,12 +175,13 @@ def _visible_range(kv_indptr, kv_pos0, q_pos, b, window):
 
 @triton.jit
 def _decode_split_kernel(
-        q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, sinks, out, ws_acc, ws_lse,
+        q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, sinks, out, ws_acc, ws_lse, ws_counts,
         qk_scale, v_scale, cap, window, num_splits,
-        s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_ob, s_oh, s_ab, s_ah, s_as, s_lb, s_lh,
+        s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_ob, s_oh, s_ab, s_ah, s_as, s_lb, s_lh, s_cb,
         GROUP: tl.constexpr, HPP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, DIRECT: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, F32: tl.constexpr):
+        HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, F32: tl.constexpr,
+        FUSED: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr):
     # A program reads HPP adjacent kv heads: each key row is one [HPP * D] load, and the query tile is
     # block-diagonal (row r belongs to local kv head r // GROUP and is zero outside that head's columns),
     # so one dot gives every row its own head's logits and the rows of a small GQA group fill the tile.
@@ -214,6 +241,51 @@ def _decode_split_kernel(
         tl.store(ws_acc + b * s_ab + heads[:, None] * s_ah + split * s_as + col_dv[None, :],
                  o, mask=mask_o)
         tl.store(ws_lse + b * s_lb + heads * s_lh + split, lse, mask=mask_h)
+        if FUSED:  # the last split of (b, this kv-head program) to arrive merges every split's partials
+            # every thread's stores above precede the counter's release (CTA barrier, then one acq_rel atomic)
+            tl.debug_barrier()
+            count = ws_counts + b * s_cb + tl.program_id(0)
+            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                _merge_rows(sinks, out, ws_acc, ws_lse, b, heads, mask_h, v_scale, num_splits,
+                            s_ob, s_oh, s_ab, s_ah, s_as, s_lb, s_lh,
+                            DV, BLOCK_H, BLOCK_S, CHUNK_S, BLOCK_DV, HAS_SINKS)
+                tl.store(count, 0)   # zero again for the next launch (stream order publishes it)
+
+
+@triton.jit
+def _merge_rows(sinks, out, ws_acc, ws_lse, b, heads, mask_h, v_scale, num_splits,
+                s_ob, s_oh, s_ab, s_ah, s_as, s_lb, s_lh,
+                DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
+                BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """`_decode_merge_kernel` for the q heads `heads` of request b inside the split kernel: the partials
+    are read through L2 (.cg: other SMs wrote them), CHUNK_S splits at a time."""
+    offs_s = tl.arange(0, BLOCK_S)
+    lse_rows = ws_lse + b * s_lb + heads[:, None] * s_lh
+    lse = tl.load(lse_rows + offs_s[None, :], mask=mask_h[:, None] & (offs_s[None, :] < num_splits),
+                  other=float("-inf"), cache_modifier=".cg")
+    m = tl.maximum(tl.max(lse, 1), NEG_BIG)
+    if HAS_SINKS:
+        sink = tl.load(sinks + heads, mask=mask_h, other=0.0).to(tl.float32) * LOG2E
+        m = tl.maximum(m, sink)
+    denom = tl.sum(tl.exp2(lse - m[:, None]), 1)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - m)
+    offs_c = tl.arange(0, CHUNK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < DV
+    acc_rows = ws_acc + b * s_ab + heads * s_ah
+    o = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    for s0 in range(0, num_splits, CHUNK_S):
+        sp = s0 + offs_c
+        ok = mask_h[:, None] & (sp[None, :] < num_splits)
+        w = tl.exp2(tl.load(lse_rows + sp[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
+                    - m[:, None])
+        part = tl.load(acc_rows[:, None, None] + sp[None, :, None] * s_as + offs_dv[None, None, :],
+                       mask=ok[:, :, None] & mask_dv[None, None, :], other=0.0, cache_modifier=".cg")
+        o += tl.sum(w[:, :, None] * part, 1)
+    o = o * v_scale / tl.where(denom > 0, denom, 1.0)[:, None]
+    tl.store(out + b * s_ob + heads[:, None] * s_oh + offs_dv[None, :], o.to(out.dtype.element_ty),
+             mask=mask_h[:, None] & mask_dv[None, :])
 
 
 @triton.jit
@@ -262,19 +334,30 @@ def _check_decode(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, s
                       kv_pos0=kv_pos0, q_pos=q_pos, out=out, sinks=sinks)
 
 
-def _workspace(workspace, bs, h, kvh, d, dv, max_kv_len, device, cfg):
-    """(acc, lse) scratch: the caller's (checked), a fresh one, or (out-free) dummies for 1 split."""
+def _workspace(workspace, bs, h, kvh, d, dv, max_kv_len, device, cfg) -> DecodeWorkspace:
+    """Split-K scratch: the caller's (checked), a fresh one, or (out-free) dummies for 1 split."""
     if workspace is not None:
         splits = workspace.num_splits
         if workspace.lse.shape[0] < bs or tuple(workspace.acc.shape[1:]) != (h, splits, dv):
             raise ShapeError(f"workspace acc has shape {list(workspace.acc.shape)}, expected "
                              f"[>={bs}, {h}, {splits}, {dv}]")
-        return workspace
+        counts = workspace.counts
+        if counts is not None and (counts.dim() != 2 or counts.shape[0] < bs or counts.shape[1] < kvh
+                                   or counts.dtype != torch.int32 or counts.device != device):
+            raise ShapeError(f"workspace counts is {counts.dtype} of shape {list(counts.shape)} on {counts.device}, "
+                             f"expected torch.int32 [>={bs}, >={kvh}] on {device}")
+        return DecodeWorkspace(*workspace)
     splits = decode_num_splits(bs, kvh, max_kv_len, device, cfg, head_dim=max(d, dv))
     if splits > 1:
         return make_decode_workspace(bs, h, dv, splits, device)
     dummy = torch.empty(0, dtype=torch.float32, device=device)   # never touched with one split
-    return dummy, dummy
+    return DecodeWorkspace(dummy, dummy)
+
+
+def _merges_in_place(device: torch.device, interpreted: bool) -> bool:
+    """Where the last split may merge: NVIDIA GPUs (the barrier + acq_rel atomic + L2 reads the kernel relies
+    on) and the interpreter (programs run one after another). ROCm, XPU and MUSA keep the merge kernel."""
+    return interpreted or (device.type == "cuda" and torch.version.hip is None)
 
 
 # planned launches of the decode kernels: a plan is per forward, its launches outlive it (keyed by what fixes them)
@@ -299,6 +382,7 @@ class DecodePlan(NamedTuple):
     splits: int
     ws_acc: torch.Tensor
     ws_lse: torch.Tensor
+    ws_counts: torch.Tensor        # the in-place merge's counters (a dummy without it)
     ws_strides: Tuple[int, ...]
     config: DecodeConfig
     split_consts: Dict[str, Any]   # the split kernel's constexprs and launch options
@@ -308,36 +392,51 @@ class DecodePlan(NamedTuple):
 
     @property
     def workspace(self) -> Optional[DecodeWorkspace]:
-        return DecodeWorkspace(self.ws_acc, self.ws_lse) if self.splits > 1 else None
+        if self.splits == 1:
+            return None
+        return DecodeWorkspace(self.ws_acc, self.ws_lse, self.ws_counts if self.fused else None)
+
+    @property
+    def fused(self) -> bool:
+        """Whether the last split merges in place (no merge launch); False with one split."""
+        return bool(self.split_consts["FUSED"])
 
 
 def _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, cfg) -> DecodePlan:
     bs, h, d = q.shape
     kvh, dv = k_buf.shape[1], v_buf.shape[2]
     cfg = cfg or decode_config(bs, kvh, max(d, dv), max_kv_len, q.device)
-    ws_acc, ws_lse = _workspace(workspace, bs, h, kvh, d, dv, max_kv_len, q.device, cfg)
-    splits = ws_lse.shape[2] if ws_lse.dim() == 3 else 1
+    ws = _workspace(workspace, bs, h, kvh, d, dv, max_kv_len, q.device, cfg)
+    splits = ws.lse.shape[2] if ws.lse.dim() == 3 else 1
     per_split = None if max_kv_len is None else cdiv(max(int(max_kv_len), 1), splits)
-    ws_strides = ((ws_acc.stride(0), ws_acc.stride(1), ws_acc.stride(2), ws_lse.stride(0),
-                   ws_lse.stride(1)) if splits > 1 else (0,) * 5)
+    ws_strides = ((ws.acc.stride(0), ws.acc.stride(1), ws.acc.stride(2), ws.lse.stride(0),
+                   ws.lse.stride(1)) if splits > 1 else (0,) * 5)
     interpreted = interpreting()
     group = h // kvh
     hpp = cfg.kv_heads_per_program(kvh, max(d, dv))
-    split_consts = dict(GROUP=group, HPP=hpp, D=d, DV=dv, DIRECT=splits == 1, BLOCK_H=pow2(hpp * group),
-                        BLOCK_D=pow2(d),
-                        BLOCK_DV=pow2(dv), BLOCK_N=cfg.keys_per_iter(per_split), num_warps=cfg.num_warps,
-                        num_stages=cfg.num_stages)
-    merge_consts = dict(DV=dv, BLOCK_S=next_pow2(splits), BLOCK_DV=next_pow2(dv),
+    block_h, block_dv = pow2(hpp * group), pow2(dv)
+    fused = (splits > 1 and ws.counts is not None and _merges_in_place(q.device, interpreted)
+             and splits * hpp * group * dv * 4 <= cfg.fused_merge_bytes)
+    block_s = next_pow2(splits)
+    # splits the in-place merge loads per step: the largest power of two (>= 2) within merge_chunk values
+    chunk_s = min(block_s, max(2, next_pow2(cfg.merge_chunk // (block_h * block_dv) + 1) // 2))
+    split_consts = dict(GROUP=group, HPP=hpp, D=d, DV=dv, DIRECT=splits == 1, BLOCK_H=block_h,
+                        BLOCK_D=pow2(d), BLOCK_DV=block_dv, BLOCK_N=cfg.keys_per_iter(per_split), FUSED=fused,
+                        BLOCK_S=block_s if fused else 1, CHUNK_S=chunk_s if fused else 1,
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    merge_consts = dict(DV=dv, BLOCK_S=block_s, BLOCK_DV=next_pow2(dv),
                         num_warps=1 if interpreted else 4)
+    counts = ws.counts if fused else ws.lse
     return DecodePlan(tuple(q.shape), tuple(k_buf.shape), tuple(v_buf.shape), k_buf.stride(), v_buf.stride(),
-                      tuple(out.shape), q.device, splits, ws_acc, ws_lse, ws_strides, cfg, split_consts,
-                      merge_consts, interpreted,
+                      tuple(out.shape), q.device, splits, ws.acc, ws.lse, counts, ws_strides + (counts.stride(0),),
+                      cfg, split_consts, merge_consts, interpreted,
                       (bs, kvh // hpp, splits, h, tuple(split_consts.items()), tuple(merge_consts.items())))
 
 
 def _run(plan: DecodePlan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, scaling, window,
          logit_cap, sinks, k_scale, v_scale) -> None:
-    """The launches (split, then merge when there is more than one split); nothing is checked here."""
+    """The launches (split, then the merge kernel when there is more than one split and the last split does
+    not merge in place); nothing is checked here."""
     bs, h, _ = plan.q_shape
     if bs == 0:
         return
@@ -351,12 +450,13 @@ def _run(plan: DecodePlan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_po
     launch(_LAUNCHES, (plan.launch_key, "split") + flags, _decode_split_kernel,
            (plan.k_shape[1] // plan.split_consts["HPP"], splits, bs),
            (q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, sinks_arg, out, plan.ws_acc, plan.ws_lse,
-            float(scaling) * as_scale(k_scale), vs, cap, int(window or 0), splits, *strides, *plan.ws_strides),
+            plan.ws_counts, float(scaling) * as_scale(k_scale), vs, cap, int(window or 0), splits, *strides,
+            *plan.ws_strides),
            dict(HAS_CAP=flags[0], HAS_SINKS=flags[1], F32=flags[2], **plan.split_consts))
-    if splits > 1:
+    if splits > 1 and not plan.split_consts["FUSED"]:
         launch(_LAUNCHES, (plan.launch_key, "merge", flags[1]), _decode_merge_kernel, (bs, h),
-               (sinks_arg, out, plan.ws_acc, plan.ws_lse, vs, splits, out.stride(0), out.stride(1), *plan.ws_strides),
-               dict(HAS_SINKS=flags[1], **plan.merge_consts))
+               (sinks_arg, out, plan.ws_acc, plan.ws_lse, vs, splits, out.stride(0), out.stride(1),
+                *plan.ws_strides[:5]), dict(HAS_SINKS=flags[1], **plan.merge_consts))
 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,

@@ -1,0 +1,187 @@
+"""The decode kernel's in-place merge (the last split of a request's kv-head program merges every split) against
+the previous two-launch path (split kernel, then the merge kernel) and hwkv.reference, on the same random inputs:
+sinks, soft-cap, windows, GQA, several kv heads per program, fp8 K/V with scales, Dv != D, empty lists. Small
+sizes under TRITON_INTERPRET=1 (compiled on a GPU)."""
+import dataclasses
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from hwkv_cuda.kernels import decode as dec  # noqa: E402
+from hwkv_cuda.kernels import make_decode_workspace  # noqa: E402
+from hwkv.errors import ShapeError  # noqa: E402
+
+from test_triton_kernels import DEV, TOL, Case, _close, _sinks  # noqa: E402
+
+pytestmark = pytest.mark.interpret
+
+BASE = dec.INTERPRET_CONFIG if dec.interpreting() else dec.GPU_CONFIG
+FUSED = dataclasses.replace(BASE, fused_merge_bytes=1 << 40)
+SEPARATE = dataclasses.replace(BASE, fused_merge_bytes=0)
+FP8 = [d for d in (getattr(torch, "float8_e4m3fn", None),) if d]
+
+
+def run(c, cfg, splits, logit_cap=0.0, sinks=None, k_buf=None, v_buf=None, k_scale=None, v_scale=None, ws=None):
+    """(out, plan) of one planned decode of case c's last queries; the workspace is fresh unless given."""
+    bs = len(c.seq_lens)
+    k_buf = c.k_buf if k_buf is None else k_buf
+    v_buf = c.v_buf if v_buf is None else v_buf
+    out = torch.full((bs, c.h, c.dv), float("nan"), dtype=c.dtype, device=DEV)
+    ws = make_decode_workspace(bs, c.h, c.dv, splits, DEV) if ws is None else ws
+    q_pos = torch.tensor([s - 1 for s in c.seq_lens], dtype=torch.int64, device=DEV)
+    args = (c.q, k_buf, v_buf, c.kv_indptr, c.kv_indices, c.kv_pos0, q_pos, out)
+    plan = dec.plan_decode(*args, sinks, max(c.seq_lens), workspace=ws, config=cfg)
+    dec.decode_attention_planned(plan, *args, c.scaling, c.window, logit_cap, sinks, k_scale, v_scale)
+    return out, plan
+
+
+def both(c, splits, cfg_fused=FUSED, cfg_separate=SEPARATE, **kw):
+    """The in-place merge and the merge kernel on the same inputs: they agree to rounding, and the plans are
+    what they say (one fused, one not); the counters are back at zero."""
+    fused, pf = run(c, cfg_fused, splits, **kw)
+    separate, ps = run(c, cfg_separate, splits, **kw)
+    assert pf.fused and not ps.fused and pf.splits == ps.splits == splits
+    assert not pf.workspace.counts.any(), "the merging programs put their counters back to zero"
+    assert not torch.isnan(fused).any() and not torch.isnan(separate).any()
+    tol = 1e-5 if c.dtype == torch.float32 else 1e-2
+    assert torch.allclose(fused.float(), separate.float(), atol=tol, rtol=tol)
+    return fused
+
+
+@pytest.mark.parametrize("window", [None, 5, 19])
+@pytest.mark.parametrize("splits", [2, 3, 4])
+def test_fused_merge_matches_merge_kernel_and_reference(window, splits):
+    c = Case([1, 17, 33, 40], [1, 1, 1, 1], window=window, seed=splits * 7 + (window or 0))
+    _close(both(c, splits), c.ref(), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_merge_sinks_softcap_gqa(dtype):
+    c = Case([9, 38, 27], [1, 1, 1], h=8, kvh=2, d=32, dtype=dtype, window=8, window_list=False, seed=2)
+    sinks = _sinks(8)
+    _close(both(c, 3, logit_cap=1.5, sinks=sinks), c.ref(1.5, sinks), dtype)
+
+
+@pytest.mark.parametrize("hpp", [1, 2])
+@pytest.mark.parametrize("h,kvh,d,dv", [(8, 4, 16, 16), (8, 2, 24, 40), (4, 4, 16, 32), (6, 2, 16, 16)])
+def test_fused_merge_dv_not_d_and_several_kv_heads_per_program(hpp, h, kvh, d, dv):
+    """Rows of several kv heads in one program (block-diagonal tiles), odd head dims, Dv != D, a group of 3."""
+    cfgs = [dataclasses.replace(cfg, heads_per_program=hpp) for cfg in (FUSED, SEPARATE)]
+    c = Case([9, 40, 23], [1, 1, 1], h=h, kvh=kvh, d=d, dv=dv, window=11, seed=hpp + kvh + d)
+    sinks = _sinks(h)
+    _close(both(c, 4, *cfgs, logit_cap=2.0, sinks=sinks), c.ref(2.0, sinks), torch.float32)
+
+
+def test_fused_merge_reads_fp8_with_scales():
+    if not FP8:
+        pytest.skip("this torch has no float8 dtypes")
+    c = Case([40, 21, 7], [1, 1, 1], h=4, kvh=2, window=13, seed=33)
+    kb = (c.k_buf.float() / 0.25).to(FP8[0])
+    vb = (c.v_buf.float() / 0.5).to(FP8[0])
+    c.keys = [kb.float().cpu()[s] * 0.25 for s in c.slots]
+    c.values = [vb.float().cpu()[s] * 0.5 for s in c.slots]
+    sinks = _sinks(4)
+    out = both(c, 3, sinks=sinks, k_buf=kb, v_buf=vb, k_scale=0.25, v_scale=0.5)
+    _close(out, c.ref(sinks=sinks), torch.float32)
+
+
+def test_fused_merge_of_empty_lists_and_empty_splits():
+    """A request with no key (every split empty: zeros, or the sink alone: zeros) and one with fewer keys than
+    splits (some splits empty) beside a long one."""
+    c = Case([4, 2, 30], [1, 1, 1], seed=5)
+    c.kv_indptr = torch.tensor([0, 0, 2, 32], dtype=torch.int32, device=DEV)
+    c.kv_indices = torch.cat([c.slots[1], c.slots[2], torch.zeros(3, dtype=torch.int64)]).to(DEV)
+    for sinks in (None, _sinks(4)):
+        out = both(c, 4, sinks=sinks)
+        assert torch.equal(out[0].cpu(), torch.zeros_like(out[0].cpu()))
+        _close(out[1:], c.ref(sinks=sinks)[1:], torch.float32)
+
+
+def test_one_workspace_reused_across_calls_and_geometries():
+    """The counters reset themselves: one workspace serves many launches (layers, graph replays) and a layer
+    with fewer kv heads, each result equal to a fresh workspace's."""
+    a = Case([12, 35], [1, 1], h=8, kvh=4, d=16, window=None, seed=8)
+    b = Case([12, 35], [1, 1], h=8, kvh=2, d=16, window=6, seed=9)
+    ws = make_decode_workspace(4, 8, 16, 3, DEV)
+    sinks = _sinks(8)
+    want = [run(c, FUSED, 3, sinks=sinks)[0] for c in (a, b)]
+    for _ in range(3):
+        for c, w in zip((a, b), want):
+            got, plan = run(c, FUSED, 3, sinks=sinks, ws=ws)
+            assert plan.fused and torch.equal(got, w)
+            assert not ws.counts.any()
+
+
+def test_plan_picks_the_merge_kernel_past_the_byte_bound_or_without_counters():
+    c = Case([20, 30], [1, 1], h=4, kvh=2, d=16, seed=11)
+    rows_bytes = 3 * 2 * 16 * 4   # splits x q heads per kv-head program x Dv x fp32
+    at = dataclasses.replace(BASE, fused_merge_bytes=rows_bytes)
+    below = dataclasses.replace(BASE, fused_merge_bytes=rows_bytes - 1)
+    out_at, plan_at = run(c, at, 3)
+    out_below, plan_below = run(c, below, 3)
+    assert plan_at.fused and not plan_below.fused
+    ws = make_decode_workspace(2, 4, 16, 3, DEV)
+    out_none, plan_none = run(c, FUSED, 3, ws=dec.DecodeWorkspace(ws.acc, ws.lse))
+    assert not plan_none.fused and plan_none.workspace.counts is None
+    for out in (out_at, out_below, out_none):
+        _close(out, c.ref(), torch.float32)
+    _, one = run(c, FUSED, 1)
+    assert one.splits == 1 and not one.fused and one.workspace is None   # one split: one launch writes out
+
+
+def test_fused_plan_launches_no_merge_kernel(monkeypatch):
+    launched = []
+    cls = type(dec._decode_split_kernel)
+    inner = cls.run
+
+    def counted(self, *a, **k):
+        launched.append(self.fn.__name__)
+        return inner(self, *a, **k)
+
+    monkeypatch.setattr(cls, "run", counted)
+    c = Case([20, 30], [1, 1], h=4, kvh=2, d=16, seed=12)
+    run(c, FUSED, 3)
+    assert launched == ["_decode_split_kernel"]
+    launched.clear()
+    run(c, SEPARATE, 3)
+    assert launched == ["_decode_split_kernel", "_decode_merge_kernel"]
+
+
+def test_workspace_counters_are_checked():
+    c = Case([20, 30], [1, 1], h=4, kvh=2, d=16, seed=13)
+    ws = make_decode_workspace(2, 4, 16, 3, DEV)
+    with pytest.raises(ShapeError, match="counts"):
+        run(c, FUSED, 3, ws=dec.DecodeWorkspace(ws.acc, ws.lse, ws.counts[:1]))
+    with pytest.raises(ShapeError, match="counts"):
+        run(c, FUSED, 3, ws=dec.DecodeWorkspace(ws.acc, ws.lse, ws.counts.float()))
+
+
+def test_in_place_merge_only_on_nvidia_and_the_interpreter(monkeypatch):
+    assert dec._merges_in_place(torch.device("cpu"), True)
+    assert not dec._merges_in_place(torch.device("xpu"), False)
+    assert not dec._merges_in_place(torch.device("cpu"), False)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert dec._merges_in_place(torch.device("cuda"), False)
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert not dec._merges_in_place(torch.device("cuda"), False)
+
+
+def test_workspace_made_during_graph_capture_takes_the_merge_kernel(monkeypatch):
+    """Counters zeroed inside one graph's capture would be garbage for the other graphs sharing the workspace."""
+    monkeypatch.setattr(dec, "_capturing", lambda device: True)
+    ws = make_decode_workspace(2, 4, 16, 3, DEV)
+    assert ws.counts is None
+    c = Case([20, 30], [1, 1], h=4, kvh=2, d=16, seed=14)
+    out, plan = run(c, FUSED, 3, ws=ws)
+    assert not plan.fused
+    _close(out, c.ref(), torch.float32)
+    monkeypatch.undo()
+    assert not dec._capturing(torch.device("cpu"))
+    assert make_decode_workspace(2, 4, 16, 3, DEV).counts is not None
