@@ -345,7 +345,8 @@ def engine_step_rows(dev: str, bs: int, ctx: int, page_size: int, backend_cls, i
 def whole_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, backend_cls, iters: int) -> List[Dict]:
     """The whole decode step in one graph (hwkv.step_graph.DecodeStepGraph: allocation, req_to_token write,
     refill, 36 layers, release) against the same 36 layers replayed alone (a GraphRunner of the layers):
-    host time per step (calls back to back), step wall (device synchronized around each), replay alone."""
+    host time per step (the device caught up before each, `host_per_step`), step wall (device synchronized
+    around each), replay alone."""
     from hwkv.step_graph import DecodeStepGraph
     rows = []
     for bs in batches:
@@ -374,7 +375,7 @@ def whole_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, back
             seq.add_(1)
             g.step(rows_cpu, seq, seq, step_inputs)
 
-        host = host_per_call(step, dev, iters)
+        host = host_per_step(step, dev, iters)
         _, done = wall(step, dev, iters)
         # the same layers over the same requests, replayed alone: the batch of the last step (its slots rewritten)
         seq_dev = seq.to(dev)
@@ -478,6 +479,23 @@ def _jit_counts() -> Dict[str, int]:
                 name = f"{mod}.{getattr(getattr(p_.kernel, 'fn', None), '__name__', '?')}{'' if p_.direct else ' (no plan)'}"
                 counts[name] = counts.get(name, 0) + p_.jit_calls
     return counts
+
+
+def host_per_step(fn: Callable[[], object], dev: str, n: int = 50) -> float:
+    """Host microseconds per step with the device caught up before each (an engine whose device runs one step
+    behind it): each call timed alone, a sync after it, outside the timing. Calls back to back would let the
+    host run tens of steps ahead of a busy device, until the allocator's host bound of free pages (which sees
+    the device's releases late) makes it read the device and wait."""
+    for _ in range(5):
+        fn()
+    sync(dev)
+    total = 0.0
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        total += time.perf_counter() - t
+        sync(dev)
+    return total * 1e6 / n
 
 
 def host_per_call(fn: Callable[[], object], dev: str, n: int = 200) -> float:
