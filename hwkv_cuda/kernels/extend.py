@@ -30,6 +30,7 @@ import triton.language as tl
 
 from hwkv.errors import ShapeError
 from hwkv.spec import TreeMask, check_tree_mask
+from hwkv_cuda.kernels import extend_hopper
 from hwkv_cuda.kernels.launch import Launch, launch
 from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, cdiv, check_dims, check_same_device, dot, fold_sink,
                                       hopper_class, interpreting, logits_log2, next_pow2, online_softmax_step, pow2)
@@ -318,6 +319,7 @@ class ExtendPlan(NamedTuple):
     interpreted: bool
     has_tree: bool
     launch_key: Tuple[Any, ...]  # what fixes its launch (grid, constexprs): shared across forwards
+    hopper: Any = None           # an extend_hopper.HopperPlan: the Gluon sm_90 kernel runs the call instead
 
 
 def _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config, has_tree, window=None) -> ExtendPlan:
@@ -329,14 +331,20 @@ def _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config, has_tree, windo
     grid = (0, 0, 0) if empty else (kvh, cdiv(int(max_q_len), block_t), bs)
     consts = dict(GROUP=h // kvh, GP=gp, D=d, DV=dv, BLOCK_T=block_t, BLOCK_D=pow2(d), BLOCK_DV=pow2(dv),
                   BLOCK_N=cfg.block_n, HAS_TREE=has_tree, ONE_LOOP=cfg.one_loop, MASK32=cfg.mask32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    # HWKV_HOPPER_EXTEND=1 on sm_90: the Gluon kernel where it applies (an explicit config names the portable one)
+    hopper = None if empty or config else extend_hopper.plan_hopper_extend(q, k_buf, v_buf, out, max_q_len, has_tree)
     return ExtendPlan(tuple(q.shape), tuple(k_buf.shape), tuple(v_buf.shape), k_buf.stride(), v_buf.stride(),
                       tuple(out.shape), q.device, grid, cfg, consts, interpreting(), has_tree,
-                      (grid, tuple(consts.items())))
+                      (grid, tuple(consts.items())), hopper)
 
 
 def _run(plan: ExtendPlan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, scaling,
          window, logit_cap, sinks, k_scale, v_scale, tree) -> None:
     if plan.grid[0] == 0:
+        return
+    if plan.hopper is not None and extend_hopper.run_hopper_extend(
+            plan.hopper, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, scaling, window,
+            logit_cap, sinks, k_scale, v_scale):
         return
     cap = float(logit_cap or 0.0)
     window = int(window or 0)

@@ -1,0 +1,205 @@
+"""Prefill/extend on Hopper: the Gluon sm_90 kernel (hwkv_cuda.kernels.extend_hopper) against the portable
+Triton kernel and torch SDPA (cuDNN and flash backends over dense K/V), each under a CUDA graph.
+
+    HWKV_HOPPER_EXTEND=1 python3 benchmarks/bench_hopper_extend.py [--json out.json] [--d 64]
+
+Cases (issue 25): 1 x 8192 causal, 4 x 2048 new over a 2048 prefix, 8 x 1024 causal, 1 x 8192 with W=128;
+H=64, KVH=8, D=64, bf16, pages of 16 at random places. TFLOP/s counts visible (query, key) pairs only, the
+same way for every kernel (4 * pairs * H * D flops). Each case first checks the Gluon output against the
+portable kernel's (max abs error, reported). Without HWKV_HOPPER_EXTEND=1 the Gluon column reads n/a.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hwkv_cuda.kernels import extend_hopper  # noqa: E402
+from hwkv_cuda.kernels.extend import default_config, extend_attention  # noqa: E402
+
+H, KVH, PAGE = 64, 8, 16
+DT = torch.bfloat16
+DEV = torch.device("cuda")
+CASES = [(1, 8192, 0, None), (4, 2048, 2048, None), (8, 1024, 0, None), (1, 8192, 0, 128)]   # bs, new, prefix, W
+
+
+def graph_us(fn, reps=20):
+    """Median microseconds of one call of `fn`, replayed from a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, b in ev:
+        a.record()
+        g.replay()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in ev) * 1e3
+
+
+class Case:
+    """`bs` requests of `new` tokens over `prefix` cached ones; K/V in pages of 16 at random places."""
+
+    def __init__(self, bs, new, prefix, window, d):
+        seq = prefix + new
+        self.bs, self.new, self.prefix, self.window, self.d = bs, new, prefix, window, d
+        pages_per = -(-seq // PAGE)
+        n_pages = bs * pages_per + 1
+        self.k_buf = torch.randn(n_pages * PAGE, KVH, d, device=DEV).to(DT)
+        self.v_buf = torch.randn(n_pages * PAGE, KVH, d, device=DEV).to(DT)
+        order = (torch.randperm(n_pages - 1, device=DEV) + 1).view(bs, pages_per)
+        self.slots = (order[:, :, None] * PAGE + torch.arange(PAGE, device=DEV)).reshape(bs, -1)[:, :seq]
+        pos0 = max(0, prefix - window + 1) if window else 0      # a window layer's list starts at the window
+        self.indices = self.slots[:, pos0:].reshape(-1).contiguous()
+        i32, i64 = dict(dtype=torch.int32, device=DEV), dict(dtype=torch.int64, device=DEV)
+        self.kv_indptr = torch.arange(bs + 1, **i32) * (seq - pos0)
+        self.qo_indptr = torch.arange(bs + 1, **i32) * new
+        self.kv_pos0 = torch.full((bs,), pos0, **i64)
+        self.q_pos0 = torch.full((bs,), prefix, **i64)
+        self.q = torch.randn(bs * new, H, d, device=DEV).to(DT)
+        self.out = torch.empty_like(self.q)
+        qp, kp = torch.arange(prefix, seq, device=DEV), torch.arange(seq, device=DEV)
+        self.mask = kp[None, :] <= qp[:, None]
+        if window:
+            self.mask &= kp[None, :] > qp[:, None] - window
+        self.pairs = bs * int(self.mask.sum())
+        self.args = (self.q, self.k_buf, self.v_buf, self.kv_indptr, self.indices, self.kv_pos0, self.qo_indptr,
+                     self.q_pos0, self.out)
+
+    def tflops(self, us):
+        return 4 * self.pairs * H * self.d / (us * 1e-6) / 1e12 if isinstance(us, float) else None
+
+    def portable(self):
+        extend_attention(*self.args, self.new, self.d ** -0.5, self.window,
+                         config=default_config(self.d, False, self.window, DEV))
+
+    def gluon_fn(self):
+        """A launcher of the Gluon kernel, or the reason there is none."""
+        if not extend_hopper.requested():
+            return f"n/a ({extend_hopper.ENV_FLAG} not set)"
+        why = extend_hopper.unsupported(self.q, self.k_buf, self.v_buf, self.out, self.new)
+        if why:
+            return f"n/a ({why})"
+        plan = extend_hopper.plan_hopper_extend(self.q, self.k_buf, self.v_buf, self.out, self.new)
+
+        def run():
+            assert extend_hopper.run_hopper_extend(plan, *self.args, self.d ** -0.5, self.window)
+        return run
+
+    def sdpa_fn(self, backend):
+        q4 = self.q.view(self.bs, self.new, H, self.d).transpose(1, 2)
+        k4 = self.k_buf[self.slots].transpose(1, 2).contiguous()     # dense [bs, KVH, seq, D]
+        v4 = self.v_buf[self.slots].transpose(1, 2).contiguous()
+        kw = dict(scale=self.d ** -0.5)
+        if self.window:
+            kw["attn_mask"] = self.mask
+        elif self.prefix:
+            from torch.nn.attention.bias import causal_lower_right
+            kw["attn_mask"] = causal_lower_right(self.new, self.prefix + self.new)
+        else:
+            kw["is_causal"] = True
+        last = None
+        for gqa in (True, False):     # some backends refuse enable_gqa: K/V per q head instead
+            k, v = (k4, v4) if gqa else (k4.repeat_interleave(H // KVH, 1), v4.repeat_interleave(H // KVH, 1))
+
+            def f(k=k, v=v, gqa=gqa):
+                with sdpa_kernel([backend]):
+                    F.scaled_dot_product_attention(q4, k, v, enable_gqa=gqa, **kw)
+            try:
+                f()
+                return f
+            except Exception as e:  # noqa: BLE001 - reported in the table
+                last = f"n/a ({type(e).__name__})"
+        return last
+
+
+def timed(fn):
+    if isinstance(fn, str):
+        return fn
+    try:
+        return graph_us(fn)
+    except Exception as e:  # noqa: BLE001 - a failure is a result here: reported, the other columns still run
+        return f"failed ({type(e).__name__}: {str(e)[:120]})"
+
+
+def bench(d):
+    rows = []
+    for bs, new, prefix, window in CASES:
+        c = Case(bs, new, prefix, window, d)
+        row = dict(case=f"{bs} x {new}" + (f" over {prefix}" if prefix else "") + (f" W={window}" if window else
+                                                                                   " causal"),
+                   bs=bs, new=new, prefix=prefix, window=window, d=d, pairs=c.pairs)
+        g = c.gluon_fn()
+        if not isinstance(g, str):   # correctness first: the Gluon output against the portable kernel's
+            c.out.fill_(float("nan"))
+            c.portable()
+            want = c.out.float().clone()
+            c.out.fill_(float("nan"))
+            g()
+            torch.cuda.synchronize()
+            row["max_abs_err_vs_portable"] = (c.out.float() - want).abs().max().item()
+        for name, fn in (("gluon", g), ("portable", c.portable),
+                         ("sdpa_cudnn", c.sdpa_fn(SDPBackend.CUDNN_ATTENTION)),
+                         ("sdpa_flash", c.sdpa_fn(SDPBackend.FLASH_ATTENTION))):
+            us = timed(fn)
+            row[f"{name}_us"], row[f"{name}_tflops"] = us, c.tflops(us)
+        for other in ("portable", "sdpa_cudnn", "sdpa_flash"):   # > 1: the Gluon kernel is faster
+            a, b = row["gluon_us"], row[f"{other}_us"]
+            row[f"speedup_vs_{other}"] = b / a if isinstance(a, float) and isinstance(b, float) else None
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def fmt(us, tf):
+    return f"{us:.1f} ({tf:.0f})" if isinstance(us, float) else str(us)
+
+
+def table(rows):
+    lines = [f"| case (H={H} KVH={KVH} D={rows[0]['d']} bf16, page {PAGE} random) | gluon us (TFLOP/s) | portable "
+             "| SDPA cuDNN | SDPA flash | gluon speedup vs portable / cuDNN / flash | max err vs portable |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        sp = " / ".join(f"{r[f'speedup_vs_{o}']:.2f}x" if r[f"speedup_vs_{o}"] else "-"
+                        for o in ("portable", "sdpa_cudnn", "sdpa_flash"))
+        err = r.get("max_abs_err_vs_portable")
+        cells = [fmt(r[f"{k}_us"], r[f"{k}_tflops"]) for k in ("gluon", "portable", "sdpa_cudnn", "sdpa_flash")]
+        lines.append(f"| {r['case']} | {' | '.join(cells)} | {sp} | {'-' if err is None else format(err, '.3g')} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write every number here")
+    ap.add_argument("--d", type=int, nargs="+", default=[64], help="head dims (64 and/or 128)")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                  triton=__import__("triton").__version__, gluon_error=extend_hopper.GLUON_ERROR, rows=[])
+    for d in a.d:
+        rows = bench(d)
+        result["rows"] += rows
+        print(table(rows))
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,400 @@
+"""extend_attention on Hopper (sm_90) in Gluon: FlashAttention-3's schedule over hwkv's paged key lists.
+
+Same contract as `hwkv_cuda.kernels.extend` (q [T, H, D], keys listed per request by kv_indptr/kv_indices,
+causal + window, GQA packed, sinks, soft-cap, K/V scales) for the plain features; the rest (fp8 K/V, verify
+trees, Dv != D, fp32, other head dims, group sizes that are not powers of two) stays with the portable kernel.
+Off unless HWKV_HOPPER_EXTEND=1 (see `plan_hopper_extend`) until it has been measured on an H200.
+
+One program (grid: kv head, token block from the heaviest, request) owns 2 x BT consecutive query tokens of
+one request times the GROUP q heads of one kv head: two [64, D] row tiles (BT = 64 // GROUP tokens each),
+rows ordered (token, head), so one TMA box [BT, GROUP, D] of q (3-D descriptor over [T, H, D]) is exactly
+one row tile. Three warp-specialised partitions of one warpgroup each:
+
+  producer (default,     per key tile of BLOCK_N list entries: waits for the stage to be free, loads the
+  56 registers)          tile's slots from kv_indices and gathers K and V rows (any page size, pages in any
+                         order) with cp.async into the stage's NVMMA-swizzled buffers; each thread's
+                         `cp.async.mbarrier.arrive.noinc` completes the stage's `ready` barrier.
+  consumer 0, 1          each: TMA-loads its Q tile, then for every key tile j, FA3's intra-warpgroup
+  (workers, setmaxnreg   overlap: issue S_j = Q K_j^T (async wgmma), issue O += P_{j-1} V_{j-1} (async,
+  224)                   P from registers), wait for S_j only, run the softmax of S_j (mask only on tiles
+                         at the causal diagonal, the window edge or the list end) while the PV product is
+                         still on the tensor cores, then wait for it, free stage j-1 and rescale. The two
+                         consumers' independent instruction streams interleave on the SM (softmax of one
+                         under the other's MMAs); there is no explicit named-barrier ping-pong.
+  epilogue               sinks folded into the denominator, O scaled by v_scale / l and stored by TMA
+                         through the Q tile's shared memory when all BT tokens belong to the request,
+                         by masked stores otherwise (a TMA box would overwrite the next request's rows).
+
+Tiles: D=64: BLOCK_N=128, 3 stages (115 KB shared); D=128: BLOCK_N=64, 4 stages (164 KB). Compiled for sm_90 with
+Triton 3.6 and 3.9 without spills (`compile_for_sm90`); not yet run or tuned on hardware.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Dict, NamedTuple, Optional, Tuple
+
+import triton
+
+try:  # Gluon's Hopper API as of Triton 3.6; older or other builds simply keep the portable kernel
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
+                                                                  warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    GLUON_ERROR: Optional[str] = None
+except Exception as e:  # ImportError, or an API that moved (AttributeError)
+    gluon = gl = None
+    GLUON_ERROR = f"{type(e).__name__}: {e}"
+
+ENV_FLAG = "HWKV_HOPPER_EXTEND"
+ROWS = 64            # query rows (tokens x packed heads) per consumer warpgroup: one wgmma M
+HEAD_DIMS = (64, 128)
+LOG2E_F = 1.4426950408889634
+
+
+class HopperConfig(NamedTuple):
+    block_n: int      # keys per tile
+    stages: int       # K/V shared-memory stages
+    consumer_regs: int = 224   # setmaxnreg of each consumer warpgroup; the producer (default partition) keeps the rest
+
+
+PRODUCER_WARPS = 4
+# Checked with ptxas (Triton 3.6, sm_90a): no spills at these tiles; D=128 with 128-key tiles spills at 200-232
+# consumer registers. Not measured on hardware yet: the first H200 run should sweep block_n and stages.
+CONFIGS: Dict[int, HopperConfig] = {64: HopperConfig(block_n=128, stages=3), 128: HopperConfig(block_n=64, stages=4)}
+
+
+if gluon is not None:
+    _ROWS = gl.constexpr(ROWS)
+    _LOG2E = gl.constexpr(LOG2E_F)
+    # Triton 3.6 names the copies async_copy_*; later releases renamed them async_load / async_store
+    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+    @gluon.jit
+    def _producer(k_buf, v_buf, kv_indices, k_smem, v_smem, ready, empty, kv_start, lo, hi, n_tiles, kvh,
+                  s_kb, s_kh, s_vb, s_vh, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  WARPS: gl.constexpr):
+        """Gather every key tile's K and V rows into the ring of stages (cp.async, 16 bytes a thread)."""
+        vec: gl.constexpr = 8                       # 16-byte vectors of 2-byte elements
+        tpw_d: gl.constexpr = D // vec if D // vec < 32 else 32
+        layout: gl.constexpr = gl.BlockedLayout([1, vec], [32 // tpw_d, tpw_d], [WARPS, 1], [1, 0])
+        rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+        k_head = k_buf + kvh * s_kh + cols[None, :]
+        v_head = v_buf + kvh * s_vh + cols[None, :]
+        for j in range(n_tiles):
+            stage = j % STAGES
+            mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)   # first round: passes at once
+            offs = lo + j * BLOCK_N + rows
+            ok = offs < hi
+            slot = gl.load(kv_indices + kv_start + offs, mask=ok, other=0).to(gl.int64)
+            # masked rows are zero-filled (src-size 0): finite values under P = 0
+            _cp_async(k_smem.index(stage), k_head + (slot * s_kb)[:, None],
+                                                   mask=ok[:, None])
+            _cp_async(v_smem.index(stage), v_head + (slot * s_vb)[:, None],
+                                                   mask=ok[:, None])
+            async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
+
+    @gluon.jit
+    def _softmax_tile(s, m, l_sum, start, hi, q_rel, lo_all, hi_all, qk_scale, cap, window,
+                      HAS_CAP: gl.constexpr, HAS_WINDOW: gl.constexpr, BLOCK_N: gl.constexpr,
+                      s_layout: gl.constexpr):
+        """Fold one tile's raw logits into (m, l): returns (m_new, p, alpha, l_new) in log2 units. The
+        visibility mask (list end, causal bound, window) is applied only where some row needs it."""
+        if HAS_CAP:
+            x = s * qk_scale
+            e = gl.exp(2.0 * x / cap)
+            s = cap * (1.0 - 2.0 / (e + 1.0)) * _LOG2E
+        else:
+            s = s * (qk_scale * _LOG2E)
+        needs_mask = start + BLOCK_N > hi_all
+        if HAS_WINDOW:
+            needs_mask = needs_mask | (start < lo_all)
+        if needs_mask:
+            ar = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            dq = (q_rel - start).to(gl.int32)          # int32 offsets inside the tile: one compare an element
+            vis = (ar[None, :] <= dq[:, None]) & (ar[None, :] < (hi - start).to(gl.int32))
+            if HAS_WINDOW:
+                vis = vis & (ar[None, :] > dq[:, None] - window)
+            s = gl.where(vis, s, float("-inf"))
+        m_new = gl.maximum(m, gl.max(s, 1))
+        alpha = gl.exp2(m - m_new)
+        p = gl.exp2(s - m_new[:, None])
+        l_sum = l_sum * alpha + gl.sum(p, 1)
+        return m_new, p, alpha, l_sum
+
+    @gluon.jit
+    def _epilogue(acc, m, l_sum, q_smem, o_desc, out, sinks, q_start, q_len, first, kvh, s_ot, s_oh, v_scale,
+                  GROUP: gl.constexpr, BT: gl.constexpr, D: gl.constexpr, HAS_SINKS: gl.constexpr,
+                  o_layout: gl.constexpr):
+        """Sinks into the denominator, O = acc * v_scale / l, stored by TMA through the Q tile's shared memory
+        when all BT tokens are the request's, by masked stores otherwise."""
+        dtype: gl.constexpr = o_desc.dtype
+        ro = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, o_layout))
+        head = kvh * GROUP + ro % GROUP
+        tok = first + ro // GROUP
+        if HAS_SINKS:
+            sink = gl.load(sinks + head).to(gl.float32) * _LOG2E
+            m_o = gl.convert_layout(m, gl.SliceLayout(1, o_layout))
+            l_o = gl.convert_layout(l_sum, gl.SliceLayout(1, o_layout))
+            m_fin = gl.maximum(m_o, sink)
+            l_o = l_o * gl.exp2(m_o - m_fin) + gl.exp2(sink - m_fin)
+            acc = acc * gl.exp2(m_o - m_fin)[:, None]
+        else:
+            l_o = gl.convert_layout(l_sum, gl.SliceLayout(1, o_layout))
+        o = (acc * (v_scale / gl.where(l_o > 0, l_o, 1.0))[:, None]).to(dtype)
+        if first + BT <= q_len:      # every row is this request's: one TMA box through the Q tile's memory
+            q_smem.reshape([_ROWS, D]).store(o)
+            fence_async_shared()
+            _tma_store(o_desc, [(q_start + first).to(gl.int32), kvh * GROUP, 0], q_smem)
+            tma.store_wait(0)
+        else:
+            cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+            ptrs = out + ((q_start + tok).to(gl.int64) * s_ot + head * s_oh)[:, None] + cols[None, :]
+            gl.store(ptrs, o, mask=(tok < q_len)[:, None])
+
+    @gluon.jit
+    def _consumer(q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, out, sinks,
+                  q_start, q_len, rel0, first, lo, hi, n_tiles, kvh, s_ot, s_oh, qk_scale, v_scale, cap, window,
+                  GROUP: gl.constexpr, BT: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, HAS_CAP: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr):
+        """One warpgroup's 64 query rows (tokens first .. first + BT - 1, all GROUP heads): see module doc."""
+        dtype: gl.constexpr = q_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        q_tile = q_smem.reshape([_ROWS, D])
+
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        _tma_load(q_desc, [(q_start + first).to(gl.int32), kvh * GROUP, 0], q_bar, q_smem)
+
+        r = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, s_layout))
+        q_rel = rel0 + first + r // GROUP               # list position of each row's token
+        last = gl.minimum(q_len, first + BT) - 1
+        hi_all = gl.minimum(hi, rel0 + first + 1)       # keys every row sees: [lo_all, hi_all)
+        lo_all = rel0 + last - window + 1
+        m = gl.full([_ROWS], -1.0e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_sum = gl.zeros([_ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([_ROWS, D], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([_ROWS, BLOCK_N], gl.float32, layout=s_layout)
+        p = gl.zeros([_ROWS, BLOCK_N], dtype, layout=p_layout)
+        mbarrier.wait(q_bar, 0)
+
+        for j in range(n_tiles):
+            stage = j % STAGES
+            mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+            fence_async_shared()     # cp.async wrote the stage through the generic proxy; wgmma reads it async
+            s_tok = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            start = lo + j * BLOCK_N
+            if j > 0:
+                prev = (j + STAGES - 1) % STAGES
+                o_tok = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s_tok, ))              # S_j done; P_{j-1} V_{j-1} still running
+                m, p32, alpha, l_sum = _softmax_tile(s, m, l_sum, start, hi, q_rel, lo_all, hi_all, qk_scale, cap,
+                                                     window, HAS_CAP, HAS_WINDOW, BLOCK_N, s_layout)
+                # p's registers feed the running PV product: it stays a dependency until the product is done
+                acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
+                mbarrier.arrive(empty.index(prev), count=1)
+            else:
+                s = warpgroup_mma_wait(0, deps=(s_tok, ))
+                m, p32, alpha, l_sum = _softmax_tile(s, m, l_sum, start, hi, q_rel, lo_all, hi_all, qk_scale, cap,
+                                                     window, HAS_CAP, HAS_WINDOW, BLOCK_N, s_layout)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            p = gl.convert_layout(p32.to(dtype), p_layout)
+        if n_tiles > 0:
+            last_stage = (n_tiles - 1) % STAGES
+            o_tok = warpgroup_mma(p, v_smem.index(last_stage), acc, is_async=True)
+            acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
+            mbarrier.arrive(empty.index(last_stage), count=1)
+
+        _epilogue(acc, m, l_sum, q_smem, o_desc, out, sinks, q_start, q_len, first, kvh, s_ot, s_oh, v_scale,
+                  GROUP, BT, D, HAS_SINKS, o_layout)
+
+    @gluon.jit
+    def _hopper_extend_kernel(q_desc, o_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0,
+                              sinks, out, qk_scale, v_scale, cap, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh,
+                              GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                              HAS_CAP: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+                              PRODUCER_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        BT: gl.constexpr = _ROWS // GROUP
+        kvh = gl.program_id(0)
+        first = (gl.num_programs(1) - 1 - gl.program_id(1)) * (2 * BT)   # heaviest token blocks first
+        b = gl.program_id(2)
+        # positions and counts in int32 (a request's list and the batch's tokens stay below 2**31); pointer
+        # offsets of slots are widened where they are formed
+        q_start = gl.load(qo_indptr + b).to(gl.int32)
+        q_len = gl.load(qo_indptr + b + 1).to(gl.int32) - q_start
+        kv_start = gl.load(kv_indptr + b).to(gl.int64)
+        kv_len = (gl.load(kv_indptr + b + 1).to(gl.int64) - kv_start).to(gl.int32)
+        rel0 = (gl.load(q_pos0 + b).to(gl.int64) - gl.load(kv_pos0 + b).to(gl.int64)).to(gl.int32)
+        last = gl.minimum(q_len, first + 2 * BT) - 1           # < first: nothing to do (no tiles, no stores)
+        lo = rel0 * 0
+        if HAS_WINDOW:
+            lo = gl.maximum(lo, rel0 + first - window + 1)
+        hi = gl.minimum(kv_len, rel0 + last + 1)
+        hi = gl.where(last < first, lo, gl.maximum(hi, lo))
+        n_tiles = (hi - lo + BLOCK_N - 1) // BLOCK_N
+
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], q_desc.dtype)
+        k_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_N, D], kv_layout)
+        v_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_N, D], kv_layout)
+        q0_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+        q1_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=PRODUCER_WARPS * 32)   # one noinc arrive per producer thread
+            mbarrier.init(empty.index(i), count=2)                     # one arrive per consumer
+        mbarrier.init(q_bars.index(0), count=1)
+        mbarrier.init(q_bars.index(1), count=1)
+
+        # the producer runs in the default partition (it gets what the consumers leave: 56 registers a thread)
+        gl.warp_specialize([
+            (_producer, (k_buf, v_buf, kv_indices, k_smem, v_smem, ready, empty, kv_start, lo, hi, n_tiles, kvh,
+                         s_kb, s_kh, s_vb, s_vh, D, BLOCK_N, STAGES, PRODUCER_WARPS)),
+            (_consumer, (q_desc, o_desc, q0_smem, q_bars.index(0), k_smem, v_smem, ready, empty, out, sinks,
+                         q_start, q_len, rel0, first, lo, hi, n_tiles, kvh, s_ot, s_oh, qk_scale, v_scale, cap,
+                         window, GROUP, BT, D, BLOCK_N, STAGES, HAS_CAP, HAS_WINDOW, HAS_SINKS)),
+            (_consumer, (q_desc, o_desc, q1_smem, q_bars.index(1), k_smem, v_smem, ready, empty, out, sinks,
+                         q_start, q_len, rel0, first + BT, lo, hi, n_tiles, kvh, s_ot, s_oh, qk_scale, v_scale, cap,
+                         window, GROUP, BT, D, BLOCK_N, STAGES, HAS_CAP, HAS_WINDOW, HAS_SINKS)),
+        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+
+
+# ----------------------------------------------------------------------------------------------- host side
+class HopperPlan(NamedTuple):
+    """A planned launch of the Gluon kernel: its grid, constexprs and TMA box."""
+
+    grid: Tuple[int, int, int]             # (kv heads, token blocks, 0): the call brings the request count
+    consts: Dict[str, Any]
+    block: Tuple[int, int, int]            # the Q/O TMA box: [BT tokens, GROUP heads, D]
+
+
+def requested() -> bool:
+    """HWKV_HOPPER_EXTEND=1: take the Gluon kernel where it applies (off by default until measured)."""
+    from hwkv.env import EnvVar, _flag
+    return EnvVar(ENV_FLAG, _flag, False, "").get()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90(index: int) -> bool:
+    import torch
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] == 9
+
+
+def unsupported(q: Any, k_buf: Any, v_buf: Any, out: Any, max_q_len: int, has_tree: bool = False) -> Optional[str]:
+    """Why this call keeps the portable kernel (None: the Gluon kernel applies). Features handled per call
+    (soft-cap, sinks, window, K/V scales) are supported; see the module doc for the rest."""
+    import torch
+    from hwkv_cuda.kernels.common import interpreting
+    if GLUON_ERROR is not None:
+        return f"Gluon's Hopper API is not importable ({GLUON_ERROR})"
+    if interpreting() or q.device.type != "cuda":
+        return "not a CUDA device (or the Triton interpreter)"
+    if not _sm90(q.device.index if q.device.index is not None else torch.cuda.current_device()):
+        return "not an sm_90 (Hopper) NVIDIA GPU"
+    if q.dtype not in (torch.bfloat16, torch.float16) or {k_buf.dtype, v_buf.dtype, out.dtype} != {q.dtype}:
+        return f"dtypes q {q.dtype}, k {k_buf.dtype}, v {v_buf.dtype}, out {out.dtype} (bf16/fp16 throughout only)"
+    t, h, d = q.shape
+    kvh = k_buf.shape[1]
+    group = h // kvh
+    if d not in CONFIGS or v_buf.shape[2] != d:
+        return f"head dims D={d}, Dv={v_buf.shape[2]} (D = Dv in {HEAD_DIMS} only)"
+    if group & (group - 1) or group > ROWS:
+        return f"{group} q heads per kv head (a power of two <= {ROWS} only)"
+    if has_tree:
+        return "a verify tree"
+    if max_q_len < 2 * (ROWS // group):
+        return f"at most {max_q_len} query tokens per request (< {2 * (ROWS // group)}, one program's rows)"
+    if any(s % 16 for s in (k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1))):
+        return "K/V buffer strides not multiples of 16 elements"
+    return None
+
+
+def plan_hopper_extend(q: Any, k_buf: Any, v_buf: Any, out: Any, max_q_len: int,
+                       has_tree: bool = False) -> Optional[HopperPlan]:
+    """The Gluon kernel's plan for these shapes, or None (not requested, or `unsupported`)."""
+    if not requested() or unsupported(q, k_buf, v_buf, out, max_q_len, has_tree) is not None:
+        return None
+    t, h, d = q.shape
+    group = h // k_buf.shape[1]
+    cfg = CONFIGS[d]
+    bt = ROWS // group
+    consts = dict(GROUP=group, D=d, BLOCK_N=cfg.block_n, STAGES=cfg.stages, PRODUCER_WARPS=PRODUCER_WARPS,
+                  CONSUMER_REGS=cfg.consumer_regs, num_warps=4)
+    grid = (k_buf.shape[1], -(-int(max_q_len) // (2 * bt)), 0)
+    return HopperPlan(grid, consts, (bt, group, d))
+
+
+_DESCS: Dict[Any, Any] = {}
+
+
+def _descriptor(x: Any, block: Tuple[int, int, int]) -> Any:
+    """A TMA descriptor over x [T, H, D] with box `block`, cached by what it encodes (a graph's static buffers
+    get one each)."""
+    key = (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, block)
+    desc = _DESCS.get(key)
+    if desc is None:
+        if len(_DESCS) >= 256:
+            _DESCS.clear()
+        dtype = gl.bfloat16 if str(x.dtype) == "torch.bfloat16" else gl.float16
+        layout = gl.NVMMASharedLayout.get_default_for(list(block), dtype)
+        desc = _DESCS[key] = TensorDescriptor(x, list(x.shape), list(x.stride()), list(block), layout)
+    return desc
+
+
+def run_hopper_extend(plan: HopperPlan, q: Any, k_buf: Any, v_buf: Any, kv_indptr: Any, kv_indices: Any,
+                      kv_pos0: Any, qo_indptr: Any, q_pos0: Any, out: Any, scaling: float,
+                      window: Optional[int] = None, logit_cap: float = 0.0, sinks: Any = None,
+                      k_scale: Any = None, v_scale: Any = None) -> bool:
+    """Launch the planned Gluon kernel; False (nothing launched) where this call's tensors do not fit what TMA
+    and cp.async need (16-byte aligned bases, 16-byte q/out row strides): the caller runs the portable kernel."""
+    from hwkv_cuda.kernels.common import as_scale
+    if (q.data_ptr() % 16 or out.data_ptr() % 16 or k_buf.data_ptr() % 16 or v_buf.data_ptr() % 16
+            or q.stride(0) % 8 or q.stride(1) % 8 or out.stride(0) % 8 or out.stride(1) % 8
+            or q.shape[0] == 0):
+        return False
+    bs = kv_pos0.shape[0]
+    if bs == 0:
+        return True
+    cap = float(logit_cap or 0.0)
+    window = int(window or 0)
+    grid = (plan.grid[0], plan.grid[1], bs)
+    _hopper_extend_kernel[grid](
+        _descriptor(q, plan.block), _descriptor(out, plan.block), k_buf, v_buf, kv_indptr, kv_indices, kv_pos0,
+        qo_indptr, q_pos0, sinks if sinks is not None else out, out, float(scaling) * as_scale(k_scale),
+        as_scale(v_scale), cap, window, k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        out.stride(0), out.stride(1), HAS_CAP=cap > 0, HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None,
+        **plan.consts)
+    return True
+
+
+def compile_for_sm90(d: int = 64, group: int = 8, dtype: str = "bf16", window: bool = False, cap: bool = False,
+                     sinks: bool = False) -> Any:
+    """Compile the kernel for an sm_90 target without a GPU (TTGIR -> PTX -> cubin through the wheel's ptxas), with
+    the specialisations the JIT gives real launches (16-byte aligned pointers, strides divisible by 16). For CI and
+    for checking a Triton upgrade on a machine without a Hopper GPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    if GLUON_ERROR is not None:
+        raise RuntimeError(f"Gluon's Hopper API is not importable: {GLUON_ERROR}")
+    cfg, bt = CONFIGS[d], ROWS // group
+    layout = gl.NVMMASharedLayout.get_default_for([bt, group, d], gl.bfloat16 if dtype == "bf16" else gl.float16)
+    desc = f"tensordesc<{dtype}[{bt}, {group}, {d}],{layout!r}>"
+    sig = dict(q_desc=desc, o_desc=desc, k_buf=f"*{dtype}", v_buf=f"*{dtype}", kv_indptr="*i32", kv_indices="*i64",
+               kv_pos0="*i64", qo_indptr="*i32", q_pos0="*i64", sinks="*fp32", out=f"*{dtype}", qk_scale="fp32",
+               v_scale="fp32", cap="fp32", window="i32", s_kb="i32", s_kh="i32", s_vb="i32", s_vh="i32", s_ot="i32",
+               s_oh="i32")
+    consts = dict(GROUP=group, D=d, BLOCK_N=cfg.block_n, STAGES=cfg.stages, HAS_CAP=cap, HAS_WINDOW=window,
+                  HAS_SINKS=sinks, PRODUCER_WARPS=PRODUCER_WARPS, CONSUMER_REGS=cfg.consumer_regs)
+    sig.update({k: "constexpr" for k in consts})
+    names = list(sig)
+    aligned = [n for n in names if sig[n].startswith("*")] + ["s_kb", "s_kh", "s_vb", "s_vh", "s_ot", "s_oh"]
+    src = GluonASTSource(_hopper_extend_kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))

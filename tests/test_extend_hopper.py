@@ -1,0 +1,205 @@
+"""The Gluon sm_90 extend kernel (hwkv_cuda.kernels.extend_hopper) against hwkv.reference and the portable
+Triton kernel on the same random paged inputs (pages of 16 at random places, prefix + new tokens, GQA, windows,
+soft-cap, sinks, K/V scales). Needs a Hopper (compute capability 9.x) GPU; the dispatch tests at the end run
+everywhere."""
+import math
+
+import pytest
+import torch
+
+from hwkv import reference
+from hwkv.window import first_visible
+from hwkv_cuda.kernels import extend_hopper
+from hwkv_cuda.kernels.extend import default_config, extend_attention, plan_extend
+
+pytestmark = pytest.mark.cuda
+
+
+def _hopper_reason():
+    if not torch.cuda.is_available():
+        return "no CUDA GPU on this machine"
+    if torch.version.hip is not None or torch.cuda.get_device_capability()[0] != 9:
+        return f"needs an sm_90 GPU, this one is {torch.cuda.get_device_name()}"
+    if extend_hopper.GLUON_ERROR is not None:
+        return f"Gluon's Hopper API is not importable with this Triton: {extend_hopper.GLUON_ERROR}"
+    return None
+
+
+hopper = pytest.mark.skipif(_hopper_reason() is not None, reason=str(_hopper_reason()))
+PAGE = 16
+
+
+class Paged:
+    """A batch over a pool of pages of 16 placed at random; request b holds seq_lens[b] keys, the last
+    extend_lens[b] of them are its queries."""
+
+    def __init__(self, seq_lens, extend_lens, h=16, kvh=2, d=64, window=None, window_list=True,
+                 dtype=torch.bfloat16, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.seq_lens, self.extend_lens, self.window, self.h, self.d = list(seq_lens), list(extend_lens), window, h, d
+        pages_needed = sum(-(-n // PAGE) for n in seq_lens)
+        n_pages = 2 * pages_needed + 3
+        pages = torch.randperm(n_pages - 1, generator=g)[:pages_needed] + 1   # page 0 stays padding
+        size = n_pages * PAGE
+        self.k_buf = torch.randn(size, kvh, d, generator=g).to(dtype).cuda()
+        self.v_buf = torch.randn(size, kvh, d, generator=g).to(dtype).cuda()
+        slots, at = [], 0
+        for n in seq_lens:
+            own = pages[at:at + -(-n // PAGE)]
+            at += len(own)
+            slots.append((own[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)[:n])
+        self.keys = [self.k_buf.float().cpu()[s] for s in slots]
+        self.values = [self.v_buf.float().cpu()[s] for s in slots]
+        q_pos0 = [s - e for s, e in zip(seq_lens, extend_lens)]
+        pos0 = [first_visible(p, window) if window_list else 0 for p in q_pos0]
+        lists = [s[p:] for s, p in zip(slots, pos0)]
+        i32 = dict(dtype=torch.int32, device="cuda")
+        self.kv_indptr = torch.tensor([0] + [len(x) for x in lists], **i32).cumsum(0).to(torch.int32)
+        self.kv_indices = torch.cat(lists + [torch.zeros(5, dtype=torch.int64)]).cuda()
+        self.kv_pos0 = torch.tensor(pos0, dtype=torch.int64, device="cuda")
+        self.qo_indptr = torch.tensor([0] + list(extend_lens), **i32).cumsum(0).to(torch.int32)
+        self.q_pos0 = torch.tensor(q_pos0, dtype=torch.int64, device="cuda")
+        self.q = torch.randn(sum(extend_lens), h, d, generator=g).to(dtype).cuda()
+        self.scaling = 1.0 / math.sqrt(d)
+
+    def args(self, out):
+        return (self.q, self.k_buf, self.v_buf, self.kv_indptr, self.kv_indices, self.kv_pos0, self.qo_indptr,
+                self.q_pos0, out)
+
+    def empty_out(self):
+        return torch.full_like(self.q, float("nan"))
+
+    def portable(self, logit_cap=0.0, sinks=None, k_scale=None, v_scale=None):
+        out = self.empty_out()
+        extend_attention(*self.args(out), max(self.extend_lens), self.scaling, self.window, logit_cap, sinks,
+                         k_scale, v_scale, config=default_config(self.d, False, self.window, self.q.device))
+        return out
+
+    def gluon(self, monkeypatch, logit_cap=0.0, sinks=None, k_scale=None, v_scale=None):
+        """Through the dispatch, as the backend calls it (plan once, run planned)."""
+        monkeypatch.setenv(extend_hopper.ENV_FLAG, "1")
+        out = self.empty_out()
+        plan = plan_extend(*self.args(out), max(self.extend_lens), sinks, window=self.window)
+        assert plan.hopper is not None, extend_hopper.unsupported(self.q, self.k_buf, self.v_buf, out,
+                                                                  max(self.extend_lens))
+        launched = extend_hopper.run_hopper_extend(plan.hopper, *self.args(out), self.scaling, self.window,
+                                                   logit_cap, sinks, k_scale, v_scale)
+        assert launched
+        return out
+
+    def ref(self, logit_cap=0.0, sinks=None, k_scale=None, v_scale=None):
+        keys = [k * (k_scale or 1.0) for k in self.keys]
+        values = [v * (v_scale or 1.0) for v in self.values]
+        return reference.batch_attention(self.q.float().cpu(), keys, values, self.seq_lens, self.extend_lens,
+                                         self.scaling, self.window, logit_cap,
+                                         None if sinks is None else sinks.cpu())
+
+
+def _close(out, want, tol=2e-2):
+    assert not torch.isnan(out).any(), "output holds NaN (a row never written, or 0/0)"
+    err = (out.float().cpu() - want.float().cpu()).abs().max().item()
+    assert err <= tol * max(1.0, want.abs().max().item()), f"max abs error {err}"
+
+
+CASES = {   # name: (seq_lens, extend_lens)
+    "one_causal": ([300], [300]),
+    "over_prefix": ([700, 513, 64], [200, 13, 64]),       # prefix + new; one request shorter than a program
+    "ragged": ([1000, 17, 160, 33], [1000, 17, 40, 1]),   # a decode row beside prefill
+    "long": ([2100], [2100]),
+}
+
+
+@hopper
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("window", [None, 128, 37])
+def test_gluon_matches_reference_and_portable(monkeypatch, d, case, window):
+    seq, ext = CASES[case]
+    c = Paged(seq, ext, h=16, kvh=2, d=d, window=window)
+    got = c.gluon(monkeypatch)
+    _close(got, c.ref())
+    _close(got, c.portable())
+
+
+@hopper
+@pytest.mark.parametrize("h,kvh", [(64, 8), (8, 8), (32, 2), (64, 1)])
+def test_gluon_group_sizes(monkeypatch, h, kvh):
+    c = Paged([400, 90], [250, 90], h=h, kvh=kvh, d=64, seed=3)
+    _close(c.gluon(monkeypatch), c.ref())
+
+
+@hopper
+@pytest.mark.parametrize("window_list", [True, False])
+def test_gluon_window_over_a_full_list(monkeypatch, window_list):
+    """A window layer reads either its window list (pos0 > 0) or the full list masked by the window."""
+    c = Paged([900, 300], [500, 300], window=64, window_list=window_list, seed=5)
+    _close(c.gluon(monkeypatch), c.ref())
+
+
+@hopper
+@pytest.mark.parametrize("d", [64, 128])
+def test_gluon_sinks_softcap_scales(monkeypatch, d):
+    c = Paged([600, 200], [300, 200], h=16, kvh=2, d=d, window=100, seed=7)
+    sinks = (torch.randn(16, generator=torch.Generator().manual_seed(1)) * 2).float().cuda()
+    kw = dict(logit_cap=20.0, sinks=sinks, k_scale=0.5, v_scale=1.5)
+    got = c.gluon(monkeypatch, **kw)
+    _close(got, c.ref(**kw))
+    _close(got, c.portable(**kw))
+
+
+@hopper
+def test_gluon_fp16(monkeypatch):
+    c = Paged([500], [320], dtype=torch.float16, seed=9)
+    _close(c.gluon(monkeypatch), c.ref(), tol=4e-3)
+
+
+@hopper
+def test_backend_call_takes_the_gluon_kernel_only_when_requested(monkeypatch):
+    c = Paged([300], [300])
+    monkeypatch.delenv(extend_hopper.ENV_FLAG, raising=False)
+    out = c.empty_out()
+    assert plan_extend(*c.args(out), 300).hopper is None
+    monkeypatch.setenv(extend_hopper.ENV_FLAG, "1")
+    assert plan_extend(*c.args(out), 300).hopper is not None
+    extend_attention(*c.args(out), 300, c.scaling)   # through the dispatch
+    _close(out, c.ref())
+
+
+# ------------------------------------------------------------------- dispatch (runs everywhere)
+def test_off_unless_requested_and_reasons_name_the_feature(monkeypatch):
+    monkeypatch.delenv(extend_hopper.ENV_FLAG, raising=False)
+    assert extend_hopper.requested() is False
+    q = torch.zeros(32, 8, 64, dtype=torch.bfloat16)
+    kv = torch.zeros(64, 1, 64, dtype=torch.bfloat16)
+    assert extend_hopper.plan_hopper_extend(q, kv, kv, q, 32) is None
+    monkeypatch.setenv(extend_hopper.ENV_FLAG, "1")
+    assert extend_hopper.requested() is True
+    assert extend_hopper.plan_hopper_extend(q, kv, kv, q, 32) is None   # a CPU tensor: never the Gluon kernel
+    assert extend_hopper.unsupported(q, kv, kv, q, 32) is not None
+
+
+def _compile_reason():
+    import os
+    import triton
+    if extend_hopper.GLUON_ERROR is not None:
+        return f"Gluon's Hopper API is not importable: {extend_hopper.GLUON_ERROR}"
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):   # Triton's own jit helpers are interpreted then
+        return "TRITON_INTERPRET is on; run with TRITON_INTERPRET=0 to compile for sm_90 on a CPU-only machine"
+    ptxas = os.environ.get("TRITON_PTXAS_PATH") or os.path.join(os.path.dirname(triton.__file__), "backends",
+                                                                 "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        return f"no ptxas at {ptxas}"
+    return None
+
+
+@pytest.mark.skipif(_compile_reason() is not None, reason=str(_compile_reason()))
+@pytest.mark.parametrize("d,window,cap_sinks", [(64, False, False), (128, True, False), (64, True, True)])
+def test_compiles_for_sm90_without_a_gpu(d, window, cap_sinks):
+    """The kernel lowers to sm_90 PTX and ptxas takes it without spills: warp-specialised (setmaxnreg), async
+    wgmma, cp.async gathers, TMA for Q and O."""
+    k = extend_hopper.compile_for_sm90(d, 8, window=window, cap=cap_sinks, sinks=cap_sinks)
+    ptx = k.asm["ptx"]
+    for needle in ("wgmma.mma_async", "cp.async.cg", "cp.async.mbarrier.arrive.noinc", "cp.async.bulk.tensor.3d",
+                   "setmaxnreg"):
+        assert needle in ptx, needle
+    assert ".local" not in ptx
