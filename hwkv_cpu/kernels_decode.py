@@ -52,7 +52,8 @@ class Workspace:
             numel *= s
         buf = self._bufs.get((name, dtype))
         if buf is None or buf.numel() < numel:
-            buf = torch.empty(max(numel, 1), dtype=dtype)
+            with torch.inference_mode(False):  # a normal tensor: calls in and out of inference mode both write it
+                buf = torch.empty(max(numel, 1), dtype=dtype)
             self._bufs[(name, dtype)] = buf
         return buf[:numel].view(shape)
 
