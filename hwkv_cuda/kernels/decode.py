@@ -48,8 +48,10 @@ class DecodeConfig:
     max_splits: int = 64
     heads_per_program: int = 1   # kv heads one program reads (see kv_heads_per_program)
     # the last split to finish merges in place while its rows' partials (splits x rows x Dv fp32) hold at
-    # most this many bytes, else the merge kernel runs; 0: always the merge kernel (see the module doc)
-    fused_merge_bytes: int = 64 << 10
+    # most this many bytes, else the merge kernel runs; 0: always the merge kernel (see the module doc). H200,
+    # GQA 8, Dv 64 (docs/benchmarks.md): 5 splits (10 KiB) merge in place as fast or faster (16 x 4K 41.3 vs
+    # 42.8 us), 32 splits (64 KiB) slower (1 x 4K 11.9 vs 8.7 us): one program reading them all is the tail
+    fused_merge_bytes: int = 32 << 10
     # partial values the in-place merge loads per step, which bounds the registers it adds to the split kernel:
     # sm_90 builds (Triton 3.9) of the H200 plans for B 1-16 x 4K-32K keep the merge kernel's 64-161 registers
     # (+4 at most) at 2048, while 4096 took 16 x 4K from 64 to 96 and 8192 every plan up to 168-237
