@@ -21,7 +21,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_cuda_kernels import graph_us  # noqa: E402  (this folder: one CUDA-graph timer for both benchmarks)
 from hwkv_cuda.kernels import extend_hopper  # noqa: E402
 from hwkv_cuda.kernels.extend import default_config, extend_attention  # noqa: E402
 
@@ -29,28 +31,6 @@ H, KVH, PAGE = 64, 8, 16
 DT = torch.bfloat16
 DEV = torch.device("cuda")
 CASES = [(1, 8192, 0, None), (4, 2048, 2048, None), (8, 1024, 0, None), (1, 8192, 0, 128)]   # bs, new, prefix, W
-
-
-def graph_us(fn, reps=20):
-    """Median microseconds of one call of `fn`, replayed from a CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, b in ev:
-        a.record()
-        g.replay()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in ev) * 1e3
 
 
 class Case:
@@ -133,7 +113,7 @@ def timed(fn):
     if isinstance(fn, str):
         return fn
     try:
-        return graph_us(fn)
+        return graph_us([fn], reps=20)
     except Exception as e:  # noqa: BLE001 - a failure is a result here: reported, the other columns still run
         return f"failed ({type(e).__name__}: {str(e)[:120]})"
 

@@ -269,20 +269,11 @@ class PagedTokenToKVPoolAllocator:
         j = np.arange(n) - np.repeat(np.cumsum(ext) - ext, ext)  # its index among the request's new tokens
         res = _host_view(last)[r] + 1 + j  # continuing the request's partial page: the next slot
         if k:
-            heads = [ring.take(k) for ring in self._rings()]
             cont = np.minimum(ext, (-pre_h) % p)
             newp = (ext - cont + p - 1) // p
-            full = self.pages
-            fpages = full.ring_np[(heads[0] + np.arange(k)) % full.num_pages]
+            fpages = self._pop_on_host(k)
             pidx = np.clip((np.cumsum(newp) - newp)[r] + (j - cont[r]) // p, 0, k - 1)
             res = np.where(j < cont[r], res, fpages[pidx] * p + (pre_h[r] + j) % p)
-            full.refs_np[fpages] = 1
-            swa = self._swa
-            if swa is not None:
-                spages = swa.ring_np[(heads[1] + np.arange(k)) % swa.num_pages]
-                swa.refs_np[spages] = 1
-                off = np.arange(p)
-                self._mapping_view()[(fpages[:, None] * p + off).reshape(-1)] = (spages[:, None] * p + off).reshape(-1)
         self._next_op()
         return torch.from_numpy(np.ascontiguousarray(res, dtype=np.int64))
 
@@ -290,12 +281,18 @@ class PagedTokenToKVPoolAllocator:
         """`_alloc_on_host` for a decode step (one token per request, `cont` from `_Batch.decode`): a continuing
         request takes last + 1, each other one the first slot of a new page, popped in request order; the same
         slots and ring order in half the numpy calls."""
-        p = self.page_size
         res = _host_view(last) + 1
+        res[~cont] = self._pop_on_host(k) * self.page_size  # a request starting a page: its token at offset 0
+        self._next_op()
+        return torch.from_numpy(res)
+
+    def _pop_on_host(self, k: int) -> np.ndarray:
+        """Pop k pages of every ring (numpy views, immediate mode), each with one reference, the SWA pages mapped
+        behind the full ones; returns the full pages in ring order."""
+        p = self.page_size
         heads = [ring.take(k) for ring in self._rings()]
         full = self.pages
         fpages = full.ring_np[(heads[0] + np.arange(k)) % full.num_pages]
-        res[~cont] = fpages * p  # a request starting a page: its token sits at offset 0
         full.refs_np[fpages] = 1
         swa = self._swa
         if swa is not None:
@@ -303,8 +300,7 @@ class PagedTokenToKVPoolAllocator:
             swa.refs_np[spages] = 1
             off = np.arange(p)
             self._mapping_view()[(fpages[:, None] * p + off).reshape(-1)] = (spages[:, None] * p + off).reshape(-1)
-        self._next_op()
-        return torch.from_numpy(res)
+        return fpages
 
     def reserve(self, pages: int) -> List[int]:
         """Claim `pages` pages of every ring for an allocation the device runs later (a captured decode step):

@@ -13,6 +13,16 @@ import types  # noqa: E402
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors gain nothing from threads and lose a lot on a shared 2-core machine: one thread for the
+    module (modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def npu_standin(monkeypatch):
     """torch_npu and torch.npu replaced by hwkv.testing.vendor_schemas.npu's stand-ins, NPU pools faked by CPU

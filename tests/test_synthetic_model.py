@@ -17,13 +17,7 @@ SHAPE = ModelShape(name="tiny", layer_is_swa=layer_pattern(4, "sf"), window=8, n
                    head_dim=16, swa_sinks=True, logit_cap=30.0, dtype_bytes=4)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small tensors: one thread runs them in seconds, also on a machine shared with other jobs."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for this module
 
 
 def _engine(shape=SHAPE, page_size=4, prefix_cache=True, max_running=4, chunk=24, every=1, requests=4, queries=64,

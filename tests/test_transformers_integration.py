@@ -63,13 +63,7 @@ WEIGHT_SEED = 2     # with these configs every reference step's top-2 gap exceed
 MIN_GAP = 1e-3      # 50x the largest fp32 logit difference measured between hwkv and the eager forward (2e-5)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and lose a lot on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for this module
 
 
 @pytest.fixture(scope="module")
