@@ -4,13 +4,14 @@ import json
 from dataclasses import replace
 
 import pytest
-from test_synthetic_model import one_thread  # noqa: F401  (module-wide: the workload's tensors are small)
 
 from hwkv.bench import chat
 from hwkv.bench.chat import PHASES, ChatWorkload, chat_sizes, run_chat, run_variant
 from hwkv.engine.plan import round_up
 from hwkv.engine.presets import ModelShape, get_preset, layer_pattern
 from hwkv.errors import ConfigError, OutOfSlotsError
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: the workload's tensors are small
 
 GPT = get_preset("gpt-oss-20b")
 # gpt-oss-like (SWA and full layers alternating, sinks), a small window and heads: pools of a few pages, fast

@@ -23,14 +23,6 @@ def _script():
     return mod
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _generate(capsys, *argv: str) -> dict:
     code = cli.main(["generate", *argv, "--max-new-tokens", "4", "--page-size", "4", "--no-progress", "--json"])
     out, err = capsys.readouterr()
