@@ -23,8 +23,8 @@ from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, EvictedSlotError, ShapeError
 from hwkv.layer import AttentionLayer
 from hwkv.loc import KVWriteLoc, LocRuns, SWALocCache
-from hwkv.metadata import (ForwardMetadata, GraphViews, KVIndexList, StaticBuffers, alloc_static, check_fits,
-                           cumsum_into, fill_list, window_pos0)
+from hwkv.metadata import (ForwardMetadata, GraphViews, KeptRange, KVIndexList, StaticBuffers, alloc_static,
+                           check_fits, cumsum_into, fill_list, window_pos0)
 from hwkv.spec_plan import TreePlanner
 
 
@@ -83,7 +83,7 @@ class AttentionBackend(DraftMetadataMixin):
         self.draft_static = None  # hwkv.draft.DraftStatic, made by init_draft_graph_state
         self._graph_tables: List[Any] = []  # alloc_graph_tables per static buffer set (index: md.graph_step)
         self._list_windows: Optional[torch.Tensor] = None  # [0, *windows] on the device, for the fused eager lists
-        self._arange32 = torch.arange(65, dtype=torch.int32, device=self.device)  # see _kept_arange32
+        self._arange32 = KeptRange(torch.int32, self.device, 65)  # decode's qo_indptr, no allocation per forward
 
     # ---- subclass hooks -------------------------------------------------------------------
     def alloc_graph_tables(self, static: StaticBuffers) -> Any:
@@ -149,7 +149,7 @@ class AttentionBackend(DraftMetadataMixin):
             seq = batch.seq_lens.to(torch.int64)
             if decode:  # one query per request: no extend lengths to sum on the device
                 q_pos0 = seq - 1
-                qo_indptr = self._kept_arange32(bs + 1)
+                qo_indptr = self._arange32(bs + 1)
             else:
                 q_pos0 = seq - ext
                 qo_indptr = cumsum_into(ext, torch.empty(bs + 1, dtype=torch.int32, device=self.device))
@@ -163,14 +163,6 @@ class AttentionBackend(DraftMetadataMixin):
         self.init_kernel_metadata(md, batch, graph=False)
         self.forward_metadata = md
         return md
-
-    def _kept_arange32(self, n: int) -> torch.Tensor:
-        """int32 arange(n) as a view of one kept tensor (grown by doubling), for metadata that only reads it
-        (decode's qo_indptr): no allocation per forward."""
-        r = self._arange32
-        if r.shape[0] < n:
-            r = self._arange32 = torch.arange(max(n, 2 * r.shape[0]), dtype=torch.int32, device=self.device)
-        return r[:n]
 
     def _eager_fused(self, batch: ForwardBatch, kernels: ops.GraphRefillKernels, ext: Optional[torch.Tensor],
                      seq_h: List[int], win_lens: Dict[int, List[int]]) -> Tuple[torch.Tensor, torch.Tensor,

@@ -121,6 +121,27 @@ def alloc_static(max_bs: int, max_num_tokens: int, max_context_len: int, windows
         list_indptr, list_pos0, torch.tensor([0] + windows, **i64))
 
 
+class KeptRange:
+    """arange(n) (or zeros(n), `zeros=True`) of one dtype as a view of one kept tensor, grown by doubling: the
+    read-only constants a forward's metadata slices every step (decode's qo_indptr, lists' zero pos0, column
+    indices) without allocating them. Views are never written."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, start: int = 64, zeros: bool = False) -> None:
+        self.dtype, self.device, self.zeros = dtype, device, zeros
+        self._t = self._make(start)
+
+    def _make(self, n: int) -> torch.Tensor:
+        if self.zeros:
+            return torch.zeros(n, dtype=self.dtype, device=self.device)
+        return torch.arange(n, dtype=self.dtype, device=self.device)
+
+    def __call__(self, n: int) -> torch.Tensor:
+        t = self._t
+        if t.shape[0] < n:
+            t = self._t = self._make(max(n, 2 * t.shape[0]))
+        return t[:n]
+
+
 def cumsum_into(lens: torch.Tensor, indptr: torch.Tensor) -> torch.Tensor:
     """indptr[0] = 0, indptr[1:] = cumsum(lens), written in place (int32); no host sync."""
     indptr[:1].zero_()

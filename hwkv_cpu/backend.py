@@ -25,7 +25,7 @@ from hwkv.backend import BackendOptions, KernelSetBackend
 from hwkv.batch import ForwardBatch
 from hwkv.errors import ConfigError
 from hwkv.layer import AttentionLayer
-from hwkv.metadata import ForwardMetadata, KVIndexList, StaticBuffers, cumsum_into
+from hwkv.metadata import ForwardMetadata, KeptRange, KVIndexList, StaticBuffers, cumsum_into
 from hwkv_cpu import ipex
 from hwkv_cpu import kernels as _kernels
 from hwkv_cpu.kernels_dense import (DENSE_MAX_ELEMENTS, compute_dtype, dense_attention, plan_dense,
@@ -97,8 +97,8 @@ class TorchCPUBackend(KernelSetBackend):
         super().__init__(pool, req_to_token_pool, **options)
         self.ipex_reason: Optional[str] = self._ipex_reason()  # None: IPEX ops in use where they fit
         self._head_maps: Dict[Tuple[int, int], torch.Tensor] = {}
-        self._cols = torch.arange(256, dtype=torch.int64, device=self.device)  # see _columns
-        self._zeros = torch.zeros(64, dtype=torch.int64, device=self.device)  # see _kept_zeros
+        self._columns = KeptRange(torch.int64, self.device, 256)  # column indices of a dense table
+        self._kept_zeros = KeptRange(torch.int64, self.device, zeros=True)  # pos0 of lists starting at token 0
         self._kits: Dict[AttentionLayer, _LayerKit] = {}  # per layer object: see _layer_kit
 
     def _ipex_reason(self) -> Optional[str]:
@@ -167,21 +167,6 @@ class TorchCPUBackend(KernelSetBackend):
         if swa_slots and self.debug:
             self._check_not_evicted(indices, window)
         return KVIndexList(indptr, indices, pos0, window, max_len, swa_slots, min_len, table)
-
-    def _kept_zeros(self, n: int) -> torch.Tensor:
-        """int64 zeros(n) as a view of one kept tensor (grown by doubling; read only, never written): the pos0
-        of lists starting at each request's first token."""
-        z = self._zeros
-        if z.shape[0] < n:
-            z = self._zeros = torch.zeros(max(n, 2 * z.shape[0]), dtype=torch.int64, device=self.device)
-        return z[:n]
-
-    def _columns(self, n: int) -> torch.Tensor:
-        """arange(n) as a view of one kept arange (grown by doubling; read only, never written)."""
-        cols = self._cols
-        if cols.shape[0] < n:
-            cols = self._cols = torch.arange(max(n, 2 * cols.shape[0]), dtype=torch.int64, device=self.device)
-        return cols[:n]
 
     # ---- metadata: IPEX's slot tables, once per forward --------------------------------------------
     def alloc_graph_tables(self, static: StaticBuffers) -> Optional[ipex.GraphTables]:
