@@ -174,6 +174,18 @@ class PagedTokenToKVPoolAllocator:
         self.pages.raise_pending()
         return self.pages.free_pages() * self.page_size
 
+    @property
+    def allocates_in_graph(self) -> bool:
+        """Whether an allocation can run inside a device graph: the device's page-op kernels read the ring heads
+        from device memory (`alloc_reserved` with heads on the device); the torch ops size themselves from host
+        values, so they serve only steps the host runs each time."""
+        return self._ops is not None
+
+    def has_room(self, pages: int) -> bool:
+        """Whether `pages` more pages fit in every ring, on the host's bound of free pages (the device is read
+        only when the bound says they might not)."""
+        return all(r.has_room(pages) for r in self._rings())
+
     def _check_room(self, pages: int) -> None:
         for r in self._rings():
             if not r.has_room(pages):

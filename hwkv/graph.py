@@ -37,6 +37,8 @@ class GraphAdapter(Protocol):
 class EagerAdapter:
     """No device graphs: 'capture' keeps the callable, 'replay' calls it over the same static buffers."""
 
+    calls_step = True  # a replay runs the step's Python as it is (host values read afresh each time)
+
     def capture(self, fn: Callable[[], torch.Tensor]) -> Tuple[Any, torch.Tensor]:
         return fn, fn()
 

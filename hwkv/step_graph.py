@@ -24,7 +24,7 @@ from hwkv import ops
 from hwkv.allocator import release_out_of_window_batch
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.errors import ConfigError, LocError, ShapeError
-from hwkv.graph import GraphAdapter, GraphRunner, ModelFn, _Captured
+from hwkv.graph import EagerAdapter, GraphAdapter, GraphRunner, ModelFn, _Captured
 from hwkv.staging import StagingRing
 
 
@@ -49,10 +49,8 @@ class DecodeStepGraph(GraphRunner):
                                       or frontiers.device.type != backend.device.type):
             raise LocError(f"frontiers must be int64 [{rtt_pool.size}] (one per request row) on {backend.device}, "
                            f"got {frontiers.dtype} {list(frontiers.shape)} on {frontiers.device}")
-        # the allocation reads its heads on the device only through a device's page-op kernels; the torch ops
-        # size themselves from host values, so they run only where the host runs every step (no device graph)
-        self.device_alloc = getattr(allocator, "_ops", None) is not None
-        if getattr(adapter, "records_device_work", False) and not self.device_alloc:
+        self.device_alloc = allocator.allocates_in_graph
+        if not self.fits(allocator, adapter):
             raise ConfigError(f"a whole-step graph on {backend.device.type} needs the device's page-op kernels "
                               "(hwkv.pages.register_page_ops); run the step through GraphRunner instead")
         super().__init__(backend, fn, batch_sizes, input_shapes, adapter, ForwardMode.DECODE, 1)
@@ -75,6 +73,17 @@ class DecodeStepGraph(GraphRunner):
         self.kernels = ops.step_kernels(dev.type)  # one launch each where the device registered them
         self._host: Tuple[int, int, list] = (0, 0, [0, 0])  # live, pages, heads: what an eager 'replay' reads
         self.req_pool_indices.fill_(self.pad_row)
+
+    @staticmethod
+    def fits(allocator: Any, adapter: Optional[GraphAdapter]) -> bool:
+        """Whether the whole step can be one replay here. The allocation reads its ring heads on the device only
+        through a device's page-op kernels (`allocator.allocates_in_graph`); the torch ops size themselves from
+        host values, so they serve only a replay that calls the step as it is (`calls_step`, as EagerAdapter's,
+        recording nothing), never a recorded or compiled one."""
+        if allocator.allocates_in_graph:
+            return True
+        adapter = adapter if adapter is not None else EagerAdapter()
+        return bool(getattr(adapter, "calls_step", False)) and not getattr(adapter, "records_device_work", False)
 
     def release_rows(self) -> None:
         """Give the padding row back to the req_to_token pool (the graph is done with); a row the caller passed

@@ -194,6 +194,7 @@ class CountingAdapter:
         # a device graph records the metadata refill with the layers (GraphRunner.metadata_in_graph) as the
         # adapter it wraps would: the bench measures what an engine runs
         self.records_device_work = bool(getattr(inner, "records_device_work", False))
+        self.calls_step = bool(getattr(inner, "calls_step", False))
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> Tuple[Any, torch.Tensor]:
         before = self.counter.calls

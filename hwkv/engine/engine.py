@@ -118,14 +118,12 @@ class Engine:
         with "on" it raises ConfigError."""
         if adapter is None:
             return None
-        from hwkv.graph import EagerAdapter, GraphRunner
+        from hwkv.graph import GraphRunner
         from hwkv.step_graph import DecodeStepGraph
 
         top = self.cache.plan.max_running
         buckets = sorted({b for b in (batch_sizes or [1 << i for i in range(12)]) if b <= top} | {top})
-        # the allocation inside a graph reads its ring heads on the device (the device's page-op kernels); the
-        # torch ops size themselves from host values, so they serve only a replay that calls the step as it is
-        able = getattr(self.cache.allocator, "_ops", None) is not None or isinstance(adapter, EagerAdapter)
+        able = DecodeStepGraph.fits(self.cache.allocator, adapter)
         if whole_step and not able:
             raise ConfigError(f"whole_step=True: a whole-step graph on {self.device.type} needs the device's page-op "
                               "kernels (hwkv.pages.register_page_ops) or graphs='eager'; whole_step=None uses it "
@@ -376,7 +374,7 @@ class Engine:
             drafts.append(d + [r.req.output[-1]] * (k - len(d)))  # padding: checked like any draft
         p = self.cache.plan.page_size
         pages = sum(-(-(r.prefix + k + 1) // p) - -(-r.prefix // p) for r in rows)
-        if not found or not all(ring.has_room(pages) for ring in self.cache.allocator._rings()):
+        if not found or not self.cache.allocator.has_room(pages):
             return None
         bs = len(rows)
         ids = [t for r, d in zip(rows, drafts) for t in [r.req.output[-1]] + d]
