@@ -237,9 +237,10 @@ class Engine:
         sampled = [r for r in rows if r.samples]
         k = self._draft_len(rows)
         if k:
-            finished = self._verify(rows, k)
-            if finished is not None:
-                self.stats.record_step(ForwardMode.TARGET_VERIFY, 0, self._verified, time.perf_counter() - t0)
+            verified = self._verify(rows, k)
+            if verified is not None:
+                finished, tokens = verified
+                self.stats.record_step(ForwardMode.TARGET_VERIFY, 0, tokens, time.perf_counter() - t0)
                 return finished
         if self.prefix is not None:
             self._make_room(rows)
@@ -288,8 +289,7 @@ class Engine:
         if self._pools_changed:  # slots are taken and given back only by allocator calls: else as before
             tails, heads = self.cache.free_counts_async()
             buf[n:n + len(heads)].copy_(tails, non_blocking=True)
-            if self.prefix is not None:  # slots only the prefix cache holds (evictable) are not the requests'
-                cached = (self.prefix.evictable_full, self.prefix.evictable_swa)
+            cached = self._cached_slots()
         event = None
         if self.device.type != "cpu":
             event = torch.Event(device=self.device.type)
@@ -306,9 +306,8 @@ class Engine:
             rec.event.synchronize()
         n = len(rec.sampled)
         values = rec.buf[:n + (0 if rec.heads is None else len(rec.heads))].tolist()
-        if rec.heads is not None:  # the requests' KV: what the pools hold less what only the cache holds
-            full, swa = self.cache.held_from(values[n:], rec.heads)
-            self.stats.record_memory((full - rec.cached[0], swa - rec.cached[1]))
+        if rec.heads is not None:
+            self._record_held(values[n:], rec.heads, rec.cached)
         done: List[Request] = []
         dropped = 0
         for r, tok in zip(rec.sampled, values[:n]):
@@ -321,6 +320,16 @@ class Engine:
         if dropped:
             self.stats.drop_tokens(rec.mode, dropped)
         return self._finish(done)
+
+    def _cached_slots(self) -> Tuple[int, int]:
+        """(full, SWA) slots only the prefix cache holds now (evictable): not the requests' KV."""
+        return (self.prefix.evictable_full, self.prefix.evictable_swa) if self.prefix is not None else (0, 0)
+
+    def _record_held(self, tails: Sequence[int], heads: Sequence[int], cached: Tuple[int, int]) -> None:
+        """The memory peaks from the rings' tails (read back) and heads: what the pools hold less what only the
+        prefix cache held then."""
+        full, swa = self.cache.held_from(tails, heads)
+        self.stats.record_memory((full - cached[0], swa - cached[1]))
 
     def _finish(self, done: List[Request]) -> List[Result]:
         """Finished requests leave: their KV to the prefix cache (or freed), their rows and reservations back."""
@@ -356,13 +365,14 @@ class Engine:
             k = min(k, req.params.max_new_tokens - len(req.output) - 1)
         return max(k, 0)
 
-    def _verify(self, rows: List[Row], k: int) -> Optional[List[Result]]:
+    def _verify(self, rows: List[Row], k: int) -> Optional[Tuple[List[Result], int]]:
         """One verify forward: each request's last token and k drafts at its next k + 1 positions (one
         allocation, one forward with every token's logits), then the longest draft prefix greedy decoding
         agrees with plus the model's next token are kept, the rest of the drafts' slots freed
         (`accept_draft_tokens`) before the out-of-window release, which runs on the accepted lengths. A stop
-        token or max_new_tokens inside the accepted run ends the request there. None: no drafter proposed
-        anything, or the pools have no room for the drafts now: the step runs as a plain decode."""
+        token or max_new_tokens inside the accepted run ends the request there. Returns the finished requests
+        and the tokens added; None: no drafter proposed anything, or the pools have no room for the drafts now
+        (the step runs as a plain decode)."""
         drafts, found = [], False
         for r in rows:
             d = [int(t) for t in self.draft(r.req.prompt + r.req.output, k)][:k]
@@ -372,13 +382,12 @@ class Engine:
                                   f"{self.vocab_size})")
             found = found or bool(d)
             drafts.append(d + [r.req.output[-1]] * (k - len(d)))  # padding: checked like any draft
-        p = self.cache.plan.page_size
-        pages = sum(-(-(r.prefix + k + 1) // p) - -(-r.prefix // p) for r in rows)
-        if not found or not self.cache.allocator.has_room(pages):
+        vrows = [Row(r.req, r.prefix, k + 1, True) for r in rows]
+        if not found or not self.cache.allocator.has_room(self.scheduler.new_pages(vrows)):
             return None
         bs = len(rows)
         ids = [t for r, d in zip(rows, drafts) for t in [r.req.output[-1]] + d]
-        batch, ids_dev, pos_dev = self._allocate([Row(r.req, r.prefix, k + 1, True) for r in rows], ids)
+        batch, ids_dev, pos_dev = self._allocate(vrows, ids)
         self._pools_changed = True
         self.cache.backend.init_forward_metadata(batch)
         pred = self.model_step(batch, ids_dev, pos_dev, 0).argmax(dim=-1).view(bs, k + 1).tolist()  # the one wait
@@ -408,12 +417,9 @@ class Engine:
         self.next_ids[batch.req_pool_indices] = _to_device(torch.tensor([r.req.output[-1] for r in rows], **HOST),
                                                            self.device)
         tails, heads = c.free_counts_async()
-        full, swa = c.held_from(tails.tolist(), heads)
-        cached = (self.prefix.evictable_full, self.prefix.evictable_swa) if self.prefix is not None else (0, 0)
-        self.stats.record_memory((full - cached[0], swa - cached[1]))
+        self._record_held(tails.tolist(), heads, self._cached_slots())  # a second wait, after the release
         self.stats.record_drafts(bs, bs * k, sum(accepted))
-        self._verified = used_all
-        return self._finish(done)
+        return self._finish(done), used_all
 
     # ---- prefix caching ----------------------------------------------------------------------
     def _start_cached(self, req: Request) -> bool:
@@ -481,7 +487,7 @@ class Engine:
         """Before a forward's allocation: evict cached KV where its new pages exceed the free pages (the host's
         bound of free pages first: the device is read only when that says they might not fit)."""
         p = self.cache.plan.page_size
-        pages = sum(-(-(r.prefix + r.n) // p) - -(-r.prefix // p) for r in rows)
+        pages = self.scheduler.new_pages(rows)
         if not pages:
             return
         a, c = self.cache.allocator, self.prefix

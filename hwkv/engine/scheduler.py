@@ -172,6 +172,11 @@ class Scheduler:
             rows.append(Row(r, r.kv_len, n, r.kv_len + n == len(r.prompt)))
         return rows
 
+    def new_pages(self, rows: Sequence[Row]) -> int:
+        """Pages a forward over `rows` takes in each pool: each row's pages past its prefix's."""
+        p = self.page_size
+        return sum(_pages(r.prefix + r.n, p) - _pages(r.prefix, p) for r in rows)
+
     def finish(self, req: Request) -> None:
         """The request left the cache: its reservation and row are free again."""
         self.running.remove(req)
