@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from hwkv.errors import ShapeError
-from hwkv_cuda.kernels.launch import Launch, launch
+from hwkv_cuda.kernels.launch import Launch, current_stream, launch
 from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, cdiv, check_dims, check_same_device, dot, fold_sink,
                                       hopper_class, interpreting, logits_log2, next_pow2, num_sms, online_softmax_step,
                                       pow2)
@@ -391,6 +391,7 @@ class DecodePlan(NamedTuple):
     merge_consts: Dict[str, Any]
     interpreted: bool
     launch_key: Tuple[Any, ...]    # what fixes its launches (grids, constexprs): shared across forwards
+    launches: Dict[Any, Launch]    # this plan's planned launches by kernel and flags (no hash of launch_key per call)
 
     @property
     def workspace(self) -> Optional[DecodeWorkspace]:
@@ -432,7 +433,7 @@ def _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, cfg) -> DecodePlan:
     return DecodePlan(tuple(q.shape), tuple(k_buf.shape), tuple(v_buf.shape), k_buf.stride(), v_buf.stride(),
                       tuple(out.shape), q.device, splits, ws.acc, ws.lse, counts, ws_strides + (counts.stride(0),),
                       cfg, split_consts, merge_consts, interpreted,
-                      (bs, kvh // hpp, splits, h, tuple(split_consts.items()), tuple(merge_consts.items())))
+                      (bs, kvh // hpp, splits, h, tuple(split_consts.items()), tuple(merge_consts.items())), {})
 
 
 def _run(plan: DecodePlan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, scaling, window,
@@ -445,20 +446,31 @@ def _run(plan: DecodePlan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_po
     splits = plan.splits
     vs = as_scale(v_scale)
     cap = float(logit_cap or 0.0)
-    strides = (q.stride(0), q.stride(1), plan.k_stride[0], plan.k_stride[1], plan.v_stride[0],
-               plan.v_stride[1], out.stride(0), out.stride(1))
+    qs, os_ = q.stride(), out.stride()
+    strides = (qs[0], qs[1], plan.k_stride[0], plan.k_stride[1], plan.v_stride[0], plan.v_stride[1], os_[0], os_[1])
     sinks_arg = sinks if sinks is not None else q
     flags = (cap > 0, sinks is not None, q.dtype == torch.float32 or plan.interpreted)
-    launch(_LAUNCHES, (plan.launch_key, "split") + flags, _decode_split_kernel,
-           (plan.k_shape[1] // plan.split_consts["HPP"], splits, bs),
-           (q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, sinks_arg, out, plan.ws_acc, plan.ws_lse,
+    args = (q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, sinks_arg, out, plan.ws_acc, plan.ws_lse,
             plan.ws_counts, float(scaling) * as_scale(k_scale), vs, cap, int(window or 0), splits, *strides,
-            *plan.ws_strides),
-           dict(HAS_CAP=flags[0], HAS_SINKS=flags[1], F32=flags[2], **plan.split_consts))
+            *plan.ws_strides)
+    planned = plan.launches.get(flags)
+    if planned is not None:
+        planned(*args)
+    else:
+        key = (plan.launch_key, "split") + flags
+        launch(_LAUNCHES, key, _decode_split_kernel, (plan.k_shape[1] // plan.split_consts["HPP"], splits, bs),
+               args, dict(HAS_CAP=flags[0], HAS_SINKS=flags[1], F32=flags[2], **plan.split_consts))
+        plan.launches[flags] = _LAUNCHES[key]
     if splits > 1 and not plan.split_consts["FUSED"]:
-        launch(_LAUNCHES, (plan.launch_key, "merge", flags[1]), _decode_merge_kernel, (bs, h),
-               (sinks_arg, out, plan.ws_acc, plan.ws_lse, vs, splits, out.stride(0), out.stride(1),
-                *plan.ws_strides[:5]), dict(HAS_SINKS=flags[1], **plan.merge_consts))
+        args = (sinks_arg, out, plan.ws_acc, plan.ws_lse, vs, splits, os_[0], os_[1], *plan.ws_strides[:5])
+        planned = plan.launches.get(flags[1])
+        if planned is not None:
+            planned(*args)
+        else:
+            key = (plan.launch_key, "merge", flags[1])
+            launch(_LAUNCHES, key, _decode_merge_kernel, (bs, h), args,
+                   dict(HAS_SINKS=flags[1], **plan.merge_consts))
+            plan.launches[flags[1]] = _LAUNCHES[key]
 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
@@ -479,12 +491,45 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     make_decode_workspace (its split count wins) so graph capture allocates nothing; without
     it, a multi-split call allocates scratch with torch.empty. No host sync either way.
     """
-    _check_decode(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks)
+    if workspace is None and config is None:
+        plan = _public_plan(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks, max_kv_len)
+    else:
+        _check_decode(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks)
+        plan = _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, config)
     if q.shape[0] == 0:
         return
-    plan = _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, config)
     _run(plan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, scaling, window, logit_cap, sinks,
          k_scale, v_scale)
+
+
+# plans of public calls by what their checks and plan read: a call like an earlier one (the same shapes, last-dim
+# strides, buffer strides, devices, list bound and stream) skips the checks and the workspace allocation
+_PUBLIC_PLANS: Dict[Tuple[Any, ...], DecodePlan] = {}
+
+
+def _public_plan(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks, max_kv_len) -> DecodePlan:
+    """The plan of a `decode_attention` call without workspace or config: checked and made at the first call of
+    its signature, then reused (its split-K scratch too: calls on one stream run in order, and the in-place
+    merge's counters return to zero at the end of each launch). A call while a graph is being captured checks
+    and plans afresh (its workspace must not be one an eager call shares). Host work: one tuple of C-level reads
+    and one dict lookup instead of ~20 check helpers and three scratch allocations."""
+    dev = q.device
+    key = (q.shape, k_buf.shape, v_buf.shape, out.shape, kv_indptr.shape, kv_indices.dim(), kv_pos0.shape,
+           q_pos.shape, sinks.shape if sinks is not None else None, q.stride(-1), out.stride(-1), k_buf.stride(),
+           v_buf.stride(), kv_indptr.stride(-1), kv_indices.stride(-1), kv_pos0.stride(-1), q_pos.stride(-1),
+           sinks.stride(-1) if sinks is not None else None, dev, k_buf.get_device(), v_buf.get_device(),
+           kv_indptr.get_device(), kv_indices.get_device(), kv_pos0.get_device(), q_pos.get_device(),
+           out.get_device(), sinks.get_device() if sinks is not None else None, max_kv_len, current_stream(dev))
+    plan = _PUBLIC_PLANS.get(key)
+    if plan is not None and not _capturing(dev):
+        return plan
+    _check_decode(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks)
+    plan = _make_plan(q, k_buf, v_buf, out, max_kv_len, None, None)
+    if not _capturing(dev):
+        if len(_PUBLIC_PLANS) >= 64:
+            _PUBLIC_PLANS.clear()
+        _PUBLIC_PLANS[key] = plan
+    return plan
 
 
 def plan_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,

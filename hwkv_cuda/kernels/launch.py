@@ -250,6 +250,18 @@ class Launch:
                 other.kernel[other.grid](*args, **other.consts)
 
 
+def current_stream(device: torch.device) -> int:
+    """The raw handle of the current stream on `device` (what a launch goes to), 0 off a GPU driver or under the
+    interpreter: keys plans whose scratch must not be shared by calls that may run concurrently."""
+    if driver is None or device.type == "cpu":
+        return 0
+    try:
+        return driver.active.get_current_stream(device.index if device.index is not None else
+                                                driver.active.get_current_device())
+    except Exception:  # a driver without streams (the interpreter's)
+        return 0
+
+
 def launch(plans: Dict[Hashable, Launch], key: Hashable, kernel: Any, grid: Tuple[int, ...], args: Sequence[Any],
            consts: Dict[str, Any]) -> None:
     """Launch `kernel` through the plan stored under `key` (the key fixes the grid and the constexprs),
