@@ -2,8 +2,8 @@
 
 `hwkv.integrations.scheduler.Scheduler` admits a request only while every running request's worst case fits:
 ceil(kv / P) full pages, min(that, the plan's SWA bound) SWA pages, the chunk reserve kept aside. These tests
-drive it the way `HybridRunner.step` does (admit, schedule, one allocator call per forward, the batched
-out-of-window release, free on finish) with no model: pools sized by hand for a set of requests must admit them
+drive it the way `HybridRunner.step` does, on the engine's step primitives (`hwkv.engine.forward.ForwardSlots`:
+admit, schedule, one allocator call per forward, the batched out-of-window release, free on finish) with no model: pools sized by hand for a set of requests must admit them
 all at once and run them to the end, and one page fewer must admit fewer at once and still finish. The
 scenarios are built so the worst case is reached (every request holds its last full page, or its widest SWA
 window, in the same forward), so a reservation rounded down or a page short runs out of slots mid-run.
@@ -13,15 +13,15 @@ from __future__ import annotations
 from typing import List, Sequence
 
 import pytest
-import torch
 
-from hwkv.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator, release_out_of_window_batch
+from hwkv.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator
+from hwkv.batch import ForwardMode
+from hwkv.engine.forward import ForwardSlots
 from hwkv.engine.plan import swa_tokens_per_request
 from hwkv.integrations.hf_model import PoolPlan
 from hwkv.integrations.sampling import SamplingParams
-from hwkv.integrations.scheduler import Request, Scheduler, split_rows
+from hwkv.integrations.scheduler import Request, Scheduler
 
-I64 = torch.int64
 P, W = 4, 8
 SWA_PAGES = 4           # swa_tokens_per_request(8, 4) = round_up(8 + 4 + 4, 4) = 16 tokens: ceil(W / P) + 2 pages
 MAX_RUNNING = 8         # request rows never bind here: only pages do
@@ -53,8 +53,7 @@ def drive(size: int, size_swa: int, chunk: int, reqs: List[Request]) -> _Run:
     plan = _plan(size, size_swa, chunk)
     sched = Scheduler(plan, W)
     alloc = SWATokenToKVPoolAllocator(size, size_swa, P, "cpu", None)
-    rtt = ReqToTokenPool(MAX_RUNNING, 64 + P, "cpu")
-    frontiers = torch.zeros(MAX_RUNNING, dtype=I64)
+    slots = ForwardSlots(alloc, ReqToTokenPool(MAX_RUNNING, 64 + P, "cpu"), W)
     for r in reqs:
         sched.add(r)
     run = _Run()
@@ -62,40 +61,33 @@ def drive(size: int, size_swa: int, chunk: int, reqs: List[Request]) -> _Run:
         admitted = sched.admit()
         if run.steps == 0:
             run.first = len(admitted)
-        for r in admitted:
-            r.row = rtt.alloc(1)[0]
-            frontiers[r.row] = 0
+        for r, row in zip(admitted, slots.new_rows(len(admitted))):
+            r.row = row
         run.most = max(run.most, len(sched.running))
         rows = sched.schedule()
         assert rows, "running requests but nothing scheduled: the run would hang"
         new_pages = sum(-(-(r.prefix + r.n) // P) - -(-r.prefix // P) for r in rows if r.req.prefilling)
         assert new_pages <= plan.chunk_reserve // P, f"a forward's prompt chunks take {new_pages} new pages, " \
                                                      f"more than the chunk reserve's {plan.chunk_reserve // P}"
-        ids, pos, row_of = split_rows(rows)
-        rws, prefix, seq = torch.tensor([[r.req.row for r in rows], [r.prefix for r in rows],
-                                         [r.prefix + r.n for r in rows]], dtype=I64)
-        last = torch.where(prefix > 0, rtt.req_to_token[rws, (prefix - 1).clamp(min=0)], -1)
+        rws, prefix = [r.req.row for r in rows], [r.prefix for r in rows]
         if all(r.n == 1 and r.prefix > 0 for r in rows):
-            loc = alloc.alloc_decode(seq, last, seq_lens_cpu=seq)
+            lens = slots.plan_decode(rws, prefix)
         else:
-            loc = alloc.alloc_extend(prefix, seq, last, len(ids), prefix_lens_cpu=prefix, seq_lens_cpu=seq)
-        rtt.req_to_token[torch.tensor(row_of), torch.tensor(pos)] = loc
+            lens = slots.plan_extend(ForwardMode.EXTEND, rws, prefix, [r.n for r in rows])
+        slots.allocate(lens)
         run.peak_full = max(run.peak_full, size - alloc.full_available_size())
         run.peak_swa = max(run.peak_swa, size_swa - alloc.swa_available_size())
-        f = frontiers[rws]
-        release_out_of_window_batch(alloc, rtt.req_to_token, rws, seq, f, W)
-        frontiers[rws] = f
+        slots.release(lens.rows, lens.seq, lens.rows_dev, lens.seq_dev)
         done = []
         for r in rows:
             r.req.kv_len += r.n
             if r.samples and r.req.add_token(1):
                 done.append(r.req)
         if done:
-            alloc.free(torch.cat([rtt.req_to_token[r.row, :r.kv_len] for r in done]))
-            rtt.free([r.row for r in done])
+            slots.free([r.row for r in done], [r.kv_len for r in done])
             for r in done:
                 sched.finish(r)
-        sched.check_integrity(MAX_RUNNING - rtt.available_size())
+        sched.check_integrity(MAX_RUNNING - slots.rtt.available_size())
         run.steps += 1
     alloc.check_integrity()
     assert alloc.full_available_size() == size and alloc.swa_available_size() == size_swa, "slots leaked"

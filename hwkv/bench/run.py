@@ -1,7 +1,8 @@
 """`hwkv bench`'s loop: per batch size one shared pool, on which every configuration takes turns.
 
 Per batch size a `hwkv.testing.Harness` is sized for the workload, and each configuration gets its
-own backend (and graph runner) over that pool. Requests of mixed prompt lengths are prefilled in
+own backend (and graph runner) over that pool; allocation, req_to_token writes and release are the
+engine's own step primitives (`hwkv.engine.forward.ForwardSlots`), which the harness calls. Requests of mixed prompt lengths are prefilled in
 chunks (a token budget per forward), then decoded for warm-up + timed steps, the configurations
 taking turns every step (same load, same drift), with out-of-window release after every forward.
 Each timed decode step is timed in three phases (`PHASES`), the device synchronized around each;
@@ -30,8 +31,9 @@ DTYPES: Dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16,
 
 # the phases of one timed decode step, in order (the JSON carries this table too)
 PHASES: Dict[str, str] = {
-    "alloc_release": "the allocator: alloc_decode for the batch (last locs gathered on the device, new locs "
-                     "written into req_to_token) plus release_out_of_window_batch after the step",
+    "alloc_release": "the engine's step primitives (hwkv.engine.forward.ForwardSlots): alloc_decode for the batch "
+                     "(last locs gathered on the device, new locs written into req_to_token) plus "
+                     "release_out_of_window_batch after the step, in the steps where some frontier moves",
     "metadata": "eager: backend.init_forward_metadata(batch); graph: the graph runner's prepare (copy into the "
                 "static inputs, pad to the bucket, init_forward_metadata_graph refill)",
     "forward": "eager: every layer's K/V write and attention; graph: the replay; step-graph: the whole step (the "

@@ -19,19 +19,18 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from hwkv.allocator import release_out_of_window_batch
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.cache import HybridPrefixCache
 from hwkv.engine.drafters import Drafter
+from hwkv.engine.forward import HOST, ForwardSlots, StepLens, to_device
 from hwkv.engine.pools import Cache
 from hwkv.engine.sampling import SamplingParams, params_tensors, sample
-from hwkv.engine.scheduler import Request, Row, Scheduler, split_rows
+from hwkv.engine.scheduler import Request, Row, Scheduler
 from hwkv.engine.stats import RunnerStats
 from hwkv.errors import ConfigError, HwkvError, OutOfSlotsError
 from hwkv.spec import accept_draft_tokens
 
 I64 = torch.int64
-HOST = dict(dtype=torch.int64, device="cpu")  # host values: never on the default device a user set
 # the model over one forward's packed tokens: (batch, token ids, positions, keep) -> logits [K, vocab], where
 # keep is 0 (every token) or the indices of the tokens whose logits are wanted
 ModelStep = Callable[[ForwardBatch, torch.Tensor, torch.Tensor, Union[int, torch.Tensor]], torch.Tensor]
@@ -86,7 +85,9 @@ class Engine:
         rows = cache.rtt.size
         # the row past the requests' (build_cache makes one more): a whole-step graph's padded requests write there
         self.pad_row = cache.rtt.alloc(1)[0]
-        self.frontiers = torch.zeros(rows, dtype=I64, device=dev)  # per request row
+        # a forward's slots, req_to_token and batch, the out-of-window release with each row's frontier (device,
+        # and the host's copy by the same rule: steps where no frontier moves, most of them, skip the release)
+        self.slots = ForwardSlots(cache.allocator, cache.rtt, window)
         # each row's last sampled token, the next forward's input: sampled tokens never wait for the host
         self.next_ids = torch.zeros(rows, dtype=I64, device=dev)
         # overlap: a step's tokens are read by the host during the next step (see `step`)
@@ -96,9 +97,6 @@ class Engine:
         self._readback = [torch.zeros(pool_plan.max_running + 2, **HOST, pin_memory=pin) for _ in range(2)]
         self._inflight: Optional[_Inflight] = None
         self._steps = 0
-        # the host's copy of each row's frontier, moved by the release rule: steps where no frontier moves
-        # (most of them: a request's frontier moves one page every page_size tokens) skip the release call
-        self._host_frontiers: List[int] = [0] * rows
         self._pools_changed = False  # this step moved a page (the KV held may have changed)
         self.requests: Dict[int, Request] = {}
         self.unclaimed: Dict[int, Result] = {}  # finished inside generate(), queued by add_request: pop them
@@ -130,9 +128,9 @@ class Engine:
                               "where it can")
         self.whole_step = able if whole_step is None else bool(whole_step)
         if self.whole_step:
+            frontiers = self.slots.frontiers if self.window is not None else None
             runner: Any = DecodeStepGraph(self.cache.backend, self.cache.allocator, self._whole_step_model, buckets,
-                                          {}, adapter, frontiers=self.frontiers if self.window is not None else None,
-                                          window=self.window, pad_row=self.pad_row)
+                                          {}, adapter, frontiers=frontiers, window=self.window, pad_row=self.pad_row)
         else:
             shapes = {"input_ids": ((), I64), "positions": ((), I64)}
             runner = GraphRunner(self.cache.backend, self._decode_step, buckets, shapes, adapter, ForwardMode.DECODE)
@@ -222,12 +220,9 @@ class Engine:
         if self.prefix is None:
             admitted = self.scheduler.admit()
             if admitted:
-                new_rows = self.cache.rtt.alloc(len(admitted))
-                for req, row in zip(admitted, new_rows):
+                for req, row in zip(admitted, self.slots.new_rows(len(admitted))):
                     req.row = row
-                    self._host_frontiers[row] = 0
                     self.stats.record_prompt(len(req.prompt), 0)
-                self.frontiers[_to_device(torch.tensor(new_rows, **HOST), self.device)] = 0
         else:
             admitted = self.scheduler.admit(self._start_cached)
         rows = self.scheduler.schedule()
@@ -247,16 +242,16 @@ class Engine:
         if self.whole_step and all(r.n == 1 and r.prefix > 0 and not r.req.prefilling for r in rows):
             mode, where, tokens = ForwardMode.DECODE, *self._decode_whole(rows, sampled)
         else:
-            batch, ids, pos = self._allocate(rows)
+            lens, batch, ids, pos = self._allocate(rows)
             tokens = self._forward(rows, batch, ids, pos, sampled)
             if self.prefix is not None:
                 self._cache_prompts(rows, lock=False)  # with the chunk's SWA, which the release would drop
-            self._release(batch, rows)
+            self._release(lens.rows, lens.seq, batch)
             if self.prefix is not None:
                 self._cache_prompts(rows, lock=True)
             mode, where = batch.forward_mode, batch.req_pool_indices
             if len(sampled) != len(rows):  # the rows that sample (a prompt chunk before its last does not)
-                where = where.index_select(0, _to_device(torch.tensor(
+                where = where.index_select(0, to_device(torch.tensor(
                     [i for i, r in enumerate(rows) if r.samples], **HOST), self.device))
         record = self._send(rows, sampled, where, mode, tokens)
         finished = self._read_back()  # the previous step's tokens (with overlap: while this one runs)
@@ -338,13 +333,10 @@ class Engine:
             if self.prefix is not None:  # each one's tokens go to the cache, its own references back
                 for r in done:
                     ids = (r.prompt + r.output)[:r.kv_len]
-                    self.prefix.release_request(ids, self.cache.rtt, r.row, r.kv_len, self._host_frontiers[r.row],
-                                                r.lock)
+                    self.prefix.release_request(ids, self.cache.rtt, r.row, r.kv_len,
+                                                self.slots.frontiers_cpu[r.row], r.lock)
                     r.lock = None
-            else:
-                rtt = self.cache.rtt.req_to_token
-                self.cache.allocator.free(torch.cat([rtt[r.row, :r.kv_len] for r in done]))
-            self.cache.rtt.free([r.row for r in done])
+            self.slots.free([r.row for r in done], None if self.prefix is not None else [r.kv_len for r in done])
             for r in done:
                 self.scheduler.finish(r)
                 del self.requests[r.rid]
@@ -387,7 +379,7 @@ class Engine:
             return None
         bs = len(rows)
         ids = [t for r, d in zip(rows, drafts) for t in [r.req.output[-1]] + d]
-        batch, ids_dev, pos_dev = self._allocate(vrows, ids)
+        _, batch, ids_dev, pos_dev = self._allocate(vrows, ids)
         self._pools_changed = True
         self.cache.backend.init_forward_metadata(batch)
         pred = self.model_step(batch, ids_dev, pos_dev, 0).argmax(dim=-1).view(bs, k + 1).tolist()  # the one wait
@@ -406,16 +398,16 @@ class Engine:
             used_all += used
         acc = torch.tensor(accepted, **HOST)
         pre = torch.tensor([r.prefix + 1 for r in rows], **HOST)  # the drafts start after the last token
-        pre_dev, acc_dev = _to_device(torch.stack([pre, acc]), self.device)
+        pre_dev, acc_dev = to_device(torch.stack([pre, acc]), self.device)
         c = self.cache
         index = torch.arange(k, dtype=I64, device=self.device).expand(bs, k).contiguous()
         seq = accept_draft_tokens(c.allocator, c.pool, c.rtt.req_to_token, batch.req_pool_indices, pre_dev, index,
                                   acc_dev, prefix_lens_cpu=pre, accept_lens_cpu=acc)
-        self._release(batch, [Row(r.req, r.prefix, 1 + a, True) for r, a in zip(rows, accepted)], seq)
+        self._release([r.req.row for r in rows], [r.prefix + 1 + a for r, a in zip(rows, accepted)], batch, seq)
         for r, a in zip(rows, accepted):
             r.req.kv_len = r.prefix + 1 + a
-        self.next_ids[batch.req_pool_indices] = _to_device(torch.tensor([r.req.output[-1] for r in rows], **HOST),
-                                                           self.device)
+        self.next_ids[batch.req_pool_indices] = to_device(torch.tensor([r.req.output[-1] for r in rows], **HOST),
+                                                          self.device)
         tails, heads = c.free_counts_async()
         self._record_held(tails.tolist(), heads, self._cached_slots())  # a second wait, after the release
         self.stats.record_drafts(bs, bs * k, sum(accepted))
@@ -455,8 +447,7 @@ class Engine:
         finally:
             c.unlock(held)
         req.row, req.kv_len, req.reused = row, m.length, m.length
-        self._host_frontiers[row] = frontier
-        self.frontiers[row] = frontier
+        self.slots.set_frontier(row, frontier)
         self.stats.record_prompt(len(req.prompt), m.length)
         return True
 
@@ -511,67 +502,40 @@ class Engine:
                 seq, row = r.prefix + r.n, r.req.row
                 if not lock:
                     self.prefix.insert(r.req.prompt[:seq], self.cache.rtt.req_to_token[row, :seq],
-                                       self._host_frontiers[row])
+                                       self.slots.frontiers_cpu[row])
                 else:
                     r.req.lock = self.prefix.cache_running(r.req.prompt[:seq], self.cache.rtt, row, seq,
-                                                           self._host_frontiers[row], r.req.lock)
+                                                           self.slots.frontiers_cpu[row], r.req.lock)
 
     def _allocate(self, rows: List[Row], ids: Optional[List[int]] = None
-                  ) -> "tuple[ForwardBatch, torch.Tensor, torch.Tensor]":
-        """Slots for every new token in one allocator call, req_to_token in one scatter, the ForwardBatch.
-        `ids`: the forward's token ids from the host (a verify's), instead of the rows' own."""
-        if ids is None and all(r.n == 1 and r.prefix > 0 for r in rows):
-            return self._allocate_decode(rows)
-        own, pos, row_of = split_rows(rows)
-        ids = own if ids is None else ids
-        bs, t = len(rows), len(ids)
-        # per request (row, prefix, seq, new tokens, prefix - 1) and per token (id, position, row): one host
-        # tensor, one copy to the device
-        both = torch.tensor([r.req.row for r in rows] + [r.prefix for r in rows] + [r.prefix + r.n for r in rows]
-                            + [r.n for r in rows] + [max(r.prefix - 1, 0) for r in rows] + ids + pos + row_of,
-                            **HOST)
-        host = both[:5 * bs].view(5, bs)
-        both_dev = _to_device(both, self.device)
-        host_dev, flat_dev = both_dev[:5 * bs].view(5, bs), both_dev[5 * bs:].view(3, t)
-        rows_dev, prefix_dev, seq_dev, ext_dev, before_dev = host_dev
-        rtt = self.cache.rtt.req_to_token
-        last = rtt[rows_dev, before_dev]  # the slot of each request's token prefix - 1 (-1 for a new request)
-        if any(r.prefix == 0 for r in rows):
-            last = torch.where(prefix_dev > 0, last, -1)
-        mode = ForwardMode.MIXED if any(not r.req.prefilling for r in rows) else ForwardMode.EXTEND
-        self._pools_changed = True
-        loc = self.cache.allocator.alloc_extend(prefix_dev, seq_dev, last, t, prefix_lens_cpu=host[1],
-                                                seq_lens_cpu=host[2])
-        rtt[flat_dev[2], flat_dev[1]] = loc
-        batch = ForwardBatch(mode, bs, rows_dev, seq_dev, loc, prefix_dev, ext_dev, positions=flat_dev[1],
-                             seq_lens_cpu=host[2], extend_seq_lens_cpu=host[3])
-        ids_dev = flat_dev[0]
-        if ids is own and any(not r.req.prefilling for r in rows):  # decoding requests feed their last sampled token
-            ids_dev = torch.where(ids_dev < 0, self.next_ids[flat_dev[2]], ids_dev)
-        return batch, ids_dev, flat_dev[1]
-
-    def _allocate_decode(self, rows: List[Row]) -> "tuple[ForwardBatch, torch.Tensor, torch.Tensor]":
-        """A decode step: one token per request at position prefix (its row, position, position - 1, length
-        after: one host tensor, one copy to the device), its last sampled token from the device, one slot each,
-        one scatter."""
-        both = torch.tensor([r.req.row for r in rows] + [r.prefix for r in rows] + [r.prefix - 1 for r in rows]
-                            + [r.prefix + 1 for r in rows], **HOST)
-        bs = len(rows)
-        seq_cpu = both[3 * bs:4 * bs]
-        rows_dev, pos_dev, before_dev, seq_dev = _to_device(both, self.device).view(4, bs)
-        ids_dev = self.next_ids[rows_dev]
-        if any(r.req.prefilling for r in rows):  # a prompt's last token rides along: its id comes from the host
-            prompt = _to_device(torch.tensor([r.req.next_tokens(1)[0] for r in rows], **HOST), self.device)
-            ids_dev = torch.where(prompt < 0, ids_dev, prompt)
-        rtt = self.cache.rtt.req_to_token
-        last = rtt[rows_dev, before_dev]  # each request's slot of its previous token
-        p = self.cache.plan.page_size
-        if p == 1 or not all(r.prefix % p for r in rows):  # a page moves (else every token continues its page)
+                  ) -> "tuple[StepLens, ForwardBatch, torch.Tensor, torch.Tensor]":
+        """The forward's slots (`ForwardSlots`: one host copy, one allocator call, one req_to_token scatter), its
+        ForwardBatch, token ids and positions on the device. `ids`: the forward's token ids from the host (a
+        verify's), instead of the rows' own; a decoding request's own is its last sampled token, on the device."""
+        row_list, prefix = [r.req.row for r in rows], [r.prefix for r in rows]
+        if ids is None and all(r.n == 1 and r.prefix > 0 for r in rows):  # a decode step, one token each
+            # a prompt's last token rides along: its id comes from the host, in the same copy
+            mixed = any(r.req.prefilling for r in rows)
+            lens = self.slots.plan_decode(row_list, prefix, [r.req.next_tokens(1)[0] for r in rows] if mixed else None)
+            p = self.cache.plan.page_size
+            if p == 1 or not all(q % p for q in prefix):  # a page moves (else every token continues its page)
+                self._pools_changed = True
+        else:
+            decoding = any(not r.req.prefilling for r in rows)
+            mode = ForwardMode.MIXED if decoding else ForwardMode.EXTEND
+            mixed = ids is None and decoding
+            if ids is None:
+                ids = [t for r in rows for t in r.req.next_tokens(r.n)]
+            lens = self.slots.plan_extend(mode, row_list, prefix, [r.n for r in rows], ids)
             self._pools_changed = True
-        loc = self.cache.allocator.alloc_decode(seq_dev, last, seq_lens_cpu=seq_cpu)
-        rtt[rows_dev, pos_dev] = loc
-        batch = ForwardBatch(ForwardMode.DECODE, bs, rows_dev, seq_dev, loc, positions=pos_dev, seq_lens_cpu=seq_cpu)
-        return batch, ids_dev, pos_dev
+        batch = self.slots.allocate(lens)
+        if lens.ids_dev is None:  # every token is a decoding request's last sampled one
+            ids_dev = self.next_ids[lens.rows_dev]
+        elif mixed:  # decoding requests (-1 in the host ids) feed their last sampled token
+            ids_dev = torch.where(lens.ids_dev < 0, self.next_ids[lens.row_of_dev], lens.ids_dev)
+        else:
+            ids_dev = lens.ids_dev
+        return lens, batch, ids_dev, lens.pos_dev
 
     def _forward(self, rows: List[Row], batch: ForwardBatch, ids: torch.Tensor, pos: torch.Tensor,
                  sampled: List[Row]) -> torch.Tensor:
@@ -582,7 +546,7 @@ class Engine:
             ends += r.n
             if r.samples:
                 keep.append(ends - 1)
-        keep_dev = None if len(keep) == ends else _to_device(torch.tensor(keep, **HOST), self.device)
+        keep_dev = None if len(keep) == ends else to_device(torch.tensor(keep, **HOST), self.device)
         if batch.forward_mode == ForwardMode.DECODE and self.graph is not None and not self.whole_step:
             logits = self.graph.run(batch, {"input_ids": ids, "positions": pos})
             self.stats.graph_replays = self.graph.replays
@@ -614,41 +578,22 @@ class Engine:
         """A decode step as one graph replay: the rows and lengths after it go to the device in one copy (the
         allocation, req_to_token write, metadata, layers and out-of-window release run inside); returns the
         request rows on the device (the graph's) and the sampled tokens. OutOfSlotsError before anything ran."""
-        bs = len(rows)
-        host = torch.tensor([r.req.row for r in rows] + [r.prefix + 1 for r in rows], **HOST)
-        seq = host[bs:]
-        logits = self.graph.step(host[:bs], seq, seq)
+        prefix = [r.prefix for r in rows]
+        logits, released = self.slots.replay_decode(self.graph, [r.req.row for r in rows], prefix)
         self.stats.graph_replays = self.graph.replays
         p = self.cache.plan.page_size
-        if p == 1 or not all(r.prefix % p for r in rows):  # a page moved (else every token continued its page)
+        if p == 1 or not all(q % p for q in prefix):  # a page moved (else every token continued its page)
             self._pools_changed = True
-        if self._move_frontiers(rows):  # the graph released what the host rule says moved
+        if released:  # the graph released what the host rule says moved
             self._pools_changed = True
-        return self.graph.req_pool_indices[:bs], self._sample(sampled, logits)
+        return self.graph.req_pool_indices[:len(rows)], self._sample(sampled, logits)
 
-    def _release(self, batch: ForwardBatch, rows: List[Row], seq_lens: Optional[torch.Tensor] = None) -> None:
-        """One out-of-window release for the batch's requests (hybrid pools only), in the steps where some
-        request's frontier moves (`release_out_of_window_batch`'s rule on the host lengths: the page-aligned
-        frontier kept one page behind seq_len - W + 1); the others have nothing to release."""
-        if not self._move_frontiers(rows):
-            return
-        self._pools_changed = True
-        f = self.frontiers[batch.req_pool_indices]
-        release_out_of_window_batch(self.cache.allocator, self.cache.rtt.req_to_token, batch.req_pool_indices,
-                                    batch.seq_lens if seq_lens is None else seq_lens, f, self.window)
-        self.frontiers[batch.req_pool_indices] = f
-
-    def _move_frontiers(self, rows: List[Row]) -> bool:
-        """The host's copy of each row's release frontier after this forward (`release_out_of_window_batch`'s rule
-        on the host lengths: the page-aligned frontier kept one page behind seq_len - W + 1); whether any moved."""
-        if self.window is None:
-            return False
-        p, w, host_f, moves = self.cache.plan.page_size, self.window, self._host_frontiers, False
-        for r in rows:
-            f = max(host_f[r.req.row], ((r.prefix + r.n - w + 1) // p) * p - p)
-            if f != host_f[r.req.row]:
-                host_f[r.req.row], moves = f, True
-        return moves
+    def _release(self, rows: List[int], seq_lens: List[int], batch: ForwardBatch,
+                 seq_dev: Optional[torch.Tensor] = None) -> None:
+        """The forward's out-of-window release (`ForwardSlots.release`: in the steps where some request's frontier
+        moves) over the batch's rows and lengths (`seq_dev`: other lengths than the batch's, a verify's)."""
+        if self.slots.release(rows, seq_lens, batch.req_pool_indices, batch.seq_lens if seq_dev is None else seq_dev):
+            self._pools_changed = True
 
     def check_integrity(self) -> None:
         """Allocator, pools, request rows, reservations and the prefix cache are consistent (tests call it)."""
@@ -671,10 +616,3 @@ class _Inflight:
     heads: Optional[List[int]]
     mode: ForwardMode
     cached: Tuple[int, int] = (0, 0)  # (full, SWA) slots only the prefix cache held then (evictable)
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`: itself on the CPU, else one pinned, non-blocking copy."""
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)

@@ -1,13 +1,16 @@
-"""A small hybrid model driven through real allocation, forwards and release, checked against the reference.
+"""A small hybrid model run on the engine's step primitives, checked against the reference.
 
-Used by the contract suite and by `hwkv bench`. It keeps a shadow copy of every stored K/V
-(as stored: quantized values read back) so output errors are kernel errors, not storage errors.
-Long runs can shadow (and check) only a few requests and only the last queries of each.
+Used by the contract suite and by `hwkv bench`. The slots of a forward, req_to_token, the ForwardBatch, the
+out-of-window release and a finished request's free are the engine's own (`hwkv.engine.forward.ForwardSlots`,
+what `hwkv.engine.engine.Engine` steps on); the harness adds what checks them: random q/k/v per layer, a shadow
+copy of every stored K/V (as stored: quantized values read back, so output errors are kernel errors, not storage
+errors) and the comparison with `hwkv.reference`. Long runs can shadow (and check) only a few requests and only
+the last queries of each.
 
-A forward is split the way an engine splits it, so each part can be timed on its own:
-`step_lens` (the scheduler's host and device lengths), `allocate` (slots, req_to_token, the
+A forward is split the way the engine splits it, so each part can be timed on its own:
+`step_lens` (the scheduler's host lengths, one copy to the device), `allocate` (slots, req_to_token, the
 ForwardBatch), `init_metadata` and `run_layers` (the backend: eager, or a graph runner's
-`prepare` and `replay`), then `release` (out-of-window, one batched call).
+`prepare` and `replay`), then `release` (out-of-window, one batched call where a frontier moves).
 """
 from __future__ import annotations
 
@@ -18,10 +21,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from hwkv import reference
-from hwkv.allocator import (PagedTokenToKVPoolAllocator, ReqToTokenPool, SWATokenToKVPoolAllocator,
-                            release_out_of_window_batch)
+from hwkv.allocator import PagedTokenToKVPoolAllocator, ReqToTokenPool, SWATokenToKVPoolAllocator
 from hwkv.batch import ForwardBatch, ForwardMode
-from hwkv.errors import ConfigError, LocError, ReferenceMismatchError
+from hwkv.engine.forward import ForwardSlots, StepLens
+from hwkv.errors import ConfigError, ReferenceMismatchError, ShapeError
 from hwkv.graph import GraphRunner, PreparedStep
 from hwkv.layer import AttentionLayer
 from hwkv.ops import quantize
@@ -82,23 +85,6 @@ class Request:
     v: Dict[int, List[torch.Tensor]] = field(default_factory=dict)
 
 
-@dataclass
-class StepLens:
-    """One forward's requests and lengths, on the host (`_cpu`) and on the device (`_dev`), as an
-    engine's scheduler holds them before it allocates."""
-
-    mode: ForwardMode
-    rids: List[int]
-    new_lens: List[int]
-    rows_dev: torch.Tensor
-    prefix_cpu: torch.Tensor
-    prefix_dev: torch.Tensor
-    seq_cpu: torch.Tensor
-    seq_dev: torch.Tensor
-    ext_cpu: torch.Tensor
-    ext_dev: torch.Tensor
-
-
 class Harness:
     """Pool + allocator + backend + shadow K/V for one model geometry on one device."""
 
@@ -127,7 +113,9 @@ class Harness:
                                          v_head_dim=g.v_head_dim)
             self.allocator = PagedTokenToKVPoolAllocator(size, page_size, device)
         self.rtt = ReqToTokenPool(max_reqs, max_context_len, device)
-        self.frontiers = torch.zeros(max_reqs, dtype=I64, device=self.device)  # out-of-window release, per row
+        # the engine's step primitives over these pools: slots, req_to_token, batches, release, frees
+        self.slots = ForwardSlots(self.allocator, self.rtt, g.window if self.hybrid else None)
+        self._last: Optional[Tuple[ForwardBatch, StepLens]] = None  # the last batch `allocate` made, its lens
         self.backend_options = dict(sliding_window=(g.window,) if g.swa_layer_ids else (), **backend_options)
         self.backend = self.build_backend(backend_factory)
         self.layers = [self._layer(i, kv_scale) for i in range(g.num_layers)]
@@ -135,6 +123,11 @@ class Harness:
         self.max_err = 0.0
         self.runner: Optional[GraphRunner] = None
         self.step_graph: Any = None  # a DecodeStepGraph (enable_step_graph)
+
+    @property
+    def frontiers(self) -> torch.Tensor:
+        """Each request row's out-of-window release frontier, on the device (the engine's `ForwardSlots`)."""
+        return self.slots.frontiers
 
     def _layer(self, i: int, kv_scale: Optional[float]) -> AttentionLayer:
         g = self.g
@@ -156,38 +149,37 @@ class Harness:
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self) -> int:
-        row = self.rtt.alloc(1)[0]
+        """A new empty request (its row and frontier from the step primitives); returns its id, its row."""
+        row = self.slots.new_rows(1)[0]
         shadowed = self.shadow and (self.shadow_requests is None or
                                     sum(r.shadowed for r in self.requests.values()) < self.shadow_requests)
         self.requests[row] = Request(row, shadowed=shadowed, k={i: [] for i in range(self.g.num_layers)},
                                      v={i: [] for i in range(self.g.num_layers)})
-        self.frontiers[row] = 0
         return row
 
     def finish(self, rid: int) -> None:
+        """The request leaves: its slots (released SWA slots are skipped) and its row go back."""
         r = self.requests.pop(rid)
-        if r.seq_len:  # released SWA pages are skipped by free(); full pages all go back
-            self.allocator.free(self.rtt.req_to_token[rid, :r.seq_len].clone())
-        self.rtt.free(rid)
+        self.slots.free([rid], [r.seq_len])
 
     def release(self, batch: Optional[ForwardBatch] = None) -> None:
-        """Out-of-window release after a step, as an engine does: one batched call for the requests of
-        `batch` (its device rows and lengths), or for every live request when no batch is given."""
+        """Out-of-window release after a step, as the engine does (`ForwardSlots.release`: one batched call where
+        some frontier moves): for the requests of `batch` (its rows and lengths), or for every live request when
+        no batch is given."""
         if not self.hybrid or not self.requests:
             return
         if batch is None:
             rows = list(self.requests)
-            rows_dev = torch.tensor(rows, dtype=I64, device="cpu").to(self.device)
-            seq_cpu = torch.tensor([self.requests[r].seq_len for r in rows], dtype=I64, device="cpu")
-            seq_dev = seq_cpu.to(self.device)
-        else:
-            rows_dev, seq_dev = batch.req_pool_indices, batch.seq_lens
-        frontiers = self.frontiers[rows_dev]  # the batch's frontiers, moved in place by the release
-        release_out_of_window_batch(self.allocator, self.rtt.req_to_token, rows_dev, seq_dev, frontiers,
-                                    self.g.window)
-        self.frontiers[rows_dev] = frontiers
+            self.slots.release(rows, [self.requests[r].seq_len for r in rows])
+            return
+        if self._last is not None and self._last[0] is batch:  # its host lists, as the engine keeps them
+            rows, seq = self._last[1].rows, self._last[1].seq
+        else:  # a batch made elsewhere: its host values read back
+            rows, seq = batch.req_pool_indices.tolist(), batch.host_lens()[0].tolist()
+        self.slots.release(rows, seq, batch.req_pool_indices, batch.seq_lens)
 
     def check_integrity(self) -> None:
+        """Allocator, pools and request rows are consistent (tests call it after every step)."""
         self.allocator.check_integrity()
         self.pool.check_integrity()
         self.rtt.check_integrity()
@@ -198,37 +190,27 @@ class Harness:
         return self.allocate(self.step_lens(rids, new_lens, mode))
 
     def step_lens(self, rids: Sequence[int], new_lens: Sequence[int], mode: ForwardMode) -> StepLens:
-        """The scheduler's part: rows, prefix, sequence and new lengths on the host and (one copy) on the device."""
+        """The scheduler's part: rows, prefix, sequence and new lengths on the host and (one copy) on the device.
+        ShapeError for a DECODE whose requests do not add one token each."""
         prefix = [self.requests[i].seq_len for i in rids]
         new = [int(n) for n in new_lens]
-        seq = [p + n for p, n in zip(prefix, new)]
-        host = torch.tensor([list(rids), prefix, seq, new], dtype=I64, device="cpu").reshape(4, -1)
-        dev = host if self.device.type == "cpu" else host.pin_memory().to(self.device, non_blocking=True)
-        return StepLens(mode, list(rids), new, dev[0], host[1], dev[1], host[2], dev[2], host[3], dev[3])
+        if len(new) != len(prefix):
+            raise ShapeError(f"{len(new)} new lengths for {len(prefix)} requests")
+        if mode == ForwardMode.DECODE:
+            if any(n != 1 for n in new):
+                raise ShapeError(f"DECODE adds one token per request, got new lengths {new}")
+            return self.slots.plan_decode(list(rids), prefix)
+        return self.slots.plan_extend(mode, list(rids), prefix, new)
 
     def allocate(self, s: StepLens) -> ForwardBatch:
-        """The engine's allocation: each request's last loc gathered on the device, the allocator's one
-        batched call (device lengths plus their host copies), the new locs written into req_to_token
-        (one scatter for decode), the ForwardBatch. No per-request device read."""
-        rtt = self.rtt.req_to_token
-        last_dev = torch.where(s.prefix_dev > 0, rtt[s.rows_dev, (s.prefix_dev - 1).clamp(min=0)], -1)
-        n = int(s.ext_cpu.sum())
-        if s.seq_cpu.numel() and int(s.seq_cpu.max()) > self.rtt.max_context_len:
-            raise LocError(f"positions up to {int(s.seq_cpu.max())} exceed max_context_len {self.rtt.max_context_len}")
-        if s.mode == ForwardMode.DECODE:
-            loc = self.allocator.alloc_decode(s.seq_dev, last_dev, seq_lens_cpu=s.seq_cpu)
-            rtt[s.rows_dev, s.prefix_dev] = loc
-        else:
-            loc = self.allocator.alloc_extend(s.prefix_dev, s.seq_dev, last_dev, n, prefix_lens_cpu=s.prefix_cpu,
-                                              seq_lens_cpu=s.seq_cpu)
-            start = 0
-            for rid, p, k in zip(s.rids, s.prefix_cpu.tolist(), s.new_lens):
-                self.rtt.write(rid, p, loc[start:start + k])
-                start += k
-        for rid, k in zip(s.rids, s.new_lens):  # host bookkeeping (the shadow and the reference read it)
-            self.requests[rid].seq_len += k
-        return ForwardBatch(s.mode, len(s.rids), s.rows_dev, s.seq_dev, loc, s.prefix_dev, s.ext_dev,
-                            seq_lens_cpu=s.seq_cpu, extend_seq_lens_cpu=s.ext_cpu)
+        """The engine's allocation (`ForwardSlots.allocate`): each request's last loc gathered on the device, the
+        allocator's one batched call, one req_to_token scatter, the ForwardBatch; no per-request device read.
+        The host lengths move here (the shadow and the reference read them)."""
+        batch = self.slots.allocate(s)
+        for rid, n in zip(s.rows, s.seq):
+            self.requests[rid].seq_len = n
+        self._last = (batch, s)
+        return batch
 
     def random_inputs(self, n: int, into: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
         """q, k, v per layer for n new tokens (in the pool's dtype, as an engine would hand them). With
@@ -429,16 +411,17 @@ class Harness:
         from hwkv.step_graph import DecodeStepGraph
         hybrid = self.hybrid
         self.step_graph = DecodeStepGraph(self.backend, self.allocator, self.model_step, batch_sizes,
-                                          self._input_shapes(), adapter, self.frontiers if hybrid else None,
+                                          self._input_shapes(), adapter, self.slots.frontiers if hybrid else None,
                                           self.g.window if hybrid else None)
         self.step_graph.capture()
         return self.step_graph
 
     def step_graph_decode(self, rids: Sequence[int], inputs: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
         """One decode step of `rids` through the step graph (`enable_step_graph`); the flat outputs. `inputs`
-        None: drawn into the graph's buffers already. The host lengths move here, as `allocate` moves them."""
-        seq = torch.tensor([self.requests[i].seq_len + 1 for i in rids], dtype=I64, device="cpu")
-        out = self.step_graph.step(torch.tensor(list(rids), dtype=I64, device="cpu"), seq, seq, inputs)
+        None: drawn into the graph's buffers already. The host lengths move here, as `allocate` moves them; the
+        host frontiers follow the graph's release (`ForwardSlots.replay_decode`)."""
+        out, _ = self.slots.replay_decode(self.step_graph, list(rids), [self.requests[i].seq_len for i in rids],
+                                          inputs)
         for rid in rids:
             self.requests[rid].seq_len += 1
         return out

@@ -98,21 +98,14 @@ def draft_graphs(h: Harness, batch_sizes: Sequence[int], adapter: Any, num_steps
 
 
 def draft_batch(h: Harness, rids: Sequence[int], num_steps: int, writes_swa: bool = True) -> ForwardBatch:
-    """Allocate `num_steps` draft slots per request at once, write them into the rows, and build the
-    step-major DECODE batch (seq_lens: the lengths after step 0)."""
+    """Allocate `num_steps` draft slots per request at once (the engine's `ForwardSlots`: one allocator call, one
+    req_to_token scatter), and build the step-major DECODE batch (seq_lens: the lengths after step 0)."""
     bs = len(rids)
-    seq0 = [h.requests[r].seq_len for r in rids]
     s = h.step_lens(rids, [num_steps] * bs, ForwardMode.EXTEND)
-    rtt = h.rtt.req_to_token
-    last = torch.where(s.prefix_dev > 0, rtt[s.rows_dev, (s.prefix_dev - 1).clamp(min=0)], -1)
-    loc = h.allocator.alloc_extend(s.prefix_dev, s.seq_dev, last, bs * num_steps, prefix_lens_cpu=s.prefix_cpu,
-                                   seq_lens_cpu=s.seq_cpu)                      # request-major
+    loc = h.slots.allocate(s).out_cache_loc                                    # request-major
     step_major = loc.view(bs, num_steps).t().reshape(-1).contiguous()
-    for b, rid in enumerate(rids):
-        h.rtt.write(rid, seq0[b], loc[b * num_steps:(b + 1) * num_steps])
-    seq_cpu = torch.tensor(seq0, dtype=I64) + 1
-    return ForwardBatch(ForwardMode.DECODE, bs, s.rows_dev, seq_cpu.to(h.device), step_major,
-                        spec_info=MultiStepDraft(num_steps, writes_swa=writes_swa), seq_lens_cpu=seq_cpu)
+    return ForwardBatch(ForwardMode.DECODE, bs, s.rows_dev, s.prefix_dev + 1, step_major,
+                        spec_info=MultiStepDraft(num_steps, writes_swa=writes_swa), seq_lens_cpu=s.prefix_cpu + 1)
 
 
 def draft_steps(h: Harness, rids: Sequence[int], num_steps: int, check: bool = True,

@@ -1,0 +1,208 @@
+"""A forward's slot bookkeeping, in one place: the engine's step loop and the contract harness both run on it.
+
+`ForwardSlots` keeps, over one allocator and its request rows, what a step does around the layers:
+- `plan_extend` / `plan_decode`: a forward's requests (host lists: row, prefix length, new tokens) and the
+  caller's token ids in one host tensor, copied to the device once (`StepLens`);
+- `allocate`: each request's last loc gathered on the device, the allocator's one batched call (device lengths
+  plus their host copies), the new locs written into req_to_token in one scatter, the `ForwardBatch`;
+- `release`: the out-of-window release of a batch, only in the steps where the host's copy of some row's
+  frontier moves (the allocator's own rule, on host lengths); the device frontiers per request row are the ones a
+  whole-step graph (`hwkv.step_graph.DecodeStepGraph`) releases from, and `replay_decode` moves the host copy
+  with such a replay;
+- `new_rows` / `free`: request rows in and out, a finished request's slots back to the allocator.
+No host sync anywhere, one host-to-device copy per forward, no device op per request. A layer only stores and
+attends: the metadata step (`backend.init_forward_metadata`) is the caller's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from hwkv.allocator import ReqToTokenPool, release_out_of_window_batch
+from hwkv.batch import ForwardBatch, ForwardMode
+from hwkv.errors import LocError, ShapeError
+
+I64 = torch.int64
+HOST = dict(dtype=torch.int64, device="cpu")  # host values: never on the default device a user set
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`: itself on the CPU, else one pinned, non-blocking copy."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass
+class StepLens:
+    """One forward's requests and lengths as the scheduler holds them before allocation: host lists and tensors
+    (`_cpu`) and their device views from one copy (`_dev`). Per token (`pos_dev`, `row_of_dev`, `ids_dev`) in
+    request order; a decode has one token per request, at position prefix."""
+
+    mode: ForwardMode
+    rows: List[int]             # request rows (host)
+    seq: List[int]              # lengths after the forward (host)
+    host: torch.Tensor          # what was copied: rows, prefix lengths, ... (the layout is `ForwardSlots`')
+    seq_cpu: torch.Tensor
+    ext_cpu: Optional[torch.Tensor]  # new tokens per request (None: a decode, one each)
+    rows_dev: torch.Tensor
+    prefix_dev: torch.Tensor
+    seq_dev: torch.Tensor
+    ext_dev: Optional[torch.Tensor]
+    before_dev: torch.Tensor    # the position of each request's last token (prefix - 1; a new request's clamped)
+    pos_dev: torch.Tensor       # each new token's position
+    row_of_dev: torch.Tensor    # each new token's request row
+    ids_dev: Optional[torch.Tensor]  # the caller's token ids (None: none given)
+    fresh: bool                 # some request has no token yet (no last loc)
+    num_tokens: int
+
+    @property
+    def prefix_cpu(self) -> torch.Tensor:
+        """Each request's prefix length (host): a view of the copied block, taken only when read."""
+        bs = len(self.rows)
+        return self.host[bs:2 * bs]
+
+
+class ForwardSlots:
+    """Slots of a forward over one allocator and its request rows, and each row's out-of-window frontier.
+
+    `window`: the sliding window the release keeps (None: pools without windows, nothing is released).
+    `frontiers` (int64 [rows] on the device) is what the release moves and a whole-step graph takes;
+    `frontiers_cpu` is the host's copy, moved by the same rule, read by the prefix cache."""
+
+    def __init__(self, allocator: Any, rtt: ReqToTokenPool, window: Optional[int]) -> None:
+        self.allocator, self.rtt, self.window = allocator, rtt, window
+        self.device = rtt.req_to_token.device
+        self.page_size = allocator.page_size
+        self.frontiers = torch.zeros(rtt.size, dtype=I64, device=self.device)
+        self.frontiers_cpu: List[int] = [0] * rtt.size
+
+    # ---- request rows -----------------------------------------------------------------------------
+    def new_rows(self, n: int) -> List[int]:
+        """`n` request rows for requests starting empty, their frontiers at 0 (host, and the device in one copy).
+        OutOfSlotsError when fewer rows are free."""
+        rows = self.rtt.alloc(n)
+        for r in rows:
+            self.frontiers_cpu[r] = 0
+        self.frontiers[to_device(torch.tensor(rows, **HOST), self.device)] = 0
+        return rows
+
+    def set_frontier(self, row: int, frontier: int) -> None:
+        """A row starting from cached tokens: its frontier (host and device), where the cache's SWA begins."""
+        self.frontiers_cpu[row] = frontier
+        self.frontiers[row] = frontier
+
+    def free(self, rows: Sequence[int], kv_lens: Optional[Sequence[int]] = None) -> None:
+        """Finished requests leave: the slots of each row's first `kv_lens` tokens go back to the allocator in
+        one call (released SWA slots are skipped there; None: the prefix cache took them), then the rows."""
+        if kv_lens is not None:
+            rtt = self.rtt.req_to_token
+            locs = [rtt[r, :n] for r, n in zip(rows, kv_lens) if n]
+            if locs:
+                self.allocator.free(torch.cat(locs))
+        self.rtt.free(list(rows))
+
+    # ---- a forward ----------------------------------------------------------------------------------
+    def plan_extend(self, mode: ForwardMode, rows: List[int], prefix: List[int], new: List[int],
+                    ids: Optional[List[int]] = None) -> StepLens:
+        """An extend-like forward: request `rows[b]` adds `new[b]` tokens after its `prefix[b]`; `ids` (one per
+        new token, optional) travel in the same copy. LocError when a length passes the rows' context."""
+        bs = len(rows)
+        seq = [p + n for p, n in zip(prefix, new)]
+        self._check_context(seq)
+        pos: List[int] = []
+        row_of: List[int] = []
+        for row, p, n in zip(rows, prefix, new):
+            pos += range(p, p + n)
+            row_of += [row] * n
+        t = len(pos)
+        extra = [] if ids is None else ids
+        if ids is not None and len(ids) != t:
+            raise ShapeError(f"{len(ids)} token ids for {t} new tokens")
+        host = torch.tensor(rows + prefix + seq + new + [max(p - 1, 0) for p in prefix] + pos + row_of + extra,
+                            **HOST)
+        dev = to_device(host, self.device)
+        rows_dev, prefix_dev, seq_dev, ext_dev, before_dev = dev[:5 * bs].view(5, bs)
+        per_token = dev[5 * bs:].view(2 if ids is None else 3, t)
+        return StepLens(mode, rows, seq, host, host[2 * bs:3 * bs], host[3 * bs:4 * bs], rows_dev,
+                        prefix_dev, seq_dev, ext_dev, before_dev, per_token[0], per_token[1],
+                        per_token[2] if ids is not None else None, 0 in prefix, t)
+
+    def plan_decode(self, rows: List[int], prefix: List[int], ids: Optional[List[int]] = None) -> StepLens:
+        """A decode forward: one token per request at position `prefix[b]`; `ids` (one per request, optional) travel
+        in the same copy. LocError when a length passes the rows' context."""
+        bs = len(rows)
+        seq = [p + 1 for p in prefix]
+        self._check_context(seq)
+        if ids is not None and len(ids) != bs:
+            raise ShapeError(f"{len(ids)} token ids for {bs} requests")
+        host = torch.tensor(rows + prefix + [p - 1 for p in prefix] + seq + ([] if ids is None else ids), **HOST)
+        dev = to_device(host, self.device)
+        rows_dev, prefix_dev, before_dev, seq_dev = (dev if ids is None else dev[:4 * bs]).view(4, bs)
+        ids_dev = dev[4 * bs:] if ids is not None else None
+        # a request with no token yet reads position -1 (the row's last column) and its last loc is masked
+        return StepLens(ForwardMode.DECODE, rows, seq, host, host[3 * bs:4 * bs], None, rows_dev,
+                        prefix_dev, seq_dev, None, before_dev, prefix_dev, rows_dev, ids_dev, 0 in prefix, bs)
+
+    def _check_context(self, seq: List[int]) -> None:
+        if seq and max(seq) > self.rtt.max_context_len:
+            raise LocError(f"positions up to {max(seq)} exceed max_context_len {self.rtt.max_context_len}")
+
+    def allocate(self, s: StepLens) -> ForwardBatch:
+        """The forward's slots: each request's last loc gathered on the device, one allocator call, one
+        req_to_token scatter, the ForwardBatch (with the host lengths, so the metadata step reads nothing back)."""
+        rtt = self.rtt.req_to_token
+        last = rtt[s.rows_dev, s.before_dev]  # the slot of each request's token prefix - 1
+        if s.fresh:
+            last = torch.where(s.prefix_dev > 0, last, -1)
+        bs = len(s.rows)
+        if s.mode == ForwardMode.DECODE:
+            loc = self.allocator.alloc_decode(s.seq_dev, last, seq_lens_cpu=s.seq_cpu)
+            rtt[s.rows_dev, s.prefix_dev] = loc
+            return ForwardBatch(ForwardMode.DECODE, bs, s.rows_dev, s.seq_dev, loc, positions=s.pos_dev,
+                                seq_lens_cpu=s.seq_cpu)
+        loc = self.allocator.alloc_extend(s.prefix_dev, s.seq_dev, last, s.num_tokens, prefix_lens_cpu=s.prefix_cpu,
+                                          seq_lens_cpu=s.seq_cpu)
+        rtt[s.row_of_dev, s.pos_dev] = loc
+        return ForwardBatch(s.mode, bs, s.rows_dev, s.seq_dev, loc, s.prefix_dev, s.ext_dev, positions=s.pos_dev,
+                            seq_lens_cpu=s.seq_cpu, extend_seq_lens_cpu=s.ext_cpu)
+
+    # ---- out-of-window release ------------------------------------------------------------------------
+    def release(self, rows: Sequence[int], seq_lens: Sequence[int], rows_dev: Optional[torch.Tensor] = None,
+                seq_dev: Optional[torch.Tensor] = None) -> bool:
+        """One out-of-window release for a forward's requests (host `rows`, their lengths `seq_lens`; on the device
+        `rows_dev`, `seq_dev`, or one copy of the host lists when None), only when some frontier moves; whether
+        it ran. The others have nothing to release."""
+        if not self.move_frontiers(rows, seq_lens):
+            return False
+        if rows_dev is None or seq_dev is None:
+            rows_dev, seq_dev = to_device(torch.tensor([list(rows), list(seq_lens)], **HOST), self.device)
+        f = self.frontiers[rows_dev]
+        release_out_of_window_batch(self.allocator, self.rtt.req_to_token, rows_dev, seq_dev, f, self.window)
+        self.frontiers[rows_dev] = f
+        return True
+
+    def move_frontiers(self, rows: Sequence[int], seq_lens: Sequence[int]) -> bool:
+        """The host's copy of each row's frontier after a forward (`release_out_of_window_batch`'s rule on the
+        host lengths: the page-aligned frontier kept one page behind seq_len - W + 1); whether any moved."""
+        if self.window is None:
+            return False
+        p, w, host_f, moves = self.page_size, self.window, self.frontiers_cpu, False
+        for row, seq in zip(rows, seq_lens):
+            f = max(host_f[row], ((seq - w + 1) // p) * p - p)
+            if f != host_f[row]:
+                host_f[row], moves = f, True
+        return moves
+
+    def replay_decode(self, graph: Any, rows: List[int], prefix: List[int],
+                      inputs: Optional[Dict[str, torch.Tensor]] = None) -> Tuple[torch.Tensor, bool]:
+        """One decode step as a whole-step graph replay (`hwkv.step_graph.DecodeStepGraph` over these frontiers):
+        the rows and their lengths after it in one host tensor; the host frontiers follow the graph's release.
+        Returns the layers' output and whether a frontier moved. OutOfSlotsError before anything ran."""
+        bs = len(rows)
+        seq = [p + 1 for p in prefix]
+        host = torch.tensor(rows + seq, **HOST)
+        out = graph.step(host[:bs], host[bs:], host[bs:], inputs)
+        return out, self.move_frontiers(rows, seq)
