@@ -24,7 +24,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
@@ -197,34 +197,17 @@ def _check_fits(s: _Sizes, shape: ModelShape, w: ChatWorkload) -> None:
                               "raise --memory or shorten the conversations")
 
 
-class _MirroredCache(Cache):
-    """The all-full variant's pools: the SWA pool pairs a page with every full page and nothing is released, so
-    its plan reserves nothing for the SWA pool (`size_swa` 0 there: the scheduler's SWA bound would count each
-    turn's pages twice) and the SWA slots held are read from the pool's own size."""
-
-    swa_size: int = 0
-
-    def held_slots(self) -> Tuple[int, int]:
-        return (self.plan.size - self.allocator.full_available_size(),
-                self.swa_size - self.allocator.swa_available_size())
-
-    def held_from(self, tails: Sequence[int], heads: Sequence[int]) -> Tuple[int, int]:
-        p = self.plan.page_size
-        return self.plan.size - (tails[0] - heads[0]) * p, self.swa_size - (tails[1] - heads[1]) * p
-
-
 def _build(s: _Sizes, run: ModelShape, w: ChatWorkload, device: torch.device, backend_device: Any) -> Cache:
-    """The variant's pools for the layers run (`run`), allocator, request rows and backend."""
+    """The variant's pools for the layers run (`run`), allocator, request rows and backend. The all-full variant's
+    SWA pool pairs a page with every full page and nothing is released, so the plan the engine schedules by
+    reserves nothing for it (`size_swa` 0: the scheduler's SWA bound would count each turn's pages twice); the
+    slots held are counted from the allocator's own pool sizes (`Cache.held_slots`)."""
     p, context = w.page_size, round_up(w.context, w.page_size)
     plan = PoolPlan(s.size, 0 if s.mirrored else s.size_swa, p, context, w.concurrency, w.chunk,
                     run.bytes_per_token_full_group, run.bytes_per_token_swa_group, w.memory)
     cache = build_cache(run, replace(plan, size_swa=s.size_swa), DTYPES[w.dtype], device,
                         backend_device=backend_device)
-    if not s.mirrored:
-        return cache
-    mirrored = _MirroredCache(cache.pool, cache.allocator, cache.rtt, cache.backend, plan, run)
-    mirrored.swa_size = s.size_swa
-    return mirrored
+    return replace(cache, plan=plan) if s.mirrored else cache
 
 
 # ---- phases -------------------------------------------------------------------------------------------------
@@ -271,7 +254,7 @@ def _instrument(engine: Engine, model: SyntheticModel, clock: _Clock) -> None:
     clock.wrap(c.backend, "init_forward_metadata", "metadata")
     clock.wrap(c.backend, "forward", "attention")
     clock.wrap(engine, "model_step", "model")
-    clock.wrap(engine, "_release", "release")
+    clock.wrap(engine.slots, "release", "release")
     if engine.prefix is not None:
         for name in ("insert", "cache_running", "release_request"):
             clock.wrap(engine.prefix, name, "prefix_cache")

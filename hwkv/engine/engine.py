@@ -263,7 +263,17 @@ class Engine:
         return finished
 
     def has_work(self) -> bool:
+        """Whether requests wait or run, or a forward's tokens are still to be read back."""
         return self.scheduler.has_work() or self._inflight is not None
+
+    def tokens_of(self, row: int) -> List[int]:
+        """The token ids of the running request in request row `row`: its prompt and the outputs the host has read
+        (every token before the forward in flight, overlap or not), for checks that recompute a forward from token
+        ids. ConfigError when no running request holds the row."""
+        for req in self.scheduler.running:
+            if req.row == row:
+                return req.prompt + req.output
+        raise ConfigError(f"no running request holds row {row}")
 
     def _send(self, rows: List[Row], sampled: List[Row], where: torch.Tensor, mode: ForwardMode,
               tokens: torch.Tensor) -> "_Inflight":

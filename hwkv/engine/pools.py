@@ -160,11 +160,12 @@ class Cache:
         return isinstance(self.pool, SWAKVPool)
 
     def held_slots(self) -> Tuple[int, int]:
-        """(full, SWA) slots in use now (reads the allocator's free counts)."""
+        """(full, SWA) slots in use now (reads the allocator's free counts). The pools' sizes are the allocator's:
+        a plan may count them otherwise (the chat bench's all-full variant plans no SWA pool for its scheduler)."""
+        a = self.allocator
         if not self.hybrid:
-            return self.plan.size - self.allocator.available_size(), 0
-        return (self.plan.size - self.allocator.full_available_size(),
-                self.plan.size_swa - self.allocator.swa_available_size())
+            return a.size - a.available_size(), 0
+        return a.size - a.full_available_size(), a.size_swa - a.swa_available_size()
 
     def free_counts_async(self) -> "Tuple[torch.Tensor, List[int]]":
         """The rings' tails as a device tensor (no wait: copy it to the host with the step's results) and their
@@ -173,10 +174,10 @@ class Cache:
         return torch.cat([r.tail for r in rings]), [r.head for r in rings]
 
     def held_from(self, tails: Sequence[int], heads: Sequence[int]) -> Tuple[int, int]:
-        """(full, SWA) slots in use, from `free_counts_async`'s tails (read back) and heads."""
-        p = self.plan.page_size
-        full = self.plan.size - (tails[0] - heads[0]) * p
-        return (full, 0) if len(tails) == 1 else (full, self.plan.size_swa - (tails[1] - heads[1]) * p)
+        """(full, SWA) slots in use, from `free_counts_async`'s tails (read back) and heads (`held_slots`' sizes)."""
+        a, p = self.allocator, self.plan.page_size
+        full = a.size - (tails[0] - heads[0]) * p
+        return (full, 0) if len(tails) == 1 else (full, a.size_swa - (tails[1] - heads[1]) * p)
 
     def check_integrity(self) -> None:
         """Allocator, pools and request rows are consistent (tests call it after every step)."""

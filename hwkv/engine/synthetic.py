@@ -223,11 +223,6 @@ def _host_lens(host: Optional[torch.Tensor], dev: Optional[torch.Tensor], n: int
 
 
 def engine_history(engine: object) -> History:
-    """`history` for a ReferenceCheck over an `hwkv.engine.engine.Engine`: the running request in that row, its
-    prompt and the outputs the host has read (at least every token before the forward, overlap or not)."""
-    def history(row: int) -> Sequence[int]:
-        for req in engine.scheduler.running:  # type: ignore[attr-defined]
-            if req.row == row:
-                return req.prompt + req.output
-        raise ConfigError(f"reference check: no running request holds row {row}")
-    return history
+    """`history` for a ReferenceCheck over an `hwkv.engine.engine.Engine`: its `tokens_of` (the running request in
+    that row, its prompt and the outputs the host has read, at least every token before the forward)."""
+    return engine.tokens_of  # type: ignore[attr-defined]
