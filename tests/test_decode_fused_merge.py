@@ -186,3 +186,25 @@ def test_workspace_made_during_graph_capture_takes_the_merge_kernel(monkeypatch)
     monkeypatch.undo()
     assert not dec._capturing(torch.device("cpu"))
     assert make_decode_workspace(2, 4, 16, 3, DEV).counts is not None
+
+
+def test_eager_plans_merge_in_place_past_the_graph_bound():
+    """A plan without the caller's workspace (eager: the host's launch costs more than the merge's tail) merges in
+    place up to eager_fused_merge_bytes; the same call with a workspace (a graph's) keeps the merge kernel."""
+    c = Case([20, 30], [1, 1], h=4, kvh=2, d=16, seed=12)
+    rows_bytes = 3 * 2 * 16 * 4
+    cfg = dataclasses.replace(BASE, fused_merge_bytes=rows_bytes - 1, eager_fused_merge_bytes=rows_bytes, max_splits=3,
+                              ctas_per_sm=64, min_keys_per_split=1)
+    q_pos = torch.tensor([s - 1 for s in c.seq_lens], dtype=torch.int64, device=DEV)
+    outs = []
+    for ws in (None, make_decode_workspace(2, 4, 16, 3, DEV)):
+        out = torch.full((2, 4, 16), float("nan"), device=DEV)
+        args = (c.q, c.k_buf, c.v_buf, c.kv_indptr, c.kv_indices, c.kv_pos0, q_pos, out)
+        plan = dec.plan_decode(*args, None, 30, workspace=ws, config=cfg)
+        dec.decode_attention_planned(plan, *args, c.scaling)
+        assert plan.splits == 3 and plan.fused == (ws is None)
+        outs.append(out)
+    never = dataclasses.replace(cfg, fused_merge_bytes=0)
+    assert not dec.plan_decode(*args, None, 30, config=never).fused, "0 still means never"
+    for out in outs:
+        _close(out, c.ref(), torch.float32)

@@ -52,6 +52,10 @@ class DecodeConfig:
     # GQA 8, Dv 64 (docs/benchmarks.md): 5 splits (10 KiB) merge in place as fast or faster (16 x 4K 41.3 vs
     # 42.8 us), 32 splits (64 KiB) slower (1 x 4K 11.9 vs 8.7 us): one program reading them all is the tail
     fused_merge_bytes: int = 32 << 10
+    # ... in a plan without the caller's workspace (an eager call): there the host's launch (11-14 us on the H200
+    # host) costs more than the in-place merge's tail adds to the device (<= 8 us at 64 splits), so the plan merges
+    # in place up to this bound instead (0 in fused_merge_bytes still means never)
+    eager_fused_merge_bytes: int = 256 << 10
     # partial values the in-place merge loads per step, which bounds the registers it adds to the split kernel:
     # sm_90 builds (Triton 3.9) of the H200 plans for B 1-16 x 4K-32K keep the merge kernel's 64-161 registers
     # (+4 at most) at 2048, while 4096 took 16 x 4K from 64 to 96 and 8192 every plan up to 168-237
@@ -418,8 +422,11 @@ def _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, cfg) -> DecodePlan:
     group = h // kvh
     hpp = cfg.kv_heads_per_program(kvh, max(d, dv))
     block_h, block_dv = pow2(hpp * group), pow2(dv)
+    limit = cfg.fused_merge_bytes
+    if workspace is None and limit > 0:  # eager: a launch fewer is worth more than the merge's tail
+        limit = max(limit, cfg.eager_fused_merge_bytes)
     fused = (splits > 1 and ws.counts is not None and _merges_in_place(q.device, interpreted)
-             and splits * hpp * group * dv * 4 <= cfg.fused_merge_bytes)
+             and splits * hpp * group * dv * 4 <= limit)
     block_s = next_pow2(splits)
     # splits the in-place merge loads per step: the largest power of two (>= 2) within merge_chunk values
     chunk_s = min(block_s, max(2, next_pow2(cfg.merge_chunk // (block_h * block_dv) + 1) // 2))
