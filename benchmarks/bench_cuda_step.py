@@ -346,11 +346,11 @@ def whole_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, back
     """The whole decode step in one graph (hwkv.step_graph.DecodeStepGraph: allocation, req_to_token write,
     refill, 36 layers, release) against the same 36 layers replayed alone (a GraphRunner of the layers):
     host time per step (the device caught up before each, `host_per_step`), step wall (device synchronized
-    around each), replay alone."""
+    around each), replay alone, and both issued back to back (`per_step_pipelined`: an engine that never waits)."""
     from hwkv.step_graph import DecodeStepGraph
     rows = []
     for bs in batches:
-        s = Setup(dev, bs, ctx, page_size=page_size, room=4 * iters + 64, spare_rows=1)
+        s = Setup(dev, bs, ctx, page_size=page_size, room=8 * iters + 64, spare_rows=1)
         be = backend_cls(s.pool, s.rtt, sliding_window=W)
         inputs = {"q": torch.randn(bs, H, D, device=dev, dtype=torch.bfloat16),
                   "k": torch.randn(bs, KVH, D, device=dev, dtype=torch.bfloat16),
@@ -382,12 +382,18 @@ def whole_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, back
                              seq_lens_cpu=seq.clone())
         only.prepare(batch, inputs)
         _, replay = wall(lambda: only.adapter.replay(only.graphs[bs].graph), dev, iters)
+        # an engine that never waits: steps issued back to back, the wall per step once the device is done (the
+        # host's work of step N + 1 overlaps step N on the device), beside the layers' replays back to back
+        piped = per_step_pipelined(step, dev, iters)
+        layers_piped = per_step_pipelined(lambda: only.adapter.replay(only.graphs[bs].graph), dev, iters)
         syncs = host_syncs(step, dev)
         s.alloc.check_integrity()
         step_us, replay_us = statistics.median(done), statistics.median(replay)
         rows.append(dict(bench="whole-step", bs=bs, ctx=ctx, page_size=page_size, host_us=round(host, 1),
                          step_us=round(step_us, 1), layers_replay_us=round(replay_us, 1),
-                         ratio=round(step_us / replay_us, 3), syncs_per_step=syncs))
+                         ratio=round(step_us / replay_us, 3), pipelined_step_us=round(piped, 1),
+                         pipelined_layers_us=round(layers_piped, 1), pipelined_ratio=round(piped / layers_piped, 3),
+                         syncs_per_step=syncs))
         del s, be, g, only
         if dev == "cuda":
             torch.cuda.empty_cache()
@@ -494,6 +500,22 @@ def host_per_step(fn: Callable[[], object], dev: str, n: int = 50) -> float:
         total += time.perf_counter() - t
         sync(dev)
     return total * 1e6 / n
+
+
+def per_step_pipelined(fn: Callable[[], object], dev: str, n: int = 50, rounds: int = 5) -> float:
+    """Wall microseconds per step of n steps issued back to back and the device synchronized once after them (what
+    an engine one step ahead of its device gets per step), the median of `rounds` such runs."""
+    for _ in range(3):
+        fn()
+    sync(dev)
+    runs = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        sync(dev)
+        runs.append((time.perf_counter() - t) * 1e6 / n)
+    return statistics.median(runs)
 
 
 def host_per_call(fn: Callable[[], object], dev: str, n: int = 200) -> float:
@@ -660,11 +682,12 @@ def print_tables(res: Dict) -> None:
             print(f"| {r['mode']} | " + " | ".join(str(r[k]) for k in keys) + " |")
     if res.get("whole_step"):
         print("whole decode step in one graph vs the 36 layers replayed alone (us, median)")
-        print("| bs | ctx | page | host us/step | step us | layers replay us | ratio | syncs/step |\n"
-              "|---|---|---|---|---|---|---|---|")
+        print("| bs | ctx | page | host us/step | step us | layers replay us | ratio | pipelined step us | "
+              "pipelined layers us | pipelined ratio | syncs/step |\n|---|---|---|---|---|---|---|---|---|---|---|")
         for r in res["whole_step"]:
             print(f"| {r['bs']} | {r['ctx']} | {r['page_size']} | {r['host_us']} | {r['step_us']} | "
-                  f"{r['layers_replay_us']} | {r['ratio']} | {r['syncs_per_step']} |")
+                  f"{r['layers_replay_us']} | {r['ratio']} | {r['pipelined_step_us']} | {r['pipelined_layers_us']} | "
+                  f"{r['pipelined_ratio']} | {r['syncs_per_step']} |")
     for r in res.get("profile", []):
         print(f"profile: {r['what']}\n{r['text']}")
     if res.get("engine_step"):
