@@ -91,17 +91,21 @@ def parallel_map(fn: Callable[[T], R], items: Sequence[T]) -> List[R]:
     order = iter(range(len(items)))
     lock = threading.Lock()
     errors: List[BaseException] = []
+    # grad and inference mode are thread-local: the helpers run fn as the caller would (an engine step's outputs
+    # are inference tensors, which only inference mode may write in place)
+    inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
 
     def drain() -> None:
-        while not errors:
-            with lock:
-                i = next(order, None)
-            if i is None:
-                return
-            try:
-                results[i] = fn(items[i])
-            except BaseException as e:  # noqa: BLE001 - re-raised below in the caller's thread
-                errors.append(e)
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            while not errors:
+                with lock:
+                    i = next(order, None)
+                if i is None:
+                    return
+                try:
+                    results[i] = fn(items[i])
+                except BaseException as e:  # noqa: BLE001 - re-raised below in the caller's thread
+                    errors.append(e)
 
     previous = torch.get_num_threads()
     torch.set_num_threads(1)

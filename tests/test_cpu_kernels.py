@@ -242,6 +242,21 @@ def test_parallel_map_restores_threads_on_error(threads):
     assert torch.get_num_threads() == threads
 
 
+def test_parallel_map_runs_in_the_callers_inference_and_grad_mode(threads):
+    """Grad and inference mode are thread-local: helpers run as the caller does, so an engine step (inference mode)
+    may extend in place into its inference-tensor outputs from every thread, and a grad-enabled caller's helpers
+    still record."""
+    with torch.inference_mode():
+        out = torch.zeros(4)
+        modes = kernels_decode.parallel_map(lambda i: (out[i:i + 1].add_(i + 1), torch.is_inference_mode_enabled())[1],
+                                            range(4))
+    assert modes == [True] * 4 and out.tolist() == [1.0, 2.0, 3.0, 4.0]
+    with torch.no_grad():
+        assert kernels_decode.parallel_map(lambda _: torch.is_grad_enabled(), range(4)) == [False] * 4
+    assert kernels_decode.parallel_map(lambda _: (torch.is_grad_enabled(), torch.is_inference_mode_enabled()),
+                                       range(4)) == [(True, False)] * 4
+
+
 def test_split_columns_balances_keys():
     assert kernels_decode._split_columns([4096] * 8, 2, 512) == [(0, 2048), (2048, 4096)]
     assert kernels_decode._split_columns([100, 50, 10], 2, 8) == [(0, 35), (35, 100)]  # 80 keys each

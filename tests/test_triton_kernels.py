@@ -123,29 +123,29 @@ def test_decode_public_calls_reuse_their_plan_and_still_check_what_differs():
     still gets the typed error and leaves `out` as it was."""
     from hwkv_cuda.kernels import decode as D
     D._PUBLIC_PLANS.clear()
-    c = Case([40], [1], seed=5)
-    first = c.decode(max_kv_len=40)
+    c = Case([300], [1], seed=5)
+    first = c.decode(max_kv_len=300)
     assert len(D._PUBLIC_PLANS) == 1
     plan = next(iter(D._PUBLIC_PLANS.values()))
     assert plan.splits > 1, "the case must exercise the reused scratch"
     _close(first, c.ref(), torch.float32)
     for seed in (6, 7):  # other queries through the same plan (the scratch of the call before is reused)
         c.q = torch.randn(c.q.shape, generator=torch.Generator().manual_seed(seed)).to(DEV)
-        _close(c.decode(max_kv_len=40), c.ref(), torch.float32)
-        assert torch.equal(c.decode(max_kv_len=40), c.decode(max_kv_len=40, config=D.decode_config(
-            1, 2, 16, 40, DEV)))
+        _close(c.decode(max_kv_len=300), c.ref(), torch.float32)
+        assert torch.equal(c.decode(max_kv_len=300), c.decode(max_kv_len=300, config=D.decode_config(
+            1, 2, 16, 300, DEV)))
     assert len(D._PUBLIC_PLANS) == 1 and next(iter(D._PUBLIC_PLANS.values())) is plan
     c.window = 9  # a window is an argument of the launch, not of the plan: same plan, the window's output
-    _close(c.decode(max_kv_len=40), c.ref(), torch.float32)
+    _close(c.decode(max_kv_len=300), c.ref(), torch.float32)
     assert len(D._PUBLIC_PLANS) == 1
     out = torch.full((1, c.h, c.dv), 7.0, device=DEV)
-    q_pos = torch.tensor([39], dtype=torch.int64, device=DEV)
+    q_pos = torch.tensor([299], dtype=torch.int64, device=DEV)
     with pytest.raises(ShapeError, match="sinks"):
         decode_attention(c.q, c.k_buf, c.v_buf, c.kv_indptr, c.kv_indices, c.kv_pos0, q_pos, out, c.scaling,
-                         sinks=torch.zeros(c.h + 1, device=DEV), max_kv_len=40)
+                         sinks=torch.zeros(c.h + 1, device=DEV), max_kv_len=300)
     with pytest.raises(ShapeError, match="kv_pos0"):
         decode_attention(c.q, c.k_buf, c.v_buf, c.kv_indptr, c.kv_indices, c.kv_pos0[:0], q_pos, out, c.scaling,
-                         max_kv_len=40)
+                         max_kv_len=300)
     assert bool((out == 7.0).all()), "a refused call wrote its output"
 
 
