@@ -74,14 +74,14 @@ def _window_pos0(q_pos0, window):
     return tl.where(window > 0, tl.maximum(q_pos0 - window + 1, 0), 0)
 
 
-@triton.jit(do_not_specialize=["full_cap"])
+@triton.jit(do_not_specialize=["full_cap", "copies"])
 def _fill_lists_kernel(req_to_token, req_pool_indices, seq_lens, ext_lens, windows,
                        lens, q_pos0, qo_indptr, list_indptr, list_pos0, full_indices,
-                       stride_rtt, rtt_cols, full_cap, stride_indptr, stride_pos0,
-                       DECODE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr, COPIES: tl.constexpr):
+                       stride_rtt, rtt_cols, full_cap, stride_indptr, stride_pos0, copies,
+                       DECODE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0)
     j = tl.program_id(1)          # 0: the full list; 1 + i: window i
-    c = tl.program_id(2)          # which of the COPIES programs copying the full list's locs of request b this is
+    c = tl.program_id(2)          # which of the `copies` programs copying the full list's locs of request b this is
     window = tl.load(windows + j).to(tl.int64)
     list_before = tl.zeros([BLOCK_B], tl.int64)   # this list's entries of requests 0..b-1
     q_before = tl.zeros([BLOCK_B], tl.int64)      # their new tokens
@@ -116,7 +116,7 @@ def _fill_lists_kernel(req_to_token, req_pool_indices, seq_lens, ext_lens, windo
                 tl.store(qo_indptr, 0)
     if j == 0:  # the copy, BLOCK entries per program in turn: a small batch's long lists are not one program's loop
         src = req_to_token + tl.load(req_pool_indices + b).to(tl.int64) * stride_rtt
-        for off in range(c * BLOCK, n, COPIES * BLOCK):
+        for off in range(c * BLOCK, n, copies * BLOCK):
             k = off + tl.arange(0, BLOCK)
             mask = (k < n) & (k < rtt_cols) & (start_b + k < full_cap)
             tl.store(full_indices + start_b + k, tl.load(src + k, mask=mask).to(tl.int64), mask=mask)
@@ -156,12 +156,13 @@ def fill_lists(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_l
     launch(_LAUNCHES, ("fill", bs, nlists, extend_lens is None), _fill_lists_kernel, (bs, nlists, copies),
            (req_to_token, req_pool_indices, seq_lens, ext, windows, lens, q_pos0, qo_indptr, list_indptr,
             list_pos0, full_indices, req_to_token.stride(0), req_to_token.shape[1], full_indices.shape[0],
-            list_indptr.stride(0), list_pos0.stride(0)),
-           dict(DECODE=extend_lens is None, BLOCK_B=block_b, BLOCK=block, COPIES=copies, num_warps=warps))
+            list_indptr.stride(0), list_pos0.stride(0), copies),
+           dict(DECODE=extend_lens is None, BLOCK_B=block_b, BLOCK=block, num_warps=warps))
 
 
 def _copies(bs: int) -> int:
-    """Programs that copy one request's full list (fixed per batch size, so a graph bucket's grid is): a
+    """Programs that copy one request's full list (fixed per batch size, so a graph bucket's grid is; a runtime
+    argument, so batch sizes share one compiled kernel): a
     batch of one copies its 4K-32K locs in 16 programs side by side instead of one program's 4-32 serial
     steps; from 128 requests the batch alone fills the device. Two under the interpreter (the striding
     stays tested)."""
