@@ -43,6 +43,23 @@ def test_extend_and_decode_write_each_token_once_and_the_batch_matches():
     s.allocator.check_integrity()
 
 
+@pytest.mark.parametrize("bs", [1, 2, 3])
+def test_every_device_list_starts_16_byte_aligned_whatever_the_batch(bs):
+    """Triton compiles a kernel variant per pointer alignment: the one copy's device views (per request and per token)
+    all start at a 16-byte boundary for odd and even batches and token counts, so a batch's parity never picks a new
+    compile in the middle of a run."""
+    s = _slots()
+    rows = s.new_rows(bs)
+    ext = s.plan_extend(ForwardMode.EXTEND, rows, [0] * bs, [3] * bs, ids=list(range(3 * bs)))
+    dec = s.plan_decode(rows, [3] * bs, ids=list(range(bs)))
+    views = [ext.rows_dev, ext.prefix_dev, ext.seq_dev, ext.ext_dev, ext.before_dev, ext.pos_dev, ext.row_of_dev,
+             ext.ids_dev, dec.rows_dev, dec.prefix_dev, dec.seq_dev, dec.before_dev, dec.ids_dev]
+    assert all(v.data_ptr() % 16 == 0 and v.is_contiguous() for v in views)
+    assert ext.seq_cpu.tolist() == [3] * bs and ext.ext_cpu.tolist() == [3] * bs and ext.prefix_cpu.tolist() == [0] * bs
+    assert dec.seq_cpu.tolist() == [4] * bs and dec.ids_dev.tolist() == list(range(bs))
+    assert ext.pos_dev.tolist() == [0, 1, 2] * bs and ext.ids_dev.tolist() == list(range(3 * bs))
+
+
 def test_bad_lengths_raise_typed_errors_before_anything_changes():
     s = _slots(context=16)
     rows = s.new_rows(2)

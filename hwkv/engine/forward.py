@@ -35,6 +35,30 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def pack(blocks: Sequence[Tuple[int, Sequence[Sequence[int]]]], device: torch.device
+         ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """Blocks of equal-length int lists as one host tensor sent in one copy; returns each block's [rows, width] views
+    (host, device). Every list starts at a 16-byte boundary (widths padded to even): Triton compiles a kernel variant
+    per pointer alignment, so views at odd int64 offsets would make the batch size's parity pick a new compile."""
+    flat: List[int] = []
+    shapes = []
+    for width, lists in blocks:
+        padded = width + (width & 1)
+        pad = [0] * (padded - width)
+        for one in lists:
+            flat += one
+            flat += pad
+        shapes.append((len(lists), padded, width))
+    host = torch.tensor(flat, **HOST)
+    dev = to_device(host, device)
+    hosts, devs, at = [], [], 0
+    for k, padded, width in shapes:
+        hosts.append(host[at:at + k * padded].view(k, padded)[:, :width])
+        devs.append(dev[at:at + k * padded].view(k, padded)[:, :width])
+        at += k * padded
+    return hosts, devs
+
+
 @dataclass
 class StepLens:
     """One forward's requests and lengths as the scheduler holds them before allocation: host lists and tensors
@@ -44,7 +68,7 @@ class StepLens:
     mode: ForwardMode
     rows: List[int]             # request rows (host)
     seq: List[int]              # lengths after the forward (host)
-    host: torch.Tensor          # what was copied: rows, prefix lengths, ... (the layout is `ForwardSlots`')
+    host: torch.Tensor          # the per-request lists copied, one row each: rows, prefix lengths, ... (`ForwardSlots`')
     seq_cpu: torch.Tensor
     ext_cpu: Optional[torch.Tensor]  # new tokens per request (None: a decode, one each)
     rows_dev: torch.Tensor
@@ -61,8 +85,7 @@ class StepLens:
     @property
     def prefix_cpu(self) -> torch.Tensor:
         """Each request's prefix length (host): a view of the copied block, taken only when read."""
-        bs = len(self.rows)
-        return self.host[bs:2 * bs]
+        return self.host[1]
 
 
 class ForwardSlots:
@@ -121,14 +144,11 @@ class ForwardSlots:
         extra = [] if ids is None else ids
         if ids is not None and len(ids) != t:
             raise ShapeError(f"{len(ids)} token ids for {t} new tokens")
-        host = torch.tensor(rows + prefix + seq + new + [max(p - 1, 0) for p in prefix] + pos + row_of + extra,
-                            **HOST)
-        dev = to_device(host, self.device)
-        rows_dev, prefix_dev, seq_dev, ext_dev, before_dev = dev[:5 * bs].view(5, bs)
-        per_token = dev[5 * bs:].view(2 if ids is None else 3, t)
-        return StepLens(mode, rows, seq, host, host[2 * bs:3 * bs], host[3 * bs:4 * bs], rows_dev,
-                        prefix_dev, seq_dev, ext_dev, before_dev, per_token[0], per_token[1],
-                        per_token[2] if ids is not None else None, 0 in prefix, t)
+        (host, _), (dev, per_token) = pack([(bs, [rows, prefix, seq, new, [max(p - 1, 0) for p in prefix]]),
+                                            (t, [pos, row_of] + ([] if ids is None else [extra]))], self.device)
+        rows_dev, prefix_dev, seq_dev, ext_dev, before_dev = dev
+        return StepLens(mode, rows, seq, host, host[2], host[3], rows_dev, prefix_dev, seq_dev, ext_dev, before_dev,
+                        per_token[0], per_token[1], per_token[2] if ids is not None else None, 0 in prefix, t)
 
     def plan_decode(self, rows: List[int], prefix: List[int], ids: Optional[List[int]] = None) -> StepLens:
         """A decode forward: one token per request at position `prefix[b]`; `ids` (one per request, optional) travel
@@ -138,12 +158,12 @@ class ForwardSlots:
         self._check_context(seq)
         if ids is not None and len(ids) != bs:
             raise ShapeError(f"{len(ids)} token ids for {bs} requests")
-        host = torch.tensor(rows + prefix + [p - 1 for p in prefix] + seq + ([] if ids is None else ids), **HOST)
-        dev = to_device(host, self.device)
-        rows_dev, prefix_dev, before_dev, seq_dev = (dev if ids is None else dev[:4 * bs]).view(4, bs)
-        ids_dev = dev[4 * bs:] if ids is not None else None
+        ((host,), (dev,)) = pack([(bs, [rows, prefix, [p - 1 for p in prefix], seq] + ([] if ids is None else [ids]))],
+                                 self.device)
+        rows_dev, prefix_dev, before_dev, seq_dev = dev[:4]
+        ids_dev = dev[4] if ids is not None else None
         # a request with no token yet reads position -1 (the row's last column) and its last loc is masked
-        return StepLens(ForwardMode.DECODE, rows, seq, host, host[3 * bs:4 * bs], None, rows_dev,
+        return StepLens(ForwardMode.DECODE, rows, seq, host, host[3], None, rows_dev,
                         prefix_dev, seq_dev, None, before_dev, prefix_dev, rows_dev, ids_dev, 0 in prefix, bs)
 
     def _check_context(self, seq: List[int]) -> None:
@@ -178,7 +198,7 @@ class ForwardSlots:
         if not self.move_frontiers(rows, seq_lens):
             return False
         if rows_dev is None or seq_dev is None:
-            rows_dev, seq_dev = to_device(torch.tensor([list(rows), list(seq_lens)], **HOST), self.device)
+            _, ((rows_dev, seq_dev),) = pack([(len(rows), [list(rows), list(seq_lens)])], self.device)
         f = self.frontiers[rows_dev]
         release_out_of_window_batch(self.allocator, self.rtt.req_to_token, rows_dev, seq_dev, f, self.window)
         self.frontiers[rows_dev] = f

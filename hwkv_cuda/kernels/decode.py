@@ -179,7 +179,7 @@ def _visible_range(kv_indptr, kv_pos0, q_pos, b, window):
     return kv_start, lo, hi
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "num_splits"])  # scalar math only: a server's batches share one compile
 def _decode_split_kernel(
         q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, sinks, out, ws_acc, ws_lse, ws_counts,
         qk_scale, v_scale, cap, window, num_splits,
@@ -294,7 +294,7 @@ def _merge_rows(sinks, out, ws_acc, ws_lse, b, heads, mask_h, v_scale, num_split
              mask=mask_h[:, None] & mask_dv[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
         sinks, out, ws_acc, ws_lse, v_scale, num_splits,
         s_ob, s_oh, s_ab, s_ah, s_as, s_lb, s_lh,
