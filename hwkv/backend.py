@@ -176,7 +176,10 @@ class AttentionBackend(DraftMetadataMixin):
         i64, i32 = dict(dtype=torch.int64, device=dev), dict(dtype=torch.int32, device=dev)
         lens, q_pos0 = torch.empty(bs, **i64), torch.empty(bs, **i64)
         qo_indptr = torch.empty(bs + 1, **i32)
-        list_indptr, list_pos0 = torch.empty(nl, bs + 1, **i32), torch.empty(nl, bs, **i64)
+        # rows padded to 16 bytes: each window list's indptr and pos0 (a row) reach kernels at a 16-byte boundary
+        # whatever the batch (Triton compiles a variant per pointer alignment)
+        list_indptr = torch.empty(nl, -(-(bs + 1) // 4) * 4, **i32)[:, :bs + 1]
+        list_pos0 = torch.empty(nl, bs + (bs & 1), **i64)[:, :bs]
         full_indices = torch.empty(sum(seq_h), **i64)
         rtt = self.req_to_token_pool.req_to_token
         kernels.fill_lists(rtt, batch.req_pool_indices, batch.seq_lens, ext, self._list_windows, lens, q_pos0, qo_indptr, list_indptr, list_pos0, full_indices)

@@ -299,4 +299,6 @@ def test_eager_metadata_through_the_fused_kernels_matches_torch(mode, page_size,
     for a, b in [(ref.full, got.full)] + [(ref.windows[w], got.windows[w]) for w in ref.windows]:
         assert torch.equal(a.indptr, b.indptr) and torch.equal(a.pos0, b.pos0) and torch.equal(a.indices, b.indices)
         assert (a.max_len, a.min_len, a.is_swa_slots, a.window) == (b.max_len, b.min_len, b.is_swa_slots, b.window)
+        # every list's indptr and pos0 starts 16-byte aligned for this odd batch (one compiled variant per kernel)
+        assert b.indptr.data_ptr() % 16 == 0 and b.pos0.data_ptr() % 16 == 0 and b.indptr.is_contiguous()
     assert h.backend.window_translations >= 2 * len(ref.windows)  # still one counted translation per list

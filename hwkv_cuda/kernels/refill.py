@@ -74,7 +74,7 @@ def _window_pos0(q_pos0, window):
     return tl.where(window > 0, tl.maximum(q_pos0 - window + 1, 0), 0)
 
 
-@triton.jit(do_not_specialize=["full_cap", "copies"])
+@triton.jit(do_not_specialize=["full_cap", "stride_indptr", "stride_pos0", "copies"])  # they follow the batch
 def _fill_lists_kernel(req_to_token, req_pool_indices, seq_lens, ext_lens, windows,
                        lens, q_pos0, qo_indptr, list_indptr, list_pos0, full_indices,
                        stride_rtt, rtt_cols, full_cap, stride_indptr, stride_pos0, copies,
