@@ -50,6 +50,9 @@ def test_chat_rows_add_up_fit_the_budget_and_are_checked(small):
     assert hybrid.swa_pool_tokens > 0 and full.swa_pool_tokens == 0
     data = res.to_dict()
     assert data["schema"] == "hwkv-bench-chat/2" and data["layers_run"] == 4 and set(data["phases"]) == set(PHASES)
+    # one untimed pass over a few conversations before either variant (compiles and first touches land there)
+    assert data["warm_up"]["variant"] == "hybrid" and data["warm_up"]["conversations"] == SMALL.concurrency
+    assert data["warm_up"]["turns"] == 2 and data["warm_up"]["wall_s"] > 0
 
 
 def test_memory_bound_chat_reuses_more_with_the_hybrid_pools(small):

@@ -140,10 +140,12 @@ class ChatResult:
     workload: ChatWorkload
     layers: int
     rows: List[ChatRow] = field(default_factory=list)
+    warm_up: Dict[str, Any] = field(default_factory=dict)  # the untimed pass before the variants (see run_chat)
 
     def to_dict(self) -> Dict[str, Any]:
         return {"schema": "hwkv-bench-chat/2", "model": self.model, "device": self.device, "layers_run": self.layers,
-                "workload": asdict(self.workload), "phases": dict(PHASES), "rows": [asdict(r) for r in self.rows]}
+                "workload": asdict(self.workload), "phases": dict(PHASES), "warm_up": dict(self.warm_up),
+                "rows": [asdict(r) for r in self.rows]}
 
 
 # ---- pools ---------------------------------------------------------------------------------------------------
@@ -367,8 +369,8 @@ def _converse(engine: Engine, w: ChatWorkload, step_s: List[float],
 
 
 def run_chat(shape: ModelShape, w: ChatWorkload, device: str = "cpu", backend_device: Any = None) -> ChatResult:
-    """Both variants over the same conversations (same token ids, same order); both variants' pools are checked
-    for the longest turn before anything runs."""
+    """Both variants over the same conversations (same token ids, same order), after one untimed pass of the first
+    variant over a few of them; both variants' pools are checked for the longest turn before anything runs."""
     if not shape.swa_layer_ids:
         raise ConfigError(f"{shape.name} has no SWA layers: the chat workload compares hybrid with all-full")
     run = run_shape(shape, w)
@@ -379,6 +381,14 @@ def run_chat(shape: ModelShape, w: ChatWorkload, device: str = "cpu", backend_de
     for s in sizes:
         _check_fits(s, shape, w)
     res = ChatResult(shape.name, device, w, run.num_layers)
+    # an untimed pass first, so neither variant pays the kernels' compilation for the shapes a conversation makes
+    # (prompt chunks, prefix hits, decode batches up to the concurrency): on the H200 the variant run first paid ~20
+    # compiles, which read as a slower hybrid
+    warm = replace(w, conversations=min(w.conversations, w.concurrency), turns=min(w.turns, 2), check_every=0)
+    t0 = time.perf_counter()
+    run_variant(sizes[0], shape, warm, device, backend_device)
+    res.warm_up = {"variant": sizes[0].variant, "conversations": warm.conversations, "turns": warm.turns,
+                   "wall_s": round(time.perf_counter() - t0, 3)}
     for s in sizes:
         res.rows.append(run_variant(s, shape, w, device, backend_device))
     return res
