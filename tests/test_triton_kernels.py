@@ -132,8 +132,9 @@ def test_decode_public_calls_reuse_their_plan_and_still_check_what_differs():
     for seed in (6, 7):  # other queries through the same plan (the scratch of the call before is reused)
         c.q = torch.randn(c.q.shape, generator=torch.Generator().manual_seed(seed)).to(DEV)
         _close(c.decode(max_kv_len=300), c.ref(), torch.float32)
-        assert torch.equal(c.decode(max_kv_len=300), c.decode(max_kv_len=300, config=D.decode_config(
-            1, 2, 16, 300, DEV)))
+        # the public plan sizes its grid from max_kv_len's power of two: the same plan through a config
+        assert torch.equal(c.decode(max_kv_len=300), c.decode(max_kv_len=512, config=D.decode_config(
+            1, 2, 16, 512, DEV)))
     assert len(D._PUBLIC_PLANS) == 1 and next(iter(D._PUBLIC_PLANS.values())) is plan
     c.window = 9  # a window is an argument of the launch, not of the plan: same plan, the window's output
     _close(c.decode(max_kv_len=300), c.ref(), torch.float32)
@@ -147,6 +148,41 @@ def test_decode_public_calls_reuse_their_plan_and_still_check_what_differs():
         decode_attention(c.q, c.k_buf, c.v_buf, c.kv_indptr, c.kv_indices, c.kv_pos0[:0], q_pos, out, c.scaling,
                          max_kv_len=300)
     assert bool((out == 7.0).all()), "a refused call wrote its output"
+
+
+def test_decode_public_plans_follow_the_thread_the_list_bound_and_a_strided_index_list():
+    """Plans of public calls are per thread (two threads on one stream would otherwise share the scratch between a
+    call's split and merge launches), per power of two of max_kv_len (a growing bound keeps a few plans), and a
+    kv_indices view with a strided last dim is never cached: a later, longer strided view still gets the error."""
+    import threading
+    from hwkv_cuda.kernels import decode as D
+    D._PUBLIC_PLANS.clear()
+    c = Case([300], [1], seed=8)
+    want = c.decode(max_kv_len=300)
+    for n in (257, 300, 512):  # one power of two: one plan, the same output
+        assert torch.equal(c.decode(max_kv_len=n), want)
+    assert len(D._PUBLIC_PLANS) == 1
+    _close(c.decode(max_kv_len=513), c.ref(), torch.float32)
+    assert len(D._PUBLIC_PLANS) == 2
+    got = []
+    t = threading.Thread(target=lambda: got.append(c.decode(max_kv_len=300)))
+    t.start()
+    t.join()
+    assert torch.equal(got[0], want) and len(D._PUBLIC_PLANS) == 3, "another thread gets a plan (and scratch) of its own"
+    workspaces = {id(p.ws_acc) for p in D._PUBLIC_PLANS.values() if p.splits > 1}
+    assert len(workspaces) == sum(p.splits > 1 for p in D._PUBLIC_PLANS.values())
+    base = torch.arange(1, 129, dtype=torch.int64, device=DEV)
+    k_buf = torch.randn(140, 2, 16, device=DEV)
+    out = torch.zeros(1, 4, 16, device=DEV)
+
+    def call(idx):
+        n = idx.shape[0]
+        decode_attention(torch.randn(1, 4, 16, device=DEV), k_buf, k_buf, torch.tensor([0, n], dtype=torch.int32,
+                         device=DEV), idx, torch.zeros(1, dtype=torch.int64, device=DEV),
+                         torch.full((1,), n - 1, dtype=torch.int64, device=DEV), out, 0.25)
+    call(base[:2][::2])  # one entry, stride 2: allowed, not cached
+    with pytest.raises(ShapeError, match="kv_indices must have a contiguous last dimension"):
+        call(base[::2])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

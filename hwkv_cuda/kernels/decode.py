@@ -21,6 +21,7 @@ program (256-byte rows at D=64) took batch 64-256 from 0.91-0.93 of cuDNN over d
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
@@ -496,7 +497,9 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     raw logits in the denominator only. k_scale/v_scale multiply the loaded K/V values.
     max_kv_len (host int, optional) only sizes the split grid. workspace: scratch from
     make_decode_workspace (its split count wins) so graph capture allocates nothing; without
-    it, a multi-split call allocates scratch with torch.empty. No host sync either way.
+    it, a multi-split call allocates scratch at the first call of its kind (shapes, devices,
+    stream, thread, max_kv_len's power of two) and reuses it for the calls like it. No host sync
+    either way.
     """
     if workspace is None and config is None:
         plan = _public_plan(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks, max_kv_len)
@@ -510,29 +513,37 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
 
 
 # plans of public calls by what their checks and plan read: a call like an earlier one (the same shapes, last-dim
-# strides, buffer strides, devices, list bound and stream) skips the checks and the workspace allocation
+# strides, buffer strides, devices, list bound's power of two, stream and thread) skips the checks and the
+# workspace allocation
 _PUBLIC_PLANS: Dict[Tuple[Any, ...], DecodePlan] = {}
 
 
 def _public_plan(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks, max_kv_len) -> DecodePlan:
     """The plan of a `decode_attention` call without workspace or config: checked and made at the first call of
-    its signature, then reused (its split-K scratch too: calls on one stream run in order, and the in-place
-    merge's counters return to zero at the end of each launch). A call while a graph is being captured checks
-    and plans afresh (its workspace must not be one an eager call shares). Host work: one tuple of C-level reads
-    and one dict lookup instead of ~20 check helpers and three scratch allocations."""
+    its signature, then reused, its split-K scratch too. That is safe because the key holds the stream and the
+    calling thread: one thread's calls on one stream run in order (another thread's split could otherwise land
+    between this call's split and merge launches on a shared stream), and the in-place merge's counters return to
+    zero at the end of each launch. `max_kv_len` is rounded up to a power of two first (it only sizes the split
+    grid, as an upper bound), so a caller passing each step's growing maximum keeps a few plans, not one a step.
+    A kv_indices with a strided last dim is never cached (its length is not in the key, and only a one-entry view
+    may be strided), nor is a call while a graph is being captured (its workspace must not be one an eager call
+    shares). Host work: one tuple of C-level reads and one dict lookup instead of ~20 check helpers and three
+    scratch allocations."""
     dev = q.device
+    bound = None if max_kv_len is None else next_pow2(max_kv_len)
     key = (q.shape, k_buf.shape, v_buf.shape, out.shape, kv_indptr.shape, kv_indices.dim(), kv_pos0.shape,
            q_pos.shape, sinks.shape if sinks is not None else None, q.stride(-1), out.stride(-1), k_buf.stride(),
            v_buf.stride(), kv_indptr.stride(-1), kv_indices.stride(-1), kv_pos0.stride(-1), q_pos.stride(-1),
            sinks.stride(-1) if sinks is not None else None, dev, k_buf.get_device(), v_buf.get_device(),
            kv_indptr.get_device(), kv_indices.get_device(), kv_pos0.get_device(), q_pos.get_device(),
-           out.get_device(), sinks.get_device() if sinks is not None else None, max_kv_len, current_stream(dev))
+           out.get_device(), sinks.get_device() if sinks is not None else None, bound, current_stream(dev),
+           threading.get_ident())
     plan = _PUBLIC_PLANS.get(key)
     if plan is not None and not _capturing(dev):
         return plan
     _check_decode(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks)
-    plan = _make_plan(q, k_buf, v_buf, out, max_kv_len, None, None)
-    if not _capturing(dev):
+    plan = _make_plan(q, k_buf, v_buf, out, bound, None, None)
+    if not _capturing(dev) and kv_indices.stride(-1) == 1:
         if len(_PUBLIC_PLANS) >= 64:
             _PUBLIC_PLANS.clear()
         _PUBLIC_PLANS[key] = plan
