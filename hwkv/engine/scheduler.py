@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, List, NamedTuple, Optional, Sequence, Tuple
 
 from hwkv.engine.plan import swa_tokens_per_request
 from hwkv.engine.pools import PoolPlan
@@ -79,10 +79,10 @@ class Request:
         return self.finish_reason is not None
 
 
-@dataclass(frozen=True)
-class Row:
+class Row(NamedTuple):
     """One request's part of a forward: `n` new tokens after its `prefix`; `samples` when the chunk ends
-    at its last known token, so the forward's logits there give its next token."""
+    at its last known token, so the forward's logits there give its next token. A named tuple: the scheduler makes
+    one per running request every step (a frozen dataclass took ~1 us each to build)."""
 
     req: Request
     prefix: int
