@@ -22,7 +22,7 @@ import torch
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.cache import HybridPrefixCache
 from hwkv.engine.drafters import Drafter
-from hwkv.engine.forward import HOST, ForwardSlots, StepLens, to_device
+from hwkv.engine.forward import HOST, ForwardSlots, StepLens, pack, to_device
 from hwkv.engine.pools import Cache
 from hwkv.engine.sampling import SamplingParams, params_tensors, sample
 from hwkv.engine.scheduler import Request, Row, Scheduler
@@ -406,9 +406,10 @@ class Engine:
                     break
             accepted.append(used - 1)
             used_all += used
-        acc = torch.tensor(accepted, **HOST)
-        pre = torch.tensor([r.prefix + 1 for r in rows], **HOST)  # the drafts start after the last token
-        pre_dev, acc_dev = to_device(torch.stack([pre, acc]), self.device)
+        # the drafts' start (after the last token), the accepted counts and each row's last token: one copy
+        (host,), ((pre_dev, acc_dev, last_dev),) = pack(
+            [(bs, [[r.prefix + 1 for r in rows], accepted, [r.req.output[-1] for r in rows]])], self.device)
+        pre, acc = host[0], host[1]
         c = self.cache
         index = torch.arange(k, dtype=I64, device=self.device).expand(bs, k).contiguous()
         seq = accept_draft_tokens(c.allocator, c.pool, c.rtt.req_to_token, batch.req_pool_indices, pre_dev, index,
@@ -416,8 +417,7 @@ class Engine:
         self._release([r.req.row for r in rows], [r.prefix + 1 + a for r, a in zip(rows, accepted)], batch, seq)
         for r, a in zip(rows, accepted):
             r.req.kv_len = r.prefix + 1 + a
-        self.next_ids[batch.req_pool_indices] = to_device(torch.tensor([r.req.output[-1] for r in rows], **HOST),
-                                                          self.device)
+        self.next_ids[batch.req_pool_indices] = last_dev
         tails, heads = c.free_counts_async()
         self._record_held(tails.tolist(), heads, self._cached_slots())  # a second wait, after the release
         self.stats.record_drafts(bs, bs * k, sum(accepted))
@@ -527,8 +527,7 @@ class Engine:
             # a prompt's last token rides along: its id comes from the host, in the same copy
             mixed = any(r.req.prefilling for r in rows)
             lens = self.slots.plan_decode(row_list, prefix, [r.req.next_tokens(1)[0] for r in rows] if mixed else None)
-            p = self.cache.plan.page_size
-            if p == 1 or not all(q % p for q in prefix):  # a page moves (else every token continues its page)
+            if self.scheduler.new_pages(rows):  # a page moves (else every token continues its page)
                 self._pools_changed = True
         else:
             decoding = any(not r.req.prefilling for r in rows)
@@ -588,13 +587,10 @@ class Engine:
         """A decode step as one graph replay: the rows and lengths after it go to the device in one copy (the
         allocation, req_to_token write, metadata, layers and out-of-window release run inside); returns the
         request rows on the device (the graph's) and the sampled tokens. OutOfSlotsError before anything ran."""
-        prefix = [r.prefix for r in rows]
-        logits, released = self.slots.replay_decode(self.graph, [r.req.row for r in rows], prefix)
+        logits, released = self.slots.replay_decode(self.graph, [r.req.row for r in rows], [r.prefix for r in rows])
         self.stats.graph_replays = self.graph.replays
-        p = self.cache.plan.page_size
-        if p == 1 or not all(q % p for q in prefix):  # a page moved (else every token continued its page)
-            self._pools_changed = True
-        if released:  # the graph released what the host rule says moved
+        # a page moved (else every token continued its page), or the graph released what the host rule says moved
+        if released or self.scheduler.new_pages(rows):
             self._pools_changed = True
         return self.graph.req_pool_indices[:len(rows)], self._sample(sampled, logits)
 
