@@ -23,8 +23,8 @@ from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, EvictedSlotError, ShapeError
 from hwkv.layer import AttentionLayer
 from hwkv.loc import KVWriteLoc, LocRuns, SWALocCache
-from hwkv.metadata import (ForwardMetadata, GraphViews, KeptRange, KVIndexList, StaticBuffers, alloc_static,
-                           check_fits, cumsum_into, fill_list, window_pos0)
+from hwkv.metadata import (ForwardMetadata, GraphViews, KeptRange, KVIndexList, StaticBuffers, aligned_width,
+                           alloc_static, check_fits, cumsum_into, fill_list, window_pos0)
 from hwkv.spec_plan import TreePlanner
 
 
@@ -176,10 +176,9 @@ class AttentionBackend(DraftMetadataMixin):
         i64, i32 = dict(dtype=torch.int64, device=dev), dict(dtype=torch.int32, device=dev)
         lens, q_pos0 = torch.empty(bs, **i64), torch.empty(bs, **i64)
         qo_indptr = torch.empty(bs + 1, **i32)
-        # rows padded to 16 bytes: each window list's indptr and pos0 (a row) reach kernels at a 16-byte boundary
-        # whatever the batch (Triton compiles a variant per pointer alignment)
-        list_indptr = torch.empty(nl, -(-(bs + 1) // 4) * 4, **i32)[:, :bs + 1]
-        list_pos0 = torch.empty(nl, bs + (bs & 1), **i64)[:, :bs]
+        # each window list's indptr and pos0 (a row) reach kernels at a 16-byte boundary whatever the batch
+        list_indptr = torch.empty(nl, aligned_width(bs + 1, torch.int32), **i32)[:, :bs + 1]
+        list_pos0 = torch.empty(nl, aligned_width(bs, torch.int64), **i64)[:, :bs]
         full_indices = torch.empty(sum(seq_h), **i64)
         rtt = self.req_to_token_pool.req_to_token
         kernels.fill_lists(rtt, batch.req_pool_indices, batch.seq_lens, ext, self._list_windows, lens, q_pos0, qo_indptr, list_indptr, list_pos0, full_indices)

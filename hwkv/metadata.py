@@ -121,6 +121,14 @@ def alloc_static(max_bs: int, max_num_tokens: int, max_context_len: int, windows
         list_indptr, list_pos0, torch.tensor([0] + windows, **i64))
 
 
+def aligned_width(n: int, dtype: torch.dtype) -> int:
+    """n rounded up so that rows of that many `dtype` elements start at 16-byte boundaries: Triton compiles a kernel
+    variant per pointer alignment, so lists handed to kernels as rows of one buffer must not let the batch size
+    pick their alignment."""
+    per = max(1, 16 // dtype.itemsize)
+    return -(-n // per) * per
+
+
 class KeptRange:
     """arange(n) (or zeros(n), `zeros=True`) of one dtype as a view of one kept tensor, grown by doubling: the
     read-only constants a forward's metadata slices every step (decode's qo_indptr, lists' zero pos0, column

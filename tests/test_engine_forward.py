@@ -108,3 +108,11 @@ def test_release_runs_only_when_a_host_frontier_moves_and_both_copies_agree(monk
     s.free(list(seq), list(seq.values()))
     assert s.allocator.full_available_size() == 512 and s.allocator.swa_available_size() == 256
     assert s.rtt.available_size() == 6
+
+
+def test_aligned_width_rounds_rows_to_16_bytes():
+    """The one rule both the engine's copy and the eager metadata's rows use."""
+    from hwkv.metadata import aligned_width
+    assert [aligned_width(n, torch.int64) for n in (0, 1, 2, 3)] == [0, 2, 2, 4]
+    assert [aligned_width(n, torch.int32) for n in (1, 4, 5, 9)] == [4, 4, 8, 12]
+    assert aligned_width(3, torch.uint8) == 16

@@ -23,6 +23,7 @@ import torch
 from hwkv.allocator import ReqToTokenPool, release_out_of_window_batch
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.errors import LocError, ShapeError
+from hwkv.metadata import aligned_width
 
 I64 = torch.int64
 HOST = dict(dtype=torch.int64, device="cpu")  # host values: never on the default device a user set
@@ -38,12 +39,12 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def pack(blocks: Sequence[Tuple[int, Sequence[Sequence[int]]]], device: torch.device
          ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """Blocks of equal-length int lists as one host tensor sent in one copy; returns each block's [rows, width] views
-    (host, device). Every list starts at a 16-byte boundary (widths padded to even): Triton compiles a kernel variant
-    per pointer alignment, so views at odd int64 offsets would make the batch size's parity pick a new compile."""
+    (host, device). Every list starts at a 16-byte boundary (`hwkv.metadata.aligned_width`): views at odd int64
+    offsets would make the batch size's parity pick a new kernel compile."""
     flat: List[int] = []
     shapes = []
     for width, lists in blocks:
-        padded = width + (width & 1)
+        padded = aligned_width(width, I64)
         pad = [0] * (padded - width)
         for one in lists:
             flat += one
