@@ -78,14 +78,21 @@ class SyntheticModel:
         self.forwards = 0
         self.check: Optional["ReferenceCheck"] = None
 
-    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D] rotated by each token's position (pairs (i, i + D/2); an odd last dim stays)."""
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor,
+              rot: Optional[Dict[int, Tuple[torch.Tensor, torch.Tensor]]] = None) -> torch.Tensor:
+        """x [T, heads, D] rotated by each token's position (pairs (i, i + D/2); an odd last dim stays). `rot`: the
+        positions' cos and sin per head dim, gathered once per forward and shared by its layers."""
         d = x.shape[-1]
         half = d // 2
         if half == 0:
             return x
-        cos, sin = self._angles(d)
-        c, s = cos[pos][:, None], sin[pos][:, None]
+        cs = rot.get(d) if rot is not None else None
+        if cs is None:
+            cos, sin = self._angles(d)
+            cs = (cos[pos][:, None], sin[pos][:, None])
+            if rot is not None:
+                rot[d] = cs
+        c, s = cs
         a, b = x[..., :half], x[..., half:2 * half]
         return torch.cat([a * c - b * s, a * s + b * c, x[..., 2 * half:]], dim=-1)
 
@@ -99,15 +106,16 @@ class SyntheticModel:
             table = self._rope_tables[d] = (ang.cos().to(self.device), ang.sin().to(self.device))
         return table
 
-    def qkv(self, layer_id: int, ids: torch.Tensor, pos: torch.Tensor, queries: Optional[int] = None
+    def qkv(self, layer_id: int, ids: torch.Tensor, pos: torch.Tensor, queries: Optional[int] = None,
+            rot: Optional[Dict[int, Tuple[torch.Tensor, torch.Tensor]]] = None
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer `layer_id`'s q [T, H, D], k [T, KVH, D], v [T, KVH, Dv] of tokens `ids` at `pos`, in the model's
-        dtype; with `queries`, q of the last that many tokens only."""
+        dtype; with `queries`, q of the last that many tokens only. `rot`: a forward's shared rotations (`_rope`)."""
         q_t, k_t, v_t = self._tables[layer_geometry(self.shape, layer_id)]
         rows = (ids + 7919 * layer_id) % self.rows  # each layer reads the tables at its own offset
         qs = slice(None) if queries is None else slice(len(ids) - queries, None)
-        q = self._rope(q_t[rows[qs]], pos[qs])
-        k = self._rope(k_t[rows], pos)
+        q = self._rope(q_t[rows[qs]], pos[qs], rot if queries is None else None)
+        k = self._rope(k_t[rows], pos, rot)
         return q.to(self.dtype), k.to(self.dtype), v_t[rows].to(self.dtype)
 
     def __call__(self, batch: ForwardBatch, ids: torch.Tensor, pos: torch.Tensor,
@@ -117,8 +125,9 @@ class SyntheticModel:
         pick = self.check.pick(batch, ids) if self.check is not None and self.check.due(self.forwards - 1) else None
         outs: List[torch.Tensor] = []  # the checked queries' outputs, per layer
         acc: Optional[torch.Tensor] = None
+        rot: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # the positions' rotations, once per forward
         for layer, readout in zip(self.layers, self._readout):
-            q, k, v = self.qkv(layer.layer_id, ids, pos)
+            q, k, v = self.qkv(layer.layer_id, ids, pos, rot=rot)
             out = self.backend.forward(q, k, v, layer, batch)
             if pick is not None:
                 outs.append(out.index_select(0, pick.index))
