@@ -46,6 +46,7 @@ class TritonBackend(KernelSetBackend):
         # layer and bucket (graphs replay one at a time, in stream order)
         self._graph_workspaces: Dict[Tuple[int, int, int], _kernels.DecodeWorkspace] = {}
         self._outgrown: List[_kernels.DecodeWorkspace] = []  # earlier captures may still write these
+        self._decode_layers: Dict[int, Tuple[Any, ...]] = {}  # layer id -> what _decode_layer made, and from what
 
     @staticmethod
     def _plans(md: ForwardMetadata) -> Dict[Any, Any]:
@@ -78,7 +79,19 @@ class TritonBackend(KernelSetBackend):
         plan = self._plan(md, True, q, layer, kv, k_buf, v_buf, out)
         _kernels.decode_attention_planned(plan, q, k_buf, v_buf, kv.indptr, kv.indices, kv.pos0, md.q_pos0, out,
                                           layer.scaling, layer.window, layer.logit_cap, layer.sinks,
-                                          layer.k_scale, layer.v_scale)
+                                          layer.k_scale, layer.v_scale, self._decode_layer(layer, k_buf, v_buf))
+
+    def _decode_layer(self, layer: AttentionLayer, k_buf: torch.Tensor, v_buf: torch.Tensor) -> Any:
+        """The layer's part of its decode launches, made at its first decode and kept while the layer object, its
+        buffers, sinks and scalars stay the ones it was made from (identity and value compares)."""
+        kept = self._decode_layers.get(layer.layer_id)
+        values = (layer.scaling, layer.sliding_window, layer.logit_cap, layer.k_scale, layer.v_scale)
+        if (kept is None or kept[0] is not layer or kept[1] is not k_buf or kept[2] is not v_buf
+                or kept[3] is not layer.sinks or kept[4] != values):
+            part = _kernels.decode_layer(k_buf, v_buf, layer.sinks, layer.scaling, layer.window, layer.logit_cap,
+                                         layer.k_scale, layer.v_scale)
+            kept = self._decode_layers[layer.layer_id] = (layer, k_buf, v_buf, layer.sinks, values, part)
+        return kept[5]
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
                        md: ForwardMetadata, out: torch.Tensor) -> None:

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from hwkv.errors import ShapeError
-from hwkv_cuda.kernels.launch import Launch, current_stream, launch
+from hwkv_cuda.kernels.launch import Launch, current_stream, launch, spec
 from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, cdiv, check_dims, check_same_device, dot, fold_sink,
                                       hopper_class, interpreting, logits_log2, next_pow2, num_sms, online_softmax_step,
                                       pow2)
@@ -182,9 +182,10 @@ def _visible_range(kv_indptr, kv_pos0, q_pos, b, window):
 
 @triton.jit(do_not_specialize=["window", "num_splits"])  # scalar math only: a server's batches share one compile
 def _decode_split_kernel(
-        q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, sinks, out, ws_acc, ws_lse, ws_counts,
-        qk_scale, v_scale, cap, window, num_splits,
-        s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_ob, s_oh, s_ab, s_ah, s_as, s_lb, s_lh, s_cb,
+        q, out, s_qb, s_qh, s_ob, s_oh,                                                # a call's (CALL_ARGS)
+        k_buf, v_buf, sinks, qk_scale, v_scale, cap, window, s_kb, s_kh, s_vb, s_vh,   # a layer's (LAYER_ARGS)
+        kv_indptr, kv_indices, kv_pos0, q_pos, ws_acc, ws_lse, ws_counts, num_splits,  # a forward's
+        s_ab, s_ah, s_as, s_lb, s_lh, s_cb,
         GROUP: tl.constexpr, HPP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, DIRECT: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, F32: tl.constexpr,
@@ -397,6 +398,10 @@ class DecodePlan(NamedTuple):
     interpreted: bool
     launch_key: Tuple[Any, ...]    # what fixes its launches (grids, constexprs): shared across forwards
     launches: Dict[Any, Launch]    # this plan's planned launches by kernel and flags (no hash of launch_key per call)
+    geometry: Tuple[Any, ...]      # what a layer's buffers must match (DecodeLayer.geometry)
+    lists: Optional[Tuple[torch.Tensor, ...]]  # the index lists plan_decode checked (None: a public call's plan)
+    forward_args: Tuple[Any, ...]  # the split kernel's arguments of a forward (lists, workspace) and their spec
+    forward_spec: Optional[Tuple[Any, ...]]
 
     @property
     def workspace(self) -> Optional[DecodeWorkspace]:
@@ -410,7 +415,7 @@ class DecodePlan(NamedTuple):
         return bool(self.split_consts["FUSED"])
 
 
-def _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, cfg) -> DecodePlan:
+def _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, cfg, lists=None) -> DecodePlan:
     bs, h, d = q.shape
     kvh, dv = k_buf.shape[1], v_buf.shape[2]
     cfg = cfg or decode_config(bs, kvh, max(d, dv), max_kv_len, q.device)
@@ -438,47 +443,84 @@ def _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, cfg) -> DecodePlan:
     merge_consts = dict(DV=dv, BLOCK_S=block_s, BLOCK_DV=next_pow2(dv),
                         num_warps=1 if interpreted else 4)
     counts = ws.counts if fused else ws.lse
+    workspace_args = (ws.acc, ws.lse, counts, splits, *ws_strides, counts.stride(0))
+    forward_args = (*lists, *workspace_args) if lists is not None else workspace_args
     return DecodePlan(tuple(q.shape), tuple(k_buf.shape), tuple(v_buf.shape), k_buf.stride(), v_buf.stride(),
                       tuple(out.shape), q.device, splits, ws.acc, ws.lse, counts, ws_strides + (counts.stride(0),),
                       cfg, split_consts, merge_consts, interpreted,
-                      (bs, kvh // hpp, splits, h, tuple(split_consts.items()), tuple(merge_consts.items())), {})
+                      (bs, kvh // hpp, splits, h, tuple(split_consts.items()), tuple(merge_consts.items())), {},
+                      _geometry(k_buf, v_buf), lists, forward_args,
+                      spec(_decode_split_kernel, forward_args, _FORWARD_AT) if lists is not None else None)
 
 
-def _run(plan: DecodePlan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, scaling, window,
-         logit_cap, sinks, k_scale, v_scale) -> None:
+# where the split kernel's parameters of a layer and of a forward begin (see its signature)
+_LAYER_AT, _FORWARD_AT = 6, 17
+
+
+def _geometry(k_buf: torch.Tensor, v_buf: torch.Tensor) -> Tuple[Any, ...]:
+    return (k_buf.shape, v_buf.shape, k_buf.stride(), v_buf.stride(), k_buf.get_device(), v_buf.get_device())
+
+
+class DecodeLayer(NamedTuple):
+    """One layer's arguments of the split kernel (buffers, sinks, scales, window), with their spec, launch flags
+    and buffer geometry: made once per layer by the backend (`decode_layer`), then handed to every forward."""
+
+    args: Tuple[Any, ...]
+    spec: Tuple[Any, ...]
+    flags: Tuple[bool, bool]     # HAS_CAP, HAS_SINKS
+    geometry: Tuple[Any, ...]
+    sinks: Optional[Tuple[Any, ...]]  # the sinks' (shape, device index), None without sinks
+
+
+def decode_layer(k_buf: torch.Tensor, v_buf: torch.Tensor, sinks: Optional[torch.Tensor], scaling: float,
+                 window: Optional[int] = None, logit_cap: float = 0.0, k_scale: Optional[float] = None,
+                 v_scale: Optional[float] = None, kept: bool = True) -> DecodeLayer:
+    """A layer's part of a decode launch (see DecodeLayer); nothing is checked here: a plan compares it.
+    `kept=False` (a part made for one call): no spec, the launch compares every argument itself."""
+    cap = float(logit_cap or 0.0)
+    ks, vs = k_buf.stride(), v_buf.stride()
+    args = (k_buf, v_buf, sinks if sinks is not None else k_buf, float(scaling) * as_scale(k_scale),
+            as_scale(v_scale), cap, int(window or 0), ks[0], ks[1], vs[0], vs[1])
+    return DecodeLayer(args, spec(_decode_split_kernel, args, _LAYER_AT) if kept else None,
+                       (cap > 0, sinks is not None), _geometry(k_buf, v_buf),
+                       None if sinks is None else (sinks.shape, sinks.get_device()))
+
+
+def _run(plan: DecodePlan, q, out, layer: DecodeLayer, lists: Tuple[torch.Tensor, ...]) -> None:
     """The launches (split, then the merge kernel when there is more than one split and the last split does
-    not merge in place); nothing is checked here."""
+    not merge in place); nothing is checked here. The split kernel's arguments come in three parts, each with
+    its spec computed as often as it changes: the call's (q, out), the layer's, the forward's (the plan's)."""
     bs, h, _ = plan.q_shape
     if bs == 0:
         return
     splits = plan.splits
-    vs = as_scale(v_scale)
-    cap = float(logit_cap or 0.0)
     qs, os_ = q.stride(), out.stride()
-    strides = (qs[0], qs[1], plan.k_stride[0], plan.k_stride[1], plan.v_stride[0], plan.v_stride[1], os_[0], os_[1])
-    sinks_arg = sinks if sinks is not None else q
-    flags = (cap > 0, sinks is not None, q.dtype == torch.float32 or plan.interpreted)
-    args = (q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, sinks_arg, out, plan.ws_acc, plan.ws_lse,
-            plan.ws_counts, float(scaling) * as_scale(k_scale), vs, cap, int(window or 0), splits, *strides,
-            *plan.ws_strides)
+    call = (q, out, qs[0], qs[1], os_[0], os_[1])
+    kept = plan.lists is not None and layer.spec is not None  # both parts' specs made once: compare those
+    args = call + layer.args + (plan.forward_args if plan.lists is not None else lists + plan.forward_args)
+    flags = layer.flags + (q.dtype == torch.float32 or plan.interpreted,)
     planned = plan.launches.get(flags)
     if planned is not None:
-        planned(*args)
+        if kept:
+            planned.parts(args, (layer.spec, plan.forward_spec))
+        else:
+            planned(*args)
     else:
         key = (plan.launch_key, "split") + flags
-        launch(_LAUNCHES, key, _decode_split_kernel, (plan.k_shape[1] // plan.split_consts["HPP"], splits, bs),
-               args, dict(HAS_CAP=flags[0], HAS_SINKS=flags[1], F32=flags[2], **plan.split_consts))
-        plan.launches[flags] = _LAUNCHES[key]
+        plan.launches[flags] = launch(
+            _LAUNCHES, key, _decode_split_kernel, (plan.k_shape[1] // plan.split_consts["HPP"], splits, bs), args,
+            dict(HAS_CAP=flags[0], HAS_SINKS=flags[1], F32=flags[2], **plan.split_consts),
+            ((_LAYER_AT, _FORWARD_AT), (_FORWARD_AT, len(args))))
     if splits > 1 and not plan.split_consts["FUSED"]:
-        args = (sinks_arg, out, plan.ws_acc, plan.ws_lse, vs, splits, os_[0], os_[1], *plan.ws_strides[:5])
+        args = (layer.args[2], out, plan.ws_acc, plan.ws_lse, layer.args[4], splits, os_[0], os_[1],
+                *plan.ws_strides[:5])
         planned = plan.launches.get(flags[1])
         if planned is not None:
             planned(*args)
         else:
             key = (plan.launch_key, "merge", flags[1])
-            launch(_LAUNCHES, key, _decode_merge_kernel, (bs, h), args,
-                   dict(HAS_SINKS=flags[1], **plan.merge_consts))
-            plan.launches[flags[1]] = _LAUNCHES[key]
+            plan.launches[flags[1]] = launch(_LAUNCHES, key, _decode_merge_kernel, (bs, h), args,
+                                             dict(HAS_SINKS=flags[1], **plan.merge_consts))
 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
@@ -508,8 +550,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         plan = _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, config)
     if q.shape[0] == 0:
         return
-    _run(plan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, scaling, window, logit_cap, sinks,
-         k_scale, v_scale)
+    _run(plan, q, out, decode_layer(k_buf, v_buf, sinks, scaling, window, logit_cap, k_scale, v_scale, False),
+         (kv_indptr, kv_indices, kv_pos0, q_pos))
 
 
 # plans of public calls by what their checks and plan read: a call like an earlier one (the same shapes, last-dim
@@ -558,7 +600,7 @@ def plan_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_in
     the given one, else a fresh one when it splits). Calls with the same shapes, the same index
     list and q_pos reuse the plan through `decode_attention_planned`."""
     _check_decode(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks)
-    return _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, config)
+    return _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, config, (kv_indptr, kv_indices, kv_pos0, q_pos))
 
 
 def decode_attention_planned(plan: DecodePlan, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
@@ -566,20 +608,24 @@ def decode_attention_planned(plan: DecodePlan, q: torch.Tensor, k_buf: torch.Ten
                              q_pos: torch.Tensor, out: torch.Tensor, scaling: float,
                              window: Optional[int] = None, logit_cap: float = 0.0,
                              sinks: Optional[torch.Tensor] = None, k_scale: Optional[float] = None,
-                             v_scale: Optional[float] = None) -> None:
+                             v_scale: Optional[float] = None, layer: Optional[DecodeLayer] = None) -> None:
     """`decode_attention` under a plan from `plan_decode` (internal: the backend's per-layer call).
 
-    The index tensors must be the ones the plan was checked with; q, the buffers, out and sinks are
-    compared with the plan (shapes, strides, device: tuple compares, no helper calls), and a call
-    that differs takes the checked `decode_attention` (which raises the typed error, or runs it).
+    `layer`: this layer's `decode_layer(k_buf, v_buf, sinks, scaling, ...)`, kept by the caller across forwards
+    (made here when None). q, out and the layer's buffers and sinks are compared with the plan (tuple
+    compares); a call that differs, or whose index lists are not the plan's, takes the checked
+    `decode_attention` (which raises the typed error, or runs it).
     """
-    if (q.shape != plan.q_shape or k_buf.shape != plan.k_shape or v_buf.shape != plan.v_shape
-            or out.shape != plan.out_shape or k_buf.stride() != plan.k_stride or v_buf.stride() != plan.v_stride
+    if layer is None:
+        layer = decode_layer(k_buf, v_buf, sinks, scaling, window, logit_cap, k_scale, v_scale)
+    lists = plan.lists
+    if (q.shape != plan.q_shape or out.shape != plan.out_shape or layer.geometry != plan.geometry
             or (q.stride(2) != 1 and plan.q_shape[2] > 1) or (out.stride(2) != 1 and plan.out_shape[2] > 1)
-            or q.device != plan.device or k_buf.device != plan.device
-            or (sinks is not None and (sinks.shape != plan.q_shape[1:2] or sinks.device != plan.device))):
+            or q.get_device() != layer.geometry[4] or out.get_device() != layer.geometry[4]
+            or (layer.sinks is not None and layer.sinks != (plan.q_shape[1:2], layer.geometry[4]))
+            or lists is None or lists[0] is not kv_indptr or lists[1] is not kv_indices
+            or lists[2] is not kv_pos0 or lists[3] is not q_pos):
         decode_attention(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, scaling, window, logit_cap,
                          sinks, k_scale, v_scale, config=plan.config)
         return
-    _run(plan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, scaling, window, logit_cap, sinks,
-         k_scale, v_scale)
+    _run(plan, q, out, layer, lists)

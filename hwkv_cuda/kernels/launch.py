@@ -8,14 +8,18 @@ with the positional arguments. A call whose arguments would specialise different
 (a pointer not 16-byte aligned where the first was, an int that turns 1, or divisible by 16, or wider
 than 32 bits) goes through `kernel[grid]` once more and gets a plan of its own, so the direct path never
 runs another variant's code. Where the launcher's own Python call is understood (`_fast_launcher`), a plan
-calls the C launch function under it directly. Under the interpreter (CI), and on Triton builds whose launcher convention is not known, every call
-goes through `kernel[grid]`.
+calls the C launch function under it directly. Under the interpreter (CI), and on Triton builds whose launcher
+convention is not known, every call goes through `kernel[grid]`.
+
+The comparison with the first call is one boolean expression generated for the plan (`_checker`: a few
+attribute reads per argument, no Python call per argument). A per-layer launch compares less still
+(`Launch.parts`): its kernel takes a call's tensors first, then a layer's buffers, then a forward's lists, and
+the caller hands the specs of the last two, made once per layer and once per forward.
 """
 from __future__ import annotations
 
 import ast
 import inspect
-import operator
 import textwrap
 from typing import Any, Dict, Hashable, Optional, Sequence, Tuple
 
@@ -120,33 +124,83 @@ def _launch_template(cls: type) -> Any:
             tuple(scratch))
 
 
-def _kind(v: Any) -> str:
-    if isinstance(v, torch.Tensor):
-        return "t"
-    return "f" if isinstance(v, float) else "v"
+_FREE: Dict[int, Tuple[Any, frozenset]] = {}
+_TENSOR = torch.Tensor
 
 
-def _getter(positions: Tuple[int, ...]) -> Any:
-    """args -> the tuple of args at `positions` (one C call; itemgetter of one index returns no tuple)."""
-    if not positions:
-        return lambda args: ()
-    if len(positions) == 1:
-        i = positions[0]
-        return lambda args: (args[i],)
-    return operator.itemgetter(*positions)
+def _free_params(kernel: Any) -> frozenset:
+    """Positions of the kernel's parameters it does not specialise on (do_not_specialize). Keyed by id: a
+    JITFunction hashes in Python, 1 us a lookup; the entry keeps the kernel, so the id stays its own."""
+    kept = _FREE.get(id(kernel))
+    if kept is None or kept[0] is not kernel:
+        kept = _FREE[id(kernel)] = (kernel, frozenset(i for i, p in enumerate(getattr(kernel, "params", ()))
+                                                      if getattr(p, "do_not_specialize", False)))
+    return kept[1]
+
+
+def _spec_of(v: Any, free: bool) -> Hashable:
+    t = type(v)
+    if t is int:
+        width = 32 if -0x80000000 <= v < 0x80000000 else _width(v)
+        return width if free else (v == 1, v & 15 == 0, width)
+    if t is float:
+        return float
+    if t is _TENSOR or (v is not None and t is not bool and isinstance(v, _TENSOR)):
+        return v.dtype, v.data_ptr() & 15 == 0
+    return v
+
+
+def spec(kernel: Any, values: Sequence[Any], start: int = 0) -> Tuple[Any, ...]:
+    """What a plan compares of the kernel's parameters start, start + 1, ...: tensors by dtype and 16-byte
+    alignment, ints by Triton's specialisation (by width alone where the kernel does not specialise on them),
+    floats by type, None and bools by value. A caller computes the spec of arguments that change slowly (a
+    layer's buffers, a forward's lists) once and hands it to `Launch.parts` with the arguments. (type() before
+    isinstance: torch.Tensor's metaclass makes isinstance a Python call.)"""
+    free = _free_params(kernel)
+    return tuple([_spec_of(v, i in free) for i, v in enumerate(values, start)])
+
+
+def _checker(kernel: Any, args: Sequence[Any], positions: Sequence[int], device_id: Optional[int]) -> Any:
+    """args -> whether args[i] for i in `positions` specialise as these `args` did (what `spec` reads, and the
+    first tensor's device), as one generated boolean expression: a few attribute reads per argument, no call
+    per argument. An argument of another kind may raise AttributeError or TypeError: the caller says no."""
+    free, terms, dtypes, device_done = _free_params(kernel), [], {}, False
+    for i in positions:
+        v, a = args[i], f"a[{i}]"
+        if type(v) is int:
+            width = _width(v)
+            w = f"-2147483648 <= {a} < 2147483648" if width == 32 else f"W({a}) == {width!r}"
+            terms.append(f"type({a}) is int and {w}" if i in free else
+                         f"type({a}) is int and ({a} == 1) is {v == 1} and ({a} & 15 == 0) is {v & 15 == 0} and {w}")
+        elif type(v) is float:
+            terms.append(f"type({a}) is float")
+        elif isinstance(v, torch.Tensor):
+            dtypes[i] = v.dtype
+            terms.append(f"{a}.dtype is D[{i}] and ({a}.data_ptr() & 15 == 0) is {v.data_ptr() & 15 == 0}")
+            if not device_done:
+                terms.append(f"{a}.get_device() == {v.get_device()}")
+                device_done = True
+        elif v is None or isinstance(v, bool):
+            terms.append(f"{a} is {v!r}")
+        else:
+            return None
+    return eval(f"lambda a: {' and '.join(terms) or 'True'}", {"__builtins__": {"type": type, "int": int,
+                                                                                  "float": float},
+                                                                 "W": _width, "D": dtypes})
 
 
 class Launch:
     """One kernel launch planned: grid, constexprs and the compiled kernel (see module doc)."""
 
-    __slots__ = ("kernel", "grid", "consts", "launcher", "fast", "function", "metadata", "tail", "device",
-                 "stream", "tensors", "tensor_key", "values", "value_key", "value_types", "value_spec", "floats",
-                 "float_types", "free", "free_key", "variants", "device_id", "jit_calls", "free_last")
+    __slots__ = ("kernel", "grid", "consts", "launcher", "fast", "function", "metadata", "tail", "device", "stream",
+                 "variants", "jit_calls", "kept", "kept_specs", "check_all", "check_rest")
 
-    def __init__(self, kernel: Any, grid: Tuple[int, ...], args: Sequence[Any], consts: Dict[str, Any]) -> None:
-        self.kernel, self.consts = kernel, consts
+    def __init__(self, kernel: Any, grid: Tuple[int, ...], args: Sequence[Any], consts: Dict[str, Any],
+                 kept: Tuple[Tuple[int, int], ...] = ()) -> None:
+        self.kernel, self.consts, self.kept = kernel, consts, kept
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
-        self.launcher = self.fast = None
+        self.launcher = self.fast = self.check_all = self.check_rest = None
+        self.kept_specs: Optional[Tuple[Any, ...]] = None
         self.variants: Dict[Hashable, "Launch"] = {}
         self.jit_calls = 1  # launches through kernel[grid] (this one included): the profile counts them
         compiled = kernel[self.grid](*args, **consts)
@@ -166,25 +220,23 @@ class Launch:
                 tail.append(value)
         if any(p.is_constexpr for p in kernel.params[:len(args)]):
             return  # constexprs passed positionally: keep the JIT path
-        # what a later call is compared with (see _same): tensors by dtype and alignment, ints/None/bools by
-        # value, floats by type (Triton never specialises a float's value)
-        # ints the kernel does not specialise on (do_not_specialize): only their width matters
-        free = {i for i, p in enumerate(kernel.params[:len(args)]) if getattr(p, "do_not_specialize", False)}
-        kinds = ["n" if i in free and _kind(a) == "v" else _kind(a) for i, a in enumerate(args)]
-        pos = {kind: tuple(i for i, k in enumerate(kinds) if k == kind) for kind in ("t", "v", "f", "n")}
-        self.tensors, self.values, self.floats, self.free = (_getter(pos[k]) for k in ("t", "v", "f", "n"))
-        self.free_last = self.free(args)
-        self.free_key = tuple(map(_width, self.free_last))
-        self.tensor_key = tuple([(a.dtype, a.data_ptr() & 15) for a in self.tensors(args)])
-        self.device_id = self.tensors(args)[0].get_device() if self.tensors(args) else None
-        self.value_key, self.float_types = self.values(args), tuple(map(type, self.floats(args)))
-        self.value_spec = tuple(map(_spec, self.value_key))
-        self.value_types = tuple(map(type, self.value_key))  # 1 == True == 1.0, but Triton tells them apart
+        # what a later call is compared with: tensors by dtype, alignment and the first one's device (a plan's
+        # compiled function belongs to one device), ints by what Triton specialises them on (their width alone
+        # where the kernel does not specialise on them), floats by type (never specialised), None/bools by value
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        device_id = tensors[0].get_device() if tensors else None
+        self.check_all = _checker(kernel, args, range(len(args)), device_id)
+        if self.check_all is None:
+            return  # an argument of a kind not understood: keep the JIT path
+        if kept:
+            self.kept_specs = tuple(spec(kernel, args[a:b], a) for a, b in kept)
+            rest = [i for i in range(len(args)) if not any(a <= i < b for a, b in kept)]
+            self.check_rest = _checker(kernel, args, rest, device_id)
         self.tail = tuple(tail)
         self.launcher, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
         self.fast = _fast_launcher(compiled.run)
-        dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-        self.device = dev.index if dev is not None and dev.index is not None else driver.active.get_current_device()
+        self.device = (tensors[0].device.index if tensors and tensors[0].device.index is not None
+                       else driver.active.get_current_device())
         self.stream = driver.active.get_current_stream  # the caller's current stream, read per launch
 
     @property
@@ -193,25 +245,10 @@ class Launch:
         return self.launcher is not None
 
     def _same(self, args: Sequence[Any]) -> bool:
-        """Whether `args` specialise as the first call's did, in a few C-level tuple compares: tensors by dtype
-        and alignment (and the first one's device: a plan's compiled function belongs to one device), other
-        arguments by type, and ints that changed value by what Triton specialises them on. Anything
-        unexpected says no, and the JIT decides."""
+        """Whether `args` specialise as the first call's did (the generated `check_all`); anything unexpected
+        says no, and the JIT decides."""
         try:
-            values, tensors, frees = self.values(args), self.tensors(args), self.free(args)
-            if tuple(map(type, values)) != self.value_types:
-                return False
-            if values != self.value_key:  # ints that moved: what Triton sees of them must not have
-                if tuple(map(_spec, values)) != self.value_spec:
-                    return False
-                self.value_key = values  # a plan called again with these values compares them as a tuple
-            if frees != self.free_last:
-                if tuple(map(_width, frees)) != self.free_key:
-                    return False
-                self.free_last = frees
-            return (tuple([(a.dtype, a.data_ptr() & 15) for a in tensors]) == self.tensor_key
-                    and (not tensors or tensors[0].get_device() == self.device_id)
-                    and tuple(map(type, self.floats(args))) == self.float_types)
+            return self.check_all(args)
         except (AttributeError, RuntimeError, TypeError):
             return False
 
@@ -223,6 +260,20 @@ class Launch:
         else:
             self.launcher(g[0], g[1], g[2], self.stream(self.device), self.function, self.metadata, None, None, None,
                           *args, *self.tail)
+
+    def parts(self, args: Tuple[Any, ...], specs: Tuple[Any, ...]) -> None:
+        """Launch `args`, given the specs (`spec`) of its `kept` ranges: arguments that change slowly (a layer's
+        buffers, a forward's lists), whose spec the caller made once. The rest (a call's tensors) goes through
+        the generated check: one tuple compare and a few attribute reads instead of `_same`'s reads of every
+        argument. Any difference takes the checked call."""
+        try:
+            same = specs == self.kept_specs and self.check_rest is not None and self.check_rest(args)
+        except (AttributeError, TypeError):
+            same = False
+        if same:
+            self._go(args)
+        else:
+            self(*args)
 
     def __call__(self, *args: Any) -> None:
         if self.launcher is None:
@@ -263,13 +314,15 @@ def current_stream(device: torch.device) -> int:
 
 
 def launch(plans: Dict[Hashable, Launch], key: Hashable, kernel: Any, grid: Tuple[int, ...], args: Sequence[Any],
-           consts: Dict[str, Any]) -> None:
+           consts: Dict[str, Any], kept: Tuple[Tuple[int, int], ...] = ()) -> Launch:
     """Launch `kernel` through the plan stored under `key` (the key fixes the grid and the constexprs),
-    planning it at its first call. A table past 256 plans starts over (keys that hold token counts grow)."""
+    planning it at its first call, and return the plan. A table past 256 plans starts over (keys that hold
+    token counts grow). `kept`: the argument ranges whose spec the caller keeps, for `Launch.parts`."""
     plan = plans.get(key)
     if plan is None:
         if len(plans) >= 256:
             plans.clear()
-        plans[key] = Launch(kernel, grid, args, consts)
+        plan = plans[key] = Launch(kernel, grid, args, consts, kept)
     else:
         plan(*args)
+    return plan

@@ -6,8 +6,9 @@ range first), the same for V. The caller's k and v are only read.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import triton
@@ -15,7 +16,7 @@ import triton.language as tl
 
 from hwkv.errors import LocError
 from hwkv_cuda.kernels.common import FP8_MAX, as_scale, check_dims, check_same_device, next_pow2
-from hwkv_cuda.kernels.launch import Launch, launch
+from hwkv_cuda.kernels.launch import Launch, launch, spec
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,9 @@ def _store_rows(buf, src, loc, rows, mask_t, scale, stride_bs, stride_bh, stride
 
 
 @triton.jit(do_not_specialize=["n"])  # the token count: one compile, whatever the batch
-def _store_kv_kernel(k_buf, v_buf, loc, k, v, n, k_scale, v_scale,
-                     skb_s, skb_h, svb_s, svb_h, sk_n, sk_h, sv_n, sv_h,
+def _store_kv_kernel(k, v, sk_n, sk_h, sv_n, sv_h,                            # a call's
+                     k_buf, v_buf, k_scale, v_scale, skb_s, skb_h, svb_s, svb_h,  # a pool layer's (_BUFFER_AT)
+                     loc, n,                                                 # a forward's (_FORWARD_AT)
                      KVH: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_EK: tl.constexpr, BLOCK_EV: tl.constexpr,
                      K_SCALE: tl.constexpr, V_SCALE: tl.constexpr,
@@ -101,7 +103,7 @@ def store_kv_prechecked(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Ten
         store_kv(k_buf, v_buf, loc, k, v, k_scale, v_scale)
         return
     if loc.shape[0]:
-        _launch(k_buf, v_buf, loc, k, v, k_scale, v_scale, None)
+        _launch(k_buf, v_buf, loc, k, v, k_scale, v_scale, None, True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -119,25 +121,58 @@ def _launch_config(kvh: int, d: int, dv: int, k_dtype: torch.dtype, v_dtype: tor
     return block_t, warps, block_ek, block_ev, FP8_MAX.get(k_dtype, 0.0), FP8_MAX.get(v_dtype, 0.0)
 
 
-def _launch(k_buf, v_buf, loc, k, v, k_scale, v_scale, config) -> None:
+_BUFFER_AT, _FORWARD_AT = 6, 14   # where the kernel's parameters of a pool layer and of a forward begin
+
+
+def _buffer_part(k_buf, v_buf, ks, vs, kept) -> Tuple[Tuple[Any, ...], Optional[Tuple[Any, ...]], Tuple[Any, ...]]:
+    """(the kernel's arguments of a pool layer, their spec, the launch key's part): kept across calls, by the
+    buffers' identity (weak references: a freed pool's buffers are not held), for a pool's own buffers
+    (`kept`); made afresh, without spec (the launch compares every argument), for a public call."""
+    if kept:
+        entry = _BUFFERS.get(id(k_buf))
+        if entry is not None and entry[0]() is k_buf and entry[1]() is v_buf and entry[2] == (ks, vs):
+            return entry[3]
+    kb, vb = k_buf.stride(), v_buf.stride()
+    args = (k_buf, v_buf, ks, vs, kb[0], kb[1], vb[0], vb[1])
+    part = (args, spec(_store_kv_kernel, args, _BUFFER_AT) if kept else None,
+            (k_buf.shape, v_buf.shape[2], k_buf.dtype, v_buf.dtype, ks != 1.0, vs != 1.0))
+    if kept:
+        if len(_BUFFERS) >= 256:
+            _BUFFERS.clear()
+        _BUFFERS[id(k_buf)] = (weakref.ref(k_buf), weakref.ref(v_buf), (ks, vs), part)
+    return part
+
+
+def _launch(k_buf, v_buf, loc, k, v, k_scale, v_scale, config, kept=False) -> None:
+    """The one launch. Its arguments come in three parts (a call's k and v, a pool layer's buffers and scales, a
+    forward's locs); a pool's buffers part is made once (`kept`), so a layer's store compares two specs."""
     n = loc.shape[0]
     ks = 1.0 if k_scale is None else as_scale(k_scale)
     vs = 1.0 if v_scale is None else as_scale(v_scale)
-    kb, vb, kt, vt = k_buf.stride(), v_buf.stride(), k.stride(), v.stride()
-    args = (k_buf, v_buf, loc, k, v, n, ks, vs, kb[0], kb[1], vb[0], vb[1], kt[0], kt[1], vt[0], vt[1])
+    kt, vt = k.stride(), v.stride()
+    call = (k, v, kt[0], kt[1], vt[0], vt[1])
+    buffer_args, buffer_spec, buffer_key = _buffer_part(k_buf, v_buf, ks, vs, kept)
+    forward = (loc, n)
+    args = call + buffer_args + forward
     # the buffers' geometry fixes the rest of the key: a layer's store is one dict lookup and the launch
-    key = (n, k_buf.shape, v_buf.shape[2], k_buf.dtype, v_buf.dtype, config, ks != 1.0, vs != 1.0)
+    key = (n, config, buffer_key)
     planned = _LAUNCHES.get(key)
     if planned is not None:
-        planned(*args)
+        if buffer_spec is not None:
+            planned.parts(args, (buffer_spec,))
+        else:
+            planned(*args)
         return
     kvh, d, dv = k_buf.shape[1], k_buf.shape[2], v_buf.shape[2]
     block_t, warps, block_ek, block_ev, k_clamp, v_clamp = _launch_config(
         kvh, d, dv, k_buf.dtype, v_buf.dtype, config)
     launch(_LAUNCHES, key, _store_kv_kernel, (-(-n // block_t),), args,
            dict(KVH=kvh, D=d, DV=dv, BLOCK_T=block_t, BLOCK_EK=block_ek, BLOCK_EV=block_ev,
-                K_SCALE=ks != 1.0, V_SCALE=vs != 1.0, K_CLAMP=k_clamp, V_CLAMP=v_clamp, num_warps=warps))
+                K_SCALE=ks != 1.0, V_SCALE=vs != 1.0, K_CLAMP=k_clamp, V_CLAMP=v_clamp, num_warps=warps),
+           ((_BUFFER_AT, _FORWARD_AT),))
 
 
 # planned launches of the store, by token count and buffer geometry (the layers of a forward share one)
 _LAUNCHES: Dict[Tuple, Launch] = {}
+# a pool layer's part of the launch, by id(k_buf): see _buffer_part
+_BUFFERS: Dict[int, Tuple[Any, ...]] = {}
