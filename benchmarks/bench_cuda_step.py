@@ -485,21 +485,29 @@ def _jit_counts() -> Dict[str, int]:
     return counts
 
 
+def _forget_launches() -> None:
+    """Drop every planned launch (hwkv_cuda's launch tables and the public decode plans that hold them)."""
+    import importlib
+    for mod in ("alloc", "decode", "extend", "index", "refill", "store", "tree"):
+        getattr(importlib.import_module(f"hwkv_cuda.kernels.{mod}"), "_LAUNCHES", {}).clear()
+    importlib.import_module("hwkv_cuda.kernels.decode")._PUBLIC_PLANS.clear()
+
+
 def host_per_step(fn: Callable[[], object], dev: str, n: int = 50) -> float:
     """Host microseconds per step with the device caught up before each (an engine whose device runs one step
-    behind it): each call timed alone, a sync after it, outside the timing. Calls back to back would let the
-    host run tens of steps ahead of a busy device, until the allocator's host bound of free pages (which sees
-    the device's releases late) makes it read the device and wait."""
+    behind it): each call timed alone, a sync after it, outside the timing; the median. Calls back to back would
+    let the host run tens of steps ahead of a busy device, until the allocator's host bound of free pages (which
+    sees the device's releases late) makes it read the device and wait."""
     for _ in range(5):
         fn()
     sync(dev)
-    total = 0.0
+    times = []
     for _ in range(n):
         t = time.perf_counter()
         fn()
-        total += time.perf_counter() - t
+        times.append(time.perf_counter() - t)
         sync(dev)
-    return total * 1e6 / n
+    return statistics.median(times) * 1e6
 
 
 def per_step_pipelined(fn: Callable[[], object], dev: str, n: int = 50, rounds: int = 5) -> float:
@@ -544,6 +552,7 @@ def host_rows(dev: str, ctx: int, backend_cls) -> List[Dict]:
     rows: List[Dict] = []
     for mode in ("jit", "direct"):
         L._CONVENTION = convention if mode == "direct" else None
+        _forget_launches()  # plans made under the other mode would keep its path
         s = Setup(dev, 1, ctx)
         be = backend_cls(s.pool, s.rtt, sliding_window=W)
         batch = s.decode_batch()
