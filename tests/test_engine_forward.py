@@ -90,7 +90,7 @@ def test_release_runs_only_when_a_host_frontier_moves_and_both_copies_agree(monk
         new = [1 if seq[r] and rng.random() < 0.7 else rng.randint(1, 9) for r in rows]
         new = [min(k, 80 - seq[r]) for r, k in zip(rows, new)]
         prefix = [seq[r] for r in rows]
-        before = list(s.frontiers_cpu)
+        before = s.frontiers_cpu.tolist()
         if all(k == 1 for k in new) and all(prefix):
             lens = s.plan_decode(rows, prefix)
         else:
@@ -98,8 +98,8 @@ def test_release_runs_only_when_a_host_frontier_moves_and_both_copies_agree(monk
         batch = s.allocate(lens)
         n_calls = len(calls)
         ran = s.release(lens.rows, lens.seq, batch.req_pool_indices, batch.seq_lens)
-        assert ran == (s.frontiers_cpu != before) == (len(calls) == n_calls + 1)
-        assert s.frontiers.tolist() == s.frontiers_cpu
+        assert ran == (s.frontiers_cpu.tolist() != before) == (len(calls) == n_calls + 1)
+        assert s.frontiers.tolist() == s.frontiers_cpu.tolist()
         for r, k in zip(rows, new):
             seq[r] += k
         s.allocator.check_integrity()

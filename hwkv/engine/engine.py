@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 
 from hwkv.batch import ForwardBatch, ForwardMode
@@ -239,7 +240,7 @@ class Engine:
                 return finished
         if self.prefix is not None:
             self._make_room(rows)
-        if self.whole_step and all(r.n == 1 and r.prefix > 0 and not r.req.prefilling for r in rows):
+        if self.whole_step and self.scheduler.decoding == len(rows):  # every row decodes
             mode, where, tokens = ForwardMode.DECODE, *self._decode_whole(rows, sampled)
         else:
             lens, batch, ids, pos = self._allocate(rows)
@@ -258,8 +259,7 @@ class Engine:
         self._inflight = record
         if not self.overlap:
             finished += self._read_back()
-        prefill = sum(r.n for r in rows if r.prefix < len(r.req.prompt))
-        self.stats.record_step(mode, prefill, len(sampled), time.perf_counter() - t0)
+        self.stats.record_step(mode, self.scheduler.prefill_tokens, len(sampled), time.perf_counter() - t0)
         return finished
 
     def has_work(self) -> bool:
@@ -344,7 +344,7 @@ class Engine:
                 for r in done:
                     ids = (r.prompt + r.output)[:r.kv_len]
                     self.prefix.release_request(ids, self.cache.rtt, r.row, r.kv_len,
-                                                self.slots.frontiers_cpu[r.row], r.lock)
+                                                int(self.slots.frontiers_cpu[r.row]), r.lock)
                     r.lock = None
             self.slots.free([r.row for r in done], None if self.prefix is not None else [r.kv_len for r in done])
             for r in done:
@@ -385,7 +385,7 @@ class Engine:
             found = found or bool(d)
             drafts.append(d + [r.req.output[-1]] * (k - len(d)))  # padding: checked like any draft
         vrows = [Row(r.req, r.prefix, k + 1, True) for r in rows]
-        if not found or not self.cache.allocator.has_room(self.scheduler.new_pages(vrows)):
+        if not found or not self.cache.allocator.has_room(self.scheduler.new_pages([r.prefix for r in rows], k + 1)):
             return None
         bs = len(rows)
         ids = [t for r, d in zip(rows, drafts) for t in [r.req.output[-1]] + d]
@@ -488,7 +488,7 @@ class Engine:
         """Before a forward's allocation: evict cached KV where its new pages exceed the free pages (the host's
         bound of free pages first: the device is read only when that says they might not fit)."""
         p = self.cache.plan.page_size
-        pages = self.scheduler.new_pages(rows)
+        pages = self.scheduler.new_pages([r.prefix for r in rows], [r.n for r in rows])
         if not pages:
             return
         a, c = self.cache.allocator, self.prefix
@@ -512,22 +512,25 @@ class Engine:
                 seq, row = r.prefix + r.n, r.req.row
                 if not lock:
                     self.prefix.insert(r.req.prompt[:seq], self.cache.rtt.req_to_token[row, :seq],
-                                       self.slots.frontiers_cpu[row])
+                                       int(self.slots.frontiers_cpu[row]))
                 else:
                     r.req.lock = self.prefix.cache_running(r.req.prompt[:seq], self.cache.rtt, row, seq,
-                                                           self.slots.frontiers_cpu[row], r.req.lock)
+                                                           int(self.slots.frontiers_cpu[row]), r.req.lock)
 
     def _allocate(self, rows: List[Row], ids: Optional[List[int]] = None
                   ) -> "tuple[StepLens, ForwardBatch, torch.Tensor, torch.Tensor]":
         """The forward's slots (`ForwardSlots`: one host copy, one allocator call, one req_to_token scatter), its
-        ForwardBatch, token ids and positions on the device. `ids`: the forward's token ids from the host (a
-        verify's), instead of the rows' own; a decoding request's own is its last sampled token, on the device."""
+        ForwardBatch, token ids and positions on the device. `rows`: the last `Scheduler.schedule`'s (decoding rows
+        first), or with `ids`, the forward's token ids from the host (a verify's), instead of the rows' own; a
+        decoding request's own is its last sampled token, on the device."""
         row_list, prefix = [r.req.row for r in rows], [r.prefix for r in rows]
-        if ids is None and all(r.n == 1 and r.prefix > 0 for r in rows):  # a decode step, one token each
+        chunks = rows[self.scheduler.decoding:]  # prompt chunks
+        if ids is None and all(r.n == 1 and r.prefix > 0 for r in chunks):  # a decode step, one token each
             # a prompt's last token rides along: its id comes from the host, in the same copy
-            mixed = any(r.req.prefilling for r in rows)
-            lens = self.slots.plan_decode(row_list, prefix, [r.req.next_tokens(1)[0] for r in rows] if mixed else None)
-            if self.scheduler.new_pages(rows):  # a page moves (else every token continues its page)
+            mixed = bool(chunks)
+            lens = self.slots.plan_decode(row_list, prefix, [-1] * self.scheduler.decoding + [
+                r.req.next_tokens(1)[0] for r in chunks] if mixed else None)
+            if self.scheduler.new_pages(prefix, 1):  # a page moves (else every token continues its page)
                 self._pools_changed = True
         else:
             decoding = any(not r.req.prefilling for r in rows)
@@ -550,12 +553,12 @@ class Engine:
                  sampled: List[Row]) -> torch.Tensor:
         """Metadata once, the model over the packed tokens (a graph replay of the layers for decode), the next
         tokens."""
-        ends, keep = 0, []
-        for r in rows:  # the last token of each row that samples
-            ends += r.n
-            if r.samples:
-                keep.append(ends - 1)
-        keep_dev = None if len(keep) == ends else to_device(torch.tensor(keep, **HOST), self.device)
+        keep_dev = None  # every token's logits (a decode step: each row samples its one token)
+        if self.scheduler.decoding != len(rows):  # else the last token of each row that samples
+            n = np.array([r.n for r in rows], dtype=np.int64)
+            keep = (np.cumsum(n) - 1)[np.array([r.samples for r in rows], dtype=bool)]
+            if len(keep) != n.sum():
+                keep_dev = to_device(torch.from_numpy(keep), self.device)
         if batch.forward_mode == ForwardMode.DECODE and self.graph is not None and not self.whole_step:
             logits = self.graph.run(batch, {"input_ids": ids, "positions": pos})
             self.stats.graph_replays = self.graph.replays
@@ -568,11 +571,11 @@ class Engine:
 
     def _sample(self, sampled: List[Row], logits: torch.Tensor) -> torch.Tensor:
         """The next token of each sampling row from its logits (argmax when every row is greedy)."""
-        params = [r.req.params for r in sampled]
-        if all(p.greedy for p in params):  # argmax only: the sampling tensors would go unread
+        if not self.scheduler.non_greedy:  # argmax only (every running request is greedy): no sampling tensors
             return logits.argmax(dim=-1)
+        params = [r.req.params for r in sampled]
         temp, top_p, seeds, steps = params_tensors(params, [r.req.sampled for r in sampled], self.device)
-        return sample(logits, temp, top_p, seeds, steps, True)
+        return sample(logits, temp, top_p, seeds, steps, not all(p.greedy for p in params))
 
     def _decode_step(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
         """The graph runner's step: the model over the static decode inputs (every token's logits)."""
@@ -587,10 +590,11 @@ class Engine:
         """A decode step as one graph replay: the rows and lengths after it go to the device in one copy (the
         allocation, req_to_token write, metadata, layers and out-of-window release run inside); returns the
         request rows on the device (the graph's) and the sampled tokens. OutOfSlotsError before anything ran."""
-        logits, released = self.slots.replay_decode(self.graph, [r.req.row for r in rows], [r.prefix for r in rows])
+        prefix = [r.prefix for r in rows]
+        logits, released = self.slots.replay_decode(self.graph, [r.req.row for r in rows], prefix)
         self.stats.graph_replays = self.graph.replays
         # a page moved (else every token continued its page), or the graph released what the host rule says moved
-        if released or self.scheduler.new_pages(rows):
+        if released or self.scheduler.new_pages(prefix, 1):
             self._pools_changed = True
         return self.graph.req_pool_indices[:len(rows)], self._sample(sampled, logits)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from hwkv.allocator import ReqToTokenPool, release_out_of_window_batch
@@ -38,19 +39,18 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def pack(blocks: Sequence[Tuple[int, Sequence[Sequence[int]]]], device: torch.device
          ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-    """Blocks of equal-length int lists as one host tensor sent in one copy; returns each block's [rows, width] views
-    (host, device). Every list starts at a 16-byte boundary (`hwkv.metadata.aligned_width`): views at odd int64
-    offsets would make the batch size's parity pick a new kernel compile."""
-    flat: List[int] = []
-    shapes = []
-    for width, lists in blocks:
-        padded = aligned_width(width, I64)
-        pad = [0] * (padded - width)
-        for one in lists:
-            flat += one
-            flat += pad
-        shapes.append((len(lists), padded, width))
-    host = torch.tensor(flat, **HOST)
+    """Blocks of equal-length int lists (or arrays) as one host tensor sent in one copy; returns each block's [rows,
+    width] views (host, device). Every list starts at a 16-byte boundary (`hwkv.metadata.aligned_width`): views at
+    odd int64 offsets would make the batch size's parity pick a new kernel compile."""
+    shapes = [(len(lists), aligned_width(width, I64), width) for width, lists in blocks]
+    flat = np.zeros(sum(k * padded for k, padded, _ in shapes), dtype=np.int64)
+    at = 0
+    for (k, padded, width), (_, lists) in zip(shapes, blocks):
+        view = flat[at:at + k * padded].reshape(k, padded)
+        for i, one in enumerate(lists):  # one conversion per list, in numpy
+            view[i, :width] = one
+        at += k * padded
+    host = torch.from_numpy(flat)
     dev = to_device(host, device)
     hosts, devs, at = [], [], 0
     for k, padded, width in shapes:
@@ -94,22 +94,21 @@ class ForwardSlots:
 
     `window`: the sliding window the release keeps (None: pools without windows, nothing is released).
     `frontiers` (int64 [rows] on the device) is what the release moves and a whole-step graph takes;
-    `frontiers_cpu` is the host's copy, moved by the same rule, read by the prefix cache."""
+    `frontiers_cpu` (numpy int64 [rows]) is the host's copy, moved by the same rule, read by the prefix cache."""
 
     def __init__(self, allocator: Any, rtt: ReqToTokenPool, window: Optional[int]) -> None:
         self.allocator, self.rtt, self.window = allocator, rtt, window
         self.device = rtt.req_to_token.device
         self.page_size = allocator.page_size
         self.frontiers = torch.zeros(rtt.size, dtype=I64, device=self.device)
-        self.frontiers_cpu: List[int] = [0] * rtt.size
+        self.frontiers_cpu = np.zeros(rtt.size, dtype=np.int64)
 
     # ---- request rows -----------------------------------------------------------------------------
     def new_rows(self, n: int) -> List[int]:
         """`n` request rows for requests starting empty, their frontiers at 0 (host, and the device in one copy).
         OutOfSlotsError when fewer rows are free."""
         rows = self.rtt.alloc(n)
-        for r in rows:
-            self.frontiers_cpu[r] = 0
+        self.frontiers_cpu[rows] = 0
         self.frontiers[to_device(torch.tensor(rows, **HOST), self.device)] = 0
         return rows
 
@@ -135,7 +134,7 @@ class ForwardSlots:
         new token, optional) travel in the same copy. LocError when a length passes the rows' context."""
         bs = len(rows)
         seq = [p + n for p, n in zip(prefix, new)]
-        self._check_context(seq)
+        self._check_context(max(seq, default=0))
         pos: List[int] = []
         row_of: List[int] = []
         for row, p, n in zip(rows, prefix, new):
@@ -155,21 +154,20 @@ class ForwardSlots:
         """A decode forward: one token per request at position `prefix[b]`; `ids` (one per request, optional) travel
         in the same copy. LocError when a length passes the rows' context."""
         bs = len(rows)
-        seq = [p + 1 for p in prefix]
-        self._check_context(seq)
+        pre = np.asarray(prefix, dtype=np.int64)
+        self._check_context(int(pre.max()) + 1 if bs else 0)
         if ids is not None and len(ids) != bs:
             raise ShapeError(f"{len(ids)} token ids for {bs} requests")
-        ((host,), (dev,)) = pack([(bs, [rows, prefix, [p - 1 for p in prefix], seq] + ([] if ids is None else [ids]))],
-                                 self.device)
+        ((host,), (dev,)) = pack([(bs, [rows, pre, pre - 1, pre + 1] + ([] if ids is None else [ids]))], self.device)
         rows_dev, prefix_dev, before_dev, seq_dev = dev[:4]
         ids_dev = dev[4] if ids is not None else None
         # a request with no token yet reads position -1 (the row's last column) and its last loc is masked
-        return StepLens(ForwardMode.DECODE, rows, seq, host, host[3], None, rows_dev,
-                        prefix_dev, seq_dev, None, before_dev, prefix_dev, rows_dev, ids_dev, 0 in prefix, bs)
+        return StepLens(ForwardMode.DECODE, rows, host[3].tolist(), host, host[3], None, rows_dev,
+                        prefix_dev, seq_dev, None, before_dev, prefix_dev, rows_dev, ids_dev, bool(bs and pre.min() == 0), bs)
 
-    def _check_context(self, seq: List[int]) -> None:
-        if seq and max(seq) > self.rtt.max_context_len:
-            raise LocError(f"positions up to {max(seq)} exceed max_context_len {self.rtt.max_context_len}")
+    def _check_context(self, longest: int) -> None:
+        if longest > self.rtt.max_context_len:
+            raise LocError(f"positions up to {longest} exceed max_context_len {self.rtt.max_context_len}")
 
     def allocate(self, s: StepLens) -> ForwardBatch:
         """The forward's slots: each request's last loc gathered on the device, one allocator call, one
@@ -210,12 +208,13 @@ class ForwardSlots:
         host lengths: the page-aligned frontier kept one page behind seq_len - W + 1); whether any moved."""
         if self.window is None:
             return False
-        p, w, host_f, moves = self.page_size, self.window, self.frontiers_cpu, False
-        for row, seq in zip(rows, seq_lens):
-            f = max(host_f[row], ((seq - w + 1) // p) * p - p)
-            if f != host_f[row]:
-                host_f[row], moves = f, True
-        return moves
+        p, at = self.page_size, np.asarray(rows, dtype=np.int64)
+        old = self.frontiers_cpu[at]
+        new = np.maximum(old, (np.asarray(seq_lens, dtype=np.int64) - self.window + 1) // p * p - p)
+        if np.array_equal(new, old):
+            return False
+        self.frontiers_cpu[at] = new
+        return True
 
     def replay_decode(self, graph: Any, rows: List[int], prefix: List[int],
                       inputs: Optional[Dict[str, torch.Tensor]] = None) -> Tuple[torch.Tensor, bool]:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import numpy as np
 
 from hwkv.engine.plan import swa_tokens_per_request
 from hwkv.engine.pools import PoolPlan
@@ -20,7 +22,8 @@ from hwkv.engine.sampling import SamplingParams
 from hwkv.errors import ConfigError, OutOfSlotsError
 
 
-def _pages(tokens: int, page_size: int) -> int:
+def _pages(tokens: Any, page_size: int) -> Any:
+    """Pages of `tokens` (an int, or element-wise over an array)."""
     return -(-tokens // page_size)
 
 
@@ -109,6 +112,9 @@ class Scheduler:
         self.waiting: Deque[Request] = deque()
         self.running: List[Request] = []
         self.reserved_full = self.reserved_swa = 0
+        self.non_greedy = 0  # running requests that sample at a temperature (0: a forward's tokens are argmaxes)
+        # of the last `schedule`: its decoding rows (they come first, one token each) and its prompt tokens
+        self.decoding = self.prefill_tokens = 0
 
     def reserve(self, req: Request) -> None:
         """Set the request's worst-case pages; OutOfSlotsError when the pools can never hold it."""
@@ -144,6 +150,7 @@ class Scheduler:
             self.waiting.popleft()
             self.reserved_full += req.full_pages
             self.reserved_swa += req.swa_pages
+            self.non_greedy += not req.params.greedy
             self.running.append(req)
             admitted.append(req)
         if self.waiting and not self.running:
@@ -158,6 +165,7 @@ class Scheduler:
     def schedule(self) -> List[Row]:
         """This forward's rows: every decoding request, then prompt chunks under the token and page budget."""
         rows = [Row(r, r.kv_len, 1, True) for r in self.running if r.decodes]
+        self.decoding = len(rows)
         tokens_left, pages_left = self.plan.chunk, self.chunk_pages
         for r in self.running:
             if not r.prefilling or tokens_left <= 0:
@@ -170,18 +178,21 @@ class Scheduler:
                 pages_left -= _pages(r.kv_len + n, self.page_size) - _pages(r.kv_len, self.page_size)
             tokens_left -= n
             rows.append(Row(r, r.kv_len, n, r.kv_len + n == len(r.prompt)))
+        self.prefill_tokens = self.plan.chunk - tokens_left
         return rows
 
-    def new_pages(self, rows: Sequence[Row]) -> int:
-        """Pages a forward over `rows` takes in each pool: each row's pages past its prefix's."""
-        p = self.page_size
-        return sum(_pages(r.prefix + r.n, p) - _pages(r.prefix, p) for r in rows)
+    def new_pages(self, prefix: Sequence[int], n: Union[int, Sequence[int]]) -> int:
+        """Pages a forward takes in each pool: each row's pages past its `prefix` after its `n` new tokens (arrays,
+        or one `n` for every row)."""
+        pre, p = np.asarray(prefix, dtype=np.int64), self.page_size
+        return int((_pages(pre + np.asarray(n, dtype=np.int64), p) - _pages(pre, p)).sum())
 
     def finish(self, req: Request) -> None:
         """The request left the cache: its reservation and row are free again."""
         self.running.remove(req)
         self.reserved_full -= req.full_pages
         self.reserved_swa -= req.swa_pages
+        self.non_greedy -= not req.params.greedy
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
