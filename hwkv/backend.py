@@ -173,20 +173,28 @@ class AttentionBackend(DraftMetadataMixin):
         bs, dev, nl = batch.batch_size, self.device, 1 + len(self.windows)
         if self._list_windows is None:
             self._list_windows = torch.tensor([0] + list(self.windows), dtype=torch.int64, device=dev)
-        i64, i32 = dict(dtype=torch.int64, device=dev), dict(dtype=torch.int32, device=dev)
-        lens, q_pos0 = torch.empty(bs, **i64), torch.empty(bs, **i64)
-        qo_indptr = torch.empty(bs + 1, **i32)
-        # each window list's indptr and pos0 (a row) reach kernels at a 16-byte boundary whatever the batch
-        list_indptr = torch.empty(nl, aligned_width(bs + 1, torch.int32), **i32)[:, :bs + 1]
-        list_pos0 = torch.empty(nl, aligned_width(bs, torch.int64), **i64)[:, :bs]
-        full_indices = torch.empty(sum(seq_h), **i64)
+        # every buffer of the forward's lists is a view of one int64 allocation (one allocator call, not 6 + one
+        # per window); each starts at a 16-byte boundary, and so does each list's indptr and pos0 row, whatever
+        # the batch (Triton compiles a variant per pointer alignment)
+        w64, w32 = aligned_width(bs, torch.int64), aligned_width(bs + 1, torch.int32) // 2
+        totals = [sum(wl) for wl in win_lens.values()]
+        at = [0]  # where lens, q_pos0, qo_indptr, the indptr rows, the pos0 rows, the full list, each window start
+        for n in (w64, w64, w32, nl * w32, nl * w64, aligned_width(sum(seq_h), torch.int64),
+                  *(aligned_width(t, torch.int64) for t in totals)):
+            at.append(at[-1] + n)
+        arena = torch.empty(at[-1], dtype=torch.int64, device=dev)
+        lens, q_pos0 = arena[:bs], arena[at[1]:at[1] + bs]
+        qo_indptr = arena[at[2]:at[3]].view(torch.int32)[:bs + 1]
+        list_indptr = arena[at[3]:at[4]].view(torch.int32).view(nl, 2 * w32)[:, :bs + 1]
+        list_pos0 = arena[at[4]:at[5]].view(nl, w64)[:, :bs]
+        full_indices = arena[at[5]:at[5] + sum(seq_h)]
         rtt = self.req_to_token_pool.req_to_token
         kernels.fill_lists(rtt, batch.req_pool_indices, batch.seq_lens, ext, self._list_windows, lens, q_pos0, qo_indptr, list_indptr, list_pos0, full_indices)
         full = KVIndexList(list_indptr[0], full_indices, list_pos0[0], None, max(seq_h), False, min(seq_h))
         windows = {}
         for i, (w, wl) in enumerate(win_lens.items()):
             indptr, pos0 = list_indptr[1 + i], list_pos0[1 + i]
-            indices = torch.empty(sum(wl), **i64)
+            indices = arena[at[6 + i]:at[6 + i] + totals[i]]
             if self.hybrid:
                 self._translate_window(LocRuns(rtt, batch.req_pool_indices, pos0, indptr), out=indices)
             else:

@@ -170,3 +170,35 @@ def test_graph_decode_workspace_outlives_the_forward(triton_on_cpu, calls):
         h.forward(rids[:1], [1], ForwardMode.DECODE)
     assert h.runner.replays == 4 and calls["make_decode_workspace"] == 0
     assert all(h.backend._graph_workspaces[k] is ws for k, ws in workspaces.items())
+
+
+def test_a_layer_changed_between_forwards_launches_with_its_new_values(triton_on_cpu):
+    """The backend keeps each layer's part of its decode launch across forwards; a layer whose sinks or soft-cap
+    changed gets a new one (the outputs are compared with hwkv.reference, which reads the layer as it is now)."""
+    h = model(4)
+    rids = [h.add_request() for _ in range(2)]
+    h.forward(rids, [11, 5], ForwardMode.EXTEND)
+    h.forward(rids, [1, 1], ForwardMode.DECODE)
+    kept = {i: entry[5] for i, entry in h.backend._decode_layers.items()}
+    assert sorted(kept) == [0, 1, 2, 3]
+    h.forward(rids, [1, 1], ForwardMode.DECODE)
+    assert all(h.backend._decode_layers[i][5] is part for i, part in kept.items()), "unchanged layers keep theirs"
+    for layer in h.layers:
+        layer.logit_cap = 2.0
+        layer.sinks = torch.randn(layer.num_heads)
+    h.forward(rids, [1, 1], ForwardMode.DECODE)
+    assert all(h.backend._decode_layers[i][5] is not part for i, part in kept.items())
+
+
+def test_the_store_keeps_no_freed_pool_alive(triton_on_cpu):
+    """A pool layer's part of the store launch is kept by weak reference: deleting the harness frees its pool."""
+    import gc
+    import weakref
+    h = model(2)
+    rid = h.add_request()
+    h.forward([rid], [5])
+    buf = weakref.ref(h.pool.get_key_buffer(1))
+    assert any(entry[0]() is buf() for entry in store._BUFFERS.values())
+    del h
+    gc.collect()
+    assert buf() is None

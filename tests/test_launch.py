@@ -176,3 +176,54 @@ def test_the_older_launcher_form_gets_the_metadata_at_the_head_of_its_arguments(
     launcher(4, 2, 1, 99, "fn", "meta", None, None, None, "x", 7)
     assert launcher.calls[0] == launcher.calls[1] == (4, 2, 1, 99, "fn", False, True, None, None, "meta", None, None,
                                                       None, "x", 7)
+
+
+class PartedKernel(FakeKernel):
+    """A kernel whose parameters come as parts: a call's (q, stride), a layer's (buf, window), a forward's (lst)."""
+
+    def __init__(self):
+        super().__init__()
+        self.params = [Param("q"), Param("s_q"), Param("buf"), Param("window", free=True), Param("lst"),
+                       Param("BLOCK", True)]
+
+
+def _parted(fake):
+    q, buf, lst = torch.zeros(64), torch.zeros(64), torch.zeros(64, dtype=torch.int64)
+    launch = L.Launch(fake, (1,), (q, 64, buf, 7, lst), dict(BLOCK=16), kept=((2, 4), (4, 5)))
+    layer, forward = L.spec(fake, (buf, 7), 2), L.spec(fake, (lst,), 4)
+    return launch, q, buf, lst, layer, forward
+
+
+def test_parts_compares_the_kept_specs_and_checks_only_the_call(monkeypatch):
+    fake = PartedKernel()
+    monkeypatch.setattr(L, "JITFunction", PartedKernel)
+    monkeypatch.setattr(L, "_CONVENTION", "all")
+    monkeypatch.setattr(L, "driver", types.SimpleNamespace(active=types.SimpleNamespace(
+        get_current_device=lambda: 0, get_current_stream=lambda dev: 1234)))
+    launch, q, buf, lst, layer, forward = _parted(fake)
+    assert layer == ((torch.float32, True), 32)  # the window: its width only (do_not_specialize)
+    q2 = torch.ones(64)
+    assert launch.parts((q2, 128, buf, 9, lst), (layer, forward)) is launch
+    assert fake.direct_calls[-1][9:] == (q2, 128, buf, 9, lst, 16) and len(fake.jit_calls) == 1
+    # a call part that specialises otherwise (misaligned q, a stride of 1) takes a variant of its own
+    for call in ((q2[1:], 128), (q2, 1)):
+        used = launch.parts((*call, buf, 9, lst), (layer, forward))
+        assert used is not launch and used.direct
+    assert len(fake.jit_calls) == 3
+    # a kept spec that differs (say, the caller's layer part was made for a half-precision buffer): the full check
+    half = torch.zeros(64, dtype=torch.float16)
+    used = launch.parts((q2, 128, half, 9, lst), (L.spec(fake, (half, 9), 2), forward))
+    assert used is not launch and fake.jit_calls[-1][1][2] is half
+    # the variant a caller kept launches directly from then on
+    before = len(fake.jit_calls)
+    assert used.parts((q2, 64, half, 9, lst), (L.spec(fake, (half, 9), 2), forward)) is used
+    assert len(fake.jit_calls) == before and fake.direct_calls[-1][11] is half
+
+
+def test_the_generated_check_tells_kinds_apart(fake):
+    """The plan's check reads types as Triton does: 1 == True == 1.0, but they are three signatures."""
+    x = torch.zeros(64)
+    launch = L.Launch(fake, (1,), (x, 32, 0.5), dict(BLOCK=16))
+    assert launch._same((x, 48, 2.0))
+    for other in ((x, True, 0.5), (x, 32.0, 0.5), (x, 32, 1), (x, 32, None), ("x", 32, 0.5), (x, 2 ** 40, 0.5)):
+        assert not launch._same(other), other

@@ -500,11 +500,10 @@ def _run(plan: DecodePlan, q, out, layer: DecodeLayer, lists: Tuple[torch.Tensor
     args = call + layer.args + (plan.forward_args if plan.lists is not None else lists + plan.forward_args)
     flags = layer.flags + (q.dtype == torch.float32 or plan.interpreted,)
     planned = plan.launches.get(flags)
-    if planned is not None:
-        if kept:
-            planned.parts(args, (layer.spec, plan.forward_spec))
-        else:
-            planned(*args)
+    if planned is not None:  # the plan keeps the launch that ran (a variant's, where its lists' alignment asks)
+        used = planned.parts(args, (layer.spec, plan.forward_spec)) if kept else planned.run(args)
+        if used is not planned:
+            plan.launches[flags] = used
     else:
         key = (plan.launch_key, "split") + flags
         plan.launches[flags] = launch(
@@ -516,7 +515,9 @@ def _run(plan: DecodePlan, q, out, layer: DecodeLayer, lists: Tuple[torch.Tensor
                 *plan.ws_strides[:5])
         planned = plan.launches.get(flags[1])
         if planned is not None:
-            planned(*args)
+            used = planned.run(args)
+            if used is not planned:
+                plan.launches[flags[1]] = used
         else:
             key = (plan.launch_key, "merge", flags[1])
             plan.launches[flags[1]] = launch(_LAUNCHES, key, _decode_merge_kernel, (bs, h), args,

@@ -39,18 +39,6 @@ except Exception:  # no source (a frozen install), or a Triton without JITFuncti
 I32 = (-2 ** 31, 2 ** 31)
 
 
-def _spec(v: Any) -> Hashable:
-    """What Triton specialises a runtime argument on: a pointer's dtype and 16-byte alignment, an int's width,
-    being 1, divisibility by 16; None and bools by value. Floats are never specialised."""
-    if isinstance(v, torch.Tensor):
-        return v.dtype, v.get_device(), v.data_ptr() & 15 == 0
-    if isinstance(v, bool) or v is None:
-        return v
-    if isinstance(v, int):
-        return (v == 1, v & 15 == 0, _width(v))
-    return 0
-
-
 def _width(v: Any) -> Hashable:
     """An unspecialised int's type as Triton derives it: i32, i64 or u64 (anything else: its type)."""
     if type(v) is not int:
@@ -261,44 +249,52 @@ class Launch:
             self.launcher(g[0], g[1], g[2], self.stream(self.device), self.function, self.metadata, None, None, None,
                           *args, *self.tail)
 
-    def parts(self, args: Tuple[Any, ...], specs: Tuple[Any, ...]) -> None:
+    def parts(self, args: Tuple[Any, ...], specs: Tuple[Any, ...]) -> "Launch":
         """Launch `args`, given the specs (`spec`) of its `kept` ranges: arguments that change slowly (a layer's
         buffers, a forward's lists), whose spec the caller made once. The rest (a call's tensors) goes through
-        the generated check: one tuple compare and a few attribute reads instead of `_same`'s reads of every
-        argument. Any difference takes the checked call."""
+        the generated check: one tuple compare and a few attribute reads instead of a read of every argument.
+        Any difference takes `run`. Returns the plan that launched (see `run`)."""
         try:
             same = specs == self.kept_specs and self.check_rest is not None and self.check_rest(args)
         except (AttributeError, TypeError):
             same = False
         if same:
             self._go(args)
-        else:
-            self(*args)
+            return self
+        return self.run(args)
 
-    def __call__(self, *args: Any) -> None:
+    def run(self, args: Sequence[Any]) -> "Launch":
+        """Launch `args` through this plan, or through the plan of their own specialisation (a variant under the
+        same key, e.g. a buffer at another alignment), made at its first call; returns the plan that launched,
+        for a caller that keeps it (a forward's plan: its later calls then skip this lookup)."""
         if self.launcher is None:
             self.jit_calls += 1
             self.kernel[self.grid](*args, **self.consts)
-        elif self._same(args):
+            return self
+        if self._same(args):
             self._go(args)
-        else:  # another specialisation under the same key (e.g. a buffer at another alignment): a plan of its own
-            try:
-                sig: Hashable = tuple(map(_spec, args))
-                hash(sig)
-            except TypeError:
-                self.jit_calls += 1
-                self.kernel[self.grid](*args, **self.consts)
-                return
-            other = self.variants.get(sig)
-            if other is None:
-                if len(self.variants) >= 8:
-                    self.variants.clear()
-                self.variants[sig] = Launch(self.kernel, self.grid, args, self.consts)  # launches through the JIT
-            elif other.launcher is not None:
-                other._go(args)
-            else:
-                other.jit_calls += 1
-                other.kernel[other.grid](*args, **other.consts)
+            return self
+        try:
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            sig: Hashable = (spec(self.kernel, args), None if first is None else first.get_device())
+            hash(sig)
+        except TypeError:
+            sig = None
+        other = self.variants.get(sig) if sig is not None else None
+        if other is None and sig is not None:
+            if len(self.variants) >= 8:
+                self.variants.clear()
+            other = self.variants[sig] = Launch(self.kernel, self.grid, args, self.consts, self.kept)  # via the JIT
+            return other
+        if other is not None and other._same(args):
+            other._go(args)
+            return other
+        self.jit_calls += 1  # nothing planned fits: the JIT decides
+        self.kernel[self.grid](*args, **self.consts)
+        return self
+
+    def __call__(self, *args: Any) -> None:
+        self.run(args)
 
 
 def current_stream(device: torch.device) -> int:
@@ -316,13 +312,12 @@ def current_stream(device: torch.device) -> int:
 def launch(plans: Dict[Hashable, Launch], key: Hashable, kernel: Any, grid: Tuple[int, ...], args: Sequence[Any],
            consts: Dict[str, Any], kept: Tuple[Tuple[int, int], ...] = ()) -> Launch:
     """Launch `kernel` through the plan stored under `key` (the key fixes the grid and the constexprs),
-    planning it at its first call, and return the plan. A table past 256 plans starts over (keys that hold
-    token counts grow). `kept`: the argument ranges whose spec the caller keeps, for `Launch.parts`."""
+    planning it at its first call, and return the plan that launched (a variant's where the arguments
+    specialise otherwise, see `Launch.run`). A table past 256 plans starts over (keys that hold token counts
+    grow). `kept`: the argument ranges whose spec the caller keeps, for `Launch.parts`."""
     plan = plans.get(key)
     if plan is None:
         if len(plans) >= 256:
             plans.clear()
-        plan = plans[key] = Launch(kernel, grid, args, consts, kept)
-    else:
-        plan(*args)
-    return plan
+        return plans.setdefault(key, Launch(kernel, grid, args, consts, kept))
+    return plan.run(args)

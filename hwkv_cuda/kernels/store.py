@@ -125,22 +125,24 @@ _BUFFER_AT, _FORWARD_AT = 6, 14   # where the kernel's parameters of a pool laye
 
 
 def _buffer_part(k_buf, v_buf, ks, vs, kept) -> Tuple[Tuple[Any, ...], Optional[Tuple[Any, ...]], Tuple[Any, ...]]:
-    """(the kernel's arguments of a pool layer, their spec, the launch key's part): kept across calls, by the
-    buffers' identity (weak references: a freed pool's buffers are not held), for a pool's own buffers
-    (`kept`); made afresh, without spec (the launch compares every argument), for a public call."""
+    """(the kernel's arguments of a pool layer, their spec, the launch key's part): the spec and key kept across
+    calls by the buffers' identity for a pool's own buffers (`kept`; weak references, and the entry holds no
+    tensor: a freed pool's buffers are not held); made afresh, without spec (the launch compares every
+    argument), for a public call."""
     if kept:
         entry = _BUFFERS.get(id(k_buf))
         if entry is not None and entry[0]() is k_buf and entry[1]() is v_buf and entry[2] == (ks, vs):
-            return entry[3]
+            return (k_buf, v_buf) + entry[3], entry[4], entry[5]
     kb, vb = k_buf.stride(), v_buf.stride()
-    args = (k_buf, v_buf, ks, vs, kb[0], kb[1], vb[0], vb[1])
-    part = (args, spec(_store_kv_kernel, args, _BUFFER_AT) if kept else None,
-            (k_buf.shape, v_buf.shape[2], k_buf.dtype, v_buf.dtype, ks != 1.0, vs != 1.0))
+    rest = (ks, vs, kb[0], kb[1], vb[0], vb[1])
+    args = (k_buf, v_buf) + rest
+    found = spec(_store_kv_kernel, args, _BUFFER_AT) if kept else None
+    key = (k_buf.shape, v_buf.shape[2], k_buf.dtype, v_buf.dtype, ks != 1.0, vs != 1.0)
     if kept:
         if len(_BUFFERS) >= 256:
             _BUFFERS.clear()
-        _BUFFERS[id(k_buf)] = (weakref.ref(k_buf), weakref.ref(v_buf), (ks, vs), part)
-    return part
+        _BUFFERS[id(k_buf)] = (weakref.ref(k_buf), weakref.ref(v_buf), (ks, vs), rest, found, key)
+    return args, found, key
 
 
 def _launch(k_buf, v_buf, loc, k, v, k_scale, v_scale, config, kept=False) -> None:
