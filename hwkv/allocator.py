@@ -119,6 +119,7 @@ class PagedTokenToKVPoolAllocator:
         self.size, self.page_size, self.device = size, page_size, torch.device(device)
         self.num_pages = size // page_size
         self.pages = PageRing(self.num_pages, page_size, self.device, name)
+        self._ring_set: Tuple[PageRing, ...] = (self.pages,)  # `_rings()`; the hybrid allocator adds its SWA ring
         self._ops = page_ops_for(self.device)
         # check device values before changing anything: free on CPU, a host sync elsewhere (debug only)
         self.immediate = self.device.type == "cpu" or HWKV_DEBUG.get()
@@ -150,7 +151,8 @@ class PagedTokenToKVPoolAllocator:
         return None
 
     def _rings(self) -> Tuple[PageRing, ...]:
-        return (self.pages,)
+        """Every ring an allocation takes from: the full one, then the SWA one where there is one (made once)."""
+        return self._ring_set
 
     def _mapping_view(self) -> np.ndarray:
         """The full->SWA table as a numpy array: a view kept from construction on the CPU, else one read."""
@@ -320,9 +322,12 @@ class PagedTokenToKVPoolAllocator:
         they might not fit); returns the rings' heads (mod their sizes) for `alloc_reserved`."""
         if not isinstance(pages, int) or pages < 0:
             raise ConfigError(f"reserve({pages!r}) needs an int >= 0")
-        self._check_room(pages)
-        heads = [r.take(pages) for r in self._rings()]
-        self._next_op()
+        if pages:  # no page always fits (most decode steps open none)
+            self._check_room(pages)
+        heads = []
+        for r in self._ring_set:  # claimed and numbered in one pass (`_next_op`'s numbering)
+            heads.append(r.take(pages))
+            r.next_op()
         return heads
 
     def alloc_reserved(self, prefix: torch.Tensor, seq: torch.Tensor, last: torch.Tensor, out: torch.Tensor,
@@ -507,6 +512,7 @@ class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         self.size_swa = size_swa
         self.full_attn_allocator = self  # SGLang's names for the two halves
         self.swa_attn_allocator = PagedTokenToKVPoolAllocator(size_swa, page_size, device, "SWA")
+        self._ring_set = (self.pages, self.swa_attn_allocator.pages)
         self.immediate = self.immediate  # the SWA ring follows this allocator's checking mode
         # one trailing -1 so that mapping[-1] == -1
         self.full_to_swa_index_mapping = torch.zeros(size + page_size + 1, dtype=I64, device=self.device)
@@ -524,10 +530,6 @@ class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     @property
     def _mapping(self) -> Optional[torch.Tensor]:
         return self.full_to_swa_index_mapping
-
-    def _rings(self) -> Tuple[PageRing, ...]:
-        swa = getattr(self, "swa_attn_allocator", None)  # not yet while the base class initialises
-        return (self.pages,) if swa is None else (self.pages, swa.pages)
 
     def full_available_size(self) -> int:
         return PagedTokenToKVPoolAllocator.available_size(self)

@@ -8,7 +8,7 @@ is the simple alternative and costs a pinned allocation each time (about 16 us o
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -16,24 +16,26 @@ import torch
 
 class StagingRing:
     """`slots` pinned int64 host blocks of `n` values bound for `device`; `next()` hands out the next one (as a
-    numpy array to fill), `send(dst, k)` copies its first k values into `dst[:k]`. On the CPU (or where memory
+    numpy array to fill), `send(dst)` copies its first len(dst) values into `dst`. On the CPU (or where memory
     cannot be pinned) one plain block serves: the copy is synchronous there."""
 
     def __init__(self, n: int, device: torch.device, slots: int = 64) -> None:
         self.device = torch.device(device)
-        self._blocks: List[torch.Tensor] = []
+        self._blocks: List[torch.Tensor] = []  # zeroed: a send may carry values past those its caller wrote
         if self.device.type != "cpu":
             try:
-                self._blocks = [torch.empty(n, dtype=torch.int64, device="cpu", pin_memory=True) for _ in range(slots)]
+                self._blocks = [torch.zeros(n, dtype=torch.int64, device="cpu", pin_memory=True) for _ in range(slots)]
             except RuntimeError:  # no pinned memory here: copies from pageable memory finish before returning
                 self._blocks = []
         self.pinned = bool(self._blocks)
         if not self.pinned:
-            self._blocks = [torch.empty(n, dtype=torch.int64, device="cpu")]
+            self._blocks = [torch.zeros(n, dtype=torch.int64, device="cpu")]
         self._events: List[Optional[torch.Event]] = [
             torch.Event(device=self.device.type) if self.pinned else None for _ in self._blocks]
         self._recorded = [False] * len(self._blocks)
         self._arrays = [b.numpy() for b in self._blocks]
+        # each block's leading views by length, made once: a tensor slice per step costs more than the copy
+        self._heads: List[Dict[int, torch.Tensor]] = [{} for _ in self._blocks]
         self._i = -1
 
     def next(self) -> np.ndarray:
@@ -43,10 +45,13 @@ class StagingRing:
             self._events[i].synchronize()
         return self._arrays[i]
 
-    def send(self, dst: torch.Tensor, k: int) -> None:
-        """Copy the current block's first k values into dst[:k] (asynchronous from pinned memory)."""
-        i = self._i
-        dst[:k].copy_(self._blocks[i][:k], non_blocking=self.pinned)
+    def send(self, dst: torch.Tensor) -> None:
+        """Copy the current block's first len(dst) values into dst (asynchronous from pinned memory)."""
+        i, k = self._i, dst.shape[0]
+        src = self._heads[i].get(k)
+        if src is None:
+            src = self._heads[i][k] = self._blocks[i][:k]
+        dst.copy_(src, non_blocking=self.pinned)
         if self.pinned:
             self._events[i].record()
             self._recorded[i] = True

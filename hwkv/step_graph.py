@@ -66,12 +66,20 @@ class DecodeStepGraph(GraphRunner):
         self.staged[4::2] = 1
         self.ctl = self.staged[:3]
         self._ring = StagingRing(3 + 2 * b, dev)
+        self._bucket_staged = {k: self.staged[:3 + 2 * k] for k in self.buckets}  # what a step of bucket k sends
         self.rows_in, self.seq_in = self.staged[3::2], self.staged[4::2]
         self.prefix = torch.zeros(b, dtype=torch.int64, device=dev)  # the step's per-request temporaries
         self.last = torch.zeros(b, dtype=torch.int64, device=dev)
         self.f = torch.zeros(b, dtype=torch.int64, device=dev)
         self.kernels = ops.step_kernels(dev.type)  # one launch each where the device registered them
         self._host: Tuple[int, int, list] = (0, 0, [0, 0])  # live, pages, heads: what an eager 'replay' reads
+        # a step opens a page where its length is 1 mod page: by mask where the page size is a power of two
+        # (cheaper than numpy's int64 remainder, which grows with the batch)
+        p = allocator.page_size
+        self._opens = (np.bitwise_and, p - 1, 1 % p) if p & (p - 1) == 0 else (np.remainder, p, 1 % p)
+        # (replay's output, live count, its live rows) of the last step: a device graph returns the same output
+        # each replay, and a tensor slice per step costs about as much as the step's numpy work
+        self._live_out: Tuple[Any, int, Any] = (None, 0, None)
         self.req_pool_indices.fill_(self.pad_row)
 
     @staticmethod
@@ -130,18 +138,23 @@ class DecodeStepGraph(GraphRunner):
             self.graphs[bs] = _Captured(graph, out)
 
     def _set_ctl(self, live: int, pages: int, heads: list, rows: Optional[np.ndarray] = None,
-                 seq: Optional[np.ndarray] = None) -> None:
+                 seq: Optional[np.ndarray] = None, bucket: Optional[int] = None) -> None:
         """Send [head_full, head_swa, live] and, when given, the live (row, length) pairs for the next replay in one
         host-to-device copy, from a ring of pinned blocks that are rewritten only after the device read them
         (hwkv.staging; one reused block was overwritten before the device read it, on the H200: two steps
-        took the same pages)."""
+        took the same pages). Rows, seq and the step's bucket go together; the bucket's whole width is sent: the
+        pairs past `live` are stale and the prologue reads none (a width per bucket keeps the ring's views few)."""
         self._host = (live, pages, heads)
-        n = 3 if rows is None else 3 + 2 * live
         host = self._ring.next()
-        host[:3] = heads[0], heads[1] if len(heads) > 1 else 0, live
-        if rows is not None:
+        host[0] = heads[0]
+        host[1] = heads[1] if len(heads) > 1 else 0
+        host[2] = live
+        if rows is None:
+            self._ring.send(self.ctl)
+        else:
+            n = 3 + 2 * live
             host[3:n:2], host[4:n:2] = rows, seq
-        self._ring.send(self.staged, n)
+            self._ring.send(self._bucket_staged[bucket])
 
     # ---- one step on the host --------------------------------------------------------------------
     def step(self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
@@ -156,9 +169,8 @@ class DecodeStepGraph(GraphRunner):
             raise LocError(f"rows ({bs}), seq_lens ({seq_lens.numel()}) and seq_lens_cpu ({seq_lens_cpu.numel()}) "
                            "must have one entry per request")
         seq_h = seq_lens_cpu.numpy() if seq_lens_cpu.dtype == torch.int64 else seq_lens_cpu.to(torch.int64).numpy()
-        if bs and int(seq_h.min()) < 2:
+        if bs and np.minimum.reduce(seq_h) < 2:
             raise LocError(f"a decode step continues a request: seq_lens must be >= 2, got {int(seq_h.min())}")
-        pages = int(np.count_nonzero((seq_h - 1) % self.allocator.page_size == 0))
         i = bisect.bisect_left(self.buckets, bs)
         if i == len(self.buckets):
             if inputs is None:
@@ -168,12 +180,14 @@ class DecodeStepGraph(GraphRunner):
         bucket = self.buckets[i]
         if inputs is not None:
             self._take_inputs(inputs, bs)
-        on_host = rows.device.type == "cpu" and seq_lens.device.type == "cpu"
-        if not self.adapter_records:  # an eager 'replay' reads the host lengths; a device graph never does
+        if not self._records:  # an eager 'replay' reads the host lengths; a device graph never does
             self.seq_lens_cpu[:bs].copy_(seq_lens_cpu)
+        op, mod, first = self._opens
+        pages = int(np.count_nonzero(op(seq_h, mod) == first))  # the steps that open a page (length 1 mod page)
         heads = self.allocator.reserve(pages)  # raises before anything changed when the step might not fit
-        if on_host:
-            self._set_ctl(bs, pages, heads, rows.numpy(), seq_h if seq_lens is seq_lens_cpu else seq_lens.numpy())
+        if rows.is_cpu and seq_lens.is_cpu:
+            self._set_ctl(bs, pages, heads, rows.numpy(), seq_h if seq_lens is seq_lens_cpu else seq_lens.numpy(),
+                          bucket)
         else:
             self._set_ctl(bs, pages, heads)
             self.rows_in[:bs].copy_(rows)
@@ -182,7 +196,11 @@ class DecodeStepGraph(GraphRunner):
         self.adapter.pre_replay(graph)
         out = self.adapter.replay(graph)  # the whole step; nothing else to do on the host
         self.replays += 1
-        return out[:bs]
+        last, n, view = self._live_out
+        if out is not last or n != bs:
+            view = out[:bs]
+            self._live_out = (out, bs, view)
+        return view
 
     def _eager_step(self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
                     inputs: Dict[str, torch.Tensor]) -> torch.Tensor:

@@ -16,9 +16,20 @@ def test_the_values_of_each_step_arrive():
     for step in range(5):
         block = ring.next()
         block[:3] = step, step + 1, step + 2
-        ring.send(dst, 3)
+        ring.send(dst[:3])
         assert dst.tolist()[:3] == [step, step + 1, step + 2]
         assert dst.tolist()[3:] == [-1] * 5  # only the first k values are copied
+
+
+def test_each_send_copies_as_many_values_as_its_destination_holds():
+    """Widths change from step to step over the same blocks: each copy takes the block's first len(dst) values."""
+    ring = StagingRing(8, torch.device(DEVICE), slots=2)
+    dst = torch.full((8,), -1, dtype=torch.int64, device=DEVICE)
+    for step, k in enumerate([3, 8, 8, 3, 5, 3, 8]):
+        ring.next()[:] = torch.arange(8).numpy() + 10 * step
+        dst.fill_(-1)
+        ring.send(dst[:k])
+        assert dst.tolist() == [10 * step + v for v in range(k)] + [-1] * (8 - k)
 
 
 @pytest.mark.cuda
@@ -32,7 +43,7 @@ def test_a_block_is_not_rewritten_before_the_device_read_it():
     for step in range(64):
         block = ring.next()
         block[0], block[1] = step, -step
-        ring.send(outs[step], 2)
+        ring.send(outs[step])
     torch.cuda.synchronize()
     assert outs[:, 0].tolist() == list(range(64)) and outs[:, 1].tolist() == [-s for s in range(64)]
 

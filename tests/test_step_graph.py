@@ -211,3 +211,54 @@ def test_a_device_graph_without_page_op_kernels_is_refused():
         DecodeStepGraph(e.backend, e.alloc, e.layers_fn, [4], {"q": ((H, D), torch.float32)}, RecordingEager(),
                         e.frontiers, W)
     assert e.rtt.available_size() == rows and e.backend.static is None  # nothing made
+
+
+class StaticOut(EagerAdapter):
+    """Runs the step, its output copied into one tensor per bucket, as a device graph returns it."""
+
+    def capture(self, fn):
+        out = fn().clone()
+        return (fn, out), out
+
+    def replay(self, graph):
+        fn, out = graph
+        return out.copy_(fn())
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="a host adapter")
+@pytest.mark.parametrize("page", [3, 4])
+def test_steps_of_one_bucket_output_return_its_live_rows(page):
+    """Steps read their bucket's one output through their live rows, batch after batch of the same size or not;
+    page 3 counts the steps that open a page by remainder, 4 by mask: the eager step's pages either way."""
+    ref, got = Engine(page, size=240 * page, size_swa=48 * page), Engine(page, size=240 * page, size_swa=48 * page)
+    graph = DecodeStepGraph(got.backend, got.alloc, got.layers_fn, [2, 4],
+                            {"q": ((H, D), torch.float32), "k": ((KVH, D), torch.float32),
+                             "v": ((KVH, D), torch.float32)}, StaticOut(), got.frontiers, W)
+    graph.capture()
+    gen = torch.Generator().manual_seed(page)
+    for step, pick in enumerate([[0, 1, 2], [0, 1, 2], [0, 1, 2, 3], [1, 3], [1, 3], [4], [4], [0, 1, 2]] * 2):
+        n = len(pick)
+        inputs = {"q": torch.randn(n, H, D, generator=gen), "k": torch.randn(n, KVH, D, generator=gen),
+                  "v": torch.randn(n, KVH, D, generator=gen)}
+        want = ref.eager_step(pick, inputs)
+        have = got.graph_step(graph, pick, inputs, on_host=True)
+        assert have.shape[0] == n
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+        assert same_state(ref.state(), got.state()), f"step {step}: allocator, rows or frontiers differ"
+    got.alloc.check_integrity()
+
+
+def test_lengths_that_do_not_continue_a_request_are_refused_before_any_page_is_claimed():
+    from hwkv.errors import LocError
+    e = Engine(4)
+    graph = DecodeStepGraph(e.backend, e.alloc, e.layers_fn, [4],
+                            {"q": ((H, D), torch.float32), "k": ((KVH, D), torch.float32),
+                             "v": ((KVH, D), torch.float32)}, adapter() or EagerAdapter(), e.frontiers, W)
+    graph.capture()
+    before = e.state()
+    rows = torch.tensor(e.rows[:2], dtype=torch.int64)
+    for seq, match in ((torch.tensor([41, 1]), "seq_lens must be >= 2, got 1"),
+                       (torch.tensor([41]), "must have one entry per request")):
+        with pytest.raises(LocError, match=match):
+            graph.step(rows, seq, seq)
+        assert same_state(before, e.state()) and graph.replays == 0
