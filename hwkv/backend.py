@@ -23,8 +23,8 @@ from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, EvictedSlotError, ShapeError
 from hwkv.layer import AttentionLayer
 from hwkv.loc import KVWriteLoc, LocRuns, SWALocCache
-from hwkv.metadata import (ForwardMetadata, GraphViews, KeptRange, KVIndexList, StaticBuffers, aligned_width,
-                           alloc_static, check_fits, cumsum_into, fill_list, window_pos0)
+from hwkv.metadata import (ForwardMetadata, GraphViews, KeptRange, KVIndexList, LayerOutputs, StaticBuffers,
+                           aligned_width, alloc_static, check_fits, cumsum_into, fill_list, window_pos0)
 from hwkv.spec_plan import TreePlanner
 
 
@@ -84,6 +84,8 @@ class AttentionBackend(DraftMetadataMixin):
         self._graph_tables: List[Any] = []  # alloc_graph_tables per static buffer set (index: md.graph_step)
         self._list_windows: Optional[torch.Tensor] = None  # [0, *windows] on the device, for the fused eager lists
         self._arange32 = KeptRange(torch.int32, self.device, 65)  # decode's qo_indptr, no allocation per forward
+        # the pool's layers (an eager decode allocates their outputs at once: LayerOutputs); 0: not known
+        self._layer_count = len(getattr(pool, "layers_mapping", ())) or int(getattr(pool, "layer_num", 0) or 0)
 
     # ---- subclass hooks -------------------------------------------------------------------
     def alloc_graph_tables(self, static: StaticBuffers) -> Any:
@@ -155,7 +157,8 @@ class AttentionBackend(DraftMetadataMixin):
                 qo_indptr = cumsum_into(ext, torch.empty(bs + 1, dtype=torch.int32, device=self.device))
             full, windows = self._eager_lists(batch, seq, q_pos0, seq_h, win_lens)
         md = ForwardMetadata(write_loc, swa, qo_indptr, q_pos0, full, windows, max(ext_h, default=0), bs, decode,
-                             seq_lens_cpu=seq_cpu, extend_lens_cpu=ext_cpu)
+                             seq_lens_cpu=seq_cpu, extend_lens_cpu=ext_cpu,
+                             outputs=LayerOutputs(self._layer_count) if decode and self._layer_count else None)
         if batch.spec_info is not None:  # a verify tree (DraftTree) or another mode's draft info
             ext = batch.extend_lens().to(torch.int64) if ext is None else ext
             md.tree = self.tree_planner.mask(batch, ext, qo_indptr, q_pos0, ext_cpu)
@@ -404,7 +407,7 @@ class AttentionBackend(DraftMetadataMixin):
             if v.dim() == 2:
                 v = v.view(t, layer.num_kv_heads, dv)
             self.pool.set_kv_buffer(layer, md.write_loc, k, v, layer.k_scale, layer.v_scale)
-        out = q.new_empty(t, h, dv)
+        out = q.new_empty(t, h, dv) if md.outputs is None else md.outputs.take(layer.layer_id, q, t, h, dv)
         if t == 0:
             return out
         if md.tree_decode is not None:  # a tree verify as one decode query per draft token

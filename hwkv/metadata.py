@@ -27,6 +27,32 @@ class KVIndexList:
     table: Optional[torch.Tensor] = None
 
 
+class LayerOutputs:
+    """An eager decode forward's attention outputs as one allocation (the plan's, not each layer's): the first call
+    of each layer takes the next [T, H, Dv] view of it; a layer called again in the forward, or of another shape
+    or dtype than the first, allocates its own. Made only while all of them fit in `MAX_BYTES`: a caller that keeps
+    one layer's output keeps the whole allocation until it lets go."""
+
+    MAX_BYTES = 16 << 20
+    __slots__ = ("slots", "buf", "taken")
+
+    def __init__(self, slots: int) -> None:
+        self.slots, self.buf, self.taken = slots, None, set()
+
+    def take(self, layer_id: int, q: torch.Tensor, t: int, h: int, dv: int) -> torch.Tensor:
+        buf = self.buf
+        if buf is None:
+            if not self.slots or self.slots * t * h * dv * q.element_size() > self.MAX_BYTES:
+                self.slots = 0  # past the bound: every layer allocates its own
+                return q.new_empty(t, h, dv)
+            buf = self.buf = q.new_empty(self.slots, t, h, dv)
+        if (layer_id in self.taken or len(self.taken) >= self.slots or buf.dtype != q.dtype
+                or buf.shape[1:] != (t, h, dv) or buf.device != q.device):
+            return q.new_empty(t, h, dv)
+        self.taken.add(layer_id)
+        return buf[len(self.taken) - 1]
+
+
 @dataclass
 class ForwardMetadata:
     """Everything one forward's layers need; built by AttentionBackend.init_forward_metadata."""
@@ -47,6 +73,7 @@ class ForwardMetadata:
     tree: Optional[Any] = None  # hwkv.spec.TreeMask of a tree verify (TARGET_VERIFY, top-k > 1), else None
     graph_step: int = 0  # graph mode: which static buffer set (draft step) the lists live in
     tree_decode: Optional["ForwardMetadata"] = None  # decode-like tree verify: one decode per draft token
+    outputs: Optional[LayerOutputs] = None  # eager decode: the layers' outputs, one allocation
 
     def list_for(self, layer: Any, swa_group: bool) -> KVIndexList:
         """The index list a layer reads: its window's list when it has one, else the full list."""
