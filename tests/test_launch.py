@@ -227,3 +227,34 @@ def test_the_generated_check_tells_kinds_apart(fake):
     assert launch._same((x, 48, 2.0))
     for other in ((x, True, 0.5), (x, 32.0, 0.5), (x, 32, 1), (x, 32, None), ("x", 32, 0.5), (x, 2 ** 40, 0.5)):
         assert not launch._same(other), other
+
+
+def test_a_kept_variant_alternating_with_its_sibling_launches_directly(monkeypatch):
+    """A caller that keeps the plan that served it (decode's forward plans, public plans) and whose calls alternate
+    between two specialisations (layers whose q differ in alignment): one family table, no chain of plans."""
+    fake = PartedKernel()
+    monkeypatch.setattr(L, "JITFunction", PartedKernel)
+    monkeypatch.setattr(L, "_CONVENTION", "all")
+    monkeypatch.setattr(L, "driver", types.SimpleNamespace(active=types.SimpleNamespace(
+        get_current_device=lambda: 0, get_current_stream=lambda dev: 1234)))
+    base, buf, lst = torch.zeros(80), torch.zeros(64), torch.zeros(64, dtype=torch.int64)
+    layer, forward = L.spec(fake, (buf, 7), 2), L.spec(fake, (lst,), 4)
+    plans, kept = {}, None
+    for step in range(100):
+        args = (base[:64] if step % 2 == 0 else base[1:65], 64, buf, 7, lst)
+        if kept is None:
+            kept = L.launch(plans, "k", fake, (1,), args, dict(BLOCK=16), ((2, 4), (4, 5)))
+        else:
+            kept = kept.parts(args, (layer, forward))
+    assert len(fake.jit_calls) == 2 and len(fake.direct_calls) == 98
+    assert set(plans["k"].variants.values()) == {plans["k"], kept}
+
+
+def test_on_rocm_a_plan_also_compares_whether_a_buffer_fits_32_bit_offsets(fake, monkeypatch):
+    """Triton's HIP backend specialises tensors on storage <= 2 GiB (buffer ops): so do ROCm plans."""
+    monkeypatch.setattr(L, "_HIP", True)
+    monkeypatch.setattr(L, "_BUFFER_OPS_MAX", 256)  # 64 fp32 fit, 128 do not
+    small, big = torch.zeros(64), torch.zeros(128)
+    launch = L.Launch(fake, (1,), (small, 32, 0.5), dict(BLOCK=16))
+    assert L.spec(fake, (small,)) != L.spec(fake, (big,))
+    assert launch._same((torch.ones(64), 32, 0.5)) and not launch._same((big, 32, 0.5))

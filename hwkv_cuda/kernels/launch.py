@@ -126,6 +126,16 @@ def _free_params(kernel: Any) -> frozenset:
     return kept[1]
 
 
+# ROCm builds of Triton also specialise a tensor on whether its storage is at most 2 GiB (buffer ops: 32-bit
+# offsets), so there a plan compares that too
+_HIP = torch.version.hip is not None
+_BUFFER_OPS_MAX = 2 ** 31 - 1
+
+
+def _small(v: torch.Tensor) -> bool:
+    return v.untyped_storage().nbytes() <= _BUFFER_OPS_MAX
+
+
 def _spec_of(v: Any, free: bool) -> Hashable:
     t = type(v)
     if t is int:
@@ -134,7 +144,7 @@ def _spec_of(v: Any, free: bool) -> Hashable:
     if t is float:
         return float
     if t is _TENSOR or (v is not None and t is not bool and isinstance(v, _TENSOR)):
-        return v.dtype, v.data_ptr() & 15 == 0
+        return (v.dtype, v.data_ptr() & 15 == 0, _small(v)) if _HIP else (v.dtype, v.data_ptr() & 15 == 0)
     return v
 
 
@@ -164,7 +174,8 @@ def _checker(kernel: Any, args: Sequence[Any], positions: Sequence[int], device_
             terms.append(f"type({a}) is float")
         elif isinstance(v, torch.Tensor):
             dtypes[i] = v.dtype
-            terms.append(f"{a}.dtype is D[{i}] and ({a}.data_ptr() & 15 == 0) is {v.data_ptr() & 15 == 0}")
+            terms.append(f"{a}.dtype is D[{i}] and ({a}.data_ptr() & 15 == 0) is {v.data_ptr() & 15 == 0}"
+                         + (f" and S({a}) is {_small(v)}" if _HIP else ""))
             if not device_done:
                 terms.append(f"{a}.get_device() == {v.get_device()}")
                 device_done = True
@@ -174,20 +185,20 @@ def _checker(kernel: Any, args: Sequence[Any], positions: Sequence[int], device_
             return None
     return eval(f"lambda a: {' and '.join(terms) or 'True'}", {"__builtins__": {"type": type, "int": int,
                                                                                   "float": float},
-                                                                 "W": _width, "D": dtypes})
+                                                                 "W": _width, "D": dtypes, "S": _small})
 
 
 class Launch:
     """One kernel launch planned: grid, constexprs and the compiled kernel (see module doc)."""
 
     __slots__ = ("kernel", "grid", "consts", "launcher", "fast", "function", "metadata", "tail", "device", "stream",
-                 "variants", "jit_calls", "kept", "kept_specs", "check_all", "check_rest")
+                 "variants", "jit_calls", "kept", "kept_specs", "check_all", "check_rest", "_signature")
 
     def __init__(self, kernel: Any, grid: Tuple[int, ...], args: Sequence[Any], consts: Dict[str, Any],
                  kept: Tuple[Tuple[int, int], ...] = ()) -> None:
         self.kernel, self.consts, self.kept = kernel, consts, kept
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
-        self.launcher = self.fast = self.check_all = self.check_rest = None
+        self.launcher = self.fast = self.check_all = self.check_rest = self._signature = None
         self.kept_specs: Optional[Tuple[Any, ...]] = None
         self.variants: Dict[Hashable, "Launch"] = {}
         self.jit_calls = 1  # launches through kernel[grid] (this one included): the profile counts them
@@ -216,6 +227,7 @@ class Launch:
         self.check_all = _checker(kernel, args, range(len(args)), device_id)
         if self.check_all is None:
             return  # an argument of a kind not understood: keep the JIT path
+        self._signature = self.signature(args)
         if kept:
             self.kept_specs = tuple(spec(kernel, args[a:b], a) for a, b in kept)
             rest = [i for i in range(len(args)) if not any(a <= i < b for a, b in kept)]
@@ -256,12 +268,25 @@ class Launch:
         Any difference takes `run`. Returns the plan that launched (see `run`)."""
         try:
             same = specs == self.kept_specs and self.check_rest is not None and self.check_rest(args)
-        except (AttributeError, TypeError):
+        except (AttributeError, RuntimeError, TypeError):
             same = False
         if same:
             self._go(args)
             return self
         return self.run(args)
+
+    def signature(self, args: Optional[Sequence[Any]] = None) -> Optional[Hashable]:
+        """What tells this kernel's variants apart (the spec and the first tensor's device) of `args`, or of the
+        arguments this plan was made for; None where it cannot be hashed."""
+        if args is None:
+            return self._signature
+        try:
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            sig: Hashable = (spec(self.kernel, args), None if first is None else first.get_device())
+            hash(sig)
+            return sig
+        except TypeError:
+            return None
 
     def run(self, args: Sequence[Any]) -> "Launch":
         """Launch `args` through this plan, or through the plan of their own specialisation (a variant under the
@@ -274,17 +299,17 @@ class Launch:
         if self._same(args):
             self._go(args)
             return self
-        try:
-            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-            sig: Hashable = (spec(self.kernel, args), None if first is None else first.get_device())
-            hash(sig)
-        except TypeError:
-            sig = None
+        sig = self.signature(args)
         other = self.variants.get(sig) if sig is not None else None
         if other is None and sig is not None:
             if len(self.variants) >= 8:
                 self.variants.clear()
             other = self.variants[sig] = Launch(self.kernel, self.grid, args, self.consts, self.kept)  # via the JIT
+            # one table per family, the first plan in it too: a caller that keeps a variant finds its siblings
+            # through it (each variant's own table grew a chain of plans, one JIT launch per switch)
+            other.variants = self.variants
+            if self._signature is not None:
+                self.variants.setdefault(self._signature, self)
             return other
         if other is not None and other._same(args):
             other._go(args)
