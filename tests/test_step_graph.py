@@ -164,10 +164,7 @@ def test_a_step_that_might_not_fit_is_refused_before_anything_changes():
     """40 full pages of 4: four requests of 32 tokens hold 32; steps to 33 and to 37 take 4 pages each (the
     last 4 free ones), the step to 41 would need 4 more: refused on the host, before the replay."""
     e = Engine(4, size=160, size_swa=160, lens=(32, 32, 32, 32))
-    graph = DecodeStepGraph(e.backend, e.alloc, e.layers_fn, [4],
-                            {"q": ((H, D), torch.float32), "k": ((KVH, D), torch.float32),
-                             "v": ((KVH, D), torch.float32)}, adapter() or EagerAdapter(), e.frontiers, W)
-    graph.capture()
+    graph = _bucket_of_4(e)
     inputs = {"q": torch.randn(4, H, D, device=DEVICE), "k": torch.randn(4, KVH, D, device=DEVICE),
               "v": torch.randn(4, KVH, D, device=DEVICE)}
     for _ in range(8):
@@ -180,12 +177,18 @@ def test_a_step_that_might_not_fit_is_refused_before_anything_changes():
     e.alloc.check_integrity()
 
 
-def test_a_bad_input_is_refused_before_any_page_is_claimed():
-    e = Engine(4)
+def _bucket_of_4(e):
+    """A captured whole-step graph of one bucket (4) over `e`'s fp32 inputs."""
     graph = DecodeStepGraph(e.backend, e.alloc, e.layers_fn, [4],
                             {"q": ((H, D), torch.float32), "k": ((KVH, D), torch.float32),
                              "v": ((KVH, D), torch.float32)}, adapter() or EagerAdapter(), e.frontiers, W)
     graph.capture()
+    return graph
+
+
+def test_a_bad_input_is_refused_before_any_page_is_claimed():
+    e = Engine(4)
+    graph = _bucket_of_4(e)
     before = e.state()
     good = {"q": torch.randn(2, H, D, device=DEVICE), "k": torch.randn(2, KVH, D, device=DEVICE)}
     for bad in (good, {**good, "v": torch.randn(2, KVH, D + 1, device=DEVICE)}):
@@ -251,10 +254,7 @@ def test_steps_of_one_bucket_output_return_its_live_rows(page):
 def test_lengths_that_do_not_continue_a_request_are_refused_before_any_page_is_claimed():
     from hwkv.errors import LocError
     e = Engine(4)
-    graph = DecodeStepGraph(e.backend, e.alloc, e.layers_fn, [4],
-                            {"q": ((H, D), torch.float32), "k": ((KVH, D), torch.float32),
-                             "v": ((KVH, D), torch.float32)}, adapter() or EagerAdapter(), e.frontiers, W)
-    graph.capture()
+    graph = _bucket_of_4(e)
     before = e.state()
     rows = torch.tensor(e.rows[:2], dtype=torch.int64)
     for seq, match in ((torch.tensor([41, 1]), "seq_lens must be >= 2, got 1"),
