@@ -34,23 +34,23 @@ class LayerOutputs:
     one layer's output keeps the whole allocation until it lets go."""
 
     MAX_BYTES = 16 << 20
-    __slots__ = ("slots", "buf", "taken")
+    __slots__ = ("slots", "views", "key", "taken")
 
     def __init__(self, slots: int) -> None:
-        self.slots, self.buf, self.taken = slots, None, set()
+        self.slots, self.views, self.key, self.taken = slots, (), None, set()
 
     def take(self, layer_id: int, q: torch.Tensor, t: int, h: int, dv: int) -> torch.Tensor:
-        buf = self.buf
-        if buf is None:
+        if self.key is None:
             if not self.slots or self.slots * t * h * dv * q.element_size() > self.MAX_BYTES:
                 self.slots = 0  # past the bound: every layer allocates its own
                 return q.new_empty(t, h, dv)
-            buf = self.buf = q.new_empty(self.slots, t, h, dv)
-        if (layer_id in self.taken or len(self.taken) >= self.slots or buf.dtype != q.dtype
-                or buf.shape[1:] != (t, h, dv) or buf.device != q.device):
+            self.views = q.new_empty(self.slots, t, h, dv).unbind(0)  # every layer's view in one call
+            self.key = (q.dtype, q.get_device(), t, h, dv)
+        if (layer_id in self.taken or len(self.taken) >= self.slots
+                or (q.dtype, q.get_device(), t, h, dv) != self.key):
             return q.new_empty(t, h, dv)
         self.taken.add(layer_id)
-        return buf[len(self.taken) - 1]
+        return self.views[len(self.taken) - 1]
 
 
 @dataclass

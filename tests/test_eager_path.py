@@ -78,6 +78,7 @@ def model(layers, **kw):
 
 
 def counted_forward(h, calls, rids, new, mode):
+    decode._PUBLIC_PLANS.clear()  # the plans of each kind (a forward like an earlier one is not checked again)
     calls.clear()
     h.forward(rids, new, mode)   # outputs checked against hwkv.reference inside
     return Counter(calls)
@@ -202,3 +203,18 @@ def test_the_store_keeps_no_freed_pool_alive(triton_on_cpu):
     del h
     gc.collect()
     assert buf() is None
+
+
+def test_a_decode_forward_like_an_earlier_one_neither_checks_nor_allocates_its_plan(triton_on_cpu, calls):
+    """The plan of each kind (shapes, strides, devices, the list bound's power of two, stream, thread) is checked and
+    its split-K scratch allocated once; later forwards of that kind attach their lists to it (outputs compared with
+    hwkv.reference inside)."""
+    h = model(4)
+    rids = [h.add_request() for _ in range(2)]
+    h.forward(rids, [11, 5], ForwardMode.EXTEND)
+    first = counted_forward(h, calls, rids, [1, 1], ForwardMode.DECODE)
+    assert first["_check_decode"] == 2
+    calls.clear()
+    h.forward(rids, [1, 1], ForwardMode.DECODE)
+    assert calls["_check_decode"] == 0 and calls["make_decode_workspace"] == 0
+    assert calls["launch:_decode_split_kernel"] == 4

@@ -48,4 +48,4 @@ def test_outputs_of_another_shape_or_past_the_bound_are_allocated_alone():
     q = torch.zeros(1, 1, 1)
     t = LayerOutputs.MAX_BYTES // 36 // 4 + 1  # 36 fp32 outputs of this many rows pass the bound
     first, second = big.take(0, q, t, 1, 1), big.take(1, q, t, 1, 1)
-    assert big.buf is None and first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
+    assert big.key is None and first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()

@@ -376,8 +376,9 @@ class DecodePlan(NamedTuple):
     """How to launch decode for a set of calls that share a batch, a head geometry and a key-list
     bound: split count, workspace, tile sizes, and the shapes/strides the first call was checked with.
 
-    Built once per forward by `plan_decode` (which checks its arguments fully); every layer then
-    runs `decode_attention_planned`, which only compares its tensors against these fields.
+    Built once per forward by `plan_decode` (from the cached plan of its kind, checked fully at the first call of
+    that kind); every layer then runs `decode_attention_planned`, which only compares its tensors against these
+    fields. The forwards of one kind share its workspace and its launches.
     """
 
     q_shape: Tuple[int, ...]
@@ -597,11 +598,18 @@ def plan_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_in
                 kv_indices: torch.Tensor, kv_pos0: torch.Tensor, q_pos: torch.Tensor, out: torch.Tensor,
                 sinks: Optional[torch.Tensor] = None, max_kv_len: Optional[int] = None, *,
                 workspace: Optional[DecodeWorkspace] = None, config: Optional[DecodeConfig] = None) -> DecodePlan:
-    """Check one call's arguments as `decode_attention` does and plan it (split count, workspace:
-    the given one, else a fresh one when it splits). Calls with the same shapes, the same index
-    list and q_pos reuse the plan through `decode_attention_planned`."""
+    """Check one call's arguments as `decode_attention` does and plan it (split count, workspace: the given one,
+    else the scratch of `decode_attention`'s plan of the same kind, made and checked at the first call of its
+    kind: a forward like an earlier one neither checks nor allocates again). Calls with the same shapes, the same
+    index list and q_pos reuse the plan through `decode_attention_planned`."""
+    lists = (kv_indptr, kv_indices, kv_pos0, q_pos)
+    if workspace is None and config is None:
+        kind = _public_plan(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks, max_kv_len)
+        forward_args = lists + kind.forward_args
+        return kind._replace(lists=lists, forward_args=forward_args,
+                             forward_spec=spec(_decode_split_kernel, forward_args, _FORWARD_AT))
     _check_decode(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks)
-    return _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, config, (kv_indptr, kv_indices, kv_pos0, q_pos))
+    return _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, config, lists)
 
 
 def decode_attention_planned(plan: DecodePlan, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
