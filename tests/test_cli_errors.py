@@ -95,9 +95,11 @@ def test_ctrl_c_is_exit_130_and_one_line(capsys, monkeypatch):
 
 def test_sigint_during_verify_is_exit_130_without_a_traceback():
     """A real Ctrl-C: sent once the first check's progress line shows; pytest's own handling is bypassed."""
+    # SIGINT at its default in the child, as in a terminal: a test run started in the background by a
+    # non-interactive shell inherits it ignored, and the child would never see the Ctrl-C
     p = subprocess.Popen([sys.executable, "-m", "hwkv.cli", "verify", "--device", "cpu", "-k", "graphs_reuses_slots"],
-                         cwd=REPO,
-                         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                         cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = b""
     deadline = time.monotonic() + 240
     while b"[1/" not in seen and time.monotonic() < deadline:
