@@ -342,6 +342,22 @@ class PagedTokenToKVPoolAllocator:
         (self._ops or TORCH_OPS).alloc_extend(self.pages, self._swa, self._mapping, prefix, seq, last, out, pages,
                                               heads, False)
 
+    @property
+    def allocates_step_in_one(self) -> bool:
+        """Whether the device's page ops run a captured decode step's allocation in one launch (`alloc_step`)."""
+        return getattr(self._ops, "alloc_step", None) is not None
+
+    def alloc_step(self, ctl: torch.Tensor, rows_in: torch.Tensor, seq_in: torch.Tensor, pad_row: int,
+                   req_to_token: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor, out: torch.Tensor) -> None:
+        """A captured decode step's rows, slots and req_to_token write in one launch (`hwkv.step_graph`). For
+        b < len(rows), live = b < ctl[2]: rows[b] = rows_in[b], seq[b] = seq_in[b] and token seq[b] - 1 gets a
+        slot (a fresh page from `reserve`'s claim, ring heads ctl[0:2], where it opens one) into out[b] and
+        req_to_token[rows[b], seq[b] - 1]; padded entries take pad_row, length 1 and slot 0. The caller planned it."""
+        if not self.allocates_step_in_one:
+            raise ConfigError(f"alloc_step needs page-op kernels that have it; {self.device.type} has none")
+        self._ops.alloc_step(self.pages, self._swa, self._mapping, ctl, rows_in, seq_in, pad_row, req_to_token, rows,
+                             seq, out)
+
     def _check_continuations(self, prefix, seq, last, plan, decode) -> None:
         """Hybrid only: a request continuing a partial page must still own that page's SWA slots."""
 
@@ -757,28 +773,41 @@ TORCH_OPS = TorchPageOps()
 # ---- out-of-window release -----------------------------------------------------------------------------
 def release_out_of_window_batch(allocator: SWATokenToKVPoolAllocator, req_to_token: torch.Tensor,
                                 req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, frontiers: torch.Tensor,
-                                window: int) -> torch.Tensor:
+                                window: int, *, by_row: bool = False) -> torch.Tensor:
     """Free, for a whole batch at once, the SWA slots no later query can see; `frontiers` (int64, one per
     request, on the pool's device) move forward in place and are returned.
 
     The next query of a request sits at position >= seq_len and sees keys > seq_len - W, so tokens
     below seq_len - W + 1 are dead. A frontier is page-aligned and kept one page behind that, so the
     last page (and `alloc_decode`'s continuation) always stays mapped.
+    `by_row`: `frontiers` holds one frontier per req_to_token row and the batch's rows' entries move (a
+    captured step keeps them there: no gather or scatter around the release); a row may repeat only where
+    it releases nothing (a graph bucket's padding).
     """
     if window is None or window <= 0:
         return frontiers
     if not isinstance(frontiers, torch.Tensor) or frontiers.dtype != I64:
         raise LocError(f"frontiers must be an int64 tensor, got {getattr(frontiers, 'dtype', type(frontiers))}")
-    bs = frontiers.numel()
+    bs = req_pool_indices.numel() if by_row else frontiers.numel()
+    if by_row and frontiers.shape != (req_to_token.shape[0],):
+        raise LocError(f"by_row frontiers must hold one per req_to_token row ({req_to_token.shape[0]}), got "
+                       f"{list(frontiers.shape)}")
     for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens)):
         if t.numel() != bs:
-            raise LocError(f"{name} has {t.numel()} entries, frontiers has {bs}")
+            raise LocError(f"{name} has {t.numel()} entries, {'req_pool_indices' if by_row else 'frontiers'} has {bs}")
     for name, t in (("req_to_token", req_to_token), ("req_pool_indices", req_pool_indices),
                     ("seq_lens", seq_lens), ("frontiers", frontiers)):
         if t.device.type != allocator.device.type:
             raise LocError(f"{name} is on {t.device}, the allocator is on {allocator.device}")
     if bs == 0:
         return frontiers
+    ops = allocator._ops or TORCH_OPS
+    if by_row and (allocator.immediate or not getattr(ops, "releases_by_row", False)):
+        table = frontiers  # the batch's own frontiers, released as usual, then put back in their rows
+        f = table[req_pool_indices]
+        release_out_of_window_batch(allocator, req_to_token, req_pool_indices, seq_lens, f, window)
+        table[req_pool_indices] = f
+        return table
     if allocator.immediate:
         checked = _check_release(allocator, req_to_token, req_pool_indices, seq_lens, frontiers, window)
         if allocator._on_host():  # checked on the host: applied there too
@@ -787,8 +816,12 @@ def release_out_of_window_batch(allocator: SWATokenToKVPoolAllocator, req_to_tok
             frontiers.copy_(torch.from_numpy(checked[0]))
             return frontiers
     allocator._next_op()
-    (allocator._ops or TORCH_OPS).release_window(allocator.pages, allocator._swa, allocator._mapping, req_to_token,
-                                                 req_pool_indices, seq_lens, frontiers, window)
+    if by_row:
+        ops.release_window(allocator.pages, allocator._swa, allocator._mapping, req_to_token, req_pool_indices,
+                           seq_lens, frontiers, window, by_row=True)
+    else:
+        ops.release_window(allocator.pages, allocator._swa, allocator._mapping, req_to_token, req_pool_indices,
+                           seq_lens, frontiers, window)
     return frontiers
 
 

@@ -1,8 +1,9 @@
 """DecodeStepGraph: the whole decode step in one graph per batch bucket.
 
 One replay runs what an engine's decode step runs (steps 1-5 of a forward, docs/architecture.md):
-the allocation (`alloc_reserved`: the ring heads come from a device buffer the host writes before the
-replay), the req_to_token write, the metadata refill, the layers and the out-of-window release. Between
+the allocation and the req_to_token write (one launch, `allocator.alloc_step`, where the device's page ops
+have it; the ring heads come from a device buffer the host writes before the replay), the metadata refill,
+the layers and the out-of-window release (the rows' frontiers moved where they are kept). Between
 two replays the host settles the step's capacity on its bound of free pages (`allocator.reserve`: an
 OutOfSlotsError before anything runs when the step might not fit), copies the live rows, the lengths
 after the step and [head_full, head_swa, live count] into static buffers, and launches once.
@@ -68,9 +69,10 @@ class DecodeStepGraph(GraphRunner):
         self._ring = StagingRing(3 + 2 * b, dev)
         self._bucket_staged = {k: self.staged[:3 + 2 * k] for k in self.buckets}  # what a step of bucket k sends
         self.rows_in, self.seq_in = self.staged[3::2], self.staged[4::2]
-        self.prefix = torch.zeros(b, dtype=torch.int64, device=dev)  # the step's per-request temporaries
+        # rows, slots and the req_to_token write in one launch where the device's page ops have it (else three)
+        self._one_launch = self.device_alloc and allocator.allocates_step_in_one
+        self.prefix = torch.zeros(b, dtype=torch.int64, device=dev)  # the three launches' temporaries
         self.last = torch.zeros(b, dtype=torch.int64, device=dev)
-        self.f = torch.zeros(b, dtype=torch.int64, device=dev)
         self.kernels = ops.step_kernels(dev.type)  # one launch each where the device registered them
         self._host: Tuple[int, int, list] = (0, 0, [0, 0])  # live, pages, heads: what an eager 'replay' reads
         # a step opens a page where its length is 1 mod page: by mask where the page size is a power of two
@@ -104,22 +106,23 @@ class DecodeStepGraph(GraphRunner):
     def _refill_and_run(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
         bs = batch.batch_size
         rows, seq, out = self.req_pool_indices[:bs], self.seq_lens[:bs], self.out_cache_loc[:bs]
-        prefix, last = self.prefix[:bs], self.last[:bs]
-        # padded requests: the reserved row, length 1, prefix == seq (no token, no page), the padding slot 0
-        self.kernels.prologue(self.ctl, self.rows_in, self.seq_in, self.pad_row, self.rtt, rows, seq, prefix, last,
-                              out)
-        n, pages, heads = self._host
-        if self.device_alloc:
-            self.allocator.alloc_reserved(prefix, seq, last, out, self.ctl, 0)
-        else:  # a step the host runs (no device graph): the torch ops size themselves from host values
-            self.allocator.alloc_reserved(prefix[:n], seq[:n], last[:n], out[:n], heads, pages)
-        f = self.f[:bs] if self.frontiers is not None else None
-        self.kernels.write(self.rtt, rows, seq, out, self.frontiers, f)  # the new slots, the rows' frontiers
+        # padded requests: the reserved row, length 1, no token, no page, the padding slot 0
+        if self._one_launch:
+            self.allocator.alloc_step(self.ctl, self.rows_in, self.seq_in, self.pad_row, self.rtt, rows, seq, out)
+        else:
+            prefix, last = self.prefix[:bs], self.last[:bs]
+            self.kernels.prologue(self.ctl, self.rows_in, self.seq_in, self.pad_row, self.rtt, rows, seq, prefix,
+                                  last, out)
+            n, pages, heads = self._host
+            if self.device_alloc:
+                self.allocator.alloc_reserved(prefix, seq, last, out, self.ctl, 0)
+            else:  # a step the host runs (no device graph): the torch ops size themselves from host values
+                self.allocator.alloc_reserved(prefix[:n], seq[:n], last[:n], out[:n], heads, pages)
+            self.kernels.write(self.rtt, rows, seq, out, None, None)  # the new slots
         self._refill(batch)
         result = self.fn(batch, inputs)
-        if self.frontiers is not None:
-            release_out_of_window_batch(self.allocator, self.rtt, rows, seq, f, self.window)
-            self.frontiers[rows] = f
+        if self.frontiers is not None:  # the rows' frontiers move where they are kept
+            release_out_of_window_batch(self.allocator, self.rtt, rows, seq, self.frontiers, self.window, by_row=True)
         return result
 
     @property
@@ -214,9 +217,8 @@ class DecodeStepGraph(GraphRunner):
         self.backend.init_forward_metadata(batch)
         out = self.fn(batch, inputs)
         if self.frontiers is not None:
-            f = self.frontiers[rows]
-            release_out_of_window_batch(self.allocator, self.rtt, rows, seq_lens, f, self.window)
-            self.frontiers[rows] = f
+            release_out_of_window_batch(self.allocator, self.rtt, rows, seq_lens, self.frontiers, self.window,
+                                        by_row=True)
         self.eager_runs += 1
         return out
 

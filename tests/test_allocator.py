@@ -401,3 +401,33 @@ def test_sharing_the_swa_of_a_released_page_says_so_and_changes_nothing():
             call()
         assert same_snapshot(before, a.integrity_snapshot())
     a.check_share(loc, with_swa=False)  # the full pages are live
+
+
+@pytest.mark.parametrize("immediate", [True, False])
+def test_release_by_row_moves_the_rows_frontiers_where_they_are_kept(immediate):
+    """`by_row`: the frontiers of every req_to_token row in one table, the batch's rows' entries moved in place
+    (rows named out of order, others untouched), the same release as gathering them; a table of the wrong size
+    is refused with everything unchanged."""
+    runs = []
+    for by_row in (False, True):
+        _, a = make(256, 64, 4)
+        a.immediate = immediate
+        rtt = torch.zeros(4, 64, dtype=torch.int64)
+        for r, n in ((1, 30), (3, 22)):
+            rtt[r, :n] = a.alloc_extend([0], [n], [0], n)
+        table = torch.tensor([7, 0, 7, 0])  # rows 0 and 2 hold no request: their entries stay
+        rows, seq = torch.tensor([3, 1]), torch.tensor([22, 30])
+        if by_row:
+            before = (state(a), table.clone())
+            with pytest.raises(LocError, match=r"one per req_to_token row \(4\), got \[3\]"):
+                release_out_of_window_batch(a, rtt, rows, seq, table[:3], 4, by_row=True)
+            assert same_state(before[0], state(a)) and torch.equal(table, before[1])
+            assert release_out_of_window_batch(a, rtt, rows, seq, table, 4, by_row=True) is table
+        else:
+            f = table[rows]
+            release_out_of_window_batch(a, rtt, rows, seq, f, 4)
+            table[rows] = f
+        a.check_integrity()
+        runs.append((state(a), table))
+    assert runs[1][1].tolist() == [7, 20, 7, 12]  # 30 - 4 + 1 = 27 -> 24 - 4; 22 -> 19 -> 16 - 4 and torch.equal(runs[0][1], runs[1][1])
+    assert same_state(runs[0][0], runs[1][0])

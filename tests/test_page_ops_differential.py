@@ -24,6 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from hwkv.allocator import (TORCH_OPS, ReqToTokenPool, SWATokenToKVPoolAllocator,  # noqa: E402
                             release_out_of_window_batch)
 from hwkv.errors import HwkvError  # noqa: E402
+from hwkv.ops import TORCH_STEP  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
@@ -59,12 +60,37 @@ def T(xs):
 
 
 class System:
-    """One allocator with its rows and frontiers."""
+    """One allocator with its rows (and one more: a whole-step graph's padding row) and frontiers."""
 
     def __init__(self, ops, page, pages, swa_pages, rows, ctx):
         self.a = allocator(ops, pages * page, swa_pages * page, page)
-        self.rtt = torch.zeros(rows, ctx, dtype=I64, device=DEVICE)
-        self.frontiers = torch.zeros(rows, dtype=I64, device=DEVICE)
+        self.rtt = torch.zeros(rows + 1, ctx, dtype=I64, device=DEVICE)
+        self.pad_row = rows
+        self.frontiers = torch.zeros(rows + 1, dtype=I64, device=DEVICE)
+
+
+def captured_step(s, heads, opened, rows, seq, bucket, three_launches=None):
+    """A whole-step graph's allocation (hwkv.step_graph) from a staged block as the graph sends it: [head_full,
+    head_swa, live] then (row, length) pairs, stale ones past the live; returns (rows, seq, out) of the bucket.
+    One launch where the allocator's ops have `alloc_step`, else the torch path's three steps (or these)."""
+    n = len(rows)
+    staged = torch.full((3 + 2 * bucket,), 5, dtype=I64, device=DEVICE)  # stale pairs: row 5, length 5
+    staged[:3] = T([heads[0], heads[1] if len(heads) > 1 else 0, n])
+    staged[3:3 + 2 * n:2], staged[4:4 + 2 * n:2] = T(rows), T(seq)
+    ctl, rows_in, seq_in = staged[:3], staged[3::2], staged[4::2]
+    out = [torch.full((bucket,), -9, dtype=I64, device=DEVICE) for _ in range(3)]
+    if three_launches is None and s.a.allocates_step_in_one:
+        s.a.alloc_step(ctl, rows_in, seq_in, s.pad_row, s.rtt, *out)
+        return out
+    kernels = three_launches or TORCH_STEP
+    prefix, last = torch.zeros(bucket, dtype=I64, device=DEVICE), torch.zeros(bucket, dtype=I64, device=DEVICE)
+    kernels.prologue(ctl, rows_in, seq_in, s.pad_row, s.rtt, out[0], out[1], prefix, last, out[2])
+    if three_launches is None:  # the torch ops size themselves from host values
+        s.a.alloc_reserved(prefix[:n], out[1][:n], last[:n], out[2][:n], heads, opened)
+    else:
+        s.a.alloc_reserved(prefix, out[1], last, out[2], ctl, 0)
+    kernels.write(s.rtt, out[0], out[1], out[2], None, None)
+    return out
 
 
 def same_state(ref: System, tri: System, what: str) -> None:
@@ -185,16 +211,40 @@ class PageOpsMachine(RuleBasedStateMachine):
             self.reqs.update(zip(rows, seq))
 
     @precondition(lambda self: self.reqs)
-    @rule()
-    def release(self):
+    @rule(by_row=st.booleans())
+    def release(self, by_row):
+        """The batch's frontiers gathered and put back, or (by_row) moved where they are kept: the Triton kernel
+        reads and writes them by row, the torch ops gather and scatter around the release."""
         rows = sorted(self.reqs)
-        self.both("release", lambda s: self._release(s, rows, [self.reqs[r] for r in rows]))
+        if by_row:
+            self.both("release by row", lambda s: release_out_of_window_batch(
+                s.a, s.rtt, T(rows), T([self.reqs[r] for r in rows]), s.frontiers, self.window, by_row=True))
+        else:
+            self.both("release", lambda s: self._release(s, rows, [self.reqs[r] for r in rows]))
 
     def _release(self, s, rows, seq, frontiers=None):
         f = s.frontiers[T(rows)] if frontiers is None else frontiers
         release_out_of_window_batch(s.a, s.rtt, T(rows), T(seq), f, self.window)
         if frontiers is None:
             s.frontiers[T(rows)] = f
+
+    @precondition(lambda self: self.reqs)
+    @rule(pad=st.integers(0, 3), rev=st.booleans())
+    def captured_step(self, pad, rev):
+        """A whole-step graph's allocation from its staged block (padded to a bucket, stale pairs past the live
+        ones): Triton's one launch (`alloc_step`) against the torch path's prologue, allocation and write."""
+        rows = sorted(self.reqs, reverse=rev)
+        seq = [self.reqs[r] + 1 for r in rows]
+        if max(seq) > self.CTX:
+            return
+        n, opened = len(rows), sum((x - 1) % self.page == 0 for x in seq)
+
+        def go(s):
+            heads = s.a.reserve(opened)
+            s.step_out = captured_step(s, heads, opened, rows, seq, n + pad)
+        if self.both("captured step", go):
+            assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(self.ref.step_out, self.sys[1].step_out))
+            self.reqs.update(zip(rows, seq))
 
     @precondition(lambda self: self.reqs)
     @rule(pick=st.integers(0, 7), strided=st.booleans())
@@ -412,7 +462,55 @@ def test_strided_inputs_are_read_by_their_strides():
         s.rtt[0, :20], s.rtt[1, :24] = loc[:20], loc[20:]
         table = torch.zeros(2, 3, dtype=I64, device=DEVICE)
         release_out_of_window_batch(s.a, s.rtt, T([0, 1]), T([20, 24]), table[:, 1], 2)
-        s.frontiers.copy_(table[:, 1])
+        s.frontiers[:2].copy_(table[:, 1])
         s.a.free(torch.stack([s.rtt[1, 16:24], s.rtt[1, 16:24]], 1)[:, 0], with_swa=True)
     same_state(*systems, "strided")
-    assert systems[1].frontiers.tolist() == [12, 16]
+    assert systems[1].frontiers[:2].tolist() == [12, 16]
+
+
+@pytest.mark.parametrize("page", [1, 3, 4])
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_alloc_step_equals_three_launches_over_several_programs(page, hybrid):
+    """`alloc_step`'s one launch against the three it replaces (the step prologue, the allocation with the heads
+    on the device, the write), all Triton, on the same random batches: 40 requests in a bucket of 48 span several
+    programs (16 requests each interpreted), so each counts the pages the earlier ones open; page 3 maps whole
+    pages through a masked block. Rows, lengths, slots, req_to_token, rings, references and the table agree."""
+    from hwkv.allocator import PagedTokenToKVPoolAllocator
+    from hwkv_cuda.kernels import step as step_kernels
+    gen = torch.Generator().manual_seed(page * 2 + hybrid)
+    reqs, ctx = 40, 64
+    systems = []
+    for _ in range(2):
+        pages = 4 * reqs * ctx // page
+        s = System(triton_ops(), page, pages, pages, reqs, ctx)
+        if not hybrid:
+            s.a = PagedTokenToKVPoolAllocator(pages * page, page, DEVICE)
+            s.a._ops = triton_ops()
+            s.a.immediate = False
+        systems.append(s)
+    lens = torch.randint(1, ctx // 2, (reqs,), generator=gen).tolist()
+    for s in systems:  # prefill each request
+        loc = s.a.alloc_extend(T([0] * reqs), T(lens), T([0] * reqs), sum(lens), prefix_lens_cpu=torch.zeros(reqs),
+                               seq_lens_cpu=torch.tensor(lens))
+        for r, at, n in zip(range(reqs), [0] + list(torch.tensor(lens).cumsum(0)[:-1]), lens):
+            s.rtt[r, :n] = loc[int(at):int(at) + n]
+    for step in range(6):
+        rows = torch.randperm(reqs, generator=gen)[:reqs - step * 5].tolist()
+        seq = [lens[r] + 1 for r in rows]
+        opened = sum((x - 1) % page == 0 for x in seq)
+        outs = []
+        for s, three in zip(systems, (None, step_kernels.KERNELS)):
+            heads = s.a.reserve(opened)
+            outs.append(captured_step(s, heads, opened, rows, seq, 48, three_launches=three))
+        for r in rows:
+            lens[r] += 1
+        for a, b in zip(*outs):
+            assert torch.equal(a, b), f"step {step}"
+        ref, got = systems
+        assert torch.equal(ref.rtt, got.rtt), f"step {step}: req_to_token"
+        for x, y in zip(ref.a._rings(), got.a._rings()):
+            assert x.head == y.head and torch.equal(x.buf, y.buf), f"step {step}: {x.name} ring"
+        if hybrid:
+            assert torch.equal(ref.a.full_to_swa_index_mapping, got.a.full_to_swa_index_mapping), f"step {step}"
+    for s in systems:
+        s.a.check_integrity()

@@ -126,15 +126,34 @@ def same_state(a, b):
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@pytest.mark.parametrize("recording", [False, True] if DEVICE == "cpu" else [True])
+class ThreeLaunchOps:
+    """The Triton page ops without `alloc_step`: the graph allocates in three launches (prologue, alloc, write)."""
+
+    def __init__(self):
+        from hwkv_cuda.kernels.alloc import TritonPageOps
+        self.ops = TritonPageOps()
+
+    alloc_step = None
+
+    def __getattr__(self, name):
+        return getattr(self.ops, name)
+
+
+@pytest.mark.parametrize("recording", [False, "one launch", "three launches"] if DEVICE == "cpu" else
+                         ["one launch", "three launches"])
 @pytest.mark.parametrize("page", [1, 4])
 def test_whole_step_graph_equals_the_eager_step(page, recording):
     if recording and DEVICE == "cpu" and not INTERPRET:
         pytest.skip("the device-side allocation path runs the Triton page ops: TRITON_INTERPRET=1 on CPU")
     ref, got = Engine(page), Engine(page)
+    if recording == "three launches":
+        got.alloc._ops = ThreeLaunchOps()
+        assert not got.alloc.allocates_step_in_one and got.alloc.allocates_in_graph
     if recording and DEVICE == "cpu":  # both sides through the Triton page ops (interpreted), heads from the device
         from hwkv_cuda.kernels.alloc import TritonPageOps
-        ref.alloc._ops = got.alloc._ops = TritonPageOps()
+        ref.alloc._ops = TritonPageOps()
+        if recording == "one launch":
+            got.alloc._ops = TritonPageOps()
     graph = DecodeStepGraph(got.backend, got.alloc, got.layers_fn, [2, 4],
                             {"q": ((H, D), torch.float32), "k": ((KVH, D), torch.float32),
                              "v": ((KVH, D), torch.float32)},

@@ -8,7 +8,11 @@ free-page ring, reference counts, error record) without any host sync:
 - change_refs (free, free_swa, share): one program (pages can repeat within `loc`; a first pass
   picks one entry per page), adding -1/0/+1 to each page's full and SWA references.
 - release: grid (request,); each program frees the SWA pages between its frontier and the new
-  one, pushes them with an atomic add on the ring's tail, and moves its frontier.
+  one, pushes them with an atomic add on the ring's tail, and moves its frontier (one per request,
+  or, `by_row`, the request's row's entry of a table with one per req_to_token row).
+- alloc_step: a captured decode step's rows, its one new slot per request and the req_to_token write,
+  from the staged block, in one launch (grid: blocks of requests; each counts the pages earlier
+  blocks open itself).
 Bad pages are skipped and recorded in the full ring's `err` with an atomic max of their error keys
 (`hwkv.pages.error_key`), so the record is the torch ops' whatever order the programs run in.
 Index tensors are made contiguous here (the kernels read them with unit stride); req_to_token is
@@ -129,6 +133,51 @@ def _alloc_kernel(seq, prefix, last, out, buf_f, head_f, n_full, buf_s, head_s, 
             _record(err, mapped <= 0, _floor_div(last_b + 1 + one, P), ERR_CONT_RELEASED, opk)
 
 
+@triton.jit(do_not_specialize=["pad_row", "bs", "opk"])
+def _alloc_step_kernel(ctl, rows_in, seq_in, stride_in, pad_row, rtt, stride_rtt, rows, seq, out, buf_f, n_full,
+                       buf_s, n_swa, mapping, opk, bs, P: tl.constexpr, HYBRID: tl.constexpr, BLOCK_P: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """`alloc_step`: program k takes requests [k * BLOCK, (k + 1) * BLOCK) and counts the pages the live requests
+    before them open from the staged lengths itself (decode: a step opens a page where its prefix is 0 mod P)."""
+    head_f = tl.load(ctl).to(tl.int64)
+    head_s = tl.load(ctl + 1).to(tl.int64)
+    n_live = tl.load(ctl + 2).to(tl.int64)
+    ring_f, refs_f, tail_f, err = _parts(buf_f, n_full)
+    ring_s, refs_s, tail_s, err_s = _parts(buf_s, n_swa)
+    first = tl.program_id(0).to(tl.int64) * BLOCK
+    base = tl.zeros([], tl.int64)
+    for start in range(0, first, BLOCK):  # pages the live requests of earlier programs open
+        i = start + tl.arange(0, BLOCK)
+        m = i < tl.minimum(first, n_live)
+        s = tl.load(seq_in + i * stride_in, mask=m, other=1).to(tl.int64)
+        base += tl.sum(tl.where(m & ((s - 1) % P == 0), 1, 0), 0)
+    i = first + tl.arange(0, BLOCK)
+    m = i < bs
+    live = m & (i < n_live)
+    r = tl.where(live, tl.load(rows_in + i * stride_in, mask=live, other=0).to(tl.int64), pad_row)
+    s = tl.where(live, tl.load(seq_in + i * stride_in, mask=live, other=1).to(tl.int64), 1)
+    pre = s - 1  # a live request's new token; a padded one takes nothing (its prefix is its length)
+    opens = live & (pre % P == 0)
+    cont = live & ~opens
+    pidx = base + tl.cumsum(opens.to(tl.int64), 0) - opens.to(tl.int64)
+    last = tl.load(rtt + r * stride_rtt + tl.maximum(pre - 1, 0), mask=cont, other=0).to(tl.int64)
+    fp = tl.load(ring_f + (head_f + pidx) % tl.maximum(n_full, 1), mask=opens, other=0)
+    loc = tl.where(opens, fp * P, tl.where(cont, last + 1, 0))
+    tl.store(refs_f + fp, fp * 0 + 1, mask=opens)
+    if HYBRID:
+        sp = tl.load(ring_s + (head_s + pidx) % tl.maximum(n_swa, 1), mask=opens, other=0)
+        tl.store(refs_s + sp, sp * 0 + 1, mask=opens)
+        o = tl.arange(0, BLOCK_P)
+        whole = opens[:, None] & (o[None, :] < P)  # map whole pages: full slot F*P+o -> SWA slot S*P+o
+        tl.store(mapping + fp[:, None] * P + o[None, :], sp[:, None] * P + o[None, :], mask=whole)
+        mapped = tl.load(mapping + last + 1, mask=cont, other=1)
+        _record(err, cont & (mapped <= 0), _floor_div(last + 1, P), ERR_CONT_RELEASED, opk)
+    tl.store(rows + i, r, mask=m)
+    tl.store(seq + i, s, mask=m)
+    tl.store(out + i, loc, mask=m)
+    tl.store(rtt + r * stride_rtt + s - 1, loc.to(rtt.dtype.element_ty), mask=m)
+
+
 @triton.jit
 def _change_swa(err_f, buf_s, n_swa, mapping, fp, sp, sel, opk, DELTA: tl.constexpr, P: tl.constexpr):
     """Add DELTA to the references of SWA pages sp[sel]; at zero unmap full page fp and push sp. A drop
@@ -196,15 +245,16 @@ def _refs_kernel(loc, n, buf_f, n_full, buf_s, n_swa, mapping, who, opk, P: tl.c
 
 @triton.jit(do_not_specialize=["opk"])
 def _release_kernel(rtt, stride_row, stride_pos, rows, seq, frontiers, window, buf_f, n_full, buf_s, n_swa,
-                    mapping, opk, P: tl.constexpr, BLOCK: tl.constexpr):
+                    mapping, opk, P: tl.constexpr, BY_ROW: tl.constexpr, BLOCK: tl.constexpr):
     ring_f, refs_f, tail_f, err_f = _parts(buf_f, n_full)
     b = tl.program_id(0)
-    f = tl.load(frontiers + b)
+    row = tl.load(rows + b).to(tl.int64)
+    at = frontiers + row if BY_ROW else frontiers + b  # BY_ROW: one frontier per req_to_token row
+    f = tl.load(at)
     dead = tl.load(seq + b).to(tl.int64) - window + 1
     aligned = tl.where(dead > 0, (dead // P) * P - P, 0)
     nf = tl.maximum(f, tl.maximum(aligned, 0))
     cnt = (nf - f) // P
-    row = tl.load(rows + b).to(tl.int64)
     for i0 in range(0, cnt, BLOCK):
         i = i0 + tl.arange(0, BLOCK)
         act = i < cnt
@@ -213,7 +263,7 @@ def _release_kernel(rtt, stride_row, stride_pos, rows, seq, frontiers, window, b
         sp = tl.load(mapping + fp * P, mask=act, other=0) // P
         _record(err_f, act & (sp <= 0), fp, ERR_SWA_RELEASED, opk)
         _change_swa(err_f, buf_s, n_swa, mapping, fp, sp, act & (sp > 0), opk, -1, P)
-    tl.store(frontiers + b, nf)
+    tl.store(at, nf)
 
 
 def _block(n_gpu: int) -> int:
@@ -243,6 +293,26 @@ class TritonPageOps:
                     BLOCK=_block(256), num_warps=1 if interpreting() else 4))
 
     @staticmethod
+    def alloc_step(full: PageRing, swa: Optional[PageRing], mapping: Optional[torch.Tensor], ctl: torch.Tensor,
+                   rows_in: torch.Tensor, seq_in: torch.Tensor, pad_row: int, req_to_token: torch.Tensor,
+                   rows: torch.Tensor, seq: torch.Tensor, out: torch.Tensor) -> None:
+        """`hwkv.allocator`'s `alloc_step` in one launch: the staged rows, one new slot each, written to
+        req_to_token (rows_in and seq_in may be strided views of one buffer)."""
+        bs = rows.shape[0]
+        if bs == 0:
+            return
+        hybrid = swa is not None
+        s = swa if hybrid else full
+        p = full.page_size
+        block = 16 if interpreting() else max(16, min(1024, 1 << max(bs - 1, 0).bit_length()))
+        launch(_LAUNCHES, ("step", bs, p, hybrid), _alloc_step_kernel, (-(-bs // block),),
+               (ctl, rows_in, seq_in, rows_in.stride(0), int(pad_row), req_to_token, req_to_token.stride(0), rows, seq,
+                out, full.buf, full.num_pages, s.buf, s.num_pages, mapping if hybrid else full.buf,
+                pages.op_key(full.op), bs),
+               dict(P=p, HYBRID=hybrid, BLOCK_P=triton.next_power_of_2(p), BLOCK=block,
+                    num_warps=1 if interpreting() else (4 if block >= 256 else 1)))
+
+    @staticmethod
     def change_refs(full: PageRing, swa: Optional[PageRing], mapping: Optional[torch.Tensor], loc: torch.Tensor,
                     full_delta: int, swa_delta: int) -> None:
         hybrid = swa is not None
@@ -254,13 +324,17 @@ class TritonPageOps:
                dict(P=full.page_size, HYBRID=hybrid, FULL_DELTA=full_delta, SWA_DELTA=swa_delta, BLOCK=_block(1024),
                     num_warps=1 if interpreting() else 8))
 
+    releases_by_row = True  # release_window takes by_row (frontiers indexed by req_to_token row)
+
     @staticmethod
     def release_window(full: PageRing, swa: PageRing, mapping: torch.Tensor, req_to_token: torch.Tensor,
-                       rows: torch.Tensor, seq: torch.Tensor, frontiers: torch.Tensor, window: int) -> None:
+                       rows: torch.Tensor, seq: torch.Tensor, frontiers: torch.Tensor, window: int,
+                       by_row: bool = False) -> None:
         f = frontiers if frontiers.is_contiguous() else frontiers.contiguous()  # moved in place: copied back
-        launch(_LAUNCHES, ("release", frontiers.numel(), full.page_size), _release_kernel, (frontiers.numel(),),
+        bs = rows.numel()
+        launch(_LAUNCHES, ("release", bs, full.page_size, by_row), _release_kernel, (bs,),
                (req_to_token, req_to_token.stride(0), req_to_token.stride(1), rows.contiguous(), seq.contiguous(), f,
                 int(window), full.buf, full.num_pages, swa.buf, swa.num_pages, mapping, pages.op_key(full.op)),
-               dict(P=full.page_size, BLOCK=_block(128), num_warps=1 if interpreting() else 4))
+               dict(P=full.page_size, BY_ROW=bool(by_row), BLOCK=_block(128), num_warps=1 if interpreting() else 4))
         if f is not frontiers:
             frontiers.copy_(f)
