@@ -348,15 +348,18 @@ class PagedTokenToKVPoolAllocator:
         return getattr(self._ops, "alloc_step", None) is not None
 
     def alloc_step(self, ctl: torch.Tensor, rows_in: torch.Tensor, seq_in: torch.Tensor, pad_row: int,
-                   req_to_token: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor, out: torch.Tensor) -> None:
+                   req_to_token: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor, out: torch.Tensor,
+                   advance: bool = False) -> bool:
         """A captured decode step's rows, slots and req_to_token write in one launch (`hwkv.step_graph`). For
         b < len(rows), live = b < ctl[2]: rows[b] = rows_in[b], seq[b] = seq_in[b] and token seq[b] - 1 gets a
         slot (a fresh page from `reserve`'s claim, ring heads ctl[0:2], where it opens one) into out[b] and
-        req_to_token[rows[b], seq[b] - 1]; padded entries take pad_row, length 1 and slot 0. The caller planned it."""
+        req_to_token[rows[b], seq[b] - 1]; padded entries take pad_row, length 1 and slot 0. The caller planned it.
+        `advance`: seq_in[b] becomes seq[b] + 1 for the live requests too (the next step's lengths: a host that
+        sends nothing else new need not copy), where the kernel can (one program); returns whether it does."""
         if not self.allocates_step_in_one:
             raise ConfigError(f"alloc_step needs page-op kernels that have it; {self.device.type} has none")
-        self._ops.alloc_step(self.pages, self._swa, self._mapping, ctl, rows_in, seq_in, pad_row, req_to_token, rows,
-                             seq, out)
+        return bool(self._ops.alloc_step(self.pages, self._swa, self._mapping, ctl, rows_in, seq_in, pad_row,
+                                         req_to_token, rows, seq, out, advance))
 
     def _check_continuations(self, prefix, seq, last, plan, decode) -> None:
         """Hybrid only: a request continuing a partial page must still own that page's SWA slots."""

@@ -71,6 +71,9 @@ class DecodeStepGraph(GraphRunner):
         self.rows_in, self.seq_in = self.staged[3::2], self.staged[4::2]
         # rows, slots and the req_to_token write in one launch where the device's page ops have it (else three)
         self._one_launch = self.device_alloc and allocator.allocates_step_in_one
+        self._advances: Dict[int, bool] = {}  # per bucket: its replay moves the staged lengths on by one itself
+        # (bucket, rows, lengths + 1) the device holds staged after the last replay, where it moved them itself
+        self._sent: Optional[Tuple[int, np.ndarray, np.ndarray]] = None
         self.prefix = torch.zeros(b, dtype=torch.int64, device=dev)  # the three launches' temporaries
         self.last = torch.zeros(b, dtype=torch.int64, device=dev)
         self.kernels = ops.step_kernels(dev.type)  # one launch each where the device registered them
@@ -107,8 +110,9 @@ class DecodeStepGraph(GraphRunner):
         bs = batch.batch_size
         rows, seq, out = self.req_pool_indices[:bs], self.seq_lens[:bs], self.out_cache_loc[:bs]
         # padded requests: the reserved row, length 1, no token, no page, the padding slot 0
-        if self._one_launch:
-            self.allocator.alloc_step(self.ctl, self.rows_in, self.seq_in, self.pad_row, self.rtt, rows, seq, out)
+        if self._one_launch:  # and, where it can, the staged lengths moved on to the next step's
+            self._advances[bs] = self.allocator.alloc_step(self.ctl, self.rows_in, self.seq_in, self.pad_row,
+                                                           self.rtt, rows, seq, out, advance=True)
         else:
             prefix, last = self.prefix[:bs], self.last[:bs]
             self.kernels.prologue(self.ctl, self.rows_in, self.seq_in, self.pad_row, self.rtt, rows, seq, prefix,
@@ -148,6 +152,7 @@ class DecodeStepGraph(GraphRunner):
         took the same pages). Rows, seq and the step's bucket go together; the bucket's whole width is sent: the
         pairs past `live` are stale and the prologue reads none (a width per bucket keeps the ring's views few)."""
         self._host = (live, pages, heads)
+        self._sent = None
         host = self._ring.next()
         host[0] = heads[0]
         host[1] = heads[1] if len(heads) > 1 else 0
@@ -189,8 +194,17 @@ class DecodeStepGraph(GraphRunner):
         pages = int(np.count_nonzero(op(seq_h, mod) == first))  # the steps that open a page (length 1 mod page)
         heads = self.allocator.reserve(pages)  # raises before anything changed when the step might not fit
         if rows.is_cpu and seq_lens.is_cpu:
-            self._set_ctl(bs, pages, heads, rows.numpy(), seq_h if seq_lens is seq_lens_cpu else seq_lens.numpy(),
-                          bucket)
+            rows_h, seq_s = rows.numpy(), seq_h if seq_lens is seq_lens_cpu else seq_lens.numpy()
+            sent = self._sent
+            if pages == 0 and sent is not None and sent[0] == bucket and sent[1].shape == rows_h.shape \
+                    and np.array_equal(sent[2], seq_s) and np.array_equal(sent[1], rows_h):
+                # the same rows, one token on, no page: the last replay left exactly this staged (the heads are
+                # read only where a page opens), so nothing is copied
+                self._host = (bs, pages, heads)
+            else:
+                self._set_ctl(bs, pages, heads, rows_h, seq_s, bucket)
+            if self._advances.get(bucket):
+                self._sent = (bucket, rows_h.copy(), seq_s + 1)
         else:
             self._set_ctl(bs, pages, heads)
             self.rows_in[:bs].copy_(rows)
@@ -209,6 +223,7 @@ class DecodeStepGraph(GraphRunner):
                     inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
         """A batch larger than every bucket: the same step through the eager API (never dropped)."""
         dev = self.rtt.device
+        self._sent = None  # (nothing staged changes here; the next replay sends all the same)
         rows, seq_lens = rows.to(dev), seq_lens.to(dev)
         last = self.rtt[rows, seq_lens - 2]
         loc = self.allocator.alloc_decode(seq_lens, last, seq_lens_cpu=seq_lens_cpu)

@@ -281,3 +281,44 @@ def test_lengths_that_do_not_continue_a_request_are_refused_before_any_page_is_c
         with pytest.raises(LocError, match=match):
             graph.step(rows, seq, seq)
         assert same_state(before, e.state()) and graph.replays == 0
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_steps_of_the_same_rows_copy_nothing_until_a_page_opens(page):
+    """The replay moves its staged lengths on by one itself (`alloc_step(advance=True)`): a step of the same rows,
+    one token on, that opens no page sends nothing; a page, other rows or another bucket send everything. Token for
+    token and state for state the eager step's, either way."""
+    if DEVICE == "cpu" and not INTERPRET:
+        pytest.skip("the one-launch allocation is a Triton page op: TRITON_INTERPRET=1 on CPU")
+    ref, got = Engine(page), Engine(page)
+    if DEVICE == "cpu":
+        from hwkv_cuda.kernels import step as step_kernels
+        from hwkv_cuda.kernels.alloc import TritonPageOps
+        ref.alloc._ops, got.alloc._ops = TritonPageOps(), TritonPageOps()
+    graph = DecodeStepGraph(got.backend, got.alloc, got.layers_fn, [2, 4],
+                            {"q": ((H, D), torch.float32), "k": ((KVH, D), torch.float32),
+                             "v": ((KVH, D), torch.float32)}, adapter() or RecordingEager(), got.frontiers, W)
+    if DEVICE == "cpu":
+        graph.kernels = step_kernels.KERNELS
+    graph.capture()
+    assert graph._advances == {2: True, 4: True}
+    sends = []
+    real = graph._ring.send
+    graph._ring.send = lambda dst: sends.append(1) or real(dst)
+    gen = torch.Generator().manual_seed(3)
+    picks = [[0, 2]] * 7 + [[0, 1, 2]] * 3 + [[0, 2]] * 3 + [[1, 3]] * 2
+    expect = 0
+    for step, pick in enumerate(picks):
+        opens = any(int(ref.seq[i]) % page == 0 for i in pick)  # length after the step is 1 mod page
+        expect += step == 0 or opens or pick != picks[step - 1] or page == 1
+        n = len(pick)
+        inputs = {"q": torch.randn(n, H, D, generator=gen).to(DEVICE),
+                  "k": torch.randn(n, KVH, D, generator=gen).to(DEVICE),
+                  "v": torch.randn(n, KVH, D, generator=gen).to(DEVICE)}
+        want = ref.eager_step(pick, inputs)
+        have = got.graph_step(graph, pick, inputs, on_host=True)
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+        assert same_state(ref.state(), got.state()), f"step {step}: allocator, rows or frontiers differ"
+        assert len(sends) == expect, f"step {step}: {len(sends)} copies, expected {expect}"
+    assert expect < len(picks) or page == 1
+    got.alloc.check_integrity()

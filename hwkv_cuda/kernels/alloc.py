@@ -136,9 +136,10 @@ def _alloc_kernel(seq, prefix, last, out, buf_f, head_f, n_full, buf_s, head_s, 
 @triton.jit(do_not_specialize=["pad_row", "bs", "opk"])
 def _alloc_step_kernel(ctl, rows_in, seq_in, stride_in, pad_row, rtt, stride_rtt, rows, seq, out, buf_f, n_full,
                        buf_s, n_swa, mapping, opk, bs, P: tl.constexpr, HYBRID: tl.constexpr, BLOCK_P: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       ADVANCE: tl.constexpr, BLOCK: tl.constexpr):
     """`alloc_step`: program k takes requests [k * BLOCK, (k + 1) * BLOCK) and counts the pages the live requests
-    before them open from the staged lengths itself (decode: a step opens a page where its prefix is 0 mod P)."""
+    before them open from the staged lengths itself (decode: a step opens a page where its prefix is 0 mod P).
+    ADVANCE (one program only: others read the lengths it would move): the staged lengths become the next step's."""
     head_f = tl.load(ctl).to(tl.int64)
     head_s = tl.load(ctl + 1).to(tl.int64)
     n_live = tl.load(ctl + 2).to(tl.int64)
@@ -175,6 +176,8 @@ def _alloc_step_kernel(ctl, rows_in, seq_in, stride_in, pad_row, rtt, stride_rtt
     tl.store(rows + i, r, mask=m)
     tl.store(seq + i, s, mask=m)
     tl.store(out + i, loc, mask=m)
+    if ADVANCE:
+        tl.store(seq_in + i * stride_in, s + 1, mask=live)
     tl.store(rtt + r * stride_rtt + s - 1, loc.to(rtt.dtype.element_ty), mask=m)
 
 
@@ -295,22 +298,25 @@ class TritonPageOps:
     @staticmethod
     def alloc_step(full: PageRing, swa: Optional[PageRing], mapping: Optional[torch.Tensor], ctl: torch.Tensor,
                    rows_in: torch.Tensor, seq_in: torch.Tensor, pad_row: int, req_to_token: torch.Tensor,
-                   rows: torch.Tensor, seq: torch.Tensor, out: torch.Tensor) -> None:
+                   rows: torch.Tensor, seq: torch.Tensor, out: torch.Tensor, advance: bool = False) -> bool:
         """`hwkv.allocator`'s `alloc_step` in one launch: the staged rows, one new slot each, written to
-        req_to_token (rows_in and seq_in may be strided views of one buffer)."""
+        req_to_token (rows_in and seq_in may be strided views of one buffer). Returns whether it advanced."""
         bs = rows.shape[0]
         if bs == 0:
-            return
+            return False
         hybrid = swa is not None
         s = swa if hybrid else full
         p = full.page_size
         block = 16 if interpreting() else max(16, min(1024, 1 << max(bs - 1, 0).bit_length()))
-        launch(_LAUNCHES, ("step", bs, p, hybrid), _alloc_step_kernel, (-(-bs // block),),
+        programs = -(-bs // block)
+        advance = bool(advance) and programs == 1
+        launch(_LAUNCHES, ("step", bs, p, hybrid, advance), _alloc_step_kernel, (programs,),
                (ctl, rows_in, seq_in, rows_in.stride(0), int(pad_row), req_to_token, req_to_token.stride(0), rows, seq,
                 out, full.buf, full.num_pages, s.buf, s.num_pages, mapping if hybrid else full.buf,
                 pages.op_key(full.op), bs),
-               dict(P=p, HYBRID=hybrid, BLOCK_P=triton.next_power_of_2(p), BLOCK=block,
+               dict(P=p, HYBRID=hybrid, BLOCK_P=triton.next_power_of_2(p), ADVANCE=advance, BLOCK=block,
                     num_warps=1 if interpreting() else (4 if block >= 256 else 1)))
+        return advance
 
     @staticmethod
     def change_refs(full: PageRing, swa: Optional[PageRing], mapping: Optional[torch.Tensor], loc: torch.Tensor,
