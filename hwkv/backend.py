@@ -22,7 +22,7 @@ from hwkv.draft import DraftMetadataMixin
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, EvictedSlotError, ShapeError
 from hwkv.layer import AttentionLayer
-from hwkv.loc import KVWriteLoc, LocRuns, SWALocCache
+from hwkv.loc import KVWriteLoc, ListRefill, LocRuns, SWALocCache
 from hwkv.metadata import (ForwardMetadata, GraphViews, KeptRange, KVIndexList, LayerOutputs, StaticBuffers,
                            aligned_width, alloc_static, check_fits, cumsum_into, fill_list, window_pos0)
 from hwkv.spec_plan import TreePlanner
@@ -275,26 +275,30 @@ class AttentionBackend(DraftMetadataMixin):
         passes its tokens per request); it sizes the extend kernels' grids, which otherwise take the
         batch's whole token count (a verify of 32 x 15 drafts would launch 30 token blocks per request).
 
-        On devices that registered fused refill kernels (`hwkv.ops.register_graph_refill`) this is
-        2 + len(windows) launches, whatever the mode: the write locs (translated, tail zeroed), one
-        for positions, qo_indptr, every indptr and the full list, and one per window list (gathered
-        and translated together). Elsewhere the torch path below builds the same buffers."""
+        On devices that registered fused refill kernels (`hwkv.ops.register_graph_refill`) a hybrid pool's
+        refill is one launch, whatever the mode and the number of windows (`fill_translated`: the write locs
+        translated, tail zeroed; positions, qo_indptr, every indptr, the full list and each window list,
+        gathered and translated together); without `fill_translated`, or for a plain pool, 2 + len(windows)
+        (1 + len(windows)) launches. Elsewhere the torch path below builds the same buffers."""
         st = self.static
         if st is None:
             raise ConfigError("init_graph_state(max_bs, max_num_tokens) must run before graph metadata")
         bs, n = batch.batch_size, batch.num_tokens
         check_fits("batch size", bs, st.max_bs)
         check_fits("tokens", n, st.max_num_tokens)
-        write_loc = self._write_loc(batch.out_cache_loc, graph=True)
-        swa = write_loc.swa_loc
         decode = batch.forward_mode.is_decode()
+        kernels = ops.graph_refill_kernels(self.device.type) if self._fusable_refill else None
+        one_launch = kernels is not None and kernels.fill_translated is not None and self.hybrid
+        write_loc = self._write_loc(batch.out_cache_loc, graph=True, lists=self._list_refill(batch) if one_launch
+                                    else None)
+        swa = write_loc.swa_loc
         if max_q_len is not None and (not isinstance(max_q_len, int) or max_q_len < 1):
             raise ConfigError(f"max_q_len={max_q_len!r} must be an int >= 1")
         max_q = 1 if decode else min(n, max_q_len or n)  # static bounds: no sync on the replay path
-        kernels = ops.graph_refill_kernels(self.device.type) if self._fusable_refill else None
         if kernels is not None:
             views = self._graph_views(bs, max_q)
-            self._refill_fused(batch, kernels, views)
+            if not one_launch:
+                self._refill_fused(batch, kernels, views)
         else:
             views = self._refill_torch(batch, max_q)
         ext = None if decode else batch.extend_seq_lens
@@ -324,6 +328,14 @@ class AttentionBackend(DraftMetadataMixin):
             views = GraphViews(st.qo_indptr[:bs + 1], st.q_pos0[:bs], full, windows)
             self._views[(bs, max_q)] = views
         return views
+
+    def _list_refill(self, batch: ForwardBatch) -> ListRefill:
+        """The static lists a graph refill builds in its write locs' launch (`fill_translated`)."""
+        st = self.static
+        ext = None if batch.forward_mode.is_decode() else batch.extend_seq_lens
+        return ListRefill(self.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens, ext,
+                          st.list_windows, st.lens, st.q_pos0, st.qo_indptr, st.list_indptr, st.list_pos0,
+                          st.full_indices, st.win_rows)
 
     def _refill_fused(self, batch: ForwardBatch, kernels: ops.GraphRefillKernels, views: GraphViews) -> None:
         """One launch for positions, qo_indptr, every list's indptr/pos0 and the full list, then one
@@ -368,15 +380,20 @@ class AttentionBackend(DraftMetadataMixin):
                                      min(self.graph_max_context_len, w + max_q - 1), self.hybrid)
         return GraphViews(qo_indptr, q_pos0, full, windows)
 
-    def _write_loc(self, loc: torch.Tensor, graph: bool) -> KVWriteLoc:
+    def _write_loc(self, loc: torch.Tensor, graph: bool, lists: Optional[ListRefill] = None) -> KVWriteLoc:
         """This forward's KVWriteLoc: locs checked (before they index the table), translated once
         (into the static buffer in graph mode), swa_locs checked. These checks are the only ones of
-        the write locs this forward: the layers' writes skip them (pool.check_write_loc)."""
+        the write locs this forward: the layers' writes skip them (pool.check_write_loc). `lists` (graph,
+        hybrid pool): the refill's lists, built in the translation's launch, each window list counted once."""
         check_loc, check_swa = (getattr(self.pool, "check_write_loc", None),
                                 getattr(self.pool, "check_swa_loc", None))
         if check_loc is not None:
             check_loc(loc)
-        swa = self.loc_cache.refill(loc) if graph else self.loc_cache.translate(loc)
+        if lists is not None:
+            swa = self.loc_cache.refill(loc, lists)
+            self.window_translations += lists.translations - 1
+        else:
+            swa = self.loc_cache.refill(loc) if graph else self.loc_cache.translate(loc)
         write_loc = KVWriteLoc(loc, swa)
         if check_swa is not None and write_loc.swa_loc is not None:
             check_swa(write_loc.swa_loc)

@@ -48,6 +48,41 @@ class LocRuns(NamedTuple):
     indptr: torch.Tensor
 
 
+class ListRefill(NamedTuple):
+    """A graph refill's index lists, built in the launch that translates its write locs (where the device has
+    `GraphRefillKernels.fill_translated`): the fields are `fill_lists`' arguments in order (`windows[0]` is 0,
+    the full list; list 1 + i is window i), then `window_indices`, window i's list in row i, already in SWA slots.
+
+    `SWAKVPool.translate_loc_from_full_to_swa(loc, out=..., lists=...)` takes it: one call that makes
+    `translations` translations, the write locs' and one per window list.
+    """
+
+    req_to_token: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    extend_lens: Optional[torch.Tensor]  # None: DECODE, one new token per request
+    windows: torch.Tensor
+    lens: torch.Tensor
+    q_pos0: torch.Tensor
+    qo_indptr: torch.Tensor
+    list_indptr: torch.Tensor
+    list_pos0: torch.Tensor
+    full_indices: torch.Tensor
+    window_indices: torch.Tensor
+
+    @property
+    def translations(self) -> int:
+        """The write locs' translation and one per window list."""
+        return 1 + int(self.window_indices.shape[0])
+
+
+def translations_of(*args: object, **kwargs: object) -> int:
+    """How many translations one call `translate_loc_from_full_to_swa(*args, **kwargs)` makes (for wrappers that
+    count them): one, or a `ListRefill`'s (`lists=`)."""
+    lists = kwargs.get("lists", args[2] if len(args) > 2 else None)
+    return lists.translations if isinstance(lists, ListRefill) else 1
+
+
 class SWALocCache:
     """Translates one forward's write locs exactly once; in graph mode into a static int64 buffer.
 
@@ -79,8 +114,9 @@ class SWALocCache:
         """Pre-allocate the static `swa_out_cache_loc` buffer (once, before capture)."""
         self.buffer = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
 
-    def refill(self, loc: torch.Tensor) -> Optional[torch.Tensor]:
-        """Graph translation into the static buffer; raises CapacityError when it does not fit."""
+    def refill(self, loc: torch.Tensor, lists: Optional[ListRefill] = None) -> Optional[torch.Tensor]:
+        """Graph translation into the static buffer; raises CapacityError when it does not fit. `lists`: the
+        refill's index lists, built (window lists translated) in the same launch; the caller counts those."""
         if not self.hybrid:
             self.current = None
             return None
@@ -91,6 +127,9 @@ class SWALocCache:
             raise CapacityError(f"{n} tokens do not fit the graph buffer of {cap} tokens; run eagerly")
         self.translations += 1
         # one call: [:n] translated, [n:] zeroed (one launch where the device has a refill kernel)
-        self.pool.translate_loc_from_full_to_swa(loc, out=self.buffer)
+        if lists is None:
+            self.pool.translate_loc_from_full_to_swa(loc, out=self.buffer)
+        else:
+            self.pool.translate_loc_from_full_to_swa(loc, out=self.buffer, lists=lists)
         self.current = self.buffer[:n]
         return self.current

@@ -96,8 +96,8 @@ class StaticBuffers:
     """Graph-mode buffers, allocated once by init_graph_state and refilled before every replay.
 
     The lists' indptr and pos0 rows live in one tensor each (row 0: the full list, row 1 + i: the
-    i-th window of `windows`), so a fused refill writes them all in one launch; `full_*` and
-    `win_*` are views of those rows.
+    i-th window of `windows`), and the window lists in the rows of one more, so a fused refill writes
+    them all in one launch; `full_*` and `win_*` are views of those rows.
     """
 
     max_bs: int
@@ -116,6 +116,7 @@ class StaticBuffers:
     list_indptr: Optional[torch.Tensor] = None   # int32 [1 + len(windows), max_bs + 1]
     list_pos0: Optional[torch.Tensor] = None     # int64 [1 + len(windows), max_bs]
     list_windows: Optional[torch.Tensor] = None  # int64 [1 + len(windows)]: 0 (full), then each W
+    win_rows: Optional[torch.Tensor] = None      # int64 [len(windows), cap]: row i holds win_indices of window i
 
 
 class GraphViews(NamedTuple):
@@ -137,15 +138,17 @@ def alloc_static(max_bs: int, max_num_tokens: int, max_context_len: int, windows
     win_cap = {w: min(full_cap, max_num_tokens + max_bs * (w - 1)) for w in windows}
     list_indptr = torch.zeros(1 + len(windows), max_bs + 1, **i32)
     list_pos0 = torch.zeros(1 + len(windows), max_bs, **i64)
+    # every row starts 16-byte aligned, as a separate buffer would (Triton compiles a variant per alignment)
+    win_rows = torch.zeros(len(windows), aligned_width(max(win_cap.values(), default=0), torch.int64), **i64)
     return StaticBuffers(
         max_bs, max_num_tokens, torch.arange(max_bs + 1, **i32),
         torch.zeros(max_bs + 1, **i32), torch.zeros(max_bs, **i64), torch.zeros(max_bs, **i64),
         list_indptr[0], list_pos0[0], torch.zeros(full_cap, **i64),
         {w: list_indptr[1 + i] for i, w in enumerate(windows)},
         {w: list_pos0[1 + i] for i, w in enumerate(windows)},
+        {w: win_rows[i, :win_cap[w]] for i, w in enumerate(windows)},
         {w: torch.zeros(win_cap[w], **i64) for w in windows},
-        {w: torch.zeros(win_cap[w], **i64) for w in windows},
-        list_indptr, list_pos0, torch.tensor([0] + windows, **i64))
+        list_indptr, list_pos0, torch.tensor([0] + windows, **i64), win_rows)
 
 
 def aligned_width(n: int, dtype: torch.dtype) -> int:

@@ -6,9 +6,14 @@ is translated and when, and count it).
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, NamedTuple, Optional
+from typing import TYPE_CHECKING, Callable, Dict, NamedTuple, Optional
 
 import torch
+
+from hwkv.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hwkv.loc import ListRefill
 
 _STORE: Dict[str, Callable[..., None]] = {}
 _STORE_PRECHECKED: Dict[str, Callable[..., None]] = {}
@@ -50,11 +55,18 @@ class GraphRefillKernels(NamedTuple):
                qo_indptr, list_indptr, list_pos0, full_indices):
         positions, qo_indptr and every list's indptr/pos0 (list 0 is the full list, window 0), and
         the full list's locs; extend_lens None means DECODE (one token per request); one launch.
+    fill_translated(req_to_token, req_pool_indices, seq_lens, extend_lens, windows, lens, q_pos0, qo_indptr,
+                    list_indptr, list_pos0, full_indices, mapping, loc, loc_out, window_indices):
+        optional (None: the three above, 2 + windows launches): a hybrid pool's whole refill in one launch,
+        fill_lists plus translate_into(mapping, loc, loc_out) plus, for window i (list 1 + i),
+        translate_runs(mapping, req_to_token, req_pool_indices, list_pos0[1 + i], list_indptr[1 + i],
+        window_indices[i]); window_indices is [len(windows) - 1, cap], one row per window list.
     """
 
     translate_into: Callable[..., None]
     translate_runs: Callable[..., None]
     fill_lists: Callable[..., None]
+    fill_translated: Optional[Callable[..., None]] = None
 
 
 def register_graph_refill(device_type: str, kernels: GraphRefillKernels) -> None:
@@ -205,6 +217,16 @@ def translate_into(mapping: torch.Tensor, loc: torch.Tensor, out: torch.Tensor) 
     n = loc.shape[0]
     torch.index_select(mapping, 0, loc, out=out[:n])
     out[n:].zero_()
+
+
+def fill_translated(mapping: torch.Tensor, loc: torch.Tensor, out: torch.Tensor, lists: "ListRefill") -> None:
+    """out[:n] = mapping[loc], out[n:] = 0 and `lists` filled (their window lists translated) in the one launch of
+    the device's `GraphRefillKernels.fill_translated` (the caller checked that it has one)."""
+    kernels = _REFILL.get(out.device.type)
+    if kernels is None or kernels.fill_translated is None:
+        raise ConfigError(f"no fused refill kernel (GraphRefillKernels.fill_translated) registered for "
+                          f"{out.device.type!r} tensors")
+    kernels.fill_translated(*lists[:-1], mapping, loc, out, lists.window_indices)
 
 
 def translate_runs(mapping: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,

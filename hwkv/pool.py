@@ -9,7 +9,7 @@ import torch
 from hwkv import ops
 from hwkv.checks import check_loc, check_shape
 from hwkv.errors import CapacityError, ConfigError, DeviceError, LocError, MissingSWALocError, ShapeError
-from hwkv.loc import KVWriteLoc, LocRuns
+from hwkv.loc import KVWriteLoc, ListRefill, LocRuns
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16) + ops.FP8_DTYPES
 # the dtypes models compute K/V in: writing them into any pool is an intended cast (downcast, fp8 quantization)
@@ -253,18 +253,27 @@ class SWAKVPool:
         """Called by the allocator that owns `full_to_swa_index_mapping`."""
         self.full_to_swa_index_mapping = mapping
 
-    def translate_loc_from_full_to_swa(self, loc: Union[torch.Tensor, LocRuns],
-                                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def translate_loc_from_full_to_swa(self, loc: Union[torch.Tensor, LocRuns], out: Optional[torch.Tensor] = None,
+                                       lists: Optional[ListRefill] = None) -> torch.Tensor:
         """Plain gather over the allocator's table: int64 SWA slots (0 = none).
 
         `out` (optional) receives them: as long as `loc`, or longer (a graph-static buffer: [:n] is
         translated and [n:] zeroed, in one launch where the device registered refill kernels).
         `loc` may also be a `LocRuns` (a CSR list of req_to_token runs; `out` required): the list is
         gathered and translated together. Either way this is one translation.
+        `lists` (with `out`, on a device with `GraphRefillKernels.fill_translated`): a graph refill's index
+        lists, built in the same launch, their window lists translated: `lists.translations` in one call.
         """
         mapping = self.full_to_swa_index_mapping
         if mapping is None:
             raise ConfigError("SWAKVPool has no full_to_swa_index_mapping: build SWATokenToKVPoolAllocator on it")
+        if lists is not None:
+            if out is None or isinstance(loc, LocRuns):
+                raise ConfigError("translating with lists= needs the write locs as a tensor and out= (their buffer)")
+            if out.shape[0] < loc.shape[0]:
+                raise CapacityError(f"{loc.shape[0]} locs do not fit out= of {out.shape[0]} entries")
+            ops.fill_translated(mapping, loc, out, lists)
+            return out[:loc.shape[0]]
         if isinstance(loc, LocRuns):
             if out is None:
                 raise ConfigError("translating LocRuns needs out= (the list's static buffer)")

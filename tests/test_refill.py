@@ -18,6 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 triton = pytest.importorskip("triton")
 
 from hwkv import checks, ops  # noqa: E402
+from hwkv.loc import translations_of  # noqa: E402
+from hwkv.metadata import cumsum_into, window_pos0  # noqa: E402
 from hwkv.batch import ForwardBatch, ForwardMode  # noqa: E402
 from hwkv.testing.harness import Harness, ModelGeometry  # noqa: E402
 from hwkv.testing.reference_backend import ReferenceBackend  # noqa: E402
@@ -29,6 +31,7 @@ pytestmark = [pytest.mark.interpret,
 
 W = 8
 I64 = torch.int64
+SEPARATE = ops.GraphRefillKernels(refill.translate_into, refill.translate_runs, refill.fill_lists)  # no fused refill
 
 
 class Launches(TorchDispatchMode):
@@ -65,10 +68,10 @@ def launches(monkeypatch):
     return counter
 
 
-def fused(monkeypatch, on: bool):
-    """Register (or not) the Triton refill and index-fill kernels for CPU tensors."""
+def fused(monkeypatch, on: bool, kernels=refill.KERNELS):
+    """Register (or not) the Triton refill (`kernels`) and index-fill kernels for CPU tensors."""
     if on:
-        monkeypatch.setitem(ops._REFILL, "cpu", refill.KERNELS)
+        monkeypatch.setitem(ops._REFILL, "cpu", kernels)
         monkeypatch.setitem(ops._FILL, "cpu", fill_kv_indices)
     else:
         monkeypatch.delitem(ops._REFILL, "cpu", raising=False)
@@ -128,9 +131,9 @@ def live(h, name, t, bs):
     return t
 
 
-def refill_both(h, batch, monkeypatch, launches=None):
-    """Torch refill and fused refill from the same starting buffers; returns (torch, fused) states and
-    the fused metadata. With `launches`, counts the torch path's then the fused path's launches."""
+def refill_both(h, batch, monkeypatch, launches=None, kernels=refill.KERNELS):
+    """Torch refill and fused refill (through `kernels`) from the same starting buffers; returns (torch, fused)
+    states and the fused metadata. With `launches`, counts the torch path's then the fused path's launches."""
     bufs = snapshot(h)
     start = {k: v.clone() for k, v in bufs.items()}
     counts = []
@@ -138,7 +141,7 @@ def refill_both(h, batch, monkeypatch, launches=None):
     for on in (False, True):
         for k, v in bufs.items():
             v.copy_(start[k])
-        fused(monkeypatch, on)
+        fused(monkeypatch, on, kernels)
         if launches is not None:
             if not on:
                 monkeypatch.setitem(ops._FILL, "cpu", fill_kv_indices)  # today's GPU path: Triton fill
@@ -215,35 +218,40 @@ def test_fresh_requests_with_prefix_zero(monkeypatch):
     assert_matches_eager(h, md, batch)
 
 
-@pytest.mark.parametrize("mode, new, bound", [(ForwardMode.DECODE, [1, 1, 1], 3),
-                                              (ForwardMode.EXTEND, [2, 5, 1], 5),
-                                              (ForwardMode.TARGET_VERIFY, [3, 3, 3], 5)])
-def test_fused_refill_launch_count(mode, new, bound, monkeypatch, launches):
+@pytest.mark.parametrize("kernels, expect", [(refill.KERNELS, 1), (SEPARATE, 3)], ids=["fill_translated", "separate"])
+@pytest.mark.parametrize("mode, new", [(ForwardMode.DECODE, [1, 1, 1]), (ForwardMode.EXTEND, [2, 5, 1]),
+                                       (ForwardMode.TARGET_VERIFY, [3, 3, 3])])
+def test_fused_refill_launch_count(mode, new, kernels, expect, monkeypatch, launches):
+    """One launch with `fill_translated`; a device registering only the three kernels keeps write locs, lists +
+    positions and one window list: 3 launches. Both the same buffers."""
     h = harness(4)
     rids = warm(h, [3, 12, 25])
     batch = padded(h, rids, new, mode, 4)
-    _, _, _, counts = refill_both(h, batch, monkeypatch, launches)
+    ref, got, _, counts = refill_both(h, batch, monkeypatch, launches, kernels)
+    assert_same(h, ref, got, 4)
     (torch_triton, torch_aten), (fused_triton, fused_aten) = counts
     print(f"{mode.name}: torch path {torch_triton} Triton + {len(torch_aten)} aten launches; "
           f"fused {fused_triton} Triton + {len(fused_aten)} aten")
     assert not fused_aten, f"the fused refill ran torch ops: {fused_aten}"
-    assert fused_triton <= bound
-    assert fused_triton == 3  # write locs, lists + positions, one window list
+    assert fused_triton == expect
     assert torch_triton + len(torch_aten) > 10  # what it replaces
 
 
 def test_fused_refill_counts_one_translation_of_each_kind(monkeypatch):
-    """Write locs once (SWALocCache) and the window list once, each through the pool's one entry point."""
+    """Write locs once (SWALocCache) and the window list once, through the pool's one entry point: two calls
+    with the separate kernels, one call making both translations with `fill_translated`."""
     h = harness(1)
     rids = warm(h, [4, 11])
-    fused(monkeypatch, True)
     calls = []
     inner = h.pool.translate_loc_from_full_to_swa
-    h.pool.translate_loc_from_full_to_swa = lambda *a, **k: calls.append(1) or inner(*a, **k)
-    before = (h.backend.loc_cache.translations, h.backend.window_translations)
-    h.backend.init_forward_metadata_graph(padded(h, rids, [1, 1], ForwardMode.DECODE, 4))
-    assert len(calls) == 2
-    assert (h.backend.loc_cache.translations, h.backend.window_translations) == (before[0] + 1, before[1] + 1)
+    h.pool.translate_loc_from_full_to_swa = lambda *a, **k: calls.append(translations_of(*a, **k)) or inner(*a, **k)
+    for kernels, expect in ((SEPARATE, [1, 1]), (refill.KERNELS, [2])):
+        fused(monkeypatch, True, kernels)
+        calls.clear()
+        before = (h.backend.loc_cache.translations, h.backend.window_translations)
+        h.backend.init_forward_metadata_graph(padded(h, rids, [1, 1], ForwardMode.DECODE, 4))
+        assert calls == expect
+        assert (h.backend.loc_cache.translations, h.backend.window_translations) == (before[0] + 1, before[1] + 1)
 
 
 def test_kernels_direct():
@@ -263,8 +271,9 @@ def test_kernels_direct():
 
 @pytest.mark.parametrize("mode, new", [(ForwardMode.DECODE, [1, 1, 1]), (ForwardMode.EXTEND, [4, 1, 2])])
 def test_two_windows_and_a_plain_pool(mode, new, monkeypatch, launches):
-    """Every window gets its list (one more launch each); a plain pool's window lists stay locs."""
-    for h, expect in ((harness(2, windows=(3, W)), 4), (harness(1, size_swa=None), 2)):
+    """Every window gets its list (in the one launch; a plain pool's window lists stay locs: one more launch
+    each, beside the lists' launch)."""
+    for h, expect in ((harness(2, windows=(3, W)), 1), (harness(1, size_swa=None), 2)):
         rids = warm(h, [2, 13, 40])
         batch = padded(h, rids, new, mode, 4)
         ref, got, md, counts = refill_both(h, batch, monkeypatch, launches)
@@ -302,3 +311,190 @@ def test_eager_metadata_through_the_fused_kernels_matches_torch(mode, page_size,
         # every list's indptr and pos0 starts 16-byte aligned for this odd batch (one compiled variant per kernel)
         assert b.indptr.data_ptr() % 16 == 0 and b.pos0.data_ptr() % 16 == 0 and b.indptr.is_contiguous()
     assert h.backend.window_translations >= 2 * len(ref.windows)  # still one counted translation per list
+
+
+# ---- the one-launch refill (`fill_translated`) against the separate launches and the torch path ----------
+JUNK = -7  # what every output buffer holds before a refill: an entry nobody writes keeps it
+
+
+def random_refill_inputs(gen, bs, windows, decode, ctx=40, rows=50, map_len=300):
+    """Random req_to_token rows and mapping (zeros and a few negative locs among them), seq lens, extend lens
+    and write locs; output buffers full of JUNK, the write locs' one longer than the batch's tokens."""
+    rtt = torch.randint(0, map_len - 1, (rows, ctx), generator=gen)
+    rtt[:, ::7] = -torch.randint(1, 3, (rows, 1), generator=gen)  # negative locs read the mapping from its end
+    mapping = torch.randint(1, 60, (map_len,), generator=gen)
+    mapping[torch.rand(map_len, generator=gen) < 0.25] = 0
+    mapping[-1] = -1
+    rpi = torch.randperm(rows, generator=gen)[:bs]
+    seq = torch.randint(1, ctx + 1, (bs,), generator=gen)
+    ext = None if decode else torch.minimum(torch.randint(1, 6, (bs,), generator=gen), seq)
+    n = bs if decode else int(ext.sum())
+    loc = torch.randint(0, map_len - 1, (n,), generator=gen)
+    loc[::3] = -torch.randint(1, 3, loc[::3].shape, generator=gen)
+    wins = torch.tensor([0, *windows], dtype=I64)
+    nl, cap = 1 + len(windows), n + bs * max(windows)
+    out = dict(lens=torch.full((bs + 3,), JUNK), q_pos0=torch.full((bs + 3,), JUNK),
+               qo_indptr=torch.full((bs + 4,), JUNK, dtype=torch.int32),
+               list_indptr=torch.full((nl, bs + 4), JUNK, dtype=torch.int32), list_pos0=torch.full((nl, bs + 3), JUNK),
+               full_indices=torch.full((bs * ctx + 5,), JUNK), loc_out=torch.full((n + 9,), JUNK),
+               window_indices=torch.full((len(windows), cap), JUNK))
+    return (rtt, rpi, seq, ext, wins), (mapping, loc), out
+
+
+def torch_refill(inputs, translate, out):
+    """The same buffers from torch ops (no refill kernel): the reference of both kernel paths."""
+    (rtt, rpi, seq, ext, wins), (mapping, loc) = inputs, translate
+    bs = rpi.shape[0]
+    q_pos0 = seq - (1 if ext is None else ext)
+    out["lens"][:bs] = seq
+    out["q_pos0"][:bs] = q_pos0
+    cumsum_into(torch.ones_like(seq) if ext is None else ext, out["qo_indptr"][:bs + 1])
+    for j, w in enumerate(wins.tolist()):
+        pos0 = window_pos0(q_pos0, w) if w else torch.zeros_like(seq)
+        out["list_pos0"][j, :bs] = pos0
+        target = out["full_indices"] if j == 0 else out["window_indices"][j - 1]
+        runs = torch.cat([rtt[r, p:s] for r, p, s in zip(rpi.tolist(), pos0.tolist(), seq.tolist())])
+        cumsum_into(seq - pos0, out["list_indptr"][j, :bs + 1])
+        target[:runs.shape[0]] = runs if j == 0 else mapping[runs]
+    n = loc.shape[0]
+    out["loc_out"][:n] = mapping[loc]  # negative locs read from the end (index_select would refuse them)
+    out["loc_out"][n:] = 0
+
+
+def separate_refill(inputs, translate, out):
+    """Today's separate launches: write locs, lists, then one per window."""
+    rtt, rpi = inputs[:2]
+    mapping, loc = translate
+    refill.translate_into(mapping, loc, out["loc_out"])
+    refill.fill_lists(*inputs, *(out[k] for k in ("lens", "q_pos0", "qo_indptr", "list_indptr", "list_pos0",
+                                                  "full_indices")))
+    for i, row in enumerate(out["window_indices"]):
+        refill.translate_runs(mapping, rtt, rpi, out["list_pos0"][1 + i], out["list_indptr"][1 + i], row)
+
+
+def one_launch_refill(inputs, translate, out):
+    refill.fill_translated(*inputs, *(out[k] for k in ("lens", "q_pos0", "qo_indptr", "list_indptr", "list_pos0",
+                                                       "full_indices")), *translate, out["loc_out"],
+                           out["window_indices"])
+
+
+@pytest.mark.parametrize("windows", [(5,), (3, 9)], ids=["one-window", "two-windows"])
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "extend"])
+def test_fill_translated_matches_separate_launches_and_torch(windows, decode):
+    """Random rows, mappings (zeros, negative locs read from the end), lens and batch sizes 1..40: the one launch
+    writes exactly what the separate launches write, everywhere (untouched entries stay JUNK alike), and the
+    torch ops' buffers on every entry a kernel reads (each list up to its indptr[bs])."""
+    gen = torch.Generator().manual_seed(len(windows) + 2 * decode)
+    for bs in (1, 6, 33):
+        inputs, translate, start = random_refill_inputs(gen, bs, windows, decode)
+        results = []
+        for run in (torch_refill, separate_refill, one_launch_refill):
+            out = {k: v.clone() for k, v in start.items()}
+            run(inputs, translate, out)
+            results.append(out)
+        ref, sep, one = results
+        n = translate[1].shape[0]
+        assert (one["loc_out"][n:] == 0).all() and (one["loc_out"][:n] == translate[0][translate[1]]).all()
+        for k in start:
+            assert torch.equal(sep[k], one[k]), f"bs={bs}: {k} differs from the separate launches'"
+            if k == "full_indices" or k == "window_indices":
+                rows = [one[k]] if k == "full_indices" else list(one[k])
+                for j, row in enumerate(rows):
+                    live = int(one["list_indptr"][j + (k != "full_indices"), bs])
+                    ref_row = ref[k] if k == "full_indices" else ref[k][j]
+                    assert torch.equal(row[:live], ref_row[:live]), f"bs={bs}: {k}[{j}] differs from torch's"
+            else:
+                assert torch.equal(ref[k], one[k]), f"bs={bs}: {k} differs from torch's"
+
+
+def randomized(h, gen, bs, decode, map_len):
+    """A batch of `bs` random rows of random contents, random lens and write locs, over a random mapping with
+    zeros (registered on the pool: the allocator's own is untouched)."""
+    rtt = h.rtt.req_to_token
+    ctx = rtt.shape[1]
+    rtt.copy_(torch.randint(1, map_len - 1, rtt.shape, generator=gen))
+    mapping = torch.randint(1, 100, (map_len,), generator=gen)
+    mapping[torch.rand(map_len, generator=gen) < 0.25] = 0
+    mapping[-1] = -1
+    h.pool.register_mapping(mapping)
+    rows = torch.randperm(rtt.shape[0], generator=gen)[:bs]
+    seq = torch.randint(1, ctx + 1, (bs,), generator=gen)
+    if decode:
+        return ForwardBatch(ForwardMode.DECODE, bs, rows, seq, torch.randint(1, map_len - 1, (bs,), generator=gen))
+    ext = torch.minimum(torch.randint(1, 4, (bs,), generator=gen), seq)
+    loc = torch.randint(1, map_len - 1, (int(ext.sum()),), generator=gen)
+    return ForwardBatch(ForwardMode.EXTEND, bs, rows, seq, loc, seq - ext, ext)
+
+
+@pytest.mark.parametrize("windows", [(W,), (3, W)], ids=["one-window", "two-windows"])
+def test_graph_refill_one_launch_matches_separate_launches_and_torch(windows, monkeypatch):
+    """init_forward_metadata_graph through `fill_translated`, through the separate kernels and through torch, from
+    the same buffers: every static buffer the same (the write locs' zeroed tail included; lists up to their
+    indptr[bs]), `swa_loc` the buffer's [:n] view, the same counted translations."""
+    gen = torch.Generator().manual_seed(len(windows))
+    h = Harness(ReferenceBackend, geometry=ModelGeometry(num_layers=2, swa_every=2, window=W), size=1024,
+                size_swa=128, page_size=1, max_reqs=48, max_context_len=32)
+    h.backend = ReferenceBackend(h.pool, h.rtt, sliding_window=windows)
+    h.backend.init_graph_state(40, 96)
+    monkeypatch.setitem(ops._FILL, "cpu", fill_kv_indices)
+    for bs, decode in ((1, True), (17, True), (40, True), (9, False)):
+        batch = randomized(h, gen, bs, decode, 1024 + 2)
+        bufs = snapshot(h)
+        for t in bufs.values():
+            t.fill_(JUNK)
+        start = {k: v.clone() for k, v in bufs.items()}
+        states, counted = [], []
+        for kernels in (None, SEPARATE, refill.KERNELS):
+            for k, v in bufs.items():
+                v.copy_(start[k])
+            if kernels is None:
+                monkeypatch.delitem(ops._REFILL, "cpu", raising=False)
+            else:
+                monkeypatch.setitem(ops._REFILL, "cpu", kernels)
+            before = (h.backend.loc_cache.translations, h.backend.window_translations)
+            md = h.backend.init_forward_metadata_graph(batch)
+            counted.append((h.backend.loc_cache.translations - before[0], h.backend.window_translations - before[1]))
+            states.append({k: v.clone() for k, v in bufs.items()})
+            n = batch.num_tokens
+            swa = md.write_loc.swa_loc
+            assert swa is h.backend.loc_cache.current and swa.shape[0] == n
+            assert swa._base is h.backend.loc_cache.buffer and swa.data_ptr() == h.backend.loc_cache.buffer.data_ptr()
+        ref, sep, one = states
+        assert counted == [(1, len(windows))] * 3
+        assert (one["swa"][:batch.num_tokens] == h.pool.full_to_swa_index_mapping[batch.out_cache_loc]).all()
+        assert (one["swa"][batch.num_tokens:] == 0).all()
+        for k in start:
+            assert torch.equal(sep[k], one[k]), f"bs={bs}: {k} differs from the separate launches'"
+        assert_same(h, ref, one, bs)
+
+
+@pytest.mark.parametrize("windows", [(W,), (3, W)], ids=["one-window", "two-windows"])
+def test_decode_refill_is_one_launch_of_the_registered_kernels(windows, monkeypatch, launches):
+    """A decode refill through the backend calls the device's refill kernels once (`fill_translated`): one Triton
+    launch, no torch op; a subclass with its own window translation keeps the torch path and its hook."""
+    calls = []
+
+    def counted(name, fn):
+        return lambda *a: calls.append(name) or fn(*a)
+
+    kernels = ops.GraphRefillKernels(*(counted(f, k) for f, k in zip(refill.KERNELS._fields, refill.KERNELS)))
+    h = harness(2, windows=windows)
+    rids = warm(h, [2, 13, 40])
+    batch = padded(h, rids, [1, 1, 1], ForwardMode.DECODE, 4)
+    fused(monkeypatch, True, kernels)
+    launches.triton.clear()
+    launches.aten.clear()
+    with launches:
+        h.backend.init_forward_metadata_graph(batch)
+    assert calls == ["fill_translated"] and launches.triton == ["_fill_lists_kernel"] and not launches.aten
+
+    class OwnTranslation(ReferenceBackend):
+        def _translate_window(self, locs, out=None):
+            calls.append("hook")
+            return super()._translate_window(locs, out=out)
+
+    h.backend = OwnTranslation(h.pool, h.rtt, sliding_window=windows)
+    h.backend.init_graph_state(8, 24)
+    calls.clear()
+    h.backend.init_forward_metadata_graph(batch)
+    assert calls == ["translate_into"] + ["hook"] * len(windows)  # the torch path, the pool's write-loc kernel

@@ -25,6 +25,7 @@ from hwkv.bench.baseline import per_layer_backend
 from hwkv.bench.plan import round_up, swa_tokens_per_request
 from hwkv.bench.presets import ModelShape
 from hwkv.errors import ConfigError, ReferenceMismatchError
+from hwkv.loc import translations_of
 from hwkv.testing.harness import Harness, ModelGeometry
 
 DTYPES: Dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -173,7 +174,8 @@ class BenchResult:
 
 # ---- counting translations ---------------------------------------------------------------------
 class TranslationCounter:
-    """Replaces `pool.translate_loc_from_full_to_swa` with a counting wrapper (paused inside graphs)."""
+    """Replaces `pool.translate_loc_from_full_to_swa` with a wrapper counting the translations of its calls (a
+    fused refill's call makes several: `hwkv.loc.translations_of`), paused inside graphs."""
 
     def __init__(self, pool: Any) -> None:
         self.inner = getattr(pool, "translate_loc_from_full_to_swa", None)  # None: not a hybrid pool
@@ -184,7 +186,7 @@ class TranslationCounter:
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         if not self.paused:
-            self.calls += 1
+            self.calls += translations_of(*args, **kwargs)
         return self.inner(*args, **kwargs)
 
 

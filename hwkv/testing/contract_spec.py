@@ -9,6 +9,7 @@ import torch
 from hwkv.allocator import same_snapshot
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.errors import CapacityError, ConfigError, MissingSWALocError, ShapeError
+from hwkv.loc import translations_of
 from hwkv.spec import DraftTree, MultiStepDraft, accept_draft_tokens
 from hwkv.testing.harness import Harness, ModelGeometry
 from hwkv.testing.spec_harness import draft_batch, draft_graphs, draft_steps, tree_verify
@@ -23,14 +24,15 @@ def _make(target, page_size=1, size_swa=32, **kw):
 
 
 class CountingTranslate:
-    """Wraps pool.translate_loc_from_full_to_swa and counts calls (shared with hwkv.testing.contract)."""
+    """Wraps pool.translate_loc_from_full_to_swa and counts the translations its calls make (one a call, or a
+    fused refill's write locs and window lists: `hwkv.loc.translations_of`; shared with hwkv.testing.contract)."""
 
     def __init__(self, pool):
         self.inner, self.calls = pool.translate_loc_from_full_to_swa, 0
         pool.translate_loc_from_full_to_swa = self
 
     def __call__(self, *a, **k):
-        self.calls += 1
+        self.calls += translations_of(*a, **k)
         return self.inner(*a, **k)
 
 
