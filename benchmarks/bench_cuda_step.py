@@ -350,7 +350,7 @@ def whole_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, back
     from hwkv.step_graph import DecodeStepGraph
     rows = []
     for bs in batches:
-        s = Setup(dev, bs, ctx, page_size=page_size, room=8 * iters + 64, spare_rows=1)
+        s = Setup(dev, bs, ctx, page_size=page_size, room=16 * iters + 64, spare_rows=1)  # 11 pipelined rounds too
         be = backend_cls(s.pool, s.rtt, sliding_window=W)
         inputs = {"q": torch.randn(bs, H, D, device=dev, dtype=torch.bfloat16),
                   "k": torch.randn(bs, KVH, D, device=dev, dtype=torch.bfloat16),
@@ -384,15 +384,15 @@ def whole_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, back
         _, replay = wall(lambda: only.adapter.replay(only.graphs[bs].graph), dev, iters)
         # an engine that never waits: steps issued back to back, the wall per step once the device is done (the
         # host's work of step N + 1 overlaps step N on the device), beside the layers' replays back to back
-        piped = per_step_pipelined(step, dev, iters)
-        layers_piped = per_step_pipelined(lambda: only.adapter.replay(only.graphs[bs].graph), dev, iters)
+        piped, layers_piped, piped_ratio = pipelined_pair(step, lambda: only.adapter.replay(only.graphs[bs].graph),
+                                                          dev, iters)
         syncs = host_syncs(step, dev)
         s.alloc.check_integrity()
         step_us, replay_us = statistics.median(done), statistics.median(replay)
         rows.append(dict(bench="whole-step", bs=bs, ctx=ctx, page_size=page_size, host_us=round(host, 1),
                          step_us=round(step_us, 1), layers_replay_us=round(replay_us, 1),
                          ratio=round(step_us / replay_us, 3), pipelined_step_us=round(piped, 1),
-                         pipelined_layers_us=round(layers_piped, 1), pipelined_ratio=round(piped / layers_piped, 3),
+                         pipelined_layers_us=round(layers_piped, 1), pipelined_ratio=round(piped_ratio, 3),
                          syncs_per_step=syncs))
         del s, be, g, only
         if dev == "cuda":
@@ -524,6 +524,26 @@ def per_step_pipelined(fn: Callable[[], object], dev: str, n: int = 50, rounds: 
         sync(dev)
         runs.append((time.perf_counter() - t) * 1e6 / n)
     return statistics.median(runs)
+
+
+def pipelined_pair(fn: Callable[[], object], base: Callable[[], object], dev: str, n: int = 50,
+                   rounds: int = 11) -> Tuple[float, float, float]:
+    """`per_step_pipelined` of fn and of base in alternating rounds: (fn's median, base's median, the median of the
+    rounds' ratios). The layers' replay alone drifts by 2-6% between runs in one process on the H200 (clocks), so
+    a ratio of two medians taken one after the other can be off by more than the gap it measures."""
+    for _ in range(3):
+        fn()
+        base()
+    sync(dev)
+    a, b = [], []
+    for _ in range(rounds):
+        for f, out in ((fn, a), (base, b)):
+            t = time.perf_counter()
+            for _ in range(n):
+                f()
+            sync(dev)
+            out.append((time.perf_counter() - t) * 1e6 / n)
+    return statistics.median(a), statistics.median(b), statistics.median(x / y for x, y in zip(a, b))
 
 
 def host_per_call(fn: Callable[[], object], dev: str, n: int = 200) -> float:
