@@ -349,17 +349,22 @@ class PagedTokenToKVPoolAllocator:
 
     def alloc_step(self, ctl: torch.Tensor, rows_in: torch.Tensor, seq_in: torch.Tensor, pad_row: int,
                    req_to_token: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor, out: torch.Tensor,
-                   advance: bool = False) -> bool:
+                   advance: bool = False, frontiers: Optional[torch.Tensor] = None, window: int = 0) -> bool:
         """A captured decode step's rows, slots and req_to_token write in one launch (`hwkv.step_graph`). For
         b < len(rows), live = b < ctl[2]: rows[b] = rows_in[b], seq[b] = seq_in[b] and token seq[b] - 1 gets a
         slot (a fresh page from `reserve`'s claim, ring heads ctl[0:2], where it opens one) into out[b] and
         req_to_token[rows[b], seq[b] - 1]; padded entries take pad_row, length 1 and slot 0. The caller planned it.
         `advance`: seq_in[b] becomes seq[b] + 1 for the live requests too (the next step's lengths: a host that
-        sends nothing else new need not copy), where the kernel can (one program); returns whether it does."""
+        sends nothing else new need not copy), where the kernel can (one program); returns whether it does.
+        `frontiers` (int64, one per req_to_token row; hybrid pools) and `window`: then, in the same launch, the live
+        rows' out-of-window release (`release_out_of_window_batch(..., by_row=True)` for the step's lengths), which
+        frees only tokens no query of this step sees, so it may run before the step's layers."""
         if not self.allocates_step_in_one:
             raise ConfigError(f"alloc_step needs page-op kernels that have it; {self.device.type} has none")
+        if frontiers is not None and (self._swa is None or not window or window <= 0):
+            raise ConfigError(f"alloc_step releases out of window on a hybrid pool with a window > 0, got {window!r}")
         return bool(self._ops.alloc_step(self.pages, self._swa, self._mapping, ctl, rows_in, seq_in, pad_row,
-                                         req_to_token, rows, seq, out, advance))
+                                         req_to_token, rows, seq, out, advance, frontiers, int(window or 0)))
 
     def _check_continuations(self, prefix, seq, last, plan, decode) -> None:
         """Hybrid only: a request continuing a partial page must still own that page's SWA slots."""

@@ -1,9 +1,10 @@
 """DecodeStepGraph: the whole decode step in one graph per batch bucket.
 
 One replay runs what an engine's decode step runs (steps 1-5 of a forward, docs/architecture.md):
-the allocation and the req_to_token write (one launch, `allocator.alloc_step`, where the device's page ops
-have it; the ring heads come from a device buffer the host writes before the replay), the metadata refill,
-the layers and the out-of-window release (the rows' frontiers moved where they are kept). Between
+the allocation, the req_to_token write and the out-of-window release (one launch, `allocator.alloc_step`,
+where the device's page ops have it: the release frees only tokens no query of the step sees, so it may come
+first; the ring heads come from a device buffer the host writes before the replay), the metadata refill and
+the layers (elsewhere the release follows them; the rows' frontiers move where they are kept). Between
 two replays the host settles the step's capacity on its bound of free pages (`allocator.reserve`: an
 OutOfSlotsError before anything runs when the step might not fit), copies the live rows, the lengths
 after the step and [head_full, head_swa, live count] into static buffers, and launches once.
@@ -71,6 +72,9 @@ class DecodeStepGraph(GraphRunner):
         self.rows_in, self.seq_in = self.staged[3::2], self.staged[4::2]
         # rows, slots and the req_to_token write in one launch where the device's page ops have it (else three)
         self._one_launch = self.device_alloc and allocator.allocates_step_in_one
+        # the release in the allocation's launch (before the layers: it frees only what no query of the step sees);
+        # not in debug mode, whose release checks on the host
+        self._releases_first = self._one_launch and frontiers is not None and not allocator.immediate
         self._advances: Dict[int, bool] = {}  # per bucket: its replay moves the staged lengths on by one itself
         # (bucket, rows, lengths + 1) the device holds staged after the last replay, where it moved them itself
         self._sent: Optional[Tuple[int, np.ndarray, np.ndarray]] = None
@@ -110,9 +114,11 @@ class DecodeStepGraph(GraphRunner):
         bs = batch.batch_size
         rows, seq, out = self.req_pool_indices[:bs], self.seq_lens[:bs], self.out_cache_loc[:bs]
         # padded requests: the reserved row, length 1, no token, no page, the padding slot 0
-        if self._one_launch:  # and, where it can, the staged lengths moved on to the next step's
+        if self._one_launch:  # and, where it can, the staged lengths moved on to the next step's; the release too
             self._advances[bs] = self.allocator.alloc_step(self.ctl, self.rows_in, self.seq_in, self.pad_row,
-                                                           self.rtt, rows, seq, out, advance=True)
+                                                           self.rtt, rows, seq, out, advance=True,
+                                                           frontiers=self.frontiers if self._releases_first else None,
+                                                           window=self.window or 0)
         else:
             prefix, last = self.prefix[:bs], self.last[:bs]
             self.kernels.prologue(self.ctl, self.rows_in, self.seq_in, self.pad_row, self.rtt, rows, seq, prefix,
@@ -125,7 +131,7 @@ class DecodeStepGraph(GraphRunner):
             self.kernels.write(self.rtt, rows, seq, out, None, None)  # the new slots
         self._refill(batch)
         result = self.fn(batch, inputs)
-        if self.frontiers is not None:  # the rows' frontiers move where they are kept
+        if self.frontiers is not None and not self._releases_first:  # the rows' frontiers move where they are kept
             release_out_of_window_batch(self.allocator, self.rtt, rows, seq, self.frontiers, self.window, by_row=True)
         return result
 

@@ -154,11 +154,13 @@ def test_whole_step_graph_equals_the_eager_step(page, recording):
         ref.alloc._ops = TritonPageOps()
         if recording == "one launch":
             got.alloc._ops = TritonPageOps()
+            got.alloc.immediate = False  # errors recorded on the device, as accelerators run: the release in the launch
     graph = DecodeStepGraph(got.backend, got.alloc, got.layers_fn, [2, 4],
                             {"q": ((H, D), torch.float32), "k": ((KVH, D), torch.float32),
                              "v": ((KVH, D), torch.float32)},
                             adapter() or (RecordingEager() if recording else EagerAdapter()),
                             frontiers=got.frontiers, window=W)
+    assert graph._releases_first == (recording == "one launch")
     if recording and DEVICE == "cpu":  # the device's bookkeeping kernels too (interpreted)
         from hwkv_cuda.kernels import step as step_kernels
         graph.kernels = step_kernels.KERNELS
@@ -295,6 +297,7 @@ def test_steps_of_the_same_rows_copy_nothing_until_a_page_opens(page):
         from hwkv_cuda.kernels import step as step_kernels
         from hwkv_cuda.kernels.alloc import TritonPageOps
         ref.alloc._ops, got.alloc._ops = TritonPageOps(), TritonPageOps()
+        got.alloc.immediate = False
     graph = DecodeStepGraph(got.backend, got.alloc, got.layers_fn, [2, 4],
                             {"q": ((H, D), torch.float32), "k": ((KVH, D), torch.float32),
                              "v": ((KVH, D), torch.float32)}, adapter() or RecordingEager(), got.frontiers, W)

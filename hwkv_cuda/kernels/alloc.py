@@ -135,11 +135,12 @@ def _alloc_kernel(seq, prefix, last, out, buf_f, head_f, n_full, buf_s, head_s, 
 
 @triton.jit(do_not_specialize=["pad_row", "bs", "opk"])
 def _alloc_step_kernel(ctl, rows_in, seq_in, stride_in, pad_row, rtt, stride_rtt, rows, seq, out, buf_f, n_full,
-                       buf_s, n_swa, mapping, opk, bs, P: tl.constexpr, HYBRID: tl.constexpr, BLOCK_P: tl.constexpr,
-                       ADVANCE: tl.constexpr, BLOCK: tl.constexpr):
+                       buf_s, n_swa, mapping, opk, bs, frontiers, window, P: tl.constexpr, HYBRID: tl.constexpr,
+                       BLOCK_P: tl.constexpr, ADVANCE: tl.constexpr, RELEASE: tl.constexpr, BLOCK: tl.constexpr):
     """`alloc_step`: program k takes requests [k * BLOCK, (k + 1) * BLOCK) and counts the pages the live requests
     before them open from the staged lengths itself (decode: a step opens a page where its prefix is 0 mod P).
-    ADVANCE (one program only: others read the lengths it would move): the staged lengths become the next step's."""
+    ADVANCE (one program only: others read the lengths it would move): the staged lengths become the next step's.
+    RELEASE: then each live request's out-of-window release by its row's frontier (`_release_kernel`'s rule)."""
     head_f = tl.load(ctl).to(tl.int64)
     head_s = tl.load(ctl + 1).to(tl.int64)
     n_live = tl.load(ctl + 2).to(tl.int64)
@@ -179,6 +180,15 @@ def _alloc_step_kernel(ctl, rows_in, seq_in, stride_in, pad_row, rtt, stride_rtt
     if ADVANCE:
         tl.store(seq_in + i * stride_in, s + 1, mask=live)
     tl.store(rtt + r * stride_rtt + s - 1, loc.to(rtt.dtype.element_ty), mask=m)
+    if RELEASE:  # pages below the new frontiers: no query of this step or a later one sees them
+        f = tl.load(frontiers + r, mask=live, other=0)
+        nf = _frontier(f, s, window, P)
+        cnt = tl.where(live, (nf - f) // P, 0)
+        for j in range(0, tl.max(cnt, 0)):
+            act = j < cnt
+            l = tl.load(rtt + r * stride_rtt + f + j * P, mask=act, other=0)
+            _release_pages(err, buf_s, n_swa, mapping, l // P, act, opk, P)
+        tl.store(frontiers + r, nf, mask=live)
 
 
 @triton.jit
@@ -246,6 +256,22 @@ def _refs_kernel(loc, n, buf_f, n_full, buf_s, n_swa, mapping, who, opk, P: tl.c
                 _change_swa(err_f, buf_s, n_swa, mapping, fp, sp, live & (sp > 0), opk, SWA_DELTA, P)
 
 
+@triton.jit
+def _frontier(f, seq, window, P: tl.constexpr):
+    """A request's new frontier after a step to `seq` tokens: page-aligned, one page behind the first dead token."""
+    dead = seq.to(tl.int64) - window + 1
+    aligned = tl.where(dead > 0, (dead // P) * P - P, 0)
+    return tl.maximum(f, tl.maximum(aligned, 0))
+
+
+@triton.jit
+def _release_pages(err_f, buf_s, n_swa, mapping, fp, act, opk, P: tl.constexpr):
+    """Drop full pages fp[act]'s SWA pages (recorded where one is gone already)."""
+    sp = tl.load(mapping + fp * P, mask=act, other=0) // P
+    _record(err_f, act & (sp <= 0), fp, ERR_SWA_RELEASED, opk)
+    _change_swa(err_f, buf_s, n_swa, mapping, fp, sp, act & (sp > 0), opk, -1, P)
+
+
 @triton.jit(do_not_specialize=["opk"])
 def _release_kernel(rtt, stride_row, stride_pos, rows, seq, frontiers, window, buf_f, n_full, buf_s, n_swa,
                     mapping, opk, P: tl.constexpr, BY_ROW: tl.constexpr, BLOCK: tl.constexpr):
@@ -254,18 +280,13 @@ def _release_kernel(rtt, stride_row, stride_pos, rows, seq, frontiers, window, b
     row = tl.load(rows + b).to(tl.int64)
     at = frontiers + row if BY_ROW else frontiers + b  # BY_ROW: one frontier per req_to_token row
     f = tl.load(at)
-    dead = tl.load(seq + b).to(tl.int64) - window + 1
-    aligned = tl.where(dead > 0, (dead // P) * P - P, 0)
-    nf = tl.maximum(f, tl.maximum(aligned, 0))
+    nf = _frontier(f, tl.load(seq + b), window, P)
     cnt = (nf - f) // P
     for i0 in range(0, cnt, BLOCK):
         i = i0 + tl.arange(0, BLOCK)
         act = i < cnt
         l = tl.load(rtt + row * stride_row + (f + i * P) * stride_pos, mask=act, other=0)
-        fp = l // P
-        sp = tl.load(mapping + fp * P, mask=act, other=0) // P
-        _record(err_f, act & (sp <= 0), fp, ERR_SWA_RELEASED, opk)
-        _change_swa(err_f, buf_s, n_swa, mapping, fp, sp, act & (sp > 0), opk, -1, P)
+        _release_pages(err_f, buf_s, n_swa, mapping, l // P, act, opk, P)
     tl.store(at, nf)
 
 
@@ -298,9 +319,11 @@ class TritonPageOps:
     @staticmethod
     def alloc_step(full: PageRing, swa: Optional[PageRing], mapping: Optional[torch.Tensor], ctl: torch.Tensor,
                    rows_in: torch.Tensor, seq_in: torch.Tensor, pad_row: int, req_to_token: torch.Tensor,
-                   rows: torch.Tensor, seq: torch.Tensor, out: torch.Tensor, advance: bool = False) -> bool:
+                   rows: torch.Tensor, seq: torch.Tensor, out: torch.Tensor, advance: bool = False,
+                   frontiers: Optional[torch.Tensor] = None, window: int = 0) -> bool:
         """`hwkv.allocator`'s `alloc_step` in one launch: the staged rows, one new slot each, written to
-        req_to_token (rows_in and seq_in may be strided views of one buffer). Returns whether it advanced."""
+        req_to_token (rows_in and seq_in may be strided views of one buffer), and with `frontiers` (one per
+        req_to_token row) the rows' out-of-window release. Returns whether it advanced."""
         bs = rows.shape[0]
         if bs == 0:
             return False
@@ -310,12 +333,13 @@ class TritonPageOps:
         block = 16 if interpreting() else max(16, min(1024, 1 << max(bs - 1, 0).bit_length()))
         programs = -(-bs // block)
         advance = bool(advance) and programs == 1
-        launch(_LAUNCHES, ("step", bs, p, hybrid, advance), _alloc_step_kernel, (programs,),
+        release = hybrid and frontiers is not None
+        launch(_LAUNCHES, ("step", bs, p, hybrid, advance, release), _alloc_step_kernel, (programs,),
                (ctl, rows_in, seq_in, rows_in.stride(0), int(pad_row), req_to_token, req_to_token.stride(0), rows, seq,
                 out, full.buf, full.num_pages, s.buf, s.num_pages, mapping if hybrid else full.buf,
-                pages.op_key(full.op), bs),
-               dict(P=p, HYBRID=hybrid, BLOCK_P=triton.next_power_of_2(p), ADVANCE=advance, BLOCK=block,
-                    num_warps=1 if interpreting() else (4 if block >= 256 else 1)))
+                pages.op_key(full.op), bs, frontiers if release else out, int(window)),
+               dict(P=p, HYBRID=hybrid, BLOCK_P=triton.next_power_of_2(p), ADVANCE=advance, RELEASE=release,
+                    BLOCK=block, num_warps=1 if interpreting() else (4 if block >= 256 else 1)))
         return advance
 
     @staticmethod
