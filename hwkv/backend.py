@@ -288,7 +288,8 @@ class AttentionBackend(DraftMetadataMixin):
         check_fits("tokens", n, st.max_num_tokens)
         decode = batch.forward_mode.is_decode()
         kernels = ops.graph_refill_kernels(self.device.type) if self._fusable_refill else None
-        one_launch = kernels is not None and kernels.fill_translated is not None and self.hybrid
+        one_launch = (kernels is not None and kernels.fill_translated is not None and self.hybrid
+                      and getattr(self.pool, "translates_lists", False))  # a pool whose translate takes lists=
         write_loc = self._write_loc(batch.out_cache_loc, graph=True, lists=self._list_refill(batch) if one_launch
                                     else None)
         swa = write_loc.swa_loc

@@ -205,6 +205,8 @@ class MHATokenToKVPool:
 class SWAKVPool:
     """Full-attention and SWA layer groups behind one address space of full-pool locs."""
 
+    translates_lists = True  # translate_loc_from_full_to_swa takes lists= (a graph refill's one launch)
+
     def __init__(self, size: int, size_swa: int, page_size: int, dtype: torch.dtype, head_num: int,
                  head_dim: int, swa_attention_layer_ids: Sequence[int], full_attention_layer_ids: Sequence[int],
                  device: Union[str, torch.device], swa_head_num: Optional[int] = None,
@@ -260,7 +262,8 @@ class SWAKVPool:
         `out` (optional) receives them: as long as `loc`, or longer (a graph-static buffer: [:n] is
         translated and [n:] zeroed, in one launch where the device registered refill kernels).
         `loc` may also be a `LocRuns` (a CSR list of req_to_token runs; `out` required): the list is
-        gathered and translated together. Either way this is one translation.
+        gathered and translated together. Either way this is one translation (a call with `lists` makes
+        `lists.translations`).
         `lists` (with `out`, on a device with `GraphRefillKernels.fill_translated`): a graph refill's index
         lists, built in the same launch, their window lists translated: `lists.translations` in one call.
         """

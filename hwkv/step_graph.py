@@ -209,15 +209,17 @@ class DecodeStepGraph(GraphRunner):
                 self._host = (bs, pages, heads)
             else:
                 self._set_ctl(bs, pages, heads, rows_h, seq_s, bucket)
-            if self._advances.get(bucket):
-                self._sent = (bucket, rows_h.copy(), seq_s + 1)
+            sent = (bucket, rows_h.copy(), seq_s + 1) if self._advances.get(bucket) else None
+            self._sent = None  # until the replay has run: a replay that raises leaves nothing it claims
         else:
+            sent = None
             self._set_ctl(bs, pages, heads)
             self.rows_in[:bs].copy_(rows)
             self.seq_in[:bs].copy_(seq_lens)
         graph = self.graphs[bucket].graph
         self.adapter.pre_replay(graph)
         out = self.adapter.replay(graph)  # the whole step; nothing else to do on the host
+        self._sent = sent
         self.replays += 1
         last, n, view = self._live_out
         if out is not last or n != bs:

@@ -36,7 +36,7 @@ class TritonBackend(KernelSetBackend):
 
     name = "triton"
     kernels = _kernels
-    # the graph refill is one kernel launch into static buffers and the layers' plans are fixed per
+    # the graph refill is device launches into static buffers (one for a hybrid pool) and the layers' plans are fixed per
     # bucket: GraphRunner captures the refill with the layers (no host work per replay but input copies)
     metadata_in_graph = True
 

@@ -16,7 +16,7 @@ free-page ring, reference counts, error record) without any host sync:
 Bad pages are skipped and recorded in the full ring's `err` with an atomic max of their error keys
 (`hwkv.pages.error_key`), so the record is the torch ops' whatever order the programs run in.
 Index tensors are made contiguous here (the kernels read them with unit stride); req_to_token is
-read through both its strides.
+read through both its strides, except by alloc_step, which checks that its rows are contiguous.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from hwkv import pages
+from hwkv.errors import LocError
 from hwkv.pages import PageRing
 from hwkv_cuda.kernels.common import interpreting
 from hwkv_cuda.kernels.launch import Launch, launch
@@ -169,9 +170,10 @@ def _alloc_step_kernel(ctl, rows_in, seq_in, stride_in, pad_row, rtt, stride_rtt
     if HYBRID:
         sp = tl.load(ring_s + (head_s + pidx) % tl.maximum(n_swa, 1), mask=opens, other=0)
         tl.store(refs_s + sp, sp * 0 + 1, mask=opens)
-        o = tl.arange(0, BLOCK_P)
-        whole = opens[:, None] & (o[None, :] < P)  # map whole pages: full slot F*P+o -> SWA slot S*P+o
-        tl.store(mapping + fp[:, None] * P + o[None, :], sp[:, None] * P + o[None, :], mask=whole)
+        for o0 in range(0, P, BLOCK_P):  # map whole pages: full slot F*P+o -> SWA slot S*P+o, a chunk at a time
+            o = o0 + tl.arange(0, BLOCK_P)
+            whole = opens[:, None] & (o[None, :] < P)
+            tl.store(mapping + fp[:, None] * P + o[None, :], sp[:, None] * P + o[None, :], mask=whole)
         mapped = tl.load(mapping + last + 1, mask=cont, other=1)
         _record(err, cont & (mapped <= 0), _floor_div(last + 1, P), ERR_CONT_RELEASED, opk)
     tl.store(rows + i, r, mask=m)
@@ -327,6 +329,11 @@ class TritonPageOps:
         bs = rows.shape[0]
         if bs == 0:
             return False
+        if req_to_token.stride(1) != 1 or rows_in.stride(0) != seq_in.stride(0) or not all(
+                t.is_contiguous() for t in (rows, seq, out)) or (frontiers is not None and not frontiers.is_contiguous()):
+            raise LocError("alloc_step reads req_to_token's rows with unit stride, rows_in and seq_in with one stride "
+                           "and writes rows, seq, out and frontiers contiguous: got strides "
+                           f"{req_to_token.stride()}, {rows_in.stride()}, {seq_in.stride()}")
         hybrid = swa is not None
         s = swa if hybrid else full
         p = full.page_size
@@ -338,7 +345,7 @@ class TritonPageOps:
                (ctl, rows_in, seq_in, rows_in.stride(0), int(pad_row), req_to_token, req_to_token.stride(0), rows, seq,
                 out, full.buf, full.num_pages, s.buf, s.num_pages, mapping if hybrid else full.buf,
                 pages.op_key(full.op), bs, frontiers if release else out, int(window)),
-               dict(P=p, HYBRID=hybrid, BLOCK_P=triton.next_power_of_2(p), ADVANCE=advance, RELEASE=release,
+               dict(P=p, HYBRID=hybrid, BLOCK_P=min(16, triton.next_power_of_2(p)), ADVANCE=advance, RELEASE=release,
                     BLOCK=block, num_warps=1 if interpreting() else (4 if block >= 256 else 1)))
         return advance
 

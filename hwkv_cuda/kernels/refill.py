@@ -1,4 +1,4 @@
-"""The graph-metadata refill in one launch (CUDA, ROCm, XPU, MUSA; CPU CI under the interpreter).
+"""The graph-metadata refill in one launch for a hybrid pool (CUDA, ROCm, XPU, MUSA; CPU CI interpreted).
 
 Before every replay the backend rebuilds its static buffers. The torch path takes about twenty
 small ops for that; these kernels take one launch each for:
