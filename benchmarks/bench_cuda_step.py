@@ -34,7 +34,8 @@ from hwkv.loc import KVWriteLoc
 from hwkv.pool import SWAKVPool
 
 LAYERS, W, H, KVH, D = 36, 128, 64, 8, 64
-SECTIONS = ("kv-write", "decode-step", "alloc", "engine-step", "tree-verify", "host", "whole-step", "profile")
+SECTIONS = ("kv-write", "decode-step", "alloc", "engine-step", "tree-verify", "host", "whole-step", "step-gap",
+            "profile")
 
 
 def timeit(fn: Callable[[], object], dev: str, iters: int = 50, warmup: int = 5) -> float:
@@ -342,50 +343,53 @@ def engine_step_rows(dev: str, bs: int, ctx: int, page_size: int, backend_cls, i
     return [row]
 
 
-def whole_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, backend_cls, iters: int) -> List[Dict]:
-    """The whole decode step in one graph (hwkv.step_graph.DecodeStepGraph: allocation, req_to_token write,
-    refill, 36 layers, release) against the same 36 layers replayed alone (a GraphRunner of the layers):
-    host time per step (the device caught up before each, `host_per_step`), step wall (device synchronized
-    around each), replay alone, and both issued back to back (`per_step_pipelined`: an engine that never waits)."""
+def _whole_step_pair(dev: str, bs: int, ctx: int, page_size: int, backend_cls, room: int):
+    """A captured whole-step graph (hwkv.step_graph.DecodeStepGraph) and the same 36 layers captured alone (a
+    GraphRunner), over one Setup: returns (setup, step graph, one engine step, one replay of the layers alone).
+    The layers' batch is the step graph's after 5 steps (their slots written)."""
     from hwkv.step_graph import DecodeStepGraph
+    s = Setup(dev, bs, ctx, page_size=page_size, room=room, spare_rows=1)
+    be = backend_cls(s.pool, s.rtt, sliding_window=W)
+    inputs = {"q": torch.randn(bs, H, D, device=dev, dtype=torch.bfloat16),
+              "k": torch.randn(bs, KVH, D, device=dev, dtype=torch.bfloat16),
+              "v": torch.randn(bs, KVH, D, device=dev, dtype=torch.bfloat16)}
+    shapes = {k: (tuple(v.shape[1:]), v.dtype) for k, v in inputs.items()}
+    layers = layers_fn(be, s.layers)
+    adapter = EagerAdapter if dev != "cuda" else __import__("hwkv_cuda.graph", fromlist=["x"]).CUDAGraphAdapter
+    frontiers = torch.zeros(s.rtt.size, dtype=torch.int64, device=dev)
+    frontiers[s.rows] = s.frontiers
+    g = DecodeStepGraph(be, s.alloc, layers, [bs], shapes, adapter(), frontiers, W)
+    g.capture()
+    only = GraphRunner(be, layers, [bs], shapes, adapter())
+    only.capture()
+    for k, v in inputs.items():  # an engine writes the step's inputs into the graph's buffers
+        g.inputs[k][:bs].copy_(v)
+    rows_cpu, seq = s.rows.cpu(), s.seq_cpu.clone()
+
+    def step() -> None:  # an engine: rows and lengths on the host, one copy with the step's control words (or
+        seq.add_(1)      # none), the inputs already in the graph's buffers (`inputs=None`, as the engine passes)
+        g.step(rows_cpu, seq, seq)
+
+    for _ in range(5):
+        step()
+    seq_dev = seq.to(dev)
+    only.prepare(ForwardBatch(ForwardMode.DECODE, bs, s.rows, seq_dev, s.rtt.req_to_token[s.rows, seq_dev - 1],
+                              seq_lens_cpu=seq.clone()), inputs)
+    return s, g, step, (lambda: only.adapter.replay(only.graphs[bs].graph))
+
+
+def whole_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, backend_cls, iters: int) -> List[Dict]:
+    """The whole decode step in one graph (allocation, req_to_token write, release, refill, 36 layers) against the
+    same 36 layers replayed alone: host time per step (the device caught up before each, `host_per_step`), step
+    wall (device synchronized around each), replay alone, and both issued back to back in alternating rounds
+    (`pipelined_pair`: an engine that never waits)."""
     rows = []
     for bs in batches:
-        s = Setup(dev, bs, ctx, page_size=page_size, room=16 * iters + 64, spare_rows=1)  # 11 pipelined rounds too
-        be = backend_cls(s.pool, s.rtt, sliding_window=W)
-        inputs = {"q": torch.randn(bs, H, D, device=dev, dtype=torch.bfloat16),
-                  "k": torch.randn(bs, KVH, D, device=dev, dtype=torch.bfloat16),
-                  "v": torch.randn(bs, KVH, D, device=dev, dtype=torch.bfloat16)}
-        shapes = {k: (tuple(v.shape[1:]), v.dtype) for k, v in inputs.items()}
-
-        layers = layers_fn(be, s.layers)
-
-        adapter = EagerAdapter() if dev != "cuda" else __import__("hwkv_cuda.graph", fromlist=["x"]).CUDAGraphAdapter()
-        frontiers = torch.zeros(s.rtt.size, dtype=torch.int64, device=dev)
-        frontiers[s.rows] = s.frontiers
-        g = DecodeStepGraph(be, s.alloc, layers, [bs], shapes, adapter, frontiers, W)
-        g.capture()
-        only = GraphRunner(be, layers, [bs], shapes, adapter)
-        only.capture()
-        for k, v in inputs.items():  # an engine writes the step's inputs into the graph's buffers
-            g.inputs[k][:bs].copy_(v)
-        rows_cpu, seq = s.rows.cpu(), s.seq_cpu.clone()
-
-        def step() -> None:  # an engine: rows and lengths on the host, one copy with the step's control words,
-            seq.add_(1)      # the inputs already in the graph's buffers (`inputs=None`, as the engine passes)
-            g.step(rows_cpu, seq, seq)
-
+        s, g, step, layers = _whole_step_pair(dev, bs, ctx, page_size, backend_cls, 16 * iters + 64)
         host = host_per_step(step, dev, iters)
         _, done = wall(step, dev, iters)
-        # the same layers over the same requests, replayed alone: the batch of the last step (its slots rewritten)
-        seq_dev = seq.to(dev)
-        batch = ForwardBatch(ForwardMode.DECODE, bs, s.rows, seq_dev, s.rtt.req_to_token[s.rows, seq_dev - 1],
-                             seq_lens_cpu=seq.clone())
-        only.prepare(batch, inputs)
-        _, replay = wall(lambda: only.adapter.replay(only.graphs[bs].graph), dev, iters)
-        # an engine that never waits: steps issued back to back, the wall per step once the device is done (the
-        # host's work of step N + 1 overlaps step N on the device), beside the layers' replays back to back
-        piped, layers_piped, piped_ratio = pipelined_pair(step, lambda: only.adapter.replay(only.graphs[bs].graph),
-                                                          dev, iters)
+        _, replay = wall(layers, dev, iters)
+        piped, layers_piped, piped_ratio = pipelined_pair(step, layers, dev, iters)
         syncs = host_syncs(step, dev)
         s.alloc.check_integrity()
         step_us, replay_us = statistics.median(done), statistics.median(replay)
@@ -394,10 +398,83 @@ def whole_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, back
                          ratio=round(step_us / replay_us, 3), pipelined_step_us=round(piped, 1),
                          pipelined_layers_us=round(layers_piped, 1), pipelined_ratio=round(piped_ratio, 3),
                          syncs_per_step=syncs))
-        del s, be, g, only
+        del s, g, step, layers
         if dev == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def step_gap_rows(dev: str, ctx: int, page_size: int, backend_cls, iters: int, rounds: int = 9) -> List[Dict]:
+    """Where the whole step's extra time over the layers' replay goes, at B=1: variants replayed back to back in
+    alternating rounds (us per step, the median; ratio to the layers alone): host work between launches (a busy
+    wait as long as the step's host path), one small device op per replay, the whole-step graph alone (the same
+    step again, or a new token each replay) and the full host step; on CUDA also the profiler's device timeline
+    (kernel time, gaps inside a graph and between graphs)."""
+    s, g, step, layers = _whole_step_pair(dev, 1, ctx, page_size, backend_cls, (rounds + 2) * 4 * iters + 64)
+    replay = g.graphs[1].graph
+    staged_len = g.seq_in[:1]
+    back = 1 if g._advances.get(1) else 0  # undo the replay's own advance, where it has one
+
+    def busy(us: float) -> None:
+        end = time.perf_counter() + us * 1e-6
+        while time.perf_counter() < end:
+            pass
+
+    variants = {
+        "layers alone": layers,
+        "layers, host busy 22 us before each": lambda: (busy(22), layers()),
+        "layers + one small op": lambda: (layers(), staged_len.add_(0)),
+        "whole-step graph, the same step again": lambda: (g.adapter.replay(replay), staged_len.sub_(back)),
+        "whole-step graph, a new token each": lambda: (g.adapter.replay(replay), staged_len.add_(0)),
+        "full step (host path)": step,
+    }
+    times: Dict[str, List[float]] = {k: [] for k in variants}
+    for r in range(rounds + 1):
+        for k, fn in variants.items():
+            sync(dev)
+            t = time.perf_counter()
+            for _ in range(iters if r else 5):
+                fn()
+            sync(dev)
+            if r:
+                times[k].append((time.perf_counter() - t) * 1e6 / iters)
+    base = statistics.median(times["layers alone"])
+    out = [dict(bench="step-gap", what=k, us=round(statistics.median(v), 1), ratio=round(statistics.median(v) / base, 3))
+           for k, v in times.items()]
+    if dev == "cuda":
+        for what, fn, first in (("timeline: full step", step, "_alloc_step_kernel"),
+                                ("timeline: layers alone", layers, "_fill_lists_kernel")):
+            out.append(dict(bench="step-gap", what=what, **device_timeline(fn, first)))
+    s.alloc.check_integrity()
+    return out
+
+
+def device_timeline(fn: Callable[[], object], first: str, n: int = 40) -> Dict:
+    """n calls of fn under the profiler (CUDA activity): per step (from one `first` kernel to the next) the span,
+    the kernels' busy time, the gap between the step's last kernel and the next step's first, and the rest (gaps
+    inside the step), medians in us; and each kernel's median time."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(5):
+        fn()
+    sync("cuda")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        sync("cuda")
+    ev = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type.name == "CUDA")
+    starts = [i for i, e in enumerate(ev) if first in e[2]]
+    spans, busy, between, kernels = [], [], [], {}
+    for a, c in zip(starts, starts[1:]):
+        steps = ev[a:c]
+        spans.append(ev[c][0] - ev[a][0])
+        busy.append(sum(e[1] - e[0] for e in steps))
+        between.append(ev[c][0] - steps[-1][1])
+        for e in steps:
+            kernels.setdefault(e[2][:40], []).append(e[1] - e[0])
+    med = statistics.median
+    return dict(steps=len(spans), span_us=round(med(spans), 1), kernels_us=round(med(busy), 1),
+                gap_between_us=round(med(between), 1), gaps_inside_us=round(med(spans) - med(busy) - med(between), 1),
+                per_kernel_us={k: round(med(v), 2) for k, v in kernels.items()})
 
 
 def profile_text(fn: Callable[[], object], dev: str, n: int = 200, top: int = 18) -> str:
@@ -717,6 +794,16 @@ def print_tables(res: Dict) -> None:
             print(f"| {r['bs']} | {r['ctx']} | {r['page_size']} | {r['host_us']} | {r['step_us']} | "
                   f"{r['layers_replay_us']} | {r['ratio']} | {r['pipelined_step_us']} | {r['pipelined_layers_us']} | "
                   f"{r['pipelined_ratio']} | {r['syncs_per_step']} |")
+    gap = [r for r in res.get("step_gap", []) if "ratio" in r]
+    if gap:
+        print("B=1, replayed back to back in alternating rounds (us per step, median; ratio to the layers alone)")
+        print("| what | us | ratio |\n|---|---|---|")
+        for r in gap:
+            print(f"| {r['what']} | {r['us']} | {r['ratio']} |")
+    for r in res.get("step_gap", []):
+        if "span_us" in r:
+            print(f"{r['what']}: span {r['span_us']} us = kernels {r['kernels_us']} + gaps inside {r['gaps_inside_us']} "
+                  f"+ gap to the next {r['gap_between_us']}; per kernel {r['per_kernel_us']}")
     for r in res.get("profile", []):
         print(f"profile: {r['what']}\n{r['text']}")
     if res.get("engine_step"):
@@ -779,6 +866,8 @@ def main() -> None:
     if "whole-step" in sections:
         res["whole_step"] = whole_step_rows(dev, _ints(a.whole_batches), a.step_ctx, a.step_page, backend_cls,
                                             a.iters)
+    if "step-gap" in sections:
+        res["step_gap"] = step_gap_rows(dev, a.step_ctx, a.step_page, backend_cls, a.iters)
     if "profile" in sections:
         res["profile"] = profile_rows(dev, a.host_ctx, a.step_page, backend_cls)
     if "tree-verify" in sections:
