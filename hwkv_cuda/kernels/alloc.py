@@ -29,7 +29,7 @@ import triton.language as tl
 from hwkv import pages
 from hwkv.errors import LocError
 from hwkv.pages import PageRing
-from hwkv_cuda.kernels.common import interpreting
+from hwkv_cuda.kernels.common import interpreting, request_block
 from hwkv_cuda.kernels.launch import Launch, launch
 
 # the error codes, as constants a jit'ed function may read
@@ -80,17 +80,41 @@ def _parts(buf, n):
     return buf, buf + n + 1, buf + 2 * n + 2, buf + 2 * n + 3
 
 
+@triton.jit
+def _open_pages(buf_f, n_full, buf_s, n_swa, mapping, head_f, head_s, pidx, m, P: tl.constexpr,
+                HYBRID: tl.constexpr, BLOCK_P: tl.constexpr):
+    """This op's pages pidx[m], popped at the rings' heads: live (reference 1) and, hybrid, full page F mapped whole
+    onto its SWA page S (slot F*P+o -> S*P+o, BLOCK_P slots at a time). Returns the full pages."""
+    ring_f, refs_f, tail_f, err_f = _parts(buf_f, n_full)
+    fp = tl.load(ring_f + (head_f + pidx) % tl.maximum(n_full, 1), mask=m, other=0)
+    tl.store(refs_f + fp, fp * 0 + 1, mask=m)
+    if HYBRID:
+        ring_s, refs_s, tail_s, err_s = _parts(buf_s, n_swa)
+        sp = tl.load(ring_s + (head_s + pidx) % tl.maximum(n_swa, 1), mask=m, other=0)
+        tl.store(refs_s + sp, sp * 0 + 1, mask=m)
+        for o0 in range(0, P, BLOCK_P):
+            o = o0 + tl.arange(0, BLOCK_P)
+            tl.store(mapping + fp[:, None] * P + o[None, :], sp[:, None] * P + o[None, :],
+                     mask=m[:, None] & (o[None, :] < P))
+    return fp
+
+
+@triton.jit
+def _check_continuation(err, mapping, nxt, m, opk, P: tl.constexpr):
+    """A request continuing its partial page at slot nxt[m] must still own that page's SWA slots (recorded if not)."""
+    mapped = tl.load(mapping + nxt, mask=m, other=1)
+    _record(err, m & (mapped <= 0), _floor_div(nxt, P), ERR_CONT_RELEASED, opk)
+
+
 @triton.jit(do_not_specialize=["head_f", "head_s", "opk"])
 def _alloc_kernel(seq, prefix, last, out, buf_f, head_f, n_full, buf_s, head_s, n_swa, mapping, opk, heads,
                   P: tl.constexpr, HYBRID: tl.constexpr, DECODE: tl.constexpr, HEADS_PTR: tl.constexpr,
-                  BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
+                  BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr):
     if HEADS_PTR:  # the ring heads from device memory (a captured step: the host writes them before a replay)
         head_f = tl.load(heads).to(tl.int64)
         head_s = tl.load(heads + 1).to(tl.int64)
     ring_f, refs_f, tail_f, err = _parts(buf_f, n_full)
-    ring_s, refs_s, tail_s, err_s = _parts(buf_s, n_swa)
     mod_f = tl.maximum(n_full, 1)
-    mod_s = tl.maximum(n_swa, 1)
     b = tl.program_id(0)
     tok_base = tl.zeros([], tl.int64)
     page_base = tl.zeros([], tl.int64)
@@ -114,24 +138,10 @@ def _alloc_kernel(seq, prefix, last, out, buf_f, head_f, n_full, buf_s, head_s, 
         tl.store(out + tok_base + j, loc, mask=m)
     for i0 in range(0, npg, BLOCK):
         i = i0 + tl.arange(0, BLOCK)
-        m = i < npg
-        fp = tl.load(ring_f + (head_f + page_base + i) % mod_f, mask=m, other=0)
-        tl.store(refs_f + fp, fp * 0 + 1, mask=m)
-        if HYBRID:
-            sp = tl.load(ring_s + (head_s + page_base + i) % mod_s, mask=m, other=0)
-            tl.store(refs_s + sp, sp * 0 + 1, mask=m)
+        _open_pages(buf_f, n_full, buf_s, n_swa, mapping, head_f, head_s, page_base + i, i < npg, P, HYBRID, BLOCK_P)
     if HYBRID:
-        for e0 in range(0, npg * P, BLOCK):  # map whole pages: full slot F*P+o -> SWA slot S*P+o
-            x = e0 + tl.arange(0, BLOCK)
-            m = x < npg * P
-            i = x // P
-            o = x % P
-            fp = tl.load(ring_f + (head_f + page_base + i) % mod_f, mask=m, other=0)
-            sp = tl.load(ring_s + (head_s + page_base + i) % mod_s, mask=m, other=0)
-            tl.store(mapping + fp * P + o, sp * P + o, mask=m)
         if c > 0:
-            mapped = tl.load(mapping + last_b + 1 + one)
-            _record(err, mapped <= 0, _floor_div(last_b + 1 + one, P), ERR_CONT_RELEASED, opk)
+            _check_continuation(err, mapping, last_b + 1 + one, one < 1, opk, P)
 
 
 @triton.jit(do_not_specialize=["pad_row", "bs", "opk"])
@@ -146,7 +156,6 @@ def _alloc_step_kernel(ctl, rows_in, seq_in, stride_in, pad_row, rtt, stride_rtt
     head_s = tl.load(ctl + 1).to(tl.int64)
     n_live = tl.load(ctl + 2).to(tl.int64)
     ring_f, refs_f, tail_f, err = _parts(buf_f, n_full)
-    ring_s, refs_s, tail_s, err_s = _parts(buf_s, n_swa)
     first = tl.program_id(0).to(tl.int64) * BLOCK
     base = tl.zeros([], tl.int64)
     for start in range(0, first, BLOCK):  # pages the live requests of earlier programs open
@@ -164,18 +173,10 @@ def _alloc_step_kernel(ctl, rows_in, seq_in, stride_in, pad_row, rtt, stride_rtt
     cont = live & ~opens
     pidx = base + tl.cumsum(opens.to(tl.int64), 0) - opens.to(tl.int64)
     last = tl.load(rtt + r * stride_rtt + tl.maximum(pre - 1, 0), mask=cont, other=0).to(tl.int64)
-    fp = tl.load(ring_f + (head_f + pidx) % tl.maximum(n_full, 1), mask=opens, other=0)
+    fp = _open_pages(buf_f, n_full, buf_s, n_swa, mapping, head_f, head_s, pidx, opens, P, HYBRID, BLOCK_P)
     loc = tl.where(opens, fp * P, tl.where(cont, last + 1, 0))
-    tl.store(refs_f + fp, fp * 0 + 1, mask=opens)
     if HYBRID:
-        sp = tl.load(ring_s + (head_s + pidx) % tl.maximum(n_swa, 1), mask=opens, other=0)
-        tl.store(refs_s + sp, sp * 0 + 1, mask=opens)
-        for o0 in range(0, P, BLOCK_P):  # map whole pages: full slot F*P+o -> SWA slot S*P+o, a chunk at a time
-            o = o0 + tl.arange(0, BLOCK_P)
-            whole = opens[:, None] & (o[None, :] < P)
-            tl.store(mapping + fp[:, None] * P + o[None, :], sp[:, None] * P + o[None, :], mask=whole)
-        mapped = tl.load(mapping + last + 1, mask=cont, other=1)
-        _record(err, cont & (mapped <= 0), _floor_div(last + 1, P), ERR_CONT_RELEASED, opk)
+        _check_continuation(err, mapping, last + 1, cont, opk, P)
     tl.store(rows + i, r, mask=m)
     tl.store(seq + i, s, mask=m)
     tl.store(out + i, loc, mask=m)
@@ -296,6 +297,11 @@ def _block(n_gpu: int) -> int:
     return 16 if interpreting() else n_gpu
 
 
+def _page_block(p: int) -> int:
+    """Slots of a page mapped per pass (`_open_pages`): a whole page up to 16."""
+    return min(16, triton.next_power_of_2(p))
+
+
 _LAUNCHES: Dict[Tuple, Launch] = {}  # planned launches of the page ops, by kernel, batch and geometry
 
 
@@ -316,7 +322,7 @@ class TritonPageOps:
                 0 if on_device else heads[0], full.num_pages, s.buf, 0 if on_device or not hybrid else heads[1],
                 s.num_pages, mapping if hybrid else full.buf, pages.op_key(full.op), heads if on_device else seq),
                dict(P=full.page_size, HYBRID=hybrid, DECODE=prefix is None, HEADS_PTR=on_device, BLOCK_B=_block(256),
-                    BLOCK=_block(256), num_warps=1 if interpreting() else 4))
+                    BLOCK_P=_page_block(full.page_size), BLOCK=_block(256), num_warps=1 if interpreting() else 4))
 
     @staticmethod
     def alloc_step(full: PageRing, swa: Optional[PageRing], mapping: Optional[torch.Tensor], ctl: torch.Tensor,
@@ -337,15 +343,14 @@ class TritonPageOps:
         hybrid = swa is not None
         s = swa if hybrid else full
         p = full.page_size
-        block = 16 if interpreting() else max(16, min(1024, 1 << max(bs - 1, 0).bit_length()))
-        programs = -(-bs // block)
+        block, programs = request_block(bs)
         advance = bool(advance) and programs == 1
         release = hybrid and frontiers is not None
         launch(_LAUNCHES, ("step", bs, p, hybrid, advance, release), _alloc_step_kernel, (programs,),
                (ctl, rows_in, seq_in, rows_in.stride(0), int(pad_row), req_to_token, req_to_token.stride(0), rows, seq,
                 out, full.buf, full.num_pages, s.buf, s.num_pages, mapping if hybrid else full.buf,
                 pages.op_key(full.op), bs, frontiers if release else out, int(window)),
-               dict(P=p, HYBRID=hybrid, BLOCK_P=min(16, triton.next_power_of_2(p)), ADVANCE=advance, RELEASE=release,
+               dict(P=p, HYBRID=hybrid, BLOCK_P=_page_block(p), ADVANCE=advance, RELEASE=release,
                     BLOCK=block, num_warps=1 if interpreting() else (4 if block >= 256 else 1)))
         return advance
 

@@ -33,6 +33,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def request_block(bs: int) -> "tuple[int, int]":
+    """(BLOCK, programs) of a kernel taking a batch's requests a block at a time: one program up to 1024 requests
+    (16 a program under the interpreter, so CI runs several)."""
+    block = 16 if interpreting() else max(16, min(1024, 1 << max(int(bs) - 1, 0).bit_length()))
+    return block, -(-int(bs) // block)
+
+
 def jit_interpreted(kernel: object) -> bool:
     """Whether Triton decorated `kernel` for its interpreter (decided at decoration, unlike `interpreting()`,
     which reads the environment now): launch sizes must follow what the kernel will actually run as."""

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from hwkv.ops import StepKernels
-from hwkv_cuda.kernels.common import interpreting
+from hwkv_cuda.kernels.common import request_block
 from hwkv_cuda.kernels.launch import Launch, launch
 
 
@@ -47,12 +47,6 @@ def _write_kernel(req_to_token, stride_rtt, rows, seq, out, frontiers, f, bs, HA
         tl.store(f + i, tl.load(frontiers + r, mask=m, other=0), mask=m)
 
 
-def _block(bs: int) -> Tuple[int, int]:
-    """(BLOCK, programs): one program up to 1024 requests (16 under the interpreter)."""
-    block = 16 if interpreting() else max(16, min(1024, 1 << max(int(bs) - 1, 0).bit_length()))
-    return block, -(-int(bs) // block)
-
-
 def step_prologue(ctl: torch.Tensor, rows_in: torch.Tensor, seq_in: torch.Tensor, pad_row: int,
                   req_to_token: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor, prefix: torch.Tensor,
                   last: torch.Tensor, out: torch.Tensor) -> None:
@@ -60,7 +54,7 @@ def step_prologue(ctl: torch.Tensor, rows_in: torch.Tensor, seq_in: torch.Tensor
     bs = rows.shape[0]
     if bs == 0:
         return
-    block, programs = _block(bs)
+    block, programs = request_block(bs)
     launch(_LAUNCHES, ("prologue", bs, block), _prologue_kernel, (programs,),
            (ctl, rows_in, seq_in, rows_in.stride(0), int(pad_row), req_to_token, req_to_token.stride(0), rows, seq,
             prefix, last, out, bs), dict(BLOCK=block, num_warps=4 if block >= 256 else 1))
@@ -72,7 +66,7 @@ def step_write(req_to_token: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor
     bs = rows.shape[0]
     if bs == 0:
         return
-    block, programs = _block(bs)
+    block, programs = request_block(bs)
     has_f = frontiers is not None
     launch(_LAUNCHES, ("write", bs, block, has_f), _write_kernel, (programs,),
            (req_to_token, req_to_token.stride(0), rows, seq, out, frontiers if has_f else out, f if has_f else out,
