@@ -270,13 +270,8 @@ class SWAKVPool:
         mapping = self.full_to_swa_index_mapping
         if mapping is None:
             raise ConfigError("SWAKVPool has no full_to_swa_index_mapping: build SWATokenToKVPoolAllocator on it")
-        if lists is not None:
-            if out is None or isinstance(loc, LocRuns):
-                raise ConfigError("translating with lists= needs the write locs as a tensor and out= (their buffer)")
-            if out.shape[0] < loc.shape[0]:
-                raise CapacityError(f"{loc.shape[0]} locs do not fit out= of {out.shape[0]} entries")
-            ops.fill_translated(mapping, loc, out, lists)
-            return out[:loc.shape[0]]
+        if lists is not None and (out is None or isinstance(loc, LocRuns)):
+            raise ConfigError("translating with lists= needs the write locs as a tensor and out= (their buffer)")
         if isinstance(loc, LocRuns):
             if out is None:
                 raise ConfigError("translating LocRuns needs out= (the list's static buffer)")
@@ -285,11 +280,14 @@ class SWAKVPool:
         if out is None:
             return mapping[loc]
         n, cap = loc.shape[0], out.shape[0]
-        if cap == n:
-            return torch.index_select(mapping, 0, loc, out=out)
         if cap < n:
             raise CapacityError(f"{n} locs do not fit out= of {cap} entries")
-        ops.translate_into(mapping, loc, out)
+        if lists is not None:
+            ops.fill_translated(mapping, loc, out, lists)
+        elif cap == n:
+            return torch.index_select(mapping, 0, loc, out=out)
+        else:
+            ops.translate_into(mapping, loc, out)
         return out[:n]
 
     def check_write_loc(self, loc: Union[torch.Tensor, KVWriteLoc]) -> None:
