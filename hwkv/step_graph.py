@@ -76,10 +76,13 @@ class DecodeStepGraph(GraphRunner):
         # not in debug mode, whose release checks on the host
         self._releases_first = self._one_launch and frontiers is not None and not allocator.immediate
         self._advances: Dict[int, bool] = {}  # per bucket: its replay moves the staged lengths on by one itself
-        # (bucket, rows, lengths + 1) the device holds staged after the last replay, where it moved them itself
-        self._sent: Optional[Tuple[int, np.ndarray, np.ndarray]] = None
-        self.prefix = torch.zeros(b, dtype=torch.int64, device=dev)  # the three launches' temporaries
-        self.last = torch.zeros(b, dtype=torch.int64, device=dev)
+        # the live count and bucket the device holds staged after the last replay where it moved the lengths
+        # itself (None: unknown), and its rows and lengths (host arrays kept, written in place each step)
+        self._sent: Optional[Tuple[int, int]] = None
+        self._sent_rows, self._sent_seq = np.zeros(b, np.int64), np.zeros(b, np.int64)
+        if not self._one_launch:  # the three launches' temporaries
+            self.prefix = torch.zeros(b, dtype=torch.int64, device=dev)
+            self.last = torch.zeros(b, dtype=torch.int64, device=dev)
         self.kernels = ops.step_kernels(dev.type)  # one launch each where the device registered them
         self._host: Tuple[int, int, list] = (0, 0, [0, 0])  # live, pages, heads: what an eager 'replay' reads
         # a step opens a page where its length is 1 mod page: by mask where the page size is a power of two
@@ -201,15 +204,18 @@ class DecodeStepGraph(GraphRunner):
         heads = self.allocator.reserve(pages)  # raises before anything changed when the step might not fit
         if rows.is_cpu and seq_lens.is_cpu:
             rows_h, seq_s = rows.numpy(), seq_h if seq_lens is seq_lens_cpu else seq_lens.numpy()
-            sent = self._sent
-            if pages == 0 and sent is not None and sent[0] == bucket and sent[1].shape == rows_h.shape \
-                    and np.array_equal(sent[2], seq_s) and np.array_equal(sent[1], rows_h):
+            if pages == 0 and self._sent == (bs, bucket) and np.array_equal(self._sent_seq[:bs], seq_s) \
+                    and np.array_equal(self._sent_rows[:bs], rows_h):
                 # the same rows, one token on, no page: the last replay left exactly this staged (the heads are
                 # read only where a page opens), so nothing is copied
                 self._host = (bs, pages, heads)
             else:
                 self._set_ctl(bs, pages, heads, rows_h, seq_s, bucket)
-            sent = (bucket, rows_h.copy(), seq_s + 1) if self._advances.get(bucket) else None
+            sent = None
+            if self._advances.get(bucket):  # what the replay will leave staged
+                self._sent_rows[:bs] = rows_h
+                np.add(seq_s, 1, out=self._sent_seq[:bs])
+                sent = (bs, bucket)
             self._sent = None  # until the replay has run: a replay that raises leaves nothing it claims
         else:
             sent = None
