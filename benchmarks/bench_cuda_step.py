@@ -21,7 +21,7 @@ import json
 import statistics
 import time
 import warnings
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -428,16 +428,7 @@ def step_gap_rows(dev: str, ctx: int, page_size: int, backend_cls, iters: int, r
         "whole-step graph, a new token each": lambda: (g.adapter.replay(replay), staged_len.add_(0)),
         "full step (host path)": step,
     }
-    times: Dict[str, List[float]] = {k: [] for k in variants}
-    for r in range(rounds + 1):
-        for k, fn in variants.items():
-            sync(dev)
-            t = time.perf_counter()
-            for _ in range(iters if r else 5):
-                fn()
-            sync(dev)
-            if r:
-                times[k].append((time.perf_counter() - t) * 1e6 / iters)
+    times = dict(zip(variants, alternating_rounds(list(variants.values()), dev, iters, rounds, warmup=5)))
     base = statistics.median(times["layers alone"])
     out = [dict(bench="step-gap", what=k, us=round(statistics.median(v), 1), ratio=round(statistics.median(v) / base, 3))
            for k, v in times.items()]
@@ -587,39 +578,31 @@ def host_per_step(fn: Callable[[], object], dev: str, n: int = 50) -> float:
     return statistics.median(times) * 1e6
 
 
-def per_step_pipelined(fn: Callable[[], object], dev: str, n: int = 50, rounds: int = 5) -> float:
-    """Wall microseconds per step of n steps issued back to back and the device synchronized once after them (what
-    an engine one step ahead of its device gets per step), the median of `rounds` such runs."""
-    for _ in range(3):
-        fn()
+def alternating_rounds(fns: Sequence[Callable[[], object]], dev: str, n: int = 50, rounds: int = 11,
+                       warmup: int = 3) -> List[List[float]]:
+    """Each fn's wall microseconds per call over n calls issued back to back, the device synchronized after them
+    (what an engine one step ahead of its device gets per step), in `rounds` rounds that take every fn in turn:
+    per fn, its rounds. Alternating keeps slow drift (the layers' replay alone moves 2-6% between runs in one
+    process on the H200) out of the ratios of rounds taken side by side."""
+    for _ in range(warmup):
+        for f in fns:
+            f()
     sync(dev)
-    runs = []
+    out: List[List[float]] = [[] for _ in fns]
     for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        sync(dev)
-        runs.append((time.perf_counter() - t) * 1e6 / n)
-    return statistics.median(runs)
-
-
-def pipelined_pair(fn: Callable[[], object], base: Callable[[], object], dev: str, n: int = 50,
-                   rounds: int = 11) -> Tuple[float, float, float]:
-    """`per_step_pipelined` of fn and of base in alternating rounds: (fn's median, base's median, the median of the
-    rounds' ratios). The layers' replay alone drifts by 2-6% between runs in one process on the H200 (clocks), so
-    a ratio of two medians taken one after the other can be off by more than the gap it measures."""
-    for _ in range(3):
-        fn()
-        base()
-    sync(dev)
-    a, b = [], []
-    for _ in range(rounds):
-        for f, out in ((fn, a), (base, b)):
+        for f, times in zip(fns, out):
             t = time.perf_counter()
             for _ in range(n):
                 f()
             sync(dev)
-            out.append((time.perf_counter() - t) * 1e6 / n)
+            times.append((time.perf_counter() - t) * 1e6 / n)
+    return out
+
+
+def pipelined_pair(fn: Callable[[], object], base: Callable[[], object], dev: str, n: int = 50,
+                   rounds: int = 11) -> Tuple[float, float, float]:
+    """fn and base pipelined in alternating rounds: (fn's median, base's median, the median of the rounds' ratios)."""
+    a, b = alternating_rounds((fn, base), dev, n, rounds)
     return statistics.median(a), statistics.median(b), statistics.median(x / y for x, y in zip(a, b))
 
 
