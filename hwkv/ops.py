@@ -93,11 +93,13 @@ def tree_decode_kernel(device_type: str) -> Optional[Callable[..., None]]:
 class StepKernels(NamedTuple):
     """The whole-step graph's bookkeeping around the allocation (`hwkv.step_graph`), one launch each.
 
-    prologue(ctl, rows_in, seq_in, pad_row, req_to_token, rows, seq, prefix, last, out): for b < len(rows),
-        live = b < ctl[2]; rows[b] = rows_in[b] if live else pad_row; seq[b] = seq_in[b] if live else 1;
-        prefix[b] = seq[b] - live; last[b] = req_to_token[rows[b], max(prefix[b] - 1, 0)]; out[b] = 0.
-    write(req_to_token, rows, seq, out, frontiers, f): req_to_token[rows[b], seq[b] - 1] = out[b] and, when
-        frontiers is not None, f[b] = frontiers[rows[b]].
+    prologue(ctl, rows_in, seq_in, pad_row, req_to_token, rows, seq, prefix, last, out, tokens=1): for
+        b < len(rows), live = b < ctl[2]; rows[b] = rows_in[b] if live else pad_row; seq[b] = seq_in[b] if live
+        else tokens; prefix[b] = seq[b] - live * tokens; last[b] = req_to_token[rows[b], max(prefix[b] - 1, 0)];
+        out[:len(rows) * tokens] = 0.
+    write(req_to_token, rows, seq, out, frontiers, f, tokens=1): req_to_token[rows[b], seq[b] - tokens + j] =
+        out[b * tokens + j] for j < tokens (`tokens` > 1: a verify step's drafts) and, when frontiers is not
+        None, f[b] = frontiers[rows[b]].
     """
 
     prologue: Callable[..., None]
@@ -106,21 +108,25 @@ class StepKernels(NamedTuple):
 
 def step_prologue_torch(ctl: torch.Tensor, rows_in: torch.Tensor, seq_in: torch.Tensor, pad_row: int,
                         req_to_token: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor, prefix: torch.Tensor,
-                        last: torch.Tensor, out: torch.Tensor) -> None:
+                        last: torch.Tensor, out: torch.Tensor, tokens: int = 1) -> None:
     """`StepKernels.prologue` in torch ops (the default; about a dozen launches)."""
     bs = rows.shape[0]
     live = torch.arange(bs, device=rows.device) < ctl[2]
     rows.copy_(rows_in[:bs]).masked_fill_(~live, pad_row)
-    seq.copy_(seq_in[:bs]).masked_fill_(~live, 1)
-    torch.sub(seq, live.to(seq.dtype), out=prefix)
+    seq.copy_(seq_in[:bs]).masked_fill_(~live, tokens)
+    torch.sub(seq, live.to(seq.dtype), alpha=tokens, out=prefix)
     last.copy_(req_to_token[rows, (prefix - 1).clamp_(min=0)])
     out.zero_()
 
 
 def step_write_torch(req_to_token: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor, out: torch.Tensor,
-                     frontiers: Optional[torch.Tensor], f: Optional[torch.Tensor]) -> None:
+                     frontiers: Optional[torch.Tensor], f: Optional[torch.Tensor], tokens: int = 1) -> None:
     """`StepKernels.write` in torch ops (the default)."""
-    req_to_token[rows, seq - 1] = out
+    if tokens == 1:
+        req_to_token[rows, seq - 1] = out
+    else:
+        at = seq.unsqueeze(1) - tokens + torch.arange(tokens, dtype=seq.dtype, device=seq.device)
+        req_to_token[rows.unsqueeze(1), at] = out.view(-1, tokens)
     if frontiers is not None:
         f.copy_(frontiers[rows])
 

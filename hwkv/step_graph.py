@@ -31,6 +31,8 @@ from hwkv.staging import StagingRing
 
 
 class DecodeStepGraph(GraphRunner):
+    _MODE, _TOKENS = ForwardMode.DECODE, 1  # what one step runs: a decode, one token per request (VerifyStepGraph)
+
     """Captures `alloc + req_to_token write + refill + fn(batch, inputs) + release` per bucket (see module doc).
 
     `frontiers`: int64 [req_to_token rows] on the device, each row's release frontier (None: no release, a
@@ -55,7 +57,7 @@ class DecodeStepGraph(GraphRunner):
         if not self.fits(allocator, adapter):
             raise ConfigError(f"a whole-step graph on {backend.device.type} needs the device's page-op kernels "
                               "(hwkv.pages.register_page_ops); run the step through GraphRunner instead")
-        super().__init__(backend, fn, batch_sizes, input_shapes, adapter, ForwardMode.DECODE, 1)
+        super().__init__(backend, fn, batch_sizes, input_shapes, adapter, self._MODE, self._TOKENS)
         self.allocator, self.frontiers, self.window = allocator, frontiers, window
         self._records = bool(getattr(self.adapter, "records_device_work", False))
         self.rtt = rtt_pool.req_to_token
@@ -65,13 +67,13 @@ class DecodeStepGraph(GraphRunner):
         dev, b = backend.device, self.buckets[-1]
         # what the host sends each step, one copy: [head_full, head_swa, live requests] then (row, length) pairs
         self.staged = torch.zeros(3 + 2 * b, dtype=torch.int64, device=dev)
-        self.staged[4::2] = 1
+        self.staged[4::2] = self.tpr
         self.ctl = self.staged[:3]
         self._ring = StagingRing(3 + 2 * b, dev)
         self._bucket_staged = {k: self.staged[:3 + 2 * k] for k in self.buckets}  # what a step of bucket k sends
         self.rows_in, self.seq_in = self.staged[3::2], self.staged[4::2]
         # rows, slots and the req_to_token write in one launch where the device's page ops have it (else three)
-        self._one_launch = self.device_alloc and allocator.allocates_step_in_one
+        self._one_launch = self.device_alloc and allocator.allocates_step_in_one and self.tpr == 1
         # the release in the allocation's launch (before the layers: it frees only what no query of the step sees);
         # not in debug mode, whose release checks on the host
         self._releases_first = self._one_launch and frontiers is not None and not allocator.immediate
@@ -84,6 +86,7 @@ class DecodeStepGraph(GraphRunner):
             self.prefix = torch.zeros(b, dtype=torch.int64, device=dev)
             self.last = torch.zeros(b, dtype=torch.int64, device=dev)
         self.kernels = ops.step_kernels(dev.type)  # one launch each where the device registered them
+        self._tokens = {} if self.tpr == 1 else {"tokens": self.tpr}  # (a decode's calls pass none)
         self._host: Tuple[int, int, list] = (0, 0, [0, 0])  # live, pages, heads: what an eager 'replay' reads
         # a step opens a page where its length is 1 mod page: by mask where the page size is a power of two
         # (cheaper than numpy's int64 remainder, which grows with the batch)
@@ -115,8 +118,8 @@ class DecodeStepGraph(GraphRunner):
     # ---- the step, as captured -------------------------------------------------------------------
     def _refill_and_run(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
         bs = batch.batch_size
-        rows, seq, out = self.req_pool_indices[:bs], self.seq_lens[:bs], self.out_cache_loc[:bs]
-        # padded requests: the reserved row, length 1, no token, no page, the padding slot 0
+        rows, seq, out = self.req_pool_indices[:bs], self.seq_lens[:bs], self.out_cache_loc[:bs * self.tpr]
+        # padded requests: the reserved row, length tpr (1 for a decode), no token, no page, the padding slot 0
         if self._one_launch:  # and, where it can, the staged lengths moved on to the next step's; the release too
             self._advances[bs] = self.allocator.alloc_step(self.ctl, self.rows_in, self.seq_in, self.pad_row,
                                                            self.rtt, rows, seq, out, advance=True,
@@ -125,13 +128,13 @@ class DecodeStepGraph(GraphRunner):
         else:
             prefix, last = self.prefix[:bs], self.last[:bs]
             self.kernels.prologue(self.ctl, self.rows_in, self.seq_in, self.pad_row, self.rtt, rows, seq, prefix,
-                                  last, out)
+                                  last, out, **self._tokens)
             n, pages, heads = self._host
             if self.device_alloc:
                 self.allocator.alloc_reserved(prefix, seq, last, out, self.ctl, 0)
             else:  # a step the host runs (no device graph): the torch ops size themselves from host values
-                self.allocator.alloc_reserved(prefix[:n], seq[:n], last[:n], out[:n], heads, pages)
-            self.kernels.write(self.rtt, rows, seq, out, None, None)  # the new slots
+                self.allocator.alloc_reserved(prefix[:n], seq[:n], last[:n], out[:n * self.tpr], heads, pages)
+            self.kernels.write(self.rtt, rows, seq, out, None, None, **self._tokens)  # the new slots
         self._refill(batch)
         result = self.fn(batch, inputs)
         if self.frontiers is not None and not self._releases_first:  # the rows' frontiers move where they are kept
@@ -186,8 +189,11 @@ class DecodeStepGraph(GraphRunner):
             raise LocError(f"rows ({bs}), seq_lens ({seq_lens.numel()}) and seq_lens_cpu ({seq_lens_cpu.numel()}) "
                            "must have one entry per request")
         seq_h = seq_lens_cpu.numpy() if seq_lens_cpu.dtype == torch.int64 else seq_lens_cpu.to(torch.int64).numpy()
-        if bs and np.minimum.reduce(seq_h) < 2:
-            raise LocError(f"a decode step continues a request: seq_lens must be >= 2, got {int(seq_h.min())}")
+        if bs and np.minimum.reduce(seq_h) < self.tpr + 1:
+            raise LocError(f"a {'decode' if self.tpr == 1 else 'verify'} step continues a request: seq_lens must be >= "
+                           f"{self.tpr + 1}, got {int(seq_h.min())}")
+        if bs and np.maximum.reduce(seq_h) > self.rtt.shape[1]:  # (the req_to_token write would pass its row)
+            raise LocError(f"positions up to {int(seq_h.max())} exceed max_context_len {self.rtt.shape[1]}")
         i = bisect.bisect_left(self.buckets, bs)
         if i == len(self.buckets):
             if inputs is None:
@@ -196,11 +202,10 @@ class DecodeStepGraph(GraphRunner):
             return self._eager_step(rows, seq_lens, seq_lens_cpu, inputs)
         bucket = self.buckets[i]
         if inputs is not None:
-            self._take_inputs(inputs, bs)
+            self._take_inputs(inputs, bs * self.tpr)
         if not self._records:  # an eager 'replay' reads the host lengths; a device graph never does
             self.seq_lens_cpu[:bs].copy_(seq_lens_cpu)
-        op, mod, first = self._opens
-        pages = int(np.count_nonzero(op(seq_h, mod) == first))  # the steps that open a page (length 1 mod page)
+        pages = self._pages(seq_h)
         heads = self.allocator.reserve(pages)  # raises before anything changed when the step might not fit
         if rows.is_cpu and seq_lens.is_cpu:
             rows_h, seq_s = rows.numpy(), seq_h if seq_lens is seq_lens_cpu else seq_lens.numpy()
@@ -229,20 +234,39 @@ class DecodeStepGraph(GraphRunner):
         self.replays += 1
         last, n, view = self._live_out
         if out is not last or n != bs:
-            view = out[:bs]
+            view = out[:bs * self.tpr]
             self._live_out = (out, bs, view)
         return view
+
+    def _pages(self, seq_h: np.ndarray) -> int:
+        """The pages a step to lengths `seq_h` opens: one per request whose new token starts a page (length 1 mod
+        page); for `tpr` tokens each, one per page start among positions [length - tpr, length)."""
+        if self.tpr == 1:
+            op, mod, first = self._opens
+            return int(np.count_nonzero(op(seq_h, mod) == first))
+        p = self.allocator.page_size
+        return int(np.subtract((seq_h - 1) // p, (seq_h - 1 - self.tpr) // p).sum())
 
     def _eager_step(self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
                     inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
         """A batch larger than every bucket: the same step through the eager API (never dropped)."""
-        dev = self.rtt.device
+        dev, n = self.rtt.device, self.tpr
         self._sent = None  # (nothing staged changes here; the next replay sends all the same)
         rows, seq_lens = rows.to(dev), seq_lens.to(dev)
-        last = self.rtt[rows, seq_lens - 2]
-        loc = self.allocator.alloc_decode(seq_lens, last, seq_lens_cpu=seq_lens_cpu)
-        self.rtt[rows, seq_lens - 1] = loc
-        batch = ForwardBatch(ForwardMode.DECODE, rows.numel(), rows, seq_lens, loc, seq_lens_cpu=seq_lens_cpu)
+        last = self.rtt[rows, seq_lens - n - 1]
+        if n == 1:
+            loc = self.allocator.alloc_decode(seq_lens, last, seq_lens_cpu=seq_lens_cpu)
+            self.rtt[rows, seq_lens - 1] = loc
+            batch = ForwardBatch(ForwardMode.DECODE, rows.numel(), rows, seq_lens, loc, seq_lens_cpu=seq_lens_cpu)
+        else:  # a verify: tokens [length - n, length) of each request
+            bs, prefix, prefix_cpu = rows.numel(), seq_lens - n, seq_lens_cpu - n
+            loc = self.allocator.alloc_extend(prefix, seq_lens, last, bs * n, prefix_lens_cpu=prefix_cpu,
+                                              seq_lens_cpu=seq_lens_cpu)
+            at = prefix.unsqueeze(1) + torch.arange(n, dtype=torch.int64, device=dev)
+            self.rtt[rows.unsqueeze(1), at] = loc.view(bs, n)
+            ext = torch.full((bs,), n, dtype=torch.int64)
+            batch = ForwardBatch(self.mode, bs, rows, seq_lens, loc, prefix, ext.to(dev), seq_lens_cpu=seq_lens_cpu,
+                                 extend_seq_lens_cpu=ext)
         self.backend.init_forward_metadata(batch)
         out = self.fn(batch, inputs)
         if self.frontiers is not None:
@@ -251,3 +275,25 @@ class DecodeStepGraph(GraphRunner):
         self.eager_runs += 1
         return out
 
+
+
+class VerifyStepGraph(DecodeStepGraph):
+    """A speculative verify step in one graph per bucket: each request's last token and `drafts` draft tokens
+    (`drafts + 1` per request, TARGET_VERIFY) get their slots, the req_to_token write, the metadata refill and
+    the layers inside the replay, as a decode step's do in DecodeStepGraph (prologue, allocation from the ring
+    heads the host staged, write: three launches). `step(rows, seq_lens, seq_lens_cpu, inputs)` takes the
+    lengths after every draft (prefix + drafts + 1) and returns every token's output, `drafts + 1` per request.
+
+    Which draft slots stay depends on that output, so the acceptance (`hwkv.spec.accept_draft_tokens`) and the
+    out-of-window release on the accepted lengths run after the replay, on the caller's schedule."""
+
+    _MODE = ForwardMode.TARGET_VERIFY
+
+    def __init__(self, backend: Any, allocator: Any, fn: ModelFn, batch_sizes: Sequence[int],
+                 input_shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], drafts: int,
+                 adapter: Optional[GraphAdapter] = None, pad_row: Optional[int] = None) -> None:
+        if isinstance(drafts, bool) or not isinstance(drafts, int) or drafts < 1:
+            raise ConfigError(f"a verify step checks drafts >= 1 per request, got drafts={drafts!r}")
+        self._TOKENS = drafts + 1
+        super().__init__(backend, allocator, fn, batch_sizes, input_shapes, adapter, pad_row=pad_row)
+        self.drafts = drafts

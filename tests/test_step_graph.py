@@ -17,7 +17,7 @@ from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.errors import OutOfSlotsError, ShapeError
 from hwkv.graph import EagerAdapter
 from hwkv.pool import SWAKVPool
-from hwkv.step_graph import DecodeStepGraph
+from hwkv.step_graph import DecodeStepGraph, VerifyStepGraph
 
 DEVICE = os.environ.get("HWKV_TEST_DEVICE", "cpu")
 COMPARE = os.environ.get("HWKV_TEST_COMPARE", DEVICE)  # "cuda" on CPU checks the GPU's comparison itself
@@ -104,6 +104,41 @@ class Engine:
             out = graph.step(rows.to(DEVICE), seq_cpu.to(DEVICE), seq_cpu, inputs).clone()
         self.seq[pick] = seq_cpu
         return out
+
+    def eager_verify(self, pick, inputs, n):
+        """The reference verify: each picked request's next `n` positions through the eager API."""
+        bs = len(pick)
+        rows = torch.tensor([self.rows[i] for i in pick], dtype=torch.int64, device=DEVICE)
+        pre_cpu = self.seq[pick].clone()
+        seq_cpu, ext_cpu = pre_cpu + n, torch.full((bs,), n, dtype=torch.int64)
+        pre, seq = pre_cpu.to(DEVICE), seq_cpu.to(DEVICE)
+        last = self.rtt.req_to_token[rows, pre - 1]
+        loc = self.alloc.alloc_extend(pre, seq, last, bs * n, prefix_lens_cpu=pre_cpu, seq_lens_cpu=seq_cpu)
+        self.rtt.req_to_token[rows.unsqueeze(1), pre.unsqueeze(1) + torch.arange(n, device=DEVICE)] = loc.view(bs, n)
+        batch = ForwardBatch(ForwardMode.TARGET_VERIFY, bs, rows, seq, loc, pre, ext_cpu.to(DEVICE),
+                             seq_lens_cpu=seq_cpu, extend_seq_lens_cpu=ext_cpu)
+        self.backend.init_forward_metadata(batch)
+        return self.layers_fn(batch, inputs).clone()
+
+    def graph_verify(self, graph, pick, inputs, n):
+        rows = torch.tensor([self.rows[i] for i in pick], dtype=torch.int64)
+        seq_cpu = self.seq[pick] + n
+        return graph.step(rows, seq_cpu, seq_cpu, inputs).clone()
+
+    def accept(self, pick, accepted, n):
+        """After a verify of `n` tokens each: keep `accepted` drafts per request, free the rest, then the release on
+        the accepted lengths (as an engine does after reading the verify's output)."""
+        from hwkv.spec import accept_draft_tokens
+        bs = len(pick)
+        rows = torch.tensor([self.rows[i] for i in pick], dtype=torch.int64, device=DEVICE)
+        pre_cpu, acc_cpu = self.seq[pick] + 1, torch.tensor(accepted, dtype=torch.int64)
+        index = torch.arange(n - 1, dtype=torch.int64, device=DEVICE).expand(bs, n - 1).contiguous()
+        seq = accept_draft_tokens(self.alloc, self.pool, self.rtt.req_to_token, rows, pre_cpu.to(DEVICE), index,
+                                  acc_cpu.to(DEVICE), prefix_lens_cpu=pre_cpu, accept_lens_cpu=acc_cpu)
+        f = self.frontiers[rows]
+        release_out_of_window_batch(self.alloc, self.rtt.req_to_token, rows, seq, f, W)
+        self.frontiers[rows] = f
+        self.seq[pick] = pre_cpu + acc_cpu
 
     def state(self):
         return (self.alloc.integrity_snapshot(), self.rtt.req_to_token.cpu().clone(), self.frontiers.cpu().clone())
@@ -325,3 +360,77 @@ def test_steps_of_the_same_rows_copy_nothing_until_a_page_opens(page):
         assert len(sends) == expect, f"step {step}: {len(sends)} copies, expected {expect}"
     assert expect < len(picks) or page == 1
     got.alloc.check_integrity()
+
+
+@pytest.mark.parametrize("recording", [False, True] if DEVICE == "cpu" else [True])
+@pytest.mark.parametrize("page", [1, 4])
+def test_verify_step_graph_equals_the_eager_verify(page, recording):
+    """VerifyStepGraph (2 drafts: 3 tokens per request) against the eager verify on the same random inputs:
+    outputs token for token and the allocator, rows and frontiers after each verify and after each acceptance of
+    a random number of drafts (which frees the rest and releases out of window); padded buckets and a batch
+    larger than every bucket (run eagerly)."""
+    if recording and DEVICE == "cpu" and not INTERPRET:
+        pytest.skip("the device-side allocation path runs the Triton page ops: TRITON_INTERPRET=1 on CPU")
+    ref, got = Engine(page), Engine(page)
+    if recording and DEVICE == "cpu":  # the allocation reads its ring heads from the device buffer (interpreted)
+        from hwkv_cuda.kernels import step as step_kernels
+        from hwkv_cuda.kernels.alloc import TritonPageOps
+        ref.alloc._ops, got.alloc._ops = TritonPageOps(), TritonPageOps()
+    n = 3
+    graph = VerifyStepGraph(got.backend, got.alloc, got.layers_fn, [2, 4],
+                            {"q": ((H, D), torch.float32), "k": ((KVH, D), torch.float32),
+                             "v": ((KVH, D), torch.float32)}, 2,
+                            adapter() or (RecordingEager() if recording else EagerAdapter()))
+    if recording and DEVICE == "cpu":
+        graph.kernels = step_kernels.KERNELS
+    graph.capture()
+    gen = torch.Generator().manual_seed(11 + page)
+    picks = [[0, 1, 2, 3], [1, 3, 4], [0], [0, 1, 2, 3, 4], [2, 4]] * 3
+    for step, pick in enumerate(picks):
+        t = len(pick) * n
+        inputs = {"q": torch.randn(t, H, D, generator=gen).to(DEVICE),
+                  "k": torch.randn(t, KVH, D, generator=gen).to(DEVICE),
+                  "v": torch.randn(t, KVH, D, generator=gen).to(DEVICE)}
+        want = ref.eager_verify(pick, inputs, n)
+        have = got.graph_verify(graph, pick, inputs, n)
+        assert have.shape[0] == t
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+        assert same_state(ref.state(), got.state()), f"verify {step}: allocator, rows or frontiers differ"
+        accepted = torch.randint(0, n, (len(pick),), generator=gen).tolist()
+        ref.accept(pick, accepted, n)
+        got.accept(pick, accepted, n)
+        assert same_state(ref.state(), got.state()), f"accept {step}: allocator, rows or frontiers differ"
+        got.alloc.check_integrity()
+    assert graph.eager_runs == 3 and graph.replays == 12
+    assert int(got.frontiers.max()) > 0  # the acceptances' releases ran
+
+
+def test_a_verify_that_might_not_fit_or_passes_the_context_is_refused_before_anything_changes():
+    """A verify of 3 tokens each needs a page per page start among its positions: refused on the host's bound of
+    free pages (OutOfSlotsError) or at a length past the rows' context (LocError), before the replay."""
+    from hwkv.errors import ConfigError, LocError
+    e = Engine(4, size=160, size_swa=160, lens=(32, 32, 32, 32))
+    with pytest.raises(ConfigError, match="drafts >= 1"):
+        VerifyStepGraph(e.backend, e.alloc, e.layers_fn, [4], {"q": ((H, D), torch.float32)}, 0, adapter())
+    graph = VerifyStepGraph(e.backend, e.alloc, e.layers_fn, [4],
+                            {"q": ((H, D), torch.float32), "k": ((KVH, D), torch.float32),
+                             "v": ((KVH, D), torch.float32)}, 2, adapter() or EagerAdapter())
+    graph.capture()
+    inputs = {"q": torch.randn(12, H, D, device=DEVICE), "k": torch.randn(12, KVH, D, device=DEVICE),
+              "v": torch.randn(12, KVH, D, device=DEVICE)}
+    e.graph_verify(graph, [0, 1, 2, 3], inputs, 3)  # 32 -> 35: one page each, the last 4 free ones...
+    e.seq[:4] += 3
+    assert e.alloc.full_available_size() == 4 * 4
+    e.graph_verify(graph, [0, 1, 2, 3], inputs, 3)  # ...35 -> 38: none; 38 -> 41 would take 4 more than remain
+    e.seq[:4] += 3
+    assert graph.replays == 2
+    before, seq = e.state(), e.seq.clone()
+    with pytest.raises(OutOfSlotsError, match="need 4 pages"):
+        e.graph_verify(graph, [0, 1, 2, 3], inputs, 3)
+    rows = torch.tensor(e.rows[:2], dtype=torch.int64)
+    for lens, err, match in ((torch.tensor([126, 129]), LocError, "exceed max_context_len 128"),
+                             (torch.tensor([41, 3]), LocError, "verify step continues a request: seq_lens must be >= 4")):
+        with pytest.raises(err, match=match):
+            graph.step(rows, lens, lens, {k: v[:6] for k, v in inputs.items()})
+    assert same_state(before, e.state()) and graph.replays == 2 and torch.equal(e.seq, seq)
+    e.alloc.check_integrity()

@@ -53,3 +53,38 @@ def test_prologue_and_write_match_the_torch_ops(seed):
         live = int(staged[2])
         assert outs[0][0][live:].eq(pad).all() and outs[0][1][live:].eq(1).all()  # padded requests: the pad row
         assert torch.equal(outs[0][2], outs[0][1] - (torch.arange(n, **I64) < live).long())
+
+
+@pytest.mark.parametrize("tokens", [2, 4])
+@pytest.mark.parametrize("seed", range(3))
+def test_prologue_and_write_of_several_tokens_per_request_match_the_torch_ops(seed, tokens):
+    """A verify step's bookkeeping (`tokens` = drafts + 1 per request): lengths after the step, each live
+    request's prefix `tokens` behind, padded requests at length `tokens` (prefix == length: nothing to take), and
+    every request's `tokens` new slots written at its last `tokens` positions."""
+    rng = random.Random(100 + seed)
+    for n in (1, 5, 17):
+        staged, rtt, pad = _case(rng, n)
+        staged[4::2] = staged[4::2] % (40 - tokens - 1) + tokens + 1  # a verify continues a request; <= ctx
+        outs = []
+        for kernels in (ops.TORCH_STEP, step.KERNELS):
+            rows, seq, prefix, last = (torch.full((n,), -7, **I64) for _ in range(4))
+            out = torch.full((n * tokens,), -7, **I64)
+            kernels.prologue(staged[:3], staged[3::2], staged[4::2], pad, rtt, rows, seq, prefix, last, out,
+                             tokens=tokens)
+            zeroed = out.clone()
+            live = int(staged[2])
+            out.copy_(torch.arange(100, 100 + n * tokens, **I64) * (torch.arange(n * tokens, **I64) < live * tokens))
+            r2 = rtt.clone()
+            kernels.write(r2, rows, seq, out, None, None, tokens=tokens)
+            outs.append([rows, seq, prefix, last, zeroed, r2])
+        for name, a, b in zip(("rows", "seq", "prefix", "last", "out", "req_to_token"), *outs):
+            assert torch.equal(a, b), f"{name} differs at bs={n}, tokens={tokens}"
+        rows, seq, prefix, last, zeroed, r2 = outs[0]
+        assert zeroed.eq(0).all()
+        assert seq[live:].eq(tokens).all() and prefix[live:].eq(tokens).all() and rows[live:].eq(pad).all()
+        assert torch.equal(prefix[:live], seq[:live] - tokens)
+        for b in range(live):  # hand-checked: row b's last `tokens` positions hold its slots, the rest untouched
+            row, s = int(rows[b]), int(seq[b])
+            assert r2[row, s - tokens:s].tolist() == list(range(100 + b * tokens, 100 + (b + 1) * tokens))
+            assert torch.equal(r2[row, :s - tokens], rtt[row, :s - tokens]) and torch.equal(r2[row, s:], rtt[row, s:])
+            assert int(last[b]) == int(rtt[row, s - tokens - 1])
