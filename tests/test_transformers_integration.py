@@ -188,16 +188,19 @@ def _oracle(prompts, want, wrong_at=None):
     return draft
 
 
-@pytest.mark.parametrize("arch,page_size,wrong_at", [("gpt_oss", 1, None), ("gemma2", 16, 2), ("cohere2", 4, 1),
-                                                      ("gemma3", 16, None)])
-def test_speculative_verify_keeps_greedy_tokens(arch, page_size, wrong_at, saved, prompts):
+@pytest.mark.parametrize("arch,page_size,wrong_at,graphs", [
+    ("gpt_oss", 1, None, "off"), ("gemma2", 16, 2, "off"), ("cohere2", 4, 1, "off"), ("gemma3", 16, None, "off"),
+    ("gpt_oss", 1, 1, "eager"), ("gemma2", 16, None, "eager")])
+def test_speculative_verify_keeps_greedy_tokens(arch, page_size, wrong_at, graphs, saved, prompts):
     """Drafts verified in one forward: the tokens equal transformers' greedy ones whatever the drafts (all right,
     one wrong at a position), fewer forwards when they are right, pools consistent after every step, and the
-    prefix cache serves a second round."""
+    prefix cache serves a second round. With graphs, verify steps of num_draft drafts replay a VerifyStepGraph
+    (allocation, req_to_token, metadata and layers in the replay) and decode steps the whole-step graph."""
     model = _load(saved[arch])
     want = hf_greedy(model, prompts)
-    with HybridRunner(model, max_running=4, chunk=32, page_size=page_size, context=48,
+    with HybridRunner(model, max_running=4, chunk=32, page_size=page_size, context=48, graphs=graphs,
                       draft=_oracle(prompts, want, wrong_at), num_draft=4) as runner:
+        assert (runner.verify_graph is not None) == (graphs != "off")
         for _ in range(2):
             rids = [runner.add_request(p, SamplingParams(max_new_tokens=NEW)) for p in prompts]
             got = {}
@@ -215,6 +218,8 @@ def test_speculative_verify_keeps_greedy_tokens(arch, page_size, wrong_at, saved
         else:
             assert 0 < st.accepted_tokens < st.draft_tokens
         assert "accepted" in st.draft_line()
+        if graphs != "off":  # most verifies replayed the graph (the last drafts of a request are shorter)
+            assert runner.verify_graph.replays > verifies // 2
 
 
 def test_speculative_verify_with_wrong_drafts_stops_and_sampling(saved, prompts):

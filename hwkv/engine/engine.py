@@ -60,7 +60,8 @@ class Engine:
     and release included (`hwkv.step_graph.DecodeStepGraph`; None: wherever the graph can hold them, i.e. the
     allocator has the device's page-op kernels or the adapter replays eagerly), else graphs of the layers
     only (`hwkv.graph.GraphRunner`). `draft`: speculative verify (see `_verify`): a callable (tokens so far, k)
-    -> up to k draft ids (`hwkv.engine.drafters`), `num_draft` = k; the tokens stay greedy decoding's."""
+    -> up to k draft ids (`hwkv.engine.drafters`), `num_draft` = k; the tokens stay greedy decoding's (with the
+    whole-step graph, a verify of k drafts replays a `hwkv.step_graph.VerifyStepGraph`)."""
 
     closed = False
 
@@ -105,6 +106,8 @@ class Engine:
         self._finished = 0  # requests that left the engine (frees happen then)
         self._refused_at: Optional[Tuple[int, int]] = None  # (finished, cached tokens) at the last refused admission
         self.whole_step = False
+        self.verify_graph: Any = None  # a VerifyStepGraph of num_draft drafts, with the whole-step graph
+        self._draft_back = torch.arange(num_draft + 1, 0, -1, dtype=I64, device=dev)  # a verify token's distance
         self.graph = self._graph_runner(graph_adapter, graph_choice, graph_batch_sizes, whole_step)
 
     def _graph_runner(self, adapter: Any, choice: str, batch_sizes: Optional[Sequence[int]],
@@ -118,7 +121,7 @@ class Engine:
         if adapter is None:
             return None
         from hwkv.graph import GraphRunner
-        from hwkv.step_graph import DecodeStepGraph
+        from hwkv.step_graph import DecodeStepGraph, VerifyStepGraph
 
         top = self.cache.plan.max_running
         buckets = sorted({b for b in (batch_sizes or [1 << i for i in range(12)]) if b <= top} | {top})
@@ -128,6 +131,14 @@ class Engine:
                               "kernels (hwkv.pages.register_page_ops) or graphs='eager'; whole_step=None uses it "
                               "where it can")
         self.whole_step = able if whole_step is None else bool(whole_step)
+        # verify steps of num_draft drafts as one graph each too, in the buckets the forward's token budget admits
+        # (`_draft_len`: batch x (k + 1) <= chunk); other draft lengths run eagerly. The graphs share the backend's
+        # static buffers, sized here for both
+        n = self.num_draft + 1
+        verify_buckets = [b for b in buckets if b * n <= self.cache.plan.chunk]
+        verify = self.whole_step and self.draft is not None and bool(verify_buckets)
+        if verify:
+            self.cache.backend.init_graph_state(top, max(top, verify_buckets[-1] * n))
         if self.whole_step:
             frontiers = self.slots.frontiers if self.window is not None else None
             runner: Any = DecodeStepGraph(self.cache.backend, self.cache.allocator, self._whole_step_model, buckets,
@@ -135,9 +146,15 @@ class Engine:
         else:
             shapes = {"input_ids": ((), I64), "positions": ((), I64)}
             runner = GraphRunner(self.cache.backend, self._decode_step, buckets, shapes, adapter, ForwardMode.DECODE)
+        if verify:
+            self.verify_graph = VerifyStepGraph(self.cache.backend, self.cache.allocator, self._verify_model,
+                                                verify_buckets, {"input_ids": ((), I64)}, self.num_draft, adapter,
+                                                pad_row=self.pad_row)
         try:
             with torch.inference_mode():  # as every step runs (see `step`)
                 runner.capture()
+                if self.verify_graph is not None:
+                    self.verify_graph.capture()
         except HwkvError:
             raise
         except Exception as e:  # the model's code refused capture: reported, never silent
@@ -145,7 +162,7 @@ class Engine:
             if choice != "auto":
                 raise ConfigError(f"graphs={choice!r}: {reason}; graphs='auto' falls back to eager decode") from e
             self.stats.graph_error = reason
-            self.whole_step = False
+            self.whole_step, self.verify_graph = False, None
             return None
         return runner
 
@@ -247,7 +264,7 @@ class Engine:
             tokens = self._forward(rows, batch, ids, pos, sampled)
             if self.prefix is not None:
                 self._cache_prompts(rows, lock=False)  # with the chunk's SWA, which the release would drop
-            self._release(lens.rows, lens.seq, batch)
+            self._release(lens.rows, lens.seq, batch.req_pool_indices, batch.seq_lens)
             if self.prefix is not None:
                 self._cache_prompts(rows, lock=True)
             mode, where = batch.forward_mode, batch.req_pool_indices
@@ -384,15 +401,20 @@ class Engine:
                                   f"{self.vocab_size})")
             found = found or bool(d)
             drafts.append(d + [r.req.output[-1]] * (k - len(d)))  # padding: checked like any draft
-        vrows = [Row(r.req, r.prefix, k + 1, True) for r in rows]
         if not found or not self.cache.allocator.has_room(self.scheduler.new_pages([r.prefix for r in rows], k + 1)):
             return None
         bs = len(rows)
         ids = [t for r, d in zip(rows, drafts) for t in [r.req.output[-1]] + d]
-        _, batch, ids_dev, pos_dev = self._allocate(vrows, ids)
+        graph = self.verify_graph
+        if graph is not None and k == graph.drafts and bs <= graph.buckets[-1]:  # one replay: slots, metadata, layers
+            logits, rows_dev = self.slots.replay_verify(graph, [r.req.row for r in rows], [r.prefix for r in rows],
+                                                        ids)
+        else:
+            _, batch, ids_dev, pos_dev = self._allocate([Row(r.req, r.prefix, k + 1, True) for r in rows], ids)
+            self.cache.backend.init_forward_metadata(batch)
+            logits, rows_dev = self.model_step(batch, ids_dev, pos_dev, 0), batch.req_pool_indices
         self._pools_changed = True
-        self.cache.backend.init_forward_metadata(batch)
-        pred = self.model_step(batch, ids_dev, pos_dev, 0).argmax(dim=-1).view(bs, k + 1).tolist()  # the one wait
+        pred = logits.argmax(dim=-1).view(bs, k + 1).tolist()  # the one wait
         accepted, done, used_all = [], [], 0
         for r, d, pr in zip(rows, drafts, pred):
             a = 0
@@ -412,12 +434,12 @@ class Engine:
         pre, acc = host[0], host[1]
         c = self.cache
         index = torch.arange(k, dtype=I64, device=self.device).expand(bs, k).contiguous()
-        seq = accept_draft_tokens(c.allocator, c.pool, c.rtt.req_to_token, batch.req_pool_indices, pre_dev, index,
+        seq = accept_draft_tokens(c.allocator, c.pool, c.rtt.req_to_token, rows_dev, pre_dev, index,
                                   acc_dev, prefix_lens_cpu=pre, accept_lens_cpu=acc)
-        self._release([r.req.row for r in rows], [r.prefix + 1 + a for r, a in zip(rows, accepted)], batch, seq)
+        self._release([r.req.row for r in rows], [r.prefix + 1 + a for r, a in zip(rows, accepted)], rows_dev, seq)
         for r, a in zip(rows, accepted):
             r.req.kv_len = r.prefix + 1 + a
-        self.next_ids[batch.req_pool_indices] = last_dev
+        self.next_ids[rows_dev] = last_dev
         tails, heads = c.free_counts_async()
         self._record_held(tails.tolist(), heads, self._cached_slots())  # a second wait, after the release
         self.stats.record_drafts(bs, bs * k, sum(accepted))
@@ -586,6 +608,12 @@ class Engine:
         device inside the graph (the host sends nothing but the rows and lengths)."""
         return self.model_step(batch, self.next_ids[batch.req_pool_indices], batch.seq_lens - 1, 0)
 
+    def _verify_model(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """The verify graph's model: the host's token ids, each at its position (length - distance to the end),
+        computed on the device inside the graph; every token's logits."""
+        pos = (batch.seq_lens.unsqueeze(1) - self._draft_back).view(-1)
+        return self.model_step(batch, inputs["input_ids"], pos, 0)
+
     def _decode_whole(self, rows: List[Row], sampled: List[Row]) -> "tuple[torch.Tensor, torch.Tensor]":
         """A decode step as one graph replay: the rows and lengths after it go to the device in one copy (the
         allocation, req_to_token write, metadata, layers and out-of-window release run inside); returns the
@@ -598,11 +626,10 @@ class Engine:
             self._pools_changed = True
         return self.graph.req_pool_indices[:len(rows)], self._sample(sampled, logits)
 
-    def _release(self, rows: List[int], seq_lens: List[int], batch: ForwardBatch,
-                 seq_dev: Optional[torch.Tensor] = None) -> None:
+    def _release(self, rows: List[int], seq_lens: List[int], rows_dev: torch.Tensor, seq_dev: torch.Tensor) -> None:
         """The forward's out-of-window release (`ForwardSlots.release`: in the steps where some request's frontier
-        moves) over the batch's rows and lengths (`seq_dev`: other lengths than the batch's, a verify's)."""
-        if self.slots.release(rows, seq_lens, batch.req_pool_indices, batch.seq_lens if seq_dev is None else seq_dev):
+        moves) over its rows and lengths, host and device (a verify's: the accepted lengths)."""
+        if self.slots.release(rows, seq_lens, rows_dev, seq_dev):
             self._pools_changed = True
 
     def check_integrity(self) -> None:

@@ -226,3 +226,19 @@ class ForwardSlots:
         host = torch.tensor(rows + seq, **HOST)
         out = graph.step(host[:bs], host[bs:], host[bs:], inputs)
         return out, self.move_frontiers(rows, seq)
+
+    def replay_verify(self, graph: Any, rows: List[int], prefix: List[int], ids: List[int]
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One verify forward as a graph replay (`hwkv.step_graph.VerifyStepGraph` of k drafts): each row's k + 1
+        token `ids` (its last token, then the drafts) at positions prefix .. prefix + k, the rows and lengths after
+        it with the step's control words, the ids in one copy. Returns every token's output and the rows on the
+        device (the graph's). LocError past the rows' context, OutOfSlotsError, before anything ran."""
+        bs, n = len(rows), graph.tpr
+        if len(ids) != bs * n:
+            raise ShapeError(f"{len(ids)} token ids for {bs} requests of {n} tokens")
+        seq = [p + n for p in prefix]
+        self._check_context(max(seq, default=0))
+        host = torch.tensor(rows + seq, **HOST)
+        out = graph.step(host[:bs], host[bs:], host[bs:], {"input_ids": to_device(torch.tensor(ids, **HOST),
+                                                                                   self.device)})
+        return out, graph.req_pool_indices[:bs]
