@@ -8,7 +8,8 @@ allocator's part of a decode step (`alloc_decode` for B requests + one
 `release_out_of_window_batch`, W=128) per batch size, context and page size, in host wall time
 and host syncs; and the whole engine decode step (allocate + release + metadata refill +
 replay) against the replay alone; a tree verify forward (15 drafts, top-2 tree: metadata + 36 layers'
-write and attention, eager and through CUDA graphs) per `tree_verify` mode, extend, decode and auto.
+write and attention, eager and through CUDA graphs) per `tree_verify` mode, extend, decode and auto; a linear
+verify of 4 drafts as one VerifyStepGraph replay against the engine's host path around the layers' graph.
 
     python3 benchmarks/bench_cuda_step.py --out results.json
     python3 benchmarks/bench_cuda_step.py --device cpu --sections alloc,engine-step --alloc-batches 1,4 \
@@ -35,7 +36,7 @@ from hwkv.pool import SWAKVPool
 
 LAYERS, W, H, KVH, D = 36, 128, 64, 8, 64
 SECTIONS = ("kv-write", "decode-step", "alloc", "engine-step", "tree-verify", "host", "whole-step", "step-gap",
-            "profile")
+            "profile", "verify-step")
 
 
 def timeit(fn: Callable[[], object], dev: str, iters: int = 50, warmup: int = 5) -> float:
@@ -402,6 +403,73 @@ def whole_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, back
         if dev == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def verify_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, backend_cls, iters: int,
+                     drafts: int = 4, rounds: int = 7) -> List[Dict]:
+    """A linear verify of `drafts` drafts per request (TARGET_VERIFY, drafts + 1 tokens each, every draft kept)
+    three ways over one Setup, each step followed by the out-of-window release (`ForwardSlots.release`, as the
+    engine runs it after the acceptance): one VerifyStepGraph replay (allocation, req_to_token write, refill and
+    36 layers inside); the engine's host path (`ForwardSlots.plan_extend` + `allocate`, then a GraphRunner of the
+    layers prepared and replayed); the layers' replay alone. Pipelined in alternating rounds (us per step)."""
+    from hwkv.engine.forward import ForwardSlots
+    from hwkv.step_graph import VerifyStepGraph
+    n, out = drafts + 1, []
+    adapter = EagerAdapter if dev != "cuda" else __import__("hwkv_cuda.graph", fromlist=["x"]).CUDAGraphAdapter
+    for bs in batches:
+        steps = 2 * (rounds * iters + 8) + 2 * iters + 16  # the steps that take slots: two paths, warm-ups, walls
+        s = Setup(dev, bs, ctx, page_size=page_size, room=n * steps, spare_rows=1)
+        be = backend_cls(s.pool, s.rtt, sliding_window=W)
+        t = bs * n
+        inputs = {"q": torch.randn(t, H, D, device=dev, dtype=torch.bfloat16),
+                  "k": torch.randn(t, KVH, D, device=dev, dtype=torch.bfloat16),
+                  "v": torch.randn(t, KVH, D, device=dev, dtype=torch.bfloat16)}
+        shapes = {k: (tuple(v.shape[1:]), v.dtype) for k, v in inputs.items()}
+        layers = layers_fn(be, s.layers)
+        be.init_graph_state(bs, t)  # the two graphs share the static buffers
+        g = VerifyStepGraph(be, s.alloc, layers, [bs], shapes, drafts, adapter())
+        g.capture()
+        only = GraphRunner(be, layers, [bs], shapes, adapter(), ForwardMode.TARGET_VERIFY, n)
+        only.capture()
+        for k, v in inputs.items():  # an engine writes the step's inputs into the graph's buffers
+            g.inputs[k][:t].copy_(v)
+        slots = ForwardSlots(s.alloc, s.rtt, W)
+        rows = s.rows.tolist()
+        slots.frontiers[s.rows] = s.frontiers
+        slots.frontiers_cpu[rows] = s.frontiers.cpu().numpy()
+        length = [int(s.seq_cpu[0])]  # every request's length (all equal), moved by both paths
+        rows_cpu = torch.tensor(rows, dtype=torch.int64)
+
+        def graph_step() -> None:
+            length[0] += n
+            seq = torch.full((bs,), length[0], dtype=torch.int64)
+            g.step(rows_cpu, seq, seq)
+            slots.release(rows, [length[0]] * bs, g.req_pool_indices[:bs], g.seq_lens[:bs])
+
+        def host_step() -> None:
+            lens = slots.plan_extend(ForwardMode.TARGET_VERIFY, rows, [length[0]] * bs, [n] * bs)
+            batch = slots.allocate(lens)
+            only.run(batch, inputs)
+            length[0] += n
+            slots.release(rows, lens.seq, batch.req_pool_indices, batch.seq_lens)
+
+        host_step()  # the layers' graph prepared once: its replay alone repeats this step
+        host = host_per_step(graph_step, dev, iters)
+        syncs = host_syncs(graph_step, dev)
+        a, b, c = alternating_rounds((graph_step, host_step, lambda: only.adapter.replay(only.graphs[bs].graph)),
+                                     dev, iters, rounds)
+        s.alloc.check_integrity()
+        ga, ho, la = statistics.median(a), statistics.median(b), statistics.median(c)
+        out.append(dict(bench="verify-step", bs=bs, drafts=drafts, ctx=ctx, page_size=page_size,
+                        graph_host_us=round(host, 1), graph_step_us=round(ga, 1), host_path_us=round(ho, 1),
+                        layers_replay_us=round(la, 1),
+                        graph_ratio=round(statistics.median(x / z for x, z in zip(a, c)), 3),
+                        host_path_ratio=round(statistics.median(y / z for y, z in zip(b, c)), 3),
+                        syncs_per_step=syncs))
+        del s, g, only, be
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    return out
 
 
 def step_gap_rows(dev: str, ctx: int, page_size: int, backend_cls, iters: int, rounds: int = 9) -> List[Dict]:
@@ -787,6 +855,15 @@ def print_tables(res: Dict) -> None:
         if "span_us" in r:
             print(f"{r['what']}: span {r['span_us']} us = kernels {r['kernels_us']} + gaps inside {r['gaps_inside_us']} "
                   f"+ gap to the next {r['gap_between_us']}; per kernel {r['per_kernel_us']}")
+    if res.get("verify_step"):
+        print("linear verify (drafts + 1 tokens per request, every draft kept, release after), pipelined in "
+              "alternating rounds (us per step, median; ratios to the 36 layers' replay alone)")
+        print("| bs | drafts | ctx | page | graph host us | verify graph us | host path us | layers replay us | "
+              "graph ratio | host path ratio | syncs/step |\n|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in res["verify_step"]:
+            print(f"| {r['bs']} | {r['drafts']} | {r['ctx']} | {r['page_size']} | {r['graph_host_us']} | "
+                  f"{r['graph_step_us']} | {r['host_path_us']} | {r['layers_replay_us']} | {r['graph_ratio']} | "
+                  f"{r['host_path_ratio']} | {r['syncs_per_step']} |")
     for r in res.get("profile", []):
         print(f"profile: {r['what']}\n{r['text']}")
     if res.get("engine_step"):
@@ -818,6 +895,8 @@ def main() -> None:
     p.add_argument("--host-ctx", type=int, default=4096, help="host: context of the one request")
     p.add_argument("--whole-batches", default="1,64,256", help="whole-step: batch sizes (context --step-ctx, "
                    "page --step-page)")
+    p.add_argument("--verify-batches", default="1,16,64", help="verify-step: batch sizes (4 drafts, context "
+                   "--step-ctx, page --step-page)")
     p.add_argument("--out", default="")
     a = p.parse_args()
     if a.device is None:
@@ -853,6 +932,9 @@ def main() -> None:
         res["step_gap"] = step_gap_rows(dev, a.step_ctx, a.step_page, backend_cls, a.iters)
     if "profile" in sections:
         res["profile"] = profile_rows(dev, a.host_ctx, a.step_page, backend_cls)
+    if "verify-step" in sections:
+        res["verify_step"] = verify_step_rows(dev, _ints(a.verify_batches), a.step_ctx, a.step_page, backend_cls,
+                                              a.iters)
     if "tree-verify" in sections:
         res["tree_verify"] = tree_verify_rows(dev, _ints(a.tree_batches), _ints(a.tree_ctx), backend_cls)
     print_tables(res)

@@ -17,3 +17,17 @@ def test_without_a_gpu_it_says_so_at_once():
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "GPU" in lines[0] and "--device cpu" in lines[0]
 
+
+
+def test_verify_step_section_runs_the_three_paths_on_the_cpu():
+    """The verify-step section's code (VerifyStepGraph, the engine's host path, the layers alone) at a smoke size:
+    every path takes its slots and releases, and the allocator is consistent after (checked inside)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import bench_cuda_step as bench
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    from hwkv_cpu.backend import TorchCPUBackend
+    (row,) = bench.verify_step_rows("cpu", [2], 64, 16, TorchCPUBackend, iters=1, rounds=1)
+    assert row["bench"] == "verify-step" and row["bs"] == 2 and row["drafts"] == 4
+    assert all(row[k] > 0 for k in ("graph_step_us", "host_path_us", "layers_replay_us"))
