@@ -31,7 +31,7 @@ from hwkv.staging import StagingRing
 
 
 class DecodeStepGraph(GraphRunner):
-    _MODE, _TOKENS, _TREE = ForwardMode.DECODE, 1, False  # one step: a decode, one token per request (see Verify-)
+    _MODE, _TOKENS = ForwardMode.DECODE, 1  # what one step runs: a decode, one token per request (VerifyStepGraph)
 
     """Captures `alloc + req_to_token write + refill + fn(batch, inputs) + release` per bucket (see module doc).
 
@@ -57,7 +57,7 @@ class DecodeStepGraph(GraphRunner):
         if not self.fits(allocator, adapter):
             raise ConfigError(f"a whole-step graph on {backend.device.type} needs the device's page-op kernels "
                               "(hwkv.pages.register_page_ops); run the step through GraphRunner instead")
-        super().__init__(backend, fn, batch_sizes, input_shapes, adapter, self._MODE, self._TOKENS, self._TREE)
+        super().__init__(backend, fn, batch_sizes, input_shapes, adapter, self._MODE, self._TOKENS)
         self.allocator, self.frontiers, self.window = allocator, frontiers, window
         self._records = bool(getattr(self.adapter, "records_device_work", False))
         self.rtt = rtt_pool.req_to_token
@@ -285,11 +285,9 @@ class VerifyStepGraph(DecodeStepGraph):
     lengths after every draft (prefix + drafts + 1) and returns every token's output, `drafts + 1` per request.
 
     Which draft slots stay depends on that output, so the acceptance (`hwkv.spec.accept_draft_tokens`) and the
-    out-of-window release on the accepted lengths run after the replay, on the caller's schedule. The drafts
-    are a chain, carried as its DraftTree (the static causal mask), so the backend's `tree_verify` choice holds:
-    decode-like lists where they pay (few requests over long contexts), else the extend kernels."""
+    out-of-window release on the accepted lengths run after the replay, on the caller's schedule."""
 
-    _MODE, _TREE = ForwardMode.TARGET_VERIFY, True
+    _MODE = ForwardMode.TARGET_VERIFY
 
     def __init__(self, backend: Any, allocator: Any, fn: ModelFn, batch_sizes: Sequence[int],
                  input_shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], drafts: int,
