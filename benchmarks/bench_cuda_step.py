@@ -406,20 +406,22 @@ def whole_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, back
 
 
 def verify_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, backend_cls, iters: int,
-                     drafts: int = 4, rounds: int = 7) -> List[Dict]:
+                     drafts: int = 4, rounds: int = 7, modes: Sequence[str] = ("extend", "auto")) -> List[Dict]:
     """A linear verify of `drafts` drafts per request (TARGET_VERIFY, drafts + 1 tokens each, every draft kept)
     three ways over one Setup, each step followed by the out-of-window release (`ForwardSlots.release`, as the
     engine runs it after the acceptance): one VerifyStepGraph replay (allocation, req_to_token write, refill and
     36 layers inside); the engine's host path (`ForwardSlots.plan_extend` + `allocate`, then a GraphRunner of the
-    layers prepared and replayed); the layers' replay alone. Pipelined in alternating rounds (us per step)."""
+    layers prepared and replayed); the layers' replay alone. Pipelined in alternating rounds (us per step). Per
+    backend `tree_verify` in `modes`: "extend" runs the extend kernels' causal verify, "auto" the graph's chain
+    decode-like where the backend says that pays (the host path and the layers alone stay causal extend)."""
     from hwkv.engine.forward import ForwardSlots
     from hwkv.step_graph import VerifyStepGraph
     n, out = drafts + 1, []
     adapter = EagerAdapter if dev != "cuda" else __import__("hwkv_cuda.graph", fromlist=["x"]).CUDAGraphAdapter
-    for bs in batches:
+    for bs, mode in [(b, m) for b in batches for m in modes]:
         steps = 2 * (rounds * iters + 8) + 2 * iters + 16  # the steps that take slots: two paths, warm-ups, walls
         s = Setup(dev, bs, ctx, page_size=page_size, room=n * steps, spare_rows=1)
-        be = backend_cls(s.pool, s.rtt, sliding_window=W)
+        be = backend_cls(s.pool, s.rtt, sliding_window=W, tree_verify=mode)
         t = bs * n
         inputs = {"q": torch.randn(t, H, D, device=dev, dtype=torch.bfloat16),
                   "k": torch.randn(t, KVH, D, device=dev, dtype=torch.bfloat16),
@@ -460,7 +462,9 @@ def verify_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, bac
                                      dev, iters, rounds)
         s.alloc.check_integrity()
         ga, ho, la = statistics.median(a), statistics.median(b), statistics.median(c)
-        out.append(dict(bench="verify-step", bs=bs, drafts=drafts, ctx=ctx, page_size=page_size,
+        out.append(dict(bench="verify-step", bs=bs, drafts=drafts, ctx=ctx, page_size=page_size, tree_verify=mode,
+                        graph_runs=("decode-like" if g.tree_mask is not None and be.decode_like_verify_pays(bs, t)
+                                    else "extend"),
                         graph_host_us=round(host, 1), graph_step_us=round(ga, 1), host_path_us=round(ho, 1),
                         layers_replay_us=round(la, 1),
                         graph_ratio=round(statistics.median(x / z for x, z in zip(a, c)), 3),
@@ -858,10 +862,12 @@ def print_tables(res: Dict) -> None:
     if res.get("verify_step"):
         print("linear verify (drafts + 1 tokens per request, every draft kept, release after), pipelined in "
               "alternating rounds (us per step, median; ratios to the 36 layers' replay alone)")
-        print("| bs | drafts | ctx | page | graph host us | verify graph us | host path us | layers replay us | "
-              "graph ratio | host path ratio | syncs/step |\n|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| bs | drafts | ctx | page | tree_verify (graph ran) | graph host us | verify graph us | host path us "
+              "| layers replay us | graph ratio | host path ratio | syncs/step |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in res["verify_step"]:
-            print(f"| {r['bs']} | {r['drafts']} | {r['ctx']} | {r['page_size']} | {r['graph_host_us']} | "
+            print(f"| {r['bs']} | {r['drafts']} | {r['ctx']} | {r['page_size']} | {r['tree_verify']} ({r['graph_runs']}) "
+                  f"| {r['graph_host_us']} | "
                   f"{r['graph_step_us']} | {r['host_path_us']} | {r['layers_replay_us']} | {r['graph_ratio']} | "
                   f"{r['host_path_ratio']} | {r['syncs_per_step']} |")
     for r in res.get("profile", []):

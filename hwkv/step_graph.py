@@ -31,7 +31,7 @@ from hwkv.staging import StagingRing
 
 
 class DecodeStepGraph(GraphRunner):
-    _MODE, _TOKENS = ForwardMode.DECODE, 1  # what one step runs: a decode, one token per request (VerifyStepGraph)
+    _MODE, _TOKENS, _TREE = ForwardMode.DECODE, 1, False  # one step: a decode, one token per request (see Verify-)
 
     """Captures `alloc + req_to_token write + refill + fn(batch, inputs) + release` per bucket (see module doc).
 
@@ -57,7 +57,7 @@ class DecodeStepGraph(GraphRunner):
         if not self.fits(allocator, adapter):
             raise ConfigError(f"a whole-step graph on {backend.device.type} needs the device's page-op kernels "
                               "(hwkv.pages.register_page_ops); run the step through GraphRunner instead")
-        super().__init__(backend, fn, batch_sizes, input_shapes, adapter, self._MODE, self._TOKENS)
+        super().__init__(backend, fn, batch_sizes, input_shapes, adapter, self._MODE, self._TOKENS, self._TREE)
         self.allocator, self.frontiers, self.window = allocator, frontiers, window
         self._records = bool(getattr(self.adapter, "records_device_work", False))
         self.rtt = rtt_pool.req_to_token
@@ -285,7 +285,10 @@ class VerifyStepGraph(DecodeStepGraph):
     lengths after every draft (prefix + drafts + 1) and returns every token's output, `drafts + 1` per request.
 
     Which draft slots stay depends on that output, so the acceptance (`hwkv.spec.accept_draft_tokens`) and the
-    out-of-window release on the accepted lengths run after the replay, on the caller's schedule."""
+    out-of-window release on the accepted lengths run after the replay, on the caller's schedule. Where the
+    backend's `tree_verify` is "decode" or "auto" the chain of drafts is carried as its DraftTree (the static
+    causal mask), so that choice holds for it too (decode-like lists where they pay: few requests over long
+    contexts); with "extend", the default, it runs the extend kernels' causal verify."""
 
     _MODE = ForwardMode.TARGET_VERIFY
 
@@ -295,5 +298,6 @@ class VerifyStepGraph(DecodeStepGraph):
         if isinstance(drafts, bool) or not isinstance(drafts, int) or drafts < 1:
             raise ConfigError(f"a verify step checks drafts >= 1 per request, got drafts={drafts!r}")
         self._TOKENS = drafts + 1
+        self._TREE = getattr(getattr(backend, "options", None), "tree_verify", "extend") != "extend"
         super().__init__(backend, allocator, fn, batch_sizes, input_shapes, adapter, pad_row=pad_row)
         self.drafts = drafts

@@ -28,6 +28,6 @@ def test_verify_step_section_runs_the_three_paths_on_the_cpu():
     finally:
         sys.path.remove(str(SCRIPT.parent))
     from hwkv_cpu.backend import TorchCPUBackend
-    (row,) = bench.verify_step_rows("cpu", [2], 64, 16, TorchCPUBackend, iters=1, rounds=1)
-    assert row["bench"] == "verify-step" and row["bs"] == 2 and row["drafts"] == 4
+    (row,) = bench.verify_step_rows("cpu", [2], 64, 16, TorchCPUBackend, iters=1, rounds=1, modes=("decode",))
+    assert row["bench"] == "verify-step" and row["bs"] == 2 and row["drafts"] == 4 and row["tree_verify"] == "decode"
     assert all(row[k] > 0 for k in ("graph_step_us", "host_path_us", "layers_replay_us"))

@@ -362,16 +362,19 @@ def test_steps_of_the_same_rows_copy_nothing_until_a_page_opens(page):
     got.alloc.check_integrity()
 
 
-@pytest.mark.parametrize("recording", [False, True] if DEVICE == "cpu" else [True])
+@pytest.mark.parametrize("recording,tree_verify", [(False, "extend"), (True, "extend"), (False, "decode")]
+                         if DEVICE == "cpu" else [(True, "extend"), (True, "decode")])
 @pytest.mark.parametrize("page", [1, 4])
-def test_verify_step_graph_equals_the_eager_verify(page, recording):
-    """VerifyStepGraph (2 drafts: 3 tokens per request) against the eager verify on the same random inputs:
-    outputs token for token and the allocator, rows and frontiers after each verify and after each acceptance of
-    a random number of drafts (which frees the rest and releases out of window); padded buckets and a batch
-    larger than every bucket (run eagerly)."""
+def test_verify_step_graph_equals_the_eager_verify(page, recording, tree_verify):
+    """VerifyStepGraph (2 drafts: 3 tokens per request) against the eager verify (extend kernels, causal) on the
+    same random inputs: outputs token for token and the allocator, rows and frontiers after each verify and after
+    each acceptance of a random number of drafts (which frees the rest and releases out of window); padded
+    buckets and a batch larger than every bucket (run eagerly). tree_verify="decode": the graph's chain runs as
+    one decode query per token over its own list."""
     if recording and DEVICE == "cpu" and not INTERPRET:
         pytest.skip("the device-side allocation path runs the Triton page ops: TRITON_INTERPRET=1 on CPU")
     ref, got = Engine(page), Engine(page)
+    got.backend = hwkv.make_backend(got.pool, got.rtt, device=DEVICE, sliding_window=W, tree_verify=tree_verify)
     if recording and DEVICE == "cpu":  # the allocation reads its ring heads from the device buffer (interpreted)
         from hwkv_cuda.kernels import step as step_kernels
         from hwkv_cuda.kernels.alloc import TritonPageOps
@@ -402,6 +405,7 @@ def test_verify_step_graph_equals_the_eager_verify(page, recording):
         assert same_state(ref.state(), got.state()), f"accept {step}: allocator, rows or frontiers differ"
         got.alloc.check_integrity()
     assert graph.eager_runs == 3 and graph.replays == 12
+    assert (graph.tree_mask is not None) == (tree_verify != "extend")
     assert int(got.frontiers.max()) > 0  # the acceptances' releases ran
 
 
