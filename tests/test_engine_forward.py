@@ -72,6 +72,12 @@ def test_bad_lengths_raise_typed_errors_before_anything_changes():
         s.plan_extend(ForwardMode.EXTEND, rows, [0, 0], [2, 3], ids=[1, 2, 3])
     with pytest.raises(ShapeError, match="1 token ids for 2 requests"):
         s.plan_decode(rows, [3, 4], ids=[1])
+    with pytest.raises(ShapeError, match="list 1 of a block of width 2 has 1 entries"):  # never broadcast
+        forward.pack([(2, [[1, 2], [3]])], s.device)
+    with pytest.raises(ShapeError, match="5 token ids for 2 requests of 3 tokens"):
+        s.replay_verify(type("G", (), {"tpr": 3})(), rows, [3, 4], [1, 2, 3, 4, 5])
+    with pytest.raises(LocError, match="max_context_len 16"):
+        s.replay_verify(type("G", (), {"tpr": 3})(), rows, [3, 14], [0] * 6)
     assert s.allocator.full_available_size() == free and not s.rtt.req_to_token.any()
 
 

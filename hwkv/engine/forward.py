@@ -48,6 +48,8 @@ def pack(blocks: Sequence[Tuple[int, Sequence[Sequence[int]]]], device: torch.de
     for (k, padded, width), (_, lists) in zip(shapes, blocks):
         view = flat[at:at + k * padded].reshape(k, padded)
         for i, one in enumerate(lists):  # one conversion per list, in numpy
+            if len(one) != width:  # (numpy would broadcast a list of one across the row)
+                raise ShapeError(f"pack: list {i} of a block of width {width} has {len(one)} entries")
             view[i, :width] = one
         at += k * padded
     host = torch.from_numpy(flat)
