@@ -463,8 +463,7 @@ def verify_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, bac
         s.alloc.check_integrity()
         ga, ho, la = statistics.median(a), statistics.median(b), statistics.median(c)
         out.append(dict(bench="verify-step", bs=bs, drafts=drafts, ctx=ctx, page_size=page_size, tree_verify=mode,
-                        graph_runs=("decode-like" if g.tree_mask is not None and be.decode_like_verify_pays(bs, t)
-                                    else "extend"),
+                        graph_runs="decode-like" if g.decode_like(bs) else "extend",
                         graph_host_us=round(host, 1), graph_step_us=round(ga, 1), host_path_us=round(ho, 1),
                         layers_replay_us=round(la, 1),
                         graph_ratio=round(statistics.median(x / z for x, z in zip(a, c)), 3),

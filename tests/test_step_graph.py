@@ -405,7 +405,7 @@ def test_verify_step_graph_equals_the_eager_verify(page, recording, tree_verify)
         assert same_state(ref.state(), got.state()), f"accept {step}: allocator, rows or frontiers differ"
         got.alloc.check_integrity()
     assert graph.eager_runs == 3 and graph.replays == 12
-    assert (graph.tree_mask is not None) == (tree_verify != "extend")
+    assert (graph.tree_mask is not None) == (tree_verify != "extend") == graph.decode_like(4)
     assert int(got.frontiers.max()) > 0  # the acceptances' releases ran
 
 
@@ -438,3 +438,16 @@ def test_a_verify_that_might_not_fit_or_passes_the_context_is_refused_before_any
             graph.step(rows, lens, lens, {k: v[:6] for k, v in inputs.items()})
     assert same_state(before, e.state()) and graph.replays == 2 and torch.equal(e.seq, seq)
     e.alloc.check_integrity()
+
+
+def test_auto_tree_verify_runs_the_chain_decode_like_only_in_the_buckets_where_the_backend_says_it_pays():
+    """tree_verify="auto": a bucket whose verify the backend would run decode-like carries the chain as a DraftTree;
+    the others run the causal extend verify (no tree: the masked extend kernel is slower than the causal one)."""
+    from hwkv.spec import DraftTree
+    e = Engine(4)
+    e.backend = hwkv.make_backend(e.pool, e.rtt, device=DEVICE, sliding_window=W, tree_verify="auto")
+    e.backend.decode_like_verify_pays = lambda requests, tokens: requests <= 2
+    graph = VerifyStepGraph(e.backend, e.alloc, e.layers_fn, [2, 4], {"q": ((H, D), torch.float32)}, 2, adapter())
+    assert graph.decode_like(2) and not graph.decode_like(4)
+    assert isinstance(graph._static_batch(2).spec_info, DraftTree) and graph._static_batch(4).spec_info is None
+    assert graph._static_batch(4).forward_mode == ForwardMode.TARGET_VERIFY
