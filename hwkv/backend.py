@@ -134,8 +134,6 @@ class AttentionBackend(DraftMetadataMixin):
             members = ", ".join(f"ForwardMode.{m}" for m in ForwardMode.__members__)
             raise ConfigError(f"batch.forward_mode is {batch.forward_mode!r} ({type(batch.forward_mode).__name__}), "
                               f"not a ForwardMode; use one of {members}")
-        write_loc = self._write_loc(batch.out_cache_loc, graph=False)
-        swa = write_loc.swa_loc
         bs, decode = batch.batch_size, batch.forward_mode.is_decode()
         seq_cpu, ext_cpu = batch.host_lens()
         # sizes from the host lengths, as Python ints: one read each, then host arithmetic only
@@ -146,8 +144,9 @@ class AttentionBackend(DraftMetadataMixin):
         ext = None if decode else batch.extend_lens().to(torch.int64)
         kernels = ops.graph_refill_kernels(self.device.type) if self._fusable_refill and not self.debug else None
         if kernels is not None and bs and batch.spec_info is None:  # the graph refill's launches, buffers sized here
-            q_pos0, qo_indptr, full, windows = self._eager_fused(batch, kernels, ext, seq_h, win_lens)
+            write_loc, q_pos0, qo_indptr, full, windows = self._eager_fused(batch, kernels, ext, seq_h, win_lens)
         else:
+            write_loc = self._write_loc(batch.out_cache_loc, graph=False)
             seq = batch.seq_lens.to(torch.int64)
             if decode:  # one query per request: no extend lengths to sum on the device
                 q_pos0 = seq - 1
@@ -156,7 +155,7 @@ class AttentionBackend(DraftMetadataMixin):
                 q_pos0 = seq - ext
                 qo_indptr = cumsum_into(ext, torch.empty(bs + 1, dtype=torch.int32, device=self.device))
             full, windows = self._eager_lists(batch, seq, q_pos0, seq_h, win_lens)
-        md = ForwardMetadata(write_loc, swa, qo_indptr, q_pos0, full, windows, max(ext_h, default=0), bs, decode,
+        md = ForwardMetadata(write_loc, write_loc.swa_loc, qo_indptr, q_pos0, full, windows, max(ext_h, default=0), bs, decode,
                              seq_lens_cpu=seq_cpu, extend_lens_cpu=ext_cpu,
                              outputs=LayerOutputs(self._layer_count) if decode and self._layer_count else None)
         if batch.spec_info is not None:  # a verify tree (DraftTree) or another mode's draft info
@@ -168,12 +167,17 @@ class AttentionBackend(DraftMetadataMixin):
         return md
 
     def _eager_fused(self, batch: ForwardBatch, kernels: ops.GraphRefillKernels, ext: Optional[torch.Tensor],
-                     seq_h: List[int], win_lens: Dict[int, List[int]]) -> Tuple[torch.Tensor, torch.Tensor,
-                                                                                KVIndexList, Dict[int, KVIndexList]]:
-        """Eager lists through the device's fused refill kernels (one launch for positions, qo_indptr, every
-        indptr/pos0 and the full list; one per window list, gathered and translated at once) into buffers
-        sized from the host lengths: 2 + len(windows) launches instead of a dozen torch ops per list."""
+                     seq_h: List[int], win_lens: Dict[int, List[int]]
+                     ) -> Tuple[KVWriteLoc, torch.Tensor, torch.Tensor, KVIndexList, Dict[int, KVIndexList]]:
+        """The write locs' translation and the eager lists through the device's fused refill kernels, into buffers
+        sized from the host lengths: one launch for a pool whose translate takes `lists=` where the device has
+        `fill_translated` (as the graph refill), else 2 + len(windows) (positions, qo_indptr, every indptr/pos0 and
+        the full list; one per window list, gathered and translated at once), instead of a dozen torch ops per
+        list. The write locs are checked before any list is built."""
         bs, dev, nl = batch.batch_size, self.device, 1 + len(self.windows)
+        loc = batch.out_cache_loc
+        one_launch = (kernels.fill_translated is not None and self.hybrid and bool(self.windows)
+                      and getattr(self.pool, "translates_lists", False))
         if self._list_windows is None:
             self._list_windows = torch.tensor([0] + list(self.windows), dtype=torch.int64, device=dev)
         # every buffer of the forward's lists is a view of one int64 allocation (one allocator call, not 6 + one
@@ -181,9 +185,12 @@ class AttentionBackend(DraftMetadataMixin):
         # the batch (Triton compiles a variant per pointer alignment)
         w64, w32 = aligned_width(bs, torch.int64), aligned_width(bs + 1, torch.int32) // 2
         totals = [sum(wl) for wl in win_lens.values()]
+        # window lists: one region each, or (one launch) rows of one [windows, widest] block; then the SWA write locs
+        cap = aligned_width(max(totals), torch.int64) if one_launch else 0
         at = [0]  # where lens, q_pos0, qo_indptr, the indptr rows, the pos0 rows, the full list, each window start
         for n in (w64, w64, w32, nl * w32, nl * w64, aligned_width(sum(seq_h), torch.int64),
-                  *(aligned_width(t, torch.int64) for t in totals)):
+                  *((cap,) * len(totals) if one_launch else (aligned_width(t, torch.int64) for t in totals)),
+                  aligned_width(loc.shape[0], torch.int64) if one_launch else 0):
             at.append(at[-1] + n)
         arena = torch.empty(at[-1], dtype=torch.int64, device=dev)
         lens, q_pos0 = arena[:bs], arena[at[1]:at[1] + bs]
@@ -192,18 +199,27 @@ class AttentionBackend(DraftMetadataMixin):
         list_pos0 = arena[at[4]:at[5]].view(nl, w64)[:, :bs]
         full_indices = arena[at[5]:at[5] + sum(seq_h)]
         rtt = self.req_to_token_pool.req_to_token
-        kernels.fill_lists(rtt, batch.req_pool_indices, batch.seq_lens, ext, self._list_windows, lens, q_pos0, qo_indptr, list_indptr, list_pos0, full_indices)
+        if one_launch:  # checked, translated and every list built in the translation's launch
+            rows = arena[at[6]:at[6] + cap * len(totals)].view(len(totals), cap)
+            lists = ListRefill(rtt, batch.req_pool_indices, batch.seq_lens, ext, self._list_windows, lens, q_pos0,
+                               qo_indptr, list_indptr, list_pos0, full_indices, rows)
+            write_loc = self._write_loc(loc, graph=False, lists=lists, out=arena[at[-2]:at[-2] + loc.shape[0]])
+        else:
+            write_loc = self._write_loc(loc, graph=False)
+            kernels.fill_lists(rtt, batch.req_pool_indices, batch.seq_lens, ext, self._list_windows, lens, q_pos0,
+                               qo_indptr, list_indptr, list_pos0, full_indices)
         full = KVIndexList(list_indptr[0], full_indices, list_pos0[0], None, max(seq_h), False, min(seq_h))
         windows = {}
         for i, (w, wl) in enumerate(win_lens.items()):
             indptr, pos0 = list_indptr[1 + i], list_pos0[1 + i]
             indices = arena[at[6 + i]:at[6 + i] + totals[i]]
-            if self.hybrid:
-                self._translate_window(LocRuns(rtt, batch.req_pool_indices, pos0, indptr), out=indices)
-            else:
-                ops.fill_kv_indices(rtt, batch.req_pool_indices, pos0, indptr, indices)
+            if not one_launch:  # (else built and translated in the write locs' launch)
+                if self.hybrid:
+                    self._translate_window(LocRuns(rtt, batch.req_pool_indices, pos0, indptr), out=indices)
+                else:
+                    ops.fill_kv_indices(rtt, batch.req_pool_indices, pos0, indptr, indices)
             windows[w] = KVIndexList(indptr, indices, pos0, w, max(wl), self.hybrid, min(wl))
-        return q_pos0, qo_indptr, full, windows
+        return write_loc, q_pos0, qo_indptr, full, windows
 
     def _eager_lists(self, batch: ForwardBatch, seq: torch.Tensor, q_pos0: torch.Tensor, seq_h: List[int],
                      win_lens: Dict[int, List[int]]) -> Tuple[KVIndexList, Dict[int, KVIndexList]]:
@@ -381,17 +397,19 @@ class AttentionBackend(DraftMetadataMixin):
                                      min(self.graph_max_context_len, w + max_q - 1), self.hybrid)
         return GraphViews(qo_indptr, q_pos0, full, windows)
 
-    def _write_loc(self, loc: torch.Tensor, graph: bool, lists: Optional[ListRefill] = None) -> KVWriteLoc:
+    def _write_loc(self, loc: torch.Tensor, graph: bool, lists: Optional[ListRefill] = None,
+                   out: Optional[torch.Tensor] = None) -> KVWriteLoc:
         """This forward's KVWriteLoc: locs checked (before they index the table), translated once
         (into the static buffer in graph mode), swa_locs checked. These checks are the only ones of
         the write locs this forward: the layers' writes skip them (pool.check_write_loc). `lists` (graph,
-        hybrid pool): the refill's lists, built in the translation's launch, each window list counted once."""
+        hybrid pool): the refill's lists, built in the translation's launch, each window list counted once (eager:
+        the translation goes into `out`, as long as `loc`)."""
         check_loc, check_swa = (getattr(self.pool, "check_write_loc", None),
                                 getattr(self.pool, "check_swa_loc", None))
         if check_loc is not None:
             check_loc(loc)
         if lists is not None:
-            swa = self.loc_cache.refill(loc, lists)
+            swa = self.loc_cache.refill(loc, lists) if graph else self.loc_cache.translate(loc, out=out, lists=lists)
             self.window_translations += lists.translations - 1
         else:
             swa = self.loc_cache.refill(loc) if graph else self.loc_cache.translate(loc)

@@ -101,13 +101,18 @@ class SWALocCache:
     def hybrid(self) -> bool:
         return hasattr(self.pool, "translate_loc_from_full_to_swa")
 
-    def translate(self, loc: torch.Tensor) -> Optional[torch.Tensor]:
-        """Eager translation (None for a plain, non-hybrid pool: there is nothing to translate)."""
+    def translate(self, loc: torch.Tensor, out: Optional[torch.Tensor] = None,
+                  lists: Optional[ListRefill] = None) -> Optional[torch.Tensor]:
+        """Eager translation (None for a plain, non-hybrid pool: there is nothing to translate). `out` and `lists`:
+        into `out` (as long as `loc`), the forward's lists built in the same launch (the caller counts those)."""
         if not self.hybrid:
             self.current = None
             return None
         self.translations += 1
-        self.current = self.pool.translate_loc_from_full_to_swa(loc)
+        if lists is None:
+            self.current = self.pool.translate_loc_from_full_to_swa(loc)
+        else:
+            self.current = self.pool.translate_loc_from_full_to_swa(loc, out=out, lists=lists)
         return self.current
 
     def alloc_graph_buffer(self, max_num_tokens: int, device: torch.device) -> None:

@@ -5,6 +5,7 @@ Both paths refill the same static buffers from the same starting state; they mus
 Launches are counted as a GPU would see them: Triton launches plus non-view aten ops, with the
 write locs' value checks off (as on a GPU without HWKV_DEBUG).
 """
+import dataclasses
 import os
 
 import torch
@@ -18,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 triton = pytest.importorskip("triton")
 
 from hwkv import checks, ops  # noqa: E402
+from hwkv.errors import HwkvError  # noqa: E402
 from hwkv.loc import translations_of  # noqa: E402
 from hwkv.metadata import cumsum_into, window_pos0  # noqa: E402
 from hwkv.batch import ForwardBatch, ForwardMode  # noqa: E402
@@ -282,27 +284,29 @@ def test_two_windows_and_a_plain_pool(mode, new, monkeypatch, launches):
         assert counts[1] == (expect, [])
 
 
-def eager_both(h, batch, monkeypatch):
+def eager_both(h, batch, monkeypatch, kernels=refill.KERNELS):
     """Eager metadata through the torch lists and through the fused refill kernels (buffers sized per forward)."""
     out = []
     for on in (False, True):
-        fused(monkeypatch, on)
+        fused(monkeypatch, on, kernels)
         out.append(h.backend.init_forward_metadata(batch))
     return out
 
 
+@pytest.mark.parametrize("kernels", [refill.KERNELS, SEPARATE], ids=["fill_translated", "separate"])
 @pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_eager_metadata_through_the_fused_kernels_matches_torch(mode, page_size, monkeypatch):
-    """The eager path on devices with refill kernels: 2 + windows launches instead of a dozen ops per list;
-    every list, length bound and position equal to the torch path's on the same random batch."""
+def test_eager_metadata_through_the_fused_kernels_matches_torch(mode, page_size, kernels, monkeypatch):
+    """The eager path on devices with refill kernels: one launch with `fill_translated` (write locs translated,
+    every list built and each window list translated), else 2 + windows, instead of a dozen ops per list; every
+    list, length bound and position equal to the torch path's on the same random batch."""
     gen = torch.Generator().manual_seed(page_size)
     h = harness(page_size, windows=[W, 3])
     lens = torch.randint(1, 40, (5,), generator=gen).tolist()
     rids = warm(h, lens)
     new = [1] * 5 if mode == ForwardMode.DECODE else torch.randint(1, 7, (5,), generator=gen).tolist()
     batch = h.make_batch(rids, new, mode)
-    ref, got = eager_both(h, batch, monkeypatch)
+    ref, got = eager_both(h, batch, monkeypatch, kernels)
     assert torch.equal(ref.q_pos0, got.q_pos0) and torch.equal(ref.qo_indptr, got.qo_indptr)
     assert torch.equal(ref.swa_out_cache_loc, got.swa_out_cache_loc) and ref.max_q_len == got.max_q_len
     for a, b in [(ref.full, got.full)] + [(ref.windows[w], got.windows[w]) for w in ref.windows]:
@@ -498,3 +502,31 @@ def test_decode_refill_is_one_launch_of_the_registered_kernels(windows, monkeypa
     calls.clear()
     h.backend.init_forward_metadata_graph(batch)
     assert calls == ["translate_into"] + ["hook"] * len(windows)  # the torch path, the pool's write-loc kernel
+
+
+@pytest.mark.parametrize("windows", [(W,), (3, W)], ids=["one-window", "two-windows"])
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
+def test_eager_metadata_is_one_launch_of_fill_translated(windows, mode, monkeypatch, launches):
+    """Eager metadata on a device with `fill_translated` over a hybrid pool: one call of it, one Triton launch and
+    one allocation (the forward's buffers), the same translations counted as the separate launches' (one of the
+    write locs, one per window list)."""
+    calls = []
+
+    def counted(name, fn):
+        return lambda *a: calls.append(name) or fn(*a)
+
+    kernels = ops.GraphRefillKernels(*(counted(f, k) for f, k in zip(refill.KERNELS._fields, refill.KERNELS)))
+    h = harness(2, windows=windows)
+    rids = warm(h, [2, 13, 40])
+    batch = h.make_batch(rids, [1, 1, 1] if mode == ForwardMode.DECODE else [2, 1, 3], mode)
+    fused(monkeypatch, True, kernels)
+    be = h.backend
+    before = (be.loc_cache.translations, be.window_translations)
+    launches.triton.clear()
+    launches.aten.clear()
+    with launches:
+        be.init_forward_metadata(batch)
+    assert calls == ["fill_translated"] and launches.triton == ["_fill_lists_kernel"]
+    # one allocation, the forward's buffers (a decode's host extend lengths, ones on the CPU, aside)
+    assert [op for op in launches.aten if op != "aten.ones.default"] == ["aten.empty.memory_format"]
+    assert (be.loc_cache.translations, be.window_translations) == (before[0] + 1, before[1] + len(windows))
