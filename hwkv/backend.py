@@ -106,6 +106,12 @@ class AttentionBackend(DraftMetadataMixin):
         kernels. Host ints only (graph mode: the captured bucket's). Default: never, the extend kernels."""
         return False
 
+    def decode_like_chain_pays(self, num_requests: int, num_tokens: int) -> bool:
+        """tree_verify="auto" for a linear verify (a chain of drafts, `hwkv.step_graph.VerifyStepGraph`): whether
+        it runs decode-like rather than through the extend kernels' causal verify, which a chain keeps (no mask).
+        Host ints only. Default: never."""
+        return False
+
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
                        md: ForwardMetadata, out: torch.Tensor) -> None:
         raise NotImplementedError(f"{type(self).__name__} has no decode kernel")
@@ -155,8 +161,8 @@ class AttentionBackend(DraftMetadataMixin):
                 q_pos0 = seq - ext
                 qo_indptr = cumsum_into(ext, torch.empty(bs + 1, dtype=torch.int32, device=self.device))
             full, windows = self._eager_lists(batch, seq, q_pos0, seq_h, win_lens)
-        md = ForwardMetadata(write_loc, write_loc.swa_loc, qo_indptr, q_pos0, full, windows, max(ext_h, default=0), bs, decode,
-                             seq_lens_cpu=seq_cpu, extend_lens_cpu=ext_cpu,
+        md = ForwardMetadata(write_loc, write_loc.swa_loc, qo_indptr, q_pos0, full, windows, max(ext_h, default=0),
+                             bs, decode, seq_lens_cpu=seq_cpu, extend_lens_cpu=ext_cpu,
                              outputs=LayerOutputs(self._layer_count) if decode and self._layer_count else None)
         if batch.spec_info is not None:  # a verify tree (DraftTree) or another mode's draft info
             ext = batch.extend_lens().to(torch.int64) if ext is None else ext

@@ -288,8 +288,8 @@ class VerifyStepGraph(DecodeStepGraph):
     Which draft slots stay depends on that output, so the acceptance (`hwkv.spec.accept_draft_tokens`) and the
     out-of-window release on the accepted lengths run after the replay, on the caller's schedule. The backend's
     `tree_verify` holds for the chain of drafts too: with "decode", and with "auto" in the buckets where the
-    backend says decode-like lists pay (few requests over long contexts), the chain is carried as its DraftTree
-    (the static causal mask) and runs one decode query per token; elsewhere ("extend", the default) the extend
+    backend says decode-like lists pay (`decode_like_chain_pays`: few requests), the chain is carried as its
+    DraftTree (the static causal mask) and runs one decode query per token; elsewhere ("extend", the default) the extend
     kernels' causal verify (the chain through the masked extend kernel is slower: 1.37-1.44x on the H200)."""
 
     _MODE = ForwardMode.TARGET_VERIFY
@@ -306,9 +306,11 @@ class VerifyStepGraph(DecodeStepGraph):
 
     def decode_like(self, bs: int) -> bool:
         """Whether bucket `bs` runs its chain decode-like (the backend's `tree_verify`: "decode", or "auto" where
-        `decode_like_verify_pays`)."""
+        `decode_like_chain_pays`: a chain's extend verify needs no mask, so it stays ahead to smaller batches than a
+        tree's)."""
         mode = getattr(getattr(self.backend, "options", None), "tree_verify", "extend")
-        return mode == "decode" or (mode == "auto" and self.backend.decode_like_verify_pays(bs, bs * self.tpr))
+        pays = getattr(self.backend, "decode_like_chain_pays", None)
+        return mode == "decode" or (mode == "auto" and pays is not None and bool(pays(bs, bs * self.tpr)))
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         batch = super()._static_batch(bs)

@@ -446,7 +446,7 @@ def test_auto_tree_verify_runs_the_chain_decode_like_only_in_the_buckets_where_t
     from hwkv.spec import DraftTree
     e = Engine(4)
     e.backend = hwkv.make_backend(e.pool, e.rtt, device=DEVICE, sliding_window=W, tree_verify="auto")
-    e.backend.decode_like_verify_pays = lambda requests, tokens: requests <= 2
+    e.backend.decode_like_chain_pays = lambda requests, tokens: requests <= 2
     graph = VerifyStepGraph(e.backend, e.alloc, e.layers_fn, [2, 4], {"q": ((H, D), torch.float32)}, 2, adapter())
     assert graph.decode_like(2) and not graph.decode_like(4)
     assert isinstance(graph._static_batch(2).spec_info, DraftTree) and graph._static_batch(4).spec_info is None
