@@ -472,20 +472,26 @@ def test_graph_refill_one_launch_matches_separate_launches_and_torch(windows, mo
         assert_same(h, ref, one, bs)
 
 
-@pytest.mark.parametrize("windows", [(W,), (3, W)], ids=["one-window", "two-windows"])
-def test_decode_refill_is_one_launch_of_the_registered_kernels(windows, monkeypatch, launches):
-    """A decode refill through the backend calls the device's refill kernels once (`fill_translated`): one Triton
-    launch, no torch op; a subclass with its own window translation keeps the torch path and its hook."""
+def counted_refill(windows, monkeypatch):
+    """The device's refill kernels registered with each call's name recorded, over a harness of three warmed
+    requests: (the calls, the harness, its request ids)."""
     calls = []
 
     def counted(name, fn):
         return lambda *a: calls.append(name) or fn(*a)
 
-    kernels = ops.GraphRefillKernels(*(counted(f, k) for f, k in zip(refill.KERNELS._fields, refill.KERNELS)))
+    fused(monkeypatch, True, ops.GraphRefillKernels(*(counted(f, k) for f, k in zip(refill.KERNELS._fields,
+                                                                                      refill.KERNELS))))
     h = harness(2, windows=windows)
-    rids = warm(h, [2, 13, 40])
+    return calls, h, warm(h, [2, 13, 40])
+
+
+@pytest.mark.parametrize("windows", [(W,), (3, W)], ids=["one-window", "two-windows"])
+def test_decode_refill_is_one_launch_of_the_registered_kernels(windows, monkeypatch, launches):
+    """A decode refill through the backend calls the device's refill kernels once (`fill_translated`): one Triton
+    launch, no torch op; a subclass with its own window translation keeps the torch path and its hook."""
+    calls, h, rids = counted_refill(windows, monkeypatch)
     batch = padded(h, rids, [1, 1, 1], ForwardMode.DECODE, 4)
-    fused(monkeypatch, True, kernels)
     launches.triton.clear()
     launches.aten.clear()
     with launches:
@@ -510,16 +516,8 @@ def test_eager_metadata_is_one_launch_of_fill_translated(windows, mode, monkeypa
     """Eager metadata on a device with `fill_translated` over a hybrid pool: one call of it, one Triton launch and
     one allocation (the forward's buffers), the same translations counted as the separate launches' (one of the
     write locs, one per window list)."""
-    calls = []
-
-    def counted(name, fn):
-        return lambda *a: calls.append(name) or fn(*a)
-
-    kernels = ops.GraphRefillKernels(*(counted(f, k) for f, k in zip(refill.KERNELS._fields, refill.KERNELS)))
-    h = harness(2, windows=windows)
-    rids = warm(h, [2, 13, 40])
+    calls, h, rids = counted_refill(windows, monkeypatch)
     batch = h.make_batch(rids, [1, 1, 1] if mode == ForwardMode.DECODE else [2, 1, 3], mode)
-    fused(monkeypatch, True, kernels)
     be = h.backend
     before = (be.loc_cache.translations, be.window_translations)
     launches.triton.clear()
