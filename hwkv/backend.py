@@ -182,8 +182,7 @@ class AttentionBackend(DraftMetadataMixin):
         list. The write locs are checked before any list is built."""
         bs, dev, nl = batch.batch_size, self.device, 1 + len(self.windows)
         loc = batch.out_cache_loc
-        one_launch = (kernels.fill_translated is not None and self.hybrid and bool(self.windows)
-                      and getattr(self.pool, "translates_lists", False))
+        one_launch = self._refills_in_one(kernels)
         if self._list_windows is None:
             self._list_windows = torch.tensor([0] + list(self.windows), dtype=torch.int64, device=dev)
         # every buffer of the forward's lists is a view of one int64 allocation (one allocator call, not 6 + one
@@ -310,8 +309,7 @@ class AttentionBackend(DraftMetadataMixin):
         check_fits("tokens", n, st.max_num_tokens)
         decode = batch.forward_mode.is_decode()
         kernels = ops.graph_refill_kernels(self.device.type) if self._fusable_refill else None
-        one_launch = (kernels is not None and kernels.fill_translated is not None and self.hybrid
-                      and getattr(self.pool, "translates_lists", False))  # a pool whose translate takes lists=
+        one_launch = kernels is not None and self._refills_in_one(kernels)
         write_loc = self._write_loc(batch.out_cache_loc, graph=True, lists=self._list_refill(batch) if one_launch
                                     else None)
         swa = write_loc.swa_loc
@@ -333,6 +331,12 @@ class AttentionBackend(DraftMetadataMixin):
         self.init_kernel_metadata(md, batch, graph=True)
         self.forward_metadata = md
         return md
+
+    def _refills_in_one(self, kernels: ops.GraphRefillKernels) -> bool:
+        """Whether a forward's metadata (eager or graph) is one launch: the device has `fill_translated` and the
+        pool is hybrid, has windows and translates with `lists=`."""
+        return (kernels.fill_translated is not None and self.hybrid and bool(self.windows)
+                and getattr(self.pool, "translates_lists", False))
 
     @property
     def _fusable_refill(self) -> bool:

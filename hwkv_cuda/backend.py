@@ -108,16 +108,19 @@ class TritonBackend(KernelSetBackend):
         layers decide: their lists are long, while both kernels take a few us over a window. H200, 15 drafts,
         GQA 8, one 36-layer verify through graphs (docs/benchmarks.md): decode-like 6.4x at batch 1 over 4K, 7.6x
         over 32K, 1.7x at batch 8 over 4K; extend 1.85x ahead at batch 32 over 32K. Measured on NVIDIA only."""
-        pool = self.pool.full_kv_pool if self.hybrid else self.pool
-        return num_requests * pool.head_num < num_sms(self.device)
+        return num_requests * self._full_kv_heads < num_sms(self.device)
 
     def decode_like_chain_pays(self, num_requests: int, num_tokens: int) -> bool:
         """A chain of drafts keeps the extend kernel's causal verify (no tree mask), so decode-like lists pay only
         while the extend grid over the full layers fills at most a quarter of the SMs. H200, 4 drafts, GQA 8, 36
         layers over 4K through graphs (docs/benchmarks.md): decode-like 0.36x the extend verify's time at batch 1,
         0.71x at 4, 1.25x at 8, 2.17x at 16. Measured on NVIDIA at 4K only."""
-        pool = self.pool.full_kv_pool if self.hybrid else self.pool
-        return 4 * num_requests * pool.head_num <= num_sms(self.device)
+        return 4 * num_requests * self._full_kv_heads <= num_sms(self.device)
+
+    @property
+    def _full_kv_heads(self) -> int:
+        """KV heads of the full layers, which decide both verify rules (their lists are the long ones)."""
+        return (self.pool.full_kv_pool if self.hybrid else self.pool).head_num
 
     def _graph_workspace(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                          kv: KVIndexList) -> Optional[_kernels.DecodeWorkspace]:
