@@ -26,13 +26,16 @@ import torch
 from hwkv import ops
 from hwkv.allocator import release_out_of_window_batch
 from hwkv.batch import ForwardBatch, ForwardMode
+from hwkv.draft import DraftSteps, _by_step
 from hwkv.errors import ConfigError, LocError, ShapeError
 from hwkv.graph import EagerAdapter, GraphAdapter, GraphRunner, ModelFn, _Captured
+from hwkv.spec import MultiStepDraft
 from hwkv.staging import StagingRing
 
 
 class DecodeStepGraph(GraphRunner):
-    _MODE, _TOKENS, _TREE = ForwardMode.DECODE, 1, False  # one step: a decode, one token per request (see Verify-)
+    # one step: a decode, one token per request (VerifyStepGraph and DraftStepGraph change these)
+    _MODE, _TOKENS, _TREE, _WHAT = ForwardMode.DECODE, 1, False, "decode"
 
     """Captures `alloc + req_to_token write + refill + fn(batch, inputs) + release` per bucket (see module doc).
 
@@ -60,6 +63,7 @@ class DecodeStepGraph(GraphRunner):
                               "(hwkv.pages.register_page_ops); run the step through GraphRunner instead")
         super().__init__(backend, fn, batch_sizes, input_shapes, adapter, self._MODE, self._TOKENS, self._TREE)
         self.allocator, self.frontiers, self.window = allocator, frontiers, window
+        self.new = self.tpr * self.steps  # tokens a step allocates per request (a draft's k steps of one each)
         self._records = bool(getattr(self.adapter, "records_device_work", False))
         self.rtt = rtt_pool.req_to_token
         # padded requests write here, never into a live row: the caller's reserved row, or one taken now
@@ -68,13 +72,13 @@ class DecodeStepGraph(GraphRunner):
         dev, b = backend.device, self.buckets[-1]
         # what the host sends each step, one copy: [head_full, head_swa, live requests] then (row, length) pairs
         self.staged = torch.zeros(3 + 2 * b, dtype=torch.int64, device=dev)
-        self.staged[4::2] = self.tpr
+        self.staged[4::2] = self.new
         self.ctl = self.staged[:3]
         self._ring = StagingRing(3 + 2 * b, dev)
         self._bucket_staged = {k: self.staged[:3 + 2 * k] for k in self.buckets}  # what a step of bucket k sends
         self.rows_in, self.seq_in = self.staged[3::2], self.staged[4::2]
         # rows, slots and the req_to_token write in one launch where the device's page ops have it (else three)
-        self._one_launch = self.device_alloc and allocator.allocates_step_in_one and self.tpr == 1
+        self._one_launch = self.device_alloc and allocator.allocates_step_in_one and self.new == 1
         # the release in the allocation's launch (before the layers: it frees only what no query of the step sees);
         # not in debug mode, whose release checks on the host
         self._releases_first = self._one_launch and frontiers is not None and not allocator.immediate
@@ -87,7 +91,7 @@ class DecodeStepGraph(GraphRunner):
             self.prefix = torch.zeros(b, dtype=torch.int64, device=dev)
             self.last = torch.zeros(b, dtype=torch.int64, device=dev)
         self.kernels = ops.step_kernels(dev.type)  # one launch each where the device registered them
-        self._tokens = {} if self.tpr == 1 else {"tokens": self.tpr}  # (a decode's calls pass none)
+        self._tokens = {} if self.new == 1 else {"tokens": self.new}  # (a decode's calls pass none)
         self._host: Tuple[int, int, list] = (0, 0, [0, 0])  # live, pages, heads: what an eager 'replay' reads
         # a step opens a page where its length is 1 mod page: by mask where the page size is a power of two
         # (cheaper than numpy's int64 remainder, which grows with the batch)
@@ -119,8 +123,8 @@ class DecodeStepGraph(GraphRunner):
     # ---- the step, as captured -------------------------------------------------------------------
     def _refill_and_run(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
         bs = batch.batch_size
-        rows, seq, out = self.req_pool_indices[:bs], self.seq_lens[:bs], self.out_cache_loc[:bs * self.tpr]
-        # padded requests: the reserved row, length tpr (1 for a decode), no token, no page, the padding slot 0
+        rows, seq, out = self.req_pool_indices[:bs], self.seq_lens[:bs], self._slots(bs)
+        # padded requests: the reserved row, length `new` (1 for a decode), no token, no page, the padding slot 0
         if self._one_launch:  # and, where it can, the staged lengths moved on to the next step's; the release too
             self._advances[bs] = self.allocator.alloc_step(self.ctl, self.rows_in, self.seq_in, self.pad_row,
                                                            self.rtt, rows, seq, out, advance=True,
@@ -134,13 +138,17 @@ class DecodeStepGraph(GraphRunner):
             if self.device_alloc:
                 self.allocator.alloc_reserved(prefix, seq, last, out, self.ctl, 0)
             else:  # a step the host runs (no device graph): the torch ops size themselves from host values
-                self.allocator.alloc_reserved(prefix[:n], seq[:n], last[:n], out[:n * self.tpr], heads, pages)
+                self.allocator.alloc_reserved(prefix[:n], seq[:n], last[:n], out[:n * self.new], heads, pages)
             self.kernels.write(self.rtt, rows, seq, out, None, None, **self._tokens)  # the new slots
         self._refill(batch)
-        result = self.fn(batch, inputs)
+        result = self.fn(self._arg(batch), inputs)
         if self.frontiers is not None and not self._releases_first:  # the rows' frontiers move where they are kept
             release_out_of_window_batch(self.allocator, self.rtt, rows, seq, self.frontiers, self.window, by_row=True)
         return result
+
+    def _slots(self, bs: int) -> torch.Tensor:
+        """Where the allocation writes a bucket's slots, request-major (the batch's own write locs here)."""
+        return self.out_cache_loc[:bs * self.new]
 
     @property
     def adapter_records(self) -> bool:
@@ -190,9 +198,9 @@ class DecodeStepGraph(GraphRunner):
             raise LocError(f"rows ({bs}), seq_lens ({seq_lens.numel()}) and seq_lens_cpu ({seq_lens_cpu.numel()}) "
                            "must have one entry per request")
         seq_h = seq_lens_cpu.numpy() if seq_lens_cpu.dtype == torch.int64 else seq_lens_cpu.to(torch.int64).numpy()
-        if bs and np.minimum.reduce(seq_h) < self.tpr + 1:
-            raise LocError(f"a {'decode' if self.tpr == 1 else 'verify'} step continues a request: seq_lens must be >= "
-                           f"{self.tpr + 1}, got {int(seq_h.min())}")
+        if bs and np.minimum.reduce(seq_h) < self.new + 1:
+            raise LocError(f"a {self._WHAT} step continues a request: seq_lens must be >= {self.new + 1}, got "
+                           f"{int(seq_h.min())}")
         if bs and np.maximum.reduce(seq_h) > self.rtt.shape[1]:  # (the req_to_token write would pass its row)
             raise LocError(f"positions up to {int(seq_h.max())} exceed max_context_len {self.rtt.shape[1]}")
         i = bisect.bisect_left(self.buckets, bs)
@@ -203,9 +211,9 @@ class DecodeStepGraph(GraphRunner):
             return self._eager_step(rows, seq_lens, seq_lens_cpu, inputs)
         bucket = self.buckets[i]
         if inputs is not None:
-            self._take_inputs(inputs, bs * self.tpr)
+            self._stage_inputs(inputs, bs, bucket)
         if not self._records:  # an eager 'replay' reads the host lengths; a device graph never does
-            self.seq_lens_cpu[:bs].copy_(seq_lens_cpu)
+            self._stage_host_lens(bs, seq_lens_cpu)
         pages = self._pages(seq_h)
         heads = self.allocator.reserve(pages)  # raises before anything changed when the step might not fit
         if rows.is_cpu and seq_lens.is_cpu:
@@ -235,47 +243,70 @@ class DecodeStepGraph(GraphRunner):
         self.replays += 1
         last, n, view = self._live_out
         if out is not last or n != bs:
-            view = out[:bs * self.tpr]
+            view = self._live_view(out, bs)
             self._live_out = (out, bs, view)
         return view
 
+    def _stage_inputs(self, inputs: Dict[str, torch.Tensor], bs: int, bucket: int) -> None:
+        """The caller's inputs into the static buffers (token order: each request's tokens together)."""
+        self._take_inputs(inputs, bs * self.tpr)
+
+    def _stage_host_lens(self, bs: int, seq_lens_cpu: torch.Tensor) -> None:
+        self.seq_lens_cpu[:bs].copy_(seq_lens_cpu)
+
+    def _live_view(self, out: torch.Tensor, bs: int) -> torch.Tensor:
+        """The live requests' rows of a replay's output."""
+        return out[:bs * self.tpr]
+
     def _pages(self, seq_h: np.ndarray) -> int:
         """The pages a step to lengths `seq_h` opens: one per request whose new token starts a page (length 1 mod
-        page); for `tpr` tokens each, one per page start among positions [length - tpr, length)."""
-        if self.tpr == 1:
+        page); for `new` tokens each, one per page start among positions [length - new, length)."""
+        if self.new == 1:
             op, mod, first = self._opens
             return int(np.count_nonzero(op(seq_h, mod) == first))
         p = self.allocator.page_size
-        return int(np.subtract((seq_h - 1) // p, (seq_h - 1 - self.tpr) // p).sum())
+        return int(np.subtract((seq_h - 1) // p, (seq_h - 1 - self.new) // p).sum())
 
     def _eager_step(self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
                     inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
         """A batch larger than every bucket: the same step through the eager API (never dropped)."""
-        dev, n = self.rtt.device, self.tpr
         self._sent = None  # (nothing staged changes here; the next replay sends all the same)
-        rows, seq_lens = rows.to(dev), seq_lens.to(dev)
-        last = self.rtt[rows, seq_lens - n - 1]
-        if n == 1:
-            loc = self.allocator.alloc_decode(seq_lens, last, seq_lens_cpu=seq_lens_cpu)
-            self.rtt[rows, seq_lens - 1] = loc
-            batch = ForwardBatch(ForwardMode.DECODE, rows.numel(), rows, seq_lens, loc, seq_lens_cpu=seq_lens_cpu)
-        else:  # a verify: tokens [length - n, length) of each request
-            bs, prefix, prefix_cpu = rows.numel(), seq_lens - n, seq_lens_cpu - n
-            loc = self.allocator.alloc_extend(prefix, seq_lens, last, bs * n, prefix_lens_cpu=prefix_cpu,
-                                              seq_lens_cpu=seq_lens_cpu)
-            at = prefix.unsqueeze(1) + torch.arange(n, dtype=torch.int64, device=dev)
-            self.rtt[rows.unsqueeze(1), at] = loc.view(bs, n)
-            ext = torch.full((bs,), n, dtype=torch.int64)
-            batch = ForwardBatch(self.mode, bs, rows, seq_lens, loc, prefix, ext.to(dev), seq_lens_cpu=seq_lens_cpu,
-                                 extend_seq_lens_cpu=ext)
-        self.backend.init_forward_metadata(batch)
-        out = self.fn(batch, inputs)
+        rows, seq_lens = rows.to(self.rtt.device), seq_lens.to(self.rtt.device)
+        loc = self._eager_slots(rows, seq_lens, seq_lens_cpu)
+        out = self._eager_forward(rows, seq_lens, seq_lens_cpu, loc, inputs)
         if self.frontiers is not None:
             release_out_of_window_batch(self.allocator, self.rtt, rows, seq_lens, self.frontiers, self.window,
                                         by_row=True)
         self.eager_runs += 1
         return out
 
+    def _eager_slots(self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor) -> torch.Tensor:
+        """Slots for each request's `new` tokens [length - new, length), written into req_to_token (request-major)."""
+        dev, n = self.rtt.device, self.new
+        last = self.rtt[rows, seq_lens - n - 1]
+        if n == 1:
+            loc = self.allocator.alloc_decode(seq_lens, last, seq_lens_cpu=seq_lens_cpu)
+            self.rtt[rows, seq_lens - 1] = loc
+            return loc
+        bs, prefix = rows.numel(), seq_lens - n
+        loc = self.allocator.alloc_extend(prefix, seq_lens, last, bs * n, prefix_lens_cpu=seq_lens_cpu - n,
+                                          seq_lens_cpu=seq_lens_cpu)
+        self.rtt[rows.unsqueeze(1), prefix.unsqueeze(1) + torch.arange(n, dtype=torch.int64, device=dev)] = \
+            loc.view(bs, n)
+        return loc
+
+    def _eager_forward(self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
+                       loc: torch.Tensor, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """The eager metadata and layers over the slots `_eager_slots` gave."""
+        bs, n = rows.numel(), self.tpr
+        if n == 1:
+            batch = ForwardBatch(ForwardMode.DECODE, bs, rows, seq_lens, loc, seq_lens_cpu=seq_lens_cpu)
+        else:  # a verify: tokens [length - n, length) of each request
+            ext = torch.full((bs,), n, dtype=torch.int64)
+            batch = ForwardBatch(self.mode, bs, rows, seq_lens, loc, seq_lens - n, ext.to(self.rtt.device),
+                                 seq_lens_cpu=seq_lens_cpu, extend_seq_lens_cpu=ext)
+        self.backend.init_forward_metadata(batch)
+        return self.fn(batch, inputs)
 
 
 class VerifyStepGraph(DecodeStepGraph):
@@ -292,7 +323,7 @@ class VerifyStepGraph(DecodeStepGraph):
     DraftTree (the static causal mask) and runs one decode query per token; elsewhere ("extend", the default) the extend
     kernels' causal verify (the chain through the masked extend kernel is slower: 1.37-1.44x on the H200)."""
 
-    _MODE = ForwardMode.TARGET_VERIFY
+    _MODE, _WHAT = ForwardMode.TARGET_VERIFY, "verify"
 
     def __init__(self, backend: Any, allocator: Any, fn: ModelFn, batch_sizes: Sequence[int],
                  input_shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], drafts: int,
@@ -315,3 +346,83 @@ class VerifyStepGraph(DecodeStepGraph):
     def _static_batch(self, bs: int) -> ForwardBatch:
         batch = super()._static_batch(bs)
         return batch if self.tree_mask is None or self.decode_like(bs) else dataclasses.replace(batch, spec_info=None)
+
+
+class DraftStepGraph(DecodeStepGraph):
+    """A multi-step draft in one graph per bucket: `draft_steps` decode steps of a draft model, each request's k
+    slots allocated and written into req_to_token (prologue, allocation, write: as VerifyStepGraph's, k tokens a
+    request), put in step order, every step's metadata refilled (`init_draft_metadata_graph`: the write locs and
+    each window's span translated once) and `fn(steps, inputs)` run (as `hwkv.draft.DraftGraphRunner`'s: every
+    step's layers, inputs and output step-major [k * bucket, ...]), all inside the replay.
+
+    `step(rows, seq_lens, seq_lens_cpu, inputs)` takes the lengths after the last draft step (prefix + k) and
+    returns [k, bs, ...]. Nothing is released: which drafts stay is the verify's to say, so the out-of-window
+    release follows the acceptance on the caller's schedule (as after VerifyStepGraph). Inputs the caller writes
+    into `self.inputs` itself go step-major at the bucket's width: step i of request b at row i * bucket + b."""
+
+    _WHAT = "draft"
+
+    def __init__(self, backend: Any, allocator: Any, fn: ModelFn, batch_sizes: Sequence[int],
+                 input_shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], draft_steps: int,
+                 adapter: Optional[GraphAdapter] = None, pad_row: Optional[int] = None, writes_swa: bool = True) -> None:
+        if isinstance(draft_steps, bool) or not isinstance(draft_steps, int) or draft_steps < 1:
+            raise ConfigError(f"a draft runs draft_steps >= 1 steps, got draft_steps={draft_steps!r}")
+        self.steps = draft_steps
+        self.draft = MultiStepDraft(draft_steps, writes_swa)
+        self._current: Optional[DraftSteps] = None
+        super().__init__(backend, allocator, fn, batch_sizes, input_shapes, adapter, pad_row=pad_row)
+        b, dev = self.buckets[-1], backend.device
+        self.req_loc = torch.zeros(b * draft_steps, dtype=torch.int64, device=dev)  # the allocation's, request-major
+        self.seq0 = torch.ones(b, dtype=torch.int64, device=dev)                    # lengths after step 0
+        self.seq0_cpu = torch.ones(b, dtype=torch.int64)
+
+    def _init_state(self, max_bs: int, max_tokens: int) -> None:
+        self.backend.init_draft_graph_state(max_bs, self.steps)
+
+    def _slots(self, bs: int) -> torch.Tensor:
+        return self.req_loc[:bs * self.steps]
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        k = self.steps
+        return ForwardBatch(ForwardMode.DECODE, bs, self.req_pool_indices[:bs], self.seq0[:bs],
+                            self.out_cache_loc[:bs * k], spec_info=self.draft,
+                            seq_lens_cpu=None if self._records else self.seq0_cpu[:bs])
+
+    def _refill(self, batch: ForwardBatch) -> None:
+        """Step-major write locs and step 0's lengths from what the allocation left, then every step's lists."""
+        bs, k = batch.batch_size, self.steps
+        self.out_cache_loc[:bs * k].view(k, bs).copy_(self.req_loc[:bs * k].view(bs, k).t())
+        torch.sub(self.seq_lens[:bs], k - 1, out=self.seq0[:bs])
+        self._current = self.backend.init_draft_metadata_graph(batch)
+
+    def _arg(self, batch: ForwardBatch) -> Any:
+        return self._current
+
+    def _stage_inputs(self, inputs: Dict[str, torch.Tensor], bs: int, bucket: int) -> None:
+        """Step-major at the caller's width into step-major at the bucket's; checked whole before the first copy."""
+        k, fresh = self.steps, []
+        for name, buf in self.inputs.items():
+            src = inputs.get(name)
+            if src is None or src.shape[0] < k * bs or src.shape[1:] != buf.shape[1:]:
+                raise ShapeError(f"input {name!r} must be [{k * bs}, {', '.join(map(str, buf.shape[1:]))}] "
+                                 f"(step-major), got {None if src is None else list(src.shape)}")
+            if src.data_ptr() != buf.data_ptr():
+                fresh.append((buf, src))
+        for buf, src in fresh:
+            _by_step(buf, k, bucket)[:, :bs].copy_(_by_step(src, k, bs))
+
+    def _stage_host_lens(self, bs: int, seq_lens_cpu: torch.Tensor) -> None:
+        torch.sub(seq_lens_cpu, self.steps - 1, out=self.seq0_cpu[:bs])
+        self.seq0_cpu[bs:].fill_(1)  # padded requests: length 1 after step 0
+
+    def _live_view(self, out: torch.Tensor, bs: int) -> torch.Tensor:
+        return out.view(self.steps, -1, *out.shape[1:])[:, :bs]
+
+    def _eager_forward(self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
+                       loc: torch.Tensor, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
+        bs, k = rows.numel(), self.steps
+        step_major = loc.view(bs, k).t().reshape(-1)
+        batch = ForwardBatch(ForwardMode.DECODE, bs, rows, seq_lens - (k - 1), step_major, spec_info=self.draft,
+                             seq_lens_cpu=seq_lens_cpu - (k - 1))
+        out = self.fn(self.backend.init_draft_metadata(batch), inputs)
+        return out.view(k, bs, *out.shape[1:])

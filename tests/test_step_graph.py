@@ -17,7 +17,8 @@ from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.errors import OutOfSlotsError, ShapeError
 from hwkv.graph import EagerAdapter
 from hwkv.pool import SWAKVPool
-from hwkv.step_graph import DecodeStepGraph, VerifyStepGraph
+from hwkv.spec import MultiStepDraft
+from hwkv.step_graph import DecodeStepGraph, DraftStepGraph, VerifyStepGraph
 
 DEVICE = os.environ.get("HWKV_TEST_DEVICE", "cpu")
 COMPARE = os.environ.get("HWKV_TEST_COMPARE", DEVICE)  # "cuda" on CPU checks the GPU's comparison itself
@@ -139,6 +140,30 @@ class Engine:
         release_out_of_window_batch(self.alloc, self.rtt.req_to_token, rows, seq, f, W)
         self.frontiers[rows] = f
         self.seq[pick] = pre_cpu + acc_cpu
+
+    def draft_fn(self, steps, inputs):
+        """A draft model over both layers, every step (as DraftGraphRunner's fn): inputs and output step-major."""
+        outs = []
+        for i in range(len(steps)):
+            batch = steps.select(i)
+            n = batch.batch_size
+            step_in = {k: v[i * n:(i + 1) * n] for k, v in inputs.items()}
+            outs.append(torch.cat([self.backend.forward(step_in["q"], step_in["k"], step_in["v"], layer, batch)
+                                   .reshape(n, -1) for layer in self.layers], dim=1))
+        return torch.cat(outs)
+
+    def eager_draft(self, pick, inputs, k):
+        """The reference draft: k slots per picked request at once, then `init_draft_metadata`'s k steps."""
+        bs = len(pick)
+        rows = torch.tensor([self.rows[i] for i in pick], dtype=torch.int64, device=DEVICE)
+        pre_cpu = self.seq[pick].clone()
+        pre, seq = pre_cpu.to(DEVICE), (pre_cpu + k).to(DEVICE)
+        last = self.rtt.req_to_token[rows, pre - 1]
+        loc = self.alloc.alloc_extend(pre, seq, last, bs * k, prefix_lens_cpu=pre_cpu, seq_lens_cpu=pre_cpu + k)
+        self.rtt.req_to_token[rows.unsqueeze(1), pre.unsqueeze(1) + torch.arange(k, device=DEVICE)] = loc.view(bs, k)
+        batch = ForwardBatch(ForwardMode.DECODE, bs, rows, pre + 1, loc.view(bs, k).t().reshape(-1),
+                             spec_info=MultiStepDraft(k), seq_lens_cpu=pre_cpu + 1)
+        return self.draft_fn(self.backend.init_draft_metadata(batch), inputs).view(k, bs, -1).clone()
 
     def state(self):
         return (self.alloc.integrity_snapshot(), self.rtt.req_to_token.cpu().clone(), self.frontiers.cpu().clone())
@@ -451,3 +476,87 @@ def test_auto_tree_verify_runs_the_chain_decode_like_only_in_the_buckets_where_t
     assert graph.decode_like(2) and not graph.decode_like(4)
     assert isinstance(graph._static_batch(2).spec_info, DraftTree) and graph._static_batch(4).spec_info is None
     assert graph._static_batch(4).forward_mode == ForwardMode.TARGET_VERIFY
+
+
+@pytest.mark.parametrize("recording", [False, True] if DEVICE == "cpu" else [True])
+@pytest.mark.parametrize("page", [1, 4])
+def test_draft_step_graph_equals_the_eager_draft(page, recording):
+    """DraftStepGraph (3 draft steps of both layers) against the eager multi-step draft on the same random inputs:
+    every step's outputs token for token, and the allocator, rows and frontiers after each draft and after each
+    verify's verdict (the first draft and a random number of the others kept, the rest freed, then the release
+    on the kept lengths); padded buckets, inputs passed or written into the graph's buffers, and a batch larger
+    than every bucket (run eagerly)."""
+    if recording and DEVICE == "cpu" and not INTERPRET:
+        pytest.skip("the device-side allocation path runs the Triton page ops: TRITON_INTERPRET=1 on CPU")
+    ref, got = Engine(page), Engine(page)
+    if recording and DEVICE == "cpu":
+        from hwkv_cuda.kernels import step as step_kernels
+        from hwkv_cuda.kernels.alloc import TritonPageOps
+        ref.alloc._ops, got.alloc._ops = TritonPageOps(), TritonPageOps()
+    k = 3
+    graph = DraftStepGraph(got.backend, got.alloc, got.draft_fn, [2, 4],
+                           {"q": ((H, D), torch.float32), "k": ((KVH, D), torch.float32),
+                            "v": ((KVH, D), torch.float32)}, k,
+                           adapter() or (RecordingEager() if recording else EagerAdapter()))
+    if recording and DEVICE == "cpu":
+        graph.kernels = step_kernels.KERNELS
+    graph.capture()
+    gen = torch.Generator().manual_seed(23 + page)
+    picks = [[0, 1, 2], [1, 3, 4], [0], [0, 1, 2, 3, 4], [2, 4]] * 2
+    for step, pick in enumerate(picks):
+        bs = len(pick)
+        inputs = {"q": torch.randn(bs * k, H, D, generator=gen).to(DEVICE),
+                  "k": torch.randn(bs * k, KVH, D, generator=gen).to(DEVICE),
+                  "v": torch.randn(bs * k, KVH, D, generator=gen).to(DEVICE)}
+        want = ref.eager_draft(pick, inputs, k)
+        rows = torch.tensor([got.rows[i] for i in pick], dtype=torch.int64)
+        seq_cpu = got.seq[pick] + k
+        if step % 5 == 2:  # written step-major at the bucket's width: nothing passed
+            bucket = min(b for b in graph.buckets if b >= bs)
+            for name, v in inputs.items():
+                graph.inputs[name][:k * bucket].view(k, bucket, *v.shape[1:])[:, :bs].copy_(v.view(k, bs, *v.shape[1:]))
+            have = graph.step(rows, seq_cpu, seq_cpu).clone()
+        else:
+            have = graph.step(rows, seq_cpu, seq_cpu, inputs).clone()
+        assert have.shape == (k, bs, 2 * H * D)
+        torch.testing.assert_close(have.reshape(k, bs, -1), want, rtol=1e-5, atol=1e-5)
+        assert same_state(ref.state(), got.state()), f"draft {step}: allocator, rows or frontiers differ"
+        accepted = torch.randint(0, k, (bs,), generator=gen).tolist()
+        ref.accept(pick, accepted, k)
+        got.accept(pick, accepted, k)
+        assert same_state(ref.state(), got.state()), f"verdict {step}: allocator, rows or frontiers differ"
+        got.alloc.check_integrity()
+    assert graph.eager_runs == 2 and graph.replays == 8
+    assert int(got.frontiers.max()) > 0
+
+
+def test_a_draft_that_might_not_fit_or_is_malformed_is_refused_before_anything_changes():
+    """A draft of 3 steps needs a page per page start among its positions: refused on the host's bound of free pages
+    (OutOfSlotsError), at a length past the context or one that continues no request (LocError), or with inputs of
+    the wrong size (ShapeError), before the replay and with the allocator, rows and frontiers unchanged."""
+    from hwkv.errors import ConfigError, LocError
+    e = Engine(4, size=160, size_swa=160, lens=(32, 32, 32, 32))
+    shapes = {"q": ((H, D), torch.float32), "k": ((KVH, D), torch.float32), "v": ((KVH, D), torch.float32)}
+    with pytest.raises(ConfigError, match="draft_steps >= 1"):
+        DraftStepGraph(e.backend, e.alloc, e.draft_fn, [4], shapes, 0, adapter())
+    graph = DraftStepGraph(e.backend, e.alloc, e.draft_fn, [4], shapes, 3, adapter() or EagerAdapter())
+    graph.capture()
+    inputs = {"q": torch.randn(12, H, D, device=DEVICE), "k": torch.randn(12, KVH, D, device=DEVICE),
+              "v": torch.randn(12, KVH, D, device=DEVICE)}
+    rows = torch.tensor(e.rows[:4], dtype=torch.int64)
+    for _ in range(2):  # 32 -> 35 and 35 -> 38 open a page each (pages 8 and 9), the last 8 free ones...
+        e.seq[:4] += 3
+        graph.step(rows, e.seq[:4].clone(), e.seq[:4].clone(), inputs)
+    assert e.alloc.full_available_size() == 0 and graph.replays == 2  # ...so 38 -> 41 (page 10) cannot fit
+    before, seq = e.state(), e.seq.clone()
+    with pytest.raises(OutOfSlotsError, match="need 4 pages"):
+        graph.step(rows, seq[:4] + 3, seq[:4] + 3, inputs)
+    two = torch.tensor(e.rows[:2], dtype=torch.int64)
+    for lens, ins, err, match in (
+            (torch.tensor([126, 129]), inputs, LocError, "exceed max_context_len 128"),
+            (torch.tensor([41, 3]), inputs, LocError, "draft step continues a request: seq_lens must be >= 4"),
+            (torch.tensor([41, 41]), {k_: v[:5] for k_, v in inputs.items()}, ShapeError, r"must be \[6, 4, 16\]")):
+        with pytest.raises(err, match=match):
+            graph.step(two, lens, lens, ins)
+    assert same_state(before, e.state()) and graph.replays == 2 and torch.equal(e.seq, seq)
+    e.alloc.check_integrity()

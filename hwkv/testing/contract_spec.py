@@ -144,6 +144,32 @@ def test_multi_step_draft_through_graphs_reuses_slots_and_translates_once(hwkv_t
     h.check_integrity()
 
 
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_multi_step_draft_in_one_graph_allocates_in_its_replay(hwkv_target, page_size):
+    """k = 3 draft steps with their slots' allocation and req_to_token write inside the replay
+    (`hwkv.step_graph.DraftStepGraph`) over an SWA pool a 32nd of the full pool, slots released and reused
+    between drafts: every step equals the reference and the allocator stays whole; a batch larger than every
+    bucket runs eagerly. Where the device's page ops cannot run in a recorded graph, the replay is the host
+    running its body."""
+    h = _make(hwkv_target, page_size=page_size)
+    rids = [h.add_request() for _ in range(3)]
+    h.forward(rids, [9, 3, 6], ForwardMode.EXTEND)
+    h.release()
+    runner = draft_graphs(h, [1, 2], hwkv_target.adapter_factory(), 3, whole_step=True)
+    for step in range(6):
+        draft_steps(h, rids[:1 + step % 2], 3, runner=runner)   # checked against the reference inside
+        h.release()
+        h.check_integrity()
+    draft_steps(h, rids, 3, runner=runner)                      # 3 requests: past every bucket
+    h.release()
+    h.check_integrity()
+    assert runner.replays == 6 and runner.eager_runs == 1
+    assert 1024 - h.allocator.full_available_size() > 32, "released SWA slots must have been reused"
+    for r in rids:
+        h.finish(r)
+    h.check_integrity()
+
+
 def test_draft_graph_replay_with_fewer_requests_zeroes_the_tail_and_keeps_live_slots(hwkv_target):
     """A 2-step draft replayed for 4 requests, then for 1 (padded to 2): the write buffer holds the
     padding slot for the padded request and zeros past the bucket; the others' K/V are untouched."""

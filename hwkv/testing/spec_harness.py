@@ -82,17 +82,23 @@ def draft_model(h: Harness, layers: Sequence) -> Callable[[DraftSteps, Dict[str,
 
 
 def draft_graphs(h: Harness, batch_sizes: Sequence[int], adapter: Any, num_steps: int, writes_swa: bool = True,
-                 layers: Optional[Sequence] = None) -> DraftGraphRunner:
+                 layers: Optional[Sequence] = None, whole_step: bool = False) -> Any:
     """A DraftGraphRunner of `num_steps`-step drafts over the draft model's `layers` (default: the
-    harness's), captured now; hand it to `draft_steps(..., runner=)`."""
+    harness's), captured now; hand it to `draft_steps(..., runner=)`. `whole_step`: a
+    `hwkv.step_graph.DraftStepGraph` instead (the slots' allocation and req_to_token write in the replay too;
+    it takes a request row for its padding), under `adapter` where the allocator's page ops can run there, else
+    replayed as the host running its body (`EagerAdapter`)."""
     layers = list(h.layers if layers is None else layers)
-    dt = h.dtype if h.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.bfloat16
-    shapes = {}
-    for l in layers:
-        shapes[f"q{l.layer_id}"] = ((l.num_heads, l.head_dim), dt)
-        shapes[f"k{l.layer_id}"] = ((l.num_kv_heads, l.head_dim), dt)
-        shapes[f"v{l.layer_id}"] = ((l.num_kv_heads, l.v_head_dim), dt)
-    runner = DraftGraphRunner(h.backend, draft_model(h, layers), batch_sizes, shapes, num_steps, adapter, writes_swa)
+    shapes = {name: spec for name, spec in h._input_shapes().items() if int(name[1:]) in {l.layer_id for l in layers}}
+    if whole_step:
+        from hwkv.graph import EagerAdapter
+        from hwkv.step_graph import DraftStepGraph
+        adapter = adapter if DraftStepGraph.fits(h.allocator, adapter) else EagerAdapter()
+        runner: Any = DraftStepGraph(h.backend, h.allocator, draft_model(h, layers), batch_sizes, shapes, num_steps,
+                                     adapter, writes_swa=writes_swa)
+    else:
+        runner = DraftGraphRunner(h.backend, draft_model(h, layers), batch_sizes, shapes, num_steps, adapter,
+                                  writes_swa)
     runner.capture()
     return runner
 
@@ -110,18 +116,23 @@ def draft_batch(h: Harness, rids: Sequence[int], num_steps: int, writes_swa: boo
 
 def draft_steps(h: Harness, rids: Sequence[int], num_steps: int, check: bool = True,
                 writes_swa: bool = True, layers: Optional[Sequence] = None,
-                runner: Optional[DraftGraphRunner] = None) -> List[List[torch.Tensor]]:
+                runner: Any = None) -> List[List[torch.Tensor]]:
     """One multi-step draft forward: `num_steps` decode steps whose slots are allocated at once
     (step-major), metadata built once by `init_draft_metadata` or, with `runner` (from `draft_graphs`, over
-    the same layers), replayed from its graphs; each step checked against the reference.
+    the same layers), replayed from its graphs (a DraftStepGraph allocates in its replay); each step checked
+    against the reference.
     `layers`: the draft model's layers (default: the harness's); with writes_swa=False they must be full."""
     layers = list(h.layers if layers is None else layers)
     bs = len(rids)
-    batch = draft_batch(h, rids, num_steps, writes_swa)
     inputs = h.random_inputs(bs * num_steps)
-    if runner is not None:
-        flat = runner.run(batch, inputs)                                   # [k, bs, ...]
+    if runner is not None and not isinstance(runner, DraftGraphRunner):  # a DraftStepGraph allocates in its replay
+        rows = torch.tensor([h.requests[r].row for r in rids], dtype=I64)
+        seq = torch.tensor([h.requests[r].seq_len + num_steps for r in rids], dtype=I64)
+        flat = runner.step(rows, seq, seq, inputs)                           # [k, bs, ...]
+    elif runner is not None:
+        flat = runner.run(draft_batch(h, rids, num_steps, writes_swa), inputs)
     else:
+        batch = draft_batch(h, rids, num_steps, writes_swa)
         flat = draft_model(h, layers)(h.backend.init_draft_metadata(batch), inputs).view(num_steps, bs, -1)
     results = []
     for i in range(num_steps):
