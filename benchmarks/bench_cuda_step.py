@@ -36,7 +36,7 @@ from hwkv.pool import SWAKVPool
 
 LAYERS, W, H, KVH, D = 36, 128, 64, 8, 64
 SECTIONS = ("kv-write", "decode-step", "alloc", "engine-step", "tree-verify", "host", "whole-step", "step-gap",
-            "profile", "verify-step")
+            "profile", "verify-step", "draft-step")
 
 
 def timeit(fn: Callable[[], object], dev: str, iters: int = 50, warmup: int = 5) -> float:
@@ -475,6 +475,91 @@ def verify_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, bac
     return out
 
 
+def draft_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, backend_cls, iters: int,
+                    steps: int = 3, draft_layers: int = 2, rounds: int = 7) -> List[Dict]:
+    """A multi-step draft of `steps` decode steps over a draft model of the first `draft_layers` layers (one SWA,
+    one full), every draft kept and the out-of-window release after each, three ways over one Setup: one
+    DraftStepGraph replay (allocation, req_to_token write, step-major write locs, every step's metadata and the
+    draft's layers inside); the host path before it (`ForwardSlots.plan_extend` + `allocate` of the k slots, the
+    step-major batch, then a DraftGraphRunner prepared and replayed); the DraftGraphRunner's replay alone.
+    Pipelined in alternating rounds (us per draft)."""
+    from hwkv.draft import DraftGraphRunner
+    from hwkv.engine.forward import ForwardSlots
+    from hwkv.spec import MultiStepDraft
+    from hwkv.step_graph import DraftStepGraph
+    out = []
+    adapter = EagerAdapter if dev != "cuda" else __import__("hwkv_cuda.graph", fromlist=["x"]).CUDAGraphAdapter
+    for bs in batches:
+        room = steps * (2 * (rounds * iters + 8) + 2 * iters + 16)
+        s = Setup(dev, bs, ctx, page_size=page_size, room=room, spare_rows=1)
+        be = backend_cls(s.pool, s.rtt, sliding_window=W)
+        t = bs * steps
+        inputs = {"q": torch.randn(t, H, D, device=dev, dtype=torch.bfloat16),
+                  "k": torch.randn(t, KVH, D, device=dev, dtype=torch.bfloat16),
+                  "v": torch.randn(t, KVH, D, device=dev, dtype=torch.bfloat16)}
+        shapes = {k: (tuple(v.shape[1:]), v.dtype) for k, v in inputs.items()}
+        model = s.layers[:draft_layers]
+
+        def fn(draft, i: Dict[str, torch.Tensor]) -> torch.Tensor:
+            outs = []
+            for j in range(len(draft)):
+                b = draft.select(j)
+                n = b.batch_size
+                for layer in model:
+                    o = be.forward(i["q"][j * n:(j + 1) * n], i["k"][j * n:(j + 1) * n], i["v"][j * n:(j + 1) * n],
+                                   layer, b)
+                outs.append(o)
+            return torch.cat(outs)
+
+        g = DraftStepGraph(be, s.alloc, fn, [bs], shapes, steps, adapter())
+        g.capture()
+        only = DraftGraphRunner(be, fn, [bs], shapes, steps, adapter())
+        only.capture()
+        for k, v in inputs.items():  # an engine writes the step's inputs into the graph's buffers
+            g.inputs[k][:t].copy_(v)
+        slots = ForwardSlots(s.alloc, s.rtt, W)
+        rows = s.rows.tolist()
+        slots.frontiers[s.rows] = s.frontiers
+        slots.frontiers_cpu[rows] = s.frontiers.cpu().numpy()
+        length = [int(s.seq_cpu[0])]
+        rows_cpu = torch.tensor(rows, dtype=torch.int64)
+        draft = MultiStepDraft(steps)
+
+        def graph_step() -> None:
+            length[0] += steps
+            seq = torch.full((bs,), length[0], dtype=torch.int64)
+            g.step(rows_cpu, seq, seq)
+            slots.release(rows, [length[0]] * bs, g.req_pool_indices[:bs], g.seq_lens[:bs])
+
+        def host_step() -> None:
+            lens = slots.plan_extend(ForwardMode.EXTEND, rows, [length[0]] * bs, [steps] * bs)
+            loc = slots.allocate(lens).out_cache_loc
+            batch = ForwardBatch(ForwardMode.DECODE, bs, lens.rows_dev, lens.prefix_dev + 1,
+                                 loc.view(bs, steps).t().reshape(-1), spec_info=draft,
+                                 seq_lens_cpu=lens.prefix_cpu + 1)
+            only.run(batch, inputs)
+            length[0] += steps
+            slots.release(rows, lens.seq, lens.rows_dev, lens.seq_dev)
+
+        host_step()  # the runner prepared once: its replay alone repeats this draft
+        host = host_per_step(graph_step, dev, iters)
+        syncs = host_syncs(graph_step, dev)
+        a, b, c = alternating_rounds((graph_step, host_step, lambda: only.adapter.replay(only.graphs[bs].graph)),
+                                     dev, iters, rounds)
+        s.alloc.check_integrity()
+        out.append(dict(bench="draft-step", bs=bs, steps=steps, draft_layers=draft_layers, ctx=ctx,
+                        page_size=page_size, graph_host_us=round(host, 1),
+                        graph_step_us=round(statistics.median(a), 1), host_path_us=round(statistics.median(b), 1),
+                        runner_replay_us=round(statistics.median(c), 1),
+                        graph_ratio=round(statistics.median(x / z for x, z in zip(a, c)), 3),
+                        host_path_ratio=round(statistics.median(y / z for y, z in zip(b, c)), 3),
+                        syncs_per_step=syncs))
+        del s, g, only, be
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
 def step_gap_rows(dev: str, ctx: int, page_size: int, backend_cls, iters: int, rounds: int = 9) -> List[Dict]:
     """Where the whole step's extra time over the layers' replay goes, at B=1: variants replayed back to back in
     alternating rounds (us per step, the median; ratio to the layers alone): host work between launches (a busy
@@ -869,6 +954,15 @@ def print_tables(res: Dict) -> None:
                   f"| {r['graph_host_us']} | "
                   f"{r['graph_step_us']} | {r['host_path_us']} | {r['layers_replay_us']} | {r['graph_ratio']} | "
                   f"{r['host_path_ratio']} | {r['syncs_per_step']} |")
+    if res.get("draft_step"):
+        print("multi-step draft (k decode steps of the draft's layers, every draft kept, release after), pipelined in "
+              "alternating rounds (us per draft, median; ratios to the DraftGraphRunner's replay alone)")
+        print("| bs | steps | draft layers | ctx | page | graph host us | draft graph us | host path us | runner replay us "
+              "| graph ratio | host path ratio | syncs/step |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in res["draft_step"]:
+            print(f"| {r['bs']} | {r['steps']} | {r['draft_layers']} | {r['ctx']} | {r['page_size']} | "
+                  f"{r['graph_host_us']} | {r['graph_step_us']} | {r['host_path_us']} | {r['runner_replay_us']} | "
+                  f"{r['graph_ratio']} | {r['host_path_ratio']} | {r['syncs_per_step']} |")
     for r in res.get("profile", []):
         print(f"profile: {r['what']}\n{r['text']}")
     if res.get("engine_step"):
@@ -902,6 +996,8 @@ def main() -> None:
                    "page --step-page)")
     p.add_argument("--verify-batches", default="1,16,64", help="verify-step: batch sizes (4 drafts, context "
                    "--step-ctx, page --step-page)")
+    p.add_argument("--draft-batches", default="1,16,64", help="draft-step: batch sizes (3 steps of 2 layers, "
+                   "context --step-ctx, page --step-page)")
     p.add_argument("--out", default="")
     a = p.parse_args()
     if a.device is None:
@@ -940,6 +1036,8 @@ def main() -> None:
     if "verify-step" in sections:
         res["verify_step"] = verify_step_rows(dev, _ints(a.verify_batches), a.step_ctx, a.step_page, backend_cls,
                                               a.iters)
+    if "draft-step" in sections:
+        res["draft_step"] = draft_step_rows(dev, _ints(a.draft_batches), a.step_ctx, a.step_page, backend_cls, a.iters)
     if "tree-verify" in sections:
         res["tree_verify"] = tree_verify_rows(dev, _ints(a.tree_batches), _ints(a.tree_ctx), backend_cls)
     print_tables(res)

@@ -31,3 +31,18 @@ def test_verify_step_section_runs_the_three_paths_on_the_cpu():
     (row,) = bench.verify_step_rows("cpu", [2], 64, 16, TorchCPUBackend, iters=1, rounds=1, modes=("decode",))
     assert row["bench"] == "verify-step" and row["bs"] == 2 and row["drafts"] == 4 and row["tree_verify"] == "decode"
     assert all(row[k] > 0 for k in ("graph_step_us", "host_path_us", "layers_replay_us"))
+
+
+def test_draft_step_section_runs_the_three_paths_on_the_cpu():
+    """The draft-step section's code (DraftStepGraph, the host path before it, the DraftGraphRunner's replay alone)
+    at a smoke size: every path takes its slots and releases, and the allocator is consistent after (checked
+    inside)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import bench_cuda_step as bench
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    from hwkv_cpu.backend import TorchCPUBackend
+    (row,) = bench.draft_step_rows("cpu", [2], 64, 16, TorchCPUBackend, iters=1, rounds=1)
+    assert row["bench"] == "draft-step" and row["bs"] == 2 and row["steps"] == 3 and row["draft_layers"] == 2
+    assert all(row[k] > 0 for k in ("graph_step_us", "host_path_us", "runner_replay_us"))
