@@ -166,13 +166,17 @@ def _alloc_step_kernel(ctl, rows_in, seq_in, stride_in, pad_row, rtt, stride_rtt
     i = first + tl.arange(0, BLOCK)
     m = i < bs
     live = m & (i < n_live)
-    r = tl.where(live, tl.load(rows_in + i * stride_in, mask=live, other=0).to(tl.int64), pad_row)
-    s = tl.where(live, tl.load(seq_in + i * stride_in, mask=live, other=1).to(tl.int64), 1)
+    # the staged block is the bucket's width: its pairs load beside the control words (a padded lane's are stale and
+    # replaced), and each row's frontier beside its last slot, before any store: fewer dependent loads in a row
+    r = tl.where(live, tl.load(rows_in + i * stride_in, mask=m, other=0).to(tl.int64), pad_row)
+    s = tl.where(live, tl.load(seq_in + i * stride_in, mask=m, other=1).to(tl.int64), 1)
     pre = s - 1  # a live request's new token; a padded one takes nothing (its prefix is its length)
     opens = live & (pre % P == 0)
     cont = live & ~opens
     pidx = base + tl.cumsum(opens.to(tl.int64), 0) - opens.to(tl.int64)
     last = tl.load(rtt + r * stride_rtt + tl.maximum(pre - 1, 0), mask=cont, other=0).to(tl.int64)
+    if RELEASE:
+        f = tl.load(frontiers + r, mask=live, other=0)
     fp = _open_pages(buf_f, n_full, buf_s, n_swa, mapping, head_f, head_s, pidx, opens, P, HYBRID, BLOCK_P)
     loc = tl.where(opens, fp * P, tl.where(cont, last + 1, 0))
     if HYBRID:
@@ -184,7 +188,6 @@ def _alloc_step_kernel(ctl, rows_in, seq_in, stride_in, pad_row, rtt, stride_rtt
         tl.store(seq_in + i * stride_in, s + 1, mask=live)
     tl.store(rtt + r * stride_rtt + s - 1, loc.to(rtt.dtype.element_ty), mask=m)
     if RELEASE:  # pages below the new frontiers: no query of this step or a later one sees them
-        f = tl.load(frontiers + r, mask=live, other=0)
         nf = _frontier(f, s, window, P)
         cnt = tl.where(live, (nf - f) // P, 0)
         for j in range(0, tl.max(cnt, 0)):
@@ -340,6 +343,9 @@ class TritonPageOps:
             raise LocError("alloc_step reads req_to_token's rows with unit stride, rows_in and seq_in with one stride "
                            "and writes rows, seq, out and frontiers contiguous: got strides "
                            f"{req_to_token.stride()}, {rows_in.stride()}, {seq_in.stride()}")
+        if rows_in.shape[0] < bs or seq_in.shape[0] < bs:  # every lane reads its pair, live or padded
+            raise LocError(f"alloc_step reads {bs} staged (row, length) pairs; rows_in has {rows_in.shape[0]}, "
+                           f"seq_in {seq_in.shape[0]}")
         hybrid = swa is not None
         s = swa if hybrid else full
         p = full.page_size
