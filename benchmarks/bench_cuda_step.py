@@ -347,7 +347,8 @@ def engine_step_rows(dev: str, bs: int, ctx: int, page_size: int, backend_cls, i
 def _whole_step_pair(dev: str, bs: int, ctx: int, page_size: int, backend_cls, room: int):
     """A captured whole-step graph (hwkv.step_graph.DecodeStepGraph) and the same 36 layers captured alone (a
     GraphRunner), over one Setup: returns (setup, step graph, one engine step, one replay of the layers alone).
-    The layers' batch is the step graph's after 5 steps (their slots written)."""
+    The layers' batch is the step graph's after 5 steps (their slots written); `refresh` (also returned)
+    prepares it again at the lengths the steps have reached."""
     from hwkv.step_graph import DecodeStepGraph
     s = Setup(dev, bs, ctx, page_size=page_size, room=room, spare_rows=1)
     be = backend_cls(s.pool, s.rtt, sliding_window=W)
@@ -371,12 +372,15 @@ def _whole_step_pair(dev: str, bs: int, ctx: int, page_size: int, backend_cls, r
         seq.add_(1)      # none), the inputs already in the graph's buffers (`inputs=None`, as the engine passes)
         g.step(rows_cpu, seq, seq)
 
+    def refresh() -> None:  # the layers' graph prepared at the lengths the steps reached (its slots written)
+        seq_dev = seq.to(dev)
+        only.prepare(ForwardBatch(ForwardMode.DECODE, bs, s.rows, seq_dev, s.rtt.req_to_token[s.rows, seq_dev - 1],
+                                  seq_lens_cpu=seq.clone()), inputs)
+
     for _ in range(5):
         step()
-    seq_dev = seq.to(dev)
-    only.prepare(ForwardBatch(ForwardMode.DECODE, bs, s.rows, seq_dev, s.rtt.req_to_token[s.rows, seq_dev - 1],
-                              seq_lens_cpu=seq.clone()), inputs)
-    return s, g, step, (lambda: only.adapter.replay(only.graphs[bs].graph))
+    refresh()
+    return s, g, step, (lambda: only.adapter.replay(only.graphs[bs].graph)), refresh
 
 
 def whole_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, backend_cls, iters: int) -> List[Dict]:
@@ -386,11 +390,12 @@ def whole_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, back
     (`pipelined_pair`: an engine that never waits)."""
     rows = []
     for bs in batches:
-        s, g, step, layers = _whole_step_pair(dev, bs, ctx, page_size, backend_cls, 16 * iters + 64)
+        s, g, step, layers, refresh = _whole_step_pair(dev, bs, ctx, page_size, backend_cls, 16 * iters + 64)
         host = host_per_step(step, dev, iters)
         _, done = wall(step, dev, iters)
+        refresh()
         _, replay = wall(layers, dev, iters)
-        piped, layers_piped, piped_ratio = pipelined_pair(step, layers, dev, iters)
+        piped, layers_piped, piped_ratio = pipelined_pair(step, layers, dev, iters, refresh=refresh)
         syncs = host_syncs(step, dev)
         s.alloc.check_integrity()
         step_us, replay_us = statistics.median(done), statistics.median(replay)
@@ -419,7 +424,7 @@ def verify_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, bac
     n, out = drafts + 1, []
     adapter = EagerAdapter if dev != "cuda" else __import__("hwkv_cuda.graph", fromlist=["x"]).CUDAGraphAdapter
     for bs, mode in [(b, m) for b in batches for m in modes]:
-        steps = 2 * (rounds * iters + 8) + 2 * iters + 16  # the steps that take slots: two paths, warm-ups, walls
+        steps = 2 * (rounds * iters + 8) + 2 * iters + rounds + 16  # steps that take slots: paths, warm-ups, walls
         s = Setup(dev, bs, ctx, page_size=page_size, room=n * steps, spare_rows=1)
         be = backend_cls(s.pool, s.rtt, sliding_window=W, tree_verify=mode)
         t = bs * n
@@ -459,7 +464,7 @@ def verify_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, bac
         host = host_per_step(graph_step, dev, iters)
         syncs = host_syncs(graph_step, dev)
         a, b, c = alternating_rounds((graph_step, host_step, lambda: only.adapter.replay(only.graphs[bs].graph)),
-                                     dev, iters, rounds)
+                                     dev, iters, rounds, before=(None, None, host_step))  # (at the lengths reached)
         s.alloc.check_integrity()
         ga, ho, la = statistics.median(a), statistics.median(b), statistics.median(c)
         out.append(dict(bench="verify-step", bs=bs, drafts=drafts, ctx=ctx, page_size=page_size, tree_verify=mode,
@@ -490,7 +495,7 @@ def draft_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, back
     out = []
     adapter = EagerAdapter if dev != "cuda" else __import__("hwkv_cuda.graph", fromlist=["x"]).CUDAGraphAdapter
     for bs in batches:
-        room = steps * (2 * (rounds * iters + 8) + 2 * iters + 16)
+        room = steps * (2 * (rounds * iters + 8) + 2 * iters + rounds + 16)
         s = Setup(dev, bs, ctx, page_size=page_size, room=room, spare_rows=1)
         be = backend_cls(s.pool, s.rtt, sliding_window=W)
         t = bs * steps
@@ -545,7 +550,7 @@ def draft_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, back
         host = host_per_step(graph_step, dev, iters)
         syncs = host_syncs(graph_step, dev)
         a, b, c = alternating_rounds((graph_step, host_step, lambda: only.adapter.replay(only.graphs[bs].graph)),
-                                     dev, iters, rounds)
+                                     dev, iters, rounds, before=(None, None, host_step))  # (at the lengths reached)
         s.alloc.check_integrity()
         out.append(dict(bench="draft-step", bs=bs, steps=steps, draft_layers=draft_layers, ctx=ctx,
                         page_size=page_size, graph_host_us=round(host, 1),
@@ -566,7 +571,8 @@ def step_gap_rows(dev: str, ctx: int, page_size: int, backend_cls, iters: int, r
     wait as long as the step's host path), one small device op per replay, the whole-step graph alone (the same
     step again, or a new token each replay) and the full host step; on CUDA also the profiler's device timeline
     (kernel time, gaps inside a graph and between graphs)."""
-    s, g, step, layers = _whole_step_pair(dev, 1, ctx, page_size, backend_cls, (rounds + 2) * 4 * iters + 64)
+    s, g, step, layers, refresh = _whole_step_pair(dev, 1, ctx, page_size, backend_cls,
+                                                   (rounds + 2) * 4 * iters + 64)
     replay = g.graphs[1].graph
     staged_len = g.seq_in[:1]
     back = 1 if g._advances.get(1) else 0  # undo the replay's own advance, where it has one
@@ -584,7 +590,8 @@ def step_gap_rows(dev: str, ctx: int, page_size: int, backend_cls, iters: int, r
         "whole-step graph, a new token each": lambda: (g.adapter.replay(replay), staged_len.add_(0)),
         "full step (host path)": step,
     }
-    times = dict(zip(variants, alternating_rounds(list(variants.values()), dev, iters, rounds, warmup=5)))
+    before = [refresh if k.startswith("layers") else None for k in variants]  # at the lengths the steps reached
+    times = dict(zip(variants, alternating_rounds(list(variants.values()), dev, iters, rounds, 5, before)))
     base = statistics.median(times["layers alone"])
     out = [dict(bench="step-gap", what=k, us=round(statistics.median(v), 1), ratio=round(statistics.median(v) / base, 3))
            for k, v in times.items()]
@@ -735,18 +742,25 @@ def host_per_step(fn: Callable[[], object], dev: str, n: int = 50) -> float:
 
 
 def alternating_rounds(fns: Sequence[Callable[[], object]], dev: str, n: int = 50, rounds: int = 11,
-                       warmup: int = 3) -> List[List[float]]:
+                       warmup: int = 3, before: Optional[Sequence[Optional[Callable[[], object]]]] = None
+                       ) -> List[List[float]]:
     """Each fn's wall microseconds per call over n calls issued back to back, the device synchronized after them
     (what an engine one step ahead of its device gets per step), in `rounds` rounds that take every fn in turn:
     per fn, its rounds. Alternating keeps slow drift (the layers' replay alone moves 2-6% between runs in one
-    process on the H200) out of the ratios of rounds taken side by side."""
+    process on the H200) out of the ratios of rounds taken side by side. `before[i]` (untimed) runs ahead of each
+    of fn i's rounds: a baseline replayed at fixed lengths is re-prepared at the lengths the steps have reached
+    (a step graph's requests grow by a token a step: over 11 rounds of 50 steps at B=1, a decode's lists grow from
+    4K to 4.6K keys, and its split kernels by about 5%)."""
     for _ in range(warmup):
         for f in fns:
             f()
     sync(dev)
     out: List[List[float]] = [[] for _ in fns]
     for _ in range(rounds):
-        for f, times in zip(fns, out):
+        for i, (f, times) in enumerate(zip(fns, out)):
+            if before is not None and before[i] is not None:
+                before[i]()
+                sync(dev)
             t = time.perf_counter()
             for _ in range(n):
                 f()
@@ -756,9 +770,10 @@ def alternating_rounds(fns: Sequence[Callable[[], object]], dev: str, n: int = 5
 
 
 def pipelined_pair(fn: Callable[[], object], base: Callable[[], object], dev: str, n: int = 50,
-                   rounds: int = 11) -> Tuple[float, float, float]:
-    """fn and base pipelined in alternating rounds: (fn's median, base's median, the median of the rounds' ratios)."""
-    a, b = alternating_rounds((fn, base), dev, n, rounds)
+                   rounds: int = 11, refresh: Optional[Callable[[], object]] = None) -> Tuple[float, float, float]:
+    """fn and base pipelined in alternating rounds (`refresh` before each of base's): (fn's median, base's median,
+    the median of the rounds' ratios)."""
+    a, b = alternating_rounds((fn, base), dev, n, rounds, before=(None, refresh))
     return statistics.median(a), statistics.median(b), statistics.median(x / y for x, y in zip(a, b))
 
 
