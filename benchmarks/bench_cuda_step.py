@@ -22,7 +22,7 @@ import json
 import statistics
 import time
 import warnings
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -833,12 +833,70 @@ def host_rows(dev: str, ctx: int, backend_cls) -> List[Dict]:
                    metadata_host_us=round(host_per_call(lambda: be.init_forward_metadata(batch), dev, 50), 1))
         host, done = wall(layers, dev, 20)
         row.update(step_36_layers_host_us=med(host), step_36_layers_us=med(done))
+        if mode == "direct" and dev == "cuda":
+            row.update(layer_ladder(be, q, k, v, full, batch, dev))
         x = torch.zeros(1, device=dev)
         row["torch_add_host_us"] = round(host_per_call(lambda: x.add_(1), dev), 1)
         rows.append(row)
         del s, be
     L._CONVENTION = convention
     return rows
+
+
+def layer_ladder(be, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch,
+                 dev: str) -> Dict[str, float]:
+    """Where one eager full layer's host time goes, as a ladder of the same work entered at each level (host us per
+    call): the two planned launches alone (store, decode split: the compiled launcher with the arguments the layer
+    built), the device package's entry points (`store_kv_prechecked` + `decode_attention_planned`: their checks and
+    argument tuples), the pool's store and the backend's `forward_decode` (routing, plan lookup), and the template's
+    `forward` (shape checks, output)."""
+    from hwkv import ops
+    from hwkv_cuda.kernels import decode as dk
+    from hwkv_cuda.kernels import launch as L
+    md = be.forward_metadata
+    kv = md.list_for(layer, be.is_swa_group(layer))
+    k_buf, v_buf = be.kv_buffers(layer)
+    out = torch.empty(q.shape[0], layer.num_heads, layer.v_head_dim, device=dev, dtype=q.dtype)
+    be.forward(q, k, v, layer, batch)  # plans made
+    recorded: List[Tuple[Any, Tuple[Any, ...]]] = []
+    go = L.Launch._go
+
+    def record(self, args):  # the launches one layer makes, with their arguments
+        recorded.append((self, args))
+        go(self, args)
+    L.Launch._go = record
+    try:
+        be.forward(q, k, v, layer, batch)
+    finally:
+        L.Launch._go = go
+    plan = be._plan(md, True, q, layer, kv, k_buf, v_buf, out)
+    part = be._decode_layer(layer, k_buf, v_buf)
+    # the template's rung as in a forward, where each layer takes its output view once (a layer called again in
+    # one forward allocates its own: what `full_layer_host_us`, one layer called over and over, also pays)
+    taken = md.outputs.taken if md.outputs is not None else set()
+    loc = md.write_loc.loc
+    pool = be.pool.full_kv_pool if be.hybrid else be.pool
+    local = be.pool.layers_mapping[layer.layer_id][0] if be.hybrid else layer.layer_id
+
+    def launches() -> None:
+        for launch, args in recorded:
+            go(launch, args)
+
+    def entries() -> None:
+        ops.store_kv_prechecked(pool.k_buffer[local], pool.v_buffer[local], loc, k, v)
+        dk.decode_attention_planned(plan, q, k_buf, v_buf, kv.indptr, kv.indices, kv.pos0, md.q_pos0, out,
+                                    layer.scaling, layer.window, layer.logit_cap, layer.sinks, layer.k_scale,
+                                    layer.v_scale, part)
+
+    def routed() -> None:
+        be.pool.set_kv_buffer(layer, md.write_loc, k, v, layer.k_scale, layer.v_scale)
+        be.forward_decode(q, layer, kv, md, out)
+
+    return dict(ladder_launches=len(recorded),
+                ladder_launches_us=round(host_per_call(launches, dev), 1),
+                ladder_entry_points_us=round(host_per_call(entries, dev), 1),
+                ladder_pool_and_forward_decode_us=round(host_per_call(routed, dev), 1),
+                ladder_forward_us=round(host_per_call(lambda: (taken.clear(), be.forward(q, k, v, layer, batch)), dev), 1))
 
 
 def tree_verify_rows(dev: str, batches: List[int], ctxs: List[int], backend_cls, drafts: int = 15) -> List[Dict]:
@@ -939,7 +997,13 @@ def print_tables(res: Dict) -> None:
         print("host time, eager path (us; launches through the JIT's dispatch vs the compiled launcher)")
         print("| mode | " + " | ".join(keys) + " |\n|" + "---|" * (len(keys) + 1))
         for r in res["host"]:
-            print(f"| {r['mode']} | " + " | ".join(str(r[k]) for k in keys) + " |")
+            print(f"| {r['mode']} | " + " | ".join(str(r.get(k)) for k in keys) + " |")
+        for r in res["host"]:
+            if "ladder_forward_us" in r:
+                print(f"one eager full layer, entered at each level (host us per call): {r['ladder_launches']} planned "
+                      f"launches alone {r['ladder_launches_us']}; the device package's entry points "
+                      f"{r['ladder_entry_points_us']}; pool store + forward_decode "
+                      f"{r['ladder_pool_and_forward_decode_us']}; the template's forward {r['ladder_forward_us']}")
     if res.get("whole_step"):
         print("whole decode step in one graph vs the 36 layers replayed alone (us, median)")
         print("| bs | ctx | page | host us/step | step us | layers replay us | ratio | pipelined step us | "
