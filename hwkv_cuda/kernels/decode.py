@@ -487,7 +487,7 @@ def decode_layer(k_buf: torch.Tensor, v_buf: torch.Tensor, sinks: Optional[torch
                        None if sinks is None else (sinks.shape, sinks.get_device()))
 
 
-def _run(plan: DecodePlan, q, out, layer: DecodeLayer, lists: Tuple[torch.Tensor, ...]) -> None:
+def _run(plan: DecodePlan, q, out, layer: DecodeLayer, lists: Tuple[torch.Tensor, ...], qs=None, os_=None) -> None:
     """The launches (split, then the merge kernel when there is more than one split and the last split does
     not merge in place); nothing is checked here. The split kernel's arguments come in three parts, each with
     its spec computed as often as it changes: the call's (q, out), the layer's, the forward's (the plan's)."""
@@ -495,7 +495,8 @@ def _run(plan: DecodePlan, q, out, layer: DecodeLayer, lists: Tuple[torch.Tensor
     if bs == 0:
         return
     splits = plan.splits
-    qs, os_ = q.stride(), out.stride()
+    if qs is None:
+        qs, os_ = q.stride(), out.stride()
     call = (q, out, qs[0], qs[1], os_[0], os_[1])
     kept = plan.lists is not None and layer.spec is not None  # both parts' specs made once: compare those
     args = call + layer.args + (plan.forward_args if plan.lists is not None else lists + plan.forward_args)
@@ -628,8 +629,9 @@ def decode_attention_planned(plan: DecodePlan, q: torch.Tensor, k_buf: torch.Ten
     if layer is None:
         layer = decode_layer(k_buf, v_buf, sinks, scaling, window, logit_cap, k_scale, v_scale)
     lists = plan.lists
+    qs, os_ = q.stride(), out.stride()  # read once: the check and the launch share them
     if (q.shape != plan.q_shape or out.shape != plan.out_shape or layer.geometry != plan.geometry
-            or (q.stride(2) != 1 and plan.q_shape[2] > 1) or (out.stride(2) != 1 and plan.out_shape[2] > 1)
+            or (qs[-1] != 1 and plan.q_shape[2] > 1) or (os_[-1] != 1 and plan.out_shape[2] > 1)
             or q.get_device() != layer.geometry[4] or out.get_device() != layer.geometry[4]
             or (layer.sinks is not None and layer.sinks != (plan.q_shape[1:2], layer.geometry[4]))
             or lists is None or lists[0] is not kv_indptr or lists[1] is not kv_indices
@@ -637,4 +639,4 @@ def decode_attention_planned(plan: DecodePlan, q: torch.Tensor, k_buf: torch.Ten
         decode_attention(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, scaling, window, logit_cap,
                          sinks, k_scale, v_scale, config=plan.config)
         return
-    _run(plan, q, out, layer, lists)
+    _run(plan, q, out, layer, lists, qs, os_)

@@ -98,12 +98,14 @@ def store_kv_prechecked(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Ten
     as the pool does once per forward (`hwkv.ops.register_store_kv(..., prechecked=...)`). What the
     caller cannot know is compared here (a strided last dim, k/v on another device): such calls
     take the checked path, which raises the usual typed error."""
-    if ((k.stride(-1) != 1 and k.shape[-1] > 1) or (v.stride(-1) != 1 and v.shape[-1] > 1)
-            or k.device != k_buf.device or v.device != k_buf.device):
+    kt, vt = k.stride(), v.stride()  # read once: the check and the launch share them
+    dev = k_buf.get_device()
+    if ((kt[-1] != 1 and k.shape[-1] > 1) or (vt[-1] != 1 and v.shape[-1] > 1)
+            or k.get_device() != dev or v.get_device() != dev):
         store_kv(k_buf, v_buf, loc, k, v, k_scale, v_scale)
         return
     if loc.shape[0]:
-        _launch(k_buf, v_buf, loc, k, v, k_scale, v_scale, None, True)
+        _launch(k_buf, v_buf, loc, k, v, k_scale, v_scale, None, True, kt, vt)
 
 
 @functools.lru_cache(maxsize=None)
@@ -145,13 +147,14 @@ def _buffer_part(k_buf, v_buf, ks, vs, kept) -> Tuple[Tuple[Any, ...], Optional[
     return args, found, key
 
 
-def _launch(k_buf, v_buf, loc, k, v, k_scale, v_scale, config, kept=False) -> None:
+def _launch(k_buf, v_buf, loc, k, v, k_scale, v_scale, config, kept=False, kt=None, vt=None) -> None:
     """The one launch. Its arguments come in three parts (a call's k and v, a pool layer's buffers and scales, a
     forward's locs); a pool's buffers part is made once (`kept`), so a layer's store compares two specs."""
     n = loc.shape[0]
     ks = 1.0 if k_scale is None else as_scale(k_scale)
     vs = 1.0 if v_scale is None else as_scale(v_scale)
-    kt, vt = k.stride(), v.stride()
+    if kt is None:
+        kt, vt = k.stride(), v.stride()
     call = (k, v, kt[0], kt[1], vt[0], vt[1])
     buffer_args, buffer_spec, buffer_key = _buffer_part(k_buf, v_buf, ks, vs, kept)
     forward = (loc, n)
