@@ -1,12 +1,14 @@
 """Prefill/extend on Hopper: the Gluon sm_90 kernel (hwkv_cuda.kernels.extend_hopper) against the portable
 Triton kernel and torch SDPA (cuDNN and flash backends over dense K/V), each under a CUDA graph.
 
-    HWKV_HOPPER_EXTEND=1 python3 benchmarks/bench_hopper_extend.py [--json out.json] [--d 64]
+    HWKV_HOPPER_EXTEND=1 python3 benchmarks/bench_hopper_extend.py [--json out.json] [--d 64] [--sweep]
 
 Cases (issue 25): 1 x 8192 causal, 4 x 2048 new over a 2048 prefix, 8 x 1024 causal, 1 x 8192 with W=128;
 H=64, KVH=8, D=64, bf16, pages of 16 at random places. TFLOP/s counts visible (query, key) pairs only, the
 same way for every kernel (4 * pairs * H * D flops). Each case first checks the Gluon output against the
 portable kernel's (max abs error, reported). Without HWKV_HOPPER_EXTEND=1 the Gluon column reads n/a.
+--sweep also times the Gluon kernel under each of SWEEP's tile configs (keys per tile, stages, consumer
+registers), each checked against the portable kernel first, and reports them per case, fastest first.
 """
 from __future__ import annotations
 
@@ -30,6 +32,10 @@ H, KVH, PAGE = 64, 8, 16
 DT = torch.bfloat16
 DEV = torch.device("cuda")
 CASES = [(1, 8192, 0, None), (4, 2048, 2048, None), (8, 1024, 0, None), (1, 8192, 0, 128)]   # bs, new, prefix, W
+# D=64 tiles that compile for sm_90 without spills (Triton 3.6): keys per tile, stages, consumer registers
+SWEEP = [extend_hopper.HopperConfig(bn, st, regs) for bn, st, regs in
+         ((128, 2, 224), (128, 3, 224), (128, 4, 224), (64, 3, 224), (64, 4, 224), (64, 6, 224), (128, 2, 240),
+          (128, 3, 240))]
 
 
 class Case:
@@ -68,14 +74,17 @@ class Case:
         extend_attention(*self.args, self.new, self.d ** -0.5, self.window,
                          config=default_config(self.d, False, self.window, DEV))
 
-    def gluon_fn(self):
-        """A launcher of the Gluon kernel, or the reason there is none."""
+    def gluon_fn(self, config=None):
+        """A launcher of the Gluon kernel (under `config`'s tiles where given), or the reason there is none."""
         if not extend_hopper.requested():
             return f"n/a ({extend_hopper.ENV_FLAG} not set)"
         why = extend_hopper.unsupported(self.q, self.k_buf, self.v_buf, self.out, self.new)
         if why:
             return f"n/a ({why})"
         plan = extend_hopper.plan_hopper_extend(self.q, self.k_buf, self.v_buf, self.out, self.new)
+        if config is not None:
+            plan = plan._replace(consts=dict(plan.consts, BLOCK_N=config.block_n, STAGES=config.stages,
+                                             CONSUMER_REGS=config.consumer_regs))
 
         def run():
             assert extend_hopper.run_hopper_extend(plan, *self.args, self.d ** -0.5, self.window)
@@ -117,7 +126,18 @@ def timed(fn):
         return f"failed ({type(e).__name__}: {str(e)[:120]})"
 
 
-def bench(d):
+def check(c, g):
+    """Max abs difference of the Gluon launcher g's output from the portable kernel's."""
+    c.out.fill_(float("nan"))
+    c.portable()
+    want = c.out.float().clone()
+    c.out.fill_(float("nan"))
+    g()
+    torch.cuda.synchronize()
+    return (c.out.float() - want).abs().max().item()
+
+
+def bench(d, sweep=False):
     rows = []
     for bs, new, prefix, window in CASES:
         c = Case(bs, new, prefix, window, d)
@@ -126,13 +146,19 @@ def bench(d):
                    bs=bs, new=new, prefix=prefix, window=window, d=d, pairs=c.pairs)
         g = c.gluon_fn()
         if not isinstance(g, str):   # correctness first: the Gluon output against the portable kernel's
-            c.out.fill_(float("nan"))
-            c.portable()
-            want = c.out.float().clone()
-            c.out.fill_(float("nan"))
-            g()
-            torch.cuda.synchronize()
-            row["max_abs_err_vs_portable"] = (c.out.float() - want).abs().max().item()
+            row["max_abs_err_vs_portable"] = check(c, g)
+        if sweep and not isinstance(g, str) and d == 64:
+            res = []
+            for cfg in SWEEP:
+                f = c.gluon_fn(cfg)
+                try:
+                    err = check(c, f)
+                except Exception as e:  # noqa: BLE001 - a config that fails to build or run is a result
+                    res.append(dict(config=list(cfg), error=f"{type(e).__name__}: {str(e)[:120]}"))
+                    continue
+                us = timed(f)
+                res.append(dict(config=list(cfg), us=us, tflops=c.tflops(us), max_abs_err_vs_portable=err))
+            row["sweep"] = sorted(res, key=lambda r: r["us"] if isinstance(r.get("us"), float) else float("inf"))
         for name, fn in (("gluon", g), ("portable", c.portable),
                          ("sdpa_cudnn", c.sdpa_fn(SDPBackend.CUDNN_ATTENTION)),
                          ("sdpa_flash", c.sdpa_fn(SDPBackend.FLASH_ATTENTION))):
@@ -167,15 +193,20 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write every number here")
     ap.add_argument("--d", type=int, nargs="+", default=[64], help="head dims (64 and/or 128)")
+    ap.add_argument("--sweep", action="store_true", help="also time the Gluon kernel under each SWEEP config (D=64)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=__import__("triton").__version__, gluon_error=extend_hopper.GLUON_ERROR, rows=[])
     for d in a.d:
-        rows = bench(d)
+        rows = bench(d, a.sweep)
         result["rows"] += rows
         print(table(rows))
+        for r in rows:
+            for x in r.get("sweep", []):
+                print(f"sweep {r['case']}: config {x['config']} " + (x["error"] if "error" in x else
+                      f"{fmt(x['us'], x['tflops'])} err {x['max_abs_err_vs_portable']:.3g}"))
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
 

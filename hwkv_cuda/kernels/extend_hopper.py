@@ -375,7 +375,7 @@ def run_hopper_extend(plan: HopperPlan, q: Any, k_buf: Any, v_buf: Any, kv_indpt
 
 
 def compile_for_sm90(d: int = 64, group: int = 8, dtype: str = "bf16", window: bool = False, cap: bool = False,
-                     sinks: bool = False) -> Any:
+                     sinks: bool = False, config: Optional[HopperConfig] = None) -> Any:
     """Compile the kernel for an sm_90 target without a GPU (TTGIR -> PTX -> cubin through the wheel's ptxas), with
     the specialisations the JIT gives real launches (16-byte aligned pointers, strides divisible by 16). For CI and
     for checking a Triton upgrade on a machine without a Hopper GPU."""
@@ -383,7 +383,7 @@ def compile_for_sm90(d: int = 64, group: int = 8, dtype: str = "bf16", window: b
     from triton.experimental.gluon._runtime import GluonASTSource
     if GLUON_ERROR is not None:
         raise RuntimeError(f"Gluon's Hopper API is not importable: {GLUON_ERROR}")
-    cfg, bt = CONFIGS[d], ROWS // group
+    cfg, bt = config or CONFIGS[d], ROWS // group
     layout = gl.NVMMASharedLayout.get_default_for([bt, group, d], gl.bfloat16 if dtype == "bf16" else gl.float16)
     desc = f"tensordesc<{dtype}[{bt}, {group}, {d}],{layout!r}>"
     sig = dict(q_desc=desc, o_desc=desc, k_buf=f"*{dtype}", v_buf=f"*{dtype}", kv_indptr="*i32", kv_indices="*i64",
