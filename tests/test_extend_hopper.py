@@ -76,13 +76,16 @@ class Paged:
         return out
 
     def gluon(self, monkeypatch, logit_cap=0.0, sinks=None, k_scale=None, v_scale=None):
-        """Through the dispatch, as the backend calls it (plan once, run planned)."""
+        """Through the dispatch, as the backend calls it (plan once, run planned); a window, which the dispatch
+        keeps on the portable kernel, through the Gluon kernel's own plan."""
         monkeypatch.setenv(extend_hopper.ENV_FLAG, "1")
         out = self.empty_out()
-        plan = plan_extend(*self.args(out), max(self.extend_lens), sinks, window=self.window)
-        assert plan.hopper is not None, extend_hopper.unsupported(self.q, self.k_buf, self.v_buf, out,
-                                                                  max(self.extend_lens))
-        launched = extend_hopper.run_hopper_extend(plan.hopper, *self.args(out), self.scaling, self.window,
+        if self.window:
+            hop = extend_hopper.plan_hopper_extend(self.q, self.k_buf, self.v_buf, out, max(self.extend_lens))
+        else:
+            hop = plan_extend(*self.args(out), max(self.extend_lens), sinks, window=self.window).hopper
+        assert hop is not None, extend_hopper.unsupported(self.q, self.k_buf, self.v_buf, out, max(self.extend_lens))
+        launched = extend_hopper.run_hopper_extend(hop, *self.args(out), self.scaling, self.window,
                                                    logit_cap, sinks, k_scale, v_scale)
         assert launched
         return out
@@ -126,6 +129,16 @@ def test_gluon_matches_reference_and_portable(monkeypatch, d, case, window):
 def test_gluon_group_sizes(monkeypatch, h, kvh):
     c = Paged([400, 90], [250, 90], h=h, kvh=kvh, d=64, seed=3)
     _close(c.gluon(monkeypatch), c.ref())
+
+
+@hopper
+def test_the_dispatch_keeps_window_layers_on_the_portable_kernel(monkeypatch):
+    """HWKV_HOPPER_EXTEND=1: a causal call plans the Gluon kernel, a window call the portable one (faster there)."""
+    monkeypatch.setenv(extend_hopper.ENV_FLAG, "1")
+    c = Paged([900, 300], [500, 300], window=64, seed=5)
+    out = c.empty_out()
+    assert plan_extend(*c.args(out), 500, None, window=None).hopper is not None
+    assert plan_extend(*c.args(out), 500, None, window=64).hopper is None
 
 
 @hopper
