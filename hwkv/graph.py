@@ -242,16 +242,22 @@ class GraphRunner:
     def _take_inputs(self, inputs: Dict[str, torch.Tensor], n: int) -> None:
         """Check every input for `n` tokens, then copy those not already in the static buffers (an engine that
         writes them there copies nothing); checked whole before the first copy, so a bad input changes nothing."""
+        for v, src in self._check_inputs(inputs, n):
+            v[:n].copy_(src[:n])
+
+    def _check_inputs(self, inputs: Dict[str, torch.Tensor], n: int,
+                      what: str = "") -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """ShapeError unless every input holds `n` tokens of its static buffer's trailing shape; returns the
+        (buffer, input) pairs whose input is not already that buffer (those a replay copies)."""
         fresh = []
         for k, v in self.inputs.items():
             src = inputs.get(k)
             if src is None or src.shape[0] < n or src.shape[1:] != v.shape[1:]:
-                raise ShapeError(f"input {k!r} must be [{n}, {', '.join(map(str, v.shape[1:]))}], got "
+                raise ShapeError(f"input {k!r} must be [{n}, {', '.join(map(str, v.shape[1:]))}]{what}, got "
                                  f"{None if src is None else list(src.shape)}")
             if src.data_ptr() != v.data_ptr():
                 fresh.append((v, src))
-        for v, src in fresh:
-            v[:n].copy_(src[:n])
+        return fresh
 
     def replay(self, step: "PreparedStep") -> torch.Tensor:
         """The layers of a prepared step: replay its bucket's graph (or run the eager fallback)."""

@@ -34,9 +34,6 @@ from hwkv.staging import StagingRing
 
 
 class DecodeStepGraph(GraphRunner):
-    # one step: a decode, one token per request (VerifyStepGraph and DraftStepGraph change these)
-    _MODE, _TOKENS, _TREE, _WHAT = ForwardMode.DECODE, 1, False, "decode"
-
     """Captures `alloc + req_to_token write + refill + fn(batch, inputs) + release` per bucket (see module doc).
 
     `frontiers`: int64 [req_to_token rows] on the device, each row's release frontier (None: no release, a
@@ -44,6 +41,9 @@ class DecodeStepGraph(GraphRunner):
     takes one from the pool). `step(rows, seq_lens, seq_lens_cpu, inputs)` runs one decode step: rows and
     seq_lens (lengths after the step) on the device, seq_lens_cpu their host copy.
     """
+
+    # one step: a decode, one token per request (VerifyStepGraph and DraftStepGraph change these)
+    _MODE, _TOKENS, _TREE, _WHAT = ForwardMode.DECODE, 1, False, "decode"
 
     def __init__(self, backend: Any, allocator: Any, fn: ModelFn, batch_sizes: Sequence[int],
                  input_shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], adapter: Optional[GraphAdapter] = None,
@@ -253,6 +253,7 @@ class DecodeStepGraph(GraphRunner):
 
     def _stage_host_lens(self, bs: int, seq_lens_cpu: torch.Tensor) -> None:
         self.seq_lens_cpu[:bs].copy_(seq_lens_cpu)
+        self.seq_lens_cpu[bs:].fill_(self.new)  # padded requests: what the prologue gives them on the device
 
     def _live_view(self, out: torch.Tensor, bs: int) -> torch.Tensor:
         """The live requests' rows of a replay's output."""
@@ -271,6 +272,7 @@ class DecodeStepGraph(GraphRunner):
                     inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
         """A batch larger than every bucket: the same step through the eager API (never dropped)."""
         self._sent = None  # (nothing staged changes here; the next replay sends all the same)
+        self._check_inputs(inputs, rows.numel() * self.new)  # before any slot is taken
         rows, seq_lens = rows.to(self.rtt.device), seq_lens.to(self.rtt.device)
         loc = self._eager_slots(rows, seq_lens, seq_lens_cpu)
         out = self._eager_forward(rows, seq_lens, seq_lens_cpu, loc, inputs)
@@ -399,15 +401,18 @@ class DraftStepGraph(DecodeStepGraph):
         return self._current
 
     def _stage_inputs(self, inputs: Dict[str, torch.Tensor], bs: int, bucket: int) -> None:
-        """Step-major at the caller's width into step-major at the bucket's; checked whole before the first copy."""
-        k, fresh = self.steps, []
-        for name, buf in self.inputs.items():
-            src = inputs.get(name)
-            if src is None or src.shape[0] < k * bs or src.shape[1:] != buf.shape[1:]:
-                raise ShapeError(f"input {name!r} must be [{k * bs}, {', '.join(map(str, buf.shape[1:]))}] "
-                                 f"(step-major), got {None if src is None else list(src.shape)}")
-            if src.data_ptr() != buf.data_ptr():
-                fresh.append((buf, src))
+        """Step-major at the caller's width into step-major at the bucket's; checked whole before the first copy.
+        An input that is the graph's own buffer must hold the bucket's width (a view of its first k * bs rows at a
+        narrower width would be read at the wrong rows: ShapeError)."""
+        k = self.steps
+        fresh = self._check_inputs(inputs, k * bs, " (step-major)")
+        if bs != bucket:
+            for name, buf in self.inputs.items():
+                src = inputs[name]
+                if src.data_ptr() == buf.data_ptr() and src.shape[0] < k * bucket:
+                    raise ShapeError(f"input {name!r} is the graph's own buffer at {src.shape[0]} rows: written "
+                                     f"there, a draft of {bs} requests sits at bucket {bucket}'s width (step i of "
+                                     f"request b at row i * {bucket} + b); pass the whole buffer, or None")
         for buf, src in fresh:
             _by_step(buf, k, bucket)[:, :bs].copy_(_by_step(src, k, bs))
 

@@ -141,6 +141,35 @@ def test_the_dispatch_keeps_window_layers_on_the_portable_kernel(monkeypatch):
     assert plan_extend(*c.args(out), 500, None, window=64).hopper is None
 
 
+def test_a_window_layer_reading_the_full_list_keeps_the_portable_kernel(monkeypatch):
+    """The dispatch's rule holds where the plan was made without the window (a window layer over the full list, as
+    a pool without an SWA group gives it): the call's window keeps the portable kernel. Runs anywhere: the Gluon
+    plan and launch are stand-ins that record what the dispatch asked for."""
+    from hwkv_cuda.kernels import extend as ext
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    calls = []
+    monkeypatch.setattr(extend_hopper, "plan_hopper_extend", lambda *a, **k: "gluon plan")
+    monkeypatch.setattr(extend_hopper, "run_hopper_extend", lambda plan, *a: calls.append(a[-6]) or True)
+    g = torch.Generator().manual_seed(0)
+    n, h, kvh, d = 8, 2, 1, 16
+    q = torch.randn(n, h, d, generator=g).to(dev)
+    k_buf, v_buf = torch.randn(n + 1, kvh, d, generator=g).to(dev), torch.randn(n + 1, kvh, d, generator=g).to(dev)
+    i32, i64 = dict(dtype=torch.int32, device=dev), dict(dtype=torch.int64, device=dev)
+    lists = (torch.tensor([0, n], **i32), torch.arange(1, n + 1, **i64), torch.zeros(1, **i64))
+    qo, q0 = torch.tensor([0, n], **i32), torch.zeros(1, **i64)
+    for window, gluon in ((None, True), (4, False)):
+        out = torch.full_like(q, float("nan"))
+        plan = ext.plan_extend(q, k_buf, v_buf, *lists, qo, q0, out, n, None, window=None)  # the full list's plan
+        assert plan.hopper == "gluon plan"
+        before = len(calls)
+        ext.extend_attention_planned(plan, q, k_buf, v_buf, *lists, qo, q0, out, n, d ** -0.5, window)
+        assert (len(calls) > before) == gluon, f"window={window}"
+        if not gluon:  # the portable kernel ran the call, its window applied
+            want = reference.batch_attention(q.float().cpu(), [k_buf.float().cpu()[1:]], [v_buf.float().cpu()[1:]],
+                                             [n], [n], d ** -0.5, window)
+            torch.testing.assert_close(out.float().cpu(), want.float(), rtol=1e-3, atol=1e-3)
+
+
 @hopper
 @pytest.mark.parametrize("window_list", [True, False])
 def test_gluon_window_over_a_full_list(monkeypatch, window_list):

@@ -22,7 +22,7 @@ from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule  # noqa: E402
 
 from hwkv.allocator import (TORCH_OPS, ReqToTokenPool, SWATokenToKVPoolAllocator,  # noqa: E402
-                            release_out_of_window_batch)
+                            release_out_of_window_batch, same_snapshot)
 from hwkv.errors import HwkvError  # noqa: E402
 from hwkv.ops import TORCH_STEP  # noqa: E402
 
@@ -520,3 +520,16 @@ def test_alloc_step_equals_three_launches_over_several_programs(page, hybrid):
     assert not hybrid or int(systems[0].frontiers.max()) > 0  # the releases ran
     for s in systems:
         s.a.check_integrity()
+
+
+def test_alloc_step_refuses_staged_pairs_shorter_than_the_batch():
+    """Every lane of `alloc_step` reads its staged (row, length) pair, live or padded: staged views shorter than the
+    bucket are refused with a LocError before the launch, the allocator untouched."""
+    from hwkv.errors import LocError
+    s = System(triton_ops(), 4, 64, 64, 4, 32)
+    staged = torch.zeros(3 + 2 * 2, dtype=I64, device=DEVICE)   # a block for 2 requests...
+    out = [torch.zeros(4, dtype=I64, device=DEVICE) for _ in range(3)]   # ...and a bucket of 4
+    before = s.a.integrity_snapshot()
+    with pytest.raises(LocError, match="reads 4 staged"):
+        s.a.alloc_step(staged[:3], staged[3::2], staged[4::2], s.pad_row, s.rtt, *out)
+    assert same_snapshot(before, s.a.integrity_snapshot())

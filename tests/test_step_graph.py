@@ -165,6 +165,14 @@ class Engine:
                              spec_info=MultiStepDraft(k), seq_lens_cpu=pre_cpu + 1)
         return self.draft_fn(self.backend.init_draft_metadata(batch), inputs).view(k, bs, -1).clone()
 
+    def advance(self, pick, n):
+        """A verdict that keeps every one of the `n` tokens: the lengths move on, then the release on them."""
+        rows = torch.tensor([self.rows[i] for i in pick], dtype=torch.int64, device=DEVICE)
+        self.seq[pick] += n
+        f = self.frontiers[rows]
+        release_out_of_window_batch(self.alloc, self.rtt.req_to_token, rows, self.seq[pick].to(DEVICE), f, W)
+        self.frontiers[rows] = f
+
     def state(self):
         return (self.alloc.integrity_snapshot(), self.rtt.req_to_token.cpu().clone(), self.frontiers.cpu().clone())
 
@@ -478,14 +486,16 @@ def test_auto_tree_verify_runs_the_chain_decode_like_only_in_the_buckets_where_t
     assert graph._static_batch(4).forward_mode == ForwardMode.TARGET_VERIFY
 
 
-@pytest.mark.parametrize("recording", [False, True] if DEVICE == "cpu" else [True])
+@pytest.mark.parametrize("recording,k", [(False, 3), (True, 3), (False, 1), (True, 1)] if DEVICE == "cpu" else
+                         [(True, 3), (True, 1)])
 @pytest.mark.parametrize("page", [1, 4])
-def test_draft_step_graph_equals_the_eager_draft(page, recording):
+def test_draft_step_graph_equals_the_eager_draft(page, recording, k):
     """DraftStepGraph (3 draft steps of both layers) against the eager multi-step draft on the same random inputs:
     every step's outputs token for token, and the allocator, rows and frontiers after each draft and after each
     verify's verdict (the first draft and a random number of the others kept, the rest freed, then the release
     on the kept lengths); padded buckets, inputs passed or written into the graph's buffers, and a batch larger
-    than every bucket (run eagerly)."""
+    than every bucket (run eagerly). k = 1 takes the one-launch allocation (`alloc_step`) where the page ops have
+    it, k = 3 the three launches."""
     if recording and DEVICE == "cpu" and not INTERPRET:
         pytest.skip("the device-side allocation path runs the Triton page ops: TRITON_INTERPRET=1 on CPU")
     ref, got = Engine(page), Engine(page)
@@ -493,7 +503,6 @@ def test_draft_step_graph_equals_the_eager_draft(page, recording):
         from hwkv_cuda.kernels import step as step_kernels
         from hwkv_cuda.kernels.alloc import TritonPageOps
         ref.alloc._ops, got.alloc._ops = TritonPageOps(), TritonPageOps()
-    k = 3
     graph = DraftStepGraph(got.backend, got.alloc, got.draft_fn, [2, 4],
                            {"q": ((H, D), torch.float32), "k": ((KVH, D), torch.float32),
                             "v": ((KVH, D), torch.float32)}, k,
@@ -521,12 +530,17 @@ def test_draft_step_graph_equals_the_eager_draft(page, recording):
         assert have.shape == (k, bs, 2 * H * D)
         torch.testing.assert_close(have.reshape(k, bs, -1), want, rtol=1e-5, atol=1e-5)
         assert same_state(ref.state(), got.state()), f"draft {step}: allocator, rows or frontiers differ"
-        accepted = torch.randint(0, k, (bs,), generator=gen).tolist()
-        ref.accept(pick, accepted, k)
-        got.accept(pick, accepted, k)
+        if k == 1:  # nothing to choose: the one draft stays
+            ref.advance(pick, 1)
+            got.advance(pick, 1)
+        else:
+            accepted = torch.randint(0, k, (bs,), generator=gen).tolist()
+            ref.accept(pick, accepted, k)
+            got.accept(pick, accepted, k)
         assert same_state(ref.state(), got.state()), f"verdict {step}: allocator, rows or frontiers differ"
         got.alloc.check_integrity()
     assert graph.eager_runs == 2 and graph.replays == 8
+    assert graph._one_launch == (k == 1 and got.alloc.allocates_step_in_one)
     assert int(got.frontiers.max()) > 0
 
 
@@ -555,8 +569,47 @@ def test_a_draft_that_might_not_fit_or_is_malformed_is_refused_before_anything_c
     for lens, ins, err, match in (
             (torch.tensor([126, 129]), inputs, LocError, "exceed max_context_len 128"),
             (torch.tensor([41, 3]), inputs, LocError, "draft step continues a request: seq_lens must be >= 4"),
-            (torch.tensor([41, 41]), {k_: v[:5] for k_, v in inputs.items()}, ShapeError, r"must be \[6, 4, 16\]")):
+            (torch.tensor([41, 41]), {k_: v[:5] for k_, v in inputs.items()}, ShapeError, r"must be \[6, 4, 16\]"),
+            (torch.tensor([41, 41]), {k_: v[:6] for k_, v in graph.inputs.items()}, ShapeError, "own buffer")):
         with pytest.raises(err, match=match):
             graph.step(two, lens, lens, ins)
     assert same_state(before, e.state()) and graph.replays == 2 and torch.equal(e.seq, seq)
     e.alloc.check_integrity()
+
+
+@pytest.mark.parametrize("kind", ["decode", "draft"])
+def test_a_batch_past_every_bucket_with_bad_inputs_is_refused_before_any_slot_is_taken(kind):
+    """The eager fallback checks the inputs before it allocates: a ShapeError leaves the allocator, rows and
+    frontiers as they were."""
+    e = Engine(4)
+    shapes = {"q": ((H, D), torch.float32), "k": ((KVH, D), torch.float32), "v": ((KVH, D), torch.float32)}
+    if kind == "decode":
+        graph, n = DecodeStepGraph(e.backend, e.alloc, e.layers_fn, [2], shapes, adapter(), e.frontiers, W), 1
+    else:
+        graph, n = DraftStepGraph(e.backend, e.alloc, e.draft_fn, [2], shapes, 3, adapter()), 3
+    graph.capture()
+    rows = torch.tensor(e.rows[:3], dtype=torch.int64)
+    seq = e.seq[:3] + n
+    short = {"q": torch.randn(3 * n - 1, H, D, device=DEVICE), "k": torch.randn(3 * n, KVH, D, device=DEVICE),
+             "v": torch.randn(3 * n, KVH, D, device=DEVICE)}
+    before = e.state()
+    with pytest.raises(ShapeError, match="input 'q' must be"):
+        graph.step(rows, seq, seq, short)
+    assert same_state(before, e.state()) and graph.eager_runs == 0
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="reads the host lengths an eager 'replay' hands the metadata step")
+def test_padded_requests_get_the_padding_length_on_the_host_too():
+    """A step of 2 requests, then of 1 in the same bucket: the padded request's host length is the padding's
+    (what the prologue gives it on the device), not the length its slot held in the step before."""
+    e = Engine(4)
+    shapes = {"q": ((H, D), torch.float32), "k": ((KVH, D), torch.float32), "v": ((KVH, D), torch.float32)}
+    graph = DecodeStepGraph(e.backend, e.alloc, e.layers_fn, [2], shapes, EagerAdapter(), e.frontiers, W)
+    graph.capture()
+    gen = torch.Generator().manual_seed(3)
+    for pick in ([0, 1], [2]):
+        inputs = {"q": torch.randn(len(pick), H, D, generator=gen), "k": torch.randn(len(pick), KVH, D, generator=gen),
+                  "v": torch.randn(len(pick), KVH, D, generator=gen)}
+        e.graph_step(graph, pick, inputs, on_host=True)
+    assert graph.seq_lens_cpu[:2].tolist() == [int(e.seq[2]), 1]
+    assert graph.seq_lens[:2].tolist() == [int(e.seq[2]), 1]

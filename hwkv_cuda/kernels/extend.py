@@ -344,7 +344,8 @@ def _run(plan: ExtendPlan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_i
          window, logit_cap, sinks, k_scale, v_scale, tree) -> None:
     if plan.grid[0] == 0:
         return
-    if plan.hopper is not None and extend_hopper.run_hopper_extend(
+    # a window layer reading the full list (its plan made without the window) keeps the portable kernel too
+    if plan.hopper is not None and not window and extend_hopper.run_hopper_extend(
             plan.hopper, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, scaling, window,
             logit_cap, sinks, k_scale, v_scale):
         return

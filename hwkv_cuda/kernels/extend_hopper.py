@@ -4,7 +4,7 @@ Same contract as `hwkv_cuda.kernels.extend` (q [T, H, D], keys listed per reques
 causal + window, GQA packed, sinks, soft-cap, K/V scales) for the plain features; the rest (fp8 K/V, verify
 trees, Dv != D, fp32, other head dims, group sizes that are not powers of two) stays with the portable kernel.
 Off unless HWKV_HOPPER_EXTEND=1 (see `plan_hopper_extend`): on an H200 it runs at the portable kernel's speed
-(1.02x at 1 x 8192 causal, 0.64x FlashAttention-3's target of 460 TFLOP/s), not faster.
+(1.01x at 1 x 8192 causal: 370 TFLOP/s, 0.80x the issue's target of 460), not faster.
 
 One program (grid: kv head, token block from the heaviest, request) owns 2 x BT consecutive query tokens of
 one request times the GROUP q heads of one kv head: two [64, D] row tiles (BT = 64 // GROUP tokens each),
@@ -64,8 +64,9 @@ class HopperConfig(NamedTuple):
 
 PRODUCER_WARPS = 4
 # Checked with ptxas (Triton 3.6, sm_90a): no spills at these tiles; D=128 with 128-key tiles spills at 200-232
-# consumer registers. D=64 from an H200 sweep (docs/benchmarks.md): 4 stages of 128 keys beat 3 by 2-4% on the
-# causal cases; 64-key tiles lose there (but win at W=128); 240 consumer registers starve the producer (1.6x slower).
+# consumer registers. D=64 from an H200 sweep (docs/benchmarks.md): 4 stages of 128 keys beat 3 by 2-4% at 1 x 8192
+# and 4 x 2048 over 2048 (at 8 x 1024, 64-key tiles lead by 3% and 3 stages beat 4 by 1%; 64-key tiles also win at
+# W=128, which the dispatch keeps on the portable kernel); 240 consumer registers starve the producer (1.6x slower).
 CONFIGS: Dict[int, HopperConfig] = {64: HopperConfig(block_n=128, stages=4), 128: HopperConfig(block_n=64, stages=4)}
 
 
