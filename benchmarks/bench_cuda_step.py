@@ -410,6 +410,46 @@ def whole_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, back
     return rows
 
 
+def _step_graph_driver(s: "Setup", g: Any, inputs: Dict[str, torch.Tensor], t: int, n: int):
+    """What drives a step graph of `n` new tokens per request over a Setup as an engine does: the inputs written into
+    its buffers, a ForwardSlots over the Setup's rows and frontiers, every request's length (all equal, in a list the
+    paths move), and one graph step (the replay, then the out-of-window release on the new lengths)."""
+    from hwkv.engine.forward import ForwardSlots
+    for k, v in inputs.items():  # an engine writes the step's inputs into the graph's buffers
+        g.inputs[k][:t].copy_(v)
+    slots = ForwardSlots(s.alloc, s.rtt, W)
+    rows = s.rows.tolist()
+    slots.frontiers[s.rows] = s.frontiers
+    slots.frontiers_cpu[rows] = s.frontiers.cpu().numpy()
+    length = [int(s.seq_cpu[0])]
+    rows_cpu = torch.tensor(rows, dtype=torch.int64)
+    bs = len(rows)
+
+    def graph_step() -> None:
+        length[0] += n
+        seq = torch.full((bs,), length[0], dtype=torch.int64)
+        g.step(rows_cpu, seq, seq)
+        slots.release(rows, [length[0]] * bs, g.req_pool_indices[:bs], g.seq_lens[:bs])
+    return slots, rows, length, graph_step
+
+
+def _three_paths(s: "Setup", graph_step: Callable[[], None], host_step: Callable[[], None], only: GraphRunner,
+                 bs: int, dev: str, iters: int, rounds: int, baseline: str) -> Dict[str, Any]:
+    """The step graph, the host path it replaces and the runner's replay alone (`baseline`: its column), pipelined
+    in alternating rounds, the runner prepared again by a host step before each of its rounds (at the lengths
+    reached); host time and syncs of the graph's step; the allocator checked after."""
+    host_step()  # the runner prepared once
+    host = host_per_step(graph_step, dev, iters)
+    syncs = host_syncs(graph_step, dev)
+    a, b, c = alternating_rounds((graph_step, host_step, lambda: only.adapter.replay(only.graphs[bs].graph)),
+                                 dev, iters, rounds, before=(None, None, host_step))
+    s.alloc.check_integrity()
+    return {"graph_host_us": round(host, 1), "graph_step_us": round(statistics.median(a), 1),
+            "host_path_us": round(statistics.median(b), 1), baseline: round(statistics.median(c), 1),
+            "graph_ratio": round(statistics.median(x / z for x, z in zip(a, c)), 3),
+            "host_path_ratio": round(statistics.median(y / z for y, z in zip(b, c)), 3), "syncs_per_step": syncs}
+
+
 def verify_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, backend_cls, iters: int,
                      drafts: int = 4, rounds: int = 7, modes: Sequence[str] = ("extend", "auto")) -> List[Dict]:
     """A linear verify of `drafts` drafts per request (TARGET_VERIFY, drafts + 1 tokens each, every draft kept)
@@ -419,7 +459,6 @@ def verify_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, bac
     layers prepared and replayed); the layers' replay alone. Pipelined in alternating rounds (us per step). Per
     backend `tree_verify` in `modes`: "extend" runs the extend kernels' causal verify, "auto" the graph's chain
     decode-like where the backend says that pays (the host path and the layers alone stay causal extend)."""
-    from hwkv.engine.forward import ForwardSlots
     from hwkv.step_graph import VerifyStepGraph
     n, out = drafts + 1, []
     adapter = EagerAdapter if dev != "cuda" else __import__("hwkv_cuda.graph", fromlist=["x"]).CUDAGraphAdapter
@@ -438,20 +477,7 @@ def verify_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, bac
         g.capture()
         only = GraphRunner(be, layers, [bs], shapes, adapter(), ForwardMode.TARGET_VERIFY, n)
         only.capture()
-        for k, v in inputs.items():  # an engine writes the step's inputs into the graph's buffers
-            g.inputs[k][:t].copy_(v)
-        slots = ForwardSlots(s.alloc, s.rtt, W)
-        rows = s.rows.tolist()
-        slots.frontiers[s.rows] = s.frontiers
-        slots.frontiers_cpu[rows] = s.frontiers.cpu().numpy()
-        length = [int(s.seq_cpu[0])]  # every request's length (all equal), moved by both paths
-        rows_cpu = torch.tensor(rows, dtype=torch.int64)
-
-        def graph_step() -> None:
-            length[0] += n
-            seq = torch.full((bs,), length[0], dtype=torch.int64)
-            g.step(rows_cpu, seq, seq)
-            slots.release(rows, [length[0]] * bs, g.req_pool_indices[:bs], g.seq_lens[:bs])
+        slots, rows, length, graph_step = _step_graph_driver(s, g, inputs, t, n)
 
         def host_step() -> None:
             lens = slots.plan_extend(ForwardMode.TARGET_VERIFY, rows, [length[0]] * bs, [n] * bs)
@@ -460,20 +486,9 @@ def verify_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, bac
             length[0] += n
             slots.release(rows, lens.seq, batch.req_pool_indices, batch.seq_lens)
 
-        host_step()  # the layers' graph prepared once: its replay alone repeats this step
-        host = host_per_step(graph_step, dev, iters)
-        syncs = host_syncs(graph_step, dev)
-        a, b, c = alternating_rounds((graph_step, host_step, lambda: only.adapter.replay(only.graphs[bs].graph)),
-                                     dev, iters, rounds, before=(None, None, host_step))  # (at the lengths reached)
-        s.alloc.check_integrity()
-        ga, ho, la = statistics.median(a), statistics.median(b), statistics.median(c)
         out.append(dict(bench="verify-step", bs=bs, drafts=drafts, ctx=ctx, page_size=page_size, tree_verify=mode,
                         graph_runs="decode-like" if g.decode_like(bs) else "extend",
-                        graph_host_us=round(host, 1), graph_step_us=round(ga, 1), host_path_us=round(ho, 1),
-                        layers_replay_us=round(la, 1),
-                        graph_ratio=round(statistics.median(x / z for x, z in zip(a, c)), 3),
-                        host_path_ratio=round(statistics.median(y / z for y, z in zip(b, c)), 3),
-                        syncs_per_step=syncs))
+                        **_three_paths(s, graph_step, host_step, only, bs, dev, iters, rounds, "layers_replay_us")))
         del s, g, only, be
         if dev == "cuda":
             torch.cuda.empty_cache()
@@ -489,7 +504,6 @@ def draft_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, back
     step-major batch, then a DraftGraphRunner prepared and replayed); the DraftGraphRunner's replay alone.
     Pipelined in alternating rounds (us per draft)."""
     from hwkv.draft import DraftGraphRunner
-    from hwkv.engine.forward import ForwardSlots
     from hwkv.spec import MultiStepDraft
     from hwkv.step_graph import DraftStepGraph
     out = []
@@ -520,21 +534,8 @@ def draft_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, back
         g.capture()
         only = DraftGraphRunner(be, fn, [bs], shapes, steps, adapter())
         only.capture()
-        for k, v in inputs.items():  # an engine writes the step's inputs into the graph's buffers
-            g.inputs[k][:t].copy_(v)
-        slots = ForwardSlots(s.alloc, s.rtt, W)
-        rows = s.rows.tolist()
-        slots.frontiers[s.rows] = s.frontiers
-        slots.frontiers_cpu[rows] = s.frontiers.cpu().numpy()
-        length = [int(s.seq_cpu[0])]
-        rows_cpu = torch.tensor(rows, dtype=torch.int64)
+        slots, rows, length, graph_step = _step_graph_driver(s, g, inputs, t, steps)
         draft = MultiStepDraft(steps)
-
-        def graph_step() -> None:
-            length[0] += steps
-            seq = torch.full((bs,), length[0], dtype=torch.int64)
-            g.step(rows_cpu, seq, seq)
-            slots.release(rows, [length[0]] * bs, g.req_pool_indices[:bs], g.seq_lens[:bs])
 
         def host_step() -> None:
             lens = slots.plan_extend(ForwardMode.EXTEND, rows, [length[0]] * bs, [steps] * bs)
@@ -546,19 +547,9 @@ def draft_step_rows(dev: str, batches: List[int], ctx: int, page_size: int, back
             length[0] += steps
             slots.release(rows, lens.seq, lens.rows_dev, lens.seq_dev)
 
-        host_step()  # the runner prepared once: its replay alone repeats this draft
-        host = host_per_step(graph_step, dev, iters)
-        syncs = host_syncs(graph_step, dev)
-        a, b, c = alternating_rounds((graph_step, host_step, lambda: only.adapter.replay(only.graphs[bs].graph)),
-                                     dev, iters, rounds, before=(None, None, host_step))  # (at the lengths reached)
-        s.alloc.check_integrity()
         out.append(dict(bench="draft-step", bs=bs, steps=steps, draft_layers=draft_layers, ctx=ctx,
-                        page_size=page_size, graph_host_us=round(host, 1),
-                        graph_step_us=round(statistics.median(a), 1), host_path_us=round(statistics.median(b), 1),
-                        runner_replay_us=round(statistics.median(c), 1),
-                        graph_ratio=round(statistics.median(x / z for x, z in zip(a, c)), 3),
-                        host_path_ratio=round(statistics.median(y / z for y, z in zip(b, c)), 3),
-                        syncs_per_step=syncs))
+                        page_size=page_size,
+                        **_three_paths(s, graph_step, host_step, only, bs, dev, iters, rounds, "runner_replay_us")))
         del s, g, only, be
         if dev == "cuda":
             torch.cuda.empty_cache()
