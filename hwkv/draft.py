@@ -276,7 +276,27 @@ def _by_step(buf: torch.Tensor, steps: int, bs: int) -> torch.Tensor:
     return buf[:steps * bs].view(steps, bs, *buf.shape[1:])
 
 
-class DraftGraphRunner(GraphRunner):
+class DraftReplay:
+    """What every graph of a multi-step draft shares (DraftGraphRunner, `hwkv.step_graph.DraftStepGraph`): the
+    backend's draft graph state for `steps` steps, `fn` taking the steps of the latest refill, and the
+    step-major output read by step and request. Mixed in ahead of the runner class."""
+
+    steps: int
+    backend: Any
+    _current: Optional[DraftSteps] = None
+
+    def _init_state(self, max_bs: int, max_tokens: int) -> None:
+        self.backend.init_draft_graph_state(max_bs, self.steps)
+
+    def _arg(self, batch: ForwardBatch) -> Any:
+        return self._current  # the steps of the latest refill (their lists are static buffers)
+
+    def _by_step_rows(self, out: torch.Tensor, bs: int) -> torch.Tensor:
+        """A step-major output [k * bucket, ...] as [k, bs, ...] of the live requests."""
+        return out.view(self.steps, -1, *out.shape[1:])[:, :bs]
+
+
+class DraftGraphRunner(DraftReplay, GraphRunner):
     """Captures the whole k-step draft forward per batch-size bucket: `fn(steps, inputs)` runs every
     step (`for step_batch in steps:` its layers) and returns [k * bs, ...]; inputs are per token,
     step-major [k * bs, ...]; `run` returns [k, bs, ...]. Larger batches run eagerly (never dropped)."""
@@ -291,20 +311,14 @@ class DraftGraphRunner(GraphRunner):
         self._current: Optional[DraftSteps] = None
         super().__init__(backend, fn, batch_sizes, input_shapes, adapter, ForwardMode.DECODE)
 
-    def _init_state(self, max_bs: int, max_tokens: int) -> None:
-        self.backend.init_draft_graph_state(max_bs, self.steps)
-
     def _refill(self, batch: ForwardBatch) -> None:
         self._current = self.backend.init_draft_metadata_graph(batch)
-
-    def _arg(self, batch: ForwardBatch) -> Any:
-        return self._current  # the steps of the latest refill (their lists are static buffers)
 
     def _eager(self, batch: ForwardBatch) -> Any:
         return self.backend.init_draft_metadata(batch)
 
     def _live(self, out: torch.Tensor, step: PreparedStep) -> torch.Tensor:
-        return out.view(self.steps, -1, *out.shape[1:])[:, :step.num_tokens // self.steps]
+        return self._by_step_rows(out, step.num_tokens // self.steps)
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         return ForwardBatch(ForwardMode.DECODE, bs, self.req_pool_indices[:bs], self.seq_lens[:bs],

@@ -92,8 +92,8 @@ class GraphRunner:
         self.extend_prefix_lens = torch.zeros(max_bs, **i64)
         # host copies of the padded batch's lengths, handed on when the engine's batch has them (backends
         # whose vendor op takes host length lists read them in the metadata step: no device read)
-        self.seq_lens_cpu = torch.full((max_bs,), tokens_per_req, dtype=torch.int64)
-        self.extend_seq_lens_cpu = torch.full((max_bs,), tokens_per_req, dtype=torch.int64)
+        self.seq_lens_cpu = torch.full((max_bs,), tokens_per_req, dtype=torch.int64, device="cpu")
+        self.extend_seq_lens_cpu = torch.full((max_bs,), tokens_per_req, dtype=torch.int64, device="cpu")
         self._host_lens = True
         # the verify tree's static mask: every request's [tpr, tpr] block, a chain (causal) until filled
         chain = torch.ones(tokens_per_req, tokens_per_req, dtype=torch.bool, device=dev).tril_().reshape(-1)

@@ -26,7 +26,7 @@ import torch
 from hwkv import ops
 from hwkv.allocator import release_out_of_window_batch
 from hwkv.batch import ForwardBatch, ForwardMode
-from hwkv.draft import DraftSteps, _by_step
+from hwkv.draft import DraftReplay, _by_step
 from hwkv.errors import ConfigError, LocError, ShapeError
 from hwkv.graph import EagerAdapter, GraphAdapter, GraphRunner, ModelFn, _Captured
 from hwkv.spec import MultiStepDraft
@@ -304,7 +304,7 @@ class DecodeStepGraph(GraphRunner):
         if n == 1:
             batch = ForwardBatch(ForwardMode.DECODE, bs, rows, seq_lens, loc, seq_lens_cpu=seq_lens_cpu)
         else:  # a verify: tokens [length - n, length) of each request
-            ext = torch.full((bs,), n, dtype=torch.int64)
+            ext = torch.full((bs,), n, dtype=torch.int64, device="cpu")
             batch = ForwardBatch(self.mode, bs, rows, seq_lens, loc, seq_lens - n, ext.to(self.rtt.device),
                                  seq_lens_cpu=seq_lens_cpu, extend_seq_lens_cpu=ext)
         self.backend.init_forward_metadata(batch)
@@ -350,7 +350,7 @@ class VerifyStepGraph(DecodeStepGraph):
         return batch if self.tree_mask is None or self.decode_like(bs) else dataclasses.replace(batch, spec_info=None)
 
 
-class DraftStepGraph(DecodeStepGraph):
+class DraftStepGraph(DraftReplay, DecodeStepGraph):
     """A multi-step draft in one graph per bucket: `draft_steps` decode steps of a draft model, each request's k
     slots allocated and written into req_to_token (prologue, allocation, write: as VerifyStepGraph's, k tokens a
     request), put in step order, every step's metadata refilled (`init_draft_metadata_graph`: the write locs and
@@ -371,15 +371,11 @@ class DraftStepGraph(DecodeStepGraph):
             raise ConfigError(f"a draft runs draft_steps >= 1 steps, got draft_steps={draft_steps!r}")
         self.steps = draft_steps
         self.draft = MultiStepDraft(draft_steps, writes_swa)
-        self._current: Optional[DraftSteps] = None
         super().__init__(backend, allocator, fn, batch_sizes, input_shapes, adapter, pad_row=pad_row)
         b, dev = self.buckets[-1], backend.device
         self.req_loc = torch.zeros(b * draft_steps, dtype=torch.int64, device=dev)  # the allocation's, request-major
         self.seq0 = torch.ones(b, dtype=torch.int64, device=dev)                    # lengths after step 0
-        self.seq0_cpu = torch.ones(b, dtype=torch.int64)
-
-    def _init_state(self, max_bs: int, max_tokens: int) -> None:
-        self.backend.init_draft_graph_state(max_bs, self.steps)
+        self.seq0_cpu = torch.ones(b, dtype=torch.int64, device="cpu")
 
     def _slots(self, bs: int) -> torch.Tensor:
         return self.req_loc[:bs * self.steps]
@@ -396,9 +392,6 @@ class DraftStepGraph(DecodeStepGraph):
         self.out_cache_loc[:bs * k].view(k, bs).copy_(self.req_loc[:bs * k].view(bs, k).t())
         torch.sub(self.seq_lens[:bs], k - 1, out=self.seq0[:bs])
         self._current = self.backend.init_draft_metadata_graph(batch)
-
-    def _arg(self, batch: ForwardBatch) -> Any:
-        return self._current
 
     def _stage_inputs(self, inputs: Dict[str, torch.Tensor], bs: int, bucket: int) -> None:
         """Step-major at the caller's width into step-major at the bucket's; checked whole before the first copy.
@@ -421,7 +414,7 @@ class DraftStepGraph(DecodeStepGraph):
         self.seq0_cpu[bs:].fill_(1)  # padded requests: length 1 after step 0
 
     def _live_view(self, out: torch.Tensor, bs: int) -> torch.Tensor:
-        return out.view(self.steps, -1, *out.shape[1:])[:, :bs]
+        return self._by_step_rows(out, bs)
 
     def _eager_forward(self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
                        loc: torch.Tensor, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:

@@ -126,8 +126,8 @@ def draft_steps(h: Harness, rids: Sequence[int], num_steps: int, check: bool = T
     bs = len(rids)
     inputs = h.random_inputs(bs * num_steps)
     if runner is not None and not isinstance(runner, DraftGraphRunner):  # a DraftStepGraph allocates in its replay
-        rows = torch.tensor([h.requests[r].row for r in rids], dtype=I64)
-        seq = torch.tensor([h.requests[r].seq_len + num_steps for r in rids], dtype=I64)
+        rows = torch.tensor([h.requests[r].row for r in rids], dtype=I64, device="cpu")   # on the host: sent with
+        seq = torch.tensor([h.requests[r].seq_len + num_steps for r in rids], dtype=I64, device="cpu")  # the step
         flat = runner.step(rows, seq, seq, inputs)                           # [k, bs, ...]
     elif runner is not None:
         flat = runner.run(draft_batch(h, rids, num_steps, writes_swa), inputs)
