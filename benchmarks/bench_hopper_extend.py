@@ -32,10 +32,12 @@ H, KVH, PAGE = 64, 8, 16
 DT = torch.bfloat16
 DEV = torch.device("cuda")
 CASES = [(1, 8192, 0, None), (4, 2048, 2048, None), (8, 1024, 0, None), (1, 8192, 0, 128)]   # bs, new, prefix, W
-# D=64 tiles that compile for sm_90 without spills (Triton 3.6): keys per tile, stages, consumer registers
-SWEEP = [extend_hopper.HopperConfig(bn, st, regs) for bn, st, regs in
-         ((128, 2, 224), (128, 3, 224), (128, 4, 224), (64, 3, 224), (64, 4, 224), (64, 6, 224), (128, 2, 240),
-          (128, 3, 240))]
+# D=64 tiles and schedules that compile for sm_90 without spills (Triton 3.6): keys per tile, stages, consumer
+# registers, persistent programs, ping-pong between the consumers, Q in registers
+_C = extend_hopper.HopperConfig
+SWEEP = {64: [_C(64, 6, 152, consumers=3), _C(64, 8, 152, consumers=3), _C(64, 6, 144, consumers=3),
+             _C(64, 6, 152, q_regs=True, consumers=3), _C(64, 4, 152, q_regs=True, consumers=3), _C(128, 4, 208)],
+         128: [_C(64, 4, 208), _C(64, 3, 152, consumers=3), _C(64, 4, 152, consumers=3)]}
 
 
 class Case:
@@ -83,8 +85,7 @@ class Case:
             return f"n/a ({why})"
         plan = extend_hopper.plan_hopper_extend(self.q, self.k_buf, self.v_buf, self.out, self.new)
         if config is not None:
-            plan = plan._replace(consts=dict(plan.consts, BLOCK_N=config.block_n, STAGES=config.stages,
-                                             CONSUMER_REGS=config.consumer_regs))
+            plan = extend_hopper._plan(H // KVH, KVH, self.d, self.new, config, DEV)
 
         def run():
             assert extend_hopper.run_hopper_extend(plan, *self.args, self.d ** -0.5, self.window)
@@ -147,17 +148,17 @@ def bench(d, sweep=False):
         g = c.gluon_fn()
         if not isinstance(g, str):   # correctness first: the Gluon output against the portable kernel's
             row["max_abs_err_vs_portable"] = check(c, g)
-        if sweep and not isinstance(g, str) and d == 64:
+        if sweep and not isinstance(g, str):
             res = []
-            for cfg in SWEEP:
+            for cfg in SWEEP[d]:
                 f = c.gluon_fn(cfg)
                 try:
                     err = check(c, f)
                 except Exception as e:  # noqa: BLE001 - a config that fails to build or run is a result
-                    res.append(dict(config=list(cfg), error=f"{type(e).__name__}: {str(e)[:120]}"))
+                    res.append(dict(config=cfg._asdict(), error=f"{type(e).__name__}: {str(e)[:120]}"))
                     continue
                 us = timed(f)
-                res.append(dict(config=list(cfg), us=us, tflops=c.tflops(us), max_abs_err_vs_portable=err))
+                res.append(dict(config=cfg._asdict(), us=us, tflops=c.tflops(us), max_abs_err_vs_portable=err))
             row["sweep"] = sorted(res, key=lambda r: r["us"] if isinstance(r.get("us"), float) else float("inf"))
         for name, fn in (("gluon", g), ("portable", c.portable),
                          ("sdpa_cudnn", c.sdpa_fn(SDPBackend.CUDNN_ATTENTION)),

@@ -124,6 +124,33 @@ def test_gluon_matches_reference_and_portable(monkeypatch, d, case, window):
     _close(got, c.portable())
 
 
+VARIANTS = {   # the sweep's schedule switches, each against the reference
+    "persistent": extend_hopper.HopperConfig(128, 4),
+    "one_item_per_program": extend_hopper.HopperConfig(128, 4, persistent=False),
+    "pingpong": extend_hopper.HopperConfig(128, 4, pingpong=True),
+    "q_regs": extend_hopper.HopperConfig(128, 4, q_regs=True),
+    "pingpong_q_regs_64_keys": extend_hopper.HopperConfig(64, 3, pingpong=True, q_regs=True),
+    "three_consumers": extend_hopper.HopperConfig(64, 4, 152, consumers=3),
+}
+
+
+@hopper
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("programs", [1, 3, 7])
+@pytest.mark.parametrize("window", [None, 37])
+def test_gluon_programs_walk_many_items(monkeypatch, variant, programs, window):
+    """A few persistent programs each walk many work items (empty ones of short requests among them), carrying the
+    ring's stages, the Q tiles' phases and the O tiles' stores from one item to the next."""
+    c = Paged([1000, 17, 160, 33, 300], [1000, 17, 40, 1, 300], h=16, kvh=2, d=64, window=window, seed=11)
+    out = c.empty_out()
+    plan = extend_hopper._plan(8, 2, 64, 1000, VARIANTS[variant], c.q.device)
+    if plan.programs:
+        plan = plan._replace(programs=programs)
+    sinks = torch.randn(16, generator=torch.Generator().manual_seed(2)).float().cuda()
+    assert extend_hopper.run_hopper_extend(plan, *c.args(out), c.scaling, window, 0.0, sinks)
+    _close(out, c.ref(sinks=sinks))
+
+
 @hopper
 @pytest.mark.parametrize("h,kvh", [(64, 8), (8, 8), (32, 2), (64, 1)])
 def test_gluon_group_sizes(monkeypatch, h, kvh):
@@ -133,8 +160,8 @@ def test_gluon_group_sizes(monkeypatch, h, kvh):
 
 @hopper
 def test_the_dispatch_keeps_window_layers_on_the_portable_kernel(monkeypatch):
-    """HWKV_HOPPER_EXTEND=1: a causal call plans the Gluon kernel, a window call the portable one (faster there)."""
-    monkeypatch.setenv(extend_hopper.ENV_FLAG, "1")
+    """D=64: a causal call plans the Gluon kernel, a window call the portable one (at par there)."""
+    monkeypatch.delenv(extend_hopper.ENV_FLAG, raising=False)
     c = Paged([900, 300], [500, 300], window=64, seed=5)
     out = c.empty_out()
     assert plan_extend(*c.args(out), 500, None, window=None).hopper is not None
@@ -196,28 +223,41 @@ def test_gluon_fp16(monkeypatch):
 
 
 @hopper
-def test_backend_call_takes_the_gluon_kernel_only_when_requested(monkeypatch):
+def test_backend_call_takes_the_gluon_kernel_unless_turned_off(monkeypatch):
     c = Paged([300], [300])
-    monkeypatch.delenv(extend_hopper.ENV_FLAG, raising=False)
     out = c.empty_out()
+    monkeypatch.setenv(extend_hopper.ENV_FLAG, "0")
     assert plan_extend(*c.args(out), 300).hopper is None
-    monkeypatch.setenv(extend_hopper.ENV_FLAG, "1")
+    monkeypatch.delenv(extend_hopper.ENV_FLAG, raising=False)
     assert plan_extend(*c.args(out), 300).hopper is not None
     extend_attention(*c.args(out), 300, c.scaling)   # through the dispatch
     _close(out, c.ref())
 
 
-# ------------------------------------------------------------------- dispatch (runs everywhere)
-def test_off_unless_requested_and_reasons_name_the_feature(monkeypatch):
+@hopper
+def test_d128_window_layers_take_the_gluon_kernel(monkeypatch):
+    """D=128 window layers plan the Gluon kernel (1.57x the portable kernel there), D=64 ones the portable kernel."""
     monkeypatch.delenv(extend_hopper.ENV_FLAG, raising=False)
+    for d, gluon in ((128, True), (64, False)):
+        c = Paged([900, 300], [500, 300], d=d, window=64, seed=5)
+        out = c.empty_out()
+        assert (plan_extend(*c.args(out), 500, None, window=64).hopper is not None) == gluon, d
+        extend_attention(*c.args(out), 500, c.scaling, 64)
+        _close(out, c.ref())
+
+
+# ------------------------------------------------------------------- dispatch (runs everywhere)
+def test_on_unless_turned_off_and_reasons_name_the_feature(monkeypatch):
+    monkeypatch.setenv(extend_hopper.ENV_FLAG, "0")
     assert extend_hopper.requested() is False
     q = torch.zeros(32, 8, 64, dtype=torch.bfloat16)
     kv = torch.zeros(64, 1, 64, dtype=torch.bfloat16)
     assert extend_hopper.plan_hopper_extend(q, kv, kv, q, 32) is None
-    monkeypatch.setenv(extend_hopper.ENV_FLAG, "1")
+    monkeypatch.delenv(extend_hopper.ENV_FLAG, raising=False)
     assert extend_hopper.requested() is True
     assert extend_hopper.plan_hopper_extend(q, kv, kv, q, 32) is None   # a CPU tensor: never the Gluon kernel
     assert extend_hopper.unsupported(q, kv, kv, q, 32) is not None
+    assert extend_hopper.takes_window(128) and not extend_hopper.takes_window(64) and not extend_hopper.takes_window(80)
 
 
 def _compile_reason():
@@ -235,13 +275,33 @@ def _compile_reason():
 
 
 @pytest.mark.skipif(_compile_reason() is not None, reason=str(_compile_reason()))
-@pytest.mark.parametrize("d,window,cap_sinks", [(64, False, False), (128, True, False), (64, True, True)])
-def test_compiles_for_sm90_without_a_gpu(d, window, cap_sinks):
+@pytest.mark.parametrize("d,window,cap_sinks,variant", [(64, False, False, None), (128, True, False, None),
+                                                        (64, True, True, "three_consumers")])
+def test_compiles_for_sm90_without_a_gpu(d, window, cap_sinks, variant):
     """The kernel lowers to sm_90 PTX and ptxas takes it without spills: warp-specialised (setmaxnreg), async
     wgmma, cp.async gathers, TMA for Q and O."""
-    k = extend_hopper.compile_for_sm90(d, 8, window=window, cap=cap_sinks, sinks=cap_sinks)
+    k = extend_hopper.compile_for_sm90(d, 8, window=window, cap=cap_sinks, sinks=cap_sinks,
+                                       config=VARIANTS.get(variant))
     ptx = k.asm["ptx"]
     for needle in ("wgmma.mma_async", "cp.async.cg", "cp.async.mbarrier.arrive.noinc", "cp.async.bulk.tensor.3d",
                    "setmaxnreg"):
         assert needle in ptx, needle
     assert ".local" not in ptx
+    sass = _sass(k.asm["cubin"])
+    if sass is not None:   # register spills show only in the machine code: local stores and loads
+        assert "STL" not in sass and "LDL" not in sass, "the sm_90 build spills registers"
+
+
+def _sass(cubin: bytes):
+    """The machine code of a cubin (cuobjdump from Triton's wheel), or None where the wheel has none."""
+    import os
+    import subprocess
+    import tempfile
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout

@@ -60,6 +60,11 @@ class HopperConfig(NamedTuple):
     block_n: int      # keys per tile
     stages: int       # K/V shared-memory stages
     consumer_regs: int = 224   # setmaxnreg of each consumer warpgroup; the producer (default partition) keeps the rest
+    persistent: bool = True    # one program per SM walking the work items (False: one program per item)
+    pingpong: bool = False     # the two consumers take turns issuing their products (FA3's ping-pong)
+    q_regs: bool = False       # Q read into registers once per item (S = Q K^T from registers, not shared memory)
+    consumers: int = 2         # consumer warpgroups (2 or 3) sharing each key tile: 64 query rows each
+    windows: bool = False      # window layers take this kernel too (where measured faster than the portable one)
 
 
 PRODUCER_WARPS = 4
@@ -67,7 +72,8 @@ PRODUCER_WARPS = 4
 # consumer registers. D=64 from an H200 sweep (docs/benchmarks.md): 4 stages of 128 keys beat 3 by 2-4% at 1 x 8192
 # and 4 x 2048 over 2048 (at 8 x 1024, 64-key tiles lead by 3% and 3 stages beat 4 by 1%; 64-key tiles also win at
 # W=128, which the dispatch keeps on the portable kernel); 240 consumer registers starve the producer (1.6x slower).
-CONFIGS: Dict[int, HopperConfig] = {64: HopperConfig(block_n=128, stages=4), 128: HopperConfig(block_n=64, stages=4)}
+CONFIGS: Dict[int, HopperConfig] = {64: HopperConfig(block_n=64, stages=6, consumer_regs=152, consumers=3),
+                                     128: HopperConfig(block_n=64, stages=4, consumer_regs=208, windows=True)}
 
 
 if gluon is not None:
@@ -79,29 +85,113 @@ if gluon is not None:
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
     @gluon.jit
-    def _producer(k_buf, v_buf, kv_indices, k_smem, v_smem, ready, empty, kv_start, lo, hi, n_tiles, kvh,
-                  s_kb, s_kh, s_vb, s_vh, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  WARPS: gl.constexpr):
-        """Gather every key tile's K and V rows into the ring of stages (cp.async, 16 bytes a thread)."""
+    def _item_index(i, n_items):
+        """The i-th work item of this program: rounds of one item per program, the order reversed every other
+        round (items come heaviest first, so each program's total evens out); n_items or more: none."""
+        pid = gl.program_id(0)
+        n_prog = gl.num_programs(0)
+        return i * n_prog + pid + (i % 2) * (n_prog - 1 - 2 * pid)
+
+    @gluon.jit
+    def _item_loads(idx, kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs):
+        """The six numbers work item idx reads (its request's q and kv bounds, positions): issued a whole item ahead
+        of their use, so the loads' latency hides under the current item. Any idx >= 0 reads inside the batch."""
+        b = (idx // n_kvh) % bs
+        return (gl.load(qo_indptr + b), gl.load(qo_indptr + b + 1), gl.load(kv_indptr + b),
+                gl.load(kv_indptr + b + 1), gl.load(q_pos0 + b), gl.load(kv_pos0 + b))
+
+    @gluon.jit
+    def _item(idx, loads, n_kvh, bs, n_blk, window, TOKENS: gl.constexpr, BLOCK_N: gl.constexpr,
+              HAS_WINDOW: gl.constexpr):
+        """Work item idx (kv head fastest, then request, then token block from the heaviest) from its loads: its
+        kv head, first token, the request's q_start, q_len, kv_start and rel0 (q position - list start), the key
+        range [lo, hi) some row sees, its tile count and whether any of its tokens exist."""
+        q_lo, q_hi, kv_lo, kv_hi, q_p0, kv_p0 = loads
+        kvh = idx % n_kvh
+        first = (n_blk - 1 - idx // n_kvh // bs) * TOKENS
+        # positions and counts in int32 (a request's list and the batch's tokens stay below 2**31); pointer
+        # offsets of slots are widened where they are formed
+        q_start = q_lo.to(gl.int32)
+        q_len = q_hi.to(gl.int32) - q_start
+        kv_start = kv_lo.to(gl.int64)
+        kv_len = (kv_hi.to(gl.int64) - kv_start).to(gl.int32)
+        rel0 = (q_p0.to(gl.int64) - kv_p0.to(gl.int64)).to(gl.int32)
+        last = gl.minimum(q_len, first + TOKENS) - 1
+        lo = rel0 * 0
+        if HAS_WINDOW:
+            lo = gl.maximum(lo, rel0 + first - window + 1)
+        hi = gl.maximum(gl.minimum(kv_len, rel0 + last + 1), lo)
+        n_tiles = (hi - lo + BLOCK_N - 1) // BLOCK_N
+        return kvh, first, q_start, q_len, kv_start, rel0, lo, hi, n_tiles, last >= first
+
+    @gluon.jit
+    def _load_q(q_desc, q_smem, q_ready, q_free, n_q, row, col):
+        """TMA-load one consumer's Q tile once it has released the previous one."""
+        mbarrier.wait(q_free, (n_q & 1) ^ 1)                    # first item: passes at once
+        mbarrier.expect(q_ready, q_desc.block_type.nbytes)
+        _tma_load(q_desc, [row, col, 0], q_ready, q_smem)
+
+    @gluon.jit
+    def _load_qs(q_desc, q0_smem, q1_smem, q2_smem, q_ready, q_free, n_q, row, col, BT: gl.constexpr,
+                 NC: gl.constexpr):
+        """Every consumer's Q tile of one item (consumer c's rows start BT * c tokens in)."""
+        _load_q(q_desc, q0_smem, q_ready.index(0), q_free.index(0), n_q, row, col)
+        _load_q(q_desc, q1_smem, q_ready.index(1), q_free.index(1), n_q, row + BT, col)
+        if NC == 3:
+            _load_q(q_desc, q2_smem, q_ready.index(2), q_free.index(2), n_q, row + 2 * BT, col)
+
+    @gluon.jit
+    def _producer(q_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, q0_smem, q1_smem,
+                  q2_smem, q_ready, q_free, k_smem, v_smem, ready, empty, n_kvh, bs, n_blk, n_items, window,
+                  s_kb, s_kh, s_vb, s_vh, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, WARPS: gl.constexpr, HAS_WINDOW: gl.constexpr, NC: gl.constexpr):
+        """For every item: both consumers' Q tiles (TMA, after the item's first key tile), then every key tile's
+        K and V rows gathered into the ring of stages (cp.async, 16 bytes a thread; any page size, pages in any
+        order), each tile's slots loaded one tile ahead so the gather never waits on them."""
+        BT: gl.constexpr = _ROWS // GROUP
         vec: gl.constexpr = 8                       # 16-byte vectors of 2-byte elements
         tpw_d: gl.constexpr = D // vec if D // vec < 32 else 32
         layout: gl.constexpr = gl.BlockedLayout([1, vec], [32 // tpw_d, tpw_d], [WARPS, 1], [1, 0])
         rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-        k_head = k_buf + kvh * s_kh + cols[None, :]
-        v_head = v_buf + kvh * s_vh + cols[None, :]
-        for j in range(n_tiles):
-            stage = j % STAGES
-            mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)   # first round: passes at once
-            offs = lo + j * BLOCK_N + rows
-            ok = offs < hi
-            slot = gl.load(kv_indices + kv_start + offs, mask=ok, other=0).to(gl.int64)
-            # masked rows are zero-filled (src-size 0): finite values under P = 0
-            _cp_async(k_smem.index(stage), k_head + (slot * s_kb)[:, None],
-                                                   mask=ok[:, None])
-            _cp_async(v_smem.index(stage), v_head + (slot * s_vb)[:, None],
-                                                   mask=ok[:, None])
-            async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
+        it = 0
+        n_q = 0
+        loads = _item_loads(_item_index(0, n_items), kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs)
+        for i in range((n_items + gl.num_programs(0) - 1) // gl.num_programs(0)):
+            idx = _item_index(i, n_items)
+            cur = loads
+            loads = _item_loads(_item_index(i + 1, n_items), kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs)
+            if idx < n_items:
+                kvh, first, q_start, q_len, kv_start, rel0, lo, hi, n_tiles, active = _item(
+                    idx, cur, n_kvh, bs, n_blk, window, NC * BT, BLOCK_N, HAS_WINDOW)
+                if active:
+                    k_head = k_buf + kvh * s_kh + cols[None, :]
+                    v_head = v_buf + kvh * s_vh + cols[None, :]
+                    span = hi - lo
+                    lst = kv_indices + kv_start + lo
+                    # slots held as int32 (a pool below 2**31 tokens) and widened where an address is formed: the
+                    # producer lives on the registers the consumers leave
+                    slot = gl.load(lst + rows, mask=rows < span, other=0).to(gl.int32)
+                    for j in range(n_tiles):
+                        offs = j * BLOCK_N + rows
+                        nxt = gl.load(lst + offs + BLOCK_N, mask=offs + BLOCK_N < span, other=0).to(gl.int32)
+                        stage = it % STAGES
+                        mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)   # first round: at once
+                        ok = offs < span
+                        slot64 = slot.to(gl.int64)
+                        # masked rows are zero-filled (src-size 0): finite values under P = 0
+                        _cp_async(k_smem.index(stage), k_head + (slot64 * s_kb)[:, None], mask=ok[:, None])
+                        _cp_async(v_smem.index(stage), v_head + (slot64 * s_vb)[:, None], mask=ok[:, None])
+                        async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
+                        slot = nxt
+                        it += 1
+                        if j == 0:
+                            _load_qs(q_desc, q0_smem, q1_smem, q2_smem, q_ready, q_free, n_q, q_start + first,
+                                     kvh * GROUP, BT, NC)
+                    if n_tiles == 0:
+                        _load_qs(q_desc, q0_smem, q1_smem, q2_smem, q_ready, q_free, n_q, q_start + first,
+                                 kvh * GROUP, BT, NC)
+                    n_q += 1
 
     @gluon.jit
     def _softmax_tile(s, m, l_sum, start, hi, q_rel, lo_all, hi_all, qk_scale, cap, window,
@@ -112,9 +202,10 @@ if gluon is not None:
         if HAS_CAP:
             x = s * qk_scale
             e = gl.exp(2.0 * x / cap)
-            s = cap * (1.0 - 2.0 / (e + 1.0)) * _LOG2E
+            s = cap * (1.0 - 2.0 / (e + 1.0))
+            c = _LOG2E
         else:
-            s = s * (qk_scale * _LOG2E)
+            c = qk_scale * _LOG2E     # > 0: the raw row max scales to the logits' max; s * c - m is one FFMA
         needs_mask = start + BLOCK_N > hi_all
         if HAS_WINDOW:
             needs_mask = needs_mask | (start < lo_all)
@@ -125,18 +216,19 @@ if gluon is not None:
             if HAS_WINDOW:
                 vis = vis & (ar[None, :] > dq[:, None] - window)
             s = gl.where(vis, s, float("-inf"))
-        m_new = gl.maximum(m, gl.max(s, 1))
+        m_new = gl.maximum(m, gl.max(s, 1) * c)
         alpha = gl.exp2(m - m_new)
-        p = gl.exp2(s - m_new[:, None])
+        p = gl.exp2(s * c - m_new[:, None])
         l_sum = l_sum * alpha + gl.sum(p, 1)
         return m_new, p, alpha, l_sum
 
     @gluon.jit
-    def _epilogue(acc, m, l_sum, q_smem, o_desc, out, sinks, q_start, q_len, first, kvh, s_ot, s_oh, v_scale,
+    def _epilogue(acc, m, l_sum, o_smem, o_desc, out, sinks, q_start, q_len, first, kvh, s_ot, s_oh, v_scale,
                   GROUP: gl.constexpr, BT: gl.constexpr, D: gl.constexpr, HAS_SINKS: gl.constexpr,
                   o_layout: gl.constexpr):
-        """Sinks into the denominator, O = acc * v_scale / l, stored by TMA through the Q tile's shared memory
-        when all BT tokens are the request's, by masked stores otherwise."""
+        """Sinks into the denominator, O = acc * v_scale / l, stored by TMA from this consumer's O tile (its
+        previous store waited for first) when all BT tokens are the request's, by masked stores otherwise (a
+        TMA box would overwrite the next request's rows)."""
         dtype: gl.constexpr = o_desc.dtype
         ro = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, o_layout))
         head = kvh * GROUP + ro % GROUP
@@ -151,140 +243,216 @@ if gluon is not None:
         else:
             l_o = gl.convert_layout(l_sum, gl.SliceLayout(1, o_layout))
         o = (acc * (v_scale / gl.where(l_o > 0, l_o, 1.0))[:, None]).to(dtype)
-        if first + BT <= q_len:      # every row is this request's: one TMA box through the Q tile's memory
-            q_smem.reshape([_ROWS, D]).store(o)
-            fence_async_shared()
-            _tma_store(o_desc, [(q_start + first).to(gl.int32), kvh * GROUP, 0], q_smem)
+        if first + BT <= q_len:
             tma.store_wait(0)
+            o_smem.reshape([_ROWS, D]).store(o)
+            fence_async_shared()
+            _tma_store(o_desc, [(q_start + first).to(gl.int32), kvh * GROUP, 0], o_smem)
         else:
             cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
             ptrs = out + ((q_start + tok).to(gl.int64) * s_ot + head * s_oh)[:, None] + cols[None, :]
             gl.store(ptrs, o, mask=(tok < q_len)[:, None])
 
     @gluon.jit
-    def _consumer(q_desc, o_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, out, sinks,
-                  q_start, q_len, rel0, first, lo, hi, n_tiles, kvh, s_ot, s_oh, qk_scale, v_scale, cap, window,
-                  GROUP: gl.constexpr, BT: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, HAS_CAP: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr):
-        """One warpgroup's 64 query rows (tokens first .. first + BT - 1, all GROUP heads): see module doc."""
+    def _turn(turns, n_b, C: gl.constexpr, PINGPONG: gl.constexpr):
+        """Ping-pong: wait until it is consumer C's turn to issue its products (consumer 0 goes first)."""
+        if PINGPONG:
+            mbarrier.wait(turns.index(C), (n_b & 1) ^ (1 - C))
+
+    @gluon.jit
+    def _pass(turns, n_b, C: gl.constexpr, PINGPONG: gl.constexpr):
+        """Ping-pong: hand the tensor cores to the other consumer; returns the count of turns taken."""
+        if PINGPONG:
+            mbarrier.arrive(turns.index(1 - C), count=1)
+        return n_b + 1
+
+    @gluon.jit
+    def _consumer(C: gl.constexpr, q_desc, o_desc, q_smem, o_smem, q_ready, q_free, k_smem, v_smem, ready, empty,
+                  turns, out, sinks, kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs, n_blk, n_items, s_ot, s_oh,
+                  qk_scale, v_scale, cap, window, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, HAS_CAP: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+                  PINGPONG: gl.constexpr, Q_REGS: gl.constexpr, NC: gl.constexpr):
+        """Consumer C's 64 query rows of every item (tokens first + C * BT .. + BT - 1, all GROUP heads): see
+        the module doc."""
+        BT: gl.constexpr = _ROWS // GROUP
         dtype: gl.constexpr = q_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, D, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
         q_tile = q_smem.reshape([_ROWS, D])
-
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        _tma_load(q_desc, [(q_start + first).to(gl.int32), kvh * GROUP, 0], q_bar, q_smem)
-
         r = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, s_layout))
-        q_rel = rel0 + first + r // GROUP               # list position of each row's token
-        last = gl.minimum(q_len, first + BT) - 1
-        hi_all = gl.minimum(hi, rel0 + first + 1)       # keys every row sees: [lo_all, hi_all)
-        lo_all = rel0 + last - window + 1
-        m = gl.full([_ROWS], -1.0e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_sum = gl.zeros([_ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([_ROWS, D], gl.float32, layout=o_layout)
         s_zero = gl.zeros([_ROWS, BLOCK_N], gl.float32, layout=s_layout)
         p = gl.zeros([_ROWS, BLOCK_N], dtype, layout=p_layout)
-        mbarrier.wait(q_bar, 0)
-
-        for j in range(n_tiles):
-            stage = j % STAGES
-            mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
-            fence_async_shared()     # cp.async wrote the stage through the generic proxy; wgmma reads it async
-            s_tok = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            start = lo + j * BLOCK_N
-            if j > 0:
-                prev = (j + STAGES - 1) % STAGES
-                o_tok = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
-                s = warpgroup_mma_wait(1, deps=(s_tok, ))              # S_j done; P_{j-1} V_{j-1} still running
-                m, p32, alpha, l_sum = _softmax_tile(s, m, l_sum, start, hi, q_rel, lo_all, hi_all, qk_scale, cap,
-                                                     window, HAS_CAP, HAS_WINDOW, BLOCK_N, s_layout)
-                # p's registers feed the running PV product: it stays a dependency until the product is done
-                acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
-                mbarrier.arrive(empty.index(prev), count=1)
-            else:
-                s = warpgroup_mma_wait(0, deps=(s_tok, ))
-                m, p32, alpha, l_sum = _softmax_tile(s, m, l_sum, start, hi, q_rel, lo_all, hi_all, qk_scale, cap,
-                                                     window, HAS_CAP, HAS_WINDOW, BLOCK_N, s_layout)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            p = gl.convert_layout(p32.to(dtype), p_layout)
-        if n_tiles > 0:
-            last_stage = (n_tiles - 1) % STAGES
-            o_tok = warpgroup_mma(p, v_smem.index(last_stage), acc, is_async=True)
-            acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
-            mbarrier.arrive(empty.index(last_stage), count=1)
-
-        _epilogue(acc, m, l_sum, q_smem, o_desc, out, sinks, q_start, q_len, first, kvh, s_ot, s_oh, v_scale,
-                  GROUP, BT, D, HAS_SINKS, o_layout)
+        it = 0
+        n_q = 0
+        n_b = 0
+        loads = _item_loads(_item_index(0, n_items), kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs)
+        for i in range((n_items + gl.num_programs(0) - 1) // gl.num_programs(0)):
+            idx = _item_index(i, n_items)
+            cur = loads
+            loads = _item_loads(_item_index(i + 1, n_items), kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs)
+            if idx < n_items:
+                kvh, first, q_start, q_len, kv_start, rel0, lo, hi, n_tiles, active = _item(
+                    idx, cur, n_kvh, bs, n_blk, window, NC * BT, BLOCK_N, HAS_WINDOW)
+                if active:
+                    first = first + C * BT
+                    q_rel = rel0 + first + r // GROUP               # list position of each row's token
+                    last = gl.minimum(q_len, first + BT) - 1
+                    hi_all = gl.minimum(hi, rel0 + first + 1)       # keys every row sees: [lo_all, hi_all)
+                    lo_all = rel0 + last - window + 1
+                    m = gl.full([_ROWS], -1.0e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
+                    l_sum = gl.zeros([_ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
+                    acc = gl.zeros([_ROWS, D], gl.float32, layout=o_layout)
+                    mbarrier.wait(q_ready, n_q & 1)
+                    if Q_REGS:
+                        q_op = q_tile.load(q_layout)
+                        mbarrier.arrive(q_free, count=1)
+                    else:
+                        q_op = q_tile
+                    for j in range(n_tiles):
+                        stage = it % STAGES
+                        mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+                        fence_async_shared()   # cp.async wrote the stage through the generic proxy; wgmma reads it
+                        start = lo + j * BLOCK_N
+                        _turn(turns, n_b, C, PINGPONG)
+                        s_tok = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False,
+                                              is_async=True)
+                        if j > 0:
+                            prev = (it + STAGES - 1) % STAGES
+                            o_tok = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+                            n_b = _pass(turns, n_b, C, PINGPONG)
+                            s = warpgroup_mma_wait(1, deps=(s_tok, ))          # S_j done; P_{j-1} V_{j-1} running
+                            if not Q_REGS:
+                                mbarrier.arrive(q_free, count=1, pred=j == n_tiles - 1)
+                            m, p32, alpha, l_sum = _softmax_tile(s, m, l_sum, start, hi, q_rel, lo_all, hi_all,
+                                                                 qk_scale, cap, window, HAS_CAP, HAS_WINDOW, BLOCK_N,
+                                                                 s_layout)
+                            # p's registers feed the running PV product: a dependency until the product is done
+                            acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
+                            mbarrier.arrive(empty.index(prev), count=1)
+                        else:
+                            n_b = _pass(turns, n_b, C, PINGPONG)
+                            s = warpgroup_mma_wait(0, deps=(s_tok, ))
+                            if not Q_REGS:
+                                mbarrier.arrive(q_free, count=1, pred=n_tiles == 1)
+                            m, p32, alpha, l_sum = _softmax_tile(s, m, l_sum, start, hi, q_rel, lo_all, hi_all,
+                                                                 qk_scale, cap, window, HAS_CAP, HAS_WINDOW, BLOCK_N,
+                                                                 s_layout)
+                        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                        p = gl.convert_layout(p32.to(dtype), p_layout)
+                        it += 1
+                    if n_tiles > 0:
+                        last_stage = (it + STAGES - 1) % STAGES
+                        _turn(turns, n_b, C, PINGPONG)
+                        o_tok = warpgroup_mma(p, v_smem.index(last_stage), acc, is_async=True)
+                        n_b = _pass(turns, n_b, C, PINGPONG)
+                        acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
+                        mbarrier.arrive(empty.index(last_stage), count=1)
+                    elif not Q_REGS:
+                        mbarrier.arrive(q_free, count=1)
+                    n_q += 1
+                    _epilogue(acc, m, l_sum, o_smem, o_desc, out, sinks, q_start, q_len, first, kvh, s_ot, s_oh,
+                              v_scale, GROUP, BT, D, HAS_SINKS, o_layout)
+        tma.store_wait(0)
 
     @gluon.jit
     def _hopper_extend_kernel(q_desc, o_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0,
                               sinks, out, qk_scale, v_scale, cap, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh,
-                              GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                              HAS_CAP: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
-                              PRODUCER_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-        BT: gl.constexpr = _ROWS // GROUP
-        kvh = gl.program_id(0)
-        first = (gl.num_programs(1) - 1 - gl.program_id(1)) * (2 * BT)   # heaviest token blocks first
-        b = gl.program_id(2)
-        # positions and counts in int32 (a request's list and the batch's tokens stay below 2**31); pointer
-        # offsets of slots are widened where they are formed
-        q_start = gl.load(qo_indptr + b).to(gl.int32)
-        q_len = gl.load(qo_indptr + b + 1).to(gl.int32) - q_start
-        kv_start = gl.load(kv_indptr + b).to(gl.int64)
-        kv_len = (gl.load(kv_indptr + b + 1).to(gl.int64) - kv_start).to(gl.int32)
-        rel0 = (gl.load(q_pos0 + b).to(gl.int64) - gl.load(kv_pos0 + b).to(gl.int64)).to(gl.int32)
-        last = gl.minimum(q_len, first + 2 * BT) - 1           # < first: nothing to do (no tiles, no stores)
-        lo = rel0 * 0
-        if HAS_WINDOW:
-            lo = gl.maximum(lo, rel0 + first - window + 1)
-        hi = gl.minimum(kv_len, rel0 + last + 1)
-        hi = gl.where(last < first, lo, gl.maximum(hi, lo))
-        n_tiles = (hi - lo + BLOCK_N - 1) // BLOCK_N
-
-        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], q_desc.dtype)
-        k_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_N, D], kv_layout)
-        v_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_N, D], kv_layout)
-        q0_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
-        q1_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+                              n_kvh, bs, n_blk, n_items, GROUP: gl.constexpr, D: gl.constexpr,
+                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_CAP: gl.constexpr,
+                              HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+                              CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, Q_REGS: gl.constexpr,
+                              NC: gl.constexpr):
+        dtype: gl.constexpr = q_desc.dtype
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
+        q0_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+        q1_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+        o0_smem = gl.allocate_shared_memory(dtype, o_desc.block_type.shape, o_desc.layout)
+        o1_smem = gl.allocate_shared_memory(dtype, o_desc.block_type.shape, o_desc.layout)
+        if NC == 3:
+            q2_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+            o2_smem = gl.allocate_shared_memory(dtype, o_desc.block_type.shape, o_desc.layout)
+        else:
+            q2_smem = q1_smem
+            o2_smem = o1_smem
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
+        q_free = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=PRODUCER_WARPS * 32)   # one noinc arrive per producer thread
-            mbarrier.init(empty.index(i), count=2)                     # one arrive per consumer
-        mbarrier.init(q_bars.index(0), count=1)
-        mbarrier.init(q_bars.index(1), count=1)
+            mbarrier.init(empty.index(i), count=NC)                    # one arrive per consumer
+        for i in gl.static_range(NC):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_free.index(i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(turns.index(i), count=1)
 
-        # the producer runs in the default partition (it gets what the consumers leave: 56 registers a thread)
-        gl.warp_specialize([
-            (_producer, (k_buf, v_buf, kv_indices, k_smem, v_smem, ready, empty, kv_start, lo, hi, n_tiles, kvh,
-                         s_kb, s_kh, s_vb, s_vh, D, BLOCK_N, STAGES, PRODUCER_WARPS)),
-            (_consumer, (q_desc, o_desc, q0_smem, q_bars.index(0), k_smem, v_smem, ready, empty, out, sinks,
-                         q_start, q_len, rel0, first, lo, hi, n_tiles, kvh, s_ot, s_oh, qk_scale, v_scale, cap,
-                         window, GROUP, BT, D, BLOCK_N, STAGES, HAS_CAP, HAS_WINDOW, HAS_SINKS)),
-            (_consumer, (q_desc, o_desc, q1_smem, q_bars.index(1), k_smem, v_smem, ready, empty, out, sinks,
-                         q_start, q_len, rel0, first + BT, lo, hi, n_tiles, kvh, s_ot, s_oh, qk_scale, v_scale, cap,
-                         window, GROUP, BT, D, BLOCK_N, STAGES, HAS_CAP, HAS_WINDOW, HAS_SINKS)),
-        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+        # the producer runs in the default partition (it gets the registers the consumers leave); Gluon takes the
+        # partitions as one literal list, hence one call per consumer count
+        if NC == 3:
+            gl.warp_specialize([
+                (_producer, (q_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, q0_smem, q1_smem,
+                         q2_smem, q_ready, q_free, k_smem, v_smem, ready, empty, n_kvh, bs, n_blk, n_items, window,
+                         s_kb, s_kh, s_vb, s_vh, GROUP, D, BLOCK_N, STAGES, PRODUCER_WARPS, HAS_WINDOW, NC)),
+                (_consumer, (0, q_desc, o_desc, q0_smem, o0_smem, q_ready.index(0), q_free.index(0), k_smem,
+                         v_smem, ready, empty, turns, out, sinks, kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs,
+                         n_blk, n_items, s_ot, s_oh, qk_scale, v_scale, cap, window, GROUP, D, BLOCK_N, STAGES,
+                         HAS_CAP, HAS_WINDOW, HAS_SINKS, False, Q_REGS, NC)),
+                (_consumer, (1, q_desc, o_desc, q1_smem, o1_smem, q_ready.index(1), q_free.index(1), k_smem,
+                         v_smem, ready, empty, turns, out, sinks, kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs,
+                         n_blk, n_items, s_ot, s_oh, qk_scale, v_scale, cap, window, GROUP, D, BLOCK_N, STAGES,
+                         HAS_CAP, HAS_WINDOW, HAS_SINKS, False, Q_REGS, NC)),
+                (_consumer, (2, q_desc, o_desc, q2_smem, o2_smem, q_ready.index(2), q_free.index(2), k_smem,
+                         v_smem, ready, empty, turns, out, sinks, kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs,
+                         n_blk, n_items, s_ot, s_oh, qk_scale, v_scale, cap, window, GROUP, D, BLOCK_N, STAGES,
+                         HAS_CAP, HAS_WINDOW, HAS_SINKS, False, Q_REGS, NC)),
+            ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+        else:
+            gl.warp_specialize([
+                (_producer, (q_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, q0_smem, q1_smem,
+                         q2_smem, q_ready, q_free, k_smem, v_smem, ready, empty, n_kvh, bs, n_blk, n_items, window,
+                         s_kb, s_kh, s_vb, s_vh, GROUP, D, BLOCK_N, STAGES, PRODUCER_WARPS, HAS_WINDOW, NC)),
+                (_consumer, (0, q_desc, o_desc, q0_smem, o0_smem, q_ready.index(0), q_free.index(0), k_smem,
+                         v_smem, ready, empty, turns, out, sinks, kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs,
+                         n_blk, n_items, s_ot, s_oh, qk_scale, v_scale, cap, window, GROUP, D, BLOCK_N, STAGES,
+                         HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC)),
+                (_consumer, (1, q_desc, o_desc, q1_smem, o1_smem, q_ready.index(1), q_free.index(1), k_smem,
+                         v_smem, ready, empty, turns, out, sinks, kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs,
+                         n_blk, n_items, s_ot, s_oh, qk_scale, v_scale, cap, window, GROUP, D, BLOCK_N, STAGES,
+                         HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC)),
+            ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------- host side
 class HopperPlan(NamedTuple):
-    """A planned launch of the Gluon kernel: its grid, constexprs and TMA box."""
+    """A planned launch of the Gluon kernel: its work items, programs, constexprs and TMA box."""
 
-    grid: Tuple[int, int, int]             # (kv heads, token blocks, 0): the call brings the request count
+    kv_heads: int
+    blocks: int                            # token blocks of 2 x BT tokens in the longest request
+    programs: int                          # persistent: one per SM (0: one per work item)
     consts: Dict[str, Any]
     block: Tuple[int, int, int]            # the Q/O TMA box: [BT tokens, GROUP heads, D]
 
 
 def requested() -> bool:
-    """HWKV_HOPPER_EXTEND=1: take the Gluon kernel where it applies (off by default until measured)."""
+    """On by default (faster than the portable kernel wherever it applies on an H200); HWKV_HOPPER_EXTEND=0 keeps
+    the portable kernel."""
     from hwkv.env import EnvVar, _flag
-    return EnvVar(ENV_FLAG, _flag, False, "").get()
+    return EnvVar(ENV_FLAG, _flag, True, "").get()
+
+
+def takes_window(head_dim: int) -> bool:
+    """Whether window layers of this head dim take the Gluon kernel: only where it measured faster there (D=128
+    1.57x; D=64 at par, 123 against 121 us at W=128 over 8192, so D=64 windows keep the portable kernel)."""
+    cfg = CONFIGS.get(head_dim)
+    return cfg is not None and cfg.windows
 
 
 @functools.lru_cache(maxsize=None)
@@ -328,13 +496,28 @@ def plan_hopper_extend(q: Any, k_buf: Any, v_buf: Any, out: Any, max_q_len: int,
     if not requested() or unsupported(q, k_buf, v_buf, out, max_q_len, has_tree) is not None:
         return None
     t, h, d = q.shape
-    group = h // k_buf.shape[1]
-    cfg = CONFIGS[d]
+    return _plan(h // k_buf.shape[1], k_buf.shape[1], d, int(max_q_len), CONFIGS[d], q.device)
+
+
+def _plan(group: int, kv_heads: int, d: int, max_q_len: int, cfg: HopperConfig, device: Any) -> HopperPlan:
+    """The plan under tile config `cfg` (the benchmark's sweep builds its own)."""
     bt = ROWS // group
     consts = dict(GROUP=group, D=d, BLOCK_N=cfg.block_n, STAGES=cfg.stages, PRODUCER_WARPS=PRODUCER_WARPS,
-                  CONSUMER_REGS=cfg.consumer_regs, num_warps=4)
-    grid = (k_buf.shape[1], -(-int(max_q_len) // (2 * bt)), 0)
-    return HopperPlan(grid, consts, (bt, group, d))
+                  CONSUMER_REGS=cfg.consumer_regs, PINGPONG=cfg.pingpong and cfg.consumers == 2, Q_REGS=cfg.q_regs,
+                  NC=cfg.consumers, num_warps=4)
+    programs = _sm_count(device.index if device.index is not None else _current()) if cfg.persistent else 0
+    return HopperPlan(kv_heads, -(-max_q_len // (cfg.consumers * bt)), programs, consts, (bt, group, d))
+
+
+def _current() -> int:
+    import torch
+    return torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    import torch
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 _DESCS: Dict[Any, Any] = {}
@@ -363,6 +546,7 @@ def run_hopper_extend(plan: HopperPlan, q: Any, k_buf: Any, v_buf: Any, kv_indpt
     from hwkv_cuda.kernels.common import as_scale
     if (q.data_ptr() % 16 or out.data_ptr() % 16 or k_buf.data_ptr() % 16 or v_buf.data_ptr() % 16
             or q.stride(0) % 8 or q.stride(1) % 8 or out.stride(0) % 8 or out.stride(1) % 8
+            or q.stride(2) != 1 or out.stride(2) != 1
             or q.shape[0] == 0):
         return False
     bs = kv_pos0.shape[0]
@@ -370,12 +554,13 @@ def run_hopper_extend(plan: HopperPlan, q: Any, k_buf: Any, v_buf: Any, kv_indpt
         return True
     cap = float(logit_cap or 0.0)
     window = int(window or 0)
-    grid = (plan.grid[0], plan.grid[1], bs)
+    n_items = plan.kv_heads * plan.blocks * bs
+    grid = (min(n_items, plan.programs) if plan.programs else n_items, )
     _hopper_extend_kernel[grid](
         _descriptor(q, plan.block), _descriptor(out, plan.block), k_buf, v_buf, kv_indptr, kv_indices, kv_pos0,
         qo_indptr, q_pos0, sinks if sinks is not None else out, out, float(scaling) * as_scale(k_scale),
         as_scale(v_scale), cap, window, k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        out.stride(0), out.stride(1), HAS_CAP=cap > 0, HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None,
+        out.stride(0), out.stride(1), plan.kv_heads, bs, plan.blocks, n_items, HAS_CAP=cap > 0, HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None,
         **plan.consts)
     return True
 
@@ -395,9 +580,10 @@ def compile_for_sm90(d: int = 64, group: int = 8, dtype: str = "bf16", window: b
     sig = dict(q_desc=desc, o_desc=desc, k_buf=f"*{dtype}", v_buf=f"*{dtype}", kv_indptr="*i32", kv_indices="*i64",
                kv_pos0="*i64", qo_indptr="*i32", q_pos0="*i64", sinks="*fp32", out=f"*{dtype}", qk_scale="fp32",
                v_scale="fp32", cap="fp32", window="i32", s_kb="i32", s_kh="i32", s_vb="i32", s_vh="i32", s_ot="i32",
-               s_oh="i32")
+               s_oh="i32", n_kvh="i32", bs="i32", n_blk="i32", n_items="i32")
     consts = dict(GROUP=group, D=d, BLOCK_N=cfg.block_n, STAGES=cfg.stages, HAS_CAP=cap, HAS_WINDOW=window,
-                  HAS_SINKS=sinks, PRODUCER_WARPS=PRODUCER_WARPS, CONSUMER_REGS=cfg.consumer_regs)
+                  HAS_SINKS=sinks, PRODUCER_WARPS=PRODUCER_WARPS, CONSUMER_REGS=cfg.consumer_regs,
+                  PINGPONG=cfg.pingpong and cfg.consumers == 2, Q_REGS=cfg.q_regs, NC=cfg.consumers)
     sig.update({k: "constexpr" for k in consts})
     names = list(sig)
     aligned = [n for n in names if sig[n].startswith("*")] + ["s_kb", "s_kh", "s_vb", "s_vh", "s_ot", "s_oh"]
