@@ -1,14 +1,15 @@
 """Prefill/extend on Hopper: the Gluon sm_90 kernel (hwkv_cuda.kernels.extend_hopper) against the portable
 Triton kernel and torch SDPA (cuDNN and flash backends over dense K/V), each under a CUDA graph.
 
-    HWKV_HOPPER_EXTEND=1 python3 benchmarks/bench_hopper_extend.py [--json out.json] [--d 64] [--sweep]
+    python3 benchmarks/bench_hopper_extend.py [--json out.json] [--d 64 128] [--sweep] [--host]
 
 Cases (issue 25): 1 x 8192 causal, 4 x 2048 new over a 2048 prefix, 8 x 1024 causal, 1 x 8192 with W=128;
-H=64, KVH=8, D=64, bf16, pages of 16 at random places. TFLOP/s counts visible (query, key) pairs only, the
-same way for every kernel (4 * pairs * H * D flops). Each case first checks the Gluon output against the
-portable kernel's (max abs error, reported). Without HWKV_HOPPER_EXTEND=1 the Gluon column reads n/a.
---sweep also times the Gluon kernel under each of SWEEP's tile configs (keys per tile, stages, consumer
-registers), each checked against the portable kernel first, and reports them per case, fastest first.
+H=64, KVH=8, D=64 (or 128), bf16, pages of 16 at random places. TFLOP/s counts visible (query, key) pairs only,
+the same way for every kernel (4 * pairs * H * D flops). Each case first checks the Gluon output against the
+portable kernel's (max abs error, reported). With HWKV_HOPPER_EXTEND=0 the Gluon column reads n/a.
+--sweep also times the Gluon kernel under each of SWEEP's configs for the head dim (keys per tile, stages, consumer
+registers, persistence, ping-pong, Q in registers, consumer warpgroups), each checked against the portable kernel
+first, and reports them per case, fastest first. --host adds the host time of one planned layer call per kernel.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_cuda_kernels import graph_us  # noqa: E402  (this folder: one CUDA-graph timer for both benchmarks)
 from hwkv_cuda.kernels import extend_hopper  # noqa: E402
-from hwkv_cuda.kernels.extend import default_config, extend_attention  # noqa: E402
+from hwkv_cuda.kernels.extend import (default_config, extend_attention, extend_attention_planned,  # noqa: E402
+                                      plan_extend)
 
 H, KVH, PAGE = 64, 8, 16
 DT = torch.bfloat16
@@ -173,6 +175,33 @@ def bench(d, sweep=False):
     return rows
 
 
+def host_us(calls=300):
+    """Host time of one planned layer call (plan once per forward, `extend_attention_planned` per layer, as the
+    backend calls it) through each kernel, at a small prefill (2 x 64 tokens over a 512-token prefix) whose device
+    time stays under the host's: median of per-call wall times, the launches queued without a sync."""
+    import os
+    import time
+    c = Case(2, 64, 512, None, 64)
+    res = {}
+    for name, flag in (("gluon", "1"), ("portable", "0")):
+        os.environ[extend_hopper.ENV_FLAG] = flag
+        plan = plan_extend(*c.args, c.new)
+        if (plan.hopper is not None) != (name == "gluon"):
+            res[name] = f"n/a (the plan {'lacks' if name == 'gluon' else 'has'} the Gluon kernel)"
+            continue
+        times = []
+        for i in range(calls):
+            t0 = time.perf_counter()
+            extend_attention_planned(plan, *c.args, c.new, c.d ** -0.5)
+            times.append(time.perf_counter() - t0)
+            if i % 50 == 49:
+                torch.cuda.synchronize()
+        times.sort()
+        res[name] = times[len(times) // 2] * 1e6
+    os.environ.pop(extend_hopper.ENV_FLAG, None)
+    return res
+
+
 def fmt(us, tf):
     return f"{us:.1f} ({tf:.0f})" if isinstance(us, float) else str(us)
 
@@ -194,7 +223,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write every number here")
     ap.add_argument("--d", type=int, nargs="+", default=[64], help="head dims (64 and/or 128)")
-    ap.add_argument("--sweep", action="store_true", help="also time the Gluon kernel under each SWEEP config (D=64)")
+    ap.add_argument("--sweep", action="store_true", help="also time the Gluon kernel under each SWEEP config")
+    ap.add_argument("--host", action="store_true", help="also the host time of one planned layer call per kernel")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
@@ -208,6 +238,9 @@ def main():
             for x in r.get("sweep", []):
                 print(f"sweep {r['case']}: config {x['config']} " + (x["error"] if "error" in x else
                       f"{fmt(x['us'], x['tflops'])} err {x['max_abs_err_vs_portable']:.3g}"))
+    if a.host:
+        result["host_us_per_layer_call"] = host_us()
+        print("host us per planned layer call:", json.dumps(result["host_us_per_layer_call"]))
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
 

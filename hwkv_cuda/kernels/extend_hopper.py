@@ -3,34 +3,41 @@
 Same contract as `hwkv_cuda.kernels.extend` (q [T, H, D], keys listed per request by kv_indptr/kv_indices,
 causal + window, GQA packed, sinks, soft-cap, K/V scales) for the plain features; the rest (fp8 K/V, verify
 trees, Dv != D, fp32, other head dims, group sizes that are not powers of two) stays with the portable kernel.
-Off unless HWKV_HOPPER_EXTEND=1 (see `plan_hopper_extend`): on an H200 it runs at the portable kernel's speed
-(1.01x at 1 x 8192 causal: 370 TFLOP/s, 0.80x the issue's target of 460), not faster.
+On by default on sm_90 (HWKV_HOPPER_EXTEND=0 turns it off): on an H200 it is 1.14-1.37x the portable kernel at
+D=64 and 1.39-1.57x at D=128 (docs/benchmarks.md). D=64 window layers keep the portable kernel (at par there).
 
-One program (grid: kv head, token block from the heaviest, request) owns 2 x BT consecutive query tokens of
-one request times the GROUP q heads of one kv head: two [64, D] row tiles (BT = 64 // GROUP tokens each),
-rows ordered (token, head), so one TMA box [BT, GROUP, D] of q (3-D descriptor over [T, H, D]) is exactly
-one row tile. Three warp-specialised partitions of one warpgroup each:
+Work items: NC consumer warpgroups (2 or 3) of 64 query rows each; an item is NC x BT consecutive query tokens
+of one request times the GROUP q heads of one kv head (BT = 64 // GROUP tokens a consumer), rows ordered (token,
+head), so one TMA box [BT, GROUP, D] of q (3-D descriptor over [T, H, D]) is exactly one consumer's rows. Items
+run kv head fastest, then request, then token block from the heaviest; a persistent grid of one program per SM
+takes them in rounds, every other round in reverse order, so the programs' totals even out under the causal
+triangle. Warp-specialised partitions of one warpgroup each:
 
-  producer (default,     per key tile of BLOCK_N list entries: waits for the stage to be free, loads the
-  56 registers)          tile's slots from kv_indices and gathers K and V rows (any page size, pages in any
-                         order) with cp.async into the stage's NVMMA-swizzled buffers; each thread's
-                         `cp.async.mbarrier.arrive.noinc` completes the stage's `ready` barrier.
-  consumer 0, 1          each: TMA-loads its Q tile, then for every key tile j, FA3's intra-warpgroup
-  (workers, setmaxnreg   overlap: issue S_j = Q K_j^T (async wgmma), issue O += P_{j-1} V_{j-1} (async,
-  224)                   P from registers), wait for S_j only, run the softmax of S_j (mask only on tiles
-                         at the causal diagonal, the window edge or the list end) while the PV product is
-                         still on the tensor cores, then wait for it, free stage j-1 and rescale. The two
-                         consumers' independent instruction streams interleave on the SM (softmax of one
-                         under the other's MMAs); there is no explicit named-barrier ping-pong.
-  epilogue               sinks folded into the denominator, O scaled by v_scale / l and stored by TMA
-                         through the Q tile's shared memory when all BT tokens belong to the request,
-                         by masked stores otherwise (a TMA box would overwrite the next request's rows).
+  producer (default,     for every item: the item's six numbers (request bounds and positions) loaded an item
+  the registers the      ahead; every key tile of BLOCK_N list entries: its slots loaded a tile ahead, then,
+  consumers leave)       once the stage is free, K and V rows gathered (any page size, pages in any order) by
+                         cp.async into the stage's NVMMA-swizzled buffers, each thread's
+                         `cp.async.mbarrier.arrive.noinc` completing the stage's `ready` barrier; after the
+                         item's first tile, each consumer's Q tile by TMA once that consumer has released the
+                         previous one (`q_free`).
+  consumer 0 .. NC-1     for every key tile j, FA3's intra-warpgroup overlap: issue S_j = Q K_j^T (async
+  (workers, setmaxnreg)  wgmma), issue O += P_{j-1} V_{j-1} (async, P from registers), wait for S_j only (Q is
+                         then free for the next item), run the softmax of S_j (the scale folded into the
+                         exponent's FFMA; the mask only on tiles at the causal diagonal, the window edge or the
+                         list end) while the PV product is still on the tensor cores, then wait for it, free
+                         stage j-1 and rescale. The consumers' streams interleave on the SM (the softmax of one
+                         under another's products); an explicit ping-pong (`pingpong`, two consumers) measured
+                         slower.
+  epilogue               sinks folded into the denominator, O scaled by v_scale / l and stored by TMA from the
+                         consumer's own O tile (its previous store waited for first) when all BT tokens belong
+                         to the request, by masked stores otherwise (a box would overwrite the next request's rows).
 
-Tiles: D=64: BLOCK_N=128, 4 stages (148 KB shared; an H200 sweep of 8 tiles, `bench_hopper_extend.py --sweep`: 1 x 8192
-causal 1,486 us against 1,543 with 3 stages, 4 x 2048 over 2048 1,170 against 1,194); D=128: BLOCK_N=64, 4 stages
-(164 KB), not swept. Compiled for sm_90 with Triton 3.6 and 3.9 without spills (`compile_for_sm90`). Window
-layers keep the portable kernel in the dispatch (`hwkv_cuda.kernels.extend`): over 8192 tokens at W=128 it took
-121.6 us against the best Gluon tile's 191.7.
+Tiles (H200 sweeps, `bench_hopper_extend.py --sweep`): D=64 takes 3 consumers x 64-key tiles in 6 stages at 152
+registers (1 x 8192 causal 425 TFLOP/s against 393 for 2 consumers x 128 keys: a key tile now serves 192 rows, and
+three warps a scheduler hide each other's softmax); D=128 2 consumers x 64 keys in 4 stages at 208 registers. At
+D=64 the softmax's exp2 (16 a clock an SM) takes as long as the products on the tensor cores, which is what keeps
+both this kernel and cuDNN under half the dense peak. Built for sm_90 with Triton 3.6 and 3.9 without spills
+(`compile_for_sm90`; the test reads the SASS).
 """
 from __future__ import annotations
 
@@ -68,10 +75,9 @@ class HopperConfig(NamedTuple):
 
 
 PRODUCER_WARPS = 4
-# Checked with ptxas (Triton 3.6, sm_90a): no spills at these tiles; D=128 with 128-key tiles spills at 200-232
-# consumer registers. D=64 from an H200 sweep (docs/benchmarks.md): 4 stages of 128 keys beat 3 by 2-4% at 1 x 8192
-# and 4 x 2048 over 2048 (at 8 x 1024, 64-key tiles lead by 3% and 3 stages beat 4 by 1%; 64-key tiles also win at
-# W=128, which the dispatch keeps on the portable kernel); 240 consumer registers starve the producer (1.6x slower).
+# H200 sweeps (docs/benchmarks.md). D=64: 3 consumers x 64 keys x 6 stages at 152 registers beat 2 consumers x 128 keys
+# (the best two-consumer tile) by 7-11% on every causal case; 160 registers leave the producer too few (it spills). D=128:
+# 3 consumers spill at 152-160 registers; 2 x 64 keys at 208 do not (224 spills a little in the producer).
 CONFIGS: Dict[int, HopperConfig] = {64: HopperConfig(block_n=64, stages=6, consumer_regs=152, consumers=3),
                                      128: HopperConfig(block_n=64, stages=4, consumer_regs=208, windows=True)}
 
