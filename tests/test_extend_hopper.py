@@ -235,6 +235,20 @@ def test_backend_call_takes_the_gluon_kernel_unless_turned_off(monkeypatch):
 
 
 @hopper
+def test_a_call_keeps_no_tensor_alive(monkeypatch):
+    """The TMA descriptors over q and out are made per call and dropped: a prefill chunk's q (tens of MB) is freed
+    when its caller drops it."""
+    import gc
+    import weakref
+    c = Paged([300], [300])
+    out = c.gluon(monkeypatch)
+    refs = [weakref.ref(c.q), weakref.ref(out)]
+    del c, out
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+@hopper
 def test_d128_window_layers_take_the_gluon_kernel(monkeypatch):
     """D=128 window layers plan the Gluon kernel (1.57x the portable kernel there), D=64 ones the portable kernel."""
     monkeypatch.delenv(extend_hopper.ENV_FLAG, raising=False)

@@ -526,21 +526,16 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-_DESCS: Dict[Any, Any] = {}
+@functools.lru_cache(maxsize=None)
+def _box_layout(bf16: bool, block: Tuple[int, int, int]) -> Any:
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if bf16 else gl.float16)
 
 
 def _descriptor(x: Any, block: Tuple[int, int, int]) -> Any:
-    """A TMA descriptor over x [T, H, D] with box `block`, cached by what it encodes (a graph's static buffers
-    get one each)."""
-    key = (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, block)
-    desc = _DESCS.get(key)
-    if desc is None:
-        if len(_DESCS) >= 256:
-            _DESCS.clear()
-        dtype = gl.bfloat16 if str(x.dtype) == "torch.bfloat16" else gl.float16
-        layout = gl.NVMMASharedLayout.get_default_for(list(block), dtype)
-        desc = _DESCS[key] = TensorDescriptor(x, list(x.shape), list(x.stride()), list(block), layout)
-    return desc
+    """A TMA descriptor over x [T, H, D] with box `block`. Made per call and never kept: a kept one would keep its
+    tensor alive (a prefill chunk's q is tens of MB); the launcher encodes the tensor map at every launch anyway."""
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), list(block),
+                            _box_layout(str(x.dtype) == "torch.bfloat16", block))
 
 
 def run_hopper_extend(plan: HopperPlan, q: Any, k_buf: Any, v_buf: Any, kv_indptr: Any, kv_indices: Any,
