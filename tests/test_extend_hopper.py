@@ -76,8 +76,8 @@ class Paged:
         return out
 
     def gluon(self, monkeypatch, logit_cap=0.0, sinks=None, k_scale=None, v_scale=None):
-        """Through the dispatch, as the backend calls it (plan once, run planned); a window, which the dispatch
-        keeps on the portable kernel, through the Gluon kernel's own plan."""
+        """Through the dispatch, as the backend calls it (plan once, run planned); a window (which the dispatch
+        keeps on the portable kernel at D=64) through the Gluon kernel's own plan."""
         monkeypatch.setenv(extend_hopper.ENV_FLAG, "1")
         out = self.empty_out()
         if self.window:
@@ -136,7 +136,7 @@ VARIANTS = {   # the sweep's schedule switches, each against the reference
 
 @hopper
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("programs", [1, 3, 7])
+@pytest.mark.parametrize("programs", [1, 8, 11])   # 8 and 11 divide neither item count: a last round part-full
 @pytest.mark.parametrize("window", [None, 37])
 def test_gluon_programs_walk_many_items(monkeypatch, variant, programs, window):
     """A few persistent programs each walk many work items (empty ones of short requests among them), carrying the
@@ -144,8 +144,11 @@ def test_gluon_programs_walk_many_items(monkeypatch, variant, programs, window):
     c = Paged([1000, 17, 160, 33, 300], [1000, 17, 40, 1, 300], h=16, kvh=2, d=64, window=window, seed=11)
     out = c.empty_out()
     plan = extend_hopper._plan(8, 2, 64, 1000, VARIANTS[variant], c.q.device)
+    if not plan.programs and programs > 1:
+        pytest.skip("one item per program: the program count does not apply")
     if plan.programs:
         plan = plan._replace(programs=programs)
+    assert plan.kv_heads * plan.blocks * 5 % programs or programs == 1
     sinks = torch.randn(16, generator=torch.Generator().manual_seed(2)).float().cuda()
     assert extend_hopper.run_hopper_extend(plan, *c.args(out), c.scaling, window, 0.0, sinks)
     _close(out, c.ref(sinks=sinks))
@@ -170,7 +173,8 @@ def test_the_dispatch_keeps_window_layers_on_the_portable_kernel(monkeypatch):
 
 def test_a_window_layer_reading_the_full_list_keeps_the_portable_kernel(monkeypatch):
     """The dispatch's rule holds where the plan was made without the window (a window layer over the full list, as
-    a pool without an SWA group gives it): the call's window keeps the portable kernel. Runs anywhere: the Gluon
+    a pool without an SWA group gives it): the call's window keeps the portable kernel where its head dim's window
+    layers do (every head dim but 128; this test's is 16). Runs anywhere: the Gluon
     plan and launch are stand-ins that record what the dispatch asked for."""
     from hwkv_cuda.kernels import extend as ext
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -252,11 +256,16 @@ def test_a_call_keeps_no_tensor_alive(monkeypatch):
 def test_d128_window_layers_take_the_gluon_kernel(monkeypatch):
     """D=128 window layers plan the Gluon kernel (1.57x the portable kernel there), D=64 ones the portable kernel."""
     monkeypatch.delenv(extend_hopper.ENV_FLAG, raising=False)
+    launched, run = [], extend_hopper.run_hopper_extend
+    monkeypatch.setattr(extend_hopper, "run_hopper_extend",
+                        lambda *a, **k: launched.append(run(*a, **k)) or launched[-1])
     for d, gluon in ((128, True), (64, False)):
         c = Paged([900, 300], [500, 300], d=d, window=64, seed=5)
         out = c.empty_out()
         assert (plan_extend(*c.args(out), 500, None, window=64).hopper is not None) == gluon, d
+        launched.clear()
         extend_attention(*c.args(out), 500, c.scaling, 64)
+        assert launched == ([True] if gluon else []), d
         _close(out, c.ref())
 
 
@@ -272,6 +281,17 @@ def test_on_unless_turned_off_and_reasons_name_the_feature(monkeypatch):
     assert extend_hopper.plan_hopper_extend(q, kv, kv, q, 32) is None   # a CPU tensor: never the Gluon kernel
     assert extend_hopper.unsupported(q, kv, kv, q, 32) is not None
     assert extend_hopper.takes_window(128) and not extend_hopper.takes_window(64) and not extend_hopper.takes_window(80)
+
+
+def test_a_scale_that_is_not_positive_keeps_the_portable_kernel():
+    """The kernel folds the logit scale into the exponent after the row max, which needs scale > 0: a zero or
+    negative scale (k_scale included) launches nothing, and the dispatch runs the portable kernel."""
+    q = torch.zeros(32, 8, 64, dtype=torch.bfloat16)
+    kv = torch.zeros(64, 1, 64, dtype=torch.bfloat16)
+    lists = (torch.tensor([0, 32], dtype=torch.int32), torch.arange(32), torch.zeros(1, dtype=torch.int64),
+             torch.tensor([0, 32], dtype=torch.int32), torch.zeros(1, dtype=torch.int64))
+    for scaling, k_scale in ((0.0, None), (-0.125, None), (0.125, 0.0), (0.125, -1.0)):
+        assert extend_hopper.run_hopper_extend(None, q, kv, kv, *lists, q, scaling, k_scale=k_scale) is False
 
 
 def _compile_reason():

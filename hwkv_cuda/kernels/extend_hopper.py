@@ -151,7 +151,7 @@ if gluon is not None:
                   q2_smem, q_ready, q_free, k_smem, v_smem, ready, empty, n_kvh, bs, n_blk, n_items, window,
                   s_kb, s_kh, s_vb, s_vh, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, WARPS: gl.constexpr, HAS_WINDOW: gl.constexpr, NC: gl.constexpr):
-        """For every item: both consumers' Q tiles (TMA, after the item's first key tile), then every key tile's
+        """For every item: every consumer's Q tile (TMA, after the item's first key tile), then every key tile's
         K and V rows gathered into the ring of stages (cp.async, 16 bytes a thread; any page size, pages in any
         order), each tile's slots loaded one tile ahead so the gather never waits on them."""
         BT: gl.constexpr = _ROWS // GROUP
@@ -441,7 +441,7 @@ class HopperPlan(NamedTuple):
     """A planned launch of the Gluon kernel: its work items, programs, constexprs and TMA box."""
 
     kv_heads: int
-    blocks: int                            # token blocks of 2 x BT tokens in the longest request
+    blocks: int                            # token blocks of NC x BT tokens (one item) in the longest request
     programs: int                          # persistent: one per SM (0: one per work item)
     consts: Dict[str, Any]
     block: Tuple[int, int, int]            # the Q/O TMA box: [BT tokens, GROUP heads, D]
@@ -490,7 +490,7 @@ def unsupported(q: Any, k_buf: Any, v_buf: Any, out: Any, max_q_len: int, has_tr
     if has_tree:
         return "a verify tree"
     if max_q_len < 2 * (ROWS // group):
-        return f"at most {max_q_len} query tokens per request (< {2 * (ROWS // group)}, one program's rows)"
+        return f"at most {max_q_len} query tokens per request (< {2 * (ROWS // group)}, two consumers' rows)"
     if any(s % 16 for s in (k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1))):
         return "K/V buffer strides not multiples of 16 elements"
     return None
@@ -543,9 +543,11 @@ def run_hopper_extend(plan: HopperPlan, q: Any, k_buf: Any, v_buf: Any, kv_indpt
                       window: Optional[int] = None, logit_cap: float = 0.0, sinks: Any = None,
                       k_scale: Any = None, v_scale: Any = None) -> bool:
     """Launch the planned Gluon kernel; False (nothing launched) where this call's tensors do not fit what TMA
-    and cp.async need (16-byte aligned bases, 16-byte q/out row strides): the caller runs the portable kernel."""
+    and cp.async need (16-byte aligned bases, 16-byte q/out row strides), or where the logit scale is not positive
+    (the kernel folds it into the exponent after the row max): the caller runs the portable kernel."""
     from hwkv_cuda.kernels.common import as_scale
-    if (q.data_ptr() % 16 or out.data_ptr() % 16 or k_buf.data_ptr() % 16 or v_buf.data_ptr() % 16
+    qk_scale = float(scaling) * as_scale(k_scale)
+    if (not qk_scale > 0 or q.data_ptr() % 16 or out.data_ptr() % 16 or k_buf.data_ptr() % 16 or v_buf.data_ptr() % 16
             or q.stride(0) % 8 or q.stride(1) % 8 or out.stride(0) % 8 or out.stride(1) % 8
             or q.stride(2) != 1 or out.stride(2) != 1
             or q.shape[0] == 0):
@@ -559,9 +561,9 @@ def run_hopper_extend(plan: HopperPlan, q: Any, k_buf: Any, v_buf: Any, kv_indpt
     grid = (min(n_items, plan.programs) if plan.programs else n_items, )
     _hopper_extend_kernel[grid](
         _descriptor(q, plan.block), _descriptor(out, plan.block), k_buf, v_buf, kv_indptr, kv_indices, kv_pos0,
-        qo_indptr, q_pos0, sinks if sinks is not None else out, out, float(scaling) * as_scale(k_scale),
-        as_scale(v_scale), cap, window, k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        out.stride(0), out.stride(1), plan.kv_heads, bs, plan.blocks, n_items, HAS_CAP=cap > 0, HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None,
+        qo_indptr, q_pos0, sinks if sinks is not None else out, out, qk_scale, as_scale(v_scale), cap, window,
+        k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), out.stride(0), out.stride(1),
+        plan.kv_heads, bs, plan.blocks, n_items, HAS_CAP=cap > 0, HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None,
         **plan.consts)
     return True
 
