@@ -3,8 +3,9 @@
 Same contract as `hwkv_cuda.kernels.extend` (q [T, H, D], keys listed per request by kv_indptr/kv_indices,
 causal + window, GQA packed, sinks, soft-cap, K/V scales) for the plain features; the rest (fp8 K/V, verify
 trees, Dv != D, fp32, other head dims, group sizes that are not powers of two) stays with the portable kernel.
-On by default on sm_90 (HWKV_HOPPER_EXTEND=0 turns it off): on an H200 it is 1.14-1.37x the portable kernel at
-D=64 and 1.39-1.57x at D=128 (docs/benchmarks.md). D=64 window layers keep the portable kernel (at par there).
+On by default on sm_90 (HWKV_HOPPER_EXTEND=0 turns it off) for calls of at least MIN_TOKENS query tokens: on an
+H200 it is 1.16-1.35x the portable kernel at D=64 and 1.50-1.66x at D=128 (docs/benchmarks.md). D=64 window layers
+keep the portable kernel (at par there).
 
 Work items: NC consumer warpgroups (2 or 3) of 64 query rows each; an item is NC x BT consecutive query tokens
 of one request times the GROUP q heads of one kv head (BT = 64 // GROUP tokens a consumer), rows ordered (token,
@@ -34,10 +35,11 @@ triangle. Warp-specialised partitions of one warpgroup each:
 
 Tiles (H200 sweeps, `bench_hopper_extend.py --sweep`): D=64 takes 3 consumers x 64-key tiles in 6 stages at 152
 registers (1 x 8192 causal 425 TFLOP/s against 393 for 2 consumers x 128 keys: a key tile now serves 192 rows, and
-three warps a scheduler hide each other's softmax); D=128 2 consumers x 64 keys in 4 stages at 208 registers. At
+three warps a scheduler hide each other's softmax); D=128 3 consumers x 64 keys in 4 stages (587 against 504). At
 D=64 the softmax's exp2 (16 a clock an SM) takes as long as the products on the tensor cores, which is what keeps
 both this kernel and cuDNN under half the dense peak. Built for sm_90 with Triton 3.6 and 3.9 without spills
-(`compile_for_sm90`; the test reads the SASS).
+(`compile_for_sm90`; the test reads the SASS), but for a few producer spill slots at D=128. Calls under MIN_TOKENS
+query tokens keep the portable kernel (its direct launch costs a quarter of this one's host time).
 """
 from __future__ import annotations
 
@@ -76,10 +78,17 @@ class HopperConfig(NamedTuple):
 
 PRODUCER_WARPS = 4
 # H200 sweeps (docs/benchmarks.md). D=64: 3 consumers x 64 keys x 6 stages at 152 registers beat 2 consumers x 128 keys
-# (the best two-consumer tile) by 7-11% on every causal case; 160 registers leave the producer too few (it spills). D=128:
-# 3 consumers spill at 152-160 registers; 2 x 64 keys at 208 do not (224 spills a little in the producer).
+# (the best two-consumer tile) by 7-11% on every causal case; 160 registers leave the producer too few (it spills).
+# D=128: 3 consumers x 64 keys x 4 stages at 152 registers beat 2 x 64 keys at 208 by 8-16% on causal cases (5% slower
+# at W=128, still 1.5x the portable kernel) although the producer spills a few values (up to 12 local stores).
 CONFIGS: Dict[int, HopperConfig] = {64: HopperConfig(block_n=64, stages=6, consumer_regs=152, consumers=3),
-                                     128: HopperConfig(block_n=64, stages=4, consumer_regs=208, windows=True)}
+                                     128: HopperConfig(block_n=64, stages=4, consumer_regs=152, consumers=3,
+                                                       windows=True)}
+# Calls with fewer query tokens keep the portable kernel: the Gluon launch goes through Triton's JIT dispatch, 105 us
+# of host time per planned layer call on the H200 host against the portable kernel's direct launch at 29 us
+# (`bench_hopper_extend.py --host`), which a short prefill's device time (under ~100 us below about 2048 causal
+# tokens) does not hide.
+MIN_TOKENS = 2048
 
 
 if gluon is not None:
@@ -456,7 +465,7 @@ def requested() -> bool:
 
 def takes_window(head_dim: int) -> bool:
     """Whether window layers of this head dim take the Gluon kernel: only where it measured faster there (D=128
-    1.57x; D=64 at par, 123 against 121 us at W=128 over 8192, so D=64 windows keep the portable kernel)."""
+    1.50x; D=64 at par, 123 against 122 us at W=128 over 8192, so D=64 windows keep the portable kernel)."""
     cfg = CONFIGS.get(head_dim)
     return cfg is not None and cfg.windows
 
@@ -498,8 +507,9 @@ def unsupported(q: Any, k_buf: Any, v_buf: Any, out: Any, max_q_len: int, has_tr
 
 def plan_hopper_extend(q: Any, k_buf: Any, v_buf: Any, out: Any, max_q_len: int,
                        has_tree: bool = False) -> Optional[HopperPlan]:
-    """The Gluon kernel's plan for these shapes, or None (not requested, or `unsupported`)."""
-    if not requested() or unsupported(q, k_buf, v_buf, out, max_q_len, has_tree) is not None:
+    """The Gluon kernel's plan for these shapes, or None (turned off, fewer than MIN_TOKENS query tokens, or
+    `unsupported`)."""
+    if q.shape[0] < MIN_TOKENS or not requested() or unsupported(q, k_buf, v_buf, out, max_q_len, has_tree):
         return None
     t, h, d = q.shape
     return _plan(h // k_buf.shape[1], k_buf.shape[1], d, int(max_q_len), CONFIGS[d], q.device)
