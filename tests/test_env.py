@@ -1,7 +1,7 @@
 """The environment variables are declared once and the README documents exactly that table."""
 import pathlib
 
-from hwkv.env import ALL, HWKV_DEBUG, markdown_table
+from hwkv.env import ALL, HWKV_DEBUG, HWKV_HOPPER_EXTEND, markdown_table
 
 
 def test_readme_holds_the_generated_table():
@@ -16,7 +16,14 @@ def test_flags_parse(monkeypatch):
     assert HWKV_DEBUG.get() is True
     monkeypatch.delenv("HWKV_DEBUG")
     assert HWKV_DEBUG.get() is False
-    assert {v.name for v in ALL} == {"HWKV_DEVICE", "HWKV_DEBUG"}
+    assert {v.name for v in ALL} == {"HWKV_DEVICE", "HWKV_DEBUG", "HWKV_HOPPER_EXTEND"}
+
+
+def test_a_flag_on_by_default_turns_off(monkeypatch):
+    monkeypatch.delenv("HWKV_HOPPER_EXTEND", raising=False)
+    assert HWKV_HOPPER_EXTEND.get() is True
+    monkeypatch.setenv("HWKV_HOPPER_EXTEND", "0")
+    assert HWKV_HOPPER_EXTEND.get() is False
 
 
 def test_flag_values_any_case_and_blanks(monkeypatch):

@@ -459,8 +459,8 @@ class HopperPlan(NamedTuple):
 def requested() -> bool:
     """On by default (faster than the portable kernel wherever it applies on an H200); HWKV_HOPPER_EXTEND=0 keeps
     the portable kernel."""
-    from hwkv.env import EnvVar, _flag
-    return EnvVar(ENV_FLAG, _flag, True, "").get()
+    from hwkv.env import HWKV_HOPPER_EXTEND
+    return HWKV_HOPPER_EXTEND.get()
 
 
 def takes_window(head_dim: int) -> bool:
