@@ -308,7 +308,6 @@ class DraftGraphRunner(DraftReplay, GraphRunner):
             raise ConfigError(f"draft_steps={draft_steps!r} must be an int >= 1")
         self.draft = MultiStepDraft(draft_steps, writes_swa)
         self.steps = draft_steps
-        self._current: Optional[DraftSteps] = None
         super().__init__(backend, fn, batch_sizes, input_shapes, adapter, ForwardMode.DECODE)
 
     def _refill(self, batch: ForwardBatch) -> None:

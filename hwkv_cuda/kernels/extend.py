@@ -345,7 +345,7 @@ def _run(plan: ExtendPlan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_i
     if plan.grid[0] == 0:
         return
     # a window layer reading the full list (its plan made without the window) follows the same rule
-    gluon = plan.hopper is not None and (not window or extend_hopper.takes_window(q.shape[2]))
+    gluon = plan.hopper is not None and (not window or plan.hopper.windows)
     if gluon and extend_hopper.run_hopper_extend(plan.hopper, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0,
                                                  qo_indptr, q_pos0, out, scaling, window, logit_cap, sinks, k_scale,
                                                  v_scale):

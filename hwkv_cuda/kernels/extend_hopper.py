@@ -452,6 +452,7 @@ class HopperPlan(NamedTuple):
     kv_heads: int
     blocks: int                            # token blocks of NC x BT tokens (one item) in the longest request
     programs: int                          # persistent: one per SM (0: one per work item)
+    windows: bool                          # window calls take it too (`takes_window` of its head dim)
     consts: Dict[str, Any]
     block: Tuple[int, int, int]            # the Q/O TMA box: [BT tokens, GROUP heads, D]
 
@@ -517,23 +518,18 @@ def plan_hopper_extend(q: Any, k_buf: Any, v_buf: Any, out: Any, max_q_len: int,
 
 def _plan(group: int, kv_heads: int, d: int, max_q_len: int, cfg: HopperConfig, device: Any) -> HopperPlan:
     """The plan under tile config `cfg` (the benchmark's sweep builds its own)."""
+    from hwkv_cuda.kernels.common import num_sms
     bt = ROWS // group
-    consts = dict(GROUP=group, D=d, BLOCK_N=cfg.block_n, STAGES=cfg.stages, PRODUCER_WARPS=PRODUCER_WARPS,
-                  CONSUMER_REGS=cfg.consumer_regs, PINGPONG=cfg.pingpong and cfg.consumers == 2, Q_REGS=cfg.q_regs,
-                  NC=cfg.consumers, num_warps=4)
-    programs = _sm_count(device.index if device.index is not None else _current()) if cfg.persistent else 0
-    return HopperPlan(kv_heads, -(-max_q_len // (cfg.consumers * bt)), programs, consts, (bt, group, d))
+    programs = num_sms(device) if cfg.persistent else 0
+    return HopperPlan(kv_heads, -(-max_q_len // (cfg.consumers * bt)), programs, takes_window(d),
+                      dict(_consts(group, d, cfg), num_warps=4), (bt, group, d))
 
 
-def _current() -> int:
-    import torch
-    return torch.cuda.current_device()
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    import torch
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _consts(group: int, d: int, cfg: HopperConfig) -> Dict[str, Any]:
+    """The kernel's constexprs under tile config `cfg` but the per-call feature flags (a launch and the CPU build)."""
+    return dict(GROUP=group, D=d, BLOCK_N=cfg.block_n, STAGES=cfg.stages, PRODUCER_WARPS=PRODUCER_WARPS,
+                CONSUMER_REGS=cfg.consumer_regs, PINGPONG=cfg.pingpong and cfg.consumers == 2, Q_REGS=cfg.q_regs,
+                NC=cfg.consumers)
 
 
 @functools.lru_cache(maxsize=None)
@@ -594,11 +590,10 @@ def compile_for_sm90(d: int = 64, group: int = 8, dtype: str = "bf16", window: b
                kv_pos0="*i64", qo_indptr="*i32", q_pos0="*i64", sinks="*fp32", out=f"*{dtype}", qk_scale="fp32",
                v_scale="fp32", cap="fp32", window="i32", s_kb="i32", s_kh="i32", s_vb="i32", s_vh="i32", s_ot="i32",
                s_oh="i32", n_kvh="i32", bs="i32", n_blk="i32", n_items="i32")
-    consts = dict(GROUP=group, D=d, BLOCK_N=cfg.block_n, STAGES=cfg.stages, HAS_CAP=cap, HAS_WINDOW=window,
-                  HAS_SINKS=sinks, PRODUCER_WARPS=PRODUCER_WARPS, CONSUMER_REGS=cfg.consumer_regs,
-                  PINGPONG=cfg.pingpong and cfg.consumers == 2, Q_REGS=cfg.q_regs, NC=cfg.consumers)
+    consts = dict(_consts(group, d, cfg), HAS_CAP=cap, HAS_WINDOW=window, HAS_SINKS=sinks)
     sig.update({k: "constexpr" for k in consts})
-    names = list(sig)
+    names = list(_hopper_extend_kernel.arg_names)         # the kernel's parameter order
+    sig = {n: sig[n] for n in names}
     aligned = [n for n in names if sig[n].startswith("*")] + ["s_kb", "s_kh", "s_vb", "s_vh", "s_ot", "s_oh"]
     src = GluonASTSource(_hopper_extend_kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                          attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
