@@ -268,11 +268,13 @@ def bench_decode(copy_bw, sweep, layout="random", page=16, seed=0):
         s = DecodeSetup(bs, ctx, window, scatter=scatter, layout=layout, page=page, seed=seed)
         us, splits = s.time()
         fused_us, merge_kernel_us = s.time_merges()
+        pdl = bool(s.plan().merge_consts.get("PDL"))   # the merge kernel a programmatic dependent: A/B, same run
+        plain_us = s.time(dataclasses.replace(s.config(), pdl=False))[0] if pdl else None
         tf = tflops(s.flops, us)
         row = dict(batch=bs, context=ctx, window=window, scatter=scatter, layout="scatter" if scatter else layout,
                    page=1 if scatter else page, keys=s.list_len, splits=splits,
                    merge="none" if splits == 1 else ("in place" if s.plan().fused else "kernel"), us=us,
-                   us_fused_merge=fused_us, us_merge_kernel=merge_kernel_us,
+                   us_fused_merge=fused_us, us_merge_kernel=merge_kernel_us, pdl=pdl, us_without_pdl=plain_us,
                    frac_copy_bw=s.bytes / (us * 1e-6) / copy_bw, tflops=tf, frac_peak=frac_peak(tf),
                    sdpa_us=s.time_sdpa())
         for name, backend in SDPA_BACKENDS:

@@ -1,7 +1,7 @@
 """Prefill/extend on Hopper: the Gluon sm_90 kernel (hwkv_cuda.kernels.extend_hopper) against the portable
 Triton kernel and torch SDPA (cuDNN and flash backends over dense K/V), each under a CUDA graph.
 
-    python3 benchmarks/bench_hopper_extend.py [--json out.json] [--d 64 128] [--sweep] [--host]
+    python3 benchmarks/bench_hopper_extend.py [--json out.json] [--d 64 128] [--sweep] [--host] [--threshold]
 
 Cases (issue 25): 1 x 8192 causal, 4 x 2048 new over a 2048 prefix, 8 x 1024 causal, 1 x 8192 with W=128;
 H=64, KVH=8, D=64 (or 128), bf16, pages of 16 at random places. TFLOP/s counts visible (query, key) pairs only,
@@ -9,7 +9,8 @@ the same way for every kernel (4 * pairs * H * D flops). Each case first checks 
 portable kernel's (max abs error, reported). With HWKV_HOPPER_EXTEND=0 the Gluon column reads n/a.
 --sweep also times the Gluon kernel under each of SWEEP's configs for the head dim (keys per tile, stages, consumer
 registers, persistence, ping-pong, Q in registers, consumer warpgroups), each checked against the portable kernel
-first, and reports them per case, fastest first. --host adds the host time of one planned layer call per kernel.
+first, and reports them per case, fastest first. --host adds the host time of one planned layer call per kernel;
+--threshold both kernels at small prefills, under a graph and eagerly (what the dispatch's MIN_TOKENS rests on).
 """
 from __future__ import annotations
 
@@ -175,6 +176,48 @@ def bench(d, sweep=False):
     return rows
 
 
+THRESHOLD_CASES = [(1, t, 0) for t in (256, 512, 1024, 2048, 4096)] + [(4, t, 1024) for t in (64, 128, 256, 512)]
+
+
+def threshold(d, calls=50):
+    """Where the Gluon kernel starts to pay at small prefills: for each case (bs, new tokens each, prefix), its time
+    and the portable kernel's under a CUDA graph (device) and eager (`calls` planned layer calls queued back to
+    back, one sync: max of host and device per call), the dispatch's token threshold lifted."""
+    import os
+    import time
+    rows = []
+    min_tokens, extend_hopper.MIN_TOKENS = extend_hopper.MIN_TOKENS, 0
+    try:
+        for bs, new, prefix in THRESHOLD_CASES:
+            c = Case(bs, new, prefix, None, d)
+            row = dict(d=d, bs=bs, new=new, prefix=prefix, tokens=bs * new)
+            for name, flag in (("gluon", "1"), ("portable", "0")):
+                os.environ[extend_hopper.ENV_FLAG] = flag
+                plan = plan_extend(*c.args, c.new)
+                if (plan.hopper is not None) != (name == "gluon"):
+                    row[name] = "n/a"
+                    continue
+
+                def call(plan=plan):
+                    extend_attention_planned(plan, *c.args, c.new, c.d ** -0.5)
+                row[f"{name}_graph_us"] = timed(call)
+                eager = []
+                for _ in range(5):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        call()
+                    torch.cuda.synchronize()
+                    eager.append((time.perf_counter() - t0) / calls * 1e6)
+                row[f"{name}_eager_us"] = sorted(eager)[2]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        os.environ.pop(extend_hopper.ENV_FLAG, None)
+        extend_hopper.MIN_TOKENS = min_tokens
+    return rows
+
+
 def host_us(calls=300):
     """Host time of one planned layer call (plan once per forward, `extend_attention_planned` per layer, as the
     backend calls it) through each kernel, at a small prefill (2 x 64 tokens over a 512-token prefix) whose device
@@ -228,12 +271,19 @@ def main():
     ap.add_argument("--d", type=int, nargs="+", default=[64], help="head dims (64 and/or 128)")
     ap.add_argument("--sweep", action="store_true", help="also time the Gluon kernel under each SWEEP config")
     ap.add_argument("--host", action="store_true", help="also the host time of one planned layer call per kernel")
+    ap.add_argument("--threshold", action="store_true",
+                    help="also both kernels at small prefills (graph and eager), for the dispatch's token threshold")
+    ap.add_argument("--no-cases", action="store_true", help="skip the issue's four cases")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=__import__("triton").__version__, gluon_error=extend_hopper.GLUON_ERROR, rows=[])
     for d in a.d:
+        if a.threshold:
+            result.setdefault("threshold", []).extend(threshold(d))
+        if a.no_cases:
+            continue
         rows = bench(d, a.sweep)
         result["rows"] += rows
         print(table(rows))

@@ -208,3 +208,48 @@ def test_eager_plans_merge_in_place_past_the_graph_bound():
     assert not dec.plan_decode(*args, None, 30, config=never).fused, "0 still means never"
     for out in outs:
         _close(out, c.ref(), torch.float32)
+
+
+def test_merge_kernel_launches_as_a_dependent_only_on_hopper_class_gpus(monkeypatch):
+    """PDL (DecodeConfig.pdl) where the merge kernel runs on an sm_90+ NVIDIA GPU; never with one split or the
+    in-place merge, nor elsewhere (the interpreter included)."""
+    c = Case([20, 30], [1, 1], h=4, kvh=2, d=16, seed=15)
+    for hopper in (True, False):
+        monkeypatch.setattr(dec, "hopper_class", lambda device, hopper=hopper: hopper)
+        for cfg, splits, want in ((SEPARATE, 3, hopper), (FUSED, 3, False), (SEPARATE, 1, False),
+                                  (dataclasses.replace(SEPARATE, pdl=False), 3, False)):
+            q_pos = torch.tensor([19, 29], dtype=torch.int64, device=DEV)
+            out = torch.empty(2, 4, 16, device=DEV)
+            args = (c.q, c.k_buf, c.v_buf, c.kv_indptr, c.kv_indices, c.kv_pos0, q_pos, out)
+            plan = dec.plan_decode(*args, None, 30, workspace=make_decode_workspace(2, 4, 16, splits, DEV), config=cfg)
+            assert plan.split_consts["PDL"] == plan.merge_consts["PDL"] == want, (hopper, cfg, splits)
+            assert plan.merge_consts.get("launch_pdl", False) == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not dec.hopper_class(torch.device("cuda")),
+                    reason="programmatic dependent launch needs an sm_90+ NVIDIA GPU")
+@pytest.mark.cuda
+@pytest.mark.parametrize("splits", [3, 17])
+def test_dependent_merge_matches_the_plain_launch_eager_and_in_a_graph(splits):
+    """The merge kernel as the split kernel's programmatic dependent gives the plain launch's bits, eagerly and
+    replayed in a CUDA graph (where the dependency becomes a programmatic edge), over repeated runs."""
+    c = Case([700, 1500, 64], [1, 1, 1], h=16, kvh=2, d=64, dtype=torch.bfloat16, seed=splits, page=16)
+    sinks = _sinks(16)
+    plain, _ = run(c, dataclasses.replace(SEPARATE, pdl=False), splits, sinks=sinks)
+    ws = make_decode_workspace(3, 16, 64, splits, DEV)
+    got, plan = run(c, SEPARATE, splits, sinks=sinks, ws=ws)
+    assert plan.merge_consts["PDL"] and not plan.fused
+    assert torch.equal(got, plain)
+    _close(got, c.ref(0.0, sinks), torch.bfloat16)
+    q_pos = torch.tensor([s - 1 for s in c.seq_lens], dtype=torch.int64, device=DEV)
+    out = torch.full_like(got, float("nan"))
+    args = (c.q, c.k_buf, c.v_buf, c.kv_indptr, c.kv_indices, c.kv_pos0, q_pos, out)
+    dec.decode_attention_planned(plan, *args, c.scaling, c.window, 0.0, sinks)   # warm the launch outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dec.decode_attention_planned(plan, *args, c.scaling, c.window, 0.0, sinks)
+    for _ in range(20):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain)

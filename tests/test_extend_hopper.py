@@ -262,6 +262,23 @@ def test_a_call_keeps_no_tensor_alive(monkeypatch):
 
 
 @hopper
+def test_gluon_launches_go_direct_after_the_first(monkeypatch):
+    """The Gluon kernel launches through its compiled launcher from the second call on (hwkv_cuda.kernels.launch),
+    with new TMA descriptors each call: another q and out of the same shape, then a longer batch (another grid)."""
+    extend_hopper._LAUNCHES.clear()
+    c = Paged([700, 513, 64], [200, 13, 64], seed=3)
+    for _ in range(3):
+        c.q = c.q.clone()
+        _close(c.gluon(monkeypatch), c.ref())
+    (plan,) = extend_hopper._LAUNCHES.values()
+    assert plan.direct and plan.jit_calls == 1
+    c = Paged([2100, 300], [2100, 300], seed=4)
+    for _ in range(2):
+        _close(c.gluon(monkeypatch), c.ref())
+    assert all(p.direct and p.jit_calls == 1 for p in extend_hopper._LAUNCHES.values())
+
+
+@hopper
 def test_d128_window_layers_take_the_gluon_kernel(monkeypatch):
     """D=128 window layers plan the Gluon kernel (1.57x the portable kernel there), D=64 ones the portable kernel."""
     monkeypatch.delenv(extend_hopper.ENV_FLAG, raising=False)

@@ -258,3 +258,33 @@ def test_on_rocm_a_plan_also_compares_whether_a_buffer_fits_32_bit_offsets(fake,
     launch = L.Launch(fake, (1,), (small, 32, 0.5), dict(BLOCK=16))
     assert L.spec(fake, (small,)) != L.spec(fake, (big,))
     assert launch._same((torch.ones(64), 32, 0.5)) and not launch._same((big, 32, 0.5))
+
+
+class Desc:
+    """Stands in for a host-side TMA descriptor (Gluon's TensorDescriptor: a dataclass over a base tensor)."""
+
+    def __init__(self, base, block, layout="swizzle128", padding="zero"):
+        self.base, self.shape, self.strides = base, list(base.shape), list(base.stride())
+        self.block_shape, self.layout, self.padding = list(block), layout, padding
+
+    __hash__ = None   # a dataclass with eq: unhashable, as Gluon's is
+
+
+def test_descriptor_arguments_launch_directly_and_specialise_on_dtype_block_and_layout(fake):
+    """The Gluon kernel's q/out descriptors: a new descriptor per call (another tensor, another length, a base that is
+    not the first's) launches directly; another dtype, box or layout is another signature, through the JIT once."""
+    x = torch.zeros(64, 8)
+    launch = L.Launch(fake, (1,), (Desc(x, [16, 8]), 32, 0.5), dict(BLOCK=16))
+    assert launch.direct
+    y = torch.zeros(300, 8)
+    for d in (Desc(x, [16, 8]), Desc(y, (16, 8)), Desc(y[8:], [16, 8])):
+        launch(d, 48, 1.0)
+    assert len(fake.jit_calls) == 1 and len(fake.direct_calls) == 3
+    assert fake.direct_calls[-1][9].base.data_ptr() == y[8:].data_ptr()
+    for other in (Desc(x.half(), [16, 8]), Desc(x, [32, 8]), Desc(x, [16, 8], "swizzle64"),
+                  Desc(x, [16, 8], padding="nan"), x):
+        assert not launch._same((other, 32, 0.5)), other
+    launch(Desc(x.half(), [16, 8]), 32, 0.5)     # another signature: a plan of its own, through the JIT once
+    launch(Desc(y.half(), [16, 8]), 32, 0.5)
+    assert len(fake.jit_calls) == 2 and len(fake.direct_calls) == 4
+    assert L.spec(fake, (Desc(x, [16, 8]),)) == L.spec(fake, (Desc(y[8:], (16, 8)),))

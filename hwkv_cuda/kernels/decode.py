@@ -28,6 +28,10 @@ from typing import Any, Dict, NamedTuple, Optional, Tuple
 import torch
 import triton
 import triton.language as tl
+try:  # grid dependency control (PDL); a Triton without it keeps plain launches (DecodeConfig.pdl)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 from hwkv.errors import ShapeError
 from hwkv_cuda.kernels.launch import Launch, current_stream, launch, spec
@@ -61,6 +65,10 @@ class DecodeConfig:
     # sm_90 builds (Triton 3.9) of the H200 plans for B 1-16 x 4K-32K keep the merge kernel's 64-161 registers
     # (+4 at most) at 2048, while 4096 took 16 x 4K from 64 to 96 and 8192 every plan up to 168-237
     merge_chunk: int = 2048
+    # the merge kernel launches as a programmatic dependent of the split kernel (PDL, sm_90+: the split programs
+    # signal at their start, so the merge grid's launch overlaps their work and its programs wait in hardware for
+    # the split grid's results), where the merge kernel runs at all
+    pdl: bool = True
 
     def kv_heads_per_program(self, num_kv_heads: int, head_dim: int) -> int:
         """KV heads per program: at most heads_per_program, a power of two dividing num_kv_heads, and
@@ -189,7 +197,9 @@ def _decode_split_kernel(
         GROUP: tl.constexpr, HPP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, DIRECT: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, F32: tl.constexpr,
-        FUSED: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr):
+        FUSED: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:   # the merge kernel may launch once every split program has started (it waits for their results)
+        gdc_launch_dependents()
     # A program reads HPP adjacent kv heads: each key row is one [HPP * D] load, and the query tile is
     # block-diagonal (row r belongs to local kv head r // GROUP and is zero outside that head's columns),
     # so one dot gives every row its own head's logits and the rows of a small GQA group fill the tile.
@@ -301,13 +311,15 @@ def _decode_merge_kernel(
         sinks, out, ws_acc, ws_lse, v_scale, num_splits,
         s_ob, s_oh, s_ab, s_ah, s_as, s_lb, s_lh,
         DV: tl.constexpr, BLOCK_S: tl.constexpr,
-        BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr):
+        BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr, PDL: tl.constexpr = False):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_s = offs_s < num_splits
     mask_dv = offs_dv < DV
+    if PDL:   # launched as the split kernel's dependent: its partials are complete and visible after this
+        gdc_wait()
     lse = tl.load(ws_lse + b * s_lb + h * s_lh + offs_s, mask=mask_s, other=float("-inf"))
     acc = tl.load(ws_acc + b * s_ab + h * s_ah + offs_s[:, None] * s_as + offs_dv[None, :],
                   mask=mask_s[:, None] & mask_dv[None, :], other=0.0)
@@ -435,14 +447,15 @@ def _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, cfg, lists=None) -> 
     fused = (splits > 1 and ws.counts is not None and _merges_in_place(q.device, interpreted)
              and splits * hpp * group * dv * 4 <= limit)
     block_s = next_pow2(splits)
+    pdl = splits > 1 and not fused and cfg.pdl and gdc_wait is not None and hopper_class(q.device)
     # splits the in-place merge loads per step: the largest power of two (>= 2) within merge_chunk values
     chunk_s = min(block_s, max(2, next_pow2(cfg.merge_chunk // (block_h * block_dv) + 1) // 2))
     split_consts = dict(GROUP=group, HPP=hpp, D=d, DV=dv, DIRECT=splits == 1, BLOCK_H=block_h,
                         BLOCK_D=pow2(d), BLOCK_DV=block_dv, BLOCK_N=cfg.keys_per_iter(per_split), FUSED=fused,
-                        BLOCK_S=block_s if fused else 1, CHUNK_S=chunk_s if fused else 1,
+                        BLOCK_S=block_s if fused else 1, CHUNK_S=chunk_s if fused else 1, PDL=pdl,
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    merge_consts = dict(DV=dv, BLOCK_S=block_s, BLOCK_DV=next_pow2(dv),
-                        num_warps=1 if interpreted else 4)
+    merge_consts = dict(DV=dv, BLOCK_S=block_s, BLOCK_DV=next_pow2(dv), PDL=pdl,
+                        num_warps=1 if interpreted else 4, **({"launch_pdl": True} if pdl else {}))
     counts = ws.counts if fused else ws.lse
     workspace_args = (ws.acc, ws.lse, counts, splits, *ws_strides, counts.stride(0))
     forward_args = (*lists, *workspace_args) if lists is not None else workspace_args

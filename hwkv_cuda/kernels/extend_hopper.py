@@ -373,7 +373,9 @@ if gluon is not None:
                               v_scale, GROUP, BT, D, HAS_SINKS, o_layout)
         tma.store_wait(0)
 
-    @gluon.jit
+    # a batch's scalars (window, work-item counts) are not specialised on: the JIT would compile, and a planned launch
+    # (hwkv_cuda.kernels.launch) would plan, one variant per value that turns 1 or a multiple of 16
+    @gluon.jit(do_not_specialize=["window", "n_kvh", "bs", "n_blk", "n_items"])
     def _hopper_extend_kernel(q_desc, o_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0,
                               sinks, out, qk_scale, v_scale, cap, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh,
                               n_kvh, bs, n_blk, n_items, GROUP: gl.constexpr, D: gl.constexpr,
@@ -455,6 +457,11 @@ class HopperPlan(NamedTuple):
     windows: bool                          # window calls take it too (`takes_window` of its head dim)
     consts: Dict[str, Any]
     block: Tuple[int, int, int]            # the Q/O TMA box: [BT tokens, GROUP heads, D]
+    key: Tuple[Any, ...]                   # what fixes its launches but the grid and the feature flags (`_LAUNCHES`)
+
+
+# planned launches of the Gluon kernel (hwkv_cuda.kernels.launch: the compiled launcher called directly, not the JIT)
+_LAUNCHES: Dict[Any, Any] = {}
 
 
 def requested() -> bool:
@@ -521,8 +528,9 @@ def _plan(group: int, kv_heads: int, d: int, max_q_len: int, cfg: HopperConfig, 
     from hwkv_cuda.kernels.common import num_sms
     bt = ROWS // group
     programs = num_sms(device) if cfg.persistent else 0
-    return HopperPlan(kv_heads, -(-max_q_len // (cfg.consumers * bt)), programs, takes_window(d),
-                      dict(_consts(group, d, cfg), num_warps=4), (bt, group, d))
+    consts = dict(_consts(group, d, cfg), num_warps=4)
+    return HopperPlan(kv_heads, -(-max_q_len // (cfg.consumers * bt)), programs, takes_window(d), consts, (bt, group, d),
+                      tuple(consts.items()))
 
 
 def _consts(group: int, d: int, cfg: HopperConfig) -> Dict[str, Any]:
@@ -552,6 +560,7 @@ def run_hopper_extend(plan: HopperPlan, q: Any, k_buf: Any, v_buf: Any, kv_indpt
     and cp.async need (16-byte aligned bases, 16-byte q/out row strides), or where the logit scale is not positive
     (the kernel folds it into the exponent after the row max): the caller runs the portable kernel."""
     from hwkv_cuda.kernels.common import as_scale
+    from hwkv_cuda.kernels.launch import launch
     qk_scale = float(scaling) * as_scale(k_scale)
     if (not qk_scale > 0 or q.data_ptr() % 16 or out.data_ptr() % 16 or k_buf.data_ptr() % 16 or v_buf.data_ptr() % 16
             or q.stride(0) % 8 or q.stride(1) % 8 or out.stride(0) % 8 or out.stride(1) % 8
@@ -565,12 +574,12 @@ def run_hopper_extend(plan: HopperPlan, q: Any, k_buf: Any, v_buf: Any, kv_indpt
     window = int(window or 0)
     n_items = plan.kv_heads * plan.blocks * bs
     grid = (min(n_items, plan.programs) if plan.programs else n_items, )
-    _hopper_extend_kernel[grid](
-        _descriptor(q, plan.block), _descriptor(out, plan.block), k_buf, v_buf, kv_indptr, kv_indices, kv_pos0,
-        qo_indptr, q_pos0, sinks if sinks is not None else out, out, qk_scale, as_scale(v_scale), cap, window,
-        k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), out.stride(0), out.stride(1),
-        plan.kv_heads, bs, plan.blocks, n_items, HAS_CAP=cap > 0, HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None,
-        **plan.consts)
+    launch(_LAUNCHES, (plan.key, grid[0], cap > 0, window > 0, sinks is not None), _hopper_extend_kernel, grid,
+           (_descriptor(q, plan.block), _descriptor(out, plan.block), k_buf, v_buf, kv_indptr, kv_indices, kv_pos0,
+            qo_indptr, q_pos0, sinks if sinks is not None else out, out, qk_scale, as_scale(v_scale), cap, window,
+            k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), out.stride(0), out.stride(1),
+            plan.kv_heads, bs, plan.blocks, n_items),
+           dict(HAS_CAP=cap > 0, HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None, **plan.consts))
     return True
 
 

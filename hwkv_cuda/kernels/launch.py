@@ -8,8 +8,9 @@ with the positional arguments. A call whose arguments would specialise different
 (a pointer not 16-byte aligned where the first was, an int that turns 1, or divisible by 16, or wider
 than 32 bits) goes through `kernel[grid]` once more and gets a plan of its own, so the direct path never
 runs another variant's code. Where the launcher's own Python call is understood (`_fast_launcher`), a plan
-calls the C launch function under it directly. Under the interpreter (CI), and on Triton builds whose launcher
-convention is not known, every call goes through `kernel[grid]`.
+calls the C launch function under it directly. TMA descriptor arguments (the Gluon kernel's) are compared by what
+Triton specialises them on; the launcher encodes their tensor maps at every launch. Under the interpreter (CI), and
+on Triton builds whose launcher convention is not known, every call goes through `kernel[grid]`.
 
 The comparison with the first call is one boolean expression generated for the plan (`_checker`: a few
 attribute reads per argument, no Python call per argument). A per-layer launch compares less still
@@ -136,6 +137,13 @@ def _small(v: torch.Tensor) -> bool:
     return v.untyped_storage().nbytes() <= _BUFFER_OPS_MAX
 
 
+def _descriptor(v: Any) -> bool:
+    """Whether v is a host-side TMA tensor descriptor (Gluon's or Triton's: a base tensor, a block shape, a shared
+    layout). Triton specialises one on its base's dtype, its block shape and layout (not the base's alignment, which
+    the descriptor requires to be 16 bytes), and the launcher encodes the tensor map from it at every launch."""
+    return isinstance(getattr(v, "base", None), _TENSOR) and hasattr(v, "block_shape") and hasattr(v, "layout")
+
+
 def _spec_of(v: Any, free: bool) -> Hashable:
     t = type(v)
     if t is int:
@@ -145,6 +153,8 @@ def _spec_of(v: Any, free: bool) -> Hashable:
         return float
     if t is _TENSOR or (v is not None and t is not bool and isinstance(v, _TENSOR)):
         return (v.dtype, v.data_ptr() & 15 == 0, _small(v)) if _HIP else (v.dtype, v.data_ptr() & 15 == 0)
+    if _descriptor(v):
+        return (t, v.base.dtype, tuple(v.block_shape), v.layout, getattr(v, "padding", None))
     return v
 
 
@@ -162,7 +172,7 @@ def _checker(kernel: Any, args: Sequence[Any], positions: Sequence[int], device_
     """args -> whether args[i] for i in `positions` specialise as these `args` did (what `spec` reads, and the
     first tensor's device), as one generated boolean expression: a few attribute reads per argument, no call
     per argument. An argument of another kind may raise AttributeError or TypeError: the caller says no."""
-    free, terms, dtypes, device_done = _free_params(kernel), [], {}, False
+    free, terms, dtypes, device_done, layouts = _free_params(kernel), [], {}, False, {}
     for i in positions:
         v, a = args[i], f"a[{i}]"
         if type(v) is int:
@@ -181,11 +191,17 @@ def _checker(kernel: Any, args: Sequence[Any], positions: Sequence[int], device_
                 device_done = True
         elif v is None or isinstance(v, bool):
             terms.append(f"{a} is {v!r}")
+        elif _descriptor(v):   # what Triton specialises a descriptor on (see _descriptor)
+            dtypes[i], layouts[i] = v.base.dtype, (type(v), tuple(v.block_shape), v.layout)
+            terms.append(f"type({a}) is L[{i}][0] and {a}.base.dtype is D[{i}] and tuple({a}.block_shape) == L[{i}][1]"
+                         f" and {a}.layout == L[{i}][2] and getattr({a}, 'padding', None) == "
+                         f"{getattr(v, 'padding', None)!r}")
         else:
             return None
     return eval(f"lambda a: {' and '.join(terms) or 'True'}", {"__builtins__": {"type": type, "int": int,
-                                                                                  "float": float},
-                                                                 "W": _width, "D": dtypes, "S": _small})
+                                                                                  "float": float, "tuple": tuple,
+                                                                                  "getattr": getattr},
+                                                                 "W": _width, "D": dtypes, "S": _small, "L": layouts})
 
 
 class Launch:
