@@ -1,11 +1,13 @@
 """Launch-config sweeps behind the recorded decode and extend configs (one CUDA GPU).
 
-    python3 benchmarks/sweep_cuda_configs.py OUT.jsonl decode|extend|ab SECONDS
+    python3 benchmarks/sweep_cuda_configs.py OUT.jsonl decode|small|extend|ab SECONDS
 
 decode: every decode cell of bench_cuda_kernels against a grid of DecodeConfigs (kv heads per
 program, key tile, stages, warps, target CTAs per SM), the 12 best per cell; extend: window-list
 prefill (W=128) over tile sizes, warps, stages and one_loop, and a few causal tile shapes; ab: the
-candidate configs side by side on every cell (the table in docs/benchmarks.md). Each cell appends
+candidate configs side by side on every cell (the table in docs/benchmarks.md); small: the small-batch cells (many
+splits, the merge kernel) over split caps, key tiles and CTA targets, each with the merge kernel a programmatic
+dependent of the split kernel (PDL) and without. Each cell appends
 one JSON line to OUT.jsonl as it finishes; SECONDS bounds the decode and extend sweeps.
 """
 import json
@@ -20,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_cuda_kernels as B  # noqa: E402
 from hwkv_cuda.kernels import DecodeConfig, ExtendConfig  # noqa: E402
 
-if len(sys.argv) != 4 or sys.argv[2] not in ("decode", "extend", "ab"):
+if len(sys.argv) != 4 or sys.argv[2] not in ("decode", "small", "extend", "ab"):
     sys.exit(__doc__)
 out = Path(sys.argv[1])
 section = sys.argv[2]
@@ -35,15 +37,10 @@ def emit(d):
     print(json.dumps(d), flush=True)
 
 
-if section == "decode":
+def sweep_decode(cfgs, cases):
+    """Every DecodeConfig in cfgs on every (batch, context, window) cell: one line per cell, its 12 best."""
     copy_bw = B.copy_bandwidth()
     emit(dict(copy_bw=copy_bw))
-    cfgs = [DecodeConfig(block_n=bn, mid_block_n=bn, num_warps=w, num_stages=st, ctas_per_sm=c,
-                         min_keys_per_split=128, heads_per_program=hpp)
-            for hpp in (1, 2) for bn, st in ((64, 3), (128, 2), (128, 3), (128, 4), (256, 2))
-            for w in (4, 8) for c in (2, 4, 8)]
-    cases = [(64, 4096, None), (64, 32768, None), (16, 4096, None), (16, 32768, None), (256, 4096, None),
-             (256, 32768, None), (1, 32768, None), (256, 32768, 128), (1, 4096, None)]
     for bs, ctx, window in cases:
         if time.time() > t_end:
             break
@@ -65,6 +62,22 @@ if section == "decode":
                   best_hpp1=[r for r in res if "heads_per_program=1" in r[2]][:3]))
         del s
         torch.cuda.empty_cache()
+
+
+if section == "decode":
+    sweep_decode([DecodeConfig(block_n=bn, mid_block_n=bn, num_warps=w, num_stages=st, ctas_per_sm=c,
+                               min_keys_per_split=128, heads_per_program=hpp)
+                  for hpp in (1, 2) for bn, st in ((64, 3), (128, 2), (128, 3), (128, 4), (256, 2))
+                  for w in (4, 8) for c in (2, 4, 8)],
+                 [(64, 4096, None), (64, 32768, None), (16, 4096, None), (16, 32768, None), (256, 4096, None),
+                  (256, 32768, None), (1, 32768, None), (256, 32768, 128), (1, 4096, None)])
+
+if section == "small":
+    sweep_decode([DecodeConfig(block_n=bn, mid_block_n=bn, num_warps=4, num_stages=st, ctas_per_sm=c,
+                               min_keys_per_split=64, max_splits=ms, heads_per_program=hpp, pdl=pdl)
+                  for hpp in (1, 2) for bn, st in ((64, 3), (128, 2), (128, 3)) for c in (2, 4) for ms in (64, 128)
+                  for pdl in (True, False)],
+                 [(1, 32768, None), (1, 4096, None), (4, 32768, None), (16, 4096, None)])
 
 if section == "extend":
     cfgs = [ExtendConfig(bm, bn, w, st, ol) for ol in (False, True) for bm in (32, 64, 128) for bn in (16, 32, 64)

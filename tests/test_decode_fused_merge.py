@@ -232,24 +232,31 @@ def test_merge_kernel_launches_as_a_dependent_only_on_hopper_class_gpus(monkeypa
 @pytest.mark.parametrize("splits", [3, 17])
 def test_dependent_merge_matches_the_plain_launch_eager_and_in_a_graph(splits):
     """The merge kernel as the split kernel's programmatic dependent gives the plain launch's bits, eagerly and
-    replayed in a CUDA graph (where the dependency becomes a programmatic edge), over repeated runs."""
+    replayed in a CUDA graph (where the dependency becomes a programmatic edge), over repeated runs; the same
+    arguments throughout (one plan per launch kind, its lists kept)."""
     c = Case([700, 1500, 64], [1, 1, 1], h=16, kvh=2, d=64, dtype=torch.bfloat16, seed=splits, page=16)
     sinks = _sinks(16)
-    plain, _ = run(c, dataclasses.replace(SEPARATE, pdl=False), splits, sinks=sinks)
-    ws = make_decode_workspace(3, 16, 64, splits, DEV)
-    got, plan = run(c, SEPARATE, splits, sinks=sinks, ws=ws)
-    assert plan.merge_consts["PDL"] and not plan.fused
-    assert torch.equal(got, plain)
-    _close(got, c.ref(0.0, sinks), torch.bfloat16)
     q_pos = torch.tensor([s - 1 for s in c.seq_lens], dtype=torch.int64, device=DEV)
-    out = torch.full_like(got, float("nan"))
-    args = (c.q, c.k_buf, c.v_buf, c.kv_indptr, c.kv_indices, c.kv_pos0, q_pos, out)
-    dec.decode_attention_planned(plan, *args, c.scaling, c.window, 0.0, sinks)   # warm the launch outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        dec.decode_attention_planned(plan, *args, c.scaling, c.window, 0.0, sinks)
-    for _ in range(20):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, plain)
+    results = {}
+    for pdl in (False, True):
+        out = torch.full((3, 16, 64), float("nan"), dtype=c.dtype, device=DEV)
+        args = (c.q, c.k_buf, c.v_buf, c.kv_indptr, c.kv_indices, c.kv_pos0, q_pos, out)
+        plan = dec.plan_decode(*args, sinks, 1500, workspace=make_decode_workspace(3, 16, 64, splits, DEV),
+                               config=dataclasses.replace(SEPARATE, pdl=pdl))
+        assert plan.merge_consts["PDL"] == pdl and plan.splits == splits and not plan.fused
+        runs = []
+        for _ in range(3):
+            out.fill_(float("nan"))
+            dec.decode_attention_planned(plan, *args, c.scaling, c.window, 0.0, sinks)
+            runs.append(out.clone())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            dec.decode_attention_planned(plan, *args, c.scaling, c.window, 0.0, sinks)
+        for _ in range(10):
+            out.fill_(float("nan"))
+            graph.replay()
+            runs.append(out.clone())
+        assert all(torch.equal(r, runs[0]) for r in runs), pdl
+        results[pdl] = runs[0]
+    assert torch.equal(results[True], results[False])
+    _close(results[True], c.ref(0.0, sinks), torch.bfloat16)

@@ -39,7 +39,7 @@ three warps a scheduler hide each other's softmax); D=128 3 consumers x 64 keys 
 D=64 the softmax's exp2 (16 a clock an SM) takes as long as the products on the tensor cores, which is what keeps
 both this kernel and cuDNN under half the dense peak. Built for sm_90 with Triton 3.6 and 3.9 without spills
 (`compile_for_sm90`; the test reads the SASS), but for a few producer spill slots at D=128. Calls under MIN_TOKENS
-query tokens keep the portable kernel (its direct launch costs a quarter of this one's host time).
+query tokens keep the portable kernel (the TMA descriptors make this one's launch cost twice the host time).
 """
 from __future__ import annotations
 
@@ -80,15 +80,17 @@ PRODUCER_WARPS = 4
 # H200 sweeps (docs/benchmarks.md). D=64: 3 consumers x 64 keys x 6 stages at 152 registers beat 2 consumers x 128 keys
 # (the best two-consumer tile) by 7-11% on every causal case; 160 registers leave the producer too few (it spills).
 # D=128: 3 consumers x 64 keys x 4 stages at 152 registers beat 2 x 64 keys at 208 by 8-16% on causal cases (5% slower
-# at W=128, still 1.5x the portable kernel) although the producer spills a few values (up to 12 local stores).
+# at W=128, still 1.5x the portable kernel) although the producer spills a few values (17 local stores in the Triton 3.9
+# build, 44 in the 3.6 build the H200 sweeps ran).
 CONFIGS: Dict[int, HopperConfig] = {64: HopperConfig(block_n=64, stages=6, consumer_regs=152, consumers=3),
                                      128: HopperConfig(block_n=64, stages=4, consumer_regs=152, consumers=3,
                                                        windows=True)}
-# Calls with fewer query tokens keep the portable kernel: the Gluon launch goes through Triton's JIT dispatch, 105 us
-# of host time per planned layer call on the H200 host against the portable kernel's direct launch at 29 us
-# (`bench_hopper_extend.py --host`), which a short prefill's device time (under ~100 us below about 2048 causal
-# tokens) does not hide.
-MIN_TOKENS = 2048
+# Calls with fewer query tokens keep the portable kernel. Both launch directly (hwkv_cuda.kernels.launch), but the Gluon
+# launch also builds two TMA descriptors and encodes their tensor maps: 34 us of host time per planned layer call on
+# the H200 host against 17 (`bench_hopper_extend.py --host`). Eager layer calls back to back (`--threshold`), where
+# the host time shows: at 1024 tokens the Gluon kernel is as fast or faster at D=64 and D=128 (1 x 1024: 38 against
+# 41 us, 47 against 74; 4 x 256 over 1024: 66 against 73, 92 against 136), at 512 slower (38 against 20 us at D=64).
+MIN_TOKENS = 1024
 
 
 if gluon is not None:
@@ -545,11 +547,33 @@ def _box_layout(bf16: bool, block: Tuple[int, int, int]) -> Any:
     return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if bf16 else gl.float16)
 
 
+_FIELDS = ("base", "shape", "strides", "block_shape", "layout", "padding")
+
+
+def _unchecked_type() -> Any:
+    """Gluon's TensorDescriptor without its validation at every construction, where its fields are the ones known
+    (else TensorDescriptor itself). run_hopper_extend checks what that validation would (16-byte aligned bases,
+    16-byte strides, a contiguous last dim, a non-empty q) before it makes one, and the plan's box is a valid one;
+    the validation is half of a descriptor's host time (6 -> 2.6 us a descriptor on a slow host core)."""
+    import dataclasses
+    if gluon is None or tuple(f.name for f in dataclasses.fields(TensorDescriptor)) != _FIELDS:
+        return TensorDescriptor
+
+    class Unchecked(TensorDescriptor):
+        def __init__(self, base: Any, shape: Any, strides: Any, block_shape: Any, layout: Any) -> None:
+            self.base, self.shape, self.strides = base, shape, strides
+            self.block_shape, self.layout, self.padding = block_shape, layout, "zero"
+    return Unchecked
+
+
+_DESCRIPTOR = _unchecked_type()
+
+
 def _descriptor(x: Any, block: Tuple[int, int, int]) -> Any:
     """A TMA descriptor over x [T, H, D] with box `block`. Made per call and never kept: a kept one would keep its
     tensor alive (a prefill chunk's q is tens of MB); the launcher encodes the tensor map at every launch anyway."""
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), list(block),
-                            _box_layout(str(x.dtype) == "torch.bfloat16", block))
+    return _DESCRIPTOR(x, list(x.shape), list(x.stride()), list(block),
+                       _box_layout(str(x.dtype) == "torch.bfloat16", block))
 
 
 def run_hopper_extend(plan: HopperPlan, q: Any, k_buf: Any, v_buf: Any, kv_indptr: Any, kv_indices: Any,
