@@ -11,7 +11,9 @@ log2-sum-exp) per split into the workspace and the splits are merged with the si
 the plan picks: the last split program of a (request, kv-head program) to finish merges them itself
 (a self-resetting arrival counter per pair in the workspace; no second launch), or stage 2, grid
 (request, q head), merges them in a launch of its own (where the last program would read more partials
-alone than `DecodeConfig.fused_merge_bytes`, and off NVIDIA, where that ordering is not relied on).
+alone than `DecodeConfig.fused_merge_bytes`, and off NVIDIA, where that ordering is not relied on); on sm_90+ the
+merge kernel launches as the split kernel's programmatic dependent (PDL: its launch overlaps the splits, and its
+programs wait in hardware for their results; H200 1 x 4K 8.7 -> 8.6 us, 1 x 32K 25.2 -> 24.7).
 Empty splits write lse = -inf and are ignored by either merge.
 
 The kv head is the fastest grid axis so that the programs reading the KVH slices of one
