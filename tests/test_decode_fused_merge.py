@@ -232,31 +232,43 @@ def test_merge_kernel_launches_as_a_dependent_only_on_hopper_class_gpus(monkeypa
 @pytest.mark.parametrize("splits", [3, 17])
 def test_dependent_merge_matches_the_plain_launch_eager_and_in_a_graph(splits):
     """The merge kernel as the split kernel's programmatic dependent gives the plain launch's bits, eagerly and
-    replayed in a CUDA graph (where the dependency becomes a programmatic edge), over repeated runs; the same
-    arguments throughout (one plan per launch kind, its lists kept)."""
+    replayed in a CUDA graph (where the dependency becomes a programmatic edge), over repeated runs. Before each run
+    the workspace is NaN and the inputs alternate between two sets (q and sinks copied into the buffers the graph
+    reads), so a merge that read before the splits finished would show NaN or the other set's answer."""
     c = Case([700, 1500, 64], [1, 1, 1], h=16, kvh=2, d=64, dtype=torch.bfloat16, seed=splits, page=16)
-    sinks = _sinks(16)
+    g = torch.Generator().manual_seed(splits)
+    inputs = [(c.q.clone(), _sinks(16)), (torch.randn(c.q.shape, generator=g).to(c.q), _sinks(16) + 1)]
+    q, sinks = inputs[0][0].clone(), inputs[0][1].clone()
     q_pos = torch.tensor([s - 1 for s in c.seq_lens], dtype=torch.int64, device=DEV)
-    results = {}
-    for pdl in (False, True):
-        out = torch.full((3, 16, 64), float("nan"), dtype=c.dtype, device=DEV)
-        args = (c.q, c.k_buf, c.v_buf, c.kv_indptr, c.kv_indices, c.kv_pos0, q_pos, out)
-        plan = dec.plan_decode(*args, sinks, 1500, workspace=make_decode_workspace(3, 16, 64, splits, DEV),
-                               config=dataclasses.replace(SEPARATE, pdl=pdl))
+    out = torch.empty(3, 16, 64, dtype=c.dtype, device=DEV)
+    args = (q, c.k_buf, c.v_buf, c.kv_indptr, c.kv_indices, c.kv_pos0, q_pos, out)
+    plans = {pdl: dec.plan_decode(*args, sinks, 1500, workspace=make_decode_workspace(3, 16, 64, splits, DEV),
+                                  config=dataclasses.replace(SEPARATE, pdl=pdl)) for pdl in (False, True)}
+
+    def step(plan, k, fn):
+        q.copy_(inputs[k % 2][0])
+        sinks.copy_(inputs[k % 2][1])
+        plan.ws_acc.fill_(float("nan"))
+        plan.ws_lse.fill_(float("nan"))
+        out.fill_(float("nan"))
+        fn()
+        return out.clone()
+
+    want = []
+    for k in range(2):   # the plain launch, eagerly: one answer per input set
+        want.append(step(plans[False], k, lambda: dec.decode_attention_planned(plans[False], *args, c.scaling,
+                                                                              c.window, 0.0, sinks)))
+    _close(want[0], c.ref(0.0, inputs[0][1]), torch.bfloat16)   # the first set is the case's own q
+    assert not torch.equal(want[0], want[1])
+    for pdl, plan in plans.items():
         assert plan.merge_consts["PDL"] == pdl and plan.splits == splits and not plan.fused
-        runs = []
-        for _ in range(3):
-            out.fill_(float("nan"))
+
+        def eager(plan=plan):
             dec.decode_attention_planned(plan, *args, c.scaling, c.window, 0.0, sinks)
-            runs.append(out.clone())
+        for k in range(4):
+            assert torch.equal(step(plan, k, eager), want[k % 2]), (pdl, "eager", k)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            dec.decode_attention_planned(plan, *args, c.scaling, c.window, 0.0, sinks)
-        for _ in range(10):
-            out.fill_(float("nan"))
-            graph.replay()
-            runs.append(out.clone())
-        assert all(torch.equal(r, runs[0]) for r in runs), pdl
-        results[pdl] = runs[0]
-    assert torch.equal(results[True], results[False])
-    _close(results[True], c.ref(0.0, sinks), torch.bfloat16)
+            eager()
+        for k in range(10):
+            assert torch.equal(step(plan, k, graph.replay), want[k % 2]), (pdl, "graph", k)

@@ -254,7 +254,9 @@ def test_a_call_keeps_no_tensor_alive(monkeypatch):
     import gc
     import weakref
     c = Paged([300], [300])
-    out = c.gluon(monkeypatch)
+    for _ in range(3):   # the first call goes through the JIT, later ones through the planned direct launcher
+        c.q = c.q.clone()
+        out = c.gluon(monkeypatch)
     refs = [weakref.ref(c.q), weakref.ref(out)]
     del c, out
     gc.collect()
@@ -391,6 +393,6 @@ def test_a_call_descriptor_is_gluons_descriptor_with_the_same_fields():
     x = torch.zeros(40, 8, 64, dtype=torch.bfloat16)[3:]
     got = extend_hopper._descriptor(x, (8, 8, 64))
     want = TensorDescriptor(x, list(x.shape), list(x.stride()), [8, 8, 64], extend_hopper._box_layout(True, (8, 8, 64)))
-    assert isinstance(got, TensorDescriptor)
+    assert isinstance(got, TensorDescriptor) and type(got) is not TensorDescriptor, "the unchecked form (3.6 and 3.9)"
     for f in dataclasses.fields(TensorDescriptor):
         assert getattr(got, f.name) is want.base if f.name == "base" else getattr(got, f.name) == getattr(want, f.name)

@@ -547,22 +547,30 @@ def _box_layout(bf16: bool, block: Tuple[int, int, int]) -> Any:
     return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if bf16 else gl.float16)
 
 
-_FIELDS = ("base", "shape", "strides", "block_shape", "layout", "padding")
+_FIELDS = ("base", "shape", "strides", "block_shape", "layout")   # what a call gives; any later field keeps its default
 
 
 def _unchecked_type() -> Any:
     """Gluon's TensorDescriptor without its validation at every construction, where its fields are the ones known
-    (else TensorDescriptor itself). run_hopper_extend checks what that validation would (16-byte aligned bases,
-    16-byte strides, a contiguous last dim, a non-empty q) before it makes one, and the plan's box is a valid one;
-    the validation is half of a descriptor's host time (6 -> 2.6 us a descriptor on a slow host core)."""
+    (the five a call gives, then only fields with defaults: padding, and round_f32_to_tf32 from Triton 3.9), else
+    TensorDescriptor itself. run_hopper_extend checks what that validation would (16-byte aligned bases, 16-byte
+    strides, a contiguous last dim, a non-empty q) before it makes one, and the plan's box is a valid one; the
+    validation is half of a descriptor's host time or more (4.2-6 -> 1.6-2.6 us a descriptor on a slow host core)."""
     import dataclasses
-    if gluon is None or tuple(f.name for f in dataclasses.fields(TensorDescriptor)) != _FIELDS:
+    if gluon is None:
         return TensorDescriptor
+    fields = dataclasses.fields(TensorDescriptor)
+    rest = fields[len(_FIELDS):]
+    if (tuple(f.name for f in fields[:len(_FIELDS)]) != _FIELDS
+            or any(f.default is dataclasses.MISSING for f in rest)):
+        return TensorDescriptor
+    defaults = tuple((f.name, f.default) for f in rest)
 
     class Unchecked(TensorDescriptor):
         def __init__(self, base: Any, shape: Any, strides: Any, block_shape: Any, layout: Any) -> None:
-            self.base, self.shape, self.strides = base, shape, strides
-            self.block_shape, self.layout, self.padding = block_shape, layout, "zero"
+            self.base, self.shape, self.strides, self.block_shape, self.layout = base, shape, strides, block_shape, layout
+            for name, value in defaults:
+                setattr(self, name, value)
     return Unchecked
 
 

@@ -138,9 +138,10 @@ def _small(v: torch.Tensor) -> bool:
 
 
 def _descriptor(v: Any) -> bool:
-    """Whether v is a host-side TMA tensor descriptor (Gluon's or Triton's: a base tensor, a block shape, a shared
-    layout). Triton specialises one on its base's dtype, its block shape and layout (not the base's alignment, which
-    the descriptor requires to be 16 bytes), and the launcher encodes the tensor map from it at every launch."""
+    """Whether v is a host-side TMA tensor descriptor of Gluon's kind (a base tensor, a block shape, a shared layout;
+    Triton's own has no layout and keeps the JIT path). Triton specialises one on its base's dtype, its block shape
+    and layout (not the base's alignment, which the descriptor requires to be 16 bytes), and the launcher encodes the
+    tensor map from it at every launch."""
     return isinstance(getattr(v, "base", None), _TENSOR) and hasattr(v, "block_shape") and hasattr(v, "layout")
 
 
@@ -193,6 +194,9 @@ def _checker(kernel: Any, args: Sequence[Any], positions: Sequence[int], device_
             terms.append(f"{a} is {v!r}")
         elif _descriptor(v):   # what Triton specialises a descriptor on (see _descriptor)
             dtypes[i], layouts[i] = v.base.dtype, (type(v), tuple(v.block_shape), v.layout)
+            if not device_done:   # a plan's compiled function belongs to one device
+                terms.append(f"{a}.base.get_device() == {v.base.get_device()}")
+                device_done = True
             terms.append(f"type({a}) is L[{i}][0] and {a}.base.dtype is D[{i}] and tuple({a}.block_shape) == L[{i}][1]"
                          f" and {a}.layout == L[{i}][2] and getattr({a}, 'padding', None) == "
                          f"{getattr(v, 'padding', None)!r}")
