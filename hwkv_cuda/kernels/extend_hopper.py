@@ -86,8 +86,8 @@ CONFIGS: Dict[int, HopperConfig] = {64: HopperConfig(block_n=64, stages=6, consu
                                      128: HopperConfig(block_n=64, stages=4, consumer_regs=152, consumers=3,
                                                        windows=True)}
 # Calls with fewer query tokens keep the portable kernel. Both launch directly (hwkv_cuda.kernels.launch), but the Gluon
-# launch also builds two TMA descriptors and encodes their tensor maps: 34 us of host time per planned layer call on
-# the H200 host against 17 (`bench_hopper_extend.py --host`). Eager layer calls back to back (`--threshold`), where
+# launch also builds two TMA descriptors and encodes their tensor maps: 32-57 us of host time per planned layer call on
+# the H200 host against 17-31 (`bench_hopper_extend.py --host`, five runs: that host is noisy). Eager layer calls back to back (`--threshold`), where
 # the host time shows: at 1024 tokens the Gluon kernel is as fast or faster at D=64 and D=128 (1 x 1024: 38 against
 # 41 us, 47 against 74; 4 x 256 over 1024: 66 against 73, 92 against 136), at 512 slower (38 against 20 us at D=64).
 MIN_TOKENS = 1024
