@@ -396,3 +396,24 @@ def test_a_call_descriptor_is_gluons_descriptor_with_the_same_fields():
     assert isinstance(got, TensorDescriptor) and type(got) is not TensorDescriptor, "the unchecked form (3.6 and 3.9)"
     for f in dataclasses.fields(TensorDescriptor):
         assert getattr(got, f.name) is want.base if f.name == "base" else getattr(got, f.name) == getattr(want, f.name)
+
+
+def test_the_module_imports_without_gluon():
+    """A Triton without Gluon's Hopper API (ROCm builds, older releases) still imports the module: the dispatch then
+    says why it keeps the portable kernel. Run in a child process whose imports of triton.experimental fail."""
+    import subprocess
+    import sys
+    code = ("import builtins\n"
+            "real = builtins.__import__\n"
+            "def fake(name, *a, **k):\n"
+            "    if name.startswith('triton.experimental'):\n"
+            "        raise ImportError('no gluon here')\n"
+            "    return real(name, *a, **k)\n"
+            "builtins.__import__ = fake\n"
+            "import torch\n"
+            "from hwkv_cuda.kernels import extend_hopper as e\n"
+            "q = torch.zeros(32, 8, 64, dtype=torch.bfloat16)\n"
+            "assert 'no gluon here' in e.GLUON_ERROR and 'not importable' in e.unsupported(q, q[:, :1], q[:, :1], q, 32)\n"
+            "assert e.plan_hopper_extend(q, q[:, :1], q[:, :1], q, 32) is None\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]

@@ -557,8 +557,8 @@ def _unchecked_type() -> Any:
     strides, a contiguous last dim, a non-empty q) before it makes one, and the plan's box is a valid one; the
     validation is half of a descriptor's host time or more (4.2-6 -> 1.6-2.6 us a descriptor on a slow host core)."""
     import dataclasses
-    if gluon is None:
-        return TensorDescriptor
+    if gluon is None:   # no Gluon: nothing launches the kernel (unsupported() says why)
+        return None
     fields = dataclasses.fields(TensorDescriptor)
     rest = fields[len(_FIELDS):]
     if (tuple(f.name for f in fields[:len(_FIELDS)]) != _FIELDS
