@@ -38,9 +38,12 @@ CASES = [(1, 8192, 0, None), (4, 2048, 2048, None), (8, 1024, 0, None), (1, 8192
 # D=64 tiles and schedules that compile for sm_90 without spills (Triton 3.6): keys per tile, stages, consumer
 # registers, persistent programs, ping-pong between the consumers, Q in registers
 _C = extend_hopper.HopperConfig
+# 32-key tiles: a window item (NC x BT tokens over W + NC x BT - 1 keys) wastes less of its last tile
 SWEEP = {64: [_C(64, 6, 152, consumers=3), _C(64, 8, 152, consumers=3), _C(64, 6, 144, consumers=3),
-             _C(64, 6, 152, q_regs=True, consumers=3), _C(64, 4, 152, q_regs=True, consumers=3), _C(128, 4, 208)],
-         128: [_C(64, 4, 208), _C(64, 3, 152, consumers=3), _C(64, 4, 152, consumers=3)]}
+             _C(64, 6, 152, q_regs=True, consumers=3), _C(64, 4, 152, q_regs=True, consumers=3), _C(128, 4, 208),
+             _C(32, 8, 152, consumers=3), _C(32, 6, 152, consumers=3), _C(32, 8, 200)],
+         128: [_C(64, 4, 208), _C(64, 3, 152, consumers=3), _C(64, 4, 152, consumers=3), _C(32, 6, 152, consumers=3),
+               _C(32, 4, 152, consumers=3), _C(32, 6, 208)]}
 
 
 class Case:
@@ -141,9 +144,11 @@ def check(c, g):
     return (c.out.float() - want).abs().max().item()
 
 
-def bench(d, sweep=False):
+def bench(d, sweep=False, only=None):
     rows = []
     for bs, new, prefix, window in CASES:
+        if only is not None and (("window" if window else "causal") not in only):
+            continue
         c = Case(bs, new, prefix, window, d)
         row = dict(case=f"{bs} x {new}" + (f" over {prefix}" if prefix else "") + (f" W={window}" if window else
                                                                                    " causal"),
@@ -274,6 +279,7 @@ def main():
     ap.add_argument("--threshold", action="store_true",
                     help="also both kernels at small prefills (graph and eager), for the dispatch's token threshold")
     ap.add_argument("--no-cases", action="store_true", help="skip the issue's four cases")
+    ap.add_argument("--only", nargs="+", choices=["causal", "window"], help="only the causal or the window cases")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
@@ -284,7 +290,7 @@ def main():
             result.setdefault("threshold", []).extend(threshold(d))
         if a.no_cases:
             continue
-        rows = bench(d, a.sweep)
+        rows = bench(d, a.sweep, a.only)
         result["rows"] += rows
         print(table(rows))
         for r in rows:
