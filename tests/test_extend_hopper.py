@@ -83,12 +83,13 @@ class Paged:
         return out
 
     def gluon(self, monkeypatch, logit_cap=0.0, sinks=None, k_scale=None, v_scale=None):
-        """Through the dispatch, as the backend calls it (plan once, run planned); a window (which the dispatch
-        keeps on the portable kernel at D=64) through the Gluon kernel's own plan."""
+        """Through the dispatch, as the backend calls it (plan once, run planned); a window through the Gluon kernel's
+        own window plan (its window tiles), whether the list is the window's or the full one."""
         monkeypatch.setenv(extend_hopper.ENV_FLAG, "1")
         out = self.empty_out()
         if self.window:
-            hop = extend_hopper.plan_hopper_extend(self.q, self.k_buf, self.v_buf, out, max(self.extend_lens))
+            hop = extend_hopper.plan_hopper_extend(self.q, self.k_buf, self.v_buf, out, max(self.extend_lens),
+                                                   window=self.window)
         else:
             hop = plan_extend(*self.args(out), max(self.extend_lens), sinks, window=self.window).hopper
         assert hop is not None, extend_hopper.unsupported(self.q, self.k_buf, self.v_buf, out, max(self.extend_lens))
@@ -138,6 +139,7 @@ VARIANTS = {   # the sweep's schedule switches, each against the reference
     "q_regs": extend_hopper.HopperConfig(128, 4, q_regs=True),
     "pingpong_q_regs_64_keys": extend_hopper.HopperConfig(64, 3, pingpong=True, q_regs=True),
     "three_consumers": extend_hopper.HopperConfig(64, 4, 152, consumers=3),
+    "window_tiles": extend_hopper.WINDOW_CONFIGS[64],   # 32 keys a tile, 8 stages
 }
 
 
@@ -169,25 +171,26 @@ def test_gluon_group_sizes(monkeypatch, h, kvh):
 
 
 @hopper
-def test_the_dispatch_keeps_window_layers_on_the_portable_kernel(monkeypatch):
-    """D=64: a causal call plans the Gluon kernel, a window call the portable one (at par there)."""
+def test_the_dispatch_gives_window_layers_window_tiles(monkeypatch):
+    """D=64: a causal call plans the Gluon kernel's causal tiles (64 keys), a window call its window tiles (32)."""
     monkeypatch.delenv(extend_hopper.ENV_FLAG, raising=False)
     c = Paged([900, 300], [500, 300], window=64, seed=5)
     out = c.empty_out()
-    assert plan_extend(*c.args(out), 500, None, window=None).hopper is not None
-    assert plan_extend(*c.args(out), 500, None, window=64).hopper is None
+    causal = plan_extend(*c.args(out), 500, None, window=None).hopper
+    windowed = plan_extend(*c.args(out), 500, None, window=64).hopper
+    assert not causal.windows and causal.consts["BLOCK_N"] == extend_hopper.CONFIGS[64].block_n == 64
+    assert windowed.windows and windowed.consts["BLOCK_N"] == extend_hopper.WINDOW_CONFIGS[64].block_n == 32
 
 
 def test_a_window_layer_reading_the_full_list_keeps_the_portable_kernel(monkeypatch):
-    """The dispatch's rule holds where the plan was made without the window (a window layer over the full list, as
-    a pool without an SWA group gives it): the call's window keeps the portable kernel where its head dim's window
-    layers do (every head dim but 128; this test's is 16). Runs anywhere: the Gluon
-    plan and launch are stand-ins that record what the dispatch asked for."""
+    """A plan made without the window (a window layer over the full list, as a pool without an SWA group gives it)
+    has the causal tiles: a call with a window keeps the portable kernel. Runs anywhere: the Gluon plan and launch
+    are stand-ins that record what the dispatch asked for."""
     from hwkv_cuda.kernels import extend as ext
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     calls = []
     from types import SimpleNamespace
-    stand_in = SimpleNamespace(windows=extend_hopper.takes_window(16))   # a Gluon plan as the dispatch reads it
+    stand_in = SimpleNamespace(windows=False)   # a Gluon plan made without the window, as the dispatch reads it
     monkeypatch.setattr(extend_hopper, "plan_hopper_extend", lambda *a, **k: stand_in)
     monkeypatch.setattr(extend_hopper, "run_hopper_extend", lambda plan, *a: calls.append(a[-6]) or True)
     g = torch.Generator().manual_seed(0)
@@ -281,19 +284,20 @@ def test_gluon_launches_go_direct_after_the_first(monkeypatch):
 
 
 @hopper
-def test_d128_window_layers_take_the_gluon_kernel(monkeypatch):
-    """D=128 window layers plan the Gluon kernel (1.57x the portable kernel there), D=64 ones the portable kernel."""
+def test_window_layers_take_the_gluon_kernel(monkeypatch):
+    """Window layers plan the Gluon kernel with its window tiles at D=128 (1.73x the portable kernel) and D=64 (1.03x)
+    and launch it through the dispatch."""
     monkeypatch.delenv(extend_hopper.ENV_FLAG, raising=False)
     launched, run = [], extend_hopper.run_hopper_extend
     monkeypatch.setattr(extend_hopper, "run_hopper_extend",
                         lambda *a, **k: launched.append(run(*a, **k)) or launched[-1])
-    for d, gluon in ((128, True), (64, False)):
+    for d in (128, 64):
         c = Paged([900, 300], [500, 300], d=d, window=64, seed=5)
         out = c.empty_out()
-        assert (plan_extend(*c.args(out), 500, None, window=64).hopper is not None) == gluon, d
+        assert plan_extend(*c.args(out), 500, None, window=64).hopper.windows, d
         launched.clear()
         extend_attention(*c.args(out), 500, c.scaling, 64)
-        assert launched == ([True] if gluon else []), d
+        assert launched == [True], d
         _close(out, c.ref())
 
 
@@ -308,7 +312,7 @@ def test_on_unless_turned_off_and_reasons_name_the_feature(monkeypatch):
     assert extend_hopper.requested() is True
     assert extend_hopper.plan_hopper_extend(q, kv, kv, q, 32) is None   # a CPU tensor: never the Gluon kernel
     assert extend_hopper.unsupported(q, kv, kv, q, 32) is not None
-    assert extend_hopper.takes_window(128) and not extend_hopper.takes_window(64) and not extend_hopper.takes_window(80)
+    assert extend_hopper.takes_window(128) and extend_hopper.takes_window(64) and not extend_hopper.takes_window(80)
 
 
 def test_calls_under_the_token_threshold_keep_the_portable_kernel(monkeypatch):
@@ -351,7 +355,8 @@ def _compile_reason():
 
 @pytest.mark.skipif(_compile_reason() is not None, reason=str(_compile_reason()))
 @pytest.mark.parametrize("d,window,cap_sinks,variant", [(64, False, False, None), (128, True, False, None),
-                                                        (64, True, True, "three_consumers")])
+                                                        (64, True, True, "three_consumers"),
+                                                        (64, True, False, "window_tiles")])
 def test_compiles_for_sm90_without_a_gpu(d, window, cap_sinks, variant):
     """The kernel lowers to sm_90 PTX and ptxas takes it without spills: warp-specialised (setmaxnreg), async
     wgmma, cp.async gathers, TMA for Q and O."""

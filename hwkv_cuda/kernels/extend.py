@@ -332,9 +332,9 @@ def _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config, has_tree, windo
     consts = dict(GROUP=h // kvh, GP=gp, D=d, DV=dv, BLOCK_T=block_t, BLOCK_D=pow2(d), BLOCK_DV=pow2(dv),
                   BLOCK_N=cfg.block_n, HAS_TREE=has_tree, ONE_LOOP=cfg.one_loop, MASK32=cfg.mask32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     # on sm_90 the Gluon kernel where it applies (an explicit config names the portable one); window layers take it
-    # only where it measured faster there (extend_hopper.takes_window: D=128, not D=64)
-    gluon = not (empty or config or (window and not extend_hopper.takes_window(d)))
-    hopper = extend_hopper.plan_hopper_extend(q, k_buf, v_buf, out, max_q_len, has_tree) if gluon else None
+    # with window tiles where recorded (extend_hopper.takes_window)
+    gluon = not (empty or config)
+    hopper = extend_hopper.plan_hopper_extend(q, k_buf, v_buf, out, max_q_len, has_tree, window) if gluon else None
     return ExtendPlan(tuple(q.shape), tuple(k_buf.shape), tuple(v_buf.shape), k_buf.stride(), v_buf.stride(),
                       tuple(out.shape), q.device, grid, cfg, consts, interpreting(), has_tree,
                       (grid, tuple(consts.items())), hopper)
@@ -344,7 +344,7 @@ def _run(plan: ExtendPlan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_i
          window, logit_cap, sinks, k_scale, v_scale, tree) -> None:
     if plan.grid[0] == 0:
         return
-    # a window layer reading the full list (its plan made without the window) follows the same rule
+    # a window layer reading the full list (its plan made without the window, so causal tiles) keeps the portable kernel
     gluon = plan.hopper is not None and (not window or plan.hopper.windows)
     if gluon and extend_hopper.run_hopper_extend(plan.hopper, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0,
                                                  qo_indptr, q_pos0, out, scaling, window, logit_cap, sinks, k_scale,

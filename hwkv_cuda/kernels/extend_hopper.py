@@ -4,8 +4,8 @@ Same contract as `hwkv_cuda.kernels.extend` (q [T, H, D], keys listed per reques
 causal + window, GQA packed, sinks, soft-cap, K/V scales) for the plain features; the rest (fp8 K/V, verify
 trees, Dv != D, fp32, other head dims, group sizes that are not powers of two) stays with the portable kernel.
 On by default on sm_90 (HWKV_HOPPER_EXTEND=0 turns it off) for calls of at least MIN_TOKENS query tokens: on an
-H200 it is 1.16-1.35x the portable kernel at D=64 and 1.50-1.66x at D=128 (docs/benchmarks.md). D=64 window layers
-keep the portable kernel (at par there).
+H200 it is 1.16-1.35x the portable kernel at D=64 and 1.50-1.66x at D=128 (docs/benchmarks.md). Window layers take
+32-key tiles (WINDOW_CONFIGS: 1.03x the portable kernel at D=64, 1.73x at D=128, W=128 over 8192).
 
 Work items: NC consumer warpgroups (2 or 3) of 64 query rows each; an item is NC x BT consecutive query tokens
 of one request times the GROUP q heads of one kv head (BT = 64 // GROUP tokens a consumer), rows ordered (token,
@@ -73,7 +73,6 @@ class HopperConfig(NamedTuple):
     pingpong: bool = False     # the two consumers take turns issuing their products (FA3's ping-pong)
     q_regs: bool = False       # Q read into registers once per item (S = Q K^T from registers, not shared memory)
     consumers: int = 2         # consumer warpgroups (2 or 3) sharing each key tile: 64 query rows each
-    windows: bool = False      # window layers take this kernel too (where measured faster than the portable one)
 
 
 PRODUCER_WARPS = 4
@@ -83,8 +82,12 @@ PRODUCER_WARPS = 4
 # at W=128, still 1.5x the portable kernel) although the producer spills a few values (17 local stores in the Triton 3.9
 # build, 44 in the 3.6 build the H200 sweeps ran).
 CONFIGS: Dict[int, HopperConfig] = {64: HopperConfig(block_n=64, stages=6, consumer_regs=152, consumers=3),
-                                     128: HopperConfig(block_n=64, stages=4, consumer_regs=152, consumers=3,
-                                                       windows=True)}
+                                     128: HopperConfig(block_n=64, stages=4, consumer_regs=152, consumers=3)}
+# Window layers (plans made with the list's window) take 32-key tiles: an item of 3 x BT tokens over W + 3 x BT - 1 keys
+# wastes less of its last tile. H200, 1 x 8192 at W=128 (tenth session): D=64 117.6-118.0 us against 139.8 for the
+# causal tile and 121.2 for the portable kernel; D=128 146.9-147.1 against 167.0 and 253.9. Head dims here take it.
+WINDOW_CONFIGS: Dict[int, HopperConfig] = {64: HopperConfig(block_n=32, stages=8, consumer_regs=152, consumers=3),
+                                            128: HopperConfig(block_n=32, stages=4, consumer_regs=152, consumers=3)}
 # Calls with fewer query tokens keep the portable kernel. Both launch directly (hwkv_cuda.kernels.launch), but the Gluon
 # launch also builds two TMA descriptors and encodes their tensor maps: 32-57 us of host time per planned layer call on
 # the H200 host against 17-31 (`bench_hopper_extend.py --host`, five runs: that host is noisy). Eager layer calls back to back (`--threshold`), where
@@ -456,7 +459,7 @@ class HopperPlan(NamedTuple):
     kv_heads: int
     blocks: int                            # token blocks of NC x BT tokens (one item) in the longest request
     programs: int                          # persistent: one per SM (0: one per work item)
-    windows: bool                          # window calls take it too (`takes_window` of its head dim)
+    windows: bool                          # planned for window calls (WINDOW_CONFIGS' tiles); others take only causal
     consts: Dict[str, Any]
     block: Tuple[int, int, int]            # the Q/O TMA box: [BT tokens, GROUP heads, D]
     key: Tuple[Any, ...]                   # what fixes its launches but the grid and the feature flags (`_LAUNCHES`)
@@ -474,10 +477,9 @@ def requested() -> bool:
 
 
 def takes_window(head_dim: int) -> bool:
-    """Whether window layers of this head dim take the Gluon kernel: only where it measured faster there (D=128
-    1.50x; D=64 at par, 123 against 122 us at W=128 over 8192, so D=64 windows keep the portable kernel)."""
-    cfg = CONFIGS.get(head_dim)
-    return cfg is not None and cfg.windows
+    """Whether window layers of this head dim take the Gluon kernel: where a window tile config is recorded, faster
+    than the portable kernel there (H200, W=128 over 8192: D=64 1.03x, D=128 1.73x)."""
+    return head_dim in WINDOW_CONFIGS
 
 
 @functools.lru_cache(maxsize=None)
@@ -515,23 +517,27 @@ def unsupported(q: Any, k_buf: Any, v_buf: Any, out: Any, max_q_len: int, has_tr
     return None
 
 
-def plan_hopper_extend(q: Any, k_buf: Any, v_buf: Any, out: Any, max_q_len: int,
-                       has_tree: bool = False) -> Optional[HopperPlan]:
-    """The Gluon kernel's plan for these shapes, or None (turned off, fewer than MIN_TOKENS query tokens, or
-    `unsupported`)."""
+def plan_hopper_extend(q: Any, k_buf: Any, v_buf: Any, out: Any, max_q_len: int, has_tree: bool = False,
+                       window: Optional[int] = None) -> Optional[HopperPlan]:
+    """The Gluon kernel's plan for these shapes (`window`: a window layer's, WINDOW_CONFIGS' tiles), or None (turned
+    off, fewer than MIN_TOKENS query tokens, a window layer's head dim without a window config, or `unsupported`)."""
     if q.shape[0] < MIN_TOKENS or not requested() or unsupported(q, k_buf, v_buf, out, max_q_len, has_tree):
         return None
     t, h, d = q.shape
-    return _plan(h // k_buf.shape[1], k_buf.shape[1], d, int(max_q_len), CONFIGS[d], q.device)
+    if window and not takes_window(d):
+        return None
+    cfg = WINDOW_CONFIGS[d] if window else CONFIGS[d]
+    return _plan(h // k_buf.shape[1], k_buf.shape[1], d, int(max_q_len), cfg, q.device, bool(window))
 
 
-def _plan(group: int, kv_heads: int, d: int, max_q_len: int, cfg: HopperConfig, device: Any) -> HopperPlan:
-    """The plan under tile config `cfg` (the benchmark's sweep builds its own)."""
+def _plan(group: int, kv_heads: int, d: int, max_q_len: int, cfg: HopperConfig, device: Any,
+          windows: bool = False) -> HopperPlan:
+    """The plan under tile config `cfg` (the benchmark's sweep builds its own); `windows`: for window calls."""
     from hwkv_cuda.kernels.common import num_sms
     bt = ROWS // group
     programs = num_sms(device) if cfg.persistent else 0
     consts = dict(_consts(group, d, cfg), num_warps=4)
-    return HopperPlan(kv_heads, -(-max_q_len // (cfg.consumers * bt)), programs, takes_window(d), consts, (bt, group, d),
+    return HopperPlan(kv_heads, -(-max_q_len // (cfg.consumers * bt)), programs, windows, consts, (bt, group, d),
                       tuple(consts.items()))
 
 
