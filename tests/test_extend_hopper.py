@@ -34,6 +34,7 @@ def _small_calls_take_the_gluon_kernel(monkeypatch):
     """These tests' batches are small: the dispatch's token threshold (a host-cost rule, tested on its own below) is
     lifted so that they exercise the Gluon kernel."""
     monkeypatch.setattr(extend_hopper, "MIN_TOKENS", 0)
+    monkeypatch.setattr(extend_hopper, "MIN_WINDOW_TOKENS", 0)
 
 
 class Paged:
@@ -326,6 +327,11 @@ def test_calls_under_the_token_threshold_keep_the_portable_kernel(monkeypatch):
     for t, want in ((1023, None), (1024, "gluon plan")):
         q = torch.zeros(t, 8, 64, dtype=torch.bfloat16)
         assert extend_hopper.plan_hopper_extend(q, kv, kv, q, t) == want, t
+    monkeypatch.setattr(extend_hopper, "MIN_WINDOW_TOKENS", 4096)   # window calls: a higher threshold
+    for t, want in ((1024, None), (4095, None), (4096, "gluon plan")):
+        q = torch.zeros(t, 8, 64, dtype=torch.bfloat16)
+        assert extend_hopper.plan_hopper_extend(q, kv, kv, q, t, window=128) == want, t
+        assert extend_hopper.plan_hopper_extend(q, kv, kv, q, t) == "gluon plan", t
 
 
 def test_a_scale_that_is_not_positive_keeps_the_portable_kernel():

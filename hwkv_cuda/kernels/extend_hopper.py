@@ -94,6 +94,11 @@ WINDOW_CONFIGS: Dict[int, HopperConfig] = {64: HopperConfig(block_n=32, stages=8
 # the host time shows: at 1024 tokens the Gluon kernel is as fast or faster at D=64 and D=128 (1 x 1024: 38 against
 # 41 us, 47 against 74; 4 x 256 over 1024: 66 against 73, 92 against 136), at 512 slower (38 against 20 us at D=64).
 MIN_TOKENS = 1024
+# ... and window calls under MIN_WINDOW_TOKENS: a window call's device time grows by only 14-18 us per 1024 tokens
+# (W=128, H200), so below about 2500 tokens the Gluon launch's extra host time is not hidden, while the device time it
+# saves is 3% at D=64 (117.6 against 121.2 us at 8192). From 4096 tokens a call is device-bound (59-74 us of device
+# time against 32-57 us of host time) at both head dims. Not yet measured eagerly on the GPU: set from those readings.
+MIN_WINDOW_TOKENS = 4096
 
 
 if gluon is not None:
@@ -520,11 +525,12 @@ def unsupported(q: Any, k_buf: Any, v_buf: Any, out: Any, max_q_len: int, has_tr
 def plan_hopper_extend(q: Any, k_buf: Any, v_buf: Any, out: Any, max_q_len: int, has_tree: bool = False,
                        window: Optional[int] = None) -> Optional[HopperPlan]:
     """The Gluon kernel's plan for these shapes (`window`: a window layer's, WINDOW_CONFIGS' tiles), or None (turned
-    off, fewer than MIN_TOKENS query tokens, a window layer's head dim without a window config, or `unsupported`)."""
+    off, fewer than MIN_TOKENS query tokens, or MIN_WINDOW_TOKENS for a window layer, a window layer's head dim
+    without a window config, or `unsupported`)."""
     if q.shape[0] < MIN_TOKENS or not requested() or unsupported(q, k_buf, v_buf, out, max_q_len, has_tree):
         return None
     t, h, d = q.shape
-    if window and not takes_window(d):
+    if window and (not takes_window(d) or t < MIN_WINDOW_TOKENS):
         return None
     cfg = WINDOW_CONFIGS[d] if window else CONFIGS[d]
     return _plan(h // k_buf.shape[1], k_buf.shape[1], d, int(max_q_len), cfg, q.device, bool(window))
