@@ -424,7 +424,8 @@ def test_the_module_imports_without_gluon():
             "import torch\n"
             "from hwkv_cuda.kernels import extend_hopper as e\n"
             "q = torch.zeros(32, 8, 64, dtype=torch.bfloat16)\n"
-            "assert 'no gluon here' in e.GLUON_ERROR and 'not importable' in e.unsupported(q, q[:, :1], q[:, :1], q, 32)\n"
+            "assert 'no gluon here' in e.GLUON_ERROR\n"
+            "assert 'not importable' in e.unsupported(q, q[:, :1], q[:, :1], q, 32)\n"
             "assert e.plan_hopper_extend(q, q[:, :1], q[:, :1], q, 32) is None\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]

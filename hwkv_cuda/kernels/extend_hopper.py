@@ -90,9 +90,10 @@ WINDOW_CONFIGS: Dict[int, HopperConfig] = {64: HopperConfig(block_n=32, stages=8
                                             128: HopperConfig(block_n=32, stages=4, consumer_regs=152, consumers=3)}
 # Calls with fewer query tokens keep the portable kernel. Both launch directly (hwkv_cuda.kernels.launch), but the Gluon
 # launch also builds two TMA descriptors and encodes their tensor maps: 32-57 us of host time per planned layer call on
-# the H200 host against 17-31 (`bench_hopper_extend.py --host`, five runs: that host is noisy). Eager layer calls back to back (`--threshold`), where
-# the host time shows: at 1024 tokens the Gluon kernel is as fast or faster at D=64 and D=128 (1 x 1024: 38 against
-# 41 us, 47 against 74; 4 x 256 over 1024: 66 against 73, 92 against 136), at 512 slower (38 against 20 us at D=64).
+# the H200 host against 17-31 (`bench_hopper_extend.py --host`, five runs: that host is noisy). Eager layer calls back
+# to back (`--threshold`), where the host time shows: at 1024 tokens the Gluon kernel is as fast or faster at D=64
+# and D=128 (1 x 1024: 38 against 41 us, 47 against 74; 4 x 256 over 1024: 66 against 73, 92 against 136), at 512
+# slower (38 against 20 us at D=64).
 MIN_TOKENS = 1024
 # ... and window calls under MIN_WINDOW_TOKENS: a window call's device time grows by only 14-18 us per 1024 tokens
 # (W=128, H200), so below about 2500 tokens the Gluon launch's extra host time is not hidden, while the device time it
@@ -580,7 +581,8 @@ def _unchecked_type() -> Any:
 
     class Unchecked(TensorDescriptor):
         def __init__(self, base: Any, shape: Any, strides: Any, block_shape: Any, layout: Any) -> None:
-            self.base, self.shape, self.strides, self.block_shape, self.layout = base, shape, strides, block_shape, layout
+            self.base, self.shape, self.strides = base, shape, strides
+            self.block_shape, self.layout = block_shape, layout
             for name, value in defaults:
                 setattr(self, name, value)
     return Unchecked
