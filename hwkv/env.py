@@ -57,7 +57,8 @@ HWKV_DEBUG: EnvVar[bool] = EnvVar(
 HWKV_HOPPER_EXTEND: EnvVar[bool] = EnvVar(
     "HWKV_HOPPER_EXTEND", _flag, True,
     "On Hopper (sm_90) GPUs, prefill/extend attention of at least 1024 query tokens (4096 in window layers) takes "
-    "the warp-specialised Gluon kernel where it applies (bf16/fp16, head dim 64 or 128); 0 keeps the portable Triton kernel everywhere.")
+    "the warp-specialised Gluon kernel where it applies (bf16/fp16, head dim 64 or 128); 0 keeps the portable "
+    "Triton kernel everywhere.")
 
 ALL = (HWKV_DEVICE, HWKV_DEBUG, HWKV_HOPPER_EXTEND)
 
