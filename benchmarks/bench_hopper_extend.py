@@ -89,7 +89,8 @@ class Case:
         why = extend_hopper.unsupported(self.q, self.k_buf, self.v_buf, self.out, self.new)
         if why:
             return f"n/a ({why})"
-        plan = extend_hopper.plan_hopper_extend(self.q, self.k_buf, self.v_buf, self.out, self.new)
+        plan = extend_hopper.plan_hopper_extend(self.q, self.k_buf, self.v_buf, self.out, self.new,
+                                                window=self.window)   # the tiles the dispatch gives this layer
         if config is not None:
             plan = extend_hopper._plan(H // KVH, KVH, self.d, self.new, config, DEV)
 
