@@ -15,8 +15,11 @@ first, and reports them per case, fastest first. --host adds the host time of on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -185,27 +188,44 @@ def bench(d, sweep=False, only=None):
 THRESHOLD_CASES = [(1, t, 0) for t in (256, 512, 1024, 2048, 4096)] + [(4, t, 1024) for t in (64, 128, 256, 512)]
 
 
+@contextlib.contextmanager
+def thresholds_lifted():
+    """The dispatch's token thresholds lifted (small calls plan the Gluon kernel), the switch and them restored."""
+    saved = extend_hopper.MIN_TOKENS, extend_hopper.MIN_WINDOW_TOKENS
+    extend_hopper.MIN_TOKENS = extend_hopper.MIN_WINDOW_TOKENS = 0
+    try:
+        yield
+    finally:
+        os.environ.pop(extend_hopper.ENV_FLAG, None)
+        extend_hopper.MIN_TOKENS, extend_hopper.MIN_WINDOW_TOKENS = saved
+
+
+def planned_calls(c):
+    """(kernel, one planned layer call of case c through it, as the backend makes them: plan once, then
+    `extend_attention_planned`) for the Gluon and the portable kernel; a string where the plan lacks the kernel.
+    Inside `thresholds_lifted`."""
+    for name, flag in (("gluon", "1"), ("portable", "0")):
+        os.environ[extend_hopper.ENV_FLAG] = flag
+        plan = plan_extend(*c.args, c.new)
+        if (plan.hopper is not None) != (name == "gluon"):
+            yield name, f"n/a (the plan {'lacks' if name == 'gluon' else 'has'} the Gluon kernel)"
+            continue
+        yield name, lambda plan=plan: extend_attention_planned(plan, *c.args, c.new, c.d ** -0.5)
+
+
 def threshold(d, calls=50):
     """Where the Gluon kernel starts to pay at small prefills: for each case (bs, new tokens each, prefix), its time
     and the portable kernel's under a CUDA graph (device) and eager (`calls` planned layer calls queued back to
     back, one sync: max of host and device per call), the dispatch's token threshold lifted."""
-    import os
-    import time
     rows = []
-    min_tokens, extend_hopper.MIN_TOKENS = extend_hopper.MIN_TOKENS, 0
-    try:
+    with thresholds_lifted():
         for bs, new, prefix in THRESHOLD_CASES:
             c = Case(bs, new, prefix, None, d)
             row = dict(d=d, bs=bs, new=new, prefix=prefix, tokens=bs * new)
-            for name, flag in (("gluon", "1"), ("portable", "0")):
-                os.environ[extend_hopper.ENV_FLAG] = flag
-                plan = plan_extend(*c.args, c.new)
-                if (plan.hopper is not None) != (name == "gluon"):
-                    row[name] = "n/a"
+            for name, call in planned_calls(c):
+                if isinstance(call, str):
+                    row[name] = call
                     continue
-
-                def call(plan=plan):
-                    extend_attention_planned(plan, *c.args, c.new, c.d ** -0.5)
                 row[f"{name}_graph_us"] = timed(call)
                 eager = []
                 for _ in range(5):
@@ -218,39 +238,29 @@ def threshold(d, calls=50):
                 row[f"{name}_eager_us"] = sorted(eager)[2]
             rows.append(row)
             print(json.dumps(row), flush=True)
-    finally:
-        os.environ.pop(extend_hopper.ENV_FLAG, None)
-        extend_hopper.MIN_TOKENS = min_tokens
     return rows
 
 
 def host_us(calls=300):
-    """Host time of one planned layer call (plan once per forward, `extend_attention_planned` per layer, as the
-    backend calls it) through each kernel, at a small prefill (2 x 64 tokens over a 512-token prefix) whose device
-    time stays under the host's, the dispatch's token threshold lifted): median of per-call wall times, the launches
-    queued without a sync."""
-    import os
-    import time
+    """Host time of one planned layer call through each kernel, at a small prefill (2 x 64 tokens over a 512-token
+    prefix) whose device time stays under the host's, the dispatch's token threshold lifted: median of per-call wall
+    times, the launches queued without a sync."""
     c = Case(2, 64, 512, None, 64)
     res = {}
-    min_tokens, extend_hopper.MIN_TOKENS = extend_hopper.MIN_TOKENS, 0   # the dispatch's threshold, lifted here
-    for name, flag in (("gluon", "1"), ("portable", "0")):
-        os.environ[extend_hopper.ENV_FLAG] = flag
-        plan = plan_extend(*c.args, c.new)
-        if (plan.hopper is not None) != (name == "gluon"):
-            res[name] = f"n/a (the plan {'lacks' if name == 'gluon' else 'has'} the Gluon kernel)"
-            continue
-        times = []
-        for i in range(calls):
-            t0 = time.perf_counter()
-            extend_attention_planned(plan, *c.args, c.new, c.d ** -0.5)
-            times.append(time.perf_counter() - t0)
-            if i % 50 == 49:
-                torch.cuda.synchronize()
-        times.sort()
-        res[name] = times[len(times) // 2] * 1e6
-    os.environ.pop(extend_hopper.ENV_FLAG, None)
-    extend_hopper.MIN_TOKENS = min_tokens
+    with thresholds_lifted():
+        for name, call in planned_calls(c):
+            if isinstance(call, str):
+                res[name] = call
+                continue
+            times = []
+            for i in range(calls):
+                t0 = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - t0)
+                if i % 50 == 49:
+                    torch.cuda.synchronize()
+            times.sort()
+            res[name] = times[len(times) // 2] * 1e6
     return res
 
 
