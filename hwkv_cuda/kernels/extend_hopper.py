@@ -48,6 +48,8 @@ from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import triton
 
+from hwkv.env import HWKV_HOPPER_EXTEND
+
 try:  # Gluon's Hopper API as of Triton 3.6; older or other builds simply keep the portable kernel
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -59,7 +61,7 @@ except Exception as e:  # ImportError, or an API that moved (AttributeError)
     gluon = gl = None
     GLUON_ERROR = f"{type(e).__name__}: {e}"
 
-ENV_FLAG = "HWKV_HOPPER_EXTEND"
+ENV_FLAG = HWKV_HOPPER_EXTEND.name   # the switch, from hwkv.env's one table
 ROWS = 64            # query rows (tokens x packed heads) per consumer warpgroup: one wgmma M
 HEAD_DIMS = (64, 128)
 LOG2E_F = 1.4426950408889634
@@ -478,7 +480,6 @@ _LAUNCHES: Dict[Any, Any] = {}
 def requested() -> bool:
     """On by default (faster than the portable kernel wherever it applies on an H200); HWKV_HOPPER_EXTEND=0 keeps
     the portable kernel."""
-    from hwkv.env import HWKV_HOPPER_EXTEND
     return HWKV_HOPPER_EXTEND.get()
 
 
