@@ -46,9 +46,12 @@ from __future__ import annotations
 import functools
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
+import torch
 import triton
 
 from hwkv.env import HWKV_HOPPER_EXTEND
+from hwkv_cuda.kernels.common import as_scale, interpreting, num_sms
+from hwkv_cuda.kernels.launch import launch
 
 try:  # Gluon's Hopper API as of Triton 3.6; older or other builds simply keep the portable kernel
     from triton.experimental import gluon
@@ -491,15 +494,12 @@ def takes_window(head_dim: int) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _sm90(index: int) -> bool:
-    import torch
     return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] == 9
 
 
 def unsupported(q: Any, k_buf: Any, v_buf: Any, out: Any, max_q_len: int, has_tree: bool = False) -> Optional[str]:
     """Why this call keeps the portable kernel (None: the Gluon kernel applies). Features handled per call
     (soft-cap, sinks, window, K/V scales) are supported; see the module doc for the rest."""
-    import torch
-    from hwkv_cuda.kernels.common import interpreting
     if GLUON_ERROR is not None:
         return f"Gluon's Hopper API is not importable ({GLUON_ERROR})"
     if interpreting() or q.device.type != "cuda":
@@ -541,7 +541,6 @@ def plan_hopper_extend(q: Any, k_buf: Any, v_buf: Any, out: Any, max_q_len: int,
 def _plan(group: int, kv_heads: int, d: int, max_q_len: int, cfg: HopperConfig, device: Any,
           windows: bool = False) -> HopperPlan:
     """The plan under tile config `cfg` (the benchmark's sweep builds its own); `windows`: for window calls."""
-    from hwkv_cuda.kernels.common import num_sms
     bt = ROWS // group
     programs = num_sms(device) if cfg.persistent else 0
     consts = dict(_consts(group, d, cfg), num_warps=4)
@@ -596,7 +595,7 @@ def _descriptor(x: Any, block: Tuple[int, int, int]) -> Any:
     """A TMA descriptor over x [T, H, D] with box `block`. Made per call and never kept: a kept one would keep its
     tensor alive (a prefill chunk's q is tens of MB); the launcher encodes the tensor map at every launch anyway."""
     return _DESCRIPTOR(x, list(x.shape), list(x.stride()), list(block),
-                       _box_layout(str(x.dtype) == "torch.bfloat16", block))
+                       _box_layout(x.dtype is torch.bfloat16, block))
 
 
 def run_hopper_extend(plan: HopperPlan, q: Any, k_buf: Any, v_buf: Any, kv_indptr: Any, kv_indices: Any,
@@ -606,8 +605,6 @@ def run_hopper_extend(plan: HopperPlan, q: Any, k_buf: Any, v_buf: Any, kv_indpt
     """Launch the planned Gluon kernel; False (nothing launched) where this call's tensors do not fit what TMA
     and cp.async need (16-byte aligned bases, 16-byte q/out row strides), or where the logit scale is not positive
     (the kernel folds it into the exponent after the row max): the caller runs the portable kernel."""
-    from hwkv_cuda.kernels.common import as_scale
-    from hwkv_cuda.kernels.launch import launch
     qk_scale = float(scaling) * as_scale(k_scale)
     if (not qk_scale > 0 or q.data_ptr() % 16 or out.data_ptr() % 16 or k_buf.data_ptr() % 16 or v_buf.data_ptr() % 16
             or q.stride(0) % 8 or q.stride(1) % 8 or out.stride(0) % 8 or out.stride(1) % 8
