@@ -391,10 +391,10 @@ if gluon is not None:
 
     # a batch's scalars (window, work-item counts) are not specialised on: the JIT would compile, and a planned launch
     # (hwkv_cuda.kernels.launch) would plan, one variant per value that turns 1 or a multiple of 16
-    @gluon.jit(do_not_specialize=["window", "n_kvh", "bs", "n_blk", "n_items"])
+    @gluon.jit(do_not_specialize=["window", "bs", "n_blk", "n_items"])
     def _hopper_extend_kernel(q_desc, o_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0,
                               sinks, out, qk_scale, v_scale, cap, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh,
-                              n_kvh, bs, n_blk, n_items, GROUP: gl.constexpr, D: gl.constexpr,
+                              bs, n_blk, n_items, n_kvh: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr,
                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_CAP: gl.constexpr,
                               HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, Q_REGS: gl.constexpr,
@@ -543,14 +543,15 @@ def _plan(group: int, kv_heads: int, d: int, max_q_len: int, cfg: HopperConfig, 
     """The plan under tile config `cfg` (the benchmark's sweep builds its own); `windows`: for window calls."""
     bt = ROWS // group
     programs = num_sms(device) if cfg.persistent else 0
-    consts = dict(_consts(group, d, cfg), num_warps=4)
+    consts = dict(_consts(group, d, cfg, kv_heads), num_warps=4)
     return HopperPlan(kv_heads, -(-max_q_len // (cfg.consumers * bt)), programs, windows, consts, (bt, group, d),
                       tuple(consts.items()))
 
 
-def _consts(group: int, d: int, cfg: HopperConfig) -> Dict[str, Any]:
-    """The kernel's constexprs under tile config `cfg` but the per-call feature flags (a launch and the CPU build)."""
-    return dict(GROUP=group, D=d, BLOCK_N=cfg.block_n, STAGES=cfg.stages, PRODUCER_WARPS=PRODUCER_WARPS,
+def _consts(group: int, d: int, cfg: HopperConfig, kv_heads: int) -> Dict[str, Any]:
+    """The kernel's constexprs under tile config `cfg` but the per-call feature flags (a launch and the CPU build); the
+    kv-head count is one (fixed per model: the work items' index math divides by it)."""
+    return dict(n_kvh=kv_heads, GROUP=group, D=d, BLOCK_N=cfg.block_n, STAGES=cfg.stages, PRODUCER_WARPS=PRODUCER_WARPS,
                 CONSUMER_REGS=cfg.consumer_regs, PINGPONG=cfg.pingpong and cfg.consumers == 2, Q_REGS=cfg.q_regs,
                 NC=cfg.consumers)
 
@@ -622,13 +623,13 @@ def run_hopper_extend(plan: HopperPlan, q: Any, k_buf: Any, v_buf: Any, kv_indpt
            (_descriptor(q, plan.block), _descriptor(out, plan.block), k_buf, v_buf, kv_indptr, kv_indices, kv_pos0,
             qo_indptr, q_pos0, sinks if sinks is not None else out, out, qk_scale, as_scale(v_scale), cap, window,
             k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), out.stride(0), out.stride(1),
-            plan.kv_heads, bs, plan.blocks, n_items),
+            bs, plan.blocks, n_items),
            dict(HAS_CAP=cap > 0, HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None, **plan.consts))
     return True
 
 
 def compile_for_sm90(d: int = 64, group: int = 8, dtype: str = "bf16", window: bool = False, cap: bool = False,
-                     sinks: bool = False, config: Optional[HopperConfig] = None) -> Any:
+                     sinks: bool = False, config: Optional[HopperConfig] = None, kv_heads: int = 8) -> Any:
     """Compile the kernel for an sm_90 target without a GPU (TTGIR -> PTX -> cubin through the wheel's ptxas), with
     the specialisations the JIT gives real launches (16-byte aligned pointers, strides divisible by 16). For CI and
     for checking a Triton upgrade on a machine without a Hopper GPU."""
@@ -642,8 +643,8 @@ def compile_for_sm90(d: int = 64, group: int = 8, dtype: str = "bf16", window: b
     sig = dict(q_desc=desc, o_desc=desc, k_buf=f"*{dtype}", v_buf=f"*{dtype}", kv_indptr="*i32", kv_indices="*i64",
                kv_pos0="*i64", qo_indptr="*i32", q_pos0="*i64", sinks="*fp32", out=f"*{dtype}", qk_scale="fp32",
                v_scale="fp32", cap="fp32", window="i32", s_kb="i32", s_kh="i32", s_vb="i32", s_vh="i32", s_ot="i32",
-               s_oh="i32", n_kvh="i32", bs="i32", n_blk="i32", n_items="i32")
-    consts = dict(_consts(group, d, cfg), HAS_CAP=cap, HAS_WINDOW=window, HAS_SINKS=sinks)
+               s_oh="i32", bs="i32", n_blk="i32", n_items="i32")
+    consts = dict(_consts(group, d, cfg, kv_heads), HAS_CAP=cap, HAS_WINDOW=window, HAS_SINKS=sinks)
     sig.update({k: "constexpr" for k in consts})
     names = list(_hopper_extend_kernel.arg_names)         # the kernel's parameter order
     sig = {n: sig[n] for n in names}
