@@ -285,6 +285,25 @@ def test_gluon_launches_go_direct_after_the_first(monkeypatch):
 
 
 @hopper
+@pytest.mark.parametrize("window", [None, 37])
+def test_a_request_alone_equals_it_in_a_batch(monkeypatch, window):
+    """A batch of one request builds its own variant (ONE_REQ: no division by the batch size, fixed addresses for its
+    bounds); its output is the batch kernel's, bit for bit, on the same request's rows."""
+    extend_hopper._LAUNCHES.clear()
+    c = Paged([1000, 300, 77], [700, 300, 20], window=window, seed=9)
+    out = c.empty_out()
+    plan = extend_hopper.plan_hopper_extend(c.q, c.k_buf, c.v_buf, out, 700, window=window)
+    assert extend_hopper.run_hopper_extend(plan, *c.args(out), c.scaling, window)
+    alone = c.empty_out()
+    n = 700
+    assert extend_hopper.run_hopper_extend(plan, c.q[:n], c.k_buf, c.v_buf, c.kv_indptr[:2], c.kv_indices,
+                                           c.kv_pos0[:1], c.qo_indptr[:2], c.q_pos0[:1], alone[:n], c.scaling, window)
+    assert torch.equal(alone[:n], out[:n])
+    _close(out, c.ref())
+    assert sorted(key[-1] for key in extend_hopper._LAUNCHES) == [False, True]   # one variant each
+
+
+@hopper
 def test_window_layers_take_the_gluon_kernel(monkeypatch):
     """Window layers plan the Gluon kernel with its window tiles at D=128 (1.73x the portable kernel) and D=64 (1.03x)
     and launch it through the dispatch."""
@@ -362,12 +381,13 @@ def _compile_reason():
 @pytest.mark.skipif(_compile_reason() is not None, reason=str(_compile_reason()))
 @pytest.mark.parametrize("d,window,cap_sinks,variant", [(64, False, False, None), (128, True, False, None),
                                                         (64, True, True, "three_consumers"),
-                                                        (64, True, False, "window_tiles")])
+                                                        (64, True, False, "window_tiles"),
+                                                        (64, True, False, "one_request")])
 def test_compiles_for_sm90_without_a_gpu(d, window, cap_sinks, variant):
     """The kernel lowers to sm_90 PTX and ptxas takes it without spills: warp-specialised (setmaxnreg), async
     wgmma, cp.async gathers, TMA for Q and O."""
     k = extend_hopper.compile_for_sm90(d, 8, window=window, cap=cap_sinks, sinks=cap_sinks,
-                                       config=VARIANTS.get(variant))
+                                       config=VARIANTS.get(variant), one_req=variant == "one_request")
     ptx = k.asm["ptx"]
     for needle in ("wgmma.mma_async", "cp.async.cg", "cp.async.mbarrier.arrive.noinc", "cp.async.bulk.tensor.3d",
                    "setmaxnreg"):

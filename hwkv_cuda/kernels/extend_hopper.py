@@ -390,7 +390,10 @@ if gluon is not None:
         tma.store_wait(0)
 
     # a batch's scalars (window, work-item counts) are not specialised on: the JIT would compile, and a planned launch
-    # (hwkv_cuda.kernels.launch) would plan, one variant per value that turns 1 or a multiple of 16
+    # (hwkv_cuda.kernels.launch) would plan, one variant per value that turns 1 or a multiple of 16. The kv-head count
+    # (fixed per model) is a constexpr, and ONE_REQ (a batch of one request) a second variant at most: each removes
+    # runtime divisions from every item's index math, and a one-request batch's bounds load from fixed addresses
+    # (H200, 1 x 8192 at W=128, D=64: 104 us against 116, docs/benchmarks.md)
     @gluon.jit(do_not_specialize=["window", "bs", "n_blk", "n_items"])
     def _hopper_extend_kernel(q_desc, o_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0,
                               sinks, out, qk_scale, v_scale, cap, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh,
@@ -398,7 +401,9 @@ if gluon is not None:
                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_CAP: gl.constexpr,
                               HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, Q_REGS: gl.constexpr,
-                              NC: gl.constexpr):
+                              NC: gl.constexpr, ONE_REQ: gl.constexpr):
+        if ONE_REQ:     # one request: a compile-time batch size (every item's bounds load from fixed addresses)
+            bs = gl.constexpr(1)
         dtype: gl.constexpr = q_desc.dtype
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
@@ -619,17 +624,18 @@ def run_hopper_extend(plan: HopperPlan, q: Any, k_buf: Any, v_buf: Any, kv_indpt
     window = int(window or 0)
     n_items = plan.kv_heads * plan.blocks * bs
     grid = (min(n_items, plan.programs) if plan.programs else n_items, )
-    launch(_LAUNCHES, (plan.key, grid[0], cap > 0, window > 0, sinks is not None), _hopper_extend_kernel, grid,
+    launch(_LAUNCHES, (plan.key, grid[0], cap > 0, window > 0, sinks is not None, bs == 1), _hopper_extend_kernel, grid,
            (_descriptor(q, plan.block), _descriptor(out, plan.block), k_buf, v_buf, kv_indptr, kv_indices, kv_pos0,
             qo_indptr, q_pos0, sinks if sinks is not None else out, out, qk_scale, as_scale(v_scale), cap, window,
             k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), out.stride(0), out.stride(1),
             bs, plan.blocks, n_items),
-           dict(HAS_CAP=cap > 0, HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None, **plan.consts))
+           dict(HAS_CAP=cap > 0, HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None, ONE_REQ=bs == 1, **plan.consts))
     return True
 
 
 def compile_for_sm90(d: int = 64, group: int = 8, dtype: str = "bf16", window: bool = False, cap: bool = False,
-                     sinks: bool = False, config: Optional[HopperConfig] = None, kv_heads: int = 8) -> Any:
+                     sinks: bool = False, config: Optional[HopperConfig] = None, kv_heads: int = 8,
+                     one_req: bool = False) -> Any:
     """Compile the kernel for an sm_90 target without a GPU (TTGIR -> PTX -> cubin through the wheel's ptxas), with
     the specialisations the JIT gives real launches (16-byte aligned pointers, strides divisible by 16). For CI and
     for checking a Triton upgrade on a machine without a Hopper GPU."""
@@ -644,7 +650,8 @@ def compile_for_sm90(d: int = 64, group: int = 8, dtype: str = "bf16", window: b
                kv_pos0="*i64", qo_indptr="*i32", q_pos0="*i64", sinks="*fp32", out=f"*{dtype}", qk_scale="fp32",
                v_scale="fp32", cap="fp32", window="i32", s_kb="i32", s_kh="i32", s_vb="i32", s_vh="i32", s_ot="i32",
                s_oh="i32", bs="i32", n_blk="i32", n_items="i32")
-    consts = dict(_consts(group, d, cfg, kv_heads), HAS_CAP=cap, HAS_WINDOW=window, HAS_SINKS=sinks)
+    consts = dict(_consts(group, d, cfg, kv_heads), HAS_CAP=cap, HAS_WINDOW=window, HAS_SINKS=sinks,
+                  ONE_REQ=one_req)
     sig.update({k: "constexpr" for k in consts})
     names = list(_hopper_extend_kernel.arg_names)         # the kernel's parameter order
     sig = {n: sig[n] for n in names}
