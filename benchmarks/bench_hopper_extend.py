@@ -44,9 +44,11 @@ _C = extend_hopper.HopperConfig
 # 32-key tiles: a window item (NC x BT tokens over W + NC x BT - 1 keys) wastes less of its last tile
 SWEEP = {64: [_C(64, 6, 152, consumers=3), _C(64, 8, 152, consumers=3), _C(64, 6, 144, consumers=3),
              _C(64, 6, 152, q_regs=True, consumers=3), _C(64, 4, 152, q_regs=True, consumers=3), _C(128, 4, 208),
-             _C(32, 8, 152, consumers=3), _C(32, 6, 152, consumers=3), _C(32, 8, 200)],
+             _C(32, 8, 152, consumers=3), _C(32, 6, 152, consumers=3), _C(32, 8, 200),
+             _C(32, 8, 152, q_regs=True, consumers=3), _C(32, 6, 152, q_regs=True, consumers=3),
+             _C(32, 8, 104, consumers=4), _C(32, 6, 104, consumers=4), _C(32, 8, 104, q_regs=True, consumers=4)],
          128: [_C(64, 4, 208), _C(64, 3, 152, consumers=3), _C(64, 4, 152, consumers=3), _C(32, 6, 152, consumers=3),
-               _C(32, 4, 152, consumers=3), _C(32, 6, 208)]}
+               _C(32, 4, 152, consumers=3), _C(32, 6, 208), _C(32, 4, 152, q_regs=True, consumers=3)]}
 
 
 class Case:

@@ -5,9 +5,9 @@ causal + window, GQA packed, sinks, soft-cap, K/V scales) for the plain features
 trees, Dv != D, fp32, other head dims, group sizes that are not powers of two) stays with the portable kernel.
 On by default on sm_90 (HWKV_HOPPER_EXTEND=0 turns it off) for calls of at least MIN_TOKENS query tokens: on an
 H200 it is 1.16-1.35x the portable kernel at D=64 and 1.50-1.66x at D=128 (docs/benchmarks.md). Window layers take
-32-key tiles (WINDOW_CONFIGS: 1.03x the portable kernel at D=64, 1.73x at D=128, W=128 over 8192).
+32-key tiles (WINDOW_CONFIGS: 1.24x the portable kernel at D=64, 1.86x at D=128, W=128 over 8192).
 
-Work items: NC consumer warpgroups (2 or 3) of 64 query rows each; an item is NC x BT consecutive query tokens
+Work items: NC consumer warpgroups (2 to 4) of 64 query rows each; an item is NC x BT consecutive query tokens
 of one request times the GROUP q heads of one kv head (BT = 64 // GROUP tokens a consumer), rows ordered (token,
 head), so one TMA box [BT, GROUP, D] of q (3-D descriptor over [T, H, D]) is exactly one consumer's rows. Items
 run kv head fastest, then request, then token block from the heaviest; a persistent grid of one program per SM
@@ -77,7 +77,7 @@ class HopperConfig(NamedTuple):
     persistent: bool = True    # one program per SM walking the work items (False: one program per item)
     pingpong: bool = False     # the two consumers take turns issuing their products (FA3's ping-pong)
     q_regs: bool = False       # Q read into registers once per item (S = Q K^T from registers, not shared memory)
-    consumers: int = 2         # consumer warpgroups (2 or 3) sharing each key tile: 64 query rows each
+    consumers: int = 2         # consumer warpgroups (2 to 4) sharing each key tile: 64 query rows each
 
 
 PRODUCER_WARPS = 4
@@ -85,14 +85,29 @@ PRODUCER_WARPS = 4
 # (the best two-consumer tile) by 7-11% on every causal case; 160 registers leave the producer too few (it spills).
 # D=128: 3 consumers x 64 keys x 4 stages at 152 registers beat 2 x 64 keys at 208 by 8-16% on causal cases (5% slower
 # at W=128, still 1.5x the portable kernel) although the producer spills a few values (17 local stores in the Triton 3.9
-# build, 44 in the 3.6 build the H200 sweeps ran).
-CONFIGS: Dict[int, HopperConfig] = {64: HopperConfig(block_n=64, stages=6, consumer_regs=152, consumers=3),
-                                     128: HopperConfig(block_n=64, stages=4, consumer_regs=152, consumers=3)}
-# Window layers (plans made with the list's window) take 32-key tiles: an item of 3 x BT tokens over W + 3 x BT - 1 keys
-# wastes less of its last tile. H200, 1 x 8192 at W=128 (tenth session): D=64 117.6-118.0 us against 139.8 for the
-# causal tile and 121.2 for the portable kernel; D=128 146.9-147.1 against 167.0 and 253.9. Head dims here take it.
-WINDOW_CONFIGS: Dict[int, HopperConfig] = {64: HopperConfig(block_n=32, stages=8, consumer_regs=152, consumers=3),
-                                            128: HopperConfig(block_n=32, stages=4, consumer_regs=152, consumers=3)}
+# build, 44 in the 3.6 build the H200 sweeps ran). Q in registers (eleventh session): D=64 8 x 1024 212.9-214.5 us
+# against 221.6 (the producer loads the next item's Q while this one runs), the same on the other causal cases.
+# Window layers (plans made with the list's window) take 32-key tiles: an item of NC x BT tokens over W + NC x BT - 1
+# keys wastes less of its last tile. A window item is only ~5 tiles, so its fixed latencies (Q load, first gather,
+# epilogue) weigh: Q in registers frees its buffer for the next item's load at once, and at D=64 four consumers of 104
+# registers (the 32-key tile's accumulators fit) run four rows' chains at a time. H200, 1 x 8192 at W=128 (eleventh
+# session, one request): D=64 97.7-97.9 us against 103.7-105.6 for 3 consumers without Q in registers and 121.6 for the
+# portable kernel; D=128 (4 consumers spill there) 135.3-136.1 against 143.0 and 252.0. Head dims here take it.
+# Register allocation differs between Triton releases: 3.6 (the H200's, where all of this was measured) builds the
+# Q-in-registers tiles without spills, 3.9 spills them (3 local stores at D=64 causal, 53 in the four-consumer window
+# tile, 96 at D=128), so any other release keeps the tiles without Q in registers, which build clean on both.
+_TUNED = {64: HopperConfig(block_n=64, stages=6, consumer_regs=152, q_regs=True, consumers=3),
+          128: HopperConfig(block_n=64, stages=4, consumer_regs=152, consumers=3)}
+_TUNED_WINDOW = {64: HopperConfig(block_n=32, stages=8, consumer_regs=104, q_regs=True, consumers=4),
+                 128: HopperConfig(block_n=32, stages=4, consumer_regs=152, q_regs=True, consumers=3)}
+_CLEAN = {64: HopperConfig(block_n=64, stages=6, consumer_regs=152, consumers=3),
+          128: HopperConfig(block_n=64, stages=4, consumer_regs=152, consumers=3)}
+_CLEAN_WINDOW = {64: HopperConfig(block_n=32, stages=8, consumer_regs=152, consumers=3),
+                 128: HopperConfig(block_n=32, stages=4, consumer_regs=152, consumers=3)}
+TUNED_TRITON = (3, 6)
+_RELEASE = tuple(int(x) for x in triton.__version__.split(".")[:2])
+CONFIGS: Dict[int, HopperConfig] = _TUNED if _RELEASE == TUNED_TRITON else _CLEAN
+WINDOW_CONFIGS: Dict[int, HopperConfig] = _TUNED_WINDOW if _RELEASE == TUNED_TRITON else _CLEAN_WINDOW
 # Calls with fewer query tokens keep the portable kernel. Both launch directly (hwkv_cuda.kernels.launch), but the Gluon
 # launch also builds two TMA descriptors and encodes their tensor maps: 32-57 us of host time per planned layer call on
 # the H200 host against 17-31 (`bench_hopper_extend.py --host`, five runs: that host is noisy). Eager layer calls back
@@ -102,7 +117,7 @@ WINDOW_CONFIGS: Dict[int, HopperConfig] = {64: HopperConfig(block_n=32, stages=8
 MIN_TOKENS = 1024
 # ... and window calls under MIN_WINDOW_TOKENS: a window call's device time grows by only 14-18 us per 1024 tokens
 # (W=128, H200), so below about 2500 tokens the Gluon launch's extra host time is not hidden, while the device time it
-# saves is 3% at D=64 (117.6 against 121.2 us at 8192). From 4096 tokens a call is device-bound (59-74 us of device
+# saves was 3% at D=64 (117.6 against 121.2 us at 8192; 20% since the four-consumer tiles). From 4096 tokens a call is device-bound (59-74 us of device
 # time against 32-57 us of host time) at both head dims. Not yet measured eagerly on the GPU: set from those readings.
 MIN_WINDOW_TOKENS = 4096
 
@@ -163,17 +178,19 @@ if gluon is not None:
         _tma_load(q_desc, [row, col, 0], q_ready, q_smem)
 
     @gluon.jit
-    def _load_qs(q_desc, q0_smem, q1_smem, q2_smem, q_ready, q_free, n_q, row, col, BT: gl.constexpr,
+    def _load_qs(q_desc, q0_smem, q1_smem, q2_smem, q3_smem, q_ready, q_free, n_q, row, col, BT: gl.constexpr,
                  NC: gl.constexpr):
         """Every consumer's Q tile of one item (consumer c's rows start BT * c tokens in)."""
         _load_q(q_desc, q0_smem, q_ready.index(0), q_free.index(0), n_q, row, col)
         _load_q(q_desc, q1_smem, q_ready.index(1), q_free.index(1), n_q, row + BT, col)
-        if NC == 3:
+        if NC >= 3:
             _load_q(q_desc, q2_smem, q_ready.index(2), q_free.index(2), n_q, row + 2 * BT, col)
+        if NC == 4:
+            _load_q(q_desc, q3_smem, q_ready.index(3), q_free.index(3), n_q, row + 3 * BT, col)
 
     @gluon.jit
     def _producer(q_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, q0_smem, q1_smem,
-                  q2_smem, q_ready, q_free, k_smem, v_smem, ready, empty, n_kvh, bs, n_blk, n_items, window,
+                  q2_smem, q3_smem, q_ready, q_free, k_smem, v_smem, ready, empty, n_kvh, bs, n_blk, n_items, window,
                   s_kb, s_kh, s_vb, s_vh, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, WARPS: gl.constexpr, HAS_WINDOW: gl.constexpr, NC: gl.constexpr):
         """For every item: every consumer's Q tile (TMA, after the item's first key tile), then every key tile's
@@ -217,10 +234,10 @@ if gluon is not None:
                         slot = nxt
                         it += 1
                         if j == 0:
-                            _load_qs(q_desc, q0_smem, q1_smem, q2_smem, q_ready, q_free, n_q, q_start + first,
+                            _load_qs(q_desc, q0_smem, q1_smem, q2_smem, q3_smem, q_ready, q_free, n_q, q_start + first,
                                      kvh * GROUP, BT, NC)
                     if n_tiles == 0:
-                        _load_qs(q_desc, q0_smem, q1_smem, q2_smem, q_ready, q_free, n_q, q_start + first,
+                        _load_qs(q_desc, q0_smem, q1_smem, q2_smem, q3_smem, q_ready, q_free, n_q, q_start + first,
                                  kvh * GROUP, BT, NC)
                     n_q += 1
 
@@ -412,12 +429,18 @@ if gluon is not None:
         q1_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
         o0_smem = gl.allocate_shared_memory(dtype, o_desc.block_type.shape, o_desc.layout)
         o1_smem = gl.allocate_shared_memory(dtype, o_desc.block_type.shape, o_desc.layout)
-        if NC == 3:
+        if NC >= 3:
             q2_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
             o2_smem = gl.allocate_shared_memory(dtype, o_desc.block_type.shape, o_desc.layout)
         else:
             q2_smem = q1_smem
             o2_smem = o1_smem
+        if NC == 4:
+            q3_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+            o3_smem = gl.allocate_shared_memory(dtype, o_desc.block_type.shape, o_desc.layout)
+        else:
+            q3_smem = q2_smem
+            o3_smem = o2_smem
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
@@ -434,10 +457,32 @@ if gluon is not None:
 
         # the producer runs in the default partition (it gets the registers the consumers leave); Gluon takes the
         # partitions as one literal list, hence one call per consumer count
-        if NC == 3:
+        if NC == 4:
             gl.warp_specialize([
                 (_producer, (q_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, q0_smem, q1_smem,
-                         q2_smem, q_ready, q_free, k_smem, v_smem, ready, empty, n_kvh, bs, n_blk, n_items, window,
+                         q2_smem, q3_smem, q_ready, q_free, k_smem, v_smem, ready, empty, n_kvh, bs, n_blk, n_items, window,
+                         s_kb, s_kh, s_vb, s_vh, GROUP, D, BLOCK_N, STAGES, PRODUCER_WARPS, HAS_WINDOW, NC)),
+                (_consumer, (0, q_desc, o_desc, q0_smem, o0_smem, q_ready.index(0), q_free.index(0), k_smem,
+                         v_smem, ready, empty, turns, out, sinks, kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs,
+                         n_blk, n_items, s_ot, s_oh, qk_scale, v_scale, cap, window, GROUP, D, BLOCK_N, STAGES,
+                         HAS_CAP, HAS_WINDOW, HAS_SINKS, False, Q_REGS, NC)),
+                (_consumer, (1, q_desc, o_desc, q1_smem, o1_smem, q_ready.index(1), q_free.index(1), k_smem,
+                         v_smem, ready, empty, turns, out, sinks, kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs,
+                         n_blk, n_items, s_ot, s_oh, qk_scale, v_scale, cap, window, GROUP, D, BLOCK_N, STAGES,
+                         HAS_CAP, HAS_WINDOW, HAS_SINKS, False, Q_REGS, NC)),
+                (_consumer, (2, q_desc, o_desc, q2_smem, o2_smem, q_ready.index(2), q_free.index(2), k_smem,
+                         v_smem, ready, empty, turns, out, sinks, kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs,
+                         n_blk, n_items, s_ot, s_oh, qk_scale, v_scale, cap, window, GROUP, D, BLOCK_N, STAGES,
+                         HAS_CAP, HAS_WINDOW, HAS_SINKS, False, Q_REGS, NC)),
+                (_consumer, (3, q_desc, o_desc, q3_smem, o3_smem, q_ready.index(3), q_free.index(3), k_smem,
+                         v_smem, ready, empty, turns, out, sinks, kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs,
+                         n_blk, n_items, s_ot, s_oh, qk_scale, v_scale, cap, window, GROUP, D, BLOCK_N, STAGES,
+                         HAS_CAP, HAS_WINDOW, HAS_SINKS, False, Q_REGS, NC)),
+            ], [4, 4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+        elif NC == 3:
+            gl.warp_specialize([
+                (_producer, (q_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, q0_smem, q1_smem,
+                         q2_smem, q3_smem, q_ready, q_free, k_smem, v_smem, ready, empty, n_kvh, bs, n_blk, n_items, window,
                          s_kb, s_kh, s_vb, s_vh, GROUP, D, BLOCK_N, STAGES, PRODUCER_WARPS, HAS_WINDOW, NC)),
                 (_consumer, (0, q_desc, o_desc, q0_smem, o0_smem, q_ready.index(0), q_free.index(0), k_smem,
                          v_smem, ready, empty, turns, out, sinks, kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs,
@@ -455,7 +500,7 @@ if gluon is not None:
         else:
             gl.warp_specialize([
                 (_producer, (q_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, q0_smem, q1_smem,
-                         q2_smem, q_ready, q_free, k_smem, v_smem, ready, empty, n_kvh, bs, n_blk, n_items, window,
+                         q2_smem, q3_smem, q_ready, q_free, k_smem, v_smem, ready, empty, n_kvh, bs, n_blk, n_items, window,
                          s_kb, s_kh, s_vb, s_vh, GROUP, D, BLOCK_N, STAGES, PRODUCER_WARPS, HAS_WINDOW, NC)),
                 (_consumer, (0, q_desc, o_desc, q0_smem, o0_smem, q_ready.index(0), q_free.index(0), k_smem,
                          v_smem, ready, empty, turns, out, sinks, kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs,
