@@ -189,13 +189,17 @@ if gluon is not None:
             _load_q(q_desc, q3_smem, q_ready.index(3), q_free.index(3), n_q, row + 3 * BT, col)
 
     @gluon.jit
-    def _producer(q_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, q0_smem, q1_smem,
-                  q2_smem, q3_smem, q_ready, q_free, k_smem, v_smem, ready, empty, n_kvh, bs, n_blk, n_items, window,
-                  s_kb, s_kh, s_vb, s_vh, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, WARPS: gl.constexpr, HAS_WINDOW: gl.constexpr, NC: gl.constexpr):
+    def _producer(shared, n_kvh: gl.constexpr, WARPS: gl.constexpr, HAS_WINDOW: gl.constexpr, NC: gl.constexpr):
         """For every item: every consumer's Q tile (TMA, after the item's first key tile), then every key tile's
         K and V rows gathered into the ring of stages (cp.async, 16 bytes a thread; any page size, pages in any
         order), each tile's slots loaded one tile ahead so the gather never waits on them."""
+        (q_desc, o_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, q0_smem, q1_smem, q2_smem,
+         q3_smem, o0_smem, o1_smem, o2_smem, o3_smem, q_ready, q_free, k_smem, v_smem, ready, empty, turns, out, sinks,
+         bs, n_blk, n_items, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh, qk_scale, v_scale, cap) = shared
+        STAGES: gl.constexpr = k_smem.shape[0]
+        BLOCK_N: gl.constexpr = k_smem.shape[1]
+        GROUP: gl.constexpr = q0_smem.shape[1]
+        D: gl.constexpr = q0_smem.shape[2]
         BT: gl.constexpr = _ROWS // GROUP
         vec: gl.constexpr = 8                       # 16-byte vectors of 2-byte elements
         tpw_d: gl.constexpr = D // vec if D // vec < 32 else 32
@@ -315,13 +319,31 @@ if gluon is not None:
         return n_b + 1
 
     @gluon.jit
-    def _consumer(C: gl.constexpr, q_desc, o_desc, q_smem, o_smem, q_ready, q_free, k_smem, v_smem, ready, empty,
-                  turns, out, sinks, kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs, n_blk, n_items, s_ot, s_oh,
-                  qk_scale, v_scale, cap, window, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, HAS_CAP: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
-                  PINGPONG: gl.constexpr, Q_REGS: gl.constexpr, NC: gl.constexpr):
-        """Consumer C's 64 query rows of every item (tokens first + C * BT .. + BT - 1, all GROUP heads): see
-        the module doc."""
+    def _consumer(C: gl.constexpr, shared, n_kvh: gl.constexpr, HAS_CAP: gl.constexpr, HAS_WINDOW: gl.constexpr,
+                  HAS_SINKS: gl.constexpr, PINGPONG: gl.constexpr, Q_REGS: gl.constexpr, NC: gl.constexpr):
+        """Consumer C's 64 query rows of every item (tokens first + C * BT .. + BT - 1, all GROUP heads), in its own
+        Q and O tiles: see the module doc."""
+        (q_desc, o_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, q0_smem, q1_smem, q2_smem,
+         q3_smem, o0_smem, o1_smem, o2_smem, o3_smem, q_ready_all, q_free_all, k_smem, v_smem, ready, empty, turns, out,
+         sinks, bs, n_blk, n_items, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh, qk_scale, v_scale, cap) = shared
+        STAGES: gl.constexpr = k_smem.shape[0]
+        BLOCK_N: gl.constexpr = k_smem.shape[1]
+        GROUP: gl.constexpr = q0_smem.shape[1]
+        D: gl.constexpr = q0_smem.shape[2]
+        q_ready = q_ready_all.index(C)
+        q_free = q_free_all.index(C)
+        if C == 0:
+            q_smem = q0_smem
+            o_smem = o0_smem
+        elif C == 1:
+            q_smem = q1_smem
+            o_smem = o1_smem
+        elif C == 2:
+            q_smem = q2_smem
+            o_smem = o2_smem
+        else:
+            q_smem = q3_smem
+            o_smem = o3_smem
         BT: gl.constexpr = _ROWS // GROUP
         dtype: gl.constexpr = q_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -455,62 +477,31 @@ if gluon is not None:
         for i in gl.static_range(2):
             mbarrier.init(turns.index(i), count=1)
 
-        # the producer runs in the default partition (it gets the registers the consumers leave); Gluon takes the
-        # partitions as one literal list, hence one call per consumer count
+        # the producer runs in the default partition (it gets the registers the consumers leave). Gluon takes the
+        # partitions as one literal list, hence one call per consumer count; the partitions share one tuple of
+        # values (constexprs travel outside it: a tuple handed to a partition arrives without them)
+        shared = (q_desc, o_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, q0_smem, q1_smem,
+                  q2_smem, q3_smem, o0_smem, o1_smem, o2_smem, o3_smem, q_ready, q_free, k_smem, v_smem, ready, empty,
+                  turns, out, sinks, bs, n_blk, n_items, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh, qk_scale, v_scale,
+                  cap)
         if NC == 4:
-            gl.warp_specialize([
-                (_producer, (q_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, q0_smem, q1_smem,
-                         q2_smem, q3_smem, q_ready, q_free, k_smem, v_smem, ready, empty, n_kvh, bs, n_blk, n_items, window,
-                         s_kb, s_kh, s_vb, s_vh, GROUP, D, BLOCK_N, STAGES, PRODUCER_WARPS, HAS_WINDOW, NC)),
-                (_consumer, (0, q_desc, o_desc, q0_smem, o0_smem, q_ready.index(0), q_free.index(0), k_smem,
-                         v_smem, ready, empty, turns, out, sinks, kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs,
-                         n_blk, n_items, s_ot, s_oh, qk_scale, v_scale, cap, window, GROUP, D, BLOCK_N, STAGES,
-                         HAS_CAP, HAS_WINDOW, HAS_SINKS, False, Q_REGS, NC)),
-                (_consumer, (1, q_desc, o_desc, q1_smem, o1_smem, q_ready.index(1), q_free.index(1), k_smem,
-                         v_smem, ready, empty, turns, out, sinks, kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs,
-                         n_blk, n_items, s_ot, s_oh, qk_scale, v_scale, cap, window, GROUP, D, BLOCK_N, STAGES,
-                         HAS_CAP, HAS_WINDOW, HAS_SINKS, False, Q_REGS, NC)),
-                (_consumer, (2, q_desc, o_desc, q2_smem, o2_smem, q_ready.index(2), q_free.index(2), k_smem,
-                         v_smem, ready, empty, turns, out, sinks, kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs,
-                         n_blk, n_items, s_ot, s_oh, qk_scale, v_scale, cap, window, GROUP, D, BLOCK_N, STAGES,
-                         HAS_CAP, HAS_WINDOW, HAS_SINKS, False, Q_REGS, NC)),
-                (_consumer, (3, q_desc, o_desc, q3_smem, o3_smem, q_ready.index(3), q_free.index(3), k_smem,
-                         v_smem, ready, empty, turns, out, sinks, kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs,
-                         n_blk, n_items, s_ot, s_oh, qk_scale, v_scale, cap, window, GROUP, D, BLOCK_N, STAGES,
-                         HAS_CAP, HAS_WINDOW, HAS_SINKS, False, Q_REGS, NC)),
-            ], [4, 4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+            gl.warp_specialize([(_producer, (shared, n_kvh, PRODUCER_WARPS, HAS_WINDOW, NC)),
+                                (_consumer, (0, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC)),
+                                (_consumer, (1, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC)),
+                                (_consumer, (2, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC)),
+                                (_consumer, (3, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC))],
+                               [4, 4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
         elif NC == 3:
-            gl.warp_specialize([
-                (_producer, (q_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, q0_smem, q1_smem,
-                         q2_smem, q3_smem, q_ready, q_free, k_smem, v_smem, ready, empty, n_kvh, bs, n_blk, n_items, window,
-                         s_kb, s_kh, s_vb, s_vh, GROUP, D, BLOCK_N, STAGES, PRODUCER_WARPS, HAS_WINDOW, NC)),
-                (_consumer, (0, q_desc, o_desc, q0_smem, o0_smem, q_ready.index(0), q_free.index(0), k_smem,
-                         v_smem, ready, empty, turns, out, sinks, kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs,
-                         n_blk, n_items, s_ot, s_oh, qk_scale, v_scale, cap, window, GROUP, D, BLOCK_N, STAGES,
-                         HAS_CAP, HAS_WINDOW, HAS_SINKS, False, Q_REGS, NC)),
-                (_consumer, (1, q_desc, o_desc, q1_smem, o1_smem, q_ready.index(1), q_free.index(1), k_smem,
-                         v_smem, ready, empty, turns, out, sinks, kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs,
-                         n_blk, n_items, s_ot, s_oh, qk_scale, v_scale, cap, window, GROUP, D, BLOCK_N, STAGES,
-                         HAS_CAP, HAS_WINDOW, HAS_SINKS, False, Q_REGS, NC)),
-                (_consumer, (2, q_desc, o_desc, q2_smem, o2_smem, q_ready.index(2), q_free.index(2), k_smem,
-                         v_smem, ready, empty, turns, out, sinks, kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs,
-                         n_blk, n_items, s_ot, s_oh, qk_scale, v_scale, cap, window, GROUP, D, BLOCK_N, STAGES,
-                         HAS_CAP, HAS_WINDOW, HAS_SINKS, False, Q_REGS, NC)),
-            ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+            gl.warp_specialize([(_producer, (shared, n_kvh, PRODUCER_WARPS, HAS_WINDOW, NC)),
+                                (_consumer, (0, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC)),
+                                (_consumer, (1, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC)),
+                                (_consumer, (2, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC))],
+                               [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
         else:
-            gl.warp_specialize([
-                (_producer, (q_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, q0_smem, q1_smem,
-                         q2_smem, q3_smem, q_ready, q_free, k_smem, v_smem, ready, empty, n_kvh, bs, n_blk, n_items, window,
-                         s_kb, s_kh, s_vb, s_vh, GROUP, D, BLOCK_N, STAGES, PRODUCER_WARPS, HAS_WINDOW, NC)),
-                (_consumer, (0, q_desc, o_desc, q0_smem, o0_smem, q_ready.index(0), q_free.index(0), k_smem,
-                         v_smem, ready, empty, turns, out, sinks, kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs,
-                         n_blk, n_items, s_ot, s_oh, qk_scale, v_scale, cap, window, GROUP, D, BLOCK_N, STAGES,
-                         HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC)),
-                (_consumer, (1, q_desc, o_desc, q1_smem, o1_smem, q_ready.index(1), q_free.index(1), k_smem,
-                         v_smem, ready, empty, turns, out, sinks, kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs,
-                         n_blk, n_items, s_ot, s_oh, qk_scale, v_scale, cap, window, GROUP, D, BLOCK_N, STAGES,
-                         HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC)),
-            ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+            gl.warp_specialize([(_producer, (shared, n_kvh, PRODUCER_WARPS, HAS_WINDOW, NC)),
+                                (_consumer, (0, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC)),
+                                (_consumer, (1, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC))],
+                               [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------- host side
