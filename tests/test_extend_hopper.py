@@ -355,6 +355,18 @@ def test_calls_under_the_token_threshold_keep_the_portable_kernel(monkeypatch):
         assert extend_hopper.plan_hopper_extend(q, kv, kv, q, t) == "gluon plan", t
 
 
+def test_a_consumer_count_the_kernel_has_no_partitions_for_is_refused():
+    """2, 3 or 4 consumer warpgroups: any other count is a ConfigError naming it, not a kernel whose barriers wait
+    for consumers that never run."""
+    from hwkv.errors import ConfigError
+    for n in (1, 5):
+        with pytest.raises(ConfigError, match=f"consumers={n}"):
+            extend_hopper._plan(8, 8, 64, 1024, extend_hopper.HopperConfig(32, 4, 104, consumers=n),
+                               torch.device("cpu"))
+    assert extend_hopper._plan(8, 8, 64, 1024, extend_hopper.HopperConfig(32, 4, 104, consumers=4),
+                               torch.device("cpu")).consts["NC"] == 4
+
+
 def test_a_scale_that_is_not_positive_keeps_the_portable_kernel():
     """The kernel folds the logit scale into the exponent after the row max, which needs scale > 0: a zero or
     negative scale (k_scale included) launches nothing, and the dispatch runs the portable kernel."""

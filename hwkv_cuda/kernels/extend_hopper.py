@@ -50,6 +50,7 @@ import torch
 import triton
 
 from hwkv.env import HWKV_HOPPER_EXTEND
+from hwkv.errors import ConfigError
 from hwkv_cuda.kernels.common import as_scale, interpreting, num_sms
 from hwkv_cuda.kernels.launch import launch
 
@@ -592,6 +593,8 @@ def _plan(group: int, kv_heads: int, d: int, max_q_len: int, cfg: HopperConfig, 
 def _consts(group: int, d: int, cfg: HopperConfig, kv_heads: int) -> Dict[str, Any]:
     """The kernel's constexprs under tile config `cfg` but the per-call feature flags (a launch and the CPU build); the
     kv-head count is one (fixed per model: the work items' index math divides by it)."""
+    if cfg.consumers not in (2, 3, 4):   # the kernel has a partition list for each of these only
+        raise ConfigError(f"consumers={cfg.consumers}: the Gluon extend kernel takes 2, 3 or 4 consumer warpgroups")
     return dict(n_kvh=kv_heads, GROUP=group, D=d, BLOCK_N=cfg.block_n, STAGES=cfg.stages, PRODUCER_WARPS=PRODUCER_WARPS,
                 CONSUMER_REGS=cfg.consumer_regs, PINGPONG=cfg.pingpong and cfg.consumers == 2, Q_REGS=cfg.q_regs,
                 NC=cfg.consumers)
