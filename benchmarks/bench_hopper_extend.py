@@ -11,6 +11,11 @@ portable kernel's (max abs error, reported). With HWKV_HOPPER_EXTEND=0 the Gluon
 registers, persistence, ping-pong, Q in registers, consumer warpgroups), each checked against the portable kernel
 first, and reports them per case, fastest first. --host adds the host time of one planned layer call per kernel;
 --threshold both kernels at small prefills, under a graph and eagerly (what the dispatch's MIN_TOKENS rests on).
+--once N runs only the Gluon kernel on case N (0-3, in the order above) three times, eagerly, for a profiler:
+
+    ncu --clock-control none -k regex:hopper_extend --launch-skip 2 --launch-count 1 --set full --import-source yes \
+        -o prof python3 benchmarks/bench_hopper_extend.py --once 2
+    ncu -i prof.ncu-rep --page source --csv --print-source sass > sass.csv   # stall reasons per instruction
 """
 from __future__ import annotations
 
@@ -283,6 +288,17 @@ def table(rows):
     return "\n".join(lines)
 
 
+def once(d, index, calls=3):
+    """The Gluon kernel of CASES[index], `calls` times back to back (no graph): one launch for a profiler to take."""
+    c = Case(*CASES[index], d)
+    g = c.gluon_fn()
+    if isinstance(g, str):
+        sys.exit(f"case {index}: the Gluon kernel does not run: {g}")
+    for _ in range(calls):
+        g()
+    torch.cuda.synchronize()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write every number here")
@@ -293,9 +309,15 @@ def main():
                     help="also both kernels at small prefills (graph and eager), for the dispatch's token threshold")
     ap.add_argument("--no-cases", action="store_true", help="skip the issue's four cases")
     ap.add_argument("--only", nargs="+", choices=["causal", "window"], help="only the causal or the window cases")
+    ap.add_argument("--once", type=int, choices=range(len(CASES)),
+                    help="only run the Gluon kernel on this case three times, eagerly (for ncu)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
+    if a.once is not None:
+        for d in a.d:
+            once(d, a.once)
+        return
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=__import__("triton").__version__, gluon_error=extend_hopper.GLUON_ERROR, rows=[])
     for d in a.d:
