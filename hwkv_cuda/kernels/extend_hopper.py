@@ -4,8 +4,9 @@ Same contract as `hwkv_cuda.kernels.extend` (q [T, H, D], keys listed per reques
 causal + window, GQA packed, sinks, soft-cap, K/V scales) for the plain features; the rest (fp8 K/V, verify
 trees, Dv != D, fp32, other head dims, group sizes that are not powers of two) stays with the portable kernel.
 On by default on sm_90 (HWKV_HOPPER_EXTEND=0 turns it off) for calls of at least MIN_TOKENS query tokens: on an
-H200 it is 1.16-1.35x the portable kernel at D=64 and 1.50-1.66x at D=128 (docs/benchmarks.md). Window layers take
-32-key tiles (WINDOW_CONFIGS: 1.24x the portable kernel at D=64, 1.86x at D=128, W=128 over 8192).
+H200 it is 1.16-1.43x the portable kernel at D=64 and 1.49-1.70x at D=128 (docs/benchmarks.md). Window layers take
+32-key tiles (WINDOW_CONFIGS: 1.24x the portable kernel at D=64, 1.86x at D=128, W=128 over 8192, with the tiles
+tuned on Triton 3.6; other releases' tiles measured 1.03x and 1.73x).
 
 Work items: NC consumer warpgroups (2 to 4) of 64 query rows each; an item is NC x BT consecutive query tokens
 of one request times the GROUP q heads of one kv head (BT = 64 // GROUP tokens a consumer), rows ordered (token,
@@ -44,6 +45,7 @@ query tokens keep the portable kernel (the TMA descriptors make this one's launc
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
@@ -95,8 +97,9 @@ PRODUCER_WARPS = 4
 # session, one request): D=64 97.7-97.9 us against 103.7-105.6 for 3 consumers without Q in registers and 121.6 for the
 # portable kernel; D=128 (4 consumers spill there) 135.3-136.1 against 143.0 and 252.0. Head dims here take it.
 # Register allocation differs between Triton releases: 3.6 (the H200's, where all of this was measured) builds the
-# Q-in-registers tiles without spills, 3.9 spills them (3 local stores at D=64 causal, 53 in the four-consumer window
-# tile, 96 at D=128), so any other release keeps the tiles without Q in registers, which build clean on both.
+# D=64 Q-in-registers tiles without spills (the D=128 window tile with 2 spill stores in a consumer, measured 5%
+# faster all the same), 3.9 spills them all (3 local stores at D=64 causal, 53 in the four-consumer window tile, 96
+# at D=128), so any other release keeps the tiles without Q in registers, which build clean on both.
 _TUNED = {64: HopperConfig(block_n=64, stages=6, consumer_regs=152, q_regs=True, consumers=3),
           128: HopperConfig(block_n=64, stages=4, consumer_regs=152, consumers=3)}
 _TUNED_WINDOW = {64: HopperConfig(block_n=32, stages=8, consumer_regs=104, q_regs=True, consumers=4),
@@ -106,7 +109,16 @@ _CLEAN = {64: HopperConfig(block_n=64, stages=6, consumer_regs=152, consumers=3)
 _CLEAN_WINDOW = {64: HopperConfig(block_n=32, stages=8, consumer_regs=152, consumers=3),
                  128: HopperConfig(block_n=32, stages=4, consumer_regs=152, consumers=3)}
 TUNED_TRITON = (3, 6)
-_RELEASE = tuple(int(x) for x in triton.__version__.split(".")[:2])
+
+
+def _release(version: str) -> Optional[Tuple[int, int]]:
+    """A Triton version's (major, minor): "3.6.0", "3.6+git1a2b" and "3.6rc1" are (3, 6); None where it starts
+    with no such pair (such a build takes the untuned tiles)."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+_RELEASE = _release(triton.__version__)
 CONFIGS: Dict[int, HopperConfig] = _TUNED if _RELEASE == TUNED_TRITON else _CLEAN
 WINDOW_CONFIGS: Dict[int, HopperConfig] = _TUNED_WINDOW if _RELEASE == TUNED_TRITON else _CLEAN_WINDOW
 # Calls with fewer query tokens keep the portable kernel. Both launch directly (hwkv_cuda.kernels.launch), but the Gluon
@@ -118,8 +130,9 @@ WINDOW_CONFIGS: Dict[int, HopperConfig] = _TUNED_WINDOW if _RELEASE == TUNED_TRI
 MIN_TOKENS = 1024
 # ... and window calls under MIN_WINDOW_TOKENS: a window call's device time grows by only 14-18 us per 1024 tokens
 # (W=128, H200), so below about 2500 tokens the Gluon launch's extra host time is not hidden, while the device time it
-# saves was 3% at D=64 (117.6 against 121.2 us at 8192; 20% since the four-consumer tiles). From 4096 tokens a call is device-bound (59-74 us of device
-# time against 32-57 us of host time) at both head dims. Not yet measured eagerly on the GPU: set from those readings.
+# saves was 3% at D=64 (117.6 against 121.2 us at 8192; 20% since the four-consumer tiles). From 4096 tokens a call
+# is device-bound (59-74 us of device time against 32-57 us of host time) at both head dims. Not yet measured eagerly
+# on the GPU: set from those readings.
 MIN_WINDOW_TOKENS = 4096
 
 
@@ -433,7 +446,7 @@ if gluon is not None:
     # (hwkv_cuda.kernels.launch) would plan, one variant per value that turns 1 or a multiple of 16. The kv-head count
     # (fixed per model) is a constexpr, and ONE_REQ (a batch of one request) a second variant at most: each removes
     # runtime divisions from every item's index math, and a one-request batch's bounds load from fixed addresses
-    # (H200, 1 x 8192 at W=128, D=64: 104 us against 116, docs/benchmarks.md)
+    # (H200, 1 x 8192 at W=128, D=64: 104 us against 116 in A/B runs of kernel variants, docs/benchmarks.md)
     @gluon.jit(do_not_specialize=["window", "bs", "n_blk", "n_items"])
     def _hopper_extend_kernel(q_desc, o_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0,
                               sinks, out, qk_scale, v_scale, cap, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh,
@@ -480,7 +493,8 @@ if gluon is not None:
 
         # the producer runs in the default partition (it gets the registers the consumers leave). Gluon takes the
         # partitions as one literal list, hence one call per consumer count; the partitions share one tuple of
-        # values (constexprs travel outside it: a tuple handed to a partition arrives without them)
+        # values. Constexprs travel outside it: in a tuple handed to a partition they arrive as plain constants
+        # (which still fold, as ONE_REQ's bs does) that cannot shape a layout or a static branch
         shared = (q_desc, o_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, q0_smem, q1_smem,
                   q2_smem, q3_smem, o0_smem, o1_smem, o2_smem, o3_smem, q_ready, q_free, k_smem, v_smem, ready, empty,
                   turns, out, sinks, bs, n_blk, n_items, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh, qk_scale, v_scale,
@@ -530,7 +544,8 @@ def requested() -> bool:
 
 def takes_window(head_dim: int) -> bool:
     """Whether window layers of this head dim take the Gluon kernel: where a window tile config is recorded, faster
-    than the portable kernel there (H200, W=128 over 8192: D=64 1.03x, D=128 1.73x)."""
+    than the portable kernel there (H200, W=128 over 8192: D=64 1.24x, D=128 1.86x with Triton 3.6's tiles; the
+    tiles other releases take measured 1.03x and 1.73x)."""
     return head_dim in WINDOW_CONFIGS
 
 
