@@ -678,12 +678,13 @@ def run_hopper_extend(plan: HopperPlan, q: Any, k_buf: Any, v_buf: Any, kv_indpt
     window = int(window or 0)
     n_items = plan.kv_heads * plan.blocks * bs
     grid = (min(n_items, plan.programs) if plan.programs else n_items, )
-    launch(_LAUNCHES, (plan.key, grid[0], cap > 0, window > 0, sinks is not None, bs == 1), _hopper_extend_kernel, grid,
+    flags = (cap > 0, window > 0, sinks is not None, bs == 1)   # the per-call constexprs: part of the launch's key
+    launch(_LAUNCHES, (plan.key, grid[0]) + flags, _hopper_extend_kernel, grid,
            (_descriptor(q, plan.block), _descriptor(out, plan.block), k_buf, v_buf, kv_indptr, kv_indices, kv_pos0,
             qo_indptr, q_pos0, sinks if sinks is not None else out, out, qk_scale, as_scale(v_scale), cap, window,
             k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), out.stride(0), out.stride(1),
             bs, plan.blocks, n_items),
-           dict(HAS_CAP=cap > 0, HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None, ONE_REQ=bs == 1, **plan.consts))
+           dict(HAS_CAP=flags[0], HAS_WINDOW=flags[1], HAS_SINKS=flags[2], ONE_REQ=flags[3], **plan.consts))
     return True
 
 
