@@ -10,7 +10,8 @@ portable kernel's (max abs error, reported). With HWKV_HOPPER_EXTEND=0 the Gluon
 --sweep also times the Gluon kernel under each of SWEEP's configs for the head dim (keys per tile, stages, consumer
 registers, persistence, ping-pong, Q in registers, consumer warpgroups), each checked against the portable kernel
 first, and reports them per case, fastest first. --host adds the host time of one planned layer call per kernel;
---threshold both kernels at small prefills, under a graph and eagerly (what the dispatch's MIN_TOKENS rests on).
+--threshold both kernels at small prefills, causal and W=128, under a graph and eagerly (what the dispatch's
+MIN_TOKENS and min_window_tokens rest on).
 --once N runs only the Gluon kernel on case N (0-3, in the order above) three times, eagerly, for a profiler:
 
     ncu --clock-control none -k regex:hopper_extend --launch-skip 2 --launch-count 1 --set full --import-source yes \
@@ -193,6 +194,9 @@ def bench(d, sweep=False, only=None):
 
 
 THRESHOLD_CASES = [(1, t, 0) for t in (256, 512, 1024, 2048, 4096)] + [(4, t, 1024) for t in (64, 128, 256, 512)]
+# ... and for window layers (W=128: the list is the window), where MIN_WINDOW_TOKENS applies: from MIN_TOKENS up
+THRESHOLD_WINDOW_CASES = [(1, t, 0) for t in (1024, 2048, 4096, 8192)] + [(4, t, 1024) for t in (256, 512, 1024)]
+THRESHOLD_WINDOW = 128
 
 
 @contextlib.contextmanager
@@ -213,22 +217,24 @@ def planned_calls(c):
     Inside `thresholds_lifted`."""
     for name, flag in (("gluon", "1"), ("portable", "0")):
         os.environ[extend_hopper.ENV_FLAG] = flag
-        plan = plan_extend(*c.args, c.new)
+        plan = plan_extend(*c.args, c.new, window=c.window)
         if (plan.hopper is not None) != (name == "gluon"):
             yield name, f"n/a (the plan {'lacks' if name == 'gluon' else 'has'} the Gluon kernel)"
             continue
-        yield name, lambda plan=plan: extend_attention_planned(plan, *c.args, c.new, c.d ** -0.5)
+        yield name, lambda plan=plan: extend_attention_planned(plan, *c.args, c.new, c.d ** -0.5, c.window)
 
 
 def threshold(d, calls=50):
-    """Where the Gluon kernel starts to pay at small prefills: for each case (bs, new tokens each, prefix), its time
-    and the portable kernel's under a CUDA graph (device) and eager (`calls` planned layer calls queued back to
-    back, one sync: max of host and device per call), the dispatch's token threshold lifted."""
+    """Where the Gluon kernel starts to pay at small prefills: for each case (bs, new tokens each, prefix; causal, then
+    window layers at W=THRESHOLD_WINDOW), its time and the portable kernel's under a CUDA graph (device) and eager
+    (`calls` planned layer calls queued back to back, one sync: max of host and device per call), the dispatch's
+    token thresholds lifted."""
     rows = []
+    cases = [(*x, None) for x in THRESHOLD_CASES] + [(*x, THRESHOLD_WINDOW) for x in THRESHOLD_WINDOW_CASES]
     with thresholds_lifted():
-        for bs, new, prefix in THRESHOLD_CASES:
-            c = Case(bs, new, prefix, None, d)
-            row = dict(d=d, bs=bs, new=new, prefix=prefix, tokens=bs * new)
+        for bs, new, prefix, window in cases:
+            c = Case(bs, new, prefix, window, d)
+            row = dict(d=d, bs=bs, new=new, prefix=prefix, window=window, tokens=bs * new)
             for name, call in planned_calls(c):
                 if isinstance(call, str):
                     row[name] = call

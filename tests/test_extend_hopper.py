@@ -342,7 +342,8 @@ def test_on_unless_turned_off_and_reasons_name_the_feature(monkeypatch):
 
 def test_calls_under_the_token_threshold_keep_the_portable_kernel(monkeypatch):
     """A call of fewer than MIN_TOKENS query tokens plans no Gluon launch (its host time would not hide under the
-    device's); at the threshold it does. Stand-ins for the device checks, so it runs anywhere."""
+    device's); at the threshold it does; window calls from min_window_tokens(D). Stand-ins for the device checks, so it
+    runs anywhere."""
     monkeypatch.setattr(extend_hopper, "MIN_TOKENS", 1024)
     monkeypatch.setattr(extend_hopper, "unsupported", lambda *a, **k: None)
     monkeypatch.setattr(extend_hopper, "_plan", lambda *a, **k: "gluon plan")
@@ -356,6 +357,12 @@ def test_calls_under_the_token_threshold_keep_the_portable_kernel(monkeypatch):
         q = torch.zeros(t, 8, 64, dtype=torch.bfloat16)
         assert extend_hopper.plan_hopper_extend(q, kv, kv, q, t, window=128) == want, t
         assert extend_hopper.plan_hopper_extend(q, kv, kv, q, t) == "gluon plan", t
+    kv128 = torch.zeros(64, 1, 128, dtype=torch.bfloat16)    # D=128 window calls pay from 2048 tokens
+    for t, want in ((2047, None), (2048, "gluon plan")):
+        q = torch.zeros(t, 8, 128, dtype=torch.bfloat16)
+        assert extend_hopper.plan_hopper_extend(q, kv128, kv128, q, t, window=128) == want, t
+    monkeypatch.setattr(extend_hopper, "MIN_WINDOW_TOKENS", 0)      # lowering the constant lowers every head dim's
+    assert extend_hopper.min_window_tokens(64) == extend_hopper.min_window_tokens(128) == 0
 
 
 def test_a_triton_release_is_read_from_its_version():

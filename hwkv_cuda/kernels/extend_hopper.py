@@ -128,12 +128,20 @@ WINDOW_CONFIGS: Dict[int, HopperConfig] = _TUNED_WINDOW if _RELEASE == TUNED_TRI
 # and D=128 (1 x 1024: 38 against 41 us, 47 against 74; 4 x 256 over 1024: 66 against 73, 92 against 136), at 512
 # slower (38 against 20 us at D=64).
 MIN_TOKENS = 1024
-# ... and window calls under MIN_WINDOW_TOKENS: a window call's device time grows by only 14-18 us per 1024 tokens
-# (W=128, H200), so below about 2500 tokens the Gluon launch's extra host time is not hidden, while the device time it
-# saves was 3% at D=64 (117.6 against 121.2 us at 8192; 20% since the four-consumer tiles). From 4096 tokens a call
-# is device-bound (59-74 us of device time against 32-57 us of host time) at both head dims. Not yet measured eagerly
-# on the GPU: set from those readings.
+# ... and window calls under min_window_tokens(D): a window call's device time grows by only 14-18 us per 1024 tokens
+# (W=128), so the Gluon launch's extra host time (its eager floor is 30-60 us against the portable kernel's 20-35) is
+# hidden only in long calls. Eager W=128 layer calls back to back (`bench_hopper_extend.py --threshold`, H200, twelfth
+# session), Gluon against portable: D=64 pays from 4096 tokens (1 x 4096 65.1 against 65.0 us, 4 x 1024 over 1024
+# 61.3 against 65.6, 1 x 8192 98.6 against 122.2; at 2048 34-63 against 35); D=128 from 2048 (1 x 2048 52.0 against
+# 70.8, 4 x 512 over 1024 52.9 against 71.0; at 1024 tokens 33-59 against 35-36).
 MIN_WINDOW_TOKENS = 4096
+_WINDOW_TOKENS_BY_DIM = {128: 2048}    # head dims whose window calls pay sooner
+
+
+def min_window_tokens(head_dim: int) -> int:
+    """Query tokens from which a window call of this head dim takes the Gluon kernel (at most MIN_WINDOW_TOKENS, so
+    lowering that constant lowers every head dim's)."""
+    return min(MIN_WINDOW_TOKENS, _WINDOW_TOKENS_BY_DIM.get(head_dim, MIN_WINDOW_TOKENS))
 
 
 if gluon is not None:
@@ -584,12 +592,12 @@ def unsupported(q: Any, k_buf: Any, v_buf: Any, out: Any, max_q_len: int, has_tr
 def plan_hopper_extend(q: Any, k_buf: Any, v_buf: Any, out: Any, max_q_len: int, has_tree: bool = False,
                        window: Optional[int] = None) -> Optional[HopperPlan]:
     """The Gluon kernel's plan for these shapes (`window`: a window layer's, WINDOW_CONFIGS' tiles), or None (turned
-    off, fewer than MIN_TOKENS query tokens, or MIN_WINDOW_TOKENS for a window layer, a window layer's head dim
+    off, fewer than MIN_TOKENS query tokens, or min_window_tokens(D) for a window layer, a window layer's head dim
     without a window config, or `unsupported`)."""
     if q.shape[0] < MIN_TOKENS or not requested() or unsupported(q, k_buf, v_buf, out, max_q_len, has_tree):
         return None
     t, h, d = q.shape
-    if window and (not takes_window(d) or t < MIN_WINDOW_TOKENS):
+    if window and (not takes_window(d) or t < min_window_tokens(d)):
         return None
     cfg = WINDOW_CONFIGS[d] if window else CONFIGS[d]
     return _plan(h // k_buf.shape[1], k_buf.shape[1], d, int(max_q_len), cfg, q.device, bool(window))
