@@ -194,7 +194,7 @@ def bench(d, sweep=False, only=None):
 
 
 THRESHOLD_CASES = [(1, t, 0) for t in (256, 512, 1024, 2048, 4096)] + [(4, t, 1024) for t in (64, 128, 256, 512)]
-# ... and for window layers (W=128: the list is the window), where MIN_WINDOW_TOKENS applies: from MIN_TOKENS up
+# ... and for window layers (W=128: the list is the window), where min_window_tokens(D) applies: from MIN_TOKENS up
 THRESHOLD_WINDOW_CASES = [(1, t, 0) for t in (1024, 2048, 4096, 8192)] + [(4, t, 1024) for t in (256, 512, 1024)]
 THRESHOLD_WINDOW = 128
 

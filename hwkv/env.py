@@ -56,9 +56,9 @@ HWKV_DEBUG: EnvVar[bool] = EnvVar(
 
 HWKV_HOPPER_EXTEND: EnvVar[bool] = EnvVar(
     "HWKV_HOPPER_EXTEND", _flag, True,
-    "On Hopper (sm_90) GPUs, prefill/extend attention of at least 1024 query tokens (4096 in window layers) takes "
-    "the warp-specialised Gluon kernel where it applies (bf16/fp16, head dim 64 or 128); 0 keeps the portable "
-    "Triton kernel everywhere.")
+    "On Hopper (sm_90) GPUs, prefill/extend attention of at least 1024 query tokens (window layers: 4096 at head "
+    "dim 64, 2048 at 128) takes the warp-specialised Gluon kernel where it applies (bf16/fp16, head dim 64 or 128); "
+    "0 keeps the portable Triton kernel everywhere.")
 
 ALL = (HWKV_DEVICE, HWKV_DEBUG, HWKV_HOPPER_EXTEND)
 

@@ -357,7 +357,8 @@ def test_calls_under_the_token_threshold_keep_the_portable_kernel(monkeypatch):
         q = torch.zeros(t, 8, 64, dtype=torch.bfloat16)
         assert extend_hopper.plan_hopper_extend(q, kv, kv, q, t, window=128) == want, t
         assert extend_hopper.plan_hopper_extend(q, kv, kv, q, t) == "gluon plan", t
-    kv128 = torch.zeros(64, 1, 128, dtype=torch.bfloat16)    # D=128 window calls pay from 2048 tokens
+    # D=128 window calls pay from 2048 tokens (under the ceiling MIN_WINDOW_TOKENS, 4096 as set above)
+    kv128 = torch.zeros(64, 1, 128, dtype=torch.bfloat16)
     for t, want in ((2047, None), (2048, "gluon plan")):
         q = torch.zeros(t, 8, 128, dtype=torch.bfloat16)
         assert extend_hopper.plan_hopper_extend(q, kv128, kv128, q, t, window=128) == want, t

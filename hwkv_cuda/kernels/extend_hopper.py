@@ -129,12 +129,12 @@ WINDOW_CONFIGS: Dict[int, HopperConfig] = _TUNED_WINDOW if _RELEASE == TUNED_TRI
 # slower (38 against 20 us at D=64).
 MIN_TOKENS = 1024
 # ... and window calls under min_window_tokens(D): a window call's device time grows by only 14-18 us per 1024 tokens
-# (W=128), so the Gluon launch's extra host time (its eager floor is 30-60 us against the portable kernel's 20-35) is
+# (W=128), so the Gluon launch's extra host time (its eager floor is 30-63 us against the portable kernel's 19-36) is
 # hidden only in long calls. Eager W=128 layer calls back to back (`bench_hopper_extend.py --threshold`, H200, twelfth
-# session), Gluon against portable: D=64 pays from 4096 tokens (1 x 4096 65.1 against 65.0 us, 4 x 1024 over 1024
-# 61.3 against 65.6, 1 x 8192 98.6 against 122.2; at 2048 34-63 against 35); D=128 from 2048 (1 x 2048 52.0 against
-# 70.8, 4 x 512 over 1024 52.9 against 71.0; at 1024 tokens 33-59 against 35-36).
-MIN_WINDOW_TOKENS = 4096
+# session, Triton 3.6's window tiles), Gluon against portable: D=64 breaks even at 4096 tokens (1 x 4096 65.1 against
+# 65.0 us, 4 x 1024 over 1024 61.3 against 65.6, 1 x 8192 98.6 against 122.2; at 2048 34-63 against 35); D=128 pays
+# from 2048 (1 x 2048 52.0 against 70.8, 4 x 512 over 1024 52.9 against 71.0; at 1024 tokens 33-59 against 35-36).
+MIN_WINDOW_TOKENS = 4096               # the default and the ceiling: 0 lifts every head dim's threshold
 _WINDOW_TOKENS_BY_DIM = {128: 2048}    # head dims whose window calls pay sooner
 
 
