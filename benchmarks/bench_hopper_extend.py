@@ -9,7 +9,9 @@ the same way for every kernel (4 * pairs * H * D flops). Each case first checks 
 portable kernel's (max abs error, reported). With HWKV_HOPPER_EXTEND=0 the Gluon column reads n/a.
 --sweep also times the Gluon kernel under each of SWEEP's configs for the head dim (keys per tile, stages, consumer
 registers, persistence, ping-pong, Q in registers, consumer warpgroups), each checked against the portable kernel
-first, and reports them per case, fastest first. --host adds the host time of one planned layer call per kernel;
+first, and reports them per case, fastest first; --rounds N times them in N interleaved rounds (median), and
+--warm P first builds them in P processes at once (lent GPU time goes to timing, not to compiling). --host adds the
+host time of one planned layer call per kernel;
 --threshold both kernels at small prefills, causal and W=128, under a graph and eagerly (what the dispatch's
 MIN_TOKENS and min_window_tokens rest on).
 --once N runs only the Gluon kernel on case N (0-3, in the order above) three times, eagerly, for a profiler:
@@ -24,6 +26,8 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -156,7 +160,58 @@ def check(c, g):
     return (c.out.float() - want).abs().max().item()
 
 
-def bench(d, sweep=False, only=None):
+def sweep_case(c, d, rounds):
+    """SWEEP's configs on case c: each checked against the portable kernel, then timed in `rounds` interleaved rounds
+    (config after config, so the machine's drift falls on all of them alike): median us and every round's."""
+    fns, res = {}, []
+    for cfg in SWEEP[d]:
+        f = c.gluon_fn(cfg)
+        try:
+            fns[cfg] = (f, check(c, f))
+        except Exception as e:  # noqa: BLE001 - a config that fails to build or run is a result
+            res.append(dict(config=cfg._asdict(), error=f"{type(e).__name__}: {str(e)[:120]}"))
+    runs = {cfg: [] for cfg in fns}
+    for _ in range(rounds):
+        for cfg, (f, _err) in fns.items():
+            runs[cfg].append(timed(f))
+    for cfg, (f, err) in fns.items():
+        ok = [u for u in runs[cfg] if isinstance(u, float)]
+        us = statistics.median(ok) if ok else runs[cfg][0]
+        res.append(dict(config=cfg._asdict(), us=us, runs=runs[cfg], tflops=c.tflops(us), max_abs_err_vs_portable=err))
+    return sorted(res, key=lambda r: r["us"] if isinstance(r.get("us"), float) else float("inf"))
+
+
+def warm_share(d, share, shares, only=None):
+    """Build this share of the sweep's (case, config) launches (and the dispatch's own tiles) by running each once:
+    the compiled kernels land in Triton's cache on disk, where the timing process finds them."""
+    k = 0
+    for bs, new, prefix, window in CASES:
+        if only is not None and (("window" if window else "causal") not in only):
+            continue
+        c = None
+        for cfg in [None] + SWEEP[d]:
+            if k % shares == share:
+                c = c or Case(bs, new, prefix, window, d)
+                f = c.gluon_fn(cfg)
+                if not isinstance(f, str):
+                    try:
+                        f()
+                    except Exception as e:  # noqa: BLE001 - the timing process reports it
+                        print(f"warm: {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            k += 1
+    torch.cuda.synchronize()
+
+
+def warm(args, procs):
+    """Compile the sweep in `procs` child processes at once (the builds are CPU-bound, the lent GPU's host has cores to
+    spare), before the timing starts."""
+    base = [sys.executable, __file__, "--d", *map(str, args.d)] + (["--only", *args.only] if args.only else [])
+    children = [subprocess.Popen(base + ["--warm-share", str(i), str(procs)]) for i in range(procs)]
+    for ch in children:
+        ch.wait()
+
+
+def bench(d, sweep=False, only=None, rounds=1):
     rows = []
     for bs, new, prefix, window in CASES:
         if only is not None and (("window" if window else "causal") not in only):
@@ -169,17 +224,7 @@ def bench(d, sweep=False, only=None):
         if not isinstance(g, str):   # correctness first: the Gluon output against the portable kernel's
             row["max_abs_err_vs_portable"] = check(c, g)
         if sweep and not isinstance(g, str):
-            res = []
-            for cfg in SWEEP[d]:
-                f = c.gluon_fn(cfg)
-                try:
-                    err = check(c, f)
-                except Exception as e:  # noqa: BLE001 - a config that fails to build or run is a result
-                    res.append(dict(config=cfg._asdict(), error=f"{type(e).__name__}: {str(e)[:120]}"))
-                    continue
-                us = timed(f)
-                res.append(dict(config=cfg._asdict(), us=us, tflops=c.tflops(us), max_abs_err_vs_portable=err))
-            row["sweep"] = sorted(res, key=lambda r: r["us"] if isinstance(r.get("us"), float) else float("inf"))
+            row["sweep"] = sweep_case(c, d, rounds)
         for name, fn in (("gluon", g), ("portable", c.portable),
                          ("sdpa_cudnn", c.sdpa_fn(SDPBackend.CUDNN_ATTENTION)),
                          ("sdpa_flash", c.sdpa_fn(SDPBackend.FLASH_ATTENTION))):
@@ -317,6 +362,10 @@ def main():
     ap.add_argument("--only", nargs="+", choices=["causal", "window"], help="only the causal or the window cases")
     ap.add_argument("--once", type=int, choices=range(len(CASES)),
                     help="only run the Gluon kernel on this case three times, eagerly (for ncu)")
+    ap.add_argument("--rounds", type=int, default=1, help="--sweep: interleaved rounds per config (median reported)")
+    ap.add_argument("--warm", type=int, default=0, metavar="PROCS",
+                    help="--sweep: first build every config's kernels in PROCS processes at once")
+    ap.add_argument("--warm-share", type=int, nargs=2, metavar=("I", "N"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
@@ -324,6 +373,12 @@ def main():
         for d in a.d:
             once(d, a.once)
         return
+    if a.warm_share:
+        for d in a.d:
+            warm_share(d, *a.warm_share, a.only)
+        return
+    if a.sweep and a.warm > 0:
+        warm(a, a.warm)
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=__import__("triton").__version__, gluon_error=extend_hopper.GLUON_ERROR, rows=[])
     for d in a.d:
@@ -331,7 +386,7 @@ def main():
             result.setdefault("threshold", []).extend(threshold(d))
         if a.no_cases:
             continue
-        rows = bench(d, a.sweep, a.only)
+        rows = bench(d, a.sweep, a.only, a.rounds)
         result["rows"] += rows
         print(table(rows))
         for r in rows:

@@ -1,0 +1,89 @@
+"""benchmarks/bench_hopper_extend.py off a GPU: its sweep checks every config first and times them in interleaved
+rounds (median), a config that fails is reported rather than fatal, and the warm-up shares between them build every
+(case, config) launch exactly once. Stand-ins for the GPU cases and timers; the kernels themselves run on the H200."""
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_hopper_extend.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_hopper_extend", SCRIPT)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return mod
+
+
+class FakeCase:
+    """A case whose Gluon launcher under config c is the string c; `built` records every launch run."""
+
+    built = []
+
+    def __init__(self, *shape):
+        self.shape = shape
+
+    def gluon_fn(self, cfg=None):
+        return lambda: FakeCase.built.append((self.shape, cfg))
+
+    def tflops(self, us):
+        return 1000.0 / us if isinstance(us, float) else None
+
+
+def test_the_sweep_checks_first_then_times_in_interleaved_rounds(bench, monkeypatch):
+    cfg = bench.extend_hopper.HopperConfig
+    a, b, broken = cfg(64, 6), cfg(32, 8), cfg(16, 2)
+    monkeypatch.setattr(bench, "SWEEP", {64: [a, b, broken]})
+    order = []
+
+    def check(c, f):
+        f()
+        if FakeCase.built[-1][1] == broken:
+            raise RuntimeError("out of resources")
+        return 0.004
+
+    def timed(f):
+        f()
+        which = FakeCase.built[-1][1]
+        order.append(which)
+        return {a: [30.0, 10.0, 20.0], b: [5.0, 7.0, 6.0]}[which][order.count(which) - 1]
+
+    monkeypatch.setattr(bench, "check", check)
+    monkeypatch.setattr(bench, "timed", timed)
+    FakeCase.built = []
+    res = bench.sweep_case(FakeCase(1, 8192, 0, None), 64, rounds=3)
+    assert order == [a, b] * 3, "config after config, round after round"
+    assert [r["config"] for r in res] == [b._asdict(), a._asdict(), broken._asdict()], "fastest first, failures last"
+    assert res[0]["us"] == 6.0 and res[0]["runs"] == [5.0, 7.0, 6.0], "the median of the rounds"
+    assert res[1]["us"] == 20.0 and res[1]["runs"] == [30.0, 10.0, 20.0]
+    assert "out of resources" in res[2]["error"] and "us" not in res[2]
+    assert res[0]["max_abs_err_vs_portable"] == 0.004 and res[0]["tflops"] == 1000.0 / 6.0
+
+
+def test_the_warm_shares_build_every_launch_once(bench, monkeypatch):
+    cfgs = [bench.extend_hopper.HopperConfig(n, 4) for n in (16, 32, 64)]
+    monkeypatch.setattr(bench, "SWEEP", {64: cfgs})
+    monkeypatch.setattr(bench, "Case", FakeCase)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    FakeCase.built = []
+    for share in range(3):
+        bench.warm_share(64, share, 3)
+    want = [(tuple(case) + (64,), cfg) for case in bench.CASES for cfg in [None] + cfgs]
+    assert sorted(map(repr, FakeCase.built)) == sorted(map(repr, want))
+    FakeCase.built = []
+    bench.warm_share(64, 0, 1, only=["window"])
+    assert {shape[3] for shape, _ in FakeCase.built} == {128}, "--only window builds the window case alone"
