@@ -7,10 +7,30 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+import importlib.util  # noqa: E402
 import sys  # noqa: E402
 import types  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="session")
+def load_benchmark():
+    """A loader of benchmarks/NAME.py as a module (the folder on sys.path while it imports its neighbours), for the
+    tests that check a benchmark script off a GPU."""
+    def load(name: str) -> types.ModuleType:
+        sys.path.insert(0, str(BENCHMARKS))
+        try:
+            spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+        finally:
+            sys.path.remove(str(BENCHMARKS))
+        return mod
+    return load
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,6 @@
 """benchmarks/bench_cuda_kernels.py off a GPU: it imports and parses its options, places pages as --layout says
 (seeded), computes its metrics and renders its tables, refuses to run without a GPU in one line, and its decode
 setup (pages at random places) gives the kernel's answer under the interpreter."""
-import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,20 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 pytest.importorskip("triton")
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_cuda_kernels.py"
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_cuda_kernels", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bench(load_benchmark):
+    return load_benchmark("bench_cuda_kernels")
 
 
 def test_options_keep_their_defaults_and_take_the_layout(bench):

@@ -1,32 +1,15 @@
 """benchmarks/bench_hopper_extend.py off a GPU: its sweep checks every config first and times them in interleaved
 rounds (median), a config that fails is reported rather than fatal, and the warm-up shares between them build every
 (case, config) launch exactly once. Stand-ins for the GPU cases and timers; the kernels themselves run on the H200."""
-import importlib.util
-import os
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 pytest.importorskip("triton")
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_hopper_extend.py"
 
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_hopper_extend", SCRIPT)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    return mod
+def bench(load_benchmark):
+    return load_benchmark("bench_hopper_extend")
 
 
 class FakeCase:
