@@ -160,6 +160,11 @@ def check(c, g):
     return (c.out.float() - want).abs().max().item()
 
 
+def cases(only=None):
+    """CASES, or only the causal or the window ones (--only)."""
+    return [x for x in CASES if only is None or ("window" if x[3] else "causal") in only]
+
+
 def sweep_case(c, d, rounds):
     """SWEEP's configs on case c: each checked against the portable kernel, then timed in `rounds` interleaved rounds
     (config after config, so the machine's drift falls on all of them alike): median us and every round's."""
@@ -185,9 +190,7 @@ def warm_share(d, share, shares, only=None):
     """Build this share of the sweep's (case, config) launches (and the dispatch's own tiles) by running each once:
     the compiled kernels land in Triton's cache on disk, where the timing process finds them."""
     k = 0
-    for bs, new, prefix, window in CASES:
-        if only is not None and (("window" if window else "causal") not in only):
-            continue
+    for bs, new, prefix, window in cases(only):
         c = None
         for cfg in [None] + SWEEP[d]:
             if k % shares == share:
@@ -214,9 +217,7 @@ def warm(args, procs):
 
 def bench(d, sweep=False, only=None, rounds=1):
     rows = []
-    for bs, new, prefix, window in CASES:
-        if only is not None and (("window" if window else "causal") not in only):
-            continue
+    for bs, new, prefix, window in cases(only):
         c = Case(bs, new, prefix, window, d)
         row = dict(case=f"{bs} x {new}" + (f" over {prefix}" if prefix else "") + (f" W={window}" if window else
                                                                                    " causal"),

@@ -13,7 +13,7 @@ def bench(load_benchmark):
 
 
 class FakeCase:
-    """A case whose Gluon launcher under config c is the string c; `built` records every launch run."""
+    """A stand-in case whose Gluon launcher under a config records (its shape, the config) in `built` when run."""
 
     built = []
 

@@ -100,14 +100,13 @@ PRODUCER_WARPS = 4
 # D=64 Q-in-registers tiles without spills (the D=128 window tile with 2 spill stores in a consumer, measured 5%
 # faster all the same), 3.9 spills them all (3 local stores at D=64 causal, 53 in the four-consumer window tile, 96
 # at D=128), so any other release keeps the tiles without Q in registers, which build clean on both.
-_TUNED = {64: HopperConfig(block_n=64, stages=6, consumer_regs=152, q_regs=True, consumers=3),
-          128: HopperConfig(block_n=64, stages=4, consumer_regs=152, consumers=3)}
-_TUNED_WINDOW = {64: HopperConfig(block_n=32, stages=8, consumer_regs=104, q_regs=True, consumers=4),
-                 128: HopperConfig(block_n=32, stages=4, consumer_regs=152, q_regs=True, consumers=3)}
 _CLEAN = {64: HopperConfig(block_n=64, stages=6, consumer_regs=152, consumers=3),
           128: HopperConfig(block_n=64, stages=4, consumer_regs=152, consumers=3)}
 _CLEAN_WINDOW = {64: HopperConfig(block_n=32, stages=8, consumer_regs=152, consumers=3),
                  128: HopperConfig(block_n=32, stages=4, consumer_regs=152, consumers=3)}
+_TUNED = {64: _CLEAN[64]._replace(q_regs=True), 128: _CLEAN[128]}
+_TUNED_WINDOW = {64: _CLEAN_WINDOW[64]._replace(consumer_regs=104, q_regs=True, consumers=4),
+                 128: _CLEAN_WINDOW[128]._replace(q_regs=True)}
 TUNED_TRITON = (3, 6)
 
 
@@ -531,13 +530,18 @@ if gluon is not None:
 class HopperPlan(NamedTuple):
     """A planned launch of the Gluon kernel: its work items, programs, constexprs and TMA box."""
 
-    kv_heads: int
     blocks: int                            # token blocks of NC x BT tokens (one item) in the longest request
     programs: int                          # persistent: one per SM (0: one per work item)
     windows: bool                          # planned for window calls (WINDOW_CONFIGS' tiles); others take only causal
     consts: Dict[str, Any]
     block: Tuple[int, int, int]            # the Q/O TMA box: [BT tokens, GROUP heads, D]
     key: Tuple[Any, ...]                   # what fixes its launches but the grid and the feature flags (`_LAUNCHES`)
+
+    @property
+    def kv_heads(self) -> int:
+        """The kv-head count the kernel is compiled for (its constexpr `n_kvh`): a request's items are kv heads x
+        blocks."""
+        return self.consts["n_kvh"]
 
 
 # planned launches of the Gluon kernel (hwkv_cuda.kernels.launch: the compiled launcher called directly, not the JIT)
@@ -609,7 +613,7 @@ def _plan(group: int, kv_heads: int, d: int, max_q_len: int, cfg: HopperConfig, 
     bt = ROWS // group
     programs = num_sms(device) if cfg.persistent else 0
     consts = dict(_consts(group, d, cfg, kv_heads), num_warps=4)
-    return HopperPlan(kv_heads, -(-max_q_len // (cfg.consumers * bt)), programs, windows, consts, (bt, group, d),
+    return HopperPlan(-(-max_q_len // (cfg.consumers * bt)), programs, windows, consts, (bt, group, d),
                       tuple(consts.items()))
 
 
