@@ -22,14 +22,16 @@ triangle. Warp-specialised partitions of one warpgroup each:
                          `cp.async.mbarrier.arrive.noinc` completing the stage's `ready` barrier; after the
                          item's first tile, each consumer's Q tile by TMA once that consumer has released the
                          previous one (`q_free`).
-  consumer 0 .. NC-1     for every key tile j, FA3's intra-warpgroup overlap: issue S_j = Q K_j^T (async
-  (workers, setmaxnreg)  wgmma), issue O += P_{j-1} V_{j-1} (async, P from registers), wait for S_j only (Q is
-                         then free for the next item), run the softmax of S_j (the scale folded into the
-                         exponent's FFMA; the mask only on tiles at the causal diagonal, the window edge or the
-                         list end) while the PV product is still on the tensor cores, then wait for it, free
-                         stage j-1 and rescale. The consumers' streams interleave on the SM (the softmax of one
-                         under another's products); an explicit ping-pong (`pingpong`, two consumers) measured
-                         slower.
+  consumer 0 .. NC-1     for every key tile j: issue S_j = Q K_j^T (async wgmma), issue O += P_{j-1} V_{j-1}
+  (workers, setmaxnreg)  (async, P from registers), wait for S_j (Q is then free for the next item), mask it
+                         (only on tiles at the causal diagonal, the window edge or the list end), wait for the
+                         PV product, free stage j-1, run the softmax of S_j (the scale folded into the
+                         exponent's FFMA) and rescale. The source waits for the PV product after the softmax,
+                         FA3's overlap within a warpgroup, but ptxas moves that wait to the top of its basic
+                         block, ahead of the softmax. A build that keeps it after the softmax (a block boundary
+                         between them) measured 2-13% slower. So the overlap comes from the consumers' streams
+                         interleaving on the SM: the softmax of one runs under another's products. An explicit
+                         ping-pong (`pingpong`, two consumers) measured slower.
   epilogue               sinks folded into the denominator, O scaled by v_scale / l and stored by TMA from the
                          consumer's own O tile (its previous store waited for first) when all BT tokens belong
                          to the request, by masked stores otherwise (a box would overwrite the next request's rows).
