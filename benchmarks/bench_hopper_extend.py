@@ -10,7 +10,11 @@ portable kernel's (max abs error, reported). With HWKV_HOPPER_EXTEND=0 the Gluon
 --sweep also times the Gluon kernel under each of SWEEP's configs for the head dim (keys per tile, stages, consumer
 registers, persistence, ping-pong, Q in registers, consumer warpgroups), each checked against the portable kernel
 first, and reports them per case, fastest first; --rounds N times them in N interleaved rounds (median), and
---warm P first builds them in P processes at once (lent GPU time goes to timing, not to compiling). --host adds the
+--warm P first builds them in P processes at once (lent GPU time goes to timing, not to compiling). --config SPEC
+(repeatable) sweeps the given configs instead of SWEEP's, with no code edit: SPEC is [BASE:]field=value,... over
+the HopperConfig fields, BASE `causal` (the dispatch's causal tiles for the head dim, the default), `window` (its
+window tiles) or `defaults` (HopperConfig's defaults; block_n and stages then required), e.g.
+`--config causal --config causal:stages=4,q_regs=0 --config window:consumers=3,consumer_regs=152`. --host adds the
 host time of one planned layer call per kernel;
 --threshold both kernels at small prefills, causal and W=128, under a graph and eagerly (what the dispatch's
 MIN_TOKENS and min_window_tokens rest on).
@@ -205,10 +209,51 @@ def warm_share(d, share, shares, only=None):
     torch.cuda.synchronize()
 
 
+CONFIG_BASES = ("causal", "window", "defaults")
+
+
+def parse_config(spec, d):
+    """The tile config a --config SPEC names for head dim d: [BASE:]field=value,... (see the module doc); ValueError
+    naming what is wrong."""
+    if ":" in spec:
+        base, body = spec.split(":", 1)
+    else:
+        base, body = (spec, "") if spec in CONFIG_BASES else ("causal", spec)
+    if base not in CONFIG_BASES:
+        raise ValueError(f"--config {spec!r}: base {base!r} is not one of {', '.join(CONFIG_BASES)}")
+    cfg_type = extend_hopper.HopperConfig
+    typed = {}
+    for item in filter(None, (x.strip() for x in body.split(","))):
+        key, eq, value = (x.strip() for x in item.partition("="))
+        if not eq:
+            raise ValueError(f"--config {spec!r}: {item!r} is not field=value")
+        if key not in cfg_type._fields:
+            raise ValueError(f"--config {spec!r}: no field {key!r} (fields: {', '.join(cfg_type._fields)})")
+        if isinstance(cfg_type._field_defaults.get(key), bool):
+            if value.lower() not in ("1", "0", "true", "false"):
+                raise ValueError(f"--config {spec!r}: {key}={value!r} is not 1, 0, true or false")
+            typed[key] = value.lower() in ("1", "true")
+        else:
+            try:
+                typed[key] = int(value)
+            except ValueError:
+                raise ValueError(f"--config {spec!r}: {key}={value!r} is not an integer") from None
+    if base == "defaults":
+        missing = [k for k in ("block_n", "stages") if k not in typed]
+        if missing:
+            raise ValueError(f"--config {spec!r}: base defaults needs {' and '.join(missing)}")
+        return cfg_type(**typed)
+    tiles = extend_hopper.WINDOW_CONFIGS if base == "window" else extend_hopper.CONFIGS
+    if d not in tiles:
+        raise ValueError(f"--config {spec!r}: no {base} tiles for head dim {d} (only {sorted(tiles)})")
+    return tiles[d]._replace(**typed)
+
+
 def warm(args, procs):
     """Compile the sweep in `procs` child processes at once (the builds are CPU-bound, the lent GPU's host has cores to
     spare), before the timing starts."""
     base = [sys.executable, __file__, "--d", *map(str, args.d)] + (["--only", *args.only] if args.only else [])
+    base += [x for spec in args.config or [] for x in ("--config", spec)]
     children = [subprocess.Popen(base + ["--warm-share", str(i), str(procs)]) for i in range(procs)]
     for i, ch in enumerate(children):
         if ch.wait():   # the timing still runs (and builds what this share did not): reported, not fatal
@@ -367,8 +412,18 @@ def main():
     ap.add_argument("--rounds", type=int, default=1, help="--sweep: interleaved rounds per config (median reported)")
     ap.add_argument("--warm", type=int, default=0, metavar="PROCS",
                     help="--sweep: first build every config's kernels in PROCS processes at once")
+    ap.add_argument("--config", action="append", metavar="SPEC",
+                    help="sweep this tile config instead of SWEEP's (repeatable; implies --sweep): [BASE:]field=value,"
+                         "... with BASE causal (default), window or defaults")
     ap.add_argument("--warm-share", type=int, nargs=2, metavar=("I", "N"), help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.config:
+        try:
+            for d in a.d:
+                SWEEP[d] = [parse_config(spec, d) for spec in a.config]
+        except ValueError as e:
+            ap.error(str(e))
+        a.sweep = True
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     if a.once is not None:

@@ -70,3 +70,59 @@ def test_the_warm_shares_build_every_launch_once(bench, monkeypatch):
     FakeCase.built = []
     bench.warm_share(64, 0, 1, only=["window"])
     assert {shape[3] for shape, _ in FakeCase.built} == {128}, "--only window builds the window case alone"
+
+
+def test_config_specs_name_tile_configs_and_refuse_what_is_not_one(bench):
+    """--config [BASE:]field=value,...: the sweep's configs from the command line, over the dispatch's tiles."""
+    eh = bench.extend_hopper
+    assert bench.parse_config("causal", 64) == eh.CONFIGS[64]
+    assert bench.parse_config("window", 64) == eh.WINDOW_CONFIGS[64]
+    assert bench.parse_config("stages=4, q_regs=0", 64) == eh.CONFIGS[64]._replace(stages=4, q_regs=False)
+    assert bench.parse_config("window:consumers=3,consumer_regs=152,pingpong=true", 128) == \
+        eh.WINDOW_CONFIGS[128]._replace(consumers=3, consumer_regs=152, pingpong=True)
+    assert bench.parse_config("defaults:block_n=128,stages=4", 64) == eh.HopperConfig(128, 4)
+    for spec, why in [("tiles:stages=4", "base 'tiles'"), ("causal:stages", "not field=value"),
+                      ("causal:depth=2", "no field 'depth'"), ("causal:stages=four", "not an integer"),
+                      ("causal:q_regs=yes", "not 1, 0, true or false"), ("defaults:block_n=64", "needs stages"),
+                      ("window:stages=4@96", "not an integer")]:
+        with pytest.raises(ValueError, match=why):
+            bench.parse_config(spec, 64)
+    with pytest.raises(ValueError, match="no causal tiles for head dim 96"):
+        bench.parse_config("causal", 96)
+
+
+def test_config_specs_replace_the_sweep_and_reach_the_build_shares(bench, monkeypatch):
+    """The command line's configs are what the sweep times and what the warm-up processes build (their argv)."""
+    import subprocess
+    import sys
+    started = []
+
+    class Child:
+        returncode = 0
+
+        def __init__(self, argv):
+            started.append(argv)
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", Child)
+    args = type("Args", (), dict(d=[64], only=None, config=["causal:stages=4", "window"]))()
+    bench.warm(args, 2)
+    assert len(started) == 2
+    for i, argv in enumerate(started):
+        assert argv[argv.index("--warm-share") + 1] == str(i)
+        assert [argv[j + 1] for j, x in enumerate(argv) if x == "--config"] == ["causal:stages=4", "window"]
+    monkeypatch.setattr(bench, "SWEEP", dict(bench.SWEEP))
+    monkeypatch.setattr(sys, "argv", ["bench_hopper_extend.py", "--config", "causal:q_regs=2"])
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    assert e.value.code == 2, "a bad spec is a usage error (argparse), before anything else"
+    monkeypatch.setattr(sys, "argv", ["bench_hopper_extend.py", "--d", "64", "128", "--config", "causal:stages=4",
+                                      "--config", "window"])
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bench.main()
+    eh = bench.extend_hopper
+    for d in (64, 128):
+        assert bench.SWEEP[d] == [eh.CONFIGS[d]._replace(stages=4), eh.WINDOW_CONFIGS[d]], "the sweep is the specs'"
