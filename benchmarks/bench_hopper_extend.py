@@ -11,8 +11,8 @@ portable kernel's (max abs error, reported). With HWKV_HOPPER_EXTEND=0 the Gluon
 registers, persistence, ping-pong, Q in registers, consumer warpgroups), each checked against the portable kernel
 first, and reports them per case, fastest first; --rounds N times them in N interleaved rounds (median), and
 --warm P first builds them in P processes at once (lent GPU time goes to timing, not to compiling). --config SPEC
-(repeatable) sweeps the given configs instead of SWEEP's, with no code edit: SPEC is [BASE:]field=value,... over
-the HopperConfig fields, BASE `causal` (the dispatch's causal tiles for the head dim, the default), `window` (its
+(repeatable) sweeps the given configs instead of SWEEP's, with no code edit: SPEC is BASE | [BASE:]field=value,...
+over the HopperConfig fields, BASE `causal` (the dispatch's causal tiles for the head dim, the default), `window` (its
 window tiles) or `defaults` (HopperConfig's defaults; block_n and stages then required), e.g.
 `--config causal --config causal:stages=4,q_regs=0 --config window:consumers=3,consumer_regs=152`. --host adds the
 host time of one planned layer call per kernel;
@@ -174,8 +174,8 @@ def sweep_case(c, d, rounds):
     (config after config, so the machine's drift falls on all of them alike): median us and every round's."""
     fns, res = {}, []
     for cfg in SWEEP[d]:
-        f = c.gluon_fn(cfg)
         try:
+            f = c.gluon_fn(cfg)
             fns[cfg] = (f, check(c, f))
         except Exception as e:  # noqa: BLE001 - a config that fails to build or run is a result
             res.append(dict(config=cfg._asdict(), error=f"{type(e).__name__}: {str(e)[:120]}"))
@@ -199,12 +199,12 @@ def warm_share(d, share, shares, only=None):
         for cfg in [None] + SWEEP[d]:
             if k % shares == share:
                 c = c or Case(bs, new, prefix, window, d)
-                f = c.gluon_fn(cfg)
-                if not isinstance(f, str):
-                    try:
+                try:
+                    f = c.gluon_fn(cfg)
+                    if not isinstance(f, str):
                         f()
-                    except Exception as e:  # noqa: BLE001 - the timing process reports it
-                        print(f"warm: {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                except Exception as e:  # noqa: BLE001 - the timing process reports it
+                    print(f"warm: {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
             k += 1
     torch.cuda.synchronize()
 
@@ -213,12 +213,16 @@ CONFIG_BASES = ("causal", "window", "defaults")
 
 
 def parse_config(spec, d):
-    """The tile config a --config SPEC names for head dim d: [BASE:]field=value,... (see the module doc); ValueError
-    naming what is wrong."""
-    if ":" in spec:
-        base, body = spec.split(":", 1)
+    """The tile config a --config SPEC names for head dim d: BASE | [BASE:]field=value,... (see the module doc);
+    ValueError naming what is wrong, here rather than after device time is spent."""
+    text = spec.strip()
+    if not text:
+        raise ValueError("--config '': an empty spec (give a base, field=value pairs or both)")
+    if ":" in text:
+        base, body = text.split(":", 1)
     else:
-        base, body = (spec, "") if spec in CONFIG_BASES else ("causal", spec)
+        base, body = (text, "") if text.lower() in CONFIG_BASES else ("causal", text)
+    base = base.strip().lower()
     if base not in CONFIG_BASES:
         raise ValueError(f"--config {spec!r}: base {base!r} is not one of {', '.join(CONFIG_BASES)}")
     cfg_type = extend_hopper.HopperConfig
@@ -229,6 +233,8 @@ def parse_config(spec, d):
             raise ValueError(f"--config {spec!r}: {item!r} is not field=value")
         if key not in cfg_type._fields:
             raise ValueError(f"--config {spec!r}: no field {key!r} (fields: {', '.join(cfg_type._fields)})")
+        if key in typed:
+            raise ValueError(f"--config {spec!r}: {key} given twice")
         if isinstance(cfg_type._field_defaults.get(key), bool):
             if value.lower() not in ("1", "0", "true", "false"):
                 raise ValueError(f"--config {spec!r}: {key}={value!r} is not 1, 0, true or false")
@@ -238,15 +244,22 @@ def parse_config(spec, d):
                 typed[key] = int(value)
             except ValueError:
                 raise ValueError(f"--config {spec!r}: {key}={value!r} is not an integer") from None
+            if typed[key] < 1:
+                raise ValueError(f"--config {spec!r}: {key}={typed[key]} is not a positive integer")
     if base == "defaults":
         missing = [k for k in ("block_n", "stages") if k not in typed]
         if missing:
             raise ValueError(f"--config {spec!r}: base defaults needs {' and '.join(missing)}")
-        return cfg_type(**typed)
-    tiles = extend_hopper.WINDOW_CONFIGS if base == "window" else extend_hopper.CONFIGS
-    if d not in tiles:
-        raise ValueError(f"--config {spec!r}: no {base} tiles for head dim {d} (only {sorted(tiles)})")
-    return tiles[d]._replace(**typed)
+        cfg = cfg_type(**typed)
+    else:
+        tiles = extend_hopper.WINDOW_CONFIGS if base == "window" else extend_hopper.CONFIGS
+        if d not in tiles:
+            raise ValueError(f"--config {spec!r}: no {base} tiles for head dim {d} (only {sorted(tiles)})")
+        cfg = tiles[d]._replace(**typed)
+    if cfg.pingpong and cfg.consumers != 2:
+        raise ValueError(f"--config {spec!r}: pingpong takes 2 consumers, not {cfg.consumers}")
+    extend_hopper._consts(1, d, cfg, 1)   # the kernel's own checks (a ConfigError is a ValueError)
+    return cfg
 
 
 def warm(args, procs):
@@ -413,10 +426,14 @@ def main():
     ap.add_argument("--warm", type=int, default=0, metavar="PROCS",
                     help="--sweep: first build every config's kernels in PROCS processes at once")
     ap.add_argument("--config", action="append", metavar="SPEC",
-                    help="sweep this tile config instead of SWEEP's (repeatable; implies --sweep): [BASE:]field=value,"
-                         "... with BASE causal (default), window or defaults")
+                    help="sweep this tile config instead of SWEEP's (repeatable; implies --sweep): BASE | "
+                         "[BASE:]field=value,... with BASE causal (default), window or defaults (which needs "
+                         "block_n and stages)")
     ap.add_argument("--warm-share", type=int, nargs=2, metavar=("I", "N"), help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.config and (a.once is not None or a.no_cases):
+        ap.error("--config sweeps the issue's cases: not with --once (which profiles the dispatch's tiles) or "
+                 "--no-cases")
     if a.config:
         try:
             for d in a.d:

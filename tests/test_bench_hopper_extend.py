@@ -78,13 +78,16 @@ def test_config_specs_name_tile_configs_and_refuse_what_is_not_one(bench):
     assert bench.parse_config("causal", 64) == eh.CONFIGS[64]
     assert bench.parse_config("window", 64) == eh.WINDOW_CONFIGS[64]
     assert bench.parse_config("stages=4, q_regs=0", 64) == eh.CONFIGS[64]._replace(stages=4, q_regs=False)
-    assert bench.parse_config("window:consumers=3,consumer_regs=152,pingpong=true", 128) == \
-        eh.WINDOW_CONFIGS[128]._replace(consumers=3, consumer_regs=152, pingpong=True)
-    assert bench.parse_config("defaults:block_n=128,stages=4", 64) == eh.HopperConfig(128, 4)
-    for spec, why in [("tiles:stages=4", "base 'tiles'"), ("causal:stages", "not field=value"),
+    assert bench.parse_config(" Window : stages=6, q_regs=1 ", 128) == \
+        eh.WINDOW_CONFIGS[128]._replace(stages=6, q_regs=True)
+    assert bench.parse_config("defaults:block_n=128,stages=4,pingpong=TRUE", 64) == \
+        eh.HopperConfig(128, 4, pingpong=True)
+    for spec, why in [("", "empty spec"), ("tiles:stages=4", "base 'tiles'"), ("causal:stages", "not field=value"),
                       ("causal:depth=2", "no field 'depth'"), ("causal:stages=four", "not an integer"),
                       ("causal:q_regs=yes", "not 1, 0, true or false"), ("defaults:block_n=64", "needs stages"),
-                      ("window:stages=4@96", "not an integer")]:
+                      ("causal:stages=4,stages=6", "stages given twice"), ("causal:stages=0", "not a positive"),
+                      ("causal:pingpong=1", "pingpong takes 2 consumers, not 3"),
+                      ("causal:consumers=5", "takes 2, 3 or 4 consumer")]:
         with pytest.raises(ValueError, match=why):
             bench.parse_config(spec, 64)
     with pytest.raises(ValueError, match="no causal tiles for head dim 96"):
@@ -107,6 +110,8 @@ def test_config_specs_replace_the_sweep_and_reach_the_build_shares(bench, monkey
             return 0
 
     monkeypatch.setattr(subprocess, "Popen", Child)
+    bench.warm(type("Args", (), dict(d=[64], only=None, config=None))(), 1)
+    assert "--config" not in started.pop(), "no --config: the children build SWEEP's own"
     args = type("Args", (), dict(d=[64], only=None, config=["causal:stages=4", "window"]))()
     bench.warm(args, 2)
     assert len(started) == 2
@@ -126,3 +131,26 @@ def test_config_specs_replace_the_sweep_and_reach_the_build_shares(bench, monkey
     eh = bench.extend_hopper
     for d in (64, 128):
         assert bench.SWEEP[d] == [eh.CONFIGS[d]._replace(stages=4), eh.WINDOW_CONFIGS[d]], "the sweep is the specs'"
+    for extra in (["--once", "0"], ["--no-cases"]):   # combinations that would sweep nothing are refused
+        monkeypatch.setattr(sys, "argv", ["bench_hopper_extend.py", "--config", "causal", *extra])
+        with pytest.raises(SystemExit) as e:
+            bench.main()
+        assert e.value.code == 2
+
+
+def test_config_specs_imply_the_sweep(bench, monkeypatch):
+    """--config alone runs the sweep: its build processes start (stopped there by a stand-in)."""
+    import sys
+    calls = []
+
+    def warm(args, procs):
+        calls.append((args.sweep, procs))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(bench, "SWEEP", dict(bench.SWEEP))
+    monkeypatch.setattr(bench, "warm", warm)
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sys, "argv", ["bench_hopper_extend.py", "--config", "causal", "--warm", "2"])
+    with pytest.raises(RuntimeError, match="stop here"):
+        bench.main()
+    assert calls == [(True, 2)]

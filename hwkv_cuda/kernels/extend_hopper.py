@@ -22,17 +22,19 @@ triangle. Warp-specialised partitions of one warpgroup each:
                          `cp.async.mbarrier.arrive.noinc` completing the stage's `ready` barrier; after the
                          item's first tile, each consumer's Q tile by TMA once that consumer has released the
                          previous one (`q_free`).
-  consumer 0 .. NC-1     for every key tile j: issue S_j = Q K_j^T (async wgmma), issue O += P_{j-1} V_{j-1}
-  (workers, setmaxnreg)  (async, P from registers), wait for S_j (Q in shared memory is then free for the next
-                         item; Q in registers was freed at the item's start), mask it
-                         (only on tiles at the causal diagonal, the window edge or the list end), wait for the
-                         PV product, free stage j-1, run the softmax of S_j (the scale folded into the
-                         exponent's FFMA) and rescale. The source waits for the PV product after the softmax,
-                         FA3's overlap within a warpgroup, but ptxas moves that wait to the top of its basic
-                         block, ahead of the softmax. A build that keeps it after the softmax (a block boundary
-                         between them) measured 1-14% slower. So the overlap comes from the consumers' streams
-                         interleaving on the SM: the softmax of one runs under another's products. An explicit
-                         ping-pong (`pingpong`, two consumers) measured slower.
+  consumer 0 .. NC-1     for every key tile j, in the built kernel's order (ptxas's, see below): issue S_j =
+  (workers, setmaxnreg)  Q K_j^T (async wgmma), issue O += P_{j-1} V_{j-1} (async, P from registers; none for
+                         the item's first tile, and the last tile's product runs after the loop), wait for S_j
+                         (Q in shared memory is free after the item's last S; Q in registers was freed at the
+                         item's start), mask it (soft-cap first; the mask only on tiles at the causal diagonal,
+                         the window edge or the list end), wait for the PV product, free stage j-1, run the
+                         softmax of S_j (the scale folded into the exponent's FFMA) and rescale. The source waits
+                         for the PV product and frees the stage after the softmax, FA3's overlap within a
+                         warpgroup, but ptxas moves that wait to the top of its basic block, which starts after
+                         the mask. A build that keeps it after the softmax (a block boundary between them)
+                         measured 1-14% slower. So the overlap comes from the consumers' streams interleaving on
+                         the SM: the softmax of one runs under another's products. An explicit ping-pong
+                         (`pingpong`, two consumers) measured slower.
   epilogue               sinks folded into the denominator, O scaled by v_scale / l and stored by TMA from the
                          consumer's own O tile (its previous store waited for first) when all BT tokens belong
                          to the request, by masked stores otherwise (a box would overwrite the next request's rows).
