@@ -419,8 +419,8 @@ def _compile_reason():
                                                         (64, False, True, "tuned"), (64, True, True, "tuned"),
                                                         (128, True, True, "tuned")])
 def test_compiles_for_sm90_without_a_gpu(d, window, cap_sinks, variant):
-    """The kernel lowers to sm_90 PTX and ptxas takes it without spills: warp-specialised (setmaxnreg), async
-    wgmma, cp.async gathers, TMA for Q and O. The tiles tuned on Triton 3.6 are checked where that release runs (the
+    """The kernel lowers to sm_90 PTX and ptxas takes it without spills or serialising its warpgroup products:
+    warp-specialised (setmaxnreg), async wgmma, cp.async gathers, TMA for Q and O. The tiles tuned on Triton 3.6 are checked where that release runs (the
     dispatch gives them to no other)."""
     config = VARIANTS.get(variant)
     if variant == "tuned":
@@ -440,6 +440,28 @@ def test_compiles_for_sm90_without_a_gpu(d, window, cap_sinks, variant):
         # the H200 machine's, where it measured 1.5x the portable kernel all the same); 3.6's D=128 window tile with
         # Q in registers spills 2 in a consumer (1.86x the portable kernel)
         assert sass.count("STL") <= (0 if d == 64 else 48), "the sm_90 build spills registers"
+        # the products stay asynchronous: S_j is waited for with P_{j-1} V_{j-1} still in flight. A build that ptxas
+        # serialises (it waits for every product at its issue, warning C7514 or C7517) lacks this wait
+        assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass, "ptxas serialised the warpgroup products"
+    warnings = _ptxas_serialisation(ptx)
+    assert not warnings, f"ptxas serialises warpgroup products: {warnings}"
+
+
+def _ptxas_serialisation(ptx: str):
+    """ptxas's warnings that it serialised or waited for warpgroup products (C7514, C7517) on this PTX."""
+    import os
+    import subprocess
+    import tempfile
+    import triton
+    ptxas = os.environ.get("TRITON_PTXAS_PATH") or os.path.join(os.path.dirname(triton.__file__), "backends",
+                                                                 "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        run = subprocess.run([ptxas, "-arch=sm_90a", "-O3", src, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True)
+    return [ln.strip() for ln in run.stderr.splitlines() if "C7514" in ln or "C7517" in ln]
 
 
 def _sass(cubin: bytes):
