@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_cuda_kernels import graph_us  # noqa: E402  (this folder: one CUDA-graph timer for both benchmarks)
+from hwkv.errors import ConfigError  # noqa: E402
 from hwkv_cuda.kernels import extend_hopper  # noqa: E402
 from hwkv_cuda.kernels.extend import (default_config, extend_attention, extend_attention_planned,  # noqa: E402
                                       plan_extend)
@@ -256,9 +257,10 @@ def parse_config(spec, d):
         if d not in tiles:
             raise ValueError(f"--config {spec!r}: no {base} tiles for head dim {d} (only {sorted(tiles)})")
         cfg = tiles[d]._replace(**typed)
-    if cfg.pingpong and cfg.consumers != 2:
-        raise ValueError(f"--config {spec!r}: pingpong takes 2 consumers, not {cfg.consumers}")
-    extend_hopper._consts(1, d, cfg, 1)   # the kernel's own checks (a ConfigError is a ValueError)
+    try:
+        extend_hopper._consts(1, d, cfg, 1)   # the kernel's own checks
+    except ConfigError as e:
+        raise ValueError(f"--config {spec!r}: {e}") from None
     return cfg
 
 

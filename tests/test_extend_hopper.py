@@ -384,6 +384,9 @@ def test_a_consumer_count_the_kernel_has_no_partitions_for_is_refused():
                                torch.device("cpu"))
     assert extend_hopper._plan(8, 8, 64, 1024, extend_hopper.HopperConfig(32, 4, 104, consumers=4),
                                torch.device("cpu")).consts["NC"] == 4
+    with pytest.raises(ConfigError, match="pingpong with consumers=3"):   # the turns pass between two only
+        extend_hopper._plan(8, 8, 64, 1024, extend_hopper.HopperConfig(64, 6, 152, pingpong=True, consumers=3),
+                           torch.device("cpu"))
 
 
 def test_a_scale_that_is_not_positive_keeps_the_portable_kernel():
@@ -397,15 +400,22 @@ def test_a_scale_that_is_not_positive_keeps_the_portable_kernel():
         assert extend_hopper.run_hopper_extend(None, q, kv, kv, *lists, q, scaling, k_scale=k_scale) is False
 
 
-def _compile_reason():
+def _nvidia_tool(name: str) -> str:
+    """Where Triton's wheel keeps an NVIDIA tool (ptxas: TRITON_PTXAS_PATH first, as Triton itself reads it)."""
     import os
     import triton
+    if name == "ptxas" and os.environ.get("TRITON_PTXAS_PATH"):
+        return os.environ["TRITON_PTXAS_PATH"]
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def _compile_reason():
+    import os
     if extend_hopper.GLUON_ERROR is not None:
         return f"Gluon's Hopper API is not importable: {extend_hopper.GLUON_ERROR}"
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):   # Triton's own jit helpers are interpreted then
         return "TRITON_INTERPRET is on; run with TRITON_INTERPRET=0 to compile for sm_90 on a CPU-only machine"
-    ptxas = os.environ.get("TRITON_PTXAS_PATH") or os.path.join(os.path.dirname(triton.__file__), "backends",
-                                                                 "nvidia", "bin", "ptxas")
+    ptxas = _nvidia_tool("ptxas")
     if not os.path.exists(ptxas):
         return f"no ptxas at {ptxas}"
     return None
@@ -420,8 +430,8 @@ def _compile_reason():
                                                         (128, True, True, "tuned")])
 def test_compiles_for_sm90_without_a_gpu(d, window, cap_sinks, variant):
     """The kernel lowers to sm_90 PTX and ptxas takes it without spills or serialising its warpgroup products:
-    warp-specialised (setmaxnreg), async wgmma, cp.async gathers, TMA for Q and O. The tiles tuned on Triton 3.6 are checked where that release runs (the
-    dispatch gives them to no other)."""
+    warp-specialised (setmaxnreg), async wgmma, cp.async gathers, TMA for Q and O. The tiles tuned on Triton 3.6 are
+    checked where that release runs (the dispatch gives them to no other)."""
     config = VARIANTS.get(variant)
     if variant == "tuned":
         if extend_hopper._RELEASE != extend_hopper.TUNED_TRITON:
@@ -452,9 +462,7 @@ def _ptxas_serialisation(ptx: str):
     import os
     import subprocess
     import tempfile
-    import triton
-    ptxas = os.environ.get("TRITON_PTXAS_PATH") or os.path.join(os.path.dirname(triton.__file__), "backends",
-                                                                 "nvidia", "bin", "ptxas")
+    ptxas = _nvidia_tool("ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "k.ptx")
         with open(src, "w") as f:
@@ -469,8 +477,7 @@ def _sass(cubin: bytes):
     import os
     import subprocess
     import tempfile
-    import triton
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    tool = _nvidia_tool("cuobjdump")
     if not os.path.exists(tool):
         return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

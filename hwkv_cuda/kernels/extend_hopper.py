@@ -627,8 +627,10 @@ def _consts(group: int, d: int, cfg: HopperConfig, kv_heads: int) -> Dict[str, A
     kv-head count is one (fixed per model: the work items' index math divides by it)."""
     if cfg.consumers not in (2, 3, 4):   # the kernel has a partition list for each of these only
         raise ConfigError(f"consumers={cfg.consumers}: the Gluon extend kernel takes 2, 3 or 4 consumer warpgroups")
+    if cfg.pingpong and cfg.consumers != 2:   # the turns pass between two consumers only
+        raise ConfigError(f"pingpong with consumers={cfg.consumers}: the ping-pong takes 2 consumer warpgroups")
     return dict(n_kvh=kv_heads, GROUP=group, D=d, BLOCK_N=cfg.block_n, STAGES=cfg.stages, PRODUCER_WARPS=PRODUCER_WARPS,
-                CONSUMER_REGS=cfg.consumer_regs, PINGPONG=cfg.pingpong and cfg.consumers == 2, Q_REGS=cfg.q_regs,
+                CONSUMER_REGS=cfg.consumer_regs, PINGPONG=cfg.pingpong, Q_REGS=cfg.q_regs,
                 NC=cfg.consumers)
 
 
