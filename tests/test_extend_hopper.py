@@ -142,7 +142,13 @@ VARIANTS = {   # the sweep's schedule switches, each against the reference
     "three_consumers": extend_hopper.HopperConfig(64, 4, 152, consumers=3),
     "window_tiles": extend_hopper._CLEAN_WINDOW[64],   # 32 keys a tile, 8 stages (Triton releases but 3.6)
     "causal_tiles": extend_hopper._CLEAN[64],          # 3 consumers x 64 keys, 6 stages (Triton releases but 3.6)
-    "four_consumers_q_regs": extend_hopper._TUNED_WINDOW[64],   # 4 x 64 rows a key tile, Q in registers (3.6)
+    "four_consumers_q_regs": extend_hopper._TUNED_WINDOW[64]._replace(sums_mma=False),   # 4 x 64 rows, Q in registers
+    # row sums on the tensor cores: the dispatch's causal and window tiles (3.6) take them; an N-major ones tile once
+    # gave wrong sums with two consumers of 128-key tiles, so those forms too
+    "sums_mma_causal_tiles": extend_hopper._CLEAN[64]._replace(sums_mma=True),
+    "sums_mma_window_tiles": extend_hopper._TUNED_WINDOW[64],
+    "sums_mma_128_keys": extend_hopper.HopperConfig(128, 4, sums_mma=True),
+    "sums_mma_pingpong": extend_hopper.HopperConfig(128, 4, pingpong=True, sums_mma=True),
 }
 
 
@@ -426,6 +432,7 @@ def _compile_reason():
                                                         (64, True, True, "three_consumers"),
                                                         (64, True, False, "window_tiles"),
                                                         (64, True, False, "one_request"),
+                                                        (64, False, True, "sums_mma_causal_tiles"),
                                                         (64, False, True, "tuned"), (64, True, True, "tuned"),
                                                         (128, True, True, "tuned")])
 def test_compiles_for_sm90_without_a_gpu(d, window, cap_sinks, variant):
@@ -452,7 +459,9 @@ def test_compiles_for_sm90_without_a_gpu(d, window, cap_sinks, variant):
         assert sass.count("STL") <= (0 if d == 64 else 48), "the sm_90 build spills registers"
         # the products stay asynchronous: S_j is waited for with P_{j-1} V_{j-1} still in flight. A build that ptxas
         # serialises (it waits for every product at its issue, warning C7514 or C7517) lacks this wait
-        assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass, "ptxas serialised the warpgroup products"
+        # (and the row sums' product, where the config has it)
+        in_flight = 2 if (config or extend_hopper.CONFIGS[d]).sums_mma else 1
+        assert f"WARPGROUP.DEPBAR.LE gsb0, 0x{in_flight}" in sass, "ptxas serialised the warpgroup products"
     warnings = _ptxas_serialisation(ptx)
     assert not warnings, f"ptxas serialises warpgroup products: {warnings}"
 

@@ -27,8 +27,12 @@ triangle. Warp-specialised partitions of one warpgroup each:
                          the item's first tile, and the last tile's product runs after the loop), wait for S_j
                          (Q in shared memory is free after the item's last S; Q in registers was freed at the
                          item's start), mask it (soft-cap first; the mask only on tiles at the causal diagonal,
-                         the window edge or the list end), wait for the PV product, free stage j-1, run the
-                         softmax of S_j (the scale folded into the exponent's FFMA) and rescale. The source waits
+                         the window edge or the list end, the causal bound and the list end folded into one limit
+                         a row: 8 x 1024 212.8 -> 206.7 us at D=64), wait for the PV product, free stage j-1, run
+                         the softmax of S_j (the scale folded into the exponent's FFMA) and rescale. With
+                         `sums_mma` the row sums are a third product, P_{j-1} times a K-major tile of ones, issued
+                         with the PV product and rescaled with O, in place of the softmax's FADD reductions (the
+                         D=64 and window tiles tuned on Triton 3.6; 8 x 1024 206.7 -> 201.0 us). The source waits
                          for the PV product and frees the stage after the softmax, FA3's overlap within a
                          warpgroup, but ptxas moves that wait to the top of its basic block, which starts after
                          the mask. A build that keeps it after the softmax (a block boundary between them)
@@ -74,6 +78,7 @@ except Exception as e:  # ImportError, or an API that moved (AttributeError)
 
 ENV_FLAG = HWKV_HOPPER_EXTEND.name   # the switch, from hwkv.env's one table
 ROWS = 64            # query rows (tokens x packed heads) per consumer warpgroup: one wgmma M
+SUM_COLS = 8         # columns of ones the row sums' product takes (`sums_mma`): the narrowest wgmma N
 HEAD_DIMS = (64, 128)
 LOG2E_F = 1.4426950408889634
 
@@ -86,6 +91,7 @@ class HopperConfig(NamedTuple):
     pingpong: bool = False     # the two consumers take turns issuing their products (FA3's ping-pong)
     q_regs: bool = False       # Q read into registers once per item (S = Q K^T from registers, not shared memory)
     consumers: int = 2         # consumer warpgroups (2 to 4) sharing each key tile: 64 query rows each
+    sums_mma: bool = False     # the softmax's row sums by the tensor cores (P times a key tile's column of ones)
 
 
 PRODUCER_WARPS = 4
@@ -105,13 +111,17 @@ PRODUCER_WARPS = 4
 # D=64 Q-in-registers tiles without spills (the D=128 window tile with 2 spill stores in a consumer, measured 5%
 # faster all the same), 3.9 spills them all (3 local stores at D=64 causal, 53 in the four-consumer window tile, 96
 # at D=128), so any other release keeps the tiles without Q in registers, which build clean on both.
+# Row sums on the tensor cores (`sums_mma`, fourteenth session; interleaved A/B rounds, us): D=64 8 x 1024 201.0-203.1
+# against 206.7-208.5, 1 x 8192 1,318 against 1,324-1,325, 4 x 2048 over 2048 1,021.6-1,024.8 against 1,020.8-1,036.7,
+# W=128 91.2 against 92.8; D=128 W=128 129.8 against 131.9, but D=128 causal 0.4-3% slower (why not measured), so not
+# there. Measured on the 3.6 tiles only: the other releases' tiles keep the FADD sums.
 _CLEAN = {64: HopperConfig(block_n=64, stages=6, consumer_regs=152, consumers=3),
           128: HopperConfig(block_n=64, stages=4, consumer_regs=152, consumers=3)}
 _CLEAN_WINDOW = {64: HopperConfig(block_n=32, stages=8, consumer_regs=152, consumers=3),
                  128: HopperConfig(block_n=32, stages=4, consumer_regs=152, consumers=3)}
-_TUNED = {64: _CLEAN[64]._replace(q_regs=True), 128: _CLEAN[128]}
-_TUNED_WINDOW = {64: _CLEAN_WINDOW[64]._replace(consumer_regs=104, q_regs=True, consumers=4),
-                 128: _CLEAN_WINDOW[128]._replace(q_regs=True)}
+_TUNED = {64: _CLEAN[64]._replace(q_regs=True, sums_mma=True), 128: _CLEAN[128]}
+_TUNED_WINDOW = {64: _CLEAN_WINDOW[64]._replace(consumer_regs=104, q_regs=True, consumers=4, sums_mma=True),
+                 128: _CLEAN_WINDOW[128]._replace(q_regs=True, sums_mma=True)}
 TUNED_TRITON = (3, 6)
 
 
@@ -150,11 +160,13 @@ def min_window_tokens(head_dim: int) -> int:
 
 if gluon is not None:
     _ROWS = gl.constexpr(ROWS)
+    _SUM_COLS = gl.constexpr(SUM_COLS)
     _LOG2E = gl.constexpr(LOG2E_F)
     # Triton 3.6 names the copies async_copy_*; later releases renamed them async_load / async_store
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier   # renamed barrier after 3.6
 
     @gluon.jit
     def _item_index(i, n_items):
@@ -221,7 +233,7 @@ if gluon is not None:
         order), each tile's slots loaded one tile ahead so the gather never waits on them."""
         (q_desc, o_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, q0_smem, q1_smem, q2_smem,
          q3_smem, o0_smem, o1_smem, o2_smem, o3_smem, q_ready, q_free, k_smem, v_smem, ready, empty, turns, out, sinks,
-         bs, n_blk, n_items, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh, qk_scale, v_scale, cap) = shared
+         bs, n_blk, n_items, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh, qk_scale, v_scale, cap, ones_smem) = shared
         STAGES: gl.constexpr = k_smem.shape[0]
         BLOCK_N: gl.constexpr = k_smem.shape[1]
         GROUP: gl.constexpr = q0_smem.shape[1]
@@ -274,7 +286,7 @@ if gluon is not None:
     @gluon.jit
     def _softmax_tile(s, m, l_sum, start, hi, q_rel, lo_all, hi_all, qk_scale, cap, window,
                       HAS_CAP: gl.constexpr, HAS_WINDOW: gl.constexpr, BLOCK_N: gl.constexpr,
-                      s_layout: gl.constexpr):
+                      s_layout: gl.constexpr, SUM: gl.constexpr = True):
         """Fold one tile's raw logits into (m, l): returns (m_new, p, alpha, l_new) in log2 units. The
         visibility mask (list end, causal bound, window) is applied only where some row needs it."""
         if HAS_CAP:
@@ -289,15 +301,17 @@ if gluon is not None:
             needs_mask = needs_mask | (start < lo_all)
         if needs_mask:
             ar = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            dq = (q_rel - start).to(gl.int32)          # int32 offsets inside the tile: one compare an element
-            vis = (ar[None, :] <= dq[:, None]) & (ar[None, :] < (hi - start).to(gl.int32))
+            dq = (q_rel - start).to(gl.int32)          # int32 offsets inside the tile
+            # the causal bound and the list end folded into one limit a row: one compare and one select an element
+            vis = ar[None, :] < gl.minimum(dq + 1, (hi - start).to(gl.int32))[:, None]
             if HAS_WINDOW:
                 vis = vis & (ar[None, :] > dq[:, None] - window)
             s = gl.where(vis, s, float("-inf"))
         m_new = gl.maximum(m, gl.max(s, 1) * c)
         alpha = gl.exp2(m - m_new)
         p = gl.exp2(s * c - m_new[:, None])
-        l_sum = l_sum * alpha + gl.sum(p, 1)
+        if SUM:
+            l_sum = l_sum * alpha + gl.sum(p, 1)
         return m_new, p, alpha, l_sum
 
     @gluon.jit
@@ -346,12 +360,13 @@ if gluon is not None:
 
     @gluon.jit
     def _consumer(C: gl.constexpr, shared, n_kvh: gl.constexpr, HAS_CAP: gl.constexpr, HAS_WINDOW: gl.constexpr,
-                  HAS_SINKS: gl.constexpr, PINGPONG: gl.constexpr, Q_REGS: gl.constexpr, NC: gl.constexpr):
+                  HAS_SINKS: gl.constexpr, PINGPONG: gl.constexpr, Q_REGS: gl.constexpr, NC: gl.constexpr,
+                  SUMS_MMA: gl.constexpr):
         """Consumer C's 64 query rows of every item (tokens first + C * BT .. + BT - 1, all GROUP heads), in its own
         Q and O tiles: see the module doc."""
         (q_desc, o_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, q0_smem, q1_smem, q2_smem,
          q3_smem, o0_smem, o1_smem, o2_smem, o3_smem, q_ready_all, q_free_all, k_smem, v_smem, ready, empty, turns, out,
-         sinks, bs, n_blk, n_items, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh, qk_scale, v_scale, cap) = shared
+         sinks, bs, n_blk, n_items, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh, qk_scale, v_scale, cap, ones_smem) = shared
         STAGES: gl.constexpr = k_smem.shape[0]
         BLOCK_N: gl.constexpr = k_smem.shape[1]
         GROUP: gl.constexpr = q0_smem.shape[1]
@@ -377,6 +392,9 @@ if gluon is not None:
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, D, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, _SUM_COLS, 16])
+        pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=2)
         q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
         q_tile = q_smem.reshape([_ROWS, D])
         r = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, s_layout))
@@ -402,6 +420,7 @@ if gluon is not None:
                     m = gl.full([_ROWS], -1.0e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
                     l_sum = gl.zeros([_ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
                     acc = gl.zeros([_ROWS, D], gl.float32, layout=o_layout)
+                    l_acc = gl.zeros([_ROWS, _SUM_COLS], gl.float32, layout=l_layout)
                     mbarrier.wait(q_ready, n_q & 1)
                     if Q_REGS:
                         q_op = q_tile.load(q_layout)
@@ -419,15 +438,24 @@ if gluon is not None:
                         if j > 0:
                             prev = (it + STAGES - 1) % STAGES
                             o_tok = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
-                            n_b = _pass(turns, n_b, C, PINGPONG)
-                            s = warpgroup_mma_wait(1, deps=(s_tok, ))          # S_j done; P_{j-1} V_{j-1} running
+                            if SUMS_MMA:   # P_{j-1} 1 beside P_{j-1} V_{j-1} (the layout change moves no data)
+                                p_l = gl.convert_layout(p, pl_layout)
+                                l_tok = warpgroup_mma(p_l, ones_smem.permute((1, 0)), l_acc, is_async=True)
+                                n_b = _pass(turns, n_b, C, PINGPONG)
+                                s = warpgroup_mma_wait(2, deps=(s_tok, ))
+                            else:
+                                n_b = _pass(turns, n_b, C, PINGPONG)
+                                s = warpgroup_mma_wait(1, deps=(s_tok, ))      # S_j done; P_{j-1} V_{j-1} running
                             if not Q_REGS:
                                 mbarrier.arrive(q_free, count=1, pred=j == n_tiles - 1)
                             m, p32, alpha, l_sum = _softmax_tile(s, m, l_sum, start, hi, q_rel, lo_all, hi_all,
                                                                  qk_scale, cap, window, HAS_CAP, HAS_WINDOW, BLOCK_N,
-                                                                 s_layout)
+                                                                 s_layout, not SUMS_MMA)
                             # p's registers feed the running PV product: a dependency until the product is done
-                            acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
+                            if SUMS_MMA:
+                                acc, l_acc, p, p_l = warpgroup_mma_wait(0, deps=(o_tok, l_tok, p, p_l))
+                            else:
+                                acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
                             mbarrier.arrive(empty.index(prev), count=1)
                         else:
                             n_b = _pass(turns, n_b, C, PINGPONG)
@@ -436,20 +464,30 @@ if gluon is not None:
                                 mbarrier.arrive(q_free, count=1, pred=n_tiles == 1)
                             m, p32, alpha, l_sum = _softmax_tile(s, m, l_sum, start, hi, q_rel, lo_all, hi_all,
                                                                  qk_scale, cap, window, HAS_CAP, HAS_WINDOW, BLOCK_N,
-                                                                 s_layout)
+                                                                 s_layout, not SUMS_MMA)
                         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                        if SUMS_MMA:
+                            l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
                         p = gl.convert_layout(p32.to(dtype), p_layout)
                         it += 1
                     if n_tiles > 0:
                         last_stage = (it + STAGES - 1) % STAGES
                         _turn(turns, n_b, C, PINGPONG)
                         o_tok = warpgroup_mma(p, v_smem.index(last_stage), acc, is_async=True)
-                        n_b = _pass(turns, n_b, C, PINGPONG)
-                        acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
+                        if SUMS_MMA:
+                            p_l = gl.convert_layout(p, pl_layout)
+                            l_tok = warpgroup_mma(p_l, ones_smem.permute((1, 0)), l_acc, is_async=True)
+                            n_b = _pass(turns, n_b, C, PINGPONG)
+                            acc, l_acc, p, p_l = warpgroup_mma_wait(0, deps=(o_tok, l_tok, p, p_l))
+                        else:
+                            n_b = _pass(turns, n_b, C, PINGPONG)
+                            acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
                         mbarrier.arrive(empty.index(last_stage), count=1)
                     elif not Q_REGS:
                         mbarrier.arrive(q_free, count=1)
                     n_q += 1
+                    if SUMS_MMA:   # every column holds the row's sum
+                        l_sum = gl.convert_layout(gl.max(l_acc, 1), gl.SliceLayout(1, s_layout))
                     _epilogue(acc, m, l_sum, o_smem, o_desc, out, sinks, q_start, q_len, first, kvh, s_ot, s_oh,
                               v_scale, GROUP, BT, D, HAS_SINKS, o_layout)
         tma.store_wait(0)
@@ -466,7 +504,7 @@ if gluon is not None:
                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_CAP: gl.constexpr,
                               HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, Q_REGS: gl.constexpr,
-                              NC: gl.constexpr, ONE_REQ: gl.constexpr):
+                              NC: gl.constexpr, ONE_REQ: gl.constexpr, SUMS_MMA: gl.constexpr):
         if ONE_REQ:     # one request: a compile-time batch size (every item's bounds load from fixed addresses)
             bs = gl.constexpr(1)
         dtype: gl.constexpr = q_desc.dtype
@@ -489,6 +527,16 @@ if gluon is not None:
         else:
             q3_smem = q2_smem
             o3_smem = o2_smem
+        if SUMS_MMA:   # the row sums' right-hand side, every key counted once: K-major like a key tile (an N-major
+            #            [BLOCK_N, 8] tile gave wrong sums with 128-key tiles, unexplained; this form passes)
+            ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_SUM_COLS, BLOCK_N], dtype)
+            ones_smem = gl.allocate_shared_memory(dtype, [_SUM_COLS, BLOCK_N], ones_layout)
+            ones_smem.store(gl.full([_SUM_COLS, BLOCK_N], 1.0, dtype,
+                                    layout=gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])))
+            fence_async_shared()
+            _cta_barrier()
+        else:
+            ones_smem = k_smem   # unused
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
@@ -510,24 +558,33 @@ if gluon is not None:
         shared = (q_desc, o_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, q0_smem, q1_smem,
                   q2_smem, q3_smem, o0_smem, o1_smem, o2_smem, o3_smem, q_ready, q_free, k_smem, v_smem, ready, empty,
                   turns, out, sinks, bs, n_blk, n_items, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh, qk_scale, v_scale,
-                  cap)
+                  cap, ones_smem)
         if NC == 4:
             gl.warp_specialize([(_producer, (shared, n_kvh, PRODUCER_WARPS, HAS_WINDOW, NC)),
-                                (_consumer, (0, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC)),
-                                (_consumer, (1, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC)),
-                                (_consumer, (2, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC)),
-                                (_consumer, (3, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC))],
+                                (_consumer, (0, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
+                                              SUMS_MMA)),
+                                (_consumer, (1, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
+                                              SUMS_MMA)),
+                                (_consumer, (2, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
+                                              SUMS_MMA)),
+                                (_consumer, (3, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
+                                              SUMS_MMA))],
                                [4, 4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
         elif NC == 3:
             gl.warp_specialize([(_producer, (shared, n_kvh, PRODUCER_WARPS, HAS_WINDOW, NC)),
-                                (_consumer, (0, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC)),
-                                (_consumer, (1, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC)),
-                                (_consumer, (2, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC))],
+                                (_consumer, (0, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
+                                              SUMS_MMA)),
+                                (_consumer, (1, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
+                                              SUMS_MMA)),
+                                (_consumer, (2, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
+                                              SUMS_MMA))],
                                [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
         else:
             gl.warp_specialize([(_producer, (shared, n_kvh, PRODUCER_WARPS, HAS_WINDOW, NC)),
-                                (_consumer, (0, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC)),
-                                (_consumer, (1, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC))],
+                                (_consumer, (0, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
+                                              SUMS_MMA)),
+                                (_consumer, (1, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
+                                              SUMS_MMA))],
                                [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -631,7 +688,7 @@ def _consts(group: int, d: int, cfg: HopperConfig, kv_heads: int) -> Dict[str, A
         raise ConfigError(f"pingpong with consumers={cfg.consumers}: the ping-pong takes 2 consumer warpgroups")
     return dict(n_kvh=kv_heads, GROUP=group, D=d, BLOCK_N=cfg.block_n, STAGES=cfg.stages, PRODUCER_WARPS=PRODUCER_WARPS,
                 CONSUMER_REGS=cfg.consumer_regs, PINGPONG=cfg.pingpong, Q_REGS=cfg.q_regs,
-                NC=cfg.consumers)
+                NC=cfg.consumers, SUMS_MMA=cfg.sums_mma)
 
 
 @functools.lru_cache(maxsize=None)
