@@ -44,8 +44,9 @@ triangle. Warp-specialised partitions of one warpgroup each:
                          to the request, by masked stores otherwise (a box would overwrite the next request's rows).
 
 Tiles (H200 sweeps, `bench_hopper_extend.py --sweep`): D=64 takes 3 consumers x 64-key tiles in 6 stages at 152
-registers (1 x 8192 causal 425 TFLOP/s against 393 for 2 consumers x 128 keys: a key tile now serves 192 rows, and
-three warps a scheduler hide each other's softmax); D=128 3 consumers x 64 keys in 4 stages (587 against 504). At
+registers (8 stages with the row sums on the tensor cores, Triton 3.6: 1 x 8192 causal 430 TFLOP/s; 425 in 6 stages
+without them against 393 for 2 consumers x 128 keys: a key tile serves 192 rows, and three warps a scheduler hide
+each other's softmax; 2 consumers of 128 rows each measured 397); D=128 3 consumers x 64 keys in 4 stages (587 against 504). At
 D=64 the softmax's exp2 (16 a clock an SM) takes as long as the products on the tensor cores, which is what keeps
 both this kernel and cuDNN under half the dense peak. Built for sm_90 with Triton 3.6 and 3.9 without spills
 (`compile_for_sm90`; the test reads the SASS), but for a few producer spill slots at D=128. Calls under MIN_TOKENS
