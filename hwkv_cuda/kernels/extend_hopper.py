@@ -10,7 +10,9 @@ tuned on Triton 3.6; other releases' tiles measured 1.03x and 1.73x).
 
 Work items: NC consumer warpgroups (2 to 4) of 64 query rows each; an item is NC x BT consecutive query tokens
 of one request times the GROUP q heads of one kv head (BT = 64 // GROUP tokens a consumer), rows ordered (token,
-head), so one TMA box [BT, GROUP, D] of q (3-D descriptor over [T, H, D]) is exactly one consumer's rows. Items
+head), so one TMA box [BT, GROUP, D] of q (3-D descriptor over [T, H, D]) is exactly one consumer's rows. The
+blocks end at the request's last token: a partial block is the request's first, the lightest, whose rows before
+the request are loaded (TMA fills rows before the tensor with zeros) but never stored. Items
 run kv head fastest, then request, then token block from the heaviest; a persistent grid of one program per SM
 takes them in rounds, every other round in reverse order, so the programs' totals even out under the causal
 triangle. Warp-specialised partitions of one warpgroup each:
@@ -187,14 +189,13 @@ if gluon is not None:
                 gl.load(kv_indptr + b + 1), gl.load(q_pos0 + b), gl.load(kv_pos0 + b))
 
     @gluon.jit
-    def _item(idx, loads, n_kvh, bs, n_blk, window, TOKENS: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _item(idx, loads, n_kvh, bs, window, TOKENS: gl.constexpr, BLOCK_N: gl.constexpr,
               HAS_WINDOW: gl.constexpr):
         """Work item idx (kv head fastest, then request, then token block from the heaviest) from its loads: its
         kv head, first token, the request's q_start, q_len, kv_start and rel0 (q position - list start), the key
         range [lo, hi) some row sees, its tile count and whether any of its tokens exist."""
         q_lo, q_hi, kv_lo, kv_hi, q_p0, kv_p0 = loads
         kvh = idx % n_kvh
-        first = (n_blk - 1 - idx // n_kvh // bs) * TOKENS
         # positions and counts in int32 (a request's list and the batch's tokens stay below 2**31); pointer
         # offsets of slots are widened where they are formed
         q_start = q_lo.to(gl.int32)
@@ -202,13 +203,16 @@ if gluon is not None:
         kv_start = kv_lo.to(gl.int64)
         kv_len = (kv_hi.to(gl.int64) - kv_start).to(gl.int32)
         rel0 = (q_p0.to(gl.int64) - kv_p0.to(gl.int64)).to(gl.int32)
+        # blocks end at the request's last token, so a partial block is its first (the lightest under the causal
+        # triangle) and its rows before the request are loaded but never stored (H200: 1 x 8192 1,310 -> 1,280 us)
+        first = q_len - (idx // n_kvh // bs + 1) * TOKENS
         last = gl.minimum(q_len, first + TOKENS) - 1
         lo = rel0 * 0
         if HAS_WINDOW:
-            lo = gl.maximum(lo, rel0 + first - window + 1)
+            lo = gl.maximum(lo, rel0 + gl.maximum(first, 0) - window + 1)
         hi = gl.maximum(gl.minimum(kv_len, rel0 + last + 1), lo)
         n_tiles = (hi - lo + BLOCK_N - 1) // BLOCK_N
-        return kvh, first, q_start, q_len, kv_start, rel0, lo, hi, n_tiles, last >= first
+        return kvh, first, q_start, q_len, kv_start, rel0, lo, hi, n_tiles, (last >= first) & (last >= 0)
 
     @gluon.jit
     def _load_q(q_desc, q_smem, q_ready, q_free, n_q, row, col):
@@ -255,7 +259,7 @@ if gluon is not None:
             loads = _item_loads(_item_index(i + 1, n_items), kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs)
             if idx < n_items:
                 kvh, first, q_start, q_len, kv_start, rel0, lo, hi, n_tiles, active = _item(
-                    idx, cur, n_kvh, bs, n_blk, window, NC * BT, BLOCK_N, HAS_WINDOW)
+                    idx, cur, n_kvh, bs, window, NC * BT, BLOCK_N, HAS_WINDOW)
                 if active:
                     k_head = k_buf + kvh * s_kh + cols[None, :]
                     v_head = v_buf + kvh * s_vh + cols[None, :]
@@ -337,7 +341,7 @@ if gluon is not None:
         else:
             l_o = gl.convert_layout(l_sum, gl.SliceLayout(1, o_layout))
         o = (acc * (v_scale / gl.where(l_o > 0, l_o, 1.0))[:, None]).to(dtype)
-        if first + BT <= q_len:
+        if (first >= 0) & (first + BT <= q_len):
             tma.store_wait(0)
             o_smem.reshape([_ROWS, D]).store(o)
             fence_async_shared()
@@ -345,7 +349,7 @@ if gluon is not None:
         else:
             cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
             ptrs = out + ((q_start + tok).to(gl.int64) * s_ot + head * s_oh)[:, None] + cols[None, :]
-            gl.store(ptrs, o, mask=(tok < q_len)[:, None])
+            gl.store(ptrs, o, mask=((tok >= 0) & (tok < q_len))[:, None])
 
     @gluon.jit
     def _turn(turns, n_b, C: gl.constexpr, PINGPONG: gl.constexpr):
@@ -412,12 +416,12 @@ if gluon is not None:
             loads = _item_loads(_item_index(i + 1, n_items), kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs)
             if idx < n_items:
                 kvh, first, q_start, q_len, kv_start, rel0, lo, hi, n_tiles, active = _item(
-                    idx, cur, n_kvh, bs, n_blk, window, NC * BT, BLOCK_N, HAS_WINDOW)
+                    idx, cur, n_kvh, bs, window, NC * BT, BLOCK_N, HAS_WINDOW)
                 if active:
                     first = first + C * BT
                     q_rel = rel0 + first + r // GROUP               # list position of each row's token
                     last = gl.minimum(q_len, first + BT) - 1
-                    hi_all = gl.minimum(hi, rel0 + first + 1)       # keys every row sees: [lo_all, hi_all)
+                    hi_all = gl.minimum(hi, rel0 + gl.maximum(first, 0) + 1)   # keys every stored row sees
                     lo_all = rel0 + last - window + 1
                     m = gl.full([_ROWS], -1.0e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
                     l_sum = gl.zeros([_ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
@@ -498,7 +502,9 @@ if gluon is not None:
     # (hwkv_cuda.kernels.launch) would plan, one variant per value that turns 1 or a multiple of 16. The kv-head count
     # (fixed per model) is a constexpr, and ONE_REQ (a batch of one request) a second variant at most: each removes
     # runtime divisions from every item's index math, and a one-request batch's bounds load from fixed addresses
-    # (H200, 1 x 8192 at W=128, D=64: 104 us against 116 in A/B runs of kernel variants, docs/benchmarks.md)
+    # (H200, 1 x 8192 at W=128, D=64: 104 us against 116 in A/B runs of kernel variants, docs/benchmarks.md).
+    # n_blk (token blocks of the longest request) is no longer read since the blocks end at each request's end; it
+    # stays a parameter because the launch without it has not run on a GPU yet
     @gluon.jit(do_not_specialize=["window", "bs", "n_blk", "n_items"])
     def _hopper_extend_kernel(q_desc, o_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0,
                               sinks, out, qk_scale, v_scale, cap, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh,
