@@ -4,15 +4,15 @@ Same contract as `hwkv_cuda.kernels.extend` (q [T, H, D], keys listed per reques
 causal + window, GQA packed, sinks, soft-cap, K/V scales) for the plain features; the rest (fp8 K/V, verify
 trees, Dv != D, fp32, other head dims, group sizes that are not powers of two) stays with the portable kernel.
 On by default on sm_90 (HWKV_HOPPER_EXTEND=0 turns it off) for calls of at least MIN_TOKENS query tokens: on an
-H200 it is 1.16-1.43x the portable kernel at D=64 and 1.49-1.70x at D=128 (docs/benchmarks.md). Window layers take
-32-key tiles (WINDOW_CONFIGS: 1.24x the portable kernel at D=64, 1.86x at D=128, W=128 over 8192, with the tiles
-tuned on Triton 3.6; other releases' tiles measured 1.03x and 1.73x).
+H200 it is 1.18-1.51x the portable kernel at D=64 and 1.58-1.70x at D=128 on causal prefills (docs/benchmarks.md,
+fourteenth session). Window layers take 32-key tiles (WINDOW_CONFIGS: 1.30-1.34x the portable kernel at D=64, 1.90x
+at D=128, W=128 over 8192, with the tiles tuned on Triton 3.6; other releases' tiles measured 1.03x and 1.73x).
 
 Work items: NC consumer warpgroups (2 to 4) of 64 query rows each; an item is NC x BT consecutive query tokens
 of one request times the GROUP q heads of one kv head (BT = 64 // GROUP tokens a consumer), rows ordered (token,
 head), so one TMA box [BT, GROUP, D] of q (3-D descriptor over [T, H, D]) is exactly one consumer's rows. The
 blocks end at the request's last token: a partial block is the request's first, the lightest, whose rows before
-the request are loaded (TMA fills rows before the tensor with zeros) but never stored. Items
+the request are loaded (the previous request's rows, or TMA's zero fill before the tensor) but never stored. Items
 run kv head fastest, then request, then token block from the heaviest; a persistent grid of one program per SM
 takes them in rounds, every other round in reverse order, so the programs' totals even out under the causal
 triangle. Warp-specialised partitions of one warpgroup each:
@@ -43,12 +43,14 @@ triangle. Warp-specialised partitions of one warpgroup each:
                          (`pingpong`, two consumers) measured slower.
   epilogue               sinks folded into the denominator, O scaled by v_scale / l and stored by TMA from the
                          consumer's own O tile (its previous store waited for first) when all BT tokens belong
-                         to the request, by masked stores otherwise (a box would overwrite the next request's rows).
+                         to the request, by masked stores otherwise (the first block's rows start before the
+                         request: a box would overwrite the previous request's rows).
 
-Tiles (H200 sweeps, `bench_hopper_extend.py --sweep`): D=64 takes 3 consumers x 64-key tiles in 6 stages at 152
-registers (8 stages with the row sums on the tensor cores, Triton 3.6: 1 x 8192 causal 430 TFLOP/s; 425 in 6 stages
-without them against 393 for 2 consumers x 128 keys: a key tile serves 192 rows, and three warps a scheduler hide
-each other's softmax; 2 consumers of 128 rows each measured 397); D=128 3 consumers x 64 keys in 4 stages (587 against 504). At
+Tiles (H200 sweeps, `bench_hopper_extend.py --sweep`): D=64 takes 3 consumers x 64-key tiles at 152 registers, in 8
+stages with the row sums on the tensor cores (Triton 3.6: 1 x 8192 causal 426-433 TFLOP/s), in 6 without them (other
+releases; 425 against 393 for 2 consumers x 128 keys: a key tile serves 192 rows, and three warps a scheduler hide
+each other's softmax; 2 consumers of 128 rows each measured 397); D=128 3 consumers x 64 keys in 4 stages (587
+against 504). At
 D=64 the softmax's exp2 (16 a clock an SM) takes as long as the products on the tensor cores, which is what keeps
 both this kernel and cuDNN under half the dense peak. Built for sm_90 with Triton 3.6 and 3.9 without spills
 (`compile_for_sm90`; the test reads the SASS), but for a few producer spill slots at D=128. Calls under MIN_TOKENS
@@ -94,7 +96,7 @@ class HopperConfig(NamedTuple):
     pingpong: bool = False     # the two consumers take turns issuing their products (FA3's ping-pong)
     q_regs: bool = False       # Q read into registers once per item (S = Q K^T from registers, not shared memory)
     consumers: int = 2         # consumer warpgroups (2 to 4) sharing each key tile: 64 query rows each
-    sums_mma: bool = False     # the softmax's row sums by the tensor cores (P times a key tile's column of ones)
+    sums_mma: bool = False     # the softmax's row sums by the tensor cores (P times an [8, keys] tile of ones)
 
 
 PRODUCER_WARPS = 4
@@ -116,9 +118,11 @@ PRODUCER_WARPS = 4
 # at D=128), so any other release keeps the tiles without Q in registers, which build clean on both.
 # Row sums on the tensor cores (`sums_mma`, fourteenth session; interleaved A/B rounds, us): D=64 8 x 1024 201.0-203.1
 # against 206.7-208.5, 1 x 8192 1,318 against 1,324-1,325, 4 x 2048 over 2048 1,021.6-1,024.8 against 1,020.8-1,036.7,
-# W=128 91.2 against 92.8; D=128 W=128 129.8 against 131.9, but D=128 causal 0.4-3% slower (why not measured), so not
-# there. Measured on the 3.6 tiles only: the other releases' tiles keep the FADD sums. With them, D=64 causal takes 8
-# stages (4 x 2048 over 2048 975-986 us against 990-1,013 for 6 in interleaved rounds, the other cases the same).
+# W=128 91.2 against 92.8; D=128 W=128 129.8 against 131.9, but D=128 causal 1-3% slower (why not measured), so not
+# there. The sums are of the bf16 P the PV product takes, not of the fp32 p: outputs move by up to one bf16 step (0.016
+# at magnitude 2-4) against the portable kernel. Measured on the 3.6 tiles only: the other releases' tiles keep the
+# FADD sums. With them, D=64 causal takes 8 stages (4 x 2048 over 2048 978.6 and 1,021.6 us against 999.0 and 1,036.7
+# for 6, medians of two runs' interleaved rounds; the other cases the same or 0.1-0.6% faster).
 _CLEAN = {64: HopperConfig(block_n=64, stages=6, consumer_regs=152, consumers=3),
           128: HopperConfig(block_n=64, stages=4, consumer_regs=152, consumers=3)}
 _CLEAN_WINDOW = {64: HopperConfig(block_n=32, stages=8, consumer_regs=152, consumers=3),
@@ -192,8 +196,9 @@ if gluon is not None:
     def _item(idx, loads, n_kvh, bs, window, TOKENS: gl.constexpr, BLOCK_N: gl.constexpr,
               HAS_WINDOW: gl.constexpr):
         """Work item idx (kv head fastest, then request, then token block from the heaviest) from its loads: its
-        kv head, first token, the request's q_start, q_len, kv_start and rel0 (q position - list start), the key
-        range [lo, hi) some row sees, its tile count and whether any of its tokens exist."""
+        kv head, first token (negative in a request's first, partial block), the request's q_start, q_len, kv_start
+        and rel0 (q position - list start), the key range [lo, hi) some stored row sees, its tile count and whether
+        any of its tokens exist."""
         q_lo, q_hi, kv_lo, kv_hi, q_p0, kv_p0 = loads
         kvh = idx % n_kvh
         # positions and counts in int32 (a request's list and the batch's tokens stay below 2**31); pointer
@@ -293,8 +298,9 @@ if gluon is not None:
     def _softmax_tile(s, m, l_sum, start, hi, q_rel, lo_all, hi_all, qk_scale, cap, window,
                       HAS_CAP: gl.constexpr, HAS_WINDOW: gl.constexpr, BLOCK_N: gl.constexpr,
                       s_layout: gl.constexpr, SUM: gl.constexpr = True):
-        """Fold one tile's raw logits into (m, l): returns (m_new, p, alpha, l_new) in log2 units. The
-        visibility mask (list end, causal bound, window) is applied only where some row needs it."""
+        """Fold one tile's raw logits into (m, l): returns (m_new, p, alpha, l_new) in log2 units (SUM off: l as
+        given, the row sums made elsewhere). The visibility mask (list end, causal bound, window) is applied only
+        where some row needs it."""
         if HAS_CAP:
             x = s * qk_scale
             e = gl.exp(2.0 * x / cap)
@@ -372,7 +378,8 @@ if gluon is not None:
         Q and O tiles: see the module doc."""
         (q_desc, o_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, q0_smem, q1_smem, q2_smem,
          q3_smem, o0_smem, o1_smem, o2_smem, o3_smem, q_ready_all, q_free_all, k_smem, v_smem, ready, empty, turns, out,
-         sinks, bs, n_blk, n_items, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh, qk_scale, v_scale, cap, ones_smem) = shared
+         sinks, bs, n_blk, n_items, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh, qk_scale, v_scale, cap,
+         ones_smem) = shared
         STAGES: gl.constexpr = k_smem.shape[0]
         BLOCK_N: gl.constexpr = k_smem.shape[1]
         GROUP: gl.constexpr = q0_smem.shape[1]
