@@ -2,6 +2,7 @@
 
     python3 benchmarks/bench_cuda_kernels.py --out results.json [--sweep] [--no-check]
         [--layout random|contiguous] [--page-size 16] [--seed 0] [--only all|extend|decode|tree]
+        [--decode-config field=value,... [--rounds N]]
 
 Measures, each as the median over repeats of a CUDA graph replay:
   * device copy bandwidth (4 GiB device-to-device copy, bytes read + written),
@@ -25,6 +26,9 @@ pool looks like after churn) deals one seeded random permutation of the pool's p
 so each request's pages sit at random places in random order; "contiguous" gives each request one run of
 pages (the runs in random order). One decode case puts every token at a random slot (page size 1). Small
 cases rotate over several disjoint KV sets inside one graph so that the L2 cache does not serve them.
+--decode-config SPEC (repeatable; field=value,... over DecodeConfig's fields, e.g. `heads_per_program=4,block_n=64`)
+also times each decode case under the config its dispatch picks with those fields changed, beside that config, in
+--rounds interleaved rounds (medians; each variant's ratio to the dispatched config, < 1 faster), with no code edit.
 Prints a Markdown table last and writes every number as JSON to --out.
 """
 from __future__ import annotations
@@ -262,7 +266,80 @@ DECODE_CASES = ([(b, c, None, False) for c in (4096, 32768) for b in (1, 16, 64,
                 + [(1, 32768, 128, False), (256, 32768, 128, False), (64, 4096, None, True)])  # (bs, ctx, W, scatter)
 
 
-def bench_decode(copy_bw, sweep, layout="random", page=16, seed=0):
+def parse_fields(flag, spec, body, defaults, zero_ok=()):
+    """`field=value,...` (body) over a config's fields (`defaults`: each field's default, whose type it takes: 1, 0,
+    true or false for bools, integers >= 1 otherwise, >= 0 for the fields in zero_ok); ValueError naming the flag,
+    the spec and what is wrong, before any device time is spent."""
+    typed = {}
+    for item in filter(None, (x.strip() for x in body.split(","))):
+        key, eq, value = (x.strip() for x in item.partition("="))
+        if not eq:
+            raise ValueError(f"{flag} {spec!r}: {item!r} is not field=value")
+        if key not in defaults:
+            raise ValueError(f"{flag} {spec!r}: no field {key!r} (fields: {', '.join(defaults)})")
+        if key in typed:
+            raise ValueError(f"{flag} {spec!r}: {key} given twice")
+        if isinstance(defaults[key], bool):
+            if value.lower() not in ("1", "0", "true", "false"):
+                raise ValueError(f"{flag} {spec!r}: {key}={value!r} is not 1, 0, true or false")
+            typed[key] = value.lower() in ("1", "true")
+        else:
+            try:
+                typed[key] = int(value)
+            except ValueError:
+                raise ValueError(f"{flag} {spec!r}: {key}={value!r} is not an integer") from None
+            least = 0 if key in zero_ok else 1
+            if typed[key] < least:
+                raise ValueError(f"{flag} {spec!r}: {key}={typed[key]} is not an integer >= {least}")
+    return typed
+
+
+# DecodeConfig's int fields where 0 means something (a byte bound of 0: never merge in place)
+DECODE_ZERO_OK = ("fused_merge_bytes", "eager_fused_merge_bytes")
+
+
+def parse_decode_config(spec):
+    """The DecodeConfig field changes a --decode-config SPEC names (see the module doc)."""
+    if not spec.strip():
+        raise ValueError("--decode-config '': an empty spec (give field=value pairs)")
+    defaults = {f.name: f.default for f in dataclasses.fields(DecodeConfig)}
+    changes = parse_fields("--decode-config", spec, spec, defaults, DECODE_ZERO_OK)
+    if not changes:
+        raise ValueError(f"--decode-config {spec!r}: no field=value pair")
+    return changes
+
+
+def time_variants(s, changes, rounds):
+    """Decode case s under its dispatched config and under each of `changes` applied to it, in `rounds` interleaved
+    rounds: one row per variant (its spec, config, median us, every round's, ratio to the dispatched config's) and
+    the dispatched config's median. A variant that fails to build or run is a result row."""
+    base = s.config()
+    cfgs = {"dispatched": base}
+    res = []
+    for spec, change in changes:
+        try:
+            cfgs[spec] = dataclasses.replace(base, **change)
+        except Exception as e:  # noqa: BLE001 - reported, the other variants still run
+            res.append(dict(spec=spec, error=f"{type(e).__name__}: {str(e)[:120]}"))
+    runs = {k: [] for k in cfgs}
+    for _ in range(rounds):
+        for k, cfg in cfgs.items():
+            if runs[k] is None:
+                continue
+            try:
+                runs[k].append(s.time(cfg)[0])
+            except Exception as e:  # noqa: BLE001
+                res.append(dict(spec=k, error=f"{type(e).__name__}: {str(e)[:120]}"))
+                runs[k] = None
+    med = {k: statistics.median(v) for k, v in runs.items() if v}
+    for k, cfg in cfgs.items():
+        if k != "dispatched" and runs[k]:
+            res.append(dict(spec=k, config=repr(cfg), us=med[k], runs=runs[k],
+                            vs_dispatched=med[k] / med["dispatched"] if "dispatched" in med else None))
+    return res, med.get("dispatched")
+
+
+def bench_decode(copy_bw, sweep, layout="random", page=16, seed=0, changes=(), rounds=3):
     rows = []
     for bs, ctx, window, scatter in DECODE_CASES:
         s = DecodeSetup(bs, ctx, window, scatter=scatter, layout=layout, page=page, seed=seed)
@@ -284,8 +361,15 @@ def bench_decode(copy_bw, sweep, layout="random", page=16, seed=0):
         if sweep:
             res = sorted((s.time(cfg)[0], repr(cfg)) for cfg in SWEEP)
             row.update(best_us=res[0][0], best_config=res[0][1], sweep=res)
+        if changes:
+            row["variants"], row["variants_dispatched_us"] = time_variants(s, changes, rounds)
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "sweep"}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("sweep", "variants")}), flush=True)
+        for v in row.get("variants", ()):
+            print(f"decode {bs} x {ctx}{f' W={window}' if window else ''}: {v['spec']}: "
+                  + (v["error"] if "error" in v else
+                     f"{v['us']:.1f} us against {row['variants_dispatched_us']:.1f} ({v['vs_dispatched']:.3f}x)"),
+                  flush=True)
         del s
         torch.cuda.empty_cache()
     return rows
@@ -673,9 +757,23 @@ def parse_args(argv=None):
                          "the pool's pages (default), or one run of pages per request")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
     ap.add_argument("--seed", type=int, default=0, help="seeds the page placement and the random K/V/q")
+    ap.add_argument("--decode-config", action="append", metavar="SPEC",
+                    help="also time each decode case with these DecodeConfig fields changed (field=value,...; "
+                         "repeatable), beside its dispatched config")
+    ap.add_argument("--rounds", type=int, default=3, help="--decode-config: interleaved rounds (median reported)")
     args = ap.parse_args(argv)
     if args.page_size < 1:
         ap.error("--page-size must be at least 1")
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    args.decode_changes = []
+    for spec in args.decode_config or ():
+        if args.only not in ("all", "decode"):
+            ap.error(f"--decode-config with --only {args.only}: the decode section does not run")
+        try:
+            args.decode_changes.append((spec, parse_decode_config(spec)))
+        except ValueError as e:
+            ap.error(str(e))
     return args
 
 
@@ -701,7 +799,8 @@ def main():
         result["tree_verify"] = bench_tree_verify(args.layout, args.page_size, args.seed)
     if args.only in ("all", "decode"):
         result["store"] = bench_store(copy_bw, args.sweep)
-        result["decode"] = bench_decode(copy_bw, args.sweep, args.layout, args.page_size, args.seed)
+        result["decode"] = bench_decode(copy_bw, args.sweep, args.layout, args.page_size, args.seed,
+                                        args.decode_changes, args.rounds)
     Path(args.out).write_text(json.dumps(result, indent=1))
     if "extend" in result:
         print(extend_table(result["extend"]))

@@ -43,7 +43,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_cuda_kernels import graph_us  # noqa: E402  (this folder: one CUDA-graph timer for both benchmarks)
+from bench_cuda_kernels import graph_us, parse_fields  # noqa: E402  (this folder: one timer and one spec parser)
 from hwkv.errors import ConfigError  # noqa: E402
 from hwkv_cuda.kernels import extend_hopper  # noqa: E402
 from hwkv_cuda.kernels.extend import (default_config, extend_attention, extend_attention_planned,  # noqa: E402
@@ -227,26 +227,8 @@ def parse_config(spec, d):
     if base not in CONFIG_BASES:
         raise ValueError(f"--config {spec!r}: base {base!r} is not one of {', '.join(CONFIG_BASES)}")
     cfg_type = extend_hopper.HopperConfig
-    typed = {}
-    for item in filter(None, (x.strip() for x in body.split(","))):
-        key, eq, value = (x.strip() for x in item.partition("="))
-        if not eq:
-            raise ValueError(f"--config {spec!r}: {item!r} is not field=value")
-        if key not in cfg_type._fields:
-            raise ValueError(f"--config {spec!r}: no field {key!r} (fields: {', '.join(cfg_type._fields)})")
-        if key in typed:
-            raise ValueError(f"--config {spec!r}: {key} given twice")
-        if isinstance(cfg_type._field_defaults.get(key), bool):
-            if value.lower() not in ("1", "0", "true", "false"):
-                raise ValueError(f"--config {spec!r}: {key}={value!r} is not 1, 0, true or false")
-            typed[key] = value.lower() in ("1", "true")
-        else:
-            try:
-                typed[key] = int(value)
-            except ValueError:
-                raise ValueError(f"--config {spec!r}: {key}={value!r} is not an integer") from None
-            if typed[key] < 1:
-                raise ValueError(f"--config {spec!r}: {key}={typed[key]} is not a positive integer")
+    # block_n and stages have no default: 0 stands in (any int), so they parse as the ints they are
+    typed = parse_fields("--config", spec, body, {f: cfg_type._field_defaults.get(f, 0) for f in cfg_type._fields})
     if base == "defaults":
         missing = [k for k in ("block_n", "stages") if k not in typed]
         if missing:

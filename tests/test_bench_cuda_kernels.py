@@ -126,3 +126,50 @@ def test_merge_checks_compare_both_merges_on_the_benchmark_shape(bench, monkeypa
                           "decode 1x64 merge in place repeated (max abs change, must be 0)"]
     assert errs["decode 1x64 merge in place vs kernel"] < 1e-2
     assert errs["decode 1x64 merge in place repeated (max abs change, must be 0)"] == 0
+
+
+def test_decode_config_specs_parse_or_are_refused_before_any_device_time(bench):
+    """--decode-config field=value,... over DecodeConfig's fields: typed by each field's default, a byte bound may
+    be 0; anything else is a usage error naming the spec, as is the option where the decode section does not run."""
+    assert bench.parse_decode_config("heads_per_program=4, block_n=64") == dict(heads_per_program=4, block_n=64)
+    assert bench.parse_decode_config("pdl=0,fused_merge_bytes=0") == dict(pdl=False, fused_merge_bytes=0)
+    for spec, why in [("", "empty spec"), (" , ", "no field=value"), ("block_n", "not field=value"),
+                      ("depth=2", "no field 'depth'"), ("block_n=sixty", "not an integer"),
+                      ("pdl=yes", "not 1, 0, true or false"), ("block_n=64,block_n=32", "block_n given twice"),
+                      ("num_stages=0", "not an integer >= 1"), ("fused_merge_bytes=-1", "not an integer >= 0")]:
+        with pytest.raises(ValueError, match=why):
+            bench.parse_decode_config(spec)
+    a = bench.parse_args(["--only", "decode", "--decode-config", "block_n=64", "--decode-config", "num_stages=4",
+                          "--rounds", "5"])
+    assert a.decode_changes == [("block_n=64", {"block_n": 64}), ("num_stages=4", {"num_stages": 4})]
+    assert a.rounds == 5 and bench.parse_args([]).decode_changes == []
+    for bad in (["--decode-config", "depth=2"], ["--only", "extend", "--decode-config", "block_n=64"],
+                ["--decode-config", "block_n=64", "--rounds", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def test_decode_variants_are_timed_in_interleaved_rounds_beside_the_dispatched_config(bench):
+    """time_variants: each round times the dispatched config, then every variant; medians and the ratio to the
+    dispatched config's; a variant that fails is a result row and the others still run."""
+    base = bench.DecodeConfig()
+    times = {repr(base): [10.0, 12.0, 11.0], repr(bench.dataclasses.replace(base, block_n=64)): [9.0, 8.0, 8.5]}
+    order = []
+
+    class Setup:
+        def config(self):
+            return base
+
+        def time(self, cfg):
+            order.append(cfg.block_n)
+            if cfg.num_stages == 7:
+                raise RuntimeError("out of shared memory")
+            return times[repr(cfg)].pop(0), 1
+
+    res, dispatched = bench.time_variants(Setup(), [("block_n=64", {"block_n": 64}), ("st", {"num_stages": 7})], 3)
+    assert dispatched == 11.0
+    assert order == [128, 64, 128, 128, 64, 128, 64], "interleaved; the failed variant is not retried"
+    ok = [r for r in res if "us" in r]
+    assert len(ok) == 1 and ok[0]["spec"] == "block_n=64" and ok[0]["us"] == 8.5 and ok[0]["runs"] == [9.0, 8.0, 8.5]
+    assert ok[0]["vs_dispatched"] == pytest.approx(8.5 / 11.0)
+    assert [r["spec"] for r in res if "error" in r] == ["st"] and "shared memory" in res[0]["error"]
