@@ -339,6 +339,15 @@ def time_variants(s, changes, rounds):
     return res, med.get("dispatched")
 
 
+def variant_cell(v, row):
+    """One variant's result as text: its error, or its us against the dispatched config's (and their ratio)."""
+    if "error" in v:
+        return v["error"]
+    if v["vs_dispatched"] is None:
+        return f"{v['us']:.1f} us (the dispatched config failed)"
+    return f"{v['us']:.1f} us against {row['variants_dispatched_us']:.1f} ({v['vs_dispatched']:.3f}x)"
+
+
 def bench_decode(copy_bw, sweep, layout="random", page=16, seed=0, changes=(), rounds=3):
     rows = []
     for bs, ctx, window, scatter in DECODE_CASES:
@@ -366,9 +375,7 @@ def bench_decode(copy_bw, sweep, layout="random", page=16, seed=0, changes=(), r
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("sweep", "variants")}), flush=True)
         for v in row.get("variants", ()):
-            print(f"decode {bs} x {ctx}{f' W={window}' if window else ''}: {v['spec']}: "
-                  + (v["error"] if "error" in v else
-                     f"{v['us']:.1f} us against {row['variants_dispatched_us']:.1f} ({v['vs_dispatched']:.3f}x)"),
+            print(f"decode {bs} x {ctx}{f' W={window}' if window else ''}: {v['spec']}: {variant_cell(v, row)}",
                   flush=True)
         del s
         torch.cuda.empty_cache()

@@ -173,3 +173,11 @@ def test_decode_variants_are_timed_in_interleaved_rounds_beside_the_dispatched_c
     assert len(ok) == 1 and ok[0]["spec"] == "block_n=64" and ok[0]["us"] == 8.5 and ok[0]["runs"] == [9.0, 8.0, 8.5]
     assert ok[0]["vs_dispatched"] == pytest.approx(8.5 / 11.0)
     assert [r["spec"] for r in res if "error" in r] == ["st"] and "shared memory" in res[0]["error"]
+
+
+def test_a_variant_row_reads_as_text_whatever_failed(bench):
+    row = dict(variants_dispatched_us=11.0)
+    assert bench.variant_cell(dict(us=8.5, vs_dispatched=8.5 / 11.0), row) == "8.5 us against 11.0 (0.773x)"
+    assert bench.variant_cell(dict(us=8.5, vs_dispatched=None), dict(variants_dispatched_us=None)) == \
+        "8.5 us (the dispatched config failed)"
+    assert bench.variant_cell(dict(spec="x", error="RuntimeError: boom"), row) == "RuntimeError: boom"
