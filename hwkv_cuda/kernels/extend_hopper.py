@@ -633,7 +633,7 @@ def requested() -> bool:
 
 def takes_window(head_dim: int) -> bool:
     """Whether window layers of this head dim take the Gluon kernel: where a window tile config is recorded, faster
-    than the portable kernel there (H200, W=128 over 8192: D=64 1.24x, D=128 1.86x with Triton 3.6's tiles; the
+    than the portable kernel there (H200, W=128 over 8192: D=64 1.30-1.34x, D=128 1.90x with Triton 3.6's tiles; the
     tiles other releases take measured 1.03x and 1.73x)."""
     return head_dim in WINDOW_CONFIGS
 
