@@ -174,6 +174,15 @@ def test_gluon_programs_walk_many_items(monkeypatch, variant, programs, window):
 
 
 @hopper
+@pytest.mark.parametrize("window", [None, 37])
+def test_gluon_batch_with_a_request_of_no_new_tokens(monkeypatch, window):
+    """A request with keys but no new token between two with some: every one of its token blocks is inactive (the
+    blocks end at each request's end, so its would start before it), and the others' rows are right."""
+    c = Paged([400, 90, 70], [250, 0, 70], window=window, seed=13)
+    _close(c.gluon(monkeypatch), c.ref())
+
+
+@hopper
 @pytest.mark.parametrize("h,kvh", [(64, 8), (8, 8), (32, 2), (64, 1)])
 def test_gluon_group_sizes(monkeypatch, h, kvh):
     c = Paged([400, 90], [250, 90], h=h, kvh=kvh, d=64, seed=3)
