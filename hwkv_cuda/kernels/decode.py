@@ -430,6 +430,20 @@ class DecodePlan(NamedTuple):
         return bool(self.split_consts["FUSED"])
 
 
+def _split_consts(cfg: DecodeConfig, group: int, kvh: int, d: int, dv: int, splits: int, per_split: Optional[int],
+                  fused: bool, pdl: bool) -> Dict[str, Any]:
+    """The split kernel's constexprs and launch options for a plan (all but the per-layer HAS_CAP, HAS_SINKS, F32)."""
+    hpp = cfg.kv_heads_per_program(kvh, max(d, dv))
+    block_h, block_dv = pow2(hpp * group), pow2(dv)
+    block_s = next_pow2(splits)
+    # splits the in-place merge loads per step: the largest power of two (>= 2) within merge_chunk values
+    chunk_s = min(block_s, max(2, next_pow2(cfg.merge_chunk // (block_h * block_dv) + 1) // 2))
+    return dict(GROUP=group, HPP=hpp, D=d, DV=dv, DIRECT=splits == 1, BLOCK_H=block_h,
+                BLOCK_D=pow2(d), BLOCK_DV=block_dv, BLOCK_N=cfg.keys_per_iter(per_split), FUSED=fused,
+                BLOCK_S=block_s if fused else 1, CHUNK_S=chunk_s if fused else 1, PDL=pdl,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 def _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, cfg, lists=None) -> DecodePlan:
     bs, h, d = q.shape
     kvh, dv = k_buf.shape[1], v_buf.shape[2]
@@ -442,21 +456,14 @@ def _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, cfg, lists=None) -> 
     interpreted = interpreting()
     group = h // kvh
     hpp = cfg.kv_heads_per_program(kvh, max(d, dv))
-    block_h, block_dv = pow2(hpp * group), pow2(dv)
     limit = cfg.fused_merge_bytes
     if workspace is None and limit > 0:  # eager: a launch fewer is worth more than the merge's tail
         limit = max(limit, cfg.eager_fused_merge_bytes)
     fused = (splits > 1 and ws.counts is not None and _merges_in_place(q.device, interpreted)
              and splits * hpp * group * dv * 4 <= limit)
-    block_s = next_pow2(splits)
     pdl = splits > 1 and not fused and cfg.pdl and gdc_wait is not None and hopper_class(q.device)
-    # splits the in-place merge loads per step: the largest power of two (>= 2) within merge_chunk values
-    chunk_s = min(block_s, max(2, next_pow2(cfg.merge_chunk // (block_h * block_dv) + 1) // 2))
-    split_consts = dict(GROUP=group, HPP=hpp, D=d, DV=dv, DIRECT=splits == 1, BLOCK_H=block_h,
-                        BLOCK_D=pow2(d), BLOCK_DV=block_dv, BLOCK_N=cfg.keys_per_iter(per_split), FUSED=fused,
-                        BLOCK_S=block_s if fused else 1, CHUNK_S=chunk_s if fused else 1, PDL=pdl,
-                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    merge_consts = dict(DV=dv, BLOCK_S=block_s, BLOCK_DV=next_pow2(dv), PDL=pdl,
+    split_consts = _split_consts(cfg, group, kvh, d, dv, splits, per_split, fused, pdl)
+    merge_consts = dict(DV=dv, BLOCK_S=next_pow2(splits), BLOCK_DV=next_pow2(dv), PDL=pdl,
                         num_warps=1 if interpreted else 4, **({"launch_pdl": True} if pdl else {}))
     counts = ws.counts if fused else ws.lse
     workspace_args = (ws.acc, ws.lse, counts, splits, *ws_strides, counts.stride(0))
@@ -655,3 +662,28 @@ def decode_attention_planned(plan: DecodePlan, q: torch.Tensor, k_buf: torch.Ten
                          sinks, k_scale, v_scale, config=plan.config)
         return
     _run(plan, q, out, layer, lists, qs, os_)
+
+
+def compile_split_for_sm90(config: DecodeConfig, splits: int = 1, fused: bool = False, max_kv_len: int = 4096,
+                           group: int = 8, kv_heads: int = 8, d: int = 64, dtype: str = "bf16", sinks: bool = True,
+                           cap: bool = False) -> Any:
+    """Compile the split kernel for an sm_90 target without a GPU (TTGIR -> PTX -> cubin through the wheel's ptxas),
+    with the constexprs a plan of this shape takes under `config` and the specialisations the JIT gives real launches
+    (16-byte aligned pointers and strides). For CI and for checking a Triton upgrade without a Hopper GPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    consts = _split_consts(config, group, kv_heads, d, d, splits, cdiv(max_kv_len, splits), fused and splits > 1,
+                           pdl=splits > 1 and not fused and config.pdl and gdc_wait is not None)
+    options = dict(num_warps=consts.pop("num_warps"), num_stages=consts.pop("num_stages"))
+    consts.update(HAS_CAP=cap, HAS_SINKS=sinks, F32=False)
+    names = list(_decode_split_kernel.arg_names)
+    sig = {n: "i32" for n in names}
+    sig.update({n: f"*{dtype}" for n in ("q", "out", "k_buf", "v_buf")})
+    sig.update(sinks="*fp32", ws_acc="*fp32", ws_lse="*fp32", ws_counts="*i32", kv_indptr="*i32", kv_indices="*i64",
+               kv_pos0="*i64", q_pos="*i64", qk_scale="fp32", v_scale="fp32", cap="fp32")
+    sig.update({n: "constexpr" for n in consts})
+    aligned = [n for n in names if sig[n].startswith("*")] + ["s_qb", "s_qh", "s_ob", "s_oh", "s_kb", "s_kh", "s_vb",
+                                                              "s_vh"]
+    src = ASTSource(_decode_split_kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)

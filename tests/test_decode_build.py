@@ -1,0 +1,44 @@
+"""The decode split kernel builds for sm_90 without a GPU, under the configs the dispatch gives a GPT-OSS layer (64 q /
+8 kv heads, D=64, bf16, sinks): its key and value loads are asynchronous copies (cp.async, the pipelined gather), and
+ptxas takes it without spilling registers. `make test` runs these under TRITON_INTERPRET=0 after the main suite,
+beside the Gluon extend kernel's build, so a Triton upgrade that spills or stops pipelining the loads shows in CI."""
+import os
+
+import pytest
+
+pytest.importorskip("triton")
+
+from hwkv_cuda.kernels import decode as dec  # noqa: E402
+
+from test_extend_hopper import _nvidia_tool, _sass  # noqa: E402
+
+
+def _build_reason():
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):   # Triton's own jit helpers are interpreted then
+        return "TRITON_INTERPRET is on; run with TRITON_INTERPRET=0 to compile for sm_90 on a CPU-only machine"
+    ptxas = _nvidia_tool("ptxas")
+    if not os.path.exists(ptxas):
+        return f"no ptxas at {ptxas}"
+    return None
+
+
+# (config, splits, in-place merge, keys): the plans of 64 x 4K (two kv heads a program, one split), 1 x 32K (two
+# heads, the merge kernel after 64 splits), 16 x 4K (one head, 5 splits merged in place by the last) and the W=128
+# window list at batch 1 (one head, one split)
+PLANS = {"wide": (dec.WIDE_CONFIG, 1, False, 4096), "long": (dec.LONG_CONFIG, 64, False, 32768),
+         "fused": (dec.GPU_CONFIG, 5, True, 4096), "window": (dec.GPU_CONFIG, 1, False, 128)}
+
+
+@pytest.mark.skipif(_build_reason() is not None, reason=str(_build_reason()))
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_decode_compiles_for_sm90_without_a_gpu(plan):
+    cfg, splits, fused, keys = PLANS[plan]
+    k = dec.compile_split_for_sm90(cfg, splits, fused, keys)
+    ptx = k.asm["ptx"]
+    assert "cp.async" in ptx, "the K/V gathers are no longer asynchronous copies (not pipelined)"
+    assert ".local" not in ptx
+    if fused:
+        assert "atom" in ptx, "the in-place merge's arrival counter"
+    sass = _sass(k.asm["cubin"])
+    if sass is not None:   # register spills show only in the machine code: local stores and loads
+        assert sass.count("STL") == 0, "the sm_90 build spills registers"
