@@ -32,3 +32,32 @@ def test_verify_fails_for_a_wrong_backend():
     assert code != 0
     assert [o for o, _ in results.values()] == ["failed"]
     assert "reference" in next(iter(results.values()))[1]
+
+
+def test_an_error_pytest_raises_while_it_handles_ctrl_c_still_reads_as_the_interrupt(monkeypatch):
+    """pytest 8 can fail with a TypeError while it formats an interrupted traceback (the signal landed in a frame
+    without a line number; seen once in CI): after a Ctrl-C that error is the interrupt (exit 130 in hwkv.cli),
+    without one it is raised as it is, and the SIGINT handler is Python's own again afterwards."""
+    import signal
+
+    import pytest
+
+    from hwkv.testing import verify
+
+    def interrupted_then_broken(args, plugins):
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            raise TypeError("unsupported operand type(s) for -: 'NoneType' and 'int'")
+        raise AssertionError("the interrupt did not arrive")
+
+    def broken(args, plugins):
+        raise TypeError("a bug of pytest's, no interrupt")
+
+    monkeypatch.setattr(verify.pytest, "main", interrupted_then_broken)
+    assert verify._pytest_main([], None) == int(pytest.ExitCode.INTERRUPTED)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    monkeypatch.setattr(verify.pytest, "main", broken)
+    with pytest.raises(TypeError, match="no interrupt"):
+        verify._pytest_main([], None)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -5,7 +5,9 @@ import argparse
 import contextlib
 import io
 import os
+import signal
 import sys
+import threading
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, TextIO, Tuple
 
@@ -96,6 +98,42 @@ def check_select(select: Optional[str]) -> None:
         raise ConfigError(f"-k {select!r} is not a valid pytest -k expression{where}: {why}") from None
 
 
+@contextlib.contextmanager
+def _noting_interrupts() -> Any:
+    """While pytest runs: a Ctrl-C is noted here, then raised as Python raises it (KeyboardInterrupt), so that an
+    error pytest itself raises while it handles the interrupt still reads as the interrupt. (pytest 8 formats the
+    interrupted traceback, which fails with a TypeError where the signal lands in a frame without a line number.)
+    Nothing changes where SIGINT is ignored or handled by someone else, or off the main thread."""
+    noted = {"interrupted": False}
+    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if previous is not signal.default_int_handler:
+        yield noted
+        return
+
+    def note(signum: int, frame: Any) -> None:
+        noted["interrupted"] = True
+        signal.default_int_handler(signum, frame)
+
+    signal.signal(signal.SIGINT, note)
+    try:
+        yield noted
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _pytest_main(args: List[str], plugin: "ContractPlugin") -> int:
+    """pytest.main's exit code; INTERRUPTED also where pytest failed while it handled a Ctrl-C."""
+    with _noting_interrupts() as noted:
+        try:
+            return int(pytest.main(args, plugins=[plugin]))
+        except KeyboardInterrupt:
+            raise
+        except Exception:
+            if noted["interrupted"]:
+                return int(pytest.ExitCode.INTERRUPTED)
+            raise
+
+
 def run_contract(targets: List[ContractTarget], select: Optional[str] = None, verbose: bool = False,
                  progress: Optional[TextIO] = None) -> Tuple[int, "OrderedDict[str, Tuple[str, str]]"]:
     """Run the contract tests over `targets`; return pytest's exit code and per-test outcomes. `progress`:
@@ -109,14 +147,14 @@ def run_contract(targets: List[ContractTarget], select: Optional[str] = None, ve
     if select:
         args += ["-k", select]
     if verbose:
-        code = int(pytest.main(args, plugins=[plugin]))
+        code = _pytest_main(args, plugin)
         if code == pytest.ExitCode.INTERRUPTED:
             raise KeyboardInterrupt  # pytest printed its own summary
         return code, plugin.results
     # quiet: pytest's progress line would sit above our table, so its output is kept aside and shown
     # (on stderr) only when pytest itself failed: a usage error, a collection error, an internal error
     with contextlib.redirect_stdout(io.StringIO()) as captured:
-        code = int(pytest.main(args, plugins=[plugin]))
+        code = _pytest_main(args, plugin)
     if code == pytest.ExitCode.INTERRUPTED:  # Ctrl-C: pytest's summary of it stays aside; hwkv.cli says it
         plugin.interrupted()
         raise KeyboardInterrupt
