@@ -54,10 +54,16 @@ def test_an_error_pytest_raises_while_it_handles_ctrl_c_still_reads_as_the_inter
     def broken(args, plugins):
         raise TypeError("a bug of pytest's, no interrupt")
 
-    monkeypatch.setattr(verify.pytest, "main", interrupted_then_broken)
-    assert verify._pytest_main([], None) == int(pytest.ExitCode.INTERRUPTED)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    monkeypatch.setattr(verify.pytest, "main", broken)
-    with pytest.raises(TypeError, match="no interrupt"):
-        verify._pytest_main([], None)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # SIGINT as in a terminal (Python's handler): a test run started in the background by a non-interactive shell
+    # (CI) inherits it ignored, and then nothing is noted or raised
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        monkeypatch.setattr(verify.pytest, "main", interrupted_then_broken)
+        assert verify._pytest_main([], None) == int(pytest.ExitCode.INTERRUPTED)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        monkeypatch.setattr(verify.pytest, "main", broken)
+        with pytest.raises(TypeError, match="no interrupt"):
+            verify._pytest_main([], None)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, outer)
