@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Optional, Sequence, Union
+from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
 import triton
@@ -91,6 +91,22 @@ def next_pow2(n: int) -> int:
 def pow2(n: int, floor: int = 16) -> int:
     """Next power of two >= max(n, floor): tl.arange and tl.dot need power-of-two sizes >= 16."""
     return max(floor, next_pow2(max(int(n), 1)))
+
+
+def build_for_sm90(kernel: Any, sig: Dict[str, str], consts: Dict[str, Any], aligned: Sequence[str],
+                   options: Dict[str, Any], source: Any = None) -> Any:
+    """Compile `kernel` for an sm_90 target without a GPU (TTGIR -> PTX -> cubin through the wheel's ptxas): `sig`
+    types its runtime parameters, `consts` fixes its constexprs, and the parameters in `aligned` get the 16-byte
+    divisibility the JIT gives real launches (aligned pointers, strides). `source`: Triton's ASTSource by default,
+    Gluon's for a Gluon kernel. For CI and for checking a Triton upgrade without a Hopper GPU."""
+    from triton.backends.compiler import GPUTarget
+    if source is None:
+        from triton.compiler import ASTSource as source
+    names = list(kernel.arg_names)                         # the kernel's parameter order
+    full = dict(sig, **{k: "constexpr" for k in consts})
+    src = source(kernel, {n: full[n] for n in names}, constexprs={(names.index(k),): v for k, v in consts.items()},
+                 attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def dot_in_fp32(q: torch.Tensor) -> bool:

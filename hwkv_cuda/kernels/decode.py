@@ -37,9 +37,9 @@ except ImportError:
 
 from hwkv.errors import ShapeError
 from hwkv_cuda.kernels.launch import Launch, current_stream, launch, spec
-from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, cdiv, check_dims, check_same_device, dot, fold_sink,
-                                      hopper_class, interpreting, logits_log2, next_pow2, num_sms, online_softmax_step,
-                                      pow2)
+from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, build_for_sm90, cdiv, check_dims, check_same_device,
+                                      dot, fold_sink, hopper_class, interpreting, logits_log2, next_pow2, num_sms,
+                                      online_softmax_step, pow2)
 
 
 @dataclass(frozen=True)
@@ -670,20 +670,14 @@ def compile_split_for_sm90(config: DecodeConfig, splits: int = 1, fused: bool = 
     """Compile the split kernel for an sm_90 target without a GPU (TTGIR -> PTX -> cubin through the wheel's ptxas),
     with the constexprs a plan of this shape takes under `config` and the specialisations the JIT gives real launches
     (16-byte aligned pointers and strides). For CI and for checking a Triton upgrade without a Hopper GPU."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     consts = _split_consts(config, group, kv_heads, d, d, splits, cdiv(max_kv_len, splits), fused and splits > 1,
                            pdl=splits > 1 and not fused and config.pdl and gdc_wait is not None)
     options = dict(num_warps=consts.pop("num_warps"), num_stages=consts.pop("num_stages"))
     consts.update(HAS_CAP=cap, HAS_SINKS=sinks, F32=False)
-    names = list(_decode_split_kernel.arg_names)
-    sig = {n: "i32" for n in names}
+    sig = {n: "i32" for n in _decode_split_kernel.arg_names if n not in consts}   # strides, window, split count
     sig.update({n: f"*{dtype}" for n in ("q", "out", "k_buf", "v_buf")})
     sig.update(sinks="*fp32", ws_acc="*fp32", ws_lse="*fp32", ws_counts="*i32", kv_indptr="*i32", kv_indices="*i64",
                kv_pos0="*i64", q_pos="*i64", qk_scale="fp32", v_scale="fp32", cap="fp32")
-    sig.update({n: "constexpr" for n in consts})
-    aligned = [n for n in names if sig[n].startswith("*")] + ["s_qb", "s_qh", "s_ob", "s_oh", "s_kb", "s_kh", "s_vb",
-                                                              "s_vh"]
-    src = ASTSource(_decode_split_kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    aligned = [n for n in sig if sig[n].startswith("*")] + ["s_qb", "s_qh", "s_ob", "s_oh", "s_kb", "s_kh", "s_vb",
+                                                            "s_vh"]
+    return build_for_sm90(_decode_split_kernel, sig, consts, aligned, options)

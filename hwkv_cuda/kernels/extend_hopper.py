@@ -67,7 +67,7 @@ import triton
 
 from hwkv.env import HWKV_HOPPER_EXTEND
 from hwkv.errors import ConfigError
-from hwkv_cuda.kernels.common import as_scale, interpreting, num_sms
+from hwkv_cuda.kernels.common import as_scale, build_for_sm90, interpreting, num_sms
 from hwkv_cuda.kernels.launch import launch
 
 try:  # Gluon's Hopper API as of Triton 3.6; older or other builds simply keep the portable kernel
@@ -785,7 +785,6 @@ def compile_for_sm90(d: int = 64, group: int = 8, dtype: str = "bf16", window: b
     """Compile the kernel for an sm_90 target without a GPU (TTGIR -> PTX -> cubin through the wheel's ptxas), with
     the specialisations the JIT gives real launches (16-byte aligned pointers, strides divisible by 16). For CI and
     for checking a Triton upgrade on a machine without a Hopper GPU."""
-    from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     if GLUON_ERROR is not None:
         raise RuntimeError(f"Gluon's Hopper API is not importable: {GLUON_ERROR}")
@@ -798,10 +797,5 @@ def compile_for_sm90(d: int = 64, group: int = 8, dtype: str = "bf16", window: b
                s_oh="i32", bs="i32", n_blk="i32", n_items="i32")
     consts = dict(_consts(group, d, cfg, kv_heads), HAS_CAP=cap, HAS_WINDOW=window, HAS_SINKS=sinks,
                   ONE_REQ=one_req)
-    sig.update({k: "constexpr" for k in consts})
-    names = list(_hopper_extend_kernel.arg_names)         # the kernel's parameter order
-    sig = {n: sig[n] for n in names}
-    aligned = [n for n in names if sig[n].startswith("*")] + ["s_kb", "s_kh", "s_vb", "s_vh", "s_ot", "s_oh"]
-    src = GluonASTSource(_hopper_extend_kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
-                         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    aligned = [n for n in sig if sig[n].startswith("*")] + ["s_kb", "s_kh", "s_vb", "s_vh", "s_ot", "s_oh"]
+    return build_for_sm90(_hopper_extend_kernel, sig, consts, aligned, dict(num_warps=4), source=GluonASTSource)
