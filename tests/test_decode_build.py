@@ -2,24 +2,13 @@
 8 kv heads, D=64, bf16, sinks): its key and value loads are asynchronous copies (cp.async, the pipelined gather), and
 ptxas takes it without spilling registers. `make test` runs these under TRITON_INTERPRET=0 after the main suite,
 beside the Gluon extend kernel's build, so a Triton upgrade that spills or stops pipelining the loads shows in CI."""
-import os
-
 import pytest
 
 pytest.importorskip("triton")
 
 from hwkv_cuda.kernels import decode as dec  # noqa: E402
 
-from test_extend_hopper import _nvidia_tool, _sass  # noqa: E402
-
-
-def _build_reason():
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):   # Triton's own jit helpers are interpreted then
-        return "TRITON_INTERPRET is on; run with TRITON_INTERPRET=0 to compile for sm_90 on a CPU-only machine"
-    ptxas = _nvidia_tool("ptxas")
-    if not os.path.exists(ptxas):
-        return f"no ptxas at {ptxas}"
-    return None
+from test_extend_hopper import _build_reason, _sass  # noqa: E402
 
 
 # (config, splits, in-place merge, keys): the plans of 64 x 4K (two kv heads a program, one split), 1 x 32K (two

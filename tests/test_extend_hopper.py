@@ -424,16 +424,21 @@ def _nvidia_tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def _compile_reason():
+def _build_reason():
+    """Why a kernel cannot be built for sm_90 here (None: it can): the interpreter is on, or the wheel has no ptxas."""
     import os
-    if extend_hopper.GLUON_ERROR is not None:
-        return f"Gluon's Hopper API is not importable: {extend_hopper.GLUON_ERROR}"
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):   # Triton's own jit helpers are interpreted then
         return "TRITON_INTERPRET is on; run with TRITON_INTERPRET=0 to compile for sm_90 on a CPU-only machine"
     ptxas = _nvidia_tool("ptxas")
     if not os.path.exists(ptxas):
         return f"no ptxas at {ptxas}"
     return None
+
+
+def _compile_reason():
+    if extend_hopper.GLUON_ERROR is not None:
+        return f"Gluon's Hopper API is not importable: {extend_hopper.GLUON_ERROR}"
+    return _build_reason()
 
 
 @pytest.mark.skipif(_compile_reason() is not None, reason=str(_compile_reason()))
