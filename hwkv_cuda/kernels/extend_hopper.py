@@ -217,7 +217,7 @@ if gluon is not None:
             lo = gl.maximum(lo, rel0 + gl.maximum(first, 0) - window + 1)
         hi = gl.maximum(gl.minimum(kv_len, rel0 + last + 1), lo)
         n_tiles = (hi - lo + BLOCK_N - 1) // BLOCK_N
-        return kvh, first, q_start, q_len, kv_start, rel0, lo, hi, n_tiles, (last >= first) & (last >= 0)
+        return kvh, first, q_start, q_len, kv_start, rel0, lo, hi, n_tiles, last >= 0
 
     @gluon.jit
     def _load_q(q_desc, q_smem, q_ready, q_free, n_q, row, col):
@@ -244,7 +244,7 @@ if gluon is not None:
         order), each tile's slots loaded one tile ahead so the gather never waits on them."""
         (q_desc, o_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, q0_smem, q1_smem, q2_smem,
          q3_smem, o0_smem, o1_smem, o2_smem, o3_smem, q_ready, q_free, k_smem, v_smem, ready, empty, turns, out, sinks,
-         bs, n_blk, n_items, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh, qk_scale, v_scale, cap, ones_smem) = shared
+         bs, n_items, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh, qk_scale, v_scale, cap, ones_smem) = shared
         STAGES: gl.constexpr = k_smem.shape[0]
         BLOCK_N: gl.constexpr = k_smem.shape[1]
         GROUP: gl.constexpr = q0_smem.shape[1]
@@ -378,7 +378,7 @@ if gluon is not None:
         Q and O tiles: see the module doc."""
         (q_desc, o_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, q0_smem, q1_smem, q2_smem,
          q3_smem, o0_smem, o1_smem, o2_smem, o3_smem, q_ready_all, q_free_all, k_smem, v_smem, ready, empty, turns, out,
-         sinks, bs, n_blk, n_items, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh, qk_scale, v_scale, cap,
+         sinks, bs, n_items, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh, qk_scale, v_scale, cap,
          ones_smem) = shared
         STAGES: gl.constexpr = k_smem.shape[0]
         BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -510,12 +510,10 @@ if gluon is not None:
     # (fixed per model) is a constexpr, and ONE_REQ (a batch of one request) a second variant at most: each removes
     # runtime divisions from every item's index math, and a one-request batch's bounds load from fixed addresses
     # (H200, 1 x 8192 at W=128, D=64: 104 us against 116 in A/B runs of kernel variants, docs/benchmarks.md).
-    # n_blk (token blocks of the longest request) is no longer read since the blocks end at each request's end; it
-    # stays a parameter because the launch without it has not run on a GPU yet
-    @gluon.jit(do_not_specialize=["window", "bs", "n_blk", "n_items"])
+    @gluon.jit(do_not_specialize=["window", "bs", "n_items"])
     def _hopper_extend_kernel(q_desc, o_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0,
                               sinks, out, qk_scale, v_scale, cap, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh,
-                              bs, n_blk, n_items, n_kvh: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr,
+                              bs, n_items, n_kvh: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr,
                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_CAP: gl.constexpr,
                               HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, Q_REGS: gl.constexpr,
@@ -572,7 +570,7 @@ if gluon is not None:
         # (which still fold, as ONE_REQ's bs does) that cannot shape a layout or a static branch
         shared = (q_desc, o_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, q0_smem, q1_smem,
                   q2_smem, q3_smem, o0_smem, o1_smem, o2_smem, o3_smem, q_ready, q_free, k_smem, v_smem, ready, empty,
-                  turns, out, sinks, bs, n_blk, n_items, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh, qk_scale, v_scale,
+                  turns, out, sinks, bs, n_items, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh, qk_scale, v_scale,
                   cap, ones_smem)
         if NC == 4:
             gl.warp_specialize([(_producer, (shared, n_kvh, PRODUCER_WARPS, HAS_WINDOW, NC)),
@@ -774,7 +772,7 @@ def run_hopper_extend(plan: HopperPlan, q: Any, k_buf: Any, v_buf: Any, kv_indpt
            (_descriptor(q, plan.block), _descriptor(out, plan.block), k_buf, v_buf, kv_indptr, kv_indices, kv_pos0,
             qo_indptr, q_pos0, sinks if sinks is not None else out, out, qk_scale, as_scale(v_scale), cap, window,
             k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), out.stride(0), out.stride(1),
-            bs, plan.blocks, n_items),
+            bs, n_items),
            dict(HAS_CAP=flags[0], HAS_WINDOW=flags[1], HAS_SINKS=flags[2], ONE_REQ=flags[3], **plan.consts))
     return True
 
@@ -794,7 +792,7 @@ def compile_for_sm90(d: int = 64, group: int = 8, dtype: str = "bf16", window: b
     sig = dict(q_desc=desc, o_desc=desc, k_buf=f"*{dtype}", v_buf=f"*{dtype}", kv_indptr="*i32", kv_indices="*i64",
                kv_pos0="*i64", qo_indptr="*i32", q_pos0="*i64", sinks="*fp32", out=f"*{dtype}", qk_scale="fp32",
                v_scale="fp32", cap="fp32", window="i32", s_kb="i32", s_kh="i32", s_vb="i32", s_vh="i32", s_ot="i32",
-               s_oh="i32", bs="i32", n_blk="i32", n_items="i32")
+               s_oh="i32", bs="i32", n_items="i32")
     consts = dict(_consts(group, d, cfg, kv_heads), HAS_CAP=cap, HAS_WINDOW=window, HAS_SINKS=sinks,
                   ONE_REQ=one_req)
     aligned = [n for n in sig if sig[n].startswith("*")] + ["s_kb", "s_kh", "s_vb", "s_vh", "s_ot", "s_oh"]
