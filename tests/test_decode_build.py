@@ -15,7 +15,9 @@ from test_extend_hopper import _build_reason, _sass  # noqa: E402
 # heads, the merge kernel after 64 splits), 16 x 4K (one head, 5 splits merged in place by the last) and the W=128
 # window list at batch 1 (one head, one split)
 PLANS = {"wide": (dec.WIDE_CONFIG, 1, False, 4096), "long": (dec.LONG_CONFIG, 64, False, 32768),
-         "fused": (dec.GPU_CONFIG, 5, True, 4096), "window": (dec.GPU_CONFIG, 1, False, 128)}
+         "fused": (dec.GPU_CONFIG, 5, True, 4096), "window": (dec.GPU_CONFIG, 1, False, 128),
+         # whole key rows (8 kv heads a program as a batch of per-head dots) at 256 x 4K, 4 heads at 64 x 32K
+         "rows": (dec.ROWS_CONFIG, 1, False, 4096), "wide_long": (dec.WIDE_LONG_CONFIG, 1, False, 32768)}
 
 
 @pytest.mark.skipif(_build_reason() is not None, reason=str(_build_reason()))

@@ -272,3 +272,18 @@ def test_dependent_merge_matches_the_plain_launch_eager_and_in_a_graph(splits):
             eager()
         for k in range(10):
             assert torch.equal(step(plan, k, graph.replay), want[k % 2]), (pdl, "graph", k)
+
+
+@pytest.mark.parametrize("hpp", [2, 4])
+@pytest.mark.parametrize("window", [None, 11])
+@pytest.mark.parametrize("h,kvh,d,dv", [(16, 4, 16, 16), (8, 4, 24, 40), (6, 2, 16, 16)])
+def test_batched_heads_match_the_reference(hpp, window, h, kvh, d, dv):
+    """Several kv heads a program as a batch of per-head dots (no block-diagonal tile): odd head dims, Dv != D, a
+    group of 3, sinks and soft-cap, both merges; lists of several key tiles a split."""
+    cfgs = [dataclasses.replace(cfg, heads_per_program=hpp, batched_heads=True) for cfg in (FUSED, SEPARATE)]
+    c = Case([9, 140, 23], [1, 1, 1], h=h, kvh=kvh, d=d, dv=dv, window=window, seed=hpp + kvh + d + 1)
+    sinks = _sinks(h)
+    _close(both(c, 4, *cfgs, logit_cap=2.0, sinks=sinks), c.ref(2.0, sinks), torch.float32)
+    one, plan = run(c, cfgs[0], 1, logit_cap=2.0, sinks=sinks)   # one split: finished in place
+    assert plan.splits == 1 and plan.split_consts["BATCHED"] and plan.split_consts["HPP"] == min(hpp, kvh)
+    _close(one, c.ref(2.0, sinks), torch.float32)

@@ -227,7 +227,8 @@ def test_decode_heads_per_program_divides_kv_heads_and_fits_the_row():
 
 
 def test_decode_config_by_batch_and_list_length(monkeypatch):
-    """The recorded decode configs: wide batches and long lists take two kv heads per program."""
+    """The recorded decode configs: wide batches and long lists take two kv heads per program (four over long lists
+    at wide batches), batches of one 8-head program an SM whole key rows."""
     from hwkv_cuda.kernels import decode as dec
     monkeypatch.setattr(dec, "interpreting", lambda: False)
     monkeypatch.setattr(dec, "num_sms", lambda device: 132)
@@ -235,7 +236,16 @@ def test_decode_config_by_batch_and_list_length(monkeypatch):
     assert dec.decode_config(256, 8, 64, 4096, cpu) == dec.GPU_CONFIG     # not a Hopper-class GPU: portable
     monkeypatch.setattr(dec, "hopper_class", lambda device: True)
     assert dec.decode_config(64, 8, 64, 4096, cpu) == dec.WIDE_CONFIG
-    assert dec.decode_config(256, 8, 64, 128, cpu) == dec.LONG_CONFIG     # window lists, wide batch
+    assert dec.decode_config(64, 8, 64, 32768, cpu) == dec.WIDE_LONG_CONFIG
+    assert dec.decode_config(64, 8, 64, None, cpu) == dec.WIDE_LONG_CONFIG
+    assert dec.decode_config(64, 8, 64, 128, cpu) == dec.LONG_CONFIG      # window lists, wide batch
+    for ctx in (128, 4096, 32768, None):                                  # a program of 8 heads an SM: whole rows
+        assert dec.decode_config(256, 8, 64, ctx, cpu) == dec.ROWS_CONFIG
+    assert dec.decode_config(132, 8, 64, 4096, cpu) == dec.ROWS_CONFIG
+    assert dec.decode_config(131, 8, 64, 4096, cpu) == dec.WIDE_CONFIG
+    assert dec.decode_config(264, 4, 64, 4096, cpu) == dec.ROWS_CONFIG    # 4 heads a program: every row
+    assert dec.decode_config(256, 2, 64, 4096, cpu) == dec.WIDE_CONFIG    # 2 heads: the block-diagonal tile
+    assert dec.ROWS_CONFIG.kv_heads_per_program(8, 64) == 8 and dec.WIDE_LONG_CONFIG.kv_heads_per_program(8, 64) == 4
     assert dec.decode_config(1, 8, 64, 128, cpu) == dec.GPU_CONFIG        # window lists, batch 1
     assert dec.decode_config(16, 8, 64, 32768, cpu) == dec.LONG_CONFIG
     assert dec.decode_config(16, 8, 64, None, cpu) == dec.LONG_CONFIG

@@ -54,6 +54,9 @@ class DecodeConfig:
     min_keys_per_split: int = 128
     max_splits: int = 64
     heads_per_program: int = 1   # kv heads one program reads (see kv_heads_per_program)
+    # ... each head's rows a dot of their own (a batched dot over the program's heads: no block-diagonal zeros, so a
+    # program may read whole key rows, every kv head's 1 KiB at D=64) rather than one block-diagonal dot
+    batched_heads: bool = False
     # the last split to finish merges in place while its rows' partials (splits x rows x Dv fp32) hold at
     # most this many bytes, else the merge kernel runs; 0: always the merge kernel (see the module doc). H200,
     # GQA 8, Dv 64 (docs/benchmarks.md): 5 splits (10 KiB) merge in place as fast or faster (16 x 4K 41.3 vs
@@ -73,11 +76,11 @@ class DecodeConfig:
     pdl: bool = True
 
     def kv_heads_per_program(self, num_kv_heads: int, head_dim: int) -> int:
-        """KV heads per program: at most heads_per_program, a power of two dividing num_kv_heads, and
-        no wider than MAX_ROW_COLUMNS key columns (wider rows overflow shared memory at 128-key tiles)."""
+        """KV heads per program: at most heads_per_program, a power of two dividing num_kv_heads, and (block-diagonal
+        tiles) no wider than MAX_ROW_COLUMNS key columns (wider rows overflow shared memory at 128-key tiles)."""
         hpp = 1
         while (hpp * 2 <= self.heads_per_program and num_kv_heads % (hpp * 2) == 0
-               and hpp * 2 * pow2(head_dim) <= MAX_ROW_COLUMNS):
+               and (self.batched_heads or hpp * 2 * pow2(head_dim) <= MAX_ROW_COLUMNS)):
             hpp *= 2
         return hpp
 
@@ -96,6 +99,16 @@ GPU_CONFIG = DecodeConfig()   # one kv head per program: small batches over shor
 # Two kv heads per program (each key row one 256-byte load at D=64, 16 query rows for GQA 8):
 WIDE_CONFIG = DecodeConfig(block_n=128, mid_block_n=128, num_stages=3, ctas_per_sm=1, heads_per_program=2)
 LONG_CONFIG = DecodeConfig(block_n=128, mid_block_n=128, num_stages=2, ctas_per_sm=2, heads_per_program=2)
+# Whole key rows (fifteenth session): a program reads up to 8 kv heads as a batch of per-head dots (each key row of 8
+# heads one 1 KiB load at D=64, 16 KiB a page of 16 tokens). H200, random pages, interleaved rounds of two runs (us):
+# 256 x 4K 481.5 against WIDE_CONFIG's 491.0-491.5, 256 x 32K 3,755 against 3,815-3,818, 256 x 32K at W=128 25.6
+# against LONG_CONFIG's 26.0; at 64 x 4K (64 programs) 144.5 against 130.7, so only batches of a program an SM take it
+ROWS_CONFIG = DecodeConfig(block_n=32, mid_block_n=32, num_stages=3, ctas_per_sm=1, heads_per_program=8,
+                           batched_heads=True)
+# ... four heads of 64-key tiles for wide batches over long lists: 64 x 32K 952.4-953.2 against 966.2-967.0 (64 x 4K
+# 130.9-131.1 against 130.7, so not there)
+WIDE_LONG_CONFIG = DecodeConfig(block_n=64, mid_block_n=64, num_stages=3, ctas_per_sm=1, heads_per_program=4,
+                                batched_heads=True)
 SHORT_LIST = 512    # lists at most this long (window layers) take LONG_CONFIG's two stages when wide
 LONG_LIST = 16384   # small batches over lists at least this long (or of unknown length) take LONG_CONFIG
 INTERPRET_CONFIG = DecodeConfig(block_n=16, mid_block_n=16, num_warps=1, num_stages=1, ctas_per_sm=2,
@@ -104,19 +117,23 @@ INTERPRET_CONFIG = DecodeConfig(block_n=16, mid_block_n=16, num_warps=1, num_sta
 
 def decode_config(batch: int, num_kv_heads: int, head_dim: int, max_kv_len: Optional[int],
                   device: torch.device) -> DecodeConfig:
-    """The recorded config for this shape: two kv heads per program where the head dim allows it and
-    the batch makes at least one program per SM (three stages, one split; two stages for short
-    lists) or the lists are long; otherwise GPU_CONFIG. Host ints only: decided once per plan."""
+    """The recorded config for this shape: whole key rows (ROWS_CONFIG) where a program of 4-8 kv heads a batch still
+    fills every SM; two kv heads per program where the head dim allows it and the batch makes at least one program
+    per SM (three stages, one split; two stages for short lists; four heads of 64-key tiles for long lists) or the
+    lists are long; otherwise GPU_CONFIG. Host ints only: decided once per plan."""
     if interpreting():
         return INTERPRET_CONFIG
     if not hopper_class(torch.device(device)) or WIDE_CONFIG.kv_heads_per_program(num_kv_heads, head_dim) < 2:
         return GPU_CONFIG   # the two-head tiles (up to 192 KiB of shared memory) were recorded on an H200
+    sms = num_sms(torch.device(device))
+    rows = ROWS_CONFIG.kv_heads_per_program(num_kv_heads, head_dim)
+    if rows >= 4 and batch * num_kv_heads // rows >= sms:
+        return ROWS_CONFIG
     short = max_kv_len is not None and max_kv_len <= SHORT_LIST
-    if batch * num_kv_heads // 2 >= num_sms(torch.device(device)):
-        return LONG_CONFIG if short else WIDE_CONFIG
-    if max_kv_len is None or max_kv_len >= LONG_LIST:
-        return LONG_CONFIG
-    return GPU_CONFIG
+    long = max_kv_len is None or max_kv_len >= LONG_LIST
+    if batch * num_kv_heads // 2 >= sms:
+        return LONG_CONFIG if short else WIDE_LONG_CONFIG if long else WIDE_CONFIG
+    return LONG_CONFIG if long else GPU_CONFIG
 
 
 class DecodeWorkspace(NamedTuple):
@@ -190,29 +207,16 @@ def _visible_range(kv_indptr, kv_pos0, q_pos, b, window):
     return kv_start, lo, hi
 
 
-@triton.jit(do_not_specialize=["window", "num_splits"])  # scalar math only: a server's batches share one compile
-def _decode_split_kernel(
-        q, out, s_qb, s_qh, s_ob, s_oh,                                                # a call's (CALL_ARGS)
-        k_buf, v_buf, sinks, qk_scale, v_scale, cap, window, s_kb, s_kh, s_vb, s_vh,   # a layer's (LAYER_ARGS)
-        kv_indptr, kv_indices, kv_pos0, q_pos, ws_acc, ws_lse, ws_counts, num_splits,  # a forward's
-        s_ab, s_ah, s_as, s_lb, s_lh, s_cb,
-        GROUP: tl.constexpr, HPP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, DIRECT: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, F32: tl.constexpr,
-        FUSED: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:   # the merge kernel may launch once every split program has started (it waits for their results)
-        gdc_launch_dependents()
-    # A program reads HPP adjacent kv heads: each key row is one [HPP * D] load, and the query tile is
-    # block-diagonal (row r belongs to local kv head r // GROUP and is zero outside that head's columns),
-    # so one dot gives every row its own head's logits and the rows of a small GQA group fill the tile.
-    kvh0 = tl.program_id(0) * HPP   # kv heads fastest: the programs reading one token row run together
-    split = tl.program_id(1)
-    b = tl.program_id(2)
-    kv_start, lo, hi = _visible_range(kv_indptr, kv_pos0, q_pos, b, window)
-    per = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
-    s_lo = lo + split * per
-    s_hi = tl.minimum(s_lo + per, hi)
-
+@triton.jit
+def _block_diagonal_heads(q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, kv_indices, kv_start, s_lo, s_hi, b,
+                          kvh0, qk_scale, cap, GROUP: tl.constexpr, HPP: tl.constexpr, D: tl.constexpr,
+                          DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                          BLOCK_N: tl.constexpr, HAS_CAP: tl.constexpr, F32: tl.constexpr):
+    """The split's online softmax over HPP adjacent kv heads as one block-diagonal tile: each key row is one
+    [HPP * D] load, and the query tile is block-diagonal (row r belongs to local kv head r // GROUP and is zero
+    outside that head's columns), so one dot gives every row its own head's logits and the rows of a small GQA
+    group fill the tile. Returns (acc [BLOCK_H, HPP * BLOCK_DV], m, l, the rows' q heads, their mask, the
+    columns' dims, the mask of each row's own columns)."""
     offs_h = tl.arange(0, BLOCK_H)
     heads = kvh0 * GROUP + offs_h
     mask_h = offs_h < HPP * GROUP
@@ -247,6 +251,85 @@ def _decode_split_kernel(
 
     # a row's result is its own head's columns of acc (the others mix in another head's values)
     mask_o = mask_h[:, None] & mask_dv[None, :] & (row_kv[:, None] == col_kv_v[None, :])
+    return acc, m, l_sum, heads, mask_h, col_dv, mask_o
+
+
+@triton.jit
+def _batched_heads(q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, kv_indices, kv_start, s_lo, s_hi, b, kvh0,
+                   qk_scale, cap, GROUP: tl.constexpr, HPP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HAS_CAP: tl.constexpr, F32: tl.constexpr):
+    """The split's online softmax over HPP adjacent kv heads as a batch of per-head dots ([HPP, BLOCK_G] query rows,
+    GROUP of them real): a key row of all HPP heads is one load, with no block-diagonal zeros in the products.
+    Returns (acc [HPP * BLOCK_G, BLOCK_DV], m, l, the rows' q heads, their mask), rows head-major."""
+    offs_k = tl.arange(0, HPP)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < D
+    mask_dv = offs_dv < DV
+    heads = (kvh0 + offs_k)[:, None] * GROUP + offs_g[None, :]      # [HPP, BLOCK_G]; padded rows are masked
+    q3 = tl.load(q + b * s_qb + heads[:, :, None] * s_qh + offs_d[None, None, :],
+                 mask=mask_g[None, :, None] & mask_d[None, None, :], other=0.0)
+    k_heads = (kvh0 + offs_k) * s_kh
+    v_heads = (kvh0 + offs_k) * s_vh
+    m = tl.full([HPP, BLOCK_G], NEG_BIG, tl.float32)
+    l_sum = tl.zeros([HPP, BLOCK_G], tl.float32)
+    acc = tl.zeros([HPP, BLOCK_G, BLOCK_DV], tl.float32)
+    for start in range(s_lo, s_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < s_hi
+        slot = tl.load(kv_indices + kv_start + offs_n, mask=mask_n, other=0)
+        kt = tl.load(k_buf + slot[None, :, None] * s_kb + k_heads[:, None, None] + offs_d[None, None, :],
+                     mask=mask_n[None, :, None] & mask_d[None, None, :], other=0.0)       # [HPP, BLOCK_N, BLOCK_D]
+        s = logits_log2(dot(q3, tl.permute(kt.to(q3.dtype), (0, 2, 1)), F32), qk_scale, cap, HAS_CAP)
+        s = tl.where(mask_n[None, None, :], s, float("-inf"))                            # [HPP, BLOCK_G, BLOCK_N]
+        vt = tl.load(v_buf + slot[None, :, None] * s_vb + v_heads[:, None, None] + offs_dv[None, None, :],
+                     mask=mask_n[None, :, None] & mask_dv[None, None, :], other=0.0).to(q3.dtype)
+        m_new = tl.maximum(m, tl.max(s, 2))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, :, None])
+        l_sum = l_sum * alpha + tl.sum(p, 2)
+        acc = acc * alpha[:, :, None] + dot(p.to(vt.dtype), vt, F32)
+        m = m_new
+    rows: tl.constexpr = HPP * BLOCK_G
+    mask_h = mask_g[None, :] & (offs_k[:, None] < HPP)
+    return (tl.reshape(acc, [rows, BLOCK_DV]), tl.reshape(m, [rows]), tl.reshape(l_sum, [rows]),
+            tl.reshape(heads, [rows]), tl.reshape(mask_h, [rows]))
+
+
+@triton.jit(do_not_specialize=["window", "num_splits"])  # scalar math only: a server's batches share one compile
+def _decode_split_kernel(
+        q, out, s_qb, s_qh, s_ob, s_oh,                                                # a call's (CALL_ARGS)
+        k_buf, v_buf, sinks, qk_scale, v_scale, cap, window, s_kb, s_kh, s_vb, s_vh,   # a layer's (LAYER_ARGS)
+        kv_indptr, kv_indices, kv_pos0, q_pos, ws_acc, ws_lse, ws_counts, num_splits,  # a forward's
+        s_ab, s_ah, s_as, s_lb, s_lh, s_cb,
+        GROUP: tl.constexpr, HPP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, DIRECT: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, F32: tl.constexpr,
+        FUSED: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, PDL: tl.constexpr = False,
+        BATCHED: tl.constexpr = False, BLOCK_G: tl.constexpr = 16):
+    if PDL:   # the merge kernel may launch once every split program has started (it waits for their results)
+        gdc_launch_dependents()
+    kvh0 = tl.program_id(0) * HPP   # kv heads fastest: the programs reading one token row run together
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    kv_start, lo, hi = _visible_range(kv_indptr, kv_pos0, q_pos, b, window)
+    per = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
+    s_lo = lo + split * per
+    s_hi = tl.minimum(s_lo + per, hi)
+    if BATCHED:
+        acc, m, l_sum, heads, mask_h = _batched_heads(
+            q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, kv_indices, kv_start, s_lo, s_hi, b, kvh0,
+            qk_scale, cap, GROUP, HPP, D, DV, BLOCK_G, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, F32)
+        col_dv = tl.arange(0, BLOCK_DV)
+        mask_o = mask_h[:, None] & (col_dv < DV)[None, :]
+    else:
+        acc, m, l_sum, heads, mask_h, col_dv, mask_o = _block_diagonal_heads(
+            q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, kv_indices, kv_start, s_lo, s_hi, b, kvh0,
+            qk_scale, cap, GROUP, HPP, D, DV, BLOCK_H, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, F32)
+
     if DIRECT:  # one split: finish here: sink, normalisation, output dtype
         if HAS_SINKS:
             sink = tl.load(sinks + heads, mask=mask_h, other=0.0).to(tl.float32) * LOG2E
@@ -434,14 +517,15 @@ def _split_consts(cfg: DecodeConfig, group: int, kvh: int, d: int, dv: int, spli
                   fused: bool, pdl: bool) -> Dict[str, Any]:
     """The split kernel's constexprs and launch options for a plan (all but the per-layer HAS_CAP, HAS_SINKS, F32)."""
     hpp = cfg.kv_heads_per_program(kvh, max(d, dv))
-    block_h, block_dv = pow2(hpp * group), pow2(dv)
+    # rows of a program: block-diagonal, HPP groups padded once; batched, each head's group padded to a dot's rows
+    block_h, block_dv = (hpp * pow2(group) if cfg.batched_heads else pow2(hpp * group)), pow2(dv)
     block_s = next_pow2(splits)
     # splits the in-place merge loads per step: the largest power of two (>= 2) within merge_chunk values
     chunk_s = min(block_s, max(2, next_pow2(cfg.merge_chunk // (block_h * block_dv) + 1) // 2))
     return dict(GROUP=group, HPP=hpp, D=d, DV=dv, DIRECT=splits == 1, BLOCK_H=block_h,
                 BLOCK_D=pow2(d), BLOCK_DV=block_dv, BLOCK_N=cfg.keys_per_iter(per_split), FUSED=fused,
                 BLOCK_S=block_s if fused else 1, CHUNK_S=chunk_s if fused else 1, PDL=pdl,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                BATCHED=cfg.batched_heads, BLOCK_G=pow2(group), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, cfg, lists=None) -> DecodePlan:
