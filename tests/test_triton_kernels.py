@@ -224,6 +224,12 @@ def test_decode_heads_per_program_divides_kv_heads_and_fits_the_row():
     assert cfg.kv_heads_per_program(8, 128) == 1
     assert cfg.kv_heads_per_program(1, 16) == 1
     assert DecodeConfig().kv_heads_per_program(8, 16) == 1
+    # batched heads: no row bound, but the key tile (heads x columns x keys) no larger than the 2 x 64 x 128 one
+    rows = DecodeConfig(heads_per_program=8, batched_heads=True, block_n=32, mid_block_n=32)
+    assert rows.kv_heads_per_program(8, 64) == 8
+    assert rows.kv_heads_per_program(8, 128) == 4
+    assert DecodeConfig(heads_per_program=8, batched_heads=True).kv_heads_per_program(8, 64) == 2    # 128-key tiles
+    assert DecodeConfig(heads_per_program=8, batched_heads=True, block_n=32).kv_heads_per_program(8, 64) == 4
 
 
 def test_decode_config_by_batch_and_list_length(monkeypatch):

@@ -76,11 +76,13 @@ class DecodeConfig:
     pdl: bool = True
 
     def kv_heads_per_program(self, num_kv_heads: int, head_dim: int) -> int:
-        """KV heads per program: at most heads_per_program, a power of two dividing num_kv_heads, and (block-diagonal
-        tiles) no wider than MAX_ROW_COLUMNS key columns (wider rows overflow shared memory at 128-key tiles)."""
+        """KV heads per program: at most heads_per_program, a power of two dividing num_kv_heads, and no wider than
+        MAX_ROW_COLUMNS key columns (block-diagonal tiles; wider rows overflow shared memory at 128-key tiles), or
+        (batched heads) no larger a key tile than those: heads x columns x keys within MAX_ROW_COLUMNS x 128."""
+        keys = max(self.block_n, self.mid_block_n) if self.batched_heads else 128
         hpp = 1
         while (hpp * 2 <= self.heads_per_program and num_kv_heads % (hpp * 2) == 0
-               and (self.batched_heads or hpp * 2 * pow2(head_dim) <= MAX_ROW_COLUMNS)):
+               and hpp * 2 * pow2(head_dim) * keys <= MAX_ROW_COLUMNS * 128):
             hpp *= 2
         return hpp
 
