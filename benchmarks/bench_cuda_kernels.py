@@ -791,7 +791,8 @@ def main():
     torch.manual_seed(args.seed)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layout": args.layout,
               "page_size": args.page_size, "seed": args.seed, "peak_bf16_tflops": H200_BF16_TFLOPS,
-              "decode_configs": {n: repr(getattr(decode_mod, n)) for n in ("GPU_CONFIG", "WIDE_CONFIG", "LONG_CONFIG")}}
+              "decode_configs": {n: repr(getattr(decode_mod, n)) for n in ("GPU_CONFIG", "WIDE_CONFIG", "LONG_CONFIG",
+                                                                                "WIDE_LONG_CONFIG", "ROWS_CONFIG")}}
     import triton
     result["triton"] = triton.__version__
     if not args.no_check:
