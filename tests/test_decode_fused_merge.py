@@ -289,3 +289,38 @@ def test_batched_heads_match_the_reference(hpp, window, h, kvh, d, dv):
     one, plan = run(c, cfgs[0], 1, logit_cap=2.0, sinks=sinks)   # one split: finished in place
     assert plan.splits == 1 and plan.split_consts["BATCHED"] and plan.split_consts["HPP"] == min(hpp, kvh)
     _close(one, c.ref(2.0, sinks), torch.float32)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("window", [None, 11])
+def test_rows_past_a_split_end_never_read_unlisted_slots(batched, window):
+    """A key tile's rows past its split's end repeat the split's last key (masked after the product), so no
+    slot outside the lists reaches an output: NaN in the padding slot 0 and in every unlisted slot changes
+    nothing, one split or four, with partial tiles in every list."""
+    cfgs = [dataclasses.replace(cfg, heads_per_program=2, batched_heads=batched) for cfg in (FUSED, SEPARATE)]
+    c = Case([9, 140, 23], [1, 1, 1], h=16, kvh=4, d=16, window=window, seed=31)
+    listed = torch.zeros(c.k_buf.shape[0], dtype=torch.bool)
+    for s in c.slots:
+        listed[s] = True
+    assert not listed[0]
+    c.k_buf[~listed.to(DEV)] = float("nan")
+    c.v_buf[~listed.to(DEV)] = float("nan")
+    _close(both(c, 4, *cfgs), c.ref(), torch.float32)
+    one, _ = run(c, cfgs[0], 1)
+    _close(one, c.ref(), torch.float32)
+
+
+def test_pools_past_int32_offsets_take_64_bit_gathers(monkeypatch):
+    """The split kernel forms K/V element offsets in int32 only while every offset of both pools fits (OFF32, from
+    the pools' span, strides included); past that, in int64, with the same results."""
+    c = Case([9, 140, 23], [1, 1, 1], h=16, kvh=4, d=16, seed=32)
+    assert dec._span(c.k_buf) == c.k_buf.numel()
+    assert dec._span(c.k_buf[:, :, :8]) == c.k_buf.numel() - 8   # a strided view: its last row ends 8 early
+    want = c.ref()
+    out, plan = run(c, FUSED, 4)
+    assert plan.split_consts["OFF32"]
+    _close(out, want, torch.float32)
+    monkeypatch.setattr(dec, "_span", lambda t: 2 ** 31)
+    out, plan = run(c, FUSED, 4)
+    assert not plan.split_consts["OFF32"]
+    _close(out, want, torch.float32)

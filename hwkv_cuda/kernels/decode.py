@@ -6,7 +6,11 @@ groups as one block-diagonal [BLOCK_H, HPP * D] query tile (a row is zero outsid
 columns, so one dot gives each row its own head's logits), or (`DecodeConfig.batched_heads`, up to 8 heads: whole
 key rows) as a batch of per-head [GROUP, D] dots with no zeros in them. It walks its share of the request's
 *visible* keys (the window and the causal bound are turned into one contiguous range of list entries first, so no
-masked tile is ever loaded) and keeps an online softmax (max, sum, acc) in fp32. With one split it
+masked tile is ever loaded) and keeps an online softmax (max, sum, acc) in fp32. Its gathers carry no row mask: a
+tile's rows past the split's end repeat the split's last key (its logits masked after the product), list positions
+are int32 and, where both pools' element offsets fit int32 (OFF32, from the plan), a row's offset is one multiply:
+the loop's instructions fall by 17-36% and its registers from 166-219 to 96 in the two-head tiles (H200, every cell
+0.3-10% faster, docs/benchmarks.md). With one split it
 finishes in place (sinks, normalisation, output dtype); otherwise it writes (acc / sum,
 log2-sum-exp) per split into the workspace and the splits are merged with the sink, in one of two ways
 the plan picks: the last split program of a (request, kv-head program) to finish merges them itself
@@ -203,6 +207,8 @@ def _visible_range(kv_indptr, kv_pos0, q_pos, b, window):
     kv_start = tl.load(kv_indptr + b).to(tl.int64)
     kv_len = tl.load(kv_indptr + b + 1).to(tl.int64) - kv_start
     rel = tl.load(q_pos + b).to(tl.int64) - tl.load(kv_pos0 + b).to(tl.int64)  # query pos - pos0
+    kv_len = kv_len.to(tl.int32)   # list positions in int32 (a list stays below 2**31 entries)
+    rel = rel.to(tl.int32)
     hi = tl.minimum(kv_len, rel + 1)
     lo = tl.zeros_like(hi)
     if window > 0:
@@ -212,10 +218,31 @@ def _visible_range(kv_indptr, kv_pos0, q_pos, b, window):
 
 
 @triton.jit
+def _tile_slots(idx, offs_n, s_hi, OFF32: tl.constexpr):
+    """A key tile's pool slots. Rows past the split's end repeat its last entry (a real key of the list, whose
+    logits there are masked to -inf after the product, so its p is 0 and its finite values add nothing): the
+    index, K and V loads need no row mask. OFF32: every element offset of the pools fits int32 (one multiply a row)."""
+    slot = tl.load(idx + tl.minimum(offs_n, s_hi - 1))
+    if OFF32:
+        slot = slot.to(tl.int32)
+    return slot
+
+
+@triton.jit
+def _gather(buf, rows, cols, mask_c, C: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Rows of a K or V tile (element offsets rows + cols): masked only where the head dim is padded."""
+    if C == BLOCK_C:
+        t = tl.load(buf + rows + cols)
+    else:
+        t = tl.load(buf + rows + cols, mask=mask_c, other=0.0)
+    return t
+
+
+@triton.jit
 def _block_diagonal_heads(q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, kv_indices, kv_start, s_lo, s_hi, b,
                           kvh0, qk_scale, cap, GROUP: tl.constexpr, HPP: tl.constexpr, D: tl.constexpr,
                           DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                          BLOCK_N: tl.constexpr, HAS_CAP: tl.constexpr, F32: tl.constexpr):
+                          BLOCK_N: tl.constexpr, HAS_CAP: tl.constexpr, F32: tl.constexpr, OFF32: tl.constexpr):
     """The split's online softmax over HPP adjacent kv heads as one block-diagonal tile: each key row is one
     [HPP * D] load, and the query tile is block-diagonal (row r belongs to local kv head r // GROUP and is zero
     outside that head's columns), so one dot gives every row its own head's logits and the rows of a small GQA
@@ -241,16 +268,15 @@ def _block_diagonal_heads(q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, k
     m = tl.full([BLOCK_H], NEG_BIG, tl.float32)
     l_sum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HPP * BLOCK_DV], tl.float32)
+    idx = kv_indices + kv_start
     for start in range(s_lo, s_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < s_hi
-        slot = tl.load(kv_indices + kv_start + offs_n, mask=mask_n, other=0)
-        kt = tl.load(k_buf + slot[:, None] * s_kb + k_cols[None, :],
-                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        slot = _tile_slots(idx, offs_n, s_hi, OFF32)
+        kt = _gather(k_buf, slot[:, None] * s_kb, k_cols[None, :], mask_d[None, :], D, BLOCK_D)
         s = logits_log2(dot(qt, tl.trans(kt.to(qt.dtype)), F32), qk_scale, cap, HAS_CAP)
         s = tl.where(mask_n[None, :], s, float("-inf"))
-        vt = tl.load(v_buf + slot[:, None] * s_vb + v_cols[None, :],
-                     mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(qt.dtype)
+        vt = _gather(v_buf, slot[:, None] * s_vb, v_cols[None, :], mask_dv[None, :], DV, BLOCK_DV).to(qt.dtype)
         m, l_sum, acc = online_softmax_step(m, l_sum, acc, s, vt, F32)
 
     # a row's result is its own head's columns of acc (the others mix in another head's values)
@@ -262,7 +288,7 @@ def _block_diagonal_heads(q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, k
 def _batched_heads(q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, kv_indices, kv_start, s_lo, s_hi, b, kvh0,
                    qk_scale, cap, GROUP: tl.constexpr, HPP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HAS_CAP: tl.constexpr, F32: tl.constexpr):
+                   HAS_CAP: tl.constexpr, F32: tl.constexpr, OFF32: tl.constexpr):
     """The split's online softmax over HPP adjacent kv heads as a batch of per-head dots ([HPP, BLOCK_G] query rows,
     GROUP of them real): a key row of all HPP heads is one load, with no block-diagonal zeros in the products.
     Returns (acc [HPP * BLOCK_G, BLOCK_DV], m, l, the rows' q heads, their mask), rows head-major."""
@@ -281,16 +307,17 @@ def _batched_heads(q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, kv_indic
     m = tl.full([HPP, BLOCK_G], NEG_BIG, tl.float32)
     l_sum = tl.zeros([HPP, BLOCK_G], tl.float32)
     acc = tl.zeros([HPP, BLOCK_G, BLOCK_DV], tl.float32)
+    idx = kv_indices + kv_start
     for start in range(s_lo, s_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < s_hi
-        slot = tl.load(kv_indices + kv_start + offs_n, mask=mask_n, other=0)
-        kt = tl.load(k_buf + slot[None, :, None] * s_kb + k_heads[:, None, None] + offs_d[None, None, :],
-                     mask=mask_n[None, :, None] & mask_d[None, None, :], other=0.0)       # [HPP, BLOCK_N, BLOCK_D]
+        slot = _tile_slots(idx, offs_n, s_hi, OFF32)
+        kt = _gather(k_buf, slot[None, :, None] * s_kb, k_heads[:, None, None] + offs_d[None, None, :],
+                     mask_d[None, None, :], D, BLOCK_D)                                   # [HPP, BLOCK_N, BLOCK_D]
         s = logits_log2(dot(q3, tl.permute(kt.to(q3.dtype), (0, 2, 1)), F32), qk_scale, cap, HAS_CAP)
         s = tl.where(mask_n[None, None, :], s, float("-inf"))                            # [HPP, BLOCK_G, BLOCK_N]
-        vt = tl.load(v_buf + slot[None, :, None] * s_vb + v_heads[:, None, None] + offs_dv[None, None, :],
-                     mask=mask_n[None, :, None] & mask_dv[None, None, :], other=0.0).to(q3.dtype)
+        vt = _gather(v_buf, slot[None, :, None] * s_vb, v_heads[:, None, None] + offs_dv[None, None, :],
+                     mask_dv[None, None, :], DV, BLOCK_DV).to(q3.dtype)
         m_new = tl.maximum(m, tl.max(s, 2))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, :, None])
@@ -313,7 +340,7 @@ def _decode_split_kernel(
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, F32: tl.constexpr,
         FUSED: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, PDL: tl.constexpr = False,
-        BATCHED: tl.constexpr = False, BLOCK_G: tl.constexpr = 16):
+        BATCHED: tl.constexpr = False, BLOCK_G: tl.constexpr = 16, OFF32: tl.constexpr = False):
     if PDL:   # the merge kernel may launch once every split program has started (it waits for their results)
         gdc_launch_dependents()
     kvh0 = tl.program_id(0) * HPP   # kv heads fastest: the programs reading one token row run together
@@ -326,13 +353,13 @@ def _decode_split_kernel(
     if BATCHED:
         acc, m, l_sum, heads, mask_h = _batched_heads(
             q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, kv_indices, kv_start, s_lo, s_hi, b, kvh0,
-            qk_scale, cap, GROUP, HPP, D, DV, BLOCK_G, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, F32)
+            qk_scale, cap, GROUP, HPP, D, DV, BLOCK_G, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, F32, OFF32)
         col_dv = tl.arange(0, BLOCK_DV)
         mask_o = mask_h[:, None] & (col_dv < DV)[None, :]
     else:
         acc, m, l_sum, heads, mask_h, col_dv, mask_o = _block_diagonal_heads(
             q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, kv_indices, kv_start, s_lo, s_hi, b, kvh0,
-            qk_scale, cap, GROUP, HPP, D, DV, BLOCK_H, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, F32)
+            qk_scale, cap, GROUP, HPP, D, DV, BLOCK_H, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, F32, OFF32)
 
     if DIRECT:  # one split: finish here: sink, normalisation, output dtype
         if HAS_SINKS:
@@ -518,7 +545,7 @@ class DecodePlan(NamedTuple):
 
 
 def _split_consts(cfg: DecodeConfig, group: int, kvh: int, d: int, dv: int, splits: int, per_split: Optional[int],
-                  fused: bool, pdl: bool) -> Dict[str, Any]:
+                  fused: bool, pdl: bool, pool_elements: int) -> Dict[str, Any]:
     """The split kernel's constexprs and launch options for a plan (all but the per-layer HAS_CAP, HAS_SINKS, F32)."""
     hpp = cfg.kv_heads_per_program(kvh, max(d, dv))
     # rows of a program: block-diagonal, HPP groups padded once; batched, each head's group padded to a dot's rows
@@ -529,7 +556,13 @@ def _split_consts(cfg: DecodeConfig, group: int, kvh: int, d: int, dv: int, spli
     return dict(GROUP=group, HPP=hpp, D=d, DV=dv, DIRECT=splits == 1, BLOCK_H=block_h,
                 BLOCK_D=pow2(d), BLOCK_DV=block_dv, BLOCK_N=cfg.keys_per_iter(per_split), FUSED=fused,
                 BLOCK_S=block_s if fused else 1, CHUNK_S=chunk_s if fused else 1, PDL=pdl,
-                BATCHED=cfg.batched_heads, BLOCK_G=pow2(group), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                BATCHED=cfg.batched_heads, BLOCK_G=pow2(group), OFF32=pool_elements < 2 ** 31,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _span(t: torch.Tensor) -> int:
+    """Elements from a tensor's first to one past its last (its strides may leave gaps a numel does not count)."""
+    return 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()) if n > 0)
 
 
 def _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, cfg, lists=None) -> DecodePlan:
@@ -550,7 +583,8 @@ def _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, cfg, lists=None) -> 
     fused = (splits > 1 and ws.counts is not None and _merges_in_place(q.device, interpreted)
              and splits * hpp * group * dv * 4 <= limit)
     pdl = splits > 1 and not fused and cfg.pdl and gdc_wait is not None and hopper_class(q.device)
-    split_consts = _split_consts(cfg, group, kvh, d, dv, splits, per_split, fused, pdl)
+    split_consts = _split_consts(cfg, group, kvh, d, dv, splits, per_split, fused, pdl,
+                                 max(_span(k_buf), _span(v_buf)))
     merge_consts = dict(DV=dv, BLOCK_S=next_pow2(splits), BLOCK_DV=next_pow2(dv), PDL=pdl,
                         num_warps=1 if interpreted else 4, **({"launch_pdl": True} if pdl else {}))
     counts = ws.counts if fused else ws.lse
@@ -759,7 +793,8 @@ def compile_split_for_sm90(config: DecodeConfig, splits: int = 1, fused: bool = 
     with the constexprs a plan of this shape takes under `config` and the specialisations the JIT gives real launches
     (16-byte aligned pointers and strides). For CI and for checking a Triton upgrade without a Hopper GPU."""
     consts = _split_consts(config, group, kv_heads, d, d, splits, cdiv(max_kv_len, splits), fused and splits > 1,
-                           pdl=splits > 1 and not fused and config.pdl and gdc_wait is not None)
+                           pdl=splits > 1 and not fused and config.pdl and gdc_wait is not None,
+                           pool_elements=1 << 30)
     options = dict(num_warps=consts.pop("num_warps"), num_stages=consts.pop("num_stages"))
     consts.update(HAS_CAP=cap, HAS_SINKS=sinks, F32=False)
     sig = {n: "i32" for n in _decode_split_kernel.arg_names if n not in consts}   # strides, window, split count
