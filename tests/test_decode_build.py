@@ -17,14 +17,16 @@ from test_extend_hopper import _build_reason, _sass  # noqa: E402
 PLANS = {"wide": (dec.WIDE_CONFIG, 1, False, 4096), "long": (dec.LONG_CONFIG, 64, False, 32768),
          "fused": (dec.GPU_CONFIG, 5, True, 4096), "window": (dec.GPU_CONFIG, 1, False, 128),
          # whole key rows (8 kv heads a program as a batch of per-head dots) at 256 x 4K, 4 heads at 64 x 32K
-         "rows": (dec.ROWS_CONFIG, 1, False, 4096), "wide_long": (dec.WIDE_LONG_CONFIG, 1, False, 32768)}
+         "rows": (dec.ROWS_CONFIG, 1, False, 4096), "wide_long": (dec.WIDE_LONG_CONFIG, 1, False, 32768),
+         # pools past 2**31 elements: 64-bit gather offsets
+         "long_64bit": (dec.LONG_CONFIG, 64, False, 32768, 1 << 31)}
 
 
 @pytest.mark.skipif(_build_reason() is not None, reason=str(_build_reason()))
 @pytest.mark.parametrize("plan", sorted(PLANS))
 def test_decode_compiles_for_sm90_without_a_gpu(plan):
-    cfg, splits, fused, keys = PLANS[plan]
-    k = dec.compile_split_for_sm90(cfg, splits, fused, keys)
+    cfg, splits, fused, keys, *pool = PLANS[plan]
+    k = dec.compile_split_for_sm90(cfg, splits, fused, keys, **(dict(pool_elements=pool[0]) if pool else {}))
     ptx = k.asm["ptx"]
     assert "cp.async" in ptx, "the K/V gathers are no longer asynchronous copies (not pipelined)"
     assert ".local" not in ptx

@@ -251,6 +251,7 @@ def test_decode_config_by_batch_and_list_length(monkeypatch):
     assert dec.decode_config(131, 8, 64, 4096, cpu) == dec.WIDE_CONFIG
     assert dec.decode_config(264, 4, 64, 4096, cpu) == dec.ROWS_CONFIG    # 4 heads a program: every row
     assert dec.decode_config(256, 2, 64, 4096, cpu) == dec.WIDE_CONFIG    # 2 heads: the block-diagonal tile
+    assert dec.decode_config(256, 2, 64, 32768, cpu) == dec.WIDE_CONFIG   # ... over long lists too
     assert dec.ROWS_CONFIG.kv_heads_per_program(8, 64) == 8 and dec.WIDE_LONG_CONFIG.kv_heads_per_program(8, 64) == 4
     assert dec.decode_config(1, 8, 64, 128, cpu) == dec.GPU_CONFIG        # window lists, batch 1
     assert dec.decode_config(16, 8, 64, 32768, cpu) == dec.LONG_CONFIG

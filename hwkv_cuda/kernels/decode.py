@@ -9,7 +9,7 @@ key rows) as a batch of per-head [GROUP, D] dots with no zeros in them. It walks
 masked tile is ever loaded) and keeps an online softmax (max, sum, acc) in fp32. Its gathers carry no row mask: a
 tile's rows past the split's end repeat the split's last key (its logits masked after the product), list positions
 are int32 and, where both pools' element offsets fit int32 (OFF32, from the plan), a row's offset is one multiply:
-the loop's instructions fall by 17-36% and its registers from 166-219 to 96 in the two-head tiles (H200, every cell
+the loop's instructions fall by 17-36% and its registers from 166-219 to 96-98 in the two-head tiles (H200, every cell
 0.3-10% faster, docs/benchmarks.md). With one split it
 finishes in place (sinks, normalisation, output dtype); otherwise it writes (acc / sum,
 log2-sum-exp) per split into the workspace and the splits are merged with the sink, in one of two ways
@@ -25,7 +25,7 @@ The kv head is the fastest grid axis so that the programs reading the KVH slices
 token row run side by side (on an H200 this took batch 256 x 4K from 0.93 to 0.98 of copy
 bandwidth); the request is the z axis, so a call takes at most 65535 requests. Two kv heads per
 program (256-byte rows at D=64) took batch 64-256 from 0.91-0.93 of cuDNN over dense K/V to 0.99-1.01; whole
-key rows of 8 heads (1 KiB, a page of 16 tokens one 16 KiB run) took batch 256 1.2-1.6% further.
+key rows of 8 heads (1 KiB, a page of 16 tokens one 16 KiB run) took batch 256 1.2-2.8% further.
 """
 from __future__ import annotations
 
@@ -109,16 +109,18 @@ WIDE_CONFIG = DecodeConfig(block_n=128, mid_block_n=128, num_stages=3, ctas_per_
 LONG_CONFIG = DecodeConfig(block_n=128, mid_block_n=128, num_stages=2, ctas_per_sm=2, heads_per_program=2)
 # Whole key rows (fifteenth session): a program reads up to 8 kv heads as a batch of per-head dots (each key row of 8
 # heads one 1 KiB load at D=64, 16 KiB a page of 16 tokens). H200, random pages, interleaved rounds of two runs (us):
-# 256 x 4K 481.5 against WIDE_CONFIG's 491.0-491.5, 256 x 32K 3,755 against 3,815-3,818, 256 x 32K at W=128 25.6
-# against LONG_CONFIG's 26.0; at 64 x 4K (64 programs) 144.5 against 130.7, so only batches of a program an SM take it
+# 256 x 4K 481.0-481.5 against WIDE_CONFIG's 491.0-491.5, 256 x 32K 3,755-3,758 against 3,815-3,818, 256 x 32K at
+# W=128 25.5-25.7 against LONG_CONFIG's 26.0; at 64 x 4K (64 programs) 144.5-144.7 against 130.7, so only batches of
+# a program an SM take it
 ROWS_CONFIG = DecodeConfig(block_n=32, mid_block_n=32, num_stages=3, ctas_per_sm=1, heads_per_program=8,
                            batched_heads=True)
-# ... four heads of 64-key tiles for wide batches over long lists: 64 x 32K 952.4-953.2 against 966.2-967.0 (64 x 4K
-# 130.9-131.1 against 130.7, so not there)
+# ... four heads of 64-key tiles for wide batches over long lists: 64 x 32K 952.8-953.2 against 966.2-967.0 (64 x 4K
+# 130.9-131.1 against 130.7, so not there). Measured with 8 kv heads only: two batched heads (all a 2-kv-head model
+# has) measured 4-9% slower than WIDE_CONFIG's two-head tile, so such models keep WIDE_CONFIG
 WIDE_LONG_CONFIG = DecodeConfig(block_n=64, mid_block_n=64, num_stages=3, ctas_per_sm=1, heads_per_program=4,
                                 batched_heads=True)
-SHORT_LIST = 512    # lists at most this long (window layers) take LONG_CONFIG's two stages when wide
-LONG_LIST = 16384   # small batches over lists at least this long (or of unknown length) take LONG_CONFIG
+SHORT_LIST = 512    # lists at most this long (window layers) take LONG_CONFIG's two stages when wide (not ROWS-wide)
+LONG_LIST = 16384   # lists at least this long (or of unknown length): LONG_CONFIG at small batches, else WIDE_LONG
 INTERPRET_CONFIG = DecodeConfig(block_n=16, mid_block_n=16, num_warps=1, num_stages=1, ctas_per_sm=2,
                                 min_keys_per_split=16, max_splits=4, merge_chunk=512)
 
@@ -140,7 +142,8 @@ def decode_config(batch: int, num_kv_heads: int, head_dim: int, max_kv_len: Opti
     short = max_kv_len is not None and max_kv_len <= SHORT_LIST
     long = max_kv_len is None or max_kv_len >= LONG_LIST
     if batch * num_kv_heads // 2 >= sms:
-        return LONG_CONFIG if short else WIDE_LONG_CONFIG if long else WIDE_CONFIG
+        quad = WIDE_LONG_CONFIG.kv_heads_per_program(num_kv_heads, head_dim) >= 4
+        return LONG_CONFIG if short else WIDE_LONG_CONFIG if long and quad else WIDE_CONFIG
     return LONG_CONFIG if long else GPU_CONFIG
 
 
@@ -207,14 +210,14 @@ def _visible_range(kv_indptr, kv_pos0, q_pos, b, window):
     kv_start = tl.load(kv_indptr + b).to(tl.int64)
     kv_len = tl.load(kv_indptr + b + 1).to(tl.int64) - kv_start
     rel = tl.load(q_pos + b).to(tl.int64) - tl.load(kv_pos0 + b).to(tl.int64)  # query pos - pos0
-    kv_len = kv_len.to(tl.int32)   # list positions in int32 (a list stays below 2**31 entries)
-    rel = rel.to(tl.int32)
     hi = tl.minimum(kv_len, rel + 1)
     lo = tl.zeros_like(hi)
     if window > 0:
         lo = tl.maximum(lo, rel - window + 1)
     hi = tl.maximum(hi, lo)
-    return kv_start, lo, hi
+    # in int32 from here (a list stays below 2**31 entries; positions may not): both bounds clamped to the list's
+    # length first, which keeps an empty range empty
+    return kv_start, tl.minimum(lo, kv_len).to(tl.int32), tl.minimum(hi, kv_len).to(tl.int32)
 
 
 @triton.jit
@@ -788,13 +791,14 @@ def decode_attention_planned(plan: DecodePlan, q: torch.Tensor, k_buf: torch.Ten
 
 def compile_split_for_sm90(config: DecodeConfig, splits: int = 1, fused: bool = False, max_kv_len: int = 4096,
                            group: int = 8, kv_heads: int = 8, d: int = 64, dtype: str = "bf16", sinks: bool = True,
-                           cap: bool = False) -> Any:
+                           cap: bool = False, pool_elements: int = 1 << 30) -> Any:
     """Compile the split kernel for an sm_90 target without a GPU (TTGIR -> PTX -> cubin through the wheel's ptxas),
     with the constexprs a plan of this shape takes under `config` and the specialisations the JIT gives real launches
-    (16-byte aligned pointers and strides). For CI and for checking a Triton upgrade without a Hopper GPU."""
+    (16-byte aligned pointers and strides); pools of `pool_elements` (2**31 or more: 64-bit gathers). For CI and for
+    checking a Triton upgrade without a Hopper GPU."""
     consts = _split_consts(config, group, kv_heads, d, d, splits, cdiv(max_kv_len, splits), fused and splits > 1,
                            pdl=splits > 1 and not fused and config.pdl and gdc_wait is not None,
-                           pool_elements=1 << 30)
+                           pool_elements=pool_elements)
     options = dict(num_warps=consts.pop("num_warps"), num_stages=consts.pop("num_stages"))
     consts.update(HAS_CAP=cap, HAS_SINKS=sinks, F32=False)
     sig = {n: "i32" for n in _decode_split_kernel.arg_names if n not in consts}   # strides, window, split count
