@@ -327,3 +327,18 @@ def test_the_plan_takes_64_bit_gathers_for_pools_past_int32_offsets(monkeypatch)
     out, plan = run(c, FUSED, 4)
     assert not plan.split_consts["OFF32"]
     _close(out, want, torch.float32)
+
+
+@pytest.mark.parametrize("name", ["ROWS_CONFIG", "WIDE_LONG_CONFIG"])
+@pytest.mark.parametrize("window", [None, 37])
+def test_the_whole_row_configs_match_the_reference(name, window):
+    """The dispatch's batched-heads configs as recorded (8 heads of 32-key tiles, 4 heads of 64), on a GPT-OSS-shaped
+    layer (64 q / 8 kv heads, D=64, sinks): one split, and three merged either way."""
+    cfg = getattr(dec, name)
+    c = Case([70, 200, 131], [1, 1, 1], h=64, kvh=8, d=64, window=window, seed=41)
+    sinks = _sinks(64)
+    one, plan = run(c, cfg, 1, sinks=sinks)
+    assert plan.split_consts["BATCHED"] and plan.split_consts["HPP"] == cfg.heads_per_program
+    _close(one, c.ref(0.0, sinks), torch.float32)
+    cfgs = [dataclasses.replace(cfg, fused_merge_bytes=b) for b in (1 << 40, 0)]
+    _close(both(c, 3, *cfgs, sinks=sinks), c.ref(0.0, sinks), torch.float32)
