@@ -156,12 +156,13 @@ def logits_log2(qk, qk_scale, cap, HAS_CAP: tl.constexpr):
 
 @triton.jit
 def online_softmax_step(m, l_sum, acc, s, vt, F32: tl.constexpr):
-    """Fold one key tile (log2 logits s [M, N], values vt [N, Dv]) into the running max/sum/acc."""
-    m_new = tl.maximum(m, tl.max(s, 1))
+    """Fold one key tile (log2 logits s [..., M, N], values vt [..., N, Dv]; leading dims a batch of dots) into the
+    running max/sum/acc."""
+    m_new = tl.maximum(m, tl.max(s, -1))
     alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_sum = l_sum * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + dot(p.to(vt.dtype), vt, F32)
+    p = tl.exp2(s - tl.expand_dims(m_new, -1))
+    l_sum = l_sum * alpha + tl.sum(p, -1)
+    acc = acc * tl.expand_dims(alpha, -1) + dot(p.to(vt.dtype), vt, F32)
     return m_new, l_sum, acc
 
 

@@ -321,12 +321,7 @@ def _batched_heads(q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, kv_indic
         s = tl.where(mask_n[None, None, :], s, float("-inf"))                            # [HPP, BLOCK_G, BLOCK_N]
         vt = _gather(v_buf, slot[None, :, None] * s_vb, v_heads[:, None, None] + offs_dv[None, None, :],
                      mask_dv[None, None, :], DV, BLOCK_DV).to(q3.dtype)
-        m_new = tl.maximum(m, tl.max(s, 2))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, :, None])
-        l_sum = l_sum * alpha + tl.sum(p, 2)
-        acc = acc * alpha[:, :, None] + dot(p.to(vt.dtype), vt, F32)
-        m = m_new
+        m, l_sum, acc = online_softmax_step(m, l_sum, acc, s, vt, F32)
     rows: tl.constexpr = HPP * BLOCK_G
     mask_h = mask_g[None, :] & (offs_k[:, None] < HPP)
     return (tl.reshape(acc, [rows, BLOCK_DV]), tl.reshape(m, [rows]), tl.reshape(l_sum, [rows]),
