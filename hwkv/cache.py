@@ -22,6 +22,7 @@ Tree operations run on the host; the locs they hand out and take in stay on the 
 """
 from __future__ import annotations
 
+import array
 import heapq
 import itertools
 from collections import Counter
@@ -115,13 +116,13 @@ class HybridPrefixCache:
                 raise LocError(f"token ids must be an integer tensor, got {token_ids.dtype}")
             return token_ids.reshape(-1).to("cpu", torch.int64).numpy()
         if isinstance(token_ids, (list, tuple)):
-            bad = next((t for t in token_ids[:1] if not isinstance(t, (int, np.integer))), None)
-            if bad is not None:
-                raise LocError(f"token ids must be integers, got {type(bad).__name__}")
-            return np.fromiter(token_ids, dtype=np.int64, count=len(token_ids))  # the fastest list -> array
+            try:   # a C loop that takes ints only (a float, None or str element, or one past int64, raises)
+                return np.frombuffer(array.array("q", token_ids), dtype=np.int64)
+            except (TypeError, OverflowError) as e:
+                raise LocError(f"token ids must be integers below 2**63: {e}") from None
         arr = np.asarray(token_ids)
-        if arr.size and arr.dtype.kind not in "iu":
-            raise LocError(f"token ids must be integers, got dtype {arr.dtype}")
+        if arr.size and (arr.dtype.kind not in "iu" or (arr.dtype == np.uint64 and int(arr.max()) >= 2 ** 63)):
+            raise LocError(f"token ids must be integers below 2**63, got dtype {arr.dtype}")
         return arr.reshape(-1).astype(np.int64, copy=False)
 
     def _walk(self, ids: np.ndarray) -> Tuple[List[_Node], int]:
@@ -374,12 +375,11 @@ class HybridPrefixCache:
         m, s0 = match.length, match.swa_start
         if m:
             self._check_current(match)
-            if m > req_to_token_pool.max_context_len:
-                raise LocError(f"a match of {m} tokens exceeds max_context_len {req_to_token_pool.max_context_len}")
+            self._row_locs(req_to_token_pool, row, m)   # the row and the match's length fit the rows
             self._precheck(match.locs, match.locs[s0:m], s0)
+            req_to_token_pool.write(row, 0, match.locs)
             self.allocator.share(match.locs[:s0], with_swa=False, checked=True)
             self.allocator.share(match.locs[s0:m], with_swa=True, checked=True)
-            req_to_token_pool.write(row, 0, match.locs)
         return self._lock(match.node, s0), s0
 
     def cache_running(self, token_ids: TokenIds, req_to_token_pool: ReqToTokenPool, row: int, seq_len: int,
@@ -388,15 +388,23 @@ class HybridPrefixCache:
         deepest node: the whole path (full) and the SWA from its frontier on, exactly what the request
         still holds, so unlocked nodes are the cache's alone and evicting them frees what it says. Nodes
         of the path that hold other copies of the same tokens (a history the request recomputed) take the
-        request's pages instead, so a lock never pins a second copy. Returns the new lock (the old one is
-        released)."""
+        request's pages instead, tombstones and the SWA nodes from the frontier on; an SWA node wholly below
+        the frontier keeps its own copy (its SWA still serves matches ending past it, and telling whether it
+        is the request's own would wait for the device), so the lock pins at most that stretch of a second
+        copy until the request ends (admission counts it: the recomputed history is locked). Returns the new
+        lock (the old one is released). A refusal (a bad row or length, or a frontier below the request's:
+        SWA it no longer holds) changes nothing."""
         if lock is not None and not lock.active:
             raise CacheError("this prefix lock was already released")
+        locs = self._row_locs(req_to_token_pool, row, seq_len)
         ids = self._ids(token_ids)[:seq_len]
-        locs = req_to_token_pool.req_to_token[row, :seq_len]
+        n = len(ids) // self.page_size * self.page_size
+        if isinstance(frontier, int) and frontier >= 0:   # (insert refuses any other frontier first)
+            # what the request must hold, full pages and SWA from its frontier on: _adopt shares both after
+            # insert has changed the tree, so a wrong frontier has to be refused here
+            self._precheck(locs[:n], locs[min(frontier, n):n], frontier)
         before = next(self._clock)
         self.insert(ids, locs, frontier)
-        n = seq_len // self.page_size * self.page_size
         path, m = self._walk(ids[:n])
         node = self._node_at(path, m)
         f = min(frontier, m)
@@ -410,6 +418,15 @@ class HybridPrefixCache:
         if lock is not None:
             self.unlock(lock)
         return new
+
+    @staticmethod
+    def _row_locs(req_to_token_pool: ReqToTokenPool, row: int, seq_len: int) -> torch.Tensor:
+        """A request's locs [0, seq_len) from its row, the row and the length checked (LocError)."""
+        rtt = req_to_token_pool
+        if not 0 <= row < rtt.size or not 0 <= seq_len <= rtt.max_context_len:
+            raise LocError(f"row {row} or seq_len {seq_len} outside the request rows [0, {rtt.size}) or "
+                           f"[0, max_context_len {rtt.max_context_len}]")
+        return rtt.req_to_token[row, :seq_len]
 
     def _adopt(self, node: _Node, locs: torch.Tensor, frontier: int, since: int) -> None:
         """The nodes up to `node` that this insert did not make take the running request's locs: the full
@@ -437,7 +454,7 @@ class HybridPrefixCache:
         (full pages of [0, seq_len), SWA pages from its frontier on). Returns tokens newly cached."""
         if lock is not None and not lock.active:
             raise CacheError("this prefix lock was already released")
-        locs = req_to_token_pool.req_to_token[row, :seq_len]
+        locs = self._row_locs(req_to_token_pool, row, seq_len)
         added = self.insert(token_ids[:seq_len], locs, frontier) if cache else 0
         if lock is not None:
             self.unlock(lock)

@@ -59,9 +59,13 @@ class Setup:
         self.c.check_integrity()
 
     def snapshot(self):
+        """Everything a refusal must leave alone: the allocator, the rows (and which are free), the cache's
+        books and every node (range, locs, SWA, locks)."""
         c = self.c
+        nodes = sorted((nd.start, nd.end, tuple(nd.key.tolist()), tuple(nd.locs.tolist()), nd.swa, nd.lock_full,
+                        tuple(sorted(nd.swa_locks.items()))) for nd in c._nodes())
         return (self.a.integrity_snapshot(), self.rtt.req_to_token.clone(), c.full_tokens, c.swa_tokens,
-                c.evictable_full, c.evictable_swa, c._nodes_count)
+                c.evictable_full, c.evictable_swa, c._nodes_count, list(self.rtt._free), nodes)
 
     def same(self, s1, s2):
         return same_snapshot(s1[0], s2[0]) and torch.equal(s1[1], s2[1]) and s1[2:] == s2[2:]
@@ -332,3 +336,70 @@ def test_a_node_the_frontier_falls_in_is_adopted_from_the_frontier_on():
     s.c.release_request(ids, s.rtt, row, n, int(fr), lock)
     s.rtt.free(row)
     assert s.empty()
+
+
+def test_cache_running_with_a_frontier_below_the_requests_changes_nothing():
+    """cache_running refuses a frontier below the request's (SWA it has released) before insert changes the tree:
+    it had split a node, added one and swapped the cached node's pages for the request's before the adopt's share
+    failed, after which evicting double-freed and 24 slots of each pool were lost (found by review)."""
+    s = Setup(page=4, window=8, size=256, size_swa=256)
+    ids = list(range(100, 116))
+    s.finish(s.run(ids, release=False))                     # [0, 16) cached with its SWA
+    ids2 = ids + list(range(500, 508))
+    n = len(ids2)
+    row = s.rtt.alloc(1)[0]
+    s.rtt.write(row, 0, s.a.alloc_extend([0], [n], t([0]), n))   # the same 16 tokens recomputed, and 8 more
+    fr = t([0])
+    release_out_of_window_batch(s.a, s.rtt.req_to_token, t([row]), t([n]), fr, s.w)
+    assert int(fr) == 12
+    before = s.snapshot()
+    with pytest.raises(LocError, match="no SWA slot.*swa_start 0"):
+        s.c.cache_running(ids2, s.rtt, row, n, 0, None)
+    assert s.same(before, s.snapshot())
+    s.check()
+    lock = s.c.cache_running(ids2, s.rtt, row, n, int(fr), None)   # the real frontier is taken
+    s.check()
+    s.c.release_request(ids2, s.rtt, row, n, int(fr), lock)
+    s.rtt.free(row)
+    assert s.empty()
+
+
+@pytest.mark.parametrize("bad_row", [8, 10 ** 6, -1])
+def test_a_row_outside_the_request_rows_is_refused_and_changes_nothing(bad_row):
+    """acquire, cache_running and release_request check the row (and the length) before any share: acquire had
+    shared the match's pages and then failed with a bare IndexError (a negative row wrote another request's row)."""
+    s = Setup(page=4, window=8)
+    ids = list(range(100, 120))
+    s.finish(s.run(ids))
+    m = s.c.match_prefix(ids[:-1])
+    assert m.length == 16
+    r = s.run(list(range(300, 340)))
+    before = s.snapshot()
+    with pytest.raises(LocError, match=f"row {bad_row} "):
+        s.c.acquire(m, s.rtt, bad_row)
+    with pytest.raises(LocError, match=f"row {bad_row} "):
+        s.c.cache_running(r["ids"], s.rtt, bad_row, r["seq"], r["frontier"], r["lock"])
+    with pytest.raises(LocError, match=f"row {bad_row} "):
+        s.c.release_request(r["ids"], s.rtt, bad_row, r["seq"], r["frontier"], r["lock"])
+    with pytest.raises(LocError, match="seq_len 513 "):
+        s.c.cache_running(r["ids"], s.rtt, r["row"], 513, r["frontier"], r["lock"])
+    assert s.same(before, s.snapshot())
+    s.finish(r)
+    assert s.empty()
+
+
+@pytest.mark.parametrize("ids", [[1, 2.7, 3, 4, 5], [1, "x", 3, 4], [1, None, 3, 4], [1, 2 ** 70, 3, 4],
+                                 (1, 2, 3.0, 4)])
+def test_token_ids_are_checked_element_by_element(ids):
+    """Every element of a token-id list must be an int below 2**63: a float after the first was truncated (2.7 read
+    as 2, so the match was of other tokens), a string, None or a huge int a bare ValueError / TypeError /
+    OverflowError (found by review)."""
+    s = Setup(page=4, window=8)
+    before = s.snapshot()
+    for call in (lambda: s.c.match_prefix(ids), lambda: s.c.insert(ids, t([0] * len(ids)), 0)):
+        with pytest.raises(LocError, match="token ids must be integers"):
+            call()
+    assert s.same(before, s.snapshot())
+    assert s.c.match_prefix([1, 2, 3, 4, 5]).length == 0       # ints (and numpy ints) still pass
+    import numpy as np
+    assert s.c.match_prefix([np.int64(1), np.int32(2)]).length == 0
