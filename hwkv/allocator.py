@@ -14,6 +14,7 @@ for every offset o of a live pair, so continuing a partial page needs no lookup.
 """
 from __future__ import annotations
 
+import operator
 from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -30,16 +31,30 @@ I64 = torch.int64
 
 def _host_ints(name: str, x: IntsLike, host: Optional[torch.Tensor] = None) -> np.ndarray:
     """int64 host copy of x (numpy: a few host ops cost microseconds, not torch's dispatch per op):
-    the given host copy, x itself when on the CPU, else one device read."""
-    if isinstance(x, torch.Tensor) and x.dtype.is_floating_point:
-        raise LocError(f"{name} must hold integers, got {x.dtype}")
+    the given host copy, x itself when on the CPU, else one device read. Floats are refused, not truncated."""
+    _check_int_dtype(name, x)
     if host is not None:
+        _check_int_dtype(f"{name}'s host copy", host)
         x = host
     if isinstance(x, torch.Tensor):
         if x.dtype == I64 and x.dim() == 1 and x.device.type == "cpu" and not x.requires_grad:
             return x.numpy()  # already what the general path would give (a view): one call
         return x.reshape(-1).to("cpu", I64).numpy()
-    return np.asarray([int(v) for v in x], dtype=np.int64)
+    try:
+        return np.asarray([operator.index(v) for v in x], dtype=np.int64)  # int(6.9) would be 6
+    except TypeError:
+        for v in x:  # the refusal only: name the first value that is no integer
+            try:
+                operator.index(v)
+            except TypeError:
+                raise LocError(f"{name} must hold integers, got {type(v).__name__} {v!r}") from None
+        raise
+
+
+def _check_int_dtype(name: str, x: object) -> None:
+    """A tensor argument of locs or lengths must hold integers (its dtype: a host attribute, no device read)."""
+    if isinstance(x, torch.Tensor) and (x.dtype.is_floating_point or x.dtype.is_complex):
+        raise LocError(f"{name} must hold integers, got {x.dtype}")
 
 
 def _refs_view(ring: PageRing) -> np.ndarray:
@@ -77,10 +92,13 @@ def _check_loc_tensor(loc: object) -> torch.Tensor:
 
 
 class _Batch:
-    """One alloc call checked on the host: tokens, new pages, tokens continuing a partial page (numpy)."""
+    """One alloc call checked on the host: tokens, new pages, tokens continuing a partial page (numpy), and
+    `pre`: each request's prefix length (extend) or `seq`: its length (decode), host arrays kept for the
+    continuation check."""
 
-    def __init__(self, n: int, pages: int, cont: Optional[np.ndarray]) -> None:
-        self.n, self.pages, self.cont = n, pages, cont
+    def __init__(self, n: int, pages: int, cont: Optional[np.ndarray], pre: Optional[np.ndarray] = None,
+                 seq: Optional[np.ndarray] = None) -> None:
+        self.n, self.pages, self.cont, self.pre, self.seq = n, pages, cont, pre, seq
 
     @classmethod
     def extend(cls, prefix: np.ndarray, seq: np.ndarray, n_last: int, n: int, page: int) -> "_Batch":
@@ -97,7 +115,7 @@ class _Batch:
         if total != n:
             raise LocError(f"extend_num_tokens={n} but seq_lens - prefix_lens sum to {total}")
         cont = np.minimum(ext, (-prefix) % page)
-        return cls(n, int(((ext - cont + page - 1) // page).sum()), cont)
+        return cls(n, int(((ext - cont + page - 1) // page).sum()), cont, pre=prefix)
 
     @classmethod
     def decode(cls, seq: np.ndarray, bs: int, page: int) -> "_Batch":
@@ -107,7 +125,7 @@ class _Batch:
             raise LocError(f"decode seq_lens must be >= 1, got {int(seq.min())}")
         # bool: a request whose token does not start a page continues it ((seq - 1) % page != 0, one op less)
         cont = seq % page != 1 % page
-        return cls(bs, bs - int(np.count_nonzero(cont)), cont)
+        return cls(bs, bs - int(np.count_nonzero(cont)), cont, seq=seq)
 
 
 class PagedTokenToKVPoolAllocator:
@@ -211,6 +229,7 @@ class PagedTokenToKVPoolAllocator:
         pre_cpu = _host_ints("prefix_lens", prefix_lens, prefix_lens_cpu)
         seq_cpu = _host_ints("seq_lens", seq_lens, seq_lens_cpu)
         n_last = last_loc.numel() if isinstance(last_loc, torch.Tensor) else len(last_loc)
+        _check_int_dtype("last_loc", last_loc)  # a device tensor skips `_host_ints`
         plan = _Batch.extend(pre_cpu, seq_cpu, n_last, int(extend_num_tokens), self.page_size)
         last_cpu = None if isinstance(last_loc, torch.Tensor) and last_loc.device.type != "cpu" else \
             _host_ints("last_loc", last_loc)
@@ -228,6 +247,8 @@ class PagedTokenToKVPoolAllocator:
         n_last = last_loc.numel() if isinstance(last_loc, torch.Tensor) else len(last_loc)
         if n_last != bs:
             raise LocError(f"seq_lens ({bs}) and last_loc ({n_last}) must have one entry per request")
+        _check_int_dtype("seq_lens", seq_lens)  # the tensor fast paths below skip `_host_ints`
+        _check_int_dtype("last_loc", last_loc)
         if self.page_size == 1 and seq_lens_cpu is None and isinstance(seq_lens, torch.Tensor):
             seq_cpu, plan = None, _Batch(bs, bs, None)  # every token takes a fresh page: nothing to read
         else:
@@ -254,8 +275,8 @@ class PagedTokenToKVPoolAllocator:
             self._next_op()
             out = last + 1
             if self.pages.deferred and self._mapping is not None:  # immediate mode checked on the host first
-                _record(self.pages, _g(self._mapping, out) <= 0, torch.div(out, self.page_size, rounding_mode="floor"),
-                        ERR_CONT_RELEASED)
+                _record(self.pages, _bad_continuation(self._mapping, out, seq - 1, self.page_size),
+                        torch.div(out, self.page_size, rounding_mode="floor"), ERR_CONT_RELEASED)
             return out
         if plan.n == 0:
             return torch.empty(0, dtype=I64, device=self.device)
@@ -366,8 +387,59 @@ class PagedTokenToKVPoolAllocator:
         return bool(self._ops.alloc_step(self.pages, self._swa, self._mapping, ctl, rows_in, seq_in, pad_row,
                                          req_to_token, rows, seq, out, advance, frontiers, int(window or 0)))
 
-    def _check_continuations(self, prefix, seq, last, plan, decode) -> None:
-        """Hybrid only: a request continuing a partial page must still own that page's SWA slots."""
+    def _check_continuations(self, prefix: Optional[torch.Tensor], seq: torch.Tensor, last: torch.Tensor,
+                             plan: _Batch, decode: bool) -> None:
+        """A request continuing a partial page (prefix % P != 0 and new tokens: `plan.cont`) takes last_loc + 1..,
+        so last_loc must be the slot of its token prefix-1 on a page it holds: inside the pool's pages (slots
+        [P, size + P)), at in-page offset (prefix - 1) % P, the page live and (hybrid) its SWA slots still mapped.
+        Vectorised host checks (CPU views; a device read in debug mode), raised before anything changes."""
+        cont = plan.cont
+        if cont is None or (decode and plan.pages == plan.n):  # none continues (a decode: one page per request)
+            return
+        sel = cont if cont.dtype == np.bool_ else cont > 0
+        if not (decode and plan.pages == 0):  # else every request continues: no selection
+            if not np.count_nonzero(sel):
+                return
+        p = self.page_size
+        last_h = _host_view(last)
+        # token prefix-1's in-page offset, (prefix - 1) % P, as last_loc's: d % P == 0 for d below
+        d = last_h - plan.pre + 1 if plan.seq is None else last_h - plan.seq + 2
+        if not (decode and plan.pages == 0):
+            last_h, d = last_h[sel], d[sel]
+        # the common case in a few vectorised ops (count_nonzero: no ufunc reduction); hybrid: one clipped gather
+        # of the table, whose padding page holds 0 and trailing entry -1, settles range and liveness (a mapped full
+        # page is live); the failure path says which check failed
+        ok = not np.count_nonzero(d % p)
+        if ok and self._mapping is not None:
+            ok = not np.count_nonzero(self._mapping_view().take(last_h, mode="clip") <= 0)
+        elif ok:
+            ok = not np.count_nonzero(last_h >= self.size + p) and \
+                not np.count_nonzero(_refs_view(self.pages).take(last_h // p, mode="clip") < 1)  # page 0: NEVER
+        if not ok:
+            pre = plan.pre if plan.seq is None else plan.seq - 1
+            self._refuse_continuation(last_h, pre if decode and plan.pages == 0 else pre[sel], np.flatnonzero(sel))
+
+    def _refuse_continuation(self, last_h: np.ndarray, pre_h: np.ndarray, reqs: np.ndarray) -> None:
+        """Raise the first failed check of `_check_continuations` (host arrays of the continuing requests reqs)."""
+        p, name = self.page_size, self.pages.name
+        page = last_h // p
+        for i in np.flatnonzero((page < 1) | (page > self.num_pages))[:1]:
+            raise LocError(f"last_loc {int(last_h[i])} (request {int(reqs[i])}) is outside the {name} pool's "
+                           f"slots [{p}, {self.size + p})")
+        for i in np.flatnonzero((last_h - pre_h + 1) % p)[:1]:
+            l, t = int(last_h[i]), int(pre_h[i]) - 1
+            raise LocError(f"last_loc {l} (request {int(reqs[i])}) is at in-page offset {l % p}; it must be token "
+                           f"{t}'s slot, at offset {t % p} (page_size {p})")
+        refs = _refs_view(self.pages)[page]
+        live = refs >= 1 if self._mapping is None else self._mapping_view()[last_h] > 0
+        for i in np.flatnonzero(~live)[:1]:
+            what = f"last_loc {int(last_h[i])} (request {int(reqs[i])}) is on {name} page {int(page[i])}, which"
+            if refs[i] < 1:
+                raise NotAllocatedError(f"{what} is {'never allocated' if refs[i] == NEVER else 'free'}: a request "
+                                        "continues only a page it holds")
+            raise NotAllocatedError(f"{what} has no SWA slot (released or never allocated); release must keep a "
+                                    "page of margin behind the last page")
+        raise AssertionError("a continuation check failed without a reason")  # unreachable: the checks agree
 
     def _next_op(self) -> None:
         """Number the op about to run on every ring (orders the errors it may record)."""
@@ -572,16 +644,6 @@ class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     def translate_loc_from_full_to_swa(self, loc: torch.Tensor) -> torch.Tensor:
         return self.full_to_swa_index_mapping[loc]
 
-    def _check_continuations(self, prefix, seq, last, plan, decode) -> None:
-        if plan.cont is None or not plan.cont.any():
-            return
-        last_cpu = _host_view(last)[plan.cont if plan.cont.dtype == np.bool_ else plan.cont > 0]
-        mapped = self._mapping_view()[last_cpu]
-        if (mapped <= 0).any():
-            l = int(last_cpu[mapped <= 0][0])
-            raise NotAllocatedError(f"last_loc {l} has no SWA slot (released or never allocated); "
-                                    "release must keep a page of margin behind the last page")
-
     def free_swa(self, loc: torch.Tensor) -> None:
         """Drop the reference to the SWA slots of the (whole) full pages holding `loc`; the full slots stay."""
         self._change(loc, 0, -1)
@@ -622,6 +684,14 @@ def _record(ring: PageRing, bad: torch.Tensor, pages: torch.Tensor, code: int, f
     keys = part - pages.clamp(PAGE_LO, -PAGE_LO - 1)
     best = torch.where(bad, keys, 0).amax().reshape(1)
     torch.maximum(ring.err[:1], best, out=ring.err[:1])
+
+
+def _bad_continuation(mapping: torch.Tensor, nxt: torch.Tensor, pos: torch.Tensor, p: int) -> torch.Tensor:
+    """Deferred check of continuation slots nxt (last_loc + 1..) of tokens at positions pos: bad where the slot has
+    no SWA slot (page released, never allocated; a slot outside the table reads its padding 0 or trailing -1, not
+    past its end) or sits at another in-page offset than pos % p (last_loc was not token pos-1's slot)."""
+    mapped = _g(mapping, nxt.clamp(0, mapping.numel() - 1))
+    return (mapped <= 0) | (torch.remainder(nxt - pos, p) != 0)
 
 
 def _g(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -672,10 +742,12 @@ class TorchPageOps:
         r, j = _owners(ext, n)
         is_cont = j < _g(cont, r)
         res = _g(last, r) + 1 + j
+        check = swa is not None and full.deferred  # immediate mode checked on the host first
+        pos = _g(prefix, r) + j if k or check else None  # each new token's position
         if k:
             fpages = _g(full.ring, (heads[0] + torch.arange(k, device=dev)) % full.num_pages)
             pidx = (_g(newp.cumsum(0) - newp, r) + torch.div(j - _g(cont, r), p, rounding_mode="floor")).clamp_(0, k - 1)
-            res = torch.where(is_cont, res, _g(fpages, pidx) * p + (_g(prefix, r) + j) % p)
+            res = torch.where(is_cont, res, _g(fpages, pidx) * p + pos % p)
             _s(full.refs, fpages, torch.ones_like(fpages))
             if swa is not None:
                 spages = _g(swa.ring, (heads[1] + torch.arange(k, device=dev)) % swa.num_pages)
@@ -683,8 +755,8 @@ class TorchPageOps:
                 off = torch.arange(p, device=dev)
                 _s(mapping, (fpages[:, None] * p + off).reshape(-1), (spages[:, None] * p + off).reshape(-1))
         out.copy_(res)
-        if swa is not None and full.deferred:  # immediate mode checked on the host first
-            bad = is_cont & (_g(mapping, res) <= 0)
+        if check:
+            bad = is_cont & _bad_continuation(mapping, res, pos, p)
             _record(full, bad, torch.div(res, p, rounding_mode="floor"), ERR_CONT_RELEASED)
 
     @staticmethod
@@ -851,6 +923,12 @@ def _check_release(a: SWATokenToKVPoolAllocator, rtt: torch.Tensor, rows: torch.
     total = int(cnt.sum())
     fp = sp = np.zeros(0, dtype=np.int64)
     if total:
+        releasing = r[cnt > 0]  # a row may repeat only where it releases nothing (a graph bucket's padding)
+        if not _distinct(releasing):
+            b = np.sort(releasing)
+            row = int(b[1:][b[1:] == b[:-1]][0])
+            raise LocError(f"request row {row} is named twice in one release that frees its pages (each entry "
+                           "would drop them again); a row may repeat only where it releases nothing")
         rr = np.repeat(np.arange(cnt.size), cnt)
         j = np.arange(total) - np.repeat(np.cumsum(cnt) - cnt, cnt)
         loc = rtt.detach().cpu().numpy()[r[rr], f[rr] + j * p]
@@ -960,20 +1038,35 @@ class ReqToTokenPool:
         return [self._free.pop() for _ in range(need_size)]
 
     def free(self, rows: Union[int, Sequence[int]]) -> None:
-        rows = [rows] if isinstance(rows, int) else list(rows)
+        """Return rows to the pool; every row is checked (in range, held, named once) before any is freed."""
+        rows = [self._row(r) for r in ([rows] if isinstance(rows, int) else rows)]
+        free = set(self._free)
         for r in rows:
-            if not 0 <= r < self.size:
-                raise LocError(f"request row {r} is outside [0, {self.size})")
-            if r in self._free:
-                raise DoubleFreeError(f"request row {r} is already free")
+            if r in free:
+                raise DoubleFreeError(f"request row {r} is already free"
+                                      + (" (named twice in this free)" if r not in self._free else ""))
+            free.add(r)
         self._free.extend(rows)
 
     def write(self, row: int, start: int, locs: torch.Tensor) -> None:
-        """req_to_token[row, start:start+len(locs)] = locs, bounds-checked."""
+        """req_to_token[row, start:start+len(locs)] = locs, bounds-checked (a negative row or start would wrap)."""
+        row = self._row(row)
         end = start + int(locs.shape[0])
+        if start < 0:
+            raise LocError(f"start {start} of a write to request row {row} must be >= 0")
         if end > self.max_context_len:
             raise LocError(f"positions up to {end} exceed max_context_len {self.max_context_len}")
         self.req_to_token[row, start:end] = locs
+
+    def _row(self, row: object) -> int:
+        """row as an int inside [0, size) (ints, numpy and 0-d/1-element torch integers), else LocError."""
+        try:
+            r = operator.index(row)
+        except TypeError:
+            raise LocError(f"request row must be an integer, got {type(row).__name__} {row!r}") from None
+        if not 0 <= r < self.size:
+            raise LocError(f"request row {r} is outside [0, {self.size})")
+        return r
 
     def check_integrity(self) -> None:
         assert len(set(self._free)) == len(self._free), "a request row is free twice"

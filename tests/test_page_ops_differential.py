@@ -494,7 +494,7 @@ def test_alloc_step_equals_three_launches_over_several_programs(page, hybrid):
         systems.append(s)
     lens = torch.randint(1, ctx // 2, (reqs,), generator=gen).tolist()
     for s in systems:  # prefill each request
-        loc = s.a.alloc_extend(T([0] * reqs), T(lens), T([0] * reqs), sum(lens), prefix_lens_cpu=torch.zeros(reqs),
+        loc = s.a.alloc_extend(T([0] * reqs), T(lens), T([0] * reqs), sum(lens), prefix_lens_cpu=torch.zeros(reqs, dtype=I64),
                                seq_lens_cpu=torch.tensor(lens))
         for r, at, n in zip(range(reqs), [0] + list(torch.tensor(lens).cumsum(0)[:-1]), lens):
             s.rtt[r, :n] = loc[int(at):int(at) + n]
