@@ -373,9 +373,9 @@ class HybridPrefixCache:
         lock and the request's SWA frontier (for `release_out_of_window_batch`). A match whose nodes were
         evicted or changed since `match_prefix` raises CacheError; a refusal changes nothing."""
         m, s0 = match.length, match.swa_start
+        self._row_locs(req_to_token_pool, row, m)   # the row and the match's length fit the rows
         if m:
             self._check_current(match)
-            self._row_locs(req_to_token_pool, row, m)   # the row and the match's length fit the rows
             self._precheck(match.locs, match.locs[s0:m], s0)
             req_to_token_pool.write(row, 0, match.locs)
             self.allocator.share(match.locs[:s0], with_swa=False, checked=True)
