@@ -1,12 +1,14 @@
 """Argument checks at the boundary: each names the argument, what was expected and what came."""
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Optional, Sequence, Union
 
 import torch
 
 from hwkv.env import HWKV_DEBUG
-from hwkv.errors import LocError, ShapeError
+from hwkv.errors import ConfigError, LocError, ShapeError
 
 
 def values_checkable(t: torch.Tensor) -> bool:
@@ -22,22 +24,32 @@ def values_checkable(t: torch.Tensor) -> bool:
     return not (is_capturing and is_capturing())
 
 
-def check_loc(name: str, loc: torch.Tensor, limit: int, device: torch.device) -> None:
-    """`loc` must be a 1-D int64 tensor on `device` (its index too, when `device` names one) with
-    values in [0, limit)."""
+def check_index_tensor(name: str, loc: torch.Tensor, device: Optional[torch.device] = None,
+                       ndim: Optional[int] = 1) -> None:
+    """`loc` must be an int64 tensor of `ndim` dimensions (None: any), on `device` when given (its index too,
+    when `device` names one). Host attributes only: never reads a value."""
     if not isinstance(loc, torch.Tensor):
         raise LocError(f"{name} must be a torch.Tensor, got {type(loc).__name__}")
     if loc.dtype != torch.int64:
         raise LocError(f"{name} must be int64, got {loc.dtype}")
-    if loc.dim() != 1:
-        raise LocError(f"{name} must be 1-D, got shape {tuple(loc.shape)}")
-    dev = torch.device(device)
-    if loc.device.type != dev.type or (dev.index is not None and loc.device.index != dev.index):
-        raise LocError(f"{name} is on {loc.device}, the pool is on {device}")
+    if ndim is not None and loc.dim() != ndim:
+        raise LocError(f"{name} must be {ndim}-D, got shape {tuple(loc.shape)}")
+    if device is not None and loc.device != device:  # equal: the common case, no torch.device built
+        dev = torch.device(device)
+        if loc.device.type != dev.type or (dev.index is not None and loc.device.index != dev.index):
+            raise LocError(f"{name} is on {loc.device}, the pool is on {device}")
+
+
+def check_loc(name: str, loc: torch.Tensor, limit: int, device: torch.device, low: int = 0,
+              ndim: Optional[int] = 1) -> None:
+    """`loc` must be an int64 tensor of `ndim` dimensions (1 unless given; None: any) on `device` (its index
+    too, when `device` names one) with values in [low, limit) (values checked where `values_checkable`)."""
+    check_index_tensor(name, loc, device, ndim)
     if loc.numel() and values_checkable(loc):
-        lo, hi = int(loc.min()), int(loc.max())
-        if lo < 0 or hi >= limit:
-            raise LocError(f"{name} holds values in [{lo}, {hi}], allowed range is [0, {limit})")
+        # CPU: one pass (aminmax); elsewhere (debug mode) min and max, which every device's torch implements
+        lo, hi = (int(x) for x in (torch.aminmax(loc) if loc.device.type == "cpu" else (loc.min(), loc.max())))
+        if lo < low or hi >= limit:
+            raise LocError(f"{name} holds values in [{lo}, {hi}], allowed range is [{low}, {limit})")
 
 
 def check_shape(name: str, t: torch.Tensor, expected: Sequence[Optional[int]]) -> None:
@@ -48,13 +60,43 @@ def check_shape(name: str, t: torch.Tensor, expected: Sequence[Optional[int]]) -
         raise ShapeError(f"{name} has shape {list(t.shape)}, expected {want}")
 
 
+def _check_scale_float(name: str, value: float) -> float:
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{name}={value!r} must be a finite number > 0 (K/V are stored divided by it)")
+    return value
+
+
+def _scale_number(name: str, scale: object) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise ConfigError(f"{name}={scale!r} must be a finite number > 0 or a one-element tensor, "
+                          f"got {type(scale).__name__}")
+    return float(scale)
+
+
 def scale_value(name: str, scale: Union[None, float, int, torch.Tensor]) -> float:
-    """A K/V scale as a host float (None -> 1.0). A tensor scale costs one host read: layers
-    convert theirs once at construction, so kernels on the hot path only ever see floats."""
+    """A K/V scale as a host float (None -> 1.0), finite and > 0 (ConfigError naming it otherwise). A
+    tensor scale costs one host read: layers convert theirs once at construction, so kernels on the hot
+    path only ever see floats."""
     if scale is None:
         return 1.0
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1:
             raise ShapeError(f"{name} must be a scalar, got shape {list(scale.shape)}")
-        return float(scale.item())
-    return float(scale)
+        return _check_scale_float(name, float(scale.item()))
+    return _check_scale_float(name, _scale_number(name, scale))
+
+
+def check_scale(name: str, scale: Union[None, float, int, torch.Tensor]) -> None:
+    """A K/V scale handed to a store: None, or finite and > 0. A host number is checked always (no sync); a
+    tensor's shape always, its value only where `values_checkable` (so accelerators never sync)."""
+    if type(scale) is float and 0.0 < scale < math.inf:  # the common case, one compare (NaN fails it too)
+        return
+    if scale is None:
+        return
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ShapeError(f"{name} must be a scalar, got shape {list(scale.shape)}")
+        if values_checkable(scale):
+            _check_scale_float(name, float(scale.item()))
+        return
+    _check_scale_float(name, _scale_number(name, scale))

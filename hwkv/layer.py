@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -10,6 +11,11 @@ import torch
 from hwkv.checks import scale_value
 from hwkv.errors import ConfigError
 from hwkv.window import no_window
+
+
+def _int_at_least_1(val: object) -> bool:
+    """An int (numpy's too, not a bool) >= 1."""
+    return isinstance(val, numbers.Integral) and not isinstance(val, bool) and val >= 1
 
 
 @dataclass(eq=False)
@@ -29,21 +35,27 @@ class AttentionLayer:
     v_scale: Optional[float] = None
 
     def __post_init__(self) -> None:
-        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+        # geometry first: 1/sqrt(head_dim) below, and W = 0 would silently mean full attention
+        for name, or_none in (("num_heads", None), ("num_kv_heads", None), ("head_dim", None),
+                              ("v_head_dim", "head_dim"), ("sliding_window", "full attention")):
+            val = getattr(self, name)
+            if not (or_none and val is None) and not _int_at_least_1(val):
+                none = f" (or None for {or_none})" if or_none else ""
+                raise ConfigError(f"{name}={val!r} must be an int >= 1{none}")
+        if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         if self.scaling is None:
             self.scaling = 1.0 / math.sqrt(self.head_dim)
         if self.v_head_dim is None:
             self.v_head_dim = self.head_dim
-        if self.sliding_window is not None and self.sliding_window < 0:
-            raise ConfigError(f"sliding_window={self.sliding_window} must be >= 1 (or None for full attention)")
         if self.sinks is not None and tuple(self.sinks.shape) != (self.num_heads,):
             raise ConfigError(f"sinks has shape {tuple(self.sinks.shape)}, expected ({self.num_heads},)")
         # scales become host floats here, once, so no layer forward ever reads a device scalar
         self.k_scale = None if self.k_scale is None else scale_value("k_scale", self.k_scale)
         self.v_scale = None if self.v_scale is None else scale_value("v_scale", self.v_scale)
-        if self.logit_cap < 0:
-            raise ConfigError(f"logit_cap={self.logit_cap} must be >= 0 (0 = off)")
+        cap = self.logit_cap
+        if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not (math.isfinite(cap) and cap >= 0):
+            raise ConfigError(f"logit_cap={cap!r} must be a finite number >= 0 (0 = off)")
 
     @property
     def window(self) -> Optional[int]:

@@ -5,6 +5,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from hwkv.checks import check_index_tensor
 from hwkv.errors import CapacityError, LocError
 
 
@@ -14,11 +15,9 @@ class KVWriteLoc:
     __slots__ = ("loc", "swa_loc")
 
     def __init__(self, loc: torch.Tensor, swa_loc: Optional[torch.Tensor] = None) -> None:
-        if not isinstance(loc, torch.Tensor) or loc.dtype != torch.int64:
-            raise LocError(f"KVWriteLoc.loc must be an int64 tensor, got {getattr(loc, 'dtype', type(loc))}")
+        check_index_tensor("KVWriteLoc.loc", loc)  # host attributes only: values are the pool's to check
         if swa_loc is not None:
-            if not isinstance(swa_loc, torch.Tensor) or swa_loc.dtype != torch.int64:
-                raise LocError(f"KVWriteLoc.swa_loc must be an int64 tensor, got {getattr(swa_loc, 'dtype', type(swa_loc))}")
+            check_index_tensor("KVWriteLoc.swa_loc", swa_loc)
             n, m = loc.shape[0], swa_loc.shape[0]
             if m < n:
                 raise LocError(f"KVWriteLoc.swa_loc has {m} entries, shorter than loc's {n}")

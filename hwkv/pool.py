@@ -7,7 +7,7 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 import torch
 
 from hwkv import ops
-from hwkv.checks import check_loc, check_shape
+from hwkv.checks import check_index_tensor, check_loc, check_scale, check_shape
 from hwkv.errors import CapacityError, ConfigError, DeviceError, LocError, MissingSWALocError, ShapeError
 from hwkv.loc import KVWriteLoc, ListRefill, LocRuns
 
@@ -95,8 +95,7 @@ def check_fits(what: str, nbytes: int, device: torch.device) -> None:
 
 def _group_bytes(size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int, v_head_dim: int,
                  layer_num: int) -> int:
-    item = torch.empty(0, dtype=dtype).element_size()
-    return layer_num * (size + page_size) * head_num * (head_dim + v_head_dim) * item
+    return layer_num * (size + page_size) * head_num * (head_dim + v_head_dim) * dtype.itemsize
 
 
 class MHATokenToKVPool:
@@ -107,15 +106,16 @@ class MHATokenToKVPool:
                  _prechecked: bool = False) -> None:
         if dtype not in DTYPES:
             raise ConfigError(f"dtype {dtype} is not supported; use one of {[str(d) for d in DTYPES]}")
+        v_head_dim = v_head_dim if v_head_dim is not None else head_dim
         for name, val, lo in (("size", size, 0), ("page_size", page_size, 1), ("head_num", head_num, 1),
-                              ("head_dim", head_dim, 1), ("layer_num", layer_num, 0)):
+                              ("head_dim", head_dim, 1), ("v_head_dim", v_head_dim, 1), ("layer_num", layer_num, 0)):
             if not isinstance(val, int) or val < lo:
                 raise ConfigError(f"{name}={val!r} must be an int >= {lo}")
         if size % page_size:
             raise ConfigError(f"size={size} must be a multiple of page_size={page_size}")
         self.size, self.page_size, self.dtype = size, page_size, dtype
         self.head_num, self.head_dim = head_num, head_dim
-        self.v_head_dim = v_head_dim if v_head_dim is not None else head_dim
+        self.v_head_dim = v_head_dim
         self.layer_num = layer_num
         self.device = check_device(device)
         if not _prechecked:
@@ -146,8 +146,7 @@ class MHATokenToKVPool:
 
     def bytes_per_token(self) -> int:
         """K + V bytes one token costs across this group's layers."""
-        item = torch.empty(0, dtype=self.dtype).element_size()
-        return self.layer_num * self.head_num * (self.head_dim + self.v_head_dim) * item
+        return self.layer_num * self.head_num * (self.head_dim + self.v_head_dim) * self.dtype.itemsize
 
     def check_write_loc(self, loc: Union[torch.Tensor, KVWriteLoc], name: str = "loc") -> None:
         """Check one forward's write locs once (the backend's metadata step calls this): the layers'
@@ -163,34 +162,60 @@ class MHATokenToKVPool:
                       layer_id_override: Optional[int] = None, swa_loc: Optional[torch.Tensor] = None) -> None:
         """Write the new tokens' K/V at `loc` (a KVWriteLoc's full locs); caller tensors are untouched.
 
-        Per call this costs a layer-id check, two shape compares and the store launch: `loc` is checked
-        here only when it is not the tensor `check_write_loc` checked for this forward.
+        Per call this costs a layer-id check, host-attribute compares of K and V (type, shape, device,
+        dtype), the scales' host check when there are scales, and the store launch: `loc` is checked here only
+        when it is not the tensor `check_write_loc` checked for this forward. Every check runs before the
+        store, so a refused call writes nothing (neither K nor V).
         """
         if isinstance(loc, KVWriteLoc):
             loc = loc.loc
         layer_id = self._layer(layer_id_override if layer_id_override is not None else layer.layer_id)
         if torch.compiler.is_compiling() or loc is not self._checked_loc:
             check_loc("loc", loc, self.size + self.page_size, self._buffer_device)
-        n = loc.shape[0]
-        if cache_k.shape != (n, self.head_num, self.head_dim):
-            check_shape("cache_k", cache_k, (n, self.head_num, self.head_dim))
-        if cache_v.shape != (n, self.head_num, self.v_head_dim):
-            check_shape("cache_v", cache_v, (n, self.head_num, self.v_head_dim))
-        if cache_k.dtype not in self.kv_dtypes or cache_v.dtype not in self.kv_dtypes:
-            bad = cache_k.dtype if cache_k.dtype not in self.kv_dtypes else cache_v.dtype
-            name = "cache_k" if bad is cache_k.dtype else "cache_v"
-            raise ShapeError(f"{name} is {bad}, the pool stores {self.dtype}: a lossy cast hwkv does not make "
-                             f"silently; pass one of {', '.join(sorted(str(d) for d in self.kv_dtypes))}")
+        n, dev, dtypes = loc.shape[0], self._buffer_device, self.kv_dtypes
+        if not (isinstance(cache_k, torch.Tensor) and isinstance(cache_v, torch.Tensor)) \
+                or cache_k.shape != (n, self.head_num, self.head_dim) \
+                or cache_v.shape != (n, self.head_num, self.v_head_dim) \
+                or cache_k.device != dev or cache_v.device != dev \
+                or cache_k.dtype not in dtypes or cache_v.dtype not in dtypes:
+            self._refuse_kv(n, cache_k, cache_v)
+        if k_scale is not None or v_scale is not None:
+            check_scale("k_scale", k_scale)
+            check_scale("v_scale", v_scale)
         ops.store_kv_prechecked(self.k_buffer[layer_id], self.v_buffer[layer_id], loc, cache_k, cache_v,
                                 k_scale, v_scale)
+
+    def _refuse_kv(self, n: int, cache_k: object, cache_v: object) -> None:
+        """The ShapeError for K/V that `set_kv_buffer` cannot store (type, shape, device, then dtype)."""
+        kv = (("cache_k", cache_k, self.head_dim), ("cache_v", cache_v, self.v_head_dim))
+        for name, t, d in kv:
+            if not isinstance(t, torch.Tensor):
+                raise ShapeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            check_shape(name, t, (n, self.head_num, d))
+        for name, t, _ in kv:
+            if t.device != self._buffer_device:
+                raise ShapeError(f"{name} is on {t.device}, the pool's buffers are on {self._buffer_device}: "
+                                 "move it there first (hwkv does not copy K/V across devices)")
+        for name, t, _ in kv:
+            if t.dtype not in self.kv_dtypes:
+                raise ShapeError(f"{name} is {t.dtype}, the pool stores {self.dtype}: a lossy cast hwkv does not "
+                                 f"make silently; pass one of {', '.join(sorted(str(d) for d in self.kv_dtypes))}")
 
     def move_kv(self, src_loc: torch.Tensor, dst_loc: torch.Tensor) -> None:
         """Every layer's K/V at src_loc copied to dst_loc (gathered first, so overlaps are safe): speculative
         acceptance moves accepted draft tokens to the slots of their final positions."""
+        self.check_move(src_loc, dst_loc)
+        self.move_prechecked(src_loc, dst_loc)
+
+    def check_move(self, src_loc: torch.Tensor, dst_loc: torch.Tensor) -> None:
+        """`move_kv`'s argument checks alone (LocError naming the argument); moves nothing."""
         for name, t in (("src_loc", src_loc), ("dst_loc", dst_loc)):
             check_loc(name, t, self.size + self.page_size, self._buffer_device)
         if src_loc.shape != dst_loc.shape:
             raise LocError(f"move_kv: src_loc has {tuple(src_loc.shape)} entries, dst_loc {tuple(dst_loc.shape)}")
+
+    def move_prechecked(self, src_loc: torch.Tensor, dst_loc: torch.Tensor) -> None:
+        """`move_kv` for locs `check_move` accepted."""
         for buf in (*self.k_buffer, *self.v_buffer):
             buf.index_copy_(0, dst_loc, buf.index_select(0, src_loc))
 
@@ -216,16 +241,23 @@ class SWAKVPool:
         both = set(swa_ids) & set(full_ids)
         if both or len(set(swa_ids)) != len(swa_ids) or len(set(full_ids)) != len(full_ids):
             raise ConfigError(f"layer ids must be unique and in one group only; repeated: {sorted(both) or 'within a group'}")
+        for name, val, or_none in (("swa_head_num", swa_head_num, "head_num"),
+                                   ("swa_head_dim", swa_head_dim, "head_dim"),
+                                   ("swa_v_head_dim", swa_v_head_dim, "its default"),
+                                   ("v_head_dim", v_head_dim, "head_dim")):
+            if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val < 1):
+                raise ConfigError(f"{name}={val!r} must be an int >= 1 (or None for {or_none})")
         self.size, self.size_swa, self.page_size, self.dtype = size, size_swa, page_size, dtype
         self.device = check_device(device)
+        swa_h = head_num if swa_head_num is None else swa_head_num
         swa_d = swa_head_dim if swa_head_dim is not None else head_dim
         swa_vd = swa_v_head_dim if swa_v_head_dim is not None else (v_head_dim if swa_head_dim is None else swa_d)
         full_group = (size, page_size, dtype, head_num, head_dim, len(full_ids), device, v_head_dim)
-        swa_group = (size_swa, page_size, dtype, swa_head_num or head_num, swa_d, len(swa_ids), device, swa_vd)
+        swa_group = (size_swa, page_size, dtype, swa_h, swa_d, len(swa_ids), device, swa_vd)
         try:  # sizes of both groups, checked against the device before either allocates
             nbytes = sum(_group_bytes(n, p, dt, h, d, d if vd is None else vd, layers)
                          for n, p, dt, h, d, layers, _, vd in (full_group, swa_group))
-        except (TypeError, RuntimeError):
+        except (TypeError, RuntimeError, AttributeError):
             nbytes = 0  # a bad argument: the group's own checks below name it
         check_fits(f"SWAKVPool(size={size}, size_swa={size_swa}, {len(full_ids)} full + {len(swa_ids)} SWA layers)",
                    nbytes, self.device)
@@ -272,11 +304,19 @@ class SWAKVPool:
             raise ConfigError("SWAKVPool has no full_to_swa_index_mapping: build SWATokenToKVPoolAllocator on it")
         if lists is not None and (out is None or isinstance(loc, LocRuns)):
             raise ConfigError("translating with lists= needs the write locs as a tensor and out= (their buffer)")
+        if out is not None:
+            check_index_tensor("out", out, mapping.device)
         if isinstance(loc, LocRuns):
             if out is None:
                 raise ConfigError("translating LocRuns needs out= (the list's static buffer)")
             ops.translate_runs(mapping, loc.req_to_token, loc.req_pool_indices, loc.pos0, loc.indptr, out)
             return out
+        # -1 is the table's trailing entry (mapping[-1] == -1: "no loc"); values checked where checkable. This
+        # forward's write locs were checked by check_write_loc (the metadata step), so they are not checked twice.
+        # Without out= any shape is a gather (a backend's [bs, L] table of a window); with out=, 1-D locs.
+        if torch.compiler.is_compiling() or loc is not self.full_kv_pool._checked_loc:
+            check_loc("loc", loc, self.size + self.page_size, mapping.device, low=-1,
+                      ndim=None if out is None else 1)
         if out is None:
             return mapping[loc]
         n, cap = loc.shape[0], out.shape[0]
@@ -333,6 +373,10 @@ class SWAKVPool:
             raise MissingSWALocError(
                 f"layer {layer.layer_id} is an SWA layer but no swa_loc was given; build a KVWriteLoc "
                 "once per forward (SWALocCache) and pass it")
+        if not (isinstance(loc, torch.Tensor) and isinstance(swa_loc, torch.Tensor)
+                and loc.dim() == 1 and swa_loc.dim() == 1):
+            check_index_tensor("loc", loc)  # the sub-pool checks swa_loc fully; loc gives only its length
+            check_index_tensor("swa_loc", swa_loc)
         if swa_loc.shape[0] != loc.shape[0]:
             swa_loc = KVWriteLoc(loc, swa_loc).swa_loc
         self.swa_kv_pool.set_kv_buffer(layer, swa_loc, cache_k, cache_v, k_scale, v_scale,
@@ -340,11 +384,15 @@ class SWAKVPool:
 
     def move_kv(self, src_loc: torch.Tensor, dst_loc: torch.Tensor) -> None:
         """Both groups' K/V at src_loc copied to dst_loc; the SWA group at the slots they map to
-        (accepted draft tokens are recent, so both ends are mapped)."""
-        self.full_kv_pool.move_kv(src_loc, dst_loc)
+        (accepted draft tokens are recent, so both ends are mapped). Both groups' locs are checked (and
+        the SWA ones translated) before either group moves, so a refused call moves nothing."""
+        self.full_kv_pool.check_move(src_loc, dst_loc)
         both = self.translate_loc_from_full_to_swa(torch.cat([src_loc, dst_loc]))
         n = src_loc.shape[0]
-        self.swa_kv_pool.move_kv(both[:n], both[n:])
+        swa_src, swa_dst = both[:n], both[n:]
+        self.swa_kv_pool.check_move(swa_src, swa_dst)
+        self.full_kv_pool.move_prechecked(src_loc, dst_loc)
+        self.swa_kv_pool.move_prechecked(swa_src, swa_dst)
 
     def bytes_per_token(self) -> Tuple[int, int]:
         """(full-group, SWA-group) K + V bytes per token."""

@@ -95,7 +95,9 @@ def test_checks_per_forward_do_not_grow_with_layers(triton_on_cpu, calls, mode, 
     small, big = per_model[4], per_model[36]
     checks_of = lambda c: {k: v for k, v in c.items() if not k.startswith("launch:")}  # noqa: E731
     assert checks_of(small) == checks_of(big), "argument checks grew with the number of layers"
-    assert big["check_loc"] == 2, "the write locs (loc, swa_loc) are checked once per forward"
+    # the write locs (loc, swa_loc) and the window list the SWA layers share (its translation checks its locs), each
+    # once per forward
+    assert big["check_loc"] == 3, "the write locs and the window list are checked once per forward"
     assert big["_check_store"] == 0, "the pool stores through the prechecked entry"
     assert big["launch:_store_kv_kernel"] == 36
     if mode == ForwardMode.DECODE:

@@ -406,13 +406,18 @@ def test_a_consumer_count_the_kernel_has_no_partitions_for_is_refused():
 
 def test_a_scale_that_is_not_positive_keeps_the_portable_kernel():
     """The kernel folds the logit scale into the exponent after the row max, which needs scale > 0: a zero or
-    negative scale (k_scale included) launches nothing, and the dispatch runs the portable kernel."""
+    negative scaling launches nothing, and the dispatch runs the portable kernel (a k_scale that is not > 0 is a
+    ConfigError, as in every kernel)."""
     q = torch.zeros(32, 8, 64, dtype=torch.bfloat16)
     kv = torch.zeros(64, 1, 64, dtype=torch.bfloat16)
     lists = (torch.tensor([0, 32], dtype=torch.int32), torch.arange(32), torch.zeros(1, dtype=torch.int64),
              torch.tensor([0, 32], dtype=torch.int32), torch.zeros(1, dtype=torch.int64))
-    for scaling, k_scale in ((0.0, None), (-0.125, None), (0.125, 0.0), (0.125, -1.0)):
-        assert extend_hopper.run_hopper_extend(None, q, kv, kv, *lists, q, scaling, k_scale=k_scale) is False
+    for scaling in (0.0, -0.125):
+        assert extend_hopper.run_hopper_extend(None, q, kv, kv, *lists, q, scaling) is False
+    from hwkv.errors import ConfigError
+    for k_scale in (0.0, -1.0):   # a K scale that is not > 0 is bad input everywhere (K is stored divided by it)
+        with pytest.raises(ConfigError, match=f"scale={k_scale} must be a finite number > 0"):
+            extend_hopper.run_hopper_extend(None, q, kv, kv, *lists, q, 0.125, k_scale=k_scale)
 
 
 def _nvidia_tool(name: str) -> str:
