@@ -86,6 +86,8 @@ class AttentionBackend(DraftMetadataMixin):
         self._arange32 = KeptRange(torch.int32, self.device, 65)  # decode's qo_indptr, no allocation per forward
         # the pool's layers (an eager decode allocates their outputs at once: LayerOutputs); 0: not known
         self._layer_count = len(getattr(pool, "layers_mapping", ())) or int(getattr(pool, "layer_num", 0) or 0)
+        # per layer id: its pool group's (KV heads, head_dim, v_head_dim) and the buffers' device, read once
+        self._layer_geometry: Dict[int, Tuple[Tuple[int, int, int], torch.device]] = {}
 
     # ---- subclass hooks -------------------------------------------------------------------
     def alloc_graph_tables(self, static: StaticBuffers) -> Any:
@@ -140,11 +142,12 @@ class AttentionBackend(DraftMetadataMixin):
             members = ", ".join(f"ForwardMode.{m}" for m in ForwardMode.__members__)
             raise ConfigError(f"batch.forward_mode is {batch.forward_mode!r} ({type(batch.forward_mode).__name__}), "
                               f"not a ForwardMode; use one of {members}")
-        bs, decode = batch.batch_size, batch.forward_mode.is_decode()
+        bs, decode = batch.batch_size, batch.forward_mode.is_decode_or_idle()  # IDLE: a DECODE of no requests
         seq_cpu, ext_cpu = batch.host_lens()
         # sizes from the host lengths, as Python ints: one read each, then host arithmetic only
         seq_h = seq_cpu.tolist()
         ext_h = [1] * bs if decode else ext_cpu.tolist()
+        batch.check_lens(seq_h, ext_h, *self.req_to_token_pool.req_to_token.shape)  # before anything is built
         # the same rule as window_pos0 on the host lengths, for sizes: max(0, seq - ext - W + 1)
         win_lens = {w: [s - max(0, s - e - w + 1) for s, e in zip(seq_h, ext_h)] for w in self.windows}
         ext = None if decode else batch.extend_lens().to(torch.int64)
@@ -307,7 +310,7 @@ class AttentionBackend(DraftMetadataMixin):
         bs, n = batch.batch_size, batch.num_tokens
         check_fits("batch size", bs, st.max_bs)
         check_fits("tokens", n, st.max_num_tokens)
-        decode = batch.forward_mode.is_decode()
+        decode = batch.forward_mode.is_decode_or_idle()
         kernels = ops.graph_refill_kernels(self.device.type) if self._fusable_refill else None
         one_launch = kernels is not None and self._refills_in_one(kernels)
         write_loc = self._write_loc(batch.out_cache_loc, graph=True, lists=self._list_refill(batch) if one_launch
@@ -359,7 +362,7 @@ class AttentionBackend(DraftMetadataMixin):
     def _list_refill(self, batch: ForwardBatch) -> ListRefill:
         """The static lists a graph refill builds in its write locs' launch (`fill_translated`)."""
         st = self.static
-        ext = None if batch.forward_mode.is_decode() else batch.extend_seq_lens
+        ext = None if batch.forward_mode.is_decode_or_idle() else batch.extend_seq_lens
         return ListRefill(self.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens, ext,
                           st.list_windows, st.lens, st.q_pos0, st.qo_indptr, st.list_indptr, st.list_pos0,
                           st.full_indices, st.win_rows)
@@ -368,7 +371,7 @@ class AttentionBackend(DraftMetadataMixin):
         """One launch for positions, qo_indptr, every list's indptr/pos0 and the full list, then one
         per window: its list gathered and translated at once (still one counted translation)."""
         st, rtt = self.static, self.req_to_token_pool.req_to_token
-        ext = None if batch.forward_mode.is_decode() else batch.extend_seq_lens
+        ext = None if batch.forward_mode.is_decode_or_idle() else batch.extend_seq_lens
         kernels.fill_lists(rtt, batch.req_pool_indices, batch.seq_lens, ext, st.list_windows, st.lens, st.q_pos0,
                            st.qo_indptr, st.list_indptr, st.list_pos0, st.full_indices)
         for w, lst in views.windows.items():
@@ -385,7 +388,7 @@ class AttentionBackend(DraftMetadataMixin):
         seq = st.lens[:bs]
         seq.copy_(batch.seq_lens)
         qo_indptr = st.qo_indptr[:bs + 1]
-        if batch.forward_mode.is_decode():  # one query per request: nothing to sum
+        if batch.forward_mode.is_decode_or_idle():  # one query per request: nothing to sum
             q_pos0 = torch.sub(seq, 1, out=st.q_pos0[:bs])
             qo_indptr.copy_(st.arange[:bs + 1])
         else:
@@ -440,18 +443,32 @@ class AttentionBackend(DraftMetadataMixin):
         if md is None:
             raise ConfigError("init_forward_metadata(batch) must run before forward")
         t = batch.num_tokens
-        h, d, dv = layer.num_heads, layer.head_dim, layer.v_head_dim
+        h, kvh, d, dv = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.v_head_dim
+        # every check before the K/V write: attribute compares only (the group's geometry read once per layer id)
+        geo = self._layer_geometry.get(layer.layer_id) or self._read_geometry(layer)
+        if (kvh, d, dv) != geo[0]:
+            self._refuse_geometry(layer, geo[0])
         if q.dim() == 2:
+            if q.shape != (t, h * d):
+                check_shape("q", q, (t, h * d))
             q = q.view(t, h, d)
-        if q.shape != (t, h, d):
+        elif q.shape != (t, h, d):
             check_shape("q", q, (t, h, d))
+        if not q.is_floating_point() or q.device != geo[1]:
+            self._refuse_query(q, geo[1])
+        if layer.sinks is not None and (layer.sinks.device != geo[1] or not layer.sinks.is_floating_point()):
+            self._refuse_sinks(layer, geo[1])
         if save_kv_cache:
             if k is None or v is None:
                 raise ShapeError(f"layer {layer.layer_id}: save_kv_cache=True needs k and v")
             if k.dim() == 2:
-                k = k.view(t, layer.num_kv_heads, d)
+                if k.shape != (t, kvh * d):
+                    check_shape("k", k, (t, kvh * d))
+                k = k.view(t, kvh, d)
             if v.dim() == 2:
-                v = v.view(t, layer.num_kv_heads, dv)
+                if v.shape != (t, kvh * dv):
+                    check_shape("v", v, (t, kvh * dv))
+                v = v.view(t, kvh, dv)
             self.pool.set_kv_buffer(layer, md.write_loc, k, v, layer.k_scale, layer.v_scale)
         out = q.new_empty(t, h, dv) if md.outputs is None else md.outputs.take(layer.layer_id, q, t, h, dv)
         if t == 0:
@@ -466,6 +483,35 @@ class AttentionBackend(DraftMetadataMixin):
         else:
             self.forward_extend(q, layer, kv, md, out)
         return out
+
+    def _read_geometry(self, layer: AttentionLayer) -> Tuple[Tuple[int, int, int], torch.device]:
+        """The pool group's (KV heads, head_dim, v_head_dim) and device for this layer id (kept: a pool's
+        geometry never changes); a layer id the pool lacks is a ConfigError naming its ids."""
+        self.is_swa_group(layer)
+        k_buf, v_buf = self.kv_buffers(layer)
+        geo = self._layer_geometry[layer.layer_id] = ((k_buf.shape[1], k_buf.shape[2], v_buf.shape[2]), k_buf.device)
+        return geo
+
+    @staticmethod
+    def _refuse_geometry(layer: AttentionLayer, group: Tuple[int, int, int]) -> None:
+        got = (layer.num_kv_heads, layer.head_dim, layer.v_head_dim)
+        name, mine, theirs = next(f for f in zip(("num_kv_heads", "head_dim", "v_head_dim"), got, group)
+                                  if f[1] != f[2])
+        raise ShapeError(f"layer {layer.layer_id}: {name}={mine} but the pool's group holds {theirs} (KV heads, "
+                         f"head_dim, v_head_dim of the group: {group})")
+
+    @staticmethod
+    def _refuse_query(q: torch.Tensor, device: torch.device) -> None:
+        if not q.is_floating_point():
+            raise ShapeError(f"q is {q.dtype}, not a floating-point dtype: attention needs a float query")
+        raise ShapeError(f"q lives on {q.device}, the pool on {device}")
+
+    @staticmethod
+    def _refuse_sinks(layer: AttentionLayer, device: torch.device) -> None:
+        sinks = layer.sinks
+        if sinks.device != device:
+            raise ShapeError(f"layer {layer.layer_id}: sinks live on {sinks.device}, the pool on {device}")
+        raise ShapeError(f"layer {layer.layer_id}: sinks are {sinks.dtype}, not floating point")
 
 
 class KernelSetBackend(AttentionBackend):

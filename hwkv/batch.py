@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
 
-from hwkv.errors import ConfigError, ShapeError
+from hwkv.checks import values_checkable
+from hwkv.errors import ConfigError, LocError, ShapeError
 
 
 class ForwardMode(enum.IntEnum):
@@ -23,6 +25,11 @@ class ForwardMode(enum.IntEnum):
 
     def is_idle(self) -> bool:
         return self == ForwardMode.IDLE
+
+    def is_decode_or_idle(self) -> bool:
+        """Modes with at most one new token per request: IDLE is a forward of no requests (a rank of data-parallel
+        attention with nothing to run still runs its layers), planned as a DECODE of none."""
+        return self in (ForwardMode.DECODE, ForwardMode.IDLE)
 
     def is_extend_like(self) -> bool:
         """Modes whose queries run the extend kernel (several tokens per request)."""
@@ -55,12 +62,15 @@ class ForwardBatch:
             members = ", ".join(f"ForwardMode.{m}" for m in ForwardMode.__members__)
             raise ConfigError(f"forward_mode is {self.forward_mode!r} ({type(self.forward_mode).__name__}), not a "
                               f"ForwardMode; use one of {members}")
-        if self.forward_mode.is_idle():
-            return
-        for name in ("req_pool_indices", "seq_lens"):
+        if self.forward_mode.is_idle() and (self.batch_size or self.out_cache_loc.shape[0]):
+            raise ShapeError(f"IDLE is a forward without requests: batch_size is {self.batch_size} and out_cache_loc "
+                             f"has {self.out_cache_loc.shape[0]} entries, both must be 0")
+        # shapes only (host attributes): the values are checked where host copies exist (init_forward_metadata)
+        for name in ("req_pool_indices", "seq_lens", "extend_seq_lens", "seq_lens_cpu", "extend_seq_lens_cpu"):
             t = getattr(self, name)
-            if t.shape[0] != self.batch_size:
-                raise ShapeError(f"{name} has {t.shape[0]} entries, batch_size is {self.batch_size}")
+            if t is not None and (t.dim() != 1 or t.shape[0] != self.batch_size):
+                got = f"{t.shape[0]} entries" if t.dim() == 1 else f"shape {list(t.shape)}"
+                raise ShapeError(f"{name} has {got}, batch_size is {self.batch_size}")
         if self.forward_mode.is_extend_like() and self.extend_seq_lens is None:
             raise ShapeError(f"{self.forward_mode.name} needs extend_seq_lens (new tokens per request)")
         steps = getattr(self.spec_info, "num_steps", 1)  # hwkv.spec.MultiStepDraft: that many tokens each
@@ -74,19 +84,50 @@ class ForwardBatch:
         return int(self.out_cache_loc.shape[0])
 
     def extend_lens(self) -> torch.Tensor:
-        """New tokens per request (ones for DECODE)."""
-        if self.forward_mode.is_decode():
+        """New tokens per request (ones for DECODE, and for IDLE's no requests)."""
+        if self.forward_mode.is_decode_or_idle():
             return torch.ones_like(self.seq_lens)
         return self.extend_seq_lens
 
     def host_lens(self) -> "tuple[torch.Tensor, torch.Tensor]":
         """(seq_lens, extend lens) as int64 CPU tensors: the engine's host copies when given
-        (no sync), else one device-to-host read each; DECODE's extend lens are known ones."""
+        (no sync), else one device-to-host read each; DECODE's (and IDLE's) extend lens are known ones."""
         seq = self.seq_lens_cpu if self.seq_lens_cpu is not None else self.seq_lens.cpu()
-        if self.forward_mode.is_decode():
+        if self.forward_mode.is_decode_or_idle():
             ext = torch.ones(self.batch_size, dtype=torch.int64, device="cpu")  # not torch's default device
         elif self.extend_seq_lens_cpu is not None:
             ext = self.extend_seq_lens_cpu
         else:
             ext = self.extend_seq_lens.cpu()
         return seq.to(torch.int64), ext.to(torch.int64)
+
+    def check_lens(self, seq_h: List[int], ext_h: List[int], rows: int, max_context_len: int) -> None:
+        """The batch against a req_to_token table of `rows` x `max_context_len`, typed (ShapeError, LocError), before
+        a metadata step translates or builds anything: 1 <= seq_lens <= max_context_len, 0 <= extend lens <= seq_lens
+        summing to out_cache_loc's length, 0 <= req_pool_indices < rows. `seq_h`/`ext_h` are the host lengths the
+        step read anyway (`host_lens`, as lists): C-level min/max/sum over them, no device read and nothing per
+        request in Python. The rows have no host copy: checked where their values are checkable (CPU; elsewhere
+        only with HWKV_DEBUG, never while capturing)."""
+        bs = self.batch_size
+        for name, lens in (("seq_lens", seq_h), ("extend_seq_lens", ext_h)):
+            if len(lens) != bs:  # a host copy that disagrees with the batch (a field changed after construction)
+                raise ShapeError(f"{name} has {len(lens)} entries (its host copy), batch_size is {bs}")
+        if bs and (min(seq_h) < 1 or max(seq_h) > max_context_len):
+            i = next(i for i, n in enumerate(seq_h) if not 1 <= n <= max_context_len)
+            raise ShapeError(f"seq_lens[{i}] is {seq_h[i]}; allowed range is [1, {max_context_len}] (the "
+                             "ReqToTokenPool's max_context_len)")
+        if bs and not self.forward_mode.is_decode_or_idle():  # (DECODE's token count: checked at construction)
+            if min(ext_h) < 0 or min(map(operator.sub, seq_h, ext_h)) < 0:
+                i = next(i for i, (n, e) in enumerate(zip(seq_h, ext_h)) if not 0 <= e <= n)
+                raise ShapeError(f"extend_seq_lens[{i}] is {ext_h[i]}; allowed range is [0, seq_lens[{i}]] = "
+                                 f"[0, {seq_h[i]}]")
+            if sum(ext_h) != self.num_tokens:
+                raise ShapeError(f"extend_seq_lens sum to {sum(ext_h)} new tokens, out_cache_loc has "
+                                 f"{self.num_tokens}")
+        idx = self.req_pool_indices
+        if idx.numel() and values_checkable(idx):
+            rows_h = idx.tolist()  # a host read, no op dispatched: on CPU no sync, elsewhere only in debug
+            lo, hi = min(rows_h), max(rows_h)
+            if lo < 0 or hi >= rows:
+                raise LocError(f"req_pool_indices hold values in [{lo}, {hi}], allowed range is [0, {rows}) (the "
+                               "ReqToTokenPool's rows)")
