@@ -90,7 +90,7 @@ class TorchCPUBackend(KernelSetBackend):
     """CPU kernels over the paged pool; graph mode through torch.compile over static buffers."""
 
     name = "cpu"
-    kernels = _kernels
+    kernels = _kernels.BackendKernels
     Options = CPUOptions
 
     def __init__(self, pool: Any, req_to_token_pool: Any, **options: Any) -> None:

@@ -14,12 +14,13 @@ torch.set_num_threads(1) holds process-wide, and the caller's setting is restore
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 
 from hwkv.checks import check_shape, scale_value, values_checkable
-from hwkv.errors import LocError, ShapeError
+from hwkv.csr_checks import check_csr_values, check_float_dtypes, check_index_dtypes
+from hwkv.errors import ShapeError
 from hwkv.spec import TreeMask, check_tree_mask
 from hwkv_cpu import amx
 from hwkv_cpu.kernels_decode import Params, decode_torch, key_range
@@ -64,9 +65,8 @@ def _check_common(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_
     for name, t in (("k_buf", k_buf), ("v_buf", v_buf)):
         if not t.is_contiguous():
             raise ShapeError(f"{name} must be contiguous, got strides {t.stride()}")
-    for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_pos0", kv_pos0)):
-        if t.dtype not in (torch.int32, torch.int64):
-            raise LocError(f"{name} must be int32 or int64, got {t.dtype}")
+    check_index_dtypes((("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_pos0", kv_pos0)))
+    check_float_dtypes((("q", q), ("k_buf", k_buf), ("v_buf", v_buf), ("out", out), ("sinks", sinks)))
 
 
 def _norm_sinks(sinks: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -139,7 +139,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                      kv_indices: torch.Tensor, kv_pos0: torch.Tensor, q_pos: torch.Tensor, out: torch.Tensor,
                      scaling: Optional[float], window: Optional[int], logit_cap: Optional[float],
                      sinks: Optional[torch.Tensor], k_scale: Scale, v_scale: Scale,
-                     max_kv_len: Optional[int] = None) -> None:
+                     max_kv_len: Optional[int] = None, *, _own_lists: bool = False) -> None:
     """out[b] = softmax(scaling * q[b] . K^T) V over request b's keys visible to position q_pos[b].
 
     q [B, H, D]; k_buf [S, KVH, D], v_buf [S, KVH, Dv] (fp32, bf16, fp16, fp8; loaded values
@@ -148,12 +148,15 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     causal only; logit_cap > 0: s = cap * tanh(s / cap) after scaling; sinks [H] fp32: one raw
     logit per q head in the denominator. out [B, H, Dv] (any float dtype) is the only tensor
     written; a request with no visible key gets zeros. max_kv_len is accepted for interface
-    parity (the GPU split-K bound) and not needed here.
+    parity (the GPU split-K bound) and not needed here. (`_own_lists`: `BackendKernels`' per-layer call.)
     """
     _check_common(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, out, sinks)
     check_shape("q_pos", q_pos, [kv_pos0.shape[0]])
+    check_index_dtypes((("q_pos", q_pos),))
     if q.shape[0] != kv_pos0.shape[0]:
         raise ShapeError(f"q has {q.shape[0]} rows, the index list has {kv_pos0.shape[0]} requests")
+    if not _own_lists:
+        check_csr_values(kv_indptr, kv_indices, k_buf.shape[0])
     if q.shape[0] == 0:
         return
     qk_scale, cap, v_sc, win = _scalars(q, scaling, window, logit_cap, k_scale, v_scale)
@@ -165,7 +168,8 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                      kv_indices: torch.Tensor, kv_pos0: torch.Tensor, qo_indptr: torch.Tensor,
                      q_pos0: torch.Tensor, out: torch.Tensor, max_q_len: int, scaling: Optional[float],
                      window: Optional[int], logit_cap: Optional[float], sinks: Optional[torch.Tensor],
-                     k_scale: Scale, v_scale: Scale, *, tree: Optional[TreeMask] = None) -> None:
+                     k_scale: Scale, v_scale: Scale, *, tree: Optional[TreeMask] = None,
+                     _own_lists: bool = False) -> None:
     """out[t] for query rows t of request b (qo_indptr[b] <= t < qo_indptr[b+1], position
     q_pos0[b] + t - qo_indptr[b]) over the keys of request b visible to it; q [T, H, D],
     out [T, H, Dv]. Everything else as in `decode_attention`. The new tokens' K/V are read from
@@ -180,6 +184,9 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     bs = kv_pos0.shape[0]
     check_shape("qo_indptr", qo_indptr, [bs + 1])
     check_shape("q_pos0", q_pos0, [bs])
+    check_index_dtypes((("qo_indptr", qo_indptr), ("q_pos0", q_pos0)))
+    if not _own_lists:
+        check_csr_values(kv_indptr, kv_indices, k_buf.shape[0], qo_indptr, q.shape[0])
     if tree is not None:
         check_tree_mask(tree, q, qo_indptr, q_pos0)
     if q.shape[0] == 0 or bs == 0:
@@ -188,3 +195,17 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     trees = (None, None, None) if tree is None else tuple(tree)
     torch.ops.hwkv_cpu.extend_attention(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0,
                                         out, int(max_q_len), qk_scale, cap, v_sc, win, _norm_sinks(sinks), *trees)
+
+
+class BackendKernels:
+    """`TorchCPUBackend`'s per-layer kernel calls: its lists are the forward's own metadata, built from the batch the
+    backend checked once per forward, so each layer checks shapes and dtypes but not the lists' values again (an
+    aminmax over every index, up to ~40 us a layer at 64 x 2K keys)."""
+
+    @staticmethod
+    def decode_attention(*args: Any, **kwargs: Any) -> None:
+        decode_attention(*args, _own_lists=True, **kwargs)
+
+    @staticmethod
+    def extend_attention(*args: Any, **kwargs: Any) -> None:
+        extend_attention(*args, _own_lists=True, **kwargs)

@@ -41,6 +41,7 @@ try:  # grid dependency control (PDL); a Triton without it keeps plain launches 
 except ImportError:
     gdc_launch_dependents = gdc_wait = None
 
+from hwkv.csr_checks import check_csr_values, check_float_dtypes, check_index_dtypes
 from hwkv.errors import ShapeError
 from hwkv_cuda.kernels.launch import Launch, current_stream, launch, spec
 from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, build_for_sm90, cdiv, check_dims, check_same_device,
@@ -466,6 +467,10 @@ def _check_decode(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, s
         raise ShapeError(f"q has {h} heads, not a multiple of the buffers' {kvh} kv heads")
     check_same_device(q=q, k_buf=k_buf, v_buf=v_buf, kv_indptr=kv_indptr, kv_indices=kv_indices,
                       kv_pos0=kv_pos0, q_pos=q_pos, out=out, sinks=sinks)
+    check_index_dtypes((("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_pos0", kv_pos0),
+                        ("q_pos", q_pos)))
+    check_float_dtypes((("q", q), ("k_buf", k_buf), ("v_buf", v_buf), ("out", out), ("sinks", sinks)))
+    check_csr_values(kv_indptr, kv_indices, k_buf.shape[0])
 
 
 def _workspace(workspace, bs, h, kvh, d, dv, max_kv_len, device, cfg) -> DecodeWorkspace:
@@ -715,7 +720,8 @@ def _public_plan(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, si
     A kv_indices with a strided last dim is never cached (its length is not in the key, and only a one-entry view
     may be strided), nor is a call while a graph is being captured (its workspace must not be one an eager call
     shares). Host work: one tuple of C-level reads and one dict lookup instead of ~20 check helpers and three
-    scratch allocations."""
+    scratch allocations; the key holds the dtypes `_check_decode` checks, and the list values (which change
+    between calls of one kind) are checked on every call where they are checkable (CPU, HWKV_DEBUG)."""
     dev = q.device
     bound = None if max_kv_len is None else next_pow2(max_kv_len)
     key = (q.shape, k_buf.shape, v_buf.shape, out.shape, kv_indptr.shape, kv_indices.dim(), kv_pos0.shape,
@@ -724,9 +730,11 @@ def _public_plan(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, si
            sinks.stride(-1) if sinks is not None else None, dev, k_buf.get_device(), v_buf.get_device(),
            kv_indptr.get_device(), kv_indices.get_device(), kv_pos0.get_device(), q_pos.get_device(),
            out.get_device(), sinks.get_device() if sinks is not None else None, bound, current_stream(dev),
-           threading.get_ident())
+           threading.get_ident(), q.dtype, k_buf.dtype, v_buf.dtype, out.dtype, kv_indptr.dtype, kv_indices.dtype,
+           kv_pos0.dtype, q_pos.dtype, sinks.dtype if sinks is not None else None)
     plan = _PUBLIC_PLANS.get(key)
     if plan is not None and not _capturing(dev):
+        check_csr_values(kv_indptr, kv_indices, k_buf.shape[0])  # the dtypes are the key's; values change
         return plan
     _check_decode(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks)
     plan = _make_plan(q, k_buf, v_buf, out, bound, None, None)

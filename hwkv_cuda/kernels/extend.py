@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hwkv.csr_checks import check_csr_values, check_float_dtypes, check_index_dtypes
 from hwkv.errors import ShapeError
 from hwkv.spec import TreeMask, check_tree_mask
 from hwkv_cuda.kernels import extend_hopper
@@ -295,6 +296,10 @@ def _check_extend(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_
         raise ShapeError(f"q has {h} heads, not a multiple of the buffers' {kvh} kv heads")
     check_same_device(q=q, k_buf=k_buf, v_buf=v_buf, kv_indptr=kv_indptr, kv_indices=kv_indices,
                       kv_pos0=kv_pos0, qo_indptr=qo_indptr, q_pos0=q_pos0, out=out, sinks=sinks)
+    check_index_dtypes((("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_pos0", kv_pos0),
+                        ("qo_indptr", qo_indptr), ("q_pos0", q_pos0)))
+    check_float_dtypes((("q", q), ("k_buf", k_buf), ("v_buf", v_buf), ("out", out), ("sinks", sinks)))
+    check_csr_values(kv_indptr, kv_indices, k_buf.shape[0], qo_indptr, t)
 
 
 # planned launches of the extend kernel: a plan is per forward, its launches outlive it (keyed by what fixes them)

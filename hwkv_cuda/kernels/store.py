@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hwkv.csr_checks import check_slots
 from hwkv.errors import LocError
 from hwkv_cuda.kernels.common import FP8_MAX, as_scale, check_dims, check_same_device, next_pow2
 from hwkv_cuda.kernels.launch import Launch, launch, spec
@@ -75,6 +76,7 @@ def _check_store(k_buf, v_buf, loc, k, v) -> None:
     check_dims("k", k, [n, kvh, k_buf.shape[2]])
     check_dims("v", v, [n, kvh, v_buf.shape[2]])
     check_same_device(k_buf=k_buf, v_buf=v_buf, loc=loc, k=k, v=v)
+    check_slots("loc", loc, k_buf.shape[0])  # values: CPU / HWKV_DEBUG only (hwkv.checks.values_checkable)
 
 
 def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,

@@ -1,0 +1,84 @@
+"""Checks of an attention call's CSR index lists, shared by the device packages' public kernels.
+
+Dtypes are host attributes, checked on every checked call. Values (`check_csr_values`) are read only where
+`hwkv.checks.values_checkable` allows (CPU tensors; accelerators in debug mode): an indptr starts at >= 0,
+never decreases and ends inside what it indexes, and the listed slots lie in the pool. Entries of kv_indices
+outside [kv_indptr[0], kv_indptr[-1]) are never read, so they are not checked (docs/architecture.md).
+`check_slots` is the range check alone, for a store's write locs.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from hwkv.checks import values_checkable
+from hwkv.errors import LocError, ShapeError
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+_SMALL = 64  # index lists up to this many entries are range-checked on a host list (cheaper than aminmax)
+
+
+def check_index_dtypes(named: Sequence[Tuple[str, torch.Tensor]]) -> None:
+    """Each (name, tensor) is int32 or int64 (LocError names the tensor and its dtype)."""
+    for name, t in named:
+        if t.dtype not in INDEX_DTYPES:
+            raise LocError(f"{name} must be int32 or int64, got {t.dtype}")
+
+
+def check_float_dtypes(named: Sequence[Tuple[str, Optional[torch.Tensor]]]) -> None:
+    """Each (name, tensor) not None is floating point (fp8 included; ShapeError names the tensor and its dtype)."""
+    for name, t in named:
+        if t is not None and not t.dtype.is_floating_point:
+            raise ShapeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+
+
+def _indptr_span(name: str, ptr: torch.Tensor, limit: int, what: str) -> Tuple[int, int]:
+    """(first, last) of an indptr that starts at >= 0, never decreases and ends at <= limit."""
+    vals = ptr.tolist()
+    first, last = vals[0], vals[-1]
+    if first < 0:
+        raise LocError(f"{name} starts at {first}; an indptr starts at >= 0")
+    if vals != sorted(vals):  # sorted() is linear on an already sorted list
+        b = next(i for i in range(len(vals) - 1) if vals[i + 1] < vals[i])
+        raise LocError(f"{name} decreases at {b}: {name}[{b}] = {vals[b]} > {name}[{b + 1}] = {vals[b + 1]}")
+    if last > limit:
+        raise LocError(f"{name} ends at {last}, past {what}")
+    return first, last
+
+
+def check_csr_values(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, slots: int,
+                     qo_indptr: Optional[torch.Tensor] = None, rows: int = 0) -> None:
+    """Where values are checkable: kv_indptr spans kv_indices (0 <= kv_indptr[0] <= ... <= kv_indptr[-1] <=
+    kv_indices.numel()), its entries lie in the pool's slots [0, slots), and qo_indptr (extend) spans q's `rows`
+    the same way. Call after the dtype and shape checks (1-D int tensors on one device)."""
+    if not values_checkable(kv_indices):
+        return
+    if qo_indptr is not None:
+        _indptr_span("qo_indptr", qo_indptr, rows, f"q's {rows} rows")
+    start, end = _indptr_span("kv_indptr", kv_indptr, kv_indices.shape[0], f"kv_indices' {kv_indices.shape[0]} entries")
+    _check_range("kv_indices", kv_indices, slots, start, end)
+
+
+def check_slots(name: str, loc: torch.Tensor, slots: int) -> None:
+    """Where values are checkable: every entry of the 1-D int tensor `loc` lies in the pool's slots [0, slots)
+    (a store's write locs)."""
+    if loc.shape[0] and values_checkable(loc):
+        _check_range(name, loc, slots, 0, loc.shape[0])
+
+
+def _check_range(name: str, t: torch.Tensor, slots: int, start: int, end: int) -> None:
+    """Entries [start, end) of the 1-D int tensor `t` lie in [0, slots)."""
+    if end <= start:
+        return
+    if t.shape[0] <= _SMALL:  # a host list: cheaper than a slice and a reduction
+        vals = t.tolist()[start:end]
+        lo, hi = min(vals), max(vals)
+    else:  # CPU: one pass (aminmax); elsewhere (debug mode) min and max, which every device's torch implements
+        used = t[start:end]
+        lo, hi = (int(x) for x in (torch.aminmax(used) if used.device.type == "cpu" else (used.min(), used.max())))
+    if lo < 0 or hi >= slots:
+        used = t[start:end]
+        i = start + int(torch.nonzero((used < 0) | (used >= slots))[0, 0])
+        listed = "" if (start, end) == (0, t.shape[0]) else f" (entries [{start}, {end}) are listed)"
+        raise LocError(f"{name}[{i}] = {int(t[i])} lies outside the pool's slots [0, {slots}){listed}")
