@@ -1,7 +1,9 @@
-"""The `hwkv` command: `info` (devices and CPU features); room for `verify`, `bench`, `plan`.
+"""The `hwkv` command: `info` (devices and CPU features), `verify`, `bench`, `plan`, `generate`.
 
-Each subcommand is a `Command` in `COMMANDS`: a function adding its arguments and one running it.
-Heavy imports belong inside the run function, so `hwkv info` stays fast.
+Each subcommand is a `Command` in `COMMANDS`: a function adding its arguments and one running it. The other
+subcommands' modules are imported by `main` (inside its handlers, so a Ctrl-C while they load is "interrupted"),
+and heavy imports belong inside the run function, so `hwkv info` stays fast. The console script enters through
+the top-level `hwkv_entry`, which guards the import of this package (torch) the same way.
 """
 from __future__ import annotations
 
@@ -234,26 +236,34 @@ def run_info(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-# ------------------------------------------------------------------ verify / bench / plan
-# Room for the other subcommands. For each, write `add_<name>_arguments(parser)` and
-# `run_<name>(args) -> int` (import heavy modules inside run_<name>, or keep them in
-# hwkv/bench/ and import there), then add a `Command` entry to COMMANDS below.
-
-
 # ---------------------------------------------------------------------------- registry
-from hwkv.bench.bench_cli import BENCH_HELP, add_bench_arguments, run_bench  # noqa: E402
-from hwkv.bench.plan_cli import add_plan_arguments, run_plan  # noqa: E402
-from hwkv.testing.verify import add_verify_arguments, run_verify  # noqa: E402
+# The other subcommands live in their own modules: `add_<name>_arguments(parser)` and `run_<name>(args) -> int`
+# (heavy modules imported inside run_<name>), named here by module and imported when main() calls them.
+
+def _lazy(module: str, name: str) -> Callable[..., Any]:
+    """`module.name`, imported at its first call (from main(), so inside its handlers)."""
+    def call(*args: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args)
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+def _command(text: str, module: str, name: str) -> Command:
+    return Command(text, _lazy(module, f"add_{name}_arguments"), _lazy(module, f"run_{name}"))
+
 
 COMMANDS: dict[str, Command] = {
     "info": Command("show the detected device, every known device, the CPU attention path and which path "
                     "each layer kind takes",
                     add_info_arguments, run_info),
-    "verify": Command("run the contract suite on the current device and print a pass/fail table",
-                      add_verify_arguments, run_verify),
-    "bench": Command(BENCH_HELP, add_bench_arguments, run_bench),
-    "plan": Command("size the full and SWA pools for a memory budget", add_plan_arguments, run_plan),
-    "generate": Command(*importlib.import_module("hwkv.integrations.generate_cli").GENERATE),
+    "verify": _command("run the contract suite on the current device and print a pass/fail table",
+                       "hwkv.testing.verify", "verify"),
+    "bench": _command("time the hybrid KV attention stack per configuration and batch size, and its KV memory",
+                      "hwkv.bench.bench_cli", "bench"),
+    "plan": _command("size the full and SWA pools for a memory budget", "hwkv.bench.plan_cli", "plan"),
+    "generate": _command("generate with a local Hugging Face model through the hybrid cache",
+                         "hwkv.integrations.generate_cli", "generate"),
 }
 
 
@@ -303,7 +313,7 @@ def _from_rich_broken_pipe(e: BaseException) -> bool:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point of `hwkv` and `python -m hwkv.cli`; returns the exit code.
+    """Entry point of `hwkv` (through hwkv_entry) and `python -m hwkv.cli`; returns the exit code.
 
     Every subcommand gets the same endings here: a typed hwkv error is one line on stderr and exit 2 (a
     subcommand may print its own line first and return its code: 1 stays a reference mismatch); Ctrl-C
@@ -311,9 +321,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     SIGPIPE, what the shell reports for a process the pipe killed) and a full disk (`> /dev/full`) or
     another write error is one line and exit 2. Nothing ends in a traceback but a bug.
     """
-    args = build_parser().parse_args(argv)
-    prog = f"hwkv {args.command}"
+    prog = "hwkv"
     try:
+        args = build_parser().parse_args(argv)  # imports the subcommands' modules
+        prog = f"hwkv {args.command}"
         for var in ENV_VARS:  # a bad value (HWKV_DEBUG=maybe) fails here, not deep inside a run
             var.get()
         code = COMMANDS[args.command].run(args)

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Any, Dict, List
 
 import pytest
 
@@ -346,3 +346,252 @@ def test_generate_memory_beyond_the_device_says_what_it_has(capsys, tiny_model):
     assert code == 2 and out == ""
     line = one_line(err, "hwkv generate: error: ")
     assert "free" in line and "TiB" in line
+
+
+# ---------------------------------------------------------------- found by review (2026-12-04)
+
+
+def _interrupt_while_importing(module: str) -> str:
+    """A child that runs the console script's entry and sends itself SIGINT when `module` starts importing."""
+    return ("import os, signal, sys\n"
+            "import hwkv_entry\n"
+            "class Interrupt:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            f"        if name == {module!r}:\n"
+            "            os.kill(os.getpid(), signal.SIGINT)\n"
+            "        return None\n"
+            "sys.meta_path.insert(0, Interrupt())\n"
+            "sys.argv = ['hwkv', 'bench', '--quick']\n"
+            "sys.exit(hwkv_entry.main())\n")
+
+
+# torch: while hwkv imports it; datetime: inside numpy's C extension, which turns the KeyboardInterrupt into an
+# ImportError (a real Ctrl-C 0.1 s after start did that)
+@pytest.mark.parametrize("module", ["torch", "datetime"])
+def test_ctrl_c_while_hwkv_imports_is_exit_130_and_one_line(module):
+    run = subprocess.run([sys.executable, "-c", _interrupt_while_importing(module)], cwd=REPO, env=_env(),
+                         capture_output=True, text=True, timeout=300,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert run.returncode == 130, run.stderr
+    assert run.stderr == "hwkv: interrupted\n" and run.stdout == ""
+
+
+def test_the_console_script_and_python_m_hwkv_enter_through_the_guard():
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert project["project"]["scripts"]["hwkv"] == "hwkv_entry:main"
+    assert "hwkv_entry" in project["tool"]["setuptools"]["py-modules"]  # installed beside the packages
+    run = subprocess.run([sys.executable, "-m", "hwkv", "--version"], cwd=REPO, env=_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.startswith("hwkv "), run.stderr
+
+
+def test_cli_imports_no_subcommand_module_before_main():
+    """The subcommands' modules load inside main's handlers (verify's pulls in pytest)."""
+    code = ("import sys, hwkv.cli\n"
+            "print(sorted(m for m in ('hwkv.bench.bench_cli', 'hwkv.bench.plan_cli', 'hwkv.testing.verify',\n"
+            "                         'hwkv.integrations.generate_cli') if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stderr
+
+
+@pytest.fixture
+def no_model_load(monkeypatch: pytest.MonkeyPatch):
+    """A command that gets as far as loading a transformers model (or drawing a serve trace) fails the test."""
+    pytest.importorskip("transformers")
+    import hwkv.bench.serve as serve
+    import hwkv.integrations.transformers as hf
+
+    monkeypatch.setattr(hf, "load_model", lambda *a, **k: pytest.fail("the model loaded before the checks"))
+    monkeypatch.setattr(serve, "random_gpt_oss", lambda *a, **k: pytest.fail("the model loaded before the checks"))
+    monkeypatch.setattr(serve, "make_trace", lambda *a, **k: pytest.fail("the trace was drawn before the checks"))
+
+
+def test_bench_serve_model_paths_say_what_is_wrong_as_generate_does(capsys, no_model_load, tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "weights.bin").write_bytes(b"")
+    for model, message in ((str(tmp_path / "missing"), "no such folder"),
+                           (str(tmp_path / "empty"), "the folder has no config.json"),
+                           (str(tmp_path / "weights.bin"), "it is a file; give the model's folder")):
+        code, out, err = _main(capsys, "bench", "--workload", "serve", "--serve-model", model, "--no-baseline")
+        assert code == 2 and out == ""
+        assert one_line(err, f"hwkv bench: error: cannot load model {model!r}: {message}")
+
+
+@pytest.fixture(scope="module")
+def broken_models(tiny_model, tmp_path_factory) -> Dict[str, str]:
+    """The tiny model with its weights cut short, and with a tokenizer.json that is not JSON."""
+    import shutil
+
+    folders = {}
+    for kind in ("weights", "tokenizer"):
+        folder = tmp_path_factory.mktemp(f"broken-{kind}")
+        shutil.copytree(tiny_model, folder, dirs_exist_ok=True)
+        if kind == "weights":
+            weights = folder / "model.safetensors"
+            weights.write_bytes(weights.read_bytes()[:1000])
+        else:
+            (folder / "tokenizer.json").write_text("{not json")
+        folders[kind] = str(folder)
+    return folders
+
+
+@pytest.mark.parametrize("kind, message", [("weights", "Error while deserializing header"),
+                                           ("tokenizer", "its tokenizer: ")])
+def test_generate_a_broken_model_folder_is_one_line(capsys, broken_models, kind, message):
+    model = broken_models[kind]
+    code, out, err = _gen(capsys, "--model", model, "--prompt", "1,2", "--max-new-tokens", "2")
+    assert code == 2 and out == ""
+    assert message in one_line(err, f"hwkv generate: error: cannot load model {model!r}: ")
+
+
+def test_bench_serve_a_broken_model_folder_is_one_line(capsys, broken_models):
+    model = broken_models["weights"]
+    code, out, err = _main(capsys, "bench", "--workload", "serve", "--serve-model", model, "--no-baseline")
+    assert code == 2 and out == ""
+    assert "Error while deserializing header" in one_line(err, f"hwkv bench: error: cannot load model {model!r}: ")
+
+
+WORKLOADS = {"decode": ["--quick", "--no-graph"], "chat": ["--workload", "chat"], "serve": ["--workload", "serve"]}
+
+
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+@pytest.mark.parametrize("threads", ["0", "-1", "99999999999"])
+def test_bench_threads_out_of_range_in_every_workload(capsys, no_bench_run, no_model_load, workload, threads):
+    from hwkv.bench.bench_cli import max_threads
+
+    code, out, err = _main(capsys, "bench", *WORKLOADS[workload], "--threads", threads)
+    assert code == 2 and out == ""
+    assert one_line(err, f"hwkv bench: error: --threads must be in [1, {max_threads()}] (4 per CPU core, at "
+                         f"least 1024), got {threads}")
+
+
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+@pytest.mark.parametrize("seed", ["99999999999999999999999", str(2**63), "-1"])
+def test_bench_seed_out_of_range_in_every_workload(capsys, no_bench_run, no_model_load, workload, seed):
+    code, out, err = _main(capsys, "bench", *WORKLOADS[workload], "--seed", seed)
+    assert code == 2 and out == ""
+    assert one_line(err, f"hwkv bench: error: --seed must be in [0, 2**63 - 1 = {2**63 - 1}], got {seed}")
+
+
+def test_the_largest_seed_runs_everywhere_it_seeds():
+    """2**63 - 1 seeds the harness, the synthetic model and each chat turn's tokens (a product of the seed
+    overflowed torch's 64 bits); the library refuses what the CLI refuses, as a ConfigError."""
+    import torch
+
+    from hwkv.bench import chat
+    from hwkv.engine.synthetic import SyntheticModel
+    from hwkv.errors import ConfigError
+    from hwkv.testing.harness import Harness
+    from hwkv_cpu.backend import TorchCPUBackend
+
+    top = 2**63 - 1
+    w = chat.ChatWorkload(seed=top, user=4)
+    assert len(chat._user_tokens(w, 3, 2)) == 4
+    Harness(TorchCPUBackend, size=64, size_swa=64, seed=top)
+    for bad in (2**63, -1):
+        with pytest.raises(ConfigError, match="seed must be an integer in"):
+            chat.ChatWorkload(seed=bad)
+        with pytest.raises(ConfigError, match="harness: seed must be an integer in"):
+            Harness(TorchCPUBackend, size=64, size_swa=64, seed=bad)
+        with pytest.raises(ConfigError, match="synthetic model: seed must be an integer in"):
+            SyntheticModel(_tiny_shape(), None, vocab_size=8, dtype=torch.float32, device="cpu", positions=8,
+                           seed=bad)
+
+
+def _tiny_shape(**fields: Any):
+    from hwkv.engine.presets import ModelShape, layer_pattern
+
+    return ModelShape(name="tiny", layer_is_swa=layer_pattern(2, "sf"), window=4, num_heads=2, num_kv_heads=1,
+                      head_dim=8, **fields)
+
+
+def test_generate_seed_beyond_its_prompts_range_is_refused_before_the_model_loads(capsys, needs_transformers,
+                                                                                 tmp_path):
+    code, out, err = _gen(capsys, "--model", str(tmp_path / "not-loaded"), "--prompt", "1", "--prompt", "2",
+                          "--seed", "4294967295")
+    assert code == 2 and out == ""
+    assert one_line(err, "hwkv generate: error: --seed must be in [0, 4294967294] with 2 prompt(s) (prompt i "
+                         "samples with seed + i, below 2**32), got 4294967295")
+
+
+def test_chat_reference_mismatch_exits_1_as_decode_does(capsys, monkeypatch):
+    import hwkv.bench.chat as chat
+    import hwkv.bench.run as run
+    from hwkv.errors import ReferenceMismatchError
+
+    def mismatch(*a, **k):
+        raise ReferenceMismatchError("forward 3 (DECODE): max |out - reference| = 0.5 > tolerance 0.002")
+
+    monkeypatch.setattr(chat, "run_chat", mismatch)
+    monkeypatch.setattr(run, "run_benchmark", mismatch)
+    for argv in (WORKLOADS["chat"], WORKLOADS["decode"]):
+        code, out, err = _main(capsys, "bench", "--device", "cpu", *argv)
+        assert code == 1 and out == ""
+        assert one_line(err, "hwkv bench: FAILED: output differs from hwkv.reference: forward 3 (DECODE): ")
+
+
+@pytest.mark.parametrize("cap", ["nan", "inf", "-inf", "-1"])
+def test_logit_cap_must_be_finite_and_not_negative(capsys, no_bench_run, cap):
+    from hwkv.errors import ConfigError
+
+    message = f"logit_cap must be a finite number >= 0 (0 = off), got {float(cap)!r}"
+    for argv in (["bench", "--quick", "--no-graph", "--device", "cpu"], PLAN):
+        code, out, err = _main(capsys, *argv, f"--logit-cap={cap}")
+        assert code == 2 and out == ""
+        assert message in one_line(err, "hwkv ")
+    with pytest.raises(ConfigError, match="logit_cap must be a finite number"):
+        _tiny_shape(logit_cap=float(cap))
+
+
+@pytest.mark.parametrize("flag", ["--serve-new", "--serve-prompt-len", "--chunk", "--serve-requests",
+                                  "--serve-running", "--page-size"])
+def test_bench_serve_zero_values_are_refused_not_replaced_by_defaults(capsys, no_model_load, flag):
+    code, out, err = _main(capsys, "bench", "--workload", "serve", "--no-baseline", flag, "0")
+    assert code == 2 and out == ""
+    assert one_line(err, f"hwkv bench: error: {flag} must be >= 1, got 0")
+
+
+def test_bench_absurd_batch_size_is_refused_without_listing_its_prompts(capsys, no_bench_run, monkeypatch):
+    """The memory check asks its exact estimate (a list of every request's prompt length) only about batch sizes
+    that could fit: 10**14 is refused at once, with the same answer for how many fit."""
+    import hwkv.pool
+    from hwkv.bench.run import Workload
+
+    original = Workload.prompt_lens
+
+    def prompt_lens(self, bs):  # 1 GiB holds a few hundred of these requests: no list beyond that
+        if bs > 10**4:
+            pytest.fail(f"the memory check listed the prompt lengths of a batch of {bs}")
+        return original(self, bs)
+
+    monkeypatch.setattr(Workload, "prompt_lens", prompt_lens)
+    monkeypatch.setattr(hwkv.pool, "device_free_bytes", lambda device: 2**30)
+    answers = []
+    for bs in ("100000", str(10**14)):
+        code, out, err = _main(capsys, "bench", "--quick", "--no-graph", "--device", "cpu", "--batch-sizes", bs)
+        assert code == 2 and out == ""
+        line = one_line(err, f"hwkv bench: error: --batch-sizes: batch size {bs} needs at least ")
+        answers.append(line.rsplit("; ", 1)[1])
+    assert answers[0] == answers[1] and answers[0].startswith("at most batch size ")
+
+
+@pytest.mark.parametrize("flags", [["--serve-requests", str(10**14)], ["--serve-prompt-len", str(10**14)]])
+def test_bench_serve_absurd_trace_is_refused_before_the_model_loads(capsys, no_model_load, flags):
+    code, out, err = _main(capsys, "bench", "--workload", "serve", "--no-baseline", *flags)
+    assert code == 2 and out == ""
+    line = one_line(err, "hwkv bench: error: serve workload: ")
+    assert "prompt tokens, at least " in line and "free; give fewer requests or shorter prompts" in line
+
+
+def test_bench_serve_context_beyond_the_pools_is_refused_before_the_trace(capsys, monkeypatch):
+    pytest.importorskip("transformers")
+    import hwkv.bench.serve as serve
+
+    monkeypatch.setattr(serve, "make_trace", lambda *a, **k: pytest.fail("the trace was drawn before the checks"))
+    code, out, err = _main(capsys, "bench", "--workload", "serve", "--no-baseline", "--serve-requests", "2",
+                           "--serve-prompt-len", str(10**8))
+    assert code == 2 and out == ""
+    assert "at most 0 fit" in one_line(err, "hwkv bench: error: ")

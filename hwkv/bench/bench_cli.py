@@ -6,6 +6,7 @@ an unavailable device or another typed hwkv error.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -15,7 +16,6 @@ from hwkv.errors import ConfigError, HwkvError, ReferenceMismatchError
 if TYPE_CHECKING:  # hwkv.bench.run imports torch: loaded only when `bench` runs
     from hwkv.bench.run import BenchResult, Target, Workload
 
-BENCH_HELP = "time the hybrid KV attention stack per configuration and batch size, and its KV memory"
 DEFAULT_MODEL = "gpt-oss-20b"
 # workload defaults: on CPU short prompts (the default run takes under a minute on 2 cores); on
 # accelerators the contexts engines see (8K-token prompts), so the memory table shows the saving at
@@ -35,6 +35,15 @@ _CHAT_ACCELERATOR: Dict[str, Any] = dict(conversations=64, turns=4, system=2048,
                                          memory="2GiB", chunk=512, check_every=64, check_requests=2, check_queries=4)
 _CHAT_CPU: Dict[str, Any] = dict(_CHAT_ACCELERATOR, conversations=6, turns=4, system=512, user=128, reply=16,
                                  concurrency=3, memory="150MiB", chunk=256, check_every=16)
+
+
+SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes 64 bits; the workloads derive more seeds from it
+
+
+def max_threads() -> int:
+    """The most CPU threads `--threads` takes: 4 per core, at least 1024 (torch takes a C int, and far more
+    threads than cores only time the operating system's scheduler)."""
+    return max(1024, 4 * (os.cpu_count() or 1))
 
 
 def _listing(values: Dict[str, Any]) -> str:
@@ -180,20 +189,41 @@ def memory_needed(shape: ModelShape, run_layers: int, w: Workload, bs: int, n_co
     return pools + shadow
 
 
+def request_bytes_floor(shape: ModelShape, run_layers: int, w: Workload, n_configs: int) -> int:
+    """A floor of what each request adds to `memory_needed` (its shortest prompt and the decode steps in the full
+    pool, at most its window in the SWA pool), so that bs * floor <= memory_needed(bs): no batch size above
+    free // floor fits, found without the estimate's list of bs prompt lengths."""
+    from dataclasses import replace
+
+    from hwkv.bench.plan import swa_tokens_per_request
+    from hwkv.bench.run import DTYPES
+
+    p = w.page_size
+    tokens = w.prompt_len - w.prompt_len // 2 + (w.warmup + w.steps) * n_configs + p
+    sub = replace(shape, layer_is_swa=shape.layer_is_swa[:run_layers], dtype_bytes=DTYPES[w.dtype].itemsize)
+    if not sub.swa_layer_ids:
+        return tokens * sub.bytes_per_token_all_full
+    swa = min(tokens, swa_tokens_per_request(sub.window, p) + 2 * p)
+    return tokens * sub.bytes_per_token_full_group + swa * sub.bytes_per_token_swa_group
+
+
 def _check_memory(shape: ModelShape, run_layers: int, w: Workload, n_configs: int, torch_device: str) -> None:
     """ConfigError before the run when a batch size's pools (and reference copies) exceed the device's free
-    memory, naming the largest batch size that fits."""
+    memory, naming the largest batch size that fits. The exact estimate is asked only about batch sizes up to
+    the floor's bound (it lists every request's prompt length)."""
     from hwkv.bench.plan import format_bytes
     from hwkv.pool import device_free_bytes
 
     free = device_free_bytes(torch_device)
     if free is None:
         return
+    floor = request_bytes_floor(shape, run_layers, w, n_configs)
+    most = free // floor  # no batch size above it fits
     for bs in w.batch_sizes:
-        need = memory_needed(shape, run_layers, w, bs, n_configs)
+        need = bs * floor if bs > most else memory_needed(shape, run_layers, w, bs, n_configs)
         if need <= free:
             continue
-        lo, hi = 0, bs  # the largest batch size whose estimate fits: lo fits (0 trivially), hi does not
+        lo, hi = 0, min(bs, most + 1)  # the largest batch size whose estimate fits: lo fits (0 trivially), hi not
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if memory_needed(shape, run_layers, w, mid, n_configs) <= free else (lo, mid)
@@ -279,8 +309,6 @@ def _run(args: argparse.Namespace) -> BenchResult:
 
     _check_plot_path(args.plot)
     if args.threads is not None:
-        if args.threads < 1:
-            raise ConfigError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     shape = _shape(args)
     target = _target(args.device)
@@ -316,8 +344,6 @@ def _run_chat(args: argparse.Namespace) -> int:
     target = _target(args.device)
     dev = target.torch_device
     threads = args.threads if args.threads is not None else (1 if dev == "cpu" else None)
-    if threads is not None and threads < 1:
-        raise ConfigError(f"--threads must be >= 1, got {threads}")
     before = torch.get_num_threads()
     try:
         if threads is not None:
@@ -377,29 +403,40 @@ def _chat(args: argparse.Namespace, target: Target, dev: str) -> int:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from hwkv.bench.serve import ServeWorkload, random_gpt_oss, run_serve
+    from hwkv.bench.serve import ServeWorkload, check_trace_fits, random_gpt_oss, run_serve
 
     if args.plot:
         raise ConfigError("--plot draws the decode workload; the serve workload prints its table (or --json)")
+    for flag, value in (("--serve-requests", args.serve_requests), ("--serve-prompt-len", args.serve_prompt_len),
+                        ("--serve-new", args.serve_new), ("--serve-running", args.serve_running),
+                        ("--chunk", args.chunk), ("--page-size", args.page_size)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
     try:
         import transformers  # noqa: F401
     except ImportError:
         raise ConfigError("the serve workload runs a transformers model: pip install hwkv[transformers]") from None
+    from hwkv.integrations.generate_cli import check_model_path, load_local_model
+
+    if args.serve_model:
+        check_model_path(args.serve_model)
     target = _target(args.device)
     dev = target.torch_device
     cpu = dev == "cpu"
-    prompt_len = args.serve_prompt_len or (64 if cpu else 1024)
+    prompt_len = args.serve_prompt_len if args.serve_prompt_len is not None else 64 if cpu else 1024
     w = ServeWorkload(requests=args.serve_requests, rate=args.serve_rate, prompt_len=prompt_len,
-                      new_tokens=args.serve_new or (32 if cpu else 128), shared=args.serve_shared,
+                      new_tokens=args.serve_new if args.serve_new is not None else 32 if cpu else 128,
+                      shared=args.serve_shared,
                       system_len=args.serve_system_len if args.serve_system_len is not None else prompt_len // 2,
-                      max_running=args.serve_running, chunk=args.chunk or 512, page_size=args.page_size,
-                      seed=args.seed)
-    if args.threads:
+                      max_running=args.serve_running, chunk=args.chunk if args.chunk is not None else 512,
+                      page_size=args.page_size, seed=args.seed)
+    check_trace_fits(w)  # before the model loads: a trace too large for the host would take minutes to draw
+    if args.threads is not None:
         import torch
         torch.set_num_threads(args.threads)
     if args.serve_model:
-        from hwkv.integrations.transformers import load_model
-        model, name = load_model(args.serve_model, device=dev), args.serve_model
+        model, _ = load_local_model(args.serve_model, dev)
+        name = args.serve_model
     else:
         model = random_gpt_oss(dev, tiny=cpu)
         name = "random GPT-OSS (tiny)" if cpu else "random GPT-OSS-20B attention shapes, 4 layers"
@@ -435,18 +472,27 @@ def _emit(args: argparse.Namespace, data: dict, title: str, cols: Sequence[str],
     return False
 
 
+def check_shared_flags(args: argparse.Namespace) -> None:
+    """The flags every workload takes, refused before any work: --threads in [1, max_threads()] and --seed in
+    [0, 2**63), each naming the value and the limit (torch would raise on either, or overflow)."""
+    limit = max_threads()
+    if args.threads is not None and not 1 <= args.threads <= limit:
+        raise ConfigError(f"--threads must be in [1, {limit}] (4 per CPU core, at least 1024), got {args.threads}")
+    if not 0 <= args.seed < SEED_LIMIT:
+        raise ConfigError(f"--seed must be in [0, 2**63 - 1 = {SEED_LIMIT - 1}], got {args.seed}")
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run `hwkv bench`: tables or JSON on stdout, the plot on request; exit code as the module says."""
     from hwkv.bench import report
 
     workload = getattr(args, "workload", "decode")
-    if workload in ("chat", "serve"):
-        try:
-            return _run_chat(args) if workload == "chat" else _run_serve(args)
-        except HwkvError as e:
-            print(f"hwkv bench: error: {e}", file=sys.stderr)
-            return 2
     try:
+        check_shared_flags(args)
+        if workload == "chat":
+            return _run_chat(args)
+        if workload == "serve":
+            return _run_serve(args)
         res = _run(args)
     except ReferenceMismatchError as e:
         print(f"hwkv bench: FAILED: output differs from hwkv.reference: {e}", file=sys.stderr)

@@ -85,6 +85,8 @@ class ChatWorkload:
                               f"{self.check_every!r}")
         if self.run_layers is not None and (not _is_int(self.run_layers) or self.run_layers < 1):
             raise ConfigError(f"chat workload: run_layers must be an integer >= 1, got {self.run_layers!r}")
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
+            raise ConfigError(f"chat workload: seed must be an integer in [0, 2**63), got {self.seed!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"chat workload: dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
@@ -331,7 +333,8 @@ def run_shape(shape: ModelShape, w: ChatWorkload) -> ModelShape:
 
 
 def _user_tokens(w: ChatWorkload, conv: int, turn: int) -> List[int]:
-    gen = torch.Generator(device="cpu").manual_seed(w.seed * 1_000_003 + conv * 101 + turn)
+    # wrapped into the 64 bits manual_seed takes (a seed near 2**63 would overflow it)
+    gen = torch.Generator(device="cpu").manual_seed((w.seed * 1_000_003 + conv * 101 + turn) % 2**64)
     return torch.randint(0, VOCAB, (w.user,), generator=gen, device="cpu").tolist()
 
 

@@ -61,6 +61,34 @@ class TraceRequest:
     prompt: List[int]
 
 
+TOKEN_ID_BYTES = 8  # the least a prompt token costs the trace on the host: its slot in a Python list
+
+
+def check_trace_fits(w: ServeWorkload, free: Optional[int] = None) -> None:
+    """ConfigError when the trace's prompts cannot fit in the host's free memory (`free`, default MemAvailable):
+    drawing them would take minutes before any check ran."""
+    from hwkv.engine.plan import format_bytes
+    from hwkv.pool import device_free_bytes
+
+    free = device_free_bytes("cpu") if free is None else free
+    tokens = w.requests * w.prompt_len + w.system_len
+    if free is not None and tokens * TOKEN_ID_BYTES > free:
+        raise ConfigError(f"serve workload: {w.requests:,} requests of up to {w.prompt_len:,} tokens are up to "
+                          f"{tokens:,} prompt tokens, at least {format_bytes(tokens * TOKEN_ID_BYTES)} on the host, "
+                          f"which has {format_bytes(free)} free; give fewer requests or shorter prompts")
+
+
+def check_pools_fit(model: Any, w: ServeWorkload) -> None:
+    """ConfigError (hwkv.engine.pools.plan_pools') when hwkv's pools cannot hold one request of the workload's
+    context on the model's device, before the trace is drawn."""
+    from hwkv.engine.pools import plan_pools
+    from hwkv.integrations.hf_model import model_shape
+
+    shape = model_shape(model.config, model.dtype)
+    plan_pools(shape, context=w.context, max_running=w.max_running, chunk=w.chunk, page_size=w.page_size,
+               memory=None, device=next(model.parameters()).device, prefix_cache=bool(shape.swa_layer_ids))
+
+
 def make_trace(w: ServeWorkload, vocab: int) -> List[TraceRequest]:
     """The seeded trace: arrival times, prompts (a `shared` share behind the common system prompt)."""
     rng = random.Random(w.seed)
@@ -245,6 +273,8 @@ def random_gpt_oss(device: str, tiny: bool, layers: int = 4, experts: int = 32) 
 def run_serve(model: Any, w: ServeWorkload, device: str, model_name: str, baseline: bool = True,
               compare_no_cache: bool = False) -> ServeResult:
     """hwkv (and, on request, hwkv without its prefix cache), then transformers on the same trace."""
+    check_trace_fits(w)
+    check_pools_fit(model, w)
     trace = make_trace(w, int(model.config.get_text_config().vocab_size))
     res = ServeResult(model_name, device, w)
     res.rows.append(serve_hwkv(model, trace, w))

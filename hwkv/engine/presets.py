@@ -6,6 +6,7 @@ Byte arithmetic is per token: a layer stores one K row (kv_heads x head_dim) and
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
@@ -72,8 +73,9 @@ class ModelShape:
             if getattr(self, q) % getattr(self, kv):
                 raise ConfigError(f"{self.name}: {q}={getattr(self, q)} is not a multiple of "
                                   f"{kv}={getattr(self, kv)} (GQA groups must be whole)")
-        if self.logit_cap < 0:
-            raise ConfigError(f"{self.name}: logit_cap must be >= 0 (0 = off), got {self.logit_cap}")
+        cap = self.logit_cap
+        if not isinstance(cap, (int, float)) or not (math.isfinite(cap) and cap >= 0):  # NaN fails `cap < 0`
+            raise ConfigError(f"{self.name}: logit_cap must be a finite number >= 0 (0 = off), got {cap!r}")
 
     @property
     def num_layers(self) -> int:

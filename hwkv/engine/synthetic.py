@@ -50,6 +50,8 @@ class SyntheticModel:
                                  ("readout", readout, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"synthetic model: {name} must be an integer >= {low}, got {value!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise ConfigError(f"synthetic model: seed must be an integer in [0, 2**63), got {seed!r}")
         if not rope_base > 1:
             raise ConfigError(f"synthetic model: rope_base must be > 1, got {rope_base!r}")
         self.shape, self.backend, self.vocab_size, self.dtype = shape, backend, vocab_size, dtype

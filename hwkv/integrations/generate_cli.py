@@ -14,11 +14,10 @@ import os
 import re
 import sys
 import time
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Tuple
 
 from hwkv.errors import ConfigError, HwkvError
 
-GENERATE_HELP = "generate with a local Hugging Face model through the hybrid cache"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 EXIT_OK, EXIT_ERROR = 0, 2
 
@@ -92,6 +91,10 @@ def _check_args(args: argparse.Namespace) -> None:
                             ("--num-draft", args.num_draft, 1)):
         if value is not None and value < lo:
             raise ConfigError(f"{flag} must be >= {lo}, got {value}")
+    last = 2**32 - len(args.prompt)  # prompt i samples with seed + i, each below 2**32 (SamplingParams)
+    if args.seed > last:
+        raise ConfigError(f"--seed must be in [0, {last}] with {len(args.prompt)} prompt(s) (prompt i samples with "
+                          f"seed + i, below 2**32), got {args.seed}")
     if args.temperature < 0:
         raise ConfigError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
@@ -105,7 +108,7 @@ def _looks_like_path(name: str) -> bool:
     return os.path.isabs(name) or name.startswith((".", "~")) or name.endswith("/") or name.count("/") > 1
 
 
-def _check_model_path(name: str) -> None:
+def check_model_path(name: str) -> None:
     """A model given as a path must be a folder with a config.json: say which of those it is not."""
     path = os.path.expanduser(name)
     if os.path.isdir(path):
@@ -119,30 +122,47 @@ def _check_model_path(name: str) -> None:
         raise ConfigError(f"cannot load model {name!r}: no such folder")
 
 
+def load_local_model(name: str, device: str, dtype: Optional[str] = None, tokenizer: bool = False) -> Tuple[Any, Any]:
+    """(model, tokenizer or None) from a local model folder or a name in the local Hugging Face cache (nothing is
+    downloaded): the loading path of `hwkv generate` and `hwkv bench --workload serve`. Whatever stops the model
+    (or, with `tokenizer`, the folder's tokenizer) from loading, e.g. a truncated safetensors file or a broken
+    tokenizer.json, is a ConfigError naming the model and the error's first line."""
+    from hwkv.integrations.transformers import load_model
+
+    check_model_path(name)
+    folder = os.path.expanduser(name)
+    try:
+        model = load_model(folder, device=device, dtype=dtype)
+    except HwkvError:
+        raise
+    except Exception as e:  # transformers, safetensors, json, torch: each raises its own kind
+        if not os.path.exists(folder):
+            raise ConfigError(f"cannot load model {name!r}: no such folder, and no model of that name in the "
+                              "local Hugging Face cache (nothing is downloaded)") from e
+        raise ConfigError(f"cannot load model {name!r}: {_first_line(e)}") from e
+    if not tokenizer or not (os.path.isdir(folder) and any(os.path.exists(os.path.join(folder, f))
+                                                           for f in TOKENIZER_FILES)):
+        return model, None
+    from transformers import AutoTokenizer
+
+    try:
+        return model, AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception as e:
+        raise ConfigError(f"cannot load model {name!r}: its tokenizer: {_first_line(e)}") from e
+
+
 def _load(args: argparse.Namespace) -> Tuple[Any, Any, Any]:
     """(device spec, model, tokenizer or None)."""
     from hwkv.integrations.device_choice import available_spec
-    from hwkv.integrations.transformers import load_model
 
     spec = available_spec(args.device)
-    _check_model_path(args.model)
+    check_model_path(args.model)
     dtype = args.dtype or ("fp32" if spec.torch_device == "cpu" else None)
     if args.no_progress:  # transformers' own "Loading weights" bar too
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    try:
-        model = load_model(os.path.expanduser(args.model), device=spec.torch_device, dtype=dtype)
-    except (OSError, ValueError) as e:
-        if not os.path.exists(os.path.expanduser(args.model)):
-            raise ConfigError(f"cannot load model {args.model!r}: no such folder, and no model of that name in the "
-                              "local Hugging Face cache (nothing is downloaded)") from e
-        raise ConfigError(f"cannot load model {args.model!r} from local files: {_first_line(e)}") from e
-    tokenizer = None
-    folder = os.path.expanduser(args.model)
-    if os.path.isdir(folder) and any(os.path.exists(os.path.join(folder, f)) for f in TOKENIZER_FILES):
-        from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    model, tokenizer = load_local_model(args.model, spec.torch_device, dtype, tokenizer=True)
     return spec, model, tokenizer
 
 
@@ -265,5 +285,3 @@ def run_generate(args: argparse.Namespace) -> int:
             print(f"hwkv generate: error: prompt [{i}] {r['prompt']!r}: {r['error']}", file=sys.stderr)
     return code
 
-
-GENERATE: Sequence[Any] = (GENERATE_HELP, add_generate_arguments, run_generate)

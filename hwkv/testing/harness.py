@@ -93,6 +93,8 @@ class Harness:
                  max_reqs: int = 16, max_context_len: int = 512, seed: int = 0, kv_scale: Optional[float] = None,
                  device_inputs: bool = False, shadow: bool = True, shadow_requests: Optional[int] = None,
                  check_queries: Optional[int] = None, **backend_options: Any) -> None:
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise ConfigError(f"harness: seed must be an integer in [0, 2**63), got {seed!r}")
         g = geometry
         self.g, self.device, self.dtype, self.page_size = g, torch.device(device), dtype, page_size
         self.gen = torch.Generator().manual_seed(seed)
