@@ -423,9 +423,10 @@ class HybridPrefixCache:
     def _row_locs(req_to_token_pool: ReqToTokenPool, row: int, seq_len: int) -> torch.Tensor:
         """A request's locs [0, seq_len) from its row, the row and the length checked (LocError)."""
         rtt = req_to_token_pool
-        if not 0 <= row < rtt.size or not 0 <= seq_len <= rtt.max_context_len:
-            raise LocError(f"row {row} or seq_len {seq_len} outside the request rows [0, {rtt.size}) or "
-                           f"[0, max_context_len {rtt.max_context_len}]")
+        if not 0 <= row < rtt.size:
+            raise LocError(f"row {row} is outside the request rows [0, {rtt.size})")
+        if not 0 <= seq_len <= rtt.max_context_len:
+            raise LocError(f"seq_len {seq_len} is outside [0, max_context_len {rtt.max_context_len}]")
         return rtt.req_to_token[row, :seq_len]
 
     def _adopt(self, node: _Node, locs: torch.Tensor, frontier: int, since: int) -> None:

@@ -129,6 +129,7 @@ class MHATokenToKVPool:
             torch.zeros(rows, head_num, self.v_head_dim, dtype=dtype, device=self.device) for _ in range(layer_num)]
         self._buffer_device = self.k_buffer[0].device if layer_num else self.device  # with its index
         self._checked_loc: Optional[torch.Tensor] = None  # this forward's write locs, checked once
+        self.loc_name = "loc"  # its write locs' name in errors ("swa_loc" for the SWA group of an SWAKVPool)
 
     def _layer(self, layer_id: int) -> int:
         if not 0 <= layer_id < self.layer_num:
@@ -171,7 +172,7 @@ class MHATokenToKVPool:
             loc = loc.loc
         layer_id = self._layer(layer_id_override if layer_id_override is not None else layer.layer_id)
         if torch.compiler.is_compiling() or loc is not self._checked_loc:
-            check_loc("loc", loc, self.size + self.page_size, self._buffer_device)
+            check_loc(self.loc_name, loc, self.size + self.page_size, self._buffer_device)
         n, dev, dtypes = loc.shape[0], self._buffer_device, self.kv_dtypes
         if not (isinstance(cache_k, torch.Tensor) and isinstance(cache_v, torch.Tensor)) \
                 or cache_k.shape != (n, self.head_num, self.head_dim) \
@@ -263,6 +264,7 @@ class SWAKVPool:
                    nbytes, self.device)
         self.full_kv_pool = MHATokenToKVPool(*full_group, _prechecked=True)
         self.swa_kv_pool = MHATokenToKVPool(*swa_group, _prechecked=True)
+        self.swa_kv_pool.loc_name = "swa_loc"
         self.layers_mapping: Dict[int, Tuple[int, bool]] = {}
         for local, gid in enumerate(full_ids):
             self.layers_mapping[gid] = (local, False)

@@ -109,13 +109,13 @@ def test_deferred_continuation_at_a_wrong_offset_or_outside_the_table_is_recorde
             a.alloc_extend([3], [4], T([last]), 1)
         else:
             a.alloc_decode(T([4]), T([last]), seq_lens_cpu=T([4]))
-        with pytest.raises(NotAllocatedError, match="last_loc on full page"):
+        with pytest.raises(NotAllocatedError, match="the slot after last_loc, on full page"):
             a.available_size()
     # an extend that also opens pages runs the full op: the same record
     a = deferred(ops)
     a.alloc(32)
     a.alloc_extend([3], [9], T([7]), 6)
-    with pytest.raises(NotAllocatedError, match="last_loc on full page"):
+    with pytest.raises(NotAllocatedError, match="the slot after last_loc, on full page"):
         a.available_size()
 
 

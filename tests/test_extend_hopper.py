@@ -416,7 +416,7 @@ def test_a_scale_that_is_not_positive_keeps_the_portable_kernel():
         assert extend_hopper.run_hopper_extend(None, q, kv, kv, *lists, q, scaling) is False
     from hwkv.errors import ConfigError
     for k_scale in (0.0, -1.0):   # a K scale that is not > 0 is bad input everywhere (K is stored divided by it)
-        with pytest.raises(ConfigError, match=f"scale={k_scale} must be a finite number > 0"):
+        with pytest.raises(ConfigError, match=f"^k_scale={k_scale} must be a finite number > 0"):
             extend_hopper.run_hopper_extend(None, q, kv, kv, *lists, q, 0.125, k_scale=k_scale)
 
 

@@ -96,7 +96,7 @@ def test_locs_on_another_device_are_refused(layer):
     h = Hybrid()
     name = "swa_loc" if layer is SWA_LAYER else "loc"
     kw = {name: (h.swa_loc if layer is SWA_LAYER else h.loc).to("meta")}
-    h.refused(write(h, layer, **kw), LocError, "loc is on meta, the pool is on cpu")  # the SWA group's "loc"
+    h.refused(write(h, layer, **kw), LocError, f"^{name} is on meta, the pool is on cpu")
 
 
 # ---- D2: a K/V scale must be finite and > 0 ---------------------------------------------------------------

@@ -23,9 +23,9 @@ NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: k
 FP8_MAX = {d: float(torch.finfo(d).max) for d in FP8_DTYPES}
 
 
-def as_scale(scale: Union[None, float, int, torch.Tensor]) -> float:
-    """K/V scale as a host float: the core's one definition (`hwkv.checks.scale_value`)."""
-    return scale_value("k_scale/v_scale", scale)
+def as_scale(scale: Union[None, float, int, torch.Tensor], name: str = "k_scale/v_scale") -> float:
+    """K/V scale as a host float: the core's one definition (`hwkv.checks.scale_value`; `name` in its errors)."""
+    return scale_value(name, scale)
 
 
 def interpreting() -> bool:

@@ -627,8 +627,8 @@ def decode_layer(k_buf: torch.Tensor, v_buf: torch.Tensor, sinks: Optional[torch
     `kept=False` (a part made for one call): no spec, the launch compares every argument itself."""
     cap = float(logit_cap or 0.0)
     ks, vs = k_buf.stride(), v_buf.stride()
-    args = (k_buf, v_buf, sinks if sinks is not None else k_buf, float(scaling) * as_scale(k_scale),
-            as_scale(v_scale), cap, int(window or 0), ks[0], ks[1], vs[0], vs[1])
+    args = (k_buf, v_buf, sinks if sinks is not None else k_buf, float(scaling) * as_scale(k_scale, "k_scale"),
+            as_scale(v_scale, "v_scale"), cap, int(window or 0), ks[0], ks[1], vs[0], vs[1])
     return DecodeLayer(args, spec(_decode_split_kernel, args, _LAYER_AT) if kept else None,
                        (cap > 0, sinks is not None), _geometry(k_buf, v_buf),
                        None if sinks is None else (sinks.shape, sinks.get_device()))

@@ -365,7 +365,7 @@ def _run(plan: ExtendPlan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_i
     launch(_LAUNCHES, (plan.launch_key,) + flags, _extend_kernel, plan.grid,
            (q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0,
             sinks if sinks is not None else q, tree_mask, tree_indptr, q_positions, out,
-            float(scaling) * as_scale(k_scale), as_scale(v_scale), cap, window,
+            float(scaling) * as_scale(k_scale, "k_scale"), as_scale(v_scale, "v_scale"), cap, window,
             q.stride(0), q.stride(1), plan.k_stride[0], plan.k_stride[1], plan.v_stride[0],
             plan.v_stride[1], out.stride(0), out.stride(1)),
            dict(HAS_CAP=flags[0], HAS_WINDOW=flags[1], HAS_SINKS=flags[2], F32=flags[3], **plan.consts))

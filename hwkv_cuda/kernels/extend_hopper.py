@@ -754,7 +754,7 @@ def run_hopper_extend(plan: HopperPlan, q: Any, k_buf: Any, v_buf: Any, kv_indpt
     """Launch the planned Gluon kernel; False (nothing launched) where this call's tensors do not fit what TMA
     and cp.async need (16-byte aligned bases, 16-byte q/out row strides), or where the logit scale is not positive
     (the kernel folds it into the exponent after the row max): the caller runs the portable kernel."""
-    qk_scale = float(scaling) * as_scale(k_scale)
+    qk_scale = float(scaling) * as_scale(k_scale, "k_scale")
     if (not qk_scale > 0 or q.data_ptr() % 16 or out.data_ptr() % 16 or k_buf.data_ptr() % 16 or v_buf.data_ptr() % 16
             or q.stride(0) % 8 or q.stride(1) % 8 or out.stride(0) % 8 or out.stride(1) % 8
             or q.stride(2) != 1 or out.stride(2) != 1
@@ -770,8 +770,8 @@ def run_hopper_extend(plan: HopperPlan, q: Any, k_buf: Any, v_buf: Any, kv_indpt
     flags = (cap > 0, window > 0, sinks is not None, bs == 1)   # the per-call constexprs: part of the launch's key
     launch(_LAUNCHES, (plan.key, grid[0]) + flags, _hopper_extend_kernel, grid,
            (_descriptor(q, plan.block), _descriptor(out, plan.block), k_buf, v_buf, kv_indptr, kv_indices, kv_pos0,
-            qo_indptr, q_pos0, sinks if sinks is not None else out, out, qk_scale, as_scale(v_scale), cap, window,
-            k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), out.stride(0), out.stride(1),
+            qo_indptr, q_pos0, sinks if sinks is not None else out, out, qk_scale, as_scale(v_scale, "v_scale"), cap,
+            window, k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), out.stride(0), out.stride(1),
             bs, n_items),
            dict(HAS_CAP=flags[0], HAS_WINDOW=flags[1], HAS_SINKS=flags[2], ONE_REQ=flags[3], **plan.consts))
     return True

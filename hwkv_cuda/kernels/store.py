@@ -153,8 +153,8 @@ def _launch(k_buf, v_buf, loc, k, v, k_scale, v_scale, config, kept=False, kt=No
     """The one launch. Its arguments come in three parts (a call's k and v, a pool layer's buffers and scales, a
     forward's locs); a pool's buffers part is made once (`kept`), so a layer's store compares two specs."""
     n = loc.shape[0]
-    ks = 1.0 if k_scale is None else as_scale(k_scale)
-    vs = 1.0 if v_scale is None else as_scale(v_scale)
+    ks = 1.0 if k_scale is None else as_scale(k_scale, "k_scale")
+    vs = 1.0 if v_scale is None else as_scale(v_scale, "v_scale")
     if kt is None:
         kt, vt = k.stride(), v.stride()
     call = (k, v, kt[0], kt[1], vt[0], vt[1])
