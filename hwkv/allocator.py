@@ -274,8 +274,8 @@ class PagedTokenToKVPoolAllocator:
             # no ring moves; the deferred record of a continuation whose SWA slots were released stays
             self._next_op()
             out = last + 1
-            if self.pages.deferred and self._mapping is not None:  # immediate mode checked on the host first
-                _record(self.pages, _bad_continuation(self._mapping, out, seq - 1, self.page_size),
+            if self.pages.deferred:  # immediate mode checked on the host first
+                _record(self.pages, _bad_continuation(self.pages, self._mapping, out, seq - 1, self.page_size),
                         torch.div(out, self.page_size, rounding_mode="floor"), ERR_CONT_RELEASED)
             return out
         if plan.n == 0:
@@ -686,12 +686,18 @@ def _record(ring: PageRing, bad: torch.Tensor, pages: torch.Tensor, code: int, f
     torch.maximum(ring.err[:1], best, out=ring.err[:1])
 
 
-def _bad_continuation(mapping: torch.Tensor, nxt: torch.Tensor, pos: torch.Tensor, p: int) -> torch.Tensor:
-    """Deferred check of continuation slots nxt (last_loc + 1..) of tokens at positions pos: bad where the slot has
-    no SWA slot (page released, never allocated; a slot outside the table reads its padding 0 or trailing -1, not
-    past its end) or sits at another in-page offset than pos % p (last_loc was not token pos-1's slot)."""
-    mapped = _g(mapping, nxt.clamp(0, mapping.numel() - 1))
-    return (mapped <= 0) | (torch.remainder(nxt - pos, p) != 0)
+def _bad_continuation(full: PageRing, mapping: Optional[torch.Tensor], nxt: torch.Tensor, pos: torch.Tensor,
+                      p: int) -> torch.Tensor:
+    """Deferred check of continuation slots nxt (last_loc + 1..) of tokens at positions pos: bad where the slot sits
+    at another in-page offset than pos % p (last_loc was not token pos-1's slot), or, hybrid, has no SWA slot (page
+    released, never allocated; a slot outside the table reads its padding 0 or trailing -1, not past its end), or,
+    plain, lies on no page of the pool or on one that is not live."""
+    off = torch.remainder(nxt - pos, p) != 0
+    if mapping is not None:
+        return (_g(mapping, nxt.clamp(0, mapping.numel() - 1)) <= 0) | off
+    page = torch.div(nxt, p, rounding_mode="floor")
+    n = full.num_pages
+    return (page < 1) | (page > n) | (_g(full.refs, page.clamp(0, n)) < 1) | off
 
 
 def _g(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -742,7 +748,7 @@ class TorchPageOps:
         r, j = _owners(ext, n)
         is_cont = j < _g(cont, r)
         res = _g(last, r) + 1 + j
-        check = swa is not None and full.deferred  # immediate mode checked on the host first
+        check = full.deferred  # immediate mode checked on the host first
         pos = _g(prefix, r) + j if k or check else None  # each new token's position
         if k:
             fpages = _g(full.ring, (heads[0] + torch.arange(k, device=dev)) % full.num_pages)
@@ -756,7 +762,7 @@ class TorchPageOps:
                 _s(mapping, (fpages[:, None] * p + off).reshape(-1), (spages[:, None] * p + off).reshape(-1))
         out.copy_(res)
         if check:
-            bad = is_cont & _bad_continuation(mapping, res, pos, p)
+            bad = is_cont & _bad_continuation(full, mapping, res, pos, p)
             _record(full, bad, torch.div(res, p, rounding_mode="floor"), ERR_CONT_RELEASED)
 
     @staticmethod

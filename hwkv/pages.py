@@ -206,10 +206,10 @@ def error_for(code: int, page: int, page_size: int, pool: str) -> HwkvError:
     if code == ERR_SWA_RELEASED:
         return DoubleFreeError(f"the SWA slots of full page {page} (locs {page * page_size}..) are already released")
     if code == ERR_CONT_RELEASED:
-        return NotAllocatedError(f"the slot after last_loc, on full page {page} {slots}, has no SWA slot (released "
-                                 "or never allocated; release must keep a page of margin behind the last page), or "
-                                 "last_loc lies outside the pool, or it is not token prefix-1's slot (another "
-                                 "in-page offset)")
+        return NotAllocatedError(f"the slot after last_loc, on full page {page} {slots}, has no SWA slot or its page "
+                                 "is not held (released or never allocated; release must keep a page of margin "
+                                 "behind the last page), or last_loc lies outside the pool, or it is not token "
+                                 "prefix-1's slot (another in-page offset)")
     if code == ERR_ACCEPT_INDEX:
         return ShapeError(f"accept_index of request {page} names a draft token twice or one outside [0, drafts); "
                           "its accept kept the first drafts in place instead")

@@ -119,6 +119,36 @@ def test_deferred_continuation_at_a_wrong_offset_or_outside_the_table_is_recorde
         a.available_size()
 
 
+@pytest.mark.parametrize("ops", ["torch", "triton"])
+def test_deferred_continuation_of_the_plain_allocator_is_recorded(ops):
+    """The plain allocator's deferred checks (accelerators) record what its immediate ones refuse: a last_loc at
+    another in-page offset, on a page it does not hold (free or never allocated), or outside the pool; the next
+    sync raises it. They had recorded nothing (only the hybrid allocator's table was consulted)."""
+    def fresh():
+        a = plain()
+        a.immediate = False
+        if ops == "triton":
+            pytest.importorskip("triton")
+            from hwkv_cuda.kernels.alloc import TritonPageOps
+            a._ops = TritonPageOps()
+        return a
+    for last, call in ((7, "extend"), (7, "decode"), (-2, "decode"), (10 ** 6, "extend"), (10 ** 6, "decode"),
+                       (38, "extend"), (38, "decode")):
+        a = fresh()
+        a.alloc_extend([0], [3], T([0]), 3)             # page 1 held (tokens 0-2 at slots 4-6); page 9 never
+        if call == "extend":
+            a.alloc_extend([3], [4], T([last]), 1)
+        else:
+            a.alloc_decode(T([4]), T([last]), seq_lens_cpu=T([4]))
+        with pytest.raises(NotAllocatedError, match="the slot after last_loc, on full page"):
+            a.available_size()
+    a = fresh()                                           # the right last_loc records nothing
+    loc = a.alloc_extend([0], [3], T([0]), 3)
+    a.alloc_decode(T([4]), loc[2:3], seq_lens_cpu=T([4]))
+    a.alloc_extend([4], [6], loc[2:3] + 1, 2)
+    a.available_size()
+
+
 # ---- 2. a batched release naming one row twice ------------------------------------------------------------
 def test_release_naming_a_row_twice_is_refused_even_when_another_holder_keeps_the_pages():
     """Pages also held by a second holder (a prefix cache): dropping them twice for one row stayed within the

@@ -100,12 +100,17 @@ def _open_pages(buf_f, n_full, buf_s, n_swa, mapping, head_f, head_s, pidx, m, P
 
 
 @triton.jit
-def _check_continuation(err, mapping, nxt, pos, m, opk, n_full, P: tl.constexpr):
-    """A request continuing its partial page at slot nxt[m] (its token at position pos) must still own that page's
-    SWA slots, and nxt must sit at pos's in-page offset (last_loc was token pos-1's slot): recorded if not. The
-    table read is clamped to it (a slot outside reads the padding 0 or the trailing -1, never past its end)."""
-    mapped = tl.load(mapping + tl.minimum(tl.maximum(nxt, 0), (n_full + 1) * P), mask=m, other=1)
-    _record(err, m & ((mapped <= 0) | ((nxt - pos) % P != 0)), _floor_div(nxt, P), ERR_CONT_RELEASED, opk)
+def _check_continuation(err, mapping, refs_f, nxt, pos, m, opk, n_full, P: tl.constexpr, HYBRID: tl.constexpr):
+    """A request continuing its partial page at slot nxt[m] (its token at position pos) must hold that page (hybrid:
+    still own its SWA slots), and nxt must sit at pos's in-page offset (last_loc was token pos-1's slot): recorded
+    if not. Reads are clamped to the table / the pages (a slot outside reads the padding or the trailing entry)."""
+    if HYBRID:
+        bad = tl.load(mapping + tl.minimum(tl.maximum(nxt, 0), (n_full + 1) * P), mask=m, other=1) <= 0
+    else:
+        page = _floor_div(nxt, P)
+        refs = tl.load(refs_f + tl.minimum(tl.maximum(page, 0), n_full), mask=m, other=1)
+        bad = (page < 1) | (page > n_full) | (refs < 1)
+    _record(err, m & (bad | ((nxt - pos) % P != 0)), _floor_div(nxt, P), ERR_CONT_RELEASED, opk)
 
 
 @triton.jit(do_not_specialize=["head_f", "head_s", "opk"])
@@ -141,9 +146,8 @@ def _alloc_kernel(seq, prefix, last, out, buf_f, head_f, n_full, buf_s, head_s, 
     for i0 in range(0, npg, BLOCK):
         i = i0 + tl.arange(0, BLOCK)
         _open_pages(buf_f, n_full, buf_s, n_swa, mapping, head_f, head_s, page_base + i, i < npg, P, HYBRID, BLOCK_P)
-    if HYBRID:
-        if c > 0:
-            _check_continuation(err, mapping, last_b + 1 + one, pre + one, one < 1, opk, n_full, P)
+    if c > 0:
+        _check_continuation(err, mapping, refs_f, last_b + 1 + one, pre + one, one < 1, opk, n_full, P, HYBRID)
 
 
 @triton.jit(do_not_specialize=["pad_row", "bs", "opk"])
@@ -181,8 +185,7 @@ def _alloc_step_kernel(ctl, rows_in, seq_in, stride_in, pad_row, rtt, stride_rtt
         f = tl.load(frontiers + r, mask=live, other=0)
     fp = _open_pages(buf_f, n_full, buf_s, n_swa, mapping, head_f, head_s, pidx, opens, P, HYBRID, BLOCK_P)
     loc = tl.where(opens, fp * P, tl.where(cont, last + 1, 0))
-    if HYBRID:
-        _check_continuation(err, mapping, last + 1, pre, cont, opk, n_full, P)
+    _check_continuation(err, mapping, refs_f, last + 1, pre, cont, opk, n_full, P, HYBRID)
     tl.store(rows + i, r, mask=m)
     tl.store(seq + i, s, mask=m)
     tl.store(out + i, loc, mask=m)
