@@ -36,6 +36,8 @@ class ForwardMode(enum.IntEnum):
         return self in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
 
 
+_REQUIRED = ("req_pool_indices", "seq_lens", "out_cache_loc")  # ForwardBatch fields that are never None
+
 @dataclass
 class ForwardBatch:
     """One forward: requests' rows, lengths after this forward, and the new tokens' full-pool locs.
@@ -62,6 +64,11 @@ class ForwardBatch:
             members = ", ".join(f"ForwardMode.{m}" for m in ForwardMode.__members__)
             raise ConfigError(f"forward_mode is {self.forward_mode!r} ({type(self.forward_mode).__name__}), not a "
                               f"ForwardMode; use one of {members}")
+        for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "extend_seq_lens", "seq_lens_cpu",
+                     "extend_seq_lens_cpu"):   # a list here would fail below as an AttributeError
+            t = getattr(self, name)
+            if not (isinstance(t, torch.Tensor) or (t is None and name not in _REQUIRED)):
+                raise ShapeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if self.forward_mode.is_idle() and (self.batch_size or self.out_cache_loc.shape[0]):
             raise ShapeError(f"IDLE is a forward without requests: batch_size is {self.batch_size} and out_cache_loc "
                              f"has {self.out_cache_loc.shape[0]} entries, both must be 0")

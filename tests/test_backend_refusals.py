@@ -124,6 +124,17 @@ def test_host_or_extend_lengths_of_another_batch_size_are_a_shape_error(s, where
             lambda: ForwardBatch(EXT, 1, t([0]), t([7]), s.loc1, t([6]), **lens), run=True)
 
 
+@pytest.mark.parametrize("where", ["req_pool_indices", "seq_lens", "out_cache_loc", "seq_lens_cpu"])
+def test_a_list_where_a_tensor_belongs_is_a_shape_error(s, where):
+    """A Python list for a tensor field of ForwardBatch is named at construction (it had raised AttributeError
+    from the shape checks)."""
+    fields = dict(req_pool_indices=t([0]), seq_lens=t([7]), out_cache_loc=s.loc1, seq_lens_cpu=None)
+    fields[where] = [7]
+    refused(s, ShapeError, rf"{where} must be a torch.Tensor, got list",
+            lambda: ForwardBatch(DEC, 1, fields["req_pool_indices"], fields["seq_lens"], fields["out_cache_loc"],
+                                 seq_lens_cpu=fields["seq_lens_cpu"]), run=True)
+
+
 def test_a_good_batch_runs_after_the_refusals(s):
     for make in (lambda: ForwardBatch(DEC, 1, t([9]), t([7]), s.loc1),
                  lambda: ForwardBatch(DEC, 1, t([0]), t([0]), s.loc1),
