@@ -8,7 +8,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from hwkv.checks import values_checkable
+from hwkv.checks import value_range, values_checkable
 from hwkv.errors import ConfigError, LocError, ShapeError
 
 
@@ -133,8 +133,7 @@ class ForwardBatch:
                                  f"{self.num_tokens}")
         idx = self.req_pool_indices
         if idx.numel() and values_checkable(idx):
-            rows_h = idx.tolist()  # a host read, no op dispatched: on CPU no sync, elsewhere only in debug
-            lo, hi = min(rows_h), max(rows_h)
+            lo, hi = value_range(idx)
             if lo < 0 or hi >= rows:
                 raise LocError(f"req_pool_indices hold values in [{lo}, {hi}], allowed range is [0, {rows}) (the "
                                "ReqToTokenPool's rows)")

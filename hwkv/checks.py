@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -22,6 +22,23 @@ def values_checkable(t: torch.Tensor) -> bool:
         return False
     is_capturing = getattr(getattr(torch, t.device.type, None), "is_current_stream_capturing", None)
     return not (is_capturing and is_capturing())
+
+
+SMALL = 64  # integer tensors up to this many entries are read as a host list (no op dispatched) for their range
+
+
+def value_range(t: torch.Tensor) -> Tuple[int, int]:
+    """(min, max) of a non-empty integer tensor whose values are checkable (`values_checkable`): a host list when
+    small, one aminmax pass on a larger CPU tensor, min and max elsewhere (debug mode; every device's torch has
+    them)."""
+    if t.numel() <= SMALL:
+        vals = t.reshape(-1).tolist()
+        return min(vals), max(vals)
+    if t.device.type == "cpu":
+        lo, hi = torch.aminmax(t)
+    else:
+        lo, hi = t.min(), t.max()
+    return int(lo), int(hi)
 
 
 def check_index_tensor(name: str, loc: torch.Tensor, device: Optional[torch.device] = None,
@@ -46,8 +63,7 @@ def check_loc(name: str, loc: torch.Tensor, limit: int, device: torch.device, lo
     too, when `device` names one) with values in [low, limit) (values checked where `values_checkable`)."""
     check_index_tensor(name, loc, device, ndim)
     if loc.numel() and values_checkable(loc):
-        # CPU: one pass (aminmax); elsewhere (debug mode) min and max, which every device's torch implements
-        lo, hi = (int(x) for x in (torch.aminmax(loc) if loc.device.type == "cpu" else (loc.min(), loc.max())))
+        lo, hi = value_range(loc)
         if lo < low or hi >= limit:
             raise LocError(f"{name} holds values in [{lo}, {hi}], allowed range is [{low}, {limit})")
 
@@ -91,12 +107,8 @@ def check_scale(name: str, scale: Union[None, float, int, torch.Tensor]) -> None
     tensor's shape always, its value only where `values_checkable` (so accelerators never sync)."""
     if type(scale) is float and 0.0 < scale < math.inf:  # the common case, one compare (NaN fails it too)
         return
-    if scale is None:
-        return
-    if isinstance(scale, torch.Tensor):
+    if isinstance(scale, torch.Tensor) and not values_checkable(scale):
         if scale.numel() != 1:
             raise ShapeError(f"{name} must be a scalar, got shape {list(scale.shape)}")
-        if values_checkable(scale):
-            _check_scale_float(name, float(scale.item()))
         return
-    _check_scale_float(name, _scale_number(name, scale))
+    scale_value(name, scale)

@@ -12,11 +12,10 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from hwkv.checks import values_checkable
+from hwkv.checks import value_range, values_checkable
 from hwkv.errors import LocError, ShapeError
 
 INDEX_DTYPES = (torch.int32, torch.int64)
-_SMALL = 64  # index lists up to this many entries are range-checked on a host list (cheaper than aminmax)
 
 
 def check_index_dtypes(named: Sequence[Tuple[str, torch.Tensor]]) -> None:
@@ -71,14 +70,9 @@ def _check_range(name: str, t: torch.Tensor, slots: int, start: int, end: int) -
     """Entries [start, end) of the 1-D int tensor `t` lie in [0, slots)."""
     if end <= start:
         return
-    if t.shape[0] <= _SMALL:  # a host list: cheaper than a slice and a reduction
-        vals = t.tolist()[start:end]
-        lo, hi = min(vals), max(vals)
-    else:  # CPU: one pass (aminmax); elsewhere (debug mode) min and max, which every device's torch implements
-        used = t[start:end]
-        lo, hi = (int(x) for x in (torch.aminmax(used) if used.device.type == "cpu" else (used.min(), used.max())))
+    used = t[start:end]
+    lo, hi = value_range(used)
     if lo < 0 or hi >= slots:
-        used = t[start:end]
         i = start + int(torch.nonzero((used < 0) | (used >= slots))[0, 0])
         listed = "" if (start, end) == (0, t.shape[0]) else f" (entries [{start}, {end}) are listed)"
         raise LocError(f"{name}[{i}] = {int(t[i])} lies outside the pool's slots [0, {slots}){listed}")
