@@ -1064,6 +1064,13 @@ class ReqToTokenPool:
             raise LocError(f"positions up to {end} exceed max_context_len {self.max_context_len}")
         self.req_to_token[row, start:end] = locs
 
+    def row_locs(self, row: int, seq_len: int) -> torch.Tensor:
+        """req_to_token[row, :seq_len], the row and the length checked (LocError naming the one out of range)."""
+        row = self._row(row)
+        if not 0 <= seq_len <= self.max_context_len:
+            raise LocError(f"seq_len {seq_len} is outside [0, max_context_len {self.max_context_len}]")
+        return self.req_to_token[row, :seq_len]
+
     def _row(self, row: object) -> int:
         """row as an int inside [0, size) (ints, numpy and 0-d/1-element torch integers), else LocError."""
         try:

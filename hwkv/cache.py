@@ -373,7 +373,7 @@ class HybridPrefixCache:
         lock and the request's SWA frontier (for `release_out_of_window_batch`). A match whose nodes were
         evicted or changed since `match_prefix` raises CacheError; a refusal changes nothing."""
         m, s0 = match.length, match.swa_start
-        self._row_locs(req_to_token_pool, row, m)   # the row and the match's length fit the rows
+        req_to_token_pool.row_locs(row, m)   # the row and the match's length fit the rows
         if m:
             self._check_current(match)
             self._precheck(match.locs, match.locs[s0:m], s0)
@@ -396,7 +396,7 @@ class HybridPrefixCache:
         SWA it no longer holds) changes nothing."""
         if lock is not None and not lock.active:
             raise CacheError("this prefix lock was already released")
-        locs = self._row_locs(req_to_token_pool, row, seq_len)
+        locs = req_to_token_pool.row_locs(row, seq_len)
         ids = self._ids(token_ids)[:seq_len]
         n = len(ids) // self.page_size * self.page_size
         if isinstance(frontier, int) and frontier >= 0:   # (insert refuses any other frontier first)
@@ -418,16 +418,6 @@ class HybridPrefixCache:
         if lock is not None:
             self.unlock(lock)
         return new
-
-    @staticmethod
-    def _row_locs(req_to_token_pool: ReqToTokenPool, row: int, seq_len: int) -> torch.Tensor:
-        """A request's locs [0, seq_len) from its row, the row and the length checked (LocError)."""
-        rtt = req_to_token_pool
-        if not 0 <= row < rtt.size:
-            raise LocError(f"row {row} is outside the request rows [0, {rtt.size})")
-        if not 0 <= seq_len <= rtt.max_context_len:
-            raise LocError(f"seq_len {seq_len} is outside [0, max_context_len {rtt.max_context_len}]")
-        return rtt.req_to_token[row, :seq_len]
 
     def _adopt(self, node: _Node, locs: torch.Tensor, frontier: int, since: int) -> None:
         """The nodes up to `node` that this insert did not make take the running request's locs: the full
@@ -455,7 +445,7 @@ class HybridPrefixCache:
         (full pages of [0, seq_len), SWA pages from its frontier on). Returns tokens newly cached."""
         if lock is not None and not lock.active:
             raise CacheError("this prefix lock was already released")
-        locs = self._row_locs(req_to_token_pool, row, seq_len)
+        locs = req_to_token_pool.row_locs(row, seq_len)
         added = self.insert(token_ids[:seq_len], locs, frontier) if cache else 0
         if lock is not None:
             self.unlock(lock)
