@@ -86,14 +86,29 @@ def test_continuation_checks_name_the_request_in_a_batch():
     assert a.alloc_decode([7, 8], [good, bad - 1]).tolist() == [good + 1, bad]
 
 
-def deferred(ops):
-    """A hybrid allocator with device-side checks (errors recorded) on the torch ops or the Triton kernels."""
-    a = hybrid(immediate=False)
+def deferred(ops, make=None):
+    """An allocator (hybrid unless `make` builds another) with device-side checks (errors recorded) on the torch
+    ops or the Triton kernels."""
+    a = (make or hybrid)()
+    a.immediate = False
     if ops == "triton":
         pytest.importorskip("triton")
         from hwkv_cuda.kernels.alloc import TritonPageOps
-        a._ops = a.swa_attn_allocator._ops = TritonPageOps()
+        a._ops = TritonPageOps()
+        if hasattr(a, "swa_attn_allocator"):
+            a.swa_attn_allocator._ops = a._ops
     return a
+
+
+def continue_and_expect_a_record(a, last, call):
+    """A request of 3 tokens continues at last_loc `last` (one extend token or one decode step); the op records
+    the bad continuation and the next sync raises it."""
+    if call == "extend":
+        a.alloc_extend([3], [4], T([last]), 1)
+    else:
+        a.alloc_decode(T([4]), T([last]), seq_lens_cpu=T([4]))
+    with pytest.raises(NotAllocatedError, match="the slot after last_loc, on full page"):
+        a.available_size()
 
 
 @pytest.mark.parametrize("ops", ["torch", "triton"])
@@ -105,12 +120,7 @@ def test_deferred_continuation_at_a_wrong_offset_or_outside_the_table_is_recorde
                        (10 ** 6, "decode")):
         a = deferred(ops)
         a.alloc(64)                               # every page live and mapped: only the offset/range is wrong
-        if call == "extend":
-            a.alloc_extend([3], [4], T([last]), 1)
-        else:
-            a.alloc_decode(T([4]), T([last]), seq_lens_cpu=T([4]))
-        with pytest.raises(NotAllocatedError, match="the slot after last_loc, on full page"):
-            a.available_size()
+        continue_and_expect_a_record(a, last, call)
     # an extend that also opens pages runs the full op: the same record
     a = deferred(ops)
     a.alloc(32)
@@ -124,25 +134,12 @@ def test_deferred_continuation_of_the_plain_allocator_is_recorded(ops):
     """The plain allocator's deferred checks (accelerators) record what its immediate ones refuse: a last_loc at
     another in-page offset, on a page it does not hold (free or never allocated), or outside the pool; the next
     sync raises it. They had recorded nothing (only the hybrid allocator's table was consulted)."""
-    def fresh():
-        a = plain()
-        a.immediate = False
-        if ops == "triton":
-            pytest.importorskip("triton")
-            from hwkv_cuda.kernels.alloc import TritonPageOps
-            a._ops = TritonPageOps()
-        return a
     for last, call in ((7, "extend"), (7, "decode"), (-2, "decode"), (10 ** 6, "extend"), (10 ** 6, "decode"),
                        (38, "extend"), (38, "decode")):
-        a = fresh()
+        a = deferred(ops, plain)
         a.alloc_extend([0], [3], T([0]), 3)             # page 1 held (tokens 0-2 at slots 4-6); page 9 never
-        if call == "extend":
-            a.alloc_extend([3], [4], T([last]), 1)
-        else:
-            a.alloc_decode(T([4]), T([last]), seq_lens_cpu=T([4]))
-        with pytest.raises(NotAllocatedError, match="the slot after last_loc, on full page"):
-            a.available_size()
-    a = fresh()                                           # the right last_loc records nothing
+        continue_and_expect_a_record(a, last, call)
+    a = deferred(ops, plain)                              # the right last_loc records nothing
     loc = a.alloc_extend([0], [3], T([0]), 3)
     a.alloc_decode(T([4]), loc[2:3], seq_lens_cpu=T([4]))
     a.alloc_extend([4], [6], loc[2:3] + 1, 2)
