@@ -1,6 +1,7 @@
 """hwkv: a hardware-portable hybrid (full + sliding-window) KV cache for LLM inference engines.
 
-`hwkv.current_device` is resolved on first access (cheap probes, no vendor import) and cached.
+`hwkv.current_device` is resolved on first access and cached (cheap probes: no device context; the torch
+extensions torch_npu and torch_musa are imported to be probed, where installed).
 """
 from __future__ import annotations
 

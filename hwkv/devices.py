@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 from hwkv.env import HWKV_DEVICE
-from hwkv.errors import ConfigError, DeviceError
+from hwkv.errors import ConfigError, DeviceError, HwkvError
 
 ENTRY_POINT_GROUP = "hwkv.devices"
 
@@ -85,8 +85,17 @@ class DeviceSpec:
                                   f"{' or empty' if optional else ''}, got {value!r}")
 
     def unavailable_reason(self) -> Optional[str]:
-        """None when the device is usable, otherwise the probe's reason (probe errors propagate)."""
-        reason = self.probe()
+        """None when the device is usable, otherwise the probe's reason. A probe that raises (e.g. a vendor
+        extension that is installed but crashes on import) is never taken as "unavailable": it propagates as a
+        DeviceError naming the device, chained to the probe's exception."""
+        try:
+            reason = self.probe()
+        except HwkvError:
+            raise
+        except Exception as e:
+            raise DeviceError(f"device {self.name!r}: its probe raised {type(e).__name__}: {e}; repair or uninstall "
+                              f"what it probes, or set {HWKV_DEVICE.name} to another device (only the forced "
+                              f"device is probed then)") from e
         if reason is not None and not (isinstance(reason, str) and reason):
             raise DeviceError(f"device {self.name!r}: probe must return None or a non-empty reason, "
                               f"got {reason!r}")
@@ -127,7 +136,8 @@ class DeviceSpec:
 def probe_torch_extension(module: str, torch_attr: str) -> Optional[str]:
     """Probe for devices shipped as a torch extension (torch_npu, torch_musa): installed, imports, sees a device.
 
-    Importing `module` is the only way to know, so it happens here; only ImportError becomes the reason.
+    Importing `module` is the only way to know, so it happens here; only ImportError becomes the reason (any
+    other exception propagates, as a DeviceError from `DeviceSpec.unavailable_reason`).
     """
     if importlib.util.find_spec(module) is None:
         return f"{module} is not installed"

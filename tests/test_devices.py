@@ -153,12 +153,17 @@ def test_nothing_available_is_an_error():
         select({"x": _spec("x", 1, "absent")})
 
 
-def test_probe_exceptions_propagate():
+def test_probe_exceptions_propagate_typed_and_a_forced_other_device_skips_them():
     def boom() -> Optional[str]:
         raise RuntimeError("probe exploded")
     spec = dataclasses.replace(_spec("x", 1), probe=boom)
-    with pytest.raises(RuntimeError, match="probe exploded"):
-        report({"x": spec})
+    specs = {"x": spec, "cpu": _spec("cpu", 0)}
+    for call in (lambda: report(specs), lambda: select(specs), lambda: select(specs, "x")):
+        with pytest.raises(DeviceError, match="device 'x': its probe raised RuntimeError: probe exploded.*"
+                           "HWKV_DEVICE") as err:  # never read as "unavailable": not swallowed
+            call()
+        assert isinstance(err.value.__cause__, RuntimeError)
+    assert select(specs, "cpu").name == "cpu"  # only the forced device is probed
     with pytest.raises(DeviceError, match="non-empty reason"):
         _spec("y", 1, "").is_available()
 
@@ -266,6 +271,9 @@ def test_torch_extension_probe(site: Path, monkeypatch: pytest.MonkeyPatch):
     (site / "fake_ext_crash.py").write_text("raise OSError('driver crashed')\n")
     with pytest.raises(OSError, match="driver crashed"):  # only ImportError is a reason
         probe("fake_ext_crash", "fakedev")
+    crashing = dataclasses.replace(_spec("crashdev", 1), probe=lambda: probe("fake_ext_crash", "fakedev"))
+    with pytest.raises(DeviceError, match="device 'crashdev': its probe raised OSError: driver crashed"):
+        crashing.is_available()  # typed where a spec probes it (HWKV_DEVICE forced, or auto-detection)
 
 
 def test_musa_and_npu_blocked_modules_are_not_installed(in_tree, monkeypatch: pytest.MonkeyPatch):
