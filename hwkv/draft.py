@@ -363,5 +363,5 @@ class DraftGraphRunner(DraftReplay, GraphRunner):
                 _by_step(buf, k, bs_pad)[:, :bs].copy_(_by_step(src, k, bs))
         self._pad(bs_pad, bs)
         if not self.metadata_in_graph:
-            self._refill(self._static_batch(bs_pad))
+            self._refill(self._bucket_batch(bs_pad))
         return PreparedStep(bs_pad, batch.num_tokens)

@@ -109,6 +109,9 @@ class GraphRunner:
                                       and getattr(self.adapter, "records_device_work", False))
         self.eager_runs = 0
         self.replays = 0
+        # one static batch per (bucket, host lengths): captures and refills see the same objects every replay
+        # (no batch built per step; torch.compile's guards on what the step reads keep holding)
+        self._batches: Dict[Tuple[int, bool], ForwardBatch] = {}
         self._bounds_q = "max_q_len" in inspect.signature(backend.init_forward_metadata_graph).parameters
 
     def _static_batch(self, bs: int) -> ForwardBatch:
@@ -121,6 +124,14 @@ class GraphRunner:
                             self.out_cache_loc[:n], prefix, extend, spec_info=spec,
                             seq_lens_cpu=self.seq_lens_cpu[:bs] if host else None,
                             extend_seq_lens_cpu=self.extend_seq_lens_cpu[:bs] if host else None)
+
+    def _bucket_batch(self, bs: int) -> ForwardBatch:
+        """The static batch of bucket `bs` (built once per bucket and host-lengths choice)."""
+        key = (bs, self._host_lens)
+        batch = self._batches.get(key)
+        if batch is None:
+            batch = self._batches[key] = self._static_batch(bs)
+        return batch
 
     def _static_inputs(self, bs: int) -> Dict[str, torch.Tensor]:
         n = bs * self.tpr * self.steps
@@ -165,7 +176,7 @@ class GraphRunner:
         """Capture every bucket, largest first (so smaller ones can share the largest's memory)."""
         for bs in reversed(self.buckets):
             self._pad(bs, 0)
-            batch = self._static_batch(bs)
+            batch = self._bucket_batch(bs)
             inputs = self._static_inputs(bs)
             self._refill(batch)
             self.fn(self._arg(batch), inputs)  # warm-up outside the graph (kernel compilation, autotuning)
@@ -236,7 +247,7 @@ class GraphRunner:
                 self.tree_mask[:bs * blk].copy_(tree.mask)
         self._pad(bs_pad, bs)
         if not self.metadata_in_graph:
-            self._refill(self._static_batch(bs_pad))
+            self._refill(self._bucket_batch(bs_pad))
         return PreparedStep(bs_pad, n)
 
     def _take_inputs(self, inputs: Dict[str, torch.Tensor], n: int) -> None:

@@ -159,7 +159,7 @@ class DecodeStepGraph(GraphRunner):
         if not self.adapter_records:
             self.metadata_in_graph = True  # an eager 'replay' runs the whole body too
         for bs in reversed(self.buckets):
-            batch, inputs = self._static_batch(bs), self._static_inputs(bs)
+            batch, inputs = self._bucket_batch(bs), self._static_inputs(bs)
             self._set_ctl(0, 0, self.allocator.reserve(0))  # no live request: the warm-up takes nothing
             self._refill_and_run(batch, inputs)  # warm-up outside the graph (compilation)
             graph, out = self.adapter.capture(lambda b=batch, i=inputs: self._refill_and_run(b, i))

@@ -183,3 +183,26 @@ def test_padding_a_partial_bucket_writes_only_the_padding_slot():
             assert changed.numel() == 0, \
                 f"layer {l.layer_id} {kind}: slots {keep.nonzero().flatten()[changed].tolist()} were overwritten"
             assert torch.equal(now[new], x.to(now.dtype)), f"layer {l.layer_id} {kind}: a new token's slot"
+
+
+def test_cpu_compiled_buckets_each_compile_once_past_dynamo_recompile_limit():
+    """The CPU adapter (torch.compile) gives each bucket its own compiled function: ten buckets (dynamo recompiles
+    one code object at most 8 times, then runs it uncompiled) compile ten graphs, and replays compile nothing."""
+    from torch._dynamo.utils import counters
+
+    from hwkv_cpu.backend import TorchCPUBackend
+    from hwkv_cpu.graph import CompileGraphAdapter
+
+    h = Harness(TorchCPUBackend, geometry=ModelGeometry(num_layers=2), size=512, size_swa=256)
+    buckets = list(range(1, 11))
+    counters.clear()
+    h.enable_graphs(buckets, CompileGraphAdapter())
+    assert counters["stats"]["unique_graphs"] == len(buckets)
+    rids = [h.add_request() for _ in buckets]
+    h.forward(rids, [3] * len(rids), ForwardMode.EXTEND)
+    h.release()
+    for n in buckets + buckets[::-1]:  # every bucket, each replay checked against the reference
+        h.forward(rids[:n], [1] * n, ForwardMode.DECODE)
+        h.release()
+    assert h.runner.replays == 2 * len(buckets) and h.runner.eager_runs == 0
+    assert dict(counters["frames"]) == {"total": len(buckets), "ok": len(buckets)}

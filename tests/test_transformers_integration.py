@@ -288,13 +288,23 @@ def test_whole_step_graph_needs_page_ops_or_eager_replay(saved):
 def test_device_graph_adapter_decode(saved, prompts):
     """graphs="on": the device's own adapter (on the CPU torch.compile over the static buffers, CUDA graphs on
     NVIDIA)."""
+    from torch._dynamo.utils import counters
+
+    from hwkv_cpu.graph import CompileGraphAdapter
+
     model = _load(saved["cohere2"])
     want = hf_greedy(model, prompts[:2])
-    with HybridRunner(model, max_running=2, chunk=32, context=48, graphs="on", graph_batch_sizes=[2]) as runner:
+    counters.clear()
+    with HybridRunner(model, max_running=2, chunk=32, context=48, graphs="on", graph_batch_sizes=[1, 2]) as runner:
         assert type(runner.graph.adapter) is runner.spec.load_graph_adapter()
         got = runner.generate(prompts[:2], SamplingParams(max_new_tokens=NEW))
         assert runner.stats.graph_replays > 0
-    assert [r.tokens for r in got] == want
+        one = runner.generate(prompts[1:2], SamplingParams(max_new_tokens=NEW))  # bucket 1 after bucket 2
+        again = runner.generate(prompts[:2], SamplingParams(max_new_tokens=NEW))
+    assert [r.tokens for r in got] == [r.tokens for r in again] == want and one[0].tokens == want[1]
+    if isinstance(runner.graph.adapter, CompileGraphAdapter):
+        # the model and hwkv's attention compile whole (no graph break), one frame per bucket, never recompiled
+        assert dict(counters["frames"]) == {"total": 2, "ok": 2} and not counters["graph_break"]
 
 
 class _RefusingAdapter:

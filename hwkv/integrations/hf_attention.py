@@ -89,10 +89,8 @@ class ForwardContext:
 
 def _tokens_major(t: torch.Tensor) -> torch.Tensor:
     """[1, H, T, D] -> [T, H, D] (one view; a copy only when D is not the innermost dimension)."""
-    _, h, n, d = t.shape
-    _, sh, sn, sd = t.stride()
-    t = t.as_strided((n, h, d), (sn, sh, sd), t.storage_offset())
-    return t if sd == 1 else t.contiguous()
+    t = t[0].transpose(0, 1)
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def hwkv_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
