@@ -2,7 +2,8 @@
 
 Each layer asks `hwkv_npu.fia.decide` (the function `hwkv info` prints) whether the fused infer attention
 computes it exactly: decode over page tables (windows trimmed by the index list plus a head mask),
-extend with sparse_mode 3 (full) or the band sparse_mode 4 (SWA), sink layers through v2's
+extend with sparse_mode 3 (full) or the band sparse_mode 4 (SWA), an extend-like forward with one query row
+per request (Q_S == 1: the op's incremental branch) in the decode form, sink layers through v2's
 learnable_sink; in graph replays too, through task groups updated before each replay
 (hwkv_npu.graph). Soft-cap, fp32/fp8 pools, K/V scales and page sizes the op refuses run
 `hwkv_npu.ops.torch_attention`, layer by layer. K/V stores go through ATB reshape-and-cache, registered
@@ -29,7 +30,7 @@ from hwkv_npu.graph import record_task
 
 ops.register_store_kv("npu", npu_ops.store_kv)
 
-_PLANS, _ROWS = "npu_fia", "npu_rows"
+_PLANS, _ROWS, _FORM = "npu_fia", "npu_rows", "npu_form"
 
 
 @dataclass(frozen=True)
@@ -95,9 +96,10 @@ class NPUBackend(AttentionBackend):
 
     # ---- metadata: page tables and host lengths, once per forward -----------------------------------
     def init_kernel_metadata(self, md: ForwardMetadata, batch: ForwardBatch, graph: bool) -> None:
-        mode = "decode" if md.is_decode else "extend"
-        if (not self.env.fused or md.batch_size == 0 or (graph and not self.env.graph)
-                or fia.page_size_reason(mode, self.page_size) is not None):
+        if not self.env.fused or md.batch_size == 0 or (graph and not self.env.graph):
+            return
+        form = self._call_form(md, batch)
+        if fia.page_size_reason(form, self.page_size) is not None:
             return
         if graph:
             seq, ext = batch.host_lens()  # the runner's host copies when the engine gave them: no sync
@@ -107,32 +109,49 @@ class NPUBackend(AttentionBackend):
                 return
         if graph and not md.is_decode and not bool((ext == ext[0]).all()):
             return  # a graph extend step runs q as [B, S, H, D]: uneven rows run the torch kernel
+        decode = form == "decode"
         plans: Dict[Optional[int], fia.FIAPlan] = {}
         for w, lst in [(None, md.full), *md.windows.items()]:
             pos0 = torch.zeros_like(seq) if w is None else window_pos0(seq - ext, w)
-            plans[w] = self._graph_plan(w, lst, pos0, seq, ext, md) if graph else self._plan(lst, pos0, seq, ext, md)
-        md.extra[_PLANS] = plans
+            plans[w] = (self._graph_plan(w, lst, pos0, seq, ext, md, decode) if graph
+                        else self._plan(lst, pos0, seq, ext, md, decode))
+        md.extra[_PLANS], md.extra[_FORM] = plans, form
         if not md.is_decode and not graph:
             md.extra[_ROWS] = npu_ops.TokenRows.build(md.qo_indptr, batch.num_tokens, md.max_q_len)
-        if not md.is_decode and self._mask2048 is None:
+        if not decode and self._mask2048 is None:
             self._mask2048 = fia.causal_mask(self.device)
 
+    @staticmethod
+    def _call_form(md: ForwardMetadata, batch: ForwardBatch) -> str:
+        """How this forward calls the fused op: "decode" when no request has more than one query row, extend-like
+        modes included (a one-token prompt, a prefix hit recomputing its last token, a last prefill chunk of one
+        token, one-token verify / draft-extend graphs). With Q_S == 1 the op runs its incremental branch, which
+        ignores sparse_mode, pre_tokens and next_tokens and takes a [B, 1, 1, KV_S] mask, so such a forward runs
+        the decode form: window lists trimmed plus the first page's head mask. Exact: the one query sits at
+        seq_len - 1, as a decode token does (and a one-token verify tree is its own ancestor only). A graph's rows
+        per request are its static token count over its batch size (every request has as many); eager, the
+        metadata's max_q_len (host lengths; a request with no new token is padded and dropped)."""
+        if md.is_decode:
+            return "decode"
+        rows = batch.num_tokens // md.batch_size if md.graph else md.max_q_len
+        return "decode" if rows <= 1 else "extend"
+
     def _plan(self, lst: KVIndexList, pos0_cpu: torch.Tensor, seq_cpu: torch.Tensor, ext_cpu: torch.Tensor,
-              md: ForwardMetadata) -> fia.FIAPlan:
-        """Page table of a list from its first key's page; decode windows mask that page's head."""
+              md: ForwardMetadata, decode: bool) -> fia.FIAPlan:
+        """Page table of a list from its first key's page; decode-form windows mask that page's head."""
         p = self.page_size
         off = pos0_cpu % p
         kv_lens = seq_cpu - pos0_cpu + off
         max_pages = -(-int(kv_lens.max()) // p)
         table = block_table_from_csr(lst.indptr, lst.indices, lst.pos0, p, max_pages)
         mask = None
-        if md.is_decode and bool((off > 0).any()):
+        if decode and bool((off > 0).any()):
             j = torch.arange(max_pages * p)
             mask = (j[None, :] < off[:, None]).view(len(off), 1, 1, -1).to(self.device)
-        return fia.FIAPlan(table, kv_lens.tolist(), p, mask, None if md.is_decode else ext_cpu.tolist())
+        return fia.FIAPlan(table, kv_lens.tolist(), p, mask, None if decode else ext_cpu.tolist())
 
     def _graph_plan(self, w: Optional[int], lst: KVIndexList, pos0_cpu: torch.Tensor, seq_cpu: torch.Tensor,
-                    ext_cpu: torch.Tensor, md: ForwardMetadata) -> fia.FIAPlan:
+                    ext_cpu: torch.Tensor, md: ForwardMetadata, decode: bool) -> fia.FIAPlan:
         """The persistent plan refilled in place: page table and head mask into the static buffers (device
         work), host lengths into the plan that every captured call of this list reads when updated."""
         g, p, bs = self.graph_tables(md)[w], self.page_size, md.batch_size
@@ -141,7 +160,7 @@ class NPUBackend(AttentionBackend):
             off = torch.remainder(lst.pos0, p)
             torch.lt(g.cols[None, :], off[:, None], out=g.mask[:bs].view(bs, -1))
         g.plan.kv_lens = (seq_cpu - pos0_cpu + pos0_cpu % p).tolist()
-        g.plan.q_lens = None if md.is_decode else ext_cpu.tolist()
+        g.plan.q_lens = None if decode else ext_cpu.tolist()
         return g.plan
 
     # ---- kernels --------------------------------------------------------------------------------
@@ -166,21 +185,23 @@ class NPUBackend(AttentionBackend):
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
                        md: ForwardMetadata, out: torch.Tensor) -> None:
-        # the fused op's masks are causal/band only: a verify tree runs the torch path, which takes it
-        plan = None if md.tree is not None else self._fused_plan("extend", q, layer, kv, md)
+        form = md.extra.get(_FORM, "extend")
+        decode = form == "decode"  # one query row per request: the decode call form (see _call_form)
+        # the fused op's masks are causal/band only: a verify tree of several rows runs the torch path, which takes it
+        plan = None if md.tree is not None and not decode else self._fused_plan(form, q, layer, kv, md)
         if plan is None:
             self._torch_attention(q, layer, kv, md, out)
             return
         t, h, d = q.shape
         if md.graph:  # every request has the same rows (checked in the metadata step)
             bs = md.batch_size
-            self._fused(q.contiguous().view(bs, t // bs, h, d), layer, plan, False, md, out.view(bs, t // bs, h, -1))
+            self._fused(q.contiguous().view(bs, t // bs, h, d), layer, plan, decode, md, out.view(bs, t // bs, h, -1))
             return
         rows = md.extra[_ROWS]
         qpad = q.new_zeros(rows.batch_size, rows.max_q, h, d)
         qpad[rows.req, rows.row] = q
         k_buf, v_buf = self.kv_buffers(layer)
-        res = fia.run_eager(self.npu, qpad, k_buf, v_buf, plan, layer, False, self.env, self._mask2048)
+        res = fia.run_eager(self.npu, qpad, k_buf, v_buf, plan, layer, decode, self.env, self._mask2048)
         out.copy_(res[rows.req, rows.row])
 
     def _fused(self, q4: torch.Tensor, layer: AttentionLayer, plan: fia.FIAPlan, decode: bool, md: ForwardMetadata,

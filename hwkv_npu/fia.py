@@ -7,8 +7,9 @@ Verified in Ascend/op-plugin (the stand-ins in hwkv.testing.vendor_schemas.npu c
   for BSH/BSND; fp16/bf16 query, key/value of one shape (so D == Dv) in the query's dtype (int8 only with
   antiquant scales: no fp8 KV); no soft-cap argument; num_heads/num_key_value_heads <= 64, N <= 256,
   D <= 512 and a multiple of 16, KV_N * D <= 65535. With Q_S == 1 the op ignores pre_tokens,
-  next_tokens and sparse_mode: decode windows are trimmed by the index list plus a bool mask
-  [B, 1, 1, KV_S] (True = masked) over the keys before the window on its first page. With Q_S > 1,
+  next_tokens and sparse_mode and takes no 2048 x 2048 mask: decode windows are trimmed by the index list
+  plus a bool mask [B, 1, 1, KV_S] (True = masked) over the keys before the window on its first page, and
+  so are extend-like forwards whose requests have one new token each (decode=True). With Q_S > 1,
   page attention needs block_size a multiple of 128 in [128, 512]; sparse_mode 3 is causal and 4 a band
   between pre_tokens and next_tokens, both measured from the bottom-right corner (docs
   "sparse_mode参数说明"), with the compressed 2048 x 2048 lower-triangular mask: SWA prefill is
