@@ -82,7 +82,7 @@ def info_data(paths_device: Optional[str] = None) -> dict[str, Any]:
 
     forced = HWKV_DEVICE.get().strip() or None
     specs = devices.discover()
-    rows = devices.report(specs)
+    rows = devices.report(specs, show_probe_errors=True)  # a device whose probe raises is listed with the error
     device: Optional[str] = None
     error: Optional[str] = None
     try:

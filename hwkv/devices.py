@@ -214,10 +214,21 @@ def discover() -> dict[str, DeviceSpec]:
     return specs
 
 
-def report(specs: dict[str, DeviceSpec]) -> list[tuple[DeviceSpec, Optional[str]]]:
-    """Each spec with its unavailability reason (None = available), highest priority first."""
+def report(specs: dict[str, DeviceSpec], show_probe_errors: bool = False) -> list[tuple[DeviceSpec, Optional[str]]]:
+    """Each spec with its unavailability reason (None = available), highest priority first. A probe that raises
+    raises its DeviceError here too, unless `show_probe_errors` (a table for people, `hwkv info`): then the
+    error's text is that device's reason, and the other devices are still listed."""
     ordered = sorted(specs.values(), key=lambda s: (-s.priority, s.name))
-    return [(spec, spec.unavailable_reason()) for spec in ordered]
+    return [(spec, _reason(spec, show_probe_errors)) for spec in ordered]
+
+
+def _reason(spec: DeviceSpec, show_probe_errors: bool) -> Optional[str]:
+    try:
+        return spec.unavailable_reason()
+    except DeviceError as e:
+        if not show_probe_errors:
+            raise
+        return str(e)
 
 
 def _available_names(specs: dict[str, DeviceSpec]) -> str:

@@ -134,6 +134,27 @@ def test_info_forced_unavailable_in_process(capsys: pytest.CaptureFixture[str], 
     assert json.loads(captured.out)["device"] is None
 
 
+@pytest.mark.parametrize("forced", ["", "cpu"])
+def test_info_lists_a_device_whose_probe_raises(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                                 forced: str):
+    """An installed vendor extension that crashes on import: `hwkv info` still lists every device, the broken one
+    with its error; detection fails with it (exit 2) unless another device is forced."""
+    real = devices.discover
+
+    def crash() -> None:
+        raise RuntimeError("ACL init failed")
+
+    monkeypatch.setattr(cli.devices, "discover",
+                        lambda: {**real(), "npu": dataclasses.replace(real()["npu"], probe=crash)})
+    monkeypatch.setenv("HWKV_DEVICE", forced)
+    assert cli.main(["info", "--json"]) == (0 if forced else 2)
+    data = json.loads(capsys.readouterr().out)
+    rows = {d["name"]: d for d in data["devices"]}
+    assert set(rows) >= IN_TREE and not rows["npu"]["available"]
+    assert "its probe raised RuntimeError: ACL init failed" in rows["npu"]["reason"]
+    assert data["device"] == (forced or None)
+
+
 def test_broken_plugin_exits_2(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
     def broken() -> dict:
         raise cli.DeviceError("device plugin entry point 'broken' failed to load")
