@@ -13,9 +13,11 @@ Three lifetimes, as everywhere in hwkv:
 
 Bad input: a rank that raised alone would leave the others blocked in the collective it skipped. So every
 per-forward check is a row of ints that all ranks all-gather in `cp_plan`; each rank reads the same
-table, so all raise the same typed error before any rank writes its pool. Agreeing on per-layer inputs
-would cost one collective per layer: that is opt-in (`check_ranks=True`, or `HWKV_DEBUG=1`); by default a
-per-layer check fails on the bad rank only, before its gather (see `cp_allgather_and_save_kv`).
+table, so all raise the same typed error before any rank writes its pool. A refusal only one rank can see
+(its `device=`, its HWKV_DEBUG) travels in that rank's row as the error's type and message (the row on a
+device the group's backend takes). Agreeing on per-layer inputs would cost one collective per layer: that
+is opt-in (`check_ranks=True`, or `HWKV_DEBUG=1`); by default a per-layer check fails on the bad rank
+only, before its gather (see `cp_allgather_and_save_kv`).
 """
 from __future__ import annotations
 
@@ -30,10 +32,10 @@ import torch
 import torch.distributed as dist
 
 from hwkv.env import HWKV_DEBUG
-from hwkv.errors import ConfigError, HwkvError, LocError, MissingSWALocError, ShapeError, ShardError
+from hwkv.errors import ConfigError, DeviceError, HwkvError, LocError, MissingSWALocError, ShapeError, ShardError
 from hwkv.layer import AttentionLayer
 from hwkv.loc import KVWriteLoc
-from hwkv.pool import MHATokenToKVPool, SWAKVPool
+from hwkv.pool import MHATokenToKVPool, SWAKVPool, check_device
 
 Pool = Union[SWAKVPool, MHATokenToKVPool]
 Dims = Tuple[int, int, int]  # one layer group's (KVH, D, Dv)
@@ -42,6 +44,9 @@ Dims = Tuple[int, int, int]  # one layer group's (KVH, D, Dv)
 # of torch use the "cuda" device type and name RCCL "nccl"; "rocm" is hwkv's device name for them.
 BACKENDS: Dict[str, str] = {"cuda": "nccl", "rocm": "nccl", "npu": "hccl", "xpu": "xccl", "musa": "mccl",
                             "cpu": "gloo"}
+# the torch device types each collective backend moves tensors on (first: where a refused plan row travels)
+_BACKEND_DEVICES: Dict[str, Tuple[str, ...]] = {"gloo": ("cpu", "cuda"), "nccl": ("cuda",), "hccl": ("npu",),
+                                                "xccl": ("xpu",), "ccl": ("cpu", "xpu"), "mccl": ("musa",)}
 
 
 def default_backend(device: Union[str, torch.device, Any]) -> str:
@@ -79,6 +84,9 @@ class CPShards:
     `dtype` of every layer's k and v, `device_type` of the pool (else of the write locs), `groups` the
     pool's (full, SWA) layer-group geometry (KVH, D, Dv), None for a group the pool lacks; `check_ranks`:
     the per-layer calls agree across ranks too (one more collective per layer).
+
+    Built by hand (tests do), it is checked (ShardError) and, for unequal sizes, derives `row_index` on the
+    CPU from `sizes` (each call then copies it to the gather's device; `cp_plan` builds it there once).
     """
 
     rank: int
@@ -89,6 +97,18 @@ class CPShards:
     device_type: Optional[str] = None
     groups: Optional[Tuple[Optional[Dims], Optional[Dims]]] = None
     check_ranks: bool = False
+
+    def __post_init__(self) -> None:
+        world = len(self.sizes)
+        if not all(_is_int(s) and s >= 0 for s in self.sizes):
+            raise ShardError(f"CPShards: sizes must be ints >= 0, got {list(self.sizes)}")
+        if not (_is_int(self.rank) and 0 <= self.rank < world):
+            raise ShardError(f"CPShards: rank {self.rank!r} is outside [0, {world}) (one per shard size)")
+        if self.row_index is None:
+            object.__setattr__(self, "row_index", _row_index(self.sizes, torch.device("cpu")))
+        elif tuple(self.row_index.shape) != (self.num_tokens,):
+            raise ShardError(f"CPShards: row_index has shape {list(self.row_index.shape)}, expected "
+                             f"[{self.num_tokens}] (the gathered row of each token, sizes {list(self.sizes)})")
 
     @property
     def world_size(self) -> int:
@@ -130,25 +150,36 @@ def cp_plan(write_loc_or_num_tokens: Union[KVWriteLoc, int], local_num_tokens: O
 
     Agreed: the token count (len(write_loc)) and each rank's shard size; with `pool`, its device type, its
     layer groups (which layer ids are SWA) and each group's (KVH, D, Dv); the K/V `dtype` (default the
-    pool's dtype, except for an fp8 pool, whose K/V arrive in a compute dtype only the caller knows: pass
-    it); whether the write locs carry a `swa_loc`; `check_ranks` (default `HWKV_DEBUG`; on if any rank has
-    it on, so all ranks run the same collectives). The per-layer calls then check their inputs against
-    the plan locally.
+    pool's dtype; an fp8 pool's K/V arrive in a compute dtype only the caller knows, so `pool=` of an fp8
+    pool without `dtype=` is refused); whether the write locs carry a `swa_loc`; `check_ranks` (default
+    `HWKV_DEBUG`; on if any rank has it on, so all ranks run the same collectives). The per-layer calls
+    then check their inputs against the plan locally.
 
     `write_loc_or_num_tokens`: this forward's KVWriteLoc, or its length. `local_num_tokens`: this rank's
     shard size; None splits evenly (the first T % world ranks take one token more). `pool`: the pool the
-    layers will write (recommended: without it the geometry is checked only against each rank's own pool).
-    `device`: where the row travels, which must suit the group's backend (cuda for NCCL); default the write
-    locs' device, else the pool's, else CPU. Raises on every rank: ShardError when ranks disagree on the
-    token count or the shards do not add up to it, LocError when a rank's write_loc is neither a KVWriteLoc
-    nor an int >= 0, ShapeError when the ranks' dtypes or pools' geometry differ, ConfigError when their
-    device types differ or pool= is given on some ranks only, MissingSWALocError when some ranks' write
-    locs carry a swa_loc and others' do not.
+    layers will write (recommended: without it, and without `dtype`, the default per-layer calls cannot see
+    that ranks' layers, pools or K/V dtypes differ; see `cp_allgather_and_save_kv`). `device`: where the
+    row travels, a present device of a type the group's backend moves (cuda for NCCL); default the write
+    locs' device, else the pool's, else CPU.
+
+    Raises on every rank, naming the rank: ShardError when ranks disagree on the token count, the shards do
+    not add up to it, or a count is outside [0, 2**63 - 1]; LocError when a rank's write_loc is neither a
+    KVWriteLoc nor an int; ShapeError when the ranks' dtypes or pools' geometry differ; ConfigError when
+    their device types differ, pool= is given on some ranks only, an fp8 pool comes without dtype=, or a
+    rank's HWKV_DEBUG does not parse; DeviceError when a rank's `device` is no torch device, is absent, or
+    is of a type its group's backend does not move (that rank's row then travels on one it does, so the
+    others hear of it; only where the backend is unknown or none of its device types is present does the
+    DeviceError stay on that rank, whose peers then wait in the plan's gather until the group's timeout);
+    MissingSWALocError when some ranks' write locs carry a swa_loc and others' do not.
     """
+    refusal: Optional[HwkvError] = None
     if check_ranks is None:
-        check_ranks = HWKV_DEBUG.get()
+        try:
+            check_ranks = HWKV_DEBUG.get()
+        except ConfigError as e:  # this rank's environment: every rank raises it, from the plan's table
+            check_ranks, refusal = False, e
     return _plan(write_loc_or_num_tokens, local_num_tokens, group, device, pool, dtype, bool(check_ranks),
-                 accept_int=True)
+                 accept_int=True, refusal=refusal)
 
 
 def cp_allgather_and_save_kv(pool: Pool, layer: AttentionLayer, write_loc: KVWriteLoc, k: torch.Tensor, v: torch.Tensor,
@@ -162,9 +193,13 @@ def cp_allgather_and_save_kv(pool: Pool, layer: AttentionLayer, write_loc: KVWri
 
     `shards`: this forward's `cp_plan` (engines pass it). Per call then: local checks only (shape tuples
     and dtypes against the layer, the pool and the plan; no collective, no host read of device values),
-    one all-gather of K and V together, one pool write. Precondition: every rank of the group calls this
-    for the same layers, in the same order, with the same shapes and the same `check_ranks` (as any engine
-    does; agreeing on per-layer inputs would cost a collective per layer). A rank whose local check fails
+    one all-gather of K and V together (as bytes: fp8 travels too), one pool write. Precondition: every rank
+    of the group calls this for the same layers, in the same order, with the same shapes and the same
+    `check_ranks` (as any engine does; agreeing on per-layer inputs would cost a collective per layer). A
+    plan made without `pool=` fixes no geometry, and without `dtype=` no K/V dtype (its `groups` / `dtype`
+    are None): then the ranks' layers, pools and dtypes must match too, which no local check can see, and
+    a mismatch gathers rows of another layout (the backend aborts on a size mismatch; same-size dtypes are
+    silently reinterpreted), so plan with `pool=` or use `check_ranks`. A rank whose local check fails
     raises its typed error before its gather and writes nothing; the other ranks have entered that
     gather and wait in it until the group's timeout (`init_process_group(timeout=...)`), when the
     collective raises the backend's error (gloo: a RuntimeError "Timed out waiting ..."; NCCL's watchdog
@@ -173,7 +208,8 @@ def cp_allgather_and_save_kv(pool: Pool, layer: AttentionLayer, write_loc: KVWri
     aborts the process when their sizes differ).
     `check_ranks=True` (default the plan's: on with `HWKV_DEBUG=1`) restores the agreement per call: one
     more small all-gather and one host read per layer, and any rank's bad input raises the same typed
-    error on every rank (ranks saving different layers included) with no pool written.
+    error on every rank (ranks saving different layers, or layers of different (KVH, D, Dv) or K/V dtypes,
+    included) with no pool written.
 
     Without `shards` (the public `cp_allgather_and_save_kv(pool, layer, write_loc, k, v, group)`) the
     call plans itself: one agreement per call (plan and this layer's checks in one small all-gather, one
@@ -208,9 +244,12 @@ def cp_allgather_and_save_kv(pool: Pool, layer: AttentionLayer, write_loc: KVWri
 
 def _plan(x: object, local_num_tokens: Optional[int], group: Optional["dist.ProcessGroup"],
           device: Union[None, str, torch.device], pool: Optional[Pool], dtype: Optional[torch.dtype],
-          check_ranks: bool, accept_int: bool) -> CPShards:
+          check_ranks: bool, accept_int: bool, refusal: Optional[HwkvError] = None) -> CPShards:
     rank, world = _rank_and_world(group)
-    row, device, info = _plan_row(x, local_num_tokens, rank, world, device, pool, dtype, check_ranks, accept_int)
+    row, device, info = _plan_row(x, local_num_tokens, rank, world, group, device, pool, dtype, check_ranks,
+                                  accept_int)
+    if refusal is not None and row[0] == _Fail.OK:
+        row = _carried(refusal)
     table = _agree(row, group, device)
     _raise_first(table)
     return _shards_from(table, rank, device, info)
@@ -222,7 +261,7 @@ def _self_planned(pool: Pool, layer: AttentionLayer, write_loc: object, k: objec
     """The plan-less call: this forward's plan and this layer's checks in one agreement."""
     local = k.shape[0] if isinstance(k, torch.Tensor) and k.dim() == 3 else None
     dtype = k.dtype if isinstance(k, torch.Tensor) else None
-    prow, device, info = _plan_row(write_loc, local, rank, world, pool_device, pool, dtype, False,
+    prow, device, info = _plan_row(write_loc, local, rank, world, group, pool_device, pool, dtype, False,
                                    accept_int=False)
     n_local = prow[4] if prow[0] == _Fail.OK else 0
     lrow = _layer_row(layer, k, _layer_fail(pool, layer, write_loc, k, v, n_local, None, rank, world, pool_device))
@@ -236,9 +275,12 @@ def _self_planned(pool: Pool, layer: AttentionLayer, write_loc: object, k: objec
 
 
 def _plan_row(x: object, local_num_tokens: Optional[int], rank: int, world: int,
-              device: Union[None, str, torch.device], pool: Optional[Pool], dtype: Optional[torch.dtype],
-              check_ranks: bool, accept_int: bool) -> Tuple[List[int], torch.device, Dict[str, Any]]:
-    """This rank's plan row, where it travels, and the local values the agreed codes stand for."""
+              group: Optional["dist.ProcessGroup"], device: Union[None, str, torch.device], pool: Optional[Pool],
+              dtype: Optional[torch.dtype], check_ranks: bool,
+              accept_int: bool) -> Tuple[List[int], torch.device, Dict[str, Any]]:
+    """This rank's plan row, where it travels, and the local values the agreed codes stand for.
+    `accept_int`: cp_plan's row (an int count allowed, an fp8 pool needs `dtype`); else the plan-less
+    call's, whose dtype is k's."""
     pool_device = None if pool is None else torch.device(getattr(pool, "device", "cpu"))
     if isinstance(x, KVWriteLoc):
         n: Optional[int] = len(x)
@@ -248,9 +290,10 @@ def _plan_row(x: object, local_num_tokens: Optional[int], rank: int, world: int,
         n, has_swa = int(x), -1
     else:
         n, has_swa = None, -1
-    device = torch.device(device if device is not None else pool_device if pool_device is not None else "cpu")
+    device, bad_device = _travel(device if device is not None else pool_device if pool_device is not None
+                                 else "cpu", group)
+    pool_dtype = getattr(pool, "dtype", None)
     if dtype is None and pool is not None:
-        pool_dtype = getattr(pool, "dtype", None)
         if isinstance(pool_dtype, torch.dtype) and pool_dtype.is_floating_point and pool_dtype.itemsize > 1:
             dtype = pool_dtype
     device_type = (pool_device if pool_device is not None else device).type
@@ -258,11 +301,15 @@ def _plan_row(x: object, local_num_tokens: Optional[int], rank: int, world: int,
     info = {"dtype": dtype, "device_type": device_type, "groups": None if groups is None else groups[:2]}
     if n is None:
         row = _row(_Fail.LOC_TYPE, 0, 0, _name_code(type(x).__name__), int(accept_int))
-    elif n < 0:
+    elif not 0 <= n <= _I64_MAX:
         row = _row(_Fail.TOKENS, 0, 0, n)
     elif local_num_tokens is not None and (not _is_int(local_num_tokens) or not 0 <= local_num_tokens <= n):
         is_int = _is_int(local_num_tokens)
         row = _row(_Fail.LOCAL, 0, 0, n, int(local_num_tokens) if is_int else -1, int(is_int))
+    elif bad_device is not None:
+        row = _carried(bad_device)
+    elif dtype is None and pool is not None and accept_int:
+        row = _row(_Fail.NO_DTYPE, 0, 0, _name_code(str(pool_dtype)) if isinstance(pool_dtype, torch.dtype) else 0)
     else:
         if local_num_tokens is None:
             base, extra = divmod(n, world)
@@ -332,12 +379,41 @@ def _dims(sub: object) -> Optional[Dims]:
     return dims if all(_is_int(d) for d in dims) else None  # type: ignore[return-value]
 
 
+def _travel(wanted: Union[str, torch.device], group: Optional["dist.ProcessGroup"]
+            ) -> Tuple[torch.device, Optional[DeviceError]]:
+    """Where this rank's plan row travels: `wanted` when it is a present device of a type the group's backend
+    moves; else a present one that is (the DeviceError saying why not `wanted` goes in the row, so every rank
+    raises it). Only when there is none (or the backend is unknown) is it raised here, on this rank alone."""
+    backend = str(dist.get_backend(group))
+    kinds: Optional[List[str]] = []
+    for part in backend.split(","):  # "gloo", or per device type: "cpu:gloo,cuda:nccl"
+        kind, _, name = part.strip().rpartition(":")
+        found = (kind,) if kind else _BACKEND_DEVICES.get(name)
+        kinds = None if kinds is None or found is None else kinds + list(found)
+    try:
+        dev = check_device(wanted)
+        if kinds is not None and dev.type not in kinds:
+            raise DeviceError(f"device={str(wanted)!r}: the group's backend {backend!r} moves {kinds} only")
+        return dev, None
+    except DeviceError as e:
+        refusal = e
+    for kind in kinds or ():
+        try:
+            return check_device(kind), refusal
+        except DeviceError:
+            continue
+    raise DeviceError(f"cp_plan: {refusal} [raised on this rank only, before the plan's gather: no device of the "
+                      f"group's backend {backend!r} is present to tell the other ranks, which wait in theirs until "
+                      "the group's timeout]")
+
+
 # ---- the gather ----------------------------------------------------------------------------------------
 
 def _gather_kv(k: torch.Tensor, v: torch.Tensor, shards: CPShards,
                group: Optional["dist.ProcessGroup"]) -> Tuple[torch.Tensor, torch.Tensor]:
     """K and V side by side in one [max_size, KVH * (D + Dv)] send buffer per rank (padded rows zeroed),
-    one all-gather, then the padded rows dropped with one index_select (only for unequal shards)."""
+    one all-gather of its bytes (any K/V dtype travels, fp8 included, which collectives may not take), then
+    the padded rows dropped with one index_select (only for unequal shards)."""
     n, kvh, d = k.shape
     dv = v.shape[2]
     ck, cv, m, t = kvh * d, kvh * dv, shards.max_size, shards.num_tokens
@@ -349,9 +425,10 @@ def _gather_kv(k: torch.Tensor, v: torch.Tensor, shards: CPShards,
     if n < m:
         send[n:].zero_()
     rows = k.new_empty(shards.world_size * m, ck + cv)
-    _all_gather_single(rows, send, group)
+    _all_gather_single(rows.view(torch.uint8), send.view(torch.uint8), group)
     if shards.row_index is not None:
-        rows = rows.index_select(0, shards.row_index.to(rows.device, non_blocking=True))
+        index = shards.row_index.to(rows.device, non_blocking=True)
+        rows = rows.view(torch.uint8).index_select(0, index).view(k.dtype)
     return rows[:, :ck].view(t, kvh, d), rows[:, ck:].view(t, kvh, dv)
 
 
@@ -389,17 +466,37 @@ class _Fail(enum.IntEnum):
     PLAN_DTYPE = 12
     PLAN_DEVICE = 13
     PLAN_POOL = 14
+    NO_DTYPE = 15
+    RAISED = 16
 
 
 # one check's row: [code, layer_id, dtype code, payload x 13]; a plan row's payload: token count, shard
 # size, has swa_loc (-1 unknown), check_ranks, device type, pool given, full (KVH, D, Dv), SWA (KVH, D, Dv),
-# SWA-layer checksum
+# SWA-layer checksum; a layer row's, when OK: the layer's (KVH, D, Dv)
 _WIDTH = 16
 Failure = Tuple[_Fail, Tuple[int, ...]]
+_I64_MAX = 2**63 - 1
+_OUTSIDE = -2**63  # what a row carries for an int outside [-2**63 + 1, 2**63 - 1] (a caller's count, a layer's id)
+# the refusals a rank raises from its own state, carried to every rank as their type and message (`_carried`)
+_CARRIED = {zlib.crc32(e.__name__.encode()): e for e in (ConfigError, DeviceError)}
 
 
 def _row(code: _Fail, layer_id: int, dtype: int, *payload: int) -> List[int]:
-    return [int(code), layer_id, dtype, *payload] + [0] * (_WIDTH - 3 - len(payload))
+    values = [int(code), layer_id, dtype, *payload] + [0] * (_WIDTH - 3 - len(payload))
+    return [x if -_I64_MAX <= x <= _I64_MAX else _OUTSIDE for x in values]
+
+
+def _show(x: int) -> str:
+    return "an int outside [-2**63 + 1, 2**63 - 1]" if x == _OUTSIDE else str(x)
+
+
+def _carried(e: HwkvError) -> List[int]:
+    """A refusal only this rank can see, as a row: its type and the first 96 bytes of its message."""
+    room = 8 * (_WIDTH - 4)
+    text = str(e).encode()
+    text = (text if len(text) <= room else text[:room - 3] + b"...").ljust(room, b"\0")
+    words = [int.from_bytes(text[i:i + 8], "little", signed=True) for i in range(0, room, 8)]
+    return _row(_Fail.RAISED, 0, 0, _name_code(type(e).__name__), *words)
 
 
 def _is_int(x: object) -> bool:
@@ -501,9 +598,11 @@ def _layer_fail(pool: Pool, layer: AttentionLayer, write_loc: object, k: object,
 
 
 def _layer_row(layer: AttentionLayer, k: object, fail: Optional[Failure]) -> List[int]:
-    """A verdict as a row; code OK carries the layer id and dtype that the ranks must also agree on."""
+    """A verdict as a row; code OK carries what the ranks must also agree on: the layer id, the K/V dtype and
+    the layer's (KVH, D, Dv) (which the local checks matched to k, v and the pool's group)."""
     dtype = _name_code(str(k.dtype)) if isinstance(k, torch.Tensor) else 0
-    code, payload = fail if fail is not None else (_Fail.OK, ())
+    dims = (layer.num_kv_heads, layer.head_dim, layer.v_head_dim)
+    code, payload = fail if fail is not None else (_Fail.OK, dims)
     return _row(code, int(layer.layer_id), dtype, *payload)
 
 
@@ -511,11 +610,16 @@ def _check_layer_table(table: List[List[int]]) -> None:
     """What only the ranks together can tell about one call (rows already free of failures)."""
     layer_ids = [r[1] for r in table]
     if len(set(layer_ids)) > 1:
-        raise ShardError(f"ranks save different layers in one call: layer ids {layer_ids} in rank order")
+        raise ShardError(f"ranks save different layers in one call: layer ids {[_show(i) for i in layer_ids]} in "
+                         "rank order")
     dtypes = [r[2] for r in table]
     if len(set(dtypes)) > 1:
         raise ShapeError(f"ranks' K/V dtypes differ: {[_name(c) for c in dtypes]} in rank order; "
                          "the gather needs one dtype")
+    dims = [r[3:6] for r in table]
+    if any(d != dims[0] for d in dims):
+        raise ShapeError(f"ranks save layers of different geometry: [KVH, D, Dv] {dims} in rank order; the "
+                         "gather needs one row size (cp_plan's pool= compares the pools once per forward)")
 
 
 def _raise_first(table: List[List[int]]) -> None:
@@ -528,15 +632,15 @@ def _raise_first(table: List[List[int]]) -> None:
 def _error(rank: int, r: List[int]) -> HwkvError:
     code, lid, p = _Fail(r[0]), r[1], r[3:]
     kv = ("k", "v")
-    at = f"rank {rank}: layer {lid}:"
+    at = f"rank {rank}: layer {_show(lid)}:"
     if code == _Fail.LOC_TYPE:
         what = "a KVWriteLoc or an int token count" if p[1] else "a KVWriteLoc"
         return LocError(f"rank {rank}: write_loc must be {what} (backend.forward_metadata.write_loc, built "
                         f"once per forward), got {_name(p[0])}")
     if code == _Fail.TOKENS:
-        return ShardError(f"rank {rank}: the forward's token count must be >= 0, got {p[0]}")
+        return ShardError(f"rank {rank}: the forward's token count must be in [0, 2**63 - 1], got {_show(p[0])}")
     if code == _Fail.LOCAL:
-        got = p[1] if p[2] else "a non-int"
+        got = _show(p[1]) if p[2] else "a non-int"
         return ShardError(f"rank {rank}: local_num_tokens must be an int in [0, {p[0]}] (the forward's "
                           f"tokens), got {got}")
     if code == _Fail.PLAN:
@@ -544,15 +648,15 @@ def _error(rank: int, r: List[int]) -> HwkvError:
                           f"rank {p[3]} of {p[1]} with len(write_loc)={p[5]}: plan once per forward, from "
                           "this forward's write_loc and group")
     if code == _Fail.LAYER:
-        return ConfigError(f"rank {rank}: layer_id {lid} is in none of the pool's layer groups")
+        return ConfigError(f"rank {rank}: layer_id {_show(lid)} is in none of the pool's layer groups")
     if code == _Fail.NOT_TENSOR:
         return ShapeError(f"{at} {kv[p[0]]} must be a torch.Tensor, got {_name(p[1])}")
     if code == _Fail.SHAPE:
-        ndim, dims, want = p[1], [x for x in p[2:5] if x >= 0], p[5:8]
+        ndim, dims, want = p[1], [x for x in p[2:5] if x >= 0], [_show(x) for x in p[5:8]]
         shape = f"{dims}" if ndim <= 3 else f"{ndim}-D {dims[:3]}..."
         dim_name = "head_dim" if p[0] == 0 else "v_head_dim"
-        return ShapeError(f"{at} {kv[p[0]]} has shape {shape}, expected {list(want)} (the shard of rank {rank} "
-                          f"holds {want[0]} tokens; the layer's num_kv_heads={want[1]}, {dim_name}={want[2]})")
+        return ShapeError(f"{at} {kv[p[0]]} has shape {shape}, expected [{', '.join(want)}] (the shard of rank "
+                          f"{rank} holds {want[0]} tokens; the layer's num_kv_heads={want[1]}, {dim_name}={want[2]})")
     if code == _Fail.DTYPE:
         return ShapeError(f"{at} k is {_name(p[0])}, v is {_name(p[1])}: one gather carries both, so they "
                           "must share a dtype")
@@ -564,8 +668,8 @@ def _error(rank: int, r: List[int]) -> HwkvError:
     if code == _Fail.PLAN_DEVICE:
         return ShapeError(f"{at} {kv[p[0]]} is on {_name(p[1])}, the plan agreed on {_name(p[2])}")
     if code == _Fail.GEOMETRY:
-        return ShapeError(f"{at} num_kv_heads={p[0]}, head_dim={p[1]}, v_head_dim={p[2]} do not match its pool "
-                          f"group's [{p[3]}, {p[4]}, {p[5]}]")
+        return ShapeError(f"{at} num_kv_heads={_show(p[0])}, head_dim={_show(p[1])}, v_head_dim={_show(p[2])} do "
+                          f"not match its pool group's [{p[3]}, {p[4]}, {p[5]}]")
     if code == _Fail.PLAN_POOL:
         show = [None if x[0] < 0 else list(x) for x in (p[1:4], p[4:7])]
         return ShapeError(f"{at} its pool's {'SWA' if p[0] else 'full'} group is {show[0]} [KVH, D, Dv], the "
@@ -574,4 +678,11 @@ def _error(rank: int, r: List[int]) -> HwkvError:
         return MissingSWALocError(f"{at} an SWA layer, but write_loc has no swa_loc: pass the metadata "
                                   "step's KVWriteLoc (backend.forward_metadata.write_loc), translated once "
                                   "per forward")
+    if code == _Fail.NO_DTYPE:
+        return ConfigError(f"rank {rank}: cp_plan(pool=) of a {_name(p[0]) if p[0] else 'dtype-less'} pool needs "
+                           "dtype=, the dtype of every layer's k and v: an fp8 pool stores K/V quantized from a "
+                           "compute dtype only the caller knows, and the ranks must agree on it")
+    if code == _Fail.RAISED:
+        text = b"".join(w.to_bytes(8, "little", signed=True) for w in p[1:_WIDTH - 3]).rstrip(b"\0")
+        return _CARRIED.get(p[0], HwkvError)(f"rank {rank}: cp_plan: {text.decode(errors='ignore')}")
     raise AssertionError(f"unhandled check code {code!r}")
