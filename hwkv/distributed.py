@@ -21,8 +21,6 @@ only, before its gather (see `cp_allgather_and_save_kv`).
 """
 from __future__ import annotations
 
-import enum
-import functools
 import re
 import zlib
 from dataclasses import dataclass
@@ -31,14 +29,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from hwkv import cp_checks as cpc
+from hwkv.cp_checks import Dims, Pool
 from hwkv.env import HWKV_DEBUG
-from hwkv.errors import ConfigError, DeviceError, HwkvError, LocError, MissingSWALocError, ShapeError, ShardError
+from hwkv.errors import ConfigError, DeviceError, HwkvError, MissingSWALocError, ShapeError, ShardError
 from hwkv.layer import AttentionLayer
 from hwkv.loc import KVWriteLoc
-from hwkv.pool import MHATokenToKVPool, SWAKVPool, check_device
-
-Pool = Union[SWAKVPool, MHATokenToKVPool]
-Dims = Tuple[int, int, int]  # one layer group's (KVH, D, Dv)
+from hwkv.pool import check_device
 
 # The collective backend per device type, by name only: the core imports no vendor library. ROCm builds
 # of torch use the "cuda" device type and name RCCL "nccl"; "rocm" is hwkv's device name for them.
@@ -100,9 +97,9 @@ class CPShards:
 
     def __post_init__(self) -> None:
         world = len(self.sizes)
-        if not all(_is_int(s) and s >= 0 for s in self.sizes):
+        if not all(cpc.is_int(s) and s >= 0 for s in self.sizes):
             raise ShardError(f"CPShards: sizes must be ints >= 0, got {list(self.sizes)}")
-        if not (_is_int(self.rank) and 0 <= self.rank < world):
+        if not (cpc.is_int(self.rank) and 0 <= self.rank < world):
             raise ShardError(f"CPShards: rank {self.rank!r} is outside [0, {world}) (one per shard size)")
         if self.row_index is None:
             object.__setattr__(self, "row_index", _row_index(self.sizes, torch.device("cpu")))
@@ -224,14 +221,14 @@ def cp_allgather_and_save_kv(pool: Pool, layer: AttentionLayer, write_loc: KVWri
     if shards is None:
         shards = _self_planned(pool, layer, write_loc, k, v, group, rank, world, pool_device)
     elif check_ranks if check_ranks is not None else shards.check_ranks:
-        fail = _layer_fail(pool, layer, write_loc, k, v, None, shards, rank, world, pool_device)
-        table = _agree(_layer_row(layer, k, fail), group, pool_device)
-        _raise_first(table)
-        _check_layer_table(table)
+        fail = cpc.layer_fail(pool, layer, write_loc, k, v, None, shards, rank, world, pool_device)
+        table = _agree(cpc.layer_row(layer, k, fail), group, pool_device)
+        cpc.raise_first(table)
+        cpc.check_layer_table(table)
     else:
-        fail = _layer_fail(pool, layer, write_loc, k, v, None, shards, rank, world, pool_device)
+        fail = cpc.layer_fail(pool, layer, write_loc, k, v, None, shards, rank, world, pool_device)
         if fail is not None:
-            e = _error(rank, _layer_row(layer, k, fail))
+            e = cpc.error_of(rank, cpc.layer_row(layer, k, fail))
             raise type(e)(f"{e} [raised on this rank only, before its K/V gather: the other ranks wait in "
                           "theirs until the group's timeout; check_ranks=True or HWKV_DEBUG=1 makes every "
                           "rank raise it]") from None
@@ -248,10 +245,10 @@ def _plan(x: object, local_num_tokens: Optional[int], group: Optional["dist.Proc
     rank, world = _rank_and_world(group)
     row, device, info = _plan_row(x, local_num_tokens, rank, world, group, device, pool, dtype, check_ranks,
                                   accept_int)
-    if refusal is not None and row[0] == _Fail.OK:
-        row = _carried(refusal)
+    if refusal is not None and row[0] == cpc.Fail.OK:
+        row = cpc.carried_row(refusal)
     table = _agree(row, group, device)
-    _raise_first(table)
+    cpc.raise_first(table)
     return _shards_from(table, rank, device, info)
 
 
@@ -263,14 +260,15 @@ def _self_planned(pool: Pool, layer: AttentionLayer, write_loc: object, k: objec
     dtype = k.dtype if isinstance(k, torch.Tensor) else None
     prow, device, info = _plan_row(write_loc, local, rank, world, group, pool_device, pool, dtype, False,
                                    accept_int=False)
-    n_local = prow[4] if prow[0] == _Fail.OK else 0
-    lrow = _layer_row(layer, k, _layer_fail(pool, layer, write_loc, k, v, n_local, None, rank, world, pool_device))
+    n_local = prow[4] if prow[0] == cpc.Fail.OK else 0
+    fail = cpc.layer_fail(pool, layer, write_loc, k, v, n_local, None, rank, world, pool_device)
+    lrow = cpc.layer_row(layer, k, fail)
     table = _agree(prow + lrow, group, device)
-    plan_table, layer_table = [r[:_WIDTH] for r in table], [r[_WIDTH:] for r in table]
-    _raise_first(plan_table)
+    plan_table, layer_table = [r[:cpc.WIDTH] for r in table], [r[cpc.WIDTH:] for r in table]
+    cpc.raise_first(plan_table)
     shards = _shards_from(plan_table, rank, device, info)
-    _raise_first(layer_table)
-    _check_layer_table(layer_table)
+    cpc.raise_first(layer_table)
+    cpc.check_layer_table(layer_table)
     return shards
 
 
@@ -286,7 +284,7 @@ def _plan_row(x: object, local_num_tokens: Optional[int], rank: int, world: int,
         n: Optional[int] = len(x)
         has_swa = int(x.swa_loc is not None)
         device = x.loc.device if device is None else device
-    elif accept_int and _is_int(x):
+    elif accept_int and cpc.is_int(x):
         n, has_swa = int(x), -1
     else:
         n, has_swa = None, -1
@@ -300,16 +298,17 @@ def _plan_row(x: object, local_num_tokens: Optional[int], rank: int, world: int,
     groups = None if pool is None else _pool_groups(pool)
     info = {"dtype": dtype, "device_type": device_type, "groups": None if groups is None else groups[:2]}
     if n is None:
-        row = _row(_Fail.LOC_TYPE, 0, 0, _name_code(type(x).__name__), int(accept_int))
-    elif not 0 <= n <= _I64_MAX:
-        row = _row(_Fail.TOKENS, 0, 0, n)
-    elif local_num_tokens is not None and (not _is_int(local_num_tokens) or not 0 <= local_num_tokens <= n):
-        is_int = _is_int(local_num_tokens)
-        row = _row(_Fail.LOCAL, 0, 0, n, int(local_num_tokens) if is_int else -1, int(is_int))
+        row = cpc.row(cpc.Fail.LOC_TYPE, 0, 0, cpc.name_code(type(x).__name__), int(accept_int))
+    elif not 0 <= n <= cpc.I64_MAX:
+        row = cpc.row(cpc.Fail.TOKENS, 0, 0, n)
+    elif local_num_tokens is not None and (not cpc.is_int(local_num_tokens) or not 0 <= local_num_tokens <= n):
+        is_int = cpc.is_int(local_num_tokens)
+        row = cpc.row(cpc.Fail.LOCAL, 0, 0, n, int(local_num_tokens) if is_int else -1, int(is_int))
     elif bad_device is not None:
-        row = _carried(bad_device)
+        row = cpc.carried_row(bad_device)
     elif dtype is None and pool is not None and accept_int:
-        row = _row(_Fail.NO_DTYPE, 0, 0, _name_code(str(pool_dtype)) if isinstance(pool_dtype, torch.dtype) else 0)
+        code = cpc.name_code(str(pool_dtype)) if isinstance(pool_dtype, torch.dtype) else 0
+        row = cpc.row(cpc.Fail.NO_DTYPE, 0, 0, code)
     else:
         if local_num_tokens is None:
             base, extra = divmod(n, world)
@@ -319,8 +318,9 @@ def _plan_row(x: object, local_num_tokens: Optional[int], rank: int, world: int,
         else:
             full, swa, crc = groups
             geometry = [1, *(full or (-1, -1, -1)), *(swa or (-1, -1, -1)), crc]
-        row = _row(_Fail.OK, 0, 0 if dtype is None else _name_code(str(dtype)), n, int(local_num_tokens), has_swa,
-                   int(check_ranks), _name_code(device_type), *geometry)
+        dtype_code = 0 if dtype is None else cpc.name_code(str(dtype))
+        row = cpc.row(cpc.Fail.OK, 0, dtype_code, n, int(local_num_tokens), has_swa, int(check_ranks),
+                      cpc.name_code(device_type), *geometry)
     return row, device, info
 
 
@@ -340,7 +340,7 @@ def _shards_from(table: List[List[int]], rank: int, device: torch.device, info: 
                           "on every rank or on none")
     devices = [r[7] for r in table]
     if len(set(devices)) > 1:
-        raise ConfigError(f"ranks' pools are on different device types: {[_name(c) for c in devices]} in rank "
+        raise ConfigError(f"ranks' pools are on different device types: {[cpc.type_name(c) for c in devices]} in rank "
                           "order")
     geometry = [tuple(r[9:16]) for r in table]
     if len(set(geometry)) > 1:
@@ -352,7 +352,7 @@ def _shards_from(table: List[List[int]], rank: int, device: torch.device, info: 
                          + ": every rank must hold the same pool layout to write the gathered K/V")
     dtypes = [r[2] for r in table]
     if len(set(dtypes)) > 1:
-        raise ShapeError(f"ranks' K/V dtypes differ: {[_name(c) if c else 'unfixed' for c in dtypes]} in rank "
+        raise ShapeError(f"ranks' K/V dtypes differ: {[cpc.type_name(c) if c else 'unfixed' for c in dtypes]} in rank "
                          "order; the gather needs one dtype (cp_plan's dtype=, default the pool's)")
     has_swa = [r[5] for r in table]
     if 0 in has_swa and 1 in has_swa:
@@ -369,14 +369,9 @@ def _pool_groups(pool: Pool) -> Tuple[Optional[Dims], Optional[Dims], int]:
     mapping = getattr(pool, "layers_mapping", None)
     if mapping is not None:
         layout = sorted((int(lid), bool(m[1])) for lid, m in mapping.items())
-        return (_dims(getattr(pool, "full_kv_pool", None)), _dims(getattr(pool, "swa_kv_pool", None)),
+        return (cpc.dims_of(getattr(pool, "full_kv_pool", None)), cpc.dims_of(getattr(pool, "swa_kv_pool", None)),
                 zlib.crc32(repr(layout).encode()))
-    return _dims(pool), None, zlib.crc32(f"layers {getattr(pool, 'layer_num', None)}".encode())
-
-
-def _dims(sub: object) -> Optional[Dims]:
-    dims = tuple(getattr(sub, a, None) for a in ("head_num", "head_dim", "v_head_dim"))
-    return dims if all(_is_int(d) for d in dims) else None  # type: ignore[return-value]
+    return cpc.dims_of(pool), None, zlib.crc32(f"layers {getattr(pool, 'layer_num', None)}".encode())
 
 
 def _travel(wanted: Union[str, torch.device], group: Optional["dist.ProcessGroup"]
@@ -448,61 +443,6 @@ def _row_index(sizes: Sequence[int], device: torch.device) -> Optional[torch.Ten
     return rows[keep].to(device)
 
 
-# ---- checks --------------------------------------------------------------------------------------------
-
-class _Fail(enum.IntEnum):
-    OK = 0
-    LOC_TYPE = 1
-    TOKENS = 2
-    LOCAL = 3
-    PLAN = 4
-    LAYER = 5
-    NOT_TENSOR = 6
-    SHAPE = 7
-    DTYPE = 8
-    DEVICE = 9
-    GEOMETRY = 10
-    NO_SWA_LOC = 11
-    PLAN_DTYPE = 12
-    PLAN_DEVICE = 13
-    PLAN_POOL = 14
-    NO_DTYPE = 15
-    RAISED = 16
-
-
-# one check's row: [code, layer_id, dtype code, payload x 13]; a plan row's payload: token count, shard
-# size, has swa_loc (-1 unknown), check_ranks, device type, pool given, full (KVH, D, Dv), SWA (KVH, D, Dv),
-# SWA-layer checksum; a layer row's, when OK: the layer's (KVH, D, Dv)
-_WIDTH = 16
-Failure = Tuple[_Fail, Tuple[int, ...]]
-_I64_MAX = 2**63 - 1
-_OUTSIDE = -2**63  # what a row carries for an int outside [-2**63 + 1, 2**63 - 1] (a caller's count, a layer's id)
-# the refusals a rank raises from its own state, carried to every rank as their type and message (`_carried`)
-_CARRIED = {zlib.crc32(e.__name__.encode()): e for e in (ConfigError, DeviceError)}
-
-
-def _row(code: _Fail, layer_id: int, dtype: int, *payload: int) -> List[int]:
-    values = [int(code), layer_id, dtype, *payload] + [0] * (_WIDTH - 3 - len(payload))
-    return [x if -_I64_MAX <= x <= _I64_MAX else _OUTSIDE for x in values]
-
-
-def _show(x: int) -> str:
-    return "an int outside [-2**63 + 1, 2**63 - 1]" if x == _OUTSIDE else str(x)
-
-
-def _carried(e: HwkvError) -> List[int]:
-    """A refusal only this rank can see, as a row: its type and the first 96 bytes of its message."""
-    room = 8 * (_WIDTH - 4)
-    text = str(e).encode()
-    text = (text if len(text) <= room else text[:room - 3] + b"...").ljust(room, b"\0")
-    words = [int.from_bytes(text[i:i + 8], "little", signed=True) for i in range(0, room, 8)]
-    return _row(_Fail.RAISED, 0, 0, _name_code(type(e).__name__), *words)
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _rank_and_world(group: Optional["dist.ProcessGroup"]) -> Tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("torch.distributed is not initialized: call "
@@ -513,176 +453,11 @@ def _rank_and_world(group: Optional["dist.ProcessGroup"]) -> Tuple[int, int]:
     return rank, dist.get_world_size(group)
 
 
+
+
 def _agree(row: Sequence[int], group: Optional["dist.ProcessGroup"], device: torch.device) -> List[List[int]]:
     """All-gather one int64 row per rank and read the table on the host: every rank gets the same verdict."""
     mine = torch.tensor(list(row), dtype=torch.int64).to(device)
     table = torch.empty(dist.get_world_size(group) * len(row), dtype=torch.int64, device=device)
     _all_gather_single(table, mine, group)
     return table.view(-1, len(row)).tolist()
-
-
-def _name_code(name: str) -> int:
-    """A process-independent int for a dtype, device or type name (Python's str hash is salted per process)."""
-    return zlib.crc32(name.encode())
-
-
-@functools.lru_cache(maxsize=None)
-def _names() -> Dict[int, str]:
-    names = {str(v) for v in vars(torch).values() if isinstance(v, torch.dtype)}
-    names |= set(BACKENDS) | {"meta", "mps", "hpu", "privateuseone", "Tensor", "NoneType", "int", "float",
-                              "bool", "tuple", "list", "dict"}
-    return {_name_code(n): n for n in names}
-
-
-def _name(code: int) -> str:
-    return _names().get(code, "another type")
-
-
-def _pool_group(pool: Pool, layer_id: int) -> Tuple[bool, Optional[Dims], bool]:
-    """(the pool holds layer_id, its group's (KVH, D, Dv) when the pool says, is an SWA layer)."""
-    mapping = getattr(pool, "layers_mapping", None)
-    if mapping is not None:
-        if layer_id not in mapping:
-            return False, None, False
-        is_swa = bool(mapping[layer_id][1])
-        sub = pool.swa_kv_pool if is_swa else pool.full_kv_pool
-    else:
-        num = getattr(pool, "layer_num", None)
-        if num is not None and not 0 <= layer_id < num:
-            return False, None, False
-        is_swa, sub = False, pool
-    return True, _dims(sub), is_swa
-
-
-def _layer_fail(pool: Pool, layer: AttentionLayer, write_loc: object, k: object, v: object, n: Optional[int],
-                plan: Optional[CPShards], rank: int, world: int, pool_device: torch.device) -> Optional[Failure]:
-    """This rank's verdict on one call's inputs, from local values only (shape tuples, dtypes, device
-    types, the pool's attributes and the plan): None when they are fine. `n`: the expected shard size
-    (None: the plan's); `plan`: the forward's plan to check against (None: the plan-less call, which
-    agrees on it in the same collective)."""
-    if not isinstance(write_loc, KVWriteLoc):
-        return _Fail.LOC_TYPE, (_name_code(type(write_loc).__name__), 0)
-    if plan is not None and (plan.world_size, plan.rank, plan.num_tokens) != (world, rank, len(write_loc)):
-        return _Fail.PLAN, (plan.world_size, world, plan.rank, rank, plan.num_tokens, len(write_loc))
-    if n is None:
-        n = plan.local_size if plan is not None else 0
-    held, group_dims, is_swa = _pool_group(pool, int(layer.layer_id))
-    if not held:
-        return _Fail.LAYER, ()
-    for which, t in ((0, k), (1, v)):
-        if not isinstance(t, torch.Tensor):
-            return _Fail.NOT_TENSOR, (which, _name_code(type(t).__name__))
-    kvh, d, dv = layer.num_kv_heads, layer.head_dim, layer.v_head_dim
-    for which, t, want in ((0, k, (n, kvh, d)), (1, v, (n, kvh, dv))):
-        if t.shape != want:
-            dims = list(t.shape[:3]) + [-1] * (3 - min(t.dim(), 3))
-            return _Fail.SHAPE, (which, t.dim(), *dims, *want)
-    if k.dtype != v.dtype:
-        return _Fail.DTYPE, (_name_code(str(k.dtype)), _name_code(str(v.dtype)))
-    if plan is not None and plan.dtype is not None and k.dtype != plan.dtype:
-        return _Fail.PLAN_DTYPE, (_name_code(str(k.dtype)), _name_code(str(plan.dtype)))
-    for which, t in ((0, k), (1, v)):
-        if plan is not None and plan.device_type is not None and t.device.type != plan.device_type:
-            return _Fail.PLAN_DEVICE, (which, _name_code(t.device.type), _name_code(plan.device_type))
-        if t.device.type != pool_device.type:
-            return _Fail.DEVICE, (which, _name_code(t.device.type), _name_code(pool_device.type))
-    if group_dims is not None and group_dims != (kvh, d, dv):
-        return _Fail.GEOMETRY, (kvh, d, dv, *group_dims)
-    if plan is not None and plan.groups is not None:
-        agreed = plan.groups[is_swa]
-        if group_dims != agreed:
-            return _Fail.PLAN_POOL, (int(is_swa), *(group_dims or (-1, -1, -1)), *(agreed or (-1, -1, -1)))
-    if is_swa and write_loc.swa_loc is None:
-        return _Fail.NO_SWA_LOC, ()
-    return None
-
-
-def _layer_row(layer: AttentionLayer, k: object, fail: Optional[Failure]) -> List[int]:
-    """A verdict as a row; code OK carries what the ranks must also agree on: the layer id, the K/V dtype and
-    the layer's (KVH, D, Dv) (which the local checks matched to k, v and the pool's group)."""
-    dtype = _name_code(str(k.dtype)) if isinstance(k, torch.Tensor) else 0
-    dims = (layer.num_kv_heads, layer.head_dim, layer.v_head_dim)
-    code, payload = fail if fail is not None else (_Fail.OK, dims)
-    return _row(code, int(layer.layer_id), dtype, *payload)
-
-
-def _check_layer_table(table: List[List[int]]) -> None:
-    """What only the ranks together can tell about one call (rows already free of failures)."""
-    layer_ids = [r[1] for r in table]
-    if len(set(layer_ids)) > 1:
-        raise ShardError(f"ranks save different layers in one call: layer ids {[_show(i) for i in layer_ids]} in "
-                         "rank order")
-    dtypes = [r[2] for r in table]
-    if len(set(dtypes)) > 1:
-        raise ShapeError(f"ranks' K/V dtypes differ: {[_name(c) for c in dtypes]} in rank order; "
-                         "the gather needs one dtype")
-    dims = [r[3:6] for r in table]
-    if any(d != dims[0] for d in dims):
-        raise ShapeError(f"ranks save layers of different geometry: [KVH, D, Dv] {dims} in rank order; the "
-                         "gather needs one row size (cp_plan's pool= compares the pools once per forward)")
-
-
-def _raise_first(table: List[List[int]]) -> None:
-    """Raise the first failing rank's error (rank order), identically on every rank."""
-    for rank, r in enumerate(table):
-        if r[0] != _Fail.OK:
-            raise _error(rank, r)
-
-
-def _error(rank: int, r: List[int]) -> HwkvError:
-    code, lid, p = _Fail(r[0]), r[1], r[3:]
-    kv = ("k", "v")
-    at = f"rank {rank}: layer {_show(lid)}:"
-    if code == _Fail.LOC_TYPE:
-        what = "a KVWriteLoc or an int token count" if p[1] else "a KVWriteLoc"
-        return LocError(f"rank {rank}: write_loc must be {what} (backend.forward_metadata.write_loc, built "
-                        f"once per forward), got {_name(p[0])}")
-    if code == _Fail.TOKENS:
-        return ShardError(f"rank {rank}: the forward's token count must be in [0, 2**63 - 1], got {_show(p[0])}")
-    if code == _Fail.LOCAL:
-        got = _show(p[1]) if p[2] else "a non-int"
-        return ShardError(f"rank {rank}: local_num_tokens must be an int in [0, {p[0]}] (the forward's "
-                          f"tokens), got {got}")
-    if code == _Fail.PLAN:
-        return ShardError(f"{at} the CPShards plan is for rank {p[2]} of {p[0]} and {p[4]} tokens, this call is "
-                          f"rank {p[3]} of {p[1]} with len(write_loc)={p[5]}: plan once per forward, from "
-                          "this forward's write_loc and group")
-    if code == _Fail.LAYER:
-        return ConfigError(f"rank {rank}: layer_id {_show(lid)} is in none of the pool's layer groups")
-    if code == _Fail.NOT_TENSOR:
-        return ShapeError(f"{at} {kv[p[0]]} must be a torch.Tensor, got {_name(p[1])}")
-    if code == _Fail.SHAPE:
-        ndim, dims, want = p[1], [x for x in p[2:5] if x >= 0], [_show(x) for x in p[5:8]]
-        shape = f"{dims}" if ndim <= 3 else f"{ndim}-D {dims[:3]}..."
-        dim_name = "head_dim" if p[0] == 0 else "v_head_dim"
-        return ShapeError(f"{at} {kv[p[0]]} has shape {shape}, expected [{', '.join(want)}] (the shard of rank "
-                          f"{rank} holds {want[0]} tokens; the layer's num_kv_heads={want[1]}, {dim_name}={want[2]})")
-    if code == _Fail.DTYPE:
-        return ShapeError(f"{at} k is {_name(p[0])}, v is {_name(p[1])}: one gather carries both, so they "
-                          "must share a dtype")
-    if code == _Fail.PLAN_DTYPE:
-        return ShapeError(f"{at} k and v are {_name(p[0])}, the plan agreed on {_name(p[1])} (cp_plan's dtype=, "
-                          "default the pool's)")
-    if code == _Fail.DEVICE:
-        return ShapeError(f"{at} {kv[p[0]]} is on {_name(p[1])}, the pool is on {_name(p[2])}")
-    if code == _Fail.PLAN_DEVICE:
-        return ShapeError(f"{at} {kv[p[0]]} is on {_name(p[1])}, the plan agreed on {_name(p[2])}")
-    if code == _Fail.GEOMETRY:
-        return ShapeError(f"{at} num_kv_heads={_show(p[0])}, head_dim={_show(p[1])}, v_head_dim={_show(p[2])} do "
-                          f"not match its pool group's [{p[3]}, {p[4]}, {p[5]}]")
-    if code == _Fail.PLAN_POOL:
-        show = [None if x[0] < 0 else list(x) for x in (p[1:4], p[4:7])]
-        return ShapeError(f"{at} its pool's {'SWA' if p[0] else 'full'} group is {show[0]} [KVH, D, Dv], the "
-                          f"plan agreed on {show[1]}: plan with the pool the layers write (cp_plan's pool=)")
-    if code == _Fail.NO_SWA_LOC:
-        return MissingSWALocError(f"{at} an SWA layer, but write_loc has no swa_loc: pass the metadata "
-                                  "step's KVWriteLoc (backend.forward_metadata.write_loc), translated once "
-                                  "per forward")
-    if code == _Fail.NO_DTYPE:
-        return ConfigError(f"rank {rank}: cp_plan(pool=) of a {_name(p[0]) if p[0] else 'dtype-less'} pool needs "
-                           "dtype=, the dtype of every layer's k and v: an fp8 pool stores K/V quantized from a "
-                           "compute dtype only the caller knows, and the ranks must agree on it")
-    if code == _Fail.RAISED:
-        text = b"".join(w.to_bytes(8, "little", signed=True) for w in p[1:_WIDTH - 3]).rstrip(b"\0")
-        return _CARRIED.get(p[0], HwkvError)(f"rank {rank}: cp_plan: {text.decode(errors='ignore')}")
-    raise AssertionError(f"unhandled check code {code!r}")
