@@ -6,8 +6,11 @@ seed, never on which requests share its forward, the batch order or the device's
 """
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,16 +34,15 @@ class SamplingParams:
     stop_token_ids: Tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0:
-            raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed <= _M32):
-            raise ConfigError(f"seed must be None or an integer in [0, 2**32), got {self.seed!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        _check_int("max_new_tokens", self.max_new_tokens, 1, None, "an integer >= 1")
+        temperature = _check_real("temperature", self.temperature, "a finite number >= 0 (0 = greedy)",
+                                  lambda t: 0 <= t < math.inf)
+        top_p = _check_real("top_p", self.top_p, "a number in (0, 1]", lambda p: 0 < p <= 1)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, _M32, "None or an integer in [0, 2**32)")
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_p", top_p)
+        object.__setattr__(self, "stop_token_ids", _stop_ids(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
@@ -49,6 +51,44 @@ class SamplingParams:
     def with_seed(self, offset: int) -> "SamplingParams":
         """These parameters with seed (seed or 0) + offset, wrapped into [0, 2**32)."""
         return replace(self, seed=((self.seed or 0) + offset) & _M32)
+
+
+_RANGE_STOP = "a sequence of integer token ids >= 0"
+
+
+def _check_int(name: str, value: object, lo: int, hi: Optional[int], allowed: str) -> int:
+    """`value` as an int in [lo, hi] (hi None: unbounded); a bool, a float or anything else is refused."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo
+            or (hi is not None and value > hi)):
+        raise ConfigError(f"{name} must be {allowed}, got {value!r}")
+    return int(value)
+
+
+def _check_real(name: str, value: object, allowed: str, ok: Callable[[float], bool]) -> float:
+    """`value` as a float for which `ok` holds (NaN never does); a bool, a string or None is refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not ok(float(value)):
+        raise ConfigError(f"{name} must be {allowed}, got {value!r}")
+    return float(value)
+
+
+def _stop_ids(value: object) -> Tuple[int, ...]:
+    """`stop_token_ids` as a tuple of ints: any iterable of integers >= 0 (numpy or torch integers included)."""
+    try:
+        items = list(value) if not isinstance(value, (str, bytes)) else None
+    except TypeError:  # not iterable (an int, None, a 0-d tensor)
+        items = None
+    if items is None:
+        raise ConfigError(f"stop_token_ids must be {_RANGE_STOP}, got {value!r}")
+    ids = []
+    for t in items:
+        try:
+            i = operator.index(t)
+        except TypeError:
+            i = -1
+        if isinstance(t, bool) or i < 0:
+            raise ConfigError(f"stop_token_ids must be {_RANGE_STOP}, got {value!r} (element {t!r})")
+        ids.append(i)
+    return tuple(ids)
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -62,10 +102,25 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """Uniforms in (0, 1), [K, V], one per (request seed, output index, token id): float32, 24 random bits."""
+    """Uniforms strictly inside (0, 1), [K, V], one per (request seed, output index, token id): float32, 23
+    random bits. (m + 0.5) * 2**-23 for m < 2**23 needs 24 significant bits, so float32 holds it exactly: the
+    largest is 1 - 2**-24, never 1.0 (whose Gumbel noise would be +inf), the smallest 2**-24."""
     row = _mix(_mix(seeds & _M32) ^ (steps & _M32))
     h = _mix(row[:, None] ^ ((token_ids * 0x61C88647) & _M32))
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+
+
+def _outside_nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Which tokens of `probs` [K, V] (each row sorted ascending) lie outside the row's top-p nucleus, the
+    smallest set of most likely tokens whose mass reaches top_p. A token stays while the mass of the more likely
+    ones is below top_p, that is while its own mass plus the less likely ones' exceeds 1 - top_p (the rule of
+    transformers' top-p warper): the token that crosses top_p stays, and so does the most likely. The ascending
+    sum adds the small tail first, so it keeps float32's precision where descending sums lose it; rows with
+    top_p >= 1 keep every token exactly."""
+    p = top_p.to(torch.float32)[:, None]
+    outside = (probs.cumsum(dim=-1) <= 1 - p) & (p < 1)
+    outside[:, -1] = False
+    return outside
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, seeds: torch.Tensor,
@@ -78,10 +133,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
         return greedy
     t = temperature.to(torch.float32).clamp(min=1e-6)[:, None]
     logp = torch.log_softmax(logits.to(torch.float32) / t, dim=-1)
-    sorted_lp, order = logp.sort(dim=-1, descending=True)
-    probs = sorted_lp.exp()
-    outside = (probs.cumsum(dim=-1) - probs) >= top_p.to(torch.float32)[:, None]  # mass before it reached top_p
-    sorted_lp = sorted_lp.masked_fill(outside, float("-inf"))
+    sorted_lp, order = logp.sort(dim=-1)  # ascending: see _outside_nucleus
+    sorted_lp = sorted_lp.masked_fill(_outside_nucleus(sorted_lp.exp(), top_p), float("-inf"))
     u = uniform_noise(seeds, steps, order)  # keyed by token id, so the sort order does not matter
     pick = order.gather(-1, (sorted_lp - torch.log(-torch.log(u))).argmax(dim=-1, keepdim=True))[:, 0]
     return torch.where(temperature > 0, pick, greedy)
