@@ -148,6 +148,7 @@ class AttentionBackend(DraftMetadataMixin):
         seq_h = seq_cpu.tolist()
         ext_h = [1] * bs if decode else ext_cpu.tolist()
         batch.check_lens(seq_h, ext_h, *self.req_to_token_pool.req_to_token.shape)  # before anything is built
+        tree_size = self.tree_planner.check(batch, ext_cpu)  # spec_info: None, or a verify tree that fits
         # the same rule as window_pos0 on the host lengths, for sizes: max(0, seq - ext - W + 1)
         win_lens = {w: [s - max(0, s - e - w + 1) for s, e in zip(seq_h, ext_h)] for w in self.windows}
         ext = None if decode else batch.extend_lens().to(torch.int64)
@@ -167,9 +168,8 @@ class AttentionBackend(DraftMetadataMixin):
         md = ForwardMetadata(write_loc, write_loc.swa_loc, qo_indptr, q_pos0, full, windows, max(ext_h, default=0),
                              bs, decode, seq_lens_cpu=seq_cpu, extend_lens_cpu=ext_cpu,
                              outputs=LayerOutputs(self._layer_count) if decode and self._layer_count else None)
-        if batch.spec_info is not None:  # a verify tree (DraftTree) or another mode's draft info
-            ext = batch.extend_lens().to(torch.int64) if ext is None else ext
-            md.tree = self.tree_planner.mask(batch, ext, qo_indptr, q_pos0, ext_cpu)
+        if tree_size is not None:  # a verify tree (DraftTree)
+            md.tree = self.tree_planner.mask(batch, ext, qo_indptr, q_pos0, tree_size)
             self.tree_planner.decode_lists(md, ext, batch)
         self.init_kernel_metadata(md, batch, graph=False)
         self.forward_metadata = md
@@ -308,16 +308,17 @@ class AttentionBackend(DraftMetadataMixin):
         if st is None:
             raise ConfigError("init_graph_state(max_bs, max_num_tokens) must run before graph metadata")
         bs, n = batch.batch_size, batch.num_tokens
+        tree_size = self.tree_planner.check(batch, None)  # before the refill: a refused tree changes no buffer
         check_fits("batch size", bs, st.max_bs)
         check_fits("tokens", n, st.max_num_tokens)
+        if max_q_len is not None and (isinstance(max_q_len, bool) or not isinstance(max_q_len, int) or max_q_len < 1):
+            raise ConfigError(f"max_q_len={max_q_len!r} must be an int >= 1")
         decode = batch.forward_mode.is_decode_or_idle()
         kernels = ops.graph_refill_kernels(self.device.type) if self._fusable_refill else None
         one_launch = kernels is not None and self._refills_in_one(kernels)
         write_loc = self._write_loc(batch.out_cache_loc, graph=True, lists=self._list_refill(batch) if one_launch
                                     else None)
         swa = write_loc.swa_loc
-        if max_q_len is not None and (not isinstance(max_q_len, int) or max_q_len < 1):
-            raise ConfigError(f"max_q_len={max_q_len!r} must be an int >= 1")
         max_q = 1 if decode else min(n, max_q_len or n)  # static bounds: no sync on the replay path
         if kernels is not None:
             views = self._graph_views(bs, max_q)
@@ -326,7 +327,7 @@ class AttentionBackend(DraftMetadataMixin):
         else:
             views = self._refill_torch(batch, max_q)
         ext = None if decode else batch.extend_seq_lens
-        tree = None if decode else self.tree_planner.mask(batch, ext, views.qo_indptr, views.q_pos0, None, graph=True)
+        tree = self.tree_planner.mask(batch, ext, views.qo_indptr, views.q_pos0, tree_size, graph=True)
         md = ForwardMetadata(write_loc, swa, views.qo_indptr, views.q_pos0, views.full, views.windows, max_q, bs,
                              decode, graph=True, tree=tree)
         if tree is not None:

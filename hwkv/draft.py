@@ -12,7 +12,8 @@ import torch
 
 from hwkv import ops
 from hwkv.batch import ForwardBatch, ForwardMode
-from hwkv.errors import CapacityError, ConfigError
+from hwkv.checks import values_checkable
+from hwkv.errors import CapacityError, ConfigError, ShapeError
 from hwkv.graph import GraphAdapter, GraphRunner, ModelFn, PreparedStep
 from hwkv.loc import KVWriteLoc
 from hwkv.metadata import (ForwardMetadata, GraphViews, KVIndexList, StaticBuffers, alloc_static, check_fits,
@@ -81,9 +82,10 @@ class DraftMetadataMixin:
         window covering every step; each step's full list and window lists (no further translation)."""
         info = _draft_info(batch)
         k, bs = info.num_steps, batch.batch_size
+        seq_cpu, _ = batch.host_lens()
+        self._check_draft_lens(batch, seq_cpu.tolist(), k)      # before anything is built
         write_all = self._draft_write_loc(batch.out_cache_loc, info, graph=False)
         seq, rows = batch.seq_lens.to(torch.int64), batch.req_pool_indices
-        seq_cpu, _ = batch.host_lens()
         ctx = self.req_to_token_pool.req_to_token.shape[1]
         blocks = {}
         for w in (self.windows if info.writes_swa else ()):
@@ -159,6 +161,10 @@ class DraftMetadataMixin:
             raise CapacityError(f"a draft of {k} steps exceeds the graph state's {len(ds.steps)} steps; run it "
                                 "eagerly (init_draft_metadata) or init_draft_graph_state with more steps")
         check_fits("batch size", bs, ds.max_bs)
+        host = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else (
+            batch.seq_lens if values_checkable(batch.seq_lens) else None)  # the caller's host copy, or CPU / debug
+        if host is not None:
+            self._check_draft_lens(batch, host.tolist(), k)
         write_all = self._draft_write_loc(batch.out_cache_loc, info, graph=True)
         rows, seq = batch.req_pool_indices, batch.seq_lens
         blocks = {w: self._span_block(rows, seq, w, ds.widths[w], ds.block_indptr[w][:bs + 1], ds.block_locs[w],
@@ -212,6 +218,17 @@ class DraftMetadataMixin:
         return GraphViews(st.arange[:bs + 1], q_pos0, full, windows)
 
     # ---- shared -------------------------------------------------------------------------------
+    def _check_draft_lens(self, batch: ForwardBatch, seq_h: List[int], k: int) -> None:
+        """`ForwardBatch.check_lens` for all k steps of a draft (step i's lengths are seq_lens + i): 1 <= seq_lens,
+        seq_lens + k - 1 <= max_context_len, rows in range (where checkable); typed, before anything is built.
+        `seq_h`: host lengths after step 0."""
+        rows, ctx = self.req_to_token_pool.req_to_token.shape
+        batch.check_lens(seq_h, [1] * len(seq_h), rows, ctx)
+        if k > 1 and seq_h and max(seq_h) > ctx - k + 1:
+            i = next(i for i, n in enumerate(seq_h) if n > ctx - k + 1)
+            raise ShapeError(f"seq_lens[{i}] is {seq_h[i]}: its {k} draft steps reach length {seq_h[i] + k - 1}, past "
+                             f"max_context_len {ctx} (the ReqToTokenPool's); allowed range is [1, {ctx - k + 1}]")
+
     def _draft_write_loc(self, loc: torch.Tensor, info: MultiStepDraft, graph: bool) -> KVWriteLoc:
         """Every step's write locs, translated once; a draft without SWA layers translates nothing (an SWA
         layer forwarded there raises MissingSWALocError)."""
@@ -351,16 +368,15 @@ class DraftGraphRunner(DraftReplay, GraphRunner):
         if i == len(self.buckets):
             return PreparedStep(None, batch.num_tokens, self._eager(batch), inputs)
         bs_pad = self.buckets[i]
+        fresh = self._check_inputs(inputs, k * bs, " (step-major)")  # first: a bad input changes nothing
         self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
         self.seq_lens[:bs].copy_(batch.seq_lens)
         self._host_lens = batch.seq_lens_cpu is not None   # handed on to each step (backends with host lengths)
         if self._host_lens:
             self.seq_lens_cpu[:bs].copy_(batch.seq_lens_cpu)
         _by_step(self.out_cache_loc, k, bs_pad)[:, :bs].copy_(_by_step(batch.out_cache_loc, k, bs))
-        for name, buf in self.inputs.items():
-            src = inputs[name]
-            if src.data_ptr() != buf.data_ptr():  # inputs produced in the static buffers need no copy
-                _by_step(buf, k, bs_pad)[:, :bs].copy_(_by_step(src, k, bs))
+        for buf, src in fresh:  # inputs produced in the static buffers need no copy
+            _by_step(buf, k, bs_pad)[:, :bs].copy_(_by_step(src, k, bs))
         self._pad(bs_pad, bs)
         if not self.metadata_in_graph:
             self._refill(self._bucket_batch(bs_pad))

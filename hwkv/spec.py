@@ -22,8 +22,8 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from hwkv import ops
-from hwkv.checks import check_shape, values_checkable
-from hwkv.errors import CapacityError, DoubleFreeError, ShapeError
+from hwkv.checks import check_shape, value_range, values_checkable
+from hwkv.errors import CapacityError, DoubleFreeError, LocError, ShapeError
 from hwkv.metadata import KVIndexList, cumsum_into
 from hwkv.pages import ERR_ACCEPT_INDEX, ERR_ACCEPTED
 
@@ -287,23 +287,12 @@ def accept_draft_tokens(allocator: Any, pool: Any, req_to_token: torch.Tensor, r
     ShapeError and an accept applied twice DoubleFreeError, before anything changes. Otherwise they are
     found on the device and recorded in the allocator (raised by its next `available_size` or
     `check_integrity`): such a request keeps its first accept_lens[b] drafts in place (nothing leaks),
-    and one whose drafts were already accepted is left as it is.
+    and one whose drafts were already accepted is left as it is (nothing freed, its row and K/V as they were).
+    Arguments that are not integer tensors of the batch's shape, host lengths out of range and (where values
+    are checkable: CPU, HWKV_DEBUG) rows outside req_to_token raise ShapeError / LocError before anything changes.
     """
-    bs = int(req_pool_indices.shape[0])
-    if accept_index.dim() != 2 or accept_index.shape[0] != bs or accept_index.dtype != torch.int64:
-        raise ShapeError(f"accept_index must be int64 [batch {bs}, drafts], got {accept_index.dtype} "
-                         f"{tuple(accept_index.shape)}")
-    n = int(accept_index.shape[1])
-    pre_cpu, acc_cpu = prefix_lens_cpu.to(torch.int64).cpu(), accept_lens_cpu.to(torch.int64).cpu()
-    for name, t in (("prefix_lens", prefix_lens), ("accept_lens", accept_lens), ("prefix_lens_cpu", pre_cpu),
-                    ("accept_lens_cpu", acc_cpu)):
-        if t.shape != (bs,):
-            raise ShapeError(f"{name} has shape {tuple(t.shape)}, expected ({bs},)")
-    if bs and (int(acc_cpu.max()) > n or int(acc_cpu.min()) < 0):
-        bad = int(torch.argmax(((acc_cpu > n) | (acc_cpu < 0)).to(torch.int8)))
-        raise ShapeError(f"request {bad} accepts {int(acc_cpu[bad])} tokens; it drafted {n} (accept 0..{n})")
-    if bs and int((pre_cpu + n).max()) > req_to_token.shape[1]:
-        raise ShapeError(f"drafts reach position {int((pre_cpu + n).max())}, past max_context_len {req_to_token.shape[1]}")
+    bs, n, pre_cpu, acc_cpu = _check_accept_args(req_to_token, req_pool_indices, prefix_lens, accept_index,
+                                                 accept_lens, prefix_lens_cpu, accept_lens_cpu)
     dev = req_to_token.device
     ar = torch.arange(n, device=dev)[None, :]
     valid = ar < accept_lens.to(torch.int64)[:, None]
@@ -312,6 +301,10 @@ def accept_draft_tokens(allocator: Any, pool: Any, req_to_token: torch.Tensor, r
     pos = prefix_lens.to(torch.int64)[:, None] + ar
     locs = req_to_token[rows, pos]                                   # [bs, n] the drafts' slots, as written
     page = allocator.page_size
+    # [bs, 1] True for a request left as it is (deferred checks: its drafts were already accepted); its slots to
+    # free become the padding slot 0, which the free skips (the range error it records there ranks after the
+    # ERR_ACCEPTED recorded first, in an earlier op)
+    left = None
     if allocator.immediate:  # host checks where they cost nothing (CPU, debug): before anything changes
         _check_accept(idx.cpu(), valid.cpu(), n, frontiers, pre_cpu, locs.cpu())
     else:  # the same checks on the device: recorded, and the bad requests changed so that nothing leaks
@@ -324,15 +317,16 @@ def accept_draft_tokens(allocator: Any, pool: Any, req_to_token: torch.Tensor, r
         allocator.record_error(bad_index, which, ERR_ACCEPT_INDEX)
         allocator.record_error(accepted, which, ERR_ACCEPTED)
         idx = torch.where((bad_index | accepted)[:, None], ar, idx)  # keep the first drafts in place
+        left = accepted[:, None]
     kept_locs = torch.where(valid, locs.gather(1, idx), locs)        # slot of each final position
     if page == 1:
         kept = torch.zeros(bs, n, dtype=torch.int64, device=dev).scatter_add_(1, idx, valid.to(torch.int64)) > 0
         rejected = int(bs * n - int(acc_cpu.sum()))
         order = torch.argsort(kept.view(-1).to(torch.int8), stable=True)[:rejected]  # not kept first: no sync
-        free = locs.view(-1)[order]
+        free = _unless_left(left, locs, 0).view(-1)[order]
         if allocator.immediate:
             allocator._check_free(free, swa_required=False)          # raise before the row changes
-        req_to_token[rows, pos] = torch.where(valid, kept_locs, 0)
+        req_to_token[rows, pos] = _unless_left(left, torch.where(valid, kept_locs, 0), locs)
         allocator.free(free)
     else:
         new_end = ((pre_cpu + acc_cpu + page - 1) // page) * page   # first position of the first page to free
@@ -344,14 +338,65 @@ def accept_draft_tokens(allocator: Any, pool: Any, req_to_token: torch.Tensor, r
             req = torch.repeat_interleave(torch.arange(bs, device="cpu"), pages, output_size=total)
             first = torch.cat([torch.zeros(1, dtype=torch.int64, device="cpu"), pages.cumsum(0)[:-1]])
             at = new_end[req] + (torch.arange(total, device="cpu") - first[req]) * page
-            free = req_to_token[req_pool_indices.to(torch.int64)[req.to(dev)], at.to(dev)]
+            req = req.to(dev)
+            free = req_to_token[req_pool_indices.to(torch.int64)[req], at.to(dev)]
+            if left is not None:
+                free = torch.where(left[req, 0], 0, free)
             if allocator.immediate:
                 allocator._check_free(free, swa_required=False)      # raise before anything moves
-        pool.move_kv(kept_locs.view(-1), locs.view(-1))
-        req_to_token[rows, pos] = torch.where(valid, locs, 0)
+        pool.move_kv(kept_locs.view(-1), locs.view(-1))             # (a request left as it is: onto itself)
+        req_to_token[rows, pos] = _unless_left(left, torch.where(valid, locs, 0), locs)
         if free is not None:
             allocator.free(free)
     return prefix_lens.to(torch.int64) + accept_lens.to(torch.int64)
+
+
+def _unless_left(left: Optional[torch.Tensor], new: Any, old: Any) -> Any:
+    """`new` for every request but those left as they are (`left` [bs, 1]; None: none), which keep `old`."""
+    return new if left is None else torch.where(left, old, new)
+
+
+def _check_accept_args(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
+                       accept_index: torch.Tensor, accept_lens: torch.Tensor, prefix_lens_cpu: torch.Tensor,
+                       accept_lens_cpu: torch.Tensor) -> "tuple[int, int, torch.Tensor, torch.Tensor]":
+    """accept_draft_tokens' arguments against each other and req_to_token (ShapeError, LocError): integer tensors
+    of the batch's shape, host lengths in range, rows in range (their values where checkable: CPU, HWKV_DEBUG).
+    Returns (requests, drafts per request, host int64 prefix lengths, host int64 accept lengths)."""
+    args = (("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens), ("accept_index", accept_index),
+            ("accept_lens", accept_lens), ("prefix_lens_cpu", prefix_lens_cpu), ("accept_lens_cpu", accept_lens_cpu))
+    for name, t in args:
+        if not isinstance(t, torch.Tensor):
+            raise ShapeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise ShapeError(f"{name} must hold integers, got {t.dtype}")
+    bs = int(req_pool_indices.shape[0])
+    if accept_index.dim() != 2 or accept_index.shape[0] != bs or accept_index.dtype != torch.int64:
+        raise ShapeError(f"accept_index must be int64 [batch {bs}, drafts], got {accept_index.dtype} "
+                         f"{tuple(accept_index.shape)}")
+    n = int(accept_index.shape[1])
+    for name, t in args:
+        if name != "accept_index" and t.shape != (bs,):
+            raise ShapeError(f"{name} has shape {tuple(t.shape)}, expected ({bs},)")
+    pre_cpu, acc_cpu = prefix_lens_cpu.to(torch.int64).cpu(), accept_lens_cpu.to(torch.int64).cpu()
+    if not bs:
+        return bs, n, pre_cpu, acc_cpu
+    if int(acc_cpu.max()) > n or int(acc_cpu.min()) < 0:
+        bad = int(torch.argmax(((acc_cpu > n) | (acc_cpu < 0)).to(torch.int8)))
+        raise ShapeError(f"request {bad} accepts {int(acc_cpu[bad])} tokens; it drafted {n} (accept 0..{n})")
+    if int(pre_cpu.min()) < 0:
+        bad = int(torch.argmin(pre_cpu))
+        raise ShapeError(f"prefix_lens[{bad}] is {int(pre_cpu[bad])}; allowed range is "
+                         f"[0, {req_to_token.shape[1] - n}] (drafts of {n} within max_context_len "
+                         f"{req_to_token.shape[1]})")
+    if int((pre_cpu + n).max()) > req_to_token.shape[1]:
+        raise ShapeError(f"drafts reach position {int((pre_cpu + n).max())}, past max_context_len "
+                         f"{req_to_token.shape[1]}")
+    if values_checkable(req_pool_indices):
+        lo, hi = value_range(req_pool_indices)
+        if lo < 0 or hi >= req_to_token.shape[0]:
+            raise LocError(f"req_pool_indices hold values in [{lo}, {hi}], allowed range is "
+                           f"[0, {req_to_token.shape[0]}) (req_to_token's rows)")
+    return bs, n, pre_cpu, acc_cpu
 
 
 def _check_accept(idx: torch.Tensor, valid: torch.Tensor, n: int, frontiers: Optional[torch.Tensor],

@@ -4,7 +4,9 @@ The template builds the plain modes' metadata (write locs, the full and window l
 forward with a `DraftTree` it hands the tree to its planner once: the tree's kernel form (mask offsets and
 query positions, `hwkv.spec.build_tree_mask`) and, with `tree_verify="decode"` (or "auto" where the backend
 says it pays), one decode list per draft token (`hwkv.spec.tree_decode_list`) as `md.tree_decode`. The
-planner keeps the graph mode's static buffers for both.
+planner keeps the graph mode's static buffers for both. Its `check` runs first, before the template builds or
+refills anything: it refuses a tree that does not fit the batch, and any spec_info the plain modes cannot take (a
+`MultiStepDraft` runs through `init_draft_metadata`; an unknown type is a ConfigError, never silently ignored).
 """
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ import torch
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.errors import ConfigError, ShapeError
 from hwkv.metadata import ForwardMetadata, KVIndexList
-from hwkv.spec import (DraftTree, TreeDecodeBuffers, TreeMask, alloc_tree_decode, build_tree_mask, check_tree,
-                       tree_decode_list)
+from hwkv.spec import (DraftTree, MultiStepDraft, TreeDecodeBuffers, TreeMask, alloc_tree_decode, build_tree_mask,
+                       check_tree, tree_decode_list)
 
 
 class TreePlanner:
@@ -34,26 +36,43 @@ class TreePlanner:
         self._tree_static = (torch.zeros(max_bs + 1, dtype=torch.int64, device=dev),
                              torch.zeros(max_num_tokens, dtype=torch.int64, device=dev))
 
-    def mask(self, batch: ForwardBatch, ext: torch.Tensor, qo_indptr: torch.Tensor, q_pos0: torch.Tensor,
-             ext_cpu: Optional[torch.Tensor], graph: bool = False) -> Optional[TreeMask]:
-        """The verify tree's kernel form (mask offsets, query positions), once per forward; None without one."""
+    def check(self, batch: ForwardBatch, ext_cpu: Optional[torch.Tensor]) -> Optional[int]:
+        """What the batch's spec_info asks of the plain metadata step, checked before anything is built or refilled:
+        None (returns None), or a DraftTree of a TARGET_VERIFY forward on the pool's device whose mask fits the
+        batch (returns the mask's length). ext_cpu: the host extend lengths (eager), or None (graph mode: equal
+        draft counts per request, the mask's length is static). A MultiStepDraft takes the draft metadata step;
+        any other spec_info is refused (ConfigError)."""
         info = batch.spec_info
-        if not isinstance(info, DraftTree):
+        if info is None:
             return None
+        if isinstance(info, MultiStepDraft):
+            raise ConfigError("a MultiStepDraft batch runs through init_draft_metadata (graphs: "
+                              "init_draft_metadata_graph, hwkv.draft.DraftGraphRunner), not init_forward_metadata")
+        if not isinstance(info, DraftTree):
+            raise ConfigError(f"batch.spec_info is a {type(info).__name__}: the metadata step takes None or a "
+                              "hwkv.spec.DraftTree (TARGET_VERIFY); a hwkv.spec.MultiStepDraft runs through "
+                              "init_draft_metadata")
         if batch.forward_mode != ForwardMode.TARGET_VERIFY:
             raise ConfigError(f"a DraftTree belongs to a TARGET_VERIFY forward, not {batch.forward_mode.name}")
         if info.mask.device.type != self.backend.device.type:
             raise ShapeError(f"DraftTree.mask lives on {info.mask.device}, the pool on {self.backend.device}")
-        if ext_cpu is None:  # graph mode: equal draft counts per request, the mask's length is static
-            total = int(info.mask.shape[0])
-            per = batch.num_tokens // max(batch.batch_size, 1)
-            if total != batch.batch_size * per * per:
-                raise ShapeError(f"DraftTree.mask has {total} entries; {batch.batch_size} requests of {per} draft "
-                                 f"tokens need {batch.batch_size * per * per}")
-        else:
-            total = check_tree(info, ext_cpu, self.backend.debug)
+        if ext_cpu is not None:
+            return check_tree(info, ext_cpu, self.backend.debug)
+        total = int(info.mask.shape[0])
+        per = batch.num_tokens // max(batch.batch_size, 1)
+        if total != batch.batch_size * per * per:
+            raise ShapeError(f"DraftTree.mask has {total} entries; {batch.batch_size} requests of {per} draft "
+                             f"tokens need {batch.batch_size * per * per}")
+        return total
+
+    def mask(self, batch: ForwardBatch, ext: torch.Tensor, qo_indptr: torch.Tensor, q_pos0: torch.Tensor,
+             total: Optional[int], graph: bool = False) -> Optional[TreeMask]:
+        """The verify tree's kernel form (mask offsets, query positions), once per forward; None without one.
+        `total`: what `check` returned for the batch."""
+        if total is None:
+            return None
         indptr, positions = self._tree_static if graph else (None, None)
-        return build_tree_mask(info, ext, qo_indptr, q_pos0, total, batch.num_tokens, indptr, positions)
+        return build_tree_mask(batch.spec_info, ext, qo_indptr, q_pos0, total, batch.num_tokens, indptr, positions)
 
     def decode_lists(self, md: ForwardMetadata, ext: torch.Tensor, batch: ForwardBatch) -> None:
         """With tree_verify="decode" (or "auto" where `decode_like_verify_pays`): md.tree_decode, the verify

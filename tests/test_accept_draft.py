@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hwkv.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator, same_snapshot
-from hwkv.errors import DoubleFreeError, ShapeError
+from hwkv.errors import DoubleFreeError, LocError, ShapeError
 from hwkv.pool import SWAKVPool
 from hwkv.spec import accept_draft_tokens
 
@@ -121,3 +121,54 @@ def test_accept_applied_twice_raises_and_changes_nothing(page, immediate):
         s.a.available_size()
     assert s.unchanged(snap)
     s.finish(seq)
+
+
+def kv_state(s):
+    """Every K/V buffer of both pool groups (page size > 1 moves accepted K/V)."""
+    p = s.pool
+    return [b.clone() for sub in (p.full_kv_pool, p.swa_kv_pool) for b in (*sub.k_buffer, *sub.v_buffer)]
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_accept_applied_twice_with_shorter_lengths_in_deferred_mode_changes_nothing(page):
+    """Deferred checks: a second accept of the same drafts, shorter than the first, frees nothing (not the
+    accepted drafts past its length either), writes no row entry and moves no K/V (the request is left as it
+    is); the error waits for the next sync."""
+    s = Setup(page, immediate=False)
+    seq = s.accept([[0, 2], [1, 3]], [2, 2])
+    s.a.check_integrity()
+    snap, kv = s.snapshot(), kv_state(s)
+    s.accept([[0], [1]], [1, 1])
+    assert s.unchanged(snap), "an already accepted request was changed"
+    assert all(torch.equal(a, b) for a, b in zip(kv, kv_state(s))), "K/V moved"
+    with pytest.raises(DoubleFreeError, match="request 0's draft positions hold no slot"):
+        s.a.check_integrity()
+    assert s.held_slots() == held_pages(page, seq) * page
+    s.finish(seq)
+
+
+@pytest.mark.parametrize("immediate", [True, False])
+@pytest.mark.parametrize("change, error, match", [
+    (dict(rows=[0, 7]), LocError, r"req_pool_indices hold values in \[0, 7\], allowed range is \[0, 2\)"),
+    (dict(rows=[-1, 1]), LocError, r"req_pool_indices hold values in \[-1, 1\], allowed range is \[0, 2\)"),
+    (dict(prefix_lens_cpu=[5, 6]), ShapeError, "prefix_lens_cpu must be a torch.Tensor, got list"),
+    (dict(accept_lens_cpu=[2, 1]), ShapeError, "accept_lens_cpu must be a torch.Tensor, got list"),
+    (dict(accept_lens=[2, 1]), ShapeError, "accept_lens must be a torch.Tensor, got list"),
+    (dict(accept_lens=torch.tensor([2., 1.]), accept_lens_cpu=torch.tensor([2., 1.])), ShapeError,
+     "accept_lens must hold integers, got torch.float32"),
+    (dict(prefix_lens=torch.tensor([-3, 6]), prefix_lens_cpu=torch.tensor([-3, 6])), ShapeError,
+     r"prefix_lens\[0\] is -3"),
+], ids=["row past the table", "negative row", "prefix list", "accept list", "accept_lens list", "float lens",
+        "negative prefix"])
+def test_bad_accept_arguments_raise_typed_errors_and_change_nothing(immediate, change, error, match):
+    s = Setup(4, immediate)
+    args = dict(rows=s.rows, prefix_lens=s.prefix, accept_index=torch.tensor([[0, 1, 0, 0], [0, 0, 0, 0]]),
+                accept_lens=torch.tensor([2, 1]), prefix_lens_cpu=s.prefix, accept_lens_cpu=torch.tensor([2, 1]))
+    args.update(change)
+    rows = args.pop("rows")
+    rows = torch.tensor(rows) if isinstance(rows, list) else rows
+    snap, kv = s.snapshot(), kv_state(s)
+    with pytest.raises(error, match=match):
+        accept_draft_tokens(s.a, s.pool, s.rtt.req_to_token, rows, **args)
+    assert s.unchanged(snap) and all(torch.equal(a, b) for a, b in zip(kv, kv_state(s)))
+    s.a.check_integrity()
