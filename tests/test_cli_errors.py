@@ -341,6 +341,29 @@ def test_generate_names_refused_prompts_by_their_own_index(capsys, tiny_model):
     assert "request 0" not in err
 
 
+def test_generate_conversation_lists_the_turns_after_a_refused_one_as_not_run(capsys, tiny_model):
+    """Turn 1 (the conversation so far plus its prompt) outgrows --context: turn 2 cannot run without it, and is
+    still listed, marked as not run with the reason, in the plain output, the JSON and on stderr (exit 2)."""
+    import json
+
+    argv = ["--model", tiny_model, "--prompt", "1,2,3", "--prompt", "4,5", "--prompt", "6", "--conversation",
+            "--max-new-tokens", "4", "--context", "10"]
+    code, out, err = _gen(capsys, *argv, "--json")
+    assert code == 2 and "Traceback" not in err
+    rows = json.loads(out)["results"]
+    assert [r["prompt"] for r in rows] == ["1,2,3", "4,5", "6"]
+    assert len(rows[0]["tokens"]) == 4 and rows[0]["error"] is None
+    assert rows[1]["error"].startswith("OutOfSlotsError: prompt 9 + max_new_tokens 4 needs 12 KV slots")
+    assert rows[2]["error"] == "not run: turn [1] was refused (OutOfSlotsError), and this turn continues it"
+    assert rows[2]["tokens"] == [] and rows[2]["finish_reason"] is None and rows[2]["prompt_ids"] == [6]
+    lines = [line for line in err.splitlines() if line.startswith("hwkv generate: error:")]
+    assert len(lines) == 2 and lines[1] == ("hwkv generate: error: prompt [2] '6': not run: turn [1] was refused "
+                                            "(OutOfSlotsError), and this turn continues it")
+    code, out, err = _gen(capsys, *argv)
+    assert code == 2
+    assert "[2] '6' -> not run: turn [1] was refused (OutOfSlotsError), and this turn continues it" in out
+
+
 def test_generate_memory_beyond_the_device_says_what_it_has(capsys, tiny_model):
     code, out, err = _gen(capsys, "--model", tiny_model, "--prompt", "1,2,3", "--memory", "100TiB")
     assert code == 2 and out == ""

@@ -24,6 +24,7 @@ from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.cache import HybridPrefixCache
 from hwkv.engine.drafters import Drafter
 from hwkv.engine.forward import HOST, ForwardSlots, StepLens, pack, to_device
+from hwkv.engine.inputs import batch_sizes, prompt_ids, shown
 from hwkv.engine.pools import Cache
 from hwkv.engine.sampling import SamplingParams, params_tensors, sample
 from hwkv.engine.scheduler import Request, Row, Scheduler
@@ -73,6 +74,7 @@ class Engine:
         if draft is not None and (not callable(draft) or not isinstance(num_draft, int) or num_draft < 1):
             raise ConfigError(f"speculative verify needs a callable draft and num_draft >= 1, got draft={draft!r}, "
                               f"num_draft={num_draft!r}")
+        graph_batch_sizes = batch_sizes(graph_batch_sizes)
         self.cache, self.model_step, self.stats, self.vocab_size = cache, model_step, stats, int(vocab_size)
         self.draft, self.num_draft = draft, num_draft
         pool_plan = cache.plan
@@ -167,12 +169,23 @@ class Engine:
         return runner
 
     # ---- requests ------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ConfigError(f"this {type(self).__name__} is closed (the model has its own attention back): make a "
+                              "new one")
+
     def add_request(self, prompt: Sequence[int], params: SamplingParams = SamplingParams()) -> int:
         """Queue a request (it joins the next forward that has room); returns its id. A `params.seed` of None
         samples with the request id as its seed, so requests added with the same parameters draw different
-        streams. OutOfSlotsError when the pools can never hold it: nothing was queued and the other requests
-        are untouched."""
-        ids = [int(t) for t in prompt]
+        streams. `prompt`: token ids (see `prompt_ids`). ConfigError for a closed engine, a prompt that is not
+        token ids or holds one outside the vocabulary, params that are not a SamplingParams; OutOfSlotsError when
+        the pools can never hold it: in each case nothing was queued and the other requests are untouched."""
+        self._check_open()
+        if not isinstance(params, SamplingParams):
+            raise ConfigError(f"params must be a SamplingParams, got {shown(params)}")
+        return self._add(prompt_ids(prompt), params)
+
+    def _add(self, ids: List[int], params: SamplingParams) -> int:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ConfigError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
@@ -192,20 +205,35 @@ class Engine:
         each prompt its own (a None seed there is the prompt's index too). A prompt the cache can never hold
         gets its OutOfSlotsError in its Result and the others still run. `on_step(new_tokens)` is called after
         every forward. Requests queued with `add_request` that finish meanwhile keep their Result in
-        `self.unclaimed`."""
+        `self.unclaimed`. A closed engine, a prompt that is not token ids (see `prompt_ids`) or params that are not
+        SamplingParams raise ConfigError before any prompt is queued."""
+        self._check_open()
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, np.ndarray, torch.Tensor)):
+            raise ConfigError(f"prompts must be a sequence of prompts, got {shown(prompts)}")
+        all_ids = []
+        for i, prompt in enumerate(prompts):
+            try:
+                all_ids.append(prompt_ids(prompt))
+            except ConfigError as e:
+                raise ConfigError(f"prompt {i}: {e}") from None
         if isinstance(params, SamplingParams):
             per = [params.with_seed(i) for i in range(len(prompts))]
-        else:
+        elif isinstance(params, Sequence) and not isinstance(params, (str, bytes)):
+            for i, p in enumerate(params):
+                if not isinstance(p, SamplingParams):
+                    raise ConfigError(f"params[{i}] must be a SamplingParams, got {shown(p)}")
             per = [p if p.seed is not None else p.with_seed(i) for i, p in enumerate(params)]
+        else:
+            raise ConfigError(f"params must be a SamplingParams or one per prompt, got {shown(params)}")
         if len(per) != len(prompts):
             raise ConfigError(f"{len(per)} SamplingParams for {len(prompts)} prompts")
         results: List[Optional[Result]] = [None] * len(prompts)
         index: Dict[int, int] = {}
-        for i, (prompt, p) in enumerate(zip(prompts, per)):
+        for i, (ids, p) in enumerate(zip(all_ids, per)):
             try:
-                index[self.add_request(prompt, p)] = i
+                index[self._add(ids, p)] = i
             except HwkvError as e:  # refused up front: reported in its own Result
-                results[i] = Result(-1, list(prompt), error=e, seed=p.seed)
+                results[i] = Result(-1, ids, error=e, seed=p.seed)
         while any(rid in self.requests for rid in index):
             before = self.stats.generated_tokens
             for res in self.step():
@@ -224,10 +252,11 @@ class Engine:
         With `overlap` (the default on accelerators) the forward's sampled tokens stay on the device as the next
         forward's inputs, and the host reads them during the next step: stop tokens and finished requests are
         seen one step late (a stopped request may run one more forward, whose token is dropped), so the host
-        prepares step N+1 while the device runs step N. Without it the host reads them at the end of the step."""
-        if self.closed:
-            raise ConfigError(f"this {type(self).__name__} is closed (the model has its own attention back): make a "
-                              "new one")
+        prepares step N+1 while the device runs step N. Without it the host reads them at the end of the step.
+
+        A forward that raises (the model's own error, Ctrl-C) gives back the pages its step allocated before the
+        error propagates (`_undo`): nothing leaks, and the next step runs the same rows again."""
+        self._check_open()
         # inference mode, not no_grad: tensors made here skip version counting and view tracking (1.07x tokens/s
         # for the tiny model at batch 1 on the CPU); everything the engine keeps across steps was made in it too
         with torch.inference_mode():
@@ -260,8 +289,13 @@ class Engine:
         if self.whole_step and self.scheduler.decoding == len(rows):  # every row decodes
             mode, where, tokens = ForwardMode.DECODE, *self._decode_whole(rows, sampled)
         else:
-            lens, batch, ids, pos = self._allocate(rows)
-            tokens = self._forward(rows, batch, ids, pos, sampled)
+            head, batch = self.cache.allocator.pages.head, None
+            try:  # a forward that raises (the model, Ctrl-C) gives back what it allocated: the step can run again
+                lens, batch, ids, pos = self._allocate(rows)
+                tokens = self._forward(rows, batch, ids, pos, sampled)
+            except BaseException:
+                self._undo(rows, None if batch is None else batch.out_cache_loc, head)
+                raise
             if self.prefix is not None:
                 self._cache_prompts(rows, lock=False)  # with the chunk's SWA, which the release would drop
             self._release(lens.rows, lens.seq, batch.req_pool_indices, batch.seq_lens)
@@ -406,15 +440,20 @@ class Engine:
         bs = len(rows)
         ids = [t for r, d in zip(rows, drafts) for t in [r.req.output[-1]] + d]
         graph = self.verify_graph
-        if graph is not None and k == graph.drafts and bs <= graph.buckets[-1]:  # one replay: slots, metadata, layers
-            logits, rows_dev = self.slots.replay_verify(graph, [r.req.row for r in rows], [r.prefix for r in rows],
-                                                        ids)
-        else:
-            _, batch, ids_dev, pos_dev = self._allocate([Row(r.req, r.prefix, k + 1, True) for r in rows], ids)
-            self.cache.backend.init_forward_metadata(batch)
-            logits, rows_dev = self.model_step(batch, ids_dev, pos_dev, 0), batch.req_pool_indices
+        head, batch = self.cache.allocator.pages.head, None
+        try:  # as a plain step's forward: one that raises gives back what it allocated
+            if graph is not None and k == graph.drafts and bs <= graph.buckets[-1]:  # one replay: slots, metadata,
+                logits, rows_dev = self.slots.replay_verify(graph, [r.req.row for r in rows],  # layers
+                                                            [r.prefix for r in rows], ids)
+            else:
+                _, batch, ids_dev, pos_dev = self._allocate([Row(r.req, r.prefix, k + 1, True) for r in rows], ids)
+                self.cache.backend.init_forward_metadata(batch)
+                logits, rows_dev = self.model_step(batch, ids_dev, pos_dev, 0), batch.req_pool_indices
+            pred = logits.argmax(dim=-1).view(bs, k + 1).tolist()  # the one wait
+        except BaseException:
+            self._undo(rows, None if batch is None else batch.out_cache_loc, head, k + 1)
+            raise
         self._pools_changed = True
-        pred = logits.argmax(dim=-1).view(bs, k + 1).tolist()  # the one wait
         accepted, done, used_all = [], [], 0
         for r, d, pr in zip(rows, drafts, pred):
             a = 0
@@ -618,13 +657,31 @@ class Engine:
         """A decode step as one graph replay: the rows and lengths after it go to the device in one copy (the
         allocation, req_to_token write, metadata, layers and out-of-window release run inside); returns the
         request rows on the device (the graph's) and the sampled tokens. OutOfSlotsError before anything ran."""
-        prefix = [r.prefix for r in rows]
-        logits, released = self.slots.replay_decode(self.graph, [r.req.row for r in rows], prefix)
+        prefix, row_ids, head = [r.prefix for r in rows], [r.req.row for r in rows], self.cache.allocator.pages.head
+        try:
+            logits, released = self.slots.replay_decode(self.graph, row_ids, prefix)
+            tokens = self._sample(sampled, logits)
+        except BaseException:  # given back where the replay allocated: a recorded device graph runs no Python,
+            # so what raises after its allocation is an eager adapter's replay (or a batch past the buckets)
+            self._undo(rows, None, head)
+            if self.window is not None:  # where the replay released before its layers, it moved the frontiers
+                self.slots.sync_frontiers(row_ids)
+            raise
         self.stats.graph_replays = self.graph.replays
         # a page moved (else every token continued its page), or the graph released what the host rule says moved
         if released or self.scheduler.new_pages(prefix, 1):
             self._pools_changed = True
-        return self.graph.req_pool_indices[:len(rows)], self._sample(sampled, logits)
+        return self.graph.req_pool_indices[:len(rows)], tokens
+
+    def _undo(self, rows: List[Row], loc: Optional[torch.Tensor], head: int, new: Optional[int] = None) -> None:
+        """A forward over `rows` (`new` tokens each, else each row's own) raised after its allocation: the pages it
+        opened go back and the requests stay where they were (`ForwardSlots.undo`; `loc` the allocation's slots,
+        None: read where the allocation wrote them, if the full ring's host head moved from `head`). The requests'
+        lengths, outputs and frontiers moved only after the forward, so the next step runs the same rows again.
+        What follows a forward that returned (caching prompt pages, the release, sampling's bookkeeping) is not
+        undone: it runs on the engine's own checked state."""
+        self.slots.undo([r.req.row for r in rows], [r.prefix for r in rows],
+                        [r.n if new is None else new for r in rows], loc, head)
 
     def _release(self, rows: List[int], seq_lens: List[int], rows_dev: torch.Tensor, seq_dev: torch.Tensor) -> None:
         """The forward's out-of-window release (`ForwardSlots.release`: in the steps where some request's frontier
@@ -633,12 +690,43 @@ class Engine:
             self._pools_changed = True
 
     def check_integrity(self) -> None:
-        """Allocator, pools, request rows, reservations and the prefix cache are consistent (tests call it)."""
+        """Allocator, pools, request rows, reservations and the prefix cache are consistent, and every page the
+        allocator holds has its holders (tests call it)."""
         self.cache.check_integrity()
         if self.prefix is not None:
             self.prefix.check_integrity()
         # every row but the padding row is a running request's or free
         self.scheduler.check_integrity(self.cache.rtt.size - 1 - self.cache.rtt.available_size())
+        self._check_holders()
+
+    def _check_holders(self) -> None:
+        """The references the allocator counts are the holders': each running request one on every full page of
+        its first kv_len tokens and (hybrid pools) one on the SWA page of each of them from its frontier on; the
+        prefix cache one per page of the tokens it caches (`full_tokens`, `swa_tokens`). A page a step kept after
+        raising, or any other leak, makes the counts differ. Reads the device: tests only."""
+        a, p = self.cache.allocator, self.cache.plan.page_size
+        rtt = self.cache.rtt.req_to_token.cpu()
+        full_refs = a.pages.refs.cpu()
+        mapping = a.full_to_swa_index_mapping.cpu() if self.cache.hybrid else None
+        want_full = want_swa = 0
+        for req in self.scheduler.running:
+            locs = rtt[req.row, :req.kv_len]
+            pages = torch.unique(locs // p)
+            assert bool((full_refs[pages] >= 1).all()), f"request {req.rid} holds a full page that is not live"
+            want_full += pages.numel()
+            if mapping is not None:
+                swa_pages = torch.unique(mapping[locs[int(self.slots.frontiers_cpu[req.row]):]] // p)
+                assert bool((swa_pages > 0).all()), f"request {req.rid} lost an SWA slot from its frontier on"
+                want_swa += swa_pages.numel()
+        pools = [("full", full_refs, want_full, self.prefix.full_tokens if self.prefix is not None else 0)]
+        if mapping is not None:
+            pools.append(("SWA", a.swa_attn_allocator.pages.refs.cpu(), want_swa,
+                          self.prefix.swa_tokens if self.prefix is not None else 0))
+        for name, refs, running, cached in pools:
+            held = int(refs[refs >= 1].sum())
+            assert held == running + cached // p, \
+                f"{name} pool: the allocator counts {held} page references, the running requests hold {running} " \
+                f"and the prefix cache {cached // p}: a leak (or a holder lost its pages)"
 
 
 

@@ -9,7 +9,8 @@
   frontier moves (the allocator's own rule, on host lengths); the device frontiers per request row are the ones a
   whole-step graph (`hwkv.step_graph.DecodeStepGraph`) releases from, and `replay_decode` moves the host copy
   with such a replay;
-- `new_rows` / `free`: request rows in and out, a finished request's slots back to the allocator.
+- `new_rows` / `free`: request rows in and out, a finished request's slots back to the allocator;
+- `undo`: a forward that raised after its allocation gives back the pages it opened (the step is run again).
 No host sync anywhere, one host-to-device copy per forward, no device op per request. A layer only stores and
 attends: the metadata step (`backend.init_forward_metadata`) is the caller's.
 """
@@ -128,6 +129,45 @@ class ForwardSlots:
             if locs:
                 self.allocator.free(torch.cat(locs))
         self.rtt.free(list(rows))
+
+    def undo(self, rows: Sequence[int], prefix: Sequence[int], new: Sequence[int], loc: Optional[torch.Tensor] = None,
+             head: Optional[int] = None) -> bool:
+        """A forward that raised after its allocation (request `rows[b]`: `new[b]` tokens after `prefix[b]`) gives
+        back what the allocation took, so the same step can run again: the pages its tokens opened (a token at a
+        page's first offset opened it; the others continued a page the request held), full and SWA, and their
+        req_to_token entries become the padding slot 0 (past each request's length: nothing reads them). `loc`:
+        the allocation's slots in token order; None: a graph replay allocated, and wrote them into req_to_token
+        only if the full ring's head moved from `head` (the host's count of pages taken) and the pages there are
+        the ones the ring gave since. Returns whether anything was given back. The error path only: it reads the
+        device."""
+        p, ring = self.page_size, self.allocator.pages
+        prefix_h, new_h = np.asarray(prefix, dtype=np.int64), np.asarray(new, dtype=np.int64)
+        pos = np.concatenate([np.arange(s, s + n) for s, n in zip(prefix_h, new_h)]) if len(rows) else prefix_h
+        opened = torch.from_numpy(np.flatnonzero(pos % p == 0)).to(self.device)
+        row_of = torch.from_numpy(np.repeat(np.asarray(rows, dtype=np.int64), new_h)).to(self.device)
+        pos_t = torch.from_numpy(pos).to(self.device)
+        rtt = self.rtt.req_to_token
+        if loc is None:
+            taken = ring.head - head if head is not None else 0
+            if not taken or taken != opened.numel():
+                return False  # raised before the replay's allocation (or a step that opened no page)
+            loc = rtt[row_of, pos_t]
+            at = (head + torch.arange(taken, dtype=I64, device="cpu")) % ring.num_pages
+            given = ring.ring[at.to(ring.ring.device)]
+            got = torch.sort(loc[opened] // p).values
+            if not torch.equal(got.cpu(), torch.sort(given).values.cpu()) or \
+                    not bool((ring.refs[got.to(ring.refs.device)] == 1).all()):
+                return False  # the ring's pages are not where the replay writes them, live: it did not allocate
+        if opened.numel():
+            self.allocator.free(loc[opened])
+        rtt[row_of, pos_t] = 0
+        return True
+
+    def sync_frontiers(self, rows: Sequence[int]) -> None:
+        """The host's copy of these rows' frontiers read from the device (after a graph replay that raised: its
+        release may have moved them). The error path only."""
+        at = np.asarray(rows, dtype=np.int64)
+        self.frontiers_cpu[at] = self.frontiers[torch.from_numpy(at).to(self.device)].cpu().numpy()
 
     # ---- a forward ----------------------------------------------------------------------------------
     def plan_extend(self, mode: ForwardMode, rows: List[int], prefix: List[int], new: List[int],

@@ -125,21 +125,13 @@ def check_model_path(name: str) -> None:
 def load_local_model(name: str, device: str, dtype: Optional[str] = None, tokenizer: bool = False) -> Tuple[Any, Any]:
     """(model, tokenizer or None) from a local model folder or a name in the local Hugging Face cache (nothing is
     downloaded): the loading path of `hwkv generate` and `hwkv bench --workload serve`. Whatever stops the model
-    (or, with `tokenizer`, the folder's tokenizer) from loading, e.g. a truncated safetensors file or a broken
-    tokenizer.json, is a ConfigError naming the model and the error's first line."""
+    (`load_model`'s typed errors) or, with `tokenizer`, the folder's tokenizer from loading, e.g. a truncated
+    safetensors file or a broken tokenizer.json, is a ConfigError naming the model and the error's first line."""
     from hwkv.integrations.transformers import load_model
 
     check_model_path(name)
     folder = os.path.expanduser(name)
-    try:
-        model = load_model(folder, device=device, dtype=dtype)
-    except HwkvError:
-        raise
-    except Exception as e:  # transformers, safetensors, json, torch: each raises its own kind
-        if not os.path.exists(folder):
-            raise ConfigError(f"cannot load model {name!r}: no such folder, and no model of that name in the "
-                              "local Hugging Face cache (nothing is downloaded)") from e
-        raise ConfigError(f"cannot load model {name!r}: {_first_line(e)}") from e
+    model = load_model(name, device=device, dtype=dtype)
     if not tokenizer or not (os.path.isdir(folder) and any(os.path.exists(os.path.join(folder, f))
                                                            for f in TOKENIZER_FILES)):
         return model, None
@@ -219,6 +211,7 @@ def _generate(args: argparse.Namespace) -> Tuple[dict, int]:
                       draft=prompt_lookup() if args.draft else None, num_draft=args.num_draft) as runner:
         bar, advance = _progress(not args.no_progress, args.max_new_tokens * len(prompts))
         t0 = time.perf_counter()
+        not_run = None  # why the turns after a refused one did not run (a conversation)
         with bar if bar is not None else contextlib.nullcontext():
             if args.conversation:
                 results, history = [], []
@@ -226,7 +219,9 @@ def _generate(args: argparse.Namespace) -> Tuple[dict, int]:
                     prompts[i] = history + turn  # what this turn sends: the conversation so far
                     (res,) = runner.generate([prompts[i]], p, on_step=advance)
                     results.append(res)
-                    if res.error is not None:
+                    if res.error is not None:  # the later turns continue this one: none of them can run
+                        not_run = f"not run: turn [{i}] was refused ({type(res.error).__name__}), and this turn " \
+                                  "continues it"
                         break
                     history = prompts[i] + res.tokens
             else:
@@ -238,6 +233,9 @@ def _generate(args: argparse.Namespace) -> Tuple[dict, int]:
         rows.append({"prompt": text, "prompt_ids": ids, "tokens": res.tokens, "finish_reason": res.finish_reason,
                      "text": tokenizer.decode(res.tokens) if tokenizer is not None and res.error is None else None,
                      "error": _error_text(res)})
+    for text, ids in list(zip(args.prompt, prompts))[len(results):]:  # every prompt is listed, run or not
+        rows.append({"prompt": text, "prompt_ids": ids, "tokens": [], "finish_reason": None, "text": None,
+                     "error": not_run})
     data = {"schema": "hwkv-generate/1", "model": args.model, "device": spec.name, "dtype": str(model.dtype),
             "backend": type(runner.cache.backend).__name__, "graphs": runner.graph is not None,
             "wall_seconds": wall, "results": rows, "stats": stats.as_dict(), "memory": stats.memory_line(),
@@ -265,7 +263,8 @@ def _print_plain(data: dict) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """Run `hwkv generate`; exit 2 on a bad value, a model that cannot load, or a refused prompt."""
+    """Run `hwkv generate`; exit 2 on a bad value, a model that cannot load, a refused prompt or a conversation
+    turn that did not run (one after a refused turn: listed, with the reason)."""
     if importlib.util.find_spec("transformers") is None:
         print("hwkv generate: error: transformers is not installed (pip install 'hwkv[transformers]')",
               file=sys.stderr)

@@ -46,11 +46,11 @@ class HybridRunner(Engine):
                                page_size=page_size, memory=memory, device=dev, prefix_cache=cached)
         cache = build_cache(self.shape, pool_plan, model.dtype, dev, backend_device=self.spec)
         self.table = LayerTable(self.shape.layer_is_swa, self.shape.window, self.shape)
+        choice = graph_choice(graphs)  # every check that needs no engine before the model is touched
         self._previous_attn = model.config._attn_implementation
         self.closed = False
-        model.set_attn_implementation(register())
-        choice = graph_choice(graphs)
-        try:
+        try:  # from here on a refusal gives the model its own attention back
+            model.set_attn_implementation(register())
             super().__init__(cache, self._run_model, stats=RunnerStats(self.shape, pool_plan),
                              vocab_size=int(model.get_output_embeddings().weight.shape[0]),
                              window=self.shape.window if self.shape.swa_layer_ids else None,

@@ -12,6 +12,7 @@ runner registers the attention function.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Union
 
 import torch
@@ -19,10 +20,11 @@ import torch
 from hwkv.engine.pools import PoolPlan, plan_pools
 from hwkv.engine.sampling import SamplingParams
 from hwkv.engine.stats import RunnerStats
-from hwkv.errors import ConfigError
+from hwkv.errors import ConfigError, DeviceError, HwkvError
 from hwkv.integrations.hf_attention import ATTN_IMPLEMENTATION, hwkv_attention, register
 from hwkv.integrations.hf_model import layer_kinds, model_shape
 from hwkv.integrations.runner import HybridRunner, Result
+from hwkv.pool import check_device
 
 __all__ = ["HybridRunner", "Result", "SamplingParams", "RunnerStats", "PoolPlan", "load_model", "register",
            "hwkv_attention", "ATTN_IMPLEMENTATION", "layer_kinds", "model_shape", "plan_pools"]
@@ -33,12 +35,43 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def load_model(path: str, device: Union[str, torch.device] = "cpu", dtype: Union[None, str, torch.dtype] = None,
                **kwargs: Any) -> Any:
     """A causal LM from a local folder (or the local Hugging Face cache; nothing is downloaded), in eval
-    mode on `device`; `dtype` "fp32"/"bf16"/"fp16" or a torch dtype (default: the config's)."""
-    from transformers import AutoModelForCausalLM
+    mode on `device`; `dtype` "fp32"/"bf16"/"fp16" or a floating torch dtype (default: the config's).
 
+    Typed errors, chained to the cause: DeviceError for a device that is no torch device or is unavailable and
+    ConfigError for another dtype (both before anything loads); ConfigError naming the model for whatever stops
+    it from loading (no such folder or cached name, a broken config or weights file)."""
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ConfigError(f"dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or "auto", **kwargs)
-    return model.to(device).eval()
+    elif dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        what = "is not a floating-point dtype" if isinstance(dtype, torch.dtype) else "is not a dtype"
+        raise ConfigError(f"dtype={dtype!r} {what}; choose one of {', '.join(DTYPES)} or a floating torch dtype")
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise DeviceError(f"device={device!r} is not a torch device: {_first_line(e)}") from e
+    dev = check_device(device)  # its runtime is present
+    from transformers import AutoModelForCausalLM
+
+    name = os.fspath(path) if isinstance(path, (str, os.PathLike)) else path
+    try:
+        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(name), local_files_only=True,
+                                                     dtype=dtype or "auto", **kwargs)
+    except HwkvError:
+        raise
+    except Exception as e:  # transformers, huggingface_hub, safetensors, json, torch: each raises its own kind
+        if isinstance(name, str) and not os.path.exists(os.path.expanduser(name)):
+            raise ConfigError(f"cannot load model {name!r}: no such folder, and no model of that name in the local "
+                              "Hugging Face cache (nothing is downloaded)") from e
+        raise ConfigError(f"cannot load model {name!r}: {_first_line(e)}") from e
+    try:
+        model = model.to(dev)
+    except Exception as e:
+        raise DeviceError(f"cannot move model {name!r} to {dev}: {_first_line(e)}") from e
+    return model.eval()
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[0] if lines else type(e).__name__

@@ -1,0 +1,70 @@
+"""What an engine's caller hands it, checked once at the boundary: prompts as token ids, graph bucket sizes.
+
+Each refusal is a ConfigError naming the value, raised before the engine queues or builds anything.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from hwkv.errors import ConfigError
+
+
+def _as_int(value: Any) -> Optional[int]:
+    """An integer value as an int (Python and numpy ints, 0-d integer tensors); None for anything else, bools
+    included."""
+    if value.__class__ is bool:
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def shown(value: Any) -> str:
+    """A value's type and (shortened) repr, for messages."""
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def prompt_ids(prompt: Any) -> List[int]:
+    """A prompt's token ids as ints: a sequence of integers (list, tuple, range, numpy integers) or a 1-D integer
+    numpy array or torch tensor. ConfigError naming what is not one (text, None, a float or bool id: int(1.7) would
+    be 1, True would be token 1); the vocabulary is the caller's check."""
+    if isinstance(prompt, (torch.Tensor, np.ndarray)):
+        kind = "tensor" if isinstance(prompt, torch.Tensor) else "array"
+        if (prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool) \
+                if kind == "tensor" else prompt.dtype.kind not in "iu":
+            raise ConfigError(f"a prompt {kind} must hold integers, got {prompt.dtype}")
+        if prompt.ndim != 1:
+            raise ConfigError(f"a prompt must be 1-D, got shape {list(prompt.shape)}")
+        return prompt.tolist()
+    if isinstance(prompt, (str, bytes, bytearray)) or not isinstance(prompt, Sequence):
+        hint = ": tokenize text first" if isinstance(prompt, (str, bytes, bytearray)) else ""
+        raise ConfigError("a prompt must be a sequence of token ids (a list, tuple, or 1-D integer array or tensor), "
+                          f"got {shown(prompt)}{hint}")
+    try:
+        ids = [operator.index(t) for t in prompt]
+        if not any(t.__class__ is bool for t in prompt):
+            return ids
+    except TypeError:
+        pass
+    for i, t in enumerate(prompt):  # the refusal: name the first id that is no integer
+        if _as_int(t) is None:
+            raise ConfigError(f"prompt token id {t!r} ({type(t).__name__}, at index {i}) is not an integer")
+    raise AssertionError("unreachable: every prompt id is an integer")
+
+
+def batch_sizes(value: Any) -> Optional[List[int]]:
+    """`graph_batch_sizes` as ints (None: the default buckets); ConfigError unless each is an integer >= 1."""
+    if value is None:
+        return None
+    items = list(value) if isinstance(value, (Sequence, np.ndarray, torch.Tensor)) and \
+        not isinstance(value, (str, bytes)) else None
+    sizes = [_as_int(b) for b in items] if items is not None else [None]
+    if any(b is None or b < 1 for b in sizes):
+        raise ConfigError(f"graph_batch_sizes must be integers >= 1, got {items if items is not None else value!r}")
+    return sizes
