@@ -232,7 +232,7 @@ def _reason(spec: DeviceSpec, show_probe_errors: bool) -> Optional[str]:
 
 
 def _available_names(specs: dict[str, DeviceSpec]) -> str:
-    names = [s.name for s, reason in report(specs) if reason is None]
+    names = [s.name for s, reason in report(specs, show_probe_errors=True) if reason is None]
     return ", ".join(names) if names else "none"
 
 

@@ -286,7 +286,8 @@ def needs_transformers():
     ("--chunk", "0", "--chunk must be >= 1, got 0"),
     ("--page-size", "0", "--page-size must be >= 1, got 0"),
     ("--seed", "-1", "--seed must be >= 0, got -1"),
-    ("--temperature", "-1", "--temperature must be >= 0 (0 = greedy), got -1.0"),
+    ("--temperature", "-1", "--temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
+    ("--temperature", "inf", "--temperature must be a finite number >= 0 (0 = greedy), got inf"),
     ("--top-p", "0", "--top-p must be in (0, 1], got 0.0"),
     ("--memory", "lots", "cannot read memory size 'lots'"),
 ])

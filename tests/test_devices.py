@@ -164,6 +164,10 @@ def test_probe_exceptions_propagate_typed_and_a_forced_other_device_skips_them()
             call()
         assert isinstance(err.value.__cause__, RuntimeError)
     assert select(specs, "cpu").name == "cpu"  # only the forced device is probed
+    specs["y"] = _spec("y", 2, "no such card")  # forced and unavailable: its own reason, the crash only listed
+    with pytest.raises(DeviceError, match="HWKV_DEVICE='y' but device 'y' is unavailable: no such card; "
+                                          "available: cpu$"):
+        select(specs, "y")
     with pytest.raises(DeviceError, match="non-empty reason"):
         _spec("y", 1, "").is_available()
 

@@ -144,6 +144,38 @@ def test_a_step_whose_forward_raises_gives_back_what_it_allocated(case):
     assert _run(*_engine(**kw), prompts, exc=exc) == want
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_ctrl_c_in_the_read_back_loses_no_forward(overlap):
+    """Ctrl-C in a step's wait for the device (the read-back of a forward in flight): that forward, and with overlap
+    the one just issued, stay in flight; the next steps read them and the run gives an uninterrupted run's tokens
+    (a lost forward had left its requests pending for ever)."""
+    prompts = _prompts()
+    want = _run(*_engine(overlap=overlap), prompts)
+    e, _ = _engine(overlap=overlap)
+    rids = [e.add_request(p, SamplingParams(max_new_tokens=10)) for p in prompts]
+    read, out, interrupts = e._read_one, {}, 0
+
+    def interrupted(rec):
+        raise KeyboardInterrupt()
+
+    for n in range(200):
+        if not e.has_work():
+            break
+        e._read_one = interrupted if n % 3 == 2 else read  # every third step's wait is interrupted
+        try:
+            finished = e.step()
+        except KeyboardInterrupt:
+            interrupts += 1
+            continue
+        finally:
+            e._read_one = read
+        out.update((r.rid, r.tokens) for r in finished)
+        e.check_integrity()
+    assert interrupts and not e.has_work() and [out[r] for r in rids] == want
+    e.clear_prefix_cache()
+    assert e.cache.held_slots() == (0, 0)
+
+
 def test_check_integrity_finds_slots_nobody_holds():
     """Pages the allocator holds must be the running requests' (their rows up to their lengths) or the prefix
     cache's: one taken and never given to anyone is a leak."""
@@ -237,10 +269,18 @@ def test_generate_refuses_malformed_prompts_and_params_before_queueing_any(promp
 @pytest.mark.parametrize("sizes", [[2.5], ["a"], [True], [0], [-2], [1, 0]])
 @pytest.mark.parametrize("whole_step", [True, False])
 def test_graph_batch_sizes_must_be_integers_of_at_least_one(sizes, whole_step):
-    with pytest.raises(ConfigError, match=r"graph_batch_sizes must be integers >= 1, got \["):
+    with pytest.raises(ConfigError, match=r"graph_batch_sizes must be integers >= 1 \(a list, tuple or set\), got \["):
         _engine(graphs=EagerAdapter(), whole_step=whole_step, graph_batch_sizes=sizes)
-    e, _ = _engine(graphs=EagerAdapter(), whole_step=whole_step, graph_batch_sizes=(np.int64(2),))
-    assert e.graph.buckets == [2, 4]
+    for fine in ((np.int64(2),), {2}, (b for b in [2])):  # any iterable of integers, as before
+        e, _ = _engine(graphs=EagerAdapter(), whole_step=whole_step, graph_batch_sizes=fine)
+        assert e.graph.buckets == [2, 4]
+
+
+def test_a_prompt_may_be_any_iterable_of_integers():
+    e, _ = _engine()
+    for prompt in ((t for t in [5, 6, 7]), range(5, 8), np.array([5, 6, 7], dtype=np.int32), torch.tensor([5, 6, 7])):
+        rid = e.add_request(prompt, SamplingParams(max_new_tokens=1))
+        assert e.scheduler.waiting[-1].rid == rid and e.scheduler.waiting[-1].prompt == [5, 6, 7]
 
 
 # ---------------------------------------------------------------------------------- the transformers runner

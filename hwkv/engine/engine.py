@@ -99,7 +99,7 @@ class Engine:
         self.overlap = (dev.type != "cpu" if overlap is None else bool(overlap)) and draft is None
         pin = dev.type != "cpu"
         self._readback = [torch.zeros(pool_plan.max_running + 2, **HOST, pin_memory=pin) for _ in range(2)]
-        self._inflight: Optional[_Inflight] = None
+        self._inflight: List[_Inflight] = []  # forwards issued, oldest first, each dropped once read back
         self._steps = 0
         self._pools_changed = False  # this step moved a page (the KV held may have changed)
         self.requests: Dict[int, Request] = {}
@@ -255,7 +255,9 @@ class Engine:
         prepares step N+1 while the device runs step N. Without it the host reads them at the end of the step.
 
         A forward that raises (the model's own error, Ctrl-C) gives back the pages its step allocated before the
-        error propagates (`_undo`): nothing leaks, and the next step runs the same rows again."""
+        error propagates (`_undo`): nothing leaks, and the next step runs the same rows again. A forward stays in
+        flight until its tokens are read, so Ctrl-C in the wait for them loses none: the next step reads them. What
+        runs between the two on the host (caching prompt pages, the out-of-window release) is not undone."""
         self._check_open()
         # inference mode, not no_grad: tensors made here skip version counting and view tracking (1.07x tokens/s
         # for the tiny model at batch 1 on the CPU); everything the engine keeps across steps was made in it too
@@ -305,17 +307,15 @@ class Engine:
             if len(sampled) != len(rows):  # the rows that sample (a prompt chunk before its last does not)
                 where = where.index_select(0, to_device(torch.tensor(
                     [i for i, r in enumerate(rows) if r.samples], **HOST), self.device))
-        record = self._send(rows, sampled, where, mode, tokens)
-        finished = self._read_back()  # the previous step's tokens (with overlap: while this one runs)
-        self._inflight = record
-        if not self.overlap:
-            finished += self._read_back()
+        self._inflight.append(self._send(rows, sampled, where, mode, tokens))
+        # the earlier steps' tokens (with overlap: while this one runs; without, this one's too)
+        finished = self._read_back(keep=1 if self.overlap else 0)
         self.stats.record_step(mode, self.scheduler.prefill_tokens, len(sampled), time.perf_counter() - t0)
         return finished
 
     def has_work(self) -> bool:
         """Whether requests wait or run, or a forward's tokens are still to be read back."""
-        return self.scheduler.has_work() or self._inflight is not None
+        return self.scheduler.has_work() or bool(self._inflight)
 
     def tokens_of(self, row: int) -> List[int]:
         """The token ids of the running request in request row `row`: its prompt and the outputs the host has read
@@ -338,7 +338,10 @@ class Engine:
         n = len(sampled)
         if n:
             self.next_ids[where] = tokens
-        buf = self._readback[self._steps % 2]
+        buf = self._readback[self._steps % len(self._readback)]
+        if any(rec.buf is buf for rec in self._inflight):  # after an interrupted read-back only: one more block
+            buf = torch.zeros_like(buf, pin_memory=buf.is_pinned())
+            self._readback.append(buf)
         self._steps += 1
         buf[:n].copy_(tokens, non_blocking=True)
         heads, cached = None, (0, 0)
@@ -352,16 +355,21 @@ class Engine:
             event.record()
         return _Inflight(sampled, buf, event, heads, mode, cached)
 
-    def _read_back(self) -> List[Result]:
-        """The step in flight's sampled tokens (its one wait for the device): appended, stops checked, finished
-        requests free their slots and rows at once."""
-        rec, self._inflight = self._inflight, None
-        if rec is None:
-            return []
+    def _read_back(self, keep: int = 0) -> List[Result]:
+        """The sampled tokens of the forwards in flight but the last `keep` (each one's wait for the device):
+        appended, stops checked, finished requests free their slots and rows at once. A forward leaves the list
+        only once its tokens are read, so an interrupted wait (Ctrl-C) loses none: the next step reads it."""
+        finished: List[Result] = []
+        while len(self._inflight) > keep:
+            finished += self._read_one(self._inflight[0])
+        return finished
+
+    def _read_one(self, rec: "_Inflight") -> List[Result]:
         if rec.event is not None:
             rec.event.synchronize()
         n = len(rec.sampled)
         values = rec.buf[:n + (0 if rec.heads is None else len(rec.heads))].tolist()
+        self._inflight.pop(0)
         if rec.heads is not None:
             self._record_held(values[n:], rec.heads, rec.cached)
         done: List[Request] = []

@@ -5,7 +5,7 @@ Each refusal is a ConfigError naming the value, raised before the engine queues 
 from __future__ import annotations
 
 import operator
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Mapping, Optional
 
 import numpy as np
 import torch
@@ -30,10 +30,20 @@ def shown(value: Any) -> str:
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
+def _items(value: Any) -> Optional[List[Any]]:
+    """Any iterable's items (a generator's too), None for text, a mapping or what does not iterate."""
+    if isinstance(value, (str, bytes, bytearray, Mapping)):
+        return None
+    try:
+        return list(value)
+    except TypeError:
+        return None
+
+
 def prompt_ids(prompt: Any) -> List[int]:
-    """A prompt's token ids as ints: a sequence of integers (list, tuple, range, numpy integers) or a 1-D integer
-    numpy array or torch tensor. ConfigError naming what is not one (text, None, a float or bool id: int(1.7) would
-    be 1, True would be token 1); the vocabulary is the caller's check."""
+    """A prompt's token ids as ints: an iterable of integers (list, tuple, range, a generator, numpy integers) or a
+    1-D integer numpy array or torch tensor. ConfigError naming what is not one (text, None, a float or bool id:
+    int(1.7) would be 1, True would be token 1); the vocabulary is the caller's check."""
     if isinstance(prompt, (torch.Tensor, np.ndarray)):
         kind = "tensor" if isinstance(prompt, torch.Tensor) else "array"
         if (prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool) \
@@ -42,10 +52,12 @@ def prompt_ids(prompt: Any) -> List[int]:
         if prompt.ndim != 1:
             raise ConfigError(f"a prompt must be 1-D, got shape {list(prompt.shape)}")
         return prompt.tolist()
-    if isinstance(prompt, (str, bytes, bytearray)) or not isinstance(prompt, Sequence):
+    items = _items(prompt)
+    if items is None:
         hint = ": tokenize text first" if isinstance(prompt, (str, bytes, bytearray)) else ""
         raise ConfigError("a prompt must be a sequence of token ids (a list, tuple, or 1-D integer array or tensor), "
                           f"got {shown(prompt)}{hint}")
+    prompt = items
     try:
         ids = [operator.index(t) for t in prompt]
         if not any(t.__class__ is bool for t in prompt):
@@ -62,9 +74,8 @@ def batch_sizes(value: Any) -> Optional[List[int]]:
     """`graph_batch_sizes` as ints (None: the default buckets); ConfigError unless each is an integer >= 1."""
     if value is None:
         return None
-    items = list(value) if isinstance(value, (Sequence, np.ndarray, torch.Tensor)) and \
-        not isinstance(value, (str, bytes)) else None
+    items = _items(value)
     sizes = [_as_int(b) for b in items] if items is not None else [None]
     if any(b is None or b < 1 for b in sizes):
-        raise ConfigError(f"graph_batch_sizes must be integers >= 1, got {items if items is not None else value!r}")
+        raise ConfigError(f"graph_batch_sizes must be integers >= 1 (a list, tuple or set), got {items if items is not None else value!r}")
     return sizes

@@ -34,12 +34,13 @@ class SamplingParams:
     stop_token_ids: Tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        _check_int("max_new_tokens", self.max_new_tokens, 1, None, "an integer >= 1")
+        max_new = _check_int("max_new_tokens", self.max_new_tokens, 1, None, "an integer >= 1")
         temperature = _check_real("temperature", self.temperature, "a finite number >= 0 (0 = greedy)",
                                   lambda t: 0 <= t < math.inf)
         top_p = _check_real("top_p", self.top_p, "a number in (0, 1]", lambda p: 0 < p <= 1)
-        if self.seed is not None:
-            _check_int("seed", self.seed, 0, _M32, "None or an integer in [0, 2**32)")
+        seed = None if self.seed is None else _check_int("seed", self.seed, 0, _M32, "None or an integer in [0, 2**32)")
+        object.__setattr__(self, "max_new_tokens", max_new)  # numpy or torch integers become ints
+        object.__setattr__(self, "seed", seed)
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "top_p", top_p)
         object.__setattr__(self, "stop_token_ids", _stop_ids(self.stop_token_ids))

@@ -95,8 +95,8 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.seed > last:
         raise ConfigError(f"--seed must be in [0, {last}] with {len(args.prompt)} prompt(s) (prompt i samples with "
                           f"seed + i, below 2**32), got {args.seed}")
-    if args.temperature < 0:
-        raise ConfigError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 <= args.temperature < float("inf"):
+        raise ConfigError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.memory is not None:
