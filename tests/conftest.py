@@ -81,3 +81,14 @@ def npu_standin(monkeypatch):
     monkeypatch.setattr(npu_backend, "device_reason", lambda device: None)
     state.use, state.graphs = use, StandInNPUGraphs
     return use()
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2_config():
+    """Makes a 2-layer Gemma-2 config (one SWA, one full layer, W = 8, vocabulary 64), a new one each call (models
+    built from it may set fields on it): the CLI's and the runner's tests build their tiny model from it."""
+    transformers = pytest.importorskip("transformers")
+    return lambda: transformers.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                     max_position_embeddings=128, sliding_window=8, query_pre_attn_scalar=16,
+                                     eos_token_id=None, pad_token_id=None, bos_token_id=None)

@@ -259,15 +259,12 @@ def _gen(capsys, *argv: str):
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
+def tiny_model(tmp_path_factory, tiny_gemma2_config) -> str:
     """A 2-layer Gemma-2 (one SWA, one full layer, W = 8), saved."""
     transformers = pytest.importorskip("transformers")
     import torch
 
-    cfg = transformers.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                    max_position_embeddings=128, sliding_window=8, query_pre_attn_scalar=16,
-                                    eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    cfg = tiny_gemma2_config()
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("tiny-gemma2")
     transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(folder)

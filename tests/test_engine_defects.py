@@ -285,14 +285,11 @@ def test_a_prompt_may_be_any_iterable_of_integers():
 
 # ---------------------------------------------------------------------------------- the transformers runner
 @pytest.fixture(scope="module")
-def tiny_gemma2():
+def tiny_gemma2(tiny_gemma2_config):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                    max_position_embeddings=128, sliding_window=8, query_pre_attn_scalar=16,
-                                    eos_token_id=None, pad_token_id=None, bos_token_id=None)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_config(tiny_gemma2_config(), dtype=torch.float32,
+                                                          attn_implementation="eager")
     return model.eval()
 
 
