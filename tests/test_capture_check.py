@@ -1,7 +1,10 @@
 """The capture-checking graph adapter: it fails a replay whose metadata moved (what a real device graph
-would read stale), and every in-tree backend's graph path passes through it on CPU: the contract suite's graph
-tests for the torch backends, the NPU fused path with the torch_npu stand-ins, ROCm with the AITER stand-ins,
-and the Triton backends interpreted (a short scenario: the interpreter is slow)."""
+would read stale), and every in-tree backend's graph path passes through it on CPU: the NPU fused path with the
+torch_npu stand-ins, ROCm with the AITER stand-ins, and the Triton backends interpreted (a short scenario: the
+interpreter is slow). The contract suite's graph tests replay through it whatever adapter a target names
+(`hwkv.testing.capture_check.capture_checked`), so every contract run (tests/test_contract_*.py, the NPU torch path
+in tests/test_vendor_backends.py) checks its backend's graph path; the last tests here show the suite failing a
+backend whose graph metadata moves."""
 import os
 
 import pytest
@@ -105,19 +108,6 @@ def test_triton_backends_pass(which, monkeypatch):
     assert _run(cls).runner.replays > 0
 
 
-# ---- the contract suite's graph tests, every graph replay checked for moved metadata ------------------
-GRAPH_CONTRACT = [
-    lambda t: contract.test_one_translation_per_forward_with_many_swa_layers(t, graph=True),
-    contract.test_graph_replay_with_fewer_tokens_zeroes_the_tail_and_keeps_live_slots,
-    contract.test_batch_larger_than_every_bucket_runs_eagerly,
-    contract.test_speculative_verify_through_graphs_reads_swa_slots,
-    lambda t: contract.test_multi_step_draft_through_graphs_reuses_slots_and_translates_once(t, 2),
-    contract.test_draft_graph_replay_with_fewer_requests_zeroes_the_tail_and_keeps_live_slots,
-] + [lambda t, n=name: contract.test_outputs_match_reference(t, n, graph=True) for name in sorted(contract.SCENARIOS)]
-GRAPH_CONTRACT_IDS = ["translate-once", "tail-zeroed", "eager-fallback", "verify", "draft", "draft-tail-zeroed"] + [
-    f"outputs-{n}" for n in sorted(contract.SCENARIOS)]
-
-
 @pytest.mark.interpret
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="a GPU is present: real graphs run there")
 @pytest.mark.parametrize("fused", [False, True], ids=["torch-refill", "fused-refill"])
@@ -144,19 +134,6 @@ def test_triton_draft_graphs_pass(fused, monkeypatch):
         h.check_integrity()
     assert runner.replays == 3 and runner.eager_runs == 0
     assert h.backend.loc_cache.translations == 1 + 2 + 3  # the extend, one refill per bucket's capture, 3 replays
-
-
-def _targets():
-    from hwkv_cpu.backend import TorchCPUBackend
-    from hwkv_npu.backend import NPUBackend
-
-    return {"reference": ReferenceBackend, "cpu": TorchCPUBackend, "npu-torch": NPUBackend}
-
-
-@pytest.mark.parametrize("check", GRAPH_CONTRACT, ids=GRAPH_CONTRACT_IDS)
-@pytest.mark.parametrize("which", ["reference", "cpu", "npu-torch"])
-def test_graph_contract_through_the_capture_checking_adapter(which, check):
-    check(ContractTarget(which, _targets()[which], "cpu", CaptureCheckingAdapter))
 
 
 @pytest.mark.parametrize("page_size, mode, tpr", [(16, ForwardMode.DECODE, 1), (128, ForwardMode.TARGET_VERIFY, 2)],
@@ -202,3 +179,72 @@ def test_rocm_aiter_graph_path_passes(monkeypatch):
     h.enable_graphs([1, 2, 4], CaptureCheckingAdapter())
     run_scenario(h, steps=4, prompt_lens=(5, 9), chunk=8)
     assert h.runner.replays > 0 and aiter_standin.calls(mod)["paged_attention_ragged"] > 0
+
+
+# ---- the contract suite itself: every graph replay checked, whatever adapter the target names ----------------
+SUITE_GRAPH_CHECKS = {
+    "translate-once": lambda t: contract.test_one_translation_per_forward_with_many_swa_layers(t, graph=True),
+    "tail-zeroed": contract.test_graph_replay_with_fewer_tokens_zeroes_the_tail_and_keeps_live_slots,
+    "verify": contract.test_speculative_verify_through_graphs_reads_swa_slots,
+}
+
+
+@pytest.mark.parametrize("check", sorted(SUITE_GRAPH_CHECKS))
+@pytest.mark.parametrize("adapter", ["default", "eager"])
+def test_the_contract_suite_fails_a_backend_whose_graph_metadata_moves(adapter, check):
+    """A third party's target as documented (`ContractTarget(name, cls, device[, EagerAdapter])`): the suite's
+    graph tests replay through the capture check, so metadata that moves between replays fails them (a plain
+    EagerAdapter replay re-runs the step's Python and would pass, where a device graph reads stale memory)."""
+    from hwkv.graph import EagerAdapter
+
+    target = (ContractTarget("moving", MovingMetadata, "cpu") if adapter == "default"
+              else ContractTarget("moving", MovingMetadata, "cpu", EagerAdapter))
+    with pytest.raises(StaleCaptureError, match="its capture did not"):
+        SUITE_GRAPH_CHECKS[check](target)
+
+
+def test_the_check_wraps_replays_that_run_python_and_leaves_device_graphs_as_they_are():
+    """A device graph (`records_device_work`: CUDA/HIP/MUSA/XPU/NPU) replays no Python and is not wrapped, so a
+    GPU's contract run uses its real graphs; an adapter that already checks is not wrapped twice."""
+    from hwkv.graph import EagerAdapter, TorchDeviceGraphAdapter
+    from hwkv.testing.capture_check import CaptureChecked, capture_checked
+    from hwkv_cpu.graph import CompileGraphAdapter
+
+    class DeviceGraphs(TorchDeviceGraphAdapter):
+        def __init__(self):  # no device here: only the class's declaration matters
+            pass
+
+    device, checking = DeviceGraphs(), CaptureCheckingAdapter()
+    assert capture_checked(device) is device and capture_checked(checking) is checking
+    assert ContractTarget("gpu", ReferenceBackend, "cuda", DeviceGraphs).graph_adapter().__class__ is DeviceGraphs
+    for inner in (EagerAdapter, CompileGraphAdapter):
+        wrapped = ContractTarget("cpu", ReferenceBackend, "cpu", inner).graph_adapter()
+        assert isinstance(wrapped, CaptureChecked) and isinstance(wrapped.inner, inner)
+        assert capture_checked(wrapped) is wrapped and not getattr(wrapped, "records_device_work", False)
+
+
+def test_a_compiled_step_stays_compiled_under_the_check_and_is_checked():
+    """The CPU target's torch.compile adapter under the check: its steps still compile (the recorder asks torch.compile
+    to keep compiling while it records) and a backend whose metadata moves still fails."""
+    from torch._dynamo.utils import counters
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hwkv_cpu.backend import TorchCPUBackend
+    from hwkv_cpu.graph import CompileGraphAdapter
+
+    if not hasattr(TorchDispatchMode, "ignore_compile_internals"):
+        pytest.skip("this torch runs a compiled step eagerly under any dispatch mode")
+
+    class MovingCPU(TorchCPUBackend):
+        def init_forward_metadata_graph(self, batch, max_q_len=None):
+            md = super().init_forward_metadata_graph(batch, max_q_len)
+            for lst in md.windows.values():
+                lst.indices = lst.indices.clone()
+            return md
+
+    check = contract.test_graph_replay_with_fewer_tokens_zeroes_the_tail_and_keeps_live_slots
+    compiled = counters["frames"]["ok"]
+    check(ContractTarget("cpu", TorchCPUBackend, "cpu", CompileGraphAdapter))
+    assert counters["frames"]["ok"] > compiled, "the step ran eagerly under the capture check"
+    with pytest.raises(StaleCaptureError, match="its capture did not"):
+        check(ContractTarget("cpu", MovingCPU, "cpu", CompileGraphAdapter))

@@ -2,6 +2,10 @@
 
 Run it against your backend: define a pytest fixture `hwkv_target` returning a `ContractTarget`
 and `from hwkv.testing.contract import *` in a test module; or run `hwkv verify`.
+
+The graph tests replay through the capture check (`hwkv.testing.capture_check`) whatever adapter the target
+names: a replay that reads memory its capture did not (metadata moved out of the static buffers) fails, as it
+would read stale memory in a real device graph. A device graph adapter (`records_device_work`) runs as it is.
 """
 from __future__ import annotations
 
@@ -22,6 +26,18 @@ class ContractTarget:
 
     def __str__(self) -> str:
         return self.name
+
+    def graph_adapter(self) -> Any:
+        """A fresh adapter for the suite's graph tests: `adapter_factory()` under the capture check."""
+        return graph_adapter(self)
+
+
+def graph_adapter(target: Any) -> Any:
+    """The adapter the contract suite's graph tests use for `target` (a `ContractTarget`, or any object with an
+    `adapter_factory`): a new one from the factory, through `hwkv.testing.capture_check.capture_checked`."""
+    from hwkv.testing.capture_check import capture_checked
+
+    return capture_checked(target.adapter_factory())
 
 
 def available_targets(only: Optional[str] = None) -> List[ContractTarget]:

@@ -5,7 +5,9 @@ metadata (reallocates a static buffer, builds a fresh list per replay) still wor
 Python re-runs, as under `EagerAdapter`, but a real graph then reads stale or freed memory.
 `CaptureCheckingAdapter` re-runs the step like `EagerAdapter` and records the storages every torch op
 and every Triton launch reads that the step did not create itself; a replay that reads a storage
-the capture did not see raises `StaleCaptureError`.
+the capture did not see raises `StaleCaptureError`. `CaptureChecked` puts the same check around another
+adapter whose replay runs the step's Python; the contract suite's graph tests run every target's adapter through
+`capture_checked`, so a backend passes them only when its replays read what its captures read.
 """
 from __future__ import annotations
 
@@ -36,6 +38,13 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.created: Set[int] = set()
         self.read: Dict[int, str] = {}
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """A torch.compile'd step stays compiled under the recorder (which sees its compiled graph's ops as they
+        run); without this, torch.compile runs the step eagerly while any dispatch mode is active. (A torch
+        whose TorchDispatchMode lacks the hook runs it eagerly: the check holds, the compiled path is not run.)"""
+        return True
 
     def note_reads(self, what: str, args: Iterable[Any]) -> None:
         for ptr, t in _storages(args):
@@ -104,13 +113,51 @@ class CaptureCheckingAdapter:
     def replay(self, graph: Any) -> torch.Tensor:
         fn, captured = graph
         out, reads = _recorded(fn)
-        stale = {p: what for p, what in reads.items() if p not in captured}
-        if stale:
-            first = next(iter(stale.values()))
-            raise StaleCaptureError(f"a replay read {len(stale)} buffer(s) its capture did not (first: {first}); "
-                                    "a device graph would read the memory it captured: metadata must stay in "
-                                    "the static buffers allocated by init_graph_state")
+        _check(reads, captured)
         return out
 
     def pre_replay(self, graph: Any) -> None:
         return None
+
+
+def _check(reads: Dict[int, str], captured: Dict[int, str]) -> None:
+    stale = {p: what for p, what in reads.items() if p not in captured}
+    if stale:
+        first = next(iter(stale.values()))
+        raise StaleCaptureError(f"a replay read {len(stale)} buffer(s) its capture did not (first: {first}); "
+                                "a device graph would read the memory it captured: metadata must stay in "
+                                "the static buffers allocated by init_graph_state")
+
+
+class CaptureChecked:
+    """Another adapter whose replay runs the step's Python (EagerAdapter, a torch.compile adapter), with the
+    capture check around its capture and every replay: `StaleCaptureError` when a replay reads a storage its
+    capture did not. Its replay stays the inner adapter's (a compiled step still runs compiled)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> Tuple[Any, torch.Tensor]:
+        (graph, out), reads = _recorded(lambda: self.inner.capture(fn))
+        return (graph, reads), out
+
+    def replay(self, graph: Any) -> torch.Tensor:
+        inner, captured = graph
+        out, reads = _recorded(lambda: self.inner.replay(inner))
+        _check(reads, captured)
+        return out
+
+    def pre_replay(self, graph: Any) -> None:
+        self.inner.pre_replay(graph[0])
+
+
+def capture_checked(adapter: Any) -> Any:
+    """`adapter` with the capture check applied, for the contract suite's graph tests. A device graph (an adapter
+    whose `records_device_work` is true: CUDA, HIP, MUSA, XPU, NPU graphs) is returned as it is: its replay runs
+    no Python to check, it replays the memory it captured, so moved metadata shows there as outputs that differ
+    from the reference. An adapter that already checks is returned as it is too; any other (its replay runs the
+    step's Python, where moved metadata would go unnoticed) is wrapped in `CaptureChecked`."""
+    if getattr(adapter, "records_device_work", False) or isinstance(adapter, (CaptureCheckingAdapter,
+                                                                             CaptureChecked)):
+        return adapter
+    return CaptureChecked(adapter)

@@ -7,6 +7,7 @@ import torch
 from hwkv.batch import ForwardMode
 from hwkv.errors import ConfigError, EvictedSlotError, MissingSWALocError, ShapeError
 from hwkv.loc import KVWriteLoc
+from hwkv.testing import graph_adapter
 from hwkv.testing.contract_spec import CountingTranslate
 from hwkv.testing.harness import Harness, ModelGeometry, run_scenario
 
@@ -19,7 +20,7 @@ def make(target, geometry=SMALL, graph=False, buckets=(1, 2, 4), **kw):
     kw.setdefault("size_swa", 128)
     h = Harness(target.backend_cls, target.device, geometry, **kw)
     if graph:
-        h.enable_graphs(list(buckets), target.adapter_factory())
+        h.enable_graphs(list(buckets), graph_adapter(target))
     return h
 
 
@@ -148,7 +149,7 @@ def test_speculative_verify_through_graphs_reads_swa_slots(hwkv_target):
     """TARGET_VERIFY (3 draft tokens per request) replayed from graphs over a small SWA pool (a 32nd
     of the full pool), slots released and reused between steps: window lists hold SWA slots."""
     h = make(hwkv_target, size=1024, size_swa=32)
-    h.enable_graphs([1, 2], hwkv_target.adapter_factory(), mode=ForwardMode.TARGET_VERIFY, tokens_per_req=3)
+    h.enable_graphs([1, 2], graph_adapter(hwkv_target), mode=ForwardMode.TARGET_VERIFY, tokens_per_req=3)
     rids = [h.add_request() for _ in range(2)]
     h.forward(rids, [9, 14], ForwardMode.EXTEND)
     h.release()

@@ -11,6 +11,7 @@ from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.errors import CapacityError, ConfigError, MissingSWALocError, ShapeError
 from hwkv.loc import translations_of
 from hwkv.spec import DraftTree, MultiStepDraft, accept_draft_tokens
+from hwkv.testing import graph_adapter
 from hwkv.testing.harness import Harness, ModelGeometry
 from hwkv.testing.spec_harness import draft_batch, draft_graphs, draft_steps, tree_verify
 
@@ -45,7 +46,7 @@ def test_tree_verify_accept_and_reuse(hwkv_target, page_size, graph, verify_kern
     the extend kernels (the tree's mask) and decode-like (one decode query per draft token)."""
     h = _make(hwkv_target, page_size=page_size, tree_verify=verify_kernel)
     if graph:
-        h.enable_graphs([1, 2], hwkv_target.adapter_factory(), mode=ForwardMode.TARGET_VERIFY, tokens_per_req=5,
+        h.enable_graphs([1, 2], graph_adapter(hwkv_target), mode=ForwardMode.TARGET_VERIFY, tokens_per_req=5,
                         tree=True)
     rids = [h.add_request() for _ in range(2)]
     h.forward(rids, [9, 3], ForwardMode.EXTEND)
@@ -122,7 +123,7 @@ def test_multi_step_draft_through_graphs_reuses_slots_and_translates_once(hwkv_t
     h.release()
     # captured after the prefill: the CPU kernels' per-thread scratch, grown by a larger extend, is not a
     # buffer a replay may move to under the capture-checking adapter
-    runner = draft_graphs(h, [1, 2], hwkv_target.adapter_factory(), 3)
+    runner = draft_graphs(h, [1, 2], graph_adapter(hwkv_target), 3)
     count = CountingTranslate(h.pool)
     host = 0 if runner.metadata_in_graph else 2  # a recorded refill translates in the replay, not on the host
     for step in range(4):
@@ -155,7 +156,7 @@ def test_multi_step_draft_in_one_graph_allocates_in_its_replay(hwkv_target, page
     rids = [h.add_request() for _ in range(3)]
     h.forward(rids, [9, 3, 6], ForwardMode.EXTEND)
     h.release()
-    runner = draft_graphs(h, [1, 2], hwkv_target.adapter_factory(), 3, whole_step=True)
+    runner = draft_graphs(h, [1, 2], graph_adapter(hwkv_target), 3, whole_step=True)
     for step in range(6):
         draft_steps(h, rids[:1 + step % 2], 3, runner=runner)   # checked against the reference inside
         h.release()
@@ -178,7 +179,7 @@ def test_draft_graph_replay_with_fewer_requests_zeroes_the_tail_and_keeps_live_s
     h = _make(hwkv_target)
     rids = [h.add_request() for _ in range(4)]
     h.forward(rids, [3, 5, 9, 2], ForwardMode.EXTEND)
-    runner = draft_graphs(h, [2, 4], hwkv_target.adapter_factory(), 2)
+    runner = draft_graphs(h, [2, 4], graph_adapter(hwkv_target), 2)
     draft_steps(h, rids, 2, runner=runner)
     swa_big, loc_big = h.backend.loc_cache.buffer[:8].clone(), runner.out_cache_loc[:8].clone()
     assert (swa_big > 0).all()
@@ -199,7 +200,7 @@ def test_draft_steps_beyond_graph_capacity_are_refused_and_change_nothing(hwkv_t
     h = _make(hwkv_target)
     rids = [h.add_request() for _ in range(2)]
     h.forward(rids, [6, 4], ForwardMode.EXTEND)
-    runner = draft_graphs(h, [1, 2], hwkv_target.adapter_factory(), 2)
+    runner = draft_graphs(h, [1, 2], graph_adapter(hwkv_target), 2)
     draft_steps(h, rids, 2, runner=runner)
     batch = draft_batch(h, rids, 3)                     # the engine allocated 3 steps: the graphs run 2
     inputs = h.random_inputs(6)
@@ -232,7 +233,7 @@ def test_draft_extend_through_graphs_reads_swa_slots(hwkv_target):
     """DRAFT_EXTEND (accepted tokens re-extended, 2 per request) through graphs over a small SWA pool:
     window buffers built in graph mode, equal to the reference, slots reused."""
     h = _make(hwkv_target)
-    h.enable_graphs([1, 2], hwkv_target.adapter_factory(), mode=ForwardMode.DRAFT_EXTEND, tokens_per_req=2)
+    h.enable_graphs([1, 2], graph_adapter(hwkv_target), mode=ForwardMode.DRAFT_EXTEND, tokens_per_req=2)
     rids = [h.add_request() for _ in range(2)]
     h.forward(rids, [5, 10], ForwardMode.EXTEND)
     h.release()
