@@ -190,7 +190,7 @@ def test_table_output(capsys):
 
 @pytest.mark.parametrize("extra, message", [
     (["--batch-sizes", "1,x"], "--batch-sizes"),
-    (["--batch-sizes", "0"], "batch sizes"),
+    (["--batch-sizes", "0"], "--batch-sizes must be integers >= 1, got '0'"),
     (["--configs", "twice/eager"], "twice/eager"),
     (["--configs", "once/graph", "--no-graph"], "no configuration"),
     (["--device", "nosuchdevice"], "nosuchdevice"),

@@ -50,4 +50,4 @@ def test_a_tiny_trace_through_both_methods(capsys):
 
 def test_serve_refuses_plot(capsys):
     assert main(["bench", "--workload", "serve", "--plot", "x.png"]) == 2
-    assert "--plot draws the decode workload" in capsys.readouterr().err
+    assert "--plot: the decode workload's; --workload serve does not read it" in capsys.readouterr().err

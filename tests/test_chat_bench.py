@@ -15,9 +15,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: the workload's t
 
 GPT = get_preset("gpt-oss-20b")
 # gpt-oss-like (SWA and full layers alternating, sinks), a small window and heads: pools of a few pages, fast
+# priced in fp32 (4 bytes per element), the dtype SMALL runs in
 TINY = ModelShape(name="tiny", layer_is_swa=layer_pattern(4, "sf"), window=16, num_heads=4, num_kv_heads=1,
-                  head_dim=16, sinks=True)
-SMALL = ChatWorkload(conversations=6, turns=3, system=64, user=48, reply=8, concurrency=3, memory=180_000,
+                  head_dim=16, sinks=True, dtype_bytes=4)
+SMALL = ChatWorkload(conversations=6, turns=3, system=64, user=48, reply=8, concurrency=3, memory=360_000,
                      page_size=8, chunk=64, dtype="fp32", check_every=4)
 
 
@@ -39,8 +40,8 @@ def test_chat_rows_add_up_fit_the_budget_and_are_checked(small):
         assert r.prefill_tokens + r.reused_tokens == r.prompt_tokens
         assert r.hit_rate == pytest.approx(r.reused_tokens / r.prompt_tokens)
         assert r.generated_tokens == r.turns_done * SMALL.reply
-        # every layer run, in fp32: twice the bytes of the model's bf16 KV the budget is planned for
-        assert 0 < r.pool_bytes <= SMALL.memory and r.allocated_bytes == 2 * r.pool_bytes
+        # every layer run: the pools allocate the bytes the budget planned, in the dtype run
+        assert 0 < r.pool_bytes <= SMALL.memory and r.allocated_bytes == r.pool_bytes
         assert r.checked_forwards == -(-r.forwards // SMALL.check_every) and r.checked_requests >= r.checked_forwards
         assert r.max_err < 2e-3
         assert set(r.phase_ms) == set(PHASES) and r.phase_ms["attention"] > 0 and r.phase_ms["check"] > 0
@@ -157,7 +158,7 @@ def test_cli_chat_workload_json(capsys):
 
     code = main(["bench", "--workload", "chat", "--device", "cpu", "--model", "gpt-oss-20b", "--run-layers", "2",
                  "--conversations", "3", "--turns", "2", "--system-len", "160", "--user-len", "16", "--reply-len",
-                 "4", "--concurrency", "2", "--memory", "64MiB", "--chunk", "128", "--check-every", "3", "--json"])
+                 "4", "--concurrency", "2", "--memory", "128MiB", "--chunk", "128", "--check-every", "3", "--json"])
     out = capsys.readouterr()
     assert code == 0, out.err
     data = json.loads(out.out)
@@ -166,14 +167,14 @@ def test_cli_chat_workload_json(capsys):
     assert all(r["turns_done"] == 6 and r["checked_forwards"] > 0 for r in data["rows"])
     assert main(["bench", "--workload", "chat", "--device", "cpu", "--memory", "1MiB"]) == 2
     assert main(["bench", "--workload", "chat", "--device", "cpu", "--steps", "4", "--quick"]) == 2
-    assert "--steps, --quick: the decode workload's" in capsys.readouterr().err
+    assert "--steps, --quick: the decode workload's; --workload chat does not read them" in capsys.readouterr().err
 
 
 def test_cli_chat_table(capsys):
     from hwkv.cli import main
 
     code = main(["bench", "--workload", "chat", "--device", "cpu", "--run-layers", "2", "--conversations", "2",
-                 "--turns", "2", "--system-len", "160", "--user-len", "16", "--reply-len", "4", "--memory", "64MiB",
+                 "--turns", "2", "--system-len", "160", "--user-len", "16", "--reply-len", "4", "--memory", "128MiB",
                  "--check-every", "0"])
     out = capsys.readouterr().out
     assert code == 0
@@ -183,18 +184,59 @@ def test_cli_chat_table(capsys):
 
 
 def test_cli_refuses_a_turn_that_never_fits_before_running(capsys, monkeypatch):
-    """80 MiB of gpt-oss-20b KV give the hybrid pools 1856 full-pool tokens, the last turn has 1952: said at once, in
-    one line naming both, exit code 2, nothing run."""
+    """160 MiB of gpt-oss-20b KV in fp32 give the hybrid pools 1856 full-pool tokens, the last turn has 1952: said at
+    once, in one line naming both, exit code 2, nothing run."""
     from hwkv.cli import main
 
     ran = []
     monkeypatch.setattr(chat, "run_variant", lambda *a, **k: ran.append(a))
     args = ["bench", "--workload", "chat", "--device", "cpu", "--conversations", "6", "--turns", "5",
             "--system-len", "512", "--user-len", "256", "--reply-len", "32", "--concurrency", "1",
-            "--memory", "80MiB", "--page-size", "16", "--chunk", "256"]
+            "--memory", "160MiB", "--page-size", "16", "--chunk", "256"]
     code = main(args)
     out = capsys.readouterr()
     assert code == 2 and out.out == "" and ran == []
     assert len(out.err.strip().splitlines()) == 1 and "Traceback" not in out.err
     assert "(hybrid)" in out.err and "1952 tokens" in out.err and "needs 1952 full-pool slots" in out.err
     assert "the pools have 1856 full / 1520 SWA" in out.err
+
+
+def _buffer_bytes(cache):
+    pool = cache.pool
+    groups = [pool.full_kv_pool, pool.swa_kv_pool] if hasattr(pool, "full_kv_pool") else [pool]
+    return sum(b.numel() * b.element_size() for g in groups for b in (*g.k_buffer, *g.v_buffer))
+
+
+def test_the_pools_are_priced_in_the_dtype_the_workload_runs():
+    """A shape priced at bf16's 2 bytes per element (as every preset is) run in fp32: the pools hold half the tokens
+    bf16's would, and what every layer allocates is the pool_bytes the budget claims (it had been twice that)."""
+    import torch
+
+    bf16_shape = replace(TINY, dtype_bytes=2)
+    fp32 = chat_sizes(bf16_shape, SMALL)
+    assert fp32 == chat_sizes(TINY, SMALL)  # --dtype fp32 and --kv-dtype fp32 size the same pools
+    bf16 = chat_sizes(bf16_shape, replace(SMALL, dtype="bf16"))
+    assert bf16[1].size > 1.9 * fp32[1].size
+    for w, sizes in ((SMALL, fp32), (replace(SMALL, dtype="bf16"), bf16)):
+        for s in sizes:
+            cache = chat._build(s, chat.run_shape(bf16_shape, w), w, torch.device("cpu"), "cpu")
+            assert _buffer_bytes(cache) == s.pool_bytes <= w.memory, (w.dtype, s)
+
+
+def test_cli_dtype_fp32_and_kv_dtype_fp32_size_the_same_pools(capsys, monkeypatch):
+    """On the CPU (fp32) the default budget is 300 MiB: the pools the 150 MiB default held when they were priced at
+    bf16; --kv-dtype fp32 (which had left no full pool) sizes the same pools as --dtype fp32."""
+    from hwkv.cli import main
+
+    seen = []
+
+    def stop(s, *a, **k):
+        seen.append(s)
+        raise ConfigError("stopped before the run")
+
+    monkeypatch.setattr(chat, "run_variant", stop)
+    for flag in ("--dtype", "--kv-dtype"):
+        assert main(["bench", "--workload", "chat", "--device", "cpu", flag, "fp32"]) == 2
+        assert "stopped before the run" in capsys.readouterr().err
+    assert len(seen) == 2 and seen[0] == seen[1]
+    assert (seen[0].size, seen[0].size_swa, seen[0].pool_bytes) == (4240, 2128, 300 * 2**20)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from hwkv.bench.plan_cli import add_plan_arguments, add_plan_parser, run_plan
-from hwkv.engine.plan import parse_bytes, plan, swa_tokens_per_request
+from hwkv.engine.plan import cache_lock_tokens, parse_bytes, plan, swa_tokens_per_request
 from hwkv.engine.presets import PRESETS, custom_shape
 from hwkv.errors import ConfigError
 
@@ -141,7 +141,8 @@ def _run(capsys, *argv: str):
 
 
 def test_cli_json_schema(capsys):
-    rc, out, _ = _run(capsys, "--model", "gemma-3-27b", "--memory", "80GiB", "--context", "32768", "--json")
+    rc, out, _ = _run(capsys, "--model", "gemma-3-27b", "--memory", "80GiB", "--context", "32768", "--json",
+                      "--no-prefix-cache")  # the hand computation's plan
     assert rc == 0
     d = json.loads(out)
     ints = {"memory_bytes", "context", "page_size", "chunk", "eviction_margin_pages", "full_bytes_per_token",
@@ -150,7 +151,7 @@ def test_cli_json_schema(capsys):
             "swa_pool_bytes", "max_concurrent_requests", "all_full_pool_tokens", "all_full_pool_bytes",
             "all_full_requests", "unused_bytes"}
     floats = {"saving_requests", "saving_bytes_per_request", "saving_limit"}
-    assert set(d) == ints | floats | {"schema", "model"}
+    assert set(d) == ints | floats | {"schema", "model", "prefix_cache"} and d["prefix_cache"] is False
     assert d["schema"] == "hwkv-plan/1" and d["model"] == "gemma-3-27b"
     assert all(type(d[k]) is int for k in ints) and all(isinstance(d[k], float) for k in floats)
     assert (d["max_concurrent_requests"], d["all_full_requests"], d["full_pool_tokens"]) == (26, 5, 863104)
@@ -244,3 +245,34 @@ def test_the_scheduler_admits_every_request_the_plan_sized_for(context, max_new)
         req.row = row
     sched.check_integrity(r.max_running)
     assert sched.reserved_swa <= sched.swa_capacity and sched.reserved_full <= sched.full_capacity
+
+
+# ------------------------------------------------- the prefix cache: `hwkv plan` plans as generate runs
+
+
+def test_cli_plans_with_the_prefix_cache_as_generate_and_the_runner_do(capsys, monkeypatch):
+    """By default `hwkv generate` and HybridRunner keep a prefix cache, whose lock pins a window per request in the
+    SWA pool: `hwkv plan` sizes the pools the same way unless --no-prefix-cache, and says which it did."""
+    import torch
+
+    from hwkv.engine.pools import plan_pools
+
+    shape = PRESETS["gpt-oss-20b"]
+    argv = ("--model", "gpt-oss-20b", "--memory", "8GiB", "--context", "4096", "--chunk", "512")
+    engine = plan_pools(shape, context=4096, max_running=10**6, chunk=512, page_size=16, memory=8 * GiB,
+                        device=torch.device("meta"), prefix_cache=True)
+    rc, out, _ = _run(capsys, *argv, "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["prefix_cache"] is True
+    assert (d["max_running"], d["full_pool_tokens"], d["swa_pool_tokens"]) == (engine.max_running, engine.size,
+                                                                               engine.size_swa)
+    assert d["swa_tokens_per_request"] == swa_tokens_per_request(128, 16) + cache_lock_tokens(128, 16, 4096)
+    rc, out, _ = _run(capsys, *argv, "--no-prefix-cache", "--json")
+    off = plan(shape, 8 * GiB, 4096, chunk=512)
+    d = json.loads(out)
+    assert rc == 0 and d["prefix_cache"] is False and d["max_running"] == off.max_running > engine.max_running
+    monkeypatch.setenv("COLUMNS", "200")  # rich's table on one line per row
+    rc, out, _ = _run(capsys, *argv)
+    assert rc == 0 and "prefix cache on" in out and "cache lock" in out
+    rc, out, _ = _run(capsys, *argv, "--no-prefix-cache")
+    assert rc == 0 and "prefix cache off" in out and "cache lock" not in out

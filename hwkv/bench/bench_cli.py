@@ -28,13 +28,16 @@ QUICK: Dict[str, Any] = dict(DEFAULTS, batch_sizes="1,4", prompt_len=160, chunk=
                              check_every=2)
 
 
-# the chat workload's defaults: on CPU small enough to run in seconds on 2 cores (4 layers, fp32); elsewhere
-# hwkv.bench.chat.ChatWorkload's sizes (2 GiB, 64 conversations of a 2048-token system prompt), checked every 64th of
-# its ~2,000 forwards (the reference recomputes two requests' contexts in every layer on the host)
+# the chat workload's defaults: on CPU small enough to run in seconds on 2 cores (4 layers, fp32: 300 MiB of fp32 KV
+# are 4,240 full-pool tokens); elsewhere hwkv.bench.chat.ChatWorkload's sizes (2 GiB, 64 conversations of a 2048-token
+# system prompt), checked every 64th of its ~2,000 forwards (the reference recomputes two requests' contexts in every
+# layer on the host)
 _CHAT_ACCELERATOR: Dict[str, Any] = dict(conversations=64, turns=4, system=2048, user=256, reply=128, concurrency=16,
                                          memory="2GiB", chunk=512, check_every=64, check_requests=2, check_queries=4)
 _CHAT_CPU: Dict[str, Any] = dict(_CHAT_ACCELERATOR, conversations=6, turns=4, system=512, user=128, reply=16,
-                                 concurrency=3, memory="150MiB", chunk=256, check_every=16)
+                                 concurrency=3, memory="300MiB", chunk=256, check_every=16)
+# the serve workload's defaults (the prompt length and new tokens: 64 and 32 on CPU, 1024 and 128 elsewhere)
+_SERVE: Dict[str, Any] = dict(requests=32, rate=8.0, shared=0.5, running=16, chunk=512)
 
 
 SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes 64 bits; the workloads derive more seeds from it
@@ -48,6 +51,47 @@ def max_threads() -> int:
 
 def _listing(values: Dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in values.items())
+
+
+def _model_flags() -> Tuple[str, ...]:
+    """The dests of add_model_arguments (--model, the shape flags, --kv-dtype)."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_model_arguments(p)
+    return tuple(vars(p.parse_args([])))
+
+
+DECODE, CHAT, SERVE = "decode", "chat", "serve"
+# The flags only some workloads read (by argparse dest) and the workloads reading each; one given to another workload
+# is refused before anything runs, naming it and its workloads. Each defaults to None (a switch to False), so a flag
+# is given when it is neither: a given 0 counts. The model shape, its dtype, the layers run and the reference check
+# are the synthetic workloads' (serve runs a transformers model: --serve-model, or random GPT-OSS weights, in its own
+# dtype). Every workload reads the rest: --device, --threads, --seed, --page-size, --chunk, --json.
+WORKLOAD_FLAGS: Dict[str, Tuple[str, ...]] = {
+    **dict.fromkeys(("batch_sizes", "prompt_len", "steps", "warmup", "repeats", "quick", "configs", "no_graph",
+                     "plot"), (DECODE,)),
+    **dict.fromkeys(("check_every", "check_requests", "check_queries", "dtype", "run_layers", *_model_flags()),
+                    (DECODE, CHAT)),
+    **dict.fromkeys(("conversations", "turns", "system_len", "user_len", "reply_len", "concurrency", "memory"),
+                    (CHAT,)),
+    **dict.fromkeys(("serve_model", "serve_requests", "serve_rate", "serve_prompt_len", "serve_new", "serve_shared",
+                     "serve_system_len", "serve_running", "no_baseline"), (SERVE,)),
+}
+
+
+def check_workload_flags(args: argparse.Namespace, workload: str) -> None:
+    """ConfigError naming each given flag that `workload` does not read (WORKLOAD_FLAGS) and the workloads that do:
+    a flag silently ignored would leave a run that is not the one asked for."""
+    foreign: Dict[Tuple[str, ...], List[str]] = {}
+    for dest, owners in WORKLOAD_FLAGS.items():
+        value = getattr(args, dest, None)
+        if workload not in owners and value is not None and value is not False:
+            foreign.setdefault(owners, []).append("--" + dest.replace("_", "-"))
+    if not foreign:
+        return
+    whose = "; ".join(f"{', '.join(flags)}: the {' and '.join(owners)} "
+                      + ("workloads'" if len(owners) > 1 else "workload's") for owners, flags in foreign.items())
+    n = sum(len(flags) for flags in foreign.values())
+    raise ConfigError(f"{whose}; --workload {workload} does not read {'it' if n == 1 else 'them'}")
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -93,11 +137,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                              f"{_listing(_CHAT_CPU)}, the first layers as --run-layers says and one thread (its "
                              "tensors are small: a second thread mostly waits, much longer on a shared machine; "
                              f"--threads wins); on accelerators: {_listing(_CHAT_ACCELERATOR)}, every layer")
-    c.add_argument("--workload", choices=("decode", "chat", "serve"), default="decode",
+    c.add_argument("--workload", choices=(DECODE, CHAT, SERVE), default=DECODE,
                    help="decode (default): time the attention stack; chat: prefix-cache hit rate, prefill "
                         "tokens saved, throughput and a step's phases, hybrid vs an all-full pool of the same "
                         "memory; serve: a request trace through a transformers model, hwkv's runner vs "
-                        "transformers' continuous batching")
+                        "transformers' continuous batching. A flag of another workload is an error (exit 2)")
     c.add_argument("--conversations", type=int, help="conversations")
     c.add_argument("--turns", type=int, help="turns per conversation")
     c.add_argument("--system-len", type=int, help="shared system prompt tokens")
@@ -110,16 +154,16 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                              "system prompt, through a transformers model: throughput, TTFT and TPOT p50/p99")
     s.add_argument("--serve-model", metavar="PATH", help="a local Hugging Face model folder (default: random "
                    "GPT-OSS weights, tiny on CPU, GPT-OSS-20B's attention shapes with 4 layers elsewhere)")
-    s.add_argument("--serve-requests", type=int, default=32, help="requests in the trace (default 32)")
-    s.add_argument("--serve-rate", type=float, default=8.0, help="arrivals per second, Poisson (0: all at once; "
-                   "default 8)")
+    s.add_argument("--serve-requests", type=int, help=f"requests in the trace (default {_SERVE['requests']})")
+    s.add_argument("--serve-rate", type=float, help="arrivals per second, Poisson (0: all at once; default "
+                   f"{_SERVE['rate']:g})")
     s.add_argument("--serve-prompt-len", type=int, help="longest prompt; lengths uniform down to half of it "
                    "(default 64 on CPU, 1024 elsewhere)")
     s.add_argument("--serve-new", type=int, help="tokens generated per request (default 32 on CPU, 128 elsewhere)")
-    s.add_argument("--serve-shared", type=float, default=0.5, help="share of requests starting with the common "
-                   "system prompt (default 0.5)")
+    s.add_argument("--serve-shared", type=float, help="share of requests starting with the common system prompt "
+                   f"(default {_SERVE['shared']})")
     s.add_argument("--serve-system-len", type=int, help="system prompt tokens (default half the prompt length)")
-    s.add_argument("--serve-running", type=int, default=16, help="requests running at once (default 16)")
+    s.add_argument("--serve-running", type=int, help=f"requests running at once (default {_SERVE['running']})")
     s.add_argument("--no-baseline", action="store_true", help="skip transformers' continuous batching")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object (schema hwkv-bench/2) instead of tables")
@@ -168,15 +212,13 @@ def memory_needed(shape: ModelShape, run_layers: int, w: Workload, bs: int, n_co
     """Bytes one batch size's run allocates at least: the Harness pools as `hwkv.bench.run._harness` sizes them
     (every token in the full pool, the windows and one chunk in the SWA pool, each with its padding page) and,
     when outputs are checked, the reference's copy of the checked requests' K/V."""
-    from dataclasses import replace
-
+    from hwkv.bench.dtypes import shape_in
     from hwkv.bench.plan import round_up, swa_tokens_per_request
-    from hwkv.bench.run import DTYPES
 
     p, lens = w.page_size, w.prompt_lens(bs)
     decode = (w.warmup + w.steps) * n_configs
     size = sum(round_up(n + decode, p) + p for n in lens)
-    sub = replace(shape, layer_is_swa=shape.layer_is_swa[:run_layers], dtype_bytes=DTYPES[w.dtype].itemsize)
+    sub = shape_in(shape, w.dtype, layers=run_layers)
     if sub.swa_layer_ids:
         size_swa = min(size, bs * (swa_tokens_per_request(sub.window, p) + 2 * p) + round_up(w.chunk, p) + p)
         pools = (size + p) * sub.bytes_per_token_full_group + (size_swa + p) * sub.bytes_per_token_swa_group
@@ -193,14 +235,12 @@ def request_bytes_floor(shape: ModelShape, run_layers: int, w: Workload, n_confi
     """A floor of what each request adds to `memory_needed` (its shortest prompt and the decode steps in the full
     pool, at most its window in the SWA pool), so that bs * floor <= memory_needed(bs): no batch size above
     free // floor fits, found without the estimate's list of bs prompt lengths."""
-    from dataclasses import replace
-
+    from hwkv.bench.dtypes import shape_in
     from hwkv.bench.plan import swa_tokens_per_request
-    from hwkv.bench.run import DTYPES
 
     p = w.page_size
     tokens = w.prompt_len - w.prompt_len // 2 + (w.warmup + w.steps) * n_configs + p
-    sub = replace(shape, layer_is_swa=shape.layer_is_swa[:run_layers], dtype_bytes=DTYPES[w.dtype].itemsize)
+    sub = shape_in(shape, w.dtype, layers=run_layers)
     if not sub.swa_layer_ids:
         return tokens * sub.bytes_per_token_all_full
     swa = min(tokens, swa_tokens_per_request(sub.window, p) + 2 * p)
@@ -254,8 +294,11 @@ def _workload(args: argparse.Namespace, dtype: str, torch_device: str) -> Worklo
 
     base = QUICK if args.quick else DEFAULTS if torch_device == "cpu" else ACCELERATOR_DEFAULTS
     v = {k: getattr(args, k) if getattr(args, k) is not None else d for k, d in base.items()}
-    return Workload(batch_sizes=_ints("--batch-sizes", str(v.pop("batch_sizes"))), page_size=args.page_size,
-                    dtype=dtype, seed=args.seed, **v)
+    text = str(v.pop("batch_sizes"))
+    sizes = _ints("--batch-sizes", text)
+    if min(sizes) < 1:
+        raise ConfigError(f"--batch-sizes must be integers >= 1, got {text!r}")
+    return Workload(batch_sizes=sizes, page_size=args.page_size, dtype=dtype, seed=args.seed, **v)
 
 
 def _target(name: Optional[str]) -> Target:
@@ -333,14 +376,6 @@ def _run(args: argparse.Namespace) -> BenchResult:
 def _run_chat(args: argparse.Namespace) -> int:
     import torch
 
-    if args.plot:
-        raise ConfigError("--plot draws the decode workload; the chat workload prints its table (or --json)")
-    decode_only = [f"--{name.replace('_', '-')}" for name in ("batch_sizes", "prompt_len", "steps", "warmup", "repeats",
-                                                             "configs", "quick", "no_graph") if getattr(args, name)]
-    if decode_only:
-        raise ConfigError(f"{', '.join(decode_only)}: the decode workload's; the chat workload takes --conversations, "
-                          "--turns, --system-len, --user-len, --reply-len, --concurrency, --memory, --chunk and the "
-                          "--check-* flags")
     target = _target(args.device)
     dev = target.torch_device
     threads = args.threads if args.threads is not None else (1 if dev == "cpu" else None)
@@ -405,8 +440,6 @@ def _chat(args: argparse.Namespace, target: Target, dev: str) -> int:
 def _run_serve(args: argparse.Namespace) -> int:
     from hwkv.bench.serve import ServeWorkload, check_trace_fits, random_gpt_oss, run_serve
 
-    if args.plot:
-        raise ConfigError("--plot draws the decode workload; the serve workload prints its table (or --json)")
     for flag, value in (("--serve-requests", args.serve_requests), ("--serve-prompt-len", args.serve_prompt_len),
                         ("--serve-new", args.serve_new), ("--serve-running", args.serve_running),
                         ("--chunk", args.chunk), ("--page-size", args.page_size)):
@@ -423,12 +456,14 @@ def _run_serve(args: argparse.Namespace) -> int:
     target = _target(args.device)
     dev = target.torch_device
     cpu = dev == "cpu"
+    v = {k: getattr(args, f"serve_{k}") for k in ("requests", "rate", "shared", "running")}
+    v = {k: x if x is not None else _SERVE[k] for k, x in v.items()}
     prompt_len = args.serve_prompt_len if args.serve_prompt_len is not None else 64 if cpu else 1024
-    w = ServeWorkload(requests=args.serve_requests, rate=args.serve_rate, prompt_len=prompt_len,
+    w = ServeWorkload(requests=v["requests"], rate=v["rate"], prompt_len=prompt_len,
                       new_tokens=args.serve_new if args.serve_new is not None else 32 if cpu else 128,
-                      shared=args.serve_shared,
+                      shared=v["shared"],
                       system_len=args.serve_system_len if args.serve_system_len is not None else prompt_len // 2,
-                      max_running=args.serve_running, chunk=args.chunk if args.chunk is not None else 512,
+                      max_running=v["running"], chunk=args.chunk if args.chunk is not None else _SERVE["chunk"],
                       page_size=args.page_size, seed=args.seed)
     check_trace_fits(w)  # before the model loads: a trace too large for the host would take minutes to draw
     if args.threads is not None:
@@ -486,12 +521,13 @@ def run_bench(args: argparse.Namespace) -> int:
     """Run `hwkv bench`: tables or JSON on stdout, the plot on request; exit code as the module says."""
     from hwkv.bench import report
 
-    workload = getattr(args, "workload", "decode")
+    workload = getattr(args, "workload", DECODE)
     try:
         check_shared_flags(args)
-        if workload == "chat":
+        check_workload_flags(args, workload)
+        if workload == CHAT:
             return _run_chat(args)
-        if workload == "serve":
+        if workload == SERVE:
             return _run_serve(args)
         res = _run(args)
     except ReferenceMismatchError as e:

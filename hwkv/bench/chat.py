@@ -12,15 +12,14 @@ K/V a fixed function of the tokens, stored and attended by the device's backend 
 `check_every`-th forward a few requests' last queries are recomputed densely by `hwkv.reference` from their token
 ids (`ReferenceCheck`); a mismatch raises ReferenceMismatchError.
 
-Pools are sized in tokens for the whole model in `memory` bytes (what the hit rate depends on), and allocated for
-the layers run. Hybrid: the SWA pool holds each running turn's window and cache lock window, one chunk and one
-cached window per conversation; the full pool the rest. All-full: every layer keeps every token, as one pool of the
-same bytes would; on the engine that is a full and an SWA pool of equal sizes whose pages are paired and never
-released (the engine's window is the whole context), so the prefix cache serves it the same way.
+Pools are sized in tokens for the whole model in `memory` bytes of the dtype run (what the hit rate depends on), and
+allocated for the layers run. Hybrid: the SWA pool holds each running turn's window and cache lock window, one chunk
+and one cached window per conversation; the full pool the rest. All-full: every layer keeps every token, as one pool
+of the same bytes would; on the engine that is a full and an SWA pool of equal sizes whose pages are paired and
+never released (the engine's window is the whole context), so the prefix cache serves it the same way.
 """
 from __future__ import annotations
 
-import statistics
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
@@ -28,6 +27,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
+from hwkv.bench.dtypes import DTYPES, shape_in
+from hwkv.bench.spread import percentile
 from hwkv.engine.engine import Engine
 from hwkv.engine.plan import cache_lock_tokens, round_up, swa_tokens_per_request
 from hwkv.engine.pools import Cache, PoolPlan, build_cache
@@ -38,7 +39,6 @@ from hwkv.engine.synthetic import ReferenceCheck, SyntheticModel, engine_history
 from hwkv.errors import ConfigError, OutOfSlotsError
 
 VOCAB = 1024  # token ids of the conversations and the synthetic model's vocabulary
-DTYPES: Dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # the phases of a step, in the order they run; each call is timed exclusively (a phase nested in another counts
 # once, in the inner one); "other" is the step's time outside every phase
 PHASES: Dict[str, str] = {
@@ -163,10 +163,12 @@ class _Sizes:
 
 
 def chat_sizes(shape: ModelShape, w: ChatWorkload) -> Tuple[_Sizes, _Sizes]:
-    """(hybrid, all-full) pools of `shape` (the whole model) in `w.memory` bytes. Hybrid: the SWA pool holds each
-    running turn's own window and cache lock window, one cached window per conversation and one prefill chunk; the
-    full pool the rest. All-full: every layer in one pool of the same bytes (`hwkv.engine.plan`'s rounding and
-    padding page). ConfigError when the budget leaves the full pool nothing."""
+    """(hybrid, all-full) pools of `shape` (the whole model) in `w.memory` bytes, priced in `w.dtype` (the bytes
+    the pools allocate, whatever `shape.dtype_bytes` says). Hybrid: the SWA pool holds each running turn's own
+    window and cache lock window, one cached window per conversation and one prefill chunk; the full pool the
+    rest. All-full: every layer in one pool of the same bytes (`hwkv.engine.plan`'s rounding and padding page).
+    ConfigError when the budget leaves the full pool nothing."""
+    shape = shape_in(shape, w.dtype)
     p = w.page_size
     own = swa_tokens_per_request(shape.window, p)
     lock = cache_lock_tokens(shape.window, p, w.context)
@@ -175,7 +177,8 @@ def chat_sizes(shape: ModelShape, w: ChatWorkload) -> Tuple[_Sizes, _Sizes]:
     size = ((w.memory - swa_bytes) // shape.bytes_per_token_full_group - p) // p * p
     if size < p:
         raise ConfigError(f"chat workload: {w.memory} bytes leave no full pool beside an SWA pool of {size_swa} "
-                          f"tokens ({swa_bytes} bytes): raise --memory or lower --concurrency / --conversations")
+                          f"tokens ({swa_bytes} bytes in {w.dtype}): raise --memory or lower --concurrency / "
+                          "--conversations")
     hybrid = _Sizes("hybrid", size, size_swa, (size + p) * shape.bytes_per_token_full_group + swa_bytes, False)
     all_b = shape.bytes_per_token_all_full
     all_size = max(0, (w.memory // all_b - p) // p * p)
@@ -304,7 +307,7 @@ def run_variant(s: _Sizes, shape: ModelShape, w: ChatWorkload, device: str = "cp
         st.reused_tokens / st.prompt_tokens if st.prompt_tokens else 0.0,
         clock.counts.get("evicted_full", 0), clock.counts.get("evicted_swa", 0), len(step_s), st.generated_tokens,
         round(st.generated_tokens / busy, 1), round(st.prefill_tokens / busy, 1),
-        round(statistics.median(step_s) * 1e3, 3) if step_s else 0.0,
+        round(percentile(step_s, 0.5) * 1e3, 3) if step_s else 0.0,
         {k: round(v / n * 1e3, 3) for k, v in clock.seconds.items()},
         check.forwards_checked if check else 0, check.requests_checked if check else 0,
         check.max_err if check else 0.0, round(total, 3))
@@ -329,7 +332,7 @@ def run_shape(shape: ModelShape, w: ChatWorkload) -> ModelShape:
     n = shape.num_layers if w.run_layers is None else w.run_layers
     if n > shape.num_layers:
         raise ConfigError(f"chat workload: run_layers must be in [1, {shape.num_layers}] for {shape.name}, got {n}")
-    return replace(shape, layer_is_swa=shape.layer_is_swa[:n], dtype_bytes=DTYPES[w.dtype].itemsize)
+    return shape_in(shape, w.dtype, layers=n)
 
 
 def _user_tokens(w: ChatWorkload, conv: int, turn: int) -> List[int]:

@@ -6,7 +6,7 @@ import json
 import sys
 from typing import Any, List, Tuple
 
-from hwkv.engine.plan import Plan, format_bytes, parse_bytes, plan
+from hwkv.engine.plan import Plan, cache_lock_tokens, format_bytes, parse_bytes, plan
 from hwkv.engine.presets import ModelShape, add_model_arguments, shape_from_args
 from hwkv.errors import ConfigError
 
@@ -36,6 +36,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="chunked-prefill budget: new tokens per forward (default 8192)")
     p.add_argument("--eviction-margin-pages", type=int, default=1,
                    help="pages the out-of-window release keeps behind the window (default 1, as hwkv's allocator)")
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="plan for an engine with a prefix cache (the default, as `hwkv generate` and HybridRunner "
+                        "run): each request's SWA share also holds the window its cache lock keeps "
+                        "(--no-prefix-cache: as `hwkv generate --no-prefix-cache`)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -45,7 +49,7 @@ def run_plan(args: argparse.Namespace) -> int:
         shape = shape_from_args(args)
         result = plan(shape, parse_bytes(args.memory), args.context, page_size=args.page_size,
                       max_running=args.max_running, chunk=args.chunk,
-                      eviction_margin_pages=args.eviction_margin_pages)
+                      eviction_margin_pages=args.eviction_margin_pages, prefix_cache=args.prefix_cache)
     except ConfigError as e:
         print(f"hwkv plan: error: {e}", file=sys.stderr)
         return 2
@@ -62,13 +66,17 @@ def _tokens_bytes(tokens: int, nbytes: int) -> str:
 
 def _rows(shape: ModelShape, r: Plan) -> List[Tuple[str, str]]:
     saving = f"{r.saving_requests:.2f}x" if r.saving_requests is not None else "n/a (all-full fits no request)"
+    lock = cache_lock_tokens(shape.window, r.page_size, r.context) if r.prefix_cache and shape.swa_layer_ids else 0
+    swa = (f"SWA {r.swa_tokens_per_request:,} tokens ({r.swa_tokens_per_request - lock:,} window + {lock:,} "
+           f"prefix-cache lock; + {r.chunk_reserve_tokens:,} chunk tokens once)" if lock else
+           f"SWA {r.swa_tokens_per_request:,} tokens (+ {r.chunk_reserve_tokens:,} chunk tokens once)")
     return [
         ("model", f"{r.model}: {shape.summary()}"),
-        ("budget", f"{format_bytes(r.memory_bytes)}, context {r.context:,}, page {r.page_size}, chunk {r.chunk:,}"),
+        ("budget", f"{format_bytes(r.memory_bytes)}, context {r.context:,}, page {r.page_size}, chunk {r.chunk:,}, "
+                   f"prefix cache {'on' if r.prefix_cache else 'off'}"),
         ("bytes / token", f"full group {r.full_bytes_per_token:,}, SWA group {r.swa_bytes_per_token:,}, "
                           f"all-full {r.all_full_bytes_per_token:,}"),
-        ("per request", f"full {r.full_tokens_per_request:,} tokens, SWA {r.swa_tokens_per_request:,} tokens "
-                        f"(+ {r.chunk_reserve_tokens:,} chunk tokens once)"),
+        ("per request", f"full {r.full_tokens_per_request:,} tokens, {swa}"),
         ("full pool", _tokens_bytes(r.full_pool_tokens, r.full_pool_bytes)),
         ("SWA pool", _tokens_bytes(r.swa_pool_tokens, r.swa_pool_bytes) + f" (sized for {r.max_running} running)"),
         ("unused", format_bytes(r.unused_bytes)),

@@ -13,22 +13,21 @@ capture, in an extra eager run of the step.
 """
 from __future__ import annotations
 
-import statistics
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from hwkv.batch import ForwardMode
 from hwkv.bench.baseline import per_layer_backend
+from hwkv.bench.dtypes import DTYPES, shape_in
 from hwkv.bench.plan import round_up, swa_tokens_per_request
 from hwkv.bench.presets import ModelShape
+from hwkv.bench.spread import Spread
 from hwkv.errors import ConfigError, ReferenceMismatchError
 from hwkv.loc import translations_of
 from hwkv.testing.harness import Harness, ModelGeometry
-
-DTYPES: Dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # the phases of one timed decode step, in order (the JSON carries this table too)
 PHASES: Dict[str, str] = {
@@ -41,7 +40,8 @@ PHASES: Dict[str, str] = {
                "host's one copy and one replay of allocation, req_to_token write, refill, layers and release: its "
                "alloc_release and metadata phases are 0)",
 }
-STEP = "alloc_release + metadata + forward, summed per decode step; median/p10/p90/mean over the timed steps"
+STEP = ("alloc_release + metadata + forward, summed per decode step; median/p10/p90/mean over the timed steps "
+        "(percentiles interpolated linearly between the closest ranks)")
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,10 @@ CONFIGS: Dict[str, BenchConfig] = {c.name: c for c in (
 )}
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 @dataclass(frozen=True)
 class Workload:
     """What every (configuration, batch size) runs; prompts are spread over [prompt_len / 2, prompt_len]."""
@@ -81,12 +85,16 @@ class Workload:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.batch_sizes or min(self.batch_sizes) < 1:
-            raise ConfigError(f"batch sizes must be >= 1, got {list(self.batch_sizes)}")
+        sizes = self.batch_sizes
+        if not isinstance(sizes, (tuple, list)) or not sizes or not all(_is_int(b) and b >= 1 for b in sizes):
+            raise ConfigError(f"batch_sizes must be a tuple of integers >= 1, got {sizes!r}")
+        object.__setattr__(self, "batch_sizes", tuple(sizes))
         for name, lo in (("prompt_len", 1), ("chunk", 1), ("steps", 1), ("warmup", 0), ("repeats", 1),
                          ("check_every", 0), ("check_requests", 0), ("check_queries", 0), ("page_size", 1)):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < lo:
+            if not _is_int(getattr(self, name)) or getattr(self, name) < lo:
                 raise ConfigError(f"{name} must be an integer >= {lo}, got {getattr(self, name)!r}")
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
+            raise ConfigError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
 
@@ -104,22 +112,6 @@ class Target:
     backend_cls: type
     torch_device: str
     adapter_factory: Optional[Callable[[], Any]] = None
-
-
-@dataclass
-class Spread:
-    """Milliseconds over the timed decode steps: median, 10th and 90th percentiles, mean."""
-
-    median_ms: float
-    p10_ms: float
-    p90_ms: float
-    mean_ms: float
-
-    @classmethod
-    def of(cls, seconds: Sequence[float]) -> "Spread":
-        ms = sorted(t * 1e3 for t in seconds)
-        deciles = statistics.quantiles(ms, n=10, method="inclusive") if len(ms) > 1 else [ms[0]] * 9
-        return cls(statistics.median(ms), deciles[0], deciles[-1], statistics.fmean(ms))
 
 
 @dataclass
@@ -443,7 +435,7 @@ def run_benchmark(target: Target, shape: ModelShape, configs: Sequence[str], w: 
     if any(CONFIGS[c].graph for c in configs) and target.adapter_factory is None:
         raise ConfigError(f"device {target.name!r} has no graph adapter: drop the graph configurations")
     layers = run_layers or default_run_layers(shape, target.torch_device)
-    shape = replace(shape, dtype_bytes=DTYPES[w.dtype].itemsize)
+    shape = shape_in(shape, w.dtype)
     res = BenchResult(target.name, target.backend_cls.__name__, target.torch_device, shape, layers, w, list(configs),
                       threads=torch.get_num_threads())
     g, t0, rows = geometry(shape, layers), time.perf_counter(), []

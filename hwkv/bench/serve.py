@@ -6,7 +6,8 @@ Requests arrive as a Poisson process (`rate` per second; 0: all at once). Prompt
 uniformly from [prompt_len * (1 - spread), prompt_len]; a `shared` share of them starts with one common
 system prompt of `system_len` tokens; each generates `new_tokens` tokens (no stop token). Reported per
 method: output tokens per second over the whole run, time to first token (arrival to the host seeing the
-first token) and time per output token after it (p50 and p99), the prompt tokens reused from a prefix
+first token) and time per output token after it (p50 and p99, interpolated linearly between the closest ranks
+as the decode workload's percentiles: `hwkv.bench.spread`), the prompt tokens reused from a prefix
 cache (hwkv) and the wall time. transformers is imported only when this runs.
 """
 from __future__ import annotations
@@ -19,7 +20,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from hwkv.bench.spread import percentile
 from hwkv.errors import ConfigError
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -40,15 +46,17 @@ class ServeWorkload:
 
     def __post_init__(self) -> None:
         for name in ("requests", "prompt_len", "new_tokens", "max_running", "chunk", "page_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ConfigError(f"serve workload: {name} must be an integer >= 1, got {getattr(self, name)!r}")
-        if not isinstance(self.system_len, int) or not 0 <= self.system_len < self.prompt_len:
+        if not _is_int(self.system_len) or not 0 <= self.system_len < self.prompt_len:
             raise ConfigError(f"serve workload: system_len must be in [0, prompt_len={self.prompt_len}), got "
                               f"{self.system_len!r}")
         for name, lo, hi in (("rate", 0.0, float("inf")), ("spread", 0.0, 1.0), ("shared", 0.0, 1.0)):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not lo <= v <= hi:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
                 raise ConfigError(f"serve workload: {name} must be in [{lo}, {hi}], got {v!r}")
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
+            raise ConfigError(f"serve workload: seed must be an integer in [0, 2**63), got {self.seed!r}")
 
     @property
     def context(self) -> int:
@@ -134,10 +142,9 @@ class ServeResult:
 
 
 def _pct(xs: List[float], q: float) -> Optional[float]:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] * 1e3, 3)
+    """The q-quantile of `xs` seconds in milliseconds, as the decode workload's p10/p50/p90
+    (`hwkv.bench.spread.percentile`: linear between the closest ranks); None without values."""
+    return round(percentile(xs, q) * 1e3, 3) if xs else None
 
 
 def _row(method: str, w: ServeWorkload, times: List[Tuple[float, float, float, int]], wall: float) -> ServeRow:

@@ -62,8 +62,21 @@ def format_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_int(name: str, value: Any, lo: int, none: bool = False) -> None:
+    """ConfigError unless `value` is an int (a bool is not) >= lo, or with `none` None."""
+    if not (none and value is None) and (not _is_int(value) or value < lo):
+        raise ConfigError(f"{name} must be an integer >= {lo}{' or None' if none else ''}, got {value!r}")
+
+
 def round_up(x: int, multiple: int) -> int:
-    """Smallest multiple of `multiple` that is >= x."""
+    """Smallest multiple of `multiple` (an integer >= 1) that is >= x."""
+    if not _is_int(x):
+        raise ConfigError(f"round_up: x must be an integer, got {x!r}")
+    _check_int("round_up: multiple", multiple, 1)
     return -(-x // multiple) * multiple
 
 
@@ -71,6 +84,10 @@ def swa_tokens_per_request(window: int, page_size: int, eviction_margin_pages: i
                            context: Optional[int] = None) -> int:
     """SWA slots one decoding request holds at most: P * (ceil(W / P) + 1 + margin_pages), and with
     `context` never more than the request's own round_up(context, P) (a short request releases nothing)."""
+    for name, value, lo in (("window", window, 0), ("page_size", page_size, 1),
+                            ("eviction_margin_pages", eviction_margin_pages, 0)):
+        _check_int(name, value, lo)
+    _check_int("context", context, 0, none=True)
     bound = round_up(window + eviction_margin_pages * page_size + page_size, page_size)
     return bound if context is None else min(bound, round_up(context, page_size))
 
@@ -78,6 +95,8 @@ def swa_tokens_per_request(window: int, page_size: int, eviction_margin_pages: i
 def cache_lock_tokens(window: int, page_size: int, context: int) -> int:
     """SWA slots a running request's prefix-cache lock can pin beyond its own window: the last window of its
     cached prompt, round_up(W, P) + P, never more than round_up(context, P)."""
+    for name, value, lo in (("window", window, 0), ("page_size", page_size, 1), ("context", context, 0)):
+        _check_int(name, value, lo)
     return min(round_up(window, page_size) + page_size, round_up(context, page_size))
 
 
@@ -109,6 +128,7 @@ class Plan:
     saving_requests: Optional[float]    # hybrid / all-full concurrent requests; None if all-full fits none
     saving_bytes_per_request: float     # all-full / hybrid KV bytes of one request
     saving_limit: float                 # ModelShape.saving_limit(context)
+    prefix_cache: bool = False          # planned for a prefix cache: each request's SWA share holds its lock's window
 
     @property
     def unused_bytes(self) -> int:
@@ -120,15 +140,17 @@ class Plan:
 
 
 def _check_inputs(shape: ModelShape, memory_bytes: int, context: int, page_size: int,
-                  max_running: Optional[int], chunk: int, margin: int) -> None:
+                  max_running: Optional[int], chunk: int, margin: int, prefix_cache: bool) -> None:
+    if not isinstance(shape, ModelShape):
+        raise ConfigError(f"shape must be a ModelShape, got {shape!r}")
     if not shape.full_layer_ids:
         raise ConfigError(f"{shape.name}: plan needs at least one full-attention layer (the full pool holds the locs)")
     for name, value, lo in (("memory_bytes", memory_bytes, 1), ("context", context, 1), ("page_size", page_size, 1),
                             ("chunk", chunk, 1), ("eviction_margin_pages", margin, 0)):
-        if not isinstance(value, int) or value < lo:
-            raise ConfigError(f"{name} must be an integer >= {lo}, got {value!r}")
-    if max_running is not None and (not isinstance(max_running, int) or max_running < 1):
-        raise ConfigError(f"max_running must be an integer >= 1 or None, got {max_running!r}")
+        _check_int(name, value, lo)
+    _check_int("max_running", max_running, 1, none=True)
+    if not isinstance(prefix_cache, bool):
+        raise ConfigError(f"prefix_cache must be True or False, got {prefix_cache!r}")
 
 
 def plan(shape: ModelShape, memory_bytes: int, context: int, page_size: int = 16,
@@ -136,7 +158,7 @@ def plan(shape: ModelShape, memory_bytes: int, context: int, page_size: int = 16
          prefix_cache: bool = False) -> Plan:
     """Size both pools for `memory_bytes` of KV memory and requests of `context` tokens (see module doc).
     `prefix_cache`: each request may also pin the window its prefix-cache lock keeps (`cache_lock_tokens`)."""
-    _check_inputs(shape, memory_bytes, context, page_size, max_running, chunk, eviction_margin_pages)
+    _check_inputs(shape, memory_bytes, context, page_size, max_running, chunk, eviction_margin_pages, prefix_cache)
     P, full_b, swa_b = page_size, shape.bytes_per_token_full_group, shape.bytes_per_token_swa_group
     has_swa = bool(shape.swa_layer_ids)
     full_need = round_up(context, P)
@@ -171,4 +193,5 @@ def plan(shape: ModelShape, memory_bytes: int, context: int, page_size: int = 16
         max_concurrent_requests=concurrent, all_full_pool_tokens=all_size,
         all_full_pool_bytes=(all_size + P) * all_b if all_size else 0, all_full_requests=all_requests,
         saving_requests=concurrent / all_requests if all_requests else None,
-        saving_bytes_per_request=full_need * all_b / per_request, saving_limit=shape.saving_limit(context))
+        saving_bytes_per_request=full_need * all_b / per_request, saving_limit=shape.saving_limit(context),
+        prefix_cache=prefix_cache)
