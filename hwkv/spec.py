@@ -16,6 +16,7 @@ kernel is window-exact over the list with no mask at all (`tree_decode_list`, on
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
@@ -79,15 +80,27 @@ class DraftTree:
         for par in parents:
             n = len(par)
             m = torch.zeros(n, n, dtype=torch.bool, device="cpu")
-            for i, p in enumerate(par):
-                if p >= i:
-                    raise ShapeError(f"draft token {i} has parent {p}: parents must come before their children")
+            for i, parent in enumerate(par):
+                p = _parent_index(parent)
+                if p is None or not -1 <= p < i:
+                    raise ShapeError(f"draft token {i} has parent {parent!r}: a parent is -1 (a root) or an earlier "
+                                     f"draft token's index in [0, {i}) (parents come before their children)")
                 m[i, i] = True
                 if p >= 0:
                     m[i] |= m[p]
             blocks.append(m.reshape(-1))
         flat = torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.bool, device="cpu")
         return DraftTree(flat.to(device) if device is not None else flat)
+
+
+def _parent_index(parent: object) -> Optional[int]:
+    """A parent as an int (Python, numpy or 0-d tensor integers), None for anything else (a bool or a float too)."""
+    if isinstance(parent, bool):
+        return None
+    try:
+        return operator.index(parent)
+    except TypeError:
+        return None
 
 
 def check_tree(tree: DraftTree, ext_cpu: torch.Tensor, debug: bool) -> int:

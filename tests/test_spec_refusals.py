@@ -207,3 +207,21 @@ def test_a_bad_max_q_len_is_refused_before_the_graph_refill():
     with pytest.raises(ConfigError, match="max_q_len=0 must be an int >= 1"):
         be.init_forward_metadata_graph(bad, max_q_len=0)
     assert_unchanged(h, before)
+
+
+# ---- DraftTree.from_parents: a parent is -1 or an earlier token's index ---------------------------------------
+@pytest.mark.parametrize("parents", [[-1, -2], [-1, 0, 3], [-1, 1], [-1, 0.0], [-1, True], [-1, None]])
+def test_from_parents_refuses_what_is_no_parent(parents):
+    """Any negative parent other than -1 had made a silent forest (an engine's off-by-one); a float or bool parent
+    is no index either."""
+    with pytest.raises(ShapeError, match=r"draft token 1|draft token 2"):
+        DraftTree.from_parents([parents])
+
+
+def test_from_parents_takes_numpy_and_tensor_integers():
+    import numpy as np
+
+    want = DraftTree.from_parents([[-1, 0, 0, 1]]).mask
+    tensor = torch.tensor([-1, 0, 0, 1])
+    for par in ([-1, np.int64(0), np.int32(0), 1], tensor.tolist(), list(tensor)):  # list(): 0-d tensors
+        assert torch.equal(DraftTree.from_parents([par]).mask, want)
