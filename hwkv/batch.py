@@ -8,8 +8,8 @@ from typing import Any, List, Optional
 
 import torch
 
-from hwkv.checks import value_range, values_checkable
-from hwkv.errors import ConfigError, LocError, ShapeError
+from hwkv.checks import check_rows
+from hwkv.errors import ConfigError, ShapeError
 
 
 class ForwardMode(enum.IntEnum):
@@ -131,9 +131,4 @@ class ForwardBatch:
             if sum(ext_h) != self.num_tokens:
                 raise ShapeError(f"extend_seq_lens sum to {sum(ext_h)} new tokens, out_cache_loc has "
                                  f"{self.num_tokens}")
-        idx = self.req_pool_indices
-        if idx.numel() and values_checkable(idx):
-            lo, hi = value_range(idx)
-            if lo < 0 or hi >= rows:
-                raise LocError(f"req_pool_indices hold values in [{lo}, {hi}], allowed range is [0, {rows}) (the "
-                               "ReqToTokenPool's rows)")
+        check_rows(self.req_pool_indices, rows)

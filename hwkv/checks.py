@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional, Sequence, Tuple, Union
+import operator
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -22,6 +23,22 @@ def values_checkable(t: torch.Tensor) -> bool:
         return False
     is_capturing = getattr(getattr(torch, t.device.type, None), "is_current_stream_capturing", None)
     return not (is_capturing and is_capturing())
+
+
+def is_int(x: Any) -> bool:
+    """A Python int, not a bool (options and sizes given as plain ints)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def as_int(x: Any) -> Optional[int]:
+    """An integer value as an int (Python, numpy and 0-d tensor integers); None for anything else, a bool included
+    (True would read as 1)."""
+    if isinstance(x, bool):
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
 
 
 SMALL = 64  # integer tensors up to this many entries are read as a host list (no op dispatched) for their range
@@ -66,6 +83,16 @@ def check_loc(name: str, loc: torch.Tensor, limit: int, device: torch.device, lo
         lo, hi = value_range(loc)
         if lo < low or hi >= limit:
             raise LocError(f"{name} holds values in [{lo}, {hi}], allowed range is [{low}, {limit})")
+
+
+def check_rows(req_pool_indices: torch.Tensor, rows: int) -> None:
+    """Request rows inside a ReqToTokenPool of `rows` rows (LocError), read where values are checkable (CPU; elsewhere
+    only with HWKV_DEBUG, never while capturing): the one row check of the metadata steps and the draft accept."""
+    if req_pool_indices.numel() and values_checkable(req_pool_indices):
+        lo, hi = value_range(req_pool_indices)
+        if lo < 0 or hi >= rows:
+            raise LocError(f"req_pool_indices hold values in [{lo}, {hi}], allowed range is [0, {rows}) (the "
+                           "ReqToTokenPool's rows)")
 
 
 def check_shape(name: str, t: torch.Tensor, expected: Sequence[Optional[int]]) -> None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from hwkv.checks import is_int
 from hwkv.errors import ConfigError, DeviceError, HwkvError, LocError, MissingSWALocError, ShapeError, ShardError
 from hwkv.layer import AttentionLayer
 from hwkv.loc import KVWriteLoc
@@ -27,10 +28,6 @@ Pool = Union[SWAKVPool, MHATokenToKVPool]
 Dims = Tuple[int, int, int]  # one layer group's (KVH, D, Dv)
 # torch device types a row may name (besides dtypes and a few Python types)
 _DEVICE_TYPES = ("cpu", "cuda", "npu", "xpu", "musa", "meta", "mps", "hpu", "privateuseone")
-
-
-def is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 

@@ -16,15 +16,14 @@ kernel is window-exact over the list with no mask at all (`tree_decode_list`, on
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
 import torch
 
 from hwkv import ops
-from hwkv.checks import check_shape, value_range, values_checkable
-from hwkv.errors import CapacityError, DoubleFreeError, LocError, ShapeError
+from hwkv.checks import as_int, check_rows, check_shape, values_checkable
+from hwkv.errors import CapacityError, DoubleFreeError, ShapeError
 from hwkv.metadata import KVIndexList, cumsum_into
 from hwkv.pages import ERR_ACCEPT_INDEX, ERR_ACCEPTED
 
@@ -81,7 +80,7 @@ class DraftTree:
             n = len(par)
             m = torch.zeros(n, n, dtype=torch.bool, device="cpu")
             for i, parent in enumerate(par):
-                p = _parent_index(parent)
+                p = as_int(parent)
                 if p is None or not -1 <= p < i:
                     raise ShapeError(f"draft token {i} has parent {parent!r}: a parent is -1 (a root) or an earlier "
                                      f"draft token's index in [0, {i}) (parents come before their children)")
@@ -91,16 +90,6 @@ class DraftTree:
             blocks.append(m.reshape(-1))
         flat = torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.bool, device="cpu")
         return DraftTree(flat.to(device) if device is not None else flat)
-
-
-def _parent_index(parent: object) -> Optional[int]:
-    """A parent as an int (Python, numpy or 0-d tensor integers), None for anything else (a bool or a float too)."""
-    if isinstance(parent, bool):
-        return None
-    try:
-        return operator.index(parent)
-    except TypeError:
-        return None
 
 
 def check_tree(tree: DraftTree, ext_cpu: torch.Tensor, debug: bool) -> int:
@@ -404,11 +393,7 @@ def _check_accept_args(req_to_token: torch.Tensor, req_pool_indices: torch.Tenso
     if int((pre_cpu + n).max()) > req_to_token.shape[1]:
         raise ShapeError(f"drafts reach position {int((pre_cpu + n).max())}, past max_context_len "
                          f"{req_to_token.shape[1]}")
-    if values_checkable(req_pool_indices):
-        lo, hi = value_range(req_pool_indices)
-        if lo < 0 or hi >= req_to_token.shape[0]:
-            raise LocError(f"req_pool_indices hold values in [{lo}, {hi}], allowed range is "
-                           f"[0, {req_to_token.shape[0]}) (req_to_token's rows)")
+    check_rows(req_pool_indices, req_to_token.shape[0])
     return bs, n, pre_cpu, acc_cpu
 
 

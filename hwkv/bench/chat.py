@@ -29,6 +29,7 @@ import torch
 
 from hwkv.bench.dtypes import DTYPES, shape_in
 from hwkv.bench.spread import percentile
+from hwkv.checks import is_int
 from hwkv.engine.engine import Engine
 from hwkv.engine.plan import cache_lock_tokens, round_up, swa_tokens_per_request
 from hwkv.engine.pools import Cache, PoolPlan, build_cache
@@ -78,14 +79,14 @@ class ChatWorkload:
     def __post_init__(self) -> None:
         for name in ("conversations", "turns", "system", "user", "reply", "concurrency", "memory", "page_size",
                      "chunk", "check_requests", "check_queries"):
-            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ConfigError(f"chat workload: {name} must be an integer >= 1, got {getattr(self, name)!r}")
-        if not _is_int(self.check_every) or self.check_every < 0:
+        if not is_int(self.check_every) or self.check_every < 0:
             raise ConfigError(f"chat workload: check_every must be an integer >= 0 (0 = never), got "
                               f"{self.check_every!r}")
-        if self.run_layers is not None and (not _is_int(self.run_layers) or self.run_layers < 1):
+        if self.run_layers is not None and (not is_int(self.run_layers) or self.run_layers < 1):
             raise ConfigError(f"chat workload: run_layers must be an integer >= 1, got {self.run_layers!r}")
-        if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
+        if not is_int(self.seed) or not 0 <= self.seed < 2**63:
             raise ConfigError(f"chat workload: seed must be an integer in [0, 2**63), got {self.seed!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"chat workload: dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
@@ -100,10 +101,6 @@ class ChatWorkload:
 # for the all-full pool; accelerators take ChatWorkload's defaults
 CPU_WORKLOAD = dict(conversations=8, turns=3, system=512, user=64, reply=16, concurrency=4, memory=200 * 2**20,
                     chunk=256, dtype="fp32")
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass

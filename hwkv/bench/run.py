@@ -25,6 +25,7 @@ from hwkv.bench.dtypes import DTYPES, shape_in
 from hwkv.bench.plan import round_up, swa_tokens_per_request
 from hwkv.bench.presets import ModelShape
 from hwkv.bench.spread import Spread
+from hwkv.checks import is_int
 from hwkv.errors import ConfigError, ReferenceMismatchError
 from hwkv.loc import translations_of
 from hwkv.testing.harness import Harness, ModelGeometry
@@ -63,10 +64,6 @@ CONFIGS: Dict[str, BenchConfig] = {c.name: c for c in (
 )}
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 @dataclass(frozen=True)
 class Workload:
     """What every (configuration, batch size) runs; prompts are spread over [prompt_len / 2, prompt_len]."""
@@ -86,14 +83,14 @@ class Workload:
 
     def __post_init__(self) -> None:
         sizes = self.batch_sizes
-        if not isinstance(sizes, (tuple, list)) or not sizes or not all(_is_int(b) and b >= 1 for b in sizes):
+        if not isinstance(sizes, (tuple, list)) or not sizes or not all(is_int(b) and b >= 1 for b in sizes):
             raise ConfigError(f"batch_sizes must be a tuple of integers >= 1, got {sizes!r}")
         object.__setattr__(self, "batch_sizes", tuple(sizes))
         for name, lo in (("prompt_len", 1), ("chunk", 1), ("steps", 1), ("warmup", 0), ("repeats", 1),
                          ("check_every", 0), ("check_requests", 0), ("check_queries", 0), ("page_size", 1)):
-            if not _is_int(getattr(self, name)) or getattr(self, name) < lo:
+            if not is_int(getattr(self, name)) or getattr(self, name) < lo:
                 raise ConfigError(f"{name} must be an integer >= {lo}, got {getattr(self, name)!r}")
-        if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
+        if not is_int(self.seed) or not 0 <= self.seed < 2**63:
             raise ConfigError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")

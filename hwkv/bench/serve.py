@@ -21,11 +21,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from hwkv.bench.spread import percentile
+from hwkv.checks import is_int
 from hwkv.errors import ConfigError
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -46,16 +43,16 @@ class ServeWorkload:
 
     def __post_init__(self) -> None:
         for name in ("requests", "prompt_len", "new_tokens", "max_running", "chunk", "page_size"):
-            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ConfigError(f"serve workload: {name} must be an integer >= 1, got {getattr(self, name)!r}")
-        if not _is_int(self.system_len) or not 0 <= self.system_len < self.prompt_len:
+        if not is_int(self.system_len) or not 0 <= self.system_len < self.prompt_len:
             raise ConfigError(f"serve workload: system_len must be in [0, prompt_len={self.prompt_len}), got "
                               f"{self.system_len!r}")
         for name, lo, hi in (("rate", 0.0, float("inf")), ("spread", 0.0, 1.0), ("shared", 0.0, 1.0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
                 raise ConfigError(f"serve workload: {name} must be in [{lo}, {hi}], got {v!r}")
-        if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
+        if not is_int(self.seed) or not 0 <= self.seed < 2**63:
             raise ConfigError(f"serve workload: seed must be an integer in [0, 2**63), got {self.seed!r}")
 
     @property

@@ -10,18 +10,8 @@ from typing import Any, List, Mapping, Optional
 import numpy as np
 import torch
 
+from hwkv.checks import as_int
 from hwkv.errors import ConfigError
-
-
-def _as_int(value: Any) -> Optional[int]:
-    """An integer value as an int (Python and numpy ints, 0-d integer tensors); None for anything else, bools
-    included."""
-    if value.__class__ is bool:
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 def shown(value: Any) -> str:
@@ -65,7 +55,7 @@ def prompt_ids(prompt: Any) -> List[int]:
     except TypeError:
         pass
     for i, t in enumerate(prompt):  # the refusal: name the first id that is no integer
-        if _as_int(t) is None:
+        if as_int(t) is None:
             raise ConfigError(f"prompt token id {t!r} ({type(t).__name__}, at index {i}) is not an integer")
     raise AssertionError("unreachable: every prompt id is an integer")
 
@@ -75,7 +65,7 @@ def batch_sizes(value: Any) -> Optional[List[int]]:
     if value is None:
         return None
     items = _items(value)
-    sizes = [_as_int(b) for b in items] if items is not None else [None]
+    sizes = [as_int(b) for b in items] if items is not None else [None]
     if any(b is None or b < 1 for b in sizes):
         raise ConfigError(f"graph_batch_sizes must be integers >= 1 (a list, tuple or set), got {items if items is not None else value!r}")
     return sizes

@@ -28,6 +28,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional, Union
 
+from hwkv.checks import is_int
 from hwkv.engine.presets import ModelShape
 from hwkv.errors import ConfigError
 
@@ -62,19 +63,15 @@ def format_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _check_int(name: str, value: Any, lo: int, none: bool = False) -> None:
     """ConfigError unless `value` is an int (a bool is not) >= lo, or with `none` None."""
-    if not (none and value is None) and (not _is_int(value) or value < lo):
+    if not (none and value is None) and (not is_int(value) or value < lo):
         raise ConfigError(f"{name} must be an integer >= {lo}{' or None' if none else ''}, got {value!r}")
 
 
 def round_up(x: int, multiple: int) -> int:
     """Smallest multiple of `multiple` (an integer >= 1) that is >= x."""
-    if not _is_int(x):
+    if not is_int(x):
         raise ConfigError(f"round_up: x must be an integer, got {x!r}")
     _check_int("round_up: multiple", multiple, 1)
     return -(-x // multiple) * multiple

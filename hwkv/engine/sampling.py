@@ -14,6 +14,7 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
+from hwkv.checks import as_int
 from hwkv.errors import ConfigError
 
 _M32 = 0xFFFFFFFF
@@ -59,10 +60,10 @@ _RANGE_STOP = "a sequence of integer token ids >= 0"
 
 def _check_int(name: str, value: object, lo: int, hi: Optional[int], allowed: str) -> int:
     """`value` as an int in [lo, hi] (hi None: unbounded); a bool, a float or anything else is refused."""
-    if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo
-            or (hi is not None and value > hi)):
+    v = as_int(value)
+    if v is None or v < lo or (hi is not None and v > hi):
         raise ConfigError(f"{name} must be {allowed}, got {value!r}")
-    return int(value)
+    return v
 
 
 def _check_real(name: str, value: object, allowed: str, ok: Callable[[float], bool]) -> float:
