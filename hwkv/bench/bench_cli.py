@@ -212,7 +212,7 @@ def memory_needed(shape: ModelShape, run_layers: int, w: Workload, bs: int, n_co
     """Bytes one batch size's run allocates at least: the Harness pools as `hwkv.bench.run._harness` sizes them
     (every token in the full pool, the windows and one chunk in the SWA pool, each with its padding page) and,
     when outputs are checked, the reference's copy of the checked requests' K/V."""
-    from hwkv.bench.dtypes import shape_in
+    from hwkv.engine.dtypes import shape_in
     from hwkv.bench.plan import round_up, swa_tokens_per_request
 
     p, lens = w.page_size, w.prompt_lens(bs)
@@ -235,7 +235,7 @@ def request_bytes_floor(shape: ModelShape, run_layers: int, w: Workload, n_confi
     """A floor of what each request adds to `memory_needed` (its shortest prompt and the decode steps in the full
     pool, at most its window in the SWA pool), so that bs * floor <= memory_needed(bs): no batch size above
     free // floor fits, found without the estimate's list of bs prompt lengths."""
-    from hwkv.bench.dtypes import shape_in
+    from hwkv.engine.dtypes import shape_in
     from hwkv.bench.plan import swa_tokens_per_request
 
     p = w.page_size

@@ -27,7 +27,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
-from hwkv.bench.dtypes import DTYPES, shape_in
+from hwkv.engine.dtypes import DTYPES, shape_in
 from hwkv.bench.spread import percentile
 from hwkv.checks import is_int
 from hwkv.engine.engine import Engine
@@ -89,7 +89,7 @@ class ChatWorkload:
         if not is_int(self.seed) or not 0 <= self.seed < 2**63:
             raise ConfigError(f"chat workload: seed must be an integer in [0, 2**63), got {self.seed!r}")
         if self.dtype not in DTYPES:
-            raise ConfigError(f"chat workload: dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+            raise ConfigError(f"chat workload: dtype must be one of {', '.join(sorted(DTYPES))}, got {self.dtype!r}")
 
     @property
     def context(self) -> int:

@@ -21,7 +21,7 @@ import torch
 
 from hwkv.batch import ForwardMode
 from hwkv.bench.baseline import per_layer_backend
-from hwkv.bench.dtypes import DTYPES, shape_in
+from hwkv.engine.dtypes import DTYPES, shape_in
 from hwkv.bench.plan import round_up, swa_tokens_per_request
 from hwkv.bench.presets import ModelShape
 from hwkv.bench.spread import Spread

@@ -17,6 +17,7 @@ from typing import Any, Union
 
 import torch
 
+from hwkv.engine.dtypes import DTYPES
 from hwkv.engine.pools import PoolPlan, plan_pools
 from hwkv.engine.sampling import SamplingParams
 from hwkv.engine.stats import RunnerStats
@@ -29,7 +30,6 @@ from hwkv.pool import check_device
 __all__ = ["HybridRunner", "Result", "SamplingParams", "RunnerStats", "PoolPlan", "load_model", "register",
            "hwkv_attention", "ATTN_IMPLEMENTATION", "layer_kinds", "model_shape", "plan_pools"]
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def load_model(path: str, device: Union[str, torch.device] = "cpu", dtype: Union[None, str, torch.dtype] = None,

@@ -1,4 +1,5 @@
-"""The dtypes `hwkv bench` runs the KV cache in, and a model shape priced in one of them.
+"""The dtypes hwkv runs a model's KV cache in by name (`hwkv bench`, `hwkv generate`, `load_model`), and a model
+shape priced in one of them.
 
 A preset's `dtype_bytes` is bf16's 2 (or `--kv-dtype`'s); a workload that allocates its pools in another dtype
 sizes and reports them at that dtype's bytes per element, or the bytes it plans are not the bytes it allocates.
@@ -12,7 +13,7 @@ import torch
 
 from hwkv.engine.presets import ModelShape
 
-DTYPES: Dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES: Dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def shape_in(shape: ModelShape, dtype: str, layers: Optional[int] = None) -> ModelShape:
