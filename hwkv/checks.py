@@ -61,13 +61,17 @@ def value_range(t: torch.Tensor) -> Tuple[int, int]:
 def check_index_tensor(name: str, loc: torch.Tensor, device: Optional[torch.device] = None,
                        ndim: Optional[int] = 1) -> None:
     """`loc` must be an int64 tensor of `ndim` dimensions (None: any), on `device` when given (its index too,
-    when `device` names one). Host attributes only: never reads a value."""
+    when `device` names one); a 1-D one (ndim=1) of unit stride, as the kernels read it. Host attributes only:
+    never reads a value."""
     if not isinstance(loc, torch.Tensor):
         raise LocError(f"{name} must be a torch.Tensor, got {type(loc).__name__}")
     if loc.dtype != torch.int64:
         raise LocError(f"{name} must be int64, got {loc.dtype}")
     if ndim is not None and loc.dim() != ndim:
         raise LocError(f"{name} must be {ndim}-D, got shape {tuple(loc.shape)}")
+    if ndim == 1 and loc.stride(0) != 1 and loc.shape[0] > 1:
+        raise LocError(f"{name} has stride {loc.stride(0)}; index lists must have stride 1 (the kernels read them "
+                       f"so): pass {name.rsplit('.', 1)[-1]}.contiguous(), not a strided view such as locs[:, 0]")
     if device is not None and loc.device != device:  # equal: the common case, no torch.device built
         dev = torch.device(device)
         if loc.device.type != dev.type or (dev.index is not None and loc.device.index != dev.index):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -50,6 +50,9 @@ class AttentionLayer:
             self.v_head_dim = self.head_dim
         if self.sinks is not None and tuple(self.sinks.shape) != (self.num_heads,):
             raise ConfigError(f"sinks has shape {tuple(self.sinks.shape)}, expected ({self.num_heads},)")
+        if self.sinks is not None and not self.sinks.is_contiguous():  # kernels read sinks + head
+            raise ConfigError(f"sinks has strides {tuple(self.sinks.stride())}; they must be contiguous (stride 1): "
+                              "pass sinks.contiguous(), not a strided view such as one column of a table")
         # scales become host floats here, once, so no layer forward ever reads a device scalar
         self.k_scale = None if self.k_scale is None else scale_value("k_scale", self.k_scale)
         self.v_scale = None if self.v_scale is None else scale_value("v_scale", self.v_scale)

@@ -225,10 +225,13 @@ def _visible_range(kv_indptr, kv_pos0, q_pos, b, window):
 def _tile_slots(idx, offs_n, s_hi, OFF32: tl.constexpr):
     """A key tile's pool slots. Rows past the split's end repeat its last entry (a real key of the list, whose
     logits there are masked to -inf after the product, so its p is 0 and its finite values add nothing): the
-    index, K and V loads need no row mask. OFF32: every element offset of the pools fits int32 (one multiply a row)."""
+    index, K and V loads need no row mask. OFF32: every element offset of the pools fits int32 (one multiply a row);
+    otherwise int64 whatever the list's dtype, so an int32 list's slot times the row stride does not wrap."""
     slot = tl.load(idx + tl.minimum(offs_n, s_hi - 1))
     if OFF32:
         slot = slot.to(tl.int32)
+    else:
+        slot = slot.to(tl.int64)
     return slot
 
 
@@ -617,7 +620,7 @@ class DecodeLayer(NamedTuple):
     spec: Tuple[Any, ...]
     flags: Tuple[bool, bool]     # HAS_CAP, HAS_SINKS
     geometry: Tuple[Any, ...]
-    sinks: Optional[Tuple[Any, ...]]  # the sinks' (shape, device index), None without sinks
+    sinks: Optional[Tuple[Any, ...]]  # the sinks' (shape, device index, contiguous), None without sinks
 
 
 def decode_layer(k_buf: torch.Tensor, v_buf: torch.Tensor, sinks: Optional[torch.Tensor], scaling: float,
@@ -631,7 +634,7 @@ def decode_layer(k_buf: torch.Tensor, v_buf: torch.Tensor, sinks: Optional[torch
             as_scale(v_scale, "v_scale"), cap, int(window or 0), ks[0], ks[1], vs[0], vs[1])
     return DecodeLayer(args, spec(_decode_split_kernel, args, _LAYER_AT) if kept else None,
                        (cap > 0, sinks is not None), _geometry(k_buf, v_buf),
-                       None if sinks is None else (sinks.shape, sinks.get_device()))
+                       None if sinks is None else (sinks.shape, sinks.get_device(), sinks.is_contiguous()))
 
 
 def _run(plan: DecodePlan, q, out, layer: DecodeLayer, lists: Tuple[torch.Tensor, ...], qs=None, os_=None) -> None:
@@ -773,7 +776,8 @@ def decode_attention_planned(plan: DecodePlan, q: torch.Tensor, k_buf: torch.Ten
 
     `layer`: this layer's `decode_layer(k_buf, v_buf, sinks, scaling, ...)`, kept by the caller across forwards
     (made here when None). q, out and the layer's buffers and sinks are compared with the plan (tuple
-    compares); a call that differs, or whose index lists are not the plan's, takes the checked
+    compares; the sinks' layout too, as every layer of a plan has its own); a call that differs, or whose index lists
+    are not the plan's, takes the checked
     `decode_attention` (which raises the typed error, or runs it).
     """
     if layer is None:
@@ -783,7 +787,7 @@ def decode_attention_planned(plan: DecodePlan, q: torch.Tensor, k_buf: torch.Ten
     if (q.shape != plan.q_shape or out.shape != plan.out_shape or layer.geometry != plan.geometry
             or (qs[-1] != 1 and plan.q_shape[2] > 1) or (os_[-1] != 1 and plan.out_shape[2] > 1)
             or q.get_device() != layer.geometry[4] or out.get_device() != layer.geometry[4]
-            or (layer.sinks is not None and layer.sinks != (plan.q_shape[1:2], layer.geometry[4]))
+            or (layer.sinks is not None and layer.sinks != (plan.q_shape[1:2], layer.geometry[4], True))
             or lists is None or lists[0] is not kv_indptr or lists[1] is not kv_indices
             or lists[2] is not kv_pos0 or lists[3] is not q_pos):
         decode_attention(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, scaling, window, logit_cap,

@@ -128,6 +128,17 @@ def _tree_visible(offs_n, mask_n, q_rel, window, tree_mask, tree_row, tok_ok, tr
 
 
 @triton.jit
+def _key_slots(kv_indices, kv_start, offs_n, mask_n, MASKED: tl.constexpr):
+    """A key tile's pool slots (masked: 0 past the list's end) as int64 whatever the list's dtype: an int32 list's
+    slot times the row stride would wrap in a pool of 2**31 elements or more."""
+    if MASKED:
+        slot = tl.load(kv_indices + kv_start + offs_n, mask=mask_n, other=0)
+    else:
+        slot = tl.load(kv_indices + kv_start + offs_n)
+    return slot.to(tl.int64)
+
+
+@triton.jit
 def _extend_tile(qt, k_buf, v_buf, kv_indices, kv_start, start, hi, q_rel, m, l_sum, acc, kvh,
                  s_kb, s_kh, s_vb, s_vh, qk_scale, cap, window, offs_d, offs_dv,
                  tree_mask, tree_row, tok_ok, tree_pos, rel0, pos0,
@@ -140,10 +151,7 @@ def _extend_tile(qt, k_buf, v_buf, kv_indices, kv_start, start, hi, q_rel, m, l_
     tree_* arguments are unused otherwise)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     mask_n = offs_n < hi
-    if MASKED:
-        slot = tl.load(kv_indices + kv_start + offs_n, mask=mask_n, other=0)
-    else:
-        slot = tl.load(kv_indices + kv_start + offs_n)
+    slot = _key_slots(kv_indices, kv_start, offs_n, mask_n, MASKED)
     k_ptr = k_buf + slot[:, None] * s_kb + kvh * s_kh + offs_d[None, :]
     v_ptr = v_buf + slot[:, None] * s_vb + kvh * s_vh + offs_dv[None, :]
     if MASKED:
@@ -418,13 +426,15 @@ def extend_attention_planned(plan: ExtendPlan, q: torch.Tensor, k_buf: torch.Ten
                              sinks: Optional[torch.Tensor] = None, k_scale: Optional[float] = None,
                              v_scale: Optional[float] = None, *, tree: Optional[TreeMask] = None) -> None:
     """`extend_attention` under a plan from `plan_extend` (internal: the backend's per-layer call).
-    Tensors are compared with the plan (tuples, no helper calls); a call that differs (a tree where the
-    plan has none or the reverse included) takes the checked `extend_attention`."""
+    Tensors are compared with the plan (tuples, no helper calls; the sinks' layout too, as every layer of a plan has
+    its own); a call that differs (a tree where the plan has none or the reverse included) takes the checked
+    `extend_attention`."""
     if (q.shape != plan.q_shape or k_buf.shape != plan.k_shape or v_buf.shape != plan.v_shape
             or out.shape != plan.out_shape or k_buf.stride() != plan.k_stride or v_buf.stride() != plan.v_stride
             or (q.stride(2) != 1 and plan.q_shape[2] > 1) or (out.stride(2) != 1 and plan.out_shape[2] > 1)
             or q.device != plan.device or k_buf.device != plan.device or (tree is not None) != plan.has_tree
-            or (sinks is not None and (sinks.shape != plan.q_shape[1:2] or sinks.device != plan.device))):
+            or (sinks is not None and (sinks.shape != plan.q_shape[1:2] or sinks.device != plan.device
+                                       or not sinks.is_contiguous()))):
         extend_attention(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, max_q_len,
                          scaling, window, logit_cap, sinks, k_scale, v_scale, config=plan.config, tree=tree)
         return

@@ -46,6 +46,15 @@ def _need(ok: bool, what: str) -> None:
         raise ShapeError(what)
 
 
+def _unit_stride(**named: Optional[torch.Tensor]) -> None:
+    """Each given 1-D list has stride 1: the kernels read entry b at base + b, so a strided view (one column of a
+    table) would be read as other entries. Host attributes only."""
+    for name, t in named.items():
+        if t is not None and t.stride(0) != 1 and t.shape[0] > 1:
+            raise ShapeError(f"{name} has stride {t.stride(0)}; the refill kernels read it with stride 1: pass "
+                             f"{name}.contiguous()")
+
+
 @triton.jit
 def _mapped(mapping, full, mask, map_len):
     """mapping[full] where mask (0 elsewhere); a negative loc reads from the end, as torch indexing does."""
@@ -172,7 +181,8 @@ def _check_lists(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq
                  extend_lens: Optional[torch.Tensor], windows: torch.Tensor, lens: torch.Tensor, q_pos0: torch.Tensor,
                  qo_indptr: torch.Tensor, list_indptr: torch.Tensor, list_pos0: torch.Tensor,
                  full_indices: torch.Tensor) -> None:
-    """`fill_lists`' argument checks (shapes, strides, dtypes), before its kernel reads anything."""
+    """`fill_lists`' argument checks (shapes, strides, dtypes), before its kernel reads anything: every 1-D list of
+    stride 1 (its kernel reads them so)."""
     bs, nlists = req_pool_indices.shape[0], windows.shape[0]
     _need(req_to_token.dim() == 2 and req_to_token.stride(1) == 1, "req_to_token must be [rows, ctx], contiguous rows")
     _need(seq_lens.shape[0] >= bs and (extend_lens is None or extend_lens.shape[0] >= bs),
@@ -183,6 +193,10 @@ def _check_lists(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq
           and list_pos0.dim() == 2 and list_pos0.shape[0] == nlists and list_pos0.shape[1] >= bs,
           f"list_indptr/list_pos0 must be [{nlists}, >= {bs + 1}] / [{nlists}, >= {bs}]")
     _need(list_indptr.stride(1) == 1 and list_pos0.stride(1) == 1, "list_indptr/list_pos0 rows must be contiguous")
+    _need(all(t.dim() == 1 for t in (req_pool_indices, seq_lens, windows, lens, q_pos0, qo_indptr, full_indices))
+          and (extend_lens is None or extend_lens.dim() == 1), "the per-request lists and full_indices must be 1-D")
+    _unit_stride(req_pool_indices=req_pool_indices, seq_lens=seq_lens, extend_lens=extend_lens, windows=windows,
+                 lens=lens, q_pos0=q_pos0, qo_indptr=qo_indptr, full_indices=full_indices)
     if qo_indptr.dtype != torch.int32 or list_indptr.dtype != torch.int32 or full_indices.dtype != torch.int64:
         raise LocError("qo_indptr and list_indptr must be int32, full_indices int64")
 
@@ -277,11 +291,15 @@ def _translate_runs_kernel(mapping, req_to_token, req_pool_indices, pos0, indptr
 
 def translate_runs(mapping: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                    pos0: torch.Tensor, indptr: torch.Tensor, out: torch.Tensor) -> None:
-    """out[indptr[b] + j] = mapping[req_to_token[req_pool_indices[b], pos0[b] + j]], one launch."""
+    """out[indptr[b] + j] = mapping[req_to_token[req_pool_indices[b], pos0[b] + j]], one launch (1-D lists of
+    stride 1)."""
     bs = req_pool_indices.shape[0]
     _need(req_to_token.dim() == 2 and req_to_token.stride(1) == 1, "req_to_token must be [rows, ctx], contiguous rows")
     _need(pos0.shape[0] >= bs and indptr.shape[0] >= bs + 1, f"pos0/indptr must hold {bs}/{bs + 1} entries")
     _need(out.dim() == 1 and out.stride(0) == 1 and mapping.stride(0) == 1, "out and mapping must be contiguous 1-D")
+    _need(req_pool_indices.dim() == 1 and pos0.dim() == 1 and indptr.dim() == 1,
+          "req_pool_indices, pos0 and indptr must be 1-D")
+    _unit_stride(req_pool_indices=req_pool_indices, pos0=pos0, indptr=indptr)
     if out.dtype != torch.int64:
         raise LocError(f"out must be int64, got {out.dtype}")
     if bs == 0:

@@ -70,6 +70,8 @@ _INTERPRETED = not isinstance(_store_kv_kernel, triton.runtime.JITFunction)
 def _check_store(k_buf, v_buf, loc, k, v) -> None:
     if loc.dtype not in (torch.int64, torch.int32) or loc.dim() != 1:
         raise LocError(f"loc must be a 1-D int64 (or int32) tensor, got {loc.dtype} {list(loc.shape)}")
+    if loc.stride(0) != 1 and loc.shape[0] > 1:  # the kernel reads loc + row: a strided view would name other slots
+        raise LocError(f"loc has stride {loc.stride(0)}; the store reads it with stride 1: pass loc.contiguous()")
     n, kvh = loc.shape[0], k_buf.shape[1]
     check_dims("k_buf", k_buf, [None, None, None])
     check_dims("v_buf", v_buf, [k_buf.shape[0], kvh, None])
@@ -84,7 +86,7 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
              config: Optional[StoreConfig] = None) -> None:
     """k_buf[loc] = k / k_scale, v_buf[loc] = v / v_scale, cast to the buffers' dtypes; one launch.
 
-    k_buf [S, KVH, D], v_buf [S, KVH, Dv]; loc int64 [n]; k [n, KVH, D], v [n, KVH, Dv] (any
+    k_buf [S, KVH, D], v_buf [S, KVH, Dv]; loc int64 [n], stride 1; k [n, KVH, D], v [n, KVH, Dv] (any
     row/head strides, contiguous last dim). fp8 buffers are clamped to their finite range.
     n == 0 launches nothing. k and v are never written.
     """
@@ -96,10 +98,10 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
 
 def store_kv_prechecked(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
                         v: torch.Tensor, k_scale: Optional[float] = None, v_scale: Optional[float] = None) -> None:
-    """`store_kv` for a caller that checked `loc` (1-D int64 on the buffers' device) and the k/v shapes,
-    as the pool does once per forward (`hwkv.ops.register_store_kv(..., prechecked=...)`). What the
-    caller cannot know is compared here (a strided last dim, k/v on another device): such calls
-    take the checked path, which raises the usual typed error."""
+    """`store_kv` for a caller that checked `loc` (1-D int64 of stride 1 on the buffers' device: `hwkv.checks.check_loc`)
+    and the k/v shapes, as the pool does once per forward (`hwkv.ops.register_store_kv(..., prechecked=...)`). What
+    the caller cannot know is compared here (a strided last dim, k/v on another device): such calls take the
+    checked path, which raises the usual typed error."""
     kt, vt = k.stride(), v.stride()  # read once: the check and the launch share them
     dev = k_buf.get_device()
     if ((kt[-1] != 1 and k.shape[-1] > 1) or (vt[-1] != 1 and v.shape[-1] > 1)
