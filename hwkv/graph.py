@@ -196,11 +196,12 @@ class GraphRunner:
         return self.fn(self._arg(batch), inputs)
 
     def _pad(self, bs_pad: int, live: int) -> None:
-        """Padded requests: row 0, length 1, write to the padding slot 0 (nothing to do at bucket size)."""
+        """Padded requests: row 0, length tpr (prefix 0), write to the padding slot 0 (nothing to do at bucket size)."""
         if live == bs_pad:
             return
         self.req_pool_indices[live:bs_pad].zero_()
         self.seq_lens[live:bs_pad].fill_(self.tpr)
+        self.extend_prefix_lens[live:bs_pad].zero_()
         self.seq_lens_cpu[live:bs_pad].fill_(self.tpr)
         self.out_cache_loc[live * self.tpr:bs_pad * self.tpr].zero_()
         if self.tree_mask is not None:
@@ -229,12 +230,21 @@ class GraphRunner:
         i = bisect.bisect_left(self.buckets, bs)
         if i == len(self.buckets):
             return PreparedStep(None, n, self._eager(batch), inputs)
+        prefix = batch.extend_prefix_lens
         if self.mode != ForwardMode.DECODE:   # eager runs take any lengths; the static batch takes tpr each
             self._check_tokens_per_request(batch)
+            if prefix is not None and (prefix.dim() != 1 or prefix.shape[0] != bs):
+                got = f"{prefix.shape[0]} entries" if prefix.dim() == 1 else f"shape {list(prefix.shape)}"
+                raise ShapeError(f"extend_prefix_lens has {got}, batch_size is {bs}")
         bs_pad = self.buckets[i]
         self._take_inputs(inputs, n)  # first: a bad input leaves the static batch as it was
         self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
         self.seq_lens[:bs].copy_(batch.seq_lens)
+        if self.mode != ForwardMode.DECODE:  # what fn reads in the static batch, as the caller's batch has it eagerly
+            if prefix is not None:
+                self.extend_prefix_lens[:bs].copy_(prefix)
+            else:  # (none given: those of the lengths, every request having tpr new tokens)
+                torch.sub(self.seq_lens[:bs], self.tpr, out=self.extend_prefix_lens[:bs])
         self._host_lens = batch.seq_lens_cpu is not None
         if self._host_lens:
             self.seq_lens_cpu[:bs].copy_(batch.seq_lens_cpu)

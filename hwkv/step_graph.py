@@ -26,6 +26,7 @@ import torch
 from hwkv import ops
 from hwkv.allocator import release_out_of_window_batch
 from hwkv.batch import ForwardBatch, ForwardMode
+from hwkv.checks import check_rows
 from hwkv.draft import DraftReplay, _by_step
 from hwkv.errors import ConfigError, LocError, ShapeError
 from hwkv.graph import EagerAdapter, GraphAdapter, GraphRunner, ModelFn, _Captured
@@ -140,6 +141,8 @@ class DecodeStepGraph(GraphRunner):
             else:  # a step the host runs (no device graph): the torch ops size themselves from host values
                 self.allocator.alloc_reserved(prefix[:n], seq[:n], last[:n], out[:n * self.new], heads, pages)
             self.kernels.write(self.rtt, rows, seq, out, None, None, **self._tokens)  # the new slots
+        if batch.extend_prefix_lens is not None:  # a verify's prefixes, from the lengths the step staged (as eagerly)
+            torch.sub(seq, self.tpr, out=batch.extend_prefix_lens)
         self._refill(batch)
         result = self.fn(self._arg(batch), inputs)
         if self.frontiers is not None and not self._releases_first:  # the rows' frontiers move where they are kept
@@ -203,6 +206,7 @@ class DecodeStepGraph(GraphRunner):
                            f"{int(seq_h.min())}")
         if bs and np.maximum.reduce(seq_h) > self.rtt.shape[1]:  # (the req_to_token write would pass its row)
             raise LocError(f"positions up to {int(seq_h.max())} exceed max_context_len {self.rtt.shape[1]}")
+        rows_h = self._checked_rows(rows)
         i = bisect.bisect_left(self.buckets, bs)
         if i == len(self.buckets):
             if inputs is None:
@@ -210,14 +214,17 @@ class DecodeStepGraph(GraphRunner):
                                  "cannot be in the graph's buffers; pass them")
             return self._eager_step(rows, seq_lens, seq_lens_cpu, inputs)
         bucket = self.buckets[i]
+        if bucket not in self.graphs:
+            raise ConfigError(f"a batch of {bs} replays bucket {bucket}, which is not captured (captured: "
+                              f"{sorted(self.graphs) or 'none'}): call capture() before step()")
         if inputs is not None:
             self._stage_inputs(inputs, bs, bucket)
         if not self._records:  # an eager 'replay' reads the host lengths; a device graph never does
             self._stage_host_lens(bs, seq_lens_cpu)
         pages = self._pages(seq_h)
         heads = self.allocator.reserve(pages)  # raises before anything changed when the step might not fit
-        if rows.is_cpu and seq_lens.is_cpu:
-            rows_h, seq_s = rows.numpy(), seq_h if seq_lens is seq_lens_cpu else seq_lens.numpy()
+        if rows_h is not None and seq_lens.is_cpu:
+            seq_s = seq_h if seq_lens is seq_lens_cpu else seq_lens.numpy()
             if pages == 0 and self._sent == (bs, bucket) and np.array_equal(self._sent_seq[:bs], seq_s) \
                     and np.array_equal(self._sent_rows[:bs], rows_h):
                 # the same rows, one token on, no page: the last replay left exactly this staged (the heads are
@@ -246,6 +253,20 @@ class DecodeStepGraph(GraphRunner):
             view = self._live_view(out, bs)
             self._live_out = (out, bs, view)
         return view
+
+    def _checked_rows(self, rows: torch.Tensor) -> Optional[np.ndarray]:
+        """LocError unless every row lies inside req_to_token (-1 too: it would wrap to the last row), before anything
+        is staged or claimed; returns the rows as a host array (None: on the device). Rows on the host are checked
+        always (free); rows on the device only where their values are checkable (debug mode: a read is a sync)."""
+        if not rows.is_cpu:
+            check_rows(rows, self.rtt.shape[0])
+            return None
+        rows_h = rows.numpy()
+        if rows_h.size and (np.minimum.reduce(rows_h, axis=None) < 0
+                            or np.maximum.reduce(rows_h, axis=None) >= self.rtt.shape[0]):
+            raise LocError(f"req_pool_indices hold values in [{int(rows_h.min())}, {int(rows_h.max())}], allowed "
+                           f"range is [0, {self.rtt.shape[0]}) (the ReqToTokenPool's rows)")
+        return rows_h
 
     def _stage_inputs(self, inputs: Dict[str, torch.Tensor], bs: int, bucket: int) -> None:
         """The caller's inputs into the static buffers (token order: each request's tokens together)."""
