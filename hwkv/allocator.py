@@ -20,6 +20,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+from hwkv.checks import as_int, check_loc
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, DoubleFreeError, LocError, NotAllocatedError, OutOfSlotsError
 from hwkv.pages import (CODE_SHIFT, ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_RANGE, ERR_SWA_RELEASED,
@@ -642,6 +643,8 @@ class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         self.full_to_swa_index_mapping[:-1].zero_()
 
     def translate_loc_from_full_to_swa(self, loc: torch.Tensor) -> torch.Tensor:
+        """SWA slots of full-pool locs (0: none; -1 for -1); loc checked as the pool's translation checks it."""
+        check_loc("loc", loc, self.size + self.page_size, self.device, low=-1, ndim=None)
         return self.full_to_swa_index_mapping[loc]
 
     def free_swa(self, loc: torch.Tensor) -> None:
@@ -870,8 +873,17 @@ def release_out_of_window_batch(allocator: SWATokenToKVPoolAllocator, req_to_tok
     captured step keeps them there: no gather or scatter around the release); a row may repeat only where
     it releases nothing (a graph bucket's padding).
     """
-    if window is None or window <= 0:
+    if window is None:
         return frontiers
+    w = as_int(window)
+    if w is None:
+        raise ConfigError(f"window={window!r} must be an integer (the model's sliding_window W; None or 0: no window)")
+    if w <= 0:
+        return frontiers
+    window = w
+    if getattr(allocator, "_swa", None) is None:
+        raise ConfigError(f"{type(allocator).__name__} has no SWA pool: an out-of-window release needs a "
+                          "SWATokenToKVPoolAllocator")
     if not isinstance(frontiers, torch.Tensor) or frontiers.dtype != I64:
         raise LocError(f"frontiers must be an int64 tensor, got {getattr(frontiers, 'dtype', type(frontiers))}")
     bs = req_pool_indices.numel() if by_row else frontiers.numel()
@@ -879,6 +891,7 @@ def release_out_of_window_batch(allocator: SWATokenToKVPoolAllocator, req_to_tok
         raise LocError(f"by_row frontiers must hold one per req_to_token row ({req_to_token.shape[0]}), got "
                        f"{list(frontiers.shape)}")
     for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens)):
+        _check_int_dtype(name, t)
         if t.numel() != bs:
             raise LocError(f"{name} has {t.numel()} entries, {'req_pool_indices' if by_row else 'frontiers'} has {bs}")
     for name, t in (("req_to_token", req_to_token), ("req_pool_indices", req_pool_indices),
@@ -1039,13 +1052,20 @@ class ReqToTokenPool:
         return len(self._free)
 
     def alloc(self, need_size: int = 1) -> List[int]:
-        if need_size > len(self._free):
+        n = as_int(need_size)
+        if n is None or n < 0:
+            raise ConfigError(f"alloc({need_size!r}): need_size must be an integer >= 0 (request rows)")
+        if n > len(self._free):
             raise OutOfSlotsError(f"need {need_size} request rows, only {len(self._free)} of {self.size} are free")
-        return [self._free.pop() for _ in range(need_size)]
+        return [self._free.pop() for _ in range(n)]
 
     def free(self, rows: Union[int, Sequence[int]]) -> None:
         """Return rows to the pool; every row is checked (in range, held, named once) before any is freed."""
-        rows = [self._row(r) for r in ([rows] if isinstance(rows, int) else rows)]
+        try:
+            rows = [self._row(r) for r in ([rows] if as_int(rows) is not None else rows)]
+        except TypeError:  # not iterable
+            raise LocError(f"request rows must be an integer or a sequence of integers, got {type(rows).__name__} "
+                           f"{rows!r}") from None
         free = set(self._free)
         for r in rows:
             if r in free:
@@ -1057,6 +1077,12 @@ class ReqToTokenPool:
     def write(self, row: int, start: int, locs: torch.Tensor) -> None:
         """req_to_token[row, start:start+len(locs)] = locs, bounds-checked (a negative row or start would wrap)."""
         row = self._row(row)
+        if not isinstance(locs, torch.Tensor) or locs.dim() != 1:
+            got = f"shape {list(locs.shape)}" if isinstance(locs, torch.Tensor) else type(locs).__name__
+            raise LocError(f"locs must be a 1-D tensor, got {got}")
+        _check_int_dtype("locs", locs)
+        if as_int(start) is None:
+            raise LocError(f"start {start!r} of a write to request row {row} must be an integer")
         end = start + int(locs.shape[0])
         if start < 0:
             raise LocError(f"start {start} of a write to request row {row} must be >= 0")
@@ -1067,6 +1093,8 @@ class ReqToTokenPool:
     def row_locs(self, row: int, seq_len: int) -> torch.Tensor:
         """req_to_token[row, :seq_len], the row and the length checked (LocError naming the one out of range)."""
         row = self._row(row)
+        if as_int(seq_len) is None:
+            raise LocError(f"seq_len {seq_len!r} must be an integer")
         if not 0 <= seq_len <= self.max_context_len:
             raise LocError(f"seq_len {seq_len} is outside [0, max_context_len {self.max_context_len}]")
         return self.req_to_token[row, :seq_len]

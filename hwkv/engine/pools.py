@@ -57,12 +57,14 @@ class PoolPlan:
 
 def kv_bytes_needed(shape: ModelShape, context: int, page_size: int, max_running: int, chunk: int,
                     prefix_cache: bool = False) -> int:
-    """KV bytes that `max_running` requests of `context` tokens need under `hwkv plan`'s sizing (with
-    `prefix_cache`, each request's cache lock window too)."""
+    """KV bytes that `max_running` requests of `context` tokens need under `hwkv plan`'s sizing, exactly the least
+    budget `plan()` accepts for them (each request's SWA share capped at its context as there; with
+    `prefix_cache`, its cache lock window too)."""
     p, full_b, swa_b = page_size, shape.bytes_per_token_full_group, shape.bytes_per_token_swa_group
     has_swa = bool(shape.swa_layer_ids)
     fixed = p * full_b + ((round_up(chunk, p) + p) * swa_b if has_swa else 0)
-    swa = swa_tokens_per_request(shape.window, p) + (cache_lock_tokens(shape.window, p, context) if prefix_cache else 0)
+    swa = swa_tokens_per_request(shape.window, p, context=context) + (
+        cache_lock_tokens(shape.window, p, context) if prefix_cache else 0)
     per_request = round_up(context, p) * full_b + (swa * swa_b if has_swa else 0)
     return fixed + max_running * per_request
 
@@ -129,10 +131,11 @@ def plan_pools(shape: ModelShape, *, context: int, max_running: int, chunk: int,
 
 def _all_swa_plan(shape: ModelShape, budget: int, context: int, max_running: int, chunk: int,
                   page_size: int, prefix_cache: bool = False) -> PoolPlan:
-    """Every layer slides: the SWA pool is planned as `hwkv plan` does; the full pool holds only locs
-    (no K/V), one context per request."""
+    """Every layer slides: the SWA pool is planned as `hwkv plan` does (each request's share capped at its
+    context); the full pool holds only locs (no K/V), one context per request."""
     p, swa_b = page_size, shape.bytes_per_token_swa_group
-    need = swa_tokens_per_request(shape.window, p) + (cache_lock_tokens(shape.window, p, context) if prefix_cache else 0)
+    need = swa_tokens_per_request(shape.window, p, context=context) + (
+        cache_lock_tokens(shape.window, p, context) if prefix_cache else 0)
     fixed = (round_up(chunk, p) + p) * swa_b
     fit = max(0, (budget - fixed) // (need * swa_b))
     running = min(fit, max_running)
