@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from hwkv.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator
+from hwkv.checks import as_int
 from hwkv.errors import CacheError, ConfigError, LocError, NotAllocatedError
 
 TokenIds = Union[torch.Tensor, np.ndarray, Sequence[int]]
@@ -442,15 +443,48 @@ class HybridPrefixCache:
     def release_request(self, token_ids: TokenIds, req_to_token_pool: ReqToTokenPool, row: int, seq_len: int,
                         frontier: int, lock: Optional[PrefixLock] = None, cache: bool = True) -> int:
         """A request ends: optionally cache its tokens, drop its lock and its own page references
-        (full pages of [0, seq_len), SWA pages from its frontier on). Returns tokens newly cached."""
-        if lock is not None and not lock.active:
-            raise CacheError("this prefix lock was already released")
-        locs = req_to_token_pool.row_locs(row, seq_len)
-        added = self.insert(token_ids[:seq_len], locs, frontier) if cache else 0
-        if lock is not None:
-            self.unlock(lock)
-        self.allocator.free(locs[:frontier], with_swa=False)
-        self.allocator.free(locs[frontier:])
+        (full pages of [0, seq_len), SWA pages from its frontier on). Returns tokens newly cached. A refusal (a
+        bad row or length, a frontier off the page grid, past seq_len or below the request's) changes nothing."""
+        return self.release_requests([(token_ids, row, seq_len, frontier, lock)], req_to_token_pool, cache)
+
+    def release_requests(self, requests: Sequence[Tuple[TokenIds, int, int, int, Optional[PrefixLock]]],
+                         req_to_token_pool: ReqToTokenPool, cache: bool = True) -> int:
+        """Requests that end together, each (token_ids, row, seq_len, frontier, lock) as `release_request`
+        takes them: every one checked before anything changes, then cached and unlocked one by one, and their own
+        references dropped in two allocator calls per round rather than two per request. `free` drops one
+        reference per distinct page, so requests that may hold the same page (taken from the cache: the same
+        tokens from position 0, so the same first page) go to different rounds. Returns tokens newly cached."""
+        p, checked, locks = self.page_size, [], set()
+        for token_ids, row, seq_len, frontier, lock in requests:
+            if lock is not None and (not lock.active or id(lock) in locks):
+                raise CacheError("this prefix lock was already released")
+            locks.add(id(lock))
+            locs = req_to_token_pool.row_locs(row, seq_len)
+            f = as_int(frontier)
+            if f is None or f % p or not 0 <= f <= locs.numel():
+                raise LocError(f"frontier {frontier!r} must be an integer multiple of page_size {p} in [0, seq_len "
+                               f"{locs.numel()}] (the request's release frontier)")
+            # every page it holds, with SWA from its frontier on: the frees below would drop references it lacks
+            self._precheck(locs, locs[f:], f)
+            checked.append((token_ids, locs, f, lock))
+        added, rounds, seen = 0, [], {}
+        for token_ids, locs, f, lock in checked:
+            ids = token_ids[:locs.numel()]
+            added += self.insert(ids, locs, f) if cache else 0
+            if lock is not None:
+                self.unlock(lock)
+            key = tuple(int(t) for t in ids[:p]) if locs.numel() >= p else None  # under a page: none shared
+            at = seen.get(key, 0) if key is not None else 0
+            seen[key] = at + 1
+            if at == len(rounds):
+                rounds.append(([], []))
+            rounds[at][0].append(locs[:f])
+            rounds[at][1].append(locs[f:])
+        for below, above in rounds:
+            for parts, with_swa in ((below, False), (above, True)):
+                parts = [t for t in parts if t.numel()]
+                if parts:
+                    self.allocator.free(torch.cat(parts) if len(parts) > 1 else parts[0], with_swa=with_swa)
         return added
 
     # ---- eviction order -----------------------------------------------------------------------

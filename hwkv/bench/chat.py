@@ -260,7 +260,7 @@ def _instrument(engine: Engine, model: SyntheticModel, clock: _Clock) -> None:
     clock.wrap(engine, "model_step", "model")
     clock.wrap(engine.slots, "release", "release")
     if engine.prefix is not None:
-        for name in ("insert", "cache_running", "release_request"):
+        for name in ("insert", "cache_running", "release_requests"):
             clock.wrap(engine.prefix, name, "prefix_cache")
         clock.wrap(engine.prefix, "evict", "prefix_cache", count="evicted_full")
         clock.wrap(engine.prefix, "evict_swa", "prefix_cache", count="evicted_swa")

@@ -23,8 +23,8 @@ import torch
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.cache import HybridPrefixCache
 from hwkv.engine.drafters import Drafter
-from hwkv.engine.forward import HOST, ForwardSlots, StepLens, pack, to_device
-from hwkv.engine.inputs import batch_sizes, prompt_ids, shown
+from hwkv.engine.forward import HOST, ForwardSlots, StepLens, pack
+from hwkv.engine.inputs import batch_sizes, prompt_ids, release_window, shown
 from hwkv.engine.pools import Cache
 from hwkv.engine.sampling import SamplingParams, params_tensors, sample
 from hwkv.engine.scheduler import Request, Row, Scheduler
@@ -54,8 +54,10 @@ class Engine:
     """Continuous batching over one model: `add_request` any time, `step` runs one forward, `generate` runs all.
 
     `cache`: the pools, allocator, request rows and backend (`hwkv.engine.pools.build_cache`); `model_step`:
-    the model (see `ModelStep`); `graph_adapter`: the device's, or None for eager decode (`graph_choice` is the
-    user's setting, for messages); `prefix_cache`: a HybridPrefixCache over hybrid pools (the pools planned
+    the model (see `ModelStep`); `window`: what the out-of-window release keeps: the model's sliding window (or
+    more) over hybrid pools, None over full ones (else ConfigError: `hwkv.engine.inputs.release_window`);
+    `graph_adapter`: the device's, or None for eager decode (`graph_choice` is the user's setting, for
+    messages); `prefix_cache`: a HybridPrefixCache over hybrid pools (the pools planned
     with room for each request's cache lock window); `overlap`: read each step's tokens during the next (None:
     on accelerators); `whole_step`: decode steps replay one graph each, allocation, req_to_token write, metadata
     and release included (`hwkv.step_graph.DecodeStepGraph`; None: wherever the graph can hold them, i.e. the
@@ -75,9 +77,11 @@ class Engine:
             raise ConfigError(f"speculative verify needs a callable draft and num_draft >= 1, got draft={draft!r}, "
                               f"num_draft={num_draft!r}")
         graph_batch_sizes = batch_sizes(graph_batch_sizes)
+        pool_plan = cache.plan
+        window = release_window(window, cache.hybrid, cache.shape.window, pool_plan.context, pool_plan.page_size,
+                                cache.shape.name)
         self.cache, self.model_step, self.stats, self.vocab_size = cache, model_step, stats, int(vocab_size)
         self.draft, self.num_draft = draft, num_draft
-        pool_plan = cache.plan
         dev = self.device = cache.rtt.req_to_token.device
         self.window = window
         # prefix caching (hybrid pools: HybridPrefixCache keeps full and SWA pages of finished and prefilled
@@ -243,6 +247,8 @@ class Engine:
                     self.unclaimed[res.rid] = res
             if on_step is not None:
                 on_step(self.stats.generated_tokens - before)
+        if self._inflight and not any(rec.sampled for rec in self._inflight):  # a verify's free counts: the run's
+            self._read_back()                                                     # memory statistics are complete
         return [r for r in results if r is not None]
 
     # ---- one forward ---------------------------------------------------------------------------
@@ -294,7 +300,7 @@ class Engine:
             head, batch = self.cache.allocator.pages.head, None
             try:  # a forward that raises (the model, Ctrl-C) gives back what it allocated: the step can run again
                 lens, batch, ids, pos = self._allocate(rows)
-                tokens = self._forward(rows, batch, ids, pos, sampled)
+                tokens = self._forward(batch, ids, pos, lens.keep_dev, sampled)
             except BaseException:
                 self._undo(rows, None if batch is None else batch.out_cache_loc, head)
                 raise
@@ -303,10 +309,8 @@ class Engine:
             self._release(lens.rows, lens.seq, batch.req_pool_indices, batch.seq_lens)
             if self.prefix is not None:
                 self._cache_prompts(rows, lock=True)
-            mode, where = batch.forward_mode, batch.req_pool_indices
-            if len(sampled) != len(rows):  # the rows that sample (a prompt chunk before its last does not)
-                where = where.index_select(0, to_device(torch.tensor(
-                    [i for i, r in enumerate(rows) if r.samples], **HOST), self.device))
+            # the request rows of the tokens sampled (every row's, or those `_keep` sent with the forward's copy)
+            mode, where = batch.forward_mode, batch.req_pool_indices if lens.where_dev is None else lens.where_dev
         self._inflight.append(self._send(rows, sampled, where, mode, tokens))
         # the earlier steps' tokens (with overlap: while this one runs; without, this one's too)
         finished = self._read_back(keep=1 if self.overlap else 0)
@@ -338,22 +342,38 @@ class Engine:
         n = len(sampled)
         if n:
             self.next_ids[where] = tokens
+        buf = self._block()
+        buf[:n].copy_(tokens, non_blocking=True)
+        if not self._pools_changed:  # slots are taken and given back only by allocator calls: else as before
+            return _Inflight(sampled, buf, self._event(), None, mode)
+        return self._send_held(sampled, buf, mode)
+
+    def _send_held(self, sampled: List[Row], buf: torch.Tensor, mode: ForwardMode) -> "_Inflight":
+        """The allocator's free counts now (the rings' tails, on the device) on their way to the host after the
+        sampled tokens in `buf` (one async copy, no wait), with the host heads and the slots only the prefix cache
+        holds now: `_record_held` turns them into the memory statistics when the forward is read back."""
+        n = len(sampled)
+        tails, heads = self.cache.free_counts_async()
+        buf[n:n + len(heads)].copy_(tails, non_blocking=True)
+        return _Inflight(sampled, buf, self._event(), heads, mode, self._cached_slots())
+
+    def _block(self) -> torch.Tensor:
+        """The pinned block a forward's values are copied into: the next of the engine's blocks, or one more where
+        that one is still in flight (after an interrupted read-back, or beside a verify's free counts)."""
         buf = self._readback[self._steps % len(self._readback)]
-        if any(rec.buf is buf for rec in self._inflight):  # after an interrupted read-back only: one more block
+        if any(rec.buf is buf for rec in self._inflight):
             buf = torch.zeros_like(buf, pin_memory=buf.is_pinned())
             self._readback.append(buf)
         self._steps += 1
-        buf[:n].copy_(tokens, non_blocking=True)
-        heads, cached = None, (0, 0)
-        if self._pools_changed:  # slots are taken and given back only by allocator calls: else as before
-            tails, heads = self.cache.free_counts_async()
-            buf[n:n + len(heads)].copy_(tails, non_blocking=True)
-            cached = self._cached_slots()
-        event = None
-        if self.device.type != "cpu":
-            event = torch.Event(device=self.device.type)
-            event.record()
-        return _Inflight(sampled, buf, event, heads, mode, cached)
+        return buf
+
+    def _event(self) -> Any:
+        """An event after the copies just issued (None on the CPU, where they are done)."""
+        if self.device.type == "cpu":
+            return None
+        event = torch.Event(device=self.device.type)
+        event.record()
+        return event
 
     def _read_back(self, keep: int = 0) -> List[Result]:
         """The sampled tokens of the forwards in flight but the last `keep` (each one's wait for the device):
@@ -399,17 +419,22 @@ class Engine:
         """Finished requests leave: their KV to the prefix cache (or freed), their rows and reservations back."""
         if done:
             self._finished += len(done)
-            if self.prefix is not None:  # each one's tokens go to the cache, its own references back
-                for r in done:
-                    ids = (r.prompt + r.output)[:r.kv_len]
-                    self.prefix.release_request(ids, self.cache.rtt, r.row, r.kv_len,
-                                                int(self.slots.frontiers_cpu[r.row]), r.lock)
-                    r.lock = None
+            if self.prefix is not None:
+                self._release_to_cache(done)
             self.slots.free([r.row for r in done], None if self.prefix is not None else [r.kv_len for r in done])
             for r in done:
                 self.scheduler.finish(r)
                 del self.requests[r.rid]
         return [Result(r.rid, r.prompt, r.output, r.finish_reason, seed=r.params.seed) for r in done]
+
+    def _release_to_cache(self, done: List[Request]) -> None:
+        """Finished requests' tokens go to the prefix cache and their own references back, in two allocator calls
+        per round of requests that share no page (`HybridPrefixCache.release_requests`), not two per request."""
+        front = self.slots.frontiers_cpu
+        self.prefix.release_requests([((r.prompt + r.output)[:r.kv_len], r.row, r.kv_len, int(front[r.row]), r.lock)
+                                      for r in done], self.cache.rtt)
+        for r in done:
+            r.lock = None
 
     # ---- speculative verify --------------------------------------------------------------------
     def _draft_len(self, rows: List[Row]) -> int:
@@ -458,6 +483,7 @@ class Engine:
                 self.cache.backend.init_forward_metadata(batch)
                 logits, rows_dev = self.model_step(batch, ids_dev, pos_dev, 0), batch.req_pool_indices
             pred = logits.argmax(dim=-1).view(bs, k + 1).tolist()  # the one wait
+            earlier = self._read_back()  # the previous verify's free counts, copied before that wait: no wait
         except BaseException:
             self._undo(rows, None if batch is None else batch.out_cache_loc, head, k + 1)
             raise
@@ -487,10 +513,11 @@ class Engine:
         for r, a in zip(rows, accepted):
             r.req.kv_len = r.prefix + 1 + a
         self.next_ids[rows_dev] = last_dev
-        tails, heads = c.free_counts_async()
-        self._record_held(tails.tolist(), heads, self._cached_slots())  # a second wait, after the release
+        # the free counts after the release travel to the host without a wait: read with the next step's tokens
+        # (or the next verify's, or at the end of `generate`)
+        self._inflight.append(self._send_held([], self._block(), ForwardMode.TARGET_VERIFY))
         self.stats.record_drafts(bs, bs * k, sum(accepted))
-        return self._finish(done), used_all
+        return earlier + self._finish(done), used_all
 
     # ---- prefix caching ----------------------------------------------------------------------
     def _start_cached(self, req: Request) -> bool:
@@ -590,24 +617,27 @@ class Engine:
                   ) -> "tuple[StepLens, ForwardBatch, torch.Tensor, torch.Tensor]":
         """The forward's slots (`ForwardSlots`: one host copy, one allocator call, one req_to_token scatter), its
         ForwardBatch, token ids and positions on the device. `rows`: the last `Scheduler.schedule`'s (decoding rows
-        first), or with `ids`, the forward's token ids from the host (a verify's), instead of the rows' own; a
-        decoding request's own is its last sampled token, on the device."""
+        first), or with `ids`, the forward's token ids from the host (a verify's, every token's logits wanted),
+        instead of the rows' own; a decoding request's own is its last sampled token, on the device. Where only
+        some tokens' logits are wanted, their indices and request rows ride in the same copy (`StepLens.keep_dev`,
+        `where_dev`)."""
         row_list, prefix = [r.req.row for r in rows], [r.prefix for r in rows]
-        chunks = rows[self.scheduler.decoding:]  # prompt chunks
+        decoding = self.scheduler.decoding
+        chunks = rows[decoding:]  # prompt chunks
+        keep = self._keep(rows, row_list) if ids is None else None
         if ids is None and all(r.n == 1 and r.prefix > 0 for r in chunks):  # a decode step, one token each
             # a prompt's last token rides along: its id comes from the host, in the same copy
             mixed = bool(chunks)
-            lens = self.slots.plan_decode(row_list, prefix, [-1] * self.scheduler.decoding + [
-                r.req.next_tokens(1)[0] for r in chunks] if mixed else None)
+            lens = self.slots.plan_decode(row_list, prefix, [-1] * decoding + [
+                r.req.next_tokens(1)[0] for r in chunks] if mixed else None, keep)
             if self.scheduler.new_pages(prefix, 1):  # a page moves (else every token continues its page)
                 self._pools_changed = True
         else:
-            decoding = any(not r.req.prefilling for r in rows)
-            mode = ForwardMode.MIXED if decoding else ForwardMode.EXTEND
-            mixed = ids is None and decoding
-            if ids is None:
-                ids = [t for r in rows for t in r.req.next_tokens(r.n)]
-            lens = self.slots.plan_extend(mode, row_list, prefix, [r.n for r in rows], ids)
+            mode = ForwardMode.MIXED if any(not r.req.prefilling for r in rows) else ForwardMode.EXTEND
+            mixed = ids is None and mode == ForwardMode.MIXED
+            if ids is None:  # decoding rows (first, one token each) feed -1, prompt chunks slices of their prompt
+                ids = np.concatenate([np.full(decoding, -1, dtype=np.int64)] + [r.req.next_ids(r.n) for r in chunks])
+            lens = self.slots.plan_extend(mode, row_list, prefix, [r.n for r in rows], ids, keep)
             self._pools_changed = True
         batch = self.slots.allocate(lens)
         if lens.ids_dev is None:  # every token is a decoding request's last sampled one
@@ -618,16 +648,23 @@ class Engine:
             ids_dev = lens.ids_dev
         return lens, batch, ids_dev, lens.pos_dev
 
-    def _forward(self, rows: List[Row], batch: ForwardBatch, ids: torch.Tensor, pos: torch.Tensor,
+    def _keep(self, rows: List[Row], row_list: List[int]) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+        """The tokens whose logits this forward wants, as (indices in the forward, their request rows): the last
+        token of each row that samples (a prompt chunk before its last does not). None where that is every token
+        (a decode step: each row samples its one token)."""
+        if self.scheduler.decoding == len(rows):
+            return None
+        n = np.array([r.n for r in rows], dtype=np.int64)
+        samples = np.array([r.samples for r in rows], dtype=bool)
+        keep = (np.cumsum(n) - 1)[samples]
+        if len(keep) == n.sum():
+            return None
+        return keep, np.asarray(row_list, dtype=np.int64)[samples]
+
+    def _forward(self, batch: ForwardBatch, ids: torch.Tensor, pos: torch.Tensor, keep_dev: Optional[torch.Tensor],
                  sampled: List[Row]) -> torch.Tensor:
         """Metadata once, the model over the packed tokens (a graph replay of the layers for decode), the next
-        tokens."""
-        keep_dev = None  # every token's logits (a decode step: each row samples its one token)
-        if self.scheduler.decoding != len(rows):  # else the last token of each row that samples
-            n = np.array([r.n for r in rows], dtype=np.int64)
-            keep = (np.cumsum(n) - 1)[np.array([r.samples for r in rows], dtype=bool)]
-            if len(keep) != n.sum():
-                keep_dev = to_device(torch.from_numpy(keep), self.device)
+        tokens. `keep_dev`: the tokens whose logits are wanted (None: every token's)."""
         if batch.forward_mode == ForwardMode.DECODE and self.graph is not None and not self.whole_step:
             logits = self.graph.run(batch, {"input_ids": ids, "positions": pos})
             self.stats.graph_replays = self.graph.replays

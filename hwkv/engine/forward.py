@@ -63,6 +63,16 @@ def pack(blocks: Sequence[Tuple[int, Sequence[Sequence[int]]]], device: torch.de
     return hosts, devs
 
 
+# the forward's tokens whose logits are wanted (their indices in token order) and those tokens' request rows: host
+# arrays a forward whose every token samples leaves out (None)
+Keep = Tuple[np.ndarray, np.ndarray]
+
+
+def _keep_block(keep: Optional[Keep]) -> List[Tuple[int, Sequence[Sequence[int]]]]:
+    """`pack`'s block for `keep` (none without it)."""
+    return [] if keep is None else [(len(keep[0]), list(keep))]
+
+
 @dataclass
 class StepLens:
     """One forward's requests and lengths as the scheduler holds them before allocation: host lists and tensors
@@ -85,6 +95,9 @@ class StepLens:
     ids_dev: Optional[torch.Tensor]  # the caller's token ids (None: none given)
     fresh: bool                 # some request has no token yet (no last loc)
     num_tokens: int
+    # with `keep` (the forward's tokens whose logits are wanted, and their requests' rows) in the same copy:
+    keep_dev: Optional[torch.Tensor] = None   # those tokens' indices in the forward
+    where_dev: Optional[torch.Tensor] = None  # their request rows (where the sampled tokens go)
 
     @property
     def prefix_cpu(self) -> torch.Tensor:
@@ -171,41 +184,46 @@ class ForwardSlots:
 
     # ---- a forward ----------------------------------------------------------------------------------
     def plan_extend(self, mode: ForwardMode, rows: List[int], prefix: List[int], new: List[int],
-                    ids: Optional[List[int]] = None) -> StepLens:
+                    ids: Optional[Sequence[int]] = None, keep: Optional[Keep] = None) -> StepLens:
         """An extend-like forward: request `rows[b]` adds `new[b]` tokens after its `prefix[b]`; `ids` (one per
-        new token, optional) travel in the same copy. LocError when a length passes the rows' context."""
+        new token, optional: a list or an int64 array) and `keep` (see `Keep`) travel in the same copy. Positions
+        and rows per token are numpy's (no Python per token). LocError when a length passes the rows' context."""
         bs = len(rows)
         seq = [p + n for p, n in zip(prefix, new)]
         self._check_context(max(seq, default=0))
-        pos: List[int] = []
-        row_of: List[int] = []
-        for row, p, n in zip(rows, prefix, new):
-            pos += range(p, p + n)
-            row_of += [row] * n
-        t = len(pos)
-        extra = [] if ids is None else ids
+        new_h = np.asarray(new, dtype=np.int64).reshape(-1)
+        t = int(new_h.sum())
+        # token i of request b sits at prefix[b] + (i - first token of b in the forward)
+        pos = np.arange(t, dtype=np.int64) + np.repeat(np.asarray(prefix, dtype=np.int64) - np.cumsum(new_h) + new_h,
+                                                        new_h)
+        row_of = np.repeat(np.asarray(rows, dtype=np.int64), new_h)
         if ids is not None and len(ids) != t:
             raise ShapeError(f"{len(ids)} token ids for {t} new tokens")
-        (host, _), (dev, per_token) = pack([(bs, [rows, prefix, seq, new, [max(p - 1, 0) for p in prefix]]),
-                                            (t, [pos, row_of] + ([] if ids is None else [extra]))], self.device)
+        blocks = [(bs, [rows, prefix, seq, new, [max(p - 1, 0) for p in prefix]]),
+                  (t, [pos, row_of] + ([] if ids is None else [ids]))]
+        (host, *_), (dev, per_token, *sampling) = pack(blocks + _keep_block(keep), self.device)
         rows_dev, prefix_dev, seq_dev, ext_dev, before_dev = dev
         return StepLens(mode, rows, seq, host, host[2], host[3], rows_dev, prefix_dev, seq_dev, ext_dev, before_dev,
-                        per_token[0], per_token[1], per_token[2] if ids is not None else None, 0 in prefix, t)
+                        per_token[0], per_token[1], per_token[2] if ids is not None else None, 0 in prefix, t,
+                        *(sampling[0] if sampling else ()))
 
-    def plan_decode(self, rows: List[int], prefix: List[int], ids: Optional[List[int]] = None) -> StepLens:
-        """A decode forward: one token per request at position `prefix[b]`; `ids` (one per request, optional) travel
-        in the same copy. LocError when a length passes the rows' context."""
+    def plan_decode(self, rows: List[int], prefix: List[int], ids: Optional[List[int]] = None,
+                    keep: Optional[Keep] = None) -> StepLens:
+        """A decode forward: one token per request at position `prefix[b]`; `ids` (one per request, optional) and
+        `keep` (see `Keep`) travel in the same copy. LocError when a length passes the rows' context."""
         bs = len(rows)
         pre = np.asarray(prefix, dtype=np.int64)
         self._check_context(int(pre.max()) + 1 if bs else 0)
         if ids is not None and len(ids) != bs:
             raise ShapeError(f"{len(ids)} token ids for {bs} requests")
-        ((host,), (dev,)) = pack([(bs, [rows, pre, pre - 1, pre + 1] + ([] if ids is None else [ids]))], self.device)
+        blocks = [(bs, [rows, pre, pre - 1, pre + 1] + ([] if ids is None else [ids]))]
+        ((host, *_), (dev, *sampling)) = pack(blocks + _keep_block(keep), self.device)
         rows_dev, prefix_dev, before_dev, seq_dev = dev[:4]
         ids_dev = dev[4] if ids is not None else None
         # a request with no token yet reads position -1 (the row's last column) and its last loc is masked
-        return StepLens(ForwardMode.DECODE, rows, host[3].tolist(), host, host[3], None, rows_dev,
-                        prefix_dev, seq_dev, None, before_dev, prefix_dev, rows_dev, ids_dev, bool(bs and pre.min() == 0), bs)
+        return StepLens(ForwardMode.DECODE, rows, host[3].tolist(), host, host[3], None, rows_dev, prefix_dev, seq_dev,
+                        None, before_dev, prefix_dev, rows_dev, ids_dev, bool(bs and pre.min() == 0), bs,
+                        *(sampling[0] if sampling else ()))
 
     def _check_context(self, longest: int) -> None:
         if longest > self.rtt.max_context_len:

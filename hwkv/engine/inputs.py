@@ -1,4 +1,5 @@
-"""What an engine's caller hands it, checked once at the boundary: prompts as token ids, graph bucket sizes.
+"""What an engine's caller hands it, checked once at the boundary: prompts as token ids, graph bucket sizes, the
+window its out-of-window release keeps.
 
 Each refusal is a ConfigError naming the value, raised before the engine queues or builds anything.
 """
@@ -69,3 +70,26 @@ def batch_sizes(value: Any) -> Optional[List[int]]:
     if any(b is None or b < 1 for b in sizes):
         raise ConfigError(f"graph_batch_sizes must be integers >= 1 (a list, tuple or set), got {items if items is not None else value!r}")
     return sizes
+
+
+def release_window(window: Any, hybrid: bool, model_window: int, context: int, page_size: int,
+                   name: str) -> Optional[int]:
+    """The engine's `window` (what its out-of-window release and prefix cache keep) checked against its pools:
+    None for pools without an SWA pool (nothing slides out); over hybrid pools an integer >= the model's sliding
+    window `model_window` (the W its SWA layers read; a larger one releases later and keeps more) or, where the
+    rows' `context` is shorter than that, >= context - page_size + 1 (under which nothing ever slides out: the
+    release keeps a page of margin and no request continues past context). ConfigError naming the value and the
+    bound otherwise: a smaller window frees slots the layers still read (wrong tokens), None over hybrid pools
+    releases nothing (the SWA pool runs out mid-run), a window over full pools has no SWA to release."""
+    if not hybrid:
+        if window is not None:
+            raise ConfigError(f"window={window!r}, but the pools of {name!r} have no SWA pool (every layer is full "
+                              "attention): give window=None")
+        return None
+    w, least = as_int(window), min(model_window, context - page_size + 1)
+    if w is None or w < least:
+        raise ConfigError(f"window={window!r} for the hybrid pools of {name!r}: must be an integer >= {least} (the "
+                          f"model's sliding window {model_window}, or context {context} - page_size {page_size} + 1 "
+                          "where smaller: nothing slides out then); a smaller window frees slots the SWA layers still "
+                          "read, None never frees any")
+    return w

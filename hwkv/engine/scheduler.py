@@ -43,6 +43,7 @@ class Request:
     pending: int = 0               # tokens sampled on the device that the host has not read yet (overlap)
     lock: Any = None               # its HybridPrefixCache lock (prefix caching)
     reused: int = 0                # prompt tokens it took from the prefix cache
+    prompt_np: Optional[np.ndarray] = field(default=None, repr=False)  # the prompt as int64, made at its first chunk
 
     @property
     def kv_needed(self) -> int:
@@ -71,6 +72,15 @@ class Request:
         if self.kv_len < p:
             return self.prompt[self.kv_len:self.kv_len + n]
         return [-1] * n
+
+    def next_ids(self, n: int) -> np.ndarray:
+        """`next_tokens(n)` as an int64 array: a prompt chunk is a slice of the prompt converted once (no Python per
+        token for a chunk)."""
+        if self.kv_len < len(self.prompt):
+            if self.prompt_np is None:
+                self.prompt_np = np.asarray(self.prompt, dtype=np.int64)
+            return self.prompt_np[self.kv_len:self.kv_len + n]
+        return np.full(n, -1, dtype=np.int64)
 
     def add_token(self, token: int) -> bool:
         """Append a sampled token; True when the request is now finished."""
