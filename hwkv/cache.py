@@ -454,26 +454,31 @@ class HybridPrefixCache:
         references dropped in two allocator calls per round rather than two per request. `free` drops one
         reference per distinct page, so requests that may hold the same page (taken from the cache: the same
         tokens from position 0, so the same first page) go to different rounds. Returns tokens newly cached."""
-        p, checked, locks = self.page_size, [], set()
+        p, checked, locks, rows = self.page_size, [], set(), set()
         for token_ids, row, seq_len, frontier, lock in requests:
             if lock is not None and (not lock.active or id(lock) in locks):
                 raise CacheError("this prefix lock was already released")
             locks.add(id(lock))
             locs = req_to_token_pool.row_locs(row, seq_len)
+            if row in rows:  # its references would be dropped twice
+                raise LocError(f"request row {row} is named twice in one release")
+            rows.add(row)
+            ids = self._ids(token_ids)[:locs.numel()]  # refused here, not after other requests' inserts
             f = as_int(frontier)
             if f is None or f % p or not 0 <= f <= locs.numel():
                 raise LocError(f"frontier {frontier!r} must be an integer multiple of page_size {p} in [0, seq_len "
                                f"{locs.numel()}] (the request's release frontier)")
             # every page it holds, with SWA from its frontier on: the frees below would drop references it lacks
             self._precheck(locs, locs[f:], f)
-            checked.append((token_ids, locs, f, lock))
+            checked.append((ids, locs, f, lock))
         added, rounds, seen = 0, [], {}
-        for token_ids, locs, f, lock in checked:
-            ids = token_ids[:locs.numel()]
+        for ids, locs, f, lock in checked:
             added += self.insert(ids, locs, f) if cache else 0
             if lock is not None:
                 self.unlock(lock)
-            key = tuple(int(t) for t in ids[:p]) if locs.numel() >= p else None  # under a page: none shared
+            # requests holding a page in common hold the same tokens from position 0 (a tombstone's revival can give
+            # them different first pages, so the tokens, not the locs, are the key)
+            key = ids[:p].tobytes() if locs.numel() >= p else None  # under a page: none shared
             at = seen.get(key, 0) if key is not None else 0
             seen[key] = at + 1
             if at == len(rounds):

@@ -201,7 +201,8 @@ class GraphRunner:
             return
         self.req_pool_indices[live:bs_pad].zero_()
         self.seq_lens[live:bs_pad].fill_(self.tpr)
-        self.extend_prefix_lens[live:bs_pad].zero_()
+        if self.mode != ForwardMode.DECODE:  # a decode batch hands the model no prefix lengths
+            self.extend_prefix_lens[live:bs_pad].zero_()
         self.seq_lens_cpu[live:bs_pad].fill_(self.tpr)
         self.out_cache_loc[live * self.tpr:bs_pad * self.tpr].zero_()
         if self.tree_mask is not None:

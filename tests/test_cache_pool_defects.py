@@ -122,6 +122,32 @@ def test_release_request_at_the_frontier_frees_everything(cache):
     assert s.empty()
 
 
+def _second_request(s):
+    """A second request of 8 tokens (other ids) in its own row and pages, its prompt cached with its own lock."""
+    row = s.rtt.alloc(1)[0]
+    s.rtt.write(row, 0, s.a.alloc_extend([0], [8], [0], 8))
+    ids = list(range(200, 208))
+    return ids, row, s.c.cache_running(ids, s.rtt, row, 8, 0)
+
+
+@pytest.mark.parametrize("bad", ["float ids", "row twice"])
+def test_release_requests_checks_every_request_before_any_changes(bad):
+    """release_requests had checked the token ids only in the insert, after earlier requests were inserted and
+    unlocked (their pages then leaked: the retry found the lock released), and took a row named twice."""
+    s = Setup()
+    ids2, row2, lock2 = _second_request(s)
+    first = (s.ids, s.row, 8, 0, s.lock)
+    second = ([1.5] * 8, row2, 8, 0, lock2) if bad == "float ids" else (s.ids, s.row, 8, 0, None)
+    before = s.snapshot()
+    with pytest.raises(LocError, match="integers" if bad == "float ids" else f"row {s.row} is named twice"):
+        s.c.release_requests([first, second], s.rtt)
+    after = s.snapshot()
+    assert same_snapshot(before[0], after[0]) and torch.equal(before[1], after[1]) and before[2:] == after[2:]
+    assert s.lock.active and lock2.active
+    s.c.release_requests([first, (ids2, row2, 8, 0, lock2)], s.rtt)
+    assert s.empty()
+
+
 # ---- 2. the default budget and the all-SWA plan cap each request's SWA share at its context --------------------
 W4096 = ModelShape(name="w4096", layer_is_swa=layer_pattern(6, "sssssf"), window=4096, num_heads=8, num_kv_heads=4,
                    head_dim=64, dtype_bytes=2)
