@@ -27,7 +27,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from hwkv import ops
-from hwkv.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator, release_out_of_window_batch
+from hwkv.allocator import SWATokenToKVPoolAllocator
+from hwkv.release import release_out_of_window_batch
+from hwkv.req_to_token import ReqToTokenPool
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.graph import EagerAdapter, GraphRunner
 from hwkv.layer import AttentionLayer

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-from hwkv.allocator import ReqToTokenPool
+from hwkv.req_to_token import ReqToTokenPool
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.layer import AttentionLayer
 from hwkv.loc import KVWriteLoc

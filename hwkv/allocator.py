@@ -1,4 +1,7 @@
-"""Token and page allocators, the SWA allocator that owns the full->SWA table, and ReqToTokenPool.
+"""Token and page allocators and the SWA allocator that owns the full->SWA table.
+
+Their torch page ops are in `hwkv.torch_page_ops`, the out-of-window release in `hwkv.release` and
+`ReqToTokenPool` in `hwkv.req_to_token` (all still importable from here).
 
 Free pages, reference counts and the table live on the pool's device (`hwkv.pages`): a whole
 batch is allocated, freed or released in a constant number of device ops (one Triton launch
@@ -20,14 +23,14 @@ from typing import List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from hwkv.checks import as_int, check_loc
+from hwkv.checks import check_loc
 from hwkv.env import HWKV_DEBUG
-from hwkv.errors import ConfigError, DoubleFreeError, LocError, NotAllocatedError, OutOfSlotsError
-from hwkv.pages import (CODE_SHIFT, ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_RANGE, ERR_SWA_RELEASED,
-                        NEVER, PAGE_LO, PAGE_MASK, PageRing, op_key, page_ops_for)
+from hwkv.errors import ConfigError, LocError, NotAllocatedError, OutOfSlotsError
+from hwkv.pages import ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_SWA_RELEASED, NEVER, PageRing, page_ops_for
+from hwkv.torch_page_ops import I64, TORCH_OPS, TorchPageOps, _bad_continuation, _record
 
 IntsLike = Union[torch.Tensor, Sequence[int]]
-I64 = torch.int64
+_REEXPORTED = (TorchPageOps,)  # its old home: `hwkv.allocator.TorchPageOps` keeps working
 
 
 def _host_ints(name: str, x: IntsLike, host: Optional[torch.Tensor] = None) -> np.ndarray:
@@ -676,302 +679,7 @@ class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         assert int((swa_refs[1:] >= 1).sum()) == s.numel(), "a live SWA page is mapped from no full page (leak)"
 
 
-# ---- the torch implementation of the batched ops (CPU; any device without registered kernels) -----
-def _record(ring: PageRing, bad: torch.Tensor, pages: torch.Tensor, code: int, force: bool = False) -> None:
-    """Record the error of pages[bad] (`hwkv.pages.error_key`: this op, `code`, the lowest bad page) into
-    ring.err, without a host sync. Deferred checks only (otherwise the allocator checked on the host
-    before the op), unless `force`."""
-    if not (ring.deferred or force) or pages.numel() == 0:
-        return
-    part = op_key(ring.op) + ((8 - code) << CODE_SHIFT) + PAGE_MASK + PAGE_LO
-    keys = part - pages.clamp(PAGE_LO, -PAGE_LO - 1)
-    best = torch.where(bad, keys, 0).amax().reshape(1)
-    torch.maximum(ring.err[:1], best, out=ring.err[:1])
-
-
-def _bad_continuation(full: PageRing, mapping: Optional[torch.Tensor], nxt: torch.Tensor, pos: torch.Tensor,
-                      p: int) -> torch.Tensor:
-    """Deferred check of continuation slots nxt (last_loc + 1..) of tokens at positions pos: bad where the slot sits
-    at another in-page offset than pos % p (last_loc was not token pos-1's slot), or, hybrid, has no SWA slot (page
-    released, never allocated; a slot outside the table reads its padding 0 or trailing -1, not past its end), or,
-    plain, lies on no page of the pool or on one that is not live."""
-    off = torch.remainder(nxt - pos, p) != 0
-    if mapping is not None:
-        return (_g(mapping, nxt.clamp(0, mapping.numel() - 1)) <= 0) | off
-    page = torch.div(nxt, p, rounding_mode="floor")
-    n = full.num_pages
-    return (page < 1) | (page > n) | (_g(full.refs, page.clamp(0, n)) < 1) | off
-
-
-def _g(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """t[idx] for 1-D t: index_select, ~20x faster than advanced indexing for large idx on a busy CPU."""
-    return t.index_select(0, idx)
-
-
-def _s(t: torch.Tensor, idx: torch.Tensor, v: torch.Tensor) -> None:
-    """t[idx] = v for 1-D t; with repeated indices one value wins. scatter_ runs serially on CPU:
-    index_put_ and advanced indexing open an OpenMP region that costs milliseconds on a busy CPU."""
-    t.scatter_(0, idx, v)
-
-
-def _owners(counts: torch.Tensor, n: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """For the n items that `counts` spreads over its entries: each item's entry and its index within it.
-
-    Built from a cumsum of start marks: searchsorted and repeat_interleave run an OpenMP region per
-    call even on a few hundred items, which costs milliseconds on a busy 2-core CPU.
-    """
-    starts = counts.cumsum(0) - counts
-    mark = torch.zeros(n + 1, dtype=counts.dtype, device=counts.device)
-    mark.index_add_(0, starts.clamp(max=n), torch.ones_like(starts))
-    r = mark[:n].cumsum(0) - 1  # requests with no items share the next one's start and are skipped
-    return r, torch.arange(n, device=counts.device) - _g(starts, r)
-
-
-def _push(ring: PageRing, pages: torch.Tensor, mask: torch.Tensor) -> None:
-    """Append pages[mask] to the ring's tail, in order."""
-    n = ring.num_pages
-    pos = ring.tail + mask.to(I64).cumsum(0) - 1
-    _s(ring.ring, torch.where(mask, pos % max(n, 1), n), pages)
-    ring.tail += mask.sum()
-
-
-class TorchPageOps:
-    """Batched allocator ops in plain torch: a constant number of ops per call, no per-request Python."""
-
-    @staticmethod
-    def alloc_extend(full: PageRing, swa: Optional[PageRing], mapping: Optional[torch.Tensor],
-                     prefix: Optional[torch.Tensor], seq: torch.Tensor, last: torch.Tensor, out: torch.Tensor,
-                     k: int, heads: List[int], decode: bool) -> None:
-        p, dev, n = full.page_size, out.device, out.numel()
-        if prefix is None:
-            prefix = seq - 1
-        ext = seq - prefix
-        cont = torch.minimum(ext, torch.remainder(-prefix, p))
-        newp = (ext - cont + p - 1) // p
-        r, j = _owners(ext, n)
-        is_cont = j < _g(cont, r)
-        res = _g(last, r) + 1 + j
-        check = full.deferred  # immediate mode checked on the host first
-        pos = _g(prefix, r) + j if k or check else None  # each new token's position
-        if k:
-            fpages = _g(full.ring, (heads[0] + torch.arange(k, device=dev)) % full.num_pages)
-            pidx = (_g(newp.cumsum(0) - newp, r) + torch.div(j - _g(cont, r), p, rounding_mode="floor")).clamp_(0, k - 1)
-            res = torch.where(is_cont, res, _g(fpages, pidx) * p + pos % p)
-            _s(full.refs, fpages, torch.ones_like(fpages))
-            if swa is not None:
-                spages = _g(swa.ring, (heads[1] + torch.arange(k, device=dev)) % swa.num_pages)
-                _s(swa.refs, spages, torch.ones_like(spages))
-                off = torch.arange(p, device=dev)
-                _s(mapping, (fpages[:, None] * p + off).reshape(-1), (spages[:, None] * p + off).reshape(-1))
-        out.copy_(res)
-        if check:
-            bad = is_cont & _bad_continuation(full, mapping, res, pos, p)
-            _record(full, bad, torch.div(res, p, rounding_mode="floor"), ERR_CONT_RELEASED)
-
-    @staticmethod
-    def change_refs(full: PageRing, swa: Optional[PageRing], mapping: Optional[torch.Tensor], loc: torch.Tensor,
-                    full_delta: int, swa_delta: int) -> None:
-        """Add `full_delta` (-1, 0, +1) to the references of each distinct full page holding `loc` and
-        `swa_delta` to its SWA page's; pages reaching 0 return to their ring (an SWA page is unmapped).
-        A page must be live; its SWA page must be mapped unless a free (full_delta -1) skips it."""
-        p, n_full = full.page_size, full.num_pages
-        fp = torch.div(loc, p, rounding_mode="floor")
-        inr = (fp >= 1) & (fp <= n_full)
-        fp = torch.where(inr, fp, 0)
-        i = torch.arange(fp.numel(), device=fp.device)
-        _s(full.who, fp, i)  # one index per distinct page wins: that entry represents the page
-        rep = inr & (_g(full.who, fp) == i)
-        refs = _g(full.refs, fp)
-        live = rep & (refs >= 1)
-        _record(full, ~inr, torch.div(loc, p, rounding_mode="floor"), ERR_RANGE)
-        _record(full, rep & (refs == NEVER), fp, ERR_NEVER)
-        _record(full, rep & (refs == 0), fp, ERR_DOUBLE_FREE)
-        if full_delta:
-            left = refs + full_delta
-            _s(full.refs, torch.where(live, fp, 0), torch.where(live, left, NEVER).to(refs.dtype))
-            if full_delta < 0:
-                _push(full, fp, live & (left == 0))
-        if swa is None or not swa_delta:
-            return
-        s = torch.div(_g(mapping, fp * p), p, rounding_mode="floor")
-        if full_delta >= 0:  # the SWA page must be there
-            _record(full, live & (s <= 0), fp, ERR_SWA_RELEASED)
-        _change_swa(full, swa, mapping, fp, s, live & (s > 0), swa_delta)
-
-    @staticmethod
-    def release_window(full: PageRing, swa: PageRing, mapping: torch.Tensor, req_to_token: torch.Tensor,
-                       rows: torch.Tensor, seq: torch.Tensor, frontiers: torch.Tensor, window: int) -> None:
-        p, dev = full.page_size, frontiers.device
-        dead = seq.to(I64) - window + 1
-        new_f = torch.maximum(frontiers, (torch.div(dead, p, rounding_mode="floor") * p - p).clamp(min=0))
-        cnt = torch.div(new_f - frontiers, p, rounding_mode="floor")
-        total = int(cnt.sum())  # free on CPU; one host read on a device without release kernels
-        if total:
-            r, j = _owners(cnt, total)
-            flat = _g(rows.to(I64), r) * req_to_token.stride(0) + (_g(frontiers, r) + j * p) * req_to_token.stride(1)
-            loc = torch.take(req_to_token, flat) if req_to_token.is_contiguous() else \
-                req_to_token[_g(rows.to(I64), r), _g(frontiers, r) + j * p]
-            fp = torch.div(loc, p, rounding_mode="floor")
-            s = torch.div(_g(mapping, fp * p), p, rounding_mode="floor")
-            _record(full, s <= 0, fp, ERR_SWA_RELEASED)
-            _change_swa(full, swa, mapping, fp, s, s > 0, -1)
-        frontiers.copy_(new_f)
-
-
-def _change_swa(full: PageRing, swa: PageRing, mapping: torch.Tensor, fp: torch.Tensor, s: torch.Tensor,
-                sel: torch.Tensor, delta: int) -> None:
-    """Add delta to the references of SWA pages s[sel] (of full pages fp), once per entry: a page may
-    appear once per holder (a release batch of requests sharing a prefix). At 0 a page is unmapped
-    and pushed, once. A drop with no holder left is recorded on the full ring as its full page's
-    (ERR_SWA_RELEASED): where concurrent programs may see the row already unmapped, that is what
-    they record too."""
-    p = full.page_size
-    s = torch.where(sel, s, 0)
-    refs = _g(swa.refs, s)
-    ok = sel & (refs >= 1)
-    _record(full, sel & (refs < 1), fp, ERR_SWA_RELEASED)
-    swa.refs.index_add_(0, torch.where(ok, s, 0), ok.to(I64) * delta)
-    if delta > 0:
-        return
-    after = _g(swa.refs, s)
-    over = ok & (after < 0)  # more drops than holders within one batch
-    _record(full, over, fp, ERR_SWA_RELEASED)
-    _s(swa.refs, torch.where(over, s, 0), torch.where(over, 0, NEVER))
-    i = torch.arange(s.numel(), device=s.device)
-    _s(swa.who, s, i)
-    gone = ok & (_g(swa.who, s) == i) & (_g(swa.refs, s) == 0)
-    _unmap(mapping, fp, gone, p)
-    _push(swa, s, gone)
-
-
-def _unmap(mapping: torch.Tensor, fp: torch.Tensor, gone: torch.Tensor, p: int) -> None:
-    """Zero the table rows of full pages fp[gone] (each listed once). On the host only those rows are
-    touched (P entries per page, not per entry of fp: a free of n locs costs O(n + P x pages)); other
-    devices keep a static size, P per entry, since counting the pages would be a host sync."""
-    if fp.device.type == "cpu":
-        fp = _g(fp, gone.nonzero().reshape(-1))
-    else:
-        fp = torch.where(gone, fp, 0)  # page 0's row is the padding row: zero already
-    rows = (fp[:, None] * p + torch.arange(p, device=fp.device)).reshape(-1)
-    _s(mapping, rows, torch.zeros_like(rows))
-
-
-TORCH_OPS = TorchPageOps()
-
-
-# ---- out-of-window release -----------------------------------------------------------------------------
-def release_out_of_window_batch(allocator: SWATokenToKVPoolAllocator, req_to_token: torch.Tensor,
-                                req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, frontiers: torch.Tensor,
-                                window: int, *, by_row: bool = False) -> torch.Tensor:
-    """Free, for a whole batch at once, the SWA slots no later query can see; `frontiers` (int64, one per
-    request, on the pool's device) move forward in place and are returned.
-
-    The next query of a request sits at position >= seq_len and sees keys > seq_len - W, so tokens
-    below seq_len - W + 1 are dead. A frontier is page-aligned and kept one page behind that, so the
-    last page (and `alloc_decode`'s continuation) always stays mapped.
-    `by_row`: `frontiers` holds one frontier per req_to_token row and the batch's rows' entries move (a
-    captured step keeps them there: no gather or scatter around the release); a row may repeat only where
-    it releases nothing (a graph bucket's padding).
-    """
-    if window is None:
-        return frontiers
-    w = as_int(window)
-    if w is None:
-        raise ConfigError(f"window={window!r} must be an integer (the model's sliding_window W; None or 0: no window)")
-    if w <= 0:
-        return frontiers
-    window = w
-    if getattr(allocator, "_swa", None) is None:
-        raise ConfigError(f"{type(allocator).__name__} has no SWA pool: an out-of-window release needs a "
-                          "SWATokenToKVPoolAllocator")
-    if not isinstance(frontiers, torch.Tensor) or frontiers.dtype != I64:
-        raise LocError(f"frontiers must be an int64 tensor, got {getattr(frontiers, 'dtype', type(frontiers))}")
-    bs = req_pool_indices.numel() if by_row else frontiers.numel()
-    if by_row and frontiers.shape != (req_to_token.shape[0],):
-        raise LocError(f"by_row frontiers must hold one per req_to_token row ({req_to_token.shape[0]}), got "
-                       f"{list(frontiers.shape)}")
-    for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens)):
-        _check_int_dtype(name, t)
-        if t.numel() != bs:
-            raise LocError(f"{name} has {t.numel()} entries, {'req_pool_indices' if by_row else 'frontiers'} has {bs}")
-    for name, t in (("req_to_token", req_to_token), ("req_pool_indices", req_pool_indices),
-                    ("seq_lens", seq_lens), ("frontiers", frontiers)):
-        if t.device.type != allocator.device.type:
-            raise LocError(f"{name} is on {t.device}, the allocator is on {allocator.device}")
-    if bs == 0:
-        return frontiers
-    ops = allocator._ops or TORCH_OPS
-    if by_row and (allocator.immediate or not getattr(ops, "releases_by_row", False)):
-        table = frontiers  # the batch's own frontiers, released as usual, then put back in their rows
-        f = table[req_pool_indices]
-        release_out_of_window_batch(allocator, req_to_token, req_pool_indices, seq_lens, f, window)
-        table[req_pool_indices] = f
-        return table
-    if allocator.immediate:
-        checked = _check_release(allocator, req_to_token, req_pool_indices, seq_lens, frontiers, window)
-        if allocator._on_host():  # checked on the host: applied there too
-            allocator._next_op()
-            _release_on_host(allocator._swa, allocator._mapping, *checked)
-            frontiers.copy_(torch.from_numpy(checked[0]))
-            return frontiers
-    allocator._next_op()
-    if by_row:
-        ops.release_window(allocator.pages, allocator._swa, allocator._mapping, req_to_token, req_pool_indices,
-                           seq_lens, frontiers, window, by_row=True)
-    else:
-        ops.release_window(allocator.pages, allocator._swa, allocator._mapping, req_to_token, req_pool_indices,
-                           seq_lens, frontiers, window)
-    return frontiers
-
-
-def _check_release(a: SWATokenToKVPoolAllocator, rtt: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor,
-                   frontiers: torch.Tensor, window: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Host checks of a batched release (CPU, debug mode); raise before anything changes. Returns what they
-    computed: the new frontiers, and per released page entry its full page and SWA page (host arrays)."""
-    p = a.page_size
-    # int64 views (no copy when they already are): the checks below read them, nothing writes them
-    f, s, r = _host_view(frontiers), np.asarray(_host_view(seq), np.int64), np.asarray(_host_view(rows), np.int64)
-    if (f % p).any():
-        raise LocError(f"frontier {int(f[(f % p) != 0][0])} is not a multiple of page_size {p}")
-    if f.min() < 0 or r.min() < 0 or r.max() >= rtt.shape[0] or s.max() > rtt.shape[1]:
-        raise LocError(f"a request row is outside [0, {rtt.shape[0]}), a length beyond {rtt.shape[1]} "
-                       "or a frontier negative")
-    dead = s - window + 1
-    new_f = np.maximum(f, np.maximum((dead // p) * p - p, 0))
-    cnt = (new_f - f) // p
-    total = int(cnt.sum())
-    fp = sp = np.zeros(0, dtype=np.int64)
-    if total:
-        releasing = r[cnt > 0]  # a row may repeat only where it releases nothing (a graph bucket's padding)
-        if not _distinct(releasing):
-            b = np.sort(releasing)
-            row = int(b[1:][b[1:] == b[:-1]][0])
-            raise LocError(f"request row {row} is named twice in one release that frees its pages (each entry "
-                           "would drop them again); a row may repeat only where it releases nothing")
-        rr = np.repeat(np.arange(cnt.size), cnt)
-        j = np.arange(total) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-        loc = rtt.detach().cpu().numpy()[r[rr], f[rr] + j * p]
-        a._check_free(torch.from_numpy(loc), swa_required=True)
-        # each entry drops one SWA reference: requests sharing a page may drop it once per holder, no more
-        fp = loc // p
-        sp = a._mapping_view()[fp * p] // p  # all >= 1: checked above
-        holders = _refs_view(a._swa)[sp]
-        if _distinct(sp):  # each page dropped once (one page per request, no shared pages): no counting
-            drops = np.ones_like(sp)
-        else:
-            uniq, inverse, counts = np.unique(sp, return_inverse=True, return_counts=True)
-            drops = counts[inverse]
-        over = drops > holders
-        if over.any():
-            i = int(over.argmax())
-            f_page = int(fp[i])
-            raise DoubleFreeError(f"this release drops the SWA slots of full page {f_page} (locs {f_page * p}..) "
-                                  f"{int(drops[i])} times; they have {int(holders[i])} holder(s): "
-                                  "a request's frontier is behind pages it already released, or two rows "
-                                  "name one page that only one of them holds")
-    return new_f, fp, sp
-
-
+# ---- host helpers (numpy) shared with hwkv.release --------------------------------------------------
 def _last_of_runs(a: np.ndarray) -> np.ndarray:
     """The last entry of each run of equal values in a (entry order): a's distinct values by their last entry
     whenever the result holds no value twice."""
@@ -991,29 +699,6 @@ def _distinct(a: np.ndarray) -> bool:
     return bool((b[1:] != b[:-1]).all())
 
 
-def _release_on_host(swa: PageRing, mapping: torch.Tensor, new_f: np.ndarray, fp: np.ndarray,
-                     sp: np.ndarray) -> None:
-    """A checked release applied to host tensors in place through numpy (CPU): each entry drops one reference
-    to SWA page sp[i] (of full page fp[i]); a page left with none is unmapped and pushed once, in the order
-    of its last entry, as `TorchPageOps.release_window` does in about thirty torch dispatches."""
-    if not sp.size:
-        return
-    refs = swa.refs_np
-    if _distinct(sp):  # each page has one entry, its last: entry order
-        refs[sp] -= 1
-        gone = np.flatnonzero(refs[sp] == 0)
-    else:
-        np.subtract.at(refs, sp, 1)
-        rev_first = np.unique(sp[::-1], return_index=True)[1]
-        last = np.sort(sp.size - 1 - rev_first)  # each page's last entry, in entry order
-        gone = last[refs[sp[last]] == 0]
-    if not gone.size:
-        return
-    p = swa.page_size
-    mapping.numpy()[(fp[gone, None] * p + np.arange(p)).reshape(-1)] = 0
-    _push_on_host(swa, sp[gone])
-
-
 def _push_on_host(ring: PageRing, pages: np.ndarray) -> None:
     """`_push` through numpy views (CPU): pages appended at the ring's tail, in order."""
     if not pages.size:
@@ -1023,91 +708,13 @@ def _push_on_host(ring: PageRing, pages: np.ndarray) -> None:
     tail[0] += pages.size
 
 
-def release_out_of_window(allocator: SWATokenToKVPoolAllocator, token_row: torch.Tensor, seq_len: int,
-                          frontier: int, window: int) -> int:
-    """One request's out-of-window release (see `release_out_of_window_batch`); returns the new frontier."""
-    p = allocator.page_size
-    if window is None or window <= 0:
-        return frontier
-    if frontier % p:
-        raise LocError(f"frontier {frontier} is not a multiple of page_size {p}")
-    dev = allocator.device
-    f = torch.tensor([frontier], dtype=I64, device=dev)
-    release_out_of_window_batch(allocator, token_row.reshape(1, -1), torch.zeros(1, dtype=I64, device=dev),
-                                torch.tensor([seq_len], dtype=I64, device=dev), f, window)
-    return int(f[0])
+# Names that moved to their own modules, which import this one: kept here lazily (no import cycle).
+_MOVED = {"release_out_of_window": "hwkv.release", "release_out_of_window_batch": "hwkv.release",
+          "ReqToTokenPool": "hwkv.req_to_token"}
 
 
-class ReqToTokenPool:
-    """Rows of locs per request: `req_to_token[row, pos]` is the full-pool loc of token `pos`."""
-
-    def __init__(self, size: int, max_context_len: int, device: Union[str, torch.device]) -> None:
-        if size < 1 or max_context_len < 1:
-            raise ConfigError(f"size={size} and max_context_len={max_context_len} must be >= 1")
-        self.size, self.max_context_len, self.device = size, max_context_len, torch.device(device)
-        self.req_to_token = torch.zeros(size, max_context_len, dtype=I64, device=self.device)
-        self._free = list(range(size - 1, -1, -1))
-
-    def available_size(self) -> int:
-        return len(self._free)
-
-    def alloc(self, need_size: int = 1) -> List[int]:
-        n = as_int(need_size)
-        if n is None or n < 0:
-            raise ConfigError(f"alloc({need_size!r}): need_size must be an integer >= 0 (request rows)")
-        if n > len(self._free):
-            raise OutOfSlotsError(f"need {need_size} request rows, only {len(self._free)} of {self.size} are free")
-        return [self._free.pop() for _ in range(n)]
-
-    def free(self, rows: Union[int, Sequence[int]]) -> None:
-        """Return rows to the pool; every row is checked (in range, held, named once) before any is freed."""
-        try:
-            rows = [self._row(r) for r in ([rows] if as_int(rows) is not None else rows)]
-        except TypeError:  # not iterable
-            raise LocError(f"request rows must be an integer or a sequence of integers, got {type(rows).__name__} "
-                           f"{rows!r}") from None
-        free = set(self._free)
-        for r in rows:
-            if r in free:
-                raise DoubleFreeError(f"request row {r} is already free"
-                                      + (" (named twice in this free)" if r not in self._free else ""))
-            free.add(r)
-        self._free.extend(rows)
-
-    def write(self, row: int, start: int, locs: torch.Tensor) -> None:
-        """req_to_token[row, start:start+len(locs)] = locs, bounds-checked (a negative row or start would wrap)."""
-        row = self._row(row)
-        if not isinstance(locs, torch.Tensor) or locs.dim() != 1:
-            got = f"shape {list(locs.shape)}" if isinstance(locs, torch.Tensor) else type(locs).__name__
-            raise LocError(f"locs must be a 1-D tensor, got {got}")
-        _check_int_dtype("locs", locs)
-        if as_int(start) is None:
-            raise LocError(f"start {start!r} of a write to request row {row} must be an integer")
-        end = start + int(locs.shape[0])
-        if start < 0:
-            raise LocError(f"start {start} of a write to request row {row} must be >= 0")
-        if end > self.max_context_len:
-            raise LocError(f"positions up to {end} exceed max_context_len {self.max_context_len}")
-        self.req_to_token[row, start:end] = locs
-
-    def row_locs(self, row: int, seq_len: int) -> torch.Tensor:
-        """req_to_token[row, :seq_len], the row and the length checked (LocError naming the one out of range)."""
-        row = self._row(row)
-        if as_int(seq_len) is None:
-            raise LocError(f"seq_len {seq_len!r} must be an integer")
-        if not 0 <= seq_len <= self.max_context_len:
-            raise LocError(f"seq_len {seq_len} is outside [0, max_context_len {self.max_context_len}]")
-        return self.req_to_token[row, :seq_len]
-
-    def _row(self, row: object) -> int:
-        """row as an int inside [0, size) (ints, numpy and 0-d/1-element torch integers), else LocError."""
-        try:
-            r = operator.index(row)
-        except TypeError:
-            raise LocError(f"request row must be an integer, got {type(row).__name__} {row!r}") from None
-        if not 0 <= r < self.size:
-            raise LocError(f"request row {r} is outside [0, {self.size})")
-        return r
-
-    def check_integrity(self) -> None:
-        assert len(set(self._free)) == len(self._free), "a request row is free twice"
+def __getattr__(name: str) -> object:
+    if name in _MOVED:
+        import importlib
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

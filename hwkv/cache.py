@@ -32,7 +32,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Un
 import numpy as np
 import torch
 
-from hwkv.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator
+from hwkv.allocator import SWATokenToKVPoolAllocator
+from hwkv.req_to_token import ReqToTokenPool
 from hwkv.checks import as_int
 from hwkv.errors import CacheError, ConfigError, LocError, NotAllocatedError
 

@@ -224,7 +224,7 @@ _OPS: Dict[str, Any] = {}
 
 
 def register_page_ops(device_type: str, ops: Any) -> None:
-    """Use `ops` (alloc_extend, free_pages, release_window: see hwkv.allocator's torch versions)
+    """Use `ops` (alloc_extend, free_pages, release_window: see hwkv.torch_page_ops)
     for allocators on `device_type`."""
     _OPS[device_type] = ops
 

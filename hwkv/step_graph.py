@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from hwkv import ops
-from hwkv.allocator import release_out_of_window_batch
+from hwkv.release import release_out_of_window_batch
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.checks import check_rows
 from hwkv.draft import DraftReplay, _by_step

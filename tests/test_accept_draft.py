@@ -3,7 +3,8 @@ applied twice raises and changes nothing, in immediate (CPU) and deferred (devic
 import pytest
 import torch
 
-from hwkv.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator, same_snapshot
+from hwkv.allocator import SWATokenToKVPoolAllocator, same_snapshot
+from hwkv.req_to_token import ReqToTokenPool
 from hwkv.errors import DoubleFreeError, LocError, ShapeError
 from hwkv.pool import SWAKVPool
 from hwkv.spec import accept_draft_tokens

@@ -3,9 +3,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hwkv.allocator import (PagedTokenToKVPoolAllocator, ReqToTokenPool, SWATokenToKVPoolAllocator,
-                            TokenToKVPoolAllocator, release_out_of_window, release_out_of_window_batch,
-                            same_snapshot)
+from hwkv.allocator import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator, TokenToKVPoolAllocator, same_snapshot
+from hwkv.release import release_out_of_window, release_out_of_window_batch
+from hwkv.req_to_token import ReqToTokenPool
 from hwkv.errors import ConfigError, DoubleFreeError, LocError, NotAllocatedError, OutOfSlotsError
 from hwkv.pool import SWAKVPool
 
@@ -432,3 +432,17 @@ def test_release_by_row_moves_the_rows_frontiers_where_they_are_kept(immediate):
     assert runs[1][1].tolist() == [7, 20, 7, 12]  # 30 - 4 + 1 = 27 -> 24 - 4; 22 -> 19 -> 16 - 4
     assert torch.equal(runs[0][1], runs[1][1])
     assert same_state(runs[0][0], runs[1][0])
+
+
+def test_moved_names_still_import_from_hwkv_allocator():
+    """The page ops, the release and ReqToTokenPool moved to modules of their own; their old home keeps them."""
+    import hwkv.allocator as old
+    import hwkv.release
+    import hwkv.req_to_token
+    import hwkv.torch_page_ops
+    assert old.release_out_of_window is hwkv.release.release_out_of_window
+    assert old.release_out_of_window_batch is hwkv.release.release_out_of_window_batch
+    assert old.ReqToTokenPool is hwkv.req_to_token.ReqToTokenPool
+    assert old.TorchPageOps is hwkv.torch_page_ops.TorchPageOps and old.TORCH_OPS is hwkv.torch_page_ops.TORCH_OPS
+    with pytest.raises(AttributeError):
+        old.no_such_name

@@ -3,7 +3,9 @@ on torch's default device (`torch.set_default_device`)."""
 import pytest
 import torch
 
-from hwkv.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator, release_out_of_window_batch, same_snapshot
+from hwkv.allocator import SWATokenToKVPoolAllocator, same_snapshot
+from hwkv.release import release_out_of_window_batch
+from hwkv.req_to_token import ReqToTokenPool
 from hwkv.errors import DoubleFreeError
 from hwkv.pool import SWAKVPool
 

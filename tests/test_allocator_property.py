@@ -14,7 +14,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hwkv.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator, release_out_of_window_batch, same_snapshot
+from hwkv.allocator import SWATokenToKVPoolAllocator, same_snapshot
+from hwkv.release import release_out_of_window_batch
+from hwkv.req_to_token import ReqToTokenPool
 from hwkv.errors import DoubleFreeError, HwkvError, NotAllocatedError, OutOfSlotsError
 from hwkv.pool import SWAKVPool
 

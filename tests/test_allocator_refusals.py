@@ -4,8 +4,9 @@ test says deferred (what accelerators run: recorded on the device, raised at the
 import pytest
 import torch
 
-from hwkv.allocator import (PagedTokenToKVPoolAllocator, ReqToTokenPool, SWATokenToKVPoolAllocator,
-                            release_out_of_window_batch, same_snapshot)
+from hwkv.allocator import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator, same_snapshot
+from hwkv.release import release_out_of_window_batch
+from hwkv.req_to_token import ReqToTokenPool
 from hwkv.errors import DoubleFreeError, LocError, NotAllocatedError
 from hwkv.pool import SWAKVPool
 

@@ -6,7 +6,8 @@ import torch
 
 import hwkv
 from hwkv import reference
-from hwkv.allocator import SWATokenToKVPoolAllocator, release_out_of_window_batch
+from hwkv.allocator import SWATokenToKVPoolAllocator
+from hwkv.release import release_out_of_window_batch
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.cache import HybridPrefixCache, window_start
 from hwkv.errors import CacheError, LocError

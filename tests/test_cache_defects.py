@@ -10,7 +10,9 @@ import torch
 
 import hwkv.cache
 
-from hwkv.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator, release_out_of_window_batch, same_snapshot
+from hwkv.allocator import SWATokenToKVPoolAllocator, same_snapshot
+from hwkv.release import release_out_of_window_batch
+from hwkv.req_to_token import ReqToTokenPool
 from hwkv.cache import HybridPrefixCache, window_start
 from hwkv.errors import CacheError, LocError
 from hwkv.pool import SWAKVPool

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from hwkv.allocator import (PagedTokenToKVPoolAllocator, ReqToTokenPool, SWATokenToKVPoolAllocator,
-                            release_out_of_window_batch, same_snapshot)
+from hwkv.allocator import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator, same_snapshot
+from hwkv.release import release_out_of_window_batch
+from hwkv.req_to_token import ReqToTokenPool
 from hwkv.cache import HybridPrefixCache
 from hwkv.engine.engine import Engine
 from hwkv.engine.plan import plan

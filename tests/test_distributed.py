@@ -25,7 +25,8 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hwkv
-from hwkv.allocator import SWATokenToKVPoolAllocator, release_out_of_window_batch
+from hwkv.allocator import SWATokenToKVPoolAllocator
+from hwkv.release import release_out_of_window_batch
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.devices import discover
 from hwkv.distributed import BACKENDS, CPShards, cp_allgather_and_save_kv, cp_plan, default_backend

@@ -237,7 +237,8 @@ def test_a_forward_sends_its_host_values_in_one_copy_even_when_some_rows_do_not_
 
 def test_positions_and_rows_of_an_extend_are_numpys_and_match_the_per_token_rule():
     """plan_extend's positions and request rows per token, for ragged chunks after ragged prefixes (and none)."""
-    from hwkv.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator
+    from hwkv.allocator import SWATokenToKVPoolAllocator
+    from hwkv.req_to_token import ReqToTokenPool
     from hwkv.batch import ForwardMode
     s = forward_mod.ForwardSlots(SWATokenToKVPoolAllocator(512, 256, 4, "cpu", None), ReqToTokenPool(6, 96, "cpu"), 8)
     rows = s.new_rows(4)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import hwkv.engine.forward as forward
-from hwkv.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator
+from hwkv.allocator import SWATokenToKVPoolAllocator
+from hwkv.req_to_token import ReqToTokenPool
 from hwkv.batch import ForwardMode
 from hwkv.engine.forward import ForwardSlots
 from hwkv.errors import LocError, ShapeError

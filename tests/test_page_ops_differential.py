@@ -1,4 +1,4 @@
-"""The torch page ops (`hwkv.allocator.TorchPageOps`) against the Triton ones (`hwkv_cuda.kernels.alloc`).
+"""The torch page ops (`hwkv.torch_page_ops.TorchPageOps`) against the Triton ones (`hwkv_cuda.kernels.alloc`).
 
 Both drive one allocator each through the same random op sequences (hypothesis: alloc_extend, alloc_decode,
 free, free_swa, share, release_out_of_window_batch, and bad ops, all with the deferred device-side checks
@@ -21,8 +21,10 @@ from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule  # noqa: E402
 
-from hwkv.allocator import (TORCH_OPS, ReqToTokenPool, SWATokenToKVPoolAllocator,  # noqa: E402
-                            release_out_of_window_batch, same_snapshot)
+from hwkv.allocator import SWATokenToKVPoolAllocator, same_snapshot  # noqa: E402
+from hwkv.release import release_out_of_window_batch  # noqa: E402
+from hwkv.req_to_token import ReqToTokenPool  # noqa: E402
+from hwkv.torch_page_ops import TORCH_OPS  # noqa: E402
 from hwkv.errors import HwkvError  # noqa: E402
 from hwkv.ops import TORCH_STEP  # noqa: E402
 

@@ -14,7 +14,8 @@ from typing import List, Sequence
 
 import pytest
 
-from hwkv.allocator import ReqToTokenPool, SWATokenToKVPoolAllocator
+from hwkv.allocator import SWATokenToKVPoolAllocator
+from hwkv.req_to_token import ReqToTokenPool
 from hwkv.batch import ForwardMode
 from hwkv.engine.forward import ForwardSlots
 from hwkv.engine.plan import swa_tokens_per_request

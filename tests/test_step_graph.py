@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import hwkv
-from hwkv.allocator import SWATokenToKVPoolAllocator, release_out_of_window_batch, same_snapshot
+from hwkv.allocator import SWATokenToKVPoolAllocator, same_snapshot
+from hwkv.release import release_out_of_window_batch
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.errors import OutOfSlotsError, ShapeError
 from hwkv.graph import EagerAdapter

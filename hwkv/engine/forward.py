@@ -22,7 +22,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from hwkv.allocator import ReqToTokenPool, release_out_of_window_batch
+from hwkv.release import release_out_of_window_batch
+from hwkv.req_to_token import ReqToTokenPool
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.errors import LocError, ShapeError
 from hwkv.metadata import aligned_width

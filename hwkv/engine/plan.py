@@ -1,7 +1,7 @@
 """Size the full and SWA pools for a KV memory budget the way an engine would (`hwkv plan`).
 
 Per running request the full pool holds every token: round_up(context, P) slots. The SWA pool
-holds what `hwkv.allocator.release_out_of_window` leaves mapped at the worst decode step:
+holds what `hwkv.release.release_out_of_window` leaves mapped at the worst decode step:
 
     swa_tokens_per_request = min(round_up(W + margin_pages * P + P, P), round_up(context, P))
 

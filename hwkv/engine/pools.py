@@ -12,7 +12,8 @@ from typing import Any, List, Sequence, Tuple, Union
 import torch
 
 from hwkv import make_backend
-from hwkv.allocator import PagedTokenToKVPoolAllocator, ReqToTokenPool, SWATokenToKVPoolAllocator
+from hwkv.allocator import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
+from hwkv.req_to_token import ReqToTokenPool
 from hwkv.engine.plan import cache_lock_tokens, format_bytes, parse_bytes, plan, round_up, swa_tokens_per_request
 from hwkv.engine.presets import ModelShape
 from hwkv.errors import ConfigError

@@ -21,7 +21,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from hwkv import reference
-from hwkv.allocator import PagedTokenToKVPoolAllocator, ReqToTokenPool, SWATokenToKVPoolAllocator
+from hwkv.allocator import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
+from hwkv.req_to_token import ReqToTokenPool
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.engine.forward import ForwardSlots, StepLens
 from hwkv.errors import ConfigError, ReferenceMismatchError, ShapeError

@@ -1,0 +1,90 @@
+"""`ReqToTokenPool`: the request rows of token locs (`req_to_token[row, pos]`), with their free list.
+
+A table of its own, apart from the allocators that hand out the locs it holds.
+"""
+from __future__ import annotations
+
+import operator
+from typing import List, Sequence, Union
+
+import torch
+
+from hwkv.allocator import _check_int_dtype
+from hwkv.checks import as_int
+from hwkv.errors import ConfigError, DoubleFreeError, LocError, OutOfSlotsError
+from hwkv.torch_page_ops import I64
+
+
+class ReqToTokenPool:
+    """Rows of locs per request: `req_to_token[row, pos]` is the full-pool loc of token `pos`."""
+
+    def __init__(self, size: int, max_context_len: int, device: Union[str, torch.device]) -> None:
+        if size < 1 or max_context_len < 1:
+            raise ConfigError(f"size={size} and max_context_len={max_context_len} must be >= 1")
+        self.size, self.max_context_len, self.device = size, max_context_len, torch.device(device)
+        self.req_to_token = torch.zeros(size, max_context_len, dtype=I64, device=self.device)
+        self._free = list(range(size - 1, -1, -1))
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def alloc(self, need_size: int = 1) -> List[int]:
+        n = as_int(need_size)
+        if n is None or n < 0:
+            raise ConfigError(f"alloc({need_size!r}): need_size must be an integer >= 0 (request rows)")
+        if n > len(self._free):
+            raise OutOfSlotsError(f"need {need_size} request rows, only {len(self._free)} of {self.size} are free")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, rows: Union[int, Sequence[int]]) -> None:
+        """Return rows to the pool; every row is checked (in range, held, named once) before any is freed."""
+        try:
+            rows = [self._row(r) for r in ([rows] if as_int(rows) is not None else rows)]
+        except TypeError:  # not iterable
+            raise LocError(f"request rows must be an integer or a sequence of integers, got {type(rows).__name__} "
+                           f"{rows!r}") from None
+        free = set(self._free)
+        for r in rows:
+            if r in free:
+                raise DoubleFreeError(f"request row {r} is already free"
+                                      + (" (named twice in this free)" if r not in self._free else ""))
+            free.add(r)
+        self._free.extend(rows)
+
+    def write(self, row: int, start: int, locs: torch.Tensor) -> None:
+        """req_to_token[row, start:start+len(locs)] = locs, bounds-checked (a negative row or start would wrap)."""
+        row = self._row(row)
+        if not isinstance(locs, torch.Tensor) or locs.dim() != 1:
+            got = f"shape {list(locs.shape)}" if isinstance(locs, torch.Tensor) else type(locs).__name__
+            raise LocError(f"locs must be a 1-D tensor, got {got}")
+        _check_int_dtype("locs", locs)
+        if as_int(start) is None:
+            raise LocError(f"start {start!r} of a write to request row {row} must be an integer")
+        end = start + int(locs.shape[0])
+        if start < 0:
+            raise LocError(f"start {start} of a write to request row {row} must be >= 0")
+        if end > self.max_context_len:
+            raise LocError(f"positions up to {end} exceed max_context_len {self.max_context_len}")
+        self.req_to_token[row, start:end] = locs
+
+    def row_locs(self, row: int, seq_len: int) -> torch.Tensor:
+        """req_to_token[row, :seq_len], the row and the length checked (LocError naming the one out of range)."""
+        row = self._row(row)
+        if as_int(seq_len) is None:
+            raise LocError(f"seq_len {seq_len!r} must be an integer")
+        if not 0 <= seq_len <= self.max_context_len:
+            raise LocError(f"seq_len {seq_len} is outside [0, max_context_len {self.max_context_len}]")
+        return self.req_to_token[row, :seq_len]
+
+    def _row(self, row: object) -> int:
+        """row as an int inside [0, size) (ints, numpy and 0-d/1-element torch integers), else LocError."""
+        try:
+            r = operator.index(row)
+        except TypeError:
+            raise LocError(f"request row must be an integer, got {type(row).__name__} {row!r}") from None
+        if not 0 <= r < self.size:
+            raise LocError(f"request row {r} is outside [0, {self.size})")
+        return r
+
+    def check_integrity(self) -> None:
+        assert len(set(self._free)) == len(self._free), "a request row is free twice"

@@ -1,0 +1,196 @@
+"""The torch implementation of the allocator's batched page ops (CPU; any device without registered kernels).
+
+Its own module so that `hwkv.allocator`, `hwkv.release` and device kernels share one reference implementation.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from hwkv.pages import (CODE_SHIFT, ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_RANGE, ERR_SWA_RELEASED,
+                        NEVER, PAGE_LO, PAGE_MASK, PageRing, op_key)
+
+I64 = torch.int64
+
+
+def _record(ring: PageRing, bad: torch.Tensor, pages: torch.Tensor, code: int, force: bool = False) -> None:
+    """Record the error of pages[bad] (`hwkv.pages.error_key`: this op, `code`, the lowest bad page) into
+    ring.err, without a host sync. Deferred checks only (otherwise the allocator checked on the host
+    before the op), unless `force`."""
+    if not (ring.deferred or force) or pages.numel() == 0:
+        return
+    part = op_key(ring.op) + ((8 - code) << CODE_SHIFT) + PAGE_MASK + PAGE_LO
+    keys = part - pages.clamp(PAGE_LO, -PAGE_LO - 1)
+    best = torch.where(bad, keys, 0).amax().reshape(1)
+    torch.maximum(ring.err[:1], best, out=ring.err[:1])
+
+
+def _bad_continuation(full: PageRing, mapping: Optional[torch.Tensor], nxt: torch.Tensor, pos: torch.Tensor,
+                      p: int) -> torch.Tensor:
+    """Deferred check of continuation slots nxt (last_loc + 1..) of tokens at positions pos: bad where the slot sits
+    at another in-page offset than pos % p (last_loc was not token pos-1's slot), or, hybrid, has no SWA slot (page
+    released, never allocated; a slot outside the table reads its padding 0 or trailing -1, not past its end), or,
+    plain, lies on no page of the pool or on one that is not live."""
+    off = torch.remainder(nxt - pos, p) != 0
+    if mapping is not None:
+        return (_g(mapping, nxt.clamp(0, mapping.numel() - 1)) <= 0) | off
+    page = torch.div(nxt, p, rounding_mode="floor")
+    n = full.num_pages
+    return (page < 1) | (page > n) | (_g(full.refs, page.clamp(0, n)) < 1) | off
+
+
+def _g(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """t[idx] for 1-D t: index_select, ~20x faster than advanced indexing for large idx on a busy CPU."""
+    return t.index_select(0, idx)
+
+
+def _s(t: torch.Tensor, idx: torch.Tensor, v: torch.Tensor) -> None:
+    """t[idx] = v for 1-D t; with repeated indices one value wins. scatter_ runs serially on CPU:
+    index_put_ and advanced indexing open an OpenMP region that costs milliseconds on a busy CPU."""
+    t.scatter_(0, idx, v)
+
+
+def _owners(counts: torch.Tensor, n: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """For the n items that `counts` spreads over its entries: each item's entry and its index within it.
+
+    Built from a cumsum of start marks: searchsorted and repeat_interleave run an OpenMP region per
+    call even on a few hundred items, which costs milliseconds on a busy 2-core CPU.
+    """
+    starts = counts.cumsum(0) - counts
+    mark = torch.zeros(n + 1, dtype=counts.dtype, device=counts.device)
+    mark.index_add_(0, starts.clamp(max=n), torch.ones_like(starts))
+    r = mark[:n].cumsum(0) - 1  # requests with no items share the next one's start and are skipped
+    return r, torch.arange(n, device=counts.device) - _g(starts, r)
+
+
+def _push(ring: PageRing, pages: torch.Tensor, mask: torch.Tensor) -> None:
+    """Append pages[mask] to the ring's tail, in order."""
+    n = ring.num_pages
+    pos = ring.tail + mask.to(I64).cumsum(0) - 1
+    _s(ring.ring, torch.where(mask, pos % max(n, 1), n), pages)
+    ring.tail += mask.sum()
+
+
+class TorchPageOps:
+    """Batched allocator ops in plain torch: a constant number of ops per call, no per-request Python."""
+
+    @staticmethod
+    def alloc_extend(full: PageRing, swa: Optional[PageRing], mapping: Optional[torch.Tensor],
+                     prefix: Optional[torch.Tensor], seq: torch.Tensor, last: torch.Tensor, out: torch.Tensor,
+                     k: int, heads: List[int], decode: bool) -> None:
+        p, dev, n = full.page_size, out.device, out.numel()
+        if prefix is None:
+            prefix = seq - 1
+        ext = seq - prefix
+        cont = torch.minimum(ext, torch.remainder(-prefix, p))
+        newp = (ext - cont + p - 1) // p
+        r, j = _owners(ext, n)
+        is_cont = j < _g(cont, r)
+        res = _g(last, r) + 1 + j
+        check = full.deferred  # immediate mode checked on the host first
+        pos = _g(prefix, r) + j if k or check else None  # each new token's position
+        if k:
+            fpages = _g(full.ring, (heads[0] + torch.arange(k, device=dev)) % full.num_pages)
+            pidx = (_g(newp.cumsum(0) - newp, r) + torch.div(j - _g(cont, r), p, rounding_mode="floor")).clamp_(0, k - 1)
+            res = torch.where(is_cont, res, _g(fpages, pidx) * p + pos % p)
+            _s(full.refs, fpages, torch.ones_like(fpages))
+            if swa is not None:
+                spages = _g(swa.ring, (heads[1] + torch.arange(k, device=dev)) % swa.num_pages)
+                _s(swa.refs, spages, torch.ones_like(spages))
+                off = torch.arange(p, device=dev)
+                _s(mapping, (fpages[:, None] * p + off).reshape(-1), (spages[:, None] * p + off).reshape(-1))
+        out.copy_(res)
+        if check:
+            bad = is_cont & _bad_continuation(full, mapping, res, pos, p)
+            _record(full, bad, torch.div(res, p, rounding_mode="floor"), ERR_CONT_RELEASED)
+
+    @staticmethod
+    def change_refs(full: PageRing, swa: Optional[PageRing], mapping: Optional[torch.Tensor], loc: torch.Tensor,
+                    full_delta: int, swa_delta: int) -> None:
+        """Add `full_delta` (-1, 0, +1) to the references of each distinct full page holding `loc` and
+        `swa_delta` to its SWA page's; pages reaching 0 return to their ring (an SWA page is unmapped).
+        A page must be live; its SWA page must be mapped unless a free (full_delta -1) skips it."""
+        p, n_full = full.page_size, full.num_pages
+        fp = torch.div(loc, p, rounding_mode="floor")
+        inr = (fp >= 1) & (fp <= n_full)
+        fp = torch.where(inr, fp, 0)
+        i = torch.arange(fp.numel(), device=fp.device)
+        _s(full.who, fp, i)  # one index per distinct page wins: that entry represents the page
+        rep = inr & (_g(full.who, fp) == i)
+        refs = _g(full.refs, fp)
+        live = rep & (refs >= 1)
+        _record(full, ~inr, torch.div(loc, p, rounding_mode="floor"), ERR_RANGE)
+        _record(full, rep & (refs == NEVER), fp, ERR_NEVER)
+        _record(full, rep & (refs == 0), fp, ERR_DOUBLE_FREE)
+        if full_delta:
+            left = refs + full_delta
+            _s(full.refs, torch.where(live, fp, 0), torch.where(live, left, NEVER).to(refs.dtype))
+            if full_delta < 0:
+                _push(full, fp, live & (left == 0))
+        if swa is None or not swa_delta:
+            return
+        s = torch.div(_g(mapping, fp * p), p, rounding_mode="floor")
+        if full_delta >= 0:  # the SWA page must be there
+            _record(full, live & (s <= 0), fp, ERR_SWA_RELEASED)
+        _change_swa(full, swa, mapping, fp, s, live & (s > 0), swa_delta)
+
+    @staticmethod
+    def release_window(full: PageRing, swa: PageRing, mapping: torch.Tensor, req_to_token: torch.Tensor,
+                       rows: torch.Tensor, seq: torch.Tensor, frontiers: torch.Tensor, window: int) -> None:
+        p = full.page_size
+        dead = seq.to(I64) - window + 1
+        new_f = torch.maximum(frontiers, (torch.div(dead, p, rounding_mode="floor") * p - p).clamp(min=0))
+        cnt = torch.div(new_f - frontiers, p, rounding_mode="floor")
+        total = int(cnt.sum())  # free on CPU; one host read on a device without release kernels
+        if total:
+            r, j = _owners(cnt, total)
+            flat = _g(rows.to(I64), r) * req_to_token.stride(0) + (_g(frontiers, r) + j * p) * req_to_token.stride(1)
+            loc = torch.take(req_to_token, flat) if req_to_token.is_contiguous() else \
+                req_to_token[_g(rows.to(I64), r), _g(frontiers, r) + j * p]
+            fp = torch.div(loc, p, rounding_mode="floor")
+            s = torch.div(_g(mapping, fp * p), p, rounding_mode="floor")
+            _record(full, s <= 0, fp, ERR_SWA_RELEASED)
+            _change_swa(full, swa, mapping, fp, s, s > 0, -1)
+        frontiers.copy_(new_f)
+
+
+def _change_swa(full: PageRing, swa: PageRing, mapping: torch.Tensor, fp: torch.Tensor, s: torch.Tensor,
+                sel: torch.Tensor, delta: int) -> None:
+    """Add delta to the references of SWA pages s[sel] (of full pages fp), once per entry: a page may
+    appear once per holder (a release batch of requests sharing a prefix). At 0 a page is unmapped
+    and pushed, once. A drop with no holder left is recorded on the full ring as its full page's
+    (ERR_SWA_RELEASED): where concurrent programs may see the row already unmapped, that is what
+    they record too."""
+    p = full.page_size
+    s = torch.where(sel, s, 0)
+    refs = _g(swa.refs, s)
+    ok = sel & (refs >= 1)
+    _record(full, sel & (refs < 1), fp, ERR_SWA_RELEASED)
+    swa.refs.index_add_(0, torch.where(ok, s, 0), ok.to(I64) * delta)
+    if delta > 0:
+        return
+    after = _g(swa.refs, s)
+    over = ok & (after < 0)  # more drops than holders within one batch
+    _record(full, over, fp, ERR_SWA_RELEASED)
+    _s(swa.refs, torch.where(over, s, 0), torch.where(over, 0, NEVER))
+    i = torch.arange(s.numel(), device=s.device)
+    _s(swa.who, s, i)
+    gone = ok & (_g(swa.who, s) == i) & (_g(swa.refs, s) == 0)
+    _unmap(mapping, fp, gone, p)
+    _push(swa, s, gone)
+
+
+def _unmap(mapping: torch.Tensor, fp: torch.Tensor, gone: torch.Tensor, p: int) -> None:
+    """Zero the table rows of full pages fp[gone] (each listed once). On the host only those rows are
+    touched (P entries per page, not per entry of fp: a free of n locs costs O(n + P x pages)); other
+    devices keep a static size, P per entry, since counting the pages would be a host sync."""
+    if fp.device.type == "cpu":
+        fp = _g(fp, gone.nonzero().reshape(-1))
+    else:
+        fp = torch.where(gone, fp, 0)  # page 0's row is the padding row: zero already
+    rows = (fp[:, None] * p + torch.arange(p, device=fp.device)).reshape(-1)
+    _s(mapping, rows, torch.zeros_like(rows))
+
+
+TORCH_OPS = TorchPageOps()
