@@ -1,6 +1,6 @@
 """The allocator's batched ops as Triton kernels: one launch each for alloc, free and release.
 
-They implement `hwkv.allocator.TorchPageOps` on the same device state (`hwkv.pages.PageRing`:
+They implement `hwkv.torch_page_ops.TorchPageOps` on the same device state (`hwkv.pages.PageRing`:
 free-page ring, reference counts, error record) without any host sync:
 - alloc: grid (request,); each program sums the new tokens and pages of the requests before
   it, writes its tokens' slots (continuing its partial page, then fresh pages popped at the
