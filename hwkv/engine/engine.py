@@ -67,6 +67,7 @@ class Engine:
     whole-step graph, a verify of k drafts replays a `hwkv.step_graph.VerifyStepGraph`)."""
 
     closed = False
+    _in_step = False  # a step is running (`abort` refuses then)
 
     def __init__(self, cache: Cache, model_step: ModelStep, *, stats: RunnerStats, vocab_size: int,
                  window: Optional[int], graph_adapter: Any = None, graph_choice: str = "off",
@@ -201,6 +202,33 @@ class Engine:
         self._next_rid += 1
         return req.rid
 
+    def abort(self, rid: int) -> Optional[Result]:
+        """Stop request `rid` (its client went away), between steps. A queued one leaves the queue; a running one
+        (prefilling or decoding) leaves as a finished request does (`_finish`: the K/V of its first kv_len tokens to
+        the prefix cache or freed, its row and reservation back, once); a token a forward still in flight samples
+        for it (overlap) is dropped when read back, as one sampled after a stop token is, never appended. Returns
+        its Result with finish_reason "abort" and the output the host has read; None when it already finished (its
+        Result came from `step`, or waits in `unclaimed`). Aborting a request of a running `generate` (from
+        `on_step`) leaves it out of generate's list. ConfigError for an id this engine never gave, a closed engine,
+        or a call from inside a step (the model, a drafter): nothing changed then."""
+        self._check_open()
+        if self._in_step:
+            raise ConfigError(f"abort({rid!r}) inside a step: abort runs between steps")
+        if isinstance(rid, bool) or not isinstance(rid, (int, np.integer)) or not 0 <= rid < self._next_rid:
+            raise ConfigError(f"abort: {shown(rid)} is not a request id of this engine (ids run from 0 to "
+                              f"{self._next_rid - 1})")
+        req = self.requests.get(int(rid))
+        if req is None:
+            return None
+        req.finish_reason = "abort"
+        if req.row < 0:  # still queued: no row, reservation or slot yet
+            self.scheduler.drop(req)
+            del self.requests[req.rid]
+            self._refused_at = None  # the queue's new head was never tried
+            return Result(req.rid, req.prompt, req.output, req.finish_reason, seed=req.params.seed)
+        with torch.inference_mode():
+            return self._finish([req])[0]
+
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: Union[SamplingParams, Sequence[SamplingParams]] = SamplingParams(),
                  on_step: Optional[Any] = None) -> List[Result]:
@@ -267,8 +295,12 @@ class Engine:
         self._check_open()
         # inference mode, not no_grad: tensors made here skip version counting and view tracking (1.07x tokens/s
         # for the tiny model at batch 1 on the CPU); everything the engine keeps across steps was made in it too
-        with torch.inference_mode():
-            return self._step()
+        self._in_step = True
+        try:
+            with torch.inference_mode():
+                return self._step()
+        finally:
+            self._in_step = False
 
     def _step(self) -> List[Result]:
         t0 = time.perf_counter()

@@ -39,7 +39,7 @@ class Request:
     kv_len: int = 0                # tokens whose K/V the pools hold
     full_pages: int = 0            # reserved worst case
     swa_pages: int = 0
-    finish_reason: Optional[str] = None  # "stop" (a stop token) or "length" (max_new_tokens)
+    finish_reason: Optional[str] = None  # "stop" (a stop token), "length" (max_new_tokens) or "abort" (`abort`)
     pending: int = 0               # tokens sampled on the device that the host has not read yet (overlap)
     lock: Any = None               # its HybridPrefixCache lock (prefix caching)
     reused: int = 0                # prompt tokens it took from the prefix cache
@@ -196,6 +196,10 @@ class Scheduler:
         or one `n` for every row)."""
         pre, p = np.asarray(prefix, dtype=np.int64), self.page_size
         return int((_pages(pre + np.asarray(n, dtype=np.int64), p) - _pages(pre, p)).sum())
+
+    def drop(self, req: Request) -> None:
+        """A waiting request leaves the queue (aborted before admission): it holds no reservation or row yet."""
+        self.waiting.remove(req)
 
     def finish(self, req: Request) -> None:
         """The request left the cache: its reservation and row are free again."""
