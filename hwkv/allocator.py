@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from hwkv.checks import check_loc
+from hwkv.checks import check_int_dtype, check_loc
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, LocError, NotAllocatedError, OutOfSlotsError
 from hwkv.pages import ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_SWA_RELEASED, NEVER, PageRing, page_ops_for
@@ -36,9 +36,9 @@ _REEXPORTED = (TorchPageOps,)  # its old home: `hwkv.allocator.TorchPageOps` kee
 def _host_ints(name: str, x: IntsLike, host: Optional[torch.Tensor] = None) -> np.ndarray:
     """int64 host copy of x (numpy: a few host ops cost microseconds, not torch's dispatch per op):
     the given host copy, x itself when on the CPU, else one device read. Floats are refused, not truncated."""
-    _check_int_dtype(name, x)
+    check_int_dtype(name, x)
     if host is not None:
-        _check_int_dtype(f"{name}'s host copy", host)
+        check_int_dtype(f"{name}'s host copy", host)
         x = host
     if isinstance(x, torch.Tensor):
         if x.dtype == I64 and x.dim() == 1 and x.device.type == "cpu" and not x.requires_grad:
@@ -53,12 +53,6 @@ def _host_ints(name: str, x: IntsLike, host: Optional[torch.Tensor] = None) -> n
             except TypeError:
                 raise LocError(f"{name} must hold integers, got {type(v).__name__} {v!r}") from None
         raise
-
-
-def _check_int_dtype(name: str, x: object) -> None:
-    """A tensor argument of locs or lengths must hold integers (its dtype: a host attribute, no device read)."""
-    if isinstance(x, torch.Tensor) and (x.dtype.is_floating_point or x.dtype.is_complex):
-        raise LocError(f"{name} must hold integers, got {x.dtype}")
 
 
 def _refs_view(ring: PageRing) -> np.ndarray:
@@ -233,7 +227,7 @@ class PagedTokenToKVPoolAllocator:
         pre_cpu = _host_ints("prefix_lens", prefix_lens, prefix_lens_cpu)
         seq_cpu = _host_ints("seq_lens", seq_lens, seq_lens_cpu)
         n_last = last_loc.numel() if isinstance(last_loc, torch.Tensor) else len(last_loc)
-        _check_int_dtype("last_loc", last_loc)  # a device tensor skips `_host_ints`
+        check_int_dtype("last_loc", last_loc)  # a device tensor skips `_host_ints`
         plan = _Batch.extend(pre_cpu, seq_cpu, n_last, int(extend_num_tokens), self.page_size)
         last_cpu = None if isinstance(last_loc, torch.Tensor) and last_loc.device.type != "cpu" else \
             _host_ints("last_loc", last_loc)
@@ -251,8 +245,8 @@ class PagedTokenToKVPoolAllocator:
         n_last = last_loc.numel() if isinstance(last_loc, torch.Tensor) else len(last_loc)
         if n_last != bs:
             raise LocError(f"seq_lens ({bs}) and last_loc ({n_last}) must have one entry per request")
-        _check_int_dtype("seq_lens", seq_lens)  # the tensor fast paths below skip `_host_ints`
-        _check_int_dtype("last_loc", last_loc)
+        check_int_dtype("seq_lens", seq_lens)  # the tensor fast paths below skip `_host_ints`
+        check_int_dtype("last_loc", last_loc)
         if self.page_size == 1 and seq_lens_cpu is None and isinstance(seq_lens, torch.Tensor):
             seq_cpu, plan = None, _Batch(bs, bs, None)  # every token takes a fresh page: nothing to read
         else:

@@ -142,7 +142,6 @@ class AttentionBackend(DraftMetadataMixin):
             members = ", ".join(f"ForwardMode.{m}" for m in ForwardMode.__members__)
             raise ConfigError(f"batch.forward_mode is {batch.forward_mode!r} ({type(batch.forward_mode).__name__}), "
                               f"not a ForwardMode; use one of {members}")
-        batch = _unit_stride(batch)
         bs, decode = batch.batch_size, batch.forward_mode.is_decode_or_idle()  # IDLE: a DECODE of no requests
         seq_cpu, ext_cpu = batch.host_lens()
         # sizes from the host lengths, as Python ints: one read each, then host arithmetic only
@@ -514,18 +513,6 @@ class AttentionBackend(DraftMetadataMixin):
         if sinks.device != device:
             raise ShapeError(f"layer {layer.layer_id}: sinks live on {sinks.device}, the pool on {device}")
         raise ShapeError(f"layer {layer.layer_id}: sinks are {sinks.dtype}, not floating point")
-
-
-def _unit_stride(batch: ForwardBatch) -> ForwardBatch:
-    """The batch, or (where a per-request tensor is a strided view, such as one column of a table) a copy whose
-    rows and lengths are contiguous: the eager lists are then the same on every path, the device's refill kernels
-    reading them with stride 1. Host attributes only, no sync (a copy is one device op per strided tensor); the
-    graph refill copies into static buffers or refuses a strided view (its kernels' checks)."""
-    rows, seq, ext = batch.req_pool_indices, batch.seq_lens, batch.extend_seq_lens
-    if rows.is_contiguous() and seq.is_contiguous() and (ext is None or ext.is_contiguous()):
-        return batch
-    return dataclasses.replace(batch, req_pool_indices=rows.contiguous(), seq_lens=seq.contiguous(),
-                               extend_seq_lens=None if ext is None else ext.contiguous())
 
 
 class KernelSetBackend(AttentionBackend):

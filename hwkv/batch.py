@@ -78,6 +78,12 @@ class ForwardBatch:
             if t is not None and (t.dim() != 1 or t.shape[0] != self.batch_size):
                 got = f"{t.shape[0]} entries" if t.dim() == 1 else f"shape {list(t.shape)}"
                 raise ShapeError(f"{name} has {got}, batch_size is {self.batch_size}")
+        # a strided view (one column of a table) becomes a contiguous copy, so every backend's lists read the same
+        # values (kernels read them with stride 1); a contiguous tensor stays the caller's own: host attributes only
+        for name in ("req_pool_indices", "seq_lens", "extend_seq_lens"):
+            t = getattr(self, name)
+            if t is not None and not t.is_contiguous():
+                setattr(self, name, t.contiguous())
         if self.forward_mode.is_extend_like() and self.extend_seq_lens is None:
             raise ShapeError(f"{self.forward_mode.name} needs extend_seq_lens (new tokens per request)")
         steps = getattr(self.spec_info, "num_steps", 1)  # hwkv.spec.MultiStepDraft: that many tokens each

@@ -58,6 +58,12 @@ def value_range(t: torch.Tensor) -> Tuple[int, int]:
     return int(lo), int(hi)
 
 
+def check_int_dtype(name: str, x: object) -> None:
+    """A tensor argument of locs or lengths must hold integers (its dtype: a host attribute, no device read)."""
+    if isinstance(x, torch.Tensor) and (x.dtype.is_floating_point or x.dtype.is_complex):
+        raise LocError(f"{name} must hold integers, got {x.dtype}")
+
+
 def check_index_tensor(name: str, loc: torch.Tensor, device: Optional[torch.device] = None,
                        ndim: Optional[int] = 1) -> None:
     """`loc` must be an int64 tensor of `ndim` dimensions (None: any), on `device` when given (its index too,

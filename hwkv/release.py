@@ -9,8 +9,8 @@ from typing import Tuple
 import numpy as np
 import torch
 
-from hwkv.allocator import SWATokenToKVPoolAllocator, _check_int_dtype, _distinct, _host_view, _push_on_host, _refs_view
-from hwkv.checks import as_int
+from hwkv.allocator import SWATokenToKVPoolAllocator, _distinct, _host_view, _push_on_host, _refs_view
+from hwkv.checks import as_int, check_int_dtype
 from hwkv.errors import ConfigError, DoubleFreeError, LocError
 from hwkv.pages import PageRing
 from hwkv.torch_page_ops import I64, TORCH_OPS
@@ -47,7 +47,7 @@ def release_out_of_window_batch(allocator: SWATokenToKVPoolAllocator, req_to_tok
         raise LocError(f"by_row frontiers must hold one per req_to_token row ({req_to_token.shape[0]}), got "
                        f"{list(frontiers.shape)}")
     for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens)):
-        _check_int_dtype(name, t)
+        check_int_dtype(name, t)
         if t.numel() != bs:
             raise LocError(f"{name} has {t.numel()} entries, {'req_pool_indices' if by_row else 'frontiers'} has {bs}")
     for name, t in (("req_to_token", req_to_token), ("req_pool_indices", req_pool_indices),

@@ -9,8 +9,7 @@ from typing import List, Sequence, Union
 
 import torch
 
-from hwkv.allocator import _check_int_dtype
-from hwkv.checks import as_int
+from hwkv.checks import as_int, check_int_dtype
 from hwkv.errors import ConfigError, DoubleFreeError, LocError, OutOfSlotsError
 from hwkv.torch_page_ops import I64
 
@@ -57,7 +56,7 @@ class ReqToTokenPool:
         if not isinstance(locs, torch.Tensor) or locs.dim() != 1:
             got = f"shape {list(locs.shape)}" if isinstance(locs, torch.Tensor) else type(locs).__name__
             raise LocError(f"locs must be a 1-D tensor, got {got}")
-        _check_int_dtype("locs", locs)
+        check_int_dtype("locs", locs)
         if as_int(start) is None:
             raise LocError(f"start {start!r} of a write to request row {row} must be an integer")
         end = start + int(locs.shape[0])
