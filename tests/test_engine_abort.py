@@ -13,19 +13,13 @@ import torch
 
 from hwkv.engine.engine import Engine
 from hwkv.engine.pools import build_cache, plan_pools
-from hwkv.engine.presets import ModelShape, layer_pattern
 from hwkv.engine.sampling import SamplingParams
 from hwkv.engine.stats import RunnerStats
 from hwkv.engine.synthetic import SyntheticModel
 from hwkv.errors import ConfigError
 from hwkv.graph import EagerAdapter
 
-VOCAB = 97
-CPU = torch.device("cpu")
-SHAPE = ModelShape(name="tiny", layer_is_swa=layer_pattern(4, "sf"), window=8, num_heads=4, num_kv_heads=2,
-                   head_dim=16, swa_sinks=True, logit_cap=30.0, dtype_bytes=4)
-FULL = ModelShape(name="tiny-full", layer_is_swa=layer_pattern(2, "f"), window=8, num_heads=4, num_kv_heads=2,
-                  head_dim=16, dtype_bytes=4)
+from test_engine_defects import CPU, FULL, SHAPE, VOCAB  # noqa: E402  the tiny engine shapes those tests use
 NEW = 8
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for this module

@@ -22,12 +22,8 @@ from hwkv.engine.stats import RunnerStats
 from hwkv.engine.synthetic import ReferenceCheck, SyntheticModel, engine_history
 from hwkv.errors import ConfigError
 
-VOCAB = 97
-CPU = torch.device("cpu")
-HYBRID = ModelShape(name="tiny", layer_is_swa=layer_pattern(4, "sf"), window=8, num_heads=4, num_kv_heads=2,
-                    head_dim=16, swa_sinks=True, logit_cap=30.0, dtype_bytes=4)
-FULL = ModelShape(name="tiny-full", layer_is_swa=layer_pattern(2, "f"), window=8, num_heads=4, num_kv_heads=2,
-                  head_dim=16, dtype_bytes=4)
+from test_engine_defects import CPU, FULL, VOCAB  # noqa: E402  the tiny engine shapes those tests use
+from test_engine_defects import SHAPE as HYBRID  # noqa: E402
 MODEL_WINDOW = object()  # the shape's window where it has SWA layers, else None
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for this module
