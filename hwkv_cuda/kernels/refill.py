@@ -46,6 +46,9 @@ def _need(ok: bool, what: str) -> None:
         raise ShapeError(what)
 
 
+_UNIT = (1,)  # a 1-D list of stride 1's strides
+
+
 def _unit_stride(**named: Optional[torch.Tensor]) -> None:
     """Each given 1-D list has stride 1: the kernels read entry b at base + b, so a strided view (one column of a
     table) would be read as other entries. Host attributes only."""
@@ -193,10 +196,13 @@ def _check_lists(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq
           and list_pos0.dim() == 2 and list_pos0.shape[0] == nlists and list_pos0.shape[1] >= bs,
           f"list_indptr/list_pos0 must be [{nlists}, >= {bs + 1}] / [{nlists}, >= {bs}]")
     _need(list_indptr.stride(1) == 1 and list_pos0.stride(1) == 1, "list_indptr/list_pos0 rows must be contiguous")
-    _need(all(t.dim() == 1 for t in (req_pool_indices, seq_lens, windows, lens, q_pos0, qo_indptr, full_indices))
-          and (extend_lens is None or extend_lens.dim() == 1), "the per-request lists and full_indices must be 1-D")
-    _unit_stride(req_pool_indices=req_pool_indices, seq_lens=seq_lens, extend_lens=extend_lens, windows=windows,
-                 lens=lens, q_pos0=q_pos0, qo_indptr=qo_indptr, full_indices=full_indices)
+    lists = (req_pool_indices, seq_lens, windows, lens, q_pos0, qo_indptr, full_indices)
+    if not (all(t.stride() == _UNIT for t in lists) and (extend_lens is None or extend_lens.stride() == _UNIT)):
+        # one pass above when all is well (every eager forward comes here); which list is wrong, only when one is
+        _need(all(t.dim() == 1 for t in lists) and (extend_lens is None or extend_lens.dim() == 1),
+              "the per-request lists and full_indices must be 1-D")
+        _unit_stride(req_pool_indices=req_pool_indices, seq_lens=seq_lens, extend_lens=extend_lens, windows=windows,
+                     lens=lens, q_pos0=q_pos0, qo_indptr=qo_indptr, full_indices=full_indices)
     if qo_indptr.dtype != torch.int32 or list_indptr.dtype != torch.int32 or full_indices.dtype != torch.int64:
         raise LocError("qo_indptr and list_indptr must be int32, full_indices int64")
 
