@@ -179,7 +179,7 @@ def test_a_verify_step_waits_on_the_device_once_and_its_memory_statistics_are_co
         tails, heads = counts()
         tails_seen.append(tails)
         full, swa = e.cache.held_slots()  # the test's own synchronous read
-        cached = e._cached_slots()
+        cached = (e.prefix.evictable_full, e.prefix.evictable_swa) if e.prefix is not None else (0, 0)
         expected.append((full - cached[0], swa - cached[1]))
         return tails, heads
 

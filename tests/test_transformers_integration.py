@@ -783,12 +783,12 @@ def test_a_waiting_request_does_not_read_the_device_every_step(saved, prompts):
         runner.cache.allocator.full_available_size = lambda: reads.append(1) or (full[0] if full[0] >= 0 else inner())
         second = runner.add_request(prompts[1], SamplingParams(max_new_tokens=NEW))
         for _ in range(5):
-            assert runner.scheduler.admit(runner._start_cached) == []
+            assert runner.scheduler.admit(runner._prefixing.start) == []
         assert len(reads) == 1  # refused once, then the refusal stands: nothing changed
-        runner._finished += 1   # as if a request left: worth asking again
-        assert runner.scheduler.admit(runner._start_cached) == [] and len(reads) == 2
+        runner._prefixing.left += 1   # as if a request left: worth asking again
+        assert runner.scheduler.admit(runner._prefixing.start) == [] and len(reads) == 2
         full[0] = -1            # room again
-        runner._finished += 1
+        runner._prefixing.left += 1
         while runner.has_work():
             got.update({r.rid: r.tokens for r in runner.step()})
             runner.check_integrity()

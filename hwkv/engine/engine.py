@@ -25,11 +25,13 @@ from hwkv.cache import HybridPrefixCache
 from hwkv.engine.drafters import Drafter
 from hwkv.engine.forward import HOST, ForwardSlots, StepLens, pack
 from hwkv.engine.inputs import batch_sizes, prompt_ids, release_window, shown
+from hwkv.engine.integrity import check_holders
 from hwkv.engine.pools import Cache
+from hwkv.engine.prefixing import EnginePrefix
 from hwkv.engine.sampling import SamplingParams, params_tensors, sample
 from hwkv.engine.scheduler import Request, Row, Scheduler
 from hwkv.engine.stats import RunnerStats
-from hwkv.errors import ConfigError, HwkvError, OutOfSlotsError
+from hwkv.errors import ConfigError, HwkvError
 from hwkv.spec import accept_draft_tokens
 
 I64 = torch.int64
@@ -87,16 +89,17 @@ class Engine:
         self.window = window
         # prefix caching (hybrid pools: HybridPrefixCache keeps full and SWA pages of finished and prefilled
         # requests; a new request starts from its longest cached prefix)
-        self.prefix: Optional[HybridPrefixCache] = None
-        if prefix_cache and cache.hybrid and window is not None:
-            self.prefix = HybridPrefixCache(cache.allocator, window)
-        self.scheduler = Scheduler(pool_plan, window, cached=self.prefix is not None)
+        cached = prefix_cache and cache.hybrid and window is not None
+        self.scheduler = Scheduler(pool_plan, window, cached=cached)
         rows = cache.rtt.size
         # the row past the requests' (build_cache makes one more): a whole-step graph's padded requests write there
         self.pad_row = cache.rtt.alloc(1)[0]
         # a forward's slots, req_to_token and batch, the out-of-window release with each row's frontier (device,
         # and the host's copy by the same rule: steps where no frontier moves, most of them, skip the release)
         self.slots = ForwardSlots(cache.allocator, cache.rtt, window)
+        # what the step loop asks of the prefix cache (`hwkv.engine.prefixing`); `prefix` is the cache itself
+        self._prefixing = EnginePrefix(cache, window, self.scheduler, self.slots) if cached else None
+        self.prefix: Optional[HybridPrefixCache] = self._prefixing.tree if cached else None
         # each row's last sampled token, the next forward's input: sampled tokens never wait for the host
         self.next_ids = torch.zeros(rows, dtype=I64, device=dev)
         # overlap: a step's tokens are read by the host during the next step (see `step`)
@@ -110,8 +113,6 @@ class Engine:
         self.requests: Dict[int, Request] = {}
         self.unclaimed: Dict[int, Result] = {}  # finished inside generate(), queued by add_request: pop them
         self._next_rid = 0
-        self._finished = 0  # requests that left the engine (frees happen then)
-        self._refused_at: Optional[Tuple[int, int]] = None  # (finished, cached tokens) at the last refused admission
         self.whole_step = False
         self.verify_graph: Any = None  # a VerifyStepGraph of num_draft drafts, with the whole-step graph
         self._draft_back = torch.arange(num_draft + 1, 0, -1, dtype=I64, device=dev)  # a verify token's distance
@@ -224,7 +225,8 @@ class Engine:
         if req.row < 0:  # still queued: no row, reservation or slot yet
             self.scheduler.drop(req)
             del self.requests[req.rid]
-            self._refused_at = None  # the queue's new head was never tried
+            if self._prefixing is not None:
+                self._prefixing.refused_at = None  # the queue's new head was never tried
             return Result(req.rid, req.prompt, req.output, req.finish_reason, seed=req.params.seed)
         with torch.inference_mode():
             return self._finish([req])[0]
@@ -304,14 +306,15 @@ class Engine:
 
     def _step(self) -> List[Result]:
         t0 = time.perf_counter()
-        if self.prefix is None:
+        if self._prefixing is None:
             admitted = self.scheduler.admit()
             if admitted:
                 for req, row in zip(admitted, self.slots.new_rows(len(admitted))):
                     req.row = row
-                    self.stats.record_prompt(len(req.prompt), 0)
-        else:
-            admitted = self.scheduler.admit(self._start_cached)
+        else:  # each from its longest cached prefix (`req.reused` tokens)
+            admitted = self.scheduler.admit(self._prefixing.start)
+        for req in admitted:
+            self.stats.record_prompt(len(req.prompt), req.reused)
         rows = self.scheduler.schedule()
         if not rows:  # nothing to run: what is still in flight finishes
             return self._read_back()
@@ -324,8 +327,8 @@ class Engine:
                 finished, tokens = verified
                 self.stats.record_step(ForwardMode.TARGET_VERIFY, 0, tokens, time.perf_counter() - t0)
                 return finished
-        if self.prefix is not None:
-            self._make_room(rows)
+        if self._prefixing is not None:
+            self._prefixing.make_room(rows)
         if self.whole_step and self.scheduler.decoding == len(rows):  # every row decodes
             mode, where, tokens = ForwardMode.DECODE, *self._decode_whole(rows, sampled)
         else:
@@ -336,11 +339,11 @@ class Engine:
             except BaseException:
                 self._undo(rows, None if batch is None else batch.out_cache_loc, head)
                 raise
-            if self.prefix is not None:
-                self._cache_prompts(rows, lock=False)  # with the chunk's SWA, which the release would drop
+            if self._prefixing is not None:
+                self._prefixing.cache_prompts(rows, lock=False)  # with the chunk's SWA, which the release drops
             self._release(lens.rows, lens.seq, batch.req_pool_indices, batch.seq_lens)
-            if self.prefix is not None:
-                self._cache_prompts(rows, lock=True)
+            if self._prefixing is not None:
+                self._prefixing.cache_prompts(rows, lock=True)
             # the request rows of the tokens sampled (every row's, or those `_keep` sent with the forward's copy)
             mode, where = batch.forward_mode, batch.req_pool_indices if lens.where_dev is None else lens.where_dev
         self._inflight.append(self._send(rows, sampled, where, mode, tokens))
@@ -387,7 +390,8 @@ class Engine:
         n = len(sampled)
         tails, heads = self.cache.free_counts_async()
         buf[n:n + len(heads)].copy_(tails, non_blocking=True)
-        return _Inflight(sampled, buf, self._event(), heads, mode, self._cached_slots())
+        cached = self._prefixing.evictable() if self._prefixing is not None else (0, 0)
+        return _Inflight(sampled, buf, self._event(), heads, mode, cached)
 
     def _block(self) -> torch.Tensor:
         """The pinned block a forward's values are copied into: the next of the engine's blocks, or one more where
@@ -437,10 +441,6 @@ class Engine:
             self.stats.drop_tokens(rec.mode, dropped)
         return self._finish(done)
 
-    def _cached_slots(self) -> Tuple[int, int]:
-        """(full, SWA) slots only the prefix cache holds now (evictable): not the requests' KV."""
-        return (self.prefix.evictable_full, self.prefix.evictable_swa) if self.prefix is not None else (0, 0)
-
     def _record_held(self, tails: Sequence[int], heads: Sequence[int], cached: Tuple[int, int]) -> None:
         """The memory peaks from the rings' tails (read back) and heads: what the pools hold less what only the
         prefix cache held then."""
@@ -450,23 +450,13 @@ class Engine:
     def _finish(self, done: List[Request]) -> List[Result]:
         """Finished requests leave: their KV to the prefix cache (or freed), their rows and reservations back."""
         if done:
-            self._finished += len(done)
-            if self.prefix is not None:
-                self._release_to_cache(done)
+            if self._prefixing is not None:
+                self._prefixing.release(done)
             self.slots.free([r.row for r in done], None if self.prefix is not None else [r.kv_len for r in done])
             for r in done:
                 self.scheduler.finish(r)
                 del self.requests[r.rid]
         return [Result(r.rid, r.prompt, r.output, r.finish_reason, seed=r.params.seed) for r in done]
-
-    def _release_to_cache(self, done: List[Request]) -> None:
-        """Finished requests' tokens go to the prefix cache and their own references back, in two allocator calls
-        per round of requests that share no page (`HybridPrefixCache.release_requests`), not two per request."""
-        front = self.slots.frontiers_cpu
-        self.prefix.release_requests([((r.prompt + r.output)[:r.kv_len], r.row, r.kv_len, int(front[r.row]), r.lock)
-                                      for r in done], self.cache.rtt)
-        for r in done:
-            r.lock = None
 
     # ---- speculative verify --------------------------------------------------------------------
     def _draft_len(self, rows: List[Row]) -> int:
@@ -551,100 +541,14 @@ class Engine:
         self.stats.record_drafts(bs, bs * k, sum(accepted))
         return earlier + self._finish(done), used_all
 
-    # ---- prefix caching ----------------------------------------------------------------------
-    def _start_cached(self, req: Request) -> bool:
-        """Admit `req` from its longest cached prefix when its worst case fits: the running requests' pages
-        still to come and its own new pages within the free full slots plus what the cache can evict (its
-        match locked first, so that is not counted). Nothing is evicted between the match and the acquire."""
-        c, a, p = self.prefix, self.cache.allocator, self.cache.plan.page_size
-        # free + evictable - need grows only when a request leaves (running requests' allocations and evictions
-        # move both sides alike) or the cache holds more (a longer match): until then a refusal stands, with no
-        # device read while the queue waits
-        state = (self._finished, c.full_tokens)
-        if self._refused_at == state:
-            return False
-        m = c.match_prefix(req.prompt[:-1])
-        held = c.lock(m)
-        need = (self.scheduler.full_pages_left() + req.full_pages) * p - m.length
-        free, evictable = a.full_available_size(), c.evictable_full  # the one device read of an admission
-        if need > free + evictable:
-            c.unlock(held)
-            self._refused_at = state
-            return False
-        # the cache may hold this prompt's history past the match (its window evicted, so the match was cut
-        # back): caching the recomputed prompt locks those nodes too, so make the room now, with the match locked
-        stale = max(0, len(req.prompt) // p * p - m.length)
-        if need + min(stale, evictable) > free + evictable:
-            self._evict(0, need - free)
-        row = self.cache.rtt.alloc(1)[0]
-        try:
-            req.lock, frontier = c.acquire(m, self.cache.rtt, row)
-        except BaseException:
-            self.cache.rtt.free([row])
-            raise
-        finally:
-            c.unlock(held)
-        req.row, req.kv_len, req.reused = row, m.length, m.length
-        self.slots.set_frontier(row, frontier)
-        self.stats.record_prompt(len(req.prompt), m.length)
-        return True
-
     def clear_prefix_cache(self) -> int:
         """Evict everything the prefix cache holds that no running request uses; returns the tokens evicted."""
-        if self.prefix is None:
+        if self._prefixing is None:
             return 0
         with torch.inference_mode():
-            return self._clear_prefix_cache()
+            return self._prefixing.clear()
 
-    def _clear_prefix_cache(self) -> int:
-        n = 0
-        while self.prefix.evictable_full:
-            n += self.prefix.evict(self.prefix.evictable_full)
-        while self.prefix.evictable_swa:
-            self.prefix.evict_swa(self.prefix.evictable_swa)
-        return n
-
-    def _evict(self, swa_tokens: int, full_tokens: int) -> None:
-        """Evict cached KV (least recently used, unlocked) for this many more free tokens in each pool."""
-        c = self.prefix
-        if full_tokens > 0:
-            c.evict(min(full_tokens, c.evictable_full))
-        if swa_tokens > 0:
-            c.evict_swa(min(swa_tokens, c.evictable_swa))
-
-    def _make_room(self, rows: List[Row]) -> None:
-        """Before a forward's allocation: evict cached KV where its new pages exceed the free pages (the host's
-        bound of free pages first: the device is read only when that says they might not fit)."""
-        p = self.cache.plan.page_size
-        pages = self.scheduler.new_pages([r.prefix for r in rows], [r.n for r in rows])
-        if not pages:
-            return
-        a, c = self.cache.allocator, self.prefix
-        for ring, evictable, evict in ((a.pages, lambda: c.evictable_full, c.evict),
-                                       (a.swa_attn_allocator.pages, lambda: c.evictable_swa, c.evict_swa)):
-            while not ring.has_room(pages):
-                short = (pages - ring.free_pages()) * p
-                if evictable() == 0:
-                    raise OutOfSlotsError(f"a forward needs {pages} pages in the {ring.name} pool, {ring.free_pages()} "
-                                          "are free and the prefix cache holds nothing evictable: admission reserved "
-                                          "less than the running requests take (a bug)")
-                evict(min(short, evictable()))
-
-    def _cache_prompts(self, rows: List[Row], lock: bool) -> None:
-        """Cache what each prompt chunk of this forward completed (whole pages). Before the release (`lock`
-        False) with all the SWA the request still holds, so a prefix other prompts share (a system prompt
-        ending inside the chunk) keeps its window until SWA eviction needs the room; after it (`lock`), the
-        request's lock moves to the new end, over its SWA from its new frontier on."""
-        for r in rows:
-            if r.prefix < len(r.req.prompt):
-                seq, row = r.prefix + r.n, r.req.row
-                if not lock:
-                    self.prefix.insert(r.req.prompt[:seq], self.cache.rtt.req_to_token[row, :seq],
-                                       int(self.slots.frontiers_cpu[row]))
-                else:
-                    r.req.lock = self.prefix.cache_running(r.req.prompt[:seq], self.cache.rtt, row, seq,
-                                                           int(self.slots.frontiers_cpu[row]), r.req.lock)
-
+    # ---- the forward's inputs ------------------------------------------------------------------
     def _allocate(self, rows: List[Row], ids: Optional[List[int]] = None
                   ) -> "tuple[StepLens, ForwardBatch, torch.Tensor, torch.Tensor]":
         """The forward's slots (`ForwardSlots`: one host copy, one allocator call, one req_to_token scatter), its
@@ -774,36 +678,7 @@ class Engine:
             self.prefix.check_integrity()
         # every row but the padding row is a running request's or free
         self.scheduler.check_integrity(self.cache.rtt.size - 1 - self.cache.rtt.available_size())
-        self._check_holders()
-
-    def _check_holders(self) -> None:
-        """The references the allocator counts are the holders': each running request one on every full page of
-        its first kv_len tokens and (hybrid pools) one on the SWA page of each of them from its frontier on; the
-        prefix cache one per page of the tokens it caches (`full_tokens`, `swa_tokens`). A page a step kept after
-        raising, or any other leak, makes the counts differ. Reads the device: tests only."""
-        a, p = self.cache.allocator, self.cache.plan.page_size
-        rtt = self.cache.rtt.req_to_token.cpu()
-        full_refs = a.pages.refs.cpu()
-        mapping = a.full_to_swa_index_mapping.cpu() if self.cache.hybrid else None
-        want_full = want_swa = 0
-        for req in self.scheduler.running:
-            locs = rtt[req.row, :req.kv_len]
-            pages = torch.unique(locs // p)
-            assert bool((full_refs[pages] >= 1).all()), f"request {req.rid} holds a full page that is not live"
-            want_full += pages.numel()
-            if mapping is not None:
-                swa_pages = torch.unique(mapping[locs[int(self.slots.frontiers_cpu[req.row]):]] // p)
-                assert bool((swa_pages > 0).all()), f"request {req.rid} lost an SWA slot from its frontier on"
-                want_swa += swa_pages.numel()
-        pools = [("full", full_refs, want_full, self.prefix.full_tokens if self.prefix is not None else 0)]
-        if mapping is not None:
-            pools.append(("SWA", a.swa_attn_allocator.pages.refs.cpu(), want_swa,
-                          self.prefix.swa_tokens if self.prefix is not None else 0))
-        for name, refs, running, cached in pools:
-            held = int(refs[refs >= 1].sum())
-            assert held == running + cached // p, \
-                f"{name} pool: the allocator counts {held} page references, the running requests hold {running} " \
-                f"and the prefix cache {cached // p}: a leak (or a holder lost its pages)"
+        check_holders(self.cache, self.scheduler.running, self.slots.frontiers_cpu, self.prefix)
 
 
 
