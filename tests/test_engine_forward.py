@@ -71,6 +71,10 @@ def test_bad_lengths_raise_typed_errors_before_anything_changes():
         s.plan_decode(rows, [3, 16])
     with pytest.raises(ShapeError, match="3 token ids for 5 new tokens"):
         s.plan_extend(ForwardMode.EXTEND, rows, [0, 0], [2, 3], ids=[1, 2, 3])
+    with pytest.raises(LocError, match=r"extend lengths must be >= 0: prefix \[0, 0\], new \[2, -1\]"):
+        s.plan_extend(ForwardMode.EXTEND, rows, [0, 0], [2, -1])
+    with pytest.raises(LocError, match=r"prefix \[-1, 0\]"):
+        s.plan_extend(ForwardMode.EXTEND, rows, [-1, 0], [2, 1])
     with pytest.raises(ShapeError, match="1 token ids for 2 requests"):
         s.plan_decode(rows, [3, 4], ids=[1])
     with pytest.raises(ShapeError, match="list 1 of a block of width 2 has 1 entries"):  # never broadcast

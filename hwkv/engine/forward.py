@@ -193,6 +193,8 @@ class ForwardSlots:
         seq = [p + n for p, n in zip(prefix, new)]
         self._check_context(max(seq, default=0))
         new_h = np.asarray(new, dtype=np.int64).reshape(-1)
+        if bs and (new_h.min() < 0 or min(prefix) < 0):
+            raise LocError(f"extend lengths must be >= 0: prefix {prefix}, new {new}")
         t = int(new_h.sum())
         # token i of request b sits at prefix[b] + (i - first token of b in the forward)
         pos = np.arange(t, dtype=np.int64) + np.repeat(np.asarray(prefix, dtype=np.int64) - np.cumsum(new_h) + new_h,
