@@ -118,6 +118,8 @@ def test_an_aborted_request_leaves_and_the_others_run_as_if_it_never_came(case):
 
 def test_a_finished_request_aborts_to_none_and_an_unknown_id_is_refused_with_nothing_changed():
     e = _engine(overlap=True)
+    with pytest.raises(ConfigError, match=r"abort: int 0 is not a request id of this engine \(it has given none yet\)"):
+        e.abort(0)
     prompts = _prompts()
     rids = [e.add_request(p, SamplingParams(max_new_tokens=2)) for p in prompts[1:]]
     done = []
@@ -128,7 +130,7 @@ def test_a_finished_request_aborts_to_none_and_an_unknown_id_is_refused_with_not
     before = (e.cache.held_slots(), e.cache.rtt.available_size(), list(e.requests), list(e.scheduler.waiting),
               list(e.scheduler.running), [(r.kv_len, r.pending, list(r.output)) for r in e.scheduler.running])
     for bad in (len(rids), -1, 10 ** 6, "0", 1.0, True, None):
-        with pytest.raises(ConfigError, match="not a request id"):
+        with pytest.raises(ConfigError, match=rf"not a request id of this engine \(ids run from 0 to {len(rids) - 1}\)"):
             e.abort(bad)
     after = (e.cache.held_slots(), e.cache.rtt.available_size(), list(e.requests), list(e.scheduler.waiting),
              list(e.scheduler.running), [(r.kv_len, r.pending, list(r.output)) for r in e.scheduler.running])

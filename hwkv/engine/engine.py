@@ -216,8 +216,8 @@ class Engine:
         if self._in_step:
             raise ConfigError(f"abort({rid!r}) inside a step: abort runs between steps")
         if isinstance(rid, bool) or not isinstance(rid, (int, np.integer)) or not 0 <= rid < self._next_rid:
-            raise ConfigError(f"abort: {shown(rid)} is not a request id of this engine (ids run from 0 to "
-                              f"{self._next_rid - 1})")
+            given = f"ids run from 0 to {self._next_rid - 1}" if self._next_rid else "it has given none yet"
+            raise ConfigError(f"abort: {shown(rid)} is not a request id of this engine ({given})")
         req = self.requests.get(int(rid))
         if req is None:
             return None
