@@ -5,12 +5,15 @@ extensions torch_npu and torch_musa are imported to be probed, where installed).
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from hwkv.req_to_token import ReqToTokenPool
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.layer import AttentionLayer
 from hwkv.loc import KVWriteLoc
+
+if TYPE_CHECKING:  # the backend module loads on first use, not with `import hwkv`
+    from hwkv.backend import AttentionBackend
 
 __version__ = "0.1.0"
 __all__ = ["ReqToTokenPool", "ForwardBatch", "ForwardMode", "AttentionLayer", "KVWriteLoc",
@@ -24,8 +27,11 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'hwkv' has no attribute {name!r}")
 
 
-def make_backend(pool: Any, req_to_token_pool: Any, device: Union[None, str, Any] = None, **options: Any) -> Any:
-    """Build the attention backend of `device` (a name, a DeviceSpec, or None for the current one)."""
+def make_backend(pool: Any, req_to_token_pool: Any, device: Union[None, str, Any] = None,
+                 **options: Any) -> "AttentionBackend":
+    """Build the attention backend of `device` (a name, a DeviceSpec, or None: the current device, or where the
+    pool lives elsewhere, e.g. a CPU pool on a GPU machine, the best available plugin for the pool's device).
+    DeviceError for an unknown or unavailable device, or one whose tensors are not the pool's."""
     from hwkv import devices
     from hwkv.errors import DeviceError
 

@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from hwkv.checks import check_int_dtype, check_loc
+from hwkv.checks import check_device, check_int_dtype, check_loc
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, LocError, NotAllocatedError, OutOfSlotsError
 from hwkv.pages import ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_SWA_RELEASED, NEVER, PageRing, page_ops_for
@@ -132,7 +132,7 @@ class PagedTokenToKVPoolAllocator:
     def __init__(self, size: int, page_size: int, device: Union[str, torch.device], name: str = "full") -> None:
         if not isinstance(page_size, int) or not isinstance(size, int) or page_size < 1 or size < 0 or size % page_size:
             raise ConfigError(f"size={size} must be a non-negative multiple of page_size={page_size} >= 1")
-        self.size, self.page_size, self.device = size, page_size, torch.device(device)
+        self.size, self.page_size, self.device = size, page_size, check_device(device)
         self.num_pages = size // page_size
         self.pages = PageRing(self.num_pages, page_size, self.device, name)
         self._ring_set: Tuple[PageRing, ...] = (self.pages,)  # `_rings()`; the hybrid allocator adds its SWA ring
@@ -505,15 +505,20 @@ class PagedTokenToKVPoolAllocator:
 
     def check_share(self, loc: torch.Tensor, with_swa: bool = True) -> None:
         """Raise what `share(loc, with_swa)` would refuse, changing nothing: for a share taken in several calls,
-        checked whole before the first (CPU, HWKV_DEBUG=1; with deferred checks the device op records it)."""
+        checked whole before the first (CPU, HWKV_DEBUG=1; with deferred checks the device op records it). A loc
+        whose page is not live is named as such (NotAllocatedError `loc ... is not live`), where `share` itself
+        still raises the free's DoubleFreeError."""
         loc = _check_loc_tensor(loc)
         if self.immediate and loc.numel():
-            self._check_free(loc, swa_required=with_swa and self._swa is not None, sharing=True)
+            self._check_free(loc, swa_required=with_swa and self._swa is not None, sharing=True, not_live=True)
 
-    def _check_free(self, loc: torch.Tensor, swa_required: bool, sharing: bool = False) -> np.ndarray:
+    def _check_free(self, loc: torch.Tensor, swa_required: bool, sharing: bool = False,
+                    not_live: bool = False) -> np.ndarray:
         """Raise what the device op would record, before anything changes (CPU, debug mode). `sharing`: a page
         whose SWA slots are gone cannot give them another holder (NotAllocatedError, not a double free).
-        Returns loc's pages (host array)."""
+        `not_live` (`check_share`, the prefix cache's checks before an insert or acquire): a page that is free or
+        never allocated is a NotAllocatedError naming the loc, not the free's DoubleFreeError (a share frees
+        nothing). Returns loc's pages (host array)."""
         full = self.pages
         loc_h = _host_view(loc)
         pages = loc_h // self.page_size  # repeats are harmless here
@@ -530,7 +535,12 @@ class PagedTokenToKVPoolAllocator:
         refs = _refs_view(full)[pages]
         for code, mask in ((ERR_NEVER, refs == NEVER), (ERR_DOUBLE_FREE, refs == 0)):
             if mask.any():
-                raise _err(code, int(pages[int(mask.argmax())]), self.page_size, full.name)
+                i = int(mask.argmax())
+                if not_live:
+                    raise NotAllocatedError(f"loc {int(loc_h[i])} ({full.name} page {int(pages[i])}) is not live "
+                                            f"({'never allocated' if code == ERR_NEVER else 'already free'}): only a "
+                                            "page that is held can be shared")
+                raise _err(code, int(pages[i]), self.page_size, full.name)
         if swa_required:
             gone = self._mapping_view()[pages * self.page_size] <= 0
             if gone.any():
@@ -594,11 +604,25 @@ def _check_fits_pool(size: int, size_swa: int, page_size: int, kvcache: object) 
                               f"({type(kvcache).__name__}); build both with the same sizes")
 
 
+def _check_pool_device(device: torch.device, kvcache: object) -> None:
+    """The allocator lives on its pool's device (type, and index where both name one): its full->SWA table becomes
+    the pool's translation table."""
+    theirs = getattr(kvcache, "device", None)
+    if theirs is None:
+        return
+    theirs = torch.device(theirs)
+    if device.type != theirs.type or (None not in (device.index, theirs.index) and device.index != theirs.index):
+        raise ConfigError(f"allocator device={str(device)!r} is not its pool's device {theirs} "
+                          f"({type(kvcache).__name__}): build both on one device (the allocator's "
+                          "full_to_swa_index_mapping becomes the pool's translation table)")
+
+
 class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     """Allocates each token a full slot and an SWA slot (equal in-page offsets) and owns the table."""
 
     def __init__(self, size: int, size_swa: int, page_size: int, device: Union[str, torch.device],
                  kvcache: object) -> None:
+        _check_pool_device(check_device(device), kvcache)  # before its table replaces the pool's
         super().__init__(size, page_size, device, "full")
         if not isinstance(size_swa, int) or size_swa < 0 or size_swa % page_size:
             raise ConfigError(f"size_swa={size_swa} must be a non-negative multiple of page_size={page_size}")

@@ -20,7 +20,7 @@ from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.checks import check_shape
 from hwkv.draft import DraftMetadataMixin
 from hwkv.env import HWKV_DEBUG
-from hwkv.errors import ConfigError, EvictedSlotError, ShapeError
+from hwkv.errors import ConfigError, EvictedSlotError, MissingSWALocError, ShapeError
 from hwkv.layer import AttentionLayer
 from hwkv.loc import KVWriteLoc, ListRefill, LocRuns, SWALocCache
 from hwkv.metadata import (ForwardMetadata, GraphViews, KeptRange, KVIndexList, LayerOutputs, StaticBuffers,
@@ -86,8 +86,9 @@ class AttentionBackend(DraftMetadataMixin):
         self._arange32 = KeptRange(torch.int32, self.device, 65)  # decode's qo_indptr, no allocation per forward
         # the pool's layers (an eager decode allocates their outputs at once: LayerOutputs); 0: not known
         self._layer_count = len(getattr(pool, "layers_mapping", ())) or int(getattr(pool, "layer_num", 0) or 0)
-        # per layer id: its pool group's (KV heads, head_dim, v_head_dim) and the buffers' device, read once
-        self._layer_geometry: Dict[int, Tuple[Tuple[int, int, int], torch.device]] = {}
+        # per layer id: its pool group's (KV heads, head_dim, v_head_dim), the buffers' device and whether the group
+        # is the SWA one, read once
+        self._layer_geometry: Dict[int, Tuple[Tuple[int, int, int], torch.device, bool]] = {}
 
     # ---- subclass hooks -------------------------------------------------------------------
     def alloc_graph_tables(self, static: StaticBuffers) -> Any:
@@ -438,7 +439,8 @@ class AttentionBackend(DraftMetadataMixin):
         """Write this layer's K/V through the pool, then attend: q [T, H, D] -> out [T, H, Dv].
 
         Everything per forward (translation, index lists, the write locs' check) happened in the
-        metadata step; a layer compares shapes (tuples), stores and launches its attention.
+        metadata step; a layer compares shapes (tuples), picks its list (a dict lookup), then stores and
+        launches its attention: every refusal comes before the store.
         """
         md = self.forward_metadata
         if md is None:
@@ -457,8 +459,18 @@ class AttentionBackend(DraftMetadataMixin):
             check_shape("q", q, (t, h, d))
         if not q.is_floating_point() or q.device != geo[1]:
             self._refuse_query(q, geo[1])
-        if layer.sinks is not None and (layer.sinks.device != geo[1] or not layer.sinks.is_floating_point()):
+        sinks = layer.sinks  # (checked at construction; again here, as a caller may assign another tensor since)
+        if sinks is not None and (sinks.device != geo[1] or not sinks.is_floating_point() or sinks.shape != (h,)
+                                  or not sinks.is_contiguous()):
             self._refuse_sinks(layer, geo[1])
+        # the list it reads (a tree verify run decode-like: one decode query per draft token over its own lists):
+        # picking it refuses an SWA-group layer whose window the backend was not built for, before the store
+        kmd = md if md.tree_decode is None else md.tree_decode
+        try:
+            kv = kmd.list_for(layer, geo[2])
+        except ConfigError:
+            self._refuse_list(layer, md, save_kv_cache and geo[2])
+            raise
         if save_kv_cache:
             if k is None or v is None:
                 raise ShapeError(f"layer {layer.layer_id}: save_kv_cache=True needs k and v")
@@ -474,23 +486,19 @@ class AttentionBackend(DraftMetadataMixin):
         out = q.new_empty(t, h, dv) if md.outputs is None else md.outputs.take(layer.layer_id, q, t, h, dv)
         if t == 0:
             return out
-        if md.tree_decode is not None:  # a tree verify as one decode query per draft token
-            dmd = md.tree_decode
-            self.forward_decode(q, layer, dmd.list_for(layer, self.is_swa_group(layer)), dmd, out)
-            return out
-        kv = md.list_for(layer, self.is_swa_group(layer))
-        if md.is_decode:
-            self.forward_decode(q, layer, kv, md, out)
+        if kmd.is_decode:  # (a tree verify's decode-like metadata is a decode)
+            self.forward_decode(q, layer, kv, kmd, out)
         else:
-            self.forward_extend(q, layer, kv, md, out)
+            self.forward_extend(q, layer, kv, kmd, out)
         return out
 
-    def _read_geometry(self, layer: AttentionLayer) -> Tuple[Tuple[int, int, int], torch.device]:
-        """The pool group's (KV heads, head_dim, v_head_dim) and device for this layer id (kept: a pool's
+    def _read_geometry(self, layer: AttentionLayer) -> Tuple[Tuple[int, int, int], torch.device, bool]:
+        """The pool group's (KV heads, head_dim, v_head_dim), device and SWA-ness for this layer id (kept: a pool's
         geometry never changes); a layer id the pool lacks is a ConfigError naming its ids."""
-        self.is_swa_group(layer)
+        swa = self.is_swa_group(layer)
         k_buf, v_buf = self.kv_buffers(layer)
-        geo = self._layer_geometry[layer.layer_id] = ((k_buf.shape[1], k_buf.shape[2], v_buf.shape[2]), k_buf.device)
+        geo = self._layer_geometry[layer.layer_id] = ((k_buf.shape[1], k_buf.shape[2], v_buf.shape[2]), k_buf.device,
+                                                      swa)
         return geo
 
     @staticmethod
@@ -508,11 +516,27 @@ class AttentionBackend(DraftMetadataMixin):
         raise ShapeError(f"q lives on {q.device}, the pool on {device}")
 
     @staticmethod
+    def _refuse_list(layer: AttentionLayer, md: ForwardMetadata, writes_swa: bool) -> None:
+        """An SWA-group layer to be stored through metadata that writes no SWA slots (a draft of full layers only)
+        is a MissingSWALocError, as the store would raise it; any other layer without its list keeps the
+        ConfigError `list_for` raised."""
+        if writes_swa and md.write_loc.swa_loc is None:
+            raise MissingSWALocError(f"layer {layer.layer_id} is an SWA layer but this forward's metadata has no "
+                                     "swa_loc and no window list (it was built for full layers only, e.g. a draft "
+                                     "without SWA layers); nothing was written") from None
+
+    @staticmethod
     def _refuse_sinks(layer: AttentionLayer, device: torch.device) -> None:
         sinks = layer.sinks
         if sinks.device != device:
             raise ShapeError(f"layer {layer.layer_id}: sinks live on {sinks.device}, the pool on {device}")
-        raise ShapeError(f"layer {layer.layer_id}: sinks are {sinks.dtype}, not floating point")
+        if not sinks.is_floating_point():
+            raise ShapeError(f"layer {layer.layer_id}: sinks are {sinks.dtype}, not floating point")
+        if sinks.shape != (layer.num_heads,):
+            raise ShapeError(f"layer {layer.layer_id}: sinks have shape {tuple(sinks.shape)}, expected "
+                             f"({layer.num_heads},) (one per query head)")
+        raise ShapeError(f"layer {layer.layer_id}: sinks have strides {tuple(sinks.stride())}; they must be "
+                         "contiguous (pass sinks.contiguous(), not a strided view)")
 
 
 class KernelSetBackend(AttentionBackend):

@@ -42,9 +42,11 @@ _REQUIRED = ("req_pool_indices", "seq_lens", "out_cache_loc")  # ForwardBatch fi
 class ForwardBatch:
     """One forward: requests' rows, lengths after this forward, and the new tokens' full-pool locs.
 
-    `extend_prefix_lens`/`extend_seq_lens` are required for extend-like modes; for DECODE each
-    request adds one token. `seq_lens_cpu`/`extend_seq_lens_cpu` (optional host copies, as engines
-    keep them) let the eager metadata step size its lists without a host sync.
+    `extend_seq_lens` is required for extend-like modes; for DECODE each request adds one token.
+    `extend_prefix_lens` is optional: the metadata steps derive each prefix as `seq_lens - extend_seq_lens`
+    (a graph runner copies it into its static batch when given). `seq_lens_cpu`/`extend_seq_lens_cpu`
+    (optional host copies, as engines keep them) let the eager metadata step size its lists without a
+    host sync.
     """
 
     forward_mode: ForwardMode

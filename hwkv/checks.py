@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence, Tuple, Union
 import torch
 
 from hwkv.env import HWKV_DEBUG
-from hwkv.errors import ConfigError, LocError, ShapeError
+from hwkv.errors import ConfigError, DeviceError, LocError, ShapeError
 
 
 def values_checkable(t: torch.Tensor) -> bool:
@@ -39,6 +39,38 @@ def as_int(x: Any) -> Optional[int]:
         return operator.index(x)
     except TypeError:
         return None
+
+
+def check_window(window: Any) -> int:
+    """A model's sliding window W as an int, 0 for none (None or <= 0); a value that is no integer (a float, a
+    string, a bool) is a ConfigError naming it."""
+    if window is None:
+        return 0
+    w = as_int(window)
+    if w is None:
+        raise ConfigError(f"window={window!r} must be an integer (the model's sliding_window W; None or 0: no window)")
+    return max(w, 0)
+
+
+def check_device(device: Union[str, torch.device]) -> torch.device:
+    """`device` as a torch.device whose runtime is present (DeviceError naming it and why not), before any
+    buffer is allocated on it."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise DeviceError(f"device={device!r} is not a torch device: {str(e).splitlines()[0]}") from None
+    if dev.type in ("cpu", "meta"):
+        return dev
+    mod = getattr(torch, dev.type, None)
+    available = getattr(mod, "is_available", None)
+    if available is not None and not available():
+        raise DeviceError(f"device={str(device)!r}: torch.{dev.type}.is_available() is False "
+                          f"(torch {torch.__version__}; see `hwkv info`)")
+    count = getattr(mod, "device_count", None)
+    if dev.index is not None and count is not None and dev.index >= count():
+        raise DeviceError(f"device={str(device)!r}: torch sees {count()} {dev.type} device(s), index {dev.index} "
+                          "is out of range")
+    return dev
 
 
 SMALL = 64  # integer tensors up to this many entries are read as a host list (no op dispatched) for their range

@@ -18,6 +18,14 @@ def _int_at_least_1(val: object) -> bool:
     return isinstance(val, numbers.Integral) and not isinstance(val, bool) and val >= 1
 
 
+def _finite_float(name: str, val: object, what: str) -> float:
+    """A finite real (numpy's too, not a bool) as a host float; else ConfigError naming it (a NaN or inf scale
+    would make every output NaN, silently)."""
+    if isinstance(val, bool) or not isinstance(val, numbers.Real) or not math.isfinite(val):
+        raise ConfigError(f"{name}={val!r} must be a finite number ({what}), got {type(val).__name__}")
+    return float(val)
+
+
 @dataclass(eq=False)
 class AttentionLayer:
     """Geometry and options of one attention layer; `sliding_window` is W in Hugging Face meaning."""
@@ -42,12 +50,18 @@ class AttentionLayer:
             if not (or_none and val is None) and not _int_at_least_1(val):
                 none = f" (or None for {or_none})" if or_none else ""
                 raise ConfigError(f"{name}={val!r} must be an int >= 1{none}")
+            if val is not None and val >= 2 ** 63:  # kernels and torch ops take it as int64
+                raise ConfigError(f"{name}={val!r} must be below 2**63")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         if self.scaling is None:
             self.scaling = 1.0 / math.sqrt(self.head_dim)
+        self.scaling = _finite_float("scaling", self.scaling, "the softmax scale; None for 1/sqrt(head_dim)")
         if self.v_head_dim is None:
             self.v_head_dim = self.head_dim
+        if self.sinks is not None and not isinstance(self.sinks, torch.Tensor):
+            raise ConfigError(f"sinks must be a torch.Tensor of shape ({self.num_heads},) (one per query head), got "
+                              f"{type(self.sinks).__name__} {self.sinks!r}")
         if self.sinks is not None and tuple(self.sinks.shape) != (self.num_heads,):
             raise ConfigError(f"sinks has shape {tuple(self.sinks.shape)}, expected ({self.num_heads},)")
         if self.sinks is not None and not self.sinks.is_contiguous():  # kernels read sinks + head

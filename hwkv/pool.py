@@ -7,8 +7,8 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 import torch
 
 from hwkv import ops
-from hwkv.checks import check_index_tensor, check_loc, check_scale, check_shape
-from hwkv.errors import CapacityError, ConfigError, DeviceError, LocError, MissingSWALocError, ShapeError
+from hwkv.checks import check_device, check_index_tensor, check_loc, check_scale, check_shape
+from hwkv.errors import CapacityError, ConfigError, LocError, MissingSWALocError, ShapeError
 from hwkv.loc import KVWriteLoc, ListRefill, LocRuns
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16) + ops.FP8_DTYPES
@@ -37,27 +37,6 @@ def _fmt_bytes(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n} B"
-
-
-def check_device(device: Union[str, torch.device]) -> torch.device:
-    """`device` as a torch.device whose runtime is present (DeviceError naming it and why not), before any
-    buffer is allocated on it."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as e:
-        raise DeviceError(f"device={device!r} is not a torch device: {str(e).splitlines()[0]}") from None
-    if dev.type in ("cpu", "meta"):
-        return dev
-    mod = getattr(torch, dev.type, None)
-    available = getattr(mod, "is_available", None)
-    if available is not None and not available():
-        raise DeviceError(f"device={str(device)!r}: torch.{dev.type}.is_available() is False "
-                          f"(torch {torch.__version__}; see `hwkv info`)")
-    count = getattr(mod, "device_count", None)
-    if dev.index is not None and count is not None and dev.index >= count():
-        raise DeviceError(f"device={str(device)!r}: torch sees {count()} {dev.type} device(s), index {dev.index} "
-                          "is out of range")
-    return dev
 
 
 def device_free_bytes(device: Union[str, torch.device], meminfo: str = "/proc/meminfo") -> Optional[int]:

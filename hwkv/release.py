@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from hwkv.allocator import SWATokenToKVPoolAllocator, _distinct, _host_view, _push_on_host, _refs_view
-from hwkv.checks import as_int, check_int_dtype
+from hwkv.checks import as_int, check_int_dtype, check_window
 from hwkv.errors import ConfigError, DoubleFreeError, LocError
 from hwkv.pages import PageRing
 from hwkv.torch_page_ops import I64, TORCH_OPS
@@ -29,14 +29,9 @@ def release_out_of_window_batch(allocator: SWATokenToKVPoolAllocator, req_to_tok
     captured step keeps them there: no gather or scatter around the release); a row may repeat only where
     it releases nothing (a graph bucket's padding).
     """
-    if window is None:
+    window = check_window(window)
+    if not window:
         return frontiers
-    w = as_int(window)
-    if w is None:
-        raise ConfigError(f"window={window!r} must be an integer (the model's sliding_window W; None or 0: no window)")
-    if w <= 0:
-        return frontiers
-    window = w
     if getattr(allocator, "_swa", None) is None:
         raise ConfigError(f"{type(allocator).__name__} has no SWA pool: an out-of-window release needs a "
                           "SWATokenToKVPoolAllocator")
@@ -155,8 +150,11 @@ def release_out_of_window(allocator: SWATokenToKVPoolAllocator, token_row: torch
                           frontier: int, window: int) -> int:
     """One request's out-of-window release (see `release_out_of_window_batch`); returns the new frontier."""
     p = allocator.page_size
-    if window is None or window <= 0:
+    if not check_window(window):
         return frontier
+    for name, value in (("frontier", frontier), ("seq_len", seq_len)):
+        if as_int(value) is None:
+            raise LocError(f"{name} {value!r} must be an integer")
     if frontier % p:
         raise LocError(f"frontier {frontier} is not a multiple of page_size {p}")
     dev = allocator.device

@@ -9,7 +9,7 @@ from typing import List, Sequence, Union
 
 import torch
 
-from hwkv.checks import as_int, check_int_dtype
+from hwkv.checks import as_int, check_device, check_int_dtype
 from hwkv.errors import ConfigError, DoubleFreeError, LocError, OutOfSlotsError
 from hwkv.torch_page_ops import I64
 
@@ -18,11 +18,12 @@ class ReqToTokenPool:
     """Rows of locs per request: `req_to_token[row, pos]` is the full-pool loc of token `pos`."""
 
     def __init__(self, size: int, max_context_len: int, device: Union[str, torch.device]) -> None:
-        if size < 1 or max_context_len < 1:
-            raise ConfigError(f"size={size} and max_context_len={max_context_len} must be >= 1")
-        self.size, self.max_context_len, self.device = size, max_context_len, torch.device(device)
-        self.req_to_token = torch.zeros(size, max_context_len, dtype=I64, device=self.device)
-        self._free = list(range(size - 1, -1, -1))
+        n, ctx = as_int(size), as_int(max_context_len)
+        if n is None or ctx is None or n < 1 or ctx < 1:
+            raise ConfigError(f"size={size!r} and max_context_len={max_context_len!r} must be integers >= 1")
+        self.size, self.max_context_len, self.device = n, ctx, check_device(device)
+        self.req_to_token = torch.zeros(n, ctx, dtype=I64, device=self.device)
+        self._free = list(range(n - 1, -1, -1))
 
     def available_size(self) -> int:
         return len(self._free)

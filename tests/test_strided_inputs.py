@@ -154,8 +154,36 @@ def test_every_layer_of_a_plan_refuses_strided_sinks(mode):
     table = torch.tensor([[0.5, -3.0], [2.0, 9.0], [-1.0, 4.0], [3.0, -2.0]])
     want = _two_layer_run(table[:, 0].contiguous(), mode)
     assert want.isfinite().all()
-    with pytest.raises(ShapeError, match=r"sinks must have a contiguous last dimension"):
+    with pytest.raises(ShapeError, match=r"layer 1: sinks have strides \(2,\); they must be contiguous"):
         _two_layer_run(table[:, 0], mode)
+
+
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+@pytest.mark.parametrize("bad", ["strided", "short", "square"])
+def test_sinks_reassigned_after_construction_are_refused_before_the_store(mode, bad):
+    """A layer's sinks replaced after construction (strided, or of the wrong shape: the dense CPU path had raised a
+    bare view error for [5] and run with [2, 2]) are refused by the template before the layer's K/V write."""
+    g = torch.Generator().manual_seed(1)
+    pool = MHATokenToKVPool(128, 1, torch.float32, KVH, D, 1, "cpu")
+    rtt = hwkv.ReqToTokenPool(4, 64, "cpu")
+    be = TritonBackend(pool, rtt)
+    seq, rows = torch.tensor([5, 3]), torch.arange(2)
+    rtt.req_to_token[0, :5] = torch.arange(1, 6)
+    rtt.req_to_token[1, :3] = torch.arange(6, 9)
+    loc = rtt.req_to_token[rows, seq - 1].clone()
+    ones = torch.ones(2, dtype=I64)
+    batch = (ForwardBatch(ForwardMode.DECODE, 2, rows, seq, loc, seq_lens_cpu=seq.clone()) if mode == "decode" else
+             ForwardBatch(ForwardMode.EXTEND, 2, rows, seq, loc, seq - 1, ones, seq_lens_cpu=seq.clone(),
+                          extend_seq_lens_cpu=ones))
+    layer = hwkv.AttentionLayer(0, H, KVH, D, sinks=torch.zeros(H))
+    layer.sinks = {"strided": torch.randn(H, 2, generator=g)[:, 0], "short": torch.zeros(H + 1),
+                   "square": torch.zeros(2, H // 2)}[bad]
+    before = [b.clone() for b in pool.k_buffer + pool.v_buffer]
+    q, k, v = (torch.randn(2, n, D, generator=g) for n in (H, KVH, KVH))
+    be.init_forward_metadata(batch)
+    with pytest.raises(ShapeError, match="layer 0: sinks have " + ("strides" if bad == "strided" else "shape")):
+        be.forward(q, k, v, layer, batch)
+    assert all(torch.equal(a, b) for a, b in zip(before, pool.k_buffer + pool.v_buffer))
 
 
 # ---- 3. strided batch tensors through the fused refill -----------------------------------------------------------
