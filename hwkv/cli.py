@@ -105,7 +105,7 @@ def info_data(paths_device: Optional[str] = None) -> dict[str, Any]:
         "cpu": {"amx": cpu.amx, "amx_reason": cpu.reason, "amx_flags": list(cpu.amx_flags),
                 "capability": cpu.capability, "sgl_kernel": cpu.sgl_kernel,
                 "attention_path": path, "attention_path_reason": why},
-        "layer_paths": layer_paths_data(specs, paths_device or device),
+        "layer_paths": layer_paths_data(specs, device if paths_device is None else paths_device),
         "torch": str(torch.__version__),
         "hwkv": _hwkv_version(),
         "python": platform.python_version(),
@@ -231,7 +231,7 @@ def run_info(args: argparse.Namespace) -> int:
     else:
         print_info_plain(data)
     if data["error"] is not None:
-        print(f"hwkv: error: {data['error']}", file=sys.stderr)
+        print(f"hwkv info: error: {one_line(data['error'])}", file=sys.stderr)
         return EXIT_ERROR
     return EXIT_OK
 

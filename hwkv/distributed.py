@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 import zlib
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -83,7 +83,9 @@ class CPShards:
     the per-layer calls agree across ranks too (one more collective per layer).
 
     Built by hand (tests do), it is checked (ShardError) and, for unequal sizes, derives `row_index` on the
-    CPU from `sizes` (each call then copies it to the gather's device; `cp_plan` builds it there once).
+    CPU from `sizes` (each call then copies it to the gather's device; `cp_plan` builds it there once). A
+    `row_index` given by hand must be the int64 tensor `sizes` gives (for equal sizes: None, or every row in
+    order), compared on the host once, here; `cp_plan`'s own (`_planned`) is taken as built.
     """
 
     rank: int
@@ -94,18 +96,20 @@ class CPShards:
     device_type: Optional[str] = None
     groups: Optional[Tuple[Optional[Dims], Optional[Dims]]] = None
     check_ranks: bool = False
+    # `_shards_from` only: row_index is the one `cp_plan` built from the agreed sizes (no host check per forward)
+    _planned: InitVar[bool] = False
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, _planned: bool) -> None:
         world = len(self.sizes)
         if not all(cpc.is_int(s) and s >= 0 for s in self.sizes):
             raise ShardError(f"CPShards: sizes must be ints >= 0, got {list(self.sizes)}")
         if not (cpc.is_int(self.rank) and 0 <= self.rank < world):
             raise ShardError(f"CPShards: rank {self.rank!r} is outside [0, {world}) (one per shard size)")
         if self.row_index is None:
-            object.__setattr__(self, "row_index", _row_index(self.sizes, torch.device("cpu")))
-        elif tuple(self.row_index.shape) != (self.num_tokens,):
-            raise ShardError(f"CPShards: row_index has shape {list(self.row_index.shape)}, expected "
-                             f"[{self.num_tokens}] (the gathered row of each token, sizes {list(self.sizes)})")
+            if not _planned:
+                object.__setattr__(self, "row_index", _row_index(self.sizes, torch.device("cpu")))
+        elif not _planned:
+            _checked_row_index(self.sizes, self.row_index)
 
     @property
     def world_size(self) -> int:
@@ -360,7 +364,7 @@ def _shards_from(table: List[List[int]], rank: int, device: torch.device, info: 
                                  f"swa_loc, those of ranks {[i for i, h in enumerate(has_swa) if h == 1]} have "
                                  "one: every rank passes its metadata step's KVWriteLoc")
     return CPShards(rank, sizes, _row_index(sizes, device), dtype=info["dtype"], device_type=info["device_type"],
-                    groups=info["groups"], check_ranks=any(r[6] for r in table))
+                    groups=info["groups"], check_ranks=any(r[6] for r in table), _planned=True)
 
 
 def _pool_groups(pool: Pool) -> Tuple[Optional[Dims], Optional[Dims], int]:
@@ -434,13 +438,45 @@ def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: Optional["di
 
 
 def _row_index(sizes: Sequence[int], device: torch.device) -> Optional[torch.Tensor]:
-    """For unequal shards, the gathered rows that hold tokens (rank r's at r * max_size + [0, sizes[r]))."""
+    """For unequal shards, the gathered rows that hold tokens (rank r's at r * max_size + [0, sizes[r])): built
+    on the host (whatever torch's default device), then copied to `device`."""
     m = max(sizes, default=0)
     if all(s == m for s in sizes):
         return None
-    rows = torch.arange(len(sizes) * m).view(len(sizes), m)
-    keep = torch.arange(m) < torch.tensor(list(sizes)).unsqueeze(1)
+    cpu = torch.device("cpu")
+    rows = torch.arange(len(sizes) * m, device=cpu).view(len(sizes), m)
+    keep = torch.arange(m, device=cpu) < torch.tensor(list(sizes), device=cpu).unsqueeze(1)
     return rows[keep].to(device)
+
+
+def _checked_row_index(sizes: Sequence[int], row_index: object) -> None:
+    """ShardError unless a hand-built `row_index` is the int64 tensor `sizes` gives (`_row_index`; for equal
+    sizes, every row in order), naming both; compared on the host, once per CPShards."""
+    if not isinstance(row_index, torch.Tensor) or row_index.dtype != torch.int64:
+        got = f"a {str(row_index.dtype).replace('torch.', '')} tensor" if isinstance(row_index, torch.Tensor) \
+            else type(row_index).__name__
+        raise ShardError(f"CPShards: row_index must be an int64 tensor, got {got} (the gathered row of each token, "
+                         f"sizes {list(sizes)}; leave it None to derive it)")
+    if row_index.device.type == "meta":
+        raise ShardError(f"CPShards: row_index is on the meta device, which holds no values (sizes {list(sizes)}; "
+                         "leave it None to derive it)")
+    t = sum(sizes)
+    if tuple(row_index.shape) != (t,):
+        raise ShardError(f"CPShards: row_index has shape {list(row_index.shape)}, expected "
+                         f"[{t}] (the gathered row of each token, sizes {list(sizes)})")
+    cpu = torch.device("cpu")
+    want = _row_index(sizes, cpu)
+    want = torch.arange(t, device=cpu) if want is None else want
+    have = row_index.to(cpu)
+    if not torch.equal(have, want):
+        raise ShardError(f"CPShards: row_index {_show(have)} is not the gathered row of each token for sizes "
+                         f"{list(sizes)} (expected {_show(want)}); leave it None to derive it")
+
+
+def _show(index: torch.Tensor, most: int = 16) -> str:
+    """An index as a list, its head only when long."""
+    items = index[:most].tolist()
+    return str(items) if index.numel() <= most else f"{str(items)[:-1]}, ... ({index.numel()} in all)]"
 
 
 def _rank_and_world(group: Optional["dist.ProcessGroup"]) -> Tuple[int, int]:
@@ -457,7 +493,7 @@ def _rank_and_world(group: Optional["dist.ProcessGroup"]) -> Tuple[int, int]:
 
 def _agree(row: Sequence[int], group: Optional["dist.ProcessGroup"], device: torch.device) -> List[List[int]]:
     """All-gather one int64 row per rank and read the table on the host: every rank gets the same verdict."""
-    mine = torch.tensor(list(row), dtype=torch.int64).to(device)
+    mine = torch.tensor(list(row), dtype=torch.int64, device=device)
     table = torch.empty(dist.get_world_size(group) * len(row), dtype=torch.int64, device=device)
     _all_gather_single(table, mine, group)
     return table.view(-1, len(row)).tolist()

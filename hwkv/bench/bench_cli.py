@@ -487,14 +487,21 @@ def _run_serve(args: argparse.Namespace) -> int:
             lines.append(f"| {r.method} | failed: {r.error} |")
             continue
         reused = f"{r.reused_tokens:,} of {r.prompt_tokens:,}" if r.method.startswith("hwkv") else "-"
-        lines.append(f"| {r.method} | {r.tokens_per_s:,.1f} | {r.ttft_p50_ms} | {r.ttft_p99_ms} | {r.tpot_p50_ms} | "
-                     f"{r.tpot_p99_ms} | {reused} | {r.wall_s} |")
-    _emit(args, res.to_dict(), title, cols, lines)
+        ms = [_or_na(x) for x in (r.ttft_p50_ms, r.ttft_p99_ms, r.tpot_p50_ms, r.tpot_p99_ms)]
+        lines.append(f"| {r.method} | {r.tokens_per_s:,.1f} | {' | '.join(ms)} | {reused} | {r.wall_s} |")
+    _emit(args, res.to_dict(), title, cols, lines, res.notes)
     return 0
 
 
-def _emit(args: argparse.Namespace, data: dict, title: str, cols: Sequence[str], lines: List[str]) -> bool:
-    """A workload's result: its JSON with --json (returns True), else the title and a markdown table."""
+def _or_na(value: Optional[float]) -> str:
+    """A table cell: the value, or "n/a" where there is none (the table's notes say why)."""
+    return "n/a" if value is None else str(value)
+
+
+def _emit(args: argparse.Namespace, data: dict, title: str, cols: Sequence[str], lines: List[str],
+          notes: Sequence[str] = ()) -> bool:
+    """A workload's result: its JSON with --json (returns True), else the title, a markdown table and its
+    notes."""
     import json
 
     if args.json:
@@ -504,6 +511,8 @@ def _emit(args: argparse.Namespace, data: dict, title: str, cols: Sequence[str],
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for line in lines:
         print(line)
+    for note in notes:
+        print(f"note: {note}")
     return False
 
 

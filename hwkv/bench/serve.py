@@ -132,10 +132,13 @@ class ServeResult:
     device: str
     workload: ServeWorkload
     rows: List[ServeRow] = field(default_factory=list)
+    # what a reader needs to read the rows (a value that is null, and why)
+    notes: List[str] = field(default_factory=list)
 
     def to_dict(self) -> Dict[str, Any]:
         return {"schema": "hwkv-bench-serve/1", "model": self.model, "device": self.device,
-                "workload": asdict(self.workload), "rows": [asdict(r) for r in self.rows]}
+                "workload": asdict(self.workload), "rows": [asdict(r) for r in self.rows],
+                "notes": list(self.notes)}
 
 
 def _pct(xs: List[float], q: float) -> Optional[float]:
@@ -206,9 +209,52 @@ def serve_hwkv(model: Any, trace: List[TraceRequest], w: ServeWorkload, prefix_c
     return row
 
 
+RESULT_STALL_S = 600.0  # transformers' baseline fails when no result arrives for this long
+
+
+def collect_results(manager: Any, ids: List[str], what: str) -> Dict[str, Any]:
+    """The result of each of `ids` from transformers' continuous batching manager, in the order they finish.
+
+    Results are taken from the head of its output queue (`get_result()` without an id): with an id,
+    transformers (5.25) puts another request's result back and returns None, which is "not this one yet",
+    not a failure; None from an empty queue is "none finished yet". RuntimeError (`what`: how the ids are
+    named) on a request's own error, the manager's fatal error, its loop ending with results missing, or
+    no result for RESULT_STALL_S seconds.
+    """
+    want = set(ids)
+    got: Dict[str, Any] = {}
+
+    def missing() -> str:
+        left = [i for i in ids if i not in got]
+        return f"{len(left)} of {len(ids)} {what}s missing (first {left[0]})"
+
+    last = time.monotonic()
+    while len(got) < len(want):
+        left = RESULT_STALL_S - (time.monotonic() - last)
+        if left <= 0:
+            raise RuntimeError(f"transformers gave no result for {RESULT_STALL_S:g} s: {missing()}")
+        out = manager.get_result(timeout=min(left, 1.0))
+        if out is None:
+            fatal = getattr(getattr(manager, "background_thread_status", None), "fatal_error", None)
+            if fatal is not None:
+                raise RuntimeError(f"transformers' generation loop failed: {fatal!r}") from fatal
+            if not manager.is_running():
+                raise RuntimeError(f"transformers' generation loop stopped: {missing()}")
+            continue
+        if out.request_id not in want or out.request_id in got:
+            raise RuntimeError(f"transformers returned an unexpected result for {out.request_id!r} (not awaited, "
+                               f"or a second one) while {missing()}")
+        if out.error:
+            raise RuntimeError(f"{what} {out.request_id}: {out.error}")
+        got[out.request_id] = out
+        last = time.monotonic()
+    return got
+
+
 def serve_transformers(model: Any, trace: List[TraceRequest], w: ServeWorkload) -> ServeRow:
     """The trace through transformers' continuous batching manager (paged cache), requests added at their
-    arrival; token times from its own timestamps."""
+    arrival, results collected as they finish (`collect_results`, the warm-up's too); token times from its
+    own timestamps."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     cfg = GenerationConfig(max_new_tokens=w.new_tokens, min_new_tokens=w.new_tokens, do_sample=False,
@@ -223,11 +269,10 @@ def serve_transformers(model: Any, trace: List[TraceRequest], w: ServeWorkload) 
     manager = model.init_continuous_batching(generation_config=cfg, continuous_batching_config=cbc)
     manager.start()
     try:
-        warm = _warm_up(trace, w)  # untimed, as hwkv's warm-up
+        warm = _warm_up(trace, w)  # untimed, as hwkv's warm-up, and over before the clock starts
         for k, r in enumerate(warm):
             manager.add_request(r.prompt, request_id=f"warm-up-{k}", max_new_tokens=min(4, w.new_tokens))
-        for k in range(len(warm)):
-            manager.get_result(request_id=f"warm-up-{k}", timeout=600)
+        collect_results(manager, [f"warm-up-{k}" for k in range(len(warm))], "warm-up request")
         i, t0 = 0, time.perf_counter()
         while i < len(trace):
             now = time.perf_counter() - t0
@@ -238,10 +283,9 @@ def serve_transformers(model: Any, trace: List[TraceRequest], w: ServeWorkload) 
                                 record_timestamps=True)
             i += 1
         done = []
+        results = collect_results(manager, [str(k) for k in range(len(trace))], "request")
         for k in range(len(trace)):
-            out = manager.get_result(request_id=str(k), timeout=600)
-            if out is None or out.error:
-                raise RuntimeError(f"request {k}: {None if out is None else out.error}")
+            out = results[str(k)]
             stamps = out.timestamps or [out.lifespan[1]]
             done.append((trace[k].arrival_s, stamps[0] - t0, stamps[-1] - t0, len(out.generated_tokens)))
         wall = max(e for _, _, e, _ in done)
@@ -290,4 +334,9 @@ def run_serve(model: Any, w: ServeWorkload, device: str, model_name: str, baseli
         except Exception as e:  # reported in its row: an API this transformers lacks, or its own failure
             res.rows.append(ServeRow("transformers generate_batch (continuous batching)", len(trace),
                                      error=f"{type(e).__name__}: {str(e)[:300]}"))
+    no_tpot = [r.method for r in res.rows if r.error is None and r.tpot_p50_ms is None]
+    if no_tpot:
+        res.notes.append(f"TPOT n/a for {', '.join(no_tpot)}: no request generated more than one token (new tokens "
+                         f"per request: {w.new_tokens}), so there is no time between output tokens to measure "
+                         "(null in --json)")
     return res
