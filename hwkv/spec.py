@@ -17,7 +17,7 @@ kernel is window-exact over the list with no mask at all (`tree_decode_list`, on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, Dict, NamedTuple, Optional
 
 import torch
 
@@ -291,7 +291,8 @@ def accept_draft_tokens(allocator: Any, pool: Any, req_to_token: torch.Tensor, r
     `check_integrity`): such a request keeps its first accept_lens[b] drafts in place (nothing leaks),
     and one whose drafts were already accepted is left as it is (nothing freed, its row and K/V as they were).
     Arguments that are not integer tensors of the batch's shape, host lengths out of range and (where values
-    are checkable: CPU, HWKV_DEBUG) rows outside req_to_token raise ShapeError / LocError before anything changes.
+    are checkable: CPU, HWKV_DEBUG) rows outside req_to_token or one row named twice raise ShapeError / LocError
+    before anything changes.
     """
     bs, n, pre_cpu, acc_cpu = _check_accept_args(req_to_token, req_pool_indices, prefix_lens, accept_index,
                                                  accept_lens, prefix_lens_cpu, accept_lens_cpu)
@@ -362,7 +363,8 @@ def _check_accept_args(req_to_token: torch.Tensor, req_pool_indices: torch.Tenso
                        accept_index: torch.Tensor, accept_lens: torch.Tensor, prefix_lens_cpu: torch.Tensor,
                        accept_lens_cpu: torch.Tensor) -> "tuple[int, int, torch.Tensor, torch.Tensor]":
     """accept_draft_tokens' arguments against each other and req_to_token (ShapeError, LocError): integer tensors
-    of the batch's shape, host lengths in range, rows in range (their values where checkable: CPU, HWKV_DEBUG).
+    of the batch's shape, host lengths in range, rows in range and distinct (their values where checkable: CPU,
+    HWKV_DEBUG).
     Returns (requests, drafts per request, host int64 prefix lengths, host int64 accept lengths)."""
     args = (("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens), ("accept_index", accept_index),
             ("accept_lens", accept_lens), ("prefix_lens_cpu", prefix_lens_cpu), ("accept_lens_cpu", accept_lens_cpu))
@@ -394,6 +396,15 @@ def _check_accept_args(req_to_token: torch.Tensor, req_pool_indices: torch.Tenso
         raise ShapeError(f"drafts reach position {int((pre_cpu + n).max())}, past max_context_len "
                          f"{req_to_token.shape[1]}")
     check_rows(req_pool_indices, req_to_token.shape[0])
+    if bs > 1 and values_checkable(req_pool_indices):  # one row named twice: the second entry frees what the first
+        rows = req_pool_indices.tolist()                  # keeps and leaves a hole in the row
+        if len(set(rows)) != bs:
+            seen: Dict[int, int] = {}
+            for i, r in enumerate(rows):
+                if r in seen:
+                    raise ShapeError(f"req_pool_indices name request row {r} twice (entries {seen[r]} and {i}): "
+                                     "an accept takes each request once")
+                seen[r] = i
     return bs, n, pre_cpu, acc_cpu
 
 

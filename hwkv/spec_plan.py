@@ -15,6 +15,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from hwkv.batch import ForwardBatch, ForwardMode
+from hwkv.checks import value_range, values_checkable
 from hwkv.errors import ConfigError, ShapeError
 from hwkv.metadata import ForwardMetadata, KVIndexList
 from hwkv.spec import (DraftTree, MultiStepDraft, TreeDecodeBuffers, TreeMask, alloc_tree_decode, build_tree_mask,
@@ -39,9 +40,10 @@ class TreePlanner:
     def check(self, batch: ForwardBatch, ext_cpu: Optional[torch.Tensor]) -> Optional[int]:
         """What the batch's spec_info asks of the plain metadata step, checked before anything is built or refilled:
         None (returns None), or a DraftTree of a TARGET_VERIFY forward on the pool's device whose mask fits the
-        batch (returns the mask's length). ext_cpu: the host extend lengths (eager), or None (graph mode: equal
-        draft counts per request, the mask's length is static). A MultiStepDraft takes the draft metadata step;
-        any other spec_info is refused (ConfigError)."""
+        batch (returns the mask's length). ext_cpu: the host extend lengths (eager), or None (graph mode: the
+        batch's own host copy when it has one, checked as eager; else equal draft counts per request, the mask's
+        length static, the lengths read where values are checkable: CPU, HWKV_DEBUG). A MultiStepDraft takes the
+        draft metadata step; any other spec_info is refused (ConfigError)."""
         info = batch.spec_info
         if info is None:
             return None
@@ -58,8 +60,16 @@ class TreePlanner:
             raise ShapeError(f"DraftTree.mask lives on {info.mask.device}, the pool on {self.backend.device}")
         if ext_cpu is not None:
             return check_tree(info, ext_cpu, self.backend.debug)
+        if batch.extend_seq_lens_cpu is not None:  # graph mode with the host lengths: the eager step's exact check
+            return check_tree(info, batch.extend_seq_lens_cpu, self.backend.debug and values_checkable(info.mask))
         total = int(info.mask.shape[0])
-        per = batch.num_tokens // max(batch.batch_size, 1)
+        bs = batch.batch_size
+        per = batch.num_tokens // max(bs, 1)
+        ext = batch.extend_seq_lens
+        if bs and ext is not None and values_checkable(ext) and (
+                batch.num_tokens != bs * per or value_range(ext) != (per, per)):
+            raise ShapeError(f"a graph verify takes equal draft counts per request: extend_seq_lens are "
+                             f"{ext.tolist()}, {batch.num_tokens} tokens over {bs} requests")
         if total != batch.batch_size * per * per:
             raise ShapeError(f"DraftTree.mask has {total} entries; {batch.batch_size} requests of {per} draft "
                              f"tokens need {batch.batch_size * per * per}")

@@ -173,3 +173,22 @@ def test_bad_accept_arguments_raise_typed_errors_and_change_nothing(immediate, c
         accept_draft_tokens(s.a, s.pool, s.rtt.req_to_token, rows, **args)
     assert s.unchanged(snap) and all(torch.equal(a, b) for a, b in zip(kv, kv_state(s)))
     s.a.check_integrity()
+
+
+@pytest.mark.parametrize("immediate", [True, False])
+@pytest.mark.parametrize("page", [1, 4])
+def test_a_request_row_named_twice_raises_before_any_change(page, immediate):
+    """Two batch entries of one request row: the second had freed a draft slot the first keeps and left the row
+    with a hole (its new length naming a position of no slot). Where the rows' values are checkable (CPU, as for
+    the row range), a ShapeError naming the row, before anything changes (deferred allocator mode included)."""
+    s = Setup(page, immediate)
+    row = s.rows[0]
+    rows = torch.stack([row, row])
+    prefix = torch.tensor([5, 5], dtype=I64)
+    lens = torch.tensor([2, 1], dtype=I64)
+    snap, kv = s.snapshot(), kv_state(s)
+    with pytest.raises(ShapeError, match=rf"req_pool_indices name request row {int(row)} twice \(entries 0 and 1\)"):
+        accept_draft_tokens(s.a, s.pool, s.rtt.req_to_token, rows, prefix, torch.tensor([[0, 1, 0, 0], [0, 0, 0, 0]]),
+                            lens, prefix_lens_cpu=prefix, accept_lens_cpu=lens)
+    assert s.unchanged(snap) and all(torch.equal(a, b) for a, b in zip(kv, kv_state(s)))
+    s.a.check_integrity()

@@ -134,6 +134,30 @@ def test_a_graph_verify_tree_of_the_wrong_size_changes_no_static_buffer():
     assert_unchanged(h, before)
 
 
+@pytest.mark.parametrize("host_copy", [True, False], ids=["host lengths", "device lengths"])
+def test_a_graph_verify_tree_over_ragged_draft_counts_is_refused_before_the_refill(host_copy):
+    """Extend lengths [2, 3] with a mask of 8 entries: bs * per^2 = 2 * 2^2 passes the static size check, but the
+    draft counts need sum(n^2) = 13 (as the eager step says). With the host copy the exact check runs; without it
+    the lengths are read where values are checkable (CPU) and must all equal tokens // batch."""
+    h, rids = harness()
+    be = h.backend
+    be.init_graph_state(2, 8)
+    good = h.make_batch(rids, [3, 3], VERIFY)
+    good.spec_info = DraftTree.from_parents([[-1, 0, 0], [-1, 0, 1]])
+    be.init_forward_metadata_graph(good, max_q_len=3)     # what a captured graph's buffers hold
+    bad = h.make_batch(rids, [2, 3], VERIFY)
+    bad.spec_info = DraftTree.from_parents([[-1, 0], [-1, 0]])
+    if not host_copy:
+        bad = dataclasses.replace(bad, extend_seq_lens_cpu=None, seq_lens_cpu=None)
+    match = (r"DraftTree.mask has 8 entries; the draft tokens per request \[2, 3\] need sum\(n\^2\) = 13" if host_copy
+             else r"a graph verify takes equal draft counts per request: extend_seq_lens are \[2, 3\], 5 tokens "
+                  r"over 2 requests")
+    before = snapshot(h)
+    with pytest.raises(ShapeError, match=match):
+        be.init_forward_metadata_graph(bad)
+    assert_unchanged(h, before)
+
+
 # ---- D3: draft lengths and rows, eager and graph ----------------------------------------------------------------
 BAD_DRAFTS = [
     ("last step past the row", dict(seq=[7, 15]), ShapeError, r"seq_lens\[1\] is 15.*3 draft steps.*17.*16"),

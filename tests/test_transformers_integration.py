@@ -442,6 +442,57 @@ def test_attention_function_needs_the_runner(saved):
         runner.step()
 
 
+@pytest.mark.parametrize("first_closed", ["opened first", "opened last"])
+def test_two_runners_on_one_model_keep_hwkv_attention_until_the_last_closes(first_closed, saved, prompts):
+    """Two runners open on one model: closing either leaves the other decoding through hwkv (right tokens), and the
+    model gets its own attention implementation back only when the last one closes (whichever order)."""
+    model = _load(saved["gemma3"])
+    p = SamplingParams(max_new_tokens=8)
+    with HybridRunner(model, max_running=2, context=48) as ref:
+        want = [r.tokens for r in ref.generate(prompts[:2], p)]
+    assert model.config._attn_implementation == "eager"
+    r1 = HybridRunner(model, max_running=2, context=48)
+    r2 = HybridRunner(model, max_running=2, context=48)
+    gone, left = (r1, r2) if first_closed == "opened first" else (r2, r1)
+    gone.close()
+    assert model.config._attn_implementation == "hwkv"
+    assert [r.tokens for r in left.generate(prompts[:2], p)] == want
+    left.check_integrity()
+    left.close()
+    assert model.config._attn_implementation == "eager"
+    gone.close()  # closing twice changes nothing
+    assert model.config._attn_implementation == "eager"
+
+
+def test_a_forward_that_ran_no_hwkv_layer_is_a_config_error_and_changes_nothing(saved, prompts):
+    """The model's attention switched away from hwkv while a runner is open (set_attn_implementation): its forward
+    ran transformers' own attention over the packed row (wrong tokens, silently); now the step raises ConfigError
+    naming the implementation, gives back what it allocated, and runs again once hwkv attention is back."""
+    from test_engine_defects import _snapshot, _unchanged
+
+    model = _load(saved["gemma2"])
+    p = SamplingParams(max_new_tokens=8)
+    with HybridRunner(model, max_running=2, context=48) as ref:
+        want = [r.tokens for r in ref.generate(prompts[:2], p)]
+    with HybridRunner(model, max_running=2, context=48) as runner:
+        rids = [runner.add_request(q, p) for q in prompts[:2]]
+        out = {}
+        for _ in range(3):
+            out.update((r.rid, r.tokens) for r in runner.step())
+        model.set_attn_implementation("eager")
+        before = _snapshot(runner)
+        with pytest.raises(ConfigError, match="no layer ran hwkv attention.*'eager'"):
+            runner.step()
+        assert _unchanged(_snapshot(runner), before)
+        runner.check_integrity()
+        model.set_attn_implementation("hwkv")
+        while runner.has_work():
+            out.update((r.rid, r.tokens) for r in runner.step())
+            runner.check_integrity()
+        assert [out[r] for r in rids] == want
+    assert model.config._attn_implementation == "eager"
+
+
 def _cli(capsys, *argv: str):
     code = cli.main(["generate", *argv, "--no-progress"])
     out, err = capsys.readouterr()

@@ -22,7 +22,7 @@ import torch
 
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.cache import HybridPrefixCache
-from hwkv.engine.drafters import Drafter
+from hwkv.engine.drafters import Drafter, TokenHistory, draft_ids
 from hwkv.engine.forward import HOST, ForwardSlots, StepLens, pack
 from hwkv.engine.inputs import batch_sizes, prompt_ids, release_window, shown
 from hwkv.engine.integrity import check_holders
@@ -65,8 +65,9 @@ class Engine:
     and release included (`hwkv.step_graph.DecodeStepGraph`; None: wherever the graph can hold them, i.e. the
     allocator has the device's page-op kernels or the adapter replays eagerly), else graphs of the layers
     only (`hwkv.graph.GraphRunner`). `draft`: speculative verify (see `_verify`): a callable (tokens so far, k)
-    -> up to k draft ids (`hwkv.engine.drafters`), `num_draft` = k; the tokens stay greedy decoding's (with the
-    whole-step graph, a verify of k drafts replays a `hwkv.step_graph.VerifyStepGraph`)."""
+    -> up to k draft ids (`hwkv.engine.drafters`; the tokens so far are the request's `TokenHistory`, a read-only
+    sequence), `num_draft` = k; the tokens stay greedy decoding's (with the whole-step graph, a verify of k drafts
+    replays a `hwkv.step_graph.VerifyStepGraph`)."""
 
     closed = False
     _in_step = False  # a step is running (`abort` refuses then)
@@ -479,19 +480,25 @@ class Engine:
         agrees with plus the model's next token are kept, the rest of the drafts' slots freed
         (`accept_draft_tokens`) before the out-of-window release, which runs on the accepted lengths. A stop
         token or max_new_tokens inside the accepted run ends the request there. Returns the finished requests
-        and the tokens added; None: no drafter proposed anything, or the pools have no room for the drafts now
-        (the step runs as a plain decode)."""
+        and the tokens added; None: the pools have no room for the drafts, not even once the prefix cache evicts
+        (checked before the drafter runs), or no drafter proposed anything (the step runs as a plain decode).
+        The drafter gets each request's `TokenHistory` (made once per request, grown by its outputs) and what it
+        returns is checked (`draft_ids`: ConfigError before anything changed)."""
+        if not self._room_for_drafts(rows, k):
+            return None
         drafts, found = [], False
         for r in rows:
-            d = [int(t) for t in self.draft(r.req.prompt + r.req.output, k)][:k]
-            bad = [t for t in d if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ConfigError(f"the drafter proposed token id {bad[0]}, outside the vocabulary [0, "
-                                  f"{self.vocab_size})")
+            req = r.req
+            if req.history is None:
+                req.history = TokenHistory(req.prompt, req.output)
+            d = draft_ids(self.draft(req.history, k), k, self.vocab_size)
             found = found or bool(d)
-            drafts.append(d + [r.req.output[-1]] * (k - len(d)))  # padding: checked like any draft
-        if not found or not self.cache.allocator.has_room(self.scheduler.new_pages([r.prefix for r in rows], k + 1)):
+            drafts.append(d + [req.output[-1]] * (k - len(d)))  # padding: checked like any draft
+        if not found:
             return None
+        verify_rows = [Row(r.req, r.prefix, k + 1, True) for r in rows]
+        if self._prefixing is not None:  # as a plain step: cached K/V evicted where the drafts' pages need it
+            self._prefixing.make_room(verify_rows)
         bs = len(rows)
         ids = [t for r, d in zip(rows, drafts) for t in [r.req.output[-1]] + d]
         graph = self.verify_graph
@@ -501,7 +508,7 @@ class Engine:
                 logits, rows_dev = self.slots.replay_verify(graph, [r.req.row for r in rows],  # layers
                                                             [r.prefix for r in rows], ids)
             else:
-                _, batch, ids_dev, pos_dev = self._allocate([Row(r.req, r.prefix, k + 1, True) for r in rows], ids)
+                _, batch, ids_dev, pos_dev = self._allocate(verify_rows, ids)
                 self.cache.backend.init_forward_metadata(batch)
                 logits, rows_dev = self.model_step(batch, ids_dev, pos_dev, 0), batch.req_pool_indices
             pred = logits.argmax(dim=-1).view(bs, k + 1).tolist()  # the one wait
@@ -540,6 +547,20 @@ class Engine:
         self._inflight.append(self._send_held([], self._block(), ForwardMode.TARGET_VERIFY))
         self.stats.record_drafts(bs, bs * k, sum(accepted))
         return earlier + self._finish(done), used_all
+
+    def _room_for_drafts(self, rows: List[Row], k: int) -> bool:
+        """Whether the pools can take each row's last token and k drafts: in the free pages (the host's bound of
+        them first; the device is read only when it says maybe not), or with what the prefix cache can evict."""
+        pages = self.scheduler.new_pages([r.prefix for r in rows], k + 1)
+        a = self.cache.allocator
+        if a.has_room(pages):
+            return True
+        if self._prefixing is None:
+            return False
+        full, swa = self._prefixing.evictable()
+        p = self.cache.plan.page_size
+        return all(ring.has_room(pages) or ring.free_pages() + evictable // p >= pages
+                   for ring, evictable in ((a.pages, full), (a.swa_attn_allocator.pages, swa)))
 
     def clear_prefix_cache(self) -> int:
         """Evict everything the prefix cache holds that no running request uses; returns the tokens evicted."""

@@ -17,6 +17,7 @@ from hwkv.req_to_token import ReqToTokenPool
 from hwkv.engine.plan import cache_lock_tokens, format_bytes, parse_bytes, plan, round_up, swa_tokens_per_request
 from hwkv.engine.presets import ModelShape
 from hwkv.errors import ConfigError
+from hwkv.checks import check_device
 from hwkv.pool import MHATokenToKVPool, SWAKVPool, device_free_bytes
 
 # The default KV budget (no memory= given) is what the requests need, capped at a fraction of the device's free
@@ -101,14 +102,17 @@ def default_memory_cap(device: torch.device) -> int:
 
 
 def plan_pools(shape: ModelShape, *, context: int, max_running: int, chunk: int, page_size: int,
-               memory: Union[None, int, str], device: torch.device, prefix_cache: bool = False) -> PoolPlan:
+               memory: Union[None, int, str], device: Union[str, torch.device],
+               prefix_cache: bool = False) -> PoolPlan:
     """Size the pools: `memory` (bytes or '2GiB'; more than the device has free is a ConfigError), or by default
     what `max_running` requests of `context` tokens need, capped by `default_memory_cap`; fewer rows when fewer
-    fit. `prefix_cache`: room for each request's cache lock window in the SWA pool too."""
+    fit. `prefix_cache`: room for each request's cache lock window in the SWA pool too. `device`: a torch.device
+    or its name, as the pools take it (DeviceError when it is none, or its runtime is absent)."""
     for label, value in (("context", context), ("max_running", max_running), ("chunk", chunk),
                          ("page_size", page_size)):
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"{label} must be an integer >= 1, got {value!r}")
+    device = check_device(device)
     if memory is None:
         need = kv_bytes_needed(shape, context, page_size, max_running, chunk, prefix_cache)
         budget = min(need, default_memory_cap(device))

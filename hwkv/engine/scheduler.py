@@ -44,6 +44,7 @@ class Request:
     lock: Any = None               # its HybridPrefixCache lock (prefix caching)
     reused: int = 0                # prompt tokens it took from the prefix cache
     prompt_np: Optional[np.ndarray] = field(default=None, repr=False)  # the prompt as int64, made at its first chunk
+    history: Any = field(default=None, repr=False)  # its TokenHistory (prompt + output) for a drafter, made once
 
     @property
     def kv_needed(self) -> int:

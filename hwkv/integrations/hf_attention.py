@@ -69,11 +69,13 @@ class LayerTable:
 
 @dataclass
 class ForwardContext:
-    """What one forward hands every layer: the backend (metadata initialised for `batch`) and the layers."""
+    """What one forward hands every layer: the backend (metadata initialised for `batch`) and the layers; `calls`
+    counts the layer calls hwkv served (the runner refuses a forward with none: the model ran another attention)."""
 
     backend: Any
     batch: ForwardBatch
     table: LayerTable
+    calls: int = 0
 
     def attend(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: Optional[float], sliding_window: Optional[int], softcap: Optional[float],
@@ -83,6 +85,7 @@ class ForwardContext:
         if query.shape[0] != 1:
             raise ShapeError(f"hwkv attention takes the batch packed into one row (B=1), got query {list(query.shape)}")
         layer = self.table.get(module, query, key, value, scaling, sliding_window, softcap, sinks)
+        self.calls += 1
         out = self.backend.forward(_tokens_major(query), _tokens_major(key), _tokens_major(value), layer, self.batch)
         return out.unsqueeze(0)
 

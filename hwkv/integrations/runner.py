@@ -4,10 +4,14 @@ The step loop is `hwkv.engine.engine.Engine`'s; this class reads the model's lay
 config, plans and builds the pools, serves the model's attention through hwkv (the model runs with every
 request packed into one row, B=1, position_ids per token, `use_cache=False`: attention is the only place
 tokens meet, and hwkv does it per request) and captures decode graphs where the device has them. The model's
-attention implementation is "hwkv" while the runner is open; `close()` restores it.
+attention implementation is "hwkv" while a runner is open on it; the last of its runners to close gives it back
+the implementation it had before the first opened. A forward in which no layer ran hwkv attention (the model
+was switched to another implementation meanwhile) is a ConfigError, never tokens from another attention.
 """
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -17,12 +21,24 @@ from hwkv.engine.drafters import Drafter
 from hwkv.engine.engine import Engine, Result
 from hwkv.engine.pools import build_cache, plan_pools
 from hwkv.engine.stats import RunnerStats
+from hwkv.errors import ConfigError
 from hwkv.integrations.device_choice import graph_adapter, graph_choice, resolve_spec
-from hwkv.integrations.hf_attention import ForwardContext, LayerTable, register
+from hwkv.integrations.hf_attention import ATTN_IMPLEMENTATION, ForwardContext, LayerTable, register
 from hwkv.integrations.hf_model import model_shape
 
 GraphsOption = Union[bool, str]
 __all__ = ["HybridRunner", "Result"]
+
+
+@dataclass
+class _OpenOn:
+    """The runners open on one model and the attention implementation it had before the first of them opened."""
+
+    previous: Any
+    count: int = 0
+
+
+_OPEN: "weakref.WeakKeyDictionary[Any, _OpenOn]" = weakref.WeakKeyDictionary()  # model -> its open runners
 
 
 class HybridRunner(Engine):
@@ -47,9 +63,12 @@ class HybridRunner(Engine):
         cache = build_cache(self.shape, pool_plan, model.dtype, dev, backend_device=self.spec)
         self.table = LayerTable(self.shape.layer_is_swa, self.shape.window, self.shape)
         choice = graph_choice(graphs)  # every check that needs no engine before the model is touched
-        self._previous_attn = model.config._attn_implementation
+        self._open_on = _OPEN.get(model)
+        if self._open_on is None:
+            self._open_on = _OPEN[model] = _OpenOn(model.config._attn_implementation)
+        self._open_on.count += 1
         self.closed = False
-        try:  # from here on a refusal gives the model its own attention back
+        try:  # from here on a refusal closes this runner (the model's own attention back if it was the last)
             model.set_attn_implementation(register())
             super().__init__(cache, self._run_model, stats=RunnerStats(self.shape, pool_plan),
                              vocab_size=int(model.get_output_embeddings().weight.shape[0]),
@@ -63,10 +82,17 @@ class HybridRunner(Engine):
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:
-        """Give the model its previous attention implementation back."""
-        if not self.closed:
-            self.model.set_attn_implementation(self._previous_attn)
-            self.closed = True
+        """Close this runner (again: nothing); the last runner open on the model gives it back the attention
+        implementation it had before the first one opened."""
+        if self.closed:
+            return
+        self.closed = True
+        opened = self._open_on
+        opened.count -= 1
+        if opened.count == 0:
+            if _OPEN.get(self.model) is opened:
+                del _OPEN[self.model]
+            self.model.set_attn_implementation(opened.previous)
 
     def __enter__(self) -> "HybridRunner":
         return self
@@ -80,4 +106,9 @@ class HybridRunner(Engine):
         ctx = ForwardContext(self.cache.backend, batch, self.table)
         out = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep,
                          hwkv_forward=ctx)
+        if not ctx.calls:  # a host count: the model ran another attention over the packed row (wrong tokens)
+            raise ConfigError(f"the model's forward ran, but no layer ran hwkv attention: its attention "
+                              f"implementation is {self.model.config._attn_implementation!r}, not "
+                              f"{ATTN_IMPLEMENTATION!r} (set_attn_implementation was called while this runner is "
+                              f"open?): model.set_attn_implementation({ATTN_IMPLEMENTATION!r}) before the next step")
         return out.logits[0]

@@ -20,7 +20,7 @@ def tree_verify(h: Harness, rids: Sequence[int], parents: Sequence[Sequence[int]
     """One TARGET_VERIFY over a draft tree per request (`parents[b]`, equal lengths), eager or through the
     harness's graph runner, then `accept_draft_tokens` keeping `accept[b]` (draft indices, path order)."""
     n = len(parents[0])
-    prefix_cpu = torch.tensor([h.requests[r].seq_len for r in rids], dtype=I64)
+    prefix_cpu = torch.tensor([h.requests[r].seq_len for r in rids], dtype=I64, device="cpu")
     tree = DraftTree.from_parents([list(p) for p in parents], device=h.device)
     batch = h.make_batch(rids, [n] * len(rids), ForwardMode.TARGET_VERIFY)
     batch.spec_info = tree
@@ -38,7 +38,7 @@ def tree_verify(h: Harness, rids: Sequence[int], parents: Sequence[Sequence[int]
                 see, q_pos = tree_visible(p, blocks[b], l.window)
                 k, v = torch.cat(r.k[i]), torch.cat(r.v[i])
                 ref = reference.attention(inputs[f"q{i}"][b * n:(b + 1) * n].float().cpu(), k, v, q_pos,
-                                          torch.arange(p + n), l.scaling, l.window, l.logit_cap,
+                                          torch.arange(p + n, device="cpu"), l.scaling, l.window, l.logit_cap,
                                           l.sinks.cpu() if l.sinks is not None else None, mask=see)
                 h.compare(l, out[b * n:(b + 1) * n], ref, f"tree verify request {b}")
     _accept(h, rids, batch, prefix_cpu, n, accept)
@@ -47,17 +47,17 @@ def tree_verify(h: Harness, rids: Sequence[int], parents: Sequence[Sequence[int]
 
 def _accept(h: Harness, rids: Sequence[int], batch, prefix_cpu: torch.Tensor, n: int,
             accept: Sequence[Sequence[int]]) -> None:
-    acc_cpu = torch.tensor([len(a) for a in accept], dtype=I64)
-    idx = torch.zeros(len(rids), n, dtype=I64)
+    acc_cpu = torch.tensor([len(a) for a in accept], dtype=I64, device="cpu")
+    idx = torch.zeros(len(rids), n, dtype=I64, device="cpu")
     for b, a in enumerate(accept):
-        idx[b, :len(a)] = torch.tensor(a, dtype=I64)
+        idx[b, :len(a)] = torch.tensor(a, dtype=I64, device="cpu")
     frontiers = h.frontiers[batch.req_pool_indices]
     accept_draft_tokens(h.allocator, h.pool, h.rtt.req_to_token, batch.req_pool_indices,
                         prefix_cpu.to(h.device), idx.to(h.device), acc_cpu.to(h.device),
                         prefix_lens_cpu=prefix_cpu, accept_lens_cpu=acc_cpu, frontiers=frontiers)
     for b, rid in enumerate(rids):  # the shadow keeps the prefix and the accepted drafts, in path order
         r, p = h.requests[rid], int(prefix_cpu[b])
-        keep = torch.cat([torch.arange(p), p + torch.tensor(list(accept[b]), dtype=I64)])
+        keep = torch.cat([torch.arange(p, device="cpu"), p + torch.tensor(list(accept[b]), dtype=I64, device="cpu")])
         for i in r.k:
             r.k[i] = [torch.cat(r.k[i])[keep]]
             r.v[i] = [torch.cat(r.v[i])[keep]]
