@@ -263,3 +263,26 @@ def test_info_with_a_bad_hwkv_device_names_the_subcommand(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.startswith("hwkv info: error: ") and "HWKV_DEVICE='nonexistent'" in err
     assert "\nhwkv: error" not in err
+
+
+# ---- hwkv generate: flags its run would not read, and empty prompt items --------------------------------------
+def test_generate_refuses_num_draft_without_draft_before_the_model_loads(capsys):
+    """`--num-draft 3` without `--draft` had run without a drafter, silently (bench refuses flags its run ignores)."""
+    code = cli.main(["generate", "--model", "/nonexistent/model", "--prompt", "1,2", "--num-draft", "3"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--num-draft 3 needs --draft (no drafter runs without it)" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("text", ["1,,2", "1, ,2", ",1", "1,2,"])
+def test_generate_token_id_prompts_refuse_empty_items_as_bench_does(text):
+    from hwkv.errors import ConfigError
+    from hwkv.integrations.generate_cli import parse_token_ids
+
+    with pytest.raises(ConfigError, match="has an empty item"):
+        parse_token_ids(text, 100)
+
+
+def test_generate_token_id_prompts_take_commas_and_spaces():
+    from hwkv.integrations.generate_cli import parse_token_ids
+
+    assert parse_token_ids(" 1, 2 3\t4,5 ", 100) == [1, 2, 3, 4, 5]

@@ -20,6 +20,7 @@ from hwkv.errors import ConfigError, HwkvError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 EXIT_OK, EXIT_ERROR = 0, 2
+NUM_DRAFT = 4  # draft tokens per request per verify, with --draft
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,16 +54,21 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", choices=("prompt-lookup",), help="speculative verify with this drafter: prompt-lookup "
                    "proposes the tokens that followed the last n-gram's earlier occurrence (greedy requests only; "
                    "the tokens stay greedy decoding's)")
-    p.add_argument("--num-draft", type=int, default=4, help="draft tokens per request per verify (default 4)")
+    p.add_argument("--num-draft", type=int, default=None, help="draft tokens per request per verify, with --draft "
+                   f"(default {NUM_DRAFT})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print one JSON object (schema hwkv-generate/1)")
 
 
 def parse_token_ids(text: str, vocab_size: int) -> List[int]:
-    """'1,2,3' or '1 2 3' -> [1, 2, 3]; ConfigError names a bad item or an id outside the vocabulary."""
-    items = [s for s in re.split(r"[,\s]+", text.strip()) if s]
-    if not items:
+    """'1,2,3' or '1 2 3' -> [1, 2, 3]; ConfigError names a bad or empty item ('1,,2') or an id outside the
+    vocabulary."""
+    if not text.strip():
         raise ConfigError("the prompt is empty (give token ids like '1,2,3': the model folder has no tokenizer)")
+    items = re.split(r"\s*,\s*|\s+", text.strip())
+    if "" in items:
+        raise ConfigError(f"the prompt {text!r} has an empty item; give token ids like '1,2,3' (the model folder "
+                          "has no tokenizer)")
     ids = []
     for s in items:
         if not re.fullmatch(r"\d+", s):
@@ -101,6 +107,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.memory is not None:
         parse_bytes(args.memory)
+    if args.num_draft is not None and not args.draft:
+        raise ConfigError(f"--num-draft {args.num_draft} needs --draft (no drafter runs without it)")
 
 
 def _looks_like_path(name: str) -> bool:
@@ -208,7 +216,7 @@ def _generate(args: argparse.Namespace) -> Tuple[dict, int]:
     with HybridRunner(model, device=spec.name, memory=args.memory, context=context, max_running=running,
                       chunk=args.chunk, page_size=args.page_size,
                       graphs=args.graphs, prefix_cache=not args.no_prefix_cache,
-                      draft=prompt_lookup() if args.draft else None, num_draft=args.num_draft) as runner:
+                      draft=prompt_lookup() if args.draft else None, num_draft=args.num_draft or NUM_DRAFT) as runner:
         bar, advance = _progress(not args.no_progress, args.max_new_tokens * len(prompts))
         t0 = time.perf_counter()
         not_run = None  # why the turns after a refused one did not run (a conversation)
