@@ -26,9 +26,11 @@ from typing import Any, Optional
 import torch
 
 from hwkv._amx import CPUFeatures, cpu_features
+from hwkv.metadata import block_table_from_csr
 from hwkv.ops import FP8_DTYPES
 
 _REDUCED = (torch.bfloat16, torch.float16)
+_INT32_MAX = 2**31 - 1
 
 # Argument names of the two sgl-kernel schemas this module calls. Verified against
 # sgl-project/sglang sgl-kernel/csrc/cpu/torch_extension_cpu.cpp (the m.def strings) and the
@@ -108,44 +110,60 @@ def sgl_ops() -> tuple[Optional[SglOps], str]:
 
 
 def sgl_dtype_ok(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor) -> bool:
-    """sgl-kernel runs one reduced dtype end to end: query, pool and output alike."""
-    return q.dtype in _REDUCED and q.dtype == k_buf.dtype == v_buf.dtype == out.dtype
+    """sgl-kernel runs one reduced dtype end to end: query, pool and output alike (and `sgl_lists`' tables hold
+    the pool's slots as int32 on their way)."""
+    return (q.dtype in _REDUCED and q.dtype == k_buf.dtype == v_buf.dtype == out.dtype
+            and k_buf.shape[0] <= _INT32_MAX)
 
 
-def _req_to_token(indptr: list, lens: list, kv_indices: torch.Tensor) -> torch.Tensor:
-    """A dense [bs, max_len] table from the CSR list (row b = request b's slots, 0-padded)."""
-    bs, width = len(lens), max(max(lens), 1)
-    starts = torch.tensor(indptr[:-1], dtype=torch.int64)
-    cols = torch.arange(width, dtype=torch.int64)
-    pick = (starts[:, None] + cols[None, :]).clamp_(max=max(kv_indices.numel() - 1, 0))
-    table = kv_indices[pick] if kv_indices.numel() else torch.zeros(bs, width, dtype=torch.int64)
-    return table.masked_fill_(cols[None, :] >= torch.tensor(lens)[:, None], 0).contiguous()
+@dataclass(frozen=True)
+class SglLists:
+    """What sgl-kernel's ops read of one forward's index list (`sgl_lists`: made once per forward and list, reused
+    by every layer's call)."""
+
+    req_to_token: torch.Tensor  # int64 [bs, max_len]: row b = request b's slots, 0-padded
+    rows: torch.Tensor          # int64 [bs]: request b reads row b
+    seq_lens: torch.Tensor      # int64 [bs]
+    loc: torch.Tensor           # int64 [bs] zeros: decode's store goes to the padding slot 0
+    new_slots: Optional[torch.Tensor] = None      # extend: int64 [T], the slots of each request's new tokens
+    extend_lens: Optional[torch.Tensor] = None    # extend: int64 [bs]
+    extend_starts: Optional[torch.Tensor] = None  # extend: int64 [bs], qo_indptr[:-1]
 
 
-def sgl_decode(ops: SglOps, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indptr: list,
-               lens: list, kv_indices: torch.Tensor, out: torch.Tensor, scaling: float, logit_cap: float) -> None:
+def sgl_lists(indptr: list, lens: list, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_pos0: torch.Tensor,
+              qo_indptr: Optional[list] = None) -> SglLists:
+    """The tables of a CSR list (host copies indptr and lens of kv_indptr) for sgl-kernel; qo_indptr: extend's."""
+    bs = len(lens)
+    # the core's table with page size 1 (entry j = the list's slot j, 0 past it), widened to the int64 the calls
+    # above were checked with (int32 slots: callers keep pools within INT32_MAX slots on this path)
+    table = block_table_from_csr(kv_indptr, kv_indices, kv_pos0, 1, max(max(lens), 1)).long()
+    rows, seq, loc = torch.arange(bs, device="cpu"), torch.tensor(lens, dtype=torch.int64, device="cpu"), torch.zeros(bs, dtype=torch.int64, device="cpu")
+    if qo_indptr is None:
+        return SglLists(table, rows, seq, loc)
+    ext = [qo_indptr[b + 1] - qo_indptr[b] for b in range(bs)]
+    new_slots = torch.cat([kv_indices[indptr[b] + lens[b] - ext[b]: indptr[b] + lens[b]] for b in range(bs)])
+    return SglLists(table, rows, seq, loc, new_slots.long(), torch.tensor(ext, dtype=torch.int64, device="cpu"),
+                    torch.tensor(qo_indptr[:-1], dtype=torch.int64, device="cpu"))
+
+
+def sgl_decode(ops: SglOps, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, lists: SglLists,
+               out: torch.Tensor, scaling: float, logit_cap: float) -> None:
     """Decode through sgl-kernel; every request has >= 1 key and all of its listed keys are visible."""
     bs, h, _ = q.shape
     # The op first stores key/value at k_buf[loc]: hand it slot 0 (the padding slot) and the
     # bytes already there, so the pool is left exactly as it was.
-    loc = torch.zeros(bs, dtype=torch.int64)
-    key, value = k_buf[loc], v_buf[loc]
-    logits = torch.empty(bs, h, SGL_NUM_KV_SPLITS, v_buf.shape[2] + 1, dtype=torch.float32)
-    ops.decode(q.contiguous(), k_buf, v_buf, out, key, value, loc, logits,
-               _req_to_token(indptr, lens, kv_indices), torch.arange(bs, dtype=torch.int64),
-               torch.tensor(lens, dtype=torch.int64), scaling, logit_cap)
+    key, value = k_buf[lists.loc], v_buf[lists.loc]
+    logits = torch.empty(bs, h, SGL_NUM_KV_SPLITS, v_buf.shape[2] + 1, dtype=torch.float32, device="cpu")
+    ops.decode(q.contiguous(), k_buf, v_buf, out, key, value, lists.loc, logits, lists.req_to_token, lists.rows,
+               lists.seq_lens, scaling, logit_cap)
 
 
-def sgl_extend(ops: SglOps, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indptr: list,
-               lens: list, kv_indices: torch.Tensor, qo_indptr: list, out: torch.Tensor, max_q_len: int,
-               scaling: float, logit_cap: float) -> None:
+def sgl_extend(ops: SglOps, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, lists: SglLists,
+               out: torch.Tensor, max_q_len: int, scaling: float, logit_cap: float) -> None:
     """Extend through sgl-kernel; every list starts at position 0 and ends at its last query."""
-    ext = [qo_indptr[b + 1] - qo_indptr[b] for b in range(len(lens))]
-    new_slots = torch.cat([kv_indices[indptr[b] + lens[b] - ext[b]: indptr[b] + lens[b]] for b in range(len(lens))])
-    ops.extend(q.contiguous(), k_buf[new_slots], v_buf[new_slots], out, k_buf, v_buf,
-               _req_to_token(indptr, lens, kv_indices), torch.arange(len(lens), dtype=torch.int64),
-               torch.tensor(lens, dtype=torch.int64), torch.tensor(ext, dtype=torch.int64),
-               torch.tensor(qo_indptr[:-1], dtype=torch.int64), int(max_q_len), scaling, logit_cap)
+    ops.extend(q.contiguous(), k_buf[lists.new_slots], v_buf[lists.new_slots], out, k_buf, v_buf,
+               lists.req_to_token, lists.rows, lists.seq_lens, lists.extend_lens, lists.extend_starts,
+               int(max_q_len), scaling, logit_cap)
 
 
 def active_path() -> tuple[str, str]:

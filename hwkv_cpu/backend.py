@@ -5,8 +5,9 @@ Per layer (see `hwkv_cpu.ipex` for what was verified): decode goes to IPEX's
 single_query_cached_kv_attention, and with `ipex_extend=True` extend to its flash_attn_varlen_func, when
 `ipex.layer_reason` finds nothing the op lacks (sinks, fp8/K-V scales, unequal K/V head dims, a window with
 softcap in decode over the full list, W=1 in extend); every other layer runs `hwkv_cpu.kernels`. The slot
-tables IPEX reads are built once per forward from the core's index lists (graph mode: into tables
-allocated once per static buffer set by `alloc_graph_tables`).
+table IPEX reads of a list is built from the core's index list once per forward, by the first layer IPEX runs
+over it, so a forward whose layers IPEX refuses builds none (graph mode: into tables allocated once per static
+buffer set by `alloc_graph_tables`, refilled for the lists IPEX layers read at capture).
 
 Extend stays on the torch kernels unless asked for: the varlen op reads hwkv's token-major pool only with
 block_size 1, and there it measured 7-13x slower than `hwkv_cpu.kernels` (IPEX 2.8.0, 2-core AVX-512 VM,
@@ -16,7 +17,7 @@ decode measured 13.5 vs 28 ms in bf16 and 60 vs 55 ms in fp32 (8 requests x 2,04
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -26,10 +27,10 @@ from hwkv.batch import ForwardBatch
 from hwkv.errors import ConfigError
 from hwkv.layer import AttentionLayer
 from hwkv.metadata import ForwardMetadata, KeptRange, KVIndexList, StaticBuffers, cumsum_into
-from hwkv_cpu import ipex
+from hwkv_cpu import host_plan, ipex
 from hwkv_cpu import kernels as _kernels
-from hwkv_cpu.kernels_dense import (DENSE_MAX_ELEMENTS, compute_dtype, dense_attention, plan_dense,
-                                    sink_column)
+from hwkv_cpu.kernels_dense import (DENSE_MAX_ELEMENTS, compute_dtype, dense_attention, kept_sink_column,
+                                    plan_dense)
 
 if ipex.installed_reason() is None:  # cheap: package metadata only; IPEX itself is imported on first use
     ops.register_store_kv("cpu", ops.store_kv_torch, prechecked=ipex.store_kv_prechecked)
@@ -60,7 +61,9 @@ class CPUOptions(BackendOptions):
 @dataclass
 class _LayerKit:
     """One layer's dense-call constants: made from the fields in `sig` (and `sinks`, by identity) and the pool's
-    buffers of the layer (which never change), so a layer call reads them instead of deriving them."""
+    buffers of the layer (which never change), so a layer call reads them instead of deriving them. The sinks'
+    values are not among them: `cols` are refilled from the sinks on every call (an in-place update of the sinks,
+    e.g. a weight load into the parameter they view, shows at once)."""
 
     sig: Tuple[Any, ...]
     sinks: Optional[torch.Tensor]
@@ -71,7 +74,7 @@ class _LayerKit:
     cap: float
     v_scale: float
     cdt: torch.dtype
-    cols: Dict[int, torch.Tensor]  # decode's sinks column per batch size (sink_column)
+    cols: Dict[int, Tuple[torch.Tensor, ...]]  # decode's sinks column per batch size (kept_sink_column)
 
     @classmethod
     def make(cls, layer: AttentionLayer, sig: Tuple[Any, ...], k_buf: torch.Tensor, v_buf: torch.Tensor) -> "_LayerKit":
@@ -90,7 +93,7 @@ class TorchCPUBackend(KernelSetBackend):
     """CPU kernels over the paged pool; graph mode through torch.compile over static buffers."""
 
     name = "cpu"
-    kernels = _kernels.BackendKernels
+    kernels = _kernels.BackendKernels()  # per backend: with its forward counter (__init__)
     Options = CPUOptions
 
     def __init__(self, pool: Any, req_to_token_pool: Any, **options: Any) -> None:
@@ -100,6 +103,11 @@ class TorchCPUBackend(KernelSetBackend):
         self._columns = KeptRange(torch.int64, self.device, 256)  # column indices of a dense table
         self._kept_zeros = KeptRange(torch.int64, self.device, zeros=True)  # pos0 of lists starting at token 0
         self._kits: Dict[AttentionLayer, _LayerKit] = {}  # per layer object: see _layer_kit
+        # the forward counter every layer hands the chunked kernels, so that they read a forward's lists once
+        # (hwkv_cpu.host_plan); advanced by each metadata step
+        self._epoch = host_plan.new_epoch(self)
+        self.kernels = _kernels.BackendKernels(self._epoch)
+        self._ipex_windows: Set[Optional[int]] = set()  # lists whose graph tables an IPEX layer read: see _ipex_list
 
     def _ipex_reason(self) -> Optional[str]:
         if not self.options.ipex:
@@ -180,7 +188,7 @@ class TorchCPUBackend(KernelSetBackend):
             self._check_not_evicted(indices, window)
         return KVIndexList(indptr, indices, pos0, window, max_len, swa_slots, min_len, table)
 
-    # ---- metadata: IPEX's slot tables, once per forward --------------------------------------------
+    # ---- metadata: IPEX's slot tables, once per forward and list IPEX reads ---------------------------
     def alloc_graph_tables(self, static: StaticBuffers) -> Optional[ipex.GraphTables]:
         """IPEX's slot tables for one static buffer set (once, like them: every runner shares them)."""
         if self.ipex_reason is not None:
@@ -189,26 +197,38 @@ class TorchCPUBackend(KernelSetBackend):
                                       self.windows, self.device)
 
     def init_kernel_metadata(self, md: ForwardMetadata, batch: ForwardBatch, graph: bool) -> None:
+        host_plan.next_forward(self._epoch)  # a torch op: a refill recorded into a graph advances it per replay
         if self.options.dense_max_elements and not graph and md.tree is None and md.seq_lens_cpu is not None:
             md.extra[_DENSE] = {}  # this forward's dense plans, made by the first layer reading each list
         if self.ipex_reason is None and md.batch_size and (md.is_decode or self.options.ipex_extend):
-            lists = {None: md.full, **md.windows}
-            if graph:
-                g = self.graph_tables(md)
-                md.extra[_IPEX] = {w: ipex.plan_list(lst, g.width(w), out=g) for w, lst in lists.items()}
-            else:
-                md.extra[_IPEX] = {w: ipex.plan_list(lst, max(lst.max_len, 1)) for w, lst in lists.items()}
+            # this forward's IPEX tables, made by the first layer IPEX runs over each list (_ipex_list); a graph
+            # refill fills the static tables of the lists IPEX layers read before (a replay's layers read them)
+            plans = md.extra[_IPEX] = {}
+            if graph and self._ipex_windows:
+                g, lists = self.graph_tables(md), {None: md.full, **md.windows}
+                for w in self._ipex_windows:
+                    plans[w] = ipex.plan_list(lists[w], g.width(w), out=g)
 
     def _ipex_list(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList, md: ForwardMetadata,
                    decode: bool) -> Optional[ipex.IpexList]:
-        """The list's IPEX plan when IPEX runs this layer, else None (the torch kernels)."""
+        """The list's IPEX plan when IPEX runs this layer (made by the first such layer of the forward), else None
+        (the torch kernels)."""
         plans = md.extra.get(_IPEX)
         if plans is None or md.tree is not None:  # IPEX's ops take no verify-tree mask: the torch kernels do
             return None
         k_buf, v_buf = self.kv_buffers(layer)
         if ipex.layer_reason(q, layer, kv, k_buf, v_buf, decode) is not None:
             return None
-        return plans[kv.window]
+        lst = plans.get(kv.window)
+        if lst is None:
+            if md.graph:  # graph mode (the capture's eager warm-up): into the static tables, which refills keep
+                self._ipex_windows.add(kv.window)
+                g = self.graph_tables(md)
+                lst = ipex.plan_list(kv, g.width(kv.window), out=g)
+            else:
+                lst = ipex.plan_list(kv, max(kv.max_len, 1))
+            plans[kv.window] = lst
+        return lst
 
     def _head_map(self, q: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
         key = (layer.num_heads, layer.num_kv_heads)
@@ -256,10 +276,12 @@ class TorchCPUBackend(KernelSetBackend):
         if plan is None:
             return False
         col = None
-        if kit.sinks is not None and plan.decode:  # the sinks' column, kept per layer and decode batch size
-            col = kit.cols.get(plan.bs)
-            if col is None:
-                col = kit.cols[plan.bs] = sink_column(kit.sinks, plan, kit.cdt)
+        if kit.sinks is not None and plan.decode:  # the sinks' column: kept per layer and decode batch size, refilled
+            kept = kit.cols.get(plan.bs)
+            if kept is None:
+                kept = kit.cols[plan.bs] = kept_sink_column(kit.sinks, plan, kit.cdt)
+            col, dst, src = kept
+            dst.copy_(src)
         dense_attention(q, kit.k_buf, kit.v_buf, plan, out, kit.qk_scale, kit.cap, kit.v_scale, kit.sinks, col)
         return True
 

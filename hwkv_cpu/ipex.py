@@ -10,13 +10,17 @@ intel_extension_for_pytorch/llm/modules/mha_fusion.py), which hands CPU tensors 
   says otherwise and is wrong). `flash_attn_varlen_func` ignores strides, so hwkv's token-major pool
   [S, KVH, D] fits only as block_size 1: the contiguous view [S, KVH, 1, D]. hwkv uses block_size 1 for
   every op, so a request's block table is its index list (slots, int32) and any page size works.
-- `reshape_and_cache`: key/value dtype must equal the cache's (TORCH_CHECK), slot_mapping int32.
+- `reshape_and_cache`: key/value dtype must equal the cache's (TORCH_CHECK), slot_mapping int32; it reads a
+  token's heads through key/value's first two strides (a strided slice of a fused projection stored exactly) and
+  each head's D values as one run, so k/v whose last dim is strided are made contiguous first (`_rows`).
 - `single_query_cached_kv_attention`: int32 tables, head_mapping int32 [H] (q head -> KV head); q must be
   contiguous (a strided q gave wrong results); window_size = W in hwkv's meaning (key j visible to
   query i iff j > i - W); softcap s = cap * tanh(scale * q.k / cap); window_size together with softcap
   is refused (TORCH_CHECK). hwkv's decode window lists already hold exactly the visible keys, so a
   layer reading its own window list needs no window argument at all.
-- `flash_attn_varlen_func`: is_causal must be True; queries are the last q_len keys of each request;
+- `flash_attn_varlen_func`: is_causal must be True; queries are the last q_len keys of each request; q is
+  handed over contiguous (the op's handling of a strided q was never run; the transformers integration passes a
+  transposed view);
   window_size_left = W - 1 with window_size_right = 0, and window_size_left = 0 means no window (so
   W = 1 cannot be expressed); softcap works with or without a window; GQA; fp32, bf16, fp16.
 - None of the ops takes attention sinks; fp8 caches are e5m2 only with kv_cache_dtype="fp8" (hwkv's
@@ -74,13 +78,18 @@ def _cache(buf: torch.Tensor) -> torch.Tensor:
     return buf.unsqueeze(2)
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """k or v [T, KVH, D] as reshape_and_cache reads it: any first two strides, each head's D values one run."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 @torch.library.custom_op("hwkv_cpu::ipex_store_kv", mutates_args=("k_buf", "v_buf"), device_types="cpu")
 def _store_op(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
     ops, _ = load()
     # PagedAttention.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, ...):
     # IPEX 2.8.0 llm/modules/mha_fusion.py; int32 slot_mapping, dtypes equal to the cache's
-    ops.reshape_and_cache(key=k, value=v, key_cache=_cache(k_buf), value_cache=_cache(v_buf),
+    ops.reshape_and_cache(key=_rows(k), value=_rows(v), key_cache=_cache(k_buf), value_cache=_cache(v_buf),
                           slot_mapping=loc.to(torch.int32), kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0)
 
 
@@ -116,7 +125,7 @@ def _extend_op(out: torch.Tensor, q: torch.Tensor, k_buf: torch.Tensor, v_buf: t
     # PagedAttention.flash_attn_varlen_func: IPEX 2.8.0 llm/modules/mha_fusion.py; causal only, queries
     # bottom-right aligned, window_size_left = W - 1 (0 would mean none), block_size 1 (strides ignored)
     ops.flash_attn_varlen_func(
-        output=out, query=q, key_cache=_cache(k_buf), value_cache=_cache(v_buf), cu_seqlens_q=cu_q,
+        output=out, query=q.contiguous(), key_cache=_cache(k_buf), value_cache=_cache(v_buf), cu_seqlens_q=cu_q,
         cu_seqlens_kv=cu_kv, max_seqlen_q=max_q, max_seqlen_kv=max_kv, scale=scale, is_cusal=True,
         block_tables=table, alibi_slopes=None, window_size_left=window - 1 if window > 0 else -1,
         window_size_right=0 if window > 0 else -1, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,

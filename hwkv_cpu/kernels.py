@@ -5,7 +5,8 @@ custom ops `hwkv_cpu::decode_attention` / `hwkv_cpu::extend_attention` (opaque t
 torch.compile, which the CPU graph adapter uses; they mutate only `out`). Inside, sgl-kernel's
 CPU ops take batches they run exactly (see `hwkv_cpu.amx`); everything else runs the vectorized
 torch kernels of `kernels_decode` / `kernels_extend`. Only the CSR list metadata is read on the
-host (`tolist`), which is free on CPU.
+host (`tolist`, free on CPU), with what the kernels derive from it per request, once per forward and list
+(`hwkv_cpu.host_plan`, through the backend's forward counter `epoch`).
 
 Threads: the torch kernels use as many threads as torch.get_num_threads(), as Python threads
 that each run torch single-threaded (`kernels_decode.parallel_map`); while a call runs,
@@ -23,6 +24,7 @@ from hwkv.csr_checks import check_csr_values, check_float_dtypes, check_index_dt
 from hwkv.errors import ShapeError
 from hwkv.spec import TreeMask, check_tree_mask
 from hwkv_cpu import amx
+from hwkv_cpu.host_plan import HostLists, host_lists
 from hwkv_cpu.kernels_decode import Params, decode_torch, key_range
 from hwkv_cpu.kernels_extend import extend_torch
 
@@ -79,20 +81,30 @@ def _norm_sinks(sinks: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 def _decode_op(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
                kv_indices: torch.Tensor, kv_pos0: torch.Tensor, q_pos: torch.Tensor, out: torch.Tensor,
                qk_scale: float, cap: float, v_scale: float, window: int,
-               sinks: Optional[torch.Tensor]) -> None:
-    ptr, pos0, qp = kv_indptr.tolist(), kv_pos0.tolist(), q_pos.tolist()
+               sinks: Optional[torch.Tensor], epoch: Optional[torch.Tensor] = None) -> None:
+    host = host_lists(epoch, (kv_indptr, kv_pos0, q_pos), (kv_indices,))
+    ptr, pos0, qp = host.lists
     indices = kv_indices.long()
     p = Params(qk_scale, cap, v_scale, window, amx.compute_dtype(k_buf.dtype))
     if sinks is None and v_scale == 1.0 and amx.sgl_dtype_ok(q, k_buf, v_buf, out) and out.is_contiguous():
         ops, _ = amx.sgl_ops()
-        lens = [ptr[b + 1] - ptr[b] for b in range(len(pos0))]
-        # sgl-kernel has no window mask: use it only when every listed key is visible
-        if ops is not None and all(n > 0 and key_range(n, pos0[b], qp[b], qp[b], window) == (0, n)
-                                   for b, n in enumerate(lens)):
-            amx.sgl_decode(ops, q, k_buf, v_buf, ptr, lens, indices, out,
-                           qk_scale * cap if cap else qk_scale, cap)
-            return
-    decode_torch(q, k_buf, v_buf, ptr, indices, pos0, qp, out, p, sinks)
+        if ops is not None:
+            lists = host.get(("sgl", window), lambda: _sgl_decode_lists(host, kv_indptr, kv_indices, kv_pos0, window))
+            if lists is not None:
+                amx.sgl_decode(ops, q, k_buf, v_buf, lists, out, qk_scale * cap if cap else qk_scale, cap)
+                return
+    decode_torch(q, k_buf, v_buf, ptr, indices, pos0, qp, out, p, sinks, plans=host)
+
+
+def _sgl_decode_lists(host: HostLists, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_pos0: torch.Tensor,
+                      window: int) -> Optional[amx.SglLists]:
+    """sgl-kernel's tables of a decode list, or None where it would be wrong: it has no window mask, so every
+    listed key must be visible (and every request must list one)."""
+    ptr, pos0, qp = host.lists
+    lens = [ptr[b + 1] - ptr[b] for b in range(len(pos0))]
+    if all(n > 0 and key_range(n, pos0[b], qp[b], qp[b], window) == (0, n) for b, n in enumerate(lens)):
+        return amx.sgl_lists(ptr, lens, kv_indptr, kv_indices, kv_pos0)
+    return None
 
 
 @_decode_op.register_fake
@@ -106,26 +118,35 @@ def _extend_op(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_ind
                q_pos0: torch.Tensor, out: torch.Tensor, max_q_len: int, qk_scale: float, cap: float,
                v_scale: float, window: int, sinks: Optional[torch.Tensor],
                tree_mask: Optional[torch.Tensor] = None, tree_mask_indptr: Optional[torch.Tensor] = None,
-               tree_q_positions: Optional[torch.Tensor] = None) -> None:
-    ptr, pos0, qo, qp0 = kv_indptr.tolist(), kv_pos0.tolist(), qo_indptr.tolist(), q_pos0.tolist()
+               tree_q_positions: Optional[torch.Tensor] = None, epoch: Optional[torch.Tensor] = None) -> None:
+    host = host_lists(epoch, (kv_indptr, kv_pos0, qo_indptr, q_pos0), (kv_indices, tree_mask_indptr))
+    ptr, pos0, qo, qp0 = host.lists
     indices = kv_indices.long()
     p = Params(qk_scale, cap, v_scale, window, amx.compute_dtype(k_buf.dtype))
     if tree_mask is not None:  # sgl-kernel takes no tree mask
         extend_torch(q, k_buf, v_buf, ptr, indices, pos0, qo, qp0, out, p, sinks,
-                     tree=TreeMask(tree_mask, tree_mask_indptr, tree_q_positions))
+                     tree=TreeMask(tree_mask, tree_mask_indptr, tree_q_positions), plans=host)
         return
     if sinks is None and v_scale == 1.0 and amx.sgl_dtype_ok(q, k_buf, v_buf, out) and out.is_contiguous():
         ops, _ = amx.sgl_ops()
-        lens = [ptr[b + 1] - ptr[b] for b in range(len(pos0))]
-        # sgl-kernel masks causally only: lists must start at 0, end at the last query, and no
-        # query may have a key outside its window
-        if ops is not None and q.shape[-1] % 32 == 0 and v_buf.shape[-1] % 32 == 0 and all(
-                pos0[b] == 0 and n == qp0[b] + qo[b + 1] - qo[b] and (not window or n <= window)
-                for b, n in enumerate(lens)):
-            amx.sgl_extend(ops, q, k_buf, v_buf, ptr, lens, indices, qo, out, max_q_len,
-                           qk_scale * cap if cap else qk_scale, cap)
-            return
-    extend_torch(q, k_buf, v_buf, ptr, indices, pos0, qo, qp0, out, p, sinks)
+        if ops is not None and q.shape[-1] % 32 == 0 and v_buf.shape[-1] % 32 == 0:
+            lists = host.get(("sgl", window), lambda: _sgl_extend_lists(host, kv_indptr, kv_indices, kv_pos0, window))
+            if lists is not None:
+                amx.sgl_extend(ops, q, k_buf, v_buf, lists, out, max_q_len, qk_scale * cap if cap else qk_scale, cap)
+                return
+    extend_torch(q, k_buf, v_buf, ptr, indices, pos0, qo, qp0, out, p, sinks, plans=host)
+
+
+def _sgl_extend_lists(host: HostLists, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_pos0: torch.Tensor,
+                      window: int) -> Optional[amx.SglLists]:
+    """sgl-kernel's tables of an extend list, or None where it would be wrong: it masks causally only, so lists
+    must start at 0, end at the last query, and no query may have a key outside its window."""
+    ptr, pos0, qo, qp0 = host.lists
+    lens = [ptr[b + 1] - ptr[b] for b in range(len(pos0))]
+    if all(pos0[b] == 0 and n == qp0[b] + qo[b + 1] - qo[b] and (not window or n <= window)
+           for b, n in enumerate(lens)):
+        return amx.sgl_lists(ptr, lens, kv_indptr, kv_indices, kv_pos0, qo)
+    return None
 
 
 @_extend_op.register_fake
@@ -139,7 +160,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                      kv_indices: torch.Tensor, kv_pos0: torch.Tensor, q_pos: torch.Tensor, out: torch.Tensor,
                      scaling: Optional[float], window: Optional[int], logit_cap: Optional[float],
                      sinks: Optional[torch.Tensor], k_scale: Scale, v_scale: Scale,
-                     max_kv_len: Optional[int] = None, *, _own_lists: bool = False) -> None:
+                     max_kv_len: Optional[int] = None, *, _own_lists: bool = False,
+                     _epoch: Optional[torch.Tensor] = None) -> None:
     """out[b] = softmax(scaling * q[b] . K^T) V over request b's keys visible to position q_pos[b].
 
     q [B, H, D]; k_buf [S, KVH, D], v_buf [S, KVH, Dv] (fp32, bf16, fp16, fp8; loaded values
@@ -148,7 +170,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     causal only; logit_cap > 0: s = cap * tanh(s / cap) after scaling; sinks [H] fp32: one raw
     logit per q head in the denominator. out [B, H, Dv] (any float dtype) is the only tensor
     written; a request with no visible key gets zeros. max_kv_len is accepted for interface
-    parity (the GPU split-K bound) and not needed here. (`_own_lists`: `BackendKernels`' per-layer call.)
+    parity (the GPU split-K bound) and not needed here. (`_own_lists`, `_epoch`: `BackendKernels`' per-layer call,
+    whose lists are the forward's own, with the backend's forward counter: `hwkv_cpu.host_plan`.)
     """
     _check_common(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, out, sinks)
     check_shape("q_pos", q_pos, [kv_pos0.shape[0]])
@@ -161,7 +184,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         return
     qk_scale, cap, v_sc, win = _scalars(q, scaling, window, logit_cap, k_scale, v_scale)
     torch.ops.hwkv_cpu.decode_attention(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out,
-                                        qk_scale, cap, v_sc, win, _norm_sinks(sinks))
+                                        qk_scale, cap, v_sc, win, _norm_sinks(sinks), _epoch)
 
 
 def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
@@ -169,7 +192,7 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                      q_pos0: torch.Tensor, out: torch.Tensor, max_q_len: int, scaling: Optional[float],
                      window: Optional[int], logit_cap: Optional[float], sinks: Optional[torch.Tensor],
                      k_scale: Scale, v_scale: Scale, *, tree: Optional[TreeMask] = None,
-                     _own_lists: bool = False) -> None:
+                     _own_lists: bool = False, _epoch: Optional[torch.Tensor] = None) -> None:
     """out[t] for query rows t of request b (qo_indptr[b] <= t < qo_indptr[b+1], position
     q_pos0[b] + t - qo_indptr[b]) over the keys of request b visible to it; q [T, H, D],
     out [T, H, Dv]. Everything else as in `decode_attention`. The new tokens' K/V are read from
@@ -194,18 +217,21 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     qk_scale, cap, v_sc, win = _scalars(q, scaling, window, logit_cap, k_scale, v_scale)
     trees = (None, None, None) if tree is None else tuple(tree)
     torch.ops.hwkv_cpu.extend_attention(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0,
-                                        out, int(max_q_len), qk_scale, cap, v_sc, win, _norm_sinks(sinks), *trees)
+                                        out, int(max_q_len), qk_scale, cap, v_sc, win, _norm_sinks(sinks), *trees,
+                                        _epoch)
 
 
 class BackendKernels:
     """`TorchCPUBackend`'s per-layer kernel calls: its lists are the forward's own metadata, built from the batch the
     backend checked once per forward, so each layer checks shapes and dtypes but not the lists' values again (an
-    aminmax over every index, up to ~40 us a layer at 64 x 2K keys)."""
+    aminmax over every index, up to ~40 us a layer at 64 x 2K keys). `epoch`: the backend's forward counter
+    (`hwkv_cpu.host_plan`), so that the layers of a forward share what the ops read of its lists on the host."""
 
-    @staticmethod
-    def decode_attention(*args: Any, **kwargs: Any) -> None:
-        decode_attention(*args, _own_lists=True, **kwargs)
+    def __init__(self, epoch: Optional[torch.Tensor] = None) -> None:
+        self.epoch = epoch
 
-    @staticmethod
-    def extend_attention(*args: Any, **kwargs: Any) -> None:
-        extend_attention(*args, _own_lists=True, **kwargs)
+    def decode_attention(self, *args: Any, **kwargs: Any) -> None:
+        decode_attention(*args, _own_lists=True, _epoch=self.epoch, **kwargs)
+
+    def extend_attention(self, *args: Any, **kwargs: Any) -> None:
+        extend_attention(*args, _own_lists=True, _epoch=self.epoch, **kwargs)

@@ -32,6 +32,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 import torch
 
 from hwkv.window import first_visible
+from hwkv_cpu.host_plan import HostLists
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -53,7 +54,7 @@ class Workspace:
         buf = self._bufs.get((name, dtype))
         if buf is None or buf.numel() < numel:
             with torch.inference_mode(False):  # a normal tensor: calls in and out of inference mode both write it
-                buf = torch.empty(max(numel, 1), dtype=dtype)
+                buf = torch.empty(max(numel, 1), dtype=dtype, device="cpu")
             self._bufs[(name, dtype)] = buf
         return buf[:numel].view(shape)
 
@@ -141,7 +142,7 @@ def key_range(n: int, pos0: int, q_lo: int, q_hi: int, window: int) -> Tuple[int
 def neg_inf_where(hide: torch.Tensor) -> torch.Tensor:
     """fp32 0 / -inf from a bool mask: an additive bias (add_ with broadcasting measured ~15x
     faster than masked_fill_ with a broadcast mask)."""
-    return torch.zeros(hide.shape).masked_fill_(hide, float("-inf"))
+    return torch.zeros(hide.shape, device="cpu").masked_fill_(hide, float("-inf"))
 
 
 def chunks(lo: int, hi: int, size: int):
@@ -156,7 +157,7 @@ def chunks(lo: int, hi: int, size: int):
 
 def head_rows(slots: torch.Tensor, kvh: int) -> torch.Tensor:
     """[..., n] slots -> [..., KVH, n] rows of the pool viewed as [S * KVH, D]."""
-    return slots.unsqueeze(-2) * kvh + torch.arange(kvh)[:, None]
+    return slots.unsqueeze(-2) * kvh + torch.arange(kvh, device="cpu")[:, None]
 
 
 class Gather:
@@ -276,45 +277,101 @@ def _slot_table(indices: torch.Tensor, starts: List[int], lens: List[int], cols:
     indices[starts[r] + c]) in ascending order, then slot 0 past the request's end. One query
     sees all of its request's keys, so their order is free, and ascending slots turn the
     gather's scattered row reads into forward sweeps."""
-    cols_t = torch.arange(cols[0], cols[1])
-    pick = (torch.tensor(starts)[:, None] + cols_t[None, :]).clamp_(max=max(indices.numel() - 1, 0))
-    pad = cols_t[None, :] >= torch.tensor(lens)[:, None]
+    cols_t = torch.arange(cols[0], cols[1], device="cpu")
+    pick = (torch.tensor(starts, device="cpu")[:, None] + cols_t[None, :]).clamp_(max=max(indices.numel() - 1, 0))
+    pad = cols_t[None, :] >= torch.tensor(lens, device="cpu")[:, None]
     table = torch.sort(indices[pick].masked_fill_(pad, torch.iinfo(torch.int64).max), dim=1).values
     return table.masked_fill_(pad, 0)
 
 
+@dataclass
+class ColumnPart:
+    """One thread's share of a decode: key columns `cols` of the requests longer than cols[0]."""
+
+    cols: Tuple[int, int]
+    slots: torch.Tensor  # int64 [requests, cols]: `_slot_table`
+    steps: List[Tuple[int, int, int, Optional[torch.Tensor]]]  # per chunk: its columns of `slots` [lo, hi), the
+    #                                                            requests it covers, the padding bias or None
+    rows: Dict[int, torch.Tensor]  # head_rows(slots, KVH) per KV head count, made by the first layer needing it
+
+
+@dataclass
+class DecodePlan:
+    """What `decode_torch` derives from a list on the host for one window and thread count (`plan_decode`):
+    made once per forward and list when the caller keeps it (`hwkv_cpu.host_plan`), else per call."""
+
+    live: int                     # requests with a visible key
+    rank: Optional[torch.Tensor]  # int64 [live]: those requests, longest first
+    dead: Optional[torch.Tensor]  # int64: the requests without one (their output is 0)
+    chunk: int                    # keys per request per step
+    parts: List[ColumnPart]
+
+
+def plan_decode(indptr: list, indices: torch.Tensor, pos0: list, q_pos: list, window: int, threads: int,
+                keys_per_step: int = DECODE_KEYS) -> DecodePlan:
+    """Requests longest first (rows of a key table padded with slot 0); the key columns split over `threads` so
+    that each gets an equal number of keys; per split, its slot table and each step's requests and padding mask."""
+    bs = len(pos0)
+    spans = [key_range(indptr[b + 1] - indptr[b], pos0[b], q_pos[b], q_pos[b], window) for b in range(bs)]
+    order = sorted(range(bs), key=lambda b: spans[b][0] - spans[b][1])
+    lens = [spans[b][1] - spans[b][0] for b in order]
+    live = sum(1 for n in lens if n > 0)
+    dead = torch.tensor(order[live:], device="cpu") if live < bs else None
+    if live == 0:
+        return DecodePlan(0, None, dead, 0, [])
+    order, lens = order[:live], lens[:live]
+    starts = [indptr[b] + spans[b][0] for b in order]
+    chunk = max(MIN_CHUNK, keys_per_step // live)
+    parts = parallel_map(lambda cols: _plan_columns(indices, starts, lens, cols, chunk),
+                         _split_columns(lens, threads, chunk))
+    return DecodePlan(live, torch.tensor(order, device="cpu"), dead, chunk, parts)
+
+
+def _plan_columns(indices: torch.Tensor, starts: List[int], lens: List[int], cols: Tuple[int, int],
+                  chunk: int) -> ColumnPart:
+    active = sum(1 for n in lens if n > cols[0])
+    slots = _slot_table(indices, starts[:active], lens[:active], cols)
+    n_keys = torch.tensor(lens[:active], device="cpu")
+    steps = []
+    for c0 in range(cols[0], cols[1], chunk):
+        c1 = min(c0 + chunk, cols[1])
+        while lens[active - 1] <= c0:
+            active -= 1
+        bias = None
+        if lens[active - 1] < c1:  # the shortest active request ends inside this chunk
+            hidden = torch.arange(c0, c1, device="cpu")[None, :] >= n_keys[:active, None]
+            bias = neg_inf_where(hidden).view(active, 1, 1, c1 - c0)
+        steps.append((c0 - cols[0], c1 - cols[0], active, bias))
+    return ColumnPart(cols, slots, steps, {})
+
+
 def decode_torch(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indptr: list, indices: torch.Tensor,
                  pos0: list, q_pos: list, out: torch.Tensor, p: Params, sinks: Optional[torch.Tensor],
-                 keys_per_step: int = DECODE_KEYS) -> None:
+                 keys_per_step: int = DECODE_KEYS, *, plans: Optional[HostLists] = None) -> None:
     """out[b] = attention of q[b] over the visible part of request b's list (see `decode_attention`).
 
-    Requests go longest first (rows of a key table padded with slot 0). Threads split the key
-    columns so that each gets an equal number of keys; each runs steps over its columns, every
-    step taking the next keys of every request that still has some (a leading run of rows,
-    masking the tail of requests that end inside the step); the partial softmax states merge.
+    The host part is `plan_decode`'s (kept in `plans`, this forward's host lists of the list, where the caller has
+    them: every layer after the first reuses it). Threads run the plan's column splits, each step taking the next
+    keys of every request that still has some (a leading run of rows, masking the tail of requests that end inside
+    the step); the partial softmax states merge.
     """
     bs, h, d = q.shape
     kvh, dv = k_buf.shape[1], v_buf.shape[2]
     g = h // kvh
-    spans = [key_range(indptr[b + 1] - indptr[b], pos0[b], q_pos[b], q_pos[b], p.window) for b in range(bs)]
-    order = sorted(range(bs), key=lambda b: spans[b][0] - spans[b][1])
-    lens = [spans[b][1] - spans[b][0] for b in order]
-    live = sum(1 for n in lens if n > 0)
-    if live < bs:
-        out[torch.tensor(order[live:])] = 0
-    if live == 0:
+    threads = torch.get_num_threads()
+    make = lambda: plan_decode(indptr, indices, pos0, q_pos, p.window, threads, keys_per_step)  # noqa: E731
+    plan = make() if plans is None else plans.get(("decode", p.window, threads, keys_per_step), make)
+    if plan.dead is not None:
+        out[plan.dead] = 0
+    if plan.live == 0:
         return
-    order, lens = order[:live], lens[:live]
-    starts = [indptr[b] + spans[b][0] for b in order]
-    rank = torch.tensor(order)
-    qs = q.index_select(0, rank).to(p.cdt).view(live * kvh, g, d).mul_(p.qk_scale)
-    chunk = max(MIN_CHUNK, keys_per_step // live)
-    parts = _split_columns(lens, torch.get_num_threads(), chunk)
-    states = parallel_map(lambda cols: _decode_columns(qs, indices, starts, lens, cols, k_buf, v_buf, p, chunk), parts)
+    live = plan.live
+    qs = q.index_select(0, plan.rank).to(p.cdt).view(live * kvh, g, d).mul_(p.qk_scale)
+    states = parallel_map(lambda part: _decode_columns(qs, part, k_buf, v_buf, p, plan.chunk), plan.parts)
     res = _merge(states, live * kvh, g, dv, None if sinks is None else sinks.view(kvh, g, 1).repeat(live, 1, 1))
     if p.v_scale != 1.0:
         res.mul_(p.v_scale)
-    out.index_copy_(0, rank, res.view(live, h, dv).to(out.dtype))
+    out.index_copy_(0, plan.rank, res.view(live, h, dv).to(out.dtype))
 
 
 def _split_columns(lens: List[int], parts: int, chunk: int) -> List[Tuple[int, int]]:
@@ -334,37 +391,31 @@ def _split_columns(lens: List[int], parts: int, chunk: int) -> List[Tuple[int, i
     return [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
 
 
-def _decode_columns(qs: torch.Tensor, indices: torch.Tensor, starts: List[int], lens: List[int],
-                    cols: Tuple[int, int], k_buf: torch.Tensor, v_buf: torch.Tensor, p: Params, chunk: int):
-    """(m, l, acc) of the first `active` requests over key columns cols (those longer than cols[0])."""
+def _decode_columns(qs: torch.Tensor, part: ColumnPart, k_buf: torch.Tensor, v_buf: torch.Tensor, p: Params,
+                    chunk: int):
+    """(m, l, acc) of the part's requests over its key columns."""
     kvh, g = k_buf.shape[1], qs.shape[1]
-    active = sum(1 for n in lens if n > cols[0])
-    rows = head_rows(_slot_table(indices, starts[:active], lens[:active], cols), kvh)  # [active, KVH, cols]
+    active = part.slots.shape[0]
+    rows = part.rows.get(kvh)
+    if rows is None:
+        rows = part.rows[kvh] = head_rows(part.slots, kvh)  # [active, KVH, cols]
     ws = workspace()
     gather = Gather(k_buf, v_buf, p.cdt, chunk * active * kvh, ws)
     state = OnlineSoftmax(active * kvh, g, v_buf.shape[2], p, ws)
-    n_keys = torch.tensor(lens[:active])
-    for c0 in range(cols[0], cols[1], chunk):
-        c1 = min(c0 + chunk, cols[1])
-        while lens[active - 1] <= c0:
-            active -= 1
-        k, v = gather(rows[:active, :, c0 - cols[0]: c1 - cols[0]])  # [active, KVH, n, D]
-        mask = None
-        if lens[active - 1] < c1:  # the shortest active request ends inside this chunk
-            hidden = torch.arange(c0, c1)[None, :] >= n_keys[:active, None]
-            bias = neg_inf_where(hidden).view(active, 1, 1, c1 - c0)
-            mask = lambda s, bias=bias, a=active: s.view(a, kvh, g, -1).add_(bias)  # noqa: E731
-        state.step(qs[:active * kvh], k.flatten(0, 1), v.flatten(0, 1), mask)
+    for lo, hi, a, bias in part.steps:
+        k, v = gather(rows[:a, :, lo:hi])  # [a, KVH, n, D]
+        mask = None if bias is None else (lambda s, bias=bias, a=a: s.view(a, kvh, g, -1).add_(bias))
+        state.step(qs[:a * kvh], k.flatten(0, 1), v.flatten(0, 1), mask)
     return state.m.clone(), state.l.clone(), state.acc.clone()
 
 
 def _merge(states, rows: int, g: int, dv: int, sinks: Optional[torch.Tensor]) -> torch.Tensor:
     """Normalized output [rows, g, Dv] from partial (m, l, acc) states covering leading rows."""
-    m = torch.full((rows, g, 1), NEG_BIG) if sinks is None else sinks.clone()
+    m = torch.full((rows, g, 1), NEG_BIG, device="cpu") if sinks is None else sinks.clone()
     for m_w, _, _ in states:
         torch.maximum(m[:m_w.shape[0]], m_w, out=m[:m_w.shape[0]])
-    l = torch.zeros(rows, g, 1) if sinks is None else (sinks - m).exp_()
-    acc = torch.zeros(rows, g, dv)
+    l = torch.zeros(rows, g, 1, device="cpu") if sinks is None else (sinks - m).exp_()
+    acc = torch.zeros(rows, g, dv, device="cpu")
     for m_w, l_w, acc_w in states:
         n = m_w.shape[0]
         f = (m_w - m[:n]).exp_()

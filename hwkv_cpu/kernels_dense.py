@@ -7,8 +7,9 @@ forward and list (`plan_dense`): a padded key table [bs, L] (L = the list's long
 pool rows each KV head reads, and, where anything is hidden, one additive mask (padding, causal,
 window) in the score layout. A layer then costs a fixed handful of torch ops whatever the batch:
 two row gathers (one request: the list's slots themselves, whole pool rows read through transposed views, so
-its plan computes nothing), one batched matmul with the scale and mask folded in (`baddbmm`), the sinks' column (made
-once per layer and batch geometry by the caller, `sink_column`), one softmax and one matmul into `out`
+its plan computes nothing), one batched matmul with the scale and mask folded in (`baddbmm`), the sinks' column (in
+decode kept per layer and batch size by the caller and refilled from the sinks, `kept_sink_column`), one softmax and
+one matmul into `out`
 (`dense_attention`).
 
 The padding makes this pay only while the tables are small: `plan_dense` returns None above
@@ -20,7 +21,7 @@ reduced-precision pools are upcast when gathered, as the chunked kernels do with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -134,9 +135,21 @@ def compute_dtype(pool_dtype: torch.dtype) -> torch.dtype:
 
 def sink_column(sinks: torch.Tensor, plan: DensePlan, cdt: torch.dtype) -> torch.Tensor:
     """The sinks [H] as the scores' extra column [bs * kvh, tq * g, 1] in `cdt` (rows KV-head-major as the
-    scores'): contiguous, so a caller may keep it for every forward of this geometry."""
+    scores'), made from their current values (a column kept across calls: `kept_sink_column`)."""
     bs, kvh, g, tq = plan.bs, plan.kvh, plan.g, plan.tq
     return sinks.to(cdt).view(1, kvh, 1, g).expand(bs, kvh, tq, g).reshape(bs * kvh, tq * g, 1).contiguous()
+
+
+def kept_sink_column(sinks: torch.Tensor, plan: DensePlan,
+                     cdt: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decode's sinks column [bs * kvh, g, 1] for a caller to keep per layer and batch size, with the two views a
+    call refills it through, `dst.copy_(src)` (one broadcast copy, ~1 us against ~8 us to make the column): the
+    column then holds the sinks' current values, an in-place update of them (a weight load into the parameter they
+    view) included. Returns (column, dst, src); a tuple of tensors, which torch.compile can keep too."""
+    with torch.inference_mode(False):  # normal tensors: refilled in and out of inference mode alike
+        col = torch.empty(plan.bs * plan.kvh, plan.g, 1, dtype=cdt, device=sinks.device)
+        dst = col.view(plan.bs, plan.kvh, plan.g)
+    return col, dst, sinks.view(1, plan.kvh, plan.g)
 
 
 def dense_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, plan: DensePlan, out: torch.Tensor,
@@ -146,7 +159,7 @@ def dense_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, p
 
     qk_scale: scaling * k_scale (divided by cap when soft-capping: s = cap * tanh(q.k * qk_scale));
     v_scale multiplies the output; sinks [H] (one raw logit per head in the denominator) or None;
-    sink_col: `sink_column(sinks, plan, compute dtype)` made ahead (else made here)."""
+    sink_col: the column ahead (`kept_sink_column`, refilled with the sinks' current values; else made here)."""
     bs, kvh, g, tq, keys = plan.bs, plan.kvh, plan.g, plan.tq, plan.keys
     d, dv = k_buf.shape[2], v_buf.shape[2]
     cdt = compute_dtype(k_buf.dtype)

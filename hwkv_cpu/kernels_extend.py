@@ -18,6 +18,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from hwkv.spec import TreeMask
+from hwkv_cpu.host_plan import HostLists
 from hwkv_cpu.kernels_decode import (Gather, OnlineSoftmax, Params, chunks, head_rows, key_range, neg_inf_where,
                                      parallel_map, workspace)
 
@@ -28,7 +29,7 @@ RESIDENT_BYTES = 16 << 20  # a request's keys up to this size (K, and as much V)
 
 def _hidden(q_lo: int, nq: int, k_lo: int, nk: int, window: int) -> torch.Tensor:
     """bool [nq, 1, nk]: True where the key at position k_lo + j is invisible to the query at q_lo + i."""
-    dist = (torch.arange(q_lo, q_lo + nq)[:, None] - torch.arange(k_lo, k_lo + nk)[None, :])
+    dist = (torch.arange(q_lo, q_lo + nq, device="cpu")[:, None] - torch.arange(k_lo, k_lo + nk, device="cpu")[None, :])
     hide = dist < 0
     if window:
         hide |= dist >= window
@@ -64,16 +65,21 @@ def _tree_hidden(tb: TreeBlock, k_lo: int, nk: int, window: int) -> torch.Tensor
 def extend_torch(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indptr: list, indices: torch.Tensor,
                  pos0: list, qo_indptr: list, q_pos0: list, out: torch.Tensor, p: Params,
                  sinks: Optional[torch.Tensor], chunk: int = EXTEND_CHUNK, rows: int = EXTEND_ROWS, *,
-                 tree: Optional[TreeMask] = None) -> None:
+                 tree: Optional[TreeMask] = None, plans: Optional[HostLists] = None) -> None:
     """out[t] = attention of query t over the keys of its request visible to it (see `extend_attention`).
 
     Query blocks are independent tasks, spread over threads by `parallel_map`; a thread keeps
-    the gathered keys of its last request for its next block of the same request.
+    the gathered keys of its last request for its next block of the same request. The task list (and a verify
+    tree's mask offsets) are kept in `plans`, this forward's host lists of the list, where the caller has them.
     """
     block_q = max(1, rows // q.shape[1])
-    tasks = [(b, a, e) for b in range(len(q_pos0)) for a, e in chunks(qo_indptr[b], qo_indptr[b + 1], block_q)]
+    make = lambda: [(b, a, e) for b in range(len(q_pos0))  # noqa: E731
+                    for a, e in chunks(qo_indptr[b], qo_indptr[b + 1], block_q)]
+    tasks = make() if plans is None else plans.get(("extend", block_q), make)
     cached = threading.local()  # per thread: (request, K, V) of the request gathered whole
-    mask_ptr = None if tree is None else tree.mask_indptr.tolist()
+    mask_ptr = None
+    if tree is not None:
+        mask_ptr = tree.mask_indptr.tolist() if plans is None else plans.get(("tree",), tree.mask_indptr.tolist)
 
     def block(task: Tuple[int, int, int]) -> None:
         b, a, e = task

@@ -202,12 +202,13 @@ def xpu_caches(k_buf: torch.Tensor, v_buf: torch.Tensor, block: int) -> Tuple[to
 def varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lst: IpexList, qo_indptr: torch.Tensor,
            max_q: int, out: torch.Tensor, scaling: float, window: Optional[int], logit_cap: float) -> None:
     """IPEX's flash_attn_varlen_func, called directly on caches in the device's layout (hwkv_xpu: `xpu_caches`)
-    with the plan's block tables; decode is one query per request."""
+    with the plan's block tables; decode is one query per request. q is handed over contiguous (a no-op when it
+    is): the op's handling of a strided query was never run."""
     ops, _ = load()
     # PagedAttention.flash_attn_varlen_func: IPEX llm/modules/mha_fusion.py (names in SIGNATURES); on XPU
     # transformers/models/xpu/fusions/mha_fusion.py _IPEXPagedAttentionXPU.flash_attn_varlen_func
     ops.flash_attn_varlen_func(
-        output=out, query=q, key_cache=k_cache, value_cache=v_cache, cu_seqlens_q=qo_indptr,
+        output=out, query=q.contiguous(), key_cache=k_cache, value_cache=v_cache, cu_seqlens_q=qo_indptr,
         cu_seqlens_kv=lst.cu_kv, max_seqlen_q=int(max_q), max_seqlen_kv=lst.max_kv, scale=float(scaling),
         is_cusal=True, block_tables=lst.table, alibi_slopes=None,
         window_size_left=window - 1 if window else -1, window_size_right=0 if window else -1,

@@ -146,7 +146,7 @@ class NPUBackend(AttentionBackend):
         table = block_table_from_csr(lst.indptr, lst.indices, lst.pos0, p, max_pages)
         mask = None
         if decode and bool((off > 0).any()):
-            j = torch.arange(max_pages * p)
+            j = torch.arange(max_pages * p, device="cpu")
             mask = (j[None, :] < off[:, None]).view(len(off), 1, 1, -1).to(self.device)
         return fia.FIAPlan(table, kv_lens.tolist(), p, mask, None if decode else ext_cpu.tolist())
 

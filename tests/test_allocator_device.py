@@ -94,6 +94,10 @@ def test_host_bookkeeping_names_its_device(monkeypatch):
         h = Harness(TorchCPUBackend, "cpu", ModelGeometry(), size=512, size_swa=96, page_size=4)
         h.enable_graphs([1, 4], EagerAdapter())
         run_scenario(h, steps=6)
+        # the chunked kernels (the dense path off: what graphs and large batches run) plan on the host too
+        h = Harness(TorchCPUBackend, "cpu", ModelGeometry(), size=512, size_swa=96, page_size=4,
+                    dense_max_elements=0)
+        run_scenario(h, steps=6)
     finally:
         torch.set_default_device(None)
 

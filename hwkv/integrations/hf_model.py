@@ -88,5 +88,5 @@ def model_shape(config: Any, dtype: torch.dtype, name: Optional[str] = None) -> 
     return ModelShape(name=name or model_type, layer_is_swa=kinds, window=window,
                       num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim,
                       swa_num_kv_heads=swa_kv_heads, swa_head_dim=swa_head_dim, swa_v_head_dim=swa_v_head_dim,
-                      dtype_bytes=torch.empty(0, dtype=dtype).element_size(),
+                      dtype_bytes=torch.empty(0, dtype=dtype, device="cpu").element_size(),
                       source="read from the Hugging Face config")
