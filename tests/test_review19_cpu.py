@@ -16,6 +16,7 @@ from hwkv.testing.harness import Harness, ModelGeometry, run_scenario
 from hwkv_cpu import amx, kernels, kernels_decode, kernels_extend
 from hwkv_cpu.backend import TorchCPUBackend
 from hwkv_cpu.graph import CompileGraphAdapter
+from test_cpu_kernels import small_chunks, threads  # noqa: E402,F401  (fixtures: small chunks, thread counts)
 
 pytestmark = pytest.mark.cpu
 
@@ -100,23 +101,6 @@ def test_dense_decode_keeps_one_sinks_column_per_batch_size():
 
 
 # ---- finding 5: the chunked kernels' host plan, once per forward and list -------------------------------------
-@pytest.fixture
-def small_chunks(monkeypatch):
-    """Chunks of a few keys, so that every forward crosses chunk, column-split and query-block borders."""
-    monkeypatch.setattr(kernels_decode.decode_torch, "__defaults__", (10,))
-    monkeypatch.setattr(kernels_decode, "MIN_CHUNK", 3)
-    monkeypatch.setattr(kernels_extend.extend_torch, "__defaults__", (4, 12))
-    monkeypatch.setattr(kernels_extend, "RESIDENT_BYTES", 0)
-
-
-@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 GEOMETRIES = {
     "hybrid-gqa-sinks-cap": (ModelGeometry(num_layers=4, swa_every=2, window=5, num_heads=8, num_kv_heads=2,
                                            head_dim=16, logit_cap=2.0, sinks=True), 64),

@@ -49,9 +49,9 @@ def _engine(draft, context=96, chunk=32, num_draft=4, prefix_cache=True, graphs=
 BAD_DRAFTS = [
     ("None", lambda t, k: None, r"the drafter returned NoneType None"),
     ("str", lambda t, k: "ab", r"the drafter returned str 'ab'"),
-    ("nested", lambda t, k: [[1, 2]], r"the drafter returned list \[\[1, 2\]\]: draft id \[1, 2\] \(list, at index 0\)"),
-    ("float", lambda t, k: [1.5], r"draft id 1.5 \(float, at index 0\) is not an integer"),
-    ("bool", lambda t, k: [1, True], r"draft id True \(bool, at index 1\) is not an integer"),
+    ("nested", lambda t, k: [[1, 2]], r"the drafter returned list \[\[1, 2\]\]: draft token id \[1, 2\] \(list, at index 0\)"),
+    ("float", lambda t, k: [1.5], r"draft token id 1.5 \(float, at index 0\) is not an integer"),
+    ("bool", lambda t, k: [1, True], r"draft token id True \(bool, at index 1\) is not an integer"),
     ("float tensor", lambda t, k: torch.tensor([1.0]), r"the drafter returned Tensor .*must hold integers, got "
                                                          r"torch.float32"),
     ("2-D array", lambda t, k: np.array([[1, 2]]), r"the drafter returned ndarray .*must be 1-D, got shape \[1, 2\]"),

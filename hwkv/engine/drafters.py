@@ -13,13 +13,12 @@ token); what a drafter returns is checked by `draft_ids`.
 from __future__ import annotations
 
 from itertools import chain
-from typing import Any, Callable, Iterator, List, Mapping, Sequence, Union, overload
+from typing import Any, Callable, Iterator, List, Sequence, Union, overload
 
 import numpy as np
 import torch
 
-from hwkv.checks import as_int
-from hwkv.engine.inputs import shown
+from hwkv.engine.inputs import shown, token_ids
 from hwkv.errors import ConfigError
 
 Drafter = Callable[[Sequence[int], int], Sequence[int]]
@@ -141,41 +140,16 @@ def prompt_lookup(max_ngram: int = 3, min_ngram: int = 1) -> Drafter:
 
 def draft_ids(result: Any, k: int, vocab_size: int) -> List[int]:
     """A drafter's result as its first k token ids: an iterable of integers (list, tuple, numpy integers, a
-    generator) or a 1-D integer array or tensor, as for prompts; the first k inside [0, vocab_size). ConfigError
-    naming what the drafter returned otherwise."""
+    generator) or a 1-D integer array or tensor, by the prompt rule (`hwkv.engine.inputs.token_ids`); the first k
+    inside [0, vocab_size). ConfigError naming what the drafter returned otherwise."""
     if result.__class__ is list and all(t.__class__ is int for t in result):  # the usual case (prompt_lookup's)
         ids = result[:k]
     else:
-        ids = _ids(result)[:k]
+        try:
+            ids = token_ids(result, "draft")[:k]
+        except ConfigError as e:
+            raise ConfigError(f"the drafter returned {shown(result)}: {e}") from None
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise ConfigError(f"the drafter proposed token id {bad[0]}, outside the vocabulary [0, {vocab_size})")
-    return ids
-
-
-def _ids(result: Any) -> List[int]:
-    what = f"the drafter returned {shown(result)}"
-    if isinstance(result, (torch.Tensor, np.ndarray)):
-        kind = "tensor" if isinstance(result, torch.Tensor) else "array"
-        if (result.dtype.is_floating_point or result.dtype.is_complex or result.dtype == torch.bool) \
-                if kind == "tensor" else result.dtype.kind not in "iu":
-            raise ConfigError(f"{what}: a draft {kind} must hold integers, got {result.dtype}")
-        if result.ndim != 1:
-            raise ConfigError(f"{what}: draft ids must be 1-D, got shape {list(result.shape)}")
-        return result.tolist()
-    items = None
-    if not isinstance(result, (str, bytes, bytearray, Mapping)):
-        try:
-            items = list(result)
-        except TypeError:
-            pass
-    if items is None:
-        raise ConfigError(f"{what}: a drafter returns up to k token ids (a list, tuple, or 1-D integer array or "
-                          "tensor)")
-    ids = []
-    for i, t in enumerate(items):
-        v = as_int(t)
-        if v is None:
-            raise ConfigError(f"{what}: draft id {t!r} ({type(t).__name__}, at index {i}) is not an integer")
-        ids.append(v)
     return ids

@@ -35,30 +35,35 @@ def prompt_ids(prompt: Any) -> List[int]:
     """A prompt's token ids as ints: an iterable of integers (list, tuple, range, a generator, numpy integers) or a
     1-D integer numpy array or torch tensor. ConfigError naming what is not one (text, None, a float or bool id:
     int(1.7) would be 1, True would be token 1); the vocabulary is the caller's check."""
-    if isinstance(prompt, (torch.Tensor, np.ndarray)):
-        kind = "tensor" if isinstance(prompt, torch.Tensor) else "array"
-        if (prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool) \
-                if kind == "tensor" else prompt.dtype.kind not in "iu":
-            raise ConfigError(f"a prompt {kind} must hold integers, got {prompt.dtype}")
-        if prompt.ndim != 1:
-            raise ConfigError(f"a prompt must be 1-D, got shape {list(prompt.shape)}")
-        return prompt.tolist()
-    items = _items(prompt)
+    return token_ids(prompt, "prompt")
+
+
+def token_ids(value: Any, what: str) -> List[int]:
+    """`value` as token ids by the prompt rule (`prompt_ids`); `what` names them in a refusal ("prompt",
+    "draft")."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        kind = "tensor" if isinstance(value, torch.Tensor) else "array"
+        if (value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool) \
+                if kind == "tensor" else value.dtype.kind not in "iu":
+            raise ConfigError(f"a {what} {kind} must hold integers, got {value.dtype}")
+        if value.ndim != 1:
+            raise ConfigError(f"a {what} must be 1-D, got shape {list(value.shape)}")
+        return value.tolist()
+    items = _items(value)
     if items is None:
-        hint = ": tokenize text first" if isinstance(prompt, (str, bytes, bytearray)) else ""
-        raise ConfigError("a prompt must be a sequence of token ids (a list, tuple, or 1-D integer array or tensor), "
-                          f"got {shown(prompt)}{hint}")
-    prompt = items
+        hint = ": tokenize text first" if isinstance(value, (str, bytes, bytearray)) else ""
+        raise ConfigError(f"a {what} must be a sequence of token ids (a list, tuple, or 1-D integer array or "
+                          f"tensor), got {shown(value)}{hint}")
     try:
-        ids = [operator.index(t) for t in prompt]
-        if not any(t.__class__ is bool for t in prompt):
+        ids = [operator.index(t) for t in items]
+        if not any(t.__class__ is bool for t in items):
             return ids
     except TypeError:
         pass
-    for i, t in enumerate(prompt):  # the refusal: name the first id that is no integer
+    for i, t in enumerate(items):  # the refusal: name the first id that is no integer
         if as_int(t) is None:
-            raise ConfigError(f"prompt token id {t!r} ({type(t).__name__}, at index {i}) is not an integer")
-    raise AssertionError("unreachable: every prompt id is an integer")
+            raise ConfigError(f"{what} token id {t!r} ({type(t).__name__}, at index {i}) is not an integer")
+    raise AssertionError(f"unreachable: every {what} id is an integer")
 
 
 def batch_sizes(value: Any) -> Optional[List[int]]:
