@@ -13,7 +13,7 @@ from hwkv.graph import EagerAdapter
 from hwkv.metadata import block_table_from_csr
 from hwkv.pool import MHATokenToKVPool
 from hwkv.testing.harness import Harness, ModelGeometry, run_scenario
-from hwkv_cpu import amx, kernels, kernels_decode, kernels_extend
+from hwkv_cpu import amx, kernels
 from hwkv_cpu.backend import TorchCPUBackend
 from hwkv_cpu.graph import CompileGraphAdapter
 from test_cpu_kernels import small_chunks, threads  # noqa: E402,F401  (fixtures: small chunks, thread counts)
