@@ -64,6 +64,7 @@ class NPUBackend(AttentionBackend):
         self.fused_reason: Optional[str] = None if self.env.fused else self.env.fused_why
         self._mask2048: Optional[torch.Tensor] = None
         self._scratch: Dict[Tuple[Any, ...], torch.Tensor] = {}
+        self._sinks = fia.KeptSinks()  # sink layers' learnable_sink in the query's dtype, refreshed per forward
 
     def _load_env(self) -> fia.NPUEnv:
         if not self.options.fused:
@@ -96,7 +97,10 @@ class NPUBackend(AttentionBackend):
 
     # ---- metadata: page tables and host lengths, once per forward -----------------------------------
     def init_kernel_metadata(self, md: ForwardMetadata, batch: ForwardBatch, graph: bool) -> None:
-        if not self.env.fused or md.batch_size == 0 or (graph and not self.env.graph):
+        if not self.env.fused:
+            return
+        self._sinks.refresh()  # before this forward's layers, task updates and replay (see fia.KeptSinks)
+        if md.batch_size == 0 or (graph and not self.env.graph):
             return
         form = self._call_form(md, batch)
         if fia.page_size_reason(form, self.page_size) is not None:
@@ -201,18 +205,24 @@ class NPUBackend(AttentionBackend):
         qpad = q.new_zeros(rows.batch_size, rows.max_q, h, d)
         qpad[rows.req, rows.row] = q
         k_buf, v_buf = self.kv_buffers(layer)
-        res = fia.run_eager(self.npu, qpad, k_buf, v_buf, plan, layer, decode, self.env, self._mask2048)
+        res = fia.run_eager(self.npu, qpad, k_buf, v_buf, plan, layer, decode, self.env, self._mask2048,
+                            self._kept_sinks(layer, q.dtype))
         out.copy_(res[rows.req, rows.row])
 
     def _fused(self, q4: torch.Tensor, layer: AttentionLayer, plan: fia.FIAPlan, decode: bool, md: ForwardMetadata,
                out4: torch.Tensor) -> None:
         k_buf, v_buf = self.kv_buffers(layer)
         mask = None if decode else self._mask2048
+        sinks = self._kept_sinks(layer, q4.dtype)
         if md.graph:
-            fia.graph_call(self.npu, q4, k_buf, v_buf, out4, plan, layer, decode, self.env, mask, self._scratch_for,
-                           record_task)
+            fia.graph_call(self.npu, q4, k_buf, v_buf, out4, plan, layer, decode, self.env, mask, sinks,
+                           self._scratch_for, record_task)
         else:
-            out4.copy_(fia.run_eager(self.npu, q4, k_buf, v_buf, plan, layer, decode, self.env, mask))
+            out4.copy_(fia.run_eager(self.npu, q4, k_buf, v_buf, plan, layer, decode, self.env, mask, sinks))
+
+    def _kept_sinks(self, layer: AttentionLayer, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """A sink layer's learnable_sink: its sinks in the query's dtype, kept (fia.KeptSinks); None without sinks."""
+        return None if layer.sinks is None else self._sinks.get(layer, dtype)
 
     def _scratch_for(self, key: Tuple[Any, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Buffers captured graphs keep reading (workspaces, lse): made once, kept for the backend's life."""

@@ -1,8 +1,9 @@
 """`hwkv info`'s table for the NPU: which path each layer kind takes (asks `fia.decide`, as the backend does).
 
 Reads the installed torch_npu's op schemas when torch_npu is importable (no device work); otherwise it
-answers for a torch_npu with the fused op, v2's learnable_sink and the graph task-update API, and says
-so in the table's assumptions. Eager and graph answers differ only where the graph API is missing.
+answers for a torch_npu with the fused op, v2's learnable_sink and the graph task-update API (v2's graph
+entry points included), and says so in the table's assumptions. Eager and graph answers differ only where
+the graph API (or v2's part of it, for sink layers) is missing.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def _env() -> Tuple[fia.NPUEnv, List[str]]:
             return fia.load_env(fia.import_torch_npu()), []
         except ImportError as e:
             return fia.NPUEnv(False, f"torch_npu does not import: {e}"), []
-    return (fia.NPUEnv(True, "", True, "", True, ""),
+    return (fia.NPUEnv(True, "", True, "", True, "", graph_sinks=True),
             ["torch_npu is not installed here: answering for a release with the fused op, v2 learnable_sink "
              "and the graph task-update API"])
 

@@ -143,7 +143,7 @@ def test_npu_fused_graph_path_passes(npu_standin, page_size, mode, tpr):
     replay) under the capture-checking adapter: the page tables, masks and workspaces stay where captured."""
     from hwkv_npu.backend import NPUBackend
 
-    g = ModelGeometry(num_layers=2, swa_every=2, window=6, num_heads=4, num_kv_heads=2, head_dim=16, sinks=False,
+    g = ModelGeometry(num_layers=2, swa_every=2, window=6, num_heads=4, num_kv_heads=2, head_dim=64, sinks=False,
                       swa_sinks=True)
     h = Harness(NPUBackend, "cpu", g, size=1024, size_swa=16 * page_size, page_size=page_size, dtype=torch.float16)
     h.enable_graphs([1, 2, 4], npu_standin.graphs(), mode=mode, tokens_per_req=tpr)

@@ -348,7 +348,8 @@ def test_npu_fused_op_matches_reference(npu_standin, page_size, window):
 @pytest.mark.parametrize("v2_sinks", [True, False], ids=["v2-learnable-sink", "no-v2-sink"])
 def test_npu_sink_layers_take_v2_when_the_release_has_learnable_sink(npu_standin, v2_sinks):
     npu_standin.use(v2_sinks=v2_sinks)
-    g = ModelGeometry(num_layers=2, swa_every=2, window=9, num_heads=4, num_kv_heads=2, head_dim=16, sinks=True)
+    # head_dim 64: v2's learnable_sink takes V_D 64 or 128 only
+    g = ModelGeometry(num_layers=2, swa_every=2, window=9, num_heads=4, num_kv_heads=2, head_dim=64, sinks=True)
     h = Harness(NPUBackend, "cpu", g, size=1024, size_swa=256, page_size=128, dtype=torch.float16)
     run_scenario(h, steps=3, prompt_lens=(5, 20), chunk=16)
     calls = _npu_calls(npu_standin.mod)
@@ -436,7 +437,7 @@ def test_npu_graph_without_updates_is_caught(npu_standin, monkeypatch):
         frozen = {}
 
         def stale_kwargs(self):
-            kw = fia.kwargs_for(self.plan, self.layer, self.decode, self.env, self.mask2048, self.bs)
+            kw = fia.kwargs_for(self.plan, self.layer, self.decode, self.env, self.mask2048, self.bs, self.sinks)
             # the lengths of the first issue (capture), forever; the entry holds the call object so its id
             # cannot be reused by a later call after it is collected (which made this test flaky)
             return frozen.setdefault(id(self), (self, kw))[1]

@@ -89,8 +89,8 @@ def test_mha_batch_prefill_refuses_wrong_ones():
 
 
 # ---- torch_npu ---------------------------------------------------------------------------------------
-def _fia_kw(**over):
-    b, n, kvh, d, p = 2, 4, 2, 16, 16
+def _fia_kw(d=16, **over):
+    b, n, kvh, p = 2, 4, 2, 16
     kw = dict(num_heads=n, num_key_value_heads=kvh, input_layout="BSND", scale=0.25,
               block_table=torch.tensor([[1, 2], [3, 0]], dtype=torch.int32), block_size=p,
               actual_seq_lengths_kv=[20, 9])
@@ -143,15 +143,15 @@ def test_prefill_page_sizes_and_masks_are_checked():
 
 def test_v2_sink_and_out_overload_are_checked():
     mod = npu_si.make_torch_npu()
-    q, cache, kw = _fia_kw()
+    q, cache, kw = _fia_kw(d=64)  # learnable_sink: V_D 64 or 128 only
     kw2 = {"num_query_heads" if k == "num_heads" else "softmax_scale" if k == "scale" else
            "actual_seq_kvlen" if k == "actual_seq_lengths_kv" else k: v for k, v in kw.items()}
-    mod.npu_fused_infer_attention_score_v2(q, cache, cache, learnable_sink=torch.zeros(4), **kw2)
+    mod.npu_fused_infer_attention_score_v2(q, cache, cache, learnable_sink=torch.zeros(4, dtype=F16), **kw2)
     with pytest.raises(VendorCallError, match="learnable_sink"):
-        mod.npu_fused_infer_attention_score_v2(q, cache, cache, learnable_sink=torch.zeros(2), **kw2)
+        mod.npu_fused_infer_attention_score_v2(q, cache, cache, learnable_sink=torch.zeros(2, dtype=F16), **kw2)
     with pytest.raises(VendorCallError, match="learnable_sink"):  # a release without it
         npu_si.make_torch_npu(v2_sinks=False).npu_fused_infer_attention_score_v2(
-            q, cache, cache, learnable_sink=torch.zeros(4), **kw2)
+            q, cache, cache, learnable_sink=torch.zeros(4, dtype=F16), **kw2)
     out = mod.npu_fused_infer_attention_score.out
     with pytest.raises(VendorCallError, match="out"):
         out(q, cache, cache, workspace=torch.zeros(8, dtype=torch.uint8), **kw)  # out= missing
@@ -224,3 +224,27 @@ def test_sgl_kernel_ops_refuse_wrong_ones():
         wrong = dict(args)
         wrong["v_cahce"] = wrong.pop("v_cache")
         decode(**wrong)
+
+
+def test_sgl_kernel_extend_wants_extend_lens_in_req_to_tokens_dtype():
+    """extend.cpp: "expect extend_seq_lens and extend_start_loc to have same dtype as req_to_token" (int32 or
+    int64 alike); seq_lens and req_pool_indices stay int64. hwkv passes int64 for all three."""
+    _, extend = sgl_si.make_sgl_ops()
+    t, h, kvh, d = 5, 4, 2, 32
+    bf, i32 = torch.bfloat16, torch.int32
+    kb, vb = torch.randn(16, kvh, d, dtype=bf), torch.randn(16, kvh, d, dtype=bf)
+    args = dict(q_extend=torch.randn(t, h, d, dtype=bf), k_extend=torch.randn(t, kvh, d, dtype=bf),
+                v_extend=torch.randn(t, kvh, d, dtype=bf), o_extend=torch.zeros(t, h, d, dtype=bf), k_buffer=kb,
+                v_buffer=vb, req_to_token=torch.arange(16).view(2, 8), req_pool_indices=torch.arange(2),
+                seq_lens=torch.tensor([3, 6]), extend_seq_lens=torch.tensor([2, 3]),
+                extend_start_loc=torch.tensor([0, 2]), max_len_extend=3, sm_scale=0.2, logit_cap=0.0)
+    extend(**args)  # int64 throughout: hwkv's call
+    extend(**dict(args, req_to_token=args["req_to_token"].to(i32), extend_seq_lens=args["extend_seq_lens"].to(i32),
+                  extend_start_loc=args["extend_start_loc"].to(i32)))  # int32 throughout
+    for over in (dict(req_to_token=args["req_to_token"].to(i32)),        # int32 table, int64 extend lengths
+                 dict(extend_seq_lens=args["extend_seq_lens"].to(i32)),
+                 dict(extend_start_loc=args["extend_start_loc"].to(i32))):
+        with pytest.raises(VendorCallError, match="req_to_token's dtype"):
+            extend(**dict(args, **over))
+    with pytest.raises(VendorCallError, match="int64"):
+        extend(**dict(args, seq_lens=args["seq_lens"].to(i32)))

@@ -14,7 +14,10 @@ Schemas as declared in Ascend/op-plugin:
   and next_tokens, origin bottom right).
 - docs/context/torch_npu-npu_fused_infer_attention_score_v2.md with `learnable_sink` (op-plugin
   FusedInferAttentionScoreV2 kernel source; one logit per query head in the softmax denominator, as
-  torch_npu's test_fused_infer_attention_score_v2 reference `npSoftmax_new(x, sinks)` computes it).
+  torch_npu's test_fused_infer_attention_score_v2 reference `npSoftmax_new(x, sinks)` computes it);
+  hicann/ops-transformer attention/fused_infer_attention_score/docs/aclnnFusedInferAttentionScoreV4.md
+  (the aclnn the v2 kernel calls), row learnableSinkOptional: BFLOAT16/FLOAT16, ND, shape (Q_N), and
+  only with V_D 128 or 64.
 - The `.out` overloads take `workspace=` and `out=[attention_out, softmax_lse]`, and
   `_npu_fused_infer_attention_score_get_max_workspace` takes the op's arguments
   (docs/context/torch_npu-npu-graph_task_group_begin.md, torch_npu-npu-graph_task_update_begin.md).
@@ -38,6 +41,7 @@ from hwkv.testing.vendor_schemas.npu_runtime import FakeNPURuntime
 REDUCED = (torch.float16, torch.bfloat16)
 INT_MAX = 2147483647
 MASK_SIZE = 2048
+SINK_DV = (64, 128)
 SOURCE = "Ascend/op-plugin docs/context/torch_npu-npu_fused_infer_attention_score.md"
 
 _FIA_KW = args(
@@ -180,7 +184,9 @@ def fia_compute(p: Dict[str, Any], v2: bool) -> torch.Tensor:
         q_lens = [s] * bsz if ql is None else ([ql[0]] * bsz if len(ql) == 1 else list(ql[:bsz]))
         require(all(0 <= x <= s for x in q_lens), op, f"actual_seq_lengths {q_lens} exceed Q_S={s}")
     if sinks is not None:
-        require(sinks.shape == (n,) and sinks.is_floating_point(), op, f"learnable_sink must be [N={n}] float")
+        require(sinks.dtype in REDUCED and tuple(sinks.shape) == (n,), op,
+                f"learnable_sink must be BFLOAT16/FLOAT16 of shape (Q_N={n},), got {sinks.dtype} {list(sinks.shape)}")
+        require(dv in SINK_DV, op, f"learnable_sink needs V_D 64 or 128, got {dv}")
     g = n // kvh
     kc = p["key"].view(-1, blk, kvh, d)
     vc = p["value"].view(-1, blk, kvh, dv)

@@ -6,7 +6,8 @@ stores key/value [B, KVH, D] at k_cache[loc] (loc int64, one row per request), t
 over k_cache[req_to_token[req_pool_indices[b], :seq_lens[b]]]; attn_logits is fp32
 [B, H, num_kv_splits, Dv + 1]; output [B, H, Dv] in the query's dtype (bf16 or fp16). Extend takes
 the prefix keys from the buffers and the request's own new keys from k_extend/v_extend [T, KVH, D],
-causally; seq_lens, extend_seq_lens, extend_start_loc and req_pool_indices are int64.
+causally; seq_lens and req_pool_indices are int64, extend_seq_lens and extend_start_loc in req_to_token's
+dtype (extend.cpp: "expect extend_seq_lens and extend_start_loc to have same dtype as req_to_token").
 """
 from __future__ import annotations
 
@@ -67,8 +68,10 @@ def _extend(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, req_to_t
             extend_seq_lens, extend_start_loc, max_len_extend, sm_scale, logit_cap) -> None:
     op = EXTEND.op
     _common(op, q_extend, k_buffer, v_buffer, o_extend, req_to_token,
-            {"req_pool_indices": req_pool_indices, "seq_lens": seq_lens, "extend_seq_lens": extend_seq_lens,
-             "extend_start_loc": extend_start_loc})
+            {"req_pool_indices": req_pool_indices, "seq_lens": seq_lens})
+    for name, t in (("extend_seq_lens", extend_seq_lens), ("extend_start_loc", extend_start_loc)):
+        require(t.dtype == req_to_token.dtype, op, f"{name} must have req_to_token's dtype {req_to_token.dtype}, "
+                f"got {t.dtype}")
     require(k_extend.shape[0] == q_extend.shape[0] and k_extend.shape[1:] == k_buffer.shape[1:], op,
             "k_extend must be [T, KVH, D] of the buffer")
     for b in range(seq_lens.shape[0]):
