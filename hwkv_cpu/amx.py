@@ -137,13 +137,14 @@ def sgl_lists(indptr: list, lens: list, kv_indptr: torch.Tensor, kv_indices: tor
     # the core's table with page size 1 (entry j = the list's slot j, 0 past it), widened to the int64 the calls
     # above were checked with (int32 slots: callers keep pools within INT32_MAX slots on this path)
     table = block_table_from_csr(kv_indptr, kv_indices, kv_pos0, 1, max(max(lens), 1)).long()
-    rows, seq, loc = torch.arange(bs, device="cpu"), torch.tensor(lens, dtype=torch.int64, device="cpu"), torch.zeros(bs, dtype=torch.int64, device="cpu")
+    i64 = dict(dtype=torch.int64, device="cpu")
+    rows, seq, loc = torch.arange(bs, **i64), torch.tensor(lens, **i64), torch.zeros(bs, **i64)
     if qo_indptr is None:
         return SglLists(table, rows, seq, loc)
     ext = [qo_indptr[b + 1] - qo_indptr[b] for b in range(bs)]
     new_slots = torch.cat([kv_indices[indptr[b] + lens[b] - ext[b]: indptr[b] + lens[b]] for b in range(bs)])
-    return SglLists(table, rows, seq, loc, new_slots.long(), torch.tensor(ext, dtype=torch.int64, device="cpu"),
-                    torch.tensor(qo_indptr[:-1], dtype=torch.int64, device="cpu"))
+    return SglLists(table, rows, seq, loc, new_slots.long(), torch.tensor(ext, **i64),
+                    torch.tensor(qo_indptr[:-1], **i64))
 
 
 def sgl_decode(ops: SglOps, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, lists: SglLists,

@@ -93,7 +93,7 @@ class TorchCPUBackend(KernelSetBackend):
     """CPU kernels over the paged pool; graph mode through torch.compile over static buffers."""
 
     name = "cpu"
-    kernels = _kernels.BackendKernels()  # per backend: with its forward counter (__init__)
+    kernels = _kernels.BackendKernels()  # the class's, without a forward counter; each backend makes its own
     Options = CPUOptions
 
     def __init__(self, pool: Any, req_to_token_pool: Any, **options: Any) -> None:
@@ -105,7 +105,7 @@ class TorchCPUBackend(KernelSetBackend):
         self._kits: Dict[AttentionLayer, _LayerKit] = {}  # per layer object: see _layer_kit
         # the forward counter every layer hands the chunked kernels, so that they read a forward's lists once
         # (hwkv_cpu.host_plan); advanced by each metadata step
-        self._epoch = host_plan.new_epoch(self)
+        self._epoch = host_plan.new_epoch(self, debug=self.debug)
         self.kernels = _kernels.BackendKernels(self._epoch)
         self._ipex_windows: Set[Optional[int]] = set()  # lists whose graph tables an IPEX layer read: see _ipex_list
 

@@ -4,18 +4,22 @@ The ops of `hwkv_cpu.kernels` read a CSR list on the host (`tolist`) and derive 
 the request order, the key-column split, slot tables and masks; extend: the query-block tasks; sgl-kernel's
 tables). Every layer of a forward reads the same few lists, so that is done by the first layer reading each list
 and kept here for the others (`host_lists`). Layers of one forward find it through the backend's forward counter
-(`new_epoch`): an int64 tensor that the metadata step advances with a torch op (`next_forward`), eagerly or in a
-graph's refill (a refill recorded into a graph advances it on every replay), and that each layer hands the ops.
-The metadata step writes the lists before it advances the counter and nothing rewrites them until the next
-metadata step, so within one count a list is known by its tensors' data pointers and lengths. A call without a
-counter (the public `decode_attention` / `extend_attention`) plans for itself.
+(`new_epoch`): an int64 tensor that every metadata step advances (`next_forward`: eagerly, and in a graph runner's
+refill, which runs before each replay), and that each layer hands the ops.
+
+The rule this rests on: the metadata step writes the lists before it advances the counter, and nothing rewrites
+them until the next metadata step (a multi-step draft's k steps keep their own lists alive under one count). Within
+one count a list is then known by its tensors' data pointers and lengths. A list rewritten in place within a count
+would be read stale, silently: a backend in debug mode (`HWKV_DEBUG`) re-reads the lists at every reuse and
+raises if they changed. A call
+without a counter (the public `decode_attention` / `extend_attention`) plans for itself.
 """
 from __future__ import annotations
 
 import itertools
 import threading
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -25,10 +29,17 @@ _LOCK = threading.Lock()
 _FORWARDS: Dict[int, Tuple[int, Dict[Tuple[Any, ...], "HostLists"]]] = {}  # base -> (count, that forward's lists)
 
 
-def new_epoch(owner: Any) -> torch.Tensor:
-    """A forward counter for `owner` (a backend): int64 [1]; the plans kept for it go when the owner does."""
+_CHECKED: Set[int] = set()  # the bases of counters whose reuses re-read the lists (debug mode)
+
+
+def new_epoch(owner: Any, debug: bool = False) -> torch.Tensor:
+    """A forward counter for `owner` (a backend): int64 [1]; the plans kept for it go when the owner does. `debug`:
+    every reuse of a kept list checks it against the list's tensors now."""
     base = next(_BASES) << _SHIFT
     weakref.finalize(owner, _FORWARDS.pop, base, None)
+    if debug:
+        _CHECKED.add(base)
+        weakref.finalize(owner, _CHECKED.discard, base)
     with torch.inference_mode(False):  # a normal tensor: advanced in and out of inference mode alike
         return torch.full((1,), base, dtype=torch.int64, device="cpu")
 
@@ -74,4 +85,7 @@ def host_lists(epoch: Optional[torch.Tensor], read: Tuple[torch.Tensor, ...],
         made = HostLists([t.tolist() for t in read])
         with _LOCK:
             lists = kept[1].setdefault(key, made)
+    elif base in _CHECKED and [t.tolist() for t in read] != lists.lists:
+        raise AssertionError("a forward's index list changed after its metadata step (hwkv_cpu.host_plan's rule: "
+                             "the lists are written before the forward counter moves and not again until it moves)")
     return lists

@@ -180,7 +180,9 @@ class ToListCounter:
 @pytest.mark.parametrize("mode", ["decode", "extend"])
 def test_layers_after_the_first_reading_a_list_do_no_host_reads(mode, monkeypatch):
     """Layers 0 (SWA) and 1 (full) read the window list and the full list first; layers 2..5 read them again
-    and must find this forward's host plan: no tolist at all in their calls."""
+    and must find this forward's host plan: no tolist at all in their calls (outside debug mode, whose reuses
+    re-read the lists)."""
+    monkeypatch.delenv("HWKV_DEBUG", raising=False)
     geom = ModelGeometry(num_layers=6, swa_every=2, window=4, num_heads=4, num_kv_heads=2, head_dim=8, sinks=True)
     h = Harness(TorchCPUBackend, "cpu", geom, size=512, size_swa=64, dense_max_elements=0)
     rids = [h.add_request() for _ in range(3)]
@@ -201,7 +203,8 @@ def test_layers_after_the_first_reading_a_list_do_no_host_reads(mode, monkeypatc
 def test_graph_replays_plan_once_per_replay_and_follow_batch_changes(small_chunks, adapter, monkeypatch):
     """CPU graphs run the chunked kernels: each replay reads each list on the host once (the refill steps the
     backend's forward counter, which keys the plan), and batches that grow, shrink and pad between replays stay
-    exact (the harness checks every replay against the reference)."""
+    exact (the harness checks every replay against the reference). Outside debug mode (its reuses re-read)."""
+    monkeypatch.delenv("HWKV_DEBUG", raising=False)
     geom = ModelGeometry(num_layers=6, swa_every=2, window=4, num_heads=4, num_kv_heads=2, head_dim=8,
                          logit_cap=3.0, sinks=True)
     h = Harness(TorchCPUBackend, "cpu", geom, size=512, size_swa=96)
@@ -259,3 +262,29 @@ def test_sgl_glue_takes_the_cores_block_table(monkeypatch):
     want = reference.batch_attention(q.float(), [k_buf[s].float() for s in per_req],
                                      [v_buf[s].float() for s in per_req], lens, [1, 1, 1], 32 ** -0.5)
     assert (out.float() - want).abs().max().item() < 4e-2
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_list_rewritten_within_a_forward_is_caught_in_debug_mode(debug):
+    """host_plan reuses a forward's host lists while the forward counter stands; the rule is that nothing rewrites
+    a list within a forward. A counter made in debug mode re-reads the lists at each reuse and raises when one
+    changed; without it the reuse is silent (the rule's cost is nothing per layer)."""
+    from hwkv_cpu import host_plan
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    epoch = host_plan.new_epoch(owner, debug=debug)
+    host_plan.next_forward(epoch)
+    indices = torch.arange(1, 9, device="cpu")
+    first = host_plan.host_lists(epoch, (indices,))
+    assert host_plan.host_lists(epoch, (indices,)) is first  # the same forward: kept
+    indices.copy_(torch.arange(11, 19, device="cpu"))         # rewritten in place, same count
+    if debug:
+        with pytest.raises(AssertionError, match="changed after its metadata step"):
+            host_plan.host_lists(epoch, (indices,))
+    else:
+        assert host_plan.host_lists(epoch, (indices,)) is first
+    host_plan.next_forward(epoch)                             # the next forward reads it again
+    assert host_plan.host_lists(epoch, (indices,)).lists == [list(range(11, 19))]

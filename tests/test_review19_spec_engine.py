@@ -166,6 +166,9 @@ def test_a_token_history_reads_as_the_list_it_stands_for():
     assert history == whole and history != whole[:-1] and history + [1] == whole + [1] and [1] + history == [1] + whole
     view = np.asarray(history)
     assert view.tolist() == whole and not view.flags.writeable
+    mine = history.copy()  # a list of its own: editing it leaves the request's lists alone
+    mine.append(7)
+    assert history == whole and mine == whole + [7] and not hasattr(history, "prompt")
 
 
 def test_the_engine_hands_each_request_one_growing_token_sequence():

@@ -481,7 +481,7 @@ def test_a_forward_that_ran_no_hwkv_layer_is_a_config_error_and_changes_nothing(
             out.update((r.rid, r.tokens) for r in runner.step())
         model.set_attn_implementation("eager")
         before = _snapshot(runner)
-        with pytest.raises(ConfigError, match="no layer ran hwkv attention.*'eager'"):
+        with pytest.raises(ConfigError, match=r"but 0 of its \d+ attention layers ran hwkv attention.*'eager'"):
             runner.step()
         assert _unchanged(_snapshot(runner), before)
         runner.check_integrity()
@@ -491,6 +491,32 @@ def test_a_forward_that_ran_no_hwkv_layer_is_a_config_error_and_changes_nothing(
             runner.check_integrity()
         assert [out[r] for r in rids] == want
     assert model.config._attn_implementation == "eager"
+
+
+def test_a_forward_where_one_layer_ran_another_attention_is_a_config_error(saved, prompts):
+    """One layer switched away from hwkv (its own config copy says "eager"): the others still call hwkv, so a check
+    for no call at all would pass; the runner counts the layers that ran hwkv against the model's."""
+    import copy
+
+    from test_engine_defects import _snapshot, _unchanged
+
+    model = _load(saved["gemma2"])
+    with HybridRunner(model, max_running=2, context=48) as runner:
+        runner.add_request(prompts[0], SamplingParams(max_new_tokens=4))
+        runner.step()
+        attn = model.model.layers[1].self_attn
+        shared = attn.config
+        attn.config = copy.copy(shared)
+        attn.config._attn_implementation = "eager"
+        before = _snapshot(runner)
+        n = runner.shape.num_layers
+        with pytest.raises(ConfigError, match=rf"but {n - 1} of its {n} attention layers ran hwkv attention"):
+            runner.step()
+        assert _unchanged(_snapshot(runner), before)
+        attn.config = shared
+        while runner.has_work():
+            runner.step()
+            runner.check_integrity()
 
 
 def _cli(capsys, *argv: str):

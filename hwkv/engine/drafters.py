@@ -26,19 +26,20 @@ Drafter = Callable[[Sequence[int], int], Sequence[int]]
 
 class TokenHistory(Sequence[int]):
     """A request's tokens so far, its prompt then its outputs, as a read-only sequence over the engine's own lists
-    (which only grow): its length, an index, a slice (a list), iteration, equality with a list, `+` (a list).
-    `array()` is an int64 numpy copy, read-only, extended by the tokens appended since its last call."""
+    (which only grow; a drafter reads them, never the lists themselves): its length, an index, a slice (a list),
+    iteration, equality with a list, `+` and `copy()` (lists). `array()` is an int64 numpy copy, read-only, extended
+    by the tokens appended since its last call."""
 
-    __slots__ = ("prompt", "output", "_buf", "_n")
+    __slots__ = ("_prompt", "_output", "_buf", "_n")
     __hash__ = None  # type: ignore[assignment]  # compares by value, as the list it stands for
 
     def __init__(self, prompt: List[int], output: List[int]) -> None:
-        self.prompt, self.output = prompt, output
+        self._prompt, self._output = prompt, output
         self._buf = np.empty(0, dtype=np.int64)
         self._n = 0  # tokens copied into _buf
 
     def __len__(self) -> int:
-        return len(self.prompt) + len(self.output)
+        return len(self._prompt) + len(self._output)
 
     @overload
     def __getitem__(self, i: int) -> int: ...
@@ -47,22 +48,22 @@ class TokenHistory(Sequence[int]):
     def __getitem__(self, i: slice) -> List[int]: ...
 
     def __getitem__(self, i: Union[int, slice]) -> Union[int, List[int]]:
-        p = len(self.prompt)
+        p = len(self._prompt)
         if isinstance(i, slice):
             start, stop, step = i.indices(len(self))
             if step != 1:
                 return list(self)[i]
             if stop <= start:
                 return []
-            return self.prompt[start:min(stop, p)] + self.output[max(start - p, 0):max(stop - p, 0)]
+            return self._prompt[start:min(stop, p)] + self._output[max(start - p, 0):max(stop - p, 0)]
         n = len(self)
         j = i + n if i < 0 else i
         if not 0 <= j < n:
             raise IndexError(f"token index {i} outside a history of {n} tokens")
-        return self.prompt[j] if j < p else self.output[j - p]
+        return self._prompt[j] if j < p else self._output[j - p]
 
     def __iter__(self) -> Iterator[int]:
-        return chain(self.prompt, self.output)
+        return chain(self._prompt, self._output)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, TokenHistory):
@@ -75,8 +76,12 @@ class TokenHistory(Sequence[int]):
     def __radd__(self, other: Sequence[int]) -> List[int]:
         return list(other) + list(self)
 
+    def copy(self) -> List[int]:
+        """The tokens as a new list (what a drafter that edits its input should take)."""
+        return list(self)
+
     def __repr__(self) -> str:
-        return f"TokenHistory({len(self.prompt)} prompt + {len(self.output)} output tokens)"
+        return f"TokenHistory({len(self._prompt)} prompt + {len(self._output)} output tokens)"
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         a = self.array()
@@ -90,11 +95,11 @@ class TokenHistory(Sequence[int]):
                 buf = np.empty(max(n, 2 * self._buf.shape[0], 64), dtype=np.int64)
                 buf[:self._n] = self._buf[:self._n]
                 self._buf = buf
-            p = len(self.prompt)
+            p = len(self._prompt)
             if self._n < p:
-                self._buf[self._n:p] = self.prompt[self._n:]
+                self._buf[self._n:p] = self._prompt[self._n:]
             start = max(self._n, p)
-            self._buf[start:n] = self.output[start - p:n - p]
+            self._buf[start:n] = self._output[start - p:n - p]
             self._n = n
         view = self._buf[:n]
         view.flags.writeable = False

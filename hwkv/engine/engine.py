@@ -484,7 +484,9 @@ class Engine:
         (checked before the drafter runs), or no drafter proposed anything (the step runs as a plain decode).
         The drafter gets each request's `TokenHistory` (made once per request, grown by its outputs) and what it
         returns is checked (`draft_ids`: ConfigError before anything changed)."""
-        if not self._room_for_drafts(rows, k):
+        pages = self.scheduler.new_pages([r.prefix for r in rows], k + 1)  # each row's last token and k drafts
+        if not self.cache.allocator.has_room(pages) and not (self._prefixing is not None
+                                                           and self._prefixing.can_make_room_for(pages)):
             return None
         drafts, found = [], False
         for r in rows:
@@ -496,9 +498,8 @@ class Engine:
             drafts.append(d + [req.output[-1]] * (k - len(d)))  # padding: checked like any draft
         if not found:
             return None
-        verify_rows = [Row(r.req, r.prefix, k + 1, True) for r in rows]
         if self._prefixing is not None:  # as a plain step: cached K/V evicted where the drafts' pages need it
-            self._prefixing.make_room(verify_rows)
+            self._prefixing.make_room_for(pages)
         bs = len(rows)
         ids = [t for r, d in zip(rows, drafts) for t in [r.req.output[-1]] + d]
         graph = self.verify_graph
@@ -508,7 +509,7 @@ class Engine:
                 logits, rows_dev = self.slots.replay_verify(graph, [r.req.row for r in rows],  # layers
                                                             [r.prefix for r in rows], ids)
             else:
-                _, batch, ids_dev, pos_dev = self._allocate(verify_rows, ids)
+                _, batch, ids_dev, pos_dev = self._allocate([Row(r.req, r.prefix, k + 1, True) for r in rows], ids)
                 self.cache.backend.init_forward_metadata(batch)
                 logits, rows_dev = self.model_step(batch, ids_dev, pos_dev, 0), batch.req_pool_indices
             pred = logits.argmax(dim=-1).view(bs, k + 1).tolist()  # the one wait
@@ -547,20 +548,6 @@ class Engine:
         self._inflight.append(self._send_held([], self._block(), ForwardMode.TARGET_VERIFY))
         self.stats.record_drafts(bs, bs * k, sum(accepted))
         return earlier + self._finish(done), used_all
-
-    def _room_for_drafts(self, rows: List[Row], k: int) -> bool:
-        """Whether the pools can take each row's last token and k drafts: in the free pages (the host's bound of
-        them first; the device is read only when it says maybe not), or with what the prefix cache can evict."""
-        pages = self.scheduler.new_pages([r.prefix for r in rows], k + 1)
-        a = self.cache.allocator
-        if a.has_room(pages):
-            return True
-        if self._prefixing is None:
-            return False
-        full, swa = self._prefixing.evictable()
-        p = self.cache.plan.page_size
-        return all(ring.has_room(pages) or ring.free_pages() + evictable // p >= pages
-                   for ring, evictable in ((a.pages, full), (a.swa_attn_allocator.pages, swa)))
 
     def clear_prefix_cache(self) -> int:
         """Evict everything the prefix cache holds that no running request uses; returns the tokens evicted."""

@@ -51,7 +51,7 @@ def token_ids(value: Any, what: str) -> List[int]:
         return value.tolist()
     items = _items(value)
     if items is None:
-        hint = ": tokenize text first" if isinstance(value, (str, bytes, bytearray)) else ""
+        hint = ": tokenize text first" if what == "prompt" and isinstance(value, (str, bytes, bytearray)) else ""
         raise ConfigError(f"a {what} must be a sequence of token ids (a list, tuple, or 1-D integer array or "
                           f"tensor), got {shown(value)}{hint}")
     try:

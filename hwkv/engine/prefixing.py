@@ -5,7 +5,7 @@ what the step loop asks of it, in one place.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from hwkv.cache import HybridPrefixCache
 from hwkv.engine.forward import ForwardSlots
@@ -79,15 +79,16 @@ class EnginePrefix:
             c.evict_swa(min(swa_tokens, c.evictable_swa))
 
     def make_room(self, rows: List[Row]) -> None:
-        """Before a forward's allocation: evict cached KV where its new pages exceed the free pages (the host's
-        bound of free pages first: the device is read only when that says they might not fit)."""
-        p = self.cache.plan.page_size
-        pages = self.scheduler.new_pages([r.prefix for r in rows], [r.n for r in rows])
+        """Before a forward's allocation: evict cached KV where its new pages exceed the free pages."""
+        self.make_room_for(self.scheduler.new_pages([r.prefix for r in rows], [r.n for r in rows]))
+
+    def make_room_for(self, pages: int) -> None:
+        """Evict cached KV until `pages` new pages fit in each pool (the host's bound of free pages first: the
+        device is read only when that says they might not fit). OutOfSlotsError when eviction cannot make it."""
         if not pages:
             return
-        a, c = self.cache.allocator, self.tree
-        for ring, evictable, evict in ((a.pages, lambda: c.evictable_full, c.evict),
-                                       (a.swa_attn_allocator.pages, lambda: c.evictable_swa, c.evict_swa)):
+        p = self.cache.plan.page_size
+        for ring, evictable, evict in self._rings():
             while not ring.has_room(pages):
                 short = (pages - ring.free_pages()) * p
                 if evictable() == 0:
@@ -95,6 +96,18 @@ class EnginePrefix:
                                           "are free and the prefix cache holds nothing evictable: admission reserved "
                                           "less than the running requests take (a bug)")
                 evict(min(short, evictable()))
+
+    def can_make_room_for(self, pages: int) -> bool:
+        """Whether `pages` new pages fit in each pool once the cache evicts what it can (nothing is evicted)."""
+        p = self.cache.plan.page_size
+        return all(ring.has_room(pages) or ring.free_pages() + evictable() // p >= pages
+                   for ring, evictable, _ in self._rings())
+
+    def _rings(self) -> Tuple[Tuple[Any, Callable[[], int], Callable[[int], int]], ...]:
+        """(page ring, its evictable tokens, its eviction) per pool."""
+        a, c = self.cache.allocator, self.tree
+        return ((a.pages, lambda: c.evictable_full, c.evict),
+                (a.swa_attn_allocator.pages, lambda: c.evictable_swa, c.evict_swa))
 
     def cache_prompts(self, rows: List[Row], lock: bool) -> None:
         """Cache what each prompt chunk of this forward completed (whole pages). Before the release (`lock`

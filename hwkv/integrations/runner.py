@@ -5,8 +5,9 @@ config, plans and builds the pools, serves the model's attention through hwkv (t
 request packed into one row, B=1, position_ids per token, `use_cache=False`: attention is the only place
 tokens meet, and hwkv does it per request) and captures decode graphs where the device has them. The model's
 attention implementation is "hwkv" while a runner is open on it; the last of its runners to close gives it back
-the implementation it had before the first opened. A forward in which no layer ran hwkv attention (the model
-was switched to another implementation meanwhile) is a ConfigError, never tokens from another attention.
+the implementation it had before the first opened. A forward in which fewer layers than the model's ran hwkv
+attention (the model, or a layer, was switched to another implementation meanwhile) is a ConfigError, never
+tokens from another attention.
 """
 from __future__ import annotations
 
@@ -106,8 +107,9 @@ class HybridRunner(Engine):
         ctx = ForwardContext(self.cache.backend, batch, self.table)
         out = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep,
                          hwkv_forward=ctx)
-        if not ctx.calls:  # a host count: the model ran another attention over the packed row (wrong tokens)
-            raise ConfigError(f"the model's forward ran, but no layer ran hwkv attention: its attention "
+        if ctx.calls < self.shape.num_layers:  # a host count: some layers ran another attention (wrong tokens)
+            raise ConfigError(f"the model's forward ran, but {ctx.calls} of its {self.shape.num_layers} attention "
+                              "layers ran hwkv attention: its attention "
                               f"implementation is {self.model.config._attn_implementation!r}, not "
                               f"{ATTN_IMPLEMENTATION!r} (set_attn_implementation was called while this runner is "
                               f"open?): model.set_attn_implementation({ATTN_IMPLEMENTATION!r}) before the next step")
