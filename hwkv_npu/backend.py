@@ -221,8 +221,12 @@ class NPUBackend(AttentionBackend):
             out4.copy_(fia.run_eager(self.npu, q4, k_buf, v_buf, plan, layer, decode, self.env, mask, sinks))
 
     def _kept_sinks(self, layer: AttentionLayer, dtype: torch.dtype) -> Optional[torch.Tensor]:
-        """A sink layer's learnable_sink: its sinks in the query's dtype, kept (fia.KeptSinks); None without sinks."""
-        return None if layer.sinks is None else self._sinks.get(layer, dtype)
+        """A sink layer's learnable_sink: its sinks themselves when they are in the query's dtype (no copy, nothing
+        to refresh), else a copy in that dtype kept per layer (fia.KeptSinks); None without sinks."""
+        sinks = layer.sinks
+        if sinks is None or sinks.dtype == dtype:
+            return sinks
+        return self._sinks.get(layer, dtype)
 
     def _scratch_for(self, key: Tuple[Any, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Buffers captured graphs keep reading (workspaces, lse): made once, kept for the backend's life."""

@@ -187,8 +187,10 @@ def causal_mask(device: torch.device) -> torch.Tensor:
 
 
 class KeptSinks:
-    """Each sink layer's sinks as v2's learnable_sink takes them (BFLOAT16/FLOAT16, shape (Q_N)): a copy in the
-    query's dtype per layer and dtype, made at the layer's first fused call and kept for the backend's life.
+    """Each sink layer's sinks as v2's learnable_sink takes them (BFLOAT16/FLOAT16, shape (Q_N)) where the layer
+    keeps them in another dtype (often fp32): a copy in the query's dtype per layer and dtype, made at the layer's
+    first fused call and kept for the backend's life (sinks already in the query's dtype go to the op as they are:
+    nothing kept, nothing refreshed).
 
     Kept, not cast per call: a call captured in a graph task group keeps the addresses it was issued with (the
     task updates re-issue it with the same tensors), so a per-call cast would leave a replay reading a freed

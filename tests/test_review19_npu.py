@@ -166,3 +166,21 @@ def test_graphs_without_v2_graph_entry_points_run_sink_layers_on_torch(npu_stand
     assert h.runner.replays == 3 and eager_v2 > 0
     assert len(npu_standin.mod.npu_fused_infer_attention_score_v2.calls) == eager_v2, "no v2 in the graphs"
     assert npu_standin.mod.npu_fused_infer_attention_score.out.calls
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_sinks_already_in_the_querys_dtype_go_to_v2_as_they_are(npu_standin, graph):
+    """bf16 sinks beside bf16 queries (a bf16 checkpoint): no kept copy and nothing to refresh per forward (a copy
+    launch per sink layer per step would be host cost for nothing); the op reads the layer's own tensor."""
+    h = Harness(NPUBackend, "cpu", _sink_geometry(), size=1024, size_swa=256, page_size=16, dtype=torch.bfloat16)
+    for layer in h.layers:
+        layer.sinks = layer.sinks.to(torch.bfloat16)
+    if graph:
+        h.enable_graphs([1, 2], npu_standin.graphs())
+    rids = [h.add_request() for _ in range(2)]
+    h.forward(rids, [1, 1], ForwardMode.EXTEND)
+    for _ in range(3):
+        h.forward(rids, [1, 1], ForwardMode.DECODE)  # checked against the reference inside
+    calls = _v2_calls(npu_standin.mod)
+    assert calls and {c["learnable_sink"].data_ptr() for c in calls} <= {layer.sinks.data_ptr() for layer in h.layers}
+    assert not h.backend._sinks._kept
