@@ -6,6 +6,7 @@ import numbers
 import operator
 from typing import Any, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 
 from hwkv.env import HWKV_DEBUG
@@ -30,10 +31,16 @@ def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def is_bool(x: Any) -> bool:
+    """A Python, numpy or torch bool (a bool tensor of any shape): no integer, though `operator.index` reads torch's
+    as one."""
+    return isinstance(x, (bool, np.bool_)) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool)
+
+
 def as_int(x: Any) -> Optional[int]:
-    """An integer value as an int (Python, numpy and 0-d tensor integers); None for anything else, a bool included
-    (True would read as 1)."""
-    if isinstance(x, bool):
+    """An integer value as an int (Python, numpy and 0-d tensor integers); None for anything else, a bool of any
+    kind included (`is_bool`: True would read as 1)."""
+    if is_bool(x):
         return None
     try:
         return operator.index(x)

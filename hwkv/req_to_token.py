@@ -4,7 +4,6 @@ A table of its own, apart from the allocators that hand out the locs it holds.
 """
 from __future__ import annotations
 
-import operator
 from typing import List, Sequence, Union
 
 import torch
@@ -78,10 +77,9 @@ class ReqToTokenPool:
 
     def _row(self, row: object) -> int:
         """row as an int inside [0, size) (ints, numpy and 0-d/1-element torch integers), else LocError."""
-        try:
-            r = operator.index(row)
-        except TypeError:
-            raise LocError(f"request row must be an integer, got {type(row).__name__} {row!r}") from None
+        r = as_int(row)  # (bools are no rows)
+        if r is None:
+            raise LocError(f"request row must be an integer, got {type(row).__name__} {row!r}")
         if not 0 <= r < self.size:
             raise LocError(f"request row {r} is outside [0, {self.size})")
         return r

@@ -190,3 +190,18 @@ def test_check_share_of_freed_locs_is_the_not_live_refusal_the_cache_raises():
                   rf"^loc {first} \(full page {first // 4}\) is not live \(already free\)")
     unchanged(a, lambda: a.share(freed), hwkv.errors.DoubleFreeError, "already free")
 
+
+
+@pytest.mark.parametrize("row", [True, torch.tensor(True), 1.0])
+def test_req_to_token_rows_refuse_bools_as_the_other_integer_checks_do(row):
+    """`True` had been request row 1 (operator.index takes bools); every other integer check refuses them."""
+    from hwkv.errors import LocError
+
+    rtt = ReqToTokenPool(4, 8, "cpu")
+    held = rtt.alloc(2)
+    before = (rtt.available_size(), rtt.req_to_token.clone())
+    with pytest.raises(LocError, match="request rows? must be an integer"):
+        rtt.free(row)
+    with pytest.raises(LocError, match="request row must be an integer"):
+        rtt.free([0, row])
+    assert (rtt.available_size(), rtt.req_to_token.tolist()) == (before[0], before[1].tolist()) and held == [0, 1]

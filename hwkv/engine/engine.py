@@ -24,11 +24,11 @@ from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.cache import HybridPrefixCache
 from hwkv.engine.drafters import Drafter, TokenHistory, draft_ids
 from hwkv.engine.forward import HOST, ForwardSlots, StepLens, pack
-from hwkv.engine.inputs import batch_sizes, prompt_ids, release_window, shown
+from hwkv.engine.inputs import batch_sizes, engine_args, prompt_ids, release_window, shown
 from hwkv.engine.integrity import check_holders
 from hwkv.engine.pools import Cache
 from hwkv.engine.prefixing import EnginePrefix
-from hwkv.engine.sampling import SamplingParams, params_tensors, sample
+from hwkv.engine.sampling import RowSampling, SamplingParams
 from hwkv.engine.scheduler import Request, Row, Scheduler
 from hwkv.engine.stats import RunnerStats
 from hwkv.errors import ConfigError, HwkvError
@@ -67,7 +67,11 @@ class Engine:
     only (`hwkv.graph.GraphRunner`). `draft`: speculative verify (see `_verify`): a callable (tokens so far, k)
     -> up to k draft ids (`hwkv.engine.drafters`; the tokens so far are the request's `TokenHistory`, a read-only
     sequence), `num_draft` = k; the tokens stay greedy decoding's (with the whole-step graph, a verify of k drafts
-    replays a `hwkv.step_graph.VerifyStepGraph`)."""
+    replays a `hwkv.step_graph.VerifyStepGraph`). `vocab_size`: prompts' token ids lie in [0, vocab_size).
+
+    Every argument is checked (ConfigError naming the value and the limit) before anything is taken from `cache`;
+    a refusal after that (whole_step=True where it cannot run, a capture refused under graphs "on" or "eager")
+    gives back what was taken, so a refused constructor leaves the cache as it was."""
 
     closed = False
     _in_step = False  # a step is running (`abort` refuses then)
@@ -77,15 +81,29 @@ class Engine:
                  graph_batch_sizes: Optional[Sequence[int]] = None, overlap: Optional[bool] = None,
                  prefix_cache: bool = True, whole_step: Optional[bool] = None, draft: Optional[Drafter] = None,
                  num_draft: int = 4) -> None:
-        if draft is not None and (not callable(draft) or not isinstance(num_draft, int) or num_draft < 1):
-            raise ConfigError(f"speculative verify needs a callable draft and num_draft >= 1, got draft={draft!r}, "
-                              f"num_draft={num_draft!r}")
-        graph_batch_sizes = batch_sizes(graph_batch_sizes)
         pool_plan = cache.plan
+        # every argument is checked before anything is taken from the cache (the padding row, below)
+        graph_batch_sizes = batch_sizes(graph_batch_sizes)
         window = release_window(window, cache.hybrid, cache.shape.window, pool_plan.context, pool_plan.page_size,
                                 cache.shape.name)
-        self.cache, self.model_step, self.stats, self.vocab_size = cache, model_step, stats, int(vocab_size)
+        vocab, num_draft = engine_args(model_step, stats, vocab_size, draft, num_draft)
+        self.cache, self.model_step, self.stats, self.vocab_size = cache, model_step, stats, vocab
         self.draft, self.num_draft = draft, num_draft
+        # the row past the requests' (build_cache makes one more): a whole-step graph's padded requests write there.
+        # A refusal after this point (whole_step=True where it cannot run, a capture refused under "on") gives it
+        # back: an engine built next on this cache has every request row
+        self.pad_row = cache.rtt.alloc(1)[0]
+        try:
+            self._build(graph_adapter, graph_choice, graph_batch_sizes, overlap, prefix_cache, whole_step, window)
+        except BaseException:
+            cache.rtt.free(self.pad_row)
+            raise
+
+    def _build(self, graph_adapter: Any, graph_choice: str, graph_batch_sizes: Optional[Sequence[int]],
+               overlap: Optional[bool], prefix_cache: bool, whole_step: Optional[bool], window: Optional[int]) -> None:
+        """The engine's state over its checked arguments: scheduler, slots, prefix cache, read-back blocks, the
+        sampling table, the decode graphs (captured now)."""
+        cache, pool_plan, draft = self.cache, self.cache.plan, self.draft
         dev = self.device = cache.rtt.req_to_token.device
         self.window = window
         # prefix caching (hybrid pools: HybridPrefixCache keeps full and SWA pages of finished and prefilled
@@ -93,8 +111,6 @@ class Engine:
         cached = prefix_cache and cache.hybrid and window is not None
         self.scheduler = Scheduler(pool_plan, window, cached=cached)
         rows = cache.rtt.size
-        # the row past the requests' (build_cache makes one more): a whole-step graph's padded requests write there
-        self.pad_row = cache.rtt.alloc(1)[0]
         # a forward's slots, req_to_token and batch, the out-of-window release with each row's frontier (device,
         # and the host's copy by the same rule: steps where no frontier moves, most of them, skip the release)
         self.slots = ForwardSlots(cache.allocator, cache.rtt, window)
@@ -103,6 +119,8 @@ class Engine:
         self.prefix: Optional[HybridPrefixCache] = self._prefixing.tree if cached else None
         # each row's last sampled token, the next forward's input: sampled tokens never wait for the host
         self.next_ids = torch.zeros(rows, dtype=I64, device=dev)
+        # each row's sampling constants, written when a sampling request is admitted (`RowSampling`)
+        self.sampling = RowSampling(rows, dev)
         # overlap: a step's tokens are read by the host during the next step (see `step`)
         # (a verify step reads its accepted tokens before the next step drafts from them: no overlap)
         self.overlap = (dev.type != "cpu" if overlap is None else bool(overlap)) and draft is None
@@ -116,7 +134,8 @@ class Engine:
         self._next_rid = 0
         self.whole_step = False
         self.verify_graph: Any = None  # a VerifyStepGraph of num_draft drafts, with the whole-step graph
-        self._draft_back = torch.arange(num_draft + 1, 0, -1, dtype=I64, device=dev)  # a verify token's distance
+        # a verify graph token's distance to the end (num_draft + 1 <= chunk where there is a verify graph)
+        self._draft_back = torch.arange(min(self.num_draft, pool_plan.chunk) + 1, 0, -1, dtype=I64, device=dev)
         self.graph = self._graph_runner(graph_adapter, graph_choice, graph_batch_sizes, whole_step)
 
     def _graph_runner(self, adapter: Any, choice: str, batch_sizes: Optional[Sequence[int]],
@@ -239,9 +258,11 @@ class Engine:
         i samples with (params.seed or 0) + i, so equal prompts do not draw the same stream; a sequence gives
         each prompt its own (a None seed there is the prompt's index too). A prompt the cache can never hold
         gets its OutOfSlotsError in its Result and the others still run. `on_step(new_tokens)` is called after
-        every forward. Requests queued with `add_request` that finish meanwhile keep their Result in
-        `self.unclaimed`. A closed engine, a prompt that is not token ids (see `prompt_ids`) or params that are not
-        SamplingParams raise ConfigError before any prompt is queued."""
+        every forward with the tokens the host read back in that step (with overlap, mostly the previous
+        forward's). Once the last prompt finished, what is still in flight is read (one wait): the statistics then
+        count exactly the tokens the results hold. Requests queued with `add_request` that finish meanwhile keep
+        their Result in `self.unclaimed`. A closed engine, a prompt that is not token ids (see `prompt_ids`) or
+        params that are not SamplingParams raise ConfigError before any prompt is queued."""
         self._check_open()
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, np.ndarray, torch.Tensor)):
             raise ConfigError(f"prompts must be a sequence of prompts, got {shown(prompts)}")
@@ -278,8 +299,12 @@ class Engine:
                     self.unclaimed[res.rid] = res
             if on_step is not None:
                 on_step(self.stats.generated_tokens - before)
-        if self._inflight and not any(rec.sampled for rec in self._inflight):  # a verify's free counts: the run's
-            self._read_back()                                                     # memory statistics are complete
+        # what is still in flight when the last prompt finished (with overlap the forward issued before that
+        # read-back: its tokens for finished requests are dropped; or a verify's free counts) is read now, the run's
+        # one wait past its steps: the counters hold the results' tokens, the memory statistics are complete, and
+        # nothing of this run is left to read (a request queued by add_request that finishes here goes to unclaimed)
+        for res in self._read_back():
+            self.unclaimed[res.rid] = res
         return [r for r in results if r is not None]
 
     # ---- one forward ---------------------------------------------------------------------------
@@ -314,8 +339,10 @@ class Engine:
                     req.row = row
         else:  # each from its longest cached prefix (`req.reused` tokens)
             admitted = self.scheduler.admit(self._prefixing.start)
-        for req in admitted:
-            self.stats.record_prompt(len(req.prompt), req.reused)
+        if admitted:
+            for req in admitted:
+                self.stats.record_prompt(len(req.prompt), req.reused)
+            self.sampling.admit([r.row for r in admitted], [r.params for r in admitted])
         rows = self.scheduler.schedule()
         if not rows:  # nothing to run: what is still in flight finishes
             return self._read_back()
@@ -326,17 +353,20 @@ class Engine:
             verified = self._verify(rows, k)
             if verified is not None:
                 finished, tokens = verified
-                self.stats.record_step(ForwardMode.TARGET_VERIFY, 0, tokens, time.perf_counter() - t0)
+                self.stats.record_step(ForwardMode.TARGET_VERIFY, 0, time.perf_counter() - t0)
+                self.stats.record_tokens(ForwardMode.TARGET_VERIFY, tokens)  # read already: a verify waits for them
                 return finished
         if self._prefixing is not None:
             self._prefixing.make_room(rows)
         if self.whole_step and self.scheduler.decoding == len(rows):  # every row decodes
-            mode, where, tokens = ForwardMode.DECODE, *self._decode_whole(rows, sampled)
+            mode, where, tokens = ForwardMode.DECODE, *self._decode_whole(rows)
         else:
             head, batch = self.cache.allocator.pages.head, None
             try:  # a forward that raises (the model, Ctrl-C) gives back what it allocated: the step can run again
                 lens, batch, ids, pos = self._allocate(rows)
-                tokens = self._forward(batch, ids, pos, lens.keep_dev, sampled)
+                # the request rows of the tokens sampled (every row's, or those `_keep` sent with the forward's copy)
+                where = batch.req_pool_indices if lens.where_dev is None else lens.where_dev
+                tokens = self._forward(batch, ids, pos, lens.keep_dev, where)
             except BaseException:
                 self._undo(rows, None if batch is None else batch.out_cache_loc, head)
                 raise
@@ -345,12 +375,11 @@ class Engine:
             self._release(lens.rows, lens.seq, batch.req_pool_indices, batch.seq_lens)
             if self._prefixing is not None:
                 self._prefixing.cache_prompts(rows, lock=True)
-            # the request rows of the tokens sampled (every row's, or those `_keep` sent with the forward's copy)
-            mode, where = batch.forward_mode, batch.req_pool_indices if lens.where_dev is None else lens.where_dev
+            mode = batch.forward_mode
         self._inflight.append(self._send(rows, sampled, where, mode, tokens))
-        # the earlier steps' tokens (with overlap: while this one runs; without, this one's too)
+        # the earlier steps' tokens (with overlap: while this one runs; without, this one's too), counted as read
         finished = self._read_back(keep=1 if self.overlap else 0)
-        self.stats.record_step(mode, self.scheduler.prefill_tokens, len(sampled), time.perf_counter() - t0)
+        self.stats.record_step(mode, self.scheduler.prefill_tokens, time.perf_counter() - t0)
         return finished
 
     def has_work(self) -> bool:
@@ -438,8 +467,7 @@ class Engine:
                 dropped += 1
             elif req.add_token(tok):
                 done.append(req)
-        if dropped:
-            self.stats.drop_tokens(rec.mode, dropped)
+        self.stats.record_tokens(rec.mode, n - dropped, dropped)  # counted as read: what the outputs hold
         return self._finish(done)
 
     def _record_held(self, tails: Sequence[int], heads: Sequence[int], cached: Tuple[int, int]) -> None:
@@ -606,9 +634,10 @@ class Engine:
         return keep, np.asarray(row_list, dtype=np.int64)[samples]
 
     def _forward(self, batch: ForwardBatch, ids: torch.Tensor, pos: torch.Tensor, keep_dev: Optional[torch.Tensor],
-                 sampled: List[Row]) -> torch.Tensor:
+                 where: torch.Tensor) -> torch.Tensor:
         """Metadata once, the model over the packed tokens (a graph replay of the layers for decode), the next
-        tokens. `keep_dev`: the tokens whose logits are wanted (None: every token's)."""
+        tokens. `keep_dev`: the tokens whose logits are wanted (None: every token's); `where`: their request rows
+        (device)."""
         if batch.forward_mode == ForwardMode.DECODE and self.graph is not None and not self.whole_step:
             logits = self.graph.run(batch, {"input_ids": ids, "positions": pos})
             self.stats.graph_replays = self.graph.replays
@@ -617,15 +646,14 @@ class Engine:
         else:
             self.cache.backend.init_forward_metadata(batch)
             logits = self.model_step(batch, ids, pos, 0 if keep_dev is None else keep_dev)
-        return self._sample(sampled, logits)
+        return self._sample(where, logits)
 
-    def _sample(self, sampled: List[Row], logits: torch.Tensor) -> torch.Tensor:
-        """The next token of each sampling row from its logits (argmax when every row is greedy)."""
-        if not self.scheduler.non_greedy:  # argmax only (every running request is greedy): no sampling tensors
+    def _sample(self, where: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The next token of each sampling row from its logits, `where` its request rows on the device (argmax when
+        every running request is greedy): the constants are the rows' own (`RowSampling`), gathered on the device."""
+        if not self.scheduler.non_greedy:  # argmax only: no sampling tensors
             return logits.argmax(dim=-1)
-        params = [r.req.params for r in sampled]
-        temp, top_p, seeds, steps = params_tensors(params, [r.req.sampled for r in sampled], self.device)
-        return sample(logits, temp, top_p, seeds, steps, not all(p.greedy for p in params))
+        return self.sampling.sample(logits, where)
 
     def _decode_step(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
         """The graph runner's step: the model over the static decode inputs (every token's logits)."""
@@ -642,14 +670,15 @@ class Engine:
         pos = (batch.seq_lens.unsqueeze(1) - self._draft_back).view(-1)
         return self.model_step(batch, inputs["input_ids"], pos, 0)
 
-    def _decode_whole(self, rows: List[Row], sampled: List[Row]) -> "tuple[torch.Tensor, torch.Tensor]":
+    def _decode_whole(self, rows: List[Row]) -> "tuple[torch.Tensor, torch.Tensor]":
         """A decode step as one graph replay: the rows and lengths after it go to the device in one copy (the
         allocation, req_to_token write, metadata, layers and out-of-window release run inside); returns the
         request rows on the device (the graph's) and the sampled tokens. OutOfSlotsError before anything ran."""
         prefix, row_ids, head = [r.prefix for r in rows], [r.req.row for r in rows], self.cache.allocator.pages.head
         try:
             logits, released = self.slots.replay_decode(self.graph, row_ids, prefix)
-            tokens = self._sample(sampled, logits)
+            where = self.graph.req_pool_indices[:len(rows)]
+            tokens = self._sample(where, logits)
         except BaseException:  # given back where the replay allocated: a recorded device graph runs no Python,
             # so what raises after its allocation is an eager adapter's replay (or a batch past the buckets)
             self._undo(rows, None, head)
@@ -660,7 +689,7 @@ class Engine:
         # a page moved (else every token continued its page), or the graph released what the host rule says moved
         if released or self.scheduler.new_pages(prefix, 1):
             self._pools_changed = True
-        return self.graph.req_pool_indices[:len(rows)], tokens
+        return where, tokens
 
     def _undo(self, rows: List[Row], loc: Optional[torch.Tensor], head: int, new: Optional[int] = None) -> None:
         """A forward over `rows` (`new` tokens each, else each row's own) raised after its allocation: the pages it
@@ -687,7 +716,6 @@ class Engine:
         # every row but the padding row is a running request's or free
         self.scheduler.check_integrity(self.cache.rtt.size - 1 - self.cache.rtt.available_size())
         check_holders(self.cache, self.scheduler.running, self.slots.frontiers_cpu, self.prefix)
-
 
 
 @dataclass

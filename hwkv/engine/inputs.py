@@ -6,12 +6,13 @@ Each refusal is a ConfigError naming the value, raised before the engine queues 
 from __future__ import annotations
 
 import operator
-from typing import Any, List, Mapping, Optional
+from typing import Any, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
 
-from hwkv.checks import as_int
+from hwkv.checks import as_int, is_bool
+from hwkv.engine.stats import RunnerStats
 from hwkv.errors import ConfigError
 
 
@@ -55,8 +56,8 @@ def token_ids(value: Any, what: str) -> List[int]:
         raise ConfigError(f"a {what} must be a sequence of token ids (a list, tuple, or 1-D integer array or "
                           f"tensor), got {shown(value)}{hint}")
     try:
-        ids = [operator.index(t) for t in items]
-        if not any(t.__class__ is bool for t in items):
+        ids = [operator.index(t) for t in items]  # (which reads a torch bool as 0 or 1)
+        if all(t.__class__ is int for t in items) or not any(map(is_bool, items)):
             return ids
     except TypeError:
         pass
@@ -85,16 +86,42 @@ def release_window(window: Any, hybrid: bool, model_window: int, context: int, p
     rows' `context` is shorter than that, >= context - page_size + 1 (under which nothing ever slides out: the
     release keeps a page of margin and no request continues past context). ConfigError naming the value and the
     bound otherwise: a smaller window frees slots the layers still read (wrong tokens), None over hybrid pools
-    releases nothing (the SWA pool runs out mid-run), a window over full pools has no SWA to release."""
+    releases nothing (the SWA pool runs out mid-run), a window over full pools has no SWA to release, one of 2**63
+    or more is no int64 (as layers refuse it). A window past context + page_size releases nothing, as that one does
+    (no request continues past context): it is returned as context + page_size, so that the release's int64
+    arithmetic (seq_len - W + 1, rounded down to a page, less a page) never overflows."""
     if not hybrid:
         if window is not None:
             raise ConfigError(f"window={window!r}, but the pools of {name!r} have no SWA pool (every layer is full "
                               "attention): give window=None")
         return None
     w, least = as_int(window), min(model_window, context - page_size + 1)
-    if w is None or w < least:
+    if w is None or not least <= w < 2**63:
         raise ConfigError(f"window={window!r} for the hybrid pools of {name!r}: must be an integer >= {least} (the "
                           f"model's sliding window {model_window}, or context {context} - page_size {page_size} + 1 "
-                          "where smaller: nothing slides out then); a smaller window frees slots the SWA layers still "
-                          "read, None never frees any")
-    return w
+                          "where smaller: nothing slides out then) and < 2**63; a smaller window frees slots the SWA "
+                          "layers still read, None never frees any")
+    return min(w, context + page_size)
+
+
+def engine_args(model_step: Any, stats: Any, vocab_size: Any, draft: Any, num_draft: Any) -> Tuple[int, int]:
+    """The engine's model, stats, vocab_size and drafting arguments checked (ConfigError naming the value and the
+    limit); returns (vocab_size, num_draft) as ints."""
+    if not callable(model_step):
+        raise ConfigError(f"model_step must be callable (the model over a forward's tokens: see ModelStep), got "
+                          f"{shown(model_step)}")
+    if not isinstance(stats, RunnerStats):
+        raise ConfigError(f"stats must be a RunnerStats, got {shown(stats)}")
+    vocab = as_int(vocab_size)
+    if vocab is None or not 1 <= vocab < 2**63:
+        raise ConfigError(f"vocab_size={vocab_size!r} must be an integer >= 1 and < 2**63 (token ids are int64 in "
+                          "[0, vocab_size))")
+    if draft is not None and not callable(draft):
+        raise ConfigError(f"speculative verify needs a callable draft ((tokens so far, k) -> up to k draft ids), got "
+                          f"draft={draft!r}")
+    k = as_int(num_draft)
+    if k is None or not 1 <= k < 2**63:
+        rule = "an integer >= 1 and < 2**63 (draft tokens per verify step)"
+        raise ConfigError(f"speculative verify needs num_draft to be {rule}, got num_draft={num_draft!r}"
+                          if draft is not None else f"num_draft={num_draft!r} must be {rule}, with a draft or without")
+    return vocab, k

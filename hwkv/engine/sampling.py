@@ -2,22 +2,24 @@
 
 Sampling is a Gumbel-max race whose noise is a hash of (seed, output index, token id), computed on the
 device in a few integer ops for the whole batch: a request's tokens depend only on its own logits and
-seed, never on which requests share its forward, the batch order or the device's RNG state.
+seed, never on which requests share its forward, the batch order or the device's RNG state. The engine keeps
+each request row's constants on the device (`RowSampling`), written once when the request is admitted.
 """
 from __future__ import annotations
 
 import math
 import numbers
-import operator
 from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from hwkv.checks import as_int
 from hwkv.errors import ConfigError
 
 _M32 = 0xFFFFFFFF
+F32_MAX = float(torch.finfo(torch.float32).max)  # the largest temperature the float32 sampler holds
 
 
 @dataclass(frozen=True)
@@ -36,8 +38,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         max_new = _check_int("max_new_tokens", self.max_new_tokens, 1, None, "an integer >= 1")
-        temperature = _check_real("temperature", self.temperature, "a finite number >= 0 (0 = greedy)",
-                                  lambda t: 0 <= t < math.inf)
+        temperature = _check_real("temperature", self.temperature, f"a number in [0, {F32_MAX!r}] (0 = greedy; the "
+                                  "sampler reads it as float32, where a larger one is inf)",
+                                  lambda t: 0 <= t <= F32_MAX)
         top_p = _check_real("top_p", self.top_p, "a number in (0, 1]", lambda p: 0 < p <= 1)
         seed = None if self.seed is None else _check_int("seed", self.seed, 0, _M32, "None or an integer in [0, 2**32)")
         object.__setattr__(self, "max_new_tokens", max_new)  # numpy or torch integers become ints
@@ -67,10 +70,15 @@ def _check_int(name: str, value: object, lo: int, hi: Optional[int], allowed: st
 
 
 def _check_real(name: str, value: object, allowed: str, ok: Callable[[float], bool]) -> float:
-    """`value` as a float for which `ok` holds (NaN never does); a bool, a string or None is refused."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not ok(float(value)):
+    """`value` as a float for which `ok` holds (NaN never does); a bool, a string, None or a number past float's
+    range (10**400) is refused."""
+    try:
+        f = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else math.nan
+    except OverflowError:
+        f = math.nan
+    if not ok(f):
         raise ConfigError(f"{name} must be {allowed}, got {value!r}")
-    return float(value)
+    return f
 
 
 def _stop_ids(value: object) -> Tuple[int, ...]:
@@ -83,11 +91,8 @@ def _stop_ids(value: object) -> Tuple[int, ...]:
         raise ConfigError(f"stop_token_ids must be {_RANGE_STOP}, got {value!r}")
     ids = []
     for t in items:
-        try:
-            i = operator.index(t)
-        except TypeError:
-            i = -1
-        if isinstance(t, bool) or i < 0:
+        i = as_int(t)  # a bool of any kind is None
+        if i is None or i < 0:
             raise ConfigError(f"stop_token_ids must be {_RANGE_STOP}, got {value!r} (element {t!r})")
         ids.append(i)
     return tuple(ids)
@@ -145,10 +150,51 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
 def params_tensors(params: Sequence[SamplingParams], steps: Sequence[int],
                    device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(temperature, top_p, seeds, steps) of the sampled rows, on `device` (two host-to-device copies, from
-    pinned memory: the host does not wait)."""
+    pinned memory: the host does not wait). For a one-off batch: the engine's steps gather them per request row
+    (`RowSampling`), with no Python per row."""
     floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]], dtype=torch.float32,
                           device="cpu")
     ints = torch.tensor([[p.seed or 0 for p in params], list(steps)], dtype=torch.int64, device="cpu")
     if torch.device(device).type != "cpu":
         floats, ints = floats.pin_memory().to(device, non_blocking=True), ints.pin_memory().to(device, non_blocking=True)
     return floats[0], floats[1], ints[0], ints[1]
+
+
+class RowSampling:
+    """Each request row's sampling constants on the device, so that a step samples with no Python per row: the
+    temperature and top_p (float32), the seed and the tokens drawn so far (int64, the noise's output index).
+    `admit` writes a sampling request's row once (one copy for all the step admits); a greedy request needs its
+    row's temperature to be 0, written only where a sampling request left that row (the host keeps which rows
+    those are), so greedy runs never copy anything. `sample` gathers the forward's rows on the device and moves
+    their draw counts on. A free row's values are never read (no forward holds it)."""
+
+    def __init__(self, rows: int, device: torch.device) -> None:
+        self.device = device
+        self.floats = torch.zeros(rows, 2, dtype=torch.float32, device=device)  # temperature, top_p
+        self.floats[:, 1] = 1.0
+        self.ints = torch.zeros(rows, 2, dtype=torch.int64, device=device)  # seed, tokens drawn
+        self._hot = np.zeros(rows, dtype=bool)  # rows whose temperature is not 0 (host)
+
+    def admit(self, rows: Sequence[int], params: Sequence[SamplingParams]) -> None:
+        """Requests start in `rows` with `params`: a sampling one's constants and a draw count of 0 written to its
+        row, a greedy one's temperature 0 where its row's was not."""
+        todo = [(r, p) for r, p in zip(rows, params) if not p.greedy or self._hot[r]]
+        if not todo:
+            return
+        at = [r for r, _ in todo]
+        floats = torch.tensor([[p.temperature, p.top_p] for _, p in todo], dtype=torch.float32, device="cpu")
+        ints = torch.tensor([[r, p.seed or 0, 0] for r, p in todo], dtype=torch.int64, device="cpu")
+        if self.device.type != "cpu":  # pinned, no wait
+            floats = floats.pin_memory().to(self.device, non_blocking=True)
+            ints = ints.pin_memory().to(self.device, non_blocking=True)
+        self.floats[ints[:, 0]] = floats
+        self.ints[ints[:, 0]] = ints[:, 1:]
+        self._hot[at] = [not p.greedy for _, p in todo]
+
+    def sample(self, logits: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        """The next token of each row of `logits` [K, V], whose request rows are `where` (device, K distinct rows):
+        `sample` with each row's constants (argmax where its temperature is 0); their draw counts move on by one."""
+        f, i = self.floats[where], self.ints[where]
+        tokens = sample(logits, f[:, 0], f[:, 1], i[:, 0], i[:, 1], True)
+        self.ints[where, 1] = i[:, 1] + 1
+        return tokens

@@ -22,10 +22,10 @@ class RunnerStats:
     prefill_tokens: int = 0       # prompt tokens computed
     prompt_tokens: int = 0        # prompt tokens of the requests admitted
     reused_tokens: int = 0        # ... of which came from the prefix cache (not computed)
-    decode_tokens: int = 0        # tokens sampled by decode-only forwards
+    decode_tokens: int = 0        # ... of the generated tokens, those decode-only forwards sampled
     graph_replays: int = 0        # decode forwards replayed through the graph runner
     graph_error: Optional[str] = None  # why decode runs eagerly although graphs were asked for ("auto")
-    generated_tokens: int = 0
+    generated_tokens: int = 0     # tokens the requests' outputs hold, counted when the host reads them back
     dropped_tokens: int = 0       # sampled after their request's stop token, which the host read a step late
     verify_rows: int = 0          # speculative verify: requests verified (one per request per verify forward)
     draft_tokens: int = 0         # ... draft tokens checked ...
@@ -36,14 +36,20 @@ class RunnerStats:
     peak_full_slots: int = 0
     peak_swa_slots: int = 0
 
-    def record_step(self, mode: ForwardMode, prefill_tokens: int, generated: int, seconds: float) -> None:
+    def record_step(self, mode: ForwardMode, prefill_tokens: int, seconds: float) -> None:
+        """A forward of `mode` computed `prefill_tokens` prompt tokens; its step took `seconds` on the host."""
         self.forwards[mode.name] += 1
         self.seconds_by_mode[mode.name] += seconds
         self.prefill_tokens += prefill_tokens
-        self.generated_tokens += generated
-        if mode == ForwardMode.DECODE:
-            self.decode_tokens += generated
         self.seconds += seconds
+
+    def record_tokens(self, mode: ForwardMode, kept: int, dropped: int = 0) -> None:
+        """A forward of `mode`, read back: `kept` tokens appended to their requests' outputs, `dropped` sampled after
+        their requests had stopped (read one step late, with overlap) and never counted as generated."""
+        self.generated_tokens += kept
+        if mode == ForwardMode.DECODE:
+            self.decode_tokens += kept
+        self.dropped_tokens += dropped
 
     def record_drafts(self, rows: int, drafted: int, accepted: int) -> None:
         """A verify forward of `rows` requests checked `drafted` draft tokens and kept `accepted` of them."""
@@ -55,13 +61,6 @@ class RunnerStats:
         """A request was admitted: its prompt, and how much of it the prefix cache gave."""
         self.prompt_tokens += prompt_tokens
         self.reused_tokens += reused
-
-    def drop_tokens(self, mode: ForwardMode, n: int) -> None:
-        """Take back n tokens a forward of `mode` sampled after their requests had stopped (read one step late)."""
-        self.generated_tokens -= n
-        if mode == ForwardMode.DECODE:
-            self.decode_tokens -= n
-        self.dropped_tokens += n
 
     def record_memory(self, held: Tuple[int, int]) -> None:
         """Slots in use after a step's release (before finished requests free theirs)."""

@@ -1,4 +1,4 @@
 """Sampling moved to `hwkv.engine.sampling` (the engine room); re-exported here."""
-from hwkv.engine.sampling import SamplingParams, params_tensors, sample, uniform_noise
+from hwkv.engine.sampling import F32_MAX, RowSampling, SamplingParams, params_tensors, sample, uniform_noise
 
-__all__ = ["SamplingParams", "params_tensors", "sample", "uniform_noise"]
+__all__ = ["F32_MAX", "RowSampling", "SamplingParams", "params_tensors", "sample", "uniform_noise"]
