@@ -18,12 +18,19 @@ from hwkv_npu.backend import NPUBackend
 F16 = torch.float16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from test_vendor_backends import _one_thread  # noqa: E402,F401  (autouse: one thread for tiny tensors)
+
+
+def _v2_standin(d):
+    """The stand-in's v2 op and one decode call's arguments at head dim d (two requests over page 16)."""
+    from hwkv.testing.vendor_schemas import npu as npu_si
+
+    op = npu_si.make_torch_npu().npu_fused_infer_attention_score_v2
+    q = torch.randn(2, 1, 4, d, dtype=F16)
+    cache = torch.randn(4, 16, 2 * d, dtype=F16)
+    kw = dict(num_query_heads=4, num_key_value_heads=2, input_layout="BSND", softmax_scale=0.125, block_size=16,
+              block_table=torch.tensor([[1, 2], [3, 0]], dtype=torch.int32), actual_seq_kvlen=[20, 9])
+    return op, q, cache, kw
 
 
 def _sink_geometry(head_dim=64, swa_only=False):
@@ -41,13 +48,7 @@ def _facts(head_dim, sinks=True, graph=False):
 
 # ---- W1: learnable_sink in the query's dtype, from a copy kept per layer ------------------------------------
 def test_standin_refuses_sinks_outside_bf16_fp16_or_of_another_shape():
-    from hwkv.testing.vendor_schemas import npu as npu_si
-
-    op = npu_si.make_torch_npu().npu_fused_infer_attention_score_v2
-    q = torch.randn(2, 1, 4, 64, dtype=F16)
-    cache = torch.randn(4, 16, 2 * 64, dtype=F16)
-    kw = dict(num_query_heads=4, num_key_value_heads=2, input_layout="BSND", softmax_scale=0.125, block_size=16,
-              block_table=torch.tensor([[1, 2], [3, 0]], dtype=torch.int32), actual_seq_kvlen=[20, 9])
+    op, q, cache, kw = _v2_standin(64)
     for dtype in (F16, torch.bfloat16):
         op(q, cache, cache, learnable_sink=torch.zeros(4, dtype=dtype), **kw)
     for bad in (torch.zeros(4), torch.zeros(4, dtype=torch.float64), torch.zeros(1, 4, dtype=F16)):
@@ -118,13 +119,7 @@ def test_sink_layers_of_head_dim_32_run_the_torch_path(npu_standin):
 
 
 def test_standin_refuses_sinks_with_other_value_head_dims():
-    from hwkv.testing.vendor_schemas import npu as npu_si
-
-    op = npu_si.make_torch_npu().npu_fused_infer_attention_score_v2
-    q = torch.randn(2, 1, 4, 32, dtype=F16)
-    cache = torch.randn(4, 16, 2 * 32, dtype=F16)
-    kw = dict(num_query_heads=4, num_key_value_heads=2, input_layout="BSND", softmax_scale=0.125, block_size=16,
-              block_table=torch.tensor([[1, 2], [3, 0]], dtype=torch.int32), actual_seq_kvlen=[20, 9])
+    op, q, cache, kw = _v2_standin(32)
     op(q, cache, cache, **kw)  # without sinks: any D % 16 == 0
     with pytest.raises(VendorCallError, match="V_D 64 or 128"):
         op(q, cache, cache, learnable_sink=torch.zeros(4, dtype=F16), **kw)
