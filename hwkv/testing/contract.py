@@ -12,12 +12,20 @@ from hwkv.testing.contract_spec import CountingTranslate
 from hwkv.testing.harness import Harness, ModelGeometry, run_scenario
 
 SMALL = ModelGeometry(num_layers=4, swa_every=2, window=8, num_heads=4, num_kv_heads=2, head_dim=16)
+SIZE_SWA_P16 = 80  # 5 pages of 16: the run's SWA pages diverge from its full pages
 MANY_SWA = ModelGeometry(num_layers=7, swa_every=7, window=8, num_heads=4, num_kv_heads=2, head_dim=16)
+
+
+# the largest |out - reference| an fp32 run accepts: fp32 kernels err ~5e-7 here, and half-precision math (q rounded
+# to fp16) ~6e-4; a target that needs more sets `fp32_tolerance` (e.g. a ContractTarget subclass with that field)
+FP32_TOLERANCE = 1e-4
 
 
 def make(target, geometry=SMALL, graph=False, buckets=(1, 2, 4), **kw):
     kw.setdefault("size", 1024)
     kw.setdefault("size_swa", 128)
+    if kw.get("dtype", torch.float32) == torch.float32:
+        kw.setdefault("tolerance", getattr(target, "fp32_tolerance", FP32_TOLERANCE))
     h = Harness(target.backend_cls, target.device, geometry, **kw)
     if graph:
         h.enable_graphs(list(buckets), graph_adapter(target))
@@ -163,15 +171,20 @@ def test_speculative_verify_through_graphs_reads_swa_slots(hwkv_target):
 
 
 # ---- outputs against the reference ---------------------------------------------------------------
+# SWA pools smaller than the tokens a run writes (about 70): SWA slots diverge from the full locs and released ones
+# are reused, so a backend reading a window through full locs (or writing SWA K/V at them) fails
 SCENARIOS = {
-    "p1-fp32": dict(page_size=1),
-    "p4-bf16": dict(page_size=4, dtype=torch.bfloat16),
-    "p16-fp32": dict(page_size=16, size_swa=256),
-    "sinks-softcap": dict(page_size=1, geometry=ModelGeometry(sinks=True, logit_cap=4.0)),
-    "gqa4-vdim": dict(page_size=2, geometry=ModelGeometry(num_heads=8, num_kv_heads=2, v_head_dim=8)),
-    "swa-heads": dict(page_size=1, geometry=ModelGeometry(swa_num_kv_heads=4, swa_head_dim=32)),
-    "w1": dict(page_size=1, geometry=ModelGeometry(window=1)),
-    "fp8": dict(page_size=1, dtype=torch.float8_e4m3fn, kv_scale=0.5),
+    "p1-fp32": dict(page_size=1, size_swa=32),
+    "p4-bf16": dict(page_size=4, dtype=torch.bfloat16, size_swa=64),
+    "p16-fp32": dict(page_size=16, size_swa=SIZE_SWA_P16),
+    "sinks-softcap": dict(page_size=1, size_swa=32, geometry=ModelGeometry(sinks=True, logit_cap=4.0)),
+    "gqa4-vdim": dict(page_size=2, size_swa=64, geometry=ModelGeometry(num_heads=8, num_kv_heads=2, v_head_dim=8)),
+    # a softmax scale other than 1/sqrt(head_dim) (of either layer kind's head_dim)
+    "swa-heads": dict(page_size=1, size_swa=32, geometry=ModelGeometry(swa_num_kv_heads=4, swa_head_dim=32,
+                                                                      scaling=0.4)),
+    "w1": dict(page_size=1, size_swa=32, geometry=ModelGeometry(window=1)),
+    # K and V scaled apart: a backend dequantizing K with v_scale (or V with k_scale) fails
+    "fp8": dict(page_size=1, size_swa=32, dtype=torch.float8_e4m3fn, k_scale=0.5, v_scale=0.125),
 }
 
 
@@ -179,12 +192,50 @@ SCENARIOS = {
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_outputs_match_reference(hwkv_target, name, graph):
     """Chunked prefill (prefixes below / at / above W), decode, release every step in an SWA pool
-    an eighth of the full pool, requests finishing and new ones reusing released slots."""
+    smaller than the tokens written (SWA slots diverge from the full locs; released ones are reused), requests
+    finishing and a new one's prompt in MIXED forwards beside the decoding rows."""
     kw = dict(SCENARIOS[name])
     h = make(hwkv_target, graph=graph, **kw)
-    err = run_scenario(h, steps=10, prompt_lens=(5, 8, 13), chunk=4 if h.g.window > 1 else 1)
+    diverged = _watch_divergence(h)
+    err = run_scenario(h, steps=10, prompt_lens=(5, 8, 13), chunk=4 if h.g.window > 1 else 1, mixed=True)
     assert err < 1.0  # the harness raises ReferenceMismatchError past its tolerance; this guards NaN-free runs
     assert h.allocator.full_available_size() == 1024
+    assert any(diverged), "the scenario's premise: some token's SWA slot differs from its full loc"
+
+
+def _watch_divergence(h):
+    """A list that records, per translation of the pool, whether some SWA slot differed from its full loc."""
+    seen = []
+    translate = h.pool.translate_loc_from_full_to_swa
+
+    def spy(loc, *a, **k):
+        out = translate(loc, *a, **k)
+        if isinstance(loc, torch.Tensor) and isinstance(out, torch.Tensor) and loc.numel():
+            n = min(loc.shape[0], out.shape[0])
+            seen.append(bool((out[:n].to(loc.device) != loc[:n]).any()))
+        return out
+
+    h.pool.translate_loc_from_full_to_swa = spy
+    return seen
+
+
+# ---- windows: several per model, and a window layer over the full list ------------------------
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_two_windows_each_layer_reads_its_own(hwkv_target, graph):
+    """Two SWA layers with W=4 and W=8 (one list per distinct W); the release keeps the largest W."""
+    g = ModelGeometry(num_layers=4, swa_every=2, window=8, swa_windows=(4, 8))
+    h = make(hwkv_target, g, graph=graph, page_size=1, size_swa=64)
+    assert [l.window for l in h.layers] == [4, None, 8, None]
+    run_scenario(h, steps=6, prompt_lens=(5, 8, 13), chunk=4)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_window_layers_over_a_plain_pool_mask_the_full_list(hwkv_target, graph):
+    """A plain pool and a backend built without the window: window layers read the full list and the kernels'
+    window mask trims it (decode and extend), lists longer than W."""
+    h = make(hwkv_target, graph=graph, page_size=1, size_swa=None, sliding_window=())
+    assert not h.hybrid and h.layers[0].window == 8
+    run_scenario(h, steps=6, prompt_lens=(5, 8, 13), chunk=4)
 
 
 def test_small_swa_pool_reuses_released_slots(hwkv_target):

@@ -54,11 +54,31 @@ class ModelGeometry:
     swa_v_head_dim: Optional[int] = None
     swa_sinks: Optional[bool] = None  # None: same as `sinks`
     scaling: Optional[float] = None   # None: head_dim ** -0.5
+    swa_windows: Optional[Tuple[int, ...]] = None  # the SWA layers' windows in order (cycled); None: all `window`.
+    # `window` (the release's) must then be their largest
+
+    def layer_window(self, i: int) -> Optional[int]:
+        """Layer i's window (None for a full layer)."""
+        if not self.is_swa(i):
+            return None
+        if not self.swa_windows:
+            return self.window
+        return self.swa_windows[self.swa_layer_ids.index(i) % len(self.swa_windows)]
+
+    @property
+    def windows(self) -> Tuple[int, ...]:
+        """The distinct windows of the SWA layers, ascending (a backend's `sliding_window`)."""
+        return tuple(sorted({self.layer_window(i) for i in self.swa_layer_ids}))
 
     def __post_init__(self) -> None:
         if self.layer_is_swa is not None:
             object.__setattr__(self, "layer_is_swa", tuple(bool(x) for x in self.layer_is_swa))
             object.__setattr__(self, "num_layers", len(self.layer_is_swa))
+        if self.swa_windows is not None:
+            object.__setattr__(self, "swa_windows", tuple(int(w) for w in self.swa_windows))
+            if self.swa_windows and max(self.swa_windows) != self.window:
+                raise ConfigError(f"ModelGeometry: window {self.window} must be the largest of swa_windows "
+                                  f"{self.swa_windows} (the release keeps the largest window)")
 
     def is_swa(self, i: int) -> bool:
         if self.layer_is_swa is not None:
@@ -93,7 +113,12 @@ class Harness:
                  size: int = 512, size_swa: Optional[int] = 128, page_size: int = 1, dtype: torch.dtype = torch.float32,
                  max_reqs: int = 16, max_context_len: int = 512, seed: int = 0, kv_scale: Optional[float] = None,
                  device_inputs: bool = False, shadow: bool = True, shadow_requests: Optional[int] = None,
-                 check_queries: Optional[int] = None, **backend_options: Any) -> None:
+                 check_queries: Optional[int] = None, k_scale: Optional[float] = None,
+                 v_scale: Optional[float] = None, tolerance: Optional[float] = None,
+                 **backend_options: Any) -> None:
+        """`kv_scale` gives K and V one scale; `k_scale` / `v_scale` (each defaulting to `kv_scale`) set them apart.
+        `tolerance`: the largest |out - reference| a check accepts (None: the dtype's default, `tolerance`);
+        `backend_options` go to the backend (`sliding_window` defaults to the geometry's windows)."""
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
             raise ConfigError(f"harness: seed must be an integer in [0, 2**63), got {seed!r}")
         g = geometry
@@ -104,6 +129,7 @@ class Harness:
         self.shadow = shadow  # False: no shadow K/V (and so no reference checks), for long benchmark runs
         self.shadow_requests = shadow_requests  # shadow (and check) at most this many live requests; None: all
         self.check_queries = check_queries      # check only each request's last N queries of a forward; None: all
+        self._tolerance = tolerance
         self.hybrid = size_swa is not None and bool(g.swa_layer_ids)
         if self.hybrid:
             self.pool = SWAKVPool(size, size_swa, page_size, dtype, g.num_kv_heads, g.head_dim, g.swa_layer_ids,
@@ -119,9 +145,12 @@ class Harness:
         # the engine's step primitives over these pools: slots, req_to_token, batches, release, frees
         self.slots = ForwardSlots(self.allocator, self.rtt, g.window if self.hybrid else None)
         self._last: Optional[Tuple[ForwardBatch, StepLens]] = None  # the last batch `allocate` made, its lens
-        self.backend_options = dict(sliding_window=(g.window,) if g.swa_layer_ids else (), **backend_options)
+        self.backend_options = dict(sliding_window=g.windows if g.swa_layer_ids else ())
+        self.backend_options.update(backend_options)  # e.g. sliding_window=(): window layers over the full list
         self.backend = self.build_backend(backend_factory)
-        self.layers = [self._layer(i, kv_scale) for i in range(g.num_layers)]
+        ks = k_scale if k_scale is not None else kv_scale
+        vs = v_scale if v_scale is not None else kv_scale
+        self.layers = [self._layer(i, ks, vs) for i in range(g.num_layers)]
         self.requests: Dict[int, Request] = {}
         self.max_err = 0.0
         self.runner: Optional[GraphRunner] = None
@@ -132,7 +161,7 @@ class Harness:
         """Each request row's out-of-window release frontier, on the device (the engine's `ForwardSlots`)."""
         return self.slots.frontiers
 
-    def _layer(self, i: int, kv_scale: Optional[float]) -> AttentionLayer:
+    def _layer(self, i: int, k_scale: Optional[float], v_scale: Optional[float]) -> AttentionLayer:
         g = self.g
         swa = g.is_swa(i)
         kvh = g.swa_num_kv_heads if (swa and g.swa_num_kv_heads) else g.num_kv_heads
@@ -143,8 +172,8 @@ class Harness:
         has_sinks = g.swa_sinks if (swa and g.swa_sinks is not None) else g.sinks
         sinks = torch.randn(h, generator=self.gen, device="cpu").to(self.device) if has_sinks else None
         return AttentionLayer(i, h, kvh, d, scaling=g.scaling, v_head_dim=vd,
-                              sliding_window=g.window if swa else None, logit_cap=g.logit_cap, sinks=sinks,
-                              k_scale=kv_scale, v_scale=kv_scale)
+                              sliding_window=g.layer_window(i), logit_cap=g.logit_cap, sinks=sinks,
+                              k_scale=k_scale, v_scale=v_scale)
 
     def build_backend(self, backend_factory: BackendFactory) -> Any:
         """A backend over this harness's pool and req_to_token, with its window and options."""
@@ -247,7 +276,14 @@ class Harness:
         outs = []
         for l in self.layers:
             i = l.layer_id
-            o = self.backend.forward(inputs[f"q{i}"], inputs[f"k{i}"], inputs[f"v{i}"], l, batch)
+            q = inputs[f"q{i}"]
+            o = self.backend.forward(q, inputs[f"k{i}"], inputs[f"v{i}"], l, batch)
+            # the output contract (`out = q.new_empty(T, H, Dv)`): q's dtype and device, (T, H, Dv); checked here
+            # because the comparison reads got.float() and torch.cat would promote a stray dtype
+            if o.dtype != q.dtype or o.device != q.device or tuple(o.shape) != (q.shape[0], l.num_heads,
+                                                                                 l.v_head_dim):
+                raise ShapeError(f"layer {i}: forward returned {o.dtype} {tuple(o.shape)} on {o.device}, expected "
+                                 f"{q.dtype} {(q.shape[0], l.num_heads, l.v_head_dim)} on {q.device} (q's)")
             outs.append(o.reshape(o.shape[0], -1))
         return torch.cat(outs, dim=1)
 
@@ -374,6 +410,8 @@ class Harness:
     @property
     def tolerance(self) -> float:
         """Largest |out - reference| a check accepts for this harness's dtype."""
+        if self._tolerance is not None:
+            return self._tolerance
         return 2e-3 if self.dtype == torch.float32 else 3e-2
 
     def compare(self, layer: AttentionLayer, got: torch.Tensor, ref: torch.Tensor, what: str = "",
@@ -436,9 +474,11 @@ def _as_stored(x: torch.Tensor, dtype: torch.dtype, scale: Optional[float]) -> t
 
 
 def run_scenario(h: Harness, steps: int = 12, prompt_lens: Sequence[int] = (5, 13, 9), chunk: int = 8,
-                 churn: bool = True, finish: bool = True) -> float:
+                 churn: bool = True, finish: bool = True, mixed: bool = False) -> float:
     """Chunked prefill of a few requests, then decode steps with release every step; with churn,
-    requests finish and new ones start mid-way so released SWA slots are reused."""
+    requests finish and new ones start mid-way so released SWA slots are reused. With `mixed`, the new
+    request's prompt rides in two ForwardMode.MIXED forwards (the engine's chunked prefill beside decoding
+    rows: the decoding rows first, then the prompt chunk; then the continuing chunk) instead of one EXTEND."""
     rids = [h.add_request() for _ in prompt_lens]
     remaining = dict(zip(rids, prompt_lens))
     while any(remaining.values()):
@@ -453,7 +493,15 @@ def run_scenario(h: Harness, steps: int = 12, prompt_lens: Sequence[int] = (5, 1
         if churn and s == steps // 2 and len(rids) > 1:
             h.finish(rids.pop(0))
             new = h.add_request()
-            h.forward([new], [prompt_lens[0] + 3], ForwardMode.EXTEND)
+            n = prompt_lens[0] + 3
+            if mixed:
+                first = max(2, n // 2)
+                h.forward(rids + [new], [1] * len(rids) + [first], ForwardMode.MIXED)
+                h.release()
+                h.check_integrity()
+                h.forward(rids + [new], [1] * len(rids) + [n - first], ForwardMode.MIXED)
+            else:
+                h.forward([new], [n], ForwardMode.EXTEND)
             rids.append(new)
             h.release()
         h.forward(rids, [1] * len(rids), ForwardMode.DECODE)
