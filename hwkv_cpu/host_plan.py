@@ -11,8 +11,12 @@ The rule this rests on: the metadata step writes the lists before it advances th
 them until the next metadata step (a multi-step draft's k steps keep their own lists alive under one count). Within
 one count a list is then known by its tensors' data pointers and lengths. A list rewritten in place within a count
 would be read stale, silently: a backend in debug mode (`HWKV_DEBUG`) re-reads the lists at every reuse and
-raises if they changed. A call
-without a counter (the public `decode_attention` / `extend_attention`) plans for itself.
+raises if they changed. A call without a counter (the public `decode_attention` / `extend_attention`) plans for
+itself.
+
+Why not the forward's metadata (`md.extra`, where the dense path keeps its plans): the chunked kernels run as torch
+custom ops, also inside `torch.compile`d layers, and an op sees tensors only; the counter is the tensor that names
+the forward there.
 """
 from __future__ import annotations
 
