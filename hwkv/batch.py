@@ -8,7 +8,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from hwkv.checks import check_rows
+from hwkv.checks import check_int_dtype, check_rows
 from hwkv.errors import ConfigError, ShapeError
 
 
@@ -37,6 +37,7 @@ class ForwardMode(enum.IntEnum):
 
 
 _REQUIRED = ("req_pool_indices", "seq_lens", "out_cache_loc")  # ForwardBatch fields that are never None
+_INTEGERS = ("extend_prefix_lens", "positions")  # integer fields beside the tensors checked one by one below
 
 @dataclass
 class ForwardBatch:
@@ -46,7 +47,7 @@ class ForwardBatch:
     `extend_prefix_lens` is optional: the metadata steps derive each prefix as `seq_lens - extend_seq_lens`
     (a graph runner copies it into its static batch when given). `seq_lens_cpu`/`extend_seq_lens_cpu`
     (optional host copies, as engines keep them) let the eager metadata step size its lists without a
-    host sync.
+    host sync. Rows, locs, positions and lengths are integer tensors: a float or bool one is a LocError here.
     """
 
     forward_mode: ForwardMode
@@ -71,6 +72,9 @@ class ForwardBatch:
             t = getattr(self, name)
             if not (isinstance(t, torch.Tensor) or (t is None and name not in _REQUIRED)):
                 raise ShapeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            check_int_dtype(name, t)  # a float or bool row, loc or length: LocError naming the dtype (a host attribute)
+        for name in _INTEGERS:
+            check_int_dtype(name, getattr(self, name))
         if self.forward_mode.is_idle() and (self.batch_size or self.out_cache_loc.shape[0]):
             raise ShapeError(f"IDLE is a forward without requests: batch_size is {self.batch_size} and out_cache_loc "
                              f"has {self.out_cache_loc.shape[0]} entries, both must be 0")

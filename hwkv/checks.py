@@ -59,6 +59,33 @@ def check_window(window: Any) -> int:
     return max(w, 0)
 
 
+def release_window(window: Any, hybrid: bool, model_window: int, context: int, page_size: int,
+                   name: str) -> Optional[int]:
+    """The window an out-of-window release keeps (an engine's, a whole-step graph's), checked against its pools:
+    None for pools without an SWA pool (nothing slides out); over hybrid pools an integer >= the model's sliding
+    window `model_window` (the largest W its SWA layers read; a larger one releases later and keeps more) or, where
+    the rows' `context` is shorter than that, >= context - page_size + 1 (under which nothing ever slides out: the
+    release keeps a page of margin and no request continues past context). ConfigError naming the value and the
+    bound otherwise (`name`: whose pools, as the message shows it): a smaller window frees slots the layers still
+    read (wrong tokens), None over hybrid pools releases nothing (the SWA pool runs out mid-run), a window over full
+    pools has no SWA to release, one of 2**63 or more is no int64 (as layers refuse it). A window past context +
+    page_size releases nothing, as that one does (no request continues past context): it is returned as context +
+    page_size, so that the release's int64 arithmetic (seq_len - W + 1, rounded down to a page, less a page) never
+    overflows."""
+    if not hybrid:
+        if window is not None:
+            raise ConfigError(f"window={window!r}, but the pools of {name} have no SWA pool (every layer is full "
+                              "attention): give window=None")
+        return None
+    w, least = as_int(window), min(model_window, context - page_size + 1)
+    if w is None or not least <= w < 2**63:
+        raise ConfigError(f"window={window!r} for the hybrid pools of {name}: must be an integer >= {least} (the "
+                          f"model's sliding window {model_window}, or context {context} - page_size {page_size} + 1 "
+                          "where smaller: nothing slides out then) and < 2**63; a smaller window frees slots the SWA "
+                          "layers still read, None never frees any")
+    return min(w, context + page_size)
+
+
 def check_device(device: Union[str, torch.device]) -> torch.device:
     """`device` as a torch.device whose runtime is present (DeviceError naming it and why not), before any
     buffer is allocated on it."""
@@ -98,8 +125,9 @@ def value_range(t: torch.Tensor) -> Tuple[int, int]:
 
 
 def check_int_dtype(name: str, x: object) -> None:
-    """A tensor argument of locs or lengths must hold integers (its dtype: a host attribute, no device read)."""
-    if isinstance(x, torch.Tensor) and (x.dtype.is_floating_point or x.dtype.is_complex):
+    """A tensor argument of rows, locs or lengths must hold integers, a bool being none (True would read as 1): its
+    dtype, a host attribute, no device read. What is no tensor is its caller's to check."""
+    if isinstance(x, torch.Tensor) and (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool):
         raise LocError(f"{name} must hold integers, got {x.dtype}")
 
 

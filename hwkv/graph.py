@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 import torch
 
 from hwkv.batch import ForwardBatch, ForwardMode
+from hwkv.checks import check_rows
 from hwkv.errors import ConfigError, ShapeError
 from hwkv.spec import DraftTree, MultiStepDraft
 
@@ -160,6 +161,19 @@ class GraphRunner:
             raise ShapeError(f"graph mode needs {self.tpr} new token(s) per request; extend_seq_lens are "
                              f"{ext.tolist()}")
 
+    def _check_lens_and_rows(self, batch: ForwardBatch) -> None:
+        """What the eager metadata step checks (`ForwardBatch.check_lens`: 1 <= seq_lens <= max_context_len, each
+        request's `tpr` new tokens within its length, rows inside req_to_token), on the engine's host copies of the
+        lengths, or the lengths themselves where they are on the host; never a device read. Lengths only on the
+        device: the rows alone, where checkable (`check_rows`). Typed (ShapeError, LocError), before any static
+        buffer is written."""
+        rows, ctx = self.backend.req_to_token_pool.req_to_token.shape
+        seq = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens
+        if seq.device.type == "cpu":  # (each request's new tokens: the tpr the static batch runs)
+            batch.check_lens(seq.tolist(), [self.tpr] * batch.batch_size, rows, ctx)
+        else:
+            check_rows(batch.req_pool_indices, rows)
+
     def _arg(self, batch: ForwardBatch) -> Any:
         """What `fn` takes for a static batch: the batch itself."""
         return batch
@@ -214,7 +228,8 @@ class GraphRunner:
     def prepare(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> "PreparedStep":
         """Everything before the layers: copy the batch and inputs into the static buffers, pad to the
         smallest bucket that fits, refill the static metadata. A batch larger than every bucket gets
-        eager metadata instead (and `replay` runs it eagerly: it is never dropped)."""
+        eager metadata instead (and `replay` runs it eagerly: it is never dropped). A batch the eager metadata
+        step would refuse (rows, lengths: `_check_lens_and_rows`) is refused before any static buffer changes."""
         bs = batch.batch_size
         if isinstance(batch.spec_info, MultiStepDraft):
             raise ConfigError("a MultiStepDraft batch runs through hwkv.draft.DraftGraphRunner, not GraphRunner")
@@ -237,6 +252,7 @@ class GraphRunner:
             if prefix is not None and (prefix.dim() != 1 or prefix.shape[0] != bs):
                 got = f"{prefix.shape[0]} entries" if prefix.dim() == 1 else f"shape {list(prefix.shape)}"
                 raise ShapeError(f"extend_prefix_lens has {got}, batch_size is {bs}")
+        self._check_lens_and_rows(batch)  # as the eager step would (which a batch past every bucket takes)
         bs_pad = self.buckets[i]
         self._take_inputs(inputs, n)  # first: a bad input leaves the static batch as it was
         self.req_pool_indices[:bs].copy_(batch.req_pool_indices)

@@ -26,7 +26,7 @@ import torch
 from hwkv import ops
 from hwkv.release import release_out_of_window_batch
 from hwkv.batch import ForwardBatch, ForwardMode
-from hwkv.checks import check_rows
+from hwkv.checks import as_int, check_int_dtype, check_rows, release_window
 from hwkv.draft import DraftReplay, _by_step
 from hwkv.errors import ConfigError, LocError, ShapeError
 from hwkv.graph import EagerAdapter, GraphAdapter, GraphRunner, ModelFn, _Captured
@@ -38,9 +38,12 @@ class DecodeStepGraph(GraphRunner):
     """Captures `alloc + req_to_token write + refill + fn(batch, inputs) + release` per bucket (see module doc).
 
     `frontiers`: int64 [req_to_token rows] on the device, each row's release frontier (None: no release, a
-    pool without windows). `pad_row`: a req_to_token row the caller keeps for padded requests (None: the graph
-    takes one from the pool). `step(rows, seq_lens, seq_lens_cpu, inputs)` runs one decode step: rows and
-    seq_lens (lengths after the step) on the device, seq_lens_cpu their host copy.
+    pool without windows). `window`: what the release keeps, by the engine's rule (`hwkv.checks.release_window`:
+    an integer >= the backend's largest sliding window, or >= context - page_size + 1 where that is smaller).
+    `pad_row`: a req_to_token row the caller keeps for padded requests, an integer in [0, rows) (None: the graph
+    takes one from the pool). Each is checked before anything is built (ConfigError naming the value and the
+    limit). `step(rows, seq_lens, seq_lens_cpu, inputs)` runs one decode step: rows and seq_lens (lengths after
+    the step, integer tensors) on the device, seq_lens_cpu their host copy.
     """
 
     # one step: a decode, one token per request (VerifyStepGraph and DraftStepGraph change these)
@@ -58,6 +61,13 @@ class DecodeStepGraph(GraphRunner):
                                       or frontiers.device.type != backend.device.type):
             raise LocError(f"frontiers must be int64 [{rtt_pool.size}] (one per request row) on {backend.device}, "
                            f"got {frontiers.dtype} {list(frontiers.shape)} on {frontiers.device}")
+        if window is not None:  # a smaller one would free slots the SWA layers still read (wrong outputs)
+            window = release_window(window, backend.hybrid, max(backend.windows, default=0), rtt_pool.max_context_len,
+                                    allocator.page_size, "this graph's backend")
+        pad = None if pad_row is None else as_int(pad_row)
+        if pad_row is not None and (pad is None or not 0 <= pad < rtt_pool.size):
+            raise ConfigError(f"pad_row={pad_row!r} must be an integer request row in [0, {rtt_pool.size}) (the "
+                              "req_to_token row padded requests write; None: the graph takes one from the pool)")
         self.device_alloc = allocator.allocates_in_graph
         if not self.fits(allocator, adapter):
             raise ConfigError(f"a whole-step graph on {backend.device.type} needs the device's page-op kernels "
@@ -69,7 +79,7 @@ class DecodeStepGraph(GraphRunner):
         self.rtt = rtt_pool.req_to_token
         # padded requests write here, never into a live row: the caller's reserved row, or one taken now
         self._own_pad = pad_row is None
-        self.pad_row = rtt_pool.alloc(1)[0] if pad_row is None else int(pad_row)
+        self.pad_row = rtt_pool.alloc(1)[0] if pad is None else pad
         dev, b = backend.device, self.buckets[-1]
         # what the host sends each step, one copy: [head_full, head_swa, live requests] then (row, length) pairs
         self.staged = torch.zeros(3 + 2 * b, dtype=torch.int64, device=dev)
@@ -195,7 +205,12 @@ class DecodeStepGraph(GraphRunner):
         the live tokens. Capacity is settled before anything runs: OutOfSlotsError leaves everything as it was.
         Rows and lengths on the host travel with the step's control words in one copy; on the device, as copies
         there. `inputs` None: the engine wrote this step's inputs into `self.inputs` (nothing to check or
-        copy, however many there are); views of those buffers are not copied either."""
+        copy, however many there are); views of those buffers are not copied either. Rows and lengths that are no
+        integers (a float, a bool: their dtype, a host attribute) are a LocError, as everything else, before
+        anything is staged or claimed."""
+        if not rows.dtype == seq_lens.dtype == seq_lens_cpu.dtype == torch.int64:  # (the common case: one compare)
+            for name, t in (("rows", rows), ("seq_lens", seq_lens), ("seq_lens_cpu", seq_lens_cpu)):
+                check_int_dtype(name, t)
         bs = rows.numel()
         if seq_lens.numel() != bs or seq_lens_cpu.numel() != bs:
             raise LocError(f"rows ({bs}), seq_lens ({seq_lens.numel()}) and seq_lens_cpu ({seq_lens_cpu.numel()}) "

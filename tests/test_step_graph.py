@@ -69,10 +69,10 @@ class Engine:
         self.seq = torch.tensor(lens, dtype=torch.int64)
 
     def layers_fn(self, batch, inputs):
-        out = None
-        for layer in self.layers:
-            out = self.backend.forward(inputs["q"], inputs["k"], inputs["v"], layer, batch)
-        return out
+        """Every layer's output side by side, [tokens, layers * H * D]: the SWA layer's too, the only one a release
+        that frees in-window slots changes (tests/test_review20_graphs.py shows the comparison sees it)."""
+        return torch.cat([self.backend.forward(inputs["q"], inputs["k"], inputs["v"], layer, batch)
+                          .reshape(batch.num_tokens, -1) for layer in self.layers], dim=1)
 
     def eager_step(self, pick, inputs):
         """The reference: the eager API, one call each."""

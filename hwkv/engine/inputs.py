@@ -11,7 +11,7 @@ from typing import Any, List, Mapping, Optional, Tuple
 import numpy as np
 import torch
 
-from hwkv.checks import as_int, is_bool
+from hwkv.checks import as_int, is_bool, release_window as _release_window
 from hwkv.engine.stats import RunnerStats
 from hwkv.errors import ConfigError
 
@@ -80,28 +80,9 @@ def batch_sizes(value: Any) -> Optional[List[int]]:
 
 def release_window(window: Any, hybrid: bool, model_window: int, context: int, page_size: int,
                    name: str) -> Optional[int]:
-    """The engine's `window` (what its out-of-window release and prefix cache keep) checked against its pools:
-    None for pools without an SWA pool (nothing slides out); over hybrid pools an integer >= the model's sliding
-    window `model_window` (the W its SWA layers read; a larger one releases later and keeps more) or, where the
-    rows' `context` is shorter than that, >= context - page_size + 1 (under which nothing ever slides out: the
-    release keeps a page of margin and no request continues past context). ConfigError naming the value and the
-    bound otherwise: a smaller window frees slots the layers still read (wrong tokens), None over hybrid pools
-    releases nothing (the SWA pool runs out mid-run), a window over full pools has no SWA to release, one of 2**63
-    or more is no int64 (as layers refuse it). A window past context + page_size releases nothing, as that one does
-    (no request continues past context): it is returned as context + page_size, so that the release's int64
-    arithmetic (seq_len - W + 1, rounded down to a page, less a page) never overflows."""
-    if not hybrid:
-        if window is not None:
-            raise ConfigError(f"window={window!r}, but the pools of {name!r} have no SWA pool (every layer is full "
-                              "attention): give window=None")
-        return None
-    w, least = as_int(window), min(model_window, context - page_size + 1)
-    if w is None or not least <= w < 2**63:
-        raise ConfigError(f"window={window!r} for the hybrid pools of {name!r}: must be an integer >= {least} (the "
-                          f"model's sliding window {model_window}, or context {context} - page_size {page_size} + 1 "
-                          "where smaller: nothing slides out then) and < 2**63; a smaller window frees slots the SWA "
-                          "layers still read, None never frees any")
-    return min(w, context + page_size)
+    """The engine's `window` (what its out-of-window release and prefix cache keep) checked against its pools named
+    `name`: the core's rule (`hwkv.checks.release_window`, which whole-step graphs check too)."""
+    return _release_window(window, hybrid, model_window, context, page_size, repr(name))
 
 
 def engine_args(model_step: Any, stats: Any, vocab_size: Any, draft: Any, num_draft: Any) -> Tuple[int, int]:
