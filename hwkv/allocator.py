@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from hwkv.checks import check_device, check_int_dtype, check_loc
+from hwkv.checks import as_int, check_device, check_int_dtype, check_loc
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, LocError, NotAllocatedError, OutOfSlotsError
 from hwkv.pages import ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_SWA_RELEASED, NEVER, PageRing, page_ops_for
@@ -33,10 +33,23 @@ IntsLike = Union[torch.Tensor, Sequence[int]]
 _REEXPORTED = (TorchPageOps,)  # its old home: `hwkv.allocator.TorchPageOps` keeps working
 
 
+def _count(name: str, x: object) -> int:
+    """Entries of a tensor or sequence argument (a host attribute, no device read); anything else (an int, None) is
+    a LocError naming it."""
+    if isinstance(x, torch.Tensor):
+        return x.numel()
+    try:
+        return len(x)  # type: ignore[arg-type]
+    except TypeError:
+        raise LocError(f"{name} must be a tensor or a sequence of integers, got {type(x).__name__} {x!r}") from None
+
+
 def _host_ints(name: str, x: IntsLike, host: Optional[torch.Tensor] = None) -> np.ndarray:
     """int64 host copy of x (numpy: a few host ops cost microseconds, not torch's dispatch per op):
     the given host copy, x itself when on the CPU, else one device read. Floats are refused, not truncated."""
     check_int_dtype(name, x)
+    if not isinstance(x, torch.Tensor):
+        _count(name, x)
     if host is not None:
         check_int_dtype(f"{name}'s host copy", host)
         x = host
@@ -226,9 +239,13 @@ class PagedTokenToKVPoolAllocator:
         """
         pre_cpu = _host_ints("prefix_lens", prefix_lens, prefix_lens_cpu)
         seq_cpu = _host_ints("seq_lens", seq_lens, seq_lens_cpu)
-        n_last = last_loc.numel() if isinstance(last_loc, torch.Tensor) else len(last_loc)
+        n_last = _count("last_loc", last_loc)
         check_int_dtype("last_loc", last_loc)  # a device tensor skips `_host_ints`
-        plan = _Batch.extend(pre_cpu, seq_cpu, n_last, int(extend_num_tokens), self.page_size)
+        n = as_int(extend_num_tokens)  # an int (numpy's, a 0-d tensor's too); 1.9 and "1" are not truncated
+        if n is None:
+            raise LocError(f"extend_num_tokens must be an integer, got {type(extend_num_tokens).__name__} "
+                           f"{extend_num_tokens!r}")
+        plan = _Batch.extend(pre_cpu, seq_cpu, n_last, n, self.page_size)
         last_cpu = None if isinstance(last_loc, torch.Tensor) and last_loc.device.type != "cpu" else \
             _host_ints("last_loc", last_loc)
         return self._alloc(_on_device(self.device, prefix_lens, pre_cpu), _on_device(self.device, seq_lens, seq_cpu),
@@ -241,8 +258,7 @@ class PagedTokenToKVPoolAllocator:
 
         At page size 1 nothing is read from the device even without `seq_lens_cpu`.
         """
-        bs = seq_lens.numel() if isinstance(seq_lens, torch.Tensor) else len(seq_lens)
-        n_last = last_loc.numel() if isinstance(last_loc, torch.Tensor) else len(last_loc)
+        bs, n_last = _count("seq_lens", seq_lens), _count("last_loc", last_loc)
         if n_last != bs:
             raise LocError(f"seq_lens ({bs}) and last_loc ({n_last}) must have one entry per request")
         check_int_dtype("seq_lens", seq_lens)  # the tensor fast paths below skip `_host_ints`

@@ -37,6 +37,7 @@ def release_out_of_window_batch(allocator: SWATokenToKVPoolAllocator, req_to_tok
                           "SWATokenToKVPoolAllocator")
     if not isinstance(frontiers, torch.Tensor) or frontiers.dtype != I64:
         raise LocError(f"frontiers must be an int64 tensor, got {getattr(frontiers, 'dtype', type(frontiers))}")
+    _check_tensors(req_to_token, req_pool_indices, seq_lens)
     bs = req_pool_indices.numel() if by_row else frontiers.numel()
     if by_row and frontiers.shape != (req_to_token.shape[0],):
         raise LocError(f"by_row frontiers must hold one per req_to_token row ({req_to_token.shape[0]}), got "
@@ -73,6 +74,19 @@ def release_out_of_window_batch(allocator: SWATokenToKVPoolAllocator, req_to_tok
         ops.release_window(allocator.pages, allocator._swa, allocator._mapping, req_to_token, req_pool_indices,
                            seq_lens, frontiers, window)
     return frontiers
+
+
+def _check_tensors(req_to_token: object, req_pool_indices: object, seq_lens: object) -> None:
+    """The release's index arguments are tensors (LocError naming one that is not), req_to_token a 2-D integer one
+    [rows, max_context_len]: host attributes only, before any of them is read."""
+    for name, t in (("req_to_token", req_to_token), ("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens)):
+        if not isinstance(t, torch.Tensor):
+            shown = repr(t) if len(repr(t)) <= 40 else repr(t)[:37] + "..."
+            raise LocError(f"{name} must be a torch.Tensor, got {type(t).__name__} {shown}")
+    check_int_dtype("req_to_token", req_to_token)
+    if req_to_token.dim() != 2:
+        raise LocError(f"req_to_token must be 2-D [rows, max_context_len], got shape {list(req_to_token.shape)} (a "
+                       "single request's row is release_out_of_window's)")
 
 
 def _check_release(a: SWATokenToKVPoolAllocator, rtt: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor,

@@ -111,9 +111,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--check-every", type=int, metavar="K",
                    help="compare every K-th forward (and each round's last) with hwkv.reference; 0 = never")
     w.add_argument("--check-requests", type=int, metavar="N",
-                   help="shadow and check only the first N requests of each batch; 0 = all")
+                   help="shadow and check only the first N requests of each batch; 0 = all (decode and chat)")
     w.add_argument("--check-queries", type=int, metavar="N",
-                   help="check only each request's last N queries of a forward; 0 = all")
+                   help="check only each request's last N queries of a forward; 0 = all (decode and chat)")
     w.add_argument("--quick", action="store_true",
                    help=f"a smoke run: {_listing({k: v for k, v in QUICK.items() if DEFAULTS[k] != v})} "
                         "(flags still win)")
@@ -156,9 +156,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    "GPT-OSS weights, tiny on CPU, GPT-OSS-20B's attention shapes with 4 layers elsewhere)")
     s.add_argument("--serve-requests", type=int, help=f"requests in the trace (default {_SERVE['requests']})")
     s.add_argument("--serve-rate", type=float, help="arrivals per second, Poisson (0: all at once; default "
-                   f"{_SERVE['rate']:g})")
-    s.add_argument("--serve-prompt-len", type=int, help="longest prompt; lengths uniform down to half of it "
-                   "(default 64 on CPU, 1024 elsewhere)")
+                   f"{_SERVE['rate']:g}); the trace may span at most a day: at least --serve-requests / 86400")
+    s.add_argument("--serve-prompt-len", type=int, help="longest prompt; lengths uniform down to half of it, and "
+                   "longer than --serve-system-len (default 64 on CPU, 1024 elsewhere)")
     s.add_argument("--serve-new", type=int, help="tokens generated per request (default 32 on CPU, 128 elsewhere)")
     s.add_argument("--serve-shared", type=float, help="share of requests starting with the common system prompt "
                    f"(default {_SERVE['shared']})")
@@ -429,9 +429,10 @@ def _chat(args: argparse.Namespace, target: Target, dev: str) -> int:
         print(f"| {name} | " + " | ".join(f"{r.phase_ms[name]:.3f}" for r in res.rows) + f" | {what} |")
     if w.check_every:
         for r in res.rows:
+            queries = f"their last {w.check_queries} queries" if w.check_queries else "all their queries"
             print(f"reference check ({r.variant}): {r.checked_forwards} forwards (every {w.check_every}), "
-                  f"{r.checked_requests} request checks of their last {w.check_queries} queries in {res.layers} "
-                  f"layers, max |out - reference| {r.max_err:.3g}")
+                  f"{r.checked_requests} request checks of {queries} in {res.layers} layers, max |out - reference| "
+                  f"{r.max_err:.3g}")
     else:
         print("reference check: off (--check-every 0)")
     return 0
@@ -465,7 +466,7 @@ def _run_serve(args: argparse.Namespace) -> int:
                       system_len=args.serve_system_len if args.serve_system_len is not None else prompt_len // 2,
                       max_running=v["running"], chunk=args.chunk if args.chunk is not None else _SERVE["chunk"],
                       page_size=args.page_size, seed=args.seed)
-    check_trace_fits(w)  # before the model loads: a trace too large for the host would take minutes to draw
+    check_trace_fits(w)  # before the model loads: a trace too large for the host (minutes to draw) or too slow
     if args.threads is not None:
         import torch
         torch.set_num_threads(args.threads)
@@ -476,9 +477,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         model = random_gpt_oss(dev, tiny=cpu)
         name = "random GPT-OSS (tiny)" if cpu else "random GPT-OSS-20B attention shapes, 4 layers"
     res = run_serve(model, w, target.name, name, baseline=not args.no_baseline)
+    lo, hi = w.prompt_range
     title = (f"hwkv bench --workload serve on {target.name}: {name}; {w.requests} requests at {w.rate}/s, prompts "
-             f"{int(w.prompt_len * (1 - w.spread))}-{w.prompt_len} tokens ({w.shared:.0%} behind a {w.system_len}-"
-             f"token system prompt), {w.new_tokens} new tokens each, {w.max_running} at once, page {w.page_size}")
+             f"{lo}-{hi} tokens ({w.shared:.0%} behind a {w.system_len}-token system prompt), {w.new_tokens} new "
+             f"tokens each, {w.max_running} at once, page {w.page_size}")
     cols = ("method", "tokens/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "prompt reused",
             "wall s")
     lines = []
@@ -553,6 +555,10 @@ def run_bench(args: argparse.Namespace) -> int:
         except ImportError:
             report.print_plain(res)
     if args.plot:
-        report.plot(res, args.plot)
+        try:
+            report.plot(res, args.plot)
+        except HwkvError as e:  # the tables are out; writing the plot failed (a full disk, a missing program)
+            print(f"hwkv bench: error: {e}", file=sys.stderr)
+            return 2
         print(f"hwkv bench: wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
     return 0

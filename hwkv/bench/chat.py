@@ -58,7 +58,8 @@ PHASES: Dict[str, str] = {
 @dataclass(frozen=True)
 class ChatWorkload:
     """Conversations x turns; each turn adds `user` tokens and generates `reply` tokens. `check_every` 0 checks
-    nothing; `run_layers` None runs every layer of the model."""
+    nothing; `check_requests` / `check_queries` 0 check every request of a checked forward / all its queries;
+    `run_layers` None runs every layer of the model."""
 
     conversations: int = 64
     turns: int = 4
@@ -78,9 +79,13 @@ class ChatWorkload:
 
     def __post_init__(self) -> None:
         for name in ("conversations", "turns", "system", "user", "reply", "concurrency", "memory", "page_size",
-                     "chunk", "check_requests", "check_queries"):
+                     "chunk"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ConfigError(f"chat workload: {name} must be an integer >= 1, got {getattr(self, name)!r}")
+        for name in ("check_requests", "check_queries"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 0:
+                raise ConfigError(f"chat workload: {name} must be an integer >= 0 (0 = all), got "
+                                  f"{getattr(self, name)!r}")
         if not is_int(self.check_every) or self.check_every < 0:
             raise ConfigError(f"chat workload: check_every must be an integer >= 0 (0 = never), got "
                               f"{self.check_every!r}")
@@ -283,8 +288,10 @@ def run_variant(s: _Sizes, shape: ModelShape, w: ChatWorkload, device: str = "cp
                     prefix_cache=True)
     _warm_up(engine, model, w)
     if w.check_every:
+        # 0 = all: no batch holds more requests than conversations, no request more new tokens than its context
         model.check = ReferenceCheck(model, engine_history(engine), every=w.check_every,
-                                     requests=w.check_requests, queries=w.check_queries)
+                                     requests=w.check_requests or w.conversations,
+                                     queries=w.check_queries or w.context)
     clock = _Clock(dev)
     _instrument(engine, model, clock)
     step_s: List[float] = []

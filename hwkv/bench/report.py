@@ -152,11 +152,16 @@ def print_rich(res: BenchResult) -> None:
         console.print(f"note: {escape(note)}", highlight=False)
 
 
+# formats matplotlib's Agg canvas lists but writes only through a program outside Python (the plot has text)
+NEEDS_PROGRAM = {"pgf": "a LaTeX install (xelatex)"}
+
+
 def plot_formats() -> Dict[str, str]:
-    """File formats the plot can be written in (matplotlib's Agg canvas): extension -> description."""
+    """File formats the plot can be written in (matplotlib's Agg canvas, less NEEDS_PROGRAM's): extension ->
+    description."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    return dict(FigureCanvasAgg.get_supported_filetypes())
+    return {k: v for k, v in FigureCanvasAgg.get_supported_filetypes().items() if k not in NEEDS_PROGRAM}
 
 
 def plot_format(path: str) -> str:
@@ -167,15 +172,18 @@ def plot_format(path: str) -> str:
         return "png"
     formats = plot_formats()
     if ext not in formats:
-        raise ConfigError(f"--plot {path!r}: cannot write a .{ext} file; use one of "
-                          f"{', '.join('.' + f for f in sorted(formats))} (or no extension for png)")
+        why = f"a .{ext} file needs {NEEDS_PROGRAM[ext]}, which hwkv does not check for" if ext in NEEDS_PROGRAM \
+            else f"cannot write a .{ext} file"
+        raise ConfigError(f"--plot {path!r}: {why}; use one of {', '.join('.' + f for f in sorted(formats))} (or "
+                          "no extension for png)")
     return ext
 
 
 def plot(res: BenchResult, path: str) -> None:
     """PNG (or the format of the path's extension, `plot_format`): time per decode step vs batch size per
     configuration (p10-p90 bars), the memory comparison, and below them the step's phases stacked, per
-    configuration and batch size."""
+    configuration and batch size. ConfigError naming the path and the cause when the file cannot be written (the
+    run is over: a disk that filled up, a folder removed meanwhile)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -190,8 +198,13 @@ def plot(res: BenchResult, path: str) -> None:
     _plot_memory(ax_m, res)
     _plot_phases(bottom, res)
     fig.suptitle(f"hwkv bench: {res.model.name} on {res.target} ({res.backend})")
-    fig.savefig(path, dpi=110, format=fmt)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=110, format=fmt)
+    except (OSError, RuntimeError, ValueError, ImportError) as e:  # matplotlib's and its writers' failures
+        cause = (str(e).strip().splitlines() or [""])[0]
+        raise ConfigError(f"--plot could not write {path!r} after the run: {type(e).__name__}: {cause}") from e
+    finally:
+        plt.close(fig)
 
 
 def _plot_steps(ax: Any, res: BenchResult) -> None:

@@ -2,13 +2,14 @@
 `HybridRunner` (continuous batching, prefix cache, overlapped loop) and by transformers' own continuous
 batching on the same trace.
 
-Requests arrive as a Poisson process (`rate` per second; 0: all at once). Prompts draw their lengths
-uniformly from [prompt_len * (1 - spread), prompt_len]; a `shared` share of them starts with one common
-system prompt of `system_len` tokens; each generates `new_tokens` tokens (no stop token). Reported per
-method: output tokens per second over the whole run, time to first token (arrival to the host seeing the
-first token) and time per output token after it (p50 and p99, interpolated linearly between the closest ranks
-as the decode workload's percentiles: `hwkv.bench.spread`), the prompt tokens reused from a prefix
-cache (hwkv) and the wall time. transformers is imported only when this runs.
+Requests arrive as a Poisson process (`rate` per second; 0: all at once; `check_trace_fits` refuses a trace
+spanning more than a day, `MAX_TRACE_S`). Prompts draw their lengths uniformly from
+[max(system_len + 1, prompt_len * (1 - spread)), prompt_len] (`ServeWorkload.prompt_range`); a `shared` share of
+them starts with one common system prompt of `system_len` tokens; each generates `new_tokens` tokens (no stop
+token). Reported per method: output tokens per second over the whole run, time to first token (arrival to the host
+seeing the first token) and time per output token after it (p50 and p99, interpolated linearly between the closest
+ranks as the decode workload's percentiles: `hwkv.bench.spread`), the prompt tokens reused from a prefix cache
+(hwkv) and the wall time. transformers is imported only when this runs.
 """
 from __future__ import annotations
 
@@ -23,6 +24,16 @@ import torch
 from hwkv.bench.spread import percentile
 from hwkv.checks import is_int
 from hwkv.errors import ConfigError
+
+
+MAX_TRACE_S = 86400.0  # the longest a trace's arrivals may span at its rate (requests / rate): a day
+MAX_SLEEP_S = 1.0  # the longest one wait for the next arrival sleeps before the loop looks at the clock again
+
+
+def wait(delay: float) -> None:
+    """Sleep until about `delay` seconds from now, at most MAX_SLEEP_S (the caller's loop looks again); never
+    raises, whatever the delay (time.sleep raises OverflowError past the platform's time_t)."""
+    time.sleep(min(delay, MAX_SLEEP_S) if delay > 0 else 0.0)
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,12 @@ class ServeWorkload:
     def context(self) -> int:
         return self.prompt_len + self.new_tokens
 
+    @property
+    def prompt_range(self) -> Tuple[int, int]:
+        """The shortest and longest prompt `make_trace` draws: down to prompt_len * (1 - spread), and always longer
+        than the system prompt (a request behind it has a token of its own)."""
+        return max(self.system_len + 1, int(self.prompt_len * (1 - self.spread))), self.prompt_len
+
 
 @dataclass(frozen=True)
 class TraceRequest:
@@ -71,7 +88,8 @@ TOKEN_ID_BYTES = 8  # the least a prompt token costs the trace on the host: its 
 
 def check_trace_fits(w: ServeWorkload, free: Optional[int] = None) -> None:
     """ConfigError when the trace's prompts cannot fit in the host's free memory (`free`, default MemAvailable):
-    drawing them would take minutes before any check ran."""
+    drawing them would take minutes before any check ran; or when its arrivals would span more than MAX_TRACE_S
+    at its rate (requests / rate: a tiny rate would wait for decades, or past what time.sleep takes)."""
     from hwkv.engine.plan import format_bytes
     from hwkv.pool import device_free_bytes
 
@@ -81,6 +99,11 @@ def check_trace_fits(w: ServeWorkload, free: Optional[int] = None) -> None:
         raise ConfigError(f"serve workload: {w.requests:,} requests of up to {w.prompt_len:,} tokens are up to "
                           f"{tokens:,} prompt tokens, at least {format_bytes(tokens * TOKEN_ID_BYTES)} on the host, "
                           f"which has {format_bytes(free)} free; give fewer requests or shorter prompts")
+    if w.rate > 0 and w.requests / w.rate > MAX_TRACE_S:  # a subnormal rate's span is inf
+        raise ConfigError(f"serve workload: rate={w.rate!r} arrivals per second (--serve-rate) spreads {w.requests:,} "
+                          f"requests over about {w.requests / w.rate:.3g} s, past the {MAX_TRACE_S:,.0f} s (a day) "
+                          f"a trace may span: give at least {w.requests / MAX_TRACE_S:.3g} per second, or 0 for all "
+                          "at once")
 
 
 def check_pools_fit(model: Any, w: ServeWorkload) -> None:
@@ -102,7 +125,7 @@ def make_trace(w: ServeWorkload, vocab: int) -> List[TraceRequest]:
     for _ in range(w.requests):
         if w.rate > 0:
             t += rng.expovariate(w.rate)
-        n = rng.randint(max(w.system_len + 1, int(w.prompt_len * (1 - w.spread))), w.prompt_len)
+        n = rng.randint(*w.prompt_range)
         head = system if rng.random() < w.shared else []
         out.append(TraceRequest(t, head + [rng.randrange(1, vocab) for _ in range(n - len(head))]))
     return out
@@ -191,7 +214,7 @@ def serve_hwkv(model: Any, trace: List[TraceRequest], w: ServeWorkload, prefix_c
                 arrival[runner.add_request(trace[i].prompt, params)] = trace[i].arrival_s
                 i += 1
             if not runner.has_work():
-                time.sleep(max(0.0, trace[i].arrival_s - now))
+                wait(trace[i].arrival_s - now)
                 continue
             finished = runner.step()
             now = time.perf_counter() - t0
@@ -277,7 +300,7 @@ def serve_transformers(model: Any, trace: List[TraceRequest], w: ServeWorkload) 
         while i < len(trace):
             now = time.perf_counter() - t0
             if trace[i].arrival_s > now:
-                time.sleep(trace[i].arrival_s - now)
+                wait(trace[i].arrival_s - now)
                 continue
             manager.add_request(trace[i].prompt, request_id=str(i), max_new_tokens=w.new_tokens,
                                 record_timestamps=True)

@@ -297,7 +297,8 @@ def shape_from_args(args: argparse.Namespace) -> ModelShape:
     if get("layers") is not None or get("pattern") is not None or get("full_every") is not None:
         if get("pattern") is None and get("full_every") is None:
             raise ConfigError(f"--layers {get('layers')} with --model {shape.name} needs --pattern or --full-every")
-        overrides["layer_is_swa"] = layer_pattern(get("layers") or shape.num_layers, get("pattern"), get("full_every"))
+        layers = shape.num_layers if get("layers") is None else get("layers")  # a given 0 is refused, not replaced
+        overrides["layer_is_swa"] = layer_pattern(layers, get("pattern"), get("full_every"))
     if get("sinks") is not None:
         overrides.update(sinks=get("sinks") == "all", swa_sinks=get("sinks") in ("all", "swa"))
     if dtype_bytes is not None:
