@@ -10,6 +10,7 @@ from hwkv.loc import KVWriteLoc
 from hwkv.testing import graph_adapter
 from hwkv.testing.contract_spec import CountingTranslate
 from hwkv.testing.harness import Harness, ModelGeometry, run_scenario
+from hwkv.testing.host_reads import HostReads
 
 SMALL = ModelGeometry(num_layers=4, swa_every=2, window=8, num_heads=4, num_kv_heads=2, head_dim=16)
 SIZE_SWA_P16 = 80  # 5 pages of 16: the run's SWA pages diverge from its full pages
@@ -127,6 +128,32 @@ def test_layers_never_translate(hwkv_target):
     after_metadata = counter.calls
     h.model_step(batch, h.random_inputs(4))
     assert counter.calls == after_metadata
+
+
+# ---- host work once per forward, not per layer -----------------------------------------------------
+@pytest.mark.parametrize("geometry", [dict(), dict(sinks=True, logit_cap=4.0, num_heads=8, v_head_dim=8)],
+                         ids=["plain", "sinks-gqa4-vdim"])
+def test_layers_read_the_device_no_more_with_more_layers(hwkv_target, geometry):
+    """The layers of a forward read device values back (`.item()`, `.tolist()`, `.cpu()` of device data, `nonzero`:
+    `hwkv.testing.host_reads`) no more often with 8 layers than with 2: what needs the host is planned once per
+    forward (the metadata step, or the first layer reading a list), never once per layer."""
+    counts = []
+    for layers in (2, 8):
+        h = make(hwkv_target, ModelGeometry(num_layers=layers, swa_every=2, window=8, num_kv_heads=2, head_dim=16,
+                                            **{"num_heads": 4, **geometry}), page_size=2, size_swa=256)
+        rids = [h.add_request() for _ in range(3)]
+        reads = []
+        for lens, mode in (([5, 9, 3], ForwardMode.EXTEND), ([1, 1, 1], ForwardMode.DECODE),
+                           ([4, 1, 6], ForwardMode.EXTEND)):
+            batch = h.make_batch(rids, lens, mode)
+            inputs = h.random_inputs(sum(lens))
+            h.backend.init_forward_metadata(batch)
+            with HostReads() as r:
+                h.model_step(batch, inputs)
+            reads.append(r.count)
+        counts.append(reads)
+    assert counts[1] == counts[0], (f"device reads per forward's layers (extend, decode, extend) with 2 layers "
+                                    f"{counts[0]}, with 8 {counts[1]}: some layer reads the device")
 
 
 # ---- graph refill ------------------------------------------------------------------------------
