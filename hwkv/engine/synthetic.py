@@ -25,8 +25,9 @@ from hwkv.errors import ConfigError, ReferenceMismatchError
 from hwkv.layer import AttentionLayer
 
 Geometry = Tuple[int, int, int, int]  # (heads, kv heads, head dim, v head dim)
-# the token ids a request row holds before the forward being checked (prompt and read outputs)
-History = Callable[[int], Sequence[int]]
+# the token ids a request row holds before the forward being checked (prompt and read outputs); None: a row no request
+# holds (a graph's padding), not checked
+History = Callable[[int], Optional[Sequence[int]]]
 
 
 def layer_geometry(shape: ModelShape, layer_id: int) -> Geometry:
@@ -179,7 +180,10 @@ class ReferenceCheck:
         for row, length, new in zip(rows, seq, ext):
             end += new
             prefix = length - new
-            known = list(self.history(row))
+            held = self.history(row)
+            if held is None:  # a row no request holds: a graph's padding of its batch to the bucket
+                continue
+            known = list(held)
             if len(known) < prefix:
                 raise ReferenceMismatchError(f"reference check, forward {forward}: request row {row} holds {prefix} "
                                              f"tokens but its history has {len(known)}")
@@ -235,5 +239,7 @@ def _host_lens(host: Optional[torch.Tensor], dev: Optional[torch.Tensor], n: int
 
 def engine_history(engine: object) -> History:
     """`history` for a ReferenceCheck over an `hwkv.engine.engine.Engine`: its `tokens_of` (the running request in
-    that row, its prompt and the outputs the host has read, at least every token before the forward)."""
-    return engine.tokens_of  # type: ignore[attr-defined]
+    that row, its prompt and the outputs the host has read, at least every token before the forward); None for the
+    engine's padding row, which a whole-step graph's padded requests name (nothing to check there)."""
+    pad, tokens_of = engine.pad_row, engine.tokens_of  # type: ignore[attr-defined]
+    return lambda row: None if row == pad else tokens_of(row)
