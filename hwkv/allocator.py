@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from hwkv.checks import as_int, check_device, check_int_dtype, check_loc
+from hwkv.checks import as_int, check_device, check_int_dtype, check_loc, is_bool
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, LocError, NotAllocatedError, OutOfSlotsError
 from hwkv.pages import ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_SWA_RELEASED, NEVER, PageRing, page_ops_for
@@ -46,7 +46,8 @@ def _count(name: str, x: object) -> int:
 
 def _host_ints(name: str, x: IntsLike, host: Optional[torch.Tensor] = None) -> np.ndarray:
     """int64 host copy of x (numpy: a few host ops cost microseconds, not torch's dispatch per op):
-    the given host copy, x itself when on the CPU, else one device read. Floats are refused, not truncated."""
+    the given host copy, x itself when on the CPU, else one device read. Floats are refused, not truncated, and bools
+    (True would read as 1)."""
     check_int_dtype(name, x)
     if not isinstance(x, torch.Tensor):
         _count(name, x)
@@ -58,14 +59,24 @@ def _host_ints(name: str, x: IntsLike, host: Optional[torch.Tensor] = None) -> n
             return x.numpy()  # already what the general path would give (a view): one call
         return x.reshape(-1).to("cpu", I64).numpy()
     try:
-        return np.asarray([operator.index(v) for v in x], dtype=np.int64)  # int(6.9) would be 6
+        values = [operator.index(v) for v in x]  # int(6.9) would be 6
     except TypeError:
+        values = None
+    # a bool is no integer (True would read as 1): Python's by their type (a C-level scan), torch's by their dtype
+    kinds = set(map(type, x)) if values is not None else ()
+    if values is None or bool in kinds or (torch.Tensor in kinds and any(map(is_bool, x))):
         for v in x:  # the refusal only: name the first value that is no integer
-            try:
-                operator.index(v)
-            except TypeError:
-                raise LocError(f"{name} must hold integers, got {type(v).__name__} {v!r}") from None
-        raise
+            if is_bool(v) or not _is_index(v):
+                raise LocError(f"{name} must hold integers, got {type(v).__name__} {v!r}")
+    return np.asarray(values, dtype=np.int64)
+
+
+def _is_index(v: object) -> bool:
+    try:
+        operator.index(v)
+    except TypeError:
+        return False
+    return True
 
 
 def _refs_view(ring: PageRing) -> np.ndarray:
