@@ -7,7 +7,8 @@ single_query_cached_kv_attention, and with `ipex_extend=True` extend to its flas
 softcap in decode over the full list, W=1 in extend); every other layer runs `hwkv_cpu.kernels`. The slot
 table IPEX reads of a list is built from the core's index list once per forward, by the first layer IPEX runs
 over it, so a forward whose layers IPEX refuses builds none (graph mode: into tables allocated once per static
-buffer set by `alloc_graph_tables`, refilled for the lists IPEX layers read at capture).
+buffer set by `alloc_graph_tables`, refilled for the lists IPEX layers read at capture); `hwkv.list_plans` keeps
+that rule for every device package.
 
 Extend stays on the torch kernels unless asked for: the varlen op reads hwkv's token-major pool only with
 block_size 1, and there it measured 7-13x slower than `hwkv_cpu.kernels` (IPEX 2.8.0, 2-core AVX-512 VM,
@@ -17,7 +18,7 @@ decode measured 13.5 vs 28 ms in bf16 and 60 vs 55 ms in fp32 (8 requests x 2,04
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -26,6 +27,7 @@ from hwkv.backend import BackendOptions, KernelSetBackend
 from hwkv.batch import ForwardBatch
 from hwkv.errors import ConfigError
 from hwkv.layer import AttentionLayer
+from hwkv.list_plans import ListPlans
 from hwkv.metadata import ForwardMetadata, KeptRange, KVIndexList, StaticBuffers, cumsum_into
 from hwkv_cpu import host_plan, ipex
 from hwkv_cpu import kernels as _kernels
@@ -107,7 +109,8 @@ class TorchCPUBackend(KernelSetBackend):
         # (hwkv_cpu.host_plan); advanced by each metadata step
         self._epoch = host_plan.new_epoch(self, debug=self.debug)
         self.kernels = _kernels.BackendKernels(self._epoch)
-        self._ipex_windows: Set[Optional[int]] = set()  # lists whose graph tables an IPEX layer read: see _ipex_list
+        # IPEX's slot tables, per forward, of the lists IPEX layers read (graph mode: into graph_tables(md))
+        self._ipex_plans = ListPlans(_IPEX, lambda md, kv: ipex.plan_list(kv, max(kv.max_len, 1)), self._ipex_fill)
 
     def _ipex_reason(self) -> Optional[str]:
         if not self.options.ipex:
@@ -200,35 +203,26 @@ class TorchCPUBackend(KernelSetBackend):
         host_plan.next_forward(self._epoch)  # a torch op: a refill recorded into a graph advances it per replay
         if self.options.dense_max_elements and not graph and md.tree is None and md.seq_lens_cpu is not None:
             md.extra[_DENSE] = {}  # this forward's dense plans, made by the first layer reading each list
-        if self.ipex_reason is None and md.batch_size and (md.is_decode or self.options.ipex_extend):
-            # this forward's IPEX tables, made by the first layer IPEX runs over each list (_ipex_list); a graph
-            # refill fills the static tables of the lists IPEX layers read before (a replay's layers read them)
-            plans = md.extra[_IPEX] = {}
-            if graph and self._ipex_windows:
-                g, lists = self.graph_tables(md), {None: md.full, **md.windows}
-                for w in self._ipex_windows:
-                    plans[w] = ipex.plan_list(lists[w], g.width(w), out=g)
+        # IPEX's tables, made by the first layer IPEX runs over each list (_ipex_list); a graph refill fills those
+        # of the lists IPEX layers read at capture (hwkv.list_plans)
+        self._ipex_plans.open(md, batch, graph, self.ipex_reason is None and bool(md.batch_size)
+                              and (md.is_decode or self.options.ipex_extend))
 
     def _ipex_list(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList, md: ForwardMetadata,
                    decode: bool) -> Optional[ipex.IpexList]:
         """The list's IPEX plan when IPEX runs this layer (made by the first such layer of the forward), else None
         (the torch kernels)."""
-        plans = md.extra.get(_IPEX)
-        if plans is None or md.tree is not None:  # IPEX's ops take no verify-tree mask: the torch kernels do
+        if not self._ipex_plans.opened(md) or md.tree is not None:  # IPEX's ops take no verify-tree mask
             return None
         k_buf, v_buf = self.kv_buffers(layer)
         if ipex.layer_reason(q, layer, kv, k_buf, v_buf, decode) is not None:
             return None
-        lst = plans.get(kv.window)
-        if lst is None:
-            if md.graph:  # graph mode (the capture's eager warm-up): into the static tables, which refills keep
-                self._ipex_windows.add(kv.window)
-                g = self.graph_tables(md)
-                lst = ipex.plan_list(kv, g.width(kv.window), out=g)
-            else:
-                lst = ipex.plan_list(kv, max(kv.max_len, 1))
-            plans[kv.window] = lst
-        return lst
+        return self._ipex_plans.get(md, kv)
+
+    def _ipex_fill(self, md: ForwardMetadata, kv: KVIndexList) -> ipex.IpexList:
+        """A graph forward's list into IPEX's static tables of its buffer set (`alloc_graph_tables`)."""
+        g = self.graph_tables(md)
+        return ipex.plan_list(kv, g.width(kv.window), out=g)
 
     def _head_map(self, q: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
         key = (layer.num_heads, layer.num_kv_heads)

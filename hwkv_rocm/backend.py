@@ -18,6 +18,7 @@ from hwkv import ops
 from hwkv.backend import BackendOptions
 from hwkv.batch import ForwardBatch
 from hwkv.layer import AttentionLayer
+from hwkv.list_plans import ListPlans
 from hwkv.metadata import ForwardMetadata, KVIndexList, StaticBuffers
 from hwkv.paths import FUSED
 from hwkv_cuda.backend import TritonBackend
@@ -33,6 +34,15 @@ class ROCmOptions(BackendOptions):
     aiter: bool = True
 
 
+class _Twins(Dict[Optional[int], torch.Tensor]):
+    """int32 twins of one static buffer set's index lists (window -> twin; None: the full list) and the lists they
+    twin (`sources`), by which a layer tells the graph's own lists from others."""
+
+    def __init__(self, sources: Dict[Optional[int], torch.Tensor], device: torch.device) -> None:
+        super().__init__({w: torch.zeros(t.shape, dtype=torch.int32, device=device) for w, t in sources.items()})
+        self.sources = sources
+
+
 class ROCmBackend(TritonBackend):
     """TritonBackend plus AITER decode and prefill; HIP graphs through the CUDA graph adapter."""
 
@@ -44,6 +54,9 @@ class ROCmBackend(TritonBackend):
     def __init__(self, pool: Any, req_to_token_pool: Any, **options: Any) -> None:
         super().__init__(pool, req_to_token_pool, **options)
         self.aiter, self.aiter_env, self.aiter_status = self._load_aiter()
+        # the int32 lists AITER layers read, per forward (graph mode: their twins, refilled per mode before replays)
+        self._aiter_lists = ListPlans(_INDICES, lambda md, kv: kv.indices.to(torch.int32), self._fill_twin,
+                                      self._refill_twin, per_mode=True)
 
     def _load_aiter(self) -> Tuple[Optional[aiter_ops.AiterKernels], Optional[aiter_ops.AiterEnv], str]:
         if not self.options.aiter:
@@ -64,41 +77,47 @@ class ROCmBackend(TritonBackend):
                            for what, fn, why in (("decode", decode_fn, decode_why), ("extend", prefill_fn, prefill_why)))
         return aiter_ops.AiterKernels(decode_fn, prefill_fn, self.device, ctx), env, status
 
-    def alloc_graph_tables(self, static: StaticBuffers) -> Optional[Dict[Optional[int], torch.Tensor]]:
+    def alloc_graph_tables(self, static: StaticBuffers) -> Optional[_Twins]:
         """int32 twins of one static buffer set's index lists, which AITER reads: made once beside them and
         shared by every runner (a graph captured earlier keeps reading them); one set per draft step."""
         if self.aiter is None:
             return None
-        lists = {None: static.full_indices, **static.win_indices}
-        return {w: torch.zeros(t.shape, dtype=torch.int32, device=self.device) for w, t in lists.items()}
+        return _Twins({None: static.full_indices, **static.win_indices}, self.device)
 
     def init_kernel_metadata(self, md: ForwardMetadata, batch: ForwardBatch, graph: bool) -> None:
-        """The index lists as int32, once per forward, when an AITER op may read them. In graph mode the full
-        list is filled straight into its int32 twin from req_to_token (live entries only, never the
-        capacity of max_bs x context); window lists, bounded by W per request, are converted in place."""
-        env = self.aiter_env
-        if env is None or not (env.decode if md.is_decode else env.prefill):
-            return
-        if not graph:
-            lists = {None: md.full, **md.windows}
-            md.extra[_INDICES] = {w: lst.indices.to(torch.int32) for w, lst in lists.items()}
-            return
-        i32 = self.graph_tables(md)
-        full = i32[None]
+        """AITER reads int32 index lists, converted only for the lists an AITER layer reads (`hwkv.list_plans`): a
+        forward whose layers all run Triton (sinks on every layer, say) converts none. Eager, the first AITER layer
+        reading a list converts it. A graph refill fills the int32 twins of the lists AITER layers of its mode read
+        at capture (`_refill_twin`)."""
+        self._aiter_lists.open(md, batch, graph, self.aiter is not None)
+
+    def _fill_twin(self, md: ForwardMetadata, kv: KVIndexList) -> Optional[torch.Tensor]:
+        """A graph list into its int32 twin, once, by the capture warm-up's first AITER layer reading it (the static
+        list converted whole). None for a list that is not one of the static buffers' (a decode-like verify's own
+        lists): no twin is sized for it, the layer runs Triton."""
+        twins = self.graph_tables(md)
+        source = twins.sources.get(kv.window)
+        return twins[kv.window].copy_(source) if source is kv.indices else None
+
+    def _refill_twin(self, md: ForwardMetadata, batch: ForwardBatch, window: Optional[int]) -> torch.Tensor:
+        """A graph refill's list `window` (None: full) into its int32 twin: the full list straight from
+        req_to_token (live entries only, never the capacity of max_bs x context); window lists, bounded by W per
+        request, converted in place."""
+        twins = self.graph_tables(md)
+        if window is not None:
+            return twins[window].copy_(twins.sources[window])
         ops.fill_kv_indices(self.req_to_token_pool.req_to_token, batch.req_pool_indices, md.full.pos0,
-                            md.full.indptr, full)
-        wins = {w: i32[w].copy_(lst.indices) for w, lst in md.windows.items()}
-        md.extra[_INDICES] = {None: full, **wins}
+                            md.full.indptr, twins[None])
+        return twins[None]
 
     def _aiter_path(self, mode: str, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
                     md: ForwardMetadata) -> Optional[torch.Tensor]:
         """The int32 slot list when AITER computes this layer, else None (Triton)."""
-        indices = md.extra.get(_INDICES)
-        if indices is None:
+        if not self._aiter_lists.opened(md):
             return None
         k_buf, v_buf = self.kv_buffers(layer)
         facts = aiter_ops.facts_of(mode, q, layer, kv, k_buf, v_buf)
-        return indices[kv.window] if aiter_ops.decide(facts, self.aiter_env).path == FUSED else None
+        return self._aiter_lists.get(md, kv) if aiter_ops.decide(facts, self.aiter_env).path == FUSED else None
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList,
                        md: ForwardMetadata, out: torch.Tensor) -> None:
