@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Tuple
 
-from hwkv.cache import HybridPrefixCache
+from hwkv.cache import HybridPrefixCache, window_start
 from hwkv.engine.forward import ForwardSlots
 from hwkv.engine.pools import Cache
 from hwkv.engine.scheduler import Request, Row, Scheduler
@@ -22,18 +22,20 @@ class EnginePrefix:
         self.cache, self.scheduler, self.slots = cache, scheduler, slots
         self.tree = HybridPrefixCache(cache.allocator, window)
         self.left = 0  # requests that left the engine (their K/V came to the cache: admission may fit now)
-        self.refused_at: Optional[Tuple[int, int]] = None  # (left, cached tokens) at the last refused admission
+        # tokens the cache came to hold, new or revived (inserts' counts; it only grows): a match may be longer now
+        self.gained = 0
+        self.refused_at: Optional[Tuple[int, int]] = None  # (left, gained) at the last refused admission
 
     def start(self, req: Request) -> bool:
         """Admit `req` from its longest cached prefix when its worst case fits: the running requests' pages
         still to come and its own new pages within the free full slots plus what the cache can evict (its
         match locked first, so that is not counted). Nothing is evicted between the match and the acquire. Once
-        started, `req.reused` is the length of its match."""
+        started, `req.reused` is the length of its match and `req.stale` its `stale_bound`."""
         c, a, p = self.tree, self.cache.allocator, self.cache.plan.page_size
         # free + evictable - need grows only when a request leaves (running requests' allocations and evictions
-        # move both sides alike) or the cache holds more (a longer match): until then a refusal stands, with no
-        # device read while the queue waits
-        state = (self.left, c.full_tokens)
+        # move both sides alike; locks only lower it) or the cache gains K/V (new or revived: a longer match):
+        # until then a refusal stands, with no device read while the queue waits
+        state = (self.left, self.gained)
         if self.refused_at == state:
             return False
         m = c.match_prefix(req.prompt[:-1])
@@ -44,10 +46,11 @@ class EnginePrefix:
             c.unlock(held)
             self.refused_at = state
             return False
-        # the cache may hold this prompt's history past the match (its window evicted, so the match was cut
-        # back): caching the recomputed prompt locks those nodes too, so make the room now, with the match locked
-        stale = max(0, len(req.prompt) // p * p - m.length)
-        if need + min(stale, evictable) > free + evictable:
+        # what the cache evicts now is not all free later: the prefilling requests' caching (this one's too) may
+        # lock cached history as second copies, up to their `stale` bounds. Where the worst case does not fit
+        # without those, make the room now (with the match locked): the free slots alone then hold it
+        stale = self.stale_bound(req, m.length)
+        if need > free + max(0, evictable - self.scheduler.stale - stale):
             self.evict(0, need - free)
         row = self.cache.rtt.alloc(1)[0]
         try:
@@ -57,9 +60,18 @@ class EnginePrefix:
             raise
         finally:
             c.unlock(held)
-        req.row, req.kv_len, req.reused = row, m.length, m.length
+        req.row, req.kv_len, req.reused, req.stale = row, m.length, m.length, stale
         self.slots.set_frontier(row, frontier)
         return True
+
+    def stale_bound(self, req: Request, cached: int) -> int:
+        """A bound on the cached full tokens that caching the rest of `req`'s prompt (its first `cached` tokens
+        cached and locked) may lock as a second copy: the cache may hold the prompt's history past its match
+        (the match was cut back, or another request cached it since), and `cache_running` adopts the request's
+        pages for it except in SWA nodes wholly below the request's frontier, which keep their own. A frontier
+        never passes the window start of the whole prompt, so those lie between `cached` and that."""
+        p = self.cache.plan.page_size
+        return max(0, window_start(len(req.prompt), self.tree.window, p) - cached // p * p)
 
     def clear(self) -> int:
         """Evict everything the cache holds that no running request uses; returns the tokens evicted."""
@@ -113,24 +125,28 @@ class EnginePrefix:
         """Cache what each prompt chunk of this forward completed (whole pages). Before the release (`lock`
         False) with all the SWA the request still holds, so a prefix other prompts share (a system prompt
         ending inside the chunk) keeps its window until SWA eviction needs the room; after it (`lock`), the
-        request's lock moves to the new end, over its SWA from its new frontier on."""
+        request's lock moves to the new end, over its SWA from its new frontier on, and its `stale` bound
+        shrinks to the rest of its prompt. (The first insert holds the chunk's tokens with more SWA than the
+        second, so the second gains nothing.)"""
         for r in rows:
             if r.prefix < len(r.req.prompt):
                 seq, row = r.prefix + r.n, r.req.row
                 if not lock:
-                    self.tree.insert(r.req.prompt[:seq], self.cache.rtt.req_to_token[row, :seq],
-                                     int(self.slots.frontiers_cpu[row]))
+                    self.gained += self.tree.insert(r.req.prompt[:seq], self.cache.rtt.req_to_token[row, :seq],
+                                                    int(self.slots.frontiers_cpu[row]))
                 else:
                     r.req.lock = self.tree.cache_running(r.req.prompt[:seq], self.cache.rtt, row, seq,
                                                          int(self.slots.frontiers_cpu[row]), r.req.lock)
+                    self.scheduler.set_stale(r.req, self.stale_bound(r.req, seq))
 
     def release(self, done: List[Request]) -> None:
         """Finished requests' tokens go to the cache and their own references back, in two allocator calls per
         round of requests that share no page (`HybridPrefixCache.release_requests`), not two per request."""
         self.left += len(done)
         front = self.slots.frontiers_cpu
-        self.tree.release_requests([((r.prompt + r.output)[:r.kv_len], r.row, r.kv_len, int(front[r.row]), r.lock)
-                                    for r in done], self.cache.rtt)
+        self.gained += self.tree.release_requests(
+            [((r.prompt + r.output)[:r.kv_len], r.row, r.kv_len, int(front[r.row]), r.lock) for r in done],
+            self.cache.rtt)
         for r in done:
             r.lock = None
 

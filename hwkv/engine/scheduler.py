@@ -43,6 +43,7 @@ class Request:
     pending: int = 0               # tokens sampled on the device that the host has not read yet (overlap)
     lock: Any = None               # its HybridPrefixCache lock (prefix caching)
     reused: int = 0                # prompt tokens it took from the prefix cache
+    stale: int = 0                 # cached full tokens its prompt's caching may still lock as a second copy (a bound)
     prompt_np: Optional[np.ndarray] = field(default=None, repr=False)  # the prompt as int64, made at its first chunk
     history: Any = field(default=None, repr=False)  # its TokenHistory (prompt + output) for a drafter, made once
 
@@ -123,6 +124,7 @@ class Scheduler:
         self.waiting: Deque[Request] = deque()
         self.running: List[Request] = []
         self.reserved_full = self.reserved_swa = 0
+        self.stale = 0  # the running requests' `stale`: cached tokens admission does not count as evictable
         self.non_greedy = 0  # running requests that sample at a temperature (0: a forward's tokens are argmaxes)
         # of the last `schedule`: its decoding rows (they come first, one token each) and its prompt tokens
         self.decoding = self.prefill_tokens = 0
@@ -161,6 +163,7 @@ class Scheduler:
             self.waiting.popleft()
             self.reserved_full += req.full_pages
             self.reserved_swa += req.swa_pages
+            self.stale += req.stale
             self.non_greedy += not req.params.greedy
             self.running.append(req)
             admitted.append(req)
@@ -207,17 +210,24 @@ class Scheduler:
         self.running.remove(req)
         self.reserved_full -= req.full_pages
         self.reserved_swa -= req.swa_pages
+        self.stale -= req.stale
         self.non_greedy -= not req.params.greedy
+
+    def set_stale(self, req: Request, tokens: int) -> None:
+        """A running request's `stale` bound is now `tokens` (prefix caching: its prompt cached further)."""
+        self.stale += tokens - req.stale
+        req.stale = tokens
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def check_integrity(self, rows_in_use: int) -> None:
-        """Reservations add up and stay within the pools; one row per running request."""
+        """Reservations and stale bounds add up, reservations stay within the pools; one row per running request."""
         assert self.reserved_full == sum(r.full_pages for r in self.running), "full reservations"
         assert self.cached or self.reserved_full <= self.full_capacity, "full reservations beyond the pool"
         swa = sum(r.swa_pages for r in self.running)
         assert self.reserved_swa == swa <= max(self.swa_capacity, 0), "SWA reservations"
+        assert self.stale == sum(r.stale for r in self.running), "stale stretches"
         assert rows_in_use == len(self.running) <= self.rows_capacity, "request rows"
         assert len({r.row for r in self.running}) == len(self.running), "two running requests share a row"
 
