@@ -12,7 +12,7 @@ import torch
 
 from hwkv import ops
 from hwkv.batch import ForwardBatch, ForwardMode
-from hwkv.checks import values_checkable
+from hwkv.checks import as_int, values_checkable
 from hwkv.errors import CapacityError, ConfigError, ShapeError
 from hwkv.graph import GraphAdapter, GraphRunner, ModelFn, PreparedStep
 from hwkv.loc import KVWriteLoc
@@ -63,6 +63,16 @@ class DraftStatic:
 def block_width(window: int, num_steps: int, ctx: int) -> int:
     """Columns of a window's span block: W keys of step 0 plus one per further step, at most the row."""
     return min(window + num_steps - 1, ctx)
+
+
+def check_draft_steps(draft_steps: Any) -> int:
+    """A graph's draft step count as an int >= 1 (Python, numpy or 0-d tensor integers); anything else, a bool
+    included (True had read as one step), is a ConfigError naming it, before anything is built."""
+    k = as_int(draft_steps)
+    if k is None or k < 1:
+        raise ConfigError(f"a draft runs draft_steps >= 1 steps, got draft_steps={draft_steps!r} (an integer; a "
+                          "bool is none)")
+    return k
 
 
 def _draft_info(batch: ForwardBatch) -> MultiStepDraft:
@@ -127,8 +137,7 @@ class DraftMetadataMixin:
         """Static buffers for drafts of up to `draft_steps` steps of up to `max_bs` requests, allocated once
         and shared by every runner: the base state (write locs for max_bs * draft_steps tokens), then
         each further step's lists and each window's span block."""
-        if not isinstance(draft_steps, int) or draft_steps < 1:
-            raise ConfigError(f"draft_steps={draft_steps!r} must be an int >= 1")
+        draft_steps = check_draft_steps(draft_steps)
         ds = self.draft_static
         if ds is not None and (draft_steps > len(ds.steps) or max_bs > ds.max_bs):  # captured graphs read them
             raise ConfigError(f"draft graph state exists for {len(ds.steps)} steps of {ds.max_bs} requests; asked "
@@ -295,11 +304,13 @@ def _by_step(buf: torch.Tensor, steps: int, bs: int) -> torch.Tensor:
 
 class DraftReplay:
     """What every graph of a multi-step draft shares (DraftGraphRunner, `hwkv.step_graph.DraftStepGraph`): the
-    backend's draft graph state for `steps` steps, `fn` taking the steps of the latest refill, and the
-    step-major output read by step and request. Mixed in ahead of the runner class."""
+    backend's draft graph state for `steps` steps, `fn` taking the steps of the latest refill, step-major inputs
+    placed at the bucket's width and the step-major output read by step and request. Mixed in ahead of the runner
+    class."""
 
     steps: int
     backend: Any
+    inputs: Dict[str, torch.Tensor]
     _current: Optional[DraftSteps] = None
 
     def _init_state(self, max_bs: int, max_tokens: int) -> None:
@@ -307,6 +318,29 @@ class DraftReplay:
 
     def _arg(self, batch: ForwardBatch) -> Any:
         return self._current  # the steps of the latest refill (their lists are static buffers)
+
+    def _check_step_inputs(self, inputs: Dict[str, torch.Tensor], bs: int,
+                           bucket: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """Step-major inputs of `bs` requests checked whole (ShapeError) before anything is copied; returns the
+        (buffer, input) pairs `_stage_inputs` copies. An input that is the graph's own buffer is read in place at the
+        bucket's width (step i of request b at row i * bucket + b): a view of its first k * bs rows at a narrower
+        width would be read at the wrong rows and partly zeroed as padding (ShapeError)."""
+        k = self.steps
+        fresh = self._check_inputs(inputs, k * bs, " (step-major)")  # GraphRunner's check
+        if bs != bucket:
+            for name, buf in self.inputs.items():
+                src = inputs[name]
+                if src.data_ptr() == buf.data_ptr() and src.shape[0] < k * bucket:
+                    raise ShapeError(f"input {name!r} is the graph's own buffer at {src.shape[0]} rows: written "
+                                     f"there, a draft of {bs} requests sits at bucket {bucket}'s width (step i of "
+                                     f"request b at row i * {bucket} + b); pass the whole buffer (a whole-step "
+                                     "graph: or None)")
+        return fresh
+
+    def _stage_inputs(self, fresh: List[Tuple[torch.Tensor, torch.Tensor]], bs: int, bucket: int) -> None:
+        """Step-major at the caller's width into step-major at the bucket's."""
+        for buf, src in fresh:
+            _by_step(buf, self.steps, bucket)[:, :bs].copy_(_by_step(src, self.steps, bs))
 
     def _by_step_rows(self, out: torch.Tensor, bs: int) -> torch.Tensor:
         """A step-major output [k * bucket, ...] as [k, bs, ...] of the live requests."""
@@ -316,13 +350,15 @@ class DraftReplay:
 class DraftGraphRunner(DraftReplay, GraphRunner):
     """Captures the whole k-step draft forward per batch-size bucket: `fn(steps, inputs)` runs every
     step (`for step_batch in steps:` its layers) and returns [k * bs, ...]; inputs are per token,
-    step-major [k * bs, ...]; `run` returns [k, bs, ...]. Larger batches run eagerly (never dropped)."""
+    step-major [k * bs, ...]; `run` returns [k, bs, ...]. Larger batches run eagerly (never dropped).
+    Inputs the caller writes into `self.inputs` itself go step-major at the bucket's width (step i of request b
+    at row i * bucket + b) and are passed whole; a batch whose lengths, rows or write locs the eager draft step
+    refuses is refused (the same errors) before any static buffer changes."""
 
     def __init__(self, backend: Any, fn: ModelFn, batch_sizes: Sequence[int],
                  input_shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], draft_steps: int,
                  adapter: Optional[GraphAdapter] = None, writes_swa: bool = True) -> None:
-        if not isinstance(draft_steps, int) or draft_steps < 1:
-            raise ConfigError(f"draft_steps={draft_steps!r} must be an int >= 1")
+        draft_steps = check_draft_steps(draft_steps)  # before the backend's draft graph state is built
         self.draft = MultiStepDraft(draft_steps, writes_swa)
         self.steps = draft_steps
         super().__init__(backend, fn, batch_sizes, input_shapes, adapter, ForwardMode.DECODE)
@@ -351,9 +387,13 @@ class DraftGraphRunner(DraftReplay, GraphRunner):
         for buf in (self.out_cache_loc, *self.inputs.values()):
             _by_step(buf, self.steps, bs_pad)[:, live:].zero_()
 
+    def _check_host_lens(self, batch: ForwardBatch, seq_h: List[int]) -> None:
+        self.backend._check_draft_lens(batch, seq_h, self.steps)  # every step's length within the row, rows in range
+
     def prepare(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> PreparedStep:
         """Copy the draft batch and inputs into the static buffers step by step, pad to the smallest
-        bucket that fits, refill every step's metadata; a batch larger than every bucket: eager metadata."""
+        bucket that fits, refill every step's metadata; a batch larger than every bucket: eager metadata.
+        Everything is checked before the first copy (lengths, rows, write locs, inputs: as the eager step)."""
         info = batch.spec_info
         if not isinstance(info, MultiStepDraft):
             raise ConfigError("a DraftGraphRunner runs DECODE batches with spec_info=MultiStepDraft(num_steps)")
@@ -368,15 +408,16 @@ class DraftGraphRunner(DraftReplay, GraphRunner):
         if i == len(self.buckets):
             return PreparedStep(None, batch.num_tokens, self._eager(batch), inputs)
         bs_pad = self.buckets[i]
-        fresh = self._check_inputs(inputs, k * bs, " (step-major)")  # first: a bad input changes nothing
+        self._check_lens_and_rows(batch)   # as the eager draft step (every step), also where the refill is recorded
+        self._check_write_locs(batch.out_cache_loc)
+        fresh = self._check_step_inputs(inputs, bs, bs_pad)  # first: a bad input changes nothing
         self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
         self.seq_lens[:bs].copy_(batch.seq_lens)
         self._host_lens = batch.seq_lens_cpu is not None   # handed on to each step (backends with host lengths)
         if self._host_lens:
             self.seq_lens_cpu[:bs].copy_(batch.seq_lens_cpu)
         _by_step(self.out_cache_loc, k, bs_pad)[:, :bs].copy_(_by_step(batch.out_cache_loc, k, bs))
-        for buf, src in fresh:  # inputs produced in the static buffers need no copy
-            _by_step(buf, k, bs_pad)[:, :bs].copy_(_by_step(src, k, bs))
+        self._stage_inputs(fresh, bs, bs_pad)  # inputs produced in the static buffers need no copy
         self._pad(bs_pad, bs)
         if not self.metadata_in_graph:
             self._refill(self._bucket_batch(bs_pad))

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 import torch
 
 from hwkv.batch import ForwardBatch, ForwardMode
-from hwkv.checks import check_rows
+from hwkv.checks import check_rows, values_checkable
 from hwkv.errors import ConfigError, ShapeError
 from hwkv.spec import DraftTree, MultiStepDraft
 
@@ -167,12 +167,25 @@ class GraphRunner:
         lengths, or the lengths themselves where they are on the host; never a device read. Lengths only on the
         device: the rows alone, where checkable (`check_rows`). Typed (ShapeError, LocError), before any static
         buffer is written."""
-        rows, ctx = self.backend.req_to_token_pool.req_to_token.shape
         seq = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens
-        if seq.device.type == "cpu":  # (each request's new tokens: the tpr the static batch runs)
-            batch.check_lens(seq.tolist(), [self.tpr] * batch.batch_size, rows, ctx)
+        if seq.device.type == "cpu":
+            self._check_host_lens(batch, seq.tolist())
         else:
-            check_rows(batch.req_pool_indices, rows)
+            check_rows(batch.req_pool_indices, self.backend.req_to_token_pool.req_to_token.shape[0])
+
+    def _check_host_lens(self, batch: ForwardBatch, seq_h: List[int]) -> None:
+        """`_check_lens_and_rows` given host lengths (each request's new tokens: the tpr the static batch runs)."""
+        rows, ctx = self.backend.req_to_token_pool.req_to_token.shape
+        batch.check_lens(seq_h, [self.tpr] * batch.batch_size, rows, ctx)
+
+    def _check_write_locs(self, loc: torch.Tensor) -> None:
+        """The write locs' values as the refill will check their static copy (`pool.check_write_loc`, where values
+        are checkable: CPU, HWKV_DEBUG; a refill recorded in a device graph checks none), before the copy: a loc outside
+        the pool (LocError) leaves the static batch as it was. The static copy is int64 on the pool's device: the
+        values alone are checked, whatever the caller's dtype (a copy only where it differs)."""
+        check = getattr(self.backend.pool, "check_write_loc", None)
+        if check is not None and loc.numel() and values_checkable(loc):
+            check(loc.to(self.out_cache_loc.device, torch.int64).contiguous())
 
     def _arg(self, batch: ForwardBatch) -> Any:
         """What `fn` takes for a static batch: the batch itself."""
@@ -229,7 +242,8 @@ class GraphRunner:
         """Everything before the layers: copy the batch and inputs into the static buffers, pad to the
         smallest bucket that fits, refill the static metadata. A batch larger than every bucket gets
         eager metadata instead (and `replay` runs it eagerly: it is never dropped). A batch the eager metadata
-        step would refuse (rows, lengths: `_check_lens_and_rows`) is refused before any static buffer changes."""
+        step would refuse (rows, lengths: `_check_lens_and_rows`; write locs outside the pool: `_check_write_locs`) is
+        refused before any static buffer changes."""
         bs = batch.batch_size
         if isinstance(batch.spec_info, MultiStepDraft):
             raise ConfigError("a MultiStepDraft batch runs through hwkv.draft.DraftGraphRunner, not GraphRunner")
@@ -253,6 +267,7 @@ class GraphRunner:
                 got = f"{prefix.shape[0]} entries" if prefix.dim() == 1 else f"shape {list(prefix.shape)}"
                 raise ShapeError(f"extend_prefix_lens has {got}, batch_size is {bs}")
         self._check_lens_and_rows(batch)  # as the eager step would (which a batch past every bucket takes)
+        self._check_write_locs(batch.out_cache_loc)
         bs_pad = self.buckets[i]
         self._take_inputs(inputs, n)  # first: a bad input leaves the static batch as it was
         self.req_pool_indices[:bs].copy_(batch.req_pool_indices)

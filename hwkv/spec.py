@@ -40,8 +40,10 @@ class MultiStepDraft:
     writes_swa: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_steps, int) or self.num_steps < 1:
-            raise ShapeError(f"MultiStepDraft.num_steps={self.num_steps!r} must be an int >= 1")
+        steps = as_int(self.num_steps)  # numpy and 0-d tensor integers kept as an int; a bool is none (True read as 1)
+        if steps is None or steps < 1:
+            raise ShapeError(f"MultiStepDraft.num_steps={self.num_steps!r} must be an integer >= 1 (a bool is none)")
+        object.__setattr__(self, "num_steps", steps)
 
 
 class TreeMask(NamedTuple):
@@ -61,9 +63,12 @@ class TreeMask(NamedTuple):
 @dataclass
 class DraftTree:
     """What the engine hands as `ForwardBatch.spec_info` for a tree verify: the draft tokens'
-    ancestor masks, flattened per request ([n_b, n_b] row-major, n_b = extend_seq_lens[b])."""
+    ancestor masks, flattened per request ([n_b, n_b] row-major, n_b = extend_seq_lens[b]). `chain`: every
+    block is the causal chain (a linear verify carried as a tree to run decode-like, as VerifyStepGraph does);
+    it only picks the rule tree_verify="auto" asks (`hwkv.spec_plan.TreePlanner.decode_like`)."""
 
     mask: torch.Tensor
+    chain: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.mask, torch.Tensor) or self.mask.dtype != torch.bool or self.mask.dim() != 1:
@@ -282,20 +287,20 @@ def accept_draft_tokens(allocator: Any, pool: Any, req_to_token: torch.Tensor, r
     the new length go back. The row's draft positions past the new length are cleared to 0, so a second
     accept of the same drafts is caught (its positions hold no slot). Host lengths size everything: no
     host sync. Call it before the step's out-of-window release, which then runs on the accepted lengths
-    (`frontiers`, if given, are checked on the host where the allocator checks eagerly: none may pass a
-    request's prefix).
+    (`frontiers`, if given: int64 [bs], each request's SWA frontier as req_pool_indices orders them, checked on
+    the host where the allocator checks eagerly: none may pass a request's prefix).
 
     Where the allocator checks eagerly (CPU, HWKV_DEBUG) a draft named twice or out of range raises
     ShapeError and an accept applied twice DoubleFreeError, before anything changes. Otherwise they are
     found on the device and recorded in the allocator (raised by its next `available_size` or
     `check_integrity`): such a request keeps its first accept_lens[b] drafts in place (nothing leaks),
     and one whose drafts were already accepted is left as it is (nothing freed, its row and K/V as they were).
-    Arguments that are not integer tensors of the batch's shape, host lengths out of range and (where values
-    are checkable: CPU, HWKV_DEBUG) rows outside req_to_token or one row named twice raise ShapeError / LocError
-    before anything changes.
+    Arguments that are not integer tensors of the batch's shape (frontiers: int64), host lengths out of range and
+    (where values are checkable: CPU, HWKV_DEBUG) rows outside req_to_token or one row named twice raise
+    ShapeError / LocError before anything changes.
     """
     bs, n, pre_cpu, acc_cpu = _check_accept_args(req_to_token, req_pool_indices, prefix_lens, accept_index,
-                                                 accept_lens, prefix_lens_cpu, accept_lens_cpu)
+                                                 accept_lens, prefix_lens_cpu, accept_lens_cpu, frontiers)
     dev = req_to_token.device
     ar = torch.arange(n, device=dev)[None, :]
     valid = ar < accept_lens.to(torch.int64)[:, None]
@@ -361,10 +366,11 @@ def _unless_left(left: Optional[torch.Tensor], new: Any, old: Any) -> Any:
 
 def _check_accept_args(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
                        accept_index: torch.Tensor, accept_lens: torch.Tensor, prefix_lens_cpu: torch.Tensor,
-                       accept_lens_cpu: torch.Tensor) -> "tuple[int, int, torch.Tensor, torch.Tensor]":
+                       accept_lens_cpu: torch.Tensor, frontiers: Optional[torch.Tensor] = None
+                       ) -> "tuple[int, int, torch.Tensor, torch.Tensor]":
     """accept_draft_tokens' arguments against each other and req_to_token (ShapeError, LocError): integer tensors
-    of the batch's shape, host lengths in range, rows in range and distinct (their values where checkable: CPU,
-    HWKV_DEBUG).
+    of the batch's shape (frontiers, when given, int64 [bs]), host lengths in range, rows in range and distinct
+    (their values where checkable: CPU, HWKV_DEBUG).
     Returns (requests, drafts per request, host int64 prefix lengths, host int64 accept lengths)."""
     args = (("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens), ("accept_index", accept_index),
             ("accept_lens", accept_lens), ("prefix_lens_cpu", prefix_lens_cpu), ("accept_lens_cpu", accept_lens_cpu))
@@ -381,6 +387,12 @@ def _check_accept_args(req_to_token: torch.Tensor, req_pool_indices: torch.Tenso
     for name, t in args:
         if name != "accept_index" and t.shape != (bs,):
             raise ShapeError(f"{name} has shape {tuple(t.shape)}, expected ({bs},)")
+    if frontiers is not None and (not isinstance(frontiers, torch.Tensor) or frontiers.dtype != torch.int64
+                                  or frontiers.shape != (bs,)):  # (the step graphs' per-row table is not it)
+        got = (f"{frontiers.dtype} {tuple(frontiers.shape)}" if isinstance(frontiers, torch.Tensor)
+               else type(frontiers).__name__)
+        raise ShapeError(f"frontiers must be an int64 tensor of shape ({bs},) (each request's SWA frontier, as "
+                         f"req_pool_indices), got {got}")
     pre_cpu, acc_cpu = prefix_lens_cpu.to(torch.int64).cpu(), accept_lens_cpu.to(torch.int64).cpu()
     if not bs:
         return bs, n, pre_cpu, acc_cpu

@@ -84,16 +84,26 @@ class TreePlanner:
         indptr, positions = self._tree_static if graph else (None, None)
         return build_tree_mask(batch.spec_info, ext, qo_indptr, q_pos0, total, batch.num_tokens, indptr, positions)
 
+    def decode_like(self, requests: int, tokens: int, chain: bool) -> bool:
+        """Whether a verify of `requests` requests and `tokens` draft tokens runs decode-like: the one rule that
+        `decode_lists` and VerifyStepGraph's buckets follow. tree_verify "decode": always; "extend": never; "auto":
+        where the backend says it pays, by `decode_like_chain_pays` for a chain (`DraftTree.chain`: its extend
+        verify needs no mask, so it stays ahead to smaller batches) and `decode_like_verify_pays` for a tree."""
+        mode = self.backend.options.tree_verify
+        if mode != "auto":
+            return mode == "decode"
+        pays = self.backend.decode_like_chain_pays if chain else self.backend.decode_like_verify_pays
+        return bool(pays(requests, tokens))
+
     def decode_lists(self, md: ForwardMetadata, ext: torch.Tensor, batch: ForwardBatch) -> None:
-        """With tree_verify="decode" (or "auto" where `decode_like_verify_pays`): md.tree_decode, the verify
+        """Where `decode_like` says so (tree_verify="decode", or "auto" where it pays): md.tree_decode, the verify
         as a decode forward of one query per draft token over its own lists. Eager: the backend's kernel
         metadata for it too (vendor decode ops that plan from the lists alone take it); graph mode writes the
         static lists and builds no vendor tables (theirs are sized for the graph's own lists), so those
         layers run the portable kernels."""
         be = self.backend
         num_tokens, rows, mode = batch.num_tokens, batch.req_pool_indices, be.options.tree_verify
-        if md.tree is None or mode == "extend" or (
-                mode == "auto" and not be.decode_like_verify_pays(batch.batch_size, num_tokens)):
+        if md.tree is None or not self.decode_like(batch.batch_size, num_tokens, batch.spec_info.chain):
             return
         static = self._tree_decode_static if md.graph else {}
         if md.graph and not static:  # the first decode-like graph verify: its capture's warm-up refill, not a replay

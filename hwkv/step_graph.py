@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -27,10 +27,10 @@ from hwkv import ops
 from hwkv.release import release_out_of_window_batch
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.checks import as_int, check_int_dtype, check_rows, release_window
-from hwkv.draft import DraftReplay, _by_step
+from hwkv.draft import DraftReplay, check_draft_steps
 from hwkv.errors import ConfigError, LocError, ShapeError
 from hwkv.graph import EagerAdapter, GraphAdapter, GraphRunner, ModelFn, _Captured
-from hwkv.spec import MultiStepDraft
+from hwkv.spec import DraftTree, MultiStepDraft
 from hwkv.staging import StagingRing
 
 
@@ -207,10 +207,13 @@ class DecodeStepGraph(GraphRunner):
         there. `inputs` None: the engine wrote this step's inputs into `self.inputs` (nothing to check or
         copy, however many there are); views of those buffers are not copied either. Rows and lengths that are no
         integers (a float, a bool: their dtype, a host attribute) are a LocError, as everything else, before
-        anything is staged or claimed."""
+        anything is staged or claimed; so is a seq_lens_cpu that is not on the host (LocError naming its device)."""
         if not rows.dtype == seq_lens.dtype == seq_lens_cpu.dtype == torch.int64:  # (the common case: one compare)
             for name, t in (("rows", rows), ("seq_lens", seq_lens), ("seq_lens_cpu", seq_lens_cpu)):
                 check_int_dtype(name, t)
+        if not seq_lens_cpu.is_cpu:
+            raise LocError(f"seq_lens_cpu is on {seq_lens_cpu.device}: it is seq_lens' host copy and must be a CPU "
+                           "tensor")
         bs = rows.numel()
         if seq_lens.numel() != bs or seq_lens_cpu.numel() != bs:
             raise LocError(f"rows ({bs}), seq_lens ({seq_lens.numel()}) and seq_lens_cpu ({seq_lens_cpu.numel()}) "
@@ -232,12 +235,13 @@ class DecodeStepGraph(GraphRunner):
         if bucket not in self.graphs:
             raise ConfigError(f"a batch of {bs} replays bucket {bucket}, which is not captured (captured: "
                               f"{sorted(self.graphs) or 'none'}): call capture() before step()")
-        if inputs is not None:
-            self._stage_inputs(inputs, bs, bucket)
-        if not self._records:  # an eager 'replay' reads the host lengths; a device graph never does
-            self._stage_host_lens(bs, seq_lens_cpu)
+        fresh = None if inputs is None else self._check_step_inputs(inputs, bs, bucket)
         pages = self._pages(seq_h)
         heads = self.allocator.reserve(pages)  # raises before anything changed when the step might not fit
+        if fresh:
+            self._stage_inputs(fresh, bs, bucket)
+        if not self._records:  # an eager 'replay' reads the host lengths; a device graph never does
+            self._stage_host_lens(bs, seq_lens_cpu)
         if rows_h is not None and seq_lens.is_cpu:
             seq_s = seq_h if seq_lens is seq_lens_cpu else seq_lens.numpy()
             if pages == 0 and self._sent == (bs, bucket) and np.array_equal(self._sent_seq[:bs], seq_s) \
@@ -276,9 +280,17 @@ class DecodeStepGraph(GraphRunner):
         check_rows(rows, self.rtt.shape[0])
         return rows.numpy() if rows.is_cpu else None
 
-    def _stage_inputs(self, inputs: Dict[str, torch.Tensor], bs: int, bucket: int) -> None:
-        """The caller's inputs into the static buffers (token order: each request's tokens together)."""
-        self._take_inputs(inputs, bs * self.tpr)
+    def _check_step_inputs(self, inputs: Dict[str, torch.Tensor], bs: int,
+                           bucket: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """The caller's inputs checked whole (ShapeError) before anything is claimed or staged; returns the
+        (buffer, input) pairs `_stage_inputs` copies once the step's room is settled."""
+        return self._check_inputs(inputs, bs * self.tpr)
+
+    def _stage_inputs(self, fresh: List[Tuple[torch.Tensor, torch.Tensor]], bs: int, bucket: int) -> None:
+        """The checked inputs into the static buffers (token order: each request's tokens together)."""
+        n = bs * self.tpr
+        for buf, src in fresh:
+            buf[:n].copy_(src[:n])
 
     def _stage_host_lens(self, bs: int, seq_lens_cpu: torch.Tensor) -> None:
         self.seq_lens_cpu[:bs].copy_(seq_lens_cpu)
@@ -351,7 +363,8 @@ class VerifyStepGraph(DecodeStepGraph):
     out-of-window release on the accepted lengths run after the replay, on the caller's schedule. The backend's
     `tree_verify` holds for the chain of drafts too: with "decode", and with "auto" in the buckets where the
     backend says decode-like lists pay (`decode_like_chain_pays`: few requests), the chain is carried as its
-    DraftTree (the static causal mask) and runs one decode query per token; elsewhere ("extend", the default) the extend
+    DraftTree (the static causal mask, `chain=True`) and runs one decode query per token (the planner's one rule,
+    `TreePlanner.decode_like`, decides both); elsewhere ("extend", the default) the extend
     kernels' causal verify (the chain through the masked extend kernel is slower: 1.37-1.44x on the H200)."""
 
     _MODE, _WHAT = ForwardMode.TARGET_VERIFY, "verify"
@@ -367,16 +380,16 @@ class VerifyStepGraph(DecodeStepGraph):
         self.drafts = drafts
 
     def decode_like(self, bs: int) -> bool:
-        """Whether bucket `bs` runs its chain decode-like (the backend's `tree_verify`: "decode", or "auto" where
-        `decode_like_chain_pays`: a chain's extend verify needs no mask, so it stays ahead to smaller batches than a
-        tree's)."""
-        mode = getattr(getattr(self.backend, "options", None), "tree_verify", "extend")
-        pays = getattr(self.backend, "decode_like_chain_pays", None)
-        return mode == "decode" or (mode == "auto" and pays is not None and bool(pays(bs, bs * self.tpr)))
+        """Whether bucket `bs` runs its chain decode-like: the backend's `tree_verify` by the rule its metadata step
+        follows for a chain (`TreePlanner.decode_like`: "decode", or "auto" where `decode_like_chain_pays`)."""
+        return self.tree_mask is not None and self.backend.tree_planner.decode_like(bs, bs * self.tpr, chain=True)
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         batch = super()._static_batch(bs)
-        return batch if self.tree_mask is None or self.decode_like(bs) else dataclasses.replace(batch, spec_info=None)
+        if self.tree_mask is None:
+            return batch
+        spec = DraftTree(batch.spec_info.mask, chain=True) if self.decode_like(bs) else None
+        return dataclasses.replace(batch, spec_info=spec)
 
 
 class DraftStepGraph(DraftReplay, DecodeStepGraph):
@@ -396,9 +409,7 @@ class DraftStepGraph(DraftReplay, DecodeStepGraph):
     def __init__(self, backend: Any, allocator: Any, fn: ModelFn, batch_sizes: Sequence[int],
                  input_shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], draft_steps: int,
                  adapter: Optional[GraphAdapter] = None, pad_row: Optional[int] = None, writes_swa: bool = True) -> None:
-        if isinstance(draft_steps, bool) or not isinstance(draft_steps, int) or draft_steps < 1:
-            raise ConfigError(f"a draft runs draft_steps >= 1 steps, got draft_steps={draft_steps!r}")
-        self.steps = draft_steps
+        self.steps = draft_steps = check_draft_steps(draft_steps)  # before anything is built
         self.draft = MultiStepDraft(draft_steps, writes_swa)
         super().__init__(backend, allocator, fn, batch_sizes, input_shapes, adapter, pad_row=pad_row)
         b, dev = self.buckets[-1], backend.device
@@ -421,22 +432,6 @@ class DraftStepGraph(DraftReplay, DecodeStepGraph):
         self.out_cache_loc[:bs * k].view(k, bs).copy_(self.req_loc[:bs * k].view(bs, k).t())
         torch.sub(self.seq_lens[:bs], k - 1, out=self.seq0[:bs])
         self._current = self.backend.init_draft_metadata_graph(batch)
-
-    def _stage_inputs(self, inputs: Dict[str, torch.Tensor], bs: int, bucket: int) -> None:
-        """Step-major at the caller's width into step-major at the bucket's; checked whole before the first copy.
-        An input that is the graph's own buffer must hold the bucket's width (a view of its first k * bs rows at a
-        narrower width would be read at the wrong rows: ShapeError)."""
-        k = self.steps
-        fresh = self._check_inputs(inputs, k * bs, " (step-major)")
-        if bs != bucket:
-            for name, buf in self.inputs.items():
-                src = inputs[name]
-                if src.data_ptr() == buf.data_ptr() and src.shape[0] < k * bucket:
-                    raise ShapeError(f"input {name!r} is the graph's own buffer at {src.shape[0]} rows: written "
-                                     f"there, a draft of {bs} requests sits at bucket {bucket}'s width (step i of "
-                                     f"request b at row i * {bucket} + b); pass the whole buffer, or None")
-        for buf, src in fresh:
-            _by_step(buf, k, bucket)[:, :bs].copy_(_by_step(src, k, bs))
 
     def _stage_host_lens(self, bs: int, seq_lens_cpu: torch.Tensor) -> None:
         torch.sub(seq_lens_cpu, self.steps - 1, out=self.seq0_cpu[:bs])
