@@ -22,7 +22,7 @@ import hwkv
 from hwkv.allocator import same_snapshot
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.errors import ConfigError, LocError, OutOfSlotsError, ShapeError
-from hwkv.graph import EagerAdapter, GraphRunner
+from hwkv.graph import EagerAdapter
 from hwkv.spec import DraftTree, MultiStepDraft, accept_draft_tokens
 from hwkv.step_graph import DecodeStepGraph, DraftStepGraph, VerifyStepGraph
 from hwkv.testing.spec_harness import draft_batch, draft_graphs, draft_model
