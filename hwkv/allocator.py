@@ -381,7 +381,10 @@ class PagedTokenToKVPoolAllocator:
         """Slots for tokens [prefix, seq) of each request, from the pages `reserve` claimed, into `out` (token
         order). `heads`: reserve's list, or an int64 device tensor holding it (read when the kernel runs, so a
         captured step takes the heads the host writes before each replay). A request with prefix == seq takes
-        nothing (a graph bucket's padding). The caller planned it: nothing is checked here."""
+        nothing (a graph bucket's padding). The caller planned its sizes; a continuation whose page is not held (or
+        has no SWA slot) is recorded on the device in every mode (ERR_CONT_RELEASED, raised by the next
+        `check_integrity`/`available_size`), by the torch ops as by the kernels: `reserve` has claimed the pages, so
+        nothing can be refused before a change here."""
         if isinstance(heads, torch.Tensor) and self._ops is None:
             raise ConfigError("heads on the device need the device's page-op kernels: the torch ops take reserve's "
                               "host list (they size themselves from host values)")
@@ -404,13 +407,17 @@ class PagedTokenToKVPoolAllocator:
         sends nothing else new need not copy), where the kernel can (one program); returns whether it does.
         `frontiers` (int64, one per req_to_token row; hybrid pools) and `window`: then, in the same launch, the live
         rows' out-of-window release (`release_out_of_window_batch(..., by_row=True)` for the step's lengths), which
-        frees only tokens no query of this step sees, so it may run before the step's layers."""
+        frees only tokens no query of this step sees, so it may run before the step's layers; its errors rank as the
+        op after the allocation's (`reserve`'s), as they do when the release runs apart."""
         if not self.allocates_step_in_one:
             raise ConfigError(f"alloc_step needs page-op kernels that have it; {self.device.type} has none")
         if frontiers is not None and (self._swa is None or not window or window <= 0):
             raise ConfigError(f"alloc_step releases out of window on a hybrid pool with a window > 0, got {window!r}")
-        return bool(self._ops.alloc_step(self.pages, self._swa, self._mapping, ctl, rows_in, seq_in, pad_row,
-                                         req_to_token, rows, seq, out, advance, frontiers, int(window or 0)))
+        advanced = bool(self._ops.alloc_step(self.pages, self._swa, self._mapping, ctl, rows_in, seq_in, pad_row,
+                                             req_to_token, rows, seq, out, advance, frontiers, int(window or 0)))
+        if frontiers is not None:  # the release is numbered as the op after the allocation's, as when run apart
+            self._next_op()
+        return advanced
 
     def _check_continuations(self, prefix: Optional[torch.Tensor], seq: torch.Tensor, last: torch.Tensor,
                              plan: _Batch, decode: bool) -> None:
@@ -475,7 +482,8 @@ class PagedTokenToKVPoolAllocator:
     def free(self, loc: torch.Tensor, with_swa: bool = True) -> None:
         """Drop one reference to each full page holding `loc` and, with `with_swa`, to its SWA page where
         it still has one (a holder passes False for pages its out-of-window release already dropped);
-        pages reaching 0 go back."""
+        pages reaching 0 go back. With False, a page whose last full reference goes while its SWA page is still
+        held is refused (LocError before any change; deferred: recorded as ERR_SWA_HELD, the page skipped)."""
         self._change(loc, -1, -1 if with_swa else 0)
 
     def share(self, loc: torch.Tensor, with_swa: bool = True, *, checked: bool = False) -> None:
@@ -492,6 +500,8 @@ class PagedTokenToKVPoolAllocator:
         if self.immediate and not checked:
             pages = self._check_free(loc, swa_required=swa_delta != 0 and full_delta >= 0 and self._swa is not None,
                                      sharing=full_delta > 0)
+            if full_delta < 0 and not swa_delta and self._swa is not None:
+                self._check_keeps_swa(loc, pages)
         self._next_op()
         if self._on_host():
             self._change_on_host(loc, full_delta, swa_delta if self._swa is not None else 0, pages)
@@ -577,6 +587,20 @@ class PagedTokenToKVPoolAllocator:
                                             "slot (released): its SWA cannot be shared")
                 raise _err(ERR_SWA_RELEASED, int(pages[i]), self.page_size, "full")
         return pages
+
+    def _check_keeps_swa(self, loc: torch.Tensor, pages: np.ndarray) -> None:
+        """A free that keeps the SWA references (`free(loc, with_swa=False)`) must not drop a full page's last
+        reference while its SWA page is still mapped: the SWA page would leak (held, mapped from a free full page).
+        Raised before anything changes, naming the first such loc (immediate mode; the device ops record
+        ERR_SWA_HELD and skip the page)."""
+        p = self.page_size
+        swa_loc = self._mapping_view()[pages * p]
+        held = (_refs_view(self.pages)[pages] <= 1) & (swa_loc > 0)
+        if held.any():
+            i = int(held.argmax())
+            raise LocError(f"loc {int(_host_view(loc)[i])} ({self.pages.name} page {int(pages[i])}) would lose its "
+                           f"last full reference while its SWA slots (SWA page {int(swa_loc[i]) // p}) are still held: "
+                           "free(with_swa=False) would leak them; free it with with_swa=True, or free_swa first")
 
     def record_error(self, bad: torch.Tensor, which: torch.Tensor, code: int) -> None:
         """Record error `code` (`hwkv.pages.ERR_*`) for the lowest of which[bad] as an op of its own, on

@@ -8,8 +8,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from hwkv.pages import (CODE_SHIFT, ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_RANGE, ERR_SWA_RELEASED,
-                        NEVER, PAGE_LO, PAGE_MASK, PageRing, op_key)
+from hwkv.pages import (CODE_SHIFT, ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_RANGE, ERR_SWA_HELD,
+                        ERR_SWA_RELEASED, NEVER, PAGE_LO, PAGE_MASK, PageRing, op_key)
 
 I64 = torch.int64
 
@@ -88,8 +88,7 @@ class TorchPageOps:
         r, j = _owners(ext, n)
         is_cont = j < _g(cont, r)
         res = _g(last, r) + 1 + j
-        check = full.deferred  # immediate mode checked on the host first
-        pos = _g(prefix, r) + j if k or check else None  # each new token's position
+        pos = _g(prefix, r) + j  # each new token's position
         if k:
             fpages = _g(full.ring, (heads[0] + torch.arange(k, device=dev)) % full.num_pages)
             pidx = (_g(newp.cumsum(0) - newp, r) + torch.div(j - _g(cont, r), p, rounding_mode="floor")).clamp_(0, k - 1)
@@ -101,16 +100,19 @@ class TorchPageOps:
                 off = torch.arange(p, device=dev)
                 _s(mapping, (fpages[:, None] * p + off).reshape(-1), (spages[:, None] * p + off).reshape(-1))
         out.copy_(res)
-        if check:
-            bad = is_cont & _bad_continuation(full, mapping, res, pos, p)
-            _record(full, bad, torch.div(res, p, rounding_mode="floor"), ERR_CONT_RELEASED)
+        # recorded in every mode, as the kernels do: `alloc_reserved` (a whole step) is checked nowhere else; an
+        # eager alloc in immediate mode was checked on the host first, so nothing is recorded for it
+        bad = is_cont & _bad_continuation(full, mapping, res, pos, p)
+        _record(full, bad, torch.div(res, p, rounding_mode="floor"), ERR_CONT_RELEASED, force=True)
 
     @staticmethod
     def change_refs(full: PageRing, swa: Optional[PageRing], mapping: Optional[torch.Tensor], loc: torch.Tensor,
                     full_delta: int, swa_delta: int) -> None:
         """Add `full_delta` (-1, 0, +1) to the references of each distinct full page holding `loc` and
         `swa_delta` to its SWA page's; pages reaching 0 return to their ring (an SWA page is unmapped).
-        A page must be live; its SWA page must be mapped unless a free (full_delta -1) skips it."""
+        A page must be live; its SWA page must be mapped unless a free (full_delta -1) skips it. A free that keeps
+        the SWA page (swa_delta 0) must not drop a full page's last reference while its SWA page is mapped: that
+        page is recorded (ERR_SWA_HELD) and skipped."""
         p, n_full = full.page_size, full.num_pages
         fp = torch.div(loc, p, rounding_mode="floor")
         inr = (fp >= 1) & (fp <= n_full)
@@ -120,6 +122,10 @@ class TorchPageOps:
         rep = inr & (_g(full.who, fp) == i)
         refs = _g(full.refs, fp)
         live = rep & (refs >= 1)
+        if swa is not None and full_delta < 0 and not swa_delta:  # its SWA page would be orphaned
+            held = live & (refs + full_delta <= 0) & (_g(mapping, fp * p) > 0)
+            _record(full, held, fp, ERR_SWA_HELD)
+            live = live & ~held
         _record(full, ~inr, torch.div(loc, p, rounding_mode="floor"), ERR_RANGE)
         _record(full, rep & (refs == NEVER), fp, ERR_NEVER)
         _record(full, rep & (refs == 0), fp, ERR_DOUBLE_FREE)

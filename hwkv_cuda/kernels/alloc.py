@@ -6,13 +6,14 @@ free-page ring, reference counts, error record) without any host sync:
   it, writes its tokens' slots (continuing its partial page, then fresh pages popped at the
   ring head the host passes in), marks its new pages live and maps full page -> SWA page whole.
 - change_refs (free, free_swa, share): one program (pages can repeat within `loc`; a first pass
-  picks one entry per page), adding -1/0/+1 to each page's full and SWA references.
+  picks one entry per page), adding -1/0/+1 to each page's full and SWA references (a free that keeps the SWA
+  references skips, and records, a page whose last full reference it would drop while its SWA page is held).
 - release: grid (request,); each program frees the SWA pages between its frontier and the new
   one, pushes them with an atomic add on the ring's tail, and moves its frontier (one per request,
   or, `by_row`, the request's row's entry of a table with one per req_to_token row).
 - alloc_step: a captured decode step's rows, its one new slot per request and the req_to_token write,
   from the staged block, in one launch (grid: blocks of requests; each counts the pages earlier
-  blocks open itself).
+  blocks open itself); its release's errors are keyed as the op after the allocation's.
 Bad pages are skipped and recorded in the full ring's `err` with an atomic max of their error keys
 (`hwkv.pages.error_key`), so the record is the torch ops' whatever order the programs run in.
 Index tensors are made contiguous here (the kernels read them with unit stride); req_to_token is
@@ -38,6 +39,7 @@ ERR_DOUBLE_FREE = tl.constexpr(pages.ERR_DOUBLE_FREE)
 ERR_NEVER = tl.constexpr(pages.ERR_NEVER)
 ERR_RANGE = tl.constexpr(pages.ERR_RANGE)
 ERR_SWA_RELEASED = tl.constexpr(pages.ERR_SWA_RELEASED)
+ERR_SWA_HELD = tl.constexpr(pages.ERR_SWA_HELD)
 CODE_SHIFT = tl.constexpr(pages.CODE_SHIFT)
 PAGE_LO = tl.constexpr(pages.PAGE_LO)
 PAGE_HI = tl.constexpr(-pages.PAGE_LO - 1)
@@ -150,14 +152,16 @@ def _alloc_kernel(seq, prefix, last, out, buf_f, head_f, n_full, buf_s, head_s, 
         _check_continuation(err, mapping, refs_f, last_b + 1 + one, pre + one, one < 1, opk, n_full, P, HYBRID)
 
 
-@triton.jit(do_not_specialize=["pad_row", "bs", "opk"])
+@triton.jit(do_not_specialize=["pad_row", "bs", "opk", "opk_release"])
 def _alloc_step_kernel(ctl, rows_in, seq_in, stride_in, pad_row, rtt, stride_rtt, rows, seq, out, buf_f, n_full,
-                       buf_s, n_swa, mapping, opk, bs, frontiers, window, P: tl.constexpr, HYBRID: tl.constexpr,
+                       buf_s, n_swa, mapping, opk, opk_release, bs, frontiers, window, P: tl.constexpr,
+                       HYBRID: tl.constexpr,
                        BLOCK_P: tl.constexpr, ADVANCE: tl.constexpr, RELEASE: tl.constexpr, BLOCK: tl.constexpr):
     """`alloc_step`: program k takes requests [k * BLOCK, (k + 1) * BLOCK) and counts the pages the live requests
     before them open from the staged lengths itself (decode: a step opens a page where its prefix is 0 mod P).
     ADVANCE (one program only: others read the lengths it would move): the staged lengths become the next step's.
-    RELEASE: then each live request's out-of-window release by its row's frontier (`_release_kernel`'s rule)."""
+    RELEASE: then each live request's out-of-window release by its row's frontier (`_release_kernel`'s rule), its
+    errors keyed as the next op's (`opk_release`), as when the release runs apart."""
     head_f = tl.load(ctl).to(tl.int64)
     head_s = tl.load(ctl + 1).to(tl.int64)
     n_live = tl.load(ctl + 2).to(tl.int64)
@@ -198,7 +202,7 @@ def _alloc_step_kernel(ctl, rows_in, seq_in, stride_in, pad_row, rtt, stride_rtt
         for j in range(0, tl.max(cnt, 0)):
             act = j < cnt
             l = tl.load(rtt + r * stride_rtt + f + j * P, mask=act, other=0)
-            _release_pages(err, buf_s, n_swa, mapping, l // P, act, opk, P)
+            _release_pages(err, buf_s, n_swa, mapping, l // P, act, opk_release, P)
         tl.store(frontiers + r, nf, mask=live)
 
 
@@ -250,6 +254,11 @@ def _refs_kernel(loc, n, buf_f, n_full, buf_s, n_swa, mapping, who, opk, P: tl.c
         live = rep & (refs >= 1)
         _record(err_f, rep & (refs == -1), fp, ERR_NEVER, opk)
         _record(err_f, rep & (refs == 0), fp, ERR_DOUBLE_FREE, opk)
+        if HYBRID:
+            if FULL_DELTA < 0 and SWA_DELTA == 0:  # a last full reference dropped while the SWA page is held
+                held = live & (refs + FULL_DELTA <= 0) & (tl.load(mapping + fp * P, mask=live, other=0) > 0)
+                _record(err_f, held, fp, ERR_SWA_HELD, opk)
+                live = live & ~held
         if FULL_DELTA != 0:
             tl.store(refs_f + fp, refs + FULL_DELTA, mask=live)
             if FULL_DELTA < 0:
@@ -360,7 +369,7 @@ class TritonPageOps:
         launch(_LAUNCHES, ("step", bs, p, hybrid, advance, release), _alloc_step_kernel, (programs,),
                (ctl, rows_in, seq_in, rows_in.stride(0), int(pad_row), req_to_token, req_to_token.stride(0), rows, seq,
                 out, full.buf, full.num_pages, s.buf, s.num_pages, mapping if hybrid else full.buf,
-                pages.op_key(full.op), bs, frontiers if release else out, int(window)),
+                pages.op_key(full.op), pages.op_key(full.op + 1), bs, frontiers if release else out, int(window)),
                dict(P=p, HYBRID=hybrid, BLOCK_P=_page_block(p), ADVANCE=advance, RELEASE=release,
                     BLOCK=block, num_warps=1 if interpreting() else (4 if block >= 256 else 1)))
         return advance
