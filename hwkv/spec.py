@@ -346,8 +346,9 @@ def accept_draft_tokens(allocator: Any, pool: Any, req_to_token: torch.Tensor, r
             req = torch.repeat_interleave(torch.arange(bs, device="cpu"), pages, output_size=total)
             first = torch.cat([torch.zeros(1, dtype=torch.int64, device="cpu"), pages.cumsum(0)[:-1]])
             at = new_end[req] + (torch.arange(total, device="cpu") - first[req]) * page
-            req = req.to(dev)
-            free = req_to_token[req_pool_indices.to(torch.int64)[req], at.to(dev)]
+            # both index lists in one copy, not waited for (two blocking copies had each waited for the stream)
+            req, at = torch.stack((req, at)).to(dev, non_blocking=True)
+            free = req_to_token[req_pool_indices.to(torch.int64)[req], at]
             if left is not None:
                 free = torch.where(left[req, 0], 0, free)
             if allocator.immediate:
