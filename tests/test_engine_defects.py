@@ -153,22 +153,22 @@ def test_ctrl_c_in_the_read_back_loses_no_forward(overlap):
     want = _run(*_engine(overlap=overlap), prompts)
     e, _ = _engine(overlap=overlap)
     rids = [e.add_request(p, SamplingParams(max_new_tokens=10)) for p in prompts]
-    read, out, interrupts = e._read_one, {}, 0
+    read, out, interrupts = e.readback.read_oldest, {}, 0
 
-    def interrupted(rec):
+    def interrupted():  # in the wait for the oldest forward's copy, before it leaves the list
         raise KeyboardInterrupt()
 
     for n in range(200):
         if not e.has_work():
             break
-        e._read_one = interrupted if n % 3 == 2 else read  # every third step's wait is interrupted
+        e.readback.read_oldest = interrupted if n % 3 == 2 else read  # every third step's wait is interrupted
         try:
             finished = e.step()
         except KeyboardInterrupt:
             interrupts += 1
             continue
         finally:
-            e._read_one = read
+            e.readback.read_oldest = read
         out.update((r.rid, r.tokens) for r in finished)
         e.check_integrity()
     assert interrupts and not e.has_work() and [out[r] for r in rids] == want

@@ -199,7 +199,7 @@ def test_a_verify_step_waits_on_the_device_once_and_its_memory_statistics_are_co
     monkeypatch.setattr(torch.Tensor, "tolist", tolist)
     assert e.stats.draft_tokens > 100 and len(tails_seen) > 20  # verify steps ran
     assert not early, f"{len(early)} verify steps waited for the free counts on the spot"
-    assert recorded == expected and not e._inflight
+    assert recorded == expected and not e.readback.inflight
 
 
 # ---------------------------------------------------------------------------------- item 4: a forward's host work

@@ -59,7 +59,7 @@ def test_generates_counters_equal_the_tokens_of_its_results_when_the_last_reques
     assert (s.generated_tokens, sum(counts), s.decode_tokens) == (got, got, plain.stats.decode_tokens)
     assert min(counts) >= 0 and s.tokens_per_second == got / s.seconds
     assert s.as_dict()["generated_tokens"] == got
-    assert not e.has_work() and not e._inflight
+    assert not e.has_work() and not e.readback.inflight
     e.check_integrity()
 
 

@@ -23,11 +23,12 @@ import torch
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.cache import HybridPrefixCache
 from hwkv.engine.drafters import Drafter, TokenHistory, draft_ids
-from hwkv.engine.forward import HOST, ForwardSlots, StepLens, pack
+from hwkv.engine.forward import ForwardSlots, StepLens, pack
 from hwkv.engine.inputs import batch_sizes, engine_args, prompt_ids, release_window, shown
 from hwkv.engine.integrity import check_holders
 from hwkv.engine.pools import Cache
 from hwkv.engine.prefixing import EnginePrefix
+from hwkv.engine.readback import Held, ReadBack
 from hwkv.engine.sampling import RowSampling, SamplingParams
 from hwkv.engine.scheduler import Request, Row, Scheduler
 from hwkv.engine.stats import RunnerStats
@@ -124,10 +125,8 @@ class Engine:
         # overlap: a step's tokens are read by the host during the next step (see `step`)
         # (a verify step reads its accepted tokens before the next step drafts from them: no overlap)
         self.overlap = (dev.type != "cpu" if overlap is None else bool(overlap)) and draft is None
-        pin = dev.type != "cpu"
-        self._readback = [torch.zeros(pool_plan.max_running + 2, **HOST, pin_memory=pin) for _ in range(2)]
-        self._inflight: List[_Inflight] = []  # forwards issued, oldest first, each dropped once read back
-        self._steps = 0
+        # the forwards issued and not yet read back, and the pinned blocks their tokens travel in
+        self.readback = ReadBack(pool_plan.max_running + 2, dev)
         self._pools_changed = False  # this step moved a page (the KV held may have changed)
         self.requests: Dict[int, Request] = {}
         self.unclaimed: Dict[int, Result] = {}  # finished inside generate(), queued by add_request: pop them
@@ -376,7 +375,7 @@ class Engine:
             if self._prefixing is not None:
                 self._prefixing.cache_prompts(rows, lock=True)
             mode = batch.forward_mode
-        self._inflight.append(self._send(rows, sampled, where, mode, tokens))
+        self._send(rows, sampled, where, mode, tokens)
         # the earlier steps' tokens (with overlap: while this one runs; without, this one's too), counted as read
         finished = self._read_back(keep=1 if self.overlap else 0)
         self.stats.record_step(mode, self.scheduler.prefill_tokens, time.perf_counter() - t0)
@@ -384,7 +383,7 @@ class Engine:
 
     def has_work(self) -> bool:
         """Whether requests wait or run, or a forward's tokens are still to be read back."""
-        return self.scheduler.has_work() or bool(self._inflight)
+        return self.scheduler.has_work() or bool(self.readback.inflight)
 
     def tokens_of(self, row: int) -> List[int]:
         """The token ids of the running request in request row `row`: its prompt and the outputs the host has read
@@ -396,66 +395,37 @@ class Engine:
         raise ConfigError(f"no running request holds row {row}")
 
     def _send(self, rows: List[Row], sampled: List[Row], where: torch.Tensor, mode: ForwardMode,
-              tokens: torch.Tensor) -> "_Inflight":
+              tokens: torch.Tensor) -> None:
         """After a forward is issued: lengths forward, the sampled tokens into `next_ids` (device; `where`: the
-        sampling rows' request rows there) and on their way to the host (one async copy, with the allocator's free
-        counts when pages moved)."""
+        sampling rows' request rows there) and on their way to the host (`ReadBack.send`: one async copy, with the
+        allocator's free counts when pages moved)."""
         for r in rows:
             r.req.kv_len += r.n
         for r in sampled:
             r.req.pending += 1
-        n = len(sampled)
-        if n:
+        if sampled:
             self.next_ids[where] = tokens
-        buf = self._block()
-        buf[:n].copy_(tokens, non_blocking=True)
-        if not self._pools_changed:  # slots are taken and given back only by allocator calls: else as before
-            return _Inflight(sampled, buf, self._event(), None, mode)
-        return self._send_held(sampled, buf, mode)
+        # slots are taken and given back only by allocator calls: where none ran, the counts are as before
+        self.readback.send(sampled, tokens, mode, self._held() if self._pools_changed else None)
 
-    def _send_held(self, sampled: List[Row], buf: torch.Tensor, mode: ForwardMode) -> "_Inflight":
-        """The allocator's free counts now (the rings' tails, on the device) on their way to the host after the
-        sampled tokens in `buf` (one async copy, no wait), with the host heads and the slots only the prefix cache
-        holds now: `_record_held` turns them into the memory statistics when the forward is read back."""
-        n = len(sampled)
+    def _held(self) -> Held:
+        """The allocator's free counts now (the rings' tails, on the device, and host heads) with the slots only
+        the prefix cache holds now: `_record_held` turns them into the memory statistics when read back."""
         tails, heads = self.cache.free_counts_async()
-        buf[n:n + len(heads)].copy_(tails, non_blocking=True)
-        cached = self._prefixing.evictable() if self._prefixing is not None else (0, 0)
-        return _Inflight(sampled, buf, self._event(), heads, mode, cached)
-
-    def _block(self) -> torch.Tensor:
-        """The pinned block a forward's values are copied into: the next of the engine's blocks, or one more where
-        that one is still in flight (after an interrupted read-back, or beside a verify's free counts)."""
-        buf = self._readback[self._steps % len(self._readback)]
-        if any(rec.buf is buf for rec in self._inflight):
-            buf = torch.zeros_like(buf, pin_memory=buf.is_pinned())
-            self._readback.append(buf)
-        self._steps += 1
-        return buf
-
-    def _event(self) -> Any:
-        """An event after the copies just issued (None on the CPU, where they are done)."""
-        if self.device.type == "cpu":
-            return None
-        event = torch.Event(device=self.device.type)
-        event.record()
-        return event
+        return tails, heads, self._prefixing.evictable() if self._prefixing is not None else (0, 0)
 
     def _read_back(self, keep: int = 0) -> List[Result]:
         """The sampled tokens of the forwards in flight but the last `keep` (each one's wait for the device):
         appended, stops checked, finished requests free their slots and rows at once. A forward leaves the list
         only once its tokens are read, so an interrupted wait (Ctrl-C) loses none: the next step reads it."""
         finished: List[Result] = []
-        while len(self._inflight) > keep:
-            finished += self._read_one(self._inflight[0])
+        while len(self.readback.inflight) > keep:
+            finished += self._read_one()
         return finished
 
-    def _read_one(self, rec: "_Inflight") -> List[Result]:
-        if rec.event is not None:
-            rec.event.synchronize()
+    def _read_one(self) -> List[Result]:
+        rec, values = self.readback.read_oldest()
         n = len(rec.sampled)
-        values = rec.buf[:n + (0 if rec.heads is None else len(rec.heads))].tolist()
-        self._inflight.pop(0)
         if rec.heads is not None:
             self._record_held(values[n:], rec.heads, rec.cached)
         done: List[Request] = []
@@ -573,7 +543,7 @@ class Engine:
         self.next_ids[rows_dev] = last_dev
         # the free counts after the release travel to the host without a wait: read with the next step's tokens
         # (or the next verify's, or at the end of `generate`)
-        self._inflight.append(self._send_held([], self._block(), ForwardMode.TARGET_VERIFY))
+        self.readback.send([], None, ForwardMode.TARGET_VERIFY, self._held())
         self.stats.record_drafts(bs, bs * k, sum(accepted))
         return earlier + self._finish(done), used_all
 
@@ -717,15 +687,3 @@ class Engine:
         self.scheduler.check_integrity(self.cache.rtt.size - 1 - self.cache.rtt.available_size())
         check_holders(self.cache, self.scheduler.running, self.slots.frontiers_cpu, self.prefix)
 
-
-@dataclass
-class _Inflight:
-    """A forward issued and not yet read back: its sampling rows, the pinned block its tokens (and the free
-    counts, when `heads` is set: the rings' host heads at that moment) are copied into, the copy's event."""
-
-    sampled: List[Row]
-    buf: torch.Tensor
-    event: Any
-    heads: Optional[List[int]]
-    mode: ForwardMode
-    cached: Tuple[int, int] = (0, 0)  # (full, SWA) slots only the prefix cache held then (evictable)
