@@ -66,17 +66,9 @@ def _host_ints(name: str, x: IntsLike, host: Optional[torch.Tensor] = None) -> n
     kinds = set(map(type, x)) if values is not None else ()
     if values is None or bool in kinds or (torch.Tensor in kinds and any(map(is_bool, x))):
         for v in x:  # the refusal only: name the first value that is no integer
-            if is_bool(v) or not _is_index(v):
+            if as_int(v) is None:  # (the core's integer rule: a bool is none)
                 raise LocError(f"{name} must hold integers, got {type(v).__name__} {v!r}")
     return np.asarray(values, dtype=np.int64)
-
-
-def _is_index(v: object) -> bool:
-    try:
-        operator.index(v)
-    except TypeError:
-        return False
-    return True
 
 
 def _refs_view(ring: PageRing) -> np.ndarray:
