@@ -7,7 +7,7 @@ import torch
 from hwkv.graph import EagerAdapter
 from hwkv.testing import ContractTarget
 from hwkv.testing import contract
-from hwkv.testing.host_reads import HostReads
+from hwkv.testing.host_reads import HostReads, _device_to_host
 from hwkv.testing.reference_backend import ReferenceBackend
 
 
@@ -38,17 +38,14 @@ def test_host_reads_counts_scalar_reads_and_blocking_device_to_host_copies():
         x.nonzero()
         x.sum()  # no read
     assert r.count == 3 and r.ops[0] == "aten._local_scalar_dense.default"
-    meta = torch.empty(4, device="meta")
-    with HostReads() as r:  # a device (meta here) tensor copied to the host, blocking; and one copied non_blocking
-        try:
-            meta.to("cpu")
-        except NotImplementedError:  # meta holds no data: the op is counted as it dispatches
-            pass
-        try:
-            torch.empty(4).copy_(meta, non_blocking=True)
-        except NotImplementedError:
-            pass
-    assert r.count == 1, r.ops
+    # device-to-host copies, judged on the op's arguments (a meta tensor stands for a device one: no data to copy)
+    meta, host = torch.empty(4, device="meta"), torch.empty(4)
+    assert _device_to_host("aten._to_copy.default", (meta,), {"device": torch.device("cpu")})
+    assert not _device_to_host("aten._to_copy.default", (meta,), {"device": torch.device("cpu"), "non_blocking": True})
+    assert not _device_to_host("aten._to_copy.default", (host,), {"device": torch.device("meta")})
+    assert _device_to_host("aten.copy_.default", (host, meta), {})
+    assert not _device_to_host("aten.copy_.default", (host, meta, True), {})
+    assert not _device_to_host("aten.copy_.default", (meta, host), {})
 
 
 def test_reference_check_skips_a_whole_step_graphs_padded_rows():
