@@ -354,25 +354,37 @@ class PagedTokenToKVPoolAllocator:
             self._mapping_view()[(fpages[:, None] * p + off).reshape(-1)] = (spages[:, None] * p + off).reshape(-1)
         return fpages
 
-    def reserve(self, pages: int) -> List[int]:
+    def reserve(self, pages: int, ops: int = 1) -> List[int]:
         """Claim `pages` pages of every ring for an allocation the device runs later (a captured decode step):
         the room is settled here, on the host's bound of free pages (OutOfSlotsError, nothing changed, when
-        they might not fit); returns the rings' heads (mod their sizes) for `alloc_reserved`."""
+        they might not fit); returns the rings' heads (mod their sizes) for `alloc_reserved`. `ops`: how many
+        ops the device runs for it (a captured step's allocation and its release: 2), numbered here; the first's
+        number is `op_number - ops + 1` (staged beside the heads, a captured launch reads it there)."""
         if not isinstance(pages, int) or pages < 0:
             raise ConfigError(f"reserve({pages!r}) needs an int >= 0")
+        if type(ops) is not int or ops < 1:
+            raise ConfigError(f"reserve(ops={ops!r}) needs an int >= 1")
         if pages:  # no page always fits (most decode steps open none)
             self._check_room(pages)
         heads = []
         for r in self._ring_set:  # claimed and numbered in one pass (`_next_op`'s numbering)
             heads.append(r.take(pages))
-            r.next_op()
+            r.op += ops
         return heads
+
+    @property
+    def op_number(self) -> int:
+        """The number of the last op numbered since the error record was last read (the record keeps the
+        earliest op's error: a launch a graph captures reads its number from memory the host writes per replay)."""
+        return self.pages.op
 
     def alloc_reserved(self, prefix: torch.Tensor, seq: torch.Tensor, last: torch.Tensor, out: torch.Tensor,
                        heads: Union[List[int], torch.Tensor], pages: int) -> None:
         """Slots for tokens [prefix, seq) of each request, from the pages `reserve` claimed, into `out` (token
         order). `heads`: reserve's list, or an int64 device tensor holding it (read when the kernel runs, so a
-        captured step takes the heads the host writes before each replay). A request with prefix == seq takes
+        captured step takes the heads the host writes before each replay) and, where it has 4 entries or more,
+        the op's number at heads[3] (reserve's: `op_number` after it; else the host's now, which a captured launch
+        would keep from its capture). A request with prefix == seq takes
         nothing (a graph bucket's padding). The caller planned its sizes; a continuation whose page is not held (or
         has no SWA slot) is recorded on the device in every mode (ERR_CONT_RELEASED, raised by the next
         `check_integrity`/`available_size`), by the torch ops as by the kernels: `reserve` has claimed the pages, so
@@ -400,14 +412,16 @@ class PagedTokenToKVPoolAllocator:
         `frontiers` (int64, one per req_to_token row; hybrid pools) and `window`: then, in the same launch, the live
         rows' out-of-window release (`release_out_of_window_batch(..., by_row=True)` for the step's lengths), which
         frees only tokens no query of this step sees, so it may run before the step's layers; its errors rank as the
-        op after the allocation's (`reserve`'s), as they do when the release runs apart."""
+        op after the allocation's (`reserve`'s), as they do when the release runs apart. A `ctl` of 4 entries or
+        more holds the allocation's op number at ctl[3] (`reserve(pages, ops=2)` numbered both; with `advance` the
+        launch moves it on by the ops it ran), read when the launch runs; with 3, the host's, numbered here."""
         if not self.allocates_step_in_one:
             raise ConfigError(f"alloc_step needs page-op kernels that have it; {self.device.type} has none")
         if frontiers is not None and (self._swa is None or not window or window <= 0):
             raise ConfigError(f"alloc_step releases out of window on a hybrid pool with a window > 0, got {window!r}")
         advanced = bool(self._ops.alloc_step(self.pages, self._swa, self._mapping, ctl, rows_in, seq_in, pad_row,
                                              req_to_token, rows, seq, out, advance, frontiers, int(window or 0)))
-        if frontiers is not None:  # the release is numbered as the op after the allocation's, as when run apart
+        if frontiers is not None and ctl.numel() < 4:  # the release: the op after the allocation's, as run apart
             self._next_op()
         return advanced
 

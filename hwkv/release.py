@@ -4,7 +4,7 @@ Apart from the allocators (`hwkv.allocator`), which it drives through their ring
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -18,7 +18,8 @@ from hwkv.torch_page_ops import I64, TORCH_OPS
 
 def release_out_of_window_batch(allocator: SWATokenToKVPoolAllocator, req_to_token: torch.Tensor,
                                 req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, frontiers: torch.Tensor,
-                                window: int, *, by_row: bool = False) -> torch.Tensor:
+                                window: int, *, by_row: bool = False,
+                                op_word: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Free, for a whole batch at once, the SWA slots no later query can see; `frontiers` (int64, one per
     request, on the pool's device) move forward in place and are returned.
 
@@ -28,6 +29,9 @@ def release_out_of_window_batch(allocator: SWATokenToKVPoolAllocator, req_to_tok
     `by_row`: `frontiers` holds one frontier per req_to_token row and the batch's rows' entries move (a
     captured step keeps them there: no gather or scatter around the release); a row may repeat only where
     it releases nothing (a graph bucket's padding).
+    `op_word`: an int64 device word holding the number of the op before this release (a captured step's
+    allocation, staged by the host before each replay; `allocator.reserve(pages, ops=2)` numbered both), read
+    when the release runs, so that its errors rank as the op after it in every replay; None: numbered here.
     """
     window = check_window(window)
     if not window:
@@ -53,10 +57,16 @@ def release_out_of_window_batch(allocator: SWATokenToKVPoolAllocator, req_to_tok
     if bs == 0:
         return frontiers
     ops = allocator._ops or TORCH_OPS
+    if op_word is not None and (not getattr(ops, "reads_op_word", False) or not isinstance(op_word, torch.Tensor)
+                                or op_word.dtype != I64 or op_word.numel() < 1
+                                or op_word.device.type != allocator.device.type):
+        raise ConfigError(f"op_word must be an int64 tensor on {allocator.device} read by the device's page-op kernels "
+                          f"(the torch ops number the release on the host), got {getattr(op_word, 'dtype', op_word)!r}"
+                          f" for {type(ops).__name__}")
     if by_row and (allocator.immediate or not getattr(ops, "releases_by_row", False)):
         table = frontiers  # the batch's own frontiers, released as usual, then put back in their rows
         f = table[req_pool_indices]
-        release_out_of_window_batch(allocator, req_to_token, req_pool_indices, seq_lens, f, window)
+        release_out_of_window_batch(allocator, req_to_token, req_pool_indices, seq_lens, f, window, op_word=op_word)
         table[req_pool_indices] = f
         return table
     if allocator.immediate:
@@ -66,13 +76,15 @@ def release_out_of_window_batch(allocator: SWATokenToKVPoolAllocator, req_to_tok
             _release_on_host(allocator._swa, allocator._mapping, *checked)
             frontiers.copy_(torch.from_numpy(checked[0]))
             return frontiers
-    allocator._next_op()
+    if op_word is None:
+        allocator._next_op()
+        more = {}
+    else:  # numbered by the caller's reserve, read by the kernel
+        more = {"op_word": op_word}
     if by_row:
-        ops.release_window(allocator.pages, allocator._swa, allocator._mapping, req_to_token, req_pool_indices,
-                           seq_lens, frontiers, window, by_row=True)
-    else:
-        ops.release_window(allocator.pages, allocator._swa, allocator._mapping, req_to_token, req_pool_indices,
-                           seq_lens, frontiers, window)
+        more["by_row"] = True
+    ops.release_window(allocator.pages, allocator._swa, allocator._mapping, req_to_token, req_pool_indices,
+                       seq_lens, frontiers, window, **more)
     return frontiers
 
 

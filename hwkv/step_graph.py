@@ -7,7 +7,8 @@ first; the ring heads come from a device buffer the host writes before the repla
 the layers (elsewhere the release follows them; the rows' frontiers move where they are kept). Between
 two replays the host settles the step's capacity on its bound of free pages (`allocator.reserve`: an
 OutOfSlotsError before anything runs when the step might not fit), copies the live rows, the lengths
-after the step and [head_full, head_swa, live count] into static buffers, and launches once.
+after the step and [head_full, head_swa, live count, op number] into static buffers, and launches once
+(the op number orders the errors the step's page ops record; an argument would stay the capture's).
 
 Padded requests of a bucket write into a row the graph reserves for them (position 0, the padding slot
 0), take no pages and release nothing. Frontiers stay on the device, one per request row
@@ -32,6 +33,9 @@ from hwkv.errors import ConfigError, LocError, ShapeError
 from hwkv.graph import EagerAdapter, GraphAdapter, GraphRunner, ModelFn, _Captured
 from hwkv.spec import DraftTree, MultiStepDraft
 from hwkv.staging import StagingRing
+
+
+_CTL = 4  # control words before the staged (row, length) pairs: head_full, head_swa, live count, op number
 
 
 class DecodeStepGraph(GraphRunner):
@@ -81,22 +85,26 @@ class DecodeStepGraph(GraphRunner):
         self._own_pad = pad_row is None
         self.pad_row = rtt_pool.alloc(1)[0] if pad is None else pad
         dev, b = backend.device, self.buckets[-1]
-        # what the host sends each step, one copy: [head_full, head_swa, live requests] then (row, length) pairs
-        self.staged = torch.zeros(3 + 2 * b, dtype=torch.int64, device=dev)
-        self.staged[4::2] = self.new
-        self.ctl = self.staged[:3]
-        self._ring = StagingRing(3 + 2 * b, dev)
-        self._bucket_staged = {k: self.staged[:3 + 2 * k] for k in self.buckets}  # what a step of bucket k sends
-        self.rows_in, self.seq_in = self.staged[3::2], self.staged[4::2]
+        # what the host sends each step, one copy: [head_full, head_swa, live requests, the allocation's op number]
+        # then (row, length) pairs
+        self.staged = torch.zeros(_CTL + 2 * b, dtype=torch.int64, device=dev)
+        self.staged[_CTL + 1::2] = self.new
+        self.ctl = self.staged[:_CTL]
+        self._ring = StagingRing(_CTL + 2 * b, dev)
+        self._bucket_staged = {k: self.staged[:_CTL + 2 * k] for k in self.buckets}  # what a step of bucket k sends
+        self.rows_in, self.seq_in = self.staged[_CTL::2], self.staged[_CTL + 1::2]
         # rows, slots and the req_to_token write in one launch where the device's page ops have it (else three)
         self._one_launch = self.device_alloc and allocator.allocates_step_in_one and self.new == 1
         # the release in the allocation's launch (before the layers: it frees only what no query of the step sees);
         # not in debug mode, whose release checks on the host
         self._releases_first = self._one_launch and frontiers is not None and not allocator.immediate
+        # the ops a step numbers for its page-op kernels (its allocation, then its release) and the first one's
+        # number (`_reserve`); the torch ops number themselves as they run on the host
+        self._ops, self._op = (2 if frontiers is not None and self.device_alloc else 1), 0
         self._advances: Dict[int, bool] = {}  # per bucket: its replay moves the staged lengths on by one itself
         # the live count and bucket the device holds staged after the last replay where it moved the lengths
         # itself (None: unknown), and its rows and lengths (host arrays kept, written in place each step)
-        self._sent: Optional[Tuple[int, int]] = None
+        self._sent: Optional[Tuple[int, int, int]] = None  # (live, bucket, the op number staged)
         self._sent_rows, self._sent_seq = np.zeros(b, np.int64), np.zeros(b, np.int64)
         if not self._one_launch:  # the three launches' temporaries
             self.prefix = torch.zeros(b, dtype=torch.int64, device=dev)
@@ -156,7 +164,8 @@ class DecodeStepGraph(GraphRunner):
         self._refill(batch)
         result = self.fn(self._arg(batch), inputs)
         if self.frontiers is not None and not self._releases_first:  # the rows' frontiers move where they are kept
-            release_out_of_window_batch(self.allocator, self.rtt, rows, seq, self.frontiers, self.window, by_row=True)
+            release_out_of_window_batch(self.allocator, self.rtt, rows, seq, self.frontiers, self.window, by_row=True,
+                                        op_word=self.ctl[3:4] if self.device_alloc else None)
         return result
 
     def _slots(self, bs: int) -> torch.Tensor:
@@ -173,15 +182,15 @@ class DecodeStepGraph(GraphRunner):
             self.metadata_in_graph = True  # an eager 'replay' runs the whole body too
         for bs in reversed(self.buckets):
             batch, inputs = self._bucket_batch(bs), self._static_inputs(bs)
-            self._set_ctl(0, 0, self.allocator.reserve(0))  # no live request: the warm-up takes nothing
+            self._set_ctl(0, 0, self._reserve(0))  # no live request: the warm-up takes nothing
             self._refill_and_run(batch, inputs)  # warm-up outside the graph (compilation)
             graph, out = self.adapter.capture(lambda b=batch, i=inputs: self._refill_and_run(b, i))
             self.graphs[bs] = _Captured(graph, out)
 
     def _set_ctl(self, live: int, pages: int, heads: list, rows: Optional[np.ndarray] = None,
                  seq: Optional[np.ndarray] = None, bucket: Optional[int] = None) -> None:
-        """Send [head_full, head_swa, live] and, when given, the live (row, length) pairs for the next replay in one
-        host-to-device copy, from a ring of pinned blocks that are rewritten only after the device read them
+        """Send [head_full, head_swa, live, op number] and, when given, the live (row, length) pairs for the next
+        replay in one host-to-device copy, from a ring of pinned blocks that are rewritten only after the device read them
         (hwkv.staging; one reused block was overwritten before the device read it, on the H200: two steps
         took the same pages). Rows, seq and the step's bucket go together; the bucket's whole width is sent: the
         pairs past `live` are stale and the prologue reads none (a width per bucket keeps the ring's views few)."""
@@ -191,12 +200,20 @@ class DecodeStepGraph(GraphRunner):
         host[0] = heads[0]
         host[1] = heads[1] if len(heads) > 1 else 0
         host[2] = live
+        host[3] = self._op
         if rows is None:
             self._ring.send(self.ctl)
         else:
-            n = 3 + 2 * live
-            host[3:n:2], host[4:n:2] = rows, seq
+            n = _CTL + 2 * live
+            host[_CTL:n:2], host[_CTL + 1:n:2] = rows, seq
             self._ring.send(self._bucket_staged[bucket])
+
+    def _reserve(self, pages: int) -> list:
+        """`allocator.reserve` for one step's page ops, numbered there; the allocation's number is kept for the
+        control words (`_op`)."""
+        heads = self.allocator.reserve(pages, self._ops)
+        self._op = self.allocator.op_number - self._ops + 1
+        return heads
 
     # ---- one step on the host --------------------------------------------------------------------
     def step(self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
@@ -237,17 +254,17 @@ class DecodeStepGraph(GraphRunner):
                               f"{sorted(self.graphs) or 'none'}): call capture() before step()")
         fresh = None if inputs is None else self._check_step_inputs(inputs, bs, bucket)
         pages = self._pages(seq_h)
-        heads = self.allocator.reserve(pages)  # raises before anything changed when the step might not fit
+        heads = self._reserve(pages)  # raises before anything changed when the step might not fit
         if fresh:
             self._stage_inputs(fresh, bs, bucket)
         if not self._records:  # an eager 'replay' reads the host lengths; a device graph never does
             self._stage_host_lens(bs, seq_lens_cpu)
         if rows_h is not None and seq_lens.is_cpu:
             seq_s = seq_h if seq_lens is seq_lens_cpu else seq_lens.numpy()
-            if pages == 0 and self._sent == (bs, bucket) and np.array_equal(self._sent_seq[:bs], seq_s) \
+            if pages == 0 and self._sent == (bs, bucket, self._op) and np.array_equal(self._sent_seq[:bs], seq_s) \
                     and np.array_equal(self._sent_rows[:bs], rows_h):
-                # the same rows, one token on, no page: the last replay left exactly this staged (the heads are
-                # read only where a page opens), so nothing is copied
+                # the same rows, one token on, no page, no op between: the last replay left exactly this staged (the
+                # heads are read only where a page opens; it moved the op number on by its ops), so nothing is copied
                 self._host = (bs, pages, heads)
             else:
                 self._set_ctl(bs, pages, heads, rows_h, seq_s, bucket)
@@ -255,7 +272,7 @@ class DecodeStepGraph(GraphRunner):
             if self._advances.get(bucket):  # what the replay will leave staged
                 self._sent_rows[:bs] = rows_h
                 np.add(seq_s, 1, out=self._sent_seq[:bs])
-                sent = (bs, bucket)
+                sent = (bs, bucket, self._op + 1 + self._releases_first)
             self._sent = None  # until the replay has run: a replay that raises leaves nothing it claims
         else:
             sent = None

@@ -19,6 +19,7 @@ from hwkv.errors import OutOfSlotsError, ShapeError
 from hwkv.graph import EagerAdapter
 from hwkv.pool import SWAKVPool
 from hwkv.spec import MultiStepDraft
+from hwkv.testing.capture_check import CaptureCheckingAdapter
 from hwkv.step_graph import DecodeStepGraph, DraftStepGraph, VerifyStepGraph
 
 DEVICE = os.environ.get("HWKV_TEST_DEVICE", "cpu")
@@ -28,6 +29,13 @@ H, KVH, D, W = 4, 2, 16, 8
 
 class RecordingEager(EagerAdapter):
     """A host 'graph' that takes the device-side path: heads read from the device buffer."""
+
+    records_device_work = True
+
+
+class CheckedRecording(CaptureCheckingAdapter):
+    """RecordingEager that also fails a replay whose launches differ from its capture's in what a device graph
+    freezes (buffers, grids, scalar arguments): the step's per-step values must reach its kernels through memory."""
 
     records_device_work = True
 
@@ -227,7 +235,7 @@ def test_whole_step_graph_equals_the_eager_step(page, recording):
     graph = DecodeStepGraph(got.backend, got.alloc, got.layers_fn, [2, 4],
                             {"q": ((H, D), torch.float32), "k": ((KVH, D), torch.float32),
                              "v": ((KVH, D), torch.float32)},
-                            adapter() or (RecordingEager() if recording else EagerAdapter()),
+                            adapter() or (CheckedRecording() if recording else EagerAdapter()),
                             frontiers=got.frontiers, window=W)
     assert graph._releases_first == (recording == "one launch")
     if recording and DEVICE == "cpu":  # the device's bookkeeping kernels too (interpreted)
@@ -369,7 +377,7 @@ def test_steps_of_the_same_rows_copy_nothing_until_a_page_opens(page):
         got.alloc.immediate = False
     graph = DecodeStepGraph(got.backend, got.alloc, got.layers_fn, [2, 4],
                             {"q": ((H, D), torch.float32), "k": ((KVH, D), torch.float32),
-                             "v": ((KVH, D), torch.float32)}, adapter() or RecordingEager(), got.frontiers, W)
+                             "v": ((KVH, D), torch.float32)}, adapter() or CheckedRecording(), got.frontiers, W)
     if DEVICE == "cpu":
         graph.kernels = step_kernels.KERNELS
     graph.capture()
@@ -417,7 +425,7 @@ def test_verify_step_graph_equals_the_eager_verify(page, recording, tree_verify)
     graph = VerifyStepGraph(got.backend, got.alloc, got.layers_fn, [2, 4],
                             {"q": ((H, D), torch.float32), "k": ((KVH, D), torch.float32),
                              "v": ((KVH, D), torch.float32)}, 2,
-                            adapter() or (RecordingEager() if recording else EagerAdapter()))
+                            adapter() or (CheckedRecording() if recording else EagerAdapter()))
     if recording and DEVICE == "cpu":
         graph.kernels = step_kernels.KERNELS
     graph.capture()
@@ -507,7 +515,7 @@ def test_draft_step_graph_equals_the_eager_draft(page, recording, k):
     graph = DraftStepGraph(got.backend, got.alloc, got.draft_fn, [2, 4],
                            {"q": ((H, D), torch.float32), "k": ((KVH, D), torch.float32),
                             "v": ((KVH, D), torch.float32)}, k,
-                           adapter() or (RecordingEager() if recording else EagerAdapter()))
+                           adapter() or (CheckedRecording() if recording else EagerAdapter()))
     if recording and DEVICE == "cpu":
         graph.kernels = step_kernels.KERNELS
     graph.capture()

@@ -5,13 +5,16 @@ metadata (reallocates a static buffer, builds a fresh list per replay) still wor
 Python re-runs, as under `EagerAdapter`, but a real graph then reads stale or freed memory.
 `CaptureCheckingAdapter` re-runs the step like `EagerAdapter` and records the storages every torch op
 and every Triton launch reads that the step did not create itself; a replay that reads a storage
-the capture did not see raises `StaleCaptureError`. `CaptureChecked` puts the same check around another
+the capture did not see raises `StaleCaptureError`. So does a replay whose Triton launches differ from the
+capture's in a value a graph freezes: the kernels launched, their grids and their scalar arguments (a host
+number passed as an argument stays the capture's in every replay; what changes per step must be read from
+device memory the host writes). `CaptureChecked` puts the same check around another
 adapter whose replay runs the step's Python; the contract suite's graph tests run every target's adapter through
 `capture_checked`, so a backend passes them only when its replays read what its captures read.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Set, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -38,6 +41,7 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.created: Set[int] = set()
         self.read: Dict[int, str] = {}
+        self.launches: List[Tuple[str, Tuple[Any, ...]]] = []  # (kernel, its scalar arguments), in launch order
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -79,8 +83,27 @@ def _triton_classes() -> list:
     return classes
 
 
-def _recorded(fn: Callable[[], torch.Tensor]) -> Tuple[torch.Tensor, Dict[int, str]]:
-    """Run fn once, returning its output and the external storages it read (torch ops + Triton launches)."""
+def _scalars(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
+    """A launch's values a graph freezes besides its buffers: every non-tensor argument (by position or name; the
+    grid included), a tensor's place taken as its kind only (its storage is `_Recorder.read`'s check)."""
+    def frozen(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return "tensor"
+        if isinstance(v, (list, tuple)):
+            return tuple(frozen(x) for x in v)
+        return v if isinstance(v, (int, float, bool, str, type(None))) else type(v).__name__
+    return tuple(frozen(a) for a in args) + tuple((k, frozen(v)) for k, v in sorted(kwargs.items())
+                                                   if k != "warmup")
+
+
+class _Recording(NamedTuple):
+    read: Dict[int, str]
+    launches: List[Tuple[str, Tuple[Any, ...]]]
+
+
+def _recorded(fn: Callable[[], torch.Tensor]) -> Tuple[torch.Tensor, "_Recording"]:
+    """Run fn once, returning its output, the external storages it read (torch ops + Triton launches) and its
+    Triton launches' frozen values."""
     rec = _Recorder()
     patched = []
     for cls in _triton_classes():
@@ -89,7 +112,9 @@ def _recorded(fn: Callable[[], torch.Tensor]) -> Tuple[torch.Tensor, Dict[int, s
             continue
 
         def run(self, *args, __orig=original, **kwargs):  # noqa: ANN001
-            rec.note_reads(f"triton {getattr(self, '__name__', 'kernel')}", list(args) + list(kwargs.values()))
+            name = getattr(self, '__name__', 'kernel')
+            rec.note_reads(f"triton {name}", list(args) + list(kwargs.values()))
+            rec.launches.append((name, _scalars(args, kwargs)))
             return __orig(self, *args, **kwargs)
 
         cls.run = run
@@ -100,7 +125,7 @@ def _recorded(fn: Callable[[], torch.Tensor]) -> Tuple[torch.Tensor, Dict[int, s
     finally:
         for cls, original in patched:
             cls.run = original
-    return out, rec.read
+    return out, _Recording(rec.read, rec.launches)
 
 
 class CaptureCheckingAdapter:
@@ -120,13 +145,23 @@ class CaptureCheckingAdapter:
         return None
 
 
-def _check(reads: Dict[int, str], captured: Dict[int, str]) -> None:
-    stale = {p: what for p, what in reads.items() if p not in captured}
+def _check(replay: "_Recording", captured: "_Recording") -> None:
+    stale = {p: what for p, what in replay.read.items() if p not in captured.read}
     if stale:
         first = next(iter(stale.values()))
         raise StaleCaptureError(f"a replay read {len(stale)} buffer(s) its capture did not (first: {first}); "
                                 "a device graph would read the memory it captured: metadata must stay in "
                                 "the static buffers allocated by init_graph_state")
+    if replay.launches != captured.launches:
+        names = [n for n, _ in captured.launches], [n for n, _ in replay.launches]
+        if names[0] != names[1]:
+            raise StaleCaptureError(f"a replay launched Triton kernels {names[1]} where its capture launched "
+                                    f"{names[0]}: a device graph replays the captured launches")
+        name, was, now = next((n, a, b) for (n, a), (_, b) in zip(captured.launches, replay.launches) if a != b)
+        at = next(i for i, (x, y) in enumerate(zip(was, now)) if x != y)
+        raise StaleCaptureError(f"a replay launched {name} with argument {at} = {now[at]!r} where its capture passed "
+                                f"{was[at]!r}: a device graph replays the capture's value; a value that changes per "
+                                "step must be read from device memory")
 
 
 class CaptureChecked:

@@ -14,6 +14,9 @@ free-page ring, reference counts, error record) without any host sync:
 - alloc_step: a captured decode step's rows, its one new slot per request and the req_to_token write,
   from the staged block, in one launch (grid: blocks of requests; each counts the pages earlier
   blocks open itself); its release's errors are keyed as the op after the allocation's.
+A launch a graph captures (heads on the device) reads its op number from device memory too, where the caller
+stages it beside the heads (`ctl[3]`): an argument would stay the capture's in every replay, and the record's
+order (the earliest op since the last check) would rank a replay's error as the capture's op.
 Bad pages are skipped and recorded in the full ring's `err` with an atomic max of their error keys
 (`hwkv.pages.error_key`), so the record is the torch ops' whatever order the programs run in.
 Index tensors are made contiguous here (the kernels read them with unit stride); req_to_token is
@@ -44,6 +47,19 @@ CODE_SHIFT = tl.constexpr(pages.CODE_SHIFT)
 PAGE_LO = tl.constexpr(pages.PAGE_LO)
 PAGE_HI = tl.constexpr(-pages.PAGE_LO - 1)
 KEY_BASE = tl.constexpr(pages.PAGE_MASK + pages.PAGE_LO)
+OP_MAX = tl.constexpr(pages.OP_MAX)
+OP_SHIFT = tl.constexpr(pages.OP_SHIFT)
+
+
+@triton.jit
+def _op_key(opk, op_at, delta: tl.constexpr, OP_PTR: tl.constexpr):
+    """The op part of a launch's error keys: the host's `opk`, or (OP_PTR) `pages.op_key` of the op number at
+    op_at plus delta, read when the kernel runs (a captured launch: the number the host staged for the replay)."""
+    key = opk.to(tl.int64)
+    if OP_PTR:
+        op = tl.load(op_at).to(tl.int64) + delta
+        key = (OP_MAX - tl.minimum(op, OP_MAX)) << OP_SHIFT
+    return key
 
 
 @triton.jit
@@ -118,10 +134,11 @@ def _check_continuation(err, mapping, refs_f, nxt, pos, m, opk, n_full, P: tl.co
 @triton.jit(do_not_specialize=["head_f", "head_s", "opk"])
 def _alloc_kernel(seq, prefix, last, out, buf_f, head_f, n_full, buf_s, head_s, n_swa, mapping, opk, heads,
                   P: tl.constexpr, HYBRID: tl.constexpr, DECODE: tl.constexpr, HEADS_PTR: tl.constexpr,
-                  BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr):
+                  OP_PTR: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr):
     if HEADS_PTR:  # the ring heads from device memory (a captured step: the host writes them before a replay)
         head_f = tl.load(heads).to(tl.int64)
         head_s = tl.load(heads + 1).to(tl.int64)
+    opk = _op_key(opk, heads + 3, 0, OP_PTR)  # and the op number beside them, at heads[3]
     ring_f, refs_f, tail_f, err = _parts(buf_f, n_full)
     mod_f = tl.maximum(n_full, 1)
     b = tl.program_id(0)
@@ -155,16 +172,26 @@ def _alloc_kernel(seq, prefix, last, out, buf_f, head_f, n_full, buf_s, head_s, 
 @triton.jit(do_not_specialize=["pad_row", "bs", "opk", "opk_release"])
 def _alloc_step_kernel(ctl, rows_in, seq_in, stride_in, pad_row, rtt, stride_rtt, rows, seq, out, buf_f, n_full,
                        buf_s, n_swa, mapping, opk, opk_release, bs, frontiers, window, P: tl.constexpr,
-                       HYBRID: tl.constexpr,
-                       BLOCK_P: tl.constexpr, ADVANCE: tl.constexpr, RELEASE: tl.constexpr, BLOCK: tl.constexpr):
+                       HYBRID: tl.constexpr, BLOCK_P: tl.constexpr, ADVANCE: tl.constexpr, RELEASE: tl.constexpr,
+                       OP_PTR: tl.constexpr, BLOCK: tl.constexpr):
     """`alloc_step`: program k takes requests [k * BLOCK, (k + 1) * BLOCK) and counts the pages the live requests
     before them open from the staged lengths itself (decode: a step opens a page where its prefix is 0 mod P).
     ADVANCE (one program only: others read the lengths it would move): the staged lengths become the next step's.
     RELEASE: then each live request's out-of-window release by its row's frontier (`_release_kernel`'s rule), its
-    errors keyed as the next op's (`opk_release`), as when the release runs apart."""
+    errors keyed as the next op's (`opk_release`), as when the release runs apart.
+    OP_PTR: the op number is ctl[3] (the release's ctl[3] + 1), and ADVANCE moves it on to the next step's too."""
     head_f = tl.load(ctl).to(tl.int64)
     head_s = tl.load(ctl + 1).to(tl.int64)
     n_live = tl.load(ctl + 2).to(tl.int64)
+    opk = _op_key(opk, ctl + 3, 0, OP_PTR)
+    opk_release = _op_key(opk_release, ctl + 3, 1, OP_PTR)
+    if OP_PTR and ADVANCE:  # (one program: every warp has read ctl[3] once past the barrier)
+        op = tl.load(ctl + 3)
+        tl.debug_barrier()
+        if RELEASE:
+            tl.store(ctl + 3, op + 2)
+        else:
+            tl.store(ctl + 3, op + 1)
     ring_f, refs_f, tail_f, err = _parts(buf_f, n_full)
     first = tl.program_id(0).to(tl.int64) * BLOCK
     base = tl.zeros([], tl.int64)
@@ -294,8 +321,10 @@ def _release_pages(err_f, buf_s, n_swa, mapping, fp, act, opk, P: tl.constexpr):
 
 @triton.jit(do_not_specialize=["opk"])
 def _release_kernel(rtt, stride_row, stride_pos, rows, seq, frontiers, window, buf_f, n_full, buf_s, n_swa,
-                    mapping, opk, P: tl.constexpr, BY_ROW: tl.constexpr, BLOCK: tl.constexpr):
+                    mapping, opk, op_word, P: tl.constexpr, BY_ROW: tl.constexpr, OP_PTR: tl.constexpr,
+                    BLOCK: tl.constexpr):
     ring_f, refs_f, tail_f, err_f = _parts(buf_f, n_full)
+    opk = _op_key(opk, op_word, 1, OP_PTR)  # OP_PTR: numbered as the op after the one op_word holds
     b = tl.program_id(0)
     row = tl.load(rows + b).to(tl.int64)
     at = frontiers + row if BY_ROW else frontiers + b  # BY_ROW: one frontier per req_to_token row
@@ -319,6 +348,12 @@ def _page_block(p: int) -> int:
     return min(16, triton.next_power_of_2(p))
 
 
+def _host_op_key(full: PageRing, op_ptr: bool, after: int = 0) -> int:
+    """The op key argument: the host's op number (plus `after`), or 0 where the kernel reads it from memory (a
+    captured launch's arguments stay the capture's: nothing there may change from one replay to the next)."""
+    return 0 if op_ptr else pages.op_key(full.op + after)
+
+
 _LAUNCHES: Dict[Tuple, Launch] = {}  # planned launches of the page ops, by kernel, batch and geometry
 
 
@@ -333,13 +368,15 @@ class TritonPageOps:
         s = swa if hybrid else full
         seq, last = seq.contiguous(), last.contiguous()
         on_device = isinstance(heads, torch.Tensor)  # [head_full, head_swa] read by the kernel (graph replays)
-        launch(_LAUNCHES, ("alloc", seq.numel(), full.page_size, hybrid, prefix is None, on_device), _alloc_kernel,
-               (seq.numel(),),
+        op_ptr = on_device and heads.numel() >= 4  # and the op number, heads[3]
+        launch(_LAUNCHES, ("alloc", seq.numel(), full.page_size, hybrid, prefix is None, on_device, op_ptr),
+               _alloc_kernel, (seq.numel(),),
                (seq, prefix.contiguous() if prefix is not None else seq, last, out, full.buf,
                 0 if on_device else heads[0], full.num_pages, s.buf, 0 if on_device or not hybrid else heads[1],
-                s.num_pages, mapping if hybrid else full.buf, pages.op_key(full.op), heads if on_device else seq),
-               dict(P=full.page_size, HYBRID=hybrid, DECODE=prefix is None, HEADS_PTR=on_device, BLOCK_B=_block(256),
-                    BLOCK_P=_page_block(full.page_size), BLOCK=_block(256), num_warps=1 if interpreting() else 4))
+                s.num_pages, mapping if hybrid else full.buf, _host_op_key(full, op_ptr), heads if on_device else seq),
+               dict(P=full.page_size, HYBRID=hybrid, DECODE=prefix is None, HEADS_PTR=on_device, OP_PTR=op_ptr,
+                    BLOCK_B=_block(256), BLOCK_P=_page_block(full.page_size), BLOCK=_block(256),
+                    num_warps=1 if interpreting() else 4))
 
     @staticmethod
     def alloc_step(full: PageRing, swa: Optional[PageRing], mapping: Optional[torch.Tensor], ctl: torch.Tensor,
@@ -366,11 +403,13 @@ class TritonPageOps:
         block, programs = request_block(bs)
         advance = bool(advance) and programs == 1
         release = hybrid and frontiers is not None
-        launch(_LAUNCHES, ("step", bs, p, hybrid, advance, release), _alloc_step_kernel, (programs,),
+        op_ptr = ctl.numel() >= 4  # the op number staged at ctl[3]
+        launch(_LAUNCHES, ("step", bs, p, hybrid, advance, release, op_ptr), _alloc_step_kernel, (programs,),
                (ctl, rows_in, seq_in, rows_in.stride(0), int(pad_row), req_to_token, req_to_token.stride(0), rows, seq,
                 out, full.buf, full.num_pages, s.buf, s.num_pages, mapping if hybrid else full.buf,
-                pages.op_key(full.op), pages.op_key(full.op + 1), bs, frontiers if release else out, int(window)),
-               dict(P=p, HYBRID=hybrid, BLOCK_P=_page_block(p), ADVANCE=advance, RELEASE=release,
+                _host_op_key(full, op_ptr), _host_op_key(full, op_ptr, 1), bs, frontiers if release else out,
+                int(window)),
+               dict(P=p, HYBRID=hybrid, BLOCK_P=_page_block(p), ADVANCE=advance, RELEASE=release, OP_PTR=op_ptr,
                     BLOCK=block, num_warps=1 if interpreting() else (4 if block >= 256 else 1)))
         return advance
 
@@ -387,16 +426,22 @@ class TritonPageOps:
                     num_warps=1 if interpreting() else 8))
 
     releases_by_row = True  # release_window takes by_row (frontiers indexed by req_to_token row)
+    reads_op_word = True  # release_window takes op_word (a captured release's op number, read when it runs)
 
     @staticmethod
     def release_window(full: PageRing, swa: PageRing, mapping: torch.Tensor, req_to_token: torch.Tensor,
                        rows: torch.Tensor, seq: torch.Tensor, frontiers: torch.Tensor, window: int,
-                       by_row: bool = False) -> None:
+                       by_row: bool = False, op_word: Optional[torch.Tensor] = None) -> None:
+        """`op_word`: a device word holding the op number before this release's (read when the kernel runs);
+        None: the host's current op number."""
         f = frontiers if frontiers.is_contiguous() else frontiers.contiguous()  # moved in place: copied back
         bs = rows.numel()
-        launch(_LAUNCHES, ("release", bs, full.page_size, by_row), _release_kernel, (bs,),
+        op_ptr = op_word is not None
+        launch(_LAUNCHES, ("release", bs, full.page_size, by_row, op_ptr), _release_kernel, (bs,),
                (req_to_token, req_to_token.stride(0), req_to_token.stride(1), rows.contiguous(), seq.contiguous(), f,
-                int(window), full.buf, full.num_pages, swa.buf, swa.num_pages, mapping, pages.op_key(full.op)),
-               dict(P=full.page_size, BY_ROW=bool(by_row), BLOCK=_block(128), num_warps=1 if interpreting() else 4))
+                int(window), full.buf, full.num_pages, swa.buf, swa.num_pages, mapping, _host_op_key(full, op_ptr),
+                op_word if op_ptr else f),
+               dict(P=full.page_size, BY_ROW=bool(by_row), OP_PTR=op_ptr, BLOCK=_block(128),
+                    num_warps=1 if interpreting() else 4))
         if f is not frontiers:
             frontiers.copy_(f)
