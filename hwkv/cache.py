@@ -26,8 +26,8 @@ import array
 import heapq
 import itertools
 from collections import Counter
-from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -72,31 +72,38 @@ class _Node:
 class PrefixMatch:
     """The longest reusable cached prefix of a prompt: `length` tokens (a multiple of the page size)
     whose full-pool locs are `locs` (on the pool's device); SWA KV is there from `swa_start` on.
-    `stamp`: the cache's clock when it was matched (`acquire` checks nothing it names changed since)."""
+    `stamp`: the cache's clock when it was matched (`acquire` checks nothing it names changed since);
+    `cache`: the cache that matched it (another cache refuses it)."""
 
     length: int
     locs: torch.Tensor
     swa_start: int
     node: "_Node"
     stamp: int = 0
+    cache: Optional["HybridPrefixCache"] = field(default=None, repr=False, compare=False)
 
 
 @dataclass
 class PrefixLock:
-    """What `lock` took: released by `unlock`, exactly once."""
+    """What `lock` took: released by `unlock` of the cache that took it (`cache`), exactly once."""
 
     node: "_Node"
     swa_start: int
     active: bool = True
+    cache: Optional["HybridPrefixCache"] = field(default=None, repr=False, compare=False)
 
 
 class HybridPrefixCache:
     """Radix tree of cached prefixes over an `SWATokenToKVPoolAllocator`'s pools (see module doc)."""
 
     def __init__(self, allocator: SWATokenToKVPoolAllocator, window: int) -> None:
-        if not isinstance(window, int) or window < 1:
-            raise ConfigError(f"window={window!r} must be an int >= 1 (the model's sliding_window W)")
-        self.allocator, self.window, self.page_size = allocator, window, allocator.page_size
+        if not isinstance(allocator, SWATokenToKVPoolAllocator):  # full-only pools run without the cache
+            raise ConfigError(f"allocator must be an SWATokenToKVPoolAllocator (hybrid pools), got "
+                              f"{type(allocator).__name__}: the prefix cache evicts SWA KV apart from full KV")
+        w = as_int(window)
+        if w is None or w < 1:
+            raise ConfigError(f"window={window!r} must be an integer >= 1 (the model's sliding_window W)")
+        self.allocator, self.window, self.page_size = allocator, w, allocator.page_size
         self.device = allocator.device
         self.root = _Node(np.zeros(0, dtype=np.int64), torch.zeros(0, dtype=torch.int64, device=self.device),
                           None, 0, True)
@@ -194,7 +201,7 @@ class HybridPrefixCache:
         node = self._node_at(path, m)
         s0 = window_start(m, self.window, self.page_size)
         t = self._touch(node, s0)
-        return PrefixMatch(m, self._locs(node), s0, node, t)
+        return PrefixMatch(m, self._locs(node), s0, node, t, cache=self)
 
     def _reusable(self, path: List[_Node], m: int) -> int:
         """Cut m back to the longest page-aligned prefix whose window's SWA pages are all cached."""
@@ -237,9 +244,41 @@ class HybridPrefixCache:
                                  f"{nd.end}) in its window was evicted since match_prefix; match again")
             nd = nd.parent
 
+    def _own(self, handle: Any, kind: type, what: str) -> None:
+        """Refuse, before any change, anything but a `kind` (PrefixMatch or PrefixLock) this cache made: another
+        cache's would change that tree's locks and this cache's books, or free its pages in this allocator. A
+        handle made by hand (no `cache`) must name a node of this tree."""
+        if not isinstance(handle, kind) or not isinstance(handle.node, _Node):
+            text = repr(handle)
+            raise CacheError(f"{what}: expected a {kind.__name__} of this cache, got {type(handle).__name__} "
+                             f"{text if len(text) <= 60 else text[:57] + '...'}")
+        owner = handle.cache
+        if owner is self:
+            return
+        if owner is None:
+            top = handle.node
+            while top.parent is not None:
+                top = top.parent
+            if top is self.root:
+                return
+            raise CacheError(f"{what}: a {kind.__name__} of a node at [{handle.node.start}, {handle.node.end}) that "
+                             "is not in this cache's tree (evicted since, or another cache's)")
+        raise CacheError(f"{what}: a {kind.__name__} of another HybridPrefixCache (at {id(owner):#x}: window "
+                         f"{owner.window}, page_size {owner.page_size}) given to this one (at {id(self):#x}: window "
+                         f"{self.window}, page_size {self.page_size}); pass it to the cache that made it")
+
+    @staticmethod
+    def _count(num_tokens: Any, what: str) -> int:
+        """How many tokens `evict` / `evict_swa` is asked for, as an int (numpy and 0-d tensor integers too)."""
+        n = as_int(num_tokens)
+        if n is None or n < 0:
+            raise CacheError(f"{what}({num_tokens!r}): the number of tokens to evict must be an integer >= 0")
+        return n
+
     # ---- locks --------------------------------------------------------------------------------
     def lock(self, match: PrefixMatch) -> PrefixLock:
         """Keep the matched nodes (and the SWA of its window) from eviction while a request uses them."""
+        self._own(match, PrefixMatch, "lock")
         if match.node is not self.root and match.stamp:
             self._check_current(match)
         return self._lock(match.node, match.swa_start)
@@ -260,10 +299,11 @@ class HybridPrefixCache:
                     self.evictable_swa -= len(node.key)
                 node.swa_locks[swa_start] += 1
             node = node.parent
-        return PrefixLock(target, swa_start)
+        return PrefixLock(target, swa_start, cache=self)
 
     def unlock(self, lock: PrefixLock) -> None:
         """Release a lock taken by `lock` (once)."""
+        self._own(lock, PrefixLock, "unlock")
         if not lock.active:
             raise CacheError("this prefix lock was already released")
         lock.active = False
@@ -288,15 +328,23 @@ class HybridPrefixCache:
         held from position `swa_start` on (the request's release frontier). The cache takes its own
         references on what it did not hold yet: new nodes, and tombstones it now has SWA KV for (revived
         with the request's locs; their old full pages are dropped). Returns how many tokens it newly
-        holds KV of. A refusal (pages not live, SWA released below the frontier) changes nothing."""
+        holds KV of. A refusal (pages not live, SWA released below the frontier) changes nothing.
+
+        The new nodes are unlocked: inserting a still-running request's pages directly leaves pages the
+        request holds in unlocked nodes, where an eviction would count them freed while the request keeps
+        them (the pool gains less than `evict` says). Cache a running request with `cache_running`, which
+        moves its lock over them, or lock them before the next eviction, as the engine does (`cache_running`
+        follows its `insert` in the same step, with no eviction between)."""
         ids = self._ids(token_ids)
         p = self.page_size
         n = len(ids) // p * p
         if not isinstance(locs, torch.Tensor) or locs.dtype != torch.int64 or locs.numel() < n:
             raise LocError(f"locs must be an int64 tensor of >= {n} entries, got "
                            f"{getattr(locs, 'dtype', type(locs).__name__)} of {getattr(locs, 'numel', lambda: '?')()}")
-        if not isinstance(swa_start, int) or swa_start % p or swa_start < 0:
-            raise LocError(f"swa_start {swa_start} must be a non-negative multiple of page_size {p}")
+        s = as_int(swa_start)  # (bools are no positions)
+        if s is None or s % p or s < 0:
+            raise LocError(f"swa_start {swa_start!r} must be a non-negative integer multiple of page_size {p}")
+        swa_start = s
         locs = locs.reshape(-1)[:n]
         path, m = self._walk(ids[:n])
         cut = min(swa_start, n)
@@ -374,6 +422,7 @@ class HybridPrefixCache:
         references (full pages, and SWA pages from the window start on), lock the nodes. Returns the
         lock and the request's SWA frontier (for `release_out_of_window_batch`). A match whose nodes were
         evicted or changed since `match_prefix` raises CacheError; a refusal changes nothing."""
+        self._own(match, PrefixMatch, "acquire")
         m, s0 = match.length, match.swa_start
         req_to_token_pool.row_locs(row, m)   # the row and the match's length fit the rows
         if m:
@@ -394,17 +443,24 @@ class HybridPrefixCache:
         the frontier keeps its own copy (its SWA still serves matches ending past it, and telling whether it
         is the request's own would wait for the device), so the lock pins at most that stretch of a second
         copy until the request ends (admission counts it: the recomputed history is locked). Returns the new
-        lock (the old one is released). A refusal (a bad row or length, or a frontier below the request's:
-        SWA it no longer holds) changes nothing."""
-        if lock is not None and not lock.active:
-            raise CacheError("this prefix lock was already released")
+        lock (the old one is released). A refusal (a bad row or length, another cache's lock, or a frontier below
+        the request's: SWA it no longer holds) changes nothing."""
+        if lock is not None:
+            self._own(lock, PrefixLock, "cache_running")
+            if not lock.active:
+                raise CacheError("this prefix lock was already released")
         locs = req_to_token_pool.row_locs(row, seq_len)
         ids = self._ids(token_ids)[:seq_len]
-        n = len(ids) // self.page_size * self.page_size
-        if isinstance(frontier, int) and frontier >= 0:   # (insert refuses any other frontier first)
-            # what the request must hold, full pages and SWA from its frontier on: _adopt shares both after
-            # insert has changed the tree, so a wrong frontier has to be refused here
-            self._precheck(locs[:n], locs[min(frontier, n):n], frontier)
+        p = self.page_size
+        n = len(ids) // p * p
+        f = as_int(frontier)  # (bools are no positions)
+        if f is None or f % p or f < 0:
+            raise LocError(f"frontier {frontier!r} must be a non-negative integer multiple of page_size {p} (the "
+                           "request's release frontier)")
+        frontier = f
+        # what the request must hold, full pages and SWA from its frontier on: _adopt shares both after insert has
+        # changed the tree, so a wrong frontier has to be refused here
+        self._precheck(locs[:n], locs[min(frontier, n):n], frontier)
         before = next(self._clock)
         self.insert(ids, locs, frontier)
         path, m = self._walk(ids[:n])
@@ -444,8 +500,11 @@ class HybridPrefixCache:
     def release_request(self, token_ids: TokenIds, req_to_token_pool: ReqToTokenPool, row: int, seq_len: int,
                         frontier: int, lock: Optional[PrefixLock] = None, cache: bool = True) -> int:
         """A request ends: optionally cache its tokens, drop its lock and its own page references
-        (full pages of [0, seq_len), SWA pages from its frontier on). Returns tokens newly cached. A refusal (a
-        bad row or length, a frontier off the page grid, past seq_len or below the request's) changes nothing."""
+        (full pages of [0, seq_len), SWA pages from its frontier on). `token_ids`: the request's tokens from
+        position 0 (those of [0, seq_len) are cached; fewer cache fewer), cached or not: their first page keys the
+        release's free rounds, so wrong ones can drop too few references. Returns tokens newly cached. A refusal
+        (a bad row or length, a frontier off the page grid, past seq_len or below the request's, another cache's
+        lock) changes nothing."""
         return self.release_requests([(token_ids, row, seq_len, frontier, lock)], req_to_token_pool, cache)
 
     def release_requests(self, requests: Sequence[Tuple[TokenIds, int, int, int, Optional[PrefixLock]]],
@@ -454,11 +513,14 @@ class HybridPrefixCache:
         takes them: every one checked before anything changes, then cached and unlocked one by one, and their own
         references dropped in two allocator calls per round rather than two per request. `free` drops one
         reference per distinct page, so requests that may hold the same page (taken from the cache: the same
-        tokens from position 0, so the same first page) go to different rounds. Returns tokens newly cached."""
+        tokens from position 0, so the same first page) go to different rounds, and one whose ids do not cover
+        its first page to a round of its own. Returns tokens newly cached."""
         p, checked, locks, rows = self.page_size, [], set(), set()
         for token_ids, row, seq_len, frontier, lock in requests:
-            if lock is not None and (not lock.active or id(lock) in locks):
-                raise CacheError("this prefix lock was already released")
+            if lock is not None:
+                self._own(lock, PrefixLock, "release_requests")
+                if not lock.active or id(lock) in locks:
+                    raise CacheError("this prefix lock was already released")
             locks.add(id(lock))
             locs = req_to_token_pool.row_locs(row, seq_len)
             if row in rows:  # its references would be dropped twice
@@ -472,11 +534,14 @@ class HybridPrefixCache:
             # every page it holds, with SWA from its frontier on: the frees below would drop references it lacks
             self._precheck(locs, locs[f:], f)
             checked.append((ids, locs, f, lock))
-        added, rounds, seen = 0, [], {}
+        added, rounds, alone, seen = 0, [], [], {}
         for ids, locs, f, lock in checked:
             added += self.insert(ids, locs, f) if cache else 0
             if lock is not None:
                 self.unlock(lock)
+            if len(ids) < p <= locs.numel():  # its first page's tokens not given (fewer ids than a page): it may
+                alone.append(([locs[:f]], [locs[f:]]))  # share a page with any other, so a round of its own
+                continue
             # requests holding a page in common hold the same tokens from position 0 (a tombstone's revival can give
             # them different first pages, so the tokens, not the locs, are the key)
             key = ids[:p].tobytes() if locs.numel() >= p else None  # under a page: none shared
@@ -486,7 +551,7 @@ class HybridPrefixCache:
                 rounds.append(([], []))
             rounds[at][0].append(locs[:f])
             rounds[at][1].append(locs[f:])
-        for below, above in rounds:
+        for below, above in rounds + alone:
             for parts, with_swa in ((below, False), (above, True)):
                 parts = [t for t in parts if t.numel()]
                 if parts:
@@ -567,6 +632,7 @@ class HybridPrefixCache:
         """Free at least `num_tokens` of full-pool KV (whole unlocked leaves with their SWA KV): first
         tombstone leaves (no match can use them), then least recently used leaves; returns tokens freed.
         More than is evictable raises CacheError."""
+        num_tokens = self._count(num_tokens, "evict")
         if num_tokens > self.evictable_full:
             raise CacheError(f"asked to evict {num_tokens} tokens of full KV, only {self.evictable_full} are "
                              f"unlocked ({self.full_tokens} cached)")
@@ -591,6 +657,7 @@ class HybridPrefixCache:
         """Free at least `num_tokens` of SWA KV by turning unlocked nodes (or their heads) into tombstones;
         their full KV stays. Order: see `_swa_rank`. Returns tokens freed. More than is evictable raises
         CacheError."""
+        num_tokens = self._count(num_tokens, "evict_swa")
         if num_tokens > self.evictable_swa:
             raise CacheError(f"asked to evict {num_tokens} tokens of SWA KV, only {self.evictable_swa} are "
                              f"unlocked ({self.swa_tokens} cached)")
@@ -617,6 +684,7 @@ class HybridPrefixCache:
 
     def evict_node(self, match: PrefixMatch) -> int:
         """Drop a matched node and everything below it now; a locked one raises CacheError."""
+        self._own(match, PrefixMatch, "evict_node")
         node = match.node
         if node is self.root:
             return 0
