@@ -216,3 +216,10 @@ def check_scale(name: str, scale: Union[None, float, int, torch.Tensor]) -> None
             raise ShapeError(f"{name} must be a scalar, got shape {list(scale.shape)}")
         return
     scale_value(name, scale)
+
+
+def check_flag(name: str, value: Any, none: bool = False) -> None:
+    """An on/off option must be True or False (with `none`, None too: "decide for me"); ConfigError naming it
+    otherwise, as `hwkv.engine.plan.plan` refuses prefix_cache: a truthy "no" or 1 would read as on."""
+    if not (isinstance(value, bool) or (none and value is None)):
+        raise ConfigError(f"{name} must be True{', False or None' if none else ' or False'}, got {value!r}")

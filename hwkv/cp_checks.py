@@ -32,6 +32,11 @@ _DEVICE_TYPES = ("cpu", "cuda", "npu", "xpu", "musa", "meta", "mps", "hpu", "pri
 
 
 
+def is_pool(x: object) -> bool:
+    """A KV pool the layers can write (`Pool`): what `pool=` must be."""
+    return isinstance(x, (SWAKVPool, MHATokenToKVPool))
+
+
 def dims_of(sub: object) -> Optional[Dims]:
     dims = tuple(getattr(sub, a, None) for a in ("head_num", "head_dim", "v_head_dim"))
     return dims if all(is_int(d) for d in dims) else None  # type: ignore[return-value]
@@ -59,6 +64,8 @@ class Fail(enum.IntEnum):
     PLAN_POOL = 14
     NO_DTYPE = 15
     RAISED = 16
+    NOT_POOL = 17
+    NOT_LAYER = 18
 
 
 # one check's row: [code, layer_id, dtype code, payload x 13]; a plan row's payload: token count, shard
@@ -98,7 +105,8 @@ def name_code(name: str) -> int:
 @functools.lru_cache(maxsize=None)
 def _names() -> Dict[int, str]:
     names = {str(v) for v in vars(torch).values() if isinstance(v, torch.dtype)}
-    names |= set(_DEVICE_TYPES) | {"rocm", "Tensor", "NoneType", "int", "float", "bool", "tuple", "list", "dict"}
+    names |= set(_DEVICE_TYPES) | {"rocm", "Tensor", "NoneType", "int", "float", "bool", "tuple", "list", "dict",
+                                   "str", "bytes", "object"}
     return {name_code(n): n for n in names}
 
 
@@ -128,6 +136,10 @@ def layer_fail(pool: Pool, layer: AttentionLayer, write_loc: object, k: object, 
     types, the pool's attributes and the plan): None when they are fine. `n`: the expected shard size
     (None: the plan's); `plan`: the forward's plan to check against (None: the plan-less call, which
     agrees on it in the same collective)."""
+    if not is_pool(pool):
+        return Fail.NOT_POOL, (name_code(type(pool).__name__),)
+    if not isinstance(layer, AttentionLayer):
+        return Fail.NOT_LAYER, (name_code(type(layer).__name__),)
     if not isinstance(write_loc, KVWriteLoc):
         return Fail.LOC_TYPE, (name_code(type(write_loc).__name__), 0)
     if plan is not None and (plan.world_size, plan.rank, plan.num_tokens) != (world, rank, len(write_loc)):
@@ -167,11 +179,12 @@ def layer_fail(pool: Pool, layer: AttentionLayer, write_loc: object, k: object, 
 
 def layer_row(layer: AttentionLayer, k: object, fail: Optional[Failure]) -> List[int]:
     """A verdict as a row; code OK carries what the ranks must also agree on: the layer id, the K/V dtype and
-    the layer's (KVH, D, Dv) (which the local checks matched to k, v and the pool's group)."""
+    the layer's (KVH, D, Dv) (which the local checks matched to k, v and the pool's group). A `layer` that is no
+    AttentionLayer (a NOT_LAYER verdict) travels as layer id 0."""
     dtype = name_code(str(k.dtype)) if isinstance(k, torch.Tensor) else 0
-    dims = (layer.num_kv_heads, layer.head_dim, layer.v_head_dim)
-    code, payload = fail if fail is not None else (Fail.OK, dims)
-    return row(code, int(layer.layer_id), dtype, *payload)
+    if fail is not None:
+        return row(fail[0], int(layer.layer_id) if isinstance(layer, AttentionLayer) else 0, dtype, *fail[1])
+    return row(Fail.OK, int(layer.layer_id), dtype, layer.num_kv_heads, layer.head_dim, layer.v_head_dim)
 
 
 def check_layer_table(table: List[List[int]]) -> None:
@@ -215,6 +228,12 @@ def error_of(rank: int, r: List[int]) -> HwkvError:
         return ShardError(f"{at} the CPShards plan is for rank {p[2]} of {p[0]} and {p[4]} tokens, this call is "
                           f"rank {p[3]} of {p[1]} with len(write_loc)={p[5]}: plan once per forward, from "
                           "this forward's write_loc and group")
+    if code == Fail.NOT_POOL:
+        return ConfigError(f"rank {rank}: pool= must be a KV pool (an SWAKVPool or MHATokenToKVPool: the pool the "
+                           f"layers write), got {type_name(p[0])}")
+    if code == Fail.NOT_LAYER:
+        return ConfigError(f"rank {rank}: layer must be an hwkv.layer.AttentionLayer (the layer whose K/V are "
+                           f"saved), got {type_name(p[0])}")
     if code == Fail.LAYER:
         return ConfigError(f"rank {rank}: layer_id {show(lid)} is in none of the pool's layer groups")
     if code == Fail.NOT_TENSOR:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from hwkv import cp_checks as cpc
+from hwkv.checks import check_flag
 from hwkv.cp_checks import Dims, Pool
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, DeviceError, HwkvError, MissingSWALocError, ShapeError, ShardError
@@ -166,14 +167,19 @@ def cp_plan(write_loc_or_num_tokens: Union[KVWriteLoc, int], local_num_tokens: O
     Raises on every rank, naming the rank: ShardError when ranks disagree on the token count, the shards do
     not add up to it, or a count is outside [0, 2**63 - 1]; LocError when a rank's write_loc is neither a
     KVWriteLoc nor an int; ShapeError when the ranks' dtypes or pools' geometry differ; ConfigError when
-    their device types differ, pool= is given on some ranks only, an fp8 pool comes without dtype=, or a
-    rank's HWKV_DEBUG does not parse; DeviceError when a rank's `device` is no torch device, is absent, or
+    their device types differ, pool= is given on some ranks only, an fp8 pool comes without dtype=, a
+    rank's HWKV_DEBUG does not parse, or a rank's pool= is no KV pool, its dtype= no floating torch dtype or its
+    check_ranks not True, False or None; DeviceError when a rank's `device` is no torch device, is absent, or
     is of a type its group's backend does not move (that rank's row then travels on one it does, so the
     others hear of it; only where the backend is unknown or none of its device types is present does the
     DeviceError stay on that rank, whose peers then wait in the plan's gather until the group's timeout);
     MissingSWALocError when some ranks' write locs carry a swa_loc and others' do not.
     """
     refusal: Optional[HwkvError] = None
+    try:
+        check_flag("check_ranks", check_ranks, none=True)
+    except ConfigError as e:  # this rank's argument: every rank raises it, from the plan's table
+        check_ranks, refusal = False, e
     if check_ranks is None:
         try:
             check_ranks = HWKV_DEBUG.get()
@@ -219,8 +225,16 @@ def cp_allgather_and_save_kv(pool: Pool, layer: AttentionLayer, write_loc: KVWri
 
     Returns (k_full, v_full) [T, KVH, D] / [T, KVH, Dv] in token order for a caller that also attends
     with them: views into one gathered buffer (row stride KVH * (D + Dv), last dim contiguous).
+
+    ConfigError, before any collective, when `shards` is neither None nor a CPShards or `check_ranks` is not
+    True, False or None (on this rank); `pool` that is no KV pool and `layer` that is no AttentionLayer are
+    refused as the other per-layer inputs are (every rank with `check_ranks` or without `shards`).
     """
-    pool_device = torch.device(getattr(pool, "device", "cpu"))
+    if shards is not None and not isinstance(shards, CPShards):
+        raise ConfigError(f"shards= must be this forward's CPShards (cp_plan's) or None (the call plans itself), "
+                          f"got {type(shards).__name__}")
+    check_flag("check_ranks", check_ranks, none=True)
+    pool_device = torch.device(getattr(pool, "device", "cpu") if cpc.is_pool(pool) else "cpu")
     rank, world = _rank_and_world(group)
     if shards is None:
         shards = _self_planned(pool, layer, write_loc, k, v, group, rank, world, pool_device)
@@ -264,6 +278,8 @@ def _self_planned(pool: Pool, layer: AttentionLayer, write_loc: object, k: objec
     dtype = k.dtype if isinstance(k, torch.Tensor) else None
     prow, device, info = _plan_row(write_loc, local, rank, world, group, pool_device, pool, dtype, False,
                                    accept_int=False)
+    if not cpc.is_pool(pool):  # None too: a save has a pool to write (cp_plan's pool=None means "not agreed")
+        prow = cpc.row(cpc.Fail.NOT_POOL, 0, 0, cpc.name_code(type(pool).__name__))
     n_local = prow[4] if prow[0] == cpc.Fail.OK else 0
     fail = cpc.layer_fail(pool, layer, write_loc, k, v, n_local, None, rank, world, pool_device)
     lrow = cpc.layer_row(layer, k, fail)
@@ -282,7 +298,9 @@ def _plan_row(x: object, local_num_tokens: Optional[int], rank: int, world: int,
               accept_int: bool) -> Tuple[List[int], torch.device, Dict[str, Any]]:
     """This rank's plan row, where it travels, and the local values the agreed codes stand for.
     `accept_int`: cp_plan's row (an int count allowed, an fp8 pool needs `dtype`); else the plan-less
-    call's, whose dtype is k's."""
+    call's, whose dtype is k's. A `pool` that is no KV pool is read as none (its refusal: cp_plan's row here, the
+    plan-less call's its own)."""
+    given, pool = pool, pool if cpc.is_pool(pool) else None
     pool_device = None if pool is None else torch.device(getattr(pool, "device", "cpu"))
     if isinstance(x, KVWriteLoc):
         n: Optional[int] = len(x)
@@ -310,6 +328,11 @@ def _plan_row(x: object, local_num_tokens: Optional[int], rank: int, world: int,
         row = cpc.row(cpc.Fail.LOCAL, 0, 0, n, int(local_num_tokens) if is_int else -1, int(is_int))
     elif bad_device is not None:
         row = cpc.carried_row(bad_device)
+    elif accept_int and given is not None and pool is None:
+        row = cpc.row(cpc.Fail.NOT_POOL, 0, 0, cpc.name_code(type(given).__name__))
+    elif accept_int and dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        row = cpc.carried_row(ConfigError(f"dtype= must be a floating torch dtype (every layer's k and v), "
+                                          f"got {dtype!r}"))
     elif dtype is None and pool is not None and accept_int:
         code = cpc.name_code(str(pool_dtype)) if isinstance(pool_dtype, torch.dtype) else 0
         row = cpc.row(cpc.Fail.NO_DTYPE, 0, 0, code)
@@ -483,7 +506,11 @@ def _rank_and_world(group: Optional["dist.ProcessGroup"]) -> Tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("torch.distributed is not initialized: call "
                           "init_process_group(hwkv.distributed.default_backend(device), ...) first")
-    rank = dist.get_rank(group)
+    try:
+        rank = dist.get_rank(group)
+    except ValueError:  # torch's "Group 5 is not registered, ..."
+        raise ConfigError(f"group={group!r} is not a process group of this process: pass None (the default group) "
+                          "or one that torch.distributed.new_group made and did not destroy") from None
     if rank < 0:
         raise ConfigError("this process is not a member of the context-parallel group")
     return rank, dist.get_world_size(group)

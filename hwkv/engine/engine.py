@@ -22,6 +22,7 @@ import torch
 
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.cache import HybridPrefixCache
+from hwkv.checks import check_flag
 from hwkv.engine.drafters import Drafter, TokenHistory, draft_ids
 from hwkv.engine.forward import ForwardSlots, StepLens, pack
 from hwkv.engine.inputs import batch_sizes, engine_args, prompt_ids, release_window, shown
@@ -51,6 +52,14 @@ class Result:
     finish_reason: Optional[str] = None
     error: Optional[HwkvError] = None
     seed: Optional[int] = None  # the sampling seed it ran with (as given, or derived for it)
+
+
+def check_switches(overlap: Optional[bool], prefix_cache: bool, whole_step: Optional[bool]) -> None:
+    """The engine's on/off options: True or False, and None (decide by the device) for overlap and whole_step
+    (`hwkv.checks.check_flag`: ConfigError naming the value, as `hwkv plan` refuses prefix_cache)."""
+    check_flag("overlap", overlap, none=True)
+    check_flag("prefix_cache", prefix_cache)
+    check_flag("whole_step", whole_step, none=True)
 
 
 class Engine:
@@ -84,6 +93,7 @@ class Engine:
                  num_draft: int = 4) -> None:
         pool_plan = cache.plan
         # every argument is checked before anything is taken from the cache (the padding row, below)
+        check_switches(overlap, prefix_cache, whole_step)
         graph_batch_sizes = batch_sizes(graph_batch_sizes)
         window = release_window(window, cache.hybrid, cache.shape.window, pool_plan.context, pool_plan.page_size,
                                 cache.shape.name)

@@ -14,10 +14,11 @@ import torch
 from hwkv import make_backend
 from hwkv.allocator import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
 from hwkv.req_to_token import ReqToTokenPool
-from hwkv.engine.plan import cache_lock_tokens, format_bytes, parse_bytes, plan, round_up, swa_tokens_per_request
+from hwkv.engine.plan import (_check_int, cache_lock_tokens, format_bytes, parse_bytes, plan, round_up,
+                              swa_tokens_per_request)
 from hwkv.engine.presets import ModelShape
 from hwkv.errors import ConfigError
-from hwkv.checks import check_device
+from hwkv.checks import check_device, check_flag
 from hwkv.pool import MHATokenToKVPool, SWAKVPool, device_free_bytes
 
 # The default KV budget (no memory= given) is what the requests need, capped at a fraction of the device's free
@@ -107,11 +108,13 @@ def plan_pools(shape: ModelShape, *, context: int, max_running: int, chunk: int,
     """Size the pools: `memory` (bytes or '2GiB'; more than the device has free is a ConfigError), or by default
     what `max_running` requests of `context` tokens need, capped by `default_memory_cap`; fewer rows when fewer
     fit. `prefix_cache`: room for each request's cache lock window in the SWA pool too. `device`: a torch.device
-    or its name, as the pools take it (DeviceError when it is none, or its runtime is absent)."""
+    or its name, as the pools take it (DeviceError when it is none, or its runtime is absent). The sizes and
+    `prefix_cache` are checked by `plan`'s rules (ConfigError naming the value: a bool is no size, a truthy
+    string no switch) before anything is read from the device."""
     for label, value in (("context", context), ("max_running", max_running), ("chunk", chunk),
                          ("page_size", page_size)):
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{label} must be an integer >= 1, got {value!r}")
+        _check_int(label, value, 1)
+    check_flag("prefix_cache", prefix_cache)
     device = check_device(device)
     if memory is None:
         need = kv_bytes_needed(shape, context, page_size, max_running, chunk, prefix_cache)

@@ -19,7 +19,7 @@ import torch
 
 from hwkv.batch import ForwardBatch
 from hwkv.engine.drafters import Drafter
-from hwkv.engine.engine import Engine, Result
+from hwkv.engine.engine import Engine, Result, check_switches
 from hwkv.engine.pools import build_cache, plan_pools
 from hwkv.engine.stats import RunnerStats
 from hwkv.errors import ConfigError
@@ -51,6 +51,7 @@ class HybridRunner(Engine):
                  graphs: GraphsOption = "auto", graph_batch_sizes: Optional[Sequence[int]] = None,
                  overlap: Optional[bool] = None, prefix_cache: bool = True,
                  whole_step: Optional[bool] = None, draft: Optional[Drafter] = None, num_draft: int = 4) -> None:
+        check_switches(overlap, prefix_cache, whole_step)  # before any of them is read (a truthy "no" is no switch)
         self.model = model
         dev = next(model.parameters()).device
         self.spec = resolve_spec(device, dev.type)
