@@ -212,8 +212,9 @@ class PagedTokenToKVPoolAllocator:
     def allocates_in_graph(self) -> bool:
         """Whether an allocation can run inside a device graph: the device's page-op kernels read the ring heads
         from device memory (`alloc_reserved` with heads on the device); the torch ops size themselves from host
-        values, so they serve only steps the host runs each time."""
-        return self._ops is not None
+        values, so they serve only steps the host runs each time (an allocator handed the torch ops is no different
+        from one without kernels: the ops say so, `reads_heads_on_device`)."""
+        return bool(getattr(self._ops, "reads_heads_on_device", False))
 
     def has_room(self, pages: int) -> bool:
         """Whether `pages` more pages fit in every ring, on the host's bound of free pages (the device is read
@@ -389,7 +390,7 @@ class PagedTokenToKVPoolAllocator:
         has no SWA slot) is recorded on the device in every mode (ERR_CONT_RELEASED, raised by the next
         `check_integrity`/`available_size`), by the torch ops as by the kernels: `reserve` has claimed the pages, so
         nothing can be refused before a change here."""
-        if isinstance(heads, torch.Tensor) and self._ops is None:
+        if isinstance(heads, torch.Tensor) and not self.allocates_in_graph:
             raise ConfigError("heads on the device need the device's page-op kernels: the torch ops take reserve's "
                               "host list (they size themselves from host values)")
         (self._ops or TORCH_OPS).alloc_extend(self.pages, self._swa, self._mapping, prefix, seq, last, out, pages,

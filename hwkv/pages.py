@@ -230,7 +230,8 @@ _OPS: Dict[str, Any] = {}
 
 def register_page_ops(device_type: str, ops: Any) -> None:
     """Use `ops` (alloc_extend, free_pages, release_window: see hwkv.torch_page_ops)
-    for allocators on `device_type`."""
+    for allocators on `device_type`. Ops whose alloc_extend reads the ring heads from a device tensor (so that a
+    graph can capture it) set `reads_heads_on_device = True`."""
     _OPS[device_type] = ops
 
 

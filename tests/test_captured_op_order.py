@@ -15,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from hwkv.allocator import SWATokenToKVPoolAllocator  # noqa: E402
+from hwkv.allocator import SWATokenToKVPoolAllocator, same_snapshot  # noqa: E402
 from hwkv.errors import ConfigError, DoubleFreeError, HwkvError  # noqa: E402
 from hwkv.release import release_out_of_window_batch  # noqa: E402
 from hwkv.torch_page_ops import TORCH_OPS  # noqa: E402
@@ -208,4 +208,21 @@ def test_reserve_and_the_release_op_word_refuse_bad_values_before_anything_chang
     with pytest.raises(ConfigError, match="op_word"):
         release_out_of_window_batch(b, rtt, T([0]), T([10]), frontiers, 1, by_row=True, op_word=T([0]))
     assert int(frontiers.abs().sum()) == 0 and a.op_number == before[0]
+    a.check_integrity()
+
+
+def test_an_allocator_handed_the_torch_ops_allocates_in_no_graph():
+    """The torch ops size themselves from host values: handed them explicitly, an allocator is one without page-op
+    kernels (no whole-step graph, no heads on the device), not one whose captured allocation would run with k=0."""
+    a = SWATokenToKVPoolAllocator(64, 64, 4, "cpu", None)
+    a._ops = a.swa_attn_allocator._ops = TORCH_OPS
+    assert not a.allocates_in_graph and not a.allocates_step_in_one
+    assert _allocator().allocates_in_graph
+    rtt = _scene(a)
+    heads = a.reserve(1)
+    before = a.integrity_snapshot()
+    with pytest.raises(ConfigError, match="heads on the device"):
+        a.alloc_reserved(T([10]), T([13]), rtt[0, 9:10].clone(), torch.zeros(3, dtype=I64), T(heads + [0, 0]), 1)
+    assert same_snapshot(before, a.integrity_snapshot())
+    a.alloc_reserved(T([10]), T([13]), rtt[0, 9:10].clone(), torch.zeros(3, dtype=I64), heads, 1)
     a.check_integrity()

@@ -426,6 +426,7 @@ class TritonPageOps:
                     num_warps=1 if interpreting() else 8))
 
     releases_by_row = True  # release_window takes by_row (frontiers indexed by req_to_token row)
+    reads_heads_on_device = True  # alloc_extend takes heads as a device tensor (a captured step's)
     reads_op_word = True  # release_window takes op_word (a captured release's op number, read when it runs)
 
     @staticmethod
