@@ -223,3 +223,16 @@ def check_flag(name: str, value: Any, none: bool = False) -> None:
     otherwise, as `hwkv.engine.plan.plan` refuses prefix_cache: a truthy "no" or 1 would read as on."""
     if not (isinstance(value, bool) or (none and value is None)):
         raise ConfigError(f"{name} must be True{', False or None' if none else ' or False'}, got {value!r}")
+
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)   # 3.4028234663852886e+38
+FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # 1.1754943508222875e-38: the smallest normal
+LOGIT_CAP_LIMITS = (f"at most float32's largest, {FLOAT32_MAX!r}, and if > 0 at least its smallest normal, "
+                    f"{FLOAT32_TINY!r} (the kernels soft-cap in float32)")
+
+
+def logit_cap_ok(cap: Any) -> bool:
+    """A logit soft-cap the kernels can apply: 0 (off), or a float32 number that is neither inf there (every output
+    NaN) nor so small that the scale over it overflows; a bool is no cap."""
+    return not isinstance(cap, bool) and isinstance(cap, numbers.Real) and (
+        cap == 0 or FLOAT32_TINY <= cap <= FLOAT32_MAX)

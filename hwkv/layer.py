@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from hwkv.checks import scale_value
+from hwkv.checks import LOGIT_CAP_LIMITS, logit_cap_ok, scale_value
 from hwkv.errors import ConfigError
 from hwkv.window import no_window
 
@@ -71,8 +71,8 @@ class AttentionLayer:
         self.k_scale = None if self.k_scale is None else scale_value("k_scale", self.k_scale)
         self.v_scale = None if self.v_scale is None else scale_value("v_scale", self.v_scale)
         cap = self.logit_cap
-        if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not (math.isfinite(cap) and cap >= 0):
-            raise ConfigError(f"logit_cap={cap!r} must be a finite number >= 0 (0 = off)")
+        if not logit_cap_ok(cap):
+            raise ConfigError(f"logit_cap={cap!r} must be a finite number >= 0 (0 = off), {LOGIT_CAP_LIMITS}")
 
     @property
     def window(self) -> Optional[int]:

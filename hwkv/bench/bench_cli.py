@@ -314,6 +314,7 @@ def _configs(args: argparse.Namespace, has_graphs: bool, device: str, torch_devi
     from hwkv.pages import page_ops_for
 
     names = [c.strip() for c in args.configs.split(",") if c.strip()] if args.configs else list(CONFIGS)
+    names = list(dict.fromkeys(names))   # a repeat is dropped (the first keeps its place), as --batch-sizes' are
     unknown = [c for c in names if c not in CONFIGS]
     if unknown:
         raise ConfigError(f"unknown configuration(s) {unknown}; known: {', '.join(CONFIGS)}")

@@ -164,12 +164,22 @@ class _Sizes:
     mirrored: bool  # all-full: the SWA pool mirrors the full pool, nothing is released
 
 
+def _check_hybrid(shape: ModelShape) -> None:
+    """The chat workload compares a hybrid model with its all-full twin: it needs both kinds of layer."""
+    if not shape.swa_layer_ids:
+        raise ConfigError(f"{shape.name} has no SWA layers: the chat workload compares hybrid with all-full")
+    if not shape.full_layer_ids:
+        raise ConfigError(f"{shape.name} has no full-attention layers: the chat workload compares hybrid with all-full "
+                          "(the full pool holds the locs)")
+
+
 def chat_sizes(shape: ModelShape, w: ChatWorkload) -> Tuple[_Sizes, _Sizes]:
     """(hybrid, all-full) pools of `shape` (the whole model) in `w.memory` bytes, priced in `w.dtype` (the bytes
     the pools allocate, whatever `shape.dtype_bytes` says). Hybrid: the SWA pool holds each running turn's own
     window and cache lock window, one cached window per conversation and one prefill chunk; the full pool the
     rest. All-full: every layer in one pool of the same bytes (`hwkv.engine.plan`'s rounding and padding page).
-    ConfigError when the budget leaves the full pool nothing."""
+    ConfigError when the budget leaves the full pool nothing, or the model lacks either kind of layer."""
+    _check_hybrid(shape)
     shape = shape_in(shape, w.dtype)
     p = w.page_size
     own = swa_tokens_per_request(shape.window, p)
@@ -381,8 +391,7 @@ def _converse(engine: Engine, w: ChatWorkload, step_s: List[float],
 def run_chat(shape: ModelShape, w: ChatWorkload, device: str = "cpu", backend_device: Any = None) -> ChatResult:
     """Both variants over the same conversations (same token ids, same order), after one untimed pass of the first
     variant over a few of them; both variants' pools are checked for the longest turn before anything runs."""
-    if not shape.swa_layer_ids:
-        raise ConfigError(f"{shape.name} has no SWA layers: the chat workload compares hybrid with all-full")
+    _check_hybrid(shape)
     run = run_shape(shape, w)
     if not run.swa_layer_ids:
         raise ConfigError(f"chat workload: the first {run.num_layers} layer(s) of {shape.name} hold no SWA layer; "

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 from typing import Any, Dict, Optional, Union
 
-from hwkv.checks import is_int
+from hwkv.checks import as_int, check_flag, is_int
 from hwkv.engine.presets import ModelShape
 from hwkv.errors import ConfigError
 
@@ -38,20 +39,29 @@ _BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
 def parse_bytes(value: Union[str, int]) -> int:
-    """'80GiB' / '80GB' / '512MiB' / '1.5TiB' / '1234' (bytes) -> bytes; ConfigError names a bad value."""
-    if isinstance(value, bool):
-        raise ConfigError(f"memory size must be a number of bytes or a string like '80GiB', got {value!r}")
-    if isinstance(value, int):
-        n = value
-    else:
-        m = _BYTES_RE.match(str(value))
+    """'80GiB' / '80GB' / '512MiB' / '1.5TiB' / '1234' (bytes) -> bytes, read exactly (a fraction of a byte rounds
+    down); a number must be an integer (Python's or numpy's) below 2**63. ConfigError names a bad value: a bool or a
+    float (1.5 would have read as 1 byte) is no size."""
+    if isinstance(value, str):
+        m = _BYTES_RE.match(value)
         unit = m.group(2).lower() if m else None
         if m is None or unit not in _UNITS:
             raise ConfigError(f"cannot read memory size {value!r}: expected a number with an optional unit "
                               f"(B, KB, MB, GB, TB = powers of 1000; KiB, MiB, GiB, TiB = powers of 1024)")
-        n = int(float(m.group(1)) * _UNITS[unit]) if "." in m.group(1) else int(m.group(1)) * _UNITS[unit]
+        whole, _, decimals = m.group(1).partition(".")
+        whole = whole.lstrip("0") or "0"
+        # exact (float() rounds, and is inf past 309 digits); 20 digits are past 2**63 before the unit, and int()
+        # refuses 4,300. The floor is decided by the first 40 decimals: k / unit never has more.
+        n = 2**63 if len(whole) > 19 else int(Fraction(f"{whole}.{decimals[:40]}0") * _UNITS[unit])
+    else:
+        n = as_int(value)   # None for a float or a bool of any kind
+    if n is None:
+        raise ConfigError(f"memory size must be an integer number of bytes or a string like '80GiB' or '1.5GiB', "
+                          f"got {value!r} ({type(value).__name__})")
     if n < 1:
         raise ConfigError(f"memory size must be at least 1 byte, got {value!r}")
+    if n >= 2**63:
+        raise ConfigError(f"memory size {value!r} is too large: at most 2**63 - 1 bytes (8 EiB)")
     return n
 
 
@@ -146,8 +156,7 @@ def _check_inputs(shape: ModelShape, memory_bytes: int, context: int, page_size:
                             ("chunk", chunk, 1), ("eviction_margin_pages", margin, 0)):
         _check_int(name, value, lo)
     _check_int("max_running", max_running, 1, none=True)
-    if not isinstance(prefix_cache, bool):
-        raise ConfigError(f"prefix_cache must be True or False, got {prefix_cache!r}")
+    check_flag("prefix_cache", prefix_cache)
 
 
 def plan(shape: ModelShape, memory_bytes: int, context: int, page_size: int = 16,

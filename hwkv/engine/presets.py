@@ -6,10 +6,10 @@ Byte arithmetic is per token: a layer stores one K row (kv_heads x head_dim) and
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
+from hwkv.checks import LOGIT_CAP_LIMITS, logit_cap_ok
 from hwkv.errors import ConfigError
 
 KV_DTYPE_BYTES: Dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
@@ -74,8 +74,9 @@ class ModelShape:
                 raise ConfigError(f"{self.name}: {q}={getattr(self, q)} is not a multiple of "
                                   f"{kv}={getattr(self, kv)} (GQA groups must be whole)")
         cap = self.logit_cap
-        if not isinstance(cap, (int, float)) or not (math.isfinite(cap) and cap >= 0):  # NaN fails `cap < 0`
-            raise ConfigError(f"{self.name}: logit_cap must be a finite number >= 0 (0 = off), got {cap!r}")
+        if not logit_cap_ok(cap):  # (the layers' rule, checked here before any layer is built)
+            raise ConfigError(f"{self.name}: logit_cap must be a finite number >= 0 (0 = off), got {cap!r}; "
+                              f"{LOGIT_CAP_LIMITS}")
 
     @property
     def num_layers(self) -> int:

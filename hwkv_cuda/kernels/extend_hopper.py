@@ -67,7 +67,7 @@ import triton
 
 from hwkv.env import HWKV_HOPPER_EXTEND
 from hwkv.errors import ConfigError
-from hwkv_cuda.kernels.common import as_scale, build_for_sm90, interpreting, num_sms
+from hwkv_cuda.kernels.common import as_scale, build_for_sm90, interpreting, num_sms, tanh_fp32
 from hwkv_cuda.kernels.launch import launch
 
 try:  # Gluon's Hopper API as of Triton 3.6; older or other builds simply keep the portable kernel
@@ -302,9 +302,7 @@ if gluon is not None:
         given, the row sums made elsewhere). The visibility mask (list end, causal bound, window) is applied only
         where some row needs it."""
         if HAS_CAP:
-            x = s * qk_scale
-            e = gl.exp(2.0 * x / cap)
-            s = cap * (1.0 - 2.0 / (e + 1.0))
+            s = tanh_fp32(s * (qk_scale / cap)) * cap   # the Triton kernels' tanh (a tl jit function inlines here)
             c = _LOG2E
         else:
             c = qk_scale * _LOG2E     # > 0: the raw row max scales to the logits' max; s * c - m is one FFMA
