@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from hwkv.allocator import SWATokenToKVPoolAllocator, _distinct, _host_view, _push_on_host, _refs_view
-from hwkv.checks import as_int, check_int_dtype, check_window
+from hwkv.checks import as_int, check_int_dtype, check_window, values_checkable
 from hwkv.errors import ConfigError, DoubleFreeError, LocError
 from hwkv.pages import PageRing
 from hwkv.torch_page_ops import I64, TORCH_OPS
@@ -63,13 +63,15 @@ def release_out_of_window_batch(allocator: SWATokenToKVPoolAllocator, req_to_tok
         raise ConfigError(f"op_word must be an int64 tensor on {allocator.device} read by the device's page-op kernels "
                           f"(the torch ops number the release on the host), got {getattr(op_word, 'dtype', op_word)!r}"
                           f" for {type(ops).__name__}")
-    if by_row and (allocator.immediate or not getattr(ops, "releases_by_row", False)):
+    # host checks where values are checkable (CPU; debug mode, never while a stream captures: a read there fails it)
+    checks = allocator.immediate and values_checkable(frontiers)
+    if by_row and (checks or not getattr(ops, "releases_by_row", False)):
         table = frontiers  # the batch's own frontiers, released as usual, then put back in their rows
         f = table[req_pool_indices]
         release_out_of_window_batch(allocator, req_to_token, req_pool_indices, seq_lens, f, window, op_word=op_word)
         table[req_pool_indices] = f
         return table
-    if allocator.immediate:
+    if checks:
         checked = _check_release(allocator, req_to_token, req_pool_indices, seq_lens, frontiers, window)
         if allocator._on_host():  # checked on the host: applied there too
             allocator._next_op()

@@ -145,8 +145,10 @@ class DecodeStepGraph(GraphRunner):
         rows, seq, out = self.req_pool_indices[:bs], self.seq_lens[:bs], self._slots(bs)
         # padded requests: the reserved row, length `new` (1 for a decode), no token, no page, the padding slot 0
         if self._one_launch:  # and, where it can, the staged lengths moved on to the next step's; the release too
+            # (not where the release follows the layers: the op number it reads must stay the allocation's)
+            advance = self._releases_first or self.frontiers is None
             self._advances[bs] = self.allocator.alloc_step(self.ctl, self.rows_in, self.seq_in, self.pad_row,
-                                                           self.rtt, rows, seq, out, advance=True,
+                                                           self.rtt, rows, seq, out, advance=advance,
                                                            frontiers=self.frontiers if self._releases_first else None,
                                                            window=self.window or 0)
         else:

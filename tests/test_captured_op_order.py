@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 from hwkv.allocator import SWATokenToKVPoolAllocator, same_snapshot  # noqa: E402
 from hwkv.errors import ConfigError, DoubleFreeError, HwkvError  # noqa: E402
 from hwkv.release import release_out_of_window_batch  # noqa: E402
+from hwkv.testing.capture_check import CaptureCheckingAdapter  # noqa: E402
 from hwkv.torch_page_ops import TORCH_OPS  # noqa: E402
 
 triton = pytest.importorskip("triton")
@@ -226,3 +227,94 @@ def test_an_allocator_handed_the_torch_ops_allocates_in_no_graph():
     assert same_snapshot(before, a.integrity_snapshot())
     a.alloc_reserved(T([10]), T([13]), rtt[0, 9:10].clone(), torch.zeros(3, dtype=I64), heads, 1)
     a.check_integrity()
+
+
+def _step_graph(records=CaptureCheckingAdapter):
+    """A whole-step decode graph over tests/test_step_graph.py's engine with the Triton page ops and step kernels
+    (interpreted), its allocator checking immediately (CPU; HWKV_DEBUG=1 on a device): the release follows the
+    layers."""
+    import test_step_graph as sg
+    from hwkv.step_graph import DecodeStepGraph
+    from hwkv_cuda.kernels import step as step_kernels
+    from hwkv_cuda.kernels.alloc import TritonPageOps
+
+    class Recording(records):
+        records_device_work = True
+
+    e = sg.Engine(1)
+    e.alloc._ops = e.alloc.swa_attn_allocator._ops = TritonPageOps()
+    shapes = {"q": ((sg.H, sg.D), torch.float32), "k": ((sg.KVH, sg.D), torch.float32),
+              "v": ((sg.KVH, sg.D), torch.float32)}
+    g = DecodeStepGraph(e.backend, e.alloc, e.layers_fn, [2, 4], shapes, Recording(), frontiers=e.frontiers,
+                        window=sg.W)
+    g.kernels = step_kernels.KERNELS
+    assert e.alloc.immediate and g._one_launch and not g._releases_first
+    return sg, e, g
+
+
+def _inputs(sg, n, gen):
+    return {"q": torch.randn(n, sg.H, sg.D, generator=gen), "k": torch.randn(n, sg.KVH, sg.D, generator=gen),
+            "v": torch.randn(n, sg.KVH, sg.D, generator=gen)}
+
+
+def test_a_release_after_the_layers_runs_as_the_op_after_its_steps_allocation(monkeypatch):
+    """The one-launch allocation must not move the staged op number on before a release that follows the layers
+    reads it: that release had run as the next step's allocation's number."""
+    from hwkv_cuda.kernels.alloc import TritonPageOps
+    sg, e, g = _step_graph()
+    seen = []
+    original = TritonPageOps.release_window
+
+    def spy(*args, op_word=None, **kwargs):
+        seen.append(None if op_word is None else int(op_word[0]) + 1)  # the kernel numbers it op_word + 1
+        return original(*args, op_word=op_word, **kwargs)
+
+    monkeypatch.setattr(TritonPageOps, "release_window", staticmethod(spy))
+    g.capture()
+    gen = torch.Generator().manual_seed(0)
+    for pick in ([0, 1, 2], [1, 3], [0, 1, 2, 3], [0, 1, 2, 3]):
+        seen.clear()
+        e.graph_step(g, pick, _inputs(sg, len(pick), gen), on_host=True)
+        assert seen == [g._op + 1] and e.alloc.op_number == g._op + 1  # reserve(pages, ops=2) numbered both
+    e.alloc.check_integrity()
+
+
+def test_the_release_reads_nothing_back_while_a_graph_captures(monkeypatch):
+    """Its host check (CPU, debug mode) stands down while a stream captures, as every other value check does
+    (`values_checkable`): a device-to-host read there fails the capture, and debug mode had never run the graphs.
+    Here the adapter's capture and replays (which re-run the step, as a device graph replays its capture) say they
+    capture; the eager steps around them check as before."""
+    import hwkv.release as release
+    capturing = []
+
+    class Capturing(CaptureCheckingAdapter):
+        def capture(self, fn):
+            capturing.append(True)
+            try:
+                return super().capture(fn)
+            finally:
+                capturing.pop()
+
+        def replay(self, graph):
+            capturing.append(True)
+            try:
+                return super().replay(graph)
+            finally:
+                capturing.pop()
+
+    checked = []
+    original = release._check_release
+
+    def check(*args, **kwargs):
+        checked.append(bool(capturing))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(release, "_check_release", check)
+    monkeypatch.setattr(release, "values_checkable", lambda t: not capturing)  # as on a device in debug mode
+    sg, e, g = _step_graph(Capturing)
+    g.capture()
+    gen = torch.Generator().manual_seed(1)
+    e.graph_step(g, [0, 1], _inputs(sg, 2, gen), on_host=True)
+    e.graph_step(g, [0, 1, 2, 3, 4], _inputs(sg, 5, gen), on_host=True)  # past every bucket: the eager step
+    assert checked and not any(checked) and g.eager_runs == 1  # the eager step and the warm-ups checked, no replay
+    e.alloc.check_integrity()
