@@ -218,6 +218,13 @@ def check_scale(name: str, scale: Union[None, float, int, torch.Tensor]) -> None
     scale_value(name, scale)
 
 
+def check_int_option(name: str, value: Any, lo: int, none: bool = False) -> None:
+    """An integer option (a size, a count) must be an int (a bool is not) >= lo, or with `none` None (ConfigError
+    naming it)."""
+    if not (none and value is None) and (not is_int(value) or value < lo):
+        raise ConfigError(f"{name} must be an integer >= {lo}{' or None' if none else ''}, got {value!r}")
+
+
 def check_flag(name: str, value: Any, none: bool = False) -> None:
     """An on/off option must be True or False (with `none`, None too: "decide for me"); ConfigError naming it
     otherwise, as `hwkv.engine.plan.plan` refuses prefix_cache: a truthy "no" or 1 would read as on."""

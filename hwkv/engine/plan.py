@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import Any, Dict, Optional, Union
 
-from hwkv.checks import as_int, check_flag, is_int
+from hwkv.checks import as_int, check_flag, check_int_option, is_int
 from hwkv.engine.presets import ModelShape
 from hwkv.errors import ConfigError
 
@@ -73,17 +73,11 @@ def format_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _check_int(name: str, value: Any, lo: int, none: bool = False) -> None:
-    """ConfigError unless `value` is an int (a bool is not) >= lo, or with `none` None."""
-    if not (none and value is None) and (not is_int(value) or value < lo):
-        raise ConfigError(f"{name} must be an integer >= {lo}{' or None' if none else ''}, got {value!r}")
-
-
 def round_up(x: int, multiple: int) -> int:
     """Smallest multiple of `multiple` (an integer >= 1) that is >= x."""
     if not is_int(x):
         raise ConfigError(f"round_up: x must be an integer, got {x!r}")
-    _check_int("round_up: multiple", multiple, 1)
+    check_int_option("round_up: multiple", multiple, 1)
     return -(-x // multiple) * multiple
 
 
@@ -93,8 +87,8 @@ def swa_tokens_per_request(window: int, page_size: int, eviction_margin_pages: i
     `context` never more than the request's own round_up(context, P) (a short request releases nothing)."""
     for name, value, lo in (("window", window, 0), ("page_size", page_size, 1),
                             ("eviction_margin_pages", eviction_margin_pages, 0)):
-        _check_int(name, value, lo)
-    _check_int("context", context, 0, none=True)
+        check_int_option(name, value, lo)
+    check_int_option("context", context, 0, none=True)
     bound = round_up(window + eviction_margin_pages * page_size + page_size, page_size)
     return bound if context is None else min(bound, round_up(context, page_size))
 
@@ -103,7 +97,7 @@ def cache_lock_tokens(window: int, page_size: int, context: int) -> int:
     """SWA slots a running request's prefix-cache lock can pin beyond its own window: the last window of its
     cached prompt, round_up(W, P) + P, never more than round_up(context, P)."""
     for name, value, lo in (("window", window, 0), ("page_size", page_size, 1), ("context", context, 0)):
-        _check_int(name, value, lo)
+        check_int_option(name, value, lo)
     return min(round_up(window, page_size) + page_size, round_up(context, page_size))
 
 
@@ -154,8 +148,8 @@ def _check_inputs(shape: ModelShape, memory_bytes: int, context: int, page_size:
         raise ConfigError(f"{shape.name}: plan needs at least one full-attention layer (the full pool holds the locs)")
     for name, value, lo in (("memory_bytes", memory_bytes, 1), ("context", context, 1), ("page_size", page_size, 1),
                             ("chunk", chunk, 1), ("eviction_margin_pages", margin, 0)):
-        _check_int(name, value, lo)
-    _check_int("max_running", max_running, 1, none=True)
+        check_int_option(name, value, lo)
+    check_int_option("max_running", max_running, 1, none=True)
     check_flag("prefix_cache", prefix_cache)
 
 

@@ -14,11 +14,10 @@ import torch
 from hwkv import make_backend
 from hwkv.allocator import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
 from hwkv.req_to_token import ReqToTokenPool
-from hwkv.engine.plan import (_check_int, cache_lock_tokens, format_bytes, parse_bytes, plan, round_up,
-                              swa_tokens_per_request)
+from hwkv.engine.plan import cache_lock_tokens, format_bytes, parse_bytes, plan, round_up, swa_tokens_per_request
 from hwkv.engine.presets import ModelShape
 from hwkv.errors import ConfigError
-from hwkv.checks import check_device, check_flag
+from hwkv.checks import check_device, check_flag, check_int_option
 from hwkv.pool import MHATokenToKVPool, SWAKVPool, device_free_bytes
 
 # The default KV budget (no memory= given) is what the requests need, capped at a fraction of the device's free
@@ -113,7 +112,7 @@ def plan_pools(shape: ModelShape, *, context: int, max_running: int, chunk: int,
     string no switch) before anything is read from the device."""
     for label, value in (("context", context), ("max_running", max_running), ("chunk", chunk),
                          ("page_size", page_size)):
-        _check_int(label, value, 1)
+        check_int_option(label, value, 1)
     check_flag("prefix_cache", prefix_cache)
     device = check_device(device)
     if memory is None:
