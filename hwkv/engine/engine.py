@@ -492,22 +492,9 @@ class Engine:
         (checked before the drafter runs), or no drafter proposed anything (the step runs as a plain decode).
         The drafter gets each request's `TokenHistory` (made once per request, grown by its outputs) and what it
         returns is checked (`draft_ids`: ConfigError before anything changed)."""
-        pages = self.scheduler.new_pages([r.prefix for r in rows], k + 1)  # each row's last token and k drafts
-        if not self.cache.allocator.has_room(pages) and not (self._prefixing is not None
-                                                           and self._prefixing.can_make_room_for(pages)):
+        drafts = self._propose(rows, k)
+        if drafts is None:
             return None
-        drafts, found = [], False
-        for r in rows:
-            req = r.req
-            if req.history is None:
-                req.history = TokenHistory(req.prompt, req.output)
-            d = draft_ids(self.draft(req.history, k), k, self.vocab_size)
-            found = found or bool(d)
-            drafts.append(d + [req.output[-1]] * (k - len(d)))  # padding: checked like any draft
-        if not found:
-            return None
-        if self._prefixing is not None:  # as a plain step: cached K/V evicted where the drafts' pages need it
-            self._prefixing.make_room_for(pages)
         bs = len(rows)
         ids = [t for r, d in zip(rows, drafts) for t in [r.req.output[-1]] + d]
         graph = self.verify_graph
@@ -526,6 +513,36 @@ class Engine:
             self._undo(rows, None if batch is None else batch.out_cache_loc, head, k + 1)
             raise
         self._pools_changed = True
+        done, used_all = self._accept(rows, k, drafts, pred, rows_dev)
+        return earlier + self._finish(done), used_all
+
+    def _propose(self, rows: List[Row], k: int) -> Optional[List[List[int]]]:
+        """Each row's k drafts (short proposals padded with its last token), once the pools have room for them
+        (evicting cached K/V where they need it); None: no room, or no drafter proposed anything."""
+        pages = self.scheduler.new_pages([r.prefix for r in rows], k + 1)  # each row's last token and k drafts
+        if not self.cache.allocator.has_room(pages) and not (self._prefixing is not None
+                                                           and self._prefixing.can_make_room_for(pages)):
+            return None
+        drafts, found = [], False
+        for r in rows:
+            req = r.req
+            if req.history is None:
+                req.history = TokenHistory(req.prompt, req.output)
+            d = draft_ids(self.draft(req.history, k), k, self.vocab_size)
+            found = found or bool(d)
+            drafts.append(d + [req.output[-1]] * (k - len(d)))  # padding: checked like any draft
+        if not found:
+            return None
+        if self._prefixing is not None:  # as a plain step: cached K/V evicted where the drafts' pages need it
+            self._prefixing.make_room_for(pages)
+        return drafts
+
+    def _accept(self, rows: List[Row], k: int, drafts: List[List[int]], pred: List[List[int]],
+                rows_dev: torch.Tensor) -> Tuple[List[Request], int]:
+        """Keep each row's longest draft prefix greedy decoding agrees with and the model's next token (a stop
+        ends it there), free the rest of the drafts' slots, release out of window on the accepted lengths; returns
+        the finished requests and the tokens added."""
+        bs = len(rows)
         accepted, done, used_all = [], [], 0
         for r, d, pr in zip(rows, drafts, pred):
             a = 0
@@ -555,7 +572,7 @@ class Engine:
         # (or the next verify's, or at the end of `generate`)
         self.readback.send([], None, ForwardMode.TARGET_VERIFY, self._held())
         self.stats.record_drafts(bs, bs * k, sum(accepted))
-        return earlier + self._finish(done), used_all
+        return done, used_all
 
     def clear_prefix_cache(self) -> int:
         """Evict everything the prefix cache holds that no running request uses; returns the tokens evicted."""
