@@ -672,7 +672,8 @@ def profile_rows(dev: str, ctx: int, page_size: int, backend_cls) -> List[Dict]:
         seq.add_(1)
         g.rows_in[:1].copy_(s.rows)
         g.seq_in[:1].fill_(int(seq[0]))
-        g._set_ctl(1, int((int(seq[0]) - 1) % page_size == 0), s.alloc.reserve(int((int(seq[0]) - 1) % page_size == 0)))
+        opens = int((int(seq[0]) - 1) % page_size == 0)
+        g._set_ctl(1, opens, g._reserve(opens))  # (the graph's reserve: the op number staged with the heads)
         batch1, inputs1 = g._static_batch(1), g._static_inputs(1)
         sync(dev)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -60,9 +60,11 @@ def release_out_of_window_batch(allocator: SWATokenToKVPoolAllocator, req_to_tok
     if op_word is not None and (not getattr(ops, "reads_op_word", False) or not isinstance(op_word, torch.Tensor)
                                 or op_word.dtype != I64 or op_word.numel() < 1
                                 or op_word.device.type != allocator.device.type):
-        raise ConfigError(f"op_word must be an int64 tensor on {allocator.device} read by the device's page-op kernels "
-                          f"(the torch ops number the release on the host), got {getattr(op_word, 'dtype', op_word)!r}"
-                          f" for {type(ops).__name__}")
+        got = (f"{op_word.dtype} of {op_word.numel()} on {op_word.device}" if isinstance(op_word, torch.Tensor)
+               else type(op_word).__name__)
+        raise ConfigError(f"op_word must be an int64 tensor of >= 1 entry on {allocator.device}, read by the device's "
+                          f"page-op kernels (the torch ops number the release on the host); got {got} for "
+                          f"{type(ops).__name__}")
     # host checks where values are checkable (CPU; debug mode, never while a stream captures: a read there fails it)
     checks = allocator.immediate and values_checkable(frontiers)
     if by_row and (checks or not getattr(ops, "releases_by_row", False)):

@@ -274,7 +274,7 @@ class DecodeStepGraph(GraphRunner):
             if self._advances.get(bucket):  # what the replay will leave staged
                 self._sent_rows[:bs] = rows_h
                 np.add(seq_s, 1, out=self._sent_seq[:bs])
-                sent = (bs, bucket, self._op + 1 + self._releases_first)
+                sent = (bs, bucket, self._op + self._ops)  # (the launch moved the op number on by the step's ops)
             self._sent = None  # until the replay has run: a replay that raises leaves nothing it claims
         else:
             sent = None

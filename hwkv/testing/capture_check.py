@@ -158,7 +158,10 @@ def _check(replay: "_Recording", captured: "_Recording") -> None:
             raise StaleCaptureError(f"a replay launched Triton kernels {names[1]} where its capture launched "
                                     f"{names[0]}: a device graph replays the captured launches")
         name, was, now = next((n, a, b) for (n, a), (_, b) in zip(captured.launches, replay.launches) if a != b)
-        at = next(i for i, (x, y) in enumerate(zip(was, now)) if x != y)
+        at = next((i for i, (x, y) in enumerate(zip(was, now)) if x != y), None)
+        if at is None:
+            raise StaleCaptureError(f"a replay launched {name} with {len(now)} arguments where its capture passed "
+                                    f"{len(was)}: a device graph replays the captured launches")
         raise StaleCaptureError(f"a replay launched {name} with argument {at} = {now[at]!r} where its capture passed "
                                 f"{was[at]!r}: a device graph replays the capture's value; a value that changes per "
                                 "step must be read from device memory")
