@@ -256,18 +256,18 @@ def test_bad_speculative_input_raises_and_changes_nothing(hwkv_target):
     batch.spec_info = DraftTree.from_parents([TREE], device=h.device)      # one request's mask for two
     with pytest.raises(ShapeError, match="sum"):
         h.backend.init_forward_metadata(batch)
-    prefix_cpu = torch.tensor([6, 4])
+    prefix_cpu = torch.tensor([6, 4], device="cpu")
     idx = torch.zeros(2, 5, dtype=torch.int64, device=h.device)
     with pytest.raises(ShapeError, match="drafted 5"):
         accept_draft_tokens(h.allocator, h.pool, h.rtt.req_to_token, batch.req_pool_indices, prefix_cpu.to(h.device),
                             idx, torch.tensor([6, 1], device=h.device), prefix_lens_cpu=prefix_cpu,
-                            accept_lens_cpu=torch.tensor([6, 1]))
+                            accept_lens_cpu=torch.tensor([6, 1], device="cpu"))
     rows_before = h.rtt.req_to_token.clone()
     if h.allocator.immediate:  # value checks run where the allocator checks eagerly (CPU, HWKV_DEBUG)
         with pytest.raises(ShapeError, match="twice"):
             accept_draft_tokens(h.allocator, h.pool, h.rtt.req_to_token, batch.req_pool_indices, prefix_cpu.to(h.device),
                                 idx, torch.tensor([2, 1], device=h.device), prefix_lens_cpu=prefix_cpu,
-                                accept_lens_cpu=torch.tensor([2, 1]))
+                                accept_lens_cpu=torch.tensor([2, 1], device="cpu"))
     assert torch.equal(rows_before, h.rtt.req_to_token)
     assert same_snapshot(h.allocator.integrity_snapshot(), after_alloc) and not same_snapshot(snap, after_alloc)
     with pytest.raises(ShapeError, match="num_steps"):

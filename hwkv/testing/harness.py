@@ -416,8 +416,12 @@ class Harness:
 
     def compare(self, layer: AttentionLayer, got: torch.Tensor, ref: torch.Tensor, what: str = "",
                 tol: Optional[float] = None) -> float:
-        """max |got - ref| for one layer (recorded in max_err); ReferenceMismatchError beyond `tol`."""
+        """max |got - ref| for one layer (recorded in max_err); ReferenceMismatchError beyond `tol`, ShapeError where
+        the shapes differ (an output against an empty reference included)."""
         tol = self.tolerance if tol is None else tol
+        if tuple(got.shape) != tuple(ref.shape):  # no broadcast, and nothing passes against an empty reference
+            raise ShapeError(f"{what + ', ' if what else ''}layer {layer.layer_id}: the output has shape "
+                             f"{list(got.shape)}, the reference {list(ref.shape)}")
         err = (got.float().cpu() - ref).abs().max().item() if ref.numel() else 0.0
         if not math.isfinite(err) or err > tol:
             kind = "SWA W=" + str(layer.window) if layer.window else "full"

@@ -24,8 +24,8 @@ class ReferenceBackend(AttentionBackend):
             k = k_buf[idx].float() * (layer.k_scale or 1.0)
             v = v_buf[idx].float() * (layer.v_scale or 1.0)
             nq = qo[b + 1] - qo[b]
-            q_pos = torch.arange(qpos0[b], qpos0[b] + nq)
-            k_pos = torch.arange(pos0[b], pos0[b] + idx.numel())
+            q_pos = torch.arange(qpos0[b], qpos0[b] + nq, device="cpu")
+            k_pos = torch.arange(pos0[b], pos0[b] + idx.numel(), device="cpu")
             mask = None if md.tree is None else _tree_visibility(md.tree, b, qo[b], nq, qpos0[b], k_pos, layer.window)
             o = reference.attention(q[qo[b]:qo[b + 1]], k, v, q_pos, k_pos, layer.scaling, layer.window,
                                     layer.logit_cap, layer.sinks, mask=mask)
@@ -40,7 +40,7 @@ def _tree_visibility(tree, b: int, q_start: int, nq: int, first_draft: int, k_po
     """[nq, keys] bool of request b under a verify tree, entry by entry from hwkv/spec.py's rule."""
     mask, off = tree.mask.cpu(), int(tree.mask_indptr[b])
     pos = tree.q_positions.cpu()[q_start:q_start + nq].tolist()
-    see = torch.zeros(nq, k_pos.numel(), dtype=torch.bool)
+    see = torch.zeros(nq, k_pos.numel(), dtype=torch.bool, device="cpu")
     for i in range(nq):
         for j, p in enumerate(k_pos.tolist()):
             if p < first_draft:
