@@ -9,7 +9,7 @@ import argparse
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
-from hwkv.checks import LOGIT_CAP_LIMITS, logit_cap_ok
+from hwkv import checks
 from hwkv.errors import ConfigError
 
 KV_DTYPE_BYTES: Dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
@@ -74,9 +74,9 @@ class ModelShape:
                 raise ConfigError(f"{self.name}: {q}={getattr(self, q)} is not a multiple of "
                                   f"{kv}={getattr(self, kv)} (GQA groups must be whole)")
         cap = self.logit_cap
-        if not logit_cap_ok(cap):  # (the layers' rule, checked here before any layer is built)
+        if not checks.logit_cap_ok(cap):  # (the layers' rule, checked here before any layer is built)
             raise ConfigError(f"{self.name}: logit_cap must be a finite number >= 0 (0 = off), got {cap!r}; "
-                              f"{LOGIT_CAP_LIMITS}")
+                              f"{checks.LOGIT_CAP_LIMITS}")
 
     @property
     def num_layers(self) -> int:
