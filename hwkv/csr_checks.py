@@ -12,7 +12,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from hwkv.checks import value_range, values_checkable
+from hwkv.checks import check_shape, value_range, values_checkable
 from hwkv.errors import LocError, ShapeError
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -76,3 +76,37 @@ def _check_range(name: str, t: torch.Tensor, slots: int, start: int, end: int) -
         i = start + int(torch.nonzero((used < 0) | (used >= slots))[0, 0])
         listed = "" if (start, end) == (0, t.shape[0]) else f" (entries [{start}, {end}) are listed)"
         raise LocError(f"{name}[{i}] = {int(t[i])} lies outside the pool's slots [0, {slots}){listed}")
+
+
+def check_dims(name: str, t: torch.Tensor, expected: Sequence[Optional[int]]) -> None:
+    """`t.shape` must match `expected` (None = any size) and its last dim must be contiguous (as kernels read it)."""
+    check_shape(name, t, expected)
+    if t.numel() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ShapeError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
+
+
+def check_same_device(**tensors: Optional[torch.Tensor]) -> None:
+    """Every given tensor lives on the device of the first one."""
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.device != first.device:
+            raise ShapeError(f"{name} is on {t.device}, {first_name} is on {first.device}")
+
+
+def check_store(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> None:
+    """A K/V store's arguments (`hwkv.ops.store_kv`, every device's): loc a 1-D int64 (or int32) list of unit
+    stride with values in the pool's slots (where checkable), k [n, KVH, D] and v [n, KVH, Dv] matching the
+    buffers, all on one device. LocError / ShapeError before anything is written."""
+    if loc.dtype not in (torch.int64, torch.int32) or loc.dim() != 1:
+        raise LocError(f"loc must be a 1-D int64 (or int32) tensor, got {loc.dtype} {list(loc.shape)}")
+    if loc.stride(0) != 1 and loc.shape[0] > 1:  # a kernel reads loc + row: a strided view would name other slots
+        raise LocError(f"loc has stride {loc.stride(0)}; the store reads it with stride 1: pass loc.contiguous()")
+    n, kvh = loc.shape[0], k_buf.shape[1]
+    check_dims("k_buf", k_buf, [None, None, None])
+    check_dims("v_buf", v_buf, [k_buf.shape[0], kvh, None])
+    check_dims("k", k, [n, kvh, k_buf.shape[2]])
+    check_dims("v", v, [n, kvh, v_buf.shape[2]])
+    check_same_device(k_buf=k_buf, v_buf=v_buf, loc=loc, k=k, v=v)
+    check_slots("loc", loc, k_buf.shape[0])  # values: CPU / HWKV_DEBUG only (hwkv.checks.values_checkable)

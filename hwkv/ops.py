@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable, Dict, NamedTuple, Optional
 
 import torch
 
+from hwkv.csr_checks import check_store
 from hwkv.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -168,12 +169,22 @@ def store_kv_torch(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, 
     v_buf[loc] = quantize(v, v_buf.dtype, v_scale)
 
 
+def store_kv_checked(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, k_scale: Optional[float] = None, v_scale: Optional[float] = None) -> None:
+    """`store_kv_torch` behind the store's argument checks (`hwkv.csr_checks.check_store`): a device without a
+    store kernel of its own gets the typed errors a kernel's store gives (an index past the pool had been a bare
+    IndexError, -1 a silent write into the last slot)."""
+    check_store(k_buf, v_buf, loc, k, v)
+    store_kv_torch(k_buf, v_buf, loc, k, v, k_scale, v_scale)
+
+
 def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor, k_scale: Optional[float] = None, v_scale: Optional[float] = None) -> None:
-    """Write K/V of the new tokens at `loc` with the device's registered kernel."""
+    """Write K/V of the new tokens at `loc` with the device's registered kernel (checked: see
+    `register_store_kv`)."""
     if loc.numel() == 0:
         return
-    _STORE.get(k_buf.device.type, store_kv_torch)(k_buf, v_buf, loc, k, v, k_scale, v_scale)
+    _STORE.get(k_buf.device.type, store_kv_checked)(k_buf, v_buf, loc, k, v, k_scale, v_scale)
 
 
 def store_kv_prechecked(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,

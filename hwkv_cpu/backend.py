@@ -35,7 +35,7 @@ from hwkv_cpu.kernels_dense import (DENSE_MAX_ELEMENTS, compute_dtype, dense_att
                                     plan_dense)
 
 if ipex.installed_reason() is None:  # cheap: package metadata only; IPEX itself is imported on first use
-    ops.register_store_kv("cpu", ops.store_kv_torch, prechecked=ipex.store_kv_prechecked)
+    ops.register_store_kv("cpu", ops.store_kv_checked, prechecked=ipex.store_kv_prechecked)
 
 _IPEX = "ipex_lists"
 _DENSE = "dense_plans"

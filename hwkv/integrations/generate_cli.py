@@ -38,7 +38,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt; prompt i uses seed + i")
     p.add_argument("--memory", help="KV memory budget, e.g. 2GiB (default: what the batch needs, capped at "
-                                    "80%% of the device's free memory)")
+                                    "80%% of an accelerator's free memory, or on the CPU a quarter of the available "
+                                    "RAM and at most 4 GiB)")
     p.add_argument("--context", type=int, help="KV tokens the cache holds per request (default: the longest prompt + "
                    "--max-new-tokens - 1); a prompt that needs more is refused with its error, the others run")
     p.add_argument("--max-running", type=int, help="concurrent requests (default: every prompt at once)")

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Dict, Optional, Sequence, Union
+from typing import Any, Dict, Sequence, Union
 
 import torch
 import triton
 import triton.language as tl
 
-from hwkv.checks import check_shape, scale_value
-from hwkv.errors import DeviceError, ShapeError
+from hwkv.checks import scale_value
+from hwkv.errors import DeviceError
 from hwkv.ops import FP8_DTYPES
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -112,22 +112,6 @@ def build_for_sm90(kernel: Any, sig: Dict[str, str], consts: Dict[str, Any], ali
 def dot_in_fp32(q: torch.Tensor) -> bool:
     """Whether tl.dot runs in exact fp32: fp32 queries (no tf32), and always under the interpreter."""
     return q.dtype == torch.float32 or interpreting()
-
-
-def check_dims(name: str, t: torch.Tensor, expected: Sequence[Optional[int]]) -> None:
-    """`t.shape` must match `expected` (None = any size) and its last dim must be contiguous."""
-    check_shape(name, t, expected)
-    if t.numel() and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ShapeError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
-
-
-def check_same_device(**tensors: Optional[torch.Tensor]) -> None:
-    """Every given tensor lives on the device of the first one."""
-    items = [(n, t) for n, t in tensors.items() if t is not None]
-    first_name, first = items[0]
-    for name, t in items[1:]:
-        if t.device != first.device:
-            raise ShapeError(f"{name} is on {t.device}, {first_name} is on {first.device}")
 
 
 @triton.jit

@@ -41,10 +41,11 @@ try:  # grid dependency control (PDL); a Triton without it keeps plain launches 
 except ImportError:
     gdc_launch_dependents = gdc_wait = None
 
-from hwkv.csr_checks import check_csr_values, check_float_dtypes, check_index_dtypes
+from hwkv.csr_checks import (check_csr_values, check_dims, check_float_dtypes, check_index_dtypes,
+                              check_same_device)
 from hwkv.errors import ShapeError
 from hwkv_cuda.kernels.launch import Launch, current_stream, launch, spec
-from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, build_for_sm90, cdiv, check_dims, check_same_device,
+from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, build_for_sm90, cdiv,
                                       dot, fold_sink, hopper_class, interpreting, logits_log2, next_pow2, num_sms,
                                       online_softmax_step, pow2)
 

@@ -28,12 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-from hwkv.csr_checks import check_csr_values, check_float_dtypes, check_index_dtypes
+from hwkv.csr_checks import (check_csr_values, check_dims, check_float_dtypes, check_index_dtypes,
+                              check_same_device)
 from hwkv.errors import ShapeError
 from hwkv.spec import TreeMask, check_tree_mask
 from hwkv_cuda.kernels import extend_hopper
 from hwkv_cuda.kernels.launch import Launch, launch
-from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, cdiv, check_dims, check_same_device, dot, fold_sink,
+from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, cdiv, dot, fold_sink,
                                       hopper_class, interpreting, logits_log2, next_pow2, online_softmax_step, pow2)
 
 

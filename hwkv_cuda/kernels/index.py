@@ -8,7 +8,8 @@ import triton
 import triton.language as tl
 
 from hwkv.errors import LocError
-from hwkv_cuda.kernels.common import check_dims, check_same_device, interpreting
+from hwkv.csr_checks import check_dims, check_same_device
+from hwkv_cuda.kernels.common import interpreting
 from hwkv_cuda.kernels.launch import Launch, launch
 
 

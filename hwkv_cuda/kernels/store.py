@@ -14,9 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hwkv.csr_checks import check_slots
-from hwkv.errors import LocError
-from hwkv_cuda.kernels.common import FP8_MAX, as_scale, check_dims, check_same_device, next_pow2
+from hwkv.csr_checks import check_store
+from hwkv_cuda.kernels.common import FP8_MAX, as_scale, next_pow2
 from hwkv_cuda.kernels.launch import Launch, launch, spec
 
 
@@ -67,20 +66,6 @@ def _store_kv_kernel(k, v, sk_n, sk_h, sv_n, sv_h,                            # 
 _INTERPRETED = not isinstance(_store_kv_kernel, triton.runtime.JITFunction)
 
 
-def _check_store(k_buf, v_buf, loc, k, v) -> None:
-    if loc.dtype not in (torch.int64, torch.int32) or loc.dim() != 1:
-        raise LocError(f"loc must be a 1-D int64 (or int32) tensor, got {loc.dtype} {list(loc.shape)}")
-    if loc.stride(0) != 1 and loc.shape[0] > 1:  # the kernel reads loc + row: a strided view would name other slots
-        raise LocError(f"loc has stride {loc.stride(0)}; the store reads it with stride 1: pass loc.contiguous()")
-    n, kvh = loc.shape[0], k_buf.shape[1]
-    check_dims("k_buf", k_buf, [None, None, None])
-    check_dims("v_buf", v_buf, [k_buf.shape[0], kvh, None])
-    check_dims("k", k, [n, kvh, k_buf.shape[2]])
-    check_dims("v", v, [n, kvh, v_buf.shape[2]])
-    check_same_device(k_buf=k_buf, v_buf=v_buf, loc=loc, k=k, v=v)
-    check_slots("loc", loc, k_buf.shape[0])  # values: CPU / HWKV_DEBUG only (hwkv.checks.values_checkable)
-
-
 def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor, k_scale: Optional[float] = None, v_scale: Optional[float] = None, *,
              config: Optional[StoreConfig] = None) -> None:
@@ -90,7 +75,7 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
     row/head strides, contiguous last dim). fp8 buffers are clamped to their finite range.
     n == 0 launches nothing. k and v are never written.
     """
-    _check_store(k_buf, v_buf, loc, k, v)
+    check_store(k_buf, v_buf, loc, k, v)
     if loc.shape[0] == 0:
         return
     _launch(k_buf, v_buf, loc, k, v, k_scale, v_scale, config)
