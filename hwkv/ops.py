@@ -169,13 +169,20 @@ def store_kv_torch(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, 
     v_buf[loc] = quantize(v, v_buf.dtype, v_scale)
 
 
-def store_kv_checked(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor, k_scale: Optional[float] = None, v_scale: Optional[float] = None) -> None:
-    """`store_kv_torch` behind the store's argument checks (`hwkv.csr_checks.check_store`): a device without a
-    store kernel of its own gets the typed errors a kernel's store gives (an index past the pool had been a bare
-    IndexError, -1 a silent write into the last slot)."""
-    check_store(k_buf, v_buf, loc, k, v)
-    store_kv_torch(k_buf, v_buf, loc, k, v, k_scale, v_scale)
+def checked_store(prechecked: Callable[..., None]) -> Callable[..., None]:
+    """A store that checks its arguments (`hwkv.csr_checks.check_store`: LocError / ShapeError before anything is
+    written) and then runs `prechecked`, for a device whose store kernel checks nothing itself
+    (`register_store_kv(device, checked_store(fn), prechecked=fn)`)."""
+    def store(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              k_scale: Optional[float] = None, v_scale: Optional[float] = None) -> None:
+        check_store(k_buf, v_buf, loc, k, v)
+        prechecked(k_buf, v_buf, loc, k, v, k_scale, v_scale)
+    return store
+
+
+# the torch store behind the checks: a device without a store kernel of its own gets the typed errors a kernel's
+# store gives (an index past the pool had been a bare IndexError, -1 a silent write into the last slot)
+store_kv_checked = checked_store(store_kv_torch)
 
 
 def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,

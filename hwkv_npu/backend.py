@@ -28,7 +28,7 @@ from hwkv_npu import fia
 from hwkv_npu import ops as npu_ops
 from hwkv_npu.graph import record_task
 
-ops.register_store_kv("npu", npu_ops.store_kv)
+ops.register_store_kv("npu", ops.checked_store(npu_ops.store_kv), prechecked=npu_ops.store_kv)  # (it checks nothing)
 
 _PLANS, _ROWS, _FORM = "npu_fia", "npu_rows", "npu_form"
 

@@ -39,3 +39,21 @@ def test_generate_help_states_the_cpus_default_memory_cap(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert CPU_MEMORY_FRACTION == 0.25 and CPU_MEMORY_CAP == 4 << 30
     assert "on the CPU a quarter of the available RAM and at most 4 GiB" in text, text
+
+
+def test_the_npu_store_is_registered_behind_the_cores_checks(monkeypatch):
+    """Ascend's reshape-and-cache store checks nothing itself: registered as the checked store it had taken any
+    loc; the pool's per-layer calls keep the unchecked one (`prechecked`)."""
+    pytest.importorskip("hwkv_npu.backend")
+    from hwkv_npu import ops as npu_ops
+    calls = []
+    monkeypatch.setattr(npu_ops, "store_kv", lambda *a: calls.append(a))
+    checked = ops.checked_store(npu_ops.store_kv)
+    kb, vb = torch.zeros(S, KVH, D), torch.zeros(S, KVH, D)
+    with pytest.raises(LocError, match=r"loc\[0\] = 16 lies outside the pool's slots \[0, 16\)"):
+        checked(kb, vb, torch.tensor([16]), torch.ones(1, KVH, D), torch.ones(1, KVH, D))
+    assert not calls
+    checked(kb, vb, torch.tensor([15]), torch.ones(1, KVH, D), torch.ones(1, KVH, D))
+    assert len(calls) == 1
+    assert ops._STORE_PRECHECKED["npu"] is not ops._STORE["npu"]
+    assert ops._STORE["npu"].__qualname__.startswith("checked_store")
