@@ -7,30 +7,18 @@ launches a graph captures read the number from the control words the host stages
 `LaunchGraph` replays the Triton launches it recorded with the captured arguments, as a device graph does, under
 TRITON_INTERPRET=1 on CPU tensors (the Triton page ops, as tests/test_page_ops_differential.py).
 """
-import os
-
 import pytest
 import torch
+# (first: it sets TRITON_INTERPRET=1 without a GPU; its tests are marked as this module's are)
+import test_review20_pages as pages_tests
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from hwkv.allocator import SWATokenToKVPoolAllocator, same_snapshot
+from hwkv.errors import ConfigError, DoubleFreeError, HwkvError
+from hwkv.release import release_out_of_window_batch
+from hwkv.testing.capture_check import CaptureCheckingAdapter
+from hwkv.torch_page_ops import TORCH_OPS
 
-from hwkv.allocator import SWATokenToKVPoolAllocator, same_snapshot  # noqa: E402
-from hwkv.errors import ConfigError, DoubleFreeError, HwkvError  # noqa: E402
-from hwkv.release import release_out_of_window_batch  # noqa: E402
-from hwkv.testing.capture_check import CaptureCheckingAdapter  # noqa: E402
-from hwkv.torch_page_ops import TORCH_OPS  # noqa: E402
-
-triton = pytest.importorskip("triton")
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-pytestmark = [pytest.mark.interpret,
-              pytest.mark.skipif(not INTERPRET, reason="Triton kernels on CPU tensors need TRITON_INTERPRET=1")]
-
-I64 = torch.int64
-
-
-def T(xs):
-    return torch.tensor(xs, dtype=I64)
+pytestmark, I64, T = pages_tests.pytestmark, pages_tests.I64, pages_tests.T
 
 
 class LaunchGraph:

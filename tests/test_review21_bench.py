@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from typing import List
 
 import numpy as np
 import pytest
@@ -16,21 +15,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from hwkv import cli  # noqa: E402
+from test_review20_bench import _refused  # noqa: E402  (one line on stderr, exit 2)
 from hwkv.errors import ConfigError  # noqa: E402
 
 F32_MAX = float(torch.finfo(torch.float32).max)   # 3.4028234663852886e+38
 CAPS = (50.0, 1e6, 1e8, F32_MAX)
 _tanh = None   # the kernels' tanh, set by _tanh_kernel
-
-
-def _refused(capsys, argv: List[str]) -> str:
-    """`hwkv <argv>` exits 2 with one line on stderr, nothing on stdout, no traceback; returns the line."""
-    code = cli.main(argv)
-    out, err = capsys.readouterr()
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2 and out == "" and len(lines) == 1 and "Traceback" not in err, (code, out, err)
-    return lines[0]
 
 
 def _never(*a, **k):
