@@ -275,20 +275,19 @@ def test_the_release_reads_nothing_back_while_a_graph_captures(monkeypatch):
     import hwkv.release as release
     capturing = []
 
+    def inside(call, *args):
+        capturing.append(True)
+        try:
+            return call(*args)
+        finally:
+            capturing.pop()
+
     class Capturing(CaptureCheckingAdapter):
         def capture(self, fn):
-            capturing.append(True)
-            try:
-                return super().capture(fn)
-            finally:
-                capturing.pop()
+            return inside(super().capture, fn)
 
         def replay(self, graph):
-            capturing.append(True)
-            try:
-                return super().replay(graph)
-            finally:
-                capturing.pop()
+            return inside(super().replay, graph)
 
     checked = []
     original = release._check_release

@@ -6,6 +6,7 @@ by hand drops its padded rows. Each job runs under a 10 s group timeout and a ha
 left waiting fails the test instead of hanging it."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -163,12 +164,20 @@ def job_saves(rank: int) -> Dict[str, object]:
 
 # ---- spawning --------------------------------------------------------------------------------------------
 
+def _job(job: str):
+    """A job of this module by name, or another test module's as 'module:function' (the spawned rank imports it)."""
+    if ":" not in job:
+        return globals()[job]
+    module, name = job.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def worker(rank: int, job: str, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=10))   # a rank left in a collective fails in 10 s
     torch.set_num_threads(1)
     try:
-        result = globals()[job](rank)
+        result = _job(job)(rank)
     except BaseException as e:  # noqa: BLE001  (reported to the test, which fails on it)
         result = {"crashed": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result, default=str))

@@ -16,6 +16,7 @@ from hwkv.cache import HybridPrefixCache, PrefixLock, PrefixMatch
 from hwkv.errors import CacheError, ConfigError, LocError
 from hwkv.pool import SWAKVPool
 from hwkv.req_to_token import ReqToTokenPool
+from test_cache_pool_defects import Setup  # (its integrity checks and eviction-to-empty: the same three books)
 
 P, W, SIZE = 4, 4, 64
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for this module
@@ -51,16 +52,8 @@ class Side:
                 (list(self.rtt._free), self.a.full_available_size(), self.a.swa_available_size(), c.root.lock_full,
                  c.full_tokens, c.swa_tokens, c.evictable_full, c.evictable_swa, c._nodes_count, nodes))
 
-    def check(self):
-        self.a.check_integrity()
-        self.c.check_integrity()
-        self.rtt.check_integrity()
-
-    def empty(self):
-        """Everything back once the cache evicts all it holds (nothing leaked)."""
-        self.c.evict(self.c.evictable_full)
-        self.check()
-        return self.a.full_available_size() == SIZE and self.a.swa_available_size() == SIZE
+    # allocator, cache and rows checked; everything back once the cache evicts all it holds (nothing leaked)
+    check, empty = Setup.check, Setup.empty
 
 
 def unchanged(sides, call, exc, match):

@@ -10,17 +10,11 @@
 """
 from __future__ import annotations
 
-import json
-import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hwkv.distributed import cp_allgather_and_save_kv, cp_plan
 from hwkv.engine.engine import Engine as StepEngine
@@ -31,7 +25,7 @@ from hwkv.engine.stats import RunnerStats
 from hwkv.engine.synthetic import SyntheticModel
 from hwkv.errors import ConfigError
 
-from test_distributed_refusals import Engine, kv, raised, same_everywhere  # noqa: E402  (the CP tests' pool setup)
+from test_distributed_refusals import Engine, kv, raised, same_everywhere, spawn  # noqa: E402  (the CP tests' pool setup)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for this module
 
@@ -140,35 +134,8 @@ def job_cp(rank: int) -> Dict[str, object]:
     return out
 
 
-def worker(rank: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=10))  # a rank left in a collective fails in 10 s
-    torch.set_num_threads(1)
-    try:
-        result = job_cp(rank)
-    except BaseException as e:  # noqa: BLE001  (reported to the test, which fails on it)
-        result = {"crashed": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result, default=str))
-    try:
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 def test_cp_refuses_bad_arguments_typed_and_on_every_rank(tmp_path: Path) -> None:
-    ctx = mp.start_processes(worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=False,
-                             start_method="spawn")
-    end = time.monotonic() + 60
-    try:
-        while not ctx.join(timeout=1):
-            assert time.monotonic() < end, "ranks still running after 60 s"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    for r in results:
-        assert "crashed" not in r, r
+    results = spawn("test_review21_options:job_cp", tmp_path, deadline_s=60)
     dtype = r"rank 1: cp_plan: dtype= must be a floating torch dtype \(every layer's k and v\), got "
     same_everywhere(results, "dtype str", "ConfigError", dtype + "'float32'$")
     same_everywhere(results, "dtype int", "ConfigError", dtype + "5$")
