@@ -2,6 +2,8 @@
 8 kv heads, D=64, bf16, sinks): its key and value loads are asynchronous copies (cp.async, the pipelined gather), and
 ptxas takes it without spilling registers. `make test` runs these under TRITON_INTERPRET=0 after the main suite,
 beside the Gluon extend kernel's build, so a Triton upgrade that spills or stops pipelining the loads shows in CI."""
+import dataclasses
+
 import pytest
 
 pytest.importorskip("triton")
@@ -19,7 +21,10 @@ PLANS = {"wide": (dec.WIDE_CONFIG, 1, False, 4096), "long": (dec.LONG_CONFIG, 64
          # whole key rows (8 kv heads a program as a batch of per-head dots) at 256 x 4K, 4 heads at 64 x 32K
          "rows": (dec.ROWS_CONFIG, 1, False, 4096), "wide_long": (dec.WIDE_LONG_CONFIG, 1, False, 32768),
          # pools past 2**31 elements: 64-bit gather offsets
-         "long_64bit": (dec.LONG_CONFIG, 64, False, 32768, 1 << 31)}
+         "long_64bit": (dec.LONG_CONFIG, 64, False, 32768, 1 << 31),
+         # slots loaded a tile ahead (DecodeConfig.slots_ahead)
+         "fused_ahead": (dataclasses.replace(dec.GPU_CONFIG, slots_ahead=True), 5, True, 4096),
+         "long_ahead": (dataclasses.replace(dec.LONG_CONFIG, slots_ahead=True, num_stages=3), 64, False, 32768)}
 
 
 @pytest.mark.skipif(_build_reason() is not None, reason=str(_build_reason()))
@@ -35,3 +40,13 @@ def test_decode_compiles_for_sm90_without_a_gpu(plan):
     sass = _sass(k.asm["cubin"])
     if sass is not None:   # register spills show only in the machine code: local stores and loads
         assert sass.count("STL") == 0, "the sm_90 build spills registers"
+
+
+@pytest.mark.skipif(_build_reason() is not None, reason=str(_build_reason()))
+def test_decode_slots_ahead_deepens_the_kv_gathers_for_sm90():
+    """Triton's pipeliner keeps the K/V gathers behind their iteration's index load, one tile deep at any num_stages;
+    slots loaded a tile ahead let num_stages - 1 tiles fly: at 3 stages, twice the K and V buffers in shared memory."""
+    plain = dataclasses.replace(dec.GPU_CONFIG, num_stages=3)
+    shared = [dec.compile_split_for_sm90(dataclasses.replace(plain, slots_ahead=a), 5, True, 4096).metadata.shared
+              for a in (False, True)]
+    assert shared[1] >= 1.5 * shared[0], shared

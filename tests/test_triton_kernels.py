@@ -215,6 +215,25 @@ def test_decode_several_kv_heads_per_program(hpp, h, kvh, d, dv):
     _close(c.decode(logit_cap=2.0, sinks=sinks, config=cfg), ref, torch.float32)
 
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_decode_slots_ahead_equals_slots_in_their_own_iteration(batched):
+    """Slots loaded a tile ahead (DecodeConfig.slots_ahead) give the output of slots loaded in their own iteration,
+    bit for bit, and the reference's: lists shorter than a tile, splits left empty, a window, sinks and soft-cap."""
+    import dataclasses
+    from hwkv_cuda.kernels import DecodeConfig
+    from hwkv_cuda.kernels.decode import INTERPRET_CONFIG
+    cfg = DecodeConfig(**{**INTERPRET_CONFIG.__dict__, "heads_per_program": 2, "batched_heads": batched})
+    ahead = dataclasses.replace(cfg, slots_ahead=True)
+    c = Case([1, 9, 40, 57], [1, 1, 1, 1], h=8, kvh=4, d=16, window=23, seed=7)
+    sinks = _sinks(8)
+    ref = c.ref(2.0, sinks)
+    for splits in (None, 3, 4):
+        plain = c.decode(logit_cap=2.0, sinks=sinks, splits=splits, config=cfg)
+        early = c.decode(logit_cap=2.0, sinks=sinks, splits=splits, config=ahead)
+        assert torch.equal(plain, early), splits
+        _close(early, ref, torch.float32)
+
+
 def test_decode_heads_per_program_divides_kv_heads_and_fits_the_row():
     from hwkv_cuda.kernels import DecodeConfig
     cfg = DecodeConfig(heads_per_program=8)

@@ -82,6 +82,10 @@ class DecodeConfig:
     # signal at their start, so the merge grid's launch overlaps their work and its programs wait in hardware for
     # the split grid's results), where the merge kernel runs at all
     pdl: bool = True
+    # each tile's slots load one iteration ahead (a loop-carried tile; the first before the loop): the pipeliner
+    # keeps the K/V gathers behind the same iteration's index load, so without this they stay one tile deep at any
+    # num_stages (sm_90 builds: one K and one V buffer at 3 and 4 stages); with it, num_stages - 1 tiles are in flight
+    slots_ahead: bool = False
 
     def kv_heads_per_program(self, num_kv_heads: int, head_dim: int) -> int:
         """KV heads per program: at most heads_per_program, a power of two dividing num_kv_heads, and no wider than
@@ -237,6 +241,18 @@ def _tile_slots(idx, offs_n, s_hi, OFF32: tl.constexpr):
 
 
 @triton.jit
+def _first_slots(idx, s_lo, s_hi, BLOCK_N: tl.constexpr, OFF32: tl.constexpr):
+    """The split's first tile's slots, loaded before its loop (slots ahead); an empty split loads nothing."""
+    offs_n = s_lo + tl.arange(0, BLOCK_N)
+    slot = tl.load(idx + tl.minimum(offs_n, s_hi - 1), mask=offs_n < s_lo + (s_hi > s_lo) * BLOCK_N, other=0)
+    if OFF32:
+        slot = slot.to(tl.int32)
+    else:
+        slot = slot.to(tl.int64)
+    return slot
+
+
+@triton.jit
 def _gather(buf, rows, cols, mask_c, C: tl.constexpr, BLOCK_C: tl.constexpr):
     """Rows of a K or V tile (element offsets rows + cols): masked only where the head dim is padded."""
     if C == BLOCK_C:
@@ -250,7 +266,8 @@ def _gather(buf, rows, cols, mask_c, C: tl.constexpr, BLOCK_C: tl.constexpr):
 def _block_diagonal_heads(q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, kv_indices, kv_start, s_lo, s_hi, b,
                           kvh0, qk_scale, cap, GROUP: tl.constexpr, HPP: tl.constexpr, D: tl.constexpr,
                           DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                          BLOCK_N: tl.constexpr, HAS_CAP: tl.constexpr, F32: tl.constexpr, OFF32: tl.constexpr):
+                          BLOCK_N: tl.constexpr, HAS_CAP: tl.constexpr, F32: tl.constexpr, OFF32: tl.constexpr,
+                          AHEAD: tl.constexpr):
     """The split's online softmax over HPP adjacent kv heads as one block-diagonal tile: each key row is one
     [HPP * D] load, and the query tile is block-diagonal (row r belongs to local kv head r // GROUP and is zero
     outside that head's columns), so one dot gives every row its own head's logits and the rows of a small GQA
@@ -277,10 +294,15 @@ def _block_diagonal_heads(q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, k
     l_sum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HPP * BLOCK_DV], tl.float32)
     idx = kv_indices + kv_start
+    ahead = _first_slots(idx, s_lo, s_hi, BLOCK_N, OFF32) if AHEAD else tl.zeros([BLOCK_N], tl.int32)
     for start in range(s_lo, s_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < s_hi
-        slot = _tile_slots(idx, offs_n, s_hi, OFF32)
+        if AHEAD:   # this tile's slots came last iteration; the next tile's load now (clamped to the split's end)
+            slot = ahead
+            ahead = _tile_slots(idx, offs_n + BLOCK_N, s_hi, OFF32)
+        else:
+            slot = _tile_slots(idx, offs_n, s_hi, OFF32)
         kt = _gather(k_buf, slot[:, None] * s_kb, k_cols[None, :], mask_d[None, :], D, BLOCK_D)
         s = logits_log2(dot(qt, tl.trans(kt.to(qt.dtype)), F32), qk_scale, cap, HAS_CAP)
         s = tl.where(mask_n[None, :], s, float("-inf"))
@@ -296,7 +318,7 @@ def _block_diagonal_heads(q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, k
 def _batched_heads(q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, kv_indices, kv_start, s_lo, s_hi, b, kvh0,
                    qk_scale, cap, GROUP: tl.constexpr, HPP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HAS_CAP: tl.constexpr, F32: tl.constexpr, OFF32: tl.constexpr):
+                   HAS_CAP: tl.constexpr, F32: tl.constexpr, OFF32: tl.constexpr, AHEAD: tl.constexpr):
     """The split's online softmax over HPP adjacent kv heads as a batch of per-head dots ([HPP, BLOCK_G] query rows,
     GROUP of them real): a key row of all HPP heads is one load, with no block-diagonal zeros in the products.
     Returns (acc [HPP * BLOCK_G, BLOCK_DV], m, l, the rows' q heads, their mask), rows head-major."""
@@ -316,10 +338,15 @@ def _batched_heads(q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, kv_indic
     l_sum = tl.zeros([HPP, BLOCK_G], tl.float32)
     acc = tl.zeros([HPP, BLOCK_G, BLOCK_DV], tl.float32)
     idx = kv_indices + kv_start
+    ahead = _first_slots(idx, s_lo, s_hi, BLOCK_N, OFF32) if AHEAD else tl.zeros([BLOCK_N], tl.int32)
     for start in range(s_lo, s_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < s_hi
-        slot = _tile_slots(idx, offs_n, s_hi, OFF32)
+        if AHEAD:   # this tile's slots came last iteration; the next tile's load now (clamped to the split's end)
+            slot = ahead
+            ahead = _tile_slots(idx, offs_n + BLOCK_N, s_hi, OFF32)
+        else:
+            slot = _tile_slots(idx, offs_n, s_hi, OFF32)
         kt = _gather(k_buf, slot[None, :, None] * s_kb, k_heads[:, None, None] + offs_d[None, None, :],
                      mask_d[None, None, :], D, BLOCK_D)                                   # [HPP, BLOCK_N, BLOCK_D]
         s = logits_log2(dot(q3, tl.permute(kt.to(q3.dtype), (0, 2, 1)), F32), qk_scale, cap, HAS_CAP)
@@ -343,7 +370,8 @@ def _decode_split_kernel(
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, F32: tl.constexpr,
         FUSED: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, PDL: tl.constexpr = False,
-        BATCHED: tl.constexpr = False, BLOCK_G: tl.constexpr = 16, OFF32: tl.constexpr = False):
+        BATCHED: tl.constexpr = False, BLOCK_G: tl.constexpr = 16, OFF32: tl.constexpr = False,
+        AHEAD: tl.constexpr = False):
     if PDL:   # the merge kernel may launch once every split program has started (it waits for their results)
         gdc_launch_dependents()
     kvh0 = tl.program_id(0) * HPP   # kv heads fastest: the programs reading one token row run together
@@ -356,13 +384,13 @@ def _decode_split_kernel(
     if BATCHED:
         acc, m, l_sum, heads, mask_h = _batched_heads(
             q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, kv_indices, kv_start, s_lo, s_hi, b, kvh0,
-            qk_scale, cap, GROUP, HPP, D, DV, BLOCK_G, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, F32, OFF32)
+            qk_scale, cap, GROUP, HPP, D, DV, BLOCK_G, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, F32, OFF32, AHEAD)
         col_dv = tl.arange(0, BLOCK_DV)
         mask_o = mask_h[:, None] & (col_dv < DV)[None, :]
     else:
         acc, m, l_sum, heads, mask_h, col_dv, mask_o = _block_diagonal_heads(
             q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, kv_indices, kv_start, s_lo, s_hi, b, kvh0,
-            qk_scale, cap, GROUP, HPP, D, DV, BLOCK_H, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, F32, OFF32)
+            qk_scale, cap, GROUP, HPP, D, DV, BLOCK_H, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, F32, OFF32, AHEAD)
 
     if DIRECT:  # one split: finish here: sink, normalisation, output dtype
         if HAS_SINKS:
@@ -563,7 +591,7 @@ def _split_consts(cfg: DecodeConfig, group: int, kvh: int, d: int, dv: int, spli
     return dict(GROUP=group, HPP=hpp, D=d, DV=dv, DIRECT=splits == 1, BLOCK_H=block_h,
                 BLOCK_D=pow2(d), BLOCK_DV=block_dv, BLOCK_N=cfg.keys_per_iter(per_split), FUSED=fused,
                 BLOCK_S=block_s if fused else 1, CHUNK_S=chunk_s if fused else 1, PDL=pdl,
-                BATCHED=cfg.batched_heads, BLOCK_G=pow2(group), OFF32=pool_elements < 2 ** 31,
+                BATCHED=cfg.batched_heads, BLOCK_G=pow2(group), OFF32=pool_elements < 2 ** 31, AHEAD=cfg.slots_ahead,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
