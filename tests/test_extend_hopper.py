@@ -149,6 +149,10 @@ VARIANTS = {   # the sweep's schedule switches, each against the reference
     "sums_mma_window_tiles": extend_hopper._TUNED_WINDOW[64],
     "sums_mma_128_keys": extend_hopper.HopperConfig(128, 4, sums_mma=True),
     "sums_mma_pingpong": extend_hopper.HopperConfig(128, 4, pingpong=True, sums_mma=True),
+    # gathers without row masks: rows past a list's end repeat its last slot
+    "lean_causal_tiles": extend_hopper._CLEAN[64]._replace(lean_gather=True),
+    "lean_window_tiles": extend_hopper._CLEAN_WINDOW[64]._replace(lean_gather=True),
+    "lean_sums_mma_window_tiles": extend_hopper._TUNED_WINDOW[64]._replace(lean_gather=True),
 }
 
 
@@ -452,6 +456,8 @@ def _compile_reason():
                                                         (64, True, False, "window_tiles"),
                                                         (64, True, False, "one_request"),
                                                         (64, False, True, "sums_mma_causal_tiles"),
+                                                        (64, False, True, "lean_causal_tiles"),
+                                                        (64, True, False, "lean_window_tiles"),
                                                         (64, False, True, "tuned"), (64, True, True, "tuned"),
                                                         (128, True, True, "tuned")])
 def test_compiles_for_sm90_without_a_gpu(d, window, cap_sinks, variant):

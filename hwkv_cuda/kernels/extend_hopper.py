@@ -97,6 +97,9 @@ class HopperConfig(NamedTuple):
     q_regs: bool = False       # Q read into registers once per item (S = Q K^T from registers, not shared memory)
     consumers: int = 2         # consumer warpgroups (2 to 4) sharing each key tile: 64 query rows each
     sums_mma: bool = False     # the softmax's row sums by the tensor cores (P times an [8, keys] tile of ones)
+    # the producer's gathers without row masks: rows past the list's end repeat its last slot (a real key, masked to
+    # P = 0 by the consumers as the zero-filled rows were), so no predicate is formed per row and tile
+    lean_gather: bool = False
 
 
 PRODUCER_WARPS = 4
@@ -238,7 +241,8 @@ if gluon is not None:
             _load_q(q_desc, q3_smem, q_ready.index(3), q_free.index(3), n_q, row + 3 * BT, col)
 
     @gluon.jit
-    def _producer(shared, n_kvh: gl.constexpr, WARPS: gl.constexpr, HAS_WINDOW: gl.constexpr, NC: gl.constexpr):
+    def _producer(shared, n_kvh: gl.constexpr, WARPS: gl.constexpr, HAS_WINDOW: gl.constexpr, NC: gl.constexpr,
+                  LEAN: gl.constexpr):
         """For every item: every consumer's Q tile (TMA, after the item's first key tile), then every key tile's
         K and V rows gathered into the ring of stages (cp.async, 16 bytes a thread; any page size, pages in any
         order), each tile's slots loaded one tile ahead so the gather never waits on them."""
@@ -272,17 +276,29 @@ if gluon is not None:
                     lst = kv_indices + kv_start + lo
                     # slots held as int32 (a pool below 2**31 tokens) and widened where an address is formed: the
                     # producer lives on the registers the consumers leave
-                    slot = gl.load(lst + rows, mask=rows < span, other=0).to(gl.int32)
+                    last = span - 1
+                    if LEAN:   # rows past the end repeat the last slot (an empty list loads nothing)
+                        slot = gl.load(lst + gl.minimum(rows, last), mask=rows < span + (span > 0) * BLOCK_N,
+                                       other=0).to(gl.int32)
+                    else:
+                        slot = gl.load(lst + rows, mask=rows < span, other=0).to(gl.int32)
                     for j in range(n_tiles):
                         offs = j * BLOCK_N + rows
-                        nxt = gl.load(lst + offs + BLOCK_N, mask=offs + BLOCK_N < span, other=0).to(gl.int32)
+                        if LEAN:
+                            nxt = gl.load(lst + gl.minimum(offs + BLOCK_N, last)).to(gl.int32)
+                        else:
+                            nxt = gl.load(lst + offs + BLOCK_N, mask=offs + BLOCK_N < span, other=0).to(gl.int32)
                         stage = it % STAGES
                         mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)   # first round: at once
-                        ok = offs < span
                         slot64 = slot.to(gl.int64)
-                        # masked rows are zero-filled (src-size 0): finite values under P = 0
-                        _cp_async(k_smem.index(stage), k_head + (slot64 * s_kb)[:, None], mask=ok[:, None])
-                        _cp_async(v_smem.index(stage), v_head + (slot64 * s_vb)[:, None], mask=ok[:, None])
+                        if LEAN:
+                            _cp_async(k_smem.index(stage), k_head + (slot64 * s_kb)[:, None])
+                            _cp_async(v_smem.index(stage), v_head + (slot64 * s_vb)[:, None])
+                        else:
+                            ok = offs < span
+                            # masked rows are zero-filled (src-size 0): finite values under P = 0
+                            _cp_async(k_smem.index(stage), k_head + (slot64 * s_kb)[:, None], mask=ok[:, None])
+                            _cp_async(v_smem.index(stage), v_head + (slot64 * s_vb)[:, None], mask=ok[:, None])
                         async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
                         slot = nxt
                         it += 1
@@ -515,7 +531,8 @@ if gluon is not None:
                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_CAP: gl.constexpr,
                               HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, Q_REGS: gl.constexpr,
-                              NC: gl.constexpr, ONE_REQ: gl.constexpr, SUMS_MMA: gl.constexpr):
+                              NC: gl.constexpr, ONE_REQ: gl.constexpr, SUMS_MMA: gl.constexpr,
+                              LEAN: gl.constexpr = False):
         if ONE_REQ:     # one request: a compile-time batch size (every item's bounds load from fixed addresses)
             bs = gl.constexpr(1)
         dtype: gl.constexpr = q_desc.dtype
@@ -571,7 +588,7 @@ if gluon is not None:
                   turns, out, sinks, bs, n_items, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh, qk_scale, v_scale,
                   cap, ones_smem)
         if NC == 4:
-            gl.warp_specialize([(_producer, (shared, n_kvh, PRODUCER_WARPS, HAS_WINDOW, NC)),
+            gl.warp_specialize([(_producer, (shared, n_kvh, PRODUCER_WARPS, HAS_WINDOW, NC, LEAN)),
                                 (_consumer, (0, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
                                               SUMS_MMA)),
                                 (_consumer, (1, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
@@ -582,7 +599,7 @@ if gluon is not None:
                                               SUMS_MMA))],
                                [4, 4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
         elif NC == 3:
-            gl.warp_specialize([(_producer, (shared, n_kvh, PRODUCER_WARPS, HAS_WINDOW, NC)),
+            gl.warp_specialize([(_producer, (shared, n_kvh, PRODUCER_WARPS, HAS_WINDOW, NC, LEAN)),
                                 (_consumer, (0, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
                                               SUMS_MMA)),
                                 (_consumer, (1, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
@@ -591,7 +608,7 @@ if gluon is not None:
                                               SUMS_MMA))],
                                [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
         else:
-            gl.warp_specialize([(_producer, (shared, n_kvh, PRODUCER_WARPS, HAS_WINDOW, NC)),
+            gl.warp_specialize([(_producer, (shared, n_kvh, PRODUCER_WARPS, HAS_WINDOW, NC, LEAN)),
                                 (_consumer, (0, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
                                               SUMS_MMA)),
                                 (_consumer, (1, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
@@ -699,7 +716,7 @@ def _consts(group: int, d: int, cfg: HopperConfig, kv_heads: int) -> Dict[str, A
         raise ConfigError(f"pingpong with consumers={cfg.consumers}: the ping-pong takes 2 consumer warpgroups")
     return dict(n_kvh=kv_heads, GROUP=group, D=d, BLOCK_N=cfg.block_n, STAGES=cfg.stages, PRODUCER_WARPS=PRODUCER_WARPS,
                 CONSUMER_REGS=cfg.consumer_regs, PINGPONG=cfg.pingpong, Q_REGS=cfg.q_regs,
-                NC=cfg.consumers, SUMS_MMA=cfg.sums_mma)
+                NC=cfg.consumers, SUMS_MMA=cfg.sums_mma, LEAN=cfg.lean_gather)
 
 
 @functools.lru_cache(maxsize=None)
