@@ -29,13 +29,24 @@ def __getattr__(name: str) -> Any:
 
 def make_backend(pool: Any, req_to_token_pool: Any, device: Union[None, str, Any] = None,
                  **options: Any) -> "AttentionBackend":
-    """Build the attention backend of `device` (a name, a DeviceSpec, or None: the current device, or where the
-    pool lives elsewhere, e.g. a CPU pool on a GPU machine, the best available plugin for the pool's device).
-    DeviceError for an unknown or unavailable device, or one whose tensors are not the pool's."""
+    """Build the attention backend of `device`: a plugin name, a DeviceSpec, a torch.device (the pool's: the plugin
+    serving its type, as for None), or None (the current device, or where the pool lives elsewhere, e.g. a CPU pool
+    on a GPU machine, the best available plugin for the pool's device). DeviceError for an unknown or unavailable
+    device, one whose tensors are not the pool's, or any other kind of value."""
+    import torch
+
     from hwkv import devices
     from hwkv.errors import DeviceError
 
-    pool_type = str(getattr(pool, "device", "cpu")).split(":")[0]
+    pool_device = getattr(pool, "device", "cpu")
+    pool_type = str(pool_device).split(":")[0]
+    if isinstance(device, torch.device):
+        pool_index = str(pool_device).partition(":")[2]  # "" where the pool names no index
+        other_index = device.index is not None and pool_index != "" and str(device.index) != pool_index
+        if device.type != pool_type or other_index:
+            raise DeviceError(f"device={device!r} is not the pool's device {pool_device}: build the pool on "
+                              f"{str(device)!r} or pass device=None")
+        device = None  # the pool's device: chosen as for None
     if device is None:
         spec = devices.current_device()
         if spec.torch_device != pool_type:  # e.g. a CPU pool on a GPU machine: the pool decides
@@ -48,8 +59,11 @@ def make_backend(pool: Any, req_to_token_pool: Any, device: Union[None, str, Any
         if device not in specs:
             raise DeviceError(f"unknown device {device!r}; known devices: {sorted(specs)}")
         spec = specs[device]
-    else:
+    elif isinstance(device, devices.DeviceSpec):
         spec = device
+    else:
+        raise DeviceError(f"device={device!r} ({type(device).__name__}) is not a device: pass a device plugin name "
+                          f"(one of {sorted(devices.discover())}), a DeviceSpec, a torch.device or None")
     reason = spec.unavailable_reason()
     if reason is not None:
         raise DeviceError(f"device {spec.name!r} is unavailable: {reason}")

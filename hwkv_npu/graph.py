@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import importlib
-import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
@@ -25,6 +23,7 @@ import torch
 
 from hwkv.errors import ConfigError
 from hwkv.graph import TorchDeviceGraphAdapter
+from hwkv_npu import import_torch_npu
 
 _TASKS: contextvars.ContextVar[Optional[List["FIATask"]]] = contextvars.ContextVar("hwkv_npu_tasks", default=None)
 
@@ -101,13 +100,10 @@ class NPUGraphAdapter(NPUTaskUpdates, TorchDeviceGraphAdapter):
 
     def __init__(self) -> None:
         if getattr(torch, "npu", None) is None:
-            if importlib.util.find_spec("torch_npu") is None:
-                raise ConfigError("torch_npu is not installed: NPU graphs (torch.npu.NPUGraph) are unavailable")
             try:
-                importlib.import_module("torch_npu")  # registers torch.npu
-            except ImportError as e:
-                raise ConfigError(f"torch_npu is installed but does not import ({e}): "
-                                  "NPU graphs are unavailable") from e
+                import_torch_npu()  # registers torch.npu
+            except ConfigError as e:
+                raise ConfigError(f"{e}: NPU graphs (torch.npu.NPUGraph) are unavailable") from e
         npu = getattr(torch, "npu", None)
         if npu is None:
             raise ConfigError("torch_npu imported but did not register torch.npu: NPU graphs are unavailable")

@@ -1,6 +1,7 @@
 """`hwkv info`'s table for the NPU: which path each layer kind takes (asks `fia.decide`, as the backend does).
 
-Reads the installed torch_npu's op schemas when torch_npu is importable (no device work); otherwise it
+Reads the installed torch_npu's op schemas when torch_npu is importable (no device work); one that is installed
+but fails to import (whatever it raises) sends every layer to plain torch with that reason. Otherwise it
 answers for a torch_npu with the fused op, v2's learnable_sink and the graph task-update API (v2's graph
 entry points included), and says so in the table's assumptions. Eager and graph answers differ only where
 the graph API (or v2's part of it, for sink layers) is missing.
@@ -12,16 +13,17 @@ from typing import List, Tuple
 
 import torch
 
+from hwkv.errors import ConfigError
 from hwkv.paths import Geometry, LayerKind, LayerPath, PathTable, kind_features, layer_kinds
-from hwkv_npu import fia
+from hwkv_npu import fia, import_torch_npu
 
 
 def _env() -> Tuple[fia.NPUEnv, List[str]]:
     if importlib.util.find_spec("torch_npu") is not None:
         try:
-            return fia.load_env(fia.import_torch_npu()), []
-        except ImportError as e:
-            return fia.NPUEnv(False, f"torch_npu does not import: {e}"), []
+            return fia.load_env(import_torch_npu()), []
+        except ConfigError as e:  # installed but its import raised: every row says why
+            return fia.NPUEnv(False, str(e)), []
     return (fia.NPUEnv(True, "", True, "", True, "", graph_sinks=True),
             ["torch_npu is not installed here: answering for a release with the fused op, v2 learnable_sink "
              "and the graph task-update API"])

@@ -23,6 +23,7 @@ from hwkv.metadata import ForwardMetadata, KVIndexList, StaticBuffers
 from hwkv.paths import FUSED
 from hwkv_cuda.backend import TritonBackend
 from hwkv_rocm import aiter_ops
+from hwkv_rocm.paths import load_aiter
 
 _INDICES = "aiter_indices"
 
@@ -65,17 +66,14 @@ class ROCmBackend(TritonBackend):
         reason = aiter_ops.arch_reason(self.device)
         if reason is not None:
             return None, None, f"Triton only: {reason}"
-        decode_fn, decode_why = aiter_ops.load_paged_attention_ragged()
-        if decode_fn is not None and ctx > aiter_ops.MAX_CONTEXT:
-            decode_fn, decode_why = None, f"max_context_len {ctx} > {aiter_ops.MAX_CONTEXT}"
-        prefill_fn, prefill_why = aiter_ops.load_batch_prefill()
-        if decode_fn is None and prefill_fn is None:
-            return None, None, f"Triton only: {decode_why}"
-        env = aiter_ops.AiterEnv(aiter_ops.gpu_arch(self.device), decode_fn is not None, prefill_fn is not None,
-                                 decode_why, prefill_why)
+        found = load_aiter(ctx)  # the loader `hwkv info` reads too
+        if found.decode is None and found.prefill is None:
+            return None, None, f"Triton only: {found.decode_why}"
         status = "; ".join(f"{what}: {'AITER where the layer allows' if fn is not None else 'Triton (' + why + ')'}"
-                           for what, fn, why in (("decode", decode_fn, decode_why), ("extend", prefill_fn, prefill_why)))
-        return aiter_ops.AiterKernels(decode_fn, prefill_fn, self.device, ctx), env, status
+                           for what, fn, why in (("decode", found.decode, found.decode_why),
+                                                 ("extend", found.prefill, found.prefill_why)))
+        kernels = aiter_ops.AiterKernels(found.decode, found.prefill, self.device, ctx)
+        return kernels, found.env(aiter_ops.gpu_arch(self.device)), status
 
     def alloc_graph_tables(self, static: StaticBuffers) -> Optional[_Twins]:
         """int32 twins of one static buffer set's index lists, which AITER reads: made once beside them and
