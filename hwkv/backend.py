@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
 
+import numpy as np
 import torch
 
 from hwkv import ops
@@ -150,8 +151,11 @@ class AttentionBackend(DraftMetadataMixin):
         ext_h = [1] * bs if decode else ext_cpu.tolist()
         batch.check_lens(seq_h, ext_h, *self.req_to_token_pool.req_to_token.shape)  # before anything is built
         tree_size = self.tree_planner.check(batch, ext_cpu)  # spec_info: None, or a verify tree that fits
-        # the same rule as window_pos0 on the host lengths, for sizes: max(0, seq - ext - W + 1)
-        win_lens = {w: [s - max(0, s - e - w + 1) for s, e in zip(seq_h, ext_h)] for w in self.windows}
+        # each window list's lengths, by window_pos0's rule on the host lengths: seq - max(0, seq - ext - W + 1), which
+        # is min(seq, ext + W - 1); one numpy op per window over the host tensors read above, nothing per request in
+        # Python. W - 1 is capped at the context (seq <= context: the same lengths, and no int64 overflow)
+        seq_np, ext_np, ctx = seq_cpu.numpy(), ext_cpu.numpy(), self.req_to_token_pool.req_to_token.shape[1]
+        win_lens = {w: np.minimum(seq_np, ext_np + min(w - 1, ctx)).tolist() for w in self.windows}
         ext = None if decode else batch.extend_lens().to(torch.int64)
         kernels = ops.graph_refill_kernels(self.device.type) if self._fusable_refill and not self.debug else None
         if kernels is not None and bs and batch.spec_info is None:  # the graph refill's launches, buffers sized here

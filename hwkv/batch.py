@@ -8,7 +8,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from hwkv.checks import check_int_dtype, check_rows
+from hwkv.checks import as_int, check_int_dtype, check_rows
 from hwkv.errors import ConfigError, ShapeError
 
 
@@ -48,6 +48,7 @@ class ForwardBatch:
     (a graph runner copies it into its static batch when given). `seq_lens_cpu`/`extend_seq_lens_cpu`
     (optional host copies, as engines keep them) let the eager metadata step size its lists without a
     host sync. Rows, locs, positions and lengths are integer tensors: a float or bool one is a LocError here.
+    `batch_size` is an integer >= 0 (a numpy or 0-d tensor one is stored as an int): else a ShapeError here.
     """
 
     forward_mode: ForwardMode
@@ -67,6 +68,10 @@ class ForwardBatch:
             members = ", ".join(f"ForwardMode.{m}" for m in ForwardMode.__members__)
             raise ConfigError(f"forward_mode is {self.forward_mode!r} ({type(self.forward_mode).__name__}), not a "
                               f"ForwardMode; use one of {members}")
+        bs = as_int(self.batch_size)  # 2.0 would match the tensors' lengths and fail later in torch; True would be 1
+        if bs is None or bs < 0:
+            raise ShapeError(f"batch_size must be an integer >= 0 (the number of requests), got {self.batch_size!r}")
+        self.batch_size = bs  # numpy and 0-d tensor integers become ints
         for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "extend_seq_lens", "seq_lens_cpu",
                      "extend_seq_lens_cpu"):   # a list here would fail below as an AttributeError
             t = getattr(self, name)
@@ -118,7 +123,7 @@ class ForwardBatch:
             ext = self.extend_seq_lens_cpu
         else:
             ext = self.extend_seq_lens.cpu()
-        return seq.to(torch.int64), ext.to(torch.int64)
+        return seq.to("cpu", torch.int64), ext.to("cpu", torch.int64)  # (no copy of int64 CPU tensors)
 
     def check_lens(self, seq_h: List[int], ext_h: List[int], rows: int, max_context_len: int) -> None:
         """The batch against a req_to_token table of `rows` x `max_context_len`, typed (ShapeError, LocError), before

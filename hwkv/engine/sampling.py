@@ -134,17 +134,39 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
            steps: torch.Tensor, any_sampled: bool) -> torch.Tensor:
     """Next token per row of `logits` [K, V]: argmax where temperature is 0, else a draw from the softmax
     at that temperature restricted to the top-p nucleus (at least the most likely token). `any_sampled`
-    (known on the host) skips the sampling ops for all-greedy batches."""
+    (known on the host) skips the sampling ops for all-greedy batches.
+
+    Non-finite logits (an fp16/bf16 LM head that overflowed) get the softmax's limit, decided per row on the
+    device: a row holding +inf draws among its +inf tokens, and NaN counts as +inf (argmax, greedy's pick, ranks NaN
+    highest too), so a row with one such token draws greedy's answer; a row of nothing but -inf draws from the whole
+    row. Other rows are untouched."""
     greedy = logits.argmax(dim=-1)
     if not any_sampled:
         return greedy
-    t = temperature.to(torch.float32).clamp(min=1e-6)[:, None]
-    logp = torch.log_softmax(logits.to(torch.float32) / t, dim=-1)
+    return torch.where(temperature > 0, _draw(_scaled(logits, temperature), top_p, seeds, steps), greedy)
+
+
+def _scaled(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """`logits` / T in float32, with no entry +inf or NaN. A row whose largest entry is not finite becomes 0 at its
+    largest entries (NaN counted as +inf) and -inf elsewhere. Rows colder than 1e-6, or whose max / T overflows,
+    subtract their max before dividing by their exact T (every entry <= 0, differences exact); the others divide
+    their logits as they are, as the sampler always has (log_softmax subtracts the max itself), so their draws stay
+    bit for bit. T = 0 (greedy) rows divide by 1."""
+    x = logits.to(torch.float32).nan_to_num(nan=math.inf, posinf=math.inf, neginf=-math.inf)
+    top = x.amax(dim=-1, keepdim=True)  # +inf (or -inf: all -inf) where the row is not finite
+    t = torch.where(temperature > 0, temperature.to(torch.float32), 1.0)[:, None]
+    shift = torch.where((t < 1e-6) | (top / t).isinf(), top, 0.0)
+    # a row shifted by an infinite top: NaN (inf - inf) at its top entries, made 0 here, -inf elsewhere
+    return (x - shift).nan_to_num(nan=0.0, posinf=math.inf, neginf=-math.inf) / t
+
+
+def _draw(scaled: torch.Tensor, top_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """The Gumbel-max draw per row from softmax(`scaled`) within the row's top-p nucleus."""
+    logp = torch.log_softmax(scaled, dim=-1)
     sorted_lp, order = logp.sort(dim=-1)  # ascending: see _outside_nucleus
     sorted_lp = sorted_lp.masked_fill(_outside_nucleus(sorted_lp.exp(), top_p), float("-inf"))
     u = uniform_noise(seeds, steps, order)  # keyed by token id, so the sort order does not matter
-    pick = order.gather(-1, (sorted_lp - torch.log(-torch.log(u))).argmax(dim=-1, keepdim=True))[:, 0]
-    return torch.where(temperature > 0, pick, greedy)
+    return order.gather(-1, (sorted_lp - torch.log(-torch.log(u))).argmax(dim=-1, keepdim=True))[:, 0]
 
 
 def params_tensors(params: Sequence[SamplingParams], steps: Sequence[int],
