@@ -153,6 +153,9 @@ VARIANTS = {   # the sweep's schedule switches, each against the reference
     "lean_causal_tiles": extend_hopper._CLEAN[64]._replace(lean_gather=True),
     "lean_window_tiles": extend_hopper._CLEAN_WINDOW[64]._replace(lean_gather=True),
     "lean_sums_mma_window_tiles": extend_hopper._TUNED_WINDOW[64]._replace(lean_gather=True),
+    # the soft-cap's tanh by the hardware (tanh.approx.f32)
+    "fast_tanh_causal_tiles": extend_hopper._CLEAN[64]._replace(fast_tanh=True),
+    "fast_tanh_window_tiles": extend_hopper._CLEAN_WINDOW[64]._replace(fast_tanh=True),
 }
 
 
@@ -253,6 +256,27 @@ def test_gluon_sinks_softcap_scales(monkeypatch, d):
     got = c.gluon(monkeypatch, **kw)
     _close(got, c.ref(**kw))
     _close(got, c.portable(**kw))
+
+
+@hopper
+@pytest.mark.parametrize("tile", ["causal", "window"])
+@pytest.mark.parametrize("cap", [20.0, 1.5])
+def test_gluon_fast_tanh_softcap(tile, cap):
+    """The soft-cap by the hardware's tanh (HopperConfig.fast_tanh) against the reference and the exact tanh's
+    kernel: a cap the logits saturate (1.5) and one they mostly do not (20), sinks and K/V scales, window and not."""
+    window = 100 if tile == "window" else None
+    c = Paged([600, 200, 37], [300, 200, 37], h=16, kvh=2, d=64, window=window, seed=5)
+    sinks = (torch.randn(16, generator=torch.Generator().manual_seed(3)) * 2).float().cuda()
+    base = (extend_hopper.CONFIGS if tile == "causal" else extend_hopper.WINDOW_CONFIGS)[64]
+    outs = []
+    for fast in (False, True):
+        plan = extend_hopper._plan(8, 2, 64, 300, base._replace(fast_tanh=fast), c.q.device, windows=bool(window))
+        out = c.empty_out()
+        assert extend_hopper.run_hopper_extend(plan, *c.args(out), c.scaling, window, cap, sinks, 0.5, 1.5)
+        outs.append(out)
+    want = c.ref(logit_cap=cap, sinks=sinks, k_scale=0.5, v_scale=1.5)
+    _close(outs[1], want)
+    _close(outs[1], outs[0], tol=1e-2)
 
 
 @hopper
@@ -458,6 +482,8 @@ def _compile_reason():
                                                         (64, False, True, "sums_mma_causal_tiles"),
                                                         (64, False, True, "lean_causal_tiles"),
                                                         (64, True, False, "lean_window_tiles"),
+                                                        (64, False, True, "fast_tanh_causal_tiles"),
+                                                        (64, True, True, "fast_tanh_window_tiles"),
                                                         (64, False, True, "tuned"), (64, True, True, "tuned"),
                                                         (128, True, True, "tuned")])
 def test_compiles_for_sm90_without_a_gpu(d, window, cap_sinks, variant):
@@ -489,6 +515,8 @@ def test_compiles_for_sm90_without_a_gpu(d, window, cap_sinks, variant):
         assert f"WARPGROUP.DEPBAR.LE gsb0, 0x{in_flight}" in sass, "ptxas serialised the warpgroup products"
     warnings = _ptxas_serialisation(ptx)
     assert not warnings, f"ptxas serialises warpgroup products: {warnings}"
+    if cap_sinks and config is not None and config.fast_tanh:
+        assert "tanh.approx.f32" in ptx
 
 
 def _ptxas_serialisation(ptx: str):

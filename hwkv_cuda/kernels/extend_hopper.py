@@ -100,6 +100,9 @@ class HopperConfig(NamedTuple):
     # the producer's gathers without row masks: rows past the list's end repeat its last slot (a real key, masked to
     # P = 0 by the consumers as the zero-filled rows were), so no predicate is formed per row and tile
     lean_gather: bool = False
+    # the soft-cap's tanh by the hardware's approximation (tanh.approx.f32: one special-function op a score, relative
+    # error below 2**-10.9) rather than the Triton kernels' exact form (an exp and a division a score)
+    fast_tanh: bool = False
 
 
 PRODUCER_WARPS = 4
@@ -317,7 +320,11 @@ if gluon is not None:
         """Fold one tile's raw logits into (m, l): returns (m_new, p, alpha, l_new) in log2 units (SUM off: l as
         given, the row sums made elsewhere). The visibility mask (list end, causal bound, window) is applied only
         where some row needs it."""
-        if HAS_CAP:
+        if HAS_CAP == 2:   # the hardware's tanh (see HopperConfig.fast_tanh)
+            s = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [s * (qk_scale / cap)], dtype=gl.float32,
+                                          is_pure=True, pack=1) * cap
+            c = _LOG2E
+        elif HAS_CAP:
             s = tanh_fp32(s * (qk_scale / cap)) * cap   # the Triton kernels' tanh (a tl jit function inlines here)
             c = _LOG2E
         else:
@@ -532,7 +539,7 @@ if gluon is not None:
                               HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, Q_REGS: gl.constexpr,
                               NC: gl.constexpr, ONE_REQ: gl.constexpr, SUMS_MMA: gl.constexpr,
-                              LEAN: gl.constexpr = False):
+                              LEAN: gl.constexpr = False, FAST_TANH: gl.constexpr = False):
         if ONE_REQ:     # one request: a compile-time batch size (every item's bounds load from fixed addresses)
             bs = gl.constexpr(1)
         dtype: gl.constexpr = q_desc.dtype
@@ -583,35 +590,36 @@ if gluon is not None:
         # partitions as one literal list, hence one call per consumer count; the partitions share one tuple of
         # values. Constexprs travel outside it: in a tuple handed to a partition they arrive as plain constants
         # (which still fold, as ONE_REQ's bs does) that cannot shape a layout or a static branch
+        CAP: gl.constexpr = HAS_CAP * (1 + FAST_TANH)   # 0: no cap, 1: the exact tanh, 2: the hardware's
         shared = (q_desc, o_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, q0_smem, q1_smem,
                   q2_smem, q3_smem, o0_smem, o1_smem, o2_smem, o3_smem, q_ready, q_free, k_smem, v_smem, ready, empty,
                   turns, out, sinks, bs, n_items, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh, qk_scale, v_scale,
                   cap, ones_smem)
         if NC == 4:
             gl.warp_specialize([(_producer, (shared, n_kvh, PRODUCER_WARPS, HAS_WINDOW, NC, LEAN)),
-                                (_consumer, (0, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
+                                (_consumer, (0, shared, n_kvh, CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
                                               SUMS_MMA)),
-                                (_consumer, (1, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
+                                (_consumer, (1, shared, n_kvh, CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
                                               SUMS_MMA)),
-                                (_consumer, (2, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
+                                (_consumer, (2, shared, n_kvh, CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
                                               SUMS_MMA)),
-                                (_consumer, (3, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
+                                (_consumer, (3, shared, n_kvh, CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
                                               SUMS_MMA))],
                                [4, 4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
         elif NC == 3:
             gl.warp_specialize([(_producer, (shared, n_kvh, PRODUCER_WARPS, HAS_WINDOW, NC, LEAN)),
-                                (_consumer, (0, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
+                                (_consumer, (0, shared, n_kvh, CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
                                               SUMS_MMA)),
-                                (_consumer, (1, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
+                                (_consumer, (1, shared, n_kvh, CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
                                               SUMS_MMA)),
-                                (_consumer, (2, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
+                                (_consumer, (2, shared, n_kvh, CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
                                               SUMS_MMA))],
                                [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
         else:
             gl.warp_specialize([(_producer, (shared, n_kvh, PRODUCER_WARPS, HAS_WINDOW, NC, LEAN)),
-                                (_consumer, (0, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
+                                (_consumer, (0, shared, n_kvh, CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
                                               SUMS_MMA)),
-                                (_consumer, (1, shared, n_kvh, HAS_CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
+                                (_consumer, (1, shared, n_kvh, CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
                                               SUMS_MMA))],
                                [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
@@ -716,7 +724,8 @@ def _consts(group: int, d: int, cfg: HopperConfig, kv_heads: int) -> Dict[str, A
         raise ConfigError(f"pingpong with consumers={cfg.consumers}: the ping-pong takes 2 consumer warpgroups")
     return dict(n_kvh=kv_heads, GROUP=group, D=d, BLOCK_N=cfg.block_n, STAGES=cfg.stages, PRODUCER_WARPS=PRODUCER_WARPS,
                 CONSUMER_REGS=cfg.consumer_regs, PINGPONG=cfg.pingpong, Q_REGS=cfg.q_regs,
-                NC=cfg.consumers, SUMS_MMA=cfg.sums_mma, LEAN=cfg.lean_gather)
+                NC=cfg.consumers, SUMS_MMA=cfg.sums_mma, LEAN=cfg.lean_gather,
+                FAST_TANH=cfg.fast_tanh)
 
 
 @functools.lru_cache(maxsize=None)
