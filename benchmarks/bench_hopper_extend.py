@@ -1,7 +1,7 @@
 """Prefill/extend on Hopper: the Gluon sm_90 kernel (hwkv_cuda.kernels.extend_hopper) against the portable
 Triton kernel and torch SDPA (cuDNN and flash backends over dense K/V), each under a CUDA graph.
 
-    python3 benchmarks/bench_hopper_extend.py [--json out.json] [--d 64 128] [--sweep] [--host] [--threshold]
+    python3 benchmarks/bench_hopper_extend.py [--json out.json] [--d 64 128] [--sweep] [--host] [--threshold] [--cap C]
 
 Cases (issue 25): 1 x 8192 causal, 4 x 2048 new over a 2048 prefix, 8 x 1024 causal, 1 x 8192 with W=128;
 H=64, KVH=8, D=64 (or 128), bf16, pages of 16 at random places. TFLOP/s counts visible (query, key) pairs only,
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -53,6 +54,7 @@ H, KVH, PAGE = 64, 8, 16
 DT = torch.bfloat16
 DEV = torch.device("cuda")
 CASES = [(1, 8192, 0, None), (4, 2048, 2048, None), (8, 1024, 0, None), (1, 8192, 0, 128)]   # bs, new, prefix, W
+CAP = 0.0   # --cap: every hwkv kernel's logit soft-cap (SDPA has none: its columns read n/a)
 # D=64 tiles and schedules that compile for sm_90 without spills (Triton 3.6): keys per tile, stages, consumer
 # registers, persistent programs, ping-pong between the consumers, Q in registers
 _C = extend_hopper.HopperConfig
@@ -99,7 +101,7 @@ class Case:
         return 4 * self.pairs * H * self.d / (us * 1e-6) / 1e12 if isinstance(us, float) else None
 
     def portable(self):
-        extend_attention(*self.args, self.new, self.d ** -0.5, self.window,
+        extend_attention(*self.args, self.new, self.d ** -0.5, self.window, CAP,
                          config=default_config(self.d, False, self.window, DEV))
 
     def gluon_fn(self, config=None):
@@ -115,10 +117,12 @@ class Case:
             plan = extend_hopper._plan(H // KVH, KVH, self.d, self.new, config, DEV)
 
         def run():
-            assert extend_hopper.run_hopper_extend(plan, *self.args, self.d ** -0.5, self.window)
+            assert extend_hopper.run_hopper_extend(plan, *self.args, self.d ** -0.5, self.window, CAP)
         return run
 
     def sdpa_fn(self, backend):
+        if CAP:
+            return "n/a (soft-cap)"
         q4 = self.q.view(self.bs, self.new, H, self.d).transpose(1, 2)
         k4 = self.k_buf[self.slots].transpose(1, 2).contiguous()     # dense [bs, KVH, seq, D]
         v4 = self.v_buf[self.slots].transpose(1, 2).contiguous()
@@ -250,7 +254,7 @@ def warm(args, procs):
     """Compile the sweep in `procs` child processes at once (the builds are CPU-bound, the lent GPU's host has cores to
     spare), before the timing starts."""
     base = [sys.executable, __file__, "--d", *map(str, args.d)] + (["--only", *args.only] if args.only else [])
-    base += [x for spec in args.config or [] for x in ("--config", spec)]
+    base += [x for spec in args.config or [] for x in ("--config", spec)] + ["--cap", repr(args.cap)]
     children = [subprocess.Popen(base + ["--warm-share", str(i), str(procs)]) for i in range(procs)]
     for i, ch in enumerate(children):
         if ch.wait():   # the timing still runs (and builds what this share did not): reported, not fatal
@@ -413,8 +417,15 @@ def main():
                     help="sweep this tile config instead of SWEEP's (repeatable; implies --sweep): BASE | "
                          "[BASE:]field=value,... with BASE causal (default), window or defaults (which needs "
                          "block_n and stages)")
+    ap.add_argument("--cap", type=float, default=0.0,
+                    help="soft-cap the logits of hwkv's kernels at this value (0: none; SDPA has none, its columns read "
+                         "n/a)")
     ap.add_argument("--warm-share", type=int, nargs=2, metavar=("I", "N"), help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if not (a.cap >= 0 and math.isfinite(a.cap)):
+        ap.error(f"--cap {a.cap}: a soft-cap is a finite value >= 0 (0: none)")
+    global CAP
+    CAP = a.cap
     if a.config and (a.once is not None or a.no_cases):
         ap.error("--config sweeps the issue's cases: not with --once (which profiles the dispatch's tiles) or "
                  "--no-cases")
@@ -437,7 +448,7 @@ def main():
         return
     if a.sweep and a.warm > 0:
         warm(a, a.warm)
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cap=CAP,
                   triton=__import__("triton").__version__, gluon_error=extend_hopper.GLUON_ERROR, rows=[])
     for d in a.d:
         if a.threshold:

@@ -110,13 +110,14 @@ def test_config_specs_replace_the_sweep_and_reach_the_build_shares(bench, monkey
             return 0
 
     monkeypatch.setattr(subprocess, "Popen", Child)
-    bench.warm(type("Args", (), dict(d=[64], only=None, config=None))(), 1)
+    bench.warm(type("Args", (), dict(d=[64], only=None, config=None, cap=0.0))(), 1)
     assert "--config" not in started.pop(), "no --config: the children build SWEEP's own"
-    args = type("Args", (), dict(d=[64], only=None, config=["causal:stages=4", "window"]))()
+    args = type("Args", (), dict(d=[64], only=None, config=["causal:stages=4", "window"], cap=50.0))()
     bench.warm(args, 2)
     assert len(started) == 2
     for i, argv in enumerate(started):
         assert argv[argv.index("--warm-share") + 1] == str(i)
+        assert argv[argv.index("--cap") + 1] == "50.0", "the children build the capped kernels the timing runs"
         assert [argv[j + 1] for j, x in enumerate(argv) if x == "--config"] == ["causal:stages=4", "window"]
     monkeypatch.setattr(bench, "SWEEP", dict(bench.SWEEP))
     monkeypatch.setattr(sys, "argv", ["bench_hopper_extend.py", "--config", "causal:q_regs=2"])
@@ -154,3 +155,13 @@ def test_config_specs_imply_the_sweep(bench, monkeypatch):
     with pytest.raises(RuntimeError, match="stop here"):
         bench.main()
     assert calls == [(True, 2)]
+
+
+@pytest.mark.parametrize("cap", ["-1", "nan", "inf", "x"])
+def test_a_cap_that_is_not_a_finite_value_at_least_zero_is_a_usage_error(bench, monkeypatch, capsys, cap):
+    import sys
+    monkeypatch.setattr(sys, "argv", ["bench_hopper_extend.py", "--cap", cap])
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    assert e.value.code == 2
+    assert "--cap" in capsys.readouterr().err
