@@ -32,6 +32,16 @@ __all__ = ["HybridRunner", "Result", "SamplingParams", "RunnerStats", "PoolPlan"
 
 
 
+def _in_hf_cache(name: str) -> bool:
+    """Whether the local Hugging Face cache holds a config.json for the model `name` (nothing is fetched)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except Exception:  # noqa: BLE001 - a name that is no repo id, or no huggingface_hub: not in the cache
+        return False
+
+
 def load_model(path: str, device: Union[str, torch.device] = "cpu", dtype: Union[None, str, torch.dtype] = None,
                **kwargs: Any) -> Any:
     """A causal LM from a local folder (or the local Hugging Face cache; nothing is downloaded), in eval
@@ -55,6 +65,11 @@ def load_model(path: str, device: Union[str, torch.device] = "cpu", dtype: Union
     from transformers import AutoModelForCausalLM
 
     name = os.fspath(path) if isinstance(path, (str, os.PathLike)) else path
+    if isinstance(name, str) and not os.path.exists(os.path.expanduser(name)) and not _in_hf_cache(name):
+        # refused before transformers looks: some releases ask the Hub for an adapter config even with
+        # local_files_only, which on a machine without a network retries for half a minute and logs tracebacks
+        raise ConfigError(f"cannot load model {name!r}: no such folder, and no model of that name in the local "
+                          "Hugging Face cache (nothing is downloaded)")
     try:
         model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(name), local_files_only=True,
                                                      dtype=dtype or "auto", **kwargs)
