@@ -10,6 +10,7 @@ static buffer set).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
 
@@ -18,14 +19,15 @@ import torch
 
 from hwkv import ops
 from hwkv.batch import ForwardBatch, ForwardMode
-from hwkv.checks import check_shape
-from hwkv.draft import DraftMetadataMixin
+from hwkv.checks import as_int, check_flag, check_shape, is_bool, values_checkable
+from hwkv.draft import DraftMetadataMixin, DraftSteps
 from hwkv.env import HWKV_DEBUG
-from hwkv.errors import ConfigError, EvictedSlotError, MissingSWALocError, ShapeError
+from hwkv.errors import CapacityError, ConfigError, EvictedSlotError, MissingSWALocError, ShapeError
 from hwkv.layer import AttentionLayer
 from hwkv.loc import KVWriteLoc, ListRefill, LocRuns, SWALocCache
 from hwkv.metadata import (ForwardMetadata, GraphViews, KeptRange, KVIndexList, LayerOutputs, StaticBuffers,
                            aligned_width, alloc_static, check_fits, cumsum_into, fill_list, window_pos0)
+from hwkv.spec import MultiStepDraft
 from hwkv.spec_plan import TreePlanner
 
 
@@ -41,13 +43,39 @@ class BackendOptions:
     tree_verify: str = "extend"
 
     def __post_init__(self) -> None:
+        for name, none in _switches(type(self)):  # every on/off option, a subclass's too: "no" would read as on
+            check_flag(name, getattr(self, name), none=none)
         if self.tree_verify not in ("extend", "decode", "auto"):
             raise ConfigError(f"tree_verify={self.tree_verify!r} must be 'extend', 'decode' or 'auto'")
-        sw = self.sliding_window
-        sw = () if sw is None else ((sw,) if isinstance(sw, int) else tuple(sw))
-        if any((not isinstance(w, int)) or w < 1 for w in sw):
-            raise ConfigError(f"sliding_window={self.sliding_window!r} must be ints >= 1")
-        object.__setattr__(self, "sliding_window", tuple(sorted(set(sw))))
+        object.__setattr__(self, "sliding_window", _windows(self.sliding_window))
+
+
+# a switch's declared type (as written, or as a string under postponed annotations) -> whether None is allowed
+_SWITCH_TYPES = {bool: False, "bool": False, Optional[bool]: True, "Optional[bool]": True, "bool | None": True}
+
+
+@functools.lru_cache(maxsize=None)
+def _switches(cls: type) -> Tuple[Tuple[str, bool], ...]:
+    """(name, None allowed) of each on/off option of an options class (a device's too): its fields declared bool or
+    Optional[bool], read from the declarations without evaluating them."""
+    return tuple((f.name, _SWITCH_TYPES[f.type]) for f in dataclasses.fields(cls) if f.type in _SWITCH_TYPES)
+
+
+def _windows(given: Any) -> Tuple[int, ...]:
+    """The `sliding_window` option as sorted distinct ints: None, one window or several, each an integer (Python,
+    numpy or 0-d tensor; a bool is none: True had been W=1) >= 1 and below 2**63, as layers take it."""
+    if given is None:
+        return ()
+    ws: List[Optional[int]] = [as_int(given)]
+    if ws[0] is None and not isinstance(given, (str, bytes)) and not is_bool(given):
+        try:
+            ws = [as_int(w) for w in given]
+        except TypeError:  # no sequence (a float, a 0-d float tensor)
+            pass
+    if any(w is None or not 1 <= w < 2 ** 63 for w in ws):
+        raise ConfigError(f"sliding_window={given!r} must be integers >= 1 and below 2**63 (the model's SWA window "
+                          "W, or a sequence of its windows)")
+    return tuple(sorted(set(ws)))
 
 
 def make_options(cls: Type[BackendOptions], options: Dict[str, Any]) -> BackendOptions:
@@ -277,10 +305,18 @@ class AttentionBackend(DraftMetadataMixin):
 
     # ---- graph metadata ----------------------------------------------------------------------
     def init_graph_state(self, max_bs: int, max_num_tokens: int, max_context_len: Optional[int] = None) -> None:
-        """Pre-allocate every static buffer (the int64 swa_out_cache_loc buffer included)."""
-        ctx = max_context_len or self.req_to_token_pool.max_context_len
-        if max_bs < 1 or max_num_tokens < max_bs:
-            raise ConfigError(f"max_bs={max_bs} must be >= 1 and max_num_tokens={max_num_tokens} >= max_bs")
+        """Pre-allocate every static buffer (the int64 swa_out_cache_loc buffer included). `max_context_len`: the
+        keys a request's static lists hold (None: req_to_token's width); graph metadata for longer requests is a
+        CapacityError."""
+        bs, tokens = as_int(max_bs), as_int(max_num_tokens)
+        if bs is None or tokens is None or bs < 1 or tokens < bs:
+            raise ConfigError(f"max_bs={max_bs!r} must be an integer >= 1 and max_num_tokens={max_num_tokens!r} an "
+                              "integer >= max_bs")
+        ctx = self.req_to_token_pool.max_context_len if max_context_len is None else as_int(max_context_len)
+        if ctx is None or ctx < 1:  # (0 had meant req_to_token's width, a negative one a bare error)
+            raise ConfigError(f"max_context_len={max_context_len!r} must be an integer >= 1 (the keys a request's "
+                              "static lists hold) or None (req_to_token's width)")
+        max_bs, max_num_tokens = bs, tokens
         st = self.static
         if st is not None:
             # graphs already captured point into these buffers: reallocating them would leave
@@ -316,6 +352,7 @@ class AttentionBackend(DraftMetadataMixin):
         tree_size = self.tree_planner.check(batch, None)  # before the refill: a refused tree changes no buffer
         check_fits("batch size", bs, st.max_bs)
         check_fits("tokens", n, st.max_num_tokens)
+        self._check_graph_context(batch)
         if max_q_len is not None and (isinstance(max_q_len, bool) or not isinstance(max_q_len, int) or max_q_len < 1):
             raise ConfigError(f"max_q_len={max_q_len!r} must be an int >= 1")
         decode = batch.forward_mode.is_decode_or_idle()
@@ -340,6 +377,46 @@ class AttentionBackend(DraftMetadataMixin):
         self.init_kernel_metadata(md, batch, graph=True)
         self.forward_metadata = md
         return md
+
+    def init_draft_metadata_graph(self, batch: ForwardBatch) -> DraftSteps:
+        """The draft graph refill (`DraftMetadataMixin`), each request's k steps first checked against the graph
+        state's context (`_check_graph_context`): past it, nothing is written."""
+        info, ds = batch.spec_info, self.draft_static
+        if ds is not None and isinstance(info, MultiStepDraft) and info.num_steps <= len(ds.steps):
+            self._check_graph_context(batch, info.num_steps)  # (the mixin refuses the rest, as before)
+        return super().init_draft_metadata_graph(batch)
+
+    def _check_graph_context(self, batch: ForwardBatch, steps: int = 1) -> None:
+        """Each request's length after `steps` steps within the graph state's max_context_len, whose static lists
+        hold that many keys a request (past it a refill clips them: wrong attention): a CapacityError naming the
+        length and the limit (eagerly the batch runs), before any static buffer is written; a length past
+        req_to_token's width too is the ShapeError the eager step gives (a draft's: its refill's own check, next).
+        Read from the host copy of the lengths, or the lengths where their values are checkable (CPU; elsewhere
+        only with HWKV_DEBUG, never while capturing), so an accelerator adds no device read; lengths only on the
+        device are the caller's to keep within it (GraphRunner sizes the state to req_to_token's width and checks
+        the lengths against that). Not while torch.compile traces (a CPU whole-step graph: a value read would
+        specialize the graph; the step checked its lengths before)."""
+        if torch.compiler.is_compiling():
+            return
+        seq = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else (
+            batch.seq_lens if values_checkable(batch.seq_lens) else None)
+        if seq is None or not seq.numel():
+            return
+        ctx, table = self.graph_max_context_len, self.req_to_token_pool.req_to_token.shape[1]
+        top = int(seq.max()) + steps - 1  # one reduction, nothing per request (the host copy: no device read)
+        if top <= ctx:
+            return
+        seq_h = seq.tolist()  # refused: name the first request past the limit
+        if top > table:
+            if steps > 1:
+                return
+            i = next(i for i, n in enumerate(seq_h) if n > table)
+            raise ShapeError(f"seq_lens[{i}] is {seq_h[i]}; allowed range is [1, {table}] (the ReqToTokenPool's "
+                             "max_context_len)")
+        i = next(i for i, n in enumerate(seq_h) if n + steps - 1 > ctx)
+        reach = "" if steps == 1 else f": its {steps} draft steps reach length {seq_h[i] + steps - 1}"
+        raise CapacityError(f"seq_lens[{i}] is {seq_h[i]}{reach}, past the graph state's max_context_len {ctx} "
+                            f"(init_graph_state): run this batch eagerly, or size the graph state for it")
 
     def _refills_in_one(self, kernels: ops.GraphRefillKernels) -> bool:
         """Whether a forward's metadata (eager or graph) is one launch: the device has `fill_translated` and the

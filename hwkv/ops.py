@@ -159,9 +159,12 @@ def store_kv_torch(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, 
                    v: torch.Tensor, k_scale: Optional[float] = None, v_scale: Optional[float] = None) -> None:
     """Reference store: k_buf[loc] = k / k_scale, v_buf[loc] = v / v_scale. Where nothing is quantized (the
     pool's dtype, no scale) the rows are copied straight in: one index_copy_ each, no cast or indexing
-    machinery (a layer's store on CPU, ~4x fewer dispatches)."""
+    machinery (a layer's store on CPU, ~4x fewer dispatches); index_copy_ takes int64 indices only, so an int32 loc
+    (which `check_store` allows) is widened first."""
     if k.dtype == k_buf.dtype and v.dtype == v_buf.dtype and k_scale in (None, 1.0) and v_scale in (None, 1.0) \
             and k_buf.dtype not in FP8_DTYPES:
+        if loc.dtype != torch.int64:
+            loc = loc.long()
         k_buf.index_copy_(0, loc, k)
         v_buf.index_copy_(0, loc, v)
         return

@@ -17,6 +17,7 @@ decode measured 13.5 vs 28 ms in bf16 and 60 vs 55 ms in fp32 (8 requests x 2,04
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -25,7 +26,7 @@ import torch
 from hwkv import ops
 from hwkv.backend import BackendOptions, KernelSetBackend
 from hwkv.batch import ForwardBatch
-from hwkv.errors import ConfigError
+from hwkv.checks import check_int_option
 from hwkv.layer import AttentionLayer
 from hwkv.list_plans import ListPlans
 from hwkv.metadata import ForwardMetadata, KeptRange, KVIndexList, StaticBuffers, cumsum_into
@@ -54,10 +55,8 @@ class CPUOptions(BackendOptions):
     dense_max_elements: int = DENSE_MAX_ELEMENTS
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        m = self.dense_max_elements
-        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-            raise ConfigError(f"dense_max_elements={m!r} must be an int >= 0 (0: off)")
+        super().__post_init__()  # (ipex and ipex_extend: switches, checked there as every option declared bool)
+        check_int_option("dense_max_elements", self.dense_max_elements, 0)
 
 
 @dataclass
@@ -104,7 +103,8 @@ class TorchCPUBackend(KernelSetBackend):
         self._head_maps: Dict[Tuple[int, int], torch.Tensor] = {}
         self._columns = KeptRange(torch.int64, self.device, 256)  # column indices of a dense table
         self._kept_zeros = KeptRange(torch.int64, self.device, zeros=True)  # pos0 of lists starting at token 0
-        self._kits: Dict[AttentionLayer, _LayerKit] = {}  # per layer object: see _layer_kit
+        # per layer object, held weakly (a layer's kit goes with it: layers made per forward leave none behind)
+        self._kits: weakref.WeakKeyDictionary[AttentionLayer, _LayerKit] = weakref.WeakKeyDictionary()
         # the forward counter every layer hands the chunked kernels, so that they read a forward's lists once
         # (hwkv_cpu.host_plan); advanced by each metadata step
         self._epoch = host_plan.new_epoch(self, debug=self.debug)
@@ -234,14 +234,15 @@ class TorchCPUBackend(KernelSetBackend):
     def _layer_kit(self, layer: AttentionLayer) -> _LayerKit:
         """The layer's kept dense-call constants (buffers, scales, geometry, sinks columns), remade whenever a field
         they came from changed (its `geometry` None where the layer or pool is not the dense kernels': the chunked
-        kernels and their checks run it)."""
+        kernels and their checks run it). Keyed by the layer object held weakly (the kit holds no reference to it),
+        so a caller that makes its layers every forward does not grow the table: a kit goes with its layer, and a
+        new object at a dead one's address is a new key."""
         kit = self._kits.get(layer)
         sig = (layer.layer_id, layer.num_heads, layer.head_dim, layer.scaling, layer.sliding_window,
                layer.logit_cap, layer.k_scale, layer.v_scale)
         if kit is not None and kit.sig == sig and kit.sinks is layer.sinks:
             return kit
-        kit = _LayerKit.make(layer, sig, *self.kv_buffers(layer))
-        self._kits[layer] = kit
+        kit = self._kits[layer] = _LayerKit.make(layer, sig, *self.kv_buffers(layer))
         return kit
 
     def _run_dense(self, q: torch.Tensor, layer: AttentionLayer, kv: KVIndexList, md: ForwardMetadata,

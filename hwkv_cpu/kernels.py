@@ -19,7 +19,7 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
-from hwkv.checks import check_shape, scale_value, values_checkable
+from hwkv.checks import check_shape, scale_value
 from hwkv.csr_checks import check_csr_values, check_float_dtypes, check_index_dtypes
 from hwkv.errors import ShapeError
 from hwkv.spec import TreeMask, check_tree_mask
@@ -42,6 +42,14 @@ def _scalars(q: torch.Tensor, scaling: Optional[float], window: Optional[int], l
     if cap <= 0:
         return scale, 0.0, scale_value("v_scale", v_scale), int(window) if window and window > 0 else 0
     return scale / cap, cap, scale_value("v_scale", v_scale), int(window) if window and window > 0 else 0
+
+
+def _compute_dtype(k_buf: torch.Tensor, v_buf: torch.Tensor) -> torch.dtype:
+    """The matmuls' dtype: the pool's (`amx.compute_dtype`); K and V buffers of different dtypes compute in float32
+    (float64 where either is), as the Triton kernels do."""
+    if k_buf.dtype == v_buf.dtype:
+        return amx.compute_dtype(k_buf.dtype)
+    return torch.float64 if torch.float64 in (k_buf.dtype, v_buf.dtype) else torch.float32
 
 
 def _check_common(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
@@ -85,7 +93,7 @@ def _decode_op(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_ind
     host = host_lists(epoch, (kv_indptr, kv_pos0, q_pos), (kv_indices,))
     ptr, pos0, qp = host.lists
     indices = kv_indices.long()
-    p = Params(qk_scale, cap, v_scale, window, amx.compute_dtype(k_buf.dtype))
+    p = Params(qk_scale, cap, v_scale, window, _compute_dtype(k_buf, v_buf))
     if sinks is None and v_scale == 1.0 and amx.sgl_dtype_ok(q, k_buf, v_buf, out) and out.is_contiguous():
         ops, _ = amx.sgl_ops()
         if ops is not None:
@@ -122,7 +130,7 @@ def _extend_op(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_ind
     host = host_lists(epoch, (kv_indptr, kv_pos0, qo_indptr, q_pos0), (kv_indices, tree_mask_indptr))
     ptr, pos0, qo, qp0 = host.lists
     indices = kv_indices.long()
-    p = Params(qk_scale, cap, v_scale, window, amx.compute_dtype(k_buf.dtype))
+    p = Params(qk_scale, cap, v_scale, window, _compute_dtype(k_buf, v_buf))
     if tree_mask is not None:  # sgl-kernel takes no tree mask
         extend_torch(q, k_buf, v_buf, ptr, indices, pos0, qo, qp0, out, p, sinks,
                      tree=TreeMask(tree_mask, tree_mask_indptr, tree_q_positions), plans=host)

@@ -161,30 +161,29 @@ def head_rows(slots: torch.Tensor, kvh: int) -> torch.Tensor:
 
 
 class Gather:
-    """Copies pool rows of one (slot, head) each into scratch, upcast to the compute dtype."""
+    """Copies pool rows of one (slot, head) each into scratch, upcast to the compute dtype (K and V each from its
+    own dtype: the buffers may differ, as the Triton kernels allow)."""
 
     def __init__(self, k_buf: torch.Tensor, v_buf: torch.Tensor, cdt: torch.dtype, rows: int, ws: Workspace):
         self.k_rows = k_buf.view(-1, k_buf.shape[2])
         self.v_rows = v_buf.view(-1, v_buf.shape[2])
         self.k = ws.take("k", (rows, k_buf.shape[2]), cdt)
         self.v = ws.take("v", (rows, v_buf.shape[2]), cdt)
-        self.upcast = k_buf.dtype != cdt
-        if self.upcast:
-            self.k_raw = ws.take("k_raw", tuple(self.k.shape), k_buf.dtype)
-            self.v_raw = ws.take("v_raw", tuple(self.v.shape), v_buf.dtype)
+        # scratch in the buffer's own dtype, for a buffer not already in the compute dtype
+        self.k_raw = ws.take("k_raw", tuple(self.k.shape), k_buf.dtype) if k_buf.dtype != cdt else None
+        self.v_raw = ws.take("v_raw", tuple(self.v.shape), v_buf.dtype) if v_buf.dtype != cdt else None
 
     def __call__(self, rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """K [*rows.shape, D] and V [*rows.shape, Dv] of the rows (scratch: valid until the next call)."""
         n = rows.numel()
         k, v = self.k[:n], self.v[:n]
         flat = rows.reshape(-1)
-        if self.upcast:
-            k.copy_(torch.index_select(self.k_rows, 0, flat, out=self.k_raw[:n]))
-            v.copy_(torch.index_select(self.v_rows, 0, flat, out=self.v_raw[:n]))
-        else:
-            torch.index_select(self.k_rows, 0, flat, out=k)
-            torch.index_select(self.v_rows, 0, flat, out=v)
-        return k.view(*rows.shape, -1), v.view(*rows.shape, -1)
+        for dst, src, raw in ((k, self.k_rows, self.k_raw), (v, self.v_rows, self.v_raw)):
+            if raw is None:
+                torch.index_select(src, 0, flat, out=dst)
+            else:
+                dst.copy_(torch.index_select(src, 0, flat, out=raw[:n]))
+        return k.view(*rows.shape, k.shape[-1]), v.view(*rows.shape, v.shape[-1])
 
 
 class OnlineSoftmax:

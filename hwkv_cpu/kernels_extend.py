@@ -105,10 +105,13 @@ def _extend_block(qb: torch.Tensor, out: torch.Tensor, k_buf: torch.Tensor, v_bu
     kvh, dv = k_buf.shape[1], v_buf.shape[2]
     g = h // kvh
     ws = workspace()
-    resident = max(chunk, RESIDENT_BYTES // (kvh * max(d, dv) * p.cdt.itemsize))
-    gather = Gather(k_buf, v_buf, p.cdt, resident * kvh, ws)
     # every block of the request reads keys of [span_lo, span_hi): gather them once when they fit
     span_lo, span_hi = key_range(slots.numel(), pos0, new[0], new[0] + new[1] - 1, p.window)
+    if span_hi == span_lo:  # no query of the request sees a key (none listed, or all outside): zeros, as in decode
+        out.zero_()
+        return
+    resident = max(chunk, RESIDENT_BYTES // (kvh * max(d, dv) * p.cdt.itemsize))
+    gather = Gather(k_buf, v_buf, p.cdt, resident * kvh, ws)
     whole = span_hi - span_lo <= resident
     if whole and getattr(cached, "req", None) != req:
         cached.kv = gather(head_rows(slots[span_lo:span_hi], kvh))  # [KVH, keys, D]
