@@ -404,7 +404,7 @@ class AttentionBackend(DraftMetadataMixin):
             return
         ctx, table = self.graph_max_context_len, self.req_to_token_pool.req_to_token.shape[1]
         top = int(seq.max()) + steps - 1  # one reduction, nothing per request (the host copy: no device read)
-        if top <= ctx:
+        if top <= min(ctx, table):  # (a graph state may be wider than the table: the table bounds first)
             return
         seq_h = seq.tolist()  # refused: name the first request past the limit
         if top > table:

@@ -306,3 +306,22 @@ def test_cpu_kernels_take_k_and_v_of_different_dtypes_as_triton_does(dk: torch.d
     from hwkv_cuda import kernels as triton_kernels
     _, t_out = run(triton_kernels)
     assert torch.allclose(out, t_out, atol=2e-2), (out - t_out).abs().max()
+
+
+def test_a_graph_state_wider_than_the_table_still_refuses_lengths_past_the_table():
+    """init_graph_state(max_context_len=100) over a 64-wide req_to_token: a 65-token request is the table's
+    ShapeError, not a 65-key list read into the next row (the final review of session 22)."""
+    from hwkv.batch import ForwardBatch, ForwardMode
+    from hwkv.errors import ShapeError
+    from hwkv.testing.harness import Harness, ModelGeometry
+    from hwkv_cpu.backend import TorchCPUBackend
+
+    h = Harness(TorchCPUBackend, geometry=ModelGeometry(), size=256, size_swa=96, max_context_len=64)
+    h.backend.init_graph_state(2, 2, max_context_len=100)
+    rids = [h.add_request() for _ in range(2)]
+    h.forward(rids, [12, 12], ForwardMode.EXTEND)
+    batch, _ = h.prepare(rids, [1, 1], ForwardMode.DECODE)
+    seq = torch.tensor([13, 65])
+    bad = ForwardBatch(ForwardMode.DECODE, 2, batch.req_pool_indices, seq, batch.out_cache_loc, seq_lens_cpu=seq)
+    with pytest.raises(ShapeError, match=r"seq_lens\[1\] is 65; allowed range is \[1, 64\]"):
+        h.backend.init_forward_metadata_graph(bad)

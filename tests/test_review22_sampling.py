@@ -322,3 +322,11 @@ def test_the_eager_step_runs_no_python_per_request(mode):
         h.backend.init_forward_metadata(batch)  # a first step's one-off work aside
         counts.append(_lines_run(h, batch))
     assert counts[0] == counts[1], counts
+
+
+def test_a_float64_temperature_that_is_zero_in_float32_is_greedy():
+    """`sample` reads temperatures in float32: a float64 T of 1e-50 (0 there) is greedy, not a NaN row's token 0."""
+    logits = torch.tensor([[0.0, 3.0, 1.0]]).expand(8, -1).contiguous()
+    got = sample(logits, torch.full((8,), 1e-50, dtype=torch.float64), torch.ones(8), torch.arange(8),
+                 torch.zeros(8, dtype=torch.int64), True)
+    assert got.tolist() == [1] * 8

@@ -143,6 +143,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     greedy = logits.argmax(dim=-1)
     if not any_sampled:
         return greedy
+    temperature = temperature.to(torch.float32)  # the sampler's precision: a T that is 0 in float32 is greedy
     return torch.where(temperature > 0, _draw(_scaled(logits, temperature), top_p, seeds, steps), greedy)
 
 

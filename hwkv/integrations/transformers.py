@@ -13,7 +13,7 @@ runner registers the attention function.
 from __future__ import annotations
 
 import os
-from typing import Any, Union
+from typing import Any, Dict, Optional, Union
 
 import torch
 
@@ -32,14 +32,18 @@ __all__ = ["HybridRunner", "Result", "SamplingParams", "RunnerStats", "PoolPlan"
 
 
 
-def _in_hf_cache(name: str) -> bool:
-    """Whether the local Hugging Face cache holds a config.json for the model `name` (nothing is fetched)."""
+def _cache_miss(name: str, kwargs: Dict[str, Any]) -> Optional[Exception]:
+    """Why the local Hugging Face cache the call names (`cache_dir`, `revision`, `subfolder` as from_pretrained takes
+    them) holds no config.json for the model `name`, or None where it holds one (nothing is fetched)."""
+    sub = kwargs.get("subfolder") or ""
     try:
         from huggingface_hub import try_to_load_from_cache
 
-        return isinstance(try_to_load_from_cache(name, "config.json"), str)
-    except Exception:  # noqa: BLE001 - a name that is no repo id, or no huggingface_hub: not in the cache
-        return False
+        found = try_to_load_from_cache(name, f"{sub}/config.json" if sub else "config.json",
+                                       cache_dir=kwargs.get("cache_dir"), revision=kwargs.get("revision"))
+    except Exception as e:  # noqa: BLE001 - a name that is no repo id (HFValidationError), or no huggingface_hub
+        return e
+    return None if isinstance(found, str) else FileNotFoundError(f"no config.json for {name!r} in the cache")
 
 
 def load_model(path: str, device: Union[str, torch.device] = "cpu", dtype: Union[None, str, torch.dtype] = None,
@@ -65,11 +69,12 @@ def load_model(path: str, device: Union[str, torch.device] = "cpu", dtype: Union
     from transformers import AutoModelForCausalLM
 
     name = os.fspath(path) if isinstance(path, (str, os.PathLike)) else path
-    if isinstance(name, str) and not os.path.exists(os.path.expanduser(name)) and not _in_hf_cache(name):
+    miss = None if not isinstance(name, str) or os.path.exists(os.path.expanduser(name)) else _cache_miss(name, kwargs)
+    if miss is not None:
         # refused before transformers looks: some releases ask the Hub for an adapter config even with
         # local_files_only, which on a machine without a network retries for half a minute and logs tracebacks
         raise ConfigError(f"cannot load model {name!r}: no such folder, and no model of that name in the local "
-                          "Hugging Face cache (nothing is downloaded)")
+                          "Hugging Face cache (nothing is downloaded)") from miss
     try:
         model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(name), local_files_only=True,
                                                      dtype=dtype or "auto", **kwargs)
