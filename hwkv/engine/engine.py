@@ -33,7 +33,7 @@ from hwkv.engine.readback import Held, ReadBack
 from hwkv.engine.sampling import RowSampling, SamplingParams
 from hwkv.engine.scheduler import Request, Row, Scheduler
 from hwkv.engine.stats import RunnerStats
-from hwkv.errors import ConfigError, HwkvError
+from hwkv.errors import ConfigError, HwkvError, ShapeError
 from hwkv.spec import accept_draft_tokens
 
 I64 = torch.int64
@@ -133,7 +133,8 @@ class Engine:
         # each row's sampling constants, written when a sampling request is admitted (`RowSampling`)
         self.sampling = RowSampling(rows, dev)
         # overlap: a step's tokens are read by the host during the next step (see `step`)
-        # (a verify step reads its accepted tokens before the next step drafts from them: no overlap)
+        # (with a drafter no step overlaps: a request is drafted for only once its last token is on the host, so an
+        # overlapped step would leave every row pending and no verify would run; steps of sampling requests wait too)
         self.overlap = (dev.type != "cpu" if overlap is None else bool(overlap)) and draft is None
         # the forwards issued and not yet read back, and the pinned blocks their tokens travel in
         self.readback = ReadBack(pool_plan.max_running + 2, dev)
@@ -643,6 +644,10 @@ class Engine:
         else:
             self.cache.backend.init_forward_metadata(batch)
             logits = self.model_step(batch, ids, pos, 0 if keep_dev is None else keep_dev)
+        rows = ids.shape[0] if keep_dev is None else keep_dev.shape[0]
+        if logits.dim() != 2 or logits.shape[0] != rows or logits.shape[1] > self.vocab_size:  # shapes: no device read
+            raise ShapeError(f"model_step returned logits of shape {list(logits.shape)}, expected [{rows}, V] with "
+                             f"V <= vocab_size {self.vocab_size} (one row per kept token; the step is undone)")
         return self._sample(where, logits)
 
     def _sample(self, where: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
