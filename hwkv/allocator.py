@@ -360,9 +360,16 @@ class PagedTokenToKVPoolAllocator:
         the room is settled here, on the host's bound of free pages (OutOfSlotsError, nothing changed, when
         they might not fit); returns the rings' heads (mod their sizes) for `alloc_reserved`. `ops`: how many
         ops the device runs for it (a captured step's allocation and its release: 2), numbered here; the first's
-        number is `op_number - ops + 1` (staged beside the heads, a captured launch reads it there)."""
-        if not isinstance(pages, int) or pages < 0:
-            raise ConfigError(f"reserve({pages!r}) needs an int >= 0")
+        number is `op_number - ops + 1` (staged beside the heads, a captured launch reads it there). `pages`: an
+        integer (Python, numpy), never a bool (True would claim a page), as every other count here."""
+        if type(pages) is not int:  # (the common case, one compare) numpy integers as ints; bools, floats refused
+            n = None if isinstance(pages, torch.Tensor) else as_int(pages)  # (a tensor's value would be a device read)
+            if n is None:
+                raise ConfigError(f"reserve(pages={pages!r}) needs an integer >= 0 (a Python or numpy int; a bool is "
+                                  "no count)")
+            pages = n
+        if pages < 0:
+            raise ConfigError(f"reserve(pages={pages!r}) needs an integer >= 0")
         if type(ops) is not int or ops < 1:
             raise ConfigError(f"reserve(ops={ops!r}) needs an int >= 1")
         if pages:  # no page always fits (most decode steps open none)

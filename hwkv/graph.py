@@ -17,7 +17,7 @@ import torch
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.checks import check_rows, values_checkable
 from hwkv.errors import ConfigError, ShapeError
-from hwkv.spec import DraftTree, MultiStepDraft
+from hwkv.spec import DraftTree, MultiStepDraft, check_tree
 
 ModelFn = Callable[[ForwardBatch, Dict[str, torch.Tensor]], torch.Tensor]
 
@@ -151,6 +151,15 @@ class GraphRunner:
         else:
             self.backend.init_forward_metadata_graph(batch)
 
+    def _check_mode(self, mode: ForwardMode) -> None:
+        """The static batch runs the runner's mode (a DECODE runner had replayed an EXTEND batch of 2 and 0 new
+        tokens as two decodes): a batch of another is a ConfigError naming both; a DECODE runner takes IDLE (a
+        DECODE of no requests, as the eager step plans it). An enum compare: no device read."""
+        if mode is not self.mode and not (mode is ForwardMode.IDLE and self.mode is ForwardMode.DECODE):
+            name = getattr(mode, "name", repr(mode))
+            raise ConfigError(f"these graphs were captured for {self.mode.name} batches, the batch is {name}: run it "
+                              f"eagerly (backend.init_forward_metadata) or through a GraphRunner of mode={name}")
+
     def _check_tokens_per_request(self, batch: ForwardBatch) -> None:
         """The static batch gives every request `tpr` new tokens: a batch whose requests differ would run
         with the wrong lengths. Checked on the engine's host copies (no sync), or on the device in debug mode."""
@@ -242,11 +251,13 @@ class GraphRunner:
         """Everything before the layers: copy the batch and inputs into the static buffers, pad to the
         smallest bucket that fits, refill the static metadata. A batch larger than every bucket gets
         eager metadata instead (and `replay` runs it eagerly: it is never dropped). A batch the eager metadata
-        step would refuse (rows, lengths: `_check_lens_and_rows`; write locs outside the pool: `_check_write_locs`) is
-        refused before any static buffer changes."""
+        step would refuse (rows, lengths: `_check_lens_and_rows`; write locs outside the pool: `_check_write_locs`;
+        in debug mode a malformed DraftTree: `check_tree`), or one of another forward mode than the runner's
+        (`_check_mode`), is refused before any static buffer changes."""
         bs = batch.batch_size
         if isinstance(batch.spec_info, MultiStepDraft):
             raise ConfigError("a MultiStepDraft batch runs through hwkv.draft.DraftGraphRunner, not GraphRunner")
+        self._check_mode(batch.forward_mode)
         if batch.num_tokens != bs * self.tpr:
             raise ShapeError(f"graph mode needs {self.tpr} token(s) per request: {batch.num_tokens} tokens "
                              f"for {bs} requests")
@@ -266,6 +277,8 @@ class GraphRunner:
             if prefix is not None and (prefix.dim() != 1 or prefix.shape[0] != bs):
                 got = f"{prefix.shape[0]} entries" if prefix.dim() == 1 else f"shape {list(prefix.shape)}"
                 raise ShapeError(f"extend_prefix_lens has {got}, batch_size is {bs}")
+        if tree is not None and getattr(self.backend, "debug", False):  # the refill's value check, before any copy
+            check_tree(tree, self.extend_seq_lens_cpu[:bs], values_checkable(tree.mask))
         self._check_lens_and_rows(batch)  # as the eager step would (which a batch past every bucket takes)
         self._check_write_locs(batch.out_cache_loc)
         bs_pad = self.buckets[i]

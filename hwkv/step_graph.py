@@ -226,13 +226,17 @@ class DecodeStepGraph(GraphRunner):
         there. `inputs` None: the engine wrote this step's inputs into `self.inputs` (nothing to check or
         copy, however many there are); views of those buffers are not copied either. Rows and lengths that are no
         integers (a float, a bool: their dtype, a host attribute) are a LocError, as everything else, before
-        anything is staged or claimed; so is a seq_lens_cpu that is not on the host (LocError naming its device)."""
+        anything is staged or claimed; so is a seq_lens_cpu that is not on the host (LocError naming its device);
+        rows or lengths that are not 1-D (a [bs, 1] column, a 0-d tensor) are a ShapeError naming the shapes."""
         if not rows.dtype == seq_lens.dtype == seq_lens_cpu.dtype == torch.int64:  # (the common case: one compare)
             for name, t in (("rows", rows), ("seq_lens", seq_lens), ("seq_lens_cpu", seq_lens_cpu)):
                 check_int_dtype(name, t)
         if not seq_lens_cpu.is_cpu:
             raise LocError(f"seq_lens_cpu is on {seq_lens_cpu.device}: it is seq_lens' host copy and must be a CPU "
                            "tensor")
+        if not rows.dim() == seq_lens.dim() == seq_lens_cpu.dim() == 1:  # a [bs, 1] column: before the reservation
+            raise ShapeError("rows, seq_lens and seq_lens_cpu must be 1-D [bs], got shapes "
+                             + ", ".join(str(list(t.shape)) for t in (rows, seq_lens, seq_lens_cpu)))
         bs = rows.numel()
         if seq_lens.numel() != bs or seq_lens_cpu.numel() != bs:
             raise LocError(f"rows ({bs}), seq_lens ({seq_lens.numel()}) and seq_lens_cpu ({seq_lens_cpu.numel()}) "
