@@ -403,7 +403,9 @@ class AttentionBackend(DraftMetadataMixin):
         if seq is None or not seq.numel():
             return
         ctx, table = self.graph_max_context_len, self.req_to_token_pool.req_to_token.shape[1]
-        top = int(seq.max()) + steps - 1  # one reduction, nothing per request (the host copy: no device read)
+        # one reduction, nothing per request: numpy over the host copy (no torch op on the refill's path, no device
+        # read); a device tensor only in debug mode
+        top = int(seq.numpy().max() if seq.is_cpu else seq.max()) + steps - 1
         if top <= min(ctx, table):  # (a graph state may be wider than the table: the table bounds first)
             return
         seq_h = seq.tolist()  # refused: name the first request past the limit
