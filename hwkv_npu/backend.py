@@ -12,7 +12,6 @@ the core built (already SWA slots for SWA layers), once per forward.
 """
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -21,10 +20,11 @@ import torch
 from hwkv import ops
 from hwkv.backend import AttentionBackend, BackendOptions
 from hwkv.batch import ForwardBatch
+from hwkv.errors import ConfigError
 from hwkv.layer import AttentionLayer
 from hwkv.metadata import ForwardMetadata, KVIndexList, StaticBuffers, block_table_from_csr, window_pos0
 from hwkv.paths import FUSED
-from hwkv_npu import fia
+from hwkv_npu import fia, import_torch_npu
 from hwkv_npu import ops as npu_ops
 from hwkv_npu.graph import record_task
 
@@ -72,9 +72,10 @@ class NPUBackend(AttentionBackend):
         why = device_reason(self.device)
         if why is not None:
             return fia.NPUEnv(False, why)
-        if not _torch_npu_installed():
-            return fia.NPUEnv(False, "torch_npu is not installed")
-        self.npu = fia.import_torch_npu()
+        try:
+            self.npu = import_torch_npu()
+        except ConfigError as e:  # not installed, or its import raised (a CANN/driver mismatch): every layer on torch
+            return fia.NPUEnv(False, str(e))
         return fia.load_env(self.npu)
 
     # ---- graph buffers: allocated once per static buffer set, shared by every runner -------------------
@@ -247,6 +248,3 @@ def device_reason(device: torch.device) -> Optional[str]:
     """None for an NPU pool, else why the fused op cannot read it."""
     return None if device.type == "npu" else f"the pool lives on {device}, not on an NPU"
 
-
-def _torch_npu_installed() -> bool:
-    return importlib.util.find_spec("torch_npu") is not None

@@ -36,8 +36,6 @@ Verified in Ascend/op-plugin (the stand-ins in hwkv.testing.vendor_schemas.npu c
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -319,8 +317,3 @@ def graph_call(mod: Any, q4: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Ten
     call.issue()
     handle = rt.graph_task_group_end(stream)
     record(handle, event, call)
-
-
-def import_torch_npu() -> Any:
-    """torch_npu, imported on first use (it registers torch.npu and torch.ops.npu)."""
-    return importlib.import_module("torch_npu")
