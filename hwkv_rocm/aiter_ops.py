@@ -143,6 +143,37 @@ class AiterEnv:
         return getattr(torch, name, None) if name else None
 
 
+@dataclass(frozen=True)
+class AiterOps:
+    """The installed AITER's verified ops, each None with why hwkv will not call it."""
+
+    decode: Optional[Callable[..., Any]]
+    prefill: Optional[Callable[..., Any]]
+    decode_why: str = ""
+    prefill_why: str = ""
+
+    def env(self, arch: str) -> AiterEnv:
+        """What `decide` reads on a GPU of `arch` with these ops."""
+        return AiterEnv(arch, self.decode is not None, self.prefill is not None, self.decode_why, self.prefill_why)
+
+
+def load_aiter(max_context_len: Optional[int] = None) -> AiterOps:
+    """AITER's decode and prefill through the signature checks above; decode only up to MAX_CONTEXT tokens. The
+    one loader of ROCmBackend and `hwkv info`, so the two cannot disagree. An aiter that is installed but fails to
+    import (whatever it raises) is a ConfigError, chained."""
+    try:
+        decode, decode_why = load_paged_attention_ragged()
+        prefill, prefill_why = load_batch_prefill()
+    except ConfigError:
+        raise
+    except Exception as e:  # an OSError from a HIP library, say: named, never swallowed
+        raise ConfigError(f"aiter is installed but does not import ({type(e).__name__}: {e}); pass aiter=False to "
+                          "use the Triton kernels") from e
+    if decode is not None and max_context_len is not None and max_context_len > MAX_CONTEXT:
+        decode, decode_why = None, f"max_context_len {max_context_len} > {MAX_CONTEXT}"
+    return AiterOps(decode, prefill, decode_why, prefill_why)
+
+
 def _kv_cache_dtype(f: LayerFacts, env: AiterEnv) -> Tuple[Optional[str], str]:
     """paged_attention_ragged's kv_cache_dtype for this pool, or (None, why not)."""
     if f.kv_dtype == f.q_dtype:

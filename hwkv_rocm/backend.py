@@ -23,7 +23,6 @@ from hwkv.metadata import ForwardMetadata, KVIndexList, StaticBuffers
 from hwkv.paths import FUSED
 from hwkv_cuda.backend import TritonBackend
 from hwkv_rocm import aiter_ops
-from hwkv_rocm.paths import load_aiter
 
 _INDICES = "aiter_indices"
 
@@ -66,7 +65,7 @@ class ROCmBackend(TritonBackend):
         reason = aiter_ops.arch_reason(self.device)
         if reason is not None:
             return None, None, f"Triton only: {reason}"
-        found = load_aiter(ctx)  # the loader `hwkv info` reads too
+        found = aiter_ops.load_aiter(ctx)  # the loader `hwkv info` reads too
         if found.decode is None and found.prefill is None:
             return None, None, f"Triton only: {found.decode_why}"
         status = "; ".join(f"{what}: {'AITER where the layer allows' if fn is not None else 'Triton (' + why + ')'}"

@@ -1,53 +1,20 @@
 """`hwkv info`'s table for ROCm: which path each layer kind takes (asks `aiter_ops.decide`, as the backend does).
 
-The installed AITER is read through `load_aiter`, the backend's own loader (its signature checks), so an AITER of
-another release, or one that does not import, shows the Triton rows the backend would run; no device context beyond
-the GPU's name. Off a ROCm machine it answers for an MI300 (gfx942), and without AITER for one with the verified
+The installed AITER is read through `aiter_ops.load_aiter`, the backend's own loader (its signature checks), so an
+AITER of another release, or one that does not import, shows the Triton rows the backend would run; no device context
+beyond the GPU's name. Off a ROCm machine it answers for an MI300 (gfx942), and without AITER for one with the verified
 signatures; the table's assumptions say so.
 """
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 
 from hwkv.errors import ConfigError
 from hwkv.paths import Geometry, LayerKind, LayerPath, PathTable, kind_features, layer_kinds
 from hwkv_rocm import aiter_ops
-
-
-@dataclass(frozen=True)
-class AiterOps:
-    """The installed AITER's verified ops, each None with why hwkv will not call it."""
-
-    decode: Optional[Callable[..., Any]]
-    prefill: Optional[Callable[..., Any]]
-    decode_why: str = ""
-    prefill_why: str = ""
-
-    def env(self, arch: str) -> aiter_ops.AiterEnv:
-        """What `aiter_ops.decide` reads on a GPU of `arch` with these ops."""
-        return aiter_ops.AiterEnv(arch, self.decode is not None, self.prefill is not None, self.decode_why,
-                                  self.prefill_why)
-
-
-def load_aiter(max_context_len: Optional[int] = None) -> AiterOps:
-    """AITER's decode and prefill through `aiter_ops`' signature checks; decode only up to MAX_CONTEXT tokens. The
-    one loader of ROCmBackend and `hwkv info`, so the two cannot disagree. An aiter that is installed but fails to
-    import (whatever it raises) is a ConfigError, chained."""
-    try:
-        decode, decode_why = aiter_ops.load_paged_attention_ragged()
-        prefill, prefill_why = aiter_ops.load_batch_prefill()
-    except ConfigError:
-        raise
-    except Exception as e:  # an OSError from a HIP library, say: named, never swallowed
-        raise ConfigError(f"aiter is installed but does not import ({type(e).__name__}: {e}); pass aiter=False to "
-                          "use the Triton kernels") from e
-    if decode is not None and max_context_len is not None and max_context_len > aiter_ops.MAX_CONTEXT:
-        decode, decode_why = None, f"max_context_len {max_context_len} > {aiter_ops.MAX_CONTEXT}"
-    return AiterOps(decode, prefill, decode_why, prefill_why)
 
 
 def _env() -> Tuple[aiter_ops.AiterEnv, List[str]]:
@@ -65,7 +32,7 @@ def _env() -> Tuple[aiter_ops.AiterEnv, List[str]]:
         env = aiter_ops.AiterEnv(arch, True, True)
     else:
         try:
-            env = load_aiter().env(arch)
+            env = aiter_ops.load_aiter().env(arch)
         except ConfigError as e:
             assumptions.append(f"the ROCm backend refuses to build here unless aiter=False ({e}): answering for "
                                "aiter=False")

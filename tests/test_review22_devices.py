@@ -189,7 +189,7 @@ def test_rocm_table_and_backend_on_an_aiter_that_does_not_import(off_rocm, tmp_p
     assert json.loads(capsys.readouterr().out)["layer_paths"]["assumptions"] == list(table.assumptions)
     with pytest.raises(ConfigError, match="aiter is installed but does not import.*libhip: symbol not found.*"
                                           "pass aiter=False"):
-        rocm_paths.load_aiter()
+        aiter_ops.load_aiter()
 
 
 def test_rocm_backend_refuses_an_aiter_that_crashes_on_import(tmp_path, monkeypatch):
