@@ -18,16 +18,15 @@ import numpy as np
 import torch
 
 from hwkv import ops
-from hwkv.batch import ForwardBatch, ForwardMode
-from hwkv.checks import as_int, check_flag, check_shape, is_bool, values_checkable
-from hwkv.draft import DraftMetadataMixin, DraftSteps
+from hwkv.batch import ForwardBatch, ForwardMode, check_seq_lens
+from hwkv.checks import as_int, check_flag, check_shape, is_bool
+from hwkv.draft import DraftMetadataMixin
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import CapacityError, ConfigError, EvictedSlotError, MissingSWALocError, ShapeError
 from hwkv.layer import AttentionLayer
 from hwkv.loc import KVWriteLoc, ListRefill, LocRuns, SWALocCache
 from hwkv.metadata import (ForwardMetadata, GraphViews, KeptRange, KVIndexList, LayerOutputs, StaticBuffers,
                            aligned_width, alloc_static, check_fits, cumsum_into, fill_list, window_pos0)
-from hwkv.spec import MultiStepDraft
 from hwkv.spec_plan import TreePlanner
 
 
@@ -352,7 +351,7 @@ class AttentionBackend(DraftMetadataMixin):
         tree_size = self.tree_planner.check(batch, None)  # before the refill: a refused tree changes no buffer
         check_fits("batch size", bs, st.max_bs)
         check_fits("tokens", n, st.max_num_tokens)
-        self._check_graph_context(batch)
+        self._check_graph_context(batch.checkable_seq_lens())
         if max_q_len is not None and (isinstance(max_q_len, bool) or not isinstance(max_q_len, int) or max_q_len < 1):
             raise ConfigError(f"max_q_len={max_q_len!r} must be an int >= 1")
         decode = batch.forward_mode.is_decode_or_idle()
@@ -378,29 +377,16 @@ class AttentionBackend(DraftMetadataMixin):
         self.forward_metadata = md
         return md
 
-    def init_draft_metadata_graph(self, batch: ForwardBatch) -> DraftSteps:
-        """The draft graph refill (`DraftMetadataMixin`), each request's k steps first checked against the graph
-        state's context (`_check_graph_context`): past it, nothing is written."""
-        info, ds = batch.spec_info, self.draft_static
-        if ds is not None and isinstance(info, MultiStepDraft) and info.num_steps <= len(ds.steps):
-            self._check_graph_context(batch, info.num_steps)  # (the mixin refuses the rest, as before)
-        return super().init_draft_metadata_graph(batch)
-
-    def _check_graph_context(self, batch: ForwardBatch, steps: int = 1) -> None:
-        """Each request's length after `steps` steps within the graph state's max_context_len, whose static lists
-        hold that many keys a request (past it a refill clips them: wrong attention): a CapacityError naming the
-        length and the limit (eagerly the batch runs), before any static buffer is written; a length past
-        req_to_token's width too is the ShapeError the eager step gives (a draft's: its refill's own check, next).
-        Read from the host copy of the lengths, or the lengths where their values are checkable (CPU; elsewhere
-        only with HWKV_DEBUG, never while capturing), so an accelerator adds no device read; lengths only on the
-        device are the caller's to keep within it (GraphRunner sizes the state to req_to_token's width and checks
-        the lengths against that). Not while torch.compile traces (a CPU whole-step graph: a value read would
-        specialize the graph; the step checked its lengths before)."""
-        if torch.compiler.is_compiling():
-            return
-        seq = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else (
-            batch.seq_lens if values_checkable(batch.seq_lens) else None)
-        if seq is None or not seq.numel():
+    def _check_graph_context(self, seq: Optional[torch.Tensor], steps: int = 1) -> None:
+        """Each request's length after `steps` steps (`seq`: its host-readable lengths, `checkable_seq_lens`; None:
+        not checkable here) within the graph state's max_context_len, whose static lists hold that many keys a request
+        (past it a refill clips them: wrong attention): a CapacityError naming the length and the limit (eagerly the
+        batch runs), before any static buffer is written; a length past req_to_token's width too is the ShapeError
+        the eager step gives (a draft's lengths met that check already). Lengths only on the device are the caller's
+        to keep within it (GraphRunner sizes the state to req_to_token's width and checks the lengths against that).
+        Not while torch.compile traces (a CPU whole-step graph: a value read would specialize the graph; the step
+        checked its lengths before)."""
+        if seq is None or not seq.numel() or torch.compiler.is_compiling():
             return
         ctx, table = self.graph_max_context_len, self.req_to_token_pool.req_to_token.shape[1]
         # one reduction, nothing per request: numpy over the host copy (no torch op on the refill's path, no device
@@ -410,11 +396,7 @@ class AttentionBackend(DraftMetadataMixin):
             return
         seq_h = seq.tolist()  # refused: name the first request past the limit
         if top > table:
-            if steps > 1:
-                return
-            i = next(i for i, n in enumerate(seq_h) if n > table)
-            raise ShapeError(f"seq_lens[{i}] is {seq_h[i]}; allowed range is [1, {table}] (the ReqToTokenPool's "
-                             "max_context_len)")
+            check_seq_lens(seq_h, table)
         i = next(i for i, n in enumerate(seq_h) if n + steps - 1 > ctx)
         reach = "" if steps == 1 else f": its {steps} draft steps reach length {seq_h[i] + steps - 1}"
         raise CapacityError(f"seq_lens[{i}] is {seq_h[i]}{reach}, past the graph state's max_context_len {ctx} "

@@ -8,7 +8,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from hwkv.checks import as_int, check_int_dtype, check_rows
+from hwkv.checks import as_int, check_int_dtype, check_rows, values_checkable
 from hwkv.errors import ConfigError, ShapeError
 
 
@@ -38,6 +38,16 @@ class ForwardMode(enum.IntEnum):
 
 _REQUIRED = ("req_pool_indices", "seq_lens", "out_cache_loc")  # ForwardBatch fields that are never None
 _INTEGERS = ("extend_prefix_lens", "positions")  # integer fields beside the tensors checked one by one below
+
+
+def check_seq_lens(seq_h: List[int], max_context_len: int) -> None:
+    """1 <= each host length <= max_context_len (the ReqToTokenPool's): a ShapeError naming the first that is not
+    (C-level min/max over the list; nothing per request in Python unless refused)."""
+    if seq_h and (min(seq_h) < 1 or max(seq_h) > max_context_len):
+        i = next(i for i, n in enumerate(seq_h) if not 1 <= n <= max_context_len)
+        raise ShapeError(f"seq_lens[{i}] is {seq_h[i]}; allowed range is [1, {max_context_len}] (the "
+                         "ReqToTokenPool's max_context_len)")
+
 
 @dataclass
 class ForwardBatch:
@@ -113,6 +123,13 @@ class ForwardBatch:
             return torch.ones_like(self.seq_lens)
         return self.extend_seq_lens
 
+    def checkable_seq_lens(self) -> Optional[torch.Tensor]:
+        """The lengths the host may read with no sync: the caller's host copy, else seq_lens where its values are
+        checkable (CPU; elsewhere only in debug mode, never while capturing); None otherwise."""
+        if self.seq_lens_cpu is not None:
+            return self.seq_lens_cpu
+        return self.seq_lens if values_checkable(self.seq_lens) else None
+
     def host_lens(self) -> "tuple[torch.Tensor, torch.Tensor]":
         """(seq_lens, extend lens) as int64 CPU tensors: the engine's host copies when given
         (no sync), else one device-to-host read each; DECODE's (and IDLE's) extend lens are known ones."""
@@ -136,10 +153,7 @@ class ForwardBatch:
         for name, lens in (("seq_lens", seq_h), ("extend_seq_lens", ext_h)):
             if len(lens) != bs:  # a host copy that disagrees with the batch (a field changed after construction)
                 raise ShapeError(f"{name} has {len(lens)} entries (its host copy), batch_size is {bs}")
-        if bs and (min(seq_h) < 1 or max(seq_h) > max_context_len):
-            i = next(i for i, n in enumerate(seq_h) if not 1 <= n <= max_context_len)
-            raise ShapeError(f"seq_lens[{i}] is {seq_h[i]}; allowed range is [1, {max_context_len}] (the "
-                             "ReqToTokenPool's max_context_len)")
+        check_seq_lens(seq_h, max_context_len)
         if bs and not self.forward_mode.is_decode_or_idle():  # (DECODE's token count: checked at construction)
             if min(ext_h) < 0 or min(map(operator.sub, seq_h, ext_h)) < 0:
                 i = next(i for i, (n, e) in enumerate(zip(seq_h, ext_h)) if not 0 <= e <= n)

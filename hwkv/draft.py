@@ -12,7 +12,7 @@ import torch
 
 from hwkv import ops
 from hwkv.batch import ForwardBatch, ForwardMode
-from hwkv.checks import as_int, values_checkable
+from hwkv.checks import as_int
 from hwkv.errors import CapacityError, ConfigError, ShapeError
 from hwkv.graph import GraphAdapter, GraphRunner, ModelFn, PreparedStep
 from hwkv.loc import KVWriteLoc
@@ -170,10 +170,10 @@ class DraftMetadataMixin:
             raise CapacityError(f"a draft of {k} steps exceeds the graph state's {len(ds.steps)} steps; run it "
                                 "eagerly (init_draft_metadata) or init_draft_graph_state with more steps")
         check_fits("batch size", bs, ds.max_bs)
-        host = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else (
-            batch.seq_lens if values_checkable(batch.seq_lens) else None)  # the caller's host copy, or CPU / debug
+        host = batch.checkable_seq_lens()  # the caller's host copy, or CPU / debug
         if host is not None:
             self._check_draft_lens(batch, host.tolist(), k)
+            self._check_graph_context(host, k)  # all k steps within the graph state's context
         write_all = self._draft_write_loc(batch.out_cache_loc, info, graph=True)
         rows, seq = batch.req_pool_indices, batch.seq_lens
         blocks = {w: self._span_block(rows, seq, w, ds.widths[w], ds.block_indptr[w][:bs + 1], ds.block_locs[w],
