@@ -227,12 +227,16 @@ def _visible_range(kv_indptr, kv_pos0, q_pos, b, window):
 
 
 @triton.jit
-def _tile_slots(idx, offs_n, s_hi, OFF32: tl.constexpr):
+def _tile_slots(idx, offs_n, s_hi, OFF32: tl.constexpr, GUARD: tl.constexpr = False):
     """A key tile's pool slots. Rows past the split's end repeat its last entry (a real key of the list, whose
     logits there are masked to -inf after the product, so its p is 0 and its finite values add nothing): the
     index, K and V loads need no row mask. OFF32: every element offset of the pools fits int32 (one multiply a row);
     otherwise int64 whatever the list's dtype, so an int32 list's slot times the row stride does not wrap."""
-    slot = tl.load(idx + tl.minimum(offs_n, s_hi - 1))
+    if GUARD:  # the first tile, loaded before the split's loop: an empty split (offs_n[0] >= s_hi) loads nothing
+        slot = tl.load(idx + tl.minimum(offs_n, s_hi - 1), mask=(tl.zeros_like(offs_n) + tl.min(offs_n, 0)) < s_hi,
+                       other=0)
+    else:
+        slot = tl.load(idx + tl.minimum(offs_n, s_hi - 1))
     if OFF32:
         slot = slot.to(tl.int32)
     else:
@@ -241,15 +245,15 @@ def _tile_slots(idx, offs_n, s_hi, OFF32: tl.constexpr):
 
 
 @triton.jit
-def _first_slots(idx, s_lo, s_hi, BLOCK_N: tl.constexpr, OFF32: tl.constexpr):
-    """The split's first tile's slots, loaded before its loop (slots ahead); an empty split loads nothing."""
-    offs_n = s_lo + tl.arange(0, BLOCK_N)
-    slot = tl.load(idx + tl.minimum(offs_n, s_hi - 1), mask=offs_n < s_lo + (s_hi > s_lo) * BLOCK_N, other=0)
-    if OFF32:
-        slot = slot.to(tl.int32)
+def _next_slots(idx, offs_n, s_hi, ahead, BLOCK_N: tl.constexpr, OFF32: tl.constexpr, AHEAD: tl.constexpr):
+    """(this tile's slots, the carried tile): loaded here, or (AHEAD, DecodeConfig.slots_ahead) the tile the last
+    iteration loaded, with the next tile's loaded now (clamped to the split's end, as `_tile_slots` clamps)."""
+    if AHEAD:
+        slot = ahead
+        ahead = _tile_slots(idx, offs_n + BLOCK_N, s_hi, OFF32)
     else:
-        slot = slot.to(tl.int64)
-    return slot
+        slot = _tile_slots(idx, offs_n, s_hi, OFF32)
+    return slot, ahead
 
 
 @triton.jit
@@ -294,15 +298,11 @@ def _block_diagonal_heads(q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, k
     l_sum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HPP * BLOCK_DV], tl.float32)
     idx = kv_indices + kv_start
-    ahead = _first_slots(idx, s_lo, s_hi, BLOCK_N, OFF32) if AHEAD else tl.zeros([BLOCK_N], tl.int32)
+    ahead = _tile_slots(idx, s_lo + tl.arange(0, BLOCK_N), s_hi, OFF32, True) if AHEAD else 0
     for start in range(s_lo, s_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < s_hi
-        if AHEAD:   # this tile's slots came last iteration; the next tile's load now (clamped to the split's end)
-            slot = ahead
-            ahead = _tile_slots(idx, offs_n + BLOCK_N, s_hi, OFF32)
-        else:
-            slot = _tile_slots(idx, offs_n, s_hi, OFF32)
+        slot, ahead = _next_slots(idx, offs_n, s_hi, ahead, BLOCK_N, OFF32, AHEAD)
         kt = _gather(k_buf, slot[:, None] * s_kb, k_cols[None, :], mask_d[None, :], D, BLOCK_D)
         s = logits_log2(dot(qt, tl.trans(kt.to(qt.dtype)), F32), qk_scale, cap, HAS_CAP)
         s = tl.where(mask_n[None, :], s, float("-inf"))
@@ -338,15 +338,11 @@ def _batched_heads(q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, kv_indic
     l_sum = tl.zeros([HPP, BLOCK_G], tl.float32)
     acc = tl.zeros([HPP, BLOCK_G, BLOCK_DV], tl.float32)
     idx = kv_indices + kv_start
-    ahead = _first_slots(idx, s_lo, s_hi, BLOCK_N, OFF32) if AHEAD else tl.zeros([BLOCK_N], tl.int32)
+    ahead = _tile_slots(idx, s_lo + tl.arange(0, BLOCK_N), s_hi, OFF32, True) if AHEAD else 0
     for start in range(s_lo, s_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < s_hi
-        if AHEAD:   # this tile's slots came last iteration; the next tile's load now (clamped to the split's end)
-            slot = ahead
-            ahead = _tile_slots(idx, offs_n + BLOCK_N, s_hi, OFF32)
-        else:
-            slot = _tile_slots(idx, offs_n, s_hi, OFF32)
+        slot, ahead = _next_slots(idx, offs_n, s_hi, ahead, BLOCK_N, OFF32, AHEAD)
         kt = _gather(k_buf, slot[None, :, None] * s_kb, k_heads[:, None, None] + offs_d[None, None, :],
                      mask_d[None, None, :], D, BLOCK_D)                                   # [HPP, BLOCK_N, BLOCK_D]
         s = logits_log2(dot(q3, tl.permute(kt.to(q3.dtype), (0, 2, 1)), F32), qk_scale, cap, HAS_CAP)
