@@ -155,7 +155,7 @@ def _scaled(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     bit for bit. T = 0 (greedy) rows divide by 1."""
     x = logits.to(torch.float32).nan_to_num(nan=math.inf, posinf=math.inf, neginf=-math.inf)
     top = x.amax(dim=-1, keepdim=True)  # +inf (or -inf: all -inf) where the row is not finite
-    t = torch.where(temperature > 0, temperature.to(torch.float32), 1.0)[:, None]
+    t = torch.where(temperature > 0, temperature, 1.0)[:, None]  # (float32: `sample` read it so)
     shift = torch.where((t < 1e-6) | (top / t).isinf(), top, 0.0)
     # a row shifted by an infinite top: NaN (inf - inf) at its top entries, made 0 here, -inf elsewhere
     return (x - shift).nan_to_num(nan=0.0, posinf=math.inf, neginf=-math.inf) / t
