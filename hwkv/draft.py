@@ -394,9 +394,7 @@ class DraftGraphRunner(DraftReplay, GraphRunner):
         """Copy the draft batch and inputs into the static buffers step by step, pad to the smallest
         bucket that fits, refill every step's metadata; a batch larger than every bucket: eager metadata.
         Everything is checked before the first copy (lengths, rows, write locs, inputs: as the eager step)."""
-        info = batch.spec_info
-        if not isinstance(info, MultiStepDraft):
-            raise ConfigError("a DraftGraphRunner runs DECODE batches with spec_info=MultiStepDraft(num_steps)")
+        info = _draft_info(batch)   # the eager draft step's rule: a DECODE batch (an EXTEND one had replayed as decodes)
         k = self.steps
         if info.num_steps > k:
             raise CapacityError(f"a draft of {info.num_steps} steps exceeds the {k} steps these graphs run; "

@@ -507,7 +507,7 @@ class Engine:
             else:
                 _, batch, ids_dev, pos_dev = self._allocate([Row(r.req, r.prefix, k + 1, True) for r in rows], ids)
                 self.cache.backend.init_forward_metadata(batch)
-                logits, rows_dev = self.model_step(batch, ids_dev, pos_dev, 0), batch.req_pool_indices
+                logits, rows_dev = self._logits(batch, ids_dev, pos_dev, 0), batch.req_pool_indices
             pred = logits.argmax(dim=-1).view(bs, k + 1).tolist()  # the one wait
             earlier = self._read_back()  # the previous verify's free counts, copied before that wait: no wait
         except BaseException:
@@ -643,12 +643,20 @@ class Engine:
                 logits = logits.index_select(0, keep_dev)
         else:
             self.cache.backend.init_forward_metadata(batch)
-            logits = self.model_step(batch, ids, pos, 0 if keep_dev is None else keep_dev)
-        rows = ids.shape[0] if keep_dev is None else keep_dev.shape[0]
-        if logits.dim() != 2 or logits.shape[0] != rows or logits.shape[1] > self.vocab_size:  # shapes: no device read
+            logits = self._logits(batch, ids, pos, 0 if keep_dev is None else keep_dev)
+        return self._sample(where, logits)
+
+    def _logits(self, batch: ForwardBatch, ids: torch.Tensor, pos: torch.Tensor, keep: Any) -> torch.Tensor:
+        """`model_step`'s logits, checked to be [kept tokens, V <= vocab_size] (an HF model ignoring a tensor
+        `logits_to_keep` returns every token's): a ShapeError the caller's undo turns into a step that never ran.
+        Every path calls the model through here, the graphs' functions too, so the check runs before a graph's
+        out-of-window release (and at capture, where shapes are fixed). Shapes only: no device read."""
+        logits = self.model_step(batch, ids, pos, keep)
+        rows = ids.shape[0] if isinstance(keep, int) else keep.shape[0]
+        if logits.dim() != 2 or logits.shape[0] != rows or logits.shape[1] > self.vocab_size:
             raise ShapeError(f"model_step returned logits of shape {list(logits.shape)}, expected [{rows}, V] with "
                              f"V <= vocab_size {self.vocab_size} (one row per kept token; the step is undone)")
-        return self._sample(where, logits)
+        return logits
 
     def _sample(self, where: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """The next token of each sampling row from its logits, `where` its request rows on the device (argmax when
@@ -659,18 +667,18 @@ class Engine:
 
     def _decode_step(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
         """The graph runner's step: the model over the static decode inputs (every token's logits)."""
-        return self.model_step(batch, inputs["input_ids"], inputs["positions"], 0)
+        return self._logits(batch, inputs["input_ids"], inputs["positions"], 0)
 
     def _whole_step_model(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
         """The whole-step graph's model: each row's last sampled token at position length - 1, both read on the
         device inside the graph (the host sends nothing but the rows and lengths)."""
-        return self.model_step(batch, self.next_ids[batch.req_pool_indices], batch.seq_lens - 1, 0)
+        return self._logits(batch, self.next_ids[batch.req_pool_indices], batch.seq_lens - 1, 0)
 
     def _verify_model(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
         """The verify graph's model: the host's token ids, each at its position (length - distance to the end),
         computed on the device inside the graph; every token's logits."""
         pos = (batch.seq_lens.unsqueeze(1) - self._draft_back).view(-1)
-        return self.model_step(batch, inputs["input_ids"], pos, 0)
+        return self._logits(batch, inputs["input_ids"], pos, 0)
 
     def _decode_whole(self, rows: List[Row]) -> "tuple[torch.Tensor, torch.Tensor]":
         """A decode step as one graph replay: the rows and lengths after it go to the device in one copy (the
