@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -100,9 +101,10 @@ class Case:
     def tflops(self, us):
         return 4 * self.pairs * H * self.d / (us * 1e-6) / 1e12 if isinstance(us, float) else None
 
-    def portable(self):
-        extend_attention(*self.args, self.new, self.d ** -0.5, self.window, CAP,
-                         config=default_config(self.d, False, self.window, DEV))
+    def portable(self, fast_tanh=True):
+        """The portable kernel under the dispatch's config; with a cap, its tanh the hardware's or (False) exact."""
+        cfg = dataclasses.replace(default_config(self.d, False, self.window, DEV), fast_tanh=fast_tanh)
+        extend_attention(*self.args, self.new, self.d ** -0.5, self.window, CAP, config=cfg)
 
     def gluon_fn(self, config=None):
         """A launcher of the Gluon kernel (under `config`'s tiles where given), or the reason there is none."""
@@ -273,9 +275,10 @@ def bench(d, sweep=False, only=None, rounds=1):
             row["max_abs_err_vs_portable"] = check(c, g)
         if sweep and not isinstance(g, str):
             row["sweep"] = sweep_case(c, d, rounds)
-        for name, fn in (("gluon", g), ("portable", c.portable),
+        exact = [("portable_exact", lambda: c.portable(fast_tanh=False))] if CAP else []   # the tanh's A/B
+        for name, fn in [("gluon", g), ("portable", c.portable), *exact,
                          ("sdpa_cudnn", c.sdpa_fn(SDPBackend.CUDNN_ATTENTION)),
-                         ("sdpa_flash", c.sdpa_fn(SDPBackend.FLASH_ATTENTION))):
+                         ("sdpa_flash", c.sdpa_fn(SDPBackend.FLASH_ATTENTION))]:
             us = timed(fn)
             row[f"{name}_us"], row[f"{name}_tflops"] = us, c.tflops(us)
         for other in ("portable", "sdpa_cudnn", "sdpa_flash"):   # > 1: the Gluon kernel is faster
@@ -375,14 +378,17 @@ def fmt(us, tf):
 
 
 def table(rows):
+    exact = "portable_exact_us" in rows[0]   # --cap: the portable kernel with the exact tanh too
     lines = [f"| case (H={H} KVH={KVH} D={rows[0]['d']} bf16, page {PAGE} random) | gluon us (TFLOP/s) | portable "
+             + ("| portable, exact tanh " if exact else "") +
              "| SDPA cuDNN | SDPA flash | gluon speedup vs portable / cuDNN / flash | max err vs portable |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if exact else "")]
     for r in rows:
         sp = " / ".join(f"{r[f'speedup_vs_{o}']:.2f}x" if r[f"speedup_vs_{o}"] else "-"
                         for o in ("portable", "sdpa_cudnn", "sdpa_flash"))
         err = r.get("max_abs_err_vs_portable")
-        cells = [fmt(r[f"{k}_us"], r[f"{k}_tflops"]) for k in ("gluon", "portable", "sdpa_cudnn", "sdpa_flash")]
+        cells = [fmt(r[f"{k}_us"], r[f"{k}_tflops"]) for k in ("gluon", "portable") + ("portable_exact",) * exact
+                 + ("sdpa_cudnn", "sdpa_flash")]
         lines.append(f"| {r['case']} | {' | '.join(cells)} | {sp} | {'-' if err is None else format(err, '.3g')} |")
     return "\n".join(lines)
 

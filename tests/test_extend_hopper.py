@@ -2,6 +2,7 @@
 Triton kernel on the same random paged inputs (pages of 16 at random places, prefix + new tokens, GQA, windows,
 soft-cap, sinks, K/V scales). Needs a Hopper (compute capability 9.x) GPU; the dispatch tests at the end run
 everywhere."""
+import dataclasses
 import math
 
 import pytest
@@ -153,9 +154,9 @@ VARIANTS = {   # the sweep's schedule switches, each against the reference
     "lean_causal_tiles": extend_hopper._CLEAN[64]._replace(lean_gather=True),
     "lean_window_tiles": extend_hopper._CLEAN_WINDOW[64]._replace(lean_gather=True),
     "lean_sums_mma_window_tiles": extend_hopper._TUNED_WINDOW[64]._replace(lean_gather=True),
-    # the soft-cap's tanh by the hardware (tanh.approx.f32)
-    "fast_tanh_causal_tiles": extend_hopper._CLEAN[64]._replace(fast_tanh=True),
-    "fast_tanh_window_tiles": extend_hopper._CLEAN_WINDOW[64]._replace(fast_tanh=True),
+    # the soft-cap's tanh: the dispatch's tiles take the hardware's (tanh.approx.f32), these the exact form
+    "exact_tanh_causal_tiles": extend_hopper._CLEAN[64]._replace(fast_tanh=False),
+    "exact_tanh_window_tiles": extend_hopper._CLEAN_WINDOW[64]._replace(fast_tanh=False),
 }
 
 
@@ -275,6 +276,36 @@ def test_gluon_fast_tanh_softcap(tile, cap):
         assert extend_hopper.run_hopper_extend(plan, *c.args(out), c.scaling, window, cap, sinks, 0.5, 1.5)
         outs.append(out)
     want = c.ref(logit_cap=cap, sinks=sinks, k_scale=0.5, v_scale=1.5)
+    _close(outs[1], want)
+    _close(outs[1], outs[0], tol=1e-2)
+
+
+def _nvidia_reason():
+    if not torch.cuda.is_available() or torch.version.hip is not None:
+        return "needs an NVIDIA GPU (the hardware's tanh is PTX)"
+    return None
+
+
+@pytest.mark.skipif(_nvidia_reason() is not None, reason=str(_nvidia_reason()))
+@pytest.mark.parametrize("window", [None, 100], ids=["causal", "window"])
+@pytest.mark.parametrize("cap", [20.0, 1.5])
+def test_portable_fast_tanh_softcap(window, cap):
+    """The portable kernel's soft-cap by the hardware's tanh (ExtendConfig.fast_tanh, on for bf16/fp16 on NVIDIA GPUs)
+    against the reference and the exact tanh's build: caps the logits saturate (1.5) and mostly do not (20), sinks and
+    K/V scales; fp32 queries keep the exact form."""
+    from hwkv_cuda.kernels.common import fast_tanh_for
+    c = Paged([600, 200, 37], [300, 200, 37], h=16, kvh=2, d=64, window=window, seed=7)
+    assert fast_tanh_for(c.q.device, False) and not fast_tanh_for(c.q.device, True)
+    sinks = (torch.randn(16, generator=torch.Generator().manual_seed(4)) * 2).float().cuda()
+    base = default_config(64, False, window, c.q.device)
+    outs = []
+    for fast in (False, True):
+        out = c.empty_out()
+        extend_attention(*c.args(out), 300, c.scaling, window, cap, sinks, 0.5, 1.5,
+                         config=dataclasses.replace(base, fast_tanh=fast))
+        outs.append(out)
+    want = c.ref(logit_cap=cap, sinks=sinks, k_scale=0.5, v_scale=1.5)
+    _close(outs[0], want)
     _close(outs[1], want)
     _close(outs[1], outs[0], tol=1e-2)
 
@@ -482,8 +513,8 @@ def _compile_reason():
                                                         (64, False, True, "sums_mma_causal_tiles"),
                                                         (64, False, True, "lean_causal_tiles"),
                                                         (64, True, False, "lean_window_tiles"),
-                                                        (64, False, True, "fast_tanh_causal_tiles"),
-                                                        (64, True, True, "fast_tanh_window_tiles"),
+                                                        (64, False, True, "exact_tanh_causal_tiles"),
+                                                        (64, True, True, "exact_tanh_window_tiles"),
                                                         (64, False, True, "tuned"), (64, True, True, "tuned"),
                                                         (128, True, True, "tuned")])
 def test_compiles_for_sm90_without_a_gpu(d, window, cap_sinks, variant):
@@ -515,8 +546,28 @@ def test_compiles_for_sm90_without_a_gpu(d, window, cap_sinks, variant):
         assert f"WARPGROUP.DEPBAR.LE gsb0, 0x{in_flight}" in sass, "ptxas serialised the warpgroup products"
     warnings = _ptxas_serialisation(ptx)
     assert not warnings, f"ptxas serialises warpgroup products: {warnings}"
-    if cap_sinks and config is not None and config.fast_tanh:
-        assert "tanh.approx.f32" in ptx
+    if cap_sinks:   # the hardware's tanh where the tile asks for it (the dispatch's do), the exact form elsewhere
+        assert ("tanh.approx.f32" in ptx) == (config or extend_hopper.CONFIGS[d]).fast_tanh
+
+
+@pytest.mark.skipif(_build_reason() is not None, reason=str(_build_reason()))
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("window", [False, True], ids=["causal", "window"])
+def test_portable_extend_compiles_for_sm90_without_a_gpu(d, window):
+    """The portable extend kernel's soft-cap on an NVIDIA GPU takes the hardware's tanh (HAS_CAP 2, inline PTX the
+    interpreter cannot run, so its build is checked here): one MUFU.TANH a score and no exp or division beyond the
+    uncapped build's, and no more spill stores than the uncapped build (the recorded Hopper tiles spill under Triton
+    3.9 capped or not; 3.6's builds, the H200's, do not); the exact form (HAS_CAP 1) has no tanh.approx."""
+    from hwkv_cuda.kernels import extend
+    builds = {cap: extend.compile_extend_for_sm90(extend.TUNED[(d, False)], d=d, cap=cap, window=window, sinks=True)
+              for cap in (0, 1, 2)}
+    assert "tanh.approx.f32" in builds[2].asm["ptx"] and "tanh.approx.f32" not in builds[1].asm["ptx"]
+    sass = {cap: _sass(k.asm["cubin"]) for cap, k in builds.items()}
+    if sass[0] is not None:
+        assert sass[2].count("MUFU.TANH") > 0 and sass[1].count("MUFU.TANH") == 0
+        assert sass[2].count("MUFU.EX2") == sass[0].count("MUFU.EX2") < sass[1].count("MUFU.EX2")
+        assert sass[2].count("MUFU.RCP") <= sass[0].count("MUFU.RCP") + 1 < sass[1].count("MUFU.RCP")
+        assert sass[2].count("STL") <= sass[0].count("STL"), "the hardware's tanh adds spills"
 
 
 def _ptxas_serialisation(ptx: str):

@@ -54,6 +54,15 @@ def hopper_class(device: torch.device) -> bool:
     return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
 
 
+def fast_tanh_for(device: torch.device, f32: bool) -> bool:
+    """Whether a soft-capped kernel on `device` takes the hardware's tanh (`TANH_APPROX`, PTX `tanh.approx.f32`,
+    sm_75+): an NVIDIA GPU, not ROCm or the interpreter, and not the fp32 kernels, whose outputs are held to fp32
+    tolerances (the approximation's relative error is below 2**-10.9)."""
+    if f32 or interpreting() or device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (7, 5)
+
+
 @functools.lru_cache(maxsize=None)
 def _capability(index: int) -> "tuple[int, int]":
     return torch.cuda.get_device_capability(index)
@@ -144,10 +153,20 @@ def tanh_fp32(x):
     return tl.where(tl.abs(x) < TANH_SERIES_BELOW, series, 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
 
 
+# the hardware's tanh (one special-function op; relative error below 2**-10.9), for inline PTX where `fast_tanh_for`
+# allows it: the exact form costs an exp and a division a score on top of the softmax's exp, which made a capped
+# prefill 3-4x an uncapped one (docs/benchmarks.md)
+TANH_APPROX = tl.constexpr("tanh.approx.f32 $0, $1;")
+
+
 @triton.jit
 def logits_log2(qk, qk_scale, cap, HAS_CAP: tl.constexpr):
     """Raw q.k -> logits in log2 units: scale, optional soft-cap cap * tanh(s / cap), times log2(e). With a cap,
-    qk_scale / cap is folded once: no division by the cap a logit."""
+    qk_scale / cap is folded once: no division by the cap a logit. HAS_CAP 2: the hardware's tanh (TANH_APPROX)."""
+    if HAS_CAP == 2:
+        t = tl.inline_asm_elementwise(TANH_APPROX, "=f,f", [qk * (qk_scale / cap)], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+        return t * cap * LOG2E
     if HAS_CAP:
         return tanh_fp32(qk * (qk_scale / cap)) * cap * LOG2E   # (t * cap) * log2(e): cap * log2(e) may overflow
     return qk * (qk_scale * LOG2E)   # one multiply per logit; the scalar product is folded once

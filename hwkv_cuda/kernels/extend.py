@@ -34,7 +34,7 @@ from hwkv.errors import ShapeError
 from hwkv.spec import TreeMask, check_tree_mask
 from hwkv_cuda.kernels import extend_hopper
 from hwkv_cuda.kernels.launch import Launch, launch
-from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, cdiv, dot, fold_sink,
+from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, build_for_sm90, cdiv, dot, fast_tanh_for, fold_sink,
                                       hopper_class, interpreting, logits_log2, next_pow2, online_softmax_step, pow2)
 
 
@@ -49,6 +49,7 @@ class ExtendConfig:
     num_stages: int = 3
     one_loop: bool = False   # walk every key tile in one masked loop (no edge / full / diagonal split)
     mask32: bool = True      # mask from int32 offsets inside the tile (else int64 list positions)
+    fast_tanh: bool = True   # a soft-cap by the hardware's tanh where `common.fast_tanh_for` allows it
 
 
 # Keyed by (head dim rounded up to a power of two, fp32 queries). Recorded here rather than
@@ -370,7 +371,10 @@ def _run(plan: ExtendPlan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_i
         tree_mask = tree_indptr = q_positions = q
     else:
         tree_mask, tree_indptr, q_positions = tree.mask.view(torch.uint8), tree.mask_indptr, tree.q_positions
-    flags = (cap > 0, window > 0, sinks is not None, q.dtype == torch.float32 or plan.interpreted)
+    f32 = q.dtype == torch.float32 or plan.interpreted
+    # HAS_CAP: 0 none, 1 the exact tanh, 2 the hardware's
+    has_cap = 0 if cap <= 0 else 2 if plan.config.fast_tanh and fast_tanh_for(plan.device, f32) else 1
+    flags = (has_cap, window > 0, sinks is not None, f32)
     launch(_LAUNCHES, (plan.launch_key,) + flags, _extend_kernel, plan.grid,
            (q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0,
             sinks if sinks is not None else q, tree_mask, tree_indptr, q_positions, out,
@@ -441,3 +445,23 @@ def extend_attention_planned(plan: ExtendPlan, q: torch.Tensor, k_buf: torch.Ten
         return
     _run(plan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, scaling, window,
          logit_cap, sinks, k_scale, v_scale, tree)
+
+
+def compile_extend_for_sm90(config: ExtendConfig, d: int = 64, group: int = 8, cap: int = 0, window: bool = False,
+                            sinks: bool = False, max_q_len: int = 8192, dtype: str = "bf16") -> Any:
+    """Compile the portable extend kernel for an sm_90 target without a GPU (`common.build_for_sm90`), with the
+    constexprs a plan of this shape takes under `config`; `cap` is the launch's HAS_CAP (0 none, 1 the exact tanh, 2
+    the hardware's). For CI: the soft-cap's inline PTX cannot run in the interpreter, so its build is checked here."""
+    block_t, gp = tile_rows(config, group, max_q_len)
+    consts = dict(GROUP=group, GP=gp, D=d, DV=d, BLOCK_T=block_t, BLOCK_D=pow2(d), BLOCK_DV=pow2(d),
+                  BLOCK_N=config.block_n, HAS_TREE=False, ONE_LOOP=config.one_loop, MASK32=config.mask32,
+                  HAS_CAP=cap, HAS_WINDOW=window, HAS_SINKS=sinks, F32=False)
+    sig = {n: "i32" for n in _extend_kernel.arg_names if n not in consts}   # strides and the window
+    sig.update({n: f"*{dtype}" for n in ("q", "out", "k_buf", "v_buf")})
+    sig.update(sinks="*fp32", tree_mask="*u8", tree_indptr="*i32", q_positions="*i64", kv_indptr="*i32",
+               kv_indices="*i64", kv_pos0="*i64", qo_indptr="*i32", q_pos0="*i64", qk_scale="fp32", v_scale="fp32",
+               cap="fp32")
+    aligned = [n for n in sig if sig[n].startswith("*")] + ["s_qt", "s_qh", "s_kb", "s_kh", "s_vb", "s_vh", "s_ot",
+                                                            "s_oh"]
+    return build_for_sm90(_extend_kernel, sig, consts, aligned, dict(num_warps=config.num_warps,
+                                                                     num_stages=config.num_stages))

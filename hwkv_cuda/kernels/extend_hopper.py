@@ -67,7 +67,7 @@ import triton
 
 from hwkv.env import HWKV_HOPPER_EXTEND
 from hwkv.errors import ConfigError
-from hwkv_cuda.kernels.common import as_scale, build_for_sm90, interpreting, num_sms, tanh_fp32
+from hwkv_cuda.kernels.common import TANH_APPROX, as_scale, build_for_sm90, interpreting, num_sms, tanh_fp32
 from hwkv_cuda.kernels.launch import launch
 
 try:  # Gluon's Hopper API as of Triton 3.6; older or other builds simply keep the portable kernel
@@ -101,7 +101,8 @@ class HopperConfig(NamedTuple):
     # P = 0 by the consumers as the zero-filled rows were), so no predicate is formed per row and tile
     lean_gather: bool = False
     # the soft-cap's tanh by the hardware's approximation (tanh.approx.f32: one special-function op a score, relative
-    # error below 2**-10.9) rather than the Triton kernels' exact form (an exp and a division a score)
+    # error below 2**-10.9) rather than the Triton kernels' exact form (an exp and a division a score); the dispatch's
+    # tiles take it (see CONFIGS)
     fast_tanh: bool = False
 
 
@@ -129,10 +130,17 @@ PRODUCER_WARPS = 4
 # at magnitude 2-4) against the portable kernel. Measured on the 3.6 tiles only: the other releases' tiles keep the
 # FADD sums. With them, D=64 causal takes 8 stages (4 x 2048 over 2048 978.6 and 1,021.6 us against 999.0 and 1,036.7
 # for 6, medians of two runs' interleaved rounds; the other cases the same or 0.1-0.6% faster).
-_CLEAN = {64: HopperConfig(block_n=64, stages=6, consumer_regs=152, consumers=3),
-          128: HopperConfig(block_n=64, stages=4, consumer_regs=152, consumers=3)}
-_CLEAN_WINDOW = {64: HopperConfig(block_n=32, stages=8, consumer_regs=152, consumers=3),
-                 128: HopperConfig(block_n=32, stages=4, consumer_regs=152, consumers=3)}
+# Soft-capped calls (twenty-third session, H100, cap 50, `bench_hopper_extend.py --cap 50 --config causal:fast_tanh=1
+# --config window:fast_tanh=1`): the exact tanh made a capped call 3.6-4.3x an uncapped one and slower than the
+# portable kernel on three of four D=64 cases; the hardware's tanh takes D=64 1 x 8192 from 5,380 to 1,730 us (the
+# portable kernel 4,720), 4 x 2048 over 2048 4,231 -> 1,320, 8 x 1024 768 -> 263, W=128 258 -> 119 (portable 181);
+# D=128 1 x 8192 5,971 -> 2,220 (portable 6,082), W=128 269 -> 148; the same largest difference from the portable
+# kernel's exact form (0.0156, one bf16 step). Uncapped calls build the same kernel either way (CAP is 0).
+_FAST = dict(fast_tanh=True)
+_CLEAN = {64: HopperConfig(block_n=64, stages=6, consumer_regs=152, consumers=3, **_FAST),
+          128: HopperConfig(block_n=64, stages=4, consumer_regs=152, consumers=3, **_FAST)}
+_CLEAN_WINDOW = {64: HopperConfig(block_n=32, stages=8, consumer_regs=152, consumers=3, **_FAST),
+                 128: HopperConfig(block_n=32, stages=4, consumer_regs=152, consumers=3, **_FAST)}
 _TUNED = {64: _CLEAN[64]._replace(stages=8, q_regs=True, sums_mma=True), 128: _CLEAN[128]}
 _TUNED_WINDOW = {64: _CLEAN_WINDOW[64]._replace(consumer_regs=104, q_regs=True, consumers=4, sums_mma=True),
                  128: _CLEAN_WINDOW[128]._replace(q_regs=True, sums_mma=True)}
@@ -321,8 +329,8 @@ if gluon is not None:
         given, the row sums made elsewhere). The visibility mask (list end, causal bound, window) is applied only
         where some row needs it."""
         if HAS_CAP == 2:   # the hardware's tanh (see HopperConfig.fast_tanh)
-            s = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [s * (qk_scale / cap)], dtype=gl.float32,
-                                          is_pure=True, pack=1) * cap
+            s = gl.inline_asm_elementwise(TANH_APPROX, "=f,f", [s * (qk_scale / cap)], dtype=gl.float32, is_pure=True,
+                                          pack=1) * cap
             c = _LOG2E
         elif HAS_CAP:
             s = tanh_fp32(s * (qk_scale / cap)) * cap   # the Triton kernels' tanh (a tl jit function inlines here)
