@@ -165,3 +165,36 @@ def test_a_cap_that_is_not_a_finite_value_at_least_zero_is_a_usage_error(bench, 
         bench.main()
     assert e.value.code == 2
     assert "--cap" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cap", [0.0, 50.0])
+def test_a_capped_table_times_the_portable_kernel_under_both_tanh_forms(bench, monkeypatch, cap):
+    """With --cap every case also times the portable kernel under the tanh its config does not take (the A/B behind
+    ExtendConfig.fast_tanh), and the table gets that column; without a cap neither."""
+    calls = []
+
+    class Case(FakeCase):
+        pairs = 1
+
+        def __init__(self, bs, new, prefix, window, d):
+            super().__init__(bs, new, prefix, window, d)
+
+        def gluon_fn(self, cfg=None):
+            return "n/a (stand-in)"
+
+        def portable(self, fast_tanh=None):
+            calls.append(fast_tanh)
+
+        def sdpa_fn(self, backend):
+            return "n/a (soft-cap)"
+
+    monkeypatch.setattr(bench, "CAP", cap)
+    monkeypatch.setattr(bench, "Case", Case)
+    monkeypatch.setattr(bench, "timed", lambda fn: (fn(), 2.0)[1] if callable(fn) else fn)
+    rows = bench.bench(64, only=["window"])
+    fast = bench.default_config(64).fast_tanh
+    assert calls == ([None, not fast] if cap else [None])
+    header = bench.table(rows).splitlines()[0]
+    tanh = "exact" if fast else "hardware"
+    assert (f"| portable, {tanh} tanh |" in header) == bool(cap)
+    assert all(("portable_other_tanh_us" in r) == bool(cap) for r in rows)

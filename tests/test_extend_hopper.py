@@ -290,7 +290,7 @@ def _nvidia_reason():
 @pytest.mark.parametrize("window", [None, 100], ids=["causal", "window"])
 @pytest.mark.parametrize("cap", [20.0, 1.5])
 def test_portable_fast_tanh_softcap(window, cap):
-    """The portable kernel's soft-cap by the hardware's tanh (ExtendConfig.fast_tanh, on for bf16/fp16 on NVIDIA GPUs)
+    """The portable kernel's soft-cap by the hardware's tanh (ExtendConfig.fast_tanh, for bf16/fp16 on NVIDIA GPUs)
     against the reference and the exact tanh's build: caps the logits saturate (1.5) and mostly do not (20), sinks and
     K/V scales; fp32 queries keep the exact form."""
     from hwkv_cuda.kernels.common import fast_tanh_for
