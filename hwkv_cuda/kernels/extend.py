@@ -337,6 +337,7 @@ class ExtendPlan(NamedTuple):
     has_tree: bool
     launch_key: Tuple[Any, ...]  # what fixes its launch (grid, constexprs): shared across forwards
     hopper: Any = None           # an extend_hopper.HopperPlan: the Gluon sm_90 kernel runs the call instead
+    fast_tanh: bool = False      # a soft-cap by the hardware's tanh (config.fast_tanh where fast_tanh_for allows it)
 
 
 def _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config, has_tree, window=None) -> ExtendPlan:
@@ -354,7 +355,8 @@ def _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config, has_tree, windo
     hopper = extend_hopper.plan_hopper_extend(q, k_buf, v_buf, out, max_q_len, has_tree, window) if gluon else None
     return ExtendPlan(tuple(q.shape), tuple(k_buf.shape), tuple(v_buf.shape), k_buf.stride(), v_buf.stride(),
                       tuple(out.shape), q.device, grid, cfg, consts, interpreting(), has_tree,
-                      (grid, tuple(consts.items())), hopper)
+                      (grid, tuple(consts.items())), hopper,
+                      cfg.fast_tanh and fast_tanh_for(q.device, q.dtype == torch.float32))
 
 
 def _run(plan: ExtendPlan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, scaling,
@@ -374,8 +376,7 @@ def _run(plan: ExtendPlan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_i
     else:
         tree_mask, tree_indptr, q_positions = tree.mask.view(torch.uint8), tree.mask_indptr, tree.q_positions
     f32 = q.dtype == torch.float32 or plan.interpreted
-    # HAS_CAP: 0 none, 1 the exact tanh, 2 the hardware's
-    has_cap = 0 if cap <= 0 else 2 if plan.config.fast_tanh and fast_tanh_for(plan.device, f32) else 1
+    has_cap = 0 if cap <= 0 else 2 if plan.fast_tanh and not f32 else 1   # none, the exact tanh, the hardware's
     flags = (has_cap, window > 0, sinks is not None, f32)
     launch(_LAUNCHES, (plan.launch_key,) + flags, _extend_kernel, plan.grid,
            (q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0,
