@@ -283,6 +283,8 @@ def test_gluon_fast_tanh_softcap(tile, cap):
 def _nvidia_reason():
     if not torch.cuda.is_available() or torch.version.hip is not None:
         return "needs an NVIDIA GPU (the hardware's tanh is PTX)"
+    if torch.cuda.get_device_capability() < (7, 5):
+        return f"tanh.approx.f32 needs sm_75 or later, this is {torch.cuda.get_device_name()}"
     return None
 
 

@@ -649,13 +649,16 @@ class Engine:
     def _logits(self, batch: ForwardBatch, ids: torch.Tensor, pos: torch.Tensor, keep: Any) -> torch.Tensor:
         """`model_step`'s logits, checked to be [kept tokens, V <= vocab_size] (an HF model ignoring a tensor
         `logits_to_keep` returns every token's): a ShapeError the caller's undo turns into a step that never ran.
-        Every path calls the model through here, the graphs' functions too, so the check runs before a graph's
-        out-of-window release (and at capture, where shapes are fixed). Shapes only: no device read."""
+        Every path calls the model through here, the graphs' functions too: so at capture where a device graph fixes
+        the shapes (the engine is refused), and in a step graph before its out-of-window release where that follows
+        the layers (where the device's page ops release first, the slots it freed stay free: no query of the step
+        or its rerun sees them, and the undo syncs the frontiers). Shapes only: no device read."""
         logits = self.model_step(batch, ids, pos, keep)
         rows = ids.shape[0] if isinstance(keep, int) else keep.shape[0]
         if logits.dim() != 2 or logits.shape[0] != rows or logits.shape[1] > self.vocab_size:
             raise ShapeError(f"model_step returned logits of shape {list(logits.shape)}, expected [{rows}, V] with "
-                             f"V <= vocab_size {self.vocab_size} (one row per kept token; the step is undone)")
+                             f"V <= vocab_size {self.vocab_size} (one row per kept token; the step is undone, a "
+                             f"graph capture refused)")
         return logits
 
     def _sample(self, where: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
