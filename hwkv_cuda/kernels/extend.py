@@ -340,15 +340,22 @@ class ExtendPlan(NamedTuple):
     fast_tanh: bool = False      # a soft-cap by the hardware's tanh (config.fast_tanh where fast_tanh_for allows it)
 
 
+def _consts(cfg: ExtendConfig, group: int, d: int, dv: int, max_q_len: int, has_tree: bool) -> Dict[str, Any]:
+    """The kernel's constexprs and launch options under `cfg` for this head geometry and longest query run (all
+    but the per-layer HAS_CAP, HAS_WINDOW, HAS_SINKS and F32)."""
+    block_t, gp = tile_rows(cfg, group, max_q_len)
+    return dict(GROUP=group, GP=gp, D=d, DV=dv, BLOCK_T=block_t, BLOCK_D=pow2(d), BLOCK_DV=pow2(dv),
+                BLOCK_N=cfg.block_n, HAS_TREE=has_tree, ONE_LOOP=cfg.one_loop, MASK32=cfg.mask32,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 def _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config, has_tree, window=None) -> ExtendPlan:
     t, h, d = q.shape
     bs, kvh, dv = kv_pos0.shape[0], k_buf.shape[1], v_buf.shape[2]
     cfg = config or default_config(d, q.dtype == torch.float32, window, q.device)
-    block_t, gp = tile_rows(cfg, h // kvh, max_q_len)
+    consts = _consts(cfg, h // kvh, d, dv, max_q_len, has_tree)
     empty = t == 0 or bs == 0 or max_q_len <= 0
-    grid = (0, 0, 0) if empty else (kvh, cdiv(int(max_q_len), block_t), bs)
-    consts = dict(GROUP=h // kvh, GP=gp, D=d, DV=dv, BLOCK_T=block_t, BLOCK_D=pow2(d), BLOCK_DV=pow2(dv),
-                  BLOCK_N=cfg.block_n, HAS_TREE=has_tree, ONE_LOOP=cfg.one_loop, MASK32=cfg.mask32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid = (0, 0, 0) if empty else (kvh, cdiv(int(max_q_len), consts["BLOCK_T"]), bs)
     # on sm_90 the Gluon kernel where it applies (an explicit config names the portable one); window layers take it
     # with window tiles where recorded (extend_hopper.takes_window)
     gluon = not (empty or config)
@@ -455,10 +462,9 @@ def compile_extend_for_sm90(config: ExtendConfig, d: int = 64, group: int = 8, c
     """Compile the portable extend kernel for an sm_90 target without a GPU (`common.build_for_sm90`), with the
     constexprs a plan of this shape takes under `config`; `cap` is the launch's HAS_CAP (0 none, 1 the exact tanh, 2
     the hardware's). For CI: the soft-cap's inline PTX cannot run in the interpreter, so its build is checked here."""
-    block_t, gp = tile_rows(config, group, max_q_len)
-    consts = dict(GROUP=group, GP=gp, D=d, DV=d, BLOCK_T=block_t, BLOCK_D=pow2(d), BLOCK_DV=pow2(d),
-                  BLOCK_N=config.block_n, HAS_TREE=False, ONE_LOOP=config.one_loop, MASK32=config.mask32,
-                  HAS_CAP=cap, HAS_WINDOW=window, HAS_SINKS=sinks, F32=False)
+    consts = _consts(config, group, d, d, max_q_len, False)
+    options = dict(num_warps=consts.pop("num_warps"), num_stages=consts.pop("num_stages"))
+    consts.update(HAS_CAP=cap, HAS_WINDOW=window, HAS_SINKS=sinks, F32=False)
     sig = {n: "i32" for n in _extend_kernel.arg_names if n not in consts}   # strides and the window
     sig.update({n: f"*{dtype}" for n in ("q", "out", "k_buf", "v_buf")})
     sig.update(sinks="*fp32", tree_mask="*u8", tree_indptr="*i32", q_positions="*i64", kv_indptr="*i32",
@@ -466,5 +472,4 @@ def compile_extend_for_sm90(config: ExtendConfig, d: int = 64, group: int = 8, c
                cap="fp32")
     aligned = [n for n in sig if sig[n].startswith("*")] + ["s_qt", "s_qh", "s_kb", "s_kh", "s_vb", "s_vh", "s_ot",
                                                             "s_oh"]
-    return build_for_sm90(_extend_kernel, sig, consts, aligned, dict(num_warps=config.num_warps,
-                                                                     num_stages=config.num_stages))
+    return build_for_sm90(_extend_kernel, sig, consts, aligned, options)
