@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from hwkv.allocator import SWATokenToKVPoolAllocator, _distinct, _host_view, _push_on_host, _refs_view
-from hwkv.checks import as_int, check_int_dtype, check_window, values_checkable
+from hwkv.checks import as_int, check_int_dtype, check_rows, check_window, values_checkable
 from hwkv.errors import ConfigError, DoubleFreeError, LocError
 from hwkv.pages import PageRing
 from hwkv.torch_page_ops import I64, TORCH_OPS
@@ -69,6 +69,7 @@ def release_out_of_window_batch(allocator: SWATokenToKVPoolAllocator, req_to_tok
     checks = allocator.immediate and values_checkable(frontiers)
     if by_row and (checks or not getattr(ops, "releases_by_row", False)):
         table = frontiers  # the batch's own frontiers, released as usual, then put back in their rows
+        check_rows(req_pool_indices, req_to_token.shape[0])   # the gather below reads them (a bare IndexError)
         f = table[req_pool_indices]
         release_out_of_window_batch(allocator, req_to_token, req_pool_indices, seq_lens, f, window, op_word=op_word)
         table[req_pool_indices] = f
