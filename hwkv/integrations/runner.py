@@ -42,6 +42,16 @@ class _OpenOn:
 _OPEN: "weakref.WeakKeyDictionary[Any, _OpenOn]" = weakref.WeakKeyDictionary()  # model -> its open runners
 
 
+def _give_back_attention(model: Any, opened: _OpenOn) -> None:
+    """One runner on `model` is gone (closed, or collected without `close()`): the last gives the model back the
+    attention implementation it had before the first opened. Called at most once a runner (its finalizer)."""
+    opened.count -= 1
+    if opened.count == 0:
+        if _OPEN.get(model) is opened:
+            del _OPEN[model]
+        model.set_attn_implementation(opened.previous)
+
+
 class HybridRunner(Engine):
     """Continuous batching over one transformers model (see `Engine`): `add_request` any time, `step` runs one
     forward, `generate` runs all."""
@@ -69,6 +79,9 @@ class HybridRunner(Engine):
         if self._open_on is None:
             self._open_on = _OPEN[model] = _OpenOn(model.config._attn_implementation)
         self._open_on.count += 1
+        # a runner dropped without close() (no `with`, an exception in the caller) gives its count back when collected:
+        # it had left the model on hwkv attention for good, a later runner's close() no longer reaching zero
+        self._give_back = weakref.finalize(self, _give_back_attention, model, self._open_on)
         self.closed = False
         try:  # from here on a refusal closes this runner (the model's own attention back if it was the last)
             model.set_attn_implementation(register())
@@ -89,12 +102,7 @@ class HybridRunner(Engine):
         if self.closed:
             return
         self.closed = True
-        opened = self._open_on
-        opened.count -= 1
-        if opened.count == 0:
-            if _OPEN.get(self.model) is opened:
-                del _OPEN[self.model]
-            self.model.set_attn_implementation(opened.previous)
+        self._give_back()
 
     def __enter__(self) -> "HybridRunner":
         return self
