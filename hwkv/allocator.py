@@ -603,18 +603,21 @@ class PagedTokenToKVPoolAllocator:
         return pages
 
     def _check_keeps_swa(self, loc: torch.Tensor, pages: np.ndarray) -> None:
-        """A free that keeps the SWA references (`free(loc, with_swa=False)`) must not drop a full page's last
-        reference while its SWA page is still mapped: the SWA page would leak (held, mapped from a free full page).
-        Raised before anything changes, naming the first such loc (immediate mode; the device ops record
-        ERR_SWA_HELD and skip the page)."""
+        """A free that keeps the SWA references (`free(loc, with_swa=False)`) must not leave a mapped SWA page more
+        holders than its full page (swa refs >= full refs before it): the last full free would leak the SWA page
+        (held, mapped from a free full page). Raised before anything changes, naming the first such loc (immediate
+        mode; the device ops record ERR_SWA_HELD and skip the page)."""
         p = self.page_size
         swa_loc = self._mapping_view()[pages * p]
-        held = (_refs_view(self.pages)[pages] <= 1) & (swa_loc > 0)
+        swa_refs = _refs_view(self._swa)[np.where(swa_loc > 0, swa_loc // p, 0)]
+        full_refs = _refs_view(self.pages)[pages]
+        held = (swa_loc > 0) & (swa_refs >= full_refs)
         if held.any():
             i = int(held.argmax())
-            raise LocError(f"loc {int(_host_view(loc)[i])} ({self.pages.name} page {int(pages[i])}) would lose its "
-                           f"last full reference while its SWA slots (SWA page {int(swa_loc[i]) // p}) are still held: "
-                           "free(with_swa=False) would leak them; free it with with_swa=True, or free_swa first")
+            raise LocError(f"loc {int(_host_view(loc)[i])} ({self.pages.name} page {int(pages[i])}, {int(full_refs[i])} "
+                           f"holders) would keep fewer full holders than its SWA slots still held (SWA page "
+                           f"{int(swa_loc[i]) // p}, {int(swa_refs[i])} holders): free(with_swa=False) would leak them; "
+                           "free it with with_swa=True, or free_swa first")
 
     def record_error(self, bad: torch.Tensor, which: torch.Tensor, code: int) -> None:
         """Record error `code` (`hwkv.pages.ERR_*`) for the lowest of which[bad] as an op of its own, on

@@ -30,7 +30,7 @@ NEVER, FREE = -1, 0  # refs values: never allocated / allocated once and free ag
 # codes of the device-side error record
 ERR_NONE, ERR_DOUBLE_FREE, ERR_NEVER, ERR_RANGE, ERR_SWA_RELEASED, ERR_CONT_RELEASED = 0, 1, 2, 3, 4, 5
 ERR_ACCEPT_INDEX, ERR_ACCEPTED = 6, 7  # accept_draft_tokens: a draft named twice / out of range; applied twice
-ERR_SWA_HELD = 8  # free(with_swa=False) dropped a full page's last holder, its SWA page held (8 - code = 0: ranks last)
+ERR_SWA_HELD = 8  # free(with_swa=False) left an SWA page as many holders as its full page (8 - code = 0: ranks last)
 
 # error key: [op: 26 bits, earlier = larger][8 - code: 3 bits (codes 1..8)][page: 33 bits, lower = larger]
 PAGE_BITS, CODE_SHIFT, OP_SHIFT = 33, 33, 36
@@ -218,9 +218,9 @@ def error_for(code: int, page: int, page_size: int, pool: str) -> HwkvError:
         return DoubleFreeError(f"request {page}'s draft positions hold no slot: its drafts were already accepted "
                                "(accept_draft_tokens applied twice?); nothing was freed for it")
     if code == ERR_SWA_HELD:
-        return LocError(f"{pool} page {page} {slots} was freed with with_swa=False by its last holder while its SWA "
-                        "slots are still held (they would leak): free it with with_swa=True, or free_swa first; the "
-                        "page was skipped (still held)")
+        return LocError(f"{pool} page {page} {slots} was freed with with_swa=False while its SWA slots are still "
+                        "held by as many holders (they would leak once the full page is free): free it with "
+                        "with_swa=True, or free_swa first; the page was skipped (still held)")
     return HwkvError(f"{pool} allocator recorded unknown error code {code} (page {page})")
 
 

@@ -110,9 +110,10 @@ class TorchPageOps:
                     full_delta: int, swa_delta: int) -> None:
         """Add `full_delta` (-1, 0, +1) to the references of each distinct full page holding `loc` and
         `swa_delta` to its SWA page's; pages reaching 0 return to their ring (an SWA page is unmapped).
-        A page must be live; its SWA page must be mapped unless a free (full_delta -1) skips it. A free that keeps
-        the SWA page (swa_delta 0) must not drop a full page's last reference while its SWA page is mapped: that
-        page is recorded (ERR_SWA_HELD) and skipped."""
+        A page must be live; its SWA page must be mapped unless a free (full_delta -1) skips it (a share of one
+        whose SWA page is gone is recorded, ERR_SWA_RELEASED, and changes nothing). A free that keeps the SWA page
+        (swa_delta 0) must not leave a mapped SWA page more holders than its full page: that page is recorded
+        (ERR_SWA_HELD) and skipped."""
         p, n_full = full.page_size, full.num_pages
         fp = torch.div(loc, p, rounding_mode="floor")
         inr = (fp >= 1) & (fp <= n_full)
@@ -122,10 +123,16 @@ class TorchPageOps:
         rep = inr & (_g(full.who, fp) == i)
         refs = _g(full.refs, fp)
         live = rep & (refs >= 1)
-        if swa is not None and full_delta < 0 and not swa_delta:  # its SWA page would be orphaned
-            held = live & (refs + full_delta <= 0) & (_g(mapping, fp * p) > 0)
+        if swa is not None and full_delta < 0 and not swa_delta:  # its SWA page would outlive its holders
+            sl = _g(mapping, fp * p)
+            sref = _g(swa.refs, torch.where(sl > 0, torch.div(sl, p, rounding_mode="floor"), 0))
+            held = live & (sl > 0) & (sref > refs + full_delta)
             _record(full, held, fp, ERR_SWA_HELD)
             live = live & ~held
+        if swa is not None and full_delta > 0 and swa_delta > 0:  # no SWA page to share: the page changes nothing
+            gone = live & (_g(mapping, fp * p) <= 0)
+            _record(full, gone, fp, ERR_SWA_RELEASED)
+            live = live & ~gone
         _record(full, ~inr, torch.div(loc, p, rounding_mode="floor"), ERR_RANGE)
         _record(full, rep & (refs == NEVER), fp, ERR_NEVER)
         _record(full, rep & (refs == 0), fp, ERR_DOUBLE_FREE)
@@ -155,9 +162,12 @@ class TorchPageOps:
             loc = torch.take(req_to_token, flat) if req_to_token.is_contiguous() else \
                 req_to_token[_g(rows.to(I64), r), _g(frontiers, r) + j * p]
             fp = torch.div(loc, p, rounding_mode="floor")
+            inr = (fp >= 1) & (fp <= full.num_pages)  # a corrupt entry: recorded as a bad loc to free is
+            _record(full, ~inr, fp, ERR_RANGE)
+            fp = torch.where(inr, fp, 0)
             s = torch.div(_g(mapping, fp * p), p, rounding_mode="floor")
-            _record(full, s <= 0, fp, ERR_SWA_RELEASED)
-            _change_swa(full, swa, mapping, fp, s, s > 0, -1)
+            _record(full, inr & (s <= 0), fp, ERR_SWA_RELEASED)
+            _change_swa(full, swa, mapping, fp, s, inr & (s > 0), -1)
         frontiers.copy_(new_f)
 
 

@@ -229,7 +229,7 @@ def _alloc_step_kernel(ctl, rows_in, seq_in, stride_in, pad_row, rtt, stride_rtt
         for j in range(0, tl.max(cnt, 0)):
             act = j < cnt
             l = tl.load(rtt + r * stride_rtt + f + j * P, mask=act, other=0)
-            _release_pages(err, buf_s, n_swa, mapping, l // P, act, opk_release, P)
+            _release_pages(err, buf_s, n_swa, mapping, _floor_div(l, P), act, opk_release, n_full, P)
         tl.store(frontiers + r, nf, mask=live)
 
 
@@ -282,10 +282,17 @@ def _refs_kernel(loc, n, buf_f, n_full, buf_s, n_swa, mapping, who, opk, P: tl.c
         _record(err_f, rep & (refs == -1), fp, ERR_NEVER, opk)
         _record(err_f, rep & (refs == 0), fp, ERR_DOUBLE_FREE, opk)
         if HYBRID:
-            if FULL_DELTA < 0 and SWA_DELTA == 0:  # a last full reference dropped while the SWA page is held
-                held = live & (refs + FULL_DELTA <= 0) & (tl.load(mapping + fp * P, mask=live, other=0) > 0)
+            if FULL_DELTA < 0 and SWA_DELTA == 0:  # a mapped SWA page left more holders than its full page
+                ring_s, refs_s, tail_s, err_s = _parts(buf_s, n_swa)
+                sl = tl.load(mapping + fp * P, mask=live, other=0)
+                srefs = tl.load(refs_s + tl.where(sl > 0, sl // P, 0), mask=live & (sl > 0), other=0)
+                held = live & (sl > 0) & (srefs > refs + FULL_DELTA)
                 _record(err_f, held, fp, ERR_SWA_HELD, opk)
                 live = live & ~held
+            if FULL_DELTA > 0 and SWA_DELTA > 0:  # a share whose SWA page is gone changes nothing
+                gone = live & (tl.load(mapping + fp * P, mask=live, other=0) <= 0)
+                _record(err_f, gone, fp, ERR_SWA_RELEASED, opk)
+                live = live & ~gone
         if FULL_DELTA != 0:
             tl.store(refs_f + fp, refs + FULL_DELTA, mask=live)
             if FULL_DELTA < 0:
@@ -312,8 +319,13 @@ def _frontier(f, seq, window, P: tl.constexpr):
 
 
 @triton.jit
-def _release_pages(err_f, buf_s, n_swa, mapping, fp, act, opk, P: tl.constexpr):
-    """Drop full pages fp[act]'s SWA pages (recorded where one is gone already)."""
+def _release_pages(err_f, buf_s, n_swa, mapping, fp, act, opk, n_full, P: tl.constexpr):
+    """Drop full pages fp[act]'s SWA pages (recorded where one is gone already); a page outside [1, n_full] (a
+    corrupt req_to_token entry) is recorded (ERR_RANGE) and skipped, its table read clamped."""
+    inr = (fp >= 1) & (fp <= n_full)
+    _record(err_f, act & ~inr, fp, ERR_RANGE, opk)
+    act = act & inr
+    fp = tl.where(inr, fp, 0)
     sp = tl.load(mapping + fp * P, mask=act, other=0) // P
     _record(err_f, act & (sp <= 0), fp, ERR_SWA_RELEASED, opk)
     _change_swa(err_f, buf_s, n_swa, mapping, fp, sp, act & (sp > 0), opk, -1, P)
@@ -335,7 +347,7 @@ def _release_kernel(rtt, stride_row, stride_pos, rows, seq, frontiers, window, b
         i = i0 + tl.arange(0, BLOCK)
         act = i < cnt
         l = tl.load(rtt + row * stride_row + (f + i * P) * stride_pos, mask=act, other=0)
-        _release_pages(err_f, buf_s, n_swa, mapping, l // P, act, opk, P)
+        _release_pages(err_f, buf_s, n_swa, mapping, _floor_div(l, P), act, opk, n_full, P)
     tl.store(at, nf)
 
 
