@@ -7,15 +7,7 @@ import pytest
 import torch
 
 from hwkv.engine.sampling import SamplingParams
-
-
-@pytest.fixture
-def tiny_gemma2(tiny_gemma2_config):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_gemma2_config(), dtype=torch.float32,
-                                                          attn_implementation="eager")
-    return model.eval()
+from test_engine_defects import tiny_gemma2  # noqa: F401 - the tiny Gemma-2 fixture (eager attention)
 
 
 @pytest.mark.parametrize("then", ["a later runner closes", "none"])
