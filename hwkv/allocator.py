@@ -229,10 +229,13 @@ class PagedTokenToKVPoolAllocator:
 
     # ---- allocation -----------------------------------------------------------------------------------
     def alloc(self, need_size: int) -> torch.Tensor:
-        """`need_size` slots in whole pages (a multiple of page_size), pages in ring order."""
-        if not isinstance(need_size, int) or need_size < 0 or need_size % self.page_size:
-            raise ConfigError(f"alloc({need_size}) must be a non-negative multiple of page_size={self.page_size}")
-        return self.alloc_extend([0], [need_size], [0], need_size)
+        """`need_size` slots in whole pages (a multiple of page_size), pages in ring order. An integer (Python or numpy,
+        as `reserve` takes), never a bool (True had taken one slot at page_size 1) or a tensor (a device read)."""
+        n = need_size if type(need_size) is int else None if isinstance(need_size, torch.Tensor) else as_int(need_size)
+        if n is None or n < 0 or n % self.page_size:
+            raise ConfigError(f"alloc({need_size!r}) must be a non-negative multiple of page_size={self.page_size} "
+                              "(a Python or numpy int; a bool is no count)")
+        return self.alloc_extend([0], [n], [0], n)
 
     def alloc_extend(self, prefix_lens: IntsLike, seq_lens: IntsLike, last_loc: IntsLike, extend_num_tokens: int, *,
                      prefix_lens_cpu: Optional[torch.Tensor] = None,
