@@ -231,7 +231,7 @@ class PagedTokenToKVPoolAllocator:
     def alloc(self, need_size: int) -> torch.Tensor:
         """`need_size` slots in whole pages (a multiple of page_size), pages in ring order. An integer (Python or numpy,
         as `reserve` takes), never a bool (True had taken one slot at page_size 1) or a tensor (a device read)."""
-        n = need_size if type(need_size) is int else None if isinstance(need_size, torch.Tensor) else as_int(need_size)
+        n = _count_arg(need_size)
         if n is None or n < 0 or n % self.page_size:
             raise ConfigError(f"alloc({need_size!r}) must be a non-negative multiple of page_size={self.page_size} "
                               "(a Python or numpy int; a bool is no count)")
@@ -365,8 +365,8 @@ class PagedTokenToKVPoolAllocator:
         ops the device runs for it (a captured step's allocation and its release: 2), numbered here; the first's
         number is `op_number - ops + 1` (staged beside the heads, a captured launch reads it there). `pages`: an
         integer (Python, numpy), never a bool (True would claim a page), as every other count here."""
-        if type(pages) is not int:  # (the common case, one compare) numpy integers as ints; bools, floats refused
-            n = None if isinstance(pages, torch.Tensor) else as_int(pages)  # (a tensor's value would be a device read)
+        if type(pages) is not int:  # (the common case, one compare)
+            n = _count_arg(pages)
             if n is None:
                 raise ConfigError(f"reserve(pages={pages!r}) needs an integer >= 0 (a Python or numpy int; a bool is "
                                   "no count)")
@@ -639,6 +639,14 @@ class PagedTokenToKVPoolAllocator:
         if self._mapping is not None:
             snap["full->SWA"] = {"table": self._mapping.cpu().clone()}
         return snap
+
+
+def _count_arg(x: object) -> Optional[int]:
+    """A count the allocator's calls take (`alloc`, `reserve`) as an int: Python and numpy integers; None for a bool
+    (True would count 1), a float, a string or a tensor (its value would be a device read)."""
+    if type(x) is int:
+        return x
+    return None if isinstance(x, torch.Tensor) else as_int(x)
 
 
 def same_snapshot(a: dict, b: dict) -> bool:
