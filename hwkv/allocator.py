@@ -617,10 +617,10 @@ class PagedTokenToKVPoolAllocator:
         held = (swa_loc > 0) & (swa_refs >= full_refs)
         if held.any():
             i = int(held.argmax())
-            raise LocError(f"loc {int(_host_view(loc)[i])} ({self.pages.name} page {int(pages[i])}, {int(full_refs[i])} "
-                           f"holders) would keep fewer full holders than its SWA slots still held (SWA page "
-                           f"{int(swa_loc[i]) // p}, {int(swa_refs[i])} holders): free(with_swa=False) would leak them; "
-                           "free it with with_swa=True, or free_swa first")
+            raise LocError(f"loc {int(_host_view(loc)[i])} ({self.pages.name} page {int(pages[i])}, "
+                           f"{int(full_refs[i])} holders) would keep fewer full holders than its SWA slots still held "
+                           f"(SWA page {int(swa_loc[i]) // p}, {int(swa_refs[i])} holders): free(with_swa=False) would "
+                           "leak them; free it with with_swa=True, or free_swa first")
 
     def record_error(self, bad: torch.Tensor, which: torch.Tensor, code: int) -> None:
         """Record error `code` (`hwkv.pages.ERR_*`) for the lowest of which[bad] as an op of its own, on

@@ -110,10 +110,10 @@ class TorchPageOps:
                     full_delta: int, swa_delta: int) -> None:
         """Add `full_delta` (-1, 0, +1) to the references of each distinct full page holding `loc` and
         `swa_delta` to its SWA page's; pages reaching 0 return to their ring (an SWA page is unmapped).
-        A page must be live; its SWA page must be mapped unless a free (full_delta -1) skips it (a share of one
-        whose SWA page is gone is recorded, ERR_SWA_RELEASED, and changes nothing). A free that keeps the SWA page
-        (swa_delta 0) must not leave a mapped SWA page more holders than its full page: that page is recorded
-        (ERR_SWA_HELD) and skipped."""
+        A page must be live; its SWA page must be mapped unless a free (full_delta -1) skips it (one whose SWA
+        page is gone is recorded, ERR_SWA_RELEASED, before anything changes, and changes nothing). A free that keeps
+        the SWA page (swa_delta 0) must not leave a mapped SWA page more holders than its full page: that page is
+        recorded (ERR_SWA_HELD) and skipped."""
         p, n_full = full.page_size, full.num_pages
         fp = torch.div(loc, p, rounding_mode="floor")
         inr = (fp >= 1) & (fp <= n_full)
@@ -129,7 +129,7 @@ class TorchPageOps:
             held = live & (sl > 0) & (sref > refs + full_delta)
             _record(full, held, fp, ERR_SWA_HELD)
             live = live & ~held
-        if swa is not None and full_delta > 0 and swa_delta > 0:  # no SWA page to share: the page changes nothing
+        if swa is not None and swa_delta and full_delta >= 0:  # the SWA page must be there: else nothing changes
             gone = live & (_g(mapping, fp * p) <= 0)
             _record(full, gone, fp, ERR_SWA_RELEASED)
             live = live & ~gone
@@ -144,8 +144,6 @@ class TorchPageOps:
         if swa is None or not swa_delta:
             return
         s = torch.div(_g(mapping, fp * p), p, rounding_mode="floor")
-        if full_delta >= 0:  # the SWA page must be there
-            _record(full, live & (s <= 0), fp, ERR_SWA_RELEASED)
         _change_swa(full, swa, mapping, fp, s, live & (s > 0), swa_delta)
 
     @staticmethod

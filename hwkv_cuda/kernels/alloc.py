@@ -289,7 +289,7 @@ def _refs_kernel(loc, n, buf_f, n_full, buf_s, n_swa, mapping, who, opk, P: tl.c
                 held = live & (sl > 0) & (srefs > refs + FULL_DELTA)
                 _record(err_f, held, fp, ERR_SWA_HELD, opk)
                 live = live & ~held
-            if FULL_DELTA > 0 and SWA_DELTA > 0:  # a share whose SWA page is gone changes nothing
+            if FULL_DELTA >= 0 and SWA_DELTA != 0:  # the SWA page must be there: else nothing changes
                 gone = live & (tl.load(mapping + fp * P, mask=live, other=0) <= 0)
                 _record(err_f, gone, fp, ERR_SWA_RELEASED, opk)
                 live = live & ~gone
@@ -305,8 +305,6 @@ def _refs_kernel(loc, n, buf_f, n_full, buf_s, n_swa, mapping, who, opk, P: tl.c
         if HYBRID:
             if SWA_DELTA != 0:
                 sp = tl.load(mapping + fp * P, mask=live, other=0) // P
-                if FULL_DELTA >= 0:  # the SWA page must be there
-                    _record(err_f, live & (sp <= 0), fp, ERR_SWA_RELEASED, opk)
                 _change_swa(err_f, buf_s, n_swa, mapping, fp, sp, live & (sp > 0), opk, SWA_DELTA, P)
 
 
