@@ -395,11 +395,14 @@ class PagedTokenToKVPoolAllocator:
         order). `heads`: reserve's list, or an int64 device tensor holding it (read when the kernel runs, so a
         captured step takes the heads the host writes before each replay) and, where it has 4 entries or more,
         the op's number at heads[3] (reserve's: `op_number` after it; else the host's now, which a captured launch
-        would keep from its capture). A request with prefix == seq takes
-        nothing (a graph bucket's padding). The caller planned its sizes; a continuation whose page is not held (or
-        has no SWA slot) is recorded on the device in every mode (ERR_CONT_RELEASED, raised by the next
-        `check_integrity`/`available_size`), by the torch ops as by the kernels: `reserve` has claimed the pages, so
-        nothing can be refused before a change here."""
+        would keep from its capture), and with 5 or more the pages claimed at heads[4] (else `pages`, reserve's
+        count; heads on the device with no claim beside them go unchecked). A request with prefix == seq takes
+        nothing (a graph bucket's padding). The caller planned its sizes; what the device finds is recorded there in
+        every mode (raised by the next `check_integrity`/`available_size`), by the torch ops as by the kernels:
+        `reserve` has claimed the pages, so nothing can be refused before a change here. A continuation whose page
+        is not held (or has no SWA slot): ERR_CONT_RELEASED. Pages past the claim (lengths on the device that are
+        not the host's) are not opened, their tokens take the padding slot and the first such request is recorded
+        (ERR_CLAIM, a LocError); claimed pages the step does not open go back to the rings."""
         if isinstance(heads, torch.Tensor) and not self.allocates_in_graph:
             raise ConfigError("heads on the device need the device's page-op kernels: the torch ops take reserve's "
                               "host list (they size themselves from host values)")
@@ -425,7 +428,8 @@ class PagedTokenToKVPoolAllocator:
         frees only tokens no query of this step sees, so it may run before the step's layers; its errors rank as the
         op after the allocation's (`reserve`'s), as they do when the release runs apart. A `ctl` of 4 entries or
         more holds the allocation's op number at ctl[3] (`reserve(pages, ops=2)` numbered both; with `advance` the
-        launch moves it on by the ops it ran), read when the launch runs; with 3, the host's, numbered here."""
+        launch moves it on by the ops it ran), read when the launch runs; with 3, the host's, numbered here. One of 5
+        or more holds the pages claimed at ctl[4], checked as `alloc_reserved` checks them."""
         if not self.allocates_step_in_one:
             raise ConfigError(f"alloc_step needs page-op kernels that have it; {self.device.type} has none")
         if frontiers is not None and (self._swa is None or not window or window <= 0):

@@ -30,10 +30,12 @@ NEVER, FREE = -1, 0  # refs values: never allocated / allocated once and free ag
 # codes of the device-side error record
 ERR_NONE, ERR_DOUBLE_FREE, ERR_NEVER, ERR_RANGE, ERR_SWA_RELEASED, ERR_CONT_RELEASED = 0, 1, 2, 3, 4, 5
 ERR_ACCEPT_INDEX, ERR_ACCEPTED = 6, 7  # accept_draft_tokens: a draft named twice / out of range; applied twice
-ERR_SWA_HELD = 8  # free(with_swa=False) left an SWA page as many holders as its full page (8 - code = 0: ranks last)
+ERR_SWA_HELD = 8  # free(with_swa=False) left an SWA page as many holders as its full page
+ERR_CLAIM = 9  # an allocation from reserve()'s claim needed more pages than it claimed (page: the first request short)
 
-# error key: [op: 26 bits, earlier = larger][8 - code: 3 bits (codes 1..8)][page: 33 bits, lower = larger]
-PAGE_BITS, CODE_SHIFT, OP_SHIFT = 33, 33, 36
+# error key: [op: 26 bits, earlier = larger][CODE_TOP - code: 4 bits (codes 1..15)][page: 33 bits, lower = larger]
+PAGE_BITS, CODE_SHIFT, OP_SHIFT = 33, 33, 37
+CODE_TOP = 15                   # a lower code ranks first among one op's errors
 OP_MAX = (1 << 26) - 1          # ops since the last check saturate here (then code and page decide)
 PAGE_LO = -(1 << 32)            # recorded pages clamp into [PAGE_LO, -PAGE_LO)
 PAGE_MASK = (1 << PAGE_BITS) - 1
@@ -47,12 +49,12 @@ def op_key(op: int) -> int:
 def error_key(op: int, code: int, page: int) -> int:
     """Key of one error: the larger key wins the record (earliest op, lowest code, lowest page)."""
     page = min(max(page, PAGE_LO), -PAGE_LO - 1)
-    return op_key(op) + ((8 - code) << CODE_SHIFT) + (PAGE_MASK - (page - PAGE_LO))
+    return op_key(op) + ((CODE_TOP - code) << CODE_SHIFT) + (PAGE_MASK - (page - PAGE_LO))
 
 
 def decode_key(key: int) -> "tuple[int, int]":
     """(code, page) of a non-zero error key."""
-    return 8 - ((key >> CODE_SHIFT) & 7), PAGE_MASK - (key & PAGE_MASK) + PAGE_LO
+    return CODE_TOP - ((key >> CODE_SHIFT) & CODE_TOP), PAGE_MASK - (key & PAGE_MASK) + PAGE_LO
 
 
 class PageRing:
@@ -221,6 +223,10 @@ def error_for(code: int, page: int, page_size: int, pool: str) -> HwkvError:
         return LocError(f"{pool} page {page} {slots} was freed with with_swa=False while its SWA slots are still "
                         "held by as many holders (they would leak once the full page is free): free it with "
                         "with_swa=True, or free_swa first; the page was skipped (still held)")
+    if code == ERR_CLAIM:
+        return LocError(f"request {page} of an allocation from reserve()'s claim needed pages past the claim: "
+                               "its tokens there took the padding slot 0 (their K/V are lost; the pool is intact): "
+                               "reserve() the pages the step opens (the device's lengths must be the host's)")
     return HwkvError(f"{pool} allocator recorded unknown error code {code} (page {page})")
 
 

@@ -35,7 +35,7 @@ from hwkv.spec import DraftTree, MultiStepDraft
 from hwkv.staging import StagingRing
 
 
-_CTL = 4  # control words before the staged (row, length) pairs: head_full, head_swa, live count, op number
+_CTL = 5  # control words before the staged (row, length) pairs: head_full, head_swa, live count, op number, claim
 
 
 class DecodeStepGraph(GraphRunner):
@@ -191,8 +191,8 @@ class DecodeStepGraph(GraphRunner):
 
     def _set_ctl(self, live: int, pages: int, heads: list, rows: Optional[np.ndarray] = None,
                  seq: Optional[np.ndarray] = None, bucket: Optional[int] = None) -> None:
-        """Send [head_full, head_swa, live, op number] and, when given, the live (row, length) pairs for the next
-        replay in one host-to-device copy, from a ring of pinned blocks that are rewritten only after the device read
+        """Send [head_full, head_swa, live, op number, pages claimed] and, when given, the live (row, length) pairs for
+        the next replay in one host-to-device copy, from a ring of pinned blocks that are rewritten only after the device read
         them (hwkv.staging; one reused block was overwritten before the device read it, on the H200: two steps
         took the same pages). Rows, seq and the step's bucket go together; the bucket's whole width is sent: the
         pairs past `live` are stale and the prologue reads none (a width per bucket keeps the ring's views few)."""
@@ -203,6 +203,7 @@ class DecodeStepGraph(GraphRunner):
         host[1] = heads[1] if len(heads) > 1 else 0
         host[2] = live
         host[3] = self._op
+        host[4] = pages  # the device checks its page need against it (a short claim is recorded, not overrun)
         if rows is None:
             self._ring.send(self.ctl)
         else:

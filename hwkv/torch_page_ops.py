@@ -8,7 +8,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from hwkv.pages import (CODE_SHIFT, ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_RANGE, ERR_SWA_HELD,
+from hwkv.pages import (CODE_SHIFT, CODE_TOP, ERR_CLAIM, ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_RANGE, ERR_SWA_HELD,
                         ERR_SWA_RELEASED, NEVER, PAGE_LO, PAGE_MASK, PageRing, op_key)
 
 I64 = torch.int64
@@ -20,7 +20,7 @@ def _record(ring: PageRing, bad: torch.Tensor, pages: torch.Tensor, code: int, f
     before the op), unless `force`."""
     if not (ring.deferred or force) or pages.numel() == 0:
         return
-    part = op_key(ring.op) + ((8 - code) << CODE_SHIFT) + PAGE_MASK + PAGE_LO
+    part = op_key(ring.op) + ((CODE_TOP - code) << CODE_SHIFT) + PAGE_MASK + PAGE_LO
     keys = part - pages.clamp(PAGE_LO, -PAGE_LO - 1)
     best = torch.where(bad, keys, 0).amax().reshape(1)
     torch.maximum(ring.err[:1], best, out=ring.err[:1])
@@ -89,17 +89,29 @@ class TorchPageOps:
         is_cont = j < _g(cont, r)
         res = _g(last, r) + 1 + j
         pos = _g(prefix, r) + j  # each new token's position
+        # the pages `reserve` claimed (k) against the op's need: a token on a page past the claim takes the padding
+        # slot (recorded: ERR_CLAIM, the request); claimed pages the op does not open go back to the tail
+        pidx = _g(newp.cumsum(0) - newp, r) + torch.div(j - _g(cont, r), p, rounding_mode="floor")
+        short = ~is_cont & (pidx >= k)
         if k:
-            fpages = _g(full.ring, (heads[0] + torch.arange(k, device=dev)) % full.num_pages)
-            pidx = (_g(newp.cumsum(0) - newp, r) + torch.div(j - _g(cont, r), p, rounding_mode="floor")).clamp_(0, k - 1)
-            res = torch.where(is_cont, res, _g(fpages, pidx) * p + pos % p)
-            _s(full.refs, fpages, torch.ones_like(fpages))
+            idx = torch.arange(k, device=dev)
+            fpages = _g(full.ring, (heads[0] + idx) % full.num_pages)
+            res = torch.where(is_cont, res, torch.where(short, 0, _g(fpages, pidx.clamp(0, k - 1)) * p + pos % p))
+            opened = idx < newp.sum()
+            _s(full.refs, fpages, torch.where(opened, 1, _g(full.refs, fpages)))
+            _push(full, fpages, ~opened)
             if swa is not None:
-                spages = _g(swa.ring, (heads[1] + torch.arange(k, device=dev)) % swa.num_pages)
-                _s(swa.refs, spages, torch.ones_like(spages))
+                spages = _g(swa.ring, (heads[1] + idx) % swa.num_pages)
+                _s(swa.refs, spages, torch.where(opened, 1, _g(swa.refs, spages)))
+                _push(swa, spages, ~opened)
                 off = torch.arange(p, device=dev)
-                _s(mapping, (fpages[:, None] * p + off).reshape(-1), (spages[:, None] * p + off).reshape(-1))
+                at = (fpages[:, None] * p + off).reshape(-1)
+                _s(mapping, at, torch.where(opened[:, None], spages[:, None] * p + off, _g(mapping, at).view(k, p))
+                   .reshape(-1))
+        else:
+            res = torch.where(is_cont, res, 0)
         out.copy_(res)
+        _record(full, short, r, ERR_CLAIM, force=True)
         # recorded in every mode, as the kernels do: `alloc_reserved` (a whole step) is checked nowhere else; an
         # eager alloc in immediate mode was checked on the host first, so nothing is recorded for it
         bad = is_cont & _bad_continuation(full, mapping, res, pos, p)

@@ -33,6 +33,7 @@ import triton.language as tl
 from hwkv import pages
 from hwkv.errors import LocError
 from hwkv.pages import PageRing
+from hwkv.torch_page_ops import TORCH_OPS
 from hwkv_cuda.kernels.common import interpreting, request_block
 from hwkv_cuda.kernels.launch import Launch, launch
 
@@ -44,6 +45,8 @@ ERR_RANGE = tl.constexpr(pages.ERR_RANGE)
 ERR_SWA_RELEASED = tl.constexpr(pages.ERR_SWA_RELEASED)
 ERR_SWA_HELD = tl.constexpr(pages.ERR_SWA_HELD)
 CODE_SHIFT = tl.constexpr(pages.CODE_SHIFT)
+CODE_TOP = tl.constexpr(pages.CODE_TOP)
+ERR_CLAIM = tl.constexpr(pages.ERR_CLAIM)
 PAGE_LO = tl.constexpr(pages.PAGE_LO)
 PAGE_HI = tl.constexpr(-pages.PAGE_LO - 1)
 KEY_BASE = tl.constexpr(pages.PAGE_MASK + pages.PAGE_LO)
@@ -69,7 +72,7 @@ def _record(err, bad, pages, code: tl.constexpr, opk):
         lo = tl.full([], PAGE_LO, tl.int64)  # int64 constants: a literal in [2^31, 2^32) would be uint32
         hi = tl.full([], PAGE_HI, tl.int64)
         page = tl.minimum(tl.maximum(pages.to(tl.int64), lo), hi)
-        key = opk.to(tl.int64) + tl.full([], ((8 - code) << CODE_SHIFT) + KEY_BASE, tl.int64) - page
+        key = opk.to(tl.int64) + tl.full([], ((CODE_TOP - code) << CODE_SHIFT) + KEY_BASE, tl.int64) - page
         tl.atomic_max(err, tl.max(tl.where(bad, key, 0), 0))
 
 
@@ -131,14 +134,49 @@ def _check_continuation(err, mapping, refs_f, nxt, pos, m, opk, n_full, P: tl.co
     _record(err, m & (bad | ((nxt - pos) % P != 0)), _floor_div(nxt, P), ERR_CONT_RELEASED, opk)
 
 
-@triton.jit(do_not_specialize=["head_f", "head_s", "opk"])
-def _alloc_kernel(seq, prefix, last, out, buf_f, head_f, n_full, buf_s, head_s, n_swa, mapping, opk, heads,
+@triton.jit
+def _return_unopened(buf, n, head, used, claim, BLOCK: tl.constexpr):
+    """Pages claimed at a ring's head past the `used` this op opened go back to its tail, in order (a claim larger
+    than the step's need: they are free). The destinations never lie after their sources, so in order is safe."""
+    ring, refs, tail, err = _parts(buf, n)
+    mod = tl.maximum(n, 1)
+    t = tl.load(tail)
+    for i0 in range(0, claim - used, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        m = i < claim - used
+        pg = tl.load(ring + (head + used + i) % mod, mask=m, other=0)
+        tl.store(ring + (t + i) % mod, pg, mask=m)
+    tl.store(tail, t + claim - used)
+
+
+@triton.jit
+def _settle_claim(err, buf_f, n_full, buf_s, n_swa, head_f, head_s, before, need, claim, b, opk,
+                  HYBRID: tl.constexpr, BLOCK: tl.constexpr):
+    """A claimed allocation's pages against `reserve`'s claim: the request whose pages pass it is recorded
+    (ERR_CLAIM, page b: the caller sized the claim short; its pages past it were not opened); the program of the
+    last request (`before` + `need` pages: the whole op's) gives unopened claimed pages back."""
+    if (need > 0) & (before + need > claim):
+        _record(err, tl.full([1], 1, tl.int1), b + tl.zeros([1], tl.int64), ERR_CLAIM, opk)
+    if b == tl.num_programs(0) - 1:
+        if before + need < claim:
+            _return_unopened(buf_f, n_full, head_f, before + need, claim, BLOCK)
+            if HYBRID:
+                _return_unopened(buf_s, n_swa, head_s, before + need, claim, BLOCK)
+
+
+@triton.jit(do_not_specialize=["head_f", "head_s", "opk", "claim"])
+def _alloc_kernel(seq, prefix, last, out, buf_f, head_f, n_full, buf_s, head_s, n_swa, mapping, opk, heads, claim,
                   P: tl.constexpr, HYBRID: tl.constexpr, DECODE: tl.constexpr, HEADS_PTR: tl.constexpr,
-                  OP_PTR: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr):
+                  OP_PTR: tl.constexpr, CLAIM_PTR: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr,
+                  BLOCK: tl.constexpr):
     if HEADS_PTR:  # the ring heads from device memory (a captured step: the host writes them before a replay)
         head_f = tl.load(heads).to(tl.int64)
         head_s = tl.load(heads + 1).to(tl.int64)
     opk = _op_key(opk, heads + 3, 0, OP_PTR)  # and the op number beside them, at heads[3]
+    if CLAIM_PTR:  # and the pages `reserve` claimed, at heads[4]
+        claim = tl.load(heads + 4).to(tl.int64)
+    claim = claim.to(tl.int64)
+    lim = tl.where(claim < 0, tl.full([], 1 << 62, tl.int64), claim)  # pages this op may open (-1: unchecked)
     ring_f, refs_f, tail_f, err = _parts(buf_f, n_full)
     mod_f = tl.maximum(n_full, 1)
     b = tl.program_id(0)
@@ -159,30 +197,39 @@ def _alloc_kernel(seq, prefix, last, out, buf_f, head_f, n_full, buf_s, head_s, 
         m = j < e
         is_cont = j < c
         pidx = page_base + tl.where(is_cont, 0, (j - c) // P)
-        page = tl.load(ring_f + (head_f + pidx) % mod_f, mask=m & ~is_cont, other=0)
-        loc = tl.where(is_cont, last_b + 1 + j, page * P + (pre + j) % P)
+        fresh = ~is_cont & (pidx < lim)  # a page past the claim is not this op's: the padding slot
+        page = tl.load(ring_f + (head_f + pidx) % mod_f, mask=m & fresh, other=0)
+        loc = tl.where(is_cont, last_b + 1 + j, tl.where(fresh, page * P + (pre + j) % P, 0))
         tl.store(out + tok_base + j, loc, mask=m)
     for i0 in range(0, npg, BLOCK):
         i = i0 + tl.arange(0, BLOCK)
-        _open_pages(buf_f, n_full, buf_s, n_swa, mapping, head_f, head_s, page_base + i, i < npg, P, HYBRID, BLOCK_P)
+        _open_pages(buf_f, n_full, buf_s, n_swa, mapping, head_f, head_s, page_base + i,
+                    (i < npg) & (page_base + i < lim), P, HYBRID, BLOCK_P)
     if c > 0:
         _check_continuation(err, mapping, refs_f, last_b + 1 + one, pre + one, one < 1, opk, n_full, P, HYBRID)
+    if claim >= 0:  # (-1: heads on the device with no claim beside them, unchecked)
+        _settle_claim(err, buf_f, n_full, buf_s, n_swa, head_f, head_s, page_base, npg, claim, b, opk, HYBRID, BLOCK)
 
 
 @triton.jit(do_not_specialize=["pad_row", "bs", "opk", "opk_release"])
 def _alloc_step_kernel(ctl, rows_in, seq_in, stride_in, pad_row, rtt, stride_rtt, rows, seq, out, buf_f, n_full,
                        buf_s, n_swa, mapping, opk, opk_release, bs, frontiers, window, P: tl.constexpr,
                        HYBRID: tl.constexpr, BLOCK_P: tl.constexpr, ADVANCE: tl.constexpr, RELEASE: tl.constexpr,
-                       OP_PTR: tl.constexpr, BLOCK: tl.constexpr):
+                       OP_PTR: tl.constexpr, CLAIM_PTR: tl.constexpr, BLOCK: tl.constexpr):
     """`alloc_step`: program k takes requests [k * BLOCK, (k + 1) * BLOCK) and counts the pages the live requests
     before them open from the staged lengths itself (decode: a step opens a page where its prefix is 0 mod P).
     ADVANCE (one program only: others read the lengths it would move): the staged lengths become the next step's.
     RELEASE: then each live request's out-of-window release by its row's frontier (`_release_kernel`'s rule), its
     errors keyed as the next op's (`opk_release`), as when the release runs apart.
-    OP_PTR: the op number is ctl[3] (the release's ctl[3] + 1), and ADVANCE moves it on to the next step's too."""
+    OP_PTR: the op number is ctl[3] (the release's ctl[3] + 1), and ADVANCE moves it on to the next step's too.
+    CLAIM_PTR: the pages `reserve` claimed are ctl[4] (`_alloc_kernel`'s rule: none opened past it, the rest given
+    back); ADVANCE leaves 0 there (the staged step it leaves opens no page)."""
     head_f = tl.load(ctl).to(tl.int64)
     head_s = tl.load(ctl + 1).to(tl.int64)
     n_live = tl.load(ctl + 2).to(tl.int64)
+    claim = tl.full([], -1, tl.int64)
+    if CLAIM_PTR:
+        claim = tl.load(ctl + 4).to(tl.int64)
     opk = _op_key(opk, ctl + 3, 0, OP_PTR)
     opk_release = _op_key(opk_release, ctl + 3, 1, OP_PTR)
     if OP_PTR and ADVANCE:  # (one program: every warp has read ctl[3] once past the barrier)
@@ -192,6 +239,8 @@ def _alloc_step_kernel(ctl, rows_in, seq_in, stride_in, pad_row, rtt, stride_rtt
             tl.store(ctl + 3, op + 2)
         else:
             tl.store(ctl + 3, op + 1)
+        if CLAIM_PTR:  # a next step the host does not stage opens no page: it claims none
+            tl.store(ctl + 4, 0)
     ring_f, refs_f, tail_f, err = _parts(buf_f, n_full)
     first = tl.program_id(0).to(tl.int64) * BLOCK
     base = tl.zeros([], tl.int64)
@@ -211,12 +260,23 @@ def _alloc_step_kernel(ctl, rows_in, seq_in, stride_in, pad_row, rtt, stride_rtt
     opens = live & (pre % P == 0)
     cont = live & ~opens
     pidx = base + tl.cumsum(opens.to(tl.int64), 0) - opens.to(tl.int64)
+    short = opens & (pidx >= tl.where(claim < 0, tl.full([], 1 << 62, tl.int64), claim))  # past the claim: not
+    # opened, the padding slot
+    opens = opens & ~short
     last = tl.load(rtt + r * stride_rtt + tl.maximum(pre - 1, 0), mask=cont, other=0).to(tl.int64)
     if RELEASE:
         f = tl.load(frontiers + r, mask=live, other=0)
     fp = _open_pages(buf_f, n_full, buf_s, n_swa, mapping, head_f, head_s, pidx, opens, P, HYBRID, BLOCK_P)
     loc = tl.where(opens, fp * P, tl.where(cont, last + 1, 0))
     _check_continuation(err, mapping, refs_f, last + 1, pre, cont, opk, n_full, P, HYBRID)
+    if claim >= 0:
+        _record(err, short, i, ERR_CLAIM, opk)
+        if tl.program_id(0) == tl.num_programs(0) - 1:
+            used = base + tl.sum(opens.to(tl.int64), 0)
+            if used < claim:
+                _return_unopened(buf_f, n_full, head_f, used, claim, BLOCK)
+                if HYBRID:
+                    _return_unopened(buf_s, n_swa, head_s, used, claim, BLOCK)
     tl.store(rows + i, r, mask=m)
     tl.store(seq + i, s, mask=m)
     tl.store(out + i, loc, mask=m)
@@ -379,12 +439,19 @@ class TritonPageOps:
         seq, last = seq.contiguous(), last.contiguous()
         on_device = isinstance(heads, torch.Tensor)  # [head_full, head_swa] read by the kernel (graph replays)
         op_ptr = on_device and heads.numel() >= 4  # and the op number, heads[3]
-        launch(_LAUNCHES, ("alloc", seq.numel(), full.page_size, hybrid, prefix is None, on_device, op_ptr),
-               _alloc_kernel, (seq.numel(),),
+        claim_ptr = on_device and heads.numel() >= 5  # and the claim, heads[4] (else k, or unchecked)
+        if not seq.numel():  # no request, no launch: what a host list claimed goes back (torch ops: no kernel)
+            if not on_device:
+                TORCH_OPS.alloc_extend(full, swa, mapping, prefix, seq, last, out, k, heads, decode)
+            return
+        launch(_LAUNCHES, ("alloc", seq.numel(), full.page_size, hybrid, prefix is None, on_device, op_ptr,
+                           claim_ptr), _alloc_kernel, (seq.numel(),),
                (seq, prefix.contiguous() if prefix is not None else seq, last, out, full.buf,
                 0 if on_device else heads[0], full.num_pages, s.buf, 0 if on_device or not hybrid else heads[1],
-                s.num_pages, mapping if hybrid else full.buf, _host_op_key(full, op_ptr), heads if on_device else seq),
+                s.num_pages, mapping if hybrid else full.buf, _host_op_key(full, op_ptr), heads if on_device else seq,
+                -1 if on_device and not claim_ptr else int(k)),
                dict(P=full.page_size, HYBRID=hybrid, DECODE=prefix is None, HEADS_PTR=on_device, OP_PTR=op_ptr,
+                    CLAIM_PTR=claim_ptr,
                     BLOCK_B=_block(256), BLOCK_P=_page_block(full.page_size), BLOCK=_block(256),
                     num_warps=1 if interpreting() else 4))
 
@@ -414,13 +481,15 @@ class TritonPageOps:
         advance = bool(advance) and programs == 1
         release = hybrid and frontiers is not None
         op_ptr = ctl.numel() >= 4  # the op number staged at ctl[3]
-        launch(_LAUNCHES, ("step", bs, p, hybrid, advance, release, op_ptr), _alloc_step_kernel, (programs,),
+        claim_ptr = ctl.numel() >= 5  # the claim at ctl[4]
+        launch(_LAUNCHES, ("step", bs, p, hybrid, advance, release, op_ptr, claim_ptr), _alloc_step_kernel,
+               (programs,),
                (ctl, rows_in, seq_in, rows_in.stride(0), int(pad_row), req_to_token, req_to_token.stride(0), rows, seq,
                 out, full.buf, full.num_pages, s.buf, s.num_pages, mapping if hybrid else full.buf,
                 _host_op_key(full, op_ptr), _host_op_key(full, op_ptr, 1), bs, frontiers if release else out,
                 int(window)),
                dict(P=p, HYBRID=hybrid, BLOCK_P=_page_block(p), ADVANCE=advance, RELEASE=release, OP_PTR=op_ptr,
-                    BLOCK=block, num_warps=1 if interpreting() else (4 if block >= 256 else 1)))
+                    CLAIM_PTR=claim_ptr, BLOCK=block, num_warps=1 if interpreting() else (4 if block >= 256 else 1)))
         return advance
 
     @staticmethod
