@@ -722,7 +722,10 @@ class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             self._map_src, self._map_np = self.full_to_swa_index_mapping, self.full_to_swa_index_mapping.numpy()
         self._kvcache = kvcache
         if kvcache is not None:
-            kvcache.register_mapping(self.full_to_swa_index_mapping)
+            if hasattr(kvcache, "_mapping_owner"):  # hwkv's pool: it refuses a second live allocator
+                kvcache.register_mapping(self.full_to_swa_index_mapping, self)
+            else:  # a pool of the caller's own, with the one-argument hook
+                kvcache.register_mapping(self.full_to_swa_index_mapping)
 
     @property
     def _swa(self) -> Optional[PageRing]:
@@ -734,6 +737,10 @@ class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
 
     def full_available_size(self) -> int:
         return PagedTokenToKVPoolAllocator.available_size(self)
+
+    def holds_pages(self) -> bool:
+        """Whether any full or SWA page is live (reads the device: not for a hot path)."""
+        return any(r.free_pages() < r.num_pages for r in self._ring_set)
 
     def swa_available_size(self) -> int:
         self.pages.raise_pending()

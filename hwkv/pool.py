@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -250,6 +251,7 @@ class SWAKVPool:
         for local, gid in enumerate(swa_ids):
             self.layers_mapping[gid] = (local, True)
         self.full_to_swa_index_mapping: Optional[torch.Tensor] = None  # owned by the allocator
+        self._mapping_owner: Optional[weakref.ref] = None
 
     @property
     def layer_num(self) -> int:
@@ -264,9 +266,17 @@ class SWAKVPool:
         except KeyError:
             raise ConfigError(f"layer_id {layer_id} is in neither group; known ids {sorted(self.layers_mapping)}") from None
 
-    def register_mapping(self, mapping: torch.Tensor) -> None:
-        """Called by the allocator that owns `full_to_swa_index_mapping`."""
+    def register_mapping(self, mapping: torch.Tensor, owner: object = None) -> None:
+        """Called by the allocator that owns `full_to_swa_index_mapping`. Another `owner` while the first still holds
+        pages is refused (ConfigError, nothing changed): its table would replace the first's under live requests,
+        whose SWA slots the layers would then miss. A first owner that holds none (or is gone) is replaced."""
+        held = self._mapping_owner() if self._mapping_owner is not None else None
+        if owner is not None and held is not None and held is not owner and held.holds_pages():
+            raise ConfigError(f"this SWAKVPool's translation table belongs to another allocator that holds pages "
+                              f"({type(held).__name__} at {id(held):#x}): one allocator per pool (free its requests "
+                              "or clear() it first, or build a pool per allocator)")
         self.full_to_swa_index_mapping = mapping
+        self._mapping_owner = weakref.ref(owner) if owner is not None else None
 
     def translate_loc_from_full_to_swa(self, loc: Union[torch.Tensor, LocRuns], out: Optional[torch.Tensor] = None,
                                        lists: Optional[ListRefill] = None) -> torch.Tensor:
