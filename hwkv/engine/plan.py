@@ -176,7 +176,9 @@ def plan(shape: ModelShape, memory_bytes: int, context: int, page_size: int = 16
         raise ConfigError(
             f"{shape.name}: {want} request(s) of context {context} need {fixed + want * per_request} bytes "
             f"({format_bytes(fixed + want * per_request)}) of KV memory, given {memory_bytes} "
-            f"({format_bytes(memory_bytes)}); at most {fit} fit")
+            f"({format_bytes(memory_bytes)}); at most {fit} fit"
+            + (f" (the chunk of {chunk} tokens alone holds {format_bytes(chunk_reserve * swa_b)} of SWA slots: a "
+               "smaller chunk frees it)" if chunk_reserve * swa_b > per_request else ""))
     size_swa = running * swa_need + chunk_reserve
     swa_bytes = (size_swa + swa_pad) * swa_b
     size = ((memory_bytes - swa_bytes) // full_b - P) // P * P

@@ -113,6 +113,7 @@ def plan_pools(shape: ModelShape, *, context: int, max_running: int, chunk: int,
     for label, value in (("context", context), ("max_running", max_running), ("chunk", chunk),
                          ("page_size", page_size)):
         check_int_option(label, value, 1)
+    chunk = min(chunk, max_running * context)  # no forward carries more new tokens than every row's whole context
     check_flag("prefix_cache", prefix_cache)
     device = check_device(device)
     if memory is None:
