@@ -200,3 +200,4 @@ def test_step_graph_with_device_lengths_apart_from_the_host_keeps_the_pool(recor
     err = raised(got.alloc.check_integrity)
     assert err is not None and err[0] is LocError and "request 0" in err[1], err
     got.alloc.check_integrity()
+

@@ -137,7 +137,8 @@ def _check_continuation(err, mapping, refs_f, nxt, pos, m, opk, n_full, P: tl.co
 @triton.jit
 def _return_unopened(buf, n, head, used, claim, BLOCK: tl.constexpr):
     """Pages claimed at a ring's head past the `used` this op opened go back to its tail, in order (a claim larger
-    than the step's need: they are free). The destinations never lie after their sources, so in order is safe."""
+    than the step's need: they are free). The destinations never lie after their sources (the ring holds at most
+    n entries), so ascending blocks, each read whole before it is written, are safe."""
     ring, refs, tail, err = _parts(buf, n)
     mod = tl.maximum(n, 1)
     t = tl.load(tail)
@@ -145,23 +146,24 @@ def _return_unopened(buf, n, head, used, claim, BLOCK: tl.constexpr):
         i = i0 + tl.arange(0, BLOCK)
         m = i < claim - used
         pg = tl.load(ring + (head + used + i) % mod, mask=m, other=0)
+        tl.debug_barrier()  # every lane has read its entry before any writes one it may overlap (a shift < BLOCK)
         tl.store(ring + (t + i) % mod, pg, mask=m)
     tl.store(tail, t + claim - used)
 
 
 @triton.jit
-def _settle_claim(err, buf_f, n_full, buf_s, n_swa, head_f, head_s, before, need, claim, b, opk,
-                  HYBRID: tl.constexpr, BLOCK: tl.constexpr):
-    """A claimed allocation's pages against `reserve`'s claim: the request whose pages pass it is recorded
-    (ERR_CLAIM, page b: the caller sized the claim short; its pages past it were not opened); the program of the
-    last request (`before` + `need` pages: the whole op's) gives unopened claimed pages back."""
-    if (need > 0) & (before + need > claim):
-        _record(err, tl.full([1], 1, tl.int1), b + tl.zeros([1], tl.int64), ERR_CLAIM, opk)
-    if b == tl.num_programs(0) - 1:
-        if before + need < claim:
-            _return_unopened(buf_f, n_full, head_f, before + need, claim, BLOCK)
+def _give_back(err, buf_f, n_full, buf_s, n_swa, head_f, head_s, used, claim, HYBRID: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """Claimed pages past the `used` the whole op opened go back to the rings' tails, by the program that arrives
+    last (err[1], spare in the error record, counts the arrivals and is put back to 0): every other program has read
+    its ring entries by then, and the tail's new entries may lie where those were (a ring nearly all free). Every
+    program of the launch calls this with the same `used` and `claim`."""
+    if used < claim:
+        if tl.atomic_add(err + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            _return_unopened(buf_f, n_full, head_f, used, claim, BLOCK)
             if HYBRID:
-                _return_unopened(buf_s, n_swa, head_s, before + need, claim, BLOCK)
+                _return_unopened(buf_s, n_swa, head_s, used, claim, BLOCK)
+            tl.store(err + 1, 0)
 
 
 @triton.jit(do_not_specialize=["head_f", "head_s", "opk", "claim"])
@@ -182,12 +184,14 @@ def _alloc_kernel(seq, prefix, last, out, buf_f, head_f, n_full, buf_s, head_s, 
     b = tl.program_id(0)
     tok_base = tl.zeros([], tl.int64)
     page_base = tl.zeros([], tl.int64)
-    for start in range(0, b, BLOCK_B):  # the requests before this one
+    used = tl.zeros([], tl.int64)  # the whole op's pages (a claim's check reads every request; else those before b)
+    for start in range(0, tl.where(claim >= 0, tl.num_programs(0), b), BLOCK_B):
         r = start + tl.arange(0, BLOCK_B)
         m = r < b
-        pre_r, e_r, c_r, npg_r = _lens(seq, prefix, r, m, P, DECODE)
+        pre_r, e_r, c_r, npg_r = _lens(seq, prefix, r, r < tl.num_programs(0), P, DECODE)
         tok_base += tl.sum(tl.where(m, e_r, 0), 0)
         page_base += tl.sum(tl.where(m, npg_r, 0), 0)
+        used += tl.sum(tl.where(r < tl.num_programs(0), npg_r, 0), 0)
     one = tl.arange(0, 1)
     pre, e, c, npg = _lens(seq, prefix, b + one, one < 1, P, DECODE)
     pre, e, c, npg = tl.sum(pre, 0), tl.sum(e, 0), tl.sum(c, 0), tl.sum(npg, 0)
@@ -208,7 +212,9 @@ def _alloc_kernel(seq, prefix, last, out, buf_f, head_f, n_full, buf_s, head_s, 
     if c > 0:
         _check_continuation(err, mapping, refs_f, last_b + 1 + one, pre + one, one < 1, opk, n_full, P, HYBRID)
     if claim >= 0:  # (-1: heads on the device with no claim beside them, unchecked)
-        _settle_claim(err, buf_f, n_full, buf_s, n_swa, head_f, head_s, page_base, npg, claim, b, opk, HYBRID, BLOCK)
+        if (npg > 0) & (page_base + npg > claim):  # the caller sized the claim short: its pages past it not opened
+            _record(err, one < 1, b + one.to(tl.int64), ERR_CLAIM, opk)
+        _give_back(err, buf_f, n_full, buf_s, n_swa, head_f, head_s, used, claim, HYBRID, BLOCK)
 
 
 @triton.jit(do_not_specialize=["pad_row", "bs", "opk", "opk_release"])
@@ -244,11 +250,14 @@ def _alloc_step_kernel(ctl, rows_in, seq_in, stride_in, pad_row, rtt, stride_rtt
     ring_f, refs_f, tail_f, err = _parts(buf_f, n_full)
     first = tl.program_id(0).to(tl.int64) * BLOCK
     base = tl.zeros([], tl.int64)
-    for start in range(0, first, BLOCK):  # pages the live requests of earlier programs open
+    total = tl.zeros([], tl.int64)  # the whole step's pages (a claim's check reads every live lane)
+    for start in range(0, tl.where(claim >= 0, bs, first), BLOCK):  # pages the live requests of earlier programs open
         i = start + tl.arange(0, BLOCK)
-        m = i < tl.minimum(first, n_live)
+        m = i < n_live
         s = tl.load(seq_in + i * stride_in, mask=m, other=1).to(tl.int64)
-        base += tl.sum(tl.where(m & ((s - 1) % P == 0), 1, 0), 0)
+        opening = m & ((s - 1) % P == 0)
+        base += tl.sum(tl.where(opening & (i < first), 1, 0), 0)
+        total += tl.sum(tl.where(opening, 1, 0), 0)
     i = first + tl.arange(0, BLOCK)
     m = i < bs
     live = m & (i < n_live)
@@ -271,12 +280,7 @@ def _alloc_step_kernel(ctl, rows_in, seq_in, stride_in, pad_row, rtt, stride_rtt
     _check_continuation(err, mapping, refs_f, last + 1, pre, cont, opk, n_full, P, HYBRID)
     if claim >= 0:
         _record(err, short, i, ERR_CLAIM, opk)
-        if tl.program_id(0) == tl.num_programs(0) - 1:
-            used = base + tl.sum(opens.to(tl.int64), 0)
-            if used < claim:
-                _return_unopened(buf_f, n_full, head_f, used, claim, BLOCK)
-                if HYBRID:
-                    _return_unopened(buf_s, n_swa, head_s, used, claim, BLOCK)
+        _give_back(err, buf_f, n_full, buf_s, n_swa, head_f, head_s, total, claim, HYBRID, BLOCK)
     tl.store(rows + i, r, mask=m)
     tl.store(seq + i, s, mask=m)
     tl.store(out + i, loc, mask=m)
