@@ -711,7 +711,6 @@ class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             raise ConfigError(f"size_swa={size_swa} must be a non-negative multiple of page_size={page_size}")
         _check_fits_pool(size, size_swa, page_size, kvcache)
         self.size_swa = size_swa
-        self.full_attn_allocator = self  # SGLang's names for the two halves
         self.swa_attn_allocator = PagedTokenToKVPoolAllocator(size_swa, page_size, device, "SWA")
         self._ring_set = (self.pages, self.swa_attn_allocator.pages)
         self.immediate = self.immediate  # the SWA ring follows this allocator's checking mode
@@ -726,6 +725,12 @@ class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
                 kvcache.register_mapping(self.full_to_swa_index_mapping, self)
             else:  # a pool of the caller's own, with the one-argument hook
                 kvcache.register_mapping(self.full_to_swa_index_mapping)
+
+    @property
+    def full_attn_allocator(self) -> "SWATokenToKVPoolAllocator":
+        """SGLang's name for the full half (this allocator; a property, not a reference to itself, so that an
+        allocator dropped by its last holder goes at once and its pool can take another)."""
+        return self
 
     @property
     def _swa(self) -> Optional[PageRing]:

@@ -201,3 +201,63 @@ def test_step_graph_with_device_lengths_apart_from_the_host_keeps_the_pool(recor
     assert err is not None and err[0] is LocError and "request 0" in err[1], err
     got.alloc.check_integrity()
 
+
+
+# ---- the programs of one launch in any order (a GPU gives none): the interpreter run last to first ----------------
+@pytest.fixture
+def reversed_programs(monkeypatch):
+    """The interpreter runs each grid's programs from the last to the first (a legal GPU schedule)."""
+    from triton.runtime import interpreter
+    b = interpreter.interpreter_builder
+    dims, set_dim, set_idx = {}, b.set_grid_dim, b.set_grid_idx
+
+    def grid_dim(nx, ny, nz):
+        dims["x"] = nx
+        return set_dim(nx, ny, nz)
+
+    monkeypatch.setattr(b, "set_grid_dim", grid_dim)
+    monkeypatch.setattr(b, "set_grid_idx", lambda x, y, z: set_idx(dims["x"] - 1 - x, y, z))
+
+
+def test_the_give_back_waits_for_every_programs_reads(reversed_programs):
+    """A fresh ring, a claim of 10 pages, request 0 opens 2 and the last program none: the last program to run gives
+    the 8 back to where request 0's pages were read (it had run first in program order, so nothing showed)."""
+    a = make(triton_ops, hybrid=False)
+    a.immediate = False
+    heads = a.reserve(10)
+    out = torch.full((8,), -1, dtype=I64)
+    a.alloc_reserved(T([0, 0]), T([8, 0]), T([0, 0]), out, heads, 10)
+    assert out.tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    a.check_integrity()
+    assert a.available_size() == 64 - 8
+
+
+def test_the_one_launch_step_gives_back_after_every_program(reversed_programs):
+    """alloc_step over two programs (32 decode rows at page size 1, 16 a program under the interpreter), a claim of
+    40 pages for 32."""
+    a = PagedTokenToKVPoolAllocator(64, 1, "cpu")
+    a._ops, a.immediate = triton_ops(), False
+    heads = a.reserve(40)
+    staged = torch.zeros(5 + 64, dtype=I64)
+    staged[:5] = T([heads[0], 0, 32, a.op_number, 40])
+    staged[5::2], staged[6::2] = torch.arange(32), 1
+    rtt = torch.zeros(33, 4, dtype=I64)
+    rows, seq, out = (torch.zeros(32, dtype=I64) for _ in range(3))
+    a.alloc_step(staged[:5], staged[5::2], staged[6::2], 32, rtt, rows, seq, out)
+    assert sorted(out.tolist()) == list(range(1, 33))
+    a.check_integrity()
+    assert a.available_size() == 64 - 32
+
+
+@pytest.mark.parametrize("one_launch", [False, True], ids=["alloc_reserved", "alloc_step"])
+def test_a_claim_on_the_device_for_no_request_goes_back(one_launch):
+    a = make(triton_ops)
+    heads = a.reserve(3)
+    ctl = T(heads + [0, a.op_number, 3])
+    e = torch.zeros(0, dtype=I64)
+    if one_launch:
+        a.alloc_step(ctl, e, e, 0, torch.zeros(1, 4, dtype=I64), e, e.clone(), e.clone())
+    else:
+        a.alloc_reserved(e, e.clone(), e.clone(), e.clone(), ctl, 0)
+    a.check_integrity()
+    assert a.available_size() == 64

@@ -5,8 +5,6 @@ pool's translation table: the first allocator's live requests then translated th
 (their SWA slots read as 0, the padding). It is refused now (ConfigError, the pool and the first allocator as they
 were); a first allocator that holds no pages, or is gone, is replaced as before.
 """
-import gc
-
 import pytest
 import torch
 
@@ -41,8 +39,7 @@ def test_an_allocator_that_is_gone_or_empty_is_replaced():
     kv = pool()
     first = SWATokenToKVPoolAllocator(64, 64, P, "cpu", kv)
     first.alloc(8)
-    del first
-    gc.collect()  # (the allocator refers to itself: full_attn_allocator)
+    del first  # gone at once: no reference to itself keeps it for the cycle collector
     second = SWATokenToKVPoolAllocator(64, 64, P, "cpu", kv)
     second.alloc(4)
     second.clear()

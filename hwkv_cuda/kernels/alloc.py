@@ -160,10 +160,22 @@ def _give_back(err, buf_f, n_full, buf_s, n_swa, head_f, head_s, used, claim, HY
     program of the launch calls this with the same `used` and `claim`."""
     if used < claim:
         if tl.atomic_add(err + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            tl.debug_barrier()  # (and this program's own warps have read theirs)
             _return_unopened(buf_f, n_full, head_f, used, claim, BLOCK)
             if HYBRID:
                 _return_unopened(buf_s, n_swa, head_s, used, claim, BLOCK)
             tl.store(err + 1, 0)
+
+
+@triton.jit
+def _give_back_all_kernel(heads, buf_f, n_full, buf_s, n_swa, HYBRID: tl.constexpr, BLOCK: tl.constexpr):
+    """An op of no request with its heads and claim on the device (heads[0:2], heads[4]): every claimed page goes
+    back (one program)."""
+    claim = tl.load(heads + 4).to(tl.int64)
+    if claim > 0:
+        _return_unopened(buf_f, n_full, tl.load(heads).to(tl.int64), 0, claim, BLOCK)
+        if HYBRID:
+            _return_unopened(buf_s, n_swa, tl.load(heads + 1).to(tl.int64), 0, claim, BLOCK)
 
 
 @triton.jit(do_not_specialize=["head_f", "head_s", "opk", "claim"])
@@ -431,6 +443,15 @@ def _host_op_key(full: PageRing, op_ptr: bool, after: int = 0) -> int:
 _LAUNCHES: Dict[Tuple, Launch] = {}  # planned launches of the page ops, by kernel, batch and geometry
 
 
+def _give_back_all(full: PageRing, swa: Optional[PageRing], heads: torch.Tensor) -> None:
+    """`_give_back_all_kernel`: the claim staged at heads[4] for an op of no request goes back to the rings."""
+    hybrid = swa is not None
+    s = swa if hybrid else full
+    launch(_LAUNCHES, ("give back", hybrid), _give_back_all_kernel, (1,),
+           (heads, full.buf, full.num_pages, s.buf, s.num_pages),
+           dict(HYBRID=hybrid, BLOCK=_block(1024), num_warps=1 if interpreting() else 4))
+
+
 class TritonPageOps:
     """hwkv.allocator's batched ops, one launch each (registered for cuda, musa, rocm and xpu)."""
 
@@ -444,9 +465,11 @@ class TritonPageOps:
         on_device = isinstance(heads, torch.Tensor)  # [head_full, head_swa] read by the kernel (graph replays)
         op_ptr = on_device and heads.numel() >= 4  # and the op number, heads[3]
         claim_ptr = on_device and heads.numel() >= 5  # and the claim, heads[4] (else k, or unchecked)
-        if not seq.numel():  # no request, no launch: what a host list claimed goes back (torch ops: no kernel)
+        if not seq.numel():  # no request: what was claimed goes back (a host list's by the torch ops)
             if not on_device:
                 TORCH_OPS.alloc_extend(full, swa, mapping, prefix, seq, last, out, k, heads, decode)
+            elif claim_ptr:
+                _give_back_all(full, swa, heads)
             return
         launch(_LAUNCHES, ("alloc", seq.numel(), full.page_size, hybrid, prefix is None, on_device, op_ptr,
                            claim_ptr), _alloc_kernel, (seq.numel(),),
@@ -469,6 +492,8 @@ class TritonPageOps:
         req_to_token row) the rows' out-of-window release. Returns whether it advanced."""
         bs = rows.shape[0]
         if bs == 0:
+            if ctl.numel() >= 5:  # a claim staged for no request goes back
+                _give_back_all(full, swa, ctl)
             return False
         if req_to_token.stride(1) != 1 or rows_in.stride(0) != seq_in.stride(0) or not all(
                 t.is_contiguous() for t in (rows, seq, out)) or (frontiers is not None and not frontiers.is_contiguous()):
