@@ -47,13 +47,13 @@ actionlint:
 run: install
 	$(BIN)/hwkv bench
 
-# The whole suite, then the Gluon Hopper extend kernel and the decode split kernel built for sm_90 without a GPU
-# (where the suite interprets Triton, it skips those tests): spills, serialised warpgroup products and loads that are
-# no longer asynchronous copies show in their machine code
+# The whole suite, then the Gluon Hopper extend kernel, the decode split kernel and the page-op kernels built for sm_90
+# without a GPU (where the suite interprets Triton, it skips those tests): spills, serialised warpgroup products and
+# loads that are no longer asynchronous copies show in their machine code
 test: install actionlint
 	$(BIN)/python -m pytest -q -x
 	TRITON_INTERPRET=0 $(BIN)/python -m pytest -q -x tests/test_extend_hopper.py tests/test_decode_build.py \
-		-k compiles_for_sm90
+		tests/test_alloc_build.py -k compiles_for_sm90
 
 clean:
 	rm -rf $(VENV) .ci/node
