@@ -261,3 +261,19 @@ def test_a_claim_on_the_device_for_no_request_goes_back(one_launch):
         a.alloc_reserved(e, e.clone(), e.clone(), e.clone(), ctl, 0)
     a.check_integrity()
     assert a.available_size() == 64
+
+
+def test_the_one_launch_step_counts_only_the_batchs_lanes():
+    """A live count (ctl[2]) wider than the batch: lanes past it are no request (as the prologue clips them), so the
+    step's page count, and what goes back, are the batch's: 20 pages of a claim of 24 opened, 4 given back."""
+    for live_word in (20, 32):
+        a = PagedTokenToKVPoolAllocator(64, 1, "cpu")
+        a._ops, a.immediate = triton_ops(), False
+        heads = a.reserve(24)
+        staged = torch.zeros(5 + 64, dtype=I64)
+        staged[:5] = T([heads[0], 0, live_word, a.op_number, 24])
+        staged[5::2], staged[6::2] = torch.arange(32), 1
+        rows, seq, out = (torch.zeros(20, dtype=I64) for _ in range(3))
+        a.alloc_step(staged[:5], staged[5::2], staged[6::2], 32, torch.zeros(33, 4, dtype=I64), rows, seq, out)
+        a.check_integrity()
+        assert a.available_size() == 64 - 20, live_word

@@ -137,18 +137,18 @@ def _check_continuation(err, mapping, refs_f, nxt, pos, m, opk, n_full, P: tl.co
 @triton.jit
 def _return_unopened(buf, n, head, used, claim, BLOCK: tl.constexpr):
     """Pages claimed at a ring's head past the `used` this op opened go back to its tail, in order (a claim larger
-    than the step's need: they are free). The destinations never lie after their sources (the ring holds at most
-    n entries), so ascending blocks, each read whole before it is written, are safe."""
+    than the step's need: they are free), at entries reserved atomically (a release in the same launch pushes to the
+    tail too). The destinations never lie after their sources (the ring holds at most n entries), so ascending
+    blocks, each read whole before it is written, are safe."""
     ring, refs, tail, err = _parts(buf, n)
     mod = tl.maximum(n, 1)
-    t = tl.load(tail)
+    t = tl.atomic_add(tail, claim - used, sem="acq_rel")  # the entries reserved: a release in the launch pushes too
     for i0 in range(0, claim - used, BLOCK):
         i = i0 + tl.arange(0, BLOCK)
         m = i < claim - used
         pg = tl.load(ring + (head + used + i) % mod, mask=m, other=0)
         tl.debug_barrier()  # every lane has read its entry before any writes one it may overlap (a shift < BLOCK)
         tl.store(ring + (t + i) % mod, pg, mask=m)
-    tl.store(tail, t + claim - used)
 
 
 @triton.jit
@@ -176,6 +176,7 @@ def _give_back_all_kernel(heads, buf_f, n_full, buf_s, n_swa, HYBRID: tl.constex
         _return_unopened(buf_f, n_full, tl.load(heads).to(tl.int64), 0, claim, BLOCK)
         if HYBRID:
             _return_unopened(buf_s, n_swa, tl.load(heads + 1).to(tl.int64), 0, claim, BLOCK)
+        tl.store(heads + 4, 0)  # given back once (a replay with nothing restaged claims none)
 
 
 @triton.jit(do_not_specialize=["head_f", "head_s", "opk", "claim"])
@@ -265,7 +266,7 @@ def _alloc_step_kernel(ctl, rows_in, seq_in, stride_in, pad_row, rtt, stride_rtt
     total = tl.zeros([], tl.int64)  # the whole step's pages (a claim's check reads every live lane)
     for start in range(0, tl.where(claim >= 0, bs, first), BLOCK):  # pages the live requests of earlier programs open
         i = start + tl.arange(0, BLOCK)
-        m = i < n_live
+        m = (i < n_live) & (i < bs)  # (live: below ctl[2] and the batch)
         s = tl.load(seq_in + i * stride_in, mask=m, other=1).to(tl.int64)
         opening = m & ((s - 1) % P == 0)
         base += tl.sum(tl.where(opening & (i < first), 1, 0), 0)
