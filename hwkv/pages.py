@@ -13,9 +13,10 @@ registered by device packages) that skip bad pages and record a problem in `err`
 (`available_size`, `check_integrity`). On CPU and with HWKV_DEBUG=1 the allocators check
 first and raise before any state changes (see allocator.py).
 
-The error record is one int64 key in err[0] (err[1] is spare), kept with an atomic max so every
-implementation records the same error whatever order its lanes or programs run in: the earliest
-op since the last check wins, then the lowest code, then the lowest page (`error_key`). 0 = none.
+The error record is one int64 key in err[0] (err[1]: the arrivals of an allocation launch that gives claimed
+pages back, 0 between launches), kept with an atomic max so every implementation records the same error whatever
+order its lanes or programs run in: the earliest op since the last check wins, then the lowest code, then the lowest
+page (`error_key`). 0 = none.
 """
 from __future__ import annotations
 
@@ -195,6 +196,7 @@ class PageRing:
         assert int(refs[0]) == NEVER, f"{self.name}: the padding page 0 was allocated"
         assert not (refs[free] >= 1).any(), f"{self.name}: a live page is on the free ring"
         assert int(refs.min()) >= NEVER, f"{self.name}: a negative reference count"
+        assert int(self.err[1]) == 0, f"{self.name}: an allocation launch left its arrival count (a launch cut short?)"
 
 
 def error_for(code: int, page: int, page_size: int, pool: str) -> HwkvError:
