@@ -30,17 +30,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 pytestmark = [pytest.mark.interpret,
               pytest.mark.skipif(not INTERPRET, reason="Triton kernels on CPU tensors need TRITON_INTERPRET=1")]
 
-P = 4
-I64 = torch.int64
-
-
-def T(xs):
-    return torch.tensor(xs, dtype=I64)
-
-
-def triton_ops():
-    from hwkv_cuda.kernels.alloc import TritonPageOps
-    return TritonPageOps()
+from tests.test_review20_pages import I64, P, T, triton_ops  # noqa: E402  (page size 4; the kernels' ops)
 
 
 OPS = [pytest.param(lambda: TORCH_OPS, id="torch"), pytest.param(triton_ops, id="triton")]
