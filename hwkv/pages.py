@@ -47,10 +47,14 @@ def op_key(op: int) -> int:
     return (OP_MAX - min(op, OP_MAX)) << OP_SHIFT
 
 
+def code_key(code: int) -> int:
+    """The code part of an error key, with the page part's constant: a key is op_key + code_key - clamped page."""
+    return ((CODE_TOP - code) << CODE_SHIFT) + PAGE_MASK + PAGE_LO
+
+
 def error_key(op: int, code: int, page: int) -> int:
     """Key of one error: the larger key wins the record (earliest op, lowest code, lowest page)."""
-    page = min(max(page, PAGE_LO), -PAGE_LO - 1)
-    return op_key(op) + ((CODE_TOP - code) << CODE_SHIFT) + (PAGE_MASK - (page - PAGE_LO))
+    return op_key(op) + code_key(code) - min(max(page, PAGE_LO), -PAGE_LO - 1)
 
 
 def decode_key(key: int) -> "tuple[int, int]":

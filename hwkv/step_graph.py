@@ -192,9 +192,9 @@ class DecodeStepGraph(GraphRunner):
     def _set_ctl(self, live: int, pages: int, heads: list, rows: Optional[np.ndarray] = None,
                  seq: Optional[np.ndarray] = None, bucket: Optional[int] = None) -> None:
         """Send [head_full, head_swa, live, op number, pages claimed] and, when given, the live (row, length) pairs for
-        the next replay in one host-to-device copy, from a ring of pinned blocks that are rewritten only after the device read
-        them (hwkv.staging; one reused block was overwritten before the device read it, on the H200: two steps
-        took the same pages). Rows, seq and the step's bucket go together; the bucket's whole width is sent: the
+        the next replay in one host-to-device copy, from a ring of pinned blocks that are rewritten only after the
+        device read them (hwkv.staging; one reused block was overwritten before the device read it, on the H200: two
+        steps took the same pages). Rows, seq and the step's bucket go together; the bucket's whole width is sent: the
         pairs past `live` are stale and the prologue reads none (a width per bucket keeps the ring's views few)."""
         self._host = (live, pages, heads)
         self._sent = None

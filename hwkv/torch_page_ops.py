@@ -8,8 +8,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from hwkv.pages import (CODE_SHIFT, CODE_TOP, ERR_CLAIM, ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_RANGE, ERR_SWA_HELD,
-                        ERR_SWA_RELEASED, NEVER, PAGE_LO, PAGE_MASK, PageRing, op_key)
+from hwkv.pages import (ERR_CLAIM, ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_RANGE, ERR_SWA_HELD,
+                        ERR_SWA_RELEASED, NEVER, PAGE_LO, PageRing, code_key, op_key)
 
 I64 = torch.int64
 
@@ -20,7 +20,7 @@ def _record(ring: PageRing, bad: torch.Tensor, pages: torch.Tensor, code: int, f
     before the op), unless `force`."""
     if not (ring.deferred or force) or pages.numel() == 0:
         return
-    part = op_key(ring.op) + ((CODE_TOP - code) << CODE_SHIFT) + PAGE_MASK + PAGE_LO
+    part = op_key(ring.op) + code_key(code)
     keys = part - pages.clamp(PAGE_LO, -PAGE_LO - 1)
     best = torch.where(bad, keys, 0).amax().reshape(1)
     torch.maximum(ring.err[:1], best, out=ring.err[:1])
