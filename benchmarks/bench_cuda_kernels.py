@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import math
 import statistics
@@ -187,8 +188,8 @@ class DecodeSetup:
         gen = torch.Generator().manual_seed(seed)
         placed = place_pages(total, ctx, page, "random" if scatter else layout, gen)  # request r*bs+b: row r*bs+b
         slots = pool_slots(total, ctx, page)
-        self.k_buf = torch.randn(slots, KVH, D, device=DEV).to(DT)
-        self.v_buf = torch.randn(slots, KVH, D, device=DEV).to(DT)
+        self.k_buf = torch.randn(slots, KVH, D, device=DEV, dtype=DT)
+        self.v_buf = torch.randn(slots, KVH, D, device=DEV, dtype=DT)
         self.bs, self.ctx, self.window, self.list_len = bs, ctx, window, list_len
         self.q = torch.randn(bs, H, D, device=DEV).to(DT)
         self.out = torch.empty(bs, H, D, device=DEV, dtype=DT)
@@ -378,6 +379,7 @@ def bench_decode(copy_bw, sweep, layout="random", page=16, seed=0, changes=(), r
             print(f"decode {bs} x {ctx}{f' W={window}' if window else ''}: {v['spec']}: {variant_cell(v, row)}",
                   flush=True)
         del s
+        gc.collect()               # a setup's graphs and buffers go before the next (the wide cases fill an H100)
         torch.cuda.empty_cache()
     return rows
 

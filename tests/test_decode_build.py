@@ -50,3 +50,14 @@ def test_decode_slots_ahead_deepens_the_kv_gathers_for_sm90():
     shared = [dec.compile_split_for_sm90(dataclasses.replace(plain, slots_ahead=a), 5, True, 4096).metadata.shared
               for a in (False, True)]
     assert shared[1] >= 1.5 * shared[0], shared
+
+
+@pytest.mark.skipif(_build_reason() is not None, reason=str(_build_reason()))
+@pytest.mark.parametrize("plan", ["fused", "rows"])
+def test_decode_evict_first_marks_the_kv_gathers_for_sm90(plan):
+    """DecodeConfig.evict_first reaches the K/V gathers as L2's evict-first hint and keeps them asynchronous copies."""
+    cfg, splits, fused, keys = PLANS[plan]
+    plain = dec.compile_split_for_sm90(cfg, splits, fused, keys).asm["ptx"]
+    hinted = dec.compile_split_for_sm90(dataclasses.replace(cfg, evict_first=True), splits, fused, keys).asm["ptx"]
+    assert "evict_first" not in plain
+    assert "evict_first" in hinted and "cp.async" in hinted

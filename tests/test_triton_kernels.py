@@ -234,6 +234,21 @@ def test_decode_slots_ahead_equals_slots_in_their_own_iteration(batched):
         _close(early, ref, torch.float32)
 
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_decode_evict_first_hint_leaves_the_output_unchanged(batched):
+    """The K/V gathers' L2 hint (DecodeConfig.evict_first) changes no value: bit for bit, with splits and a window."""
+    import dataclasses
+    from hwkv_cuda.kernels import DecodeConfig
+    from hwkv_cuda.kernels.decode import INTERPRET_CONFIG
+    cfg = DecodeConfig(**{**INTERPRET_CONFIG.__dict__, "heads_per_program": 2, "batched_heads": batched})
+    c = Case([1, 9, 40], [1, 1, 1], h=8, kvh=4, d=16, window=23, seed=11)
+    for splits in (None, 3):
+        plain = c.decode(logit_cap=2.0, splits=splits, config=cfg)
+        hinted = c.decode(logit_cap=2.0, splits=splits, config=dataclasses.replace(cfg, evict_first=True))
+        assert torch.equal(plain, hinted), splits
+        _close(hinted, c.ref(2.0, None), torch.float32)
+
+
 def test_decode_heads_per_program_divides_kv_heads_and_fits_the_row():
     from hwkv_cuda.kernels import DecodeConfig
     cfg = DecodeConfig(heads_per_program=8)

@@ -86,6 +86,9 @@ class DecodeConfig:
     # keeps the K/V gathers behind the same iteration's index load, so without this they stay one tile deep at any
     # num_stages (sm_90 builds: one K and one V buffer at 3 and 4 stages); with it, num_stages - 1 tiles are in flight
     slots_ahead: bool = False
+    # the K/V gathers load with L2's evict-first hint: each key is read once a step, so the hint leaves L2 to the
+    # lists, the query and the partials that are read again
+    evict_first: bool = False
 
     def kv_heads_per_program(self, num_kv_heads: int, head_dim: int) -> int:
         """KV heads per program: at most heads_per_program, a power of two dividing num_kv_heads, and no wider than
@@ -257,12 +260,14 @@ def _next_slots(idx, offs_n, s_hi, ahead, BLOCK_N: tl.constexpr, OFF32: tl.const
 
 
 @triton.jit
-def _gather(buf, rows, cols, mask_c, C: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Rows of a K or V tile (element offsets rows + cols): masked only where the head dim is padded."""
+def _gather(buf, rows, cols, mask_c, C: tl.constexpr, BLOCK_C: tl.constexpr, EVICT: tl.constexpr = False):
+    """Rows of a K or V tile (element offsets rows + cols): masked only where the head dim is padded; EVICT
+    (DecodeConfig.evict_first) marks them first to leave L2."""
+    policy: tl.constexpr = "evict_first" if EVICT else ""
     if C == BLOCK_C:
-        t = tl.load(buf + rows + cols)
+        t = tl.load(buf + rows + cols, eviction_policy=policy)
     else:
-        t = tl.load(buf + rows + cols, mask=mask_c, other=0.0)
+        t = tl.load(buf + rows + cols, mask=mask_c, other=0.0, eviction_policy=policy)
     return t
 
 
@@ -271,7 +276,7 @@ def _block_diagonal_heads(q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, k
                           kvh0, qk_scale, cap, GROUP: tl.constexpr, HPP: tl.constexpr, D: tl.constexpr,
                           DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                           BLOCK_N: tl.constexpr, HAS_CAP: tl.constexpr, F32: tl.constexpr, OFF32: tl.constexpr,
-                          AHEAD: tl.constexpr):
+                          AHEAD: tl.constexpr, EVICT: tl.constexpr = False):
     """The split's online softmax over HPP adjacent kv heads as one block-diagonal tile: each key row is one
     [HPP * D] load, and the query tile is block-diagonal (row r belongs to local kv head r // GROUP and is zero
     outside that head's columns), so one dot gives every row its own head's logits and the rows of a small GQA
@@ -303,10 +308,11 @@ def _block_diagonal_heads(q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, k
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < s_hi
         slot, ahead = _next_slots(idx, offs_n, s_hi, ahead, BLOCK_N, OFF32, AHEAD)
-        kt = _gather(k_buf, slot[:, None] * s_kb, k_cols[None, :], mask_d[None, :], D, BLOCK_D)
+        kt = _gather(k_buf, slot[:, None] * s_kb, k_cols[None, :], mask_d[None, :], D, BLOCK_D, EVICT)
         s = logits_log2(dot(qt, tl.trans(kt.to(qt.dtype)), F32), qk_scale, cap, HAS_CAP)
         s = tl.where(mask_n[None, :], s, float("-inf"))
-        vt = _gather(v_buf, slot[:, None] * s_vb, v_cols[None, :], mask_dv[None, :], DV, BLOCK_DV).to(qt.dtype)
+        vt = _gather(v_buf, slot[:, None] * s_vb, v_cols[None, :], mask_dv[None, :], DV, BLOCK_DV,
+                     EVICT).to(qt.dtype)
         m, l_sum, acc = online_softmax_step(m, l_sum, acc, s, vt, F32)
 
     # a row's result is its own head's columns of acc (the others mix in another head's values)
@@ -318,7 +324,8 @@ def _block_diagonal_heads(q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, k
 def _batched_heads(q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, kv_indices, kv_start, s_lo, s_hi, b, kvh0,
                    qk_scale, cap, GROUP: tl.constexpr, HPP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HAS_CAP: tl.constexpr, F32: tl.constexpr, OFF32: tl.constexpr, AHEAD: tl.constexpr):
+                   HAS_CAP: tl.constexpr, F32: tl.constexpr, OFF32: tl.constexpr, AHEAD: tl.constexpr,
+                   EVICT: tl.constexpr = False):
     """The split's online softmax over HPP adjacent kv heads as a batch of per-head dots ([HPP, BLOCK_G] query rows,
     GROUP of them real): a key row of all HPP heads is one load, with no block-diagonal zeros in the products.
     Returns (acc [HPP * BLOCK_G, BLOCK_DV], m, l, the rows' q heads, their mask), rows head-major."""
@@ -344,11 +351,11 @@ def _batched_heads(q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, kv_indic
         mask_n = offs_n < s_hi
         slot, ahead = _next_slots(idx, offs_n, s_hi, ahead, BLOCK_N, OFF32, AHEAD)
         kt = _gather(k_buf, slot[None, :, None] * s_kb, k_heads[:, None, None] + offs_d[None, None, :],
-                     mask_d[None, None, :], D, BLOCK_D)                                   # [HPP, BLOCK_N, BLOCK_D]
+                     mask_d[None, None, :], D, BLOCK_D, EVICT)                            # [HPP, BLOCK_N, BLOCK_D]
         s = logits_log2(dot(q3, tl.permute(kt.to(q3.dtype), (0, 2, 1)), F32), qk_scale, cap, HAS_CAP)
         s = tl.where(mask_n[None, None, :], s, float("-inf"))                            # [HPP, BLOCK_G, BLOCK_N]
         vt = _gather(v_buf, slot[None, :, None] * s_vb, v_heads[:, None, None] + offs_dv[None, None, :],
-                     mask_dv[None, None, :], DV, BLOCK_DV).to(q3.dtype)
+                     mask_dv[None, None, :], DV, BLOCK_DV, EVICT).to(q3.dtype)
         m, l_sum, acc = online_softmax_step(m, l_sum, acc, s, vt, F32)
     rows: tl.constexpr = HPP * BLOCK_G
     mask_h = mask_g[None, :] & (offs_k[:, None] < HPP)
@@ -367,7 +374,7 @@ def _decode_split_kernel(
         HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, F32: tl.constexpr,
         FUSED: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, PDL: tl.constexpr = False,
         BATCHED: tl.constexpr = False, BLOCK_G: tl.constexpr = 16, OFF32: tl.constexpr = False,
-        AHEAD: tl.constexpr = False):
+        AHEAD: tl.constexpr = False, EVICT: tl.constexpr = False):
     if PDL:   # the merge kernel may launch once every split program has started (it waits for their results)
         gdc_launch_dependents()
     kvh0 = tl.program_id(0) * HPP   # kv heads fastest: the programs reading one token row run together
@@ -380,13 +387,13 @@ def _decode_split_kernel(
     if BATCHED:
         acc, m, l_sum, heads, mask_h = _batched_heads(
             q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, kv_indices, kv_start, s_lo, s_hi, b, kvh0,
-            qk_scale, cap, GROUP, HPP, D, DV, BLOCK_G, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, F32, OFF32, AHEAD)
+            qk_scale, cap, GROUP, HPP, D, DV, BLOCK_G, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, F32, OFF32, AHEAD, EVICT)
         col_dv = tl.arange(0, BLOCK_DV)
         mask_o = mask_h[:, None] & (col_dv < DV)[None, :]
     else:
         acc, m, l_sum, heads, mask_h, col_dv, mask_o = _block_diagonal_heads(
             q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, kv_indices, kv_start, s_lo, s_hi, b, kvh0,
-            qk_scale, cap, GROUP, HPP, D, DV, BLOCK_H, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, F32, OFF32, AHEAD)
+            qk_scale, cap, GROUP, HPP, D, DV, BLOCK_H, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, F32, OFF32, AHEAD, EVICT)
 
     if DIRECT:  # one split: finish here: sink, normalisation, output dtype
         if HAS_SINKS:
@@ -588,6 +595,7 @@ def _split_consts(cfg: DecodeConfig, group: int, kvh: int, d: int, dv: int, spli
                 BLOCK_D=pow2(d), BLOCK_DV=block_dv, BLOCK_N=cfg.keys_per_iter(per_split), FUSED=fused,
                 BLOCK_S=block_s if fused else 1, CHUNK_S=chunk_s if fused else 1, PDL=pdl,
                 BATCHED=cfg.batched_heads, BLOCK_G=pow2(group), OFF32=pool_elements < 2 ** 31, AHEAD=cfg.slots_ahead,
+                EVICT=cfg.evict_first,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
