@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from hwkv.checks import as_int, check_device, check_int_dtype, check_loc, is_bool
+from hwkv.checks import as_int, check_device, check_int_dtype, check_loc, is_bool, is_int
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, LocError, NotAllocatedError, OutOfSlotsError
 from hwkv.pages import ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_SWA_RELEASED, NEVER, PageRing, page_ops_for
@@ -53,6 +53,8 @@ def _host_ints(name: str, x: IntsLike, host: Optional[torch.Tensor] = None) -> n
         _count(name, x)
     if host is not None:
         check_int_dtype(f"{name}'s host copy", host)
+        if host.numel() != _count(name, x):  # (the steps size from the host copy, the kernels read x)
+            raise LocError(f"{name} has {_count(name, x)} entries, its host copy {host.numel()}")
         x = host
     if isinstance(x, torch.Tensor):
         if x.dtype == I64 and x.dim() == 1 and x.device.type == "cpu" and not x.requires_grad:
@@ -146,7 +148,7 @@ class PagedTokenToKVPoolAllocator:
     """Slots in pages of `page_size`; page 0 (slots [0, page_size)) is the padding page."""
 
     def __init__(self, size: int, page_size: int, device: Union[str, torch.device], name: str = "full") -> None:
-        if not isinstance(page_size, int) or not isinstance(size, int) or page_size < 1 or size < 0 or size % page_size:
+        if not is_int(page_size) or not is_int(size) or page_size < 1 or size < 0 or size % page_size:
             raise ConfigError(f"size={size} must be a non-negative multiple of page_size={page_size} >= 1")
         self.size, self.page_size, self.device = size, page_size, check_device(device)
         self.num_pages = size // page_size
@@ -707,7 +709,7 @@ class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
                  kvcache: object) -> None:
         _check_pool_device(check_device(device), kvcache)  # before its table replaces the pool's
         super().__init__(size, page_size, device, "full")
-        if not isinstance(size_swa, int) or size_swa < 0 or size_swa % page_size:
+        if not is_int(size_swa) or size_swa < 0 or size_swa % page_size:
             raise ConfigError(f"size_swa={size_swa} must be a non-negative multiple of page_size={page_size}")
         _check_fits_pool(size, size_swa, page_size, kvcache)
         self.size_swa = size_swa

@@ -19,7 +19,7 @@ import torch
 
 from hwkv import ops
 from hwkv.batch import ForwardBatch, ForwardMode, check_seq_lens
-from hwkv.checks import as_int, check_flag, check_shape, is_bool
+from hwkv.checks import as_int, check_flag, check_rows, check_shape, is_bool, values_checkable
 from hwkv.draft import DraftMetadataMixin
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import CapacityError, ConfigError, EvictedSlotError, MissingSWALocError, ShapeError
@@ -352,6 +352,7 @@ class AttentionBackend(DraftMetadataMixin):
         check_fits("batch size", bs, st.max_bs)
         check_fits("tokens", n, st.max_num_tokens)
         self._check_graph_context(batch.checkable_seq_lens())
+        self._check_graph_lens(batch)
         if max_q_len is not None and (isinstance(max_q_len, bool) or not isinstance(max_q_len, int) or max_q_len < 1):
             raise ConfigError(f"max_q_len={max_q_len!r} must be an int >= 1")
         decode = batch.forward_mode.is_decode_or_idle()
@@ -376,6 +377,25 @@ class AttentionBackend(DraftMetadataMixin):
         self.init_kernel_metadata(md, batch, graph=True)
         self.forward_metadata = md
         return md
+
+    def _check_graph_lens(self, batch: ForwardBatch) -> None:
+        """The eager step's checks (`ForwardBatch.check_lens`: 1 <= seq_lens, 0 <= extend lens <= seq_lens, rows inside
+        req_to_token) on what the host reads with no sync, before any static buffer is written: a few numpy reductions
+        over the host copies, and the lists `check_lens` names the request from only where one of them fails."""
+        rows, ctx = self.req_to_token_pool.req_to_token.shape
+        seq = batch.checkable_seq_lens()
+        if seq is not None and seq.numel() and not torch.compiler.is_compiling():
+            s = seq.numpy() if seq.is_cpu else seq.cpu().numpy()   # (a device tensor only in debug mode)
+            ext = None
+            if not batch.forward_mode.is_decode_or_idle():
+                e = batch.extend_seq_lens_cpu
+                if e is None and batch.extend_seq_lens is not None and values_checkable(batch.extend_seq_lens):
+                    e = batch.extend_seq_lens
+                ext = None if e is None else (e.numpy() if e.is_cpu else e.cpu().numpy())
+            bad = s.min() < 1 or (ext is not None and (ext.size != s.size or ext.min() < 0 or (s - ext).min() < 0))
+            if bad:
+                batch.check_lens(s.tolist(), [1] * s.size if ext is None else ext.tolist(), rows, ctx)
+        check_rows(batch.req_pool_indices, rows)
 
     def _check_graph_context(self, seq: Optional[torch.Tensor], steps: int = 1) -> None:
         """Each request's length after `steps` steps (`seq`: its host-readable lengths, `checkable_seq_lens`; None:

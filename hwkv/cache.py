@@ -454,9 +454,9 @@ class HybridPrefixCache:
         p = self.page_size
         n = len(ids) // p * p
         f = as_int(frontier)  # (bools are no positions)
-        if f is None or f % p or f < 0:
-            raise LocError(f"frontier {frontier!r} must be a non-negative integer multiple of page_size {p} (the "
-                           "request's release frontier)")
+        if f is None or f % p or not 0 <= f <= locs.numel():
+            raise LocError(f"frontier {frontier!r} must be an integer multiple of page_size {p} in [0, seq_len "
+                           f"{locs.numel()}] (the request's release frontier)")
         frontier = f
         # what the request must hold, full pages and SWA from its frontier on: _adopt shares both after insert has
         # changed the tree, so a wrong frontier has to be refused here
@@ -523,9 +523,10 @@ class HybridPrefixCache:
                     raise CacheError("this prefix lock was already released")
             locks.add(id(lock))
             locs = req_to_token_pool.row_locs(row, seq_len)
-            if row in rows:  # its references would be dropped twice
-                raise LocError(f"request row {row} is named twice in one release")
-            rows.add(row)
+            key = as_int(row)  # (row_locs took it: an integer, or an integer tensor, which hashes by identity)
+            if key in rows:  # its references would be dropped twice
+                raise LocError(f"request row {key} is named twice in one release")
+            rows.add(key)
             ids = self._ids(token_ids)[:locs.numel()]  # refused here, not after other requests' inserts
             f = as_int(frontier)
             if f is None or f % p or not 0 <= f <= locs.numel():

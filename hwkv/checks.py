@@ -172,6 +172,19 @@ def check_rows(req_pool_indices: torch.Tensor, rows: int) -> None:
                            "ReqToTokenPool's rows)")
 
 
+def check_distinct_rows(req_pool_indices: torch.Tensor, what: str, error: type = LocError) -> None:
+    """`error` where one request row is named twice in one op (`what` says which op and why that breaks it), read
+    where values are checkable as `check_rows` reads them: one sort, no Python per row."""
+    if req_pool_indices.numel() < 2 or not values_checkable(req_pool_indices):
+        return
+    a = req_pool_indices.reshape(-1).cpu().numpy()
+    order = np.argsort(a, kind="stable")
+    same = np.flatnonzero(a[order][1:] == a[order][:-1])
+    if same.size:
+        i, j = sorted((int(order[same[0]]), int(order[same[0] + 1])))
+        raise error(f"req_pool_indices name request row {int(a[i])} twice (entries {i} and {j}): {what}")
+
+
 def check_shape(name: str, t: torch.Tensor, expected: Sequence[Optional[int]]) -> None:
     """`t.shape` must match `expected` (None = any size in that dimension)."""
     ok = t.dim() == len(expected) and all(e is None or e == s for e, s in zip(expected, t.shape))

@@ -318,6 +318,9 @@ class GraphRunner:
         fresh = []
         for k, v in self.inputs.items():
             src = inputs.get(k)
+            if src is not None and (not isinstance(src, torch.Tensor) or src.device.type not in (v.device.type, "cpu")):
+                got = f"a tensor on {src.device}" if isinstance(src, torch.Tensor) else type(src).__name__
+                raise ShapeError(f"input {k!r} must be a tensor on {v.device} (or the CPU){what}, got {got}")
             if src is None or src.shape[0] < n or src.shape[1:] != v.shape[1:]:
                 raise ShapeError(f"input {k!r} must be [{n}, {', '.join(map(str, v.shape[1:]))}]{what}, got "
                                  f"{None if src is None else list(src.shape)}")

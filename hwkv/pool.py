@@ -8,7 +8,7 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 import torch
 
 from hwkv import ops
-from hwkv.checks import check_device, check_index_tensor, check_loc, check_scale, check_shape
+from hwkv.checks import as_int, check_device, check_index_tensor, check_loc, check_scale, check_shape, is_int
 from hwkv.errors import CapacityError, ConfigError, LocError, MissingSWALocError, ShapeError
 from hwkv.loc import KVWriteLoc, ListRefill, LocRuns
 
@@ -89,7 +89,7 @@ class MHATokenToKVPool:
         v_head_dim = v_head_dim if v_head_dim is not None else head_dim
         for name, val, lo in (("size", size, 0), ("page_size", page_size, 1), ("head_num", head_num, 1),
                               ("head_dim", head_dim, 1), ("v_head_dim", v_head_dim, 1), ("layer_num", layer_num, 0)):
-            if not isinstance(val, int) or val < lo:
+            if not is_int(val) or val < lo:
                 raise ConfigError(f"{name}={val!r} must be an int >= {lo}")
         if size % page_size:
             raise ConfigError(f"size={size} must be a multiple of page_size={page_size}")
@@ -112,6 +112,10 @@ class MHATokenToKVPool:
         self.loc_name = "loc"  # its write locs' name in errors ("swa_loc" for the SWA group of an SWAKVPool)
 
     def _layer(self, layer_id: int) -> int:
+        if type(layer_id) is not int:  # (1.0 would be a bare TypeError at the list, True layer 1)
+            if as_int(layer_id) is None:
+                raise ConfigError(f"layer_id {layer_id!r} must be an integer, got {type(layer_id).__name__}")
+            layer_id = as_int(layer_id)
         if not 0 <= layer_id < self.layer_num:
             raise ConfigError(f"layer_id {layer_id} out of range [0, {self.layer_num})")
         return layer_id
@@ -261,6 +265,8 @@ class SWAKVPool:
         return self._route(layer_id)[1]
 
     def _route(self, layer_id: int) -> Tuple[int, bool]:
+        if type(layer_id) is not int and as_int(layer_id) is None:  # True and 1.0 hash as 1: layer 1's buffers
+            raise ConfigError(f"layer_id {layer_id!r} must be an integer, got {type(layer_id).__name__}")
         try:
             return self.layers_mapping[layer_id]
         except KeyError:

@@ -46,6 +46,8 @@ def release_out_of_window_batch(allocator: SWATokenToKVPoolAllocator, req_to_tok
     if by_row and frontiers.shape != (req_to_token.shape[0],):
         raise LocError(f"by_row frontiers must hold one per req_to_token row ({req_to_token.shape[0]}), got "
                        f"{list(frontiers.shape)}")
+    if not by_row and frontiers.dim() != 1:  # (one per request: the release writes them back in place)
+        raise LocError(f"frontiers must be int64 [bs], one per request, got shape {list(frontiers.shape)}")
     for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens)):
         check_int_dtype(name, t)
         if t.numel() != bs:

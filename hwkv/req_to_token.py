@@ -37,6 +37,11 @@ class ReqToTokenPool:
 
     def free(self, rows: Union[int, Sequence[int]]) -> None:
         """Return rows to the pool; every row is checked (in range, held, named once) before any is freed."""
+        self._free.extend(self.check_free(rows))
+
+    def check_free(self, rows: Union[int, Sequence[int]]) -> List[int]:
+        """The rows a `free(rows)` would return, checked as it checks them (LocError, DoubleFreeError), changing
+        nothing: for a caller that frees what the rows hold first."""
         try:
             rows = [self._row(r) for r in ([rows] if as_int(rows) is not None else rows)]
         except TypeError:  # not iterable
@@ -48,7 +53,7 @@ class ReqToTokenPool:
                 raise DoubleFreeError(f"request row {r} is already free"
                                       + (" (named twice in this free)" if r not in self._free else ""))
             free.add(r)
-        self._free.extend(rows)
+        return rows
 
     def write(self, row: int, start: int, locs: torch.Tensor) -> None:
         """req_to_token[row, start:start+len(locs)] = locs, bounds-checked (a negative row or start would wrap)."""

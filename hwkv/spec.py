@@ -17,12 +17,12 @@ kernel is window-exact over the list with no mask at all (`tree_decode_list`, on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
 from hwkv import ops
-from hwkv.checks import as_int, check_rows, check_shape, values_checkable
+from hwkv.checks import as_int, check_distinct_rows, check_rows, check_shape, values_checkable
 from hwkv.errors import CapacityError, DoubleFreeError, ShapeError
 from hwkv.metadata import KVIndexList, cumsum_into
 from hwkv.pages import ERR_ACCEPT_INDEX, ERR_ACCEPTED
@@ -409,15 +409,8 @@ def _check_accept_args(req_to_token: torch.Tensor, req_pool_indices: torch.Tenso
         raise ShapeError(f"drafts reach position {int((pre_cpu + n).max())}, past max_context_len "
                          f"{req_to_token.shape[1]}")
     check_rows(req_pool_indices, req_to_token.shape[0])
-    if bs > 1 and values_checkable(req_pool_indices):  # one row named twice: the second entry frees what the first
-        rows = req_pool_indices.tolist()                  # keeps and leaves a hole in the row
-        if len(set(rows)) != bs:
-            seen: Dict[int, int] = {}
-            for i, r in enumerate(rows):
-                if r in seen:
-                    raise ShapeError(f"req_pool_indices name request row {r} twice (entries {seen[r]} and {i}): "
-                                     "an accept takes each request once")
-                seen[r] = i
+    # one row named twice: the second entry frees what the first keeps and leaves a hole in the row
+    check_distinct_rows(req_pool_indices, "an accept takes each request once", ShapeError)
     return bs, n, pre_cpu, acc_cpu
 
 

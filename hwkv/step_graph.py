@@ -27,7 +27,7 @@ import torch
 from hwkv import ops
 from hwkv.release import release_out_of_window_batch
 from hwkv.batch import ForwardBatch, ForwardMode
-from hwkv.checks import as_int, check_int_dtype, check_rows, release_window
+from hwkv.checks import as_int, check_distinct_rows, check_int_dtype, check_rows, release_window
 from hwkv.draft import DraftReplay, check_draft_steps
 from hwkv.errors import ConfigError, LocError, ShapeError
 from hwkv.graph import EagerAdapter, GraphAdapter, GraphRunner, ModelFn, _Captured
@@ -300,8 +300,11 @@ class DecodeStepGraph(GraphRunner):
     def _checked_rows(self, rows: torch.Tensor) -> Optional[np.ndarray]:
         """LocError unless every row lies inside req_to_token (-1 too: it would wrap to the last row), before anything
         is staged or claimed; returns the rows as a host array (None: on the device). Rows on the host are checked
-        always (free); rows on the device only where their values are checkable (debug mode: a read is a sync)."""
+        always (free); rows on the device only where their values are checkable (debug mode: a read is a sync). A row
+        named twice is refused the same way (its two tokens would take one slot, or two pages one of which nobody
+        holds)."""
         check_rows(rows, self.rtt.shape[0])
+        check_distinct_rows(rows, f"a {self._WHAT} step takes each request once")
         return rows.numpy() if rows.is_cpu else None
 
     def _check_step_inputs(self, inputs: Dict[str, torch.Tensor], bs: int,

@@ -202,7 +202,9 @@ def test_a_bool_position_is_refused(where, value):
     name = "swa_start" if where == "insert" else "frontier"
     call = (lambda: s.c.insert(list(range(8)), loc, value)) if where == "insert" else \
         (lambda: s.c.cache_running(list(range(8)), s.rtt, row, 8, value))
-    unchanged([s], call, LocError, rf"{name} {value!r} must be a non-negative integer multiple of page_size 1")
+    msg = "a non-negative integer multiple of page_size 1" if where == "insert" else \
+        r"an integer multiple of page_size 1 in \[0, seq_len 8\]"
+    unchanged([s], call, LocError, rf"{name} {value!r} must be {msg}")
 
 
 def test_a_bool_window_is_refused():

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator, List, Sequence, Union, overload
 import numpy as np
 import torch
 
+from hwkv.checks import is_int
 from hwkv.engine.inputs import shown, token_ids
 from hwkv.errors import ConfigError
 
@@ -121,7 +122,7 @@ def prompt_lookup(max_ngram: int = 3, min_ngram: int = 1) -> Drafter:
     """A drafter that finds the sequence's last n tokens (n from max_ngram down to min_ngram) earlier in it and
     proposes the k tokens that followed their latest earlier occurrence; nothing when no n-gram recurs. Each n is
     n vectorised compares over the history (numpy, no Python per token)."""
-    if not isinstance(max_ngram, int) or not isinstance(min_ngram, int) or not 1 <= min_ngram <= max_ngram:
+    if not is_int(max_ngram) or not is_int(min_ngram) or not 1 <= min_ngram <= max_ngram:
         raise ConfigError(f"prompt_lookup needs 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram!r}, "
                           f"max_ngram={max_ngram!r}")
 

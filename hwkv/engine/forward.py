@@ -136,13 +136,15 @@ class ForwardSlots:
 
     def free(self, rows: Sequence[int], kv_lens: Optional[Sequence[int]] = None) -> None:
         """Finished requests leave: the slots of each row's first `kv_lens` tokens go back to the allocator in
-        one call (released SWA slots are skipped there; None: the prefix cache took them), then the rows."""
+        one call (released SWA slots are skipped there; None: the prefix cache took them), then the rows. The rows
+        are checked first: a row out of range or named twice frees nothing."""
+        rows = self.rtt.check_free(rows)
         if kv_lens is not None:
             rtt = self.rtt.req_to_token
             locs = [rtt[r, :n] for r, n in zip(rows, kv_lens) if n]
             if locs:
                 self.allocator.free(torch.cat(locs))
-        self.rtt.free(list(rows))
+        self.rtt.free(rows)
 
     def undo(self, rows: Sequence[int], prefix: Sequence[int], new: Sequence[int], loc: Optional[torch.Tensor] = None,
              head: Optional[int] = None) -> bool:

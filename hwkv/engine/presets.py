@@ -67,7 +67,7 @@ class ModelShape:
                     "swa_num_kv_heads", "swa_head_dim", "swa_v_head_dim", "dtype_bytes")
         for name in positive + (("window",) if self.swa_layer_ids else ()):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not checks.is_int(value) or value < 1:
                 raise ConfigError(f"{self.name}: {name} must be an integer >= 1, got {value!r}")
         for q, kv in (("num_heads", "num_kv_heads"), ("swa_num_heads", "swa_num_kv_heads")):
             if getattr(self, q) % getattr(self, kv):
