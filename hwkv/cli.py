@@ -16,7 +16,7 @@ import os
 import platform
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import IO, Any, Callable, Optional
 
 from hwkv import __version__, devices
 from hwkv._amx import cpu_features
@@ -267,9 +267,18 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose help, usage and version text raise a failed write (argparse drops the OSError: `hwkv
+    --help > /dev/full` exited 0 with nothing written), so main() reports it as for any other output."""
+
+    def _print_message(self, message: str, file: Optional[IO[str]] = None) -> None:
+        if message:
+            (file or sys.stderr).write(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `hwkv` parser: one subparser per entry of COMMANDS."""
-    parser = argparse.ArgumentParser(prog="hwkv", description="hardware-portable hybrid KV cache")
+    parser = _Parser(prog="hwkv", description="hardware-portable hybrid KV cache")
     parser.add_argument("--version", action="version", version=f"hwkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, command in COMMANDS.items():
@@ -337,18 +346,32 @@ def main(argv: Optional[list[str]] = None) -> int:
         _drop_stdout()
         return EXIT_BROKEN_PIPE
     except SystemExit as e:  # rich's Console.on_broken_pipe exits 1 (our mismatch code) on a closed pipe
-        if not _from_rich_broken_pipe(e):
-            raise
-        return EXIT_BROKEN_PIPE
+        if _from_rich_broken_pipe(e):
+            return EXIT_BROKEN_PIPE
+        if e.code in (0, None):  # argparse's --help and --version: their text is output too (> /dev/full)
+            try:
+                sys.stdout.flush()
+            except BrokenPipeError:
+                _drop_stdout()
+                return EXIT_BROKEN_PIPE
+            except OSError as err:
+                return _output_failed(prog, err)
+        raise
     except HwkvError as e:  # e.g. a device plugin that fails to load, a bad environment variable
         _report(prog, f"error: {one_line(e)}")
         return EXIT_ERROR
     except OSError as e:
-        if e.errno not in OUTPUT_ERRNOS or e.filename is not None:  # not our output failing: a bug, keep it
-            raise
-        _drop_stdout()
-        _report(prog, f"error: cannot write the output: {e.strerror or one_line(e)} (errno {e.errno})")
-        return EXIT_ERROR
+        return _output_failed(prog, e)
+
+
+def _output_failed(prog: str, e: OSError) -> int:
+    """A write to our output failed (a full disk, an I/O error): one line and EXIT_ERROR; any other OSError is
+    re-raised (not our output failing: a bug, kept)."""
+    if e.errno not in OUTPUT_ERRNOS or e.filename is not None:
+        raise e
+    _drop_stdout()
+    _report(prog, f"error: cannot write the output: {e.strerror or one_line(e)} (errno {e.errno})")
+    return EXIT_ERROR
 
 
 if __name__ == "__main__":

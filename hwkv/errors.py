@@ -30,6 +30,10 @@ class ConfigError(HwkvError, ValueError):
     """A constructor or option got a value it cannot work with."""
 
 
+class BudgetError(ConfigError):
+    """The pools a request count needs do not fit the memory budget (a ConfigError naming both)."""
+
+
 class MissingSWALocError(AssertionError, HwkvError):
     """An SWA layer was written without its SWA slots (raised explicitly, so `python -O` keeps it)."""
 

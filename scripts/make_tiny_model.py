@@ -107,7 +107,17 @@ def main(argv: Any = None) -> int:
     p.add_argument("--window", type=int, default=8, help="sliding window of the SWA layers (default 8)")
     p.add_argument("--no-tokenizer", action="store_true", help="no tokenizer: `hwkv generate` prompts are token ids")
     args = p.parse_args(argv)
-    make(args.out, args.arch, args.seed, args.layers, args.window, tokenizer=not args.no_tokenizer)
+    for flag, value, low in (("--layers", args.layers, 1), ("--window", args.window, 1), ("--seed", args.seed, 0)):
+        if value < low:  # (0 layers or W=0 would write a model `hwkv generate` then refuses)
+            p.error(f"{flag} must be >= {low}, got {value}")
+    if args.layers > 64:
+        p.error(f"--layers must be <= 64 for a tiny model, got {args.layers}")
+    if args.out.exists() and not args.out.is_dir():
+        p.error(f"{args.out} exists and is not a folder")
+    try:
+        make(args.out, args.arch, args.seed, args.layers, args.window, tokenizer=not args.no_tokenizer)
+    except OSError as e:  # a folder that cannot be made or written
+        p.exit(2, f"{p.prog}: error: cannot write {args.out}: {e.strerror or e}\n")
     prompt = "1,2,3" if args.no_tokenizer else "Hello there"
     print(f"wrote {args.out}: {args.arch}, {args.layers} layers, W={args.window}, vocabulary {VOCAB}, "
           f"{'no tokenizer' if args.no_tokenizer else 'character tokenizer'}, seed {args.seed}\n"

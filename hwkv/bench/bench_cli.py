@@ -166,7 +166,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--serve-running", type=int, help=f"requests running at once (default {_SERVE['running']})")
     s.add_argument("--no-baseline", action="store_true", help="skip transformers' continuous batching")
     o = p.add_argument_group("output")
-    o.add_argument("--json", action="store_true", help="print one JSON object (schema hwkv-bench/2) instead of tables")
+    o.add_argument("--json", action="store_true", help="print one JSON object (schema hwkv-bench/2; the chat and "
+                   "serve workloads hwkv-bench-chat/2 and hwkv-bench-serve/1) instead of tables")
     o.add_argument("--plot", metavar="PATH", help="write a PNG: time per decode step vs batch size, KV memory, and "
                    "each step's phases stacked per configuration and batch size")
 
@@ -267,7 +268,10 @@ def _check_memory(shape: ModelShape, run_layers: int, w: Workload, n_configs: in
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if memory_needed(shape, run_layers, w, mid, n_configs) <= free else (lo, mid)
-        fits = f"at most batch size {lo} fits" if lo else "no batch size fits: lower --prompt-len or --steps"
+        fits = f"at most batch size {lo} fits" if lo else (
+            f"no batch size fits: a request holds --prompt-len {w.prompt_len} tokens and (--warmup {w.warmup} + "
+            f"--steps {w.steps}) x {n_configs} configurations of decode tokens in pages of --page-size "
+            f"{w.page_size}: lower one of them")
         raise ConfigError(f"--batch-sizes: batch size {bs} needs at least {format_bytes(need)} (KV pools of "
                           f"{run_layers} layers and the reference's K/V copies) and {torch_device} has "
                           f"{format_bytes(free)} free; {fits}")
@@ -313,7 +317,13 @@ def _configs(args: argparse.Namespace, has_graphs: bool, device: str, torch_devi
     from hwkv.bench.run import CONFIGS
     from hwkv.pages import page_ops_for
 
-    names = [c.strip() for c in args.configs.split(",") if c.strip()] if args.configs else list(CONFIGS)
+    if args.configs is not None:  # an empty item is refused, as --batch-sizes refuses one
+        names = [c.strip() for c in args.configs.split(",")]
+        if not all(names):
+            raise ConfigError(f"--configs {args.configs!r} has an empty item; give a comma-separated subset of: "
+                              f"{', '.join(CONFIGS)}")
+    else:
+        names = list(CONFIGS)
     names = list(dict.fromkeys(names))   # a repeat is dropped (the first keeps its place), as --batch-sizes' are
     unknown = [c for c in names if c not in CONFIGS]
     if unknown:
@@ -328,7 +338,8 @@ def _configs(args: argparse.Namespace, has_graphs: bool, device: str, torch_devi
                               f"{device!r} has not registered; drop it")
         names = [c for c in names if not CONFIGS[c].whole_step]
     if not names:
-        raise ConfigError("no configuration left to run (--no-graph with only graph --configs?)")
+        why = "--no-graph with only graph --configs" if args.no_graph else "--configs has none this device runs"
+        raise ConfigError(f"no configuration left to run ({why})")
     return names
 
 

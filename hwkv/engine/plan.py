@@ -31,7 +31,7 @@ from typing import Any, Dict, Optional, Union
 
 from hwkv.checks import as_int, check_flag, check_int_option, is_int
 from hwkv.engine.presets import ModelShape
-from hwkv.errors import ConfigError
+from hwkv.errors import BudgetError, ConfigError
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -173,7 +173,7 @@ def plan(shape: ModelShape, memory_bytes: int, context: int, page_size: int = 16
     running = fit if max_running is None else max_running
     if running < 1 or running > fit:
         want = max(1, running)
-        raise ConfigError(
+        raise BudgetError(
             f"{shape.name}: {want} request(s) of context {context} need {fixed + want * per_request} bytes "
             f"({format_bytes(fixed + want * per_request)}) of KV memory, given {memory_bytes} "
             f"({format_bytes(memory_bytes)}); at most {fit} fit"

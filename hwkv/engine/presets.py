@@ -156,6 +156,9 @@ class ModelShape:
         return f"{self.num_layers} layers: {full} + {swa}"
 
 
+MAX_LAYERS = 4096  # far above any published model's (MiMo-V2 48, Gemma 3 62): a larger count is a typo
+
+
 def layer_pattern(num_layers: int, pattern: Optional[str] = None,
                   full_every: Optional[int] = None) -> Tuple[bool, ...]:
     """Per-layer is-SWA flags from a tiled 's'/'f' string or 'layer i is full iff (i+1) % K == 0'.
@@ -164,6 +167,8 @@ def layer_pattern(num_layers: int, pattern: Optional[str] = None,
     """
     if num_layers < 1:
         raise ConfigError(f"layers must be >= 1, got {num_layers}")
+    if num_layers > MAX_LAYERS:  # (one flag a layer is built below: 10**11 of them would fill the host's memory)
+        raise ConfigError(f"layers must be <= {MAX_LAYERS}, got {num_layers}")
     if pattern is not None and full_every is not None:
         raise ConfigError(f"give --pattern ({pattern!r}) or --full-every ({full_every}), not both")
     if full_every is not None:
@@ -275,7 +280,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--swa-v-head-dim", type=int, help="V head dim of SWA layers (default: --swa-head-dim)")
     g.add_argument("--logit-cap", type=float, help="attention logit soft-cap (0 = off)")
     g.add_argument("--sinks", choices=SINKS_CHOICES, help="which layers carry attention sinks")
-    g.add_argument("--kv-dtype", choices=sorted(KV_DTYPE_BYTES), help="KV cache dtype (default bf16)")
+    g.add_argument("--kv-dtype", choices=sorted(KV_DTYPE_BYTES),
+                   help="KV cache dtype (default bf16; `hwkv bench` runs fp32 on the CPU unless this or --dtype is "
+                        "given)")
 
 
 def shape_from_args(args: argparse.Namespace) -> ModelShape:

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any, List, Optional, Tuple
 
-from hwkv.errors import ConfigError, HwkvError
+from hwkv.errors import BudgetError, ConfigError, HwkvError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 EXIT_OK, EXIT_ERROR = 0, 2
@@ -110,6 +110,9 @@ def _check_args(args: argparse.Namespace) -> None:
         parse_bytes(args.memory)
     if args.num_draft is not None and not args.draft:
         raise ConfigError(f"--num-draft {args.num_draft} needs --draft (no drafter runs without it)")
+    if args.draft and args.temperature > 0:  # (the engine drafts for greedy requests only: none would be drafted)
+        raise ConfigError(f"--draft {args.draft} verifies greedy decoding only: --temperature {args.temperature} "
+                          "would run with no draft token (drop one of them)")
 
 
 def _looks_like_path(name: str) -> bool:
@@ -214,10 +217,14 @@ def _generate(args: argparse.Namespace) -> Tuple[dict, int]:
         longest = max(len(p) for p in prompts) + args.max_new_tokens - 1
     context = args.context if args.context is not None else longest
     running = args.max_running if args.max_running is not None else (1 if args.conversation else len(prompts))
-    with HybridRunner(model, device=spec.name, memory=args.memory, context=context, max_running=running,
-                      chunk=args.chunk, page_size=args.page_size,
-                      graphs=args.graphs, prefix_cache=not args.no_prefix_cache,
-                      draft=prompt_lookup() if args.draft else None, num_draft=args.num_draft or NUM_DRAFT) as runner:
+    try:
+        runner = HybridRunner(model, device=spec.name, memory=args.memory, context=context, max_running=running,
+                              chunk=args.chunk, page_size=args.page_size,
+                              graphs=args.graphs, prefix_cache=not args.no_prefix_cache,
+                              draft=prompt_lookup() if args.draft else None, num_draft=args.num_draft or NUM_DRAFT)
+    except BudgetError as e:  # say which flags sized it: the message names only the context and the budget
+        raise BudgetError(f"{e} ({_budget_flags(args, context)})") from None
+    with runner:
         bar, advance = _progress(not args.no_progress, args.max_new_tokens * len(prompts))
         t0 = time.perf_counter()
         not_run = None  # why the turns after a refused one did not run (a conversation)
@@ -247,10 +254,24 @@ def _generate(args: argparse.Namespace) -> Tuple[dict, int]:
                      "error": not_run})
     data = {"schema": "hwkv-generate/1", "model": args.model, "device": spec.name, "dtype": str(model.dtype),
             "backend": type(runner.cache.backend).__name__, "graphs": runner.graph is not None,
+            # "eager": the graph path's static buffers, the step called (no device graph recorded)
+            "graph_mode": None if runner.graph is None else ("eager" if args.graphs == "eager" else "device"),
             "wall_seconds": wall, "results": rows, "stats": stats.as_dict(), "memory": stats.memory_line(),
             "prefix_cache": runner.prefix is not None, "prefix": stats.prefix_line(),
             "draft": stats.draft_line() if args.draft else None}
     return data, EXIT_ERROR if any(r["error"] for r in rows) else EXIT_OK
+
+
+def _budget_flags(args: argparse.Namespace, context: int) -> str:
+    """The flags behind a refused memory budget: how the context was set, --page-size and --memory."""
+    if args.context is not None:
+        how = f"--context {context}"
+    elif args.conversation:
+        how = f"context {context}: every turn and --max-new-tokens {args.max_new_tokens} per reply"
+    else:
+        how = f"context {context}: the longest prompt + --max-new-tokens {args.max_new_tokens} - 1"
+    budget = f"--memory {args.memory}" if args.memory else "the default budget; --memory sets it"
+    return f"{how}; --page-size {args.page_size}; {budget}"
 
 
 def _print_plain(data: dict) -> None:
@@ -261,7 +282,7 @@ def _print_plain(data: dict) -> None:
     s = data["stats"]
     print(f"{s['generated_tokens']} tokens in {s['seconds']:.2f} s: {s['tokens_per_second']:.1f} tokens/s "
           f"({s['prefill_tokens']} prompt tokens computed; {data['device']}, {data['backend']}, "
-          f"graphs {'on' if data['graphs'] else 'off'})")
+          f"graphs {'off' if not data['graphs'] else 'eager' if data['graph_mode'] == 'eager' else 'on'})")
     if s["graph_error"]:
         print(f"decode ran eagerly: {s['graph_error']}")
     if data["prefix_cache"]:
