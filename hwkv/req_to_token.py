@@ -23,6 +23,7 @@ class ReqToTokenPool:
         self.size, self.max_context_len, self.device = n, ctx, check_device(device)
         self.req_to_token = torch.zeros(n, ctx, dtype=I64, device=self.device)
         self._free = list(range(n - 1, -1, -1))
+        self._free_set = set(self._free)  # (a free checks against it: no set of the whole list built per call)
 
     def available_size(self) -> int:
         return len(self._free)
@@ -33,11 +34,18 @@ class ReqToTokenPool:
             raise ConfigError(f"alloc({need_size!r}): need_size must be an integer >= 0 (request rows)")
         if n > len(self._free):
             raise OutOfSlotsError(f"need {need_size} request rows, only {len(self._free)} of {self.size} are free")
-        return [self._free.pop() for _ in range(n)]
+        rows = [self._free.pop() for _ in range(n)]
+        self._free_set.difference_update(rows)
+        return rows
 
     def free(self, rows: Union[int, Sequence[int]]) -> None:
         """Return rows to the pool; every row is checked (in range, held, named once) before any is freed."""
-        self._free.extend(self.check_free(rows))
+        self._give_back(self.check_free(rows))
+
+    def _give_back(self, rows: List[int]) -> None:
+        """`free` of rows `check_free` returned (a caller that checked them before freeing what they hold)."""
+        self._free.extend(rows)
+        self._free_set.update(rows)
 
     def check_free(self, rows: Union[int, Sequence[int]]) -> List[int]:
         """The rows a `free(rows)` would return, checked as it checks them (LocError, DoubleFreeError), changing
@@ -47,12 +55,12 @@ class ReqToTokenPool:
         except TypeError:  # not iterable
             raise LocError(f"request rows must be an integer or a sequence of integers, got {type(rows).__name__} "
                            f"{rows!r}") from None
-        free = set(self._free)
+        seen = set()
         for r in rows:
-            if r in free:
+            if r in self._free_set or r in seen:
                 raise DoubleFreeError(f"request row {r} is already free"
-                                      + (" (named twice in this free)" if r not in self._free else ""))
-            free.add(r)
+                                      + (" (named twice in this free)" if r not in self._free_set else ""))
+            seen.add(r)
         return rows
 
     def write(self, row: int, start: int, locs: torch.Tensor) -> None:
@@ -91,3 +99,4 @@ class ReqToTokenPool:
 
     def check_integrity(self) -> None:
         assert len(set(self._free)) == len(self._free), "a request row is free twice"
+        assert self._free_set == set(self._free), "the free rows' set disagrees with their list"

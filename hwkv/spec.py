@@ -275,7 +275,7 @@ def tree_visible(prefix_len: int, tree_block: torch.Tensor, window: Optional[int
 def accept_draft_tokens(allocator: Any, pool: Any, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                         prefix_lens: torch.Tensor, accept_index: torch.Tensor, accept_lens: torch.Tensor, *,
                         prefix_lens_cpu: torch.Tensor, accept_lens_cpu: torch.Tensor,
-                        frontiers: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        frontiers: Optional[torch.Tensor] = None, chain: bool = False) -> torch.Tensor:
     """After a verify: keep each request's accepted draft tokens as its next positions, free the rest
     in both pools; returns the new seq_lens (prefix + accepted), on the device.
 
@@ -298,6 +298,10 @@ def accept_draft_tokens(allocator: Any, pool: Any, req_to_token: torch.Tensor, r
     Arguments that are not integer tensors of the batch's shape (frontiers: int64), host lengths out of range and
     (where values are checkable: CPU, HWKV_DEBUG) rows outside req_to_token or one row named twice raise
     ShapeError / LocError before anything changes.
+
+    `chain=True`: every accept_index row is 0, 1, 2, ... (a chain's drafts, accepted in place, as a greedy engine
+    verifies them), so no K/V moves: without it a page size above 1 copies every layer's accepted K/V onto itself.
+    Checked on the host where the allocator checks eagerly (ShapeError); elsewhere the caller's word.
     """
     bs, n, pre_cpu, acc_cpu = _check_accept_args(req_to_token, req_pool_indices, prefix_lens, accept_index,
                                                  accept_lens, prefix_lens_cpu, accept_lens_cpu, frontiers)
@@ -315,6 +319,10 @@ def accept_draft_tokens(allocator: Any, pool: Any, req_to_token: torch.Tensor, r
     left = None
     if allocator.immediate:  # host checks where they cost nothing (CPU, debug): before anything changes
         _check_accept(idx.cpu(), valid.cpu(), n, frontiers, pre_cpu, locs.cpu())
+        if chain and bool((valid & (idx != ar)).any().cpu()):
+            b = int((valid & (idx != ar)).any(1).to(torch.int8).argmax())
+            raise ShapeError(f"chain=True, but accept_index of request {b} is no chain in place: "
+                             f"{idx[b][valid[b]].tolist()} (drafts 0, 1, 2, ... expected)")
     else:  # the same checks on the device: recorded, and the bad requests changed so that nothing leaks
         inside = (idx >= 0) & (idx < n)
         taken = torch.zeros(bs, n, dtype=torch.int64, device=dev).scatter_add_(
@@ -353,7 +361,8 @@ def accept_draft_tokens(allocator: Any, pool: Any, req_to_token: torch.Tensor, r
                 free = torch.where(left[req, 0], 0, free)
             if allocator.immediate:
                 allocator._check_free(free, swa_required=False)      # raise before anything moves
-        pool.move_kv(kept_locs.view(-1), locs.view(-1))             # (a request left as it is: onto itself)
+        if not chain:  # (a chain's drafts stay where they are: kept_locs is locs)
+            pool.move_kv(kept_locs.view(-1), locs.view(-1))         # (a request left as it is: onto itself)
         req_to_token[rows, pos] = _unless_left(left, torch.where(valid, locs, 0), locs)
         if free is not None:
             allocator.free(free)

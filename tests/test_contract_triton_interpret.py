@@ -34,3 +34,13 @@ def test_small_swa_pool_reuses_released_slots(hwkv_target):  # noqa: F811 - shor
     h = _contract.make(hwkv_target, size=1024, size_swa=64, page_size=4)
     _contract.run_scenario(h, steps=20, prompt_lens=(9, 11, 6), chunk=5, finish=False)
     assert 1024 - h.allocator.full_available_size() > 64, "the run must hold more tokens than the SWA pool has"
+
+
+# every pair of (page size, verify kernel, eager or graph) once: four of the eight runs, each ~5-15 s interpreted (the
+# CPU backend's contract run and the GPU run take all eight)
+@pytest.mark.parametrize("page_size, verify_kernel, graph", [(1, "extend", False), (1, "decode", True),
+                                                             (4, "extend", True), (4, "decode", False)],
+                         ids=["1-extend-eager", "1-decode-graph", "4-extend-graph", "4-decode-eager"])
+def test_tree_verify_accept_and_reuse(hwkv_target, page_size, verify_kernel, graph):  # noqa: F811 - narrows it
+    from hwkv.testing import contract_spec
+    contract_spec.test_tree_verify_accept_and_reuse(hwkv_target, page_size, graph, verify_kernel)

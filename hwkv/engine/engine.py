@@ -564,7 +564,7 @@ class Engine:
         c = self.cache
         index = torch.arange(k, dtype=I64, device=self.device).expand(bs, k).contiguous()
         seq = accept_draft_tokens(c.allocator, c.pool, c.rtt.req_to_token, rows_dev, pre_dev, index,
-                                  acc_dev, prefix_lens_cpu=pre, accept_lens_cpu=acc)
+                                  acc_dev, prefix_lens_cpu=pre, accept_lens_cpu=acc, chain=True)
         self._release([r.req.row for r in rows], [r.prefix + 1 + a for r, a in zip(rows, accepted)], rows_dev, seq)
         for r, a in zip(rows, accepted):
             r.req.kv_len = r.prefix + 1 + a

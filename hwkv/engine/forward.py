@@ -140,11 +140,14 @@ class ForwardSlots:
         are checked first: a row out of range or named twice frees nothing."""
         rows = self.rtt.check_free(rows)
         if kv_lens is not None:
-            rtt = self.rtt.req_to_token
-            locs = [rtt[r, :n] for r, n in zip(rows, kv_lens) if n]
-            if locs:
-                self.allocator.free(torch.cat(locs))
-        self.rtt.free(rows)
+            lens = np.asarray(kv_lens, dtype=np.int64)
+            total = int(lens.sum())
+            if total:  # every row's first kv_lens entries: one index copy and one gather, nothing per request
+                rtt = self.rtt.req_to_token
+                starts = np.repeat(np.asarray(rows, dtype=np.int64) * rtt.shape[1] - (np.cumsum(lens) - lens), lens)
+                flat = torch.from_numpy(starts + np.arange(total, dtype=np.int64)).to(self.device, non_blocking=True)
+                self.allocator.free(rtt.view(-1)[flat])
+        self.rtt._give_back(rows)
 
     def undo(self, rows: Sequence[int], prefix: Sequence[int], new: Sequence[int], loc: Optional[torch.Tensor] = None,
              head: Optional[int] = None) -> bool:
