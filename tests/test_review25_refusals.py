@@ -2,7 +2,6 @@
 
 Every test states the project's rule it checks: bad input gets a typed `hwkv.errors` error and leaves every pool,
 table, allocator, prefix cache and static buffer as it was."""
-import numpy as np
 import pytest
 import torch
 
