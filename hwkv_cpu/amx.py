@@ -95,8 +95,10 @@ def sgl_ops() -> tuple[Optional[SglOps], str]:
         return None, "sgl_kernel is not installed"
     try:
         import sgl_kernel  # noqa: F401  (registers torch.ops.sgl_kernel)
-    except (ImportError, OSError) as e:  # kept and reported by active_path(), never silent
-        return None, f"import sgl_kernel failed: {e!r}"
+    except Exception as e:  # noqa: BLE001 - an installed but broken sgl-kernel raises anything (an op registered
+        # twice, a torch version check): kept and reported by active_path(), never silent, as the NPU and ROCm
+        # packages report theirs
+        return None, f"import sgl_kernel failed: {type(e).__name__}: {e}"
     ns = torch.ops.sgl_kernel
     ops = {}
     for name, want in (("decode_attention_cpu", _DECODE_SCHEMA), ("extend_attention_cpu", _EXTEND_SCHEMA)):

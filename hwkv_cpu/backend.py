@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -29,7 +29,7 @@ from hwkv.batch import ForwardBatch
 from hwkv.checks import check_int_option
 from hwkv.layer import AttentionLayer
 from hwkv.list_plans import ListPlans
-from hwkv.metadata import ForwardMetadata, KeptRange, KVIndexList, StaticBuffers, cumsum_into
+from hwkv.metadata import ForwardMetadata, KVIndexList, StaticBuffers
 from hwkv_cpu import host_plan, ipex
 from hwkv_cpu import kernels as _kernels
 from hwkv_cpu.kernels_dense import (DENSE_MAX_ELEMENTS, compute_dtype, dense_attention, kept_sink_column,
@@ -40,7 +40,6 @@ if ipex.installed_reason() is None:  # cheap: package metadata only; IPEX itself
 
 _IPEX = "ipex_lists"
 _DENSE = "dense_plans"
-TABLE_SLACK = 1 << 16  # table entries beyond twice the list's that an eager list may take to be one gather
 
 
 @dataclass(frozen=True)
@@ -94,6 +93,7 @@ class TorchCPUBackend(KernelSetBackend):
     """CPU kernels over the paged pool; graph mode through torch.compile over static buffers."""
 
     name = "cpu"
+    dense_list_tables = True  # the dense kernels read each list's [bs, L] table: the core builds it with the list
     kernels = _kernels.BackendKernels()  # the class's, without a forward counter; each backend makes its own
     Options = CPUOptions
 
@@ -101,8 +101,6 @@ class TorchCPUBackend(KernelSetBackend):
         super().__init__(pool, req_to_token_pool, **options)
         self.ipex_reason: Optional[str] = self._ipex_reason()  # None: IPEX ops in use where they fit
         self._head_maps: Dict[Tuple[int, int], torch.Tensor] = {}
-        self._columns = KeptRange(torch.int64, self.device, 256)  # column indices of a dense table
-        self._kept_zeros = KeptRange(torch.int64, self.device, zeros=True)  # pos0 of lists starting at token 0
         # per layer object, held weakly (a layer's kit goes with it: layers made per forward leave none behind)
         self._kits: weakref.WeakKeyDictionary[AttentionLayer, _LayerKit] = weakref.WeakKeyDictionary()
         # the forward counter every layer hands the chunked kernels, so that they read a forward's lists once
@@ -118,78 +116,6 @@ class TorchCPUBackend(KernelSetBackend):
         if self.device.type != "cpu":
             return f"the pool lives on {self.device}"
         return ipex.load()[1] or None
-
-    # ---- metadata: the lists through one dense gather, once per forward ------------------------------
-    def _eager_lists(self, batch: ForwardBatch, seq: torch.Tensor, q_pos0: torch.Tensor, seq_h: List[int],
-                     win_lens: Dict[int, List[int]]) -> Tuple[KVIndexList, Dict[int, KVIndexList]]:
-        """Where every request lists as many keys as the others, in the full list and in each window's (one
-        request; a batch of equal lengths), every list comes from one gather of req_to_token: the full table
-        [bs, L] (the first L columns of the requests' rows), each window's the last columns of it, translated
-        once for a hybrid pool. Other batches build each list on its own (`_eager_list`)."""
-        bs, rtt = batch.batch_size, self.req_to_token_pool.req_to_token
-        n = max(seq_h, default=0)
-        if (bs == 0 or n <= 0 or min(seq_h) != n or n > rtt.shape[1] or self.device.type != "cpu"
-                or any(min(lens) != max(lens) for lens in win_lens.values())):
-            return super()._eager_lists(batch, seq, q_pos0, seq_h, win_lens)
-        i32, i64 = dict(dtype=torch.int32, device=self.device), dict(dtype=torch.int64, device=self.device)
-        table = self._full_table(batch, n)
-        indptr = torch.arange(0, (bs + 1) * n, n, **i32)
-        zeros = self._kept_zeros(bs)
-        full = KVIndexList(indptr, table.view(-1), zeros, None, n, False, n, table)
-        windows = {}
-        for w, lens in win_lens.items():
-            wl = lens[0]  # keys [n - wl, n) of every request: window_pos0 of the equal lengths
-            wt = table.narrow(1, n - wl, wl)
-            if self.hybrid:
-                wt = self._translate_window(wt)
-                if self.debug:
-                    self._check_not_evicted(wt.view(-1), w)
-            w_indptr = indptr if wl == n else torch.arange(0, (bs + 1) * wl, wl, **i32)
-            pos0 = zeros if wl == n else torch.full((bs,), n - wl, **i64)
-            windows[w] = KVIndexList(w_indptr, wt.reshape(-1), pos0, w, wl, self.hybrid, wl, wt)
-        return full, windows
-
-    def _full_table(self, batch: ForwardBatch, n: int) -> torch.Tensor:
-        """The first n columns of the batch's req_to_token rows, [bs, n]: every full list starts at column 0, so a
-        row gather (one contiguous copy per row; 6.8x the element-wise gather at 256 x 440 on one thread)."""
-        rtt = self.req_to_token_pool.req_to_token
-        return rtt.narrow(1, 0, n).index_select(0, batch.req_pool_indices.to(torch.int64))
-
-    def _eager_list(self, batch: ForwardBatch, seq: torch.Tensor, pos0: torch.Tensor, total: int,
-                    window: Optional[int], max_len: int, min_len: int = 0) -> KVIndexList:
-        """On the CPU a list is one gather of req_to_token into a [bs, max_len] table (translated at once for
-        a window of a hybrid pool: still the list's one translation), the CSR entries its valid part; the
-        table stays on the list for the dense kernels. Tables much larger than the list (lengths far apart,
-        long contexts) take the core's CSR fill."""
-        bs = batch.batch_size
-        if bs == 0 or max_len <= 0 or bs * max_len > 2 * total + TABLE_SLACK or self.device.type != "cpu":
-            return super()._eager_list(batch, seq, pos0, total, window, max_len, min_len)
-        rtt = self.req_to_token_pool.req_to_token
-        uniform = min_len == max_len  # every request lists max_len keys: no padding, no clamping
-        col = self._columns(max_len)
-        if window is None and max_len <= rtt.shape[1]:
-            table = self._full_table(batch, max_len)
-        else:  # each request's own columns (a window's start differs per request): one gather of flat offsets,
-            # 4x faster than indexing req_to_token by (row, column) pairs at 256 x 128 on one thread
-            pos = col if window is None else pos0[:, None] + col
-            if not uniform:
-                pos = pos.clamp(max=rtt.shape[1] - 1)
-            flat = batch.req_pool_indices.to(torch.int64)[:, None] * rtt.shape[1] + pos
-            table = rtt.reshape(-1).index_select(0, flat.view(-1)).view(bs, max_len)
-        swa_slots = window is not None and self.hybrid
-        if swa_slots:
-            table = self._translate_window(table)
-        if uniform:
-            indices = table.view(-1)
-            indptr = torch.arange(0, (bs + 1) * max_len, max_len, dtype=torch.int32, device=self.device)
-        else:
-            lens = seq - pos0
-            # the table's valid part through numpy's boolean index: torch's took 10x as long at 256 x 250
-            indices = torch.from_numpy(table.numpy()[col.numpy() < lens.numpy()[:, None]])
-            indptr = cumsum_into(lens, torch.empty(bs + 1, dtype=torch.int32, device=self.device))
-        if swa_slots and self.debug:
-            self._check_not_evicted(indices, window)
-        return KVIndexList(indptr, indices, pos0, window, max_len, swa_slots, min_len, table)
 
     # ---- metadata: IPEX's slot tables, once per forward and list IPEX reads ---------------------------
     def alloc_graph_tables(self, static: StaticBuffers) -> Optional[ipex.GraphTables]:

@@ -23,6 +23,7 @@ import torch
 
 from hwkv.batch import ForwardMode
 from hwkv.backend import AttentionBackend
+from hwkv.devices import probe_torch_extension
 from hwkv.errors import ConfigError
 from hwkv.graph import EagerAdapter
 from hwkv.testing import ContractTarget
@@ -468,12 +469,24 @@ def _xpu_reason():
     return None
 
 
-def _npu_reason():
-    if importlib.util.find_spec("torch_npu") is None:
-        return "needs torch_npu and an Ascend NPU"
-    import torch_npu  # noqa: F401
+def _extension_reason(module, attr, what):
+    """Why the on-device test of a torch-extension device skips (None: it runs): not installed, no device, or an
+    installation that fails to import whatever it raises (a CANN / driver mismatch raises OSError or RuntimeError),
+    so that such a machine still collects this module's other tests."""
+    if importlib.util.find_spec(module) is None:
+        return f"needs {module} and {what}"
+    try:
+        return probe_torch_extension(module, attr)
+    except Exception as e:  # noqa: BLE001 - the reason shown in the skip
+        return f"{module} fails to import: {type(e).__name__}: {e}"
 
-    return None if torch.npu.is_available() else "torch.npu.is_available() is False"
+
+_NPU_REASON = _extension_reason("torch_npu", "npu", "an Ascend NPU")
+_MUSA_REASON = _extension_reason("torch_musa", "musa", "a Moore Threads GPU")
+
+
+def _npu_reason():
+    return _NPU_REASON
 
 
 DEVICE_GEOMETRY = ModelGeometry(num_layers=4, swa_every=2, window=24, num_heads=8, num_kv_heads=2, head_dim=128)
@@ -515,6 +528,16 @@ def test_npu_on_device(page_size):
 
     h = _device_run(NPUBackend, "npu", NPUGraphAdapter, page_size)
     assert h.backend.fused_reason is None
+
+
+@pytest.mark.musa
+@pytest.mark.skipif(_MUSA_REASON is not None, reason=str(_MUSA_REASON))
+def test_musa_on_device():
+    """The Triton kernels and MUSA graphs on a Moore Threads GPU (hwkv_cuda's backend, torch_musa's device)."""
+    from hwkv_cuda.backend import TritonBackend
+    from hwkv_cuda.graph import MUSAGraphAdapter
+
+    _device_run(TritonBackend, "musa", MUSAGraphAdapter, 16)
 
 
 @needs_interpreter
