@@ -1,5 +1,4 @@
 """Review 25 (devices): vendor packages against the project's rules and the vendors' published signatures."""
-import pytest
 import torch
 
 from hwkv.batch import ForwardMode
