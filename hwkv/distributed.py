@@ -162,7 +162,7 @@ def cp_plan(write_loc_or_num_tokens: Union[KVWriteLoc, int], local_num_tokens: O
     layers will write (recommended: without it, and without `dtype`, the default per-layer calls cannot see
     that ranks' layers, pools or K/V dtypes differ; see `cp_allgather_and_save_kv`). `device`: where the
     row travels, a present device of a type the group's backend moves (cuda for NCCL); default the write
-    locs' device, else the pool's, else CPU.
+    locs' device, else the pool's, else the first present device the backend moves (CPU where it moves any).
 
     Raises on every rank, naming the rank: ShardError when ranks disagree on the token count, the shards do
     not add up to it, or a count is outside [0, 2**63 - 1]; LocError when a rank's write_loc is neither a
@@ -265,9 +265,41 @@ def _plan(x: object, local_num_tokens: Optional[int], group: Optional["dist.Proc
                                   accept_int)
     if refusal is not None and row[0] == cpc.Fail.OK:
         row = cpc.carried_row(refusal)
-    table = _agree(row, group, device)
+    # beside the row, a checksum of this rank's write locs (computed where they are, read with the table): the
+    # ranks agree on their values, not only their count (another forward's locs of the same length saved silently)
+    # and whether this rank's pool stores the K/V dtype (once the ranks agree on it: else one rank's pool refused
+    # the gathered K/V while the others wrote theirs)
+    sums = torch.zeros(3, dtype=torch.int64, device=device)
+    sums[2] = int(not cpc.is_pool(pool) or info["dtype"] is None or _writable(pool, info["dtype"]))
+    if isinstance(x, KVWriteLoc) and row[0] == cpc.Fail.OK:
+        sums[0] = 1
+        sums[1:2] = _loc_checksum(x).to(device)
+    table = _agree(row, group, device, sums)
+    checked = [r[cpc.WIDTH:] for r in table]
+    table = [r[:cpc.WIDTH] for r in table]
     cpc.raise_first(table)
-    return _shards_from(table, rank, device, info)
+    shards = _shards_from(table, rank, device, info)
+    held = [c for has, c, _ in checked if has]
+    if len(set(held)) > 1:
+        raise ShardError(f"ranks' write locs differ in value (ranks {[i for i, c in enumerate(checked) if c[0]]} "
+                         "compared by a checksum of loc and swa_loc): every rank must write the same new tokens "
+                         "(this forward's backend.forward_metadata.write_loc)")
+    refused = [i for i, c in enumerate(checked) if not c[2]]
+    if refused:
+        raise ConfigError(f"the pools of ranks {refused} cannot store K/V of {info['dtype']} (the ranks' agreed "
+                          "dtype): give every rank a pool of one dtype")
+    return shards
+
+
+def _loc_checksum(wl: KVWriteLoc) -> torch.Tensor:
+    """A position-weighted sum of a forward's write locs (and SWA locs), int64 wrapping, on their device: equal
+    on every rank that holds the same locs; no host read."""
+    n = len(wl)
+    weight = torch.arange(1, n + 1, dtype=torch.int64, device=wl.loc.device) * 2654435761 + 1
+    total = (wl.loc.to(torch.int64) * weight).sum(0, keepdim=True)
+    if wl.swa_loc is not None:
+        total = total + (wl.swa_loc.to(torch.int64) * (weight * 3 + 7)).sum(0, keepdim=True) * 31
+    return total
 
 
 def _self_planned(pool: Pool, layer: AttentionLayer, write_loc: object, k: object, v: object,
@@ -310,8 +342,7 @@ def _plan_row(x: object, local_num_tokens: Optional[int], rank: int, world: int,
         n, has_swa = int(x), -1
     else:
         n, has_swa = None, -1
-    device, bad_device = _travel(device if device is not None else pool_device if pool_device is not None
-                                 else "cpu", group)
+    device, bad_device = _travel(device if device is not None else pool_device, group)
     pool_dtype = getattr(pool, "dtype", None)
     if dtype is None and pool is not None:
         if isinstance(pool_dtype, torch.dtype) and pool_dtype.is_floating_point and pool_dtype.itemsize > 1:
@@ -390,6 +421,14 @@ def _shards_from(table: List[List[int]], rank: int, device: torch.device, info: 
                     groups=info["groups"], check_ranks=any(r[6] for r in table), _planned=True)
 
 
+def _writable(pool: Pool, dtype: torch.dtype) -> bool:
+    """Whether every group of `pool` stores K/V of `dtype` (`kv_dtypes`; a pool that does not say is taken at its
+    word)."""
+    groups = [getattr(pool, name, None) for name in ("full_kv_pool", "swa_kv_pool")] if \
+        hasattr(pool, "layers_mapping") else [pool]
+    return all(dtype in g.kv_dtypes for g in groups if g is not None and hasattr(g, "kv_dtypes"))
+
+
 def _pool_groups(pool: Pool) -> Tuple[Optional[Dims], Optional[Dims], int]:
     """(full group's (KVH, D, Dv), SWA group's, a checksum of which layer ids are SWA), None for a group the
     pool lacks or does not describe."""
@@ -401,17 +440,26 @@ def _pool_groups(pool: Pool) -> Tuple[Optional[Dims], Optional[Dims], int]:
     return cpc.dims_of(pool), None, zlib.crc32(f"layers {getattr(pool, 'layer_num', None)}".encode())
 
 
-def _travel(wanted: Union[str, torch.device], group: Optional["dist.ProcessGroup"]
+def _travel(wanted: Union[None, str, torch.device], group: Optional["dist.ProcessGroup"]
             ) -> Tuple[torch.device, Optional[DeviceError]]:
     """Where this rank's plan row travels: `wanted` when it is a present device of a type the group's backend
     moves; else a present one that is (the DeviceError saying why not `wanted` goes in the row, so every rank
-    raises it). Only when there is none (or the backend is unknown) is it raised here, on this rank alone."""
+    raises it). Only when there is none (or the backend is unknown) is it raised here, on this rank alone.
+    `wanted` None (the caller named no device): the first present one the backend moves, CPU first, no refusal
+    (NCCL's row had been sent to the CPU, which it refuses)."""
     backend = str(dist.get_backend(group))
     kinds: Optional[List[str]] = []
     for part in backend.split(","):  # "gloo", or per device type: "cpu:gloo,cuda:nccl"
         kind, _, name = part.strip().rpartition(":")
         found = (kind,) if kind else _BACKEND_DEVICES.get(name)
         kinds = None if kinds is None or found is None else kinds + list(found)
+    if wanted is None:
+        for kind in sorted(kinds or ("cpu",), key=lambda k: k != "cpu"):
+            try:
+                return check_device(kind), None
+            except DeviceError:
+                continue
+        wanted = "cpu"
     try:
         dev = check_device(wanted)
         if kinds is not None and dev.type not in kinds:
@@ -518,9 +566,13 @@ def _rank_and_world(group: Optional["dist.ProcessGroup"]) -> Tuple[int, int]:
 
 
 
-def _agree(row: Sequence[int], group: Optional["dist.ProcessGroup"], device: torch.device) -> List[List[int]]:
-    """All-gather one int64 row per rank and read the table on the host: every rank gets the same verdict."""
+def _agree(row: Sequence[int], group: Optional["dist.ProcessGroup"], device: torch.device,
+           tail: Optional[torch.Tensor] = None) -> List[List[int]]:
+    """All-gather one int64 row per rank (and `tail`, int64 values computed on the device) and read the table on the
+    host: every rank gets the same verdict."""
     mine = torch.tensor(list(row), dtype=torch.int64, device=device)
-    table = torch.empty(dist.get_world_size(group) * len(row), dtype=torch.int64, device=device)
+    if tail is not None:
+        mine = torch.cat([mine, tail])
+    table = torch.empty(dist.get_world_size(group) * mine.numel(), dtype=torch.int64, device=device)
     _all_gather_single(table, mine, group)
-    return table.view(-1, len(row)).tolist()
+    return table.view(-1, mine.numel()).tolist()
