@@ -79,6 +79,26 @@ SCENARIOS: Dict[int, Scenario] = {
 EXPECTED_COST = {PLAN: ([1, 1], [1, 0]), SELF: ([1, 1], [2, 1]), DEBUG: ([1, 1], [2, 1]), RANK0: ([1, 1], [2, 1])}
 
 
+def allocate_batch(alloc, rtt, rows: torch.Tensor, seq: torch.Tensor, mode: ForwardMode,
+                   new_lens: Sequence[int]) -> ForwardBatch:
+    """Slots for `new_lens` new tokens after each request's `seq`, written into req_to_token; the ForwardBatch
+    (its seq_lens the lengths after it)."""
+    new = torch.tensor(list(new_lens), dtype=I64)
+    prefix, seq = seq.clone(), seq + new
+    table = rtt.req_to_token
+    last = torch.where(prefix > 0, table[rows, (prefix - 1).clamp(min=0)], -1)
+    if mode == DECODE:
+        loc = alloc.alloc_decode(seq, last, seq_lens_cpu=seq)
+    else:
+        loc = alloc.alloc_extend(prefix, seq, last, int(new.sum()), prefix_lens_cpu=prefix, seq_lens_cpu=seq)
+    start = 0
+    for row, p, n in zip(rows.tolist(), prefix.tolist(), new.tolist()):
+        rtt.write(row, p, loc[start:start + n])
+        start += n
+    return ForwardBatch(mode, len(new_lens), rows, seq, loc, extend_prefix_lens=prefix, extend_seq_lens=new,
+                        seq_lens_cpu=seq, extend_seq_lens_cpu=new)
+
+
 class Engine:
     """The README's "Use from an engine" setup on CPU: SWAKVPool + SWA allocator + ReqToTokenPool + backend."""
 
@@ -101,22 +121,9 @@ class Engine:
 
     def allocate(self, mode: ForwardMode, new_lens: Sequence[int]) -> ForwardBatch:
         """Slots for the new tokens of every request, written into req_to_token; the ForwardBatch."""
-        new = torch.tensor(list(new_lens), dtype=I64)
-        prefix, seq = self.seq.clone(), self.seq + new
-        rtt = self.rtt.req_to_token
-        last = torch.where(prefix > 0, rtt[self.rows, (prefix - 1).clamp(min=0)], -1)
-        if mode == DECODE:
-            loc = self.alloc.alloc_decode(seq, last, seq_lens_cpu=seq)
-        else:
-            loc = self.alloc.alloc_extend(prefix, seq, last, int(new.sum()), prefix_lens_cpu=prefix,
-                                          seq_lens_cpu=seq)
-        start = 0
-        for row, p, n in zip(self.rows.tolist(), prefix.tolist(), new.tolist()):
-            self.rtt.write(row, p, loc[start:start + n])
-            start += n
-        self.seq = seq
-        return ForwardBatch(mode, len(new_lens), self.rows, seq, loc, extend_prefix_lens=prefix,
-                            extend_seq_lens=new, seq_lens_cpu=seq, extend_seq_lens_cpu=new)
+        batch = allocate_batch(self.alloc, self.rtt, self.rows, self.seq, mode, new_lens)
+        self.seq = batch.seq_lens
+        return batch
 
     def release(self) -> None:
         release_out_of_window_batch(self.alloc, self.rtt.req_to_token, self.rows, self.seq, self.frontiers,

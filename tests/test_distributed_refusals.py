@@ -172,8 +172,8 @@ def _job(job: str):
     return getattr(importlib.import_module(module), name)
 
 
-def worker(rank: int, job: str, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+def worker(rank: int, world: int, job: str, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=10))   # a rank left in a collective fails in 10 s
     torch.set_num_threads(1)
     try:
@@ -187,10 +187,11 @@ def worker(rank: int, job: str, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def spawn(job: str, tmp_path: Path, deadline_s: float = 50) -> List[Dict[str, object]]:
-    """Run `job` on 2 gloo ranks; each rank's result (a rank that died or hung fails the test)."""
-    ctx = mp.start_processes(worker, args=(job, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=False,
-                             start_method="spawn")
+def spawn(job: str, tmp_path: Path, deadline_s: float = 50, world: int = 2) -> List[Dict[str, object]]:
+    """Run `job` on `world` gloo ranks (it reads its world from the group); each rank's result (a rank that died
+    or hung fails the test)."""
+    ctx = mp.start_processes(worker, args=(world, job, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
+                             join=False, start_method="spawn")
     end = time.monotonic() + deadline_s
     try:
         while not ctx.join(timeout=1):
@@ -199,7 +200,7 @@ def spawn(job: str, tmp_path: Path, deadline_s: float = 50) -> List[Dict[str, ob
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     for r in results:
         assert "crashed" not in r, r
     return results

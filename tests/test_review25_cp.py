@@ -2,18 +2,13 @@
 saw; a rank left in a collective fails within the group's 10 s timeout, a hung spawn within the deadline."""
 from __future__ import annotations
 
-import json
 import sys
-import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -49,22 +44,9 @@ class Eng:
         self.frontiers = torch.zeros(num_requests, dtype=I64)
 
     def forward(self, mode: ForwardMode, new_lens) -> Tuple[ForwardBatch, KVWriteLoc]:
-        new = torch.tensor(list(new_lens), dtype=I64)
-        prefix, seq = self.seq.clone(), self.seq + new
-        rtt = self.rtt.req_to_token
-        last = torch.where(prefix > 0, rtt[self.rows, (prefix - 1).clamp(min=0)], -1)
-        if mode == DECODE:
-            loc = self.alloc.alloc_decode(seq, last, seq_lens_cpu=seq)
-        else:
-            loc = self.alloc.alloc_extend(prefix, seq, last, int(new.sum()), prefix_lens_cpu=prefix,
-                                          seq_lens_cpu=seq)
-        start = 0
-        for row, p, n in zip(self.rows.tolist(), prefix.tolist(), new.tolist()):
-            self.rtt.write(row, p, loc[start:start + n])
-            start += n
-        self.seq = seq
-        batch = ForwardBatch(mode, len(new_lens), self.rows, seq, loc, extend_prefix_lens=prefix,
-                             extend_seq_lens=new, seq_lens_cpu=seq, extend_seq_lens_cpu=new)
+        from test_distributed import allocate_batch
+        batch = allocate_batch(self.alloc, self.rtt, self.rows, self.seq, mode, new_lens)
+        self.seq = batch.seq_lens
         return batch, self.backend.init_forward_metadata(batch).write_loc
 
     def release(self) -> None:
@@ -95,7 +77,7 @@ def raised(call: Callable[[], object]) -> Optional[List[str]]:
 
 # ---- jobs --------------------------------------------------------------------------------------------
 
-def job_pool_dtypes_differ(rank: int, world: int) -> Dict[str, object]:
+def job_pool_dtypes_differ(rank: int) -> Dict[str, object]:
     """Rank 0's pool is fp8 e4m3, rank 1's fp8 e5m2; every rank computes K/V in e4m3 (dtype=E4M3 agreed).
     Rank 1's pool refuses e4m3 K/V (a lossy cast), rank 0's takes them."""
     eng = Eng(dtype=E4M3 if rank == 0 else E5M2)
@@ -114,9 +96,10 @@ def job_pool_dtypes_differ(rank: int, world: int) -> Dict[str, object]:
     return out
 
 
-def job_loc_values_differ(rank: int, world: int) -> Dict[str, object]:
+def job_loc_values_differ(rank: int) -> Dict[str, object]:
     """Same token count on every rank, but the last rank passes the write locs of another forward (the same
     length): its pool ends up with the K/V at other slots than the others' and than one process's save."""
+    world = dist.get_world_size()
     eng = Eng()
     _, wl = eng.forward(EXTEND, (5, 4, 3))
     _, wl2 = eng.forward(EXTEND, (5, 4, 3))
@@ -127,9 +110,10 @@ def job_loc_values_differ(rank: int, world: int) -> Dict[str, object]:
     return out
 
 
-def job_edges(rank: int, world: int) -> Dict[str, object]:
+def job_edges(rank: int) -> Dict[str, object]:
     """Uneven splits, empty shards, single tokens, windows across rank boundaries and larger than the context,
     page sizes 1 and 4, fp8 pools with scales: every rank's pools equal one process's saves."""
+    world = dist.get_world_size()
     results = []
     cases = [(1, 4, torch.float32, None), (4, 6, torch.float32, None), (1, 64, torch.float32, None),
              (4, 3, E4M3, 0.5), (2, 5, torch.bfloat16, None)]
@@ -156,38 +140,11 @@ def job_edges(rank: int, world: int) -> Dict[str, object]:
     return {"results": results}
 
 
-# ---- spawning ----------------------------------------------------------------------------------------
-
-def worker(rank: int, world: int, job: str, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=10))
-    torch.set_num_threads(1)
-    try:
-        result = globals()[job](rank, world)
-    except BaseException as e:  # noqa: BLE001
-        result = {"crashed": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result, default=str))
-    try:
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
+# ---- spawning: test_distributed_refusals' ranks, each job by 'module:function' -------------------------------
 
 def spawn(job: str, tmp_path: Path, world: int = 2, deadline_s: float = 60) -> List[Dict[str, object]]:
-    ctx = mp.start_processes(worker, args=(world, job, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
-                             join=False, start_method="spawn")
-    end = time.monotonic() + deadline_s
-    try:
-        while not ctx.join(timeout=1):
-            assert time.monotonic() < end, f"{job}: ranks still running after {deadline_s} s"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
-    for r in results:
-        assert "crashed" not in r, r
-    return results
+    from test_distributed_refusals import spawn as spawn_ranks
+    return spawn_ranks(f"test_review25_cp:{job}", tmp_path, deadline_s, world)
 
 
 # ---- tests -------------------------------------------------------------------------------------------
