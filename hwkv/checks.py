@@ -162,27 +162,36 @@ def check_loc(name: str, loc: torch.Tensor, limit: int, device: torch.device, lo
             raise LocError(f"{name} holds values in [{lo}, {hi}], allowed range is [{low}, {limit})")
 
 
-def check_rows(req_pool_indices: torch.Tensor, rows: int) -> None:
+def check_rows(req_pool_indices: torch.Tensor, rows: int, distinct: Optional[str] = None,
+               repeat_error: type = LocError) -> None:
     """Request rows inside a ReqToTokenPool of `rows` rows (LocError), read where values are checkable (CPU; elsewhere
-    only with HWKV_DEBUG, never while capturing): the one row check of the metadata steps and the draft accept."""
-    if req_pool_indices.numel() and values_checkable(req_pool_indices):
-        lo, hi = value_range(req_pool_indices)
-        if lo < 0 or hi >= rows:
-            raise LocError(f"req_pool_indices hold values in [{lo}, {hi}], allowed range is [0, {rows}) (the "
-                           "ReqToTokenPool's rows)")
-
-
-def check_distinct_rows(req_pool_indices: torch.Tensor, what: str, error: type = LocError) -> None:
-    """`error` where one request row is named twice in one op (`what` says which op and why that breaks it), read
-    where values are checkable as `check_rows` reads them: one sort, no Python per row."""
-    if req_pool_indices.numel() < 2 or not values_checkable(req_pool_indices):
+    only with HWKV_DEBUG, never while capturing): the one row check of the metadata steps and the draft accept.
+    `distinct`: an op that takes each request once (its words end the message): a row named twice is a
+    `repeat_error` too, found in the same read (a set of the host list; above SMALL entries one sort, which gives
+    the range as well)."""
+    n = req_pool_indices.numel()
+    if not n or not values_checkable(req_pool_indices):
         return
-    a = req_pool_indices.reshape(-1).cpu().numpy()
-    order = np.argsort(a, kind="stable")
-    same = np.flatnonzero(a[order][1:] == a[order][:-1])
-    if same.size:
-        i, j = sorted((int(order[same[0]]), int(order[same[0] + 1])))
-        raise error(f"req_pool_indices name request row {int(a[i])} twice (entries {i} and {j}): {what}")
+    repeat = False
+    if n <= SMALL:
+        vals = req_pool_indices.reshape(-1).tolist()
+        lo, hi = min(vals), max(vals)
+        repeat = distinct is not None and len(set(vals)) != n
+    elif distinct is None:
+        lo, hi = value_range(req_pool_indices)
+    else:
+        ordered = np.sort(req_pool_indices.reshape(-1).cpu().numpy())
+        lo, hi = int(ordered[0]), int(ordered[-1])
+        repeat = bool((ordered[1:] == ordered[:-1]).any())
+    if lo < 0 or hi >= rows:
+        raise LocError(f"req_pool_indices hold values in [{lo}, {hi}], allowed range is [0, {rows}) (the "
+                       "ReqToTokenPool's rows)")
+    if repeat:  # refused: name the first repeated row's two entries
+        a = req_pool_indices.reshape(-1).cpu().numpy()
+        order = np.argsort(a, kind="stable")
+        first = int(np.flatnonzero(a[order][1:] == a[order][:-1])[0])
+        i, j = sorted((int(order[first]), int(order[first + 1])))
+        raise repeat_error(f"req_pool_indices name request row {int(a[i])} twice (entries {i} and {j}): {distinct}")
 
 
 def check_shape(name: str, t: torch.Tensor, expected: Sequence[Optional[int]]) -> None:

@@ -269,22 +269,21 @@ def _plan(x: object, local_num_tokens: Optional[int], group: Optional["dist.Proc
     # ranks agree on their values, not only their count (another forward's locs of the same length saved silently)
     # and whether this rank's pool stores the K/V dtype (once the ranks agree on it: else one rank's pool refused
     # the gathered K/V while the others wrote theirs)
-    sums = torch.zeros(3, dtype=torch.int64, device=device)
-    sums[2] = int(not cpc.is_pool(pool) or info["dtype"] is None or _writable(pool, info["dtype"]))
-    if isinstance(x, KVWriteLoc) and row[0] == cpc.Fail.OK:
-        sums[0] = 1
-        sums[1:2] = _loc_checksum(x).to(device)
-    table = _agree(row, group, device, sums)
-    checked = [r[cpc.WIDTH:] for r in table]
+    has = isinstance(x, KVWriteLoc) and row[0] == cpc.Fail.OK
+    writes = not cpc.is_pool(pool) or info["dtype"] is None or _writable(pool, info["dtype"])
+    # (host values in the row's one copy; the checksum joins it on the device, a 0 where this rank has no locs)
+    table = _agree([*row, int(has), int(writes)] + ([] if has else [0]), group, device,
+                   _loc_checksum(x).to(device) if has else None)
+    checked = [r[cpc.WIDTH:] for r in table]  # (has locs, pool takes the dtype, checksum)
     table = [r[:cpc.WIDTH] for r in table]
     cpc.raise_first(table)
     shards = _shards_from(table, rank, device, info)
-    held = [c for has, c, _ in checked if has]
+    held = [c for h, _, c in checked if h]
     if len(set(held)) > 1:
         raise ShardError(f"ranks' write locs differ in value (ranks {[i for i, c in enumerate(checked) if c[0]]} "
                          "compared by a checksum of loc and swa_loc): every rank must write the same new tokens "
                          "(this forward's backend.forward_metadata.write_loc)")
-    refused = [i for i, c in enumerate(checked) if not c[2]]
+    refused = [i for i, c in enumerate(checked) if not c[1]]
     if refused:
         raise ConfigError(f"the pools of ranks {refused} cannot store K/V of {info['dtype']} (the ranks' agreed "
                           "dtype): give every rank a pool of one dtype")
@@ -568,11 +567,12 @@ def _rank_and_world(group: Optional["dist.ProcessGroup"]) -> Tuple[int, int]:
 
 def _agree(row: Sequence[int], group: Optional["dist.ProcessGroup"], device: torch.device,
            tail: Optional[torch.Tensor] = None) -> List[List[int]]:
-    """All-gather one int64 row per rank (and `tail`, int64 values computed on the device) and read the table on the
-    host: every rank gets the same verdict."""
-    mine = torch.tensor(list(row), dtype=torch.int64, device=device)
-    if tail is not None:
-        mine = torch.cat([mine, tail])
+    """All-gather one int64 row per rank and read the table on the host: every rank gets the same verdict. `tail`:
+    int64 values computed on the device, appended to the row (every rank's row must be as wide)."""
+    if tail is None:
+        mine = torch.tensor(list(row), dtype=torch.int64, device=device)
+    else:
+        mine = torch.cat([torch.tensor(list(row), dtype=torch.int64, device=device), tail])
     table = torch.empty(dist.get_world_size(group) * mine.numel(), dtype=torch.int64, device=device)
     _all_gather_single(table, mine, group)
     return table.view(-1, mine.numel()).tolist()

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from hwkv import ops
-from hwkv.checks import as_int, check_distinct_rows, check_rows, check_shape, values_checkable
+from hwkv.checks import as_int, check_rows, check_shape, values_checkable
 from hwkv.errors import CapacityError, DoubleFreeError, ShapeError
 from hwkv.metadata import KVIndexList, cumsum_into
 from hwkv.pages import ERR_ACCEPT_INDEX, ERR_ACCEPTED
@@ -417,9 +417,8 @@ def _check_accept_args(req_to_token: torch.Tensor, req_pool_indices: torch.Tenso
     if int((pre_cpu + n).max()) > req_to_token.shape[1]:
         raise ShapeError(f"drafts reach position {int((pre_cpu + n).max())}, past max_context_len "
                          f"{req_to_token.shape[1]}")
-    check_rows(req_pool_indices, req_to_token.shape[0])
     # one row named twice: the second entry frees what the first keeps and leaves a hole in the row
-    check_distinct_rows(req_pool_indices, "an accept takes each request once", ShapeError)
+    check_rows(req_pool_indices, req_to_token.shape[0], "an accept takes each request once", ShapeError)
     return bs, n, pre_cpu, acc_cpu
 
 

@@ -27,7 +27,7 @@ import torch
 from hwkv import ops
 from hwkv.release import release_out_of_window_batch
 from hwkv.batch import ForwardBatch, ForwardMode
-from hwkv.checks import as_int, check_distinct_rows, check_int_dtype, check_rows, release_window
+from hwkv.checks import as_int, check_int_dtype, check_rows, release_window
 from hwkv.draft import DraftReplay, check_draft_steps
 from hwkv.errors import ConfigError, LocError, ShapeError
 from hwkv.graph import EagerAdapter, GraphAdapter, GraphRunner, ModelFn, _Captured
@@ -303,8 +303,7 @@ class DecodeStepGraph(GraphRunner):
         always (free); rows on the device only where their values are checkable (debug mode: a read is a sync). A row
         named twice is refused the same way (its two tokens would take one slot, or two pages one of which nobody
         holds)."""
-        check_rows(rows, self.rtt.shape[0])
-        check_distinct_rows(rows, f"a {self._WHAT} step takes each request once")
+        check_rows(rows, self.rtt.shape[0], f"a {self._WHAT} step takes each request once")
         return rows.numpy() if rows.is_cpu else None
 
     def _check_step_inputs(self, inputs: Dict[str, torch.Tensor], bs: int,
