@@ -2,7 +2,7 @@
 
     python3 benchmarks/bench_cuda_kernels.py --out results.json [--sweep] [--no-check]
         [--layout random|contiguous] [--page-size 16] [--seed 0] [--only all|extend|decode|tree]
-        [--decode-config field=value,... [--rounds N]]
+        [--decode-config field=value,... [--rounds N]] [--decode-cells BxC[xW],...]
 
 Measures, each as the median over repeats of a CUDA graph replay:
   * device copy bandwidth (4 GiB device-to-device copy, bytes read + written),
@@ -267,6 +267,22 @@ DECODE_CASES = ([(b, c, None, False) for c in (4096, 32768) for b in (1, 16, 64,
                 + [(1, 32768, 128, False), (256, 32768, 128, False), (64, 4096, None, True)])  # (bs, ctx, W, scatter)
 
 
+def parse_decode_cells(spec):
+    """--decode-cells BxC[xW],...: (batch, context, window or None, False) cases; ValueError naming the bad item."""
+    cases = []
+    for item in spec.split(","):
+        parts = item.strip().lower().split("x")
+        try:
+            nums = [int(p) for p in parts]
+        except ValueError:
+            nums = []
+        if len(nums) not in (2, 3) or min(nums) < 1:
+            raise ValueError(f"--decode-cells {spec!r}: {item.strip()!r} is not BATCHxCONTEXT[xWINDOW] "
+                             "of integers >= 1")
+        cases.append((nums[0], nums[1], nums[2] if len(nums) == 3 else None, False))
+    return cases
+
+
 def parse_fields(flag, spec, body, defaults, zero_ok=()):
     """`field=value,...` (body) over a config's fields (`defaults`: each field's default, whose type it takes: 1, 0,
     true or false for bools, integers >= 1 otherwise, >= 0 for the fields in zero_ok); ValueError naming the flag,
@@ -349,9 +365,9 @@ def variant_cell(v, row):
     return f"{v['us']:.1f} us against {row['variants_dispatched_us']:.1f} ({v['vs_dispatched']:.3f}x)"
 
 
-def bench_decode(copy_bw, sweep, layout="random", page=16, seed=0, changes=(), rounds=3):
+def bench_decode(copy_bw, sweep, layout="random", page=16, seed=0, changes=(), rounds=3, cases=DECODE_CASES):
     rows = []
-    for bs, ctx, window, scatter in DECODE_CASES:
+    for bs, ctx, window, scatter in cases:
         s = DecodeSetup(bs, ctx, window, scatter=scatter, layout=layout, page=page, seed=seed)
         us, splits = s.time()
         fused_us, merge_kernel_us = s.time_merges()
@@ -769,12 +785,23 @@ def parse_args(argv=None):
     ap.add_argument("--decode-config", action="append", metavar="SPEC",
                     help="also time each decode case with these DecodeConfig fields changed (field=value,...; "
                          "repeatable), beside its dispatched config")
+    ap.add_argument("--decode-cells", metavar="BxC[xW],...",
+                    help="time these decode cells (batch x context [x window]) in place of the recorded ones, e.g. "
+                         "8x4096,32x4096,1x32768x128")
     ap.add_argument("--rounds", type=int, default=3, help="--decode-config: interleaved rounds (median reported)")
     args = ap.parse_args(argv)
     if args.page_size < 1:
         ap.error("--page-size must be at least 1")
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    args.decode_cases = DECODE_CASES
+    if args.decode_cells is not None:
+        if args.only not in ("all", "decode"):
+            ap.error(f"--decode-cells with --only {args.only}: the decode section does not run")
+        try:
+            args.decode_cases = parse_decode_cells(args.decode_cells)
+        except ValueError as e:
+            ap.error(str(e))
     args.decode_changes = []
     for spec in args.decode_config or ():
         if args.only not in ("all", "decode"):
@@ -793,8 +820,9 @@ def main():
     torch.manual_seed(args.seed)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layout": args.layout,
               "page_size": args.page_size, "seed": args.seed, "peak_bf16_tflops": H200_BF16_TFLOPS,
-              "decode_configs": {n: repr(getattr(decode_mod, n)) for n in ("GPU_CONFIG", "WIDE_CONFIG", "LONG_CONFIG",
-                                                                                "WIDE_LONG_CONFIG", "ROWS_CONFIG")}}
+              "decode_configs": {n: repr(getattr(decode_mod, n))
+                                 for n in ("GPU_CONFIG", "MID_CONFIG", "WIDE_CONFIG", "LONG_CONFIG", "LONG_FEW_CONFIG",
+                                           "WIDE_LONG_CONFIG", "ROWS_CONFIG")}}
     import triton
     result["triton"] = triton.__version__
     if not args.no_check:
@@ -810,7 +838,7 @@ def main():
     if args.only in ("all", "decode"):
         result["store"] = bench_store(copy_bw, args.sweep)
         result["decode"] = bench_decode(copy_bw, args.sweep, args.layout, args.page_size, args.seed,
-                                        args.decode_changes, args.rounds)
+                                        args.decode_changes, args.rounds, args.decode_cases)
     Path(args.out).write_text(json.dumps(result, indent=1))
     if "extend" in result:
         print(extend_table(result["extend"]))

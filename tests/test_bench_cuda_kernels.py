@@ -149,6 +149,20 @@ def test_decode_config_specs_parse_or_are_refused_before_any_device_time(bench):
             bench.parse_args(bad)
 
 
+def test_decode_cells_replace_the_recorded_cases(bench):
+    """--decode-cells BxC[xW],...: the decode cases timed instead of the recorded ones; a bad item is a usage error."""
+    assert bench.parse_args([]).decode_cases == bench.DECODE_CASES
+    a = bench.parse_args(["--only", "decode", "--decode-cells", "8x4096, 32X4096,1x32768x128"])
+    assert a.decode_cases == [(8, 4096, None, False), (32, 4096, None, False), (1, 32768, 128, False)]
+    for bad, why in [("8x", "'8x' is not"), ("8x4096,", "'' is not"), ("0x4096", "'0x4096'"), ("4x4x4x4", "4x4x4x4"),
+                     ("ax4", "'ax4'")]:
+        with pytest.raises(ValueError, match=why):
+            bench.parse_decode_cells(bad)
+    for bad in (["--decode-cells", "8x"], ["--only", "extend", "--decode-cells", "8x4096"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
 def test_decode_variants_are_timed_in_interleaved_rounds_beside_the_dispatched_config(bench):
     """time_variants: each round times the dispatched config, then every variant; medians and the ratio to the
     dispatched config's; a variant that fails is a result row and the others still run."""

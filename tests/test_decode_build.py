@@ -24,7 +24,11 @@ PLANS = {"wide": (dec.WIDE_CONFIG, 1, False, 4096), "long": (dec.LONG_CONFIG, 64
          "long_64bit": (dec.LONG_CONFIG, 64, False, 32768, 1 << 31),
          # slots loaded a tile ahead (DecodeConfig.slots_ahead)
          "fused_ahead": (dataclasses.replace(dec.GPU_CONFIG, slots_ahead=True), 5, True, 4096),
-         "long_ahead": (dataclasses.replace(dec.LONG_CONFIG, slots_ahead=True, num_stages=3), 64, False, 32768)}
+         "long_ahead": (dataclasses.replace(dec.LONG_CONFIG, slots_ahead=True, num_stages=3), 64, False, 32768),
+         # the middle batches' one even wave (16 x 4K: 2 splits merged in place; 32 x 4K: one) and small batches over
+         # long lists with their splits rounded down (16 x 32K: 4 splits)
+         "mid": (dec.MID_CONFIG, 2, True, 4096), "mid_direct": (dec.MID_CONFIG, 1, False, 4096),
+         "long_few": (dec.LONG_FEW_CONFIG, 4, True, 32768)}
 
 
 @pytest.mark.skipif(_build_reason() is not None, reason=str(_build_reason()))

@@ -342,3 +342,19 @@ def test_the_whole_row_configs_match_the_reference(name, window):
     _close(one, c.ref(0.0, sinks), torch.float32)
     cfgs = [dataclasses.replace(cfg, fused_merge_bytes=b) for b in (1 << 40, 0)]
     _close(both(c, 3, *cfgs, sinks=sinks), c.ref(0.0, sinks), torch.float32)
+
+
+@pytest.mark.parametrize("name,window", [("MID_CONFIG", None), ("MID_CONFIG", 37), ("LONG_FEW_CONFIG", 37)])
+def test_the_even_wave_configs_match_the_reference(name, window):
+    """The middle batches' config (one head, 128-key tiles read a tile ahead) and the small batches' over long lists
+    (two heads), each with its splits rounded down, as recorded on a GPT-OSS-shaped layer: one split, and two merged
+    either way."""
+    cfg = getattr(dec, name)
+    assert cfg.fill_down
+    c = Case([70, 300, 131], [1, 1, 1], h=64, kvh=8, d=64, window=window, seed=43)
+    sinks = _sinks(64)
+    one, plan = run(c, cfg, 1, sinks=sinks)
+    assert plan.split_consts["AHEAD"] == cfg.slots_ahead
+    _close(one, c.ref(0.0, sinks), torch.float32)
+    cfgs = [dataclasses.replace(cfg, fused_merge_bytes=b) for b in (1 << 40, 0)]
+    _close(both(c, 2, *cfgs, sinks=sinks), c.ref(0.0, sinks), torch.float32)

@@ -10,6 +10,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import dataclasses  # noqa: E402
 import math  # noqa: E402
 
 import pytest  # noqa: E402
@@ -288,13 +289,25 @@ def test_decode_config_by_batch_and_list_length(monkeypatch):
     assert dec.decode_config(256, 2, 64, 32768, cpu) == dec.WIDE_CONFIG   # ... over long lists too
     assert dec.ROWS_CONFIG.kv_heads_per_program(8, 64) == 8 and dec.WIDE_LONG_CONFIG.kv_heads_per_program(8, 64) == 4
     assert dec.decode_config(1, 8, 64, 128, cpu) == dec.GPU_CONFIG        # window lists, batch 1
-    assert dec.decode_config(16, 8, 64, 32768, cpu) == dec.LONG_CONFIG
-    assert dec.decode_config(16, 8, 64, None, cpu) == dec.LONG_CONFIG
-    assert dec.decode_config(16, 8, 64, 4096, cpu) == dec.GPU_CONFIG
+    assert dec.decode_config(16, 8, 64, 32768, cpu) == dec.LONG_FEW_CONFIG  # small batches, long lists: splits down
+    assert dec.decode_config(16, 8, 64, None, cpu) == dec.LONG_FEW_CONFIG
+    assert dec.decode_num_splits(16, 8, 32768, cpu, head_dim=64) == 4      # 256 programs, not 5 x 64
+    assert dec.decode_num_splits(1, 8, 32768, cpu, head_dim=64) == 64      # capped as before
+    for b in (3, 4, 16, 32):                                              # middle batches: one even wave
+        assert dec.decode_config(b, 8, 64, 4096, cpu) == dec.MID_CONFIG
+    assert dec.decode_num_splits(16, 8, 4096, cpu, head_dim=64) == 2       # 2 x 128 programs
+    assert dec.decode_num_splits(32, 8, 4096, cpu, head_dim=64) == 1       # 256 programs, one split
+    assert dec.decode_config(2, 8, 64, 4096, cpu) == dec.GPU_CONFIG        # under an eighth of a program an SM
+    assert dec.decode_config(1, 8, 64, 4096, cpu) == dec.GPU_CONFIG
+    assert dec.decode_num_splits(1, 8, 4096, cpu, head_dim=64) == 32
     assert dec.decode_config(256, 8, 128, 4096, cpu) == dec.GPU_CONFIG    # a 2-head row is too wide
     assert dec.decode_config(256, 1, 64, 4096, cpu) == dec.GPU_CONFIG     # one kv head
     assert dec.decode_num_splits(64, 8, 4096, cpu, head_dim=64) == 1      # one program per SM already
     assert dec.decode_num_splits(64, 8, 4096, cpu) == 2                   # no head dim: one kv head per program
+    down = dataclasses.replace(dec.GPU_CONFIG, ctas_per_sm=2, fill_down=True)   # splits rounded down: one even wave
+    assert dec.decode_num_splits(16, 8, 4096, cpu, down, head_dim=64) == 2     # 256 programs, not 3 x 128
+    assert dec.decode_num_splits(16, 8, 4096, cpu, dataclasses.replace(down, fill_down=False), head_dim=64) == 3
+    assert dec.decode_num_splits(300, 8, 4096, cpu, down, head_dim=64) == 1    # never below one split
     monkeypatch.setattr(dec, "interpreting", lambda: True)
     assert dec.decode_config(256, 8, 64, 4096, cpu) == dec.INTERPRET_CONFIG
 

@@ -30,7 +30,7 @@ key rows of 8 heads (1 KiB, a page of 16 tokens one 16 KiB run) took batch 256 1
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
@@ -89,6 +89,10 @@ class DecodeConfig:
     # the K/V gathers load with L2's evict-first hint: each key is read once a step, so the hint leaves L2 to the
     # lists, the query and the partials that are read again
     evict_first: bool = False
+    # splits rounded down rather than up, so the programs never exceed ctas_per_sm x SMs: one even wave of at most
+    # ctas_per_sm programs an SM, where rounding up leaves a partial second wave or SMs holding one more program
+    # than the rest (16 x 4K at one kv head a program: 2 splits of 128 programs, not 3)
+    fill_down: bool = False
 
     def kv_heads_per_program(self, num_kv_heads: int, head_dim: int) -> int:
         """KV heads per program: at most heads_per_program, a power of two dividing num_kv_heads, and no wider than
@@ -128,6 +132,16 @@ ROWS_CONFIG = DecodeConfig(block_n=32, mid_block_n=32, num_stages=3, ctas_per_sm
 # has) measured 4-9% slower than WIDE_CONFIG's two-head tile, so such models keep WIDE_CONFIG
 WIDE_LONG_CONFIG = DecodeConfig(block_n=64, mid_block_n=64, num_stages=3, ctas_per_sm=1, heads_per_program=4,
                                 batched_heads=True)
+# Middle batches of one-head programs (over an eighth of a program an SM, short of WIDE_CONFIG's batches): 128-key
+# tiles read a tile ahead, splits rounded down to at most two programs an SM. H100, random pages, interleaved rounds
+# (us, against GPU_CONFIG's 3-17 splits): 4 x 4K 18.5 against 19.0, 8 x 4K 29.9 against 32.7, 16 x 4K 52.0 against
+# 53.6, 32 x 4K 95.9 against 112.1 (cuDNN 17.3, 28.6, 49.9 and 92.3 there), 16 x 16K 185.9 against 191.3; at 1 x 4K
+# the tile ahead cost 5%
+MID_CONFIG = DecodeConfig(block_n=128, mid_block_n=128, num_stages=3, ctas_per_sm=2, slots_ahead=True,
+                          fill_down=True)
+# ... and LONG_CONFIG's split count rounded down at small batches over long lists: 8 x 32K 186.4 against 195.0 (8
+# splits, not 9), 16 x 32K 359.4 against 374.0 (4, not 5), 4 x 32K 97.8 against 98.6, 1 x 32K unchanged (64)
+LONG_FEW_CONFIG = replace(LONG_CONFIG, fill_down=True)
 SHORT_LIST = 512    # lists at most this long (window layers) take LONG_CONFIG's two stages when wide (not ROWS-wide)
 LONG_LIST = 16384   # lists at least this long (or of unknown length): LONG_CONFIG at small batches, else WIDE_LONG
 INTERPRET_CONFIG = DecodeConfig(block_n=16, mid_block_n=16, num_warps=1, num_stages=1, ctas_per_sm=2,
@@ -139,7 +153,8 @@ def decode_config(batch: int, num_kv_heads: int, head_dim: int, max_kv_len: Opti
     """The recorded config for this shape: whole key rows (ROWS_CONFIG) where a program of 4-8 kv heads a batch still
     fills every SM; two kv heads per program where the head dim allows it and the batch makes at least one program
     per SM (three stages, one split; two stages for short lists; four heads of 64-key tiles for long lists) or the
-    lists are long; otherwise GPU_CONFIG. Host ints only: decided once per plan."""
+    lists are long (LONG_FEW_CONFIG); one head a program otherwise, MID_CONFIG's one even wave from an eighth of a
+    program an SM, else GPU_CONFIG. Host ints only: decided once per plan."""
     if interpreting():
         return INTERPRET_CONFIG
     if not hopper_class(torch.device(device)) or WIDE_CONFIG.kv_heads_per_program(num_kv_heads, head_dim) < 2:
@@ -153,7 +168,9 @@ def decode_config(batch: int, num_kv_heads: int, head_dim: int, max_kv_len: Opti
     if batch * num_kv_heads // 2 >= sms:
         quad = WIDE_LONG_CONFIG.kv_heads_per_program(num_kv_heads, head_dim) >= 4
         return LONG_CONFIG if short else WIDE_LONG_CONFIG if long and quad else WIDE_CONFIG
-    return LONG_CONFIG if long else GPU_CONFIG
+    if long:
+        return LONG_FEW_CONFIG
+    return MID_CONFIG if 8 * batch * num_kv_heads > sms else GPU_CONFIG
 
 
 class DecodeWorkspace(NamedTuple):
@@ -187,7 +204,8 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_kv_len: Optional[int],
         cfg = config or decode_config(batch, num_kv_heads, head_dim, max_kv_len, device)
         hpp = cfg.kv_heads_per_program(num_kv_heads, head_dim)
     programs = batch * (num_kv_heads // hpp)
-    want = cdiv(cfg.ctas_per_sm * num_sms(torch.device(device)), max(1, programs))
+    slots = cfg.ctas_per_sm * num_sms(torch.device(device))
+    want = slots // max(1, programs) if cfg.fill_down else cdiv(slots, max(1, programs))
     if max_kv_len is not None:
         want = min(want, cdiv(max(int(max_kv_len), 1), cfg.min_keys_per_split))
     return max(1, min(want, cfg.max_splits))
