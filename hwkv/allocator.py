@@ -563,13 +563,14 @@ class PagedTokenToKVPoolAllocator:
         mapping[(fp[gone, None] * p + np.arange(p)).reshape(-1)] = 0
         _push_on_host(swa, sp[gone])
 
-    def check_share(self, loc: torch.Tensor, with_swa: bool = True) -> None:
+    def check_share(self, loc: torch.Tensor, with_swa: bool = True, *, host_too: bool = False) -> None:
         """Raise what `share(loc, with_swa)` would refuse, changing nothing: for a share taken in several calls,
-        checked whole before the first (CPU, HWKV_DEBUG=1; with deferred checks the device op records it). A loc
-        whose page is not live is named as such (NotAllocatedError `loc ... is not live`), where `share` itself
-        still raises the free's DoubleFreeError."""
+        checked whole before the first (CPU, HWKV_DEBUG=1; with deferred checks the device op records it, unless
+        `host_too` and the pool is on the CPU, where the check waits for nothing). A loc whose page is not live is
+        named as such (NotAllocatedError `loc ... is not live`), where `share` itself still raises the free's
+        DoubleFreeError."""
         loc = _check_loc_tensor(loc)
-        if self.immediate and loc.numel():
+        if (self.immediate or (host_too and self.device.type == "cpu")) and loc.numel():
             self._check_free(loc, swa_required=with_swa and self._swa is not None, sharing=True, not_live=True)
 
     def _check_free(self, loc: torch.Tensor, swa_required: bool, sharing: bool = False,

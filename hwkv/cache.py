@@ -405,13 +405,15 @@ class HybridPrefixCache:
 
     def _precheck(self, full: torch.Tensor, swa: torch.Tensor, swa_start: int) -> None:
         """The allocator's checks of the pages an insert or acquire will share, all before the first share
-        (`check_share`: CPU and debug mode; on accelerators the device op records a problem instead)."""
+        (`check_share`: CPU, deferred checks included, since the tree must not keep what a share refused; debug
+        mode; on accelerators with deferred checks the device op records a problem instead: a host check would
+        wait for the device)."""
         a = self.allocator
-        if not a.immediate:
+        if not (a.immediate or a.device.type == "cpu"):
             return
-        a.check_share(torch.cat([full.reshape(-1), swa.reshape(-1)]), with_swa=False)  # every page live
+        a.check_share(torch.cat([full.reshape(-1), swa.reshape(-1)]), with_swa=False, host_too=True)  # all live
         try:
-            a.check_share(swa, with_swa=True)
+            a.check_share(swa, with_swa=True, host_too=True)
         except NotAllocatedError as e:  # live, so its SWA is what is missing: the caller's frontier is wrong
             raise LocError(f"{e}; it lies at or after swa_start {swa_start}: pass the request's release "
                            "frontier") from None

@@ -33,6 +33,7 @@ ERR_NONE, ERR_DOUBLE_FREE, ERR_NEVER, ERR_RANGE, ERR_SWA_RELEASED, ERR_CONT_RELE
 ERR_ACCEPT_INDEX, ERR_ACCEPTED = 6, 7  # accept_draft_tokens: a draft named twice / out of range; applied twice
 ERR_SWA_HELD = 8  # free(with_swa=False) left an SWA page as many holders as its full page
 ERR_CLAIM = 9  # an allocation from reserve()'s claim needed more pages than it claimed (page: the first request short)
+ERR_FRONTIER = 10  # a release's frontier negative or off the page grid (page: the request row; its release skipped)
 
 # error key: [op: 26 bits, earlier = larger][CODE_TOP - code: 4 bits (codes 1..15)][page: 33 bits, lower = larger]
 PAGE_BITS, CODE_SHIFT, OP_SHIFT = 33, 33, 37
@@ -233,6 +234,9 @@ def error_for(code: int, page: int, page_size: int, pool: str) -> HwkvError:
         return LocError(f"request {page} of an allocation from reserve()'s claim needed pages past the claim: "
                                "its tokens there took the padding slot 0 (their K/V are lost; the pool is intact): "
                                "reserve() the pages the step opens (the device's lengths must be the host's)")
+    if code == ERR_FRONTIER:
+        return LocError(f"request row {page}'s release frontier is negative or not a multiple of page_size "
+                        f"{page_size}: its release was skipped (frontier unchanged)")
     return HwkvError(f"{pool} allocator recorded unknown error code {code} (page {page})")
 
 

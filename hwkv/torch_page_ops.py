@@ -8,8 +8,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from hwkv.pages import (ERR_CLAIM, ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_RANGE, ERR_SWA_HELD,
-                        ERR_SWA_RELEASED, NEVER, PAGE_LO, PageRing, code_key, op_key)
+from hwkv.pages import (ERR_CLAIM, ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_FRONTIER, ERR_NEVER, ERR_RANGE,
+                        ERR_SWA_HELD, ERR_SWA_RELEASED, NEVER, PAGE_LO, PageRing, code_key, op_key)
 
 I64 = torch.int64
 
@@ -162,8 +162,11 @@ class TorchPageOps:
     def release_window(full: PageRing, swa: PageRing, mapping: torch.Tensor, req_to_token: torch.Tensor,
                        rows: torch.Tensor, seq: torch.Tensor, frontiers: torch.Tensor, window: int) -> None:
         p = full.page_size
+        off = (frontiers < 0) | (torch.remainder(frontiers, p) != 0)  # recorded, and that row releases nothing
+        _record(full, off, rows.to(I64), ERR_FRONTIER)
         dead = seq.to(I64) - window + 1
         new_f = torch.maximum(frontiers, (torch.div(dead, p, rounding_mode="floor") * p - p).clamp(min=0))
+        new_f = torch.where(off, frontiers, new_f)
         cnt = torch.div(new_f - frontiers, p, rounding_mode="floor")
         total = int(cnt.sum())  # free on CPU; one host read on a device without release kernels
         if total:

@@ -40,24 +40,25 @@ class EnginePrefix:
             return False
         m = c.match_prefix(req.prompt[:-1])
         held = c.lock(m)
-        need = (self.scheduler.full_pages_left() + req.full_pages) * p - m.length
-        free, evictable = a.full_available_size(), c.evictable_full  # the one device read of an admission
-        if need > free + evictable:
-            c.unlock(held)
-            self.refused_at = state
-            return False
-        # what the cache evicts now is not all free later: the prefilling requests' caching (this one's too) may
-        # lock cached history as second copies, up to their `stale` bounds. Where the worst case does not fit
-        # without those, make the room now (with the match locked): the free slots alone then hold it
-        stale = self.stale_bound(req, m.length)
-        if need > free + max(0, evictable - self.scheduler.stale - stale):
-            self.evict(0, need - free)
-        row = self.cache.rtt.alloc(1)[0]
-        try:
-            req.lock, frontier = c.acquire(m, self.cache.rtt, row)
-        except BaseException:
-            self.cache.rtt.free([row])
-            raise
+        try:   # every way out unlocks the match: a refusal, an error the device read raises (a deferred check's
+            # record), an eviction's or the acquire's (whose own references hold the nodes once it returns)
+            need = (self.scheduler.full_pages_left() + req.full_pages) * p - m.length
+            free, evictable = a.full_available_size(), c.evictable_full  # the one device read of an admission
+            if need > free + evictable:
+                self.refused_at = state
+                return False
+            # what the cache evicts now is not all free later: the prefilling requests' caching (this one's too)
+            # may lock cached history as second copies, up to their `stale` bounds. Where the worst case does not
+            # fit without those, make the room now (with the match locked): the free slots alone then hold it
+            stale = self.stale_bound(req, m.length)
+            if need > free + max(0, evictable - self.scheduler.stale - stale):
+                self.evict(0, need - free)
+            row = self.cache.rtt.alloc(1)[0]
+            try:
+                req.lock, frontier = c.acquire(m, self.cache.rtt, row)
+            except BaseException:
+                self.cache.rtt.free([row])
+                raise
         finally:
             c.unlock(held)
         req.row, req.kv_len, req.reused, req.stale = row, m.length, m.length, stale

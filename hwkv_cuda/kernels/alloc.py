@@ -47,6 +47,7 @@ ERR_SWA_HELD = tl.constexpr(pages.ERR_SWA_HELD)
 CODE_SHIFT = tl.constexpr(pages.CODE_SHIFT)
 CODE_TOP = tl.constexpr(pages.CODE_TOP)
 ERR_CLAIM = tl.constexpr(pages.ERR_CLAIM)
+ERR_FRONTIER = tl.constexpr(pages.ERR_FRONTIER)
 PAGE_LO = tl.constexpr(pages.PAGE_LO)
 PAGE_HI = tl.constexpr(-pages.PAGE_LO - 1)
 KEY_BASE = tl.constexpr(pages.PAGE_MASK + pages.PAGE_LO)
@@ -301,7 +302,9 @@ def _alloc_step_kernel(ctl, rows_in, seq_in, stride_in, pad_row, rtt, stride_rtt
         tl.store(seq_in + i * stride_in, s + 1, mask=live)
     tl.store(rtt + r * stride_rtt + s - 1, loc.to(rtt.dtype.element_ty), mask=m)
     if RELEASE:  # pages below the new frontiers: no query of this step or a later one sees them
-        nf = _frontier(f, s, window, P)
+        off = live & ((f < 0) | (f % P != 0))  # recorded, and that row releases nothing (its frontier stays)
+        _record(err, off, r, ERR_FRONTIER, opk_release)
+        nf = tl.where(off, f, _frontier(f, s, window, P))
         cnt = tl.where(live, (nf - f) // P, 0)
         for j in range(0, tl.max(cnt, 0)):
             act = j < cnt
@@ -416,7 +419,10 @@ def _release_kernel(rtt, stride_row, stride_pos, rows, seq, frontiers, window, b
     row = tl.load(rows + b).to(tl.int64)
     at = frontiers + row if BY_ROW else frontiers + b  # BY_ROW: one frontier per req_to_token row
     f = tl.load(at)
-    nf = _frontier(f, tl.load(seq + b), window, P)
+    off = (f < 0) | (f % P != 0)  # recorded, and that row releases nothing (its frontier stays)
+    one = tl.arange(0, 1)
+    _record(err_f, off & (one == 0), row + one, ERR_FRONTIER, opk)
+    nf = tl.where(off, f, _frontier(f, tl.load(seq + b), window, P))
     cnt = (nf - f) // P
     for i0 in range(0, cnt, BLOCK):
         i = i0 + tl.arange(0, BLOCK)
