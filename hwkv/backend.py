@@ -99,6 +99,11 @@ class AttentionBackend(DraftMetadataMixin):
     dense_list_tables: ClassVar[bool] = False
 
     def __init__(self, pool: Any, req_to_token_pool: Any, **options: Any) -> None:
+        for name, value, needs in (("pool", pool, ("device", "get_key_buffer")),
+                                   ("req_to_token_pool", req_to_token_pool, ("req_to_token",))):
+            if not all(hasattr(value, a) for a in needs):  # (else a bare AttributeError, here or at the first forward)
+                raise ConfigError(f"{name}={value!r:.60} ({type(value).__name__}) is not a "
+                                  f"{'KV pool (MHATokenToKVPool, SWAKVPool)' if name == 'pool' else 'ReqToTokenPool'}")
         self.options = make_options(self.Options, options)
         self.pool = pool
         self.req_to_token_pool = req_to_token_pool

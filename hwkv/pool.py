@@ -212,6 +212,20 @@ class MHATokenToKVPool:
             assert k.dtype == v.dtype == self.dtype, f"layer {i} dtype changed"
 
 
+def _layer_ids(name: str, ids: object) -> List[int]:
+    """A pool's layer ids as ints >= 0, the ids `AttentionLayer` takes (ConfigError naming the bad one: a string
+    would be iterated into characters, a bool or float id no layer can have)."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise ConfigError(f"{name}={ids!r} must be a sequence of layer ids (ints >= 0)")
+    out = []
+    for x in ids:
+        i = as_int(x)
+        if i is None or i < 0:
+            raise ConfigError(f"{name} holds {x!r}: layer ids must be ints >= 0 (AttentionLayer's layer_id)")
+        out.append(i)
+    return out
+
+
 class SWAKVPool:
     """Full-attention and SWA layer groups behind one address space of full-pool locs."""
 
@@ -222,7 +236,8 @@ class SWAKVPool:
                  device: Union[str, torch.device], swa_head_num: Optional[int] = None,
                  swa_head_dim: Optional[int] = None, swa_v_head_dim: Optional[int] = None,
                  v_head_dim: Optional[int] = None) -> None:
-        swa_ids, full_ids = list(swa_attention_layer_ids), list(full_attention_layer_ids)
+        swa_ids = _layer_ids("swa_attention_layer_ids", swa_attention_layer_ids)
+        full_ids = _layer_ids("full_attention_layer_ids", full_attention_layer_ids)
         both = set(swa_ids) & set(full_ids)
         if both or len(set(swa_ids)) != len(swa_ids) or len(set(full_ids)) != len(full_ids):
             raise ConfigError(f"layer ids must be unique and in one group only; repeated: {sorted(both) or 'within a group'}")

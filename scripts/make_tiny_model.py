@@ -100,16 +100,21 @@ def make(out: Path, arch: str = "gpt-oss", seed: int = 0, layers: int = 4, windo
 
 def main(argv: Any = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("out", type=Path, help="the folder to write (created; files in it are overwritten)")
+    p.add_argument("out", help="the folder to write (created; files in it are overwritten)")
     p.add_argument("--arch", default="gpt-oss", choices=sorted(ARCHS), help="default gpt-oss")
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
     p.add_argument("--window", type=int, default=8, help="sliding window of the SWA layers (default 8)")
     p.add_argument("--no-tokenizer", action="store_true", help="no tokenizer: `hwkv generate` prompts are token ids")
     args = p.parse_args(argv)
+    if not args.out.strip():  # an unset shell variable ("$DIR") would write into the current folder
+        p.error("the folder name is empty (give a folder to write; '.' for the current one)")
+    args.out = Path(args.out)
     for flag, value, low in (("--layers", args.layers, 1), ("--window", args.window, 1), ("--seed", args.seed, 0)):
         if value < low:  # (0 layers or W=0 would write a model `hwkv generate` then refuses)
             p.error(f"{flag} must be >= {low}, got {value}")
+        if value >= 2 ** 63:  # (a seed torch's generator cannot take; a window `hwkv generate` refuses)
+            p.error(f"{flag} must be below 2**63, got {value}")
     if args.layers > 64:
         p.error(f"--layers must be <= 64 for a tiny model, got {args.layers}")
     if args.out.exists() and not args.out.is_dir():

@@ -490,7 +490,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         name = "random GPT-OSS (tiny)" if cpu else "random GPT-OSS-20B attention shapes, 4 layers"
     res = run_serve(model, w, target.name, name, baseline=not args.no_baseline)
     lo, hi = w.prompt_range
-    title = (f"hwkv bench --workload serve on {target.name}: {name}; {w.requests} requests at {w.rate}/s, prompts "
+    title = (f"hwkv bench --workload serve on {target.name}: {name}; {w.requests} requests "
+             f"{f'at {w.rate:g}/s' if w.rate > 0 else 'all at once'}, prompts "
              f"{lo}-{hi} tokens ({w.shared:.0%} behind a {w.system_len}-token system prompt), {w.new_tokens} new "
              f"tokens each, {w.max_running} at once, page {w.page_size}")
     cols = ("method", "tokens/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "prompt reused",
@@ -500,7 +501,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         if r.error:
             lines.append(f"| {r.method} | failed: {r.error} |")
             continue
-        reused = f"{r.reused_tokens:,} of {r.prompt_tokens:,}" if r.method.startswith("hwkv") else "-"
+        reused = "-" if r.prompt_tokens is None else f"{r.reused_tokens:,} of {r.prompt_tokens:,}"
         ms = [_or_na(x) for x in (r.ttft_p50_ms, r.ttft_p99_ms, r.tpot_p50_ms, r.tpot_p99_ms)]
         lines.append(f"| {r.method} | {r.tokens_per_s:,.1f} | {' | '.join(ms)} | {reused} | {r.wall_s} |")
     _emit(args, res.to_dict(), title, cols, lines, res.notes)

@@ -144,8 +144,10 @@ class ServeRow:
     ttft_p99_ms: Optional[float] = None
     tpot_p50_ms: Optional[float] = None
     tpot_p99_ms: Optional[float] = None
-    prompt_tokens: int = 0
-    reused_tokens: int = 0
+    # prompt tokens prefilled / reused from the prefix cache: hwkv's own counts; None where a method does not count
+    # them (transformers' row)
+    prompt_tokens: Optional[int] = 0
+    reused_tokens: Optional[int] = 0
     error: Optional[str] = None
 
 
@@ -315,7 +317,9 @@ def serve_transformers(model: Any, trace: List[TraceRequest], w: ServeWorkload) 
     finally:
         manager.stop(block=True)
         model.destroy_cached_continuous_batching_manager()
-    return _row("transformers generate_batch (continuous batching)", w, done, wall)
+    row = _row("transformers generate_batch (continuous batching)", w, done, wall)
+    row.prompt_tokens = row.reused_tokens = None   # not counted there (null in --json, "-" in the table)
+    return row
 
 
 def random_gpt_oss(device: str, tiny: bool, layers: int = 4, experts: int = 32) -> Any:
@@ -356,6 +360,7 @@ def run_serve(model: Any, w: ServeWorkload, device: str, model_name: str, baseli
             res.rows.append(serve_transformers(model, trace, w))
         except Exception as e:  # reported in its row: an API this transformers lacks, or its own failure
             res.rows.append(ServeRow("transformers generate_batch (continuous batching)", len(trace),
+                                     prompt_tokens=None, reused_tokens=None,
                                      error=f"{type(e).__name__}: {str(e)[:300]}"))
     no_tpot = [r.method for r in res.rows if r.error is None and r.tpot_p50_ms is None]
     if no_tpot:

@@ -42,7 +42,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                                     "RAM and at most 4 GiB)")
     p.add_argument("--context", type=int, help="KV tokens the cache holds per request (default: the longest prompt + "
                    "--max-new-tokens - 1); a prompt that needs more is refused with its error, the others run")
-    p.add_argument("--max-running", type=int, help="concurrent requests (default: every prompt at once)")
+    p.add_argument("--max-running", type=int, help="concurrent requests (default and most: every prompt at once; one with "
+                   "--conversation, whose turns run one after another)")
     p.add_argument("--chunk", type=int, default=512, help="prefill tokens per forward (default 512)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
     p.add_argument("--graphs", choices=("auto", "on", "off", "eager"), default="auto",
@@ -216,7 +217,9 @@ def _generate(args: argparse.Namespace) -> Tuple[dict, int]:
     else:
         longest = max(len(p) for p in prompts) + args.max_new_tokens - 1
     context = args.context if args.context is not None else longest
-    running = args.max_running if args.max_running is not None else (1 if args.conversation else len(prompts))
+    # never more running requests than can run at once: the pools are sized (and allocated) for them
+    most = 1 if args.conversation else len(prompts)
+    running = most if args.max_running is None else min(args.max_running, most)
     try:
         runner = HybridRunner(model, device=spec.name, memory=args.memory, context=context, max_running=running,
                               chunk=args.chunk, page_size=args.page_size,
