@@ -70,10 +70,12 @@ class AttentionLayer:
         if self.sinks is not None and not self.sinks.is_contiguous():  # kernels read sinks + head
             raise ConfigError(f"sinks has strides {tuple(self.sinks.stride())}; they must be contiguous (stride 1): "
                               "pass sinks.contiguous(), not a strided view such as one column of a table")
-        if self.sinks is not None and self.sinks.is_floating_point() and values_checkable(self.sinks) \
-                and bool(torch.isnan(self.sinks).any()):  # (every output row of the layer would be NaN)
-            head = int(torch.isnan(self.sinks).nonzero()[0, 0])
-            raise ConfigError(f"sinks[{head}] is NaN: every sink must be a number (a logit; -inf for none)")
+        if self.sinks is not None and self.sinks.is_floating_point() and values_checkable(self.sinks):
+            bad = torch.isnan(self.sinks) | (self.sinks == float("inf"))  # (NaN outputs: every row, or the CPU's)
+            if bool(bad.any()):
+                head = int(bad.nonzero()[0, 0])
+                raise ConfigError(f"sinks[{head}] is {float(self.sinks[head])}: every sink must be a finite logit "
+                                  "(or -inf for none)")
         # scales become host floats here, once, so no layer forward ever reads a device scalar
         self.k_scale = None if self.k_scale is None else scale_value("k_scale", self.k_scale)
         self.v_scale = None if self.v_scale is None else scale_value("v_scale", self.v_scale)

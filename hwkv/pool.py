@@ -202,6 +202,8 @@ class MHATokenToKVPool:
     def move_prechecked(self, src_loc: torch.Tensor, dst_loc: torch.Tensor) -> None:
         """`move_kv` for locs `check_move` accepted."""
         for buf in (*self.k_buffer, *self.v_buffer):
+            if buf.is_floating_point() and buf.element_size() == 1:  # fp8: moved as bytes (the CPU's index_copy_
+                buf = buf.view(torch.uint8)                           # has no float8 kernel)
             buf.index_copy_(0, dst_loc, buf.index_select(0, src_loc))
 
     def check_integrity(self) -> None:
