@@ -15,8 +15,9 @@ from hwkv.errors import ConfigError, DeviceError, LocError, ShapeError
 
 def values_checkable(t: torch.Tensor) -> bool:
     """Value checks (min/max) cost a host sync on accelerators: always on CPU, else only in debug mode;
-    never while torch.compile traces (a value read there re-specializes the graph on every call)."""
-    if torch.compiler.is_compiling():
+    never on meta tensors, nor while torch.compile traces (a value read there re-specializes the graph on every
+    call)."""
+    if torch.compiler.is_compiling() or t.device.type == "meta":  # (a meta tensor holds no values)
         return False
     if t.device.type == "cpu":
         return True

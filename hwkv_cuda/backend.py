@@ -62,10 +62,16 @@ class TritonBackend(KernelSetBackend):
         key = (decode, kv.window, q.shape[1], q.shape[2], k_buf.shape[1], v_buf.shape[2])
         plan = plans.get(key)
         if plan is None:
-            if decode:
+            if decode and md.graph:  # one config sizes the backend's scratch and plans the launch (an eager plan
+                # picks by the list bound rounded up to a power of two, which may give another split count)
+                cfg = _kernels.decode_config(q.shape[0], k_buf.shape[1], max(q.shape[2], v_buf.shape[2]),
+                                             kv.max_len, q.device)
                 plan = _kernels.plan_decode(
                     q, k_buf, v_buf, kv.indptr, kv.indices, kv.pos0, md.q_pos0, out, layer.sinks, kv.max_len,
-                    workspace=self._graph_workspace(q, k_buf, v_buf, kv) if md.graph else None)
+                    workspace=self._graph_workspace(q, k_buf, v_buf, kv, cfg), config=cfg)
+            elif decode:
+                plan = _kernels.plan_decode(q, k_buf, v_buf, kv.indptr, kv.indices, kv.pos0, md.q_pos0, out,
+                                            layer.sinks, kv.max_len)
             else:
                 plan = _kernels.plan_extend(q, k_buf, v_buf, kv.indptr, kv.indices, kv.pos0, md.qo_indptr,
                                             md.q_pos0, out, md.max_q_len, layer.sinks, tree=md.tree,
@@ -123,11 +129,12 @@ class TritonBackend(KernelSetBackend):
         return (self.pool.full_kv_pool if self.hybrid else self.pool).head_num
 
     def _graph_workspace(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                         kv: KVIndexList) -> Optional[_kernels.DecodeWorkspace]:
+                         kv: KVIndexList, cfg: _kernels.DecodeConfig) -> Optional[_kernels.DecodeWorkspace]:
         """Graph metadata: the split-K scratch comes from the backend (it outlives the forward that
-        captured it), sized to the largest batch seen, in powers of two; None when one split does."""
+        captured it), sized to the largest batch seen, in powers of two, for the plan's config; None when one
+        split does."""
         bs, h, dv = q.shape[0], q.shape[1], v_buf.shape[2]
-        splits = _kernels.decode_num_splits(bs, k_buf.shape[1], kv.max_len, q.device,
+        splits = _kernels.decode_num_splits(bs, k_buf.shape[1], kv.max_len, q.device, cfg,
                                              head_dim=max(q.shape[2], dv))
         if splits == 1:
             return None

@@ -113,8 +113,9 @@ def main(argv: Any = None) -> int:
     for flag, value, low in (("--layers", args.layers, 1), ("--window", args.window, 1), ("--seed", args.seed, 0)):
         if value < low:  # (0 layers or W=0 would write a model `hwkv generate` then refuses)
             p.error(f"{flag} must be >= {low}, got {value}")
-        if value >= 2 ** 63:  # (a seed torch's generator cannot take; a window `hwkv generate` refuses)
-            p.error(f"{flag} must be below 2**63, got {value}")
+        top = 64 if flag == "--seed" else 63  # torch's generator takes seeds below 2**64; generate W below 2**63
+        if value >= 2 ** top:
+            p.error(f"{flag} must be below 2**{top}, got {value}")
     if args.layers > 64:
         p.error(f"--layers must be <= 64 for a tiny model, got {args.layers}")
     if args.out.exists() and not args.out.is_dir():

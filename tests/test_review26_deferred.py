@@ -22,9 +22,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from hwkv.allocator import SWATokenToKVPoolAllocator  # noqa: E402
+from hwkv.allocator import SWATokenToKVPoolAllocator, same_snapshot  # noqa: E402
 from hwkv.cache import HybridPrefixCache  # noqa: E402
-from hwkv.errors import HwkvError  # noqa: E402
+from hwkv.errors import HwkvError, LocError, NotAllocatedError  # noqa: E402
+from hwkv.req_to_token import ReqToTokenPool  # noqa: E402
 from hwkv.engine.sampling import SamplingParams  # noqa: E402
 from hwkv.pages import ERR_DOUBLE_FREE  # noqa: E402
 from hwkv.release import release_out_of_window_batch  # noqa: E402
@@ -63,43 +64,43 @@ def _shared_row(a):
 # ---- 1. a release with a frontier off the page grid (deferred) ------------------------------------------------
 @pytest.mark.parametrize("ops", ["torch", "triton"])
 def test_deferred_release_with_a_frontier_off_the_page_grid_is_recorded(ops):
-    """Immediate mode: LocError "frontier 3 is not a multiple of page_size 4", nothing changes. Deferred: no record;
-    the release frees the pages of positions 3, 7, 11 (cnt = (16 - 3) // 4 = 3) and moves the frontier to 16, so
-    the page of positions 12..15 stays mapped behind the frontier (the request's last holder of it no longer
-    releases it out of window) and nothing says so."""
+    """Immediate mode: LocError "frontier 3 is not a multiple of page_size 4", nothing changes. Deferred, before: no
+    record; the release freed the pages of positions 3, 7, 11 and moved the frontier to 16. Now: recorded (the
+    next check raises the LocError naming the row), and that row releases nothing: its frontier and every page
+    and mapping stay as they were."""
     a = hybrid(ops, immediate=False)
     loc = a.alloc_extend([0], [24], [0], 24)
     rtt = torch.zeros(1, 32, dtype=I64)
     rtt[0, :24] = loc
+    a.check_integrity()
+    before = a.integrity_snapshot()
     f = T([3])
-    try:
-        release_out_of_window_batch(a, rtt, T([0]), T([24]), f, 4)
+    release_out_of_window_batch(a, rtt, T([0]), T([24]), f, 4)      # deferred: recorded, nothing raised here
+    with pytest.raises(LocError, match="request row 0's release frontier is negative or not a multiple of page_size"):
         a.check_integrity()
-    except HwkvError:
-        return                                    # refused or recorded, as immediate mode refuses it
-    pytest.fail(f"frontier 3 (page size 4) was accepted silently: frontier now {f.tolist()}, SWA slots of positions "
-                f"0..15 {a.translate_loc_from_full_to_swa(loc[:16]).tolist()} (positions 12..15 still mapped "
-                "behind the frontier)")
+    assert f.tolist() == [3], "the bad row's frontier stays"
+    assert same_snapshot(before, a.integrity_snapshot()), "the bad row released pages"
 
 
 # ---- 2. the prefix cache under deferred checks -----------------------------------------------------------------
 def test_deferred_cache_insert_refusal_leaves_the_tree_unchanged():
     """insert() of pages that are not live: immediate mode raises NotAllocatedError and the cache is unchanged.
-    Deferred: the allocator records the refused share (raised by the next check), but the tree keeps 8 tokens of
-    nodes over pages it holds no reference on."""
-    a = hybrid(immediate=False, size=32)
-    c = HybridPrefixCache(a, 8)
-    loc = a.alloc(8)
-    a.free(loc)                                   # the pages are free again: a stale loc list
-    counts = (c.full_tokens, c.swa_tokens, c.evictable_full, c.evictable_swa)
-    try:
-        c.insert(list(range(8)), loc, 0)
-        a.check_integrity()
-    except HwkvError:
-        pass                                      # the recorded refusal (DoubleFreeError today)
-    assert (c.full_tokens, c.swa_tokens, c.evictable_full, c.evictable_swa) == counts, \
-        "the refused insert left nodes in the tree"
-    c.check_integrity()
+    Deferred, before: the allocator recorded the refused share (raised by the next check), but the tree kept 8 tokens
+    of nodes over pages it holds no reference on. Now refused at once on the CPU, every node, count and page as
+    before."""
+    from test_cache_defects import Setup
+    st = Setup.__new__(Setup)
+    st.a = hybrid(immediate=False, size=32)
+    st.c = HybridPrefixCache(st.a, 8)
+    st.rtt = ReqToTokenPool(2, 32, "cpu")
+    loc = st.a.alloc(8)
+    st.a.free(loc)                                # the pages are free again: a stale loc list
+    before = st.snapshot()
+    with pytest.raises(NotAllocatedError, match="not live"):
+        st.c.insert(list(range(8)), loc, 0)
+    st.a.check_integrity()                        # nothing recorded either
+    assert st.same(before, st.snapshot()), "the refused insert changed the cache or the allocator"
+    st.c.check_integrity()
 
 
 def test_deferred_cache_refusal_later_frees_another_holders_pages():

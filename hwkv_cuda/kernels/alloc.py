@@ -288,7 +288,8 @@ def _alloc_step_kernel(ctl, rows_in, seq_in, stride_in, pad_row, rtt, stride_rtt
     opens = opens & ~short
     last = tl.load(rtt + r * stride_rtt + tl.maximum(pre - 1, 0), mask=cont, other=0).to(tl.int64)
     if RELEASE:
-        f = tl.load(frontiers + r, mask=live, other=0)
+        f = tl.load(frontiers + r, mask=m, other=0)  # a padded lane's too: its pad row's frontier is checked as the
+        # release of the three launches checks it (it releases nothing either way)
     fp = _open_pages(buf_f, n_full, buf_s, n_swa, mapping, head_f, head_s, pidx, opens, P, HYBRID, BLOCK_P)
     loc = tl.where(opens, fp * P, tl.where(cont, last + 1, 0))
     _check_continuation(err, mapping, refs_f, last + 1, pre, cont, opk, n_full, P, HYBRID)
@@ -302,7 +303,7 @@ def _alloc_step_kernel(ctl, rows_in, seq_in, stride_in, pad_row, rtt, stride_rtt
         tl.store(seq_in + i * stride_in, s + 1, mask=live)
     tl.store(rtt + r * stride_rtt + s - 1, loc.to(rtt.dtype.element_ty), mask=m)
     if RELEASE:  # pages below the new frontiers: no query of this step or a later one sees them
-        off = live & ((f < 0) | (f % P != 0))  # recorded, and that row releases nothing (its frontier stays)
+        off = m & ((f < 0) | (f % P != 0))  # recorded, and that row releases nothing (its frontier stays)
         _record(err, off, r, ERR_FRONTIER, opk_release)
         nf = tl.where(off, f, _frontier(f, s, window, P))
         cnt = tl.where(live, (nf - f) // P, 0)
