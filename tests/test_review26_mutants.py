@@ -13,7 +13,6 @@ pinned by a test that passes on the code as it is and fails with the mutant (see
    `hwkv.ops.translate_runs`): dropping its translation (`out.copy_(mapping[out])`) passed test_loc, test_pool,
    test_allocator, test_refill and test_contract_cpu (every caller in the suite registers refill kernels first).
 """
-import numpy as np
 import pytest
 import torch
 
