@@ -154,9 +154,13 @@ def test_engine_admission_that_raises_a_deferred_error_leaks_the_cache_lock():
 
 
 # ---- 1b. the one-launch step's release checks its frontiers as the release does -----------------------------------
-def _step_with_an_off_grid_frontier(how):
-    """A decode step to 11 tokens at W=1 whose row's frontier is 2 (page size 4): the torch path, the Triton three
-    launches and the one-launch `alloc_step` each record one LocError and leave the frontier and pages as they were."""
+STEP_PATHS = ("torch", "triton three launches", "triton one launch")
+
+
+def step_by_path(how, frontier_rows, bucket=1, window=1):
+    """One deferred decode step of request row 0 (10 tokens, to 11) in a bucket of `bucket` lanes, the others padded
+    onto row 1, page size 4, by `how` (one of STEP_PATHS), with the frontiers of `frontier_rows` ({row: value}) set
+    first. Returns (allocator, rtt, frontiers, the allocator's snapshot before the step)."""
     from test_review20_pages import make, triton_ops
     from hwkv.ops import TORCH_STEP
     from hwkv.torch_page_ops import TORCH_OPS
@@ -167,21 +171,32 @@ def _step_with_an_off_grid_frontier(how):
     rtt, frontiers = torch.zeros(2, 32, dtype=I64), torch.zeros(2, dtype=I64)  # row 1: the padding row
     rtt[0, :10] = a.alloc_extend(T([0]), T([10]), T([0]), 10, prefix_lens_cpu=T([0]), seq_lens_cpu=T([10]))
     a.check_integrity()
-    frontiers[0] = 2
+    for row, value in frontier_rows.items():
+        frontiers[row] = value
     before = a.integrity_snapshot()
     heads = a.reserve(0)
-    staged = T([heads[0], heads[1], 1, 0, 11])
+    staged = T([heads[0], heads[1], 1] + [0, 11] + [0, 0] * (bucket - 1))
     ctl, rows_in, seq_in = staged[:3], staged[3::2], staged[4::2]
-    rows, seq, out = (torch.zeros(1, dtype=I64) for _ in range(3))
+    rows, seq, out = (torch.zeros(bucket, dtype=I64) for _ in range(3))
     if how == "triton one launch":
-        a.alloc_step(ctl, rows_in, seq_in, 1, rtt, rows, seq, out, frontiers=frontiers, window=1)
+        a.alloc_step(ctl, rows_in, seq_in, 1, rtt, rows, seq, out, frontiers=frontiers, window=window)
     else:
         kern = TORCH_STEP if how == "torch" else step_kernels.KERNELS
-        prefix, last = torch.zeros(1, dtype=I64), torch.zeros(1, dtype=I64)
+        prefix, last = torch.zeros(bucket, dtype=I64), torch.zeros(bucket, dtype=I64)
         kern.prologue(ctl, rows_in, seq_in, 1, rtt, rows, seq, prefix, last, out)
-        a.alloc_reserved(prefix, seq, last, out, heads if how == "torch" else ctl, 0)
+        if how == "torch":   # the torch ops size themselves from the host's live count
+            a.alloc_reserved(prefix[:1], seq[:1], last[:1], out[:1], heads, 0)
+        else:
+            a.alloc_reserved(prefix, seq, last, out, ctl, 0)
         kern.write(rtt, rows, seq, out, None, None)
-        release_out_of_window_batch(a, rtt, rows, seq, frontiers, 1, by_row=True)
+        release_out_of_window_batch(a, rtt, rows, seq, frontiers, window, by_row=True)
+    return a, rtt, frontiers, before
+
+
+def _step_with_an_off_grid_frontier(how):
+    """A decode step to 11 tokens at W=1 whose row's frontier is 2 (page size 4): the torch path, the Triton three
+    launches and the one-launch `alloc_step` each record one LocError and leave the frontier and pages as they were."""
+    a, rtt, frontiers, before = step_by_path(how, {0: 2})
     with pytest.raises(HwkvError, match="row 0's release frontier is negative or not a multiple of page_size 4"):
         a.check_integrity()
     after = a.integrity_snapshot()
@@ -191,6 +206,6 @@ def _step_with_an_off_grid_frontier(how):
 
 
 def test_one_launch_step_records_an_off_grid_frontier_like_the_other_paths():
-    got = {how: _step_with_an_off_grid_frontier(how) for how in ("torch", "triton three launches", "triton one launch")}
+    got = {how: _step_with_an_off_grid_frontier(how) for how in STEP_PATHS}
     assert got["torch"][0][0] == 2, "the bad row's frontier stays"
     assert all(g == got["torch"] for g in got.values()), got

@@ -105,35 +105,8 @@ def test_tiny_model_takes_every_seed_torch_takes(monkeypatch, tmp_path):
 def _step_with_a_padded_lane(how, pad_frontier):
     """A decode step of bucket 2 (one live request to 11 tokens, one padded lane on row 1) at W=4, page size 4, the
     padding row's frontier `pad_frontier`; (frontiers after, the error check_integrity raises or None)."""
-    sys.path.insert(0, str(REPO / "tests"))
-    try:
-        from test_review20_pages import make, triton_ops
-    finally:
-        sys.path.pop(0)
-    from hwkv.ops import TORCH_STEP
-    from hwkv.release import release_out_of_window_batch
-    from hwkv.torch_page_ops import TORCH_OPS
-    from hwkv_cuda.kernels import step as step_kernels
-    a = make(TORCH_OPS if how == "torch" else triton_ops, immediate=False)
-    rtt, frontiers = torch.zeros(2, 32, dtype=I64), torch.zeros(2, dtype=I64)   # row 1: the padding row
-    rtt[0, :10] = a.alloc_extend(T([0]), T([10]), T([0]), 10, prefix_lens_cpu=T([0]), seq_lens_cpu=T([10]))
-    frontiers[1] = pad_frontier
-    heads = a.reserve(0)
-    staged = T([heads[0], heads[1], 1, 0, 11, 0, 0])
-    ctl, rows_in, seq_in = staged[:3], staged[3::2], staged[4::2]
-    rows, seq, out = (torch.zeros(2, dtype=I64) for _ in range(3))
-    if how == "triton one launch":
-        a.alloc_step(ctl, rows_in, seq_in, 1, rtt, rows, seq, out, frontiers=frontiers, window=4)
-    else:
-        kern = TORCH_STEP if how == "torch" else step_kernels.KERNELS
-        prefix, last = torch.zeros(2, dtype=I64), torch.zeros(2, dtype=I64)
-        kern.prologue(ctl, rows_in, seq_in, 1, rtt, rows, seq, prefix, last, out)
-        if how == "torch":   # the torch ops size themselves from the host's live count
-            a.alloc_reserved(prefix[:1], seq[:1], last[:1], out[:1], heads, 0)
-        else:
-            a.alloc_reserved(prefix, seq, last, out, ctl, 0)
-        kern.write(rtt, rows, seq, out, None, None)
-        release_out_of_window_batch(a, rtt, rows, seq, frontiers, 4, by_row=True)
+    from test_review26_deferred import step_by_path
+    a, _, frontiers, _ = step_by_path(how, {1: pad_frontier}, bucket=2, window=4)
     try:
         a.check_integrity()
         err = None
