@@ -23,7 +23,7 @@ from hwkv.checks import as_int, check_flag, check_rows, check_shape, is_bool, va
 from hwkv.draft import DraftMetadataMixin
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import CapacityError, ConfigError, EvictedSlotError, MissingSWALocError, ShapeError
-from hwkv.layer import AttentionLayer
+from hwkv.layer import AttentionLayer, check_sink_values, storage_key
 from hwkv.loc import KVWriteLoc, ListRefill, LocRuns, SWALocCache
 from hwkv.metadata import (ForwardMetadata, GraphViews, KeptRange, KVIndexList, LayerOutputs, StaticBuffers,
                            aligned_width, alloc_static, check_fits, cumsum_into, fill_list, window_pos0)
@@ -646,14 +646,20 @@ class AttentionBackend(DraftMetadataMixin):
         if not q.is_floating_point() or q.device != geo[1]:
             self._refuse_query(q, geo[1])
         sinks = layer.sinks  # (checked at construction; again here, as a caller may assign another tensor since)
-        if sinks is not None and (sinks.device != geo[1] or not sinks.is_floating_point() or sinks.shape != (h,)
-                                  or not sinks.is_contiguous()):
-            self._refuse_sinks(layer, geo[1])
+        if sinks is not None:
+            if (sinks.device != geo[1] or not sinks.is_floating_point() or sinks.shape != (h,)
+                    or not sinks.is_contiguous()):
+                self._refuse_sinks(layer, geo[1])
+            if not md.graph:   # values too, of sinks assigned (or a storage swapped in) since: eager forwards only
+                at = storage_key(sinks)  # (what a graph captures may not read anything more at a replay)
+                if layer.sinks_checked != at:
+                    check_sink_values(sinks, f"layer {layer.layer_id}: ")
+                    layer.sinks_checked = at
         # the list it reads (a tree verify run decode-like: one decode query per draft token over its own lists):
         # picking it refuses an SWA-group layer whose window the backend was not built for, before the store
         kmd = md if md.tree_decode is None else md.tree_decode
         try:
-            kv = kmd.list_for(layer, geo[2])
+            kv = kmd.list_for(layer, geo[2], self.hybrid)
         except ConfigError:
             self._refuse_list(layer, md, save_kv_cache and geo[2])
             raise

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
 
 import torch
 
@@ -41,6 +41,9 @@ class AttentionLayer:
     sinks: Optional[torch.Tensor] = None
     k_scale: Optional[float] = None
     v_scale: Optional[float] = None
+    # the sinks' storage_key whose values passed `check_sink_values` (here, or in the backend's forward when a caller
+    # assigned other sinks since): a forward checks the values only of sinks it has not seen
+    sinks_checked: Optional[Tuple[int, torch.dtype]] = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if as_int(self.layer_id) is None or as_int(self.layer_id) < 0:  # True or 1.0 would find layer 1 in a pool
@@ -70,12 +73,9 @@ class AttentionLayer:
         if self.sinks is not None and not self.sinks.is_contiguous():  # kernels read sinks + head
             raise ConfigError(f"sinks has strides {tuple(self.sinks.stride())}; they must be contiguous (stride 1): "
                               "pass sinks.contiguous(), not a strided view such as one column of a table")
-        if self.sinks is not None and self.sinks.is_floating_point() and values_checkable(self.sinks):
-            bad = torch.isnan(self.sinks) | (self.sinks == float("inf"))  # (NaN outputs: every row, or the CPU's)
-            if bool(bad.any()):
-                head = int(bad.nonzero()[0, 0])
-                raise ConfigError(f"sinks[{head}] is {float(self.sinks[head])}: every sink must be a finite logit "
-                                  "(or -inf for none)")
+        if self.sinks is not None:
+            check_sink_values(self.sinks)
+            self.sinks_checked = storage_key(self.sinks)
         # scales become host floats here, once, so no layer forward ever reads a device scalar
         self.k_scale = None if self.k_scale is None else scale_value("k_scale", self.k_scale)
         self.v_scale = None if self.v_scale is None else scale_value("v_scale", self.v_scale)
@@ -91,3 +91,22 @@ class AttentionLayer:
     @property
     def is_swa(self) -> bool:
         return self.window is not None
+
+
+def check_sink_values(sinks: torch.Tensor, where: str = "") -> None:
+    """Refuse sinks holding NaN or +inf (ConfigError naming the head) where their values are checkable (CPU; any
+    device in debug mode): NaN makes every output row NaN, +inf gave NaN on the CPU kernels where the reference and
+    the Triton kernels give zeros. -inf (no sink) is a logit like any other."""
+    if sinks.is_floating_point() and values_checkable(sinks):
+        bad = torch.isnan(sinks) | (sinks == float("inf"))
+        if bool(bad.any()):
+            head = int(bad.nonzero()[0, 0])
+            raise ConfigError(f"{where}sinks[{head}] is {float(sinks[head])}: every sink must be a finite logit "
+                              "(or -inf for none)")
+
+
+def storage_key(t: Optional[torch.Tensor]) -> Optional[Tuple[int, torch.dtype]]:
+    """Where a tensor kept by identity reads its values (address, dtype): the same object whose storage was swapped
+    (`param.data = new`, as weight loaders and `vector_to_parameters` do) reads elsewhere, so what was kept from
+    it (a view, a launch's alignment and dtype) is stale."""
+    return None if t is None else (t.data_ptr(), t.dtype)

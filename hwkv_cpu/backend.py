@@ -27,7 +27,7 @@ from hwkv import ops
 from hwkv.backend import BackendOptions, KernelSetBackend
 from hwkv.batch import ForwardBatch
 from hwkv.checks import check_int_option
-from hwkv.layer import AttentionLayer
+from hwkv.layer import AttentionLayer, storage_key
 from hwkv.list_plans import ListPlans
 from hwkv.metadata import ForwardMetadata, KVIndexList, StaticBuffers
 from hwkv_cpu import host_plan, ipex
@@ -60,10 +60,10 @@ class CPUOptions(BackendOptions):
 
 @dataclass
 class _LayerKit:
-    """One layer's dense-call constants: made from the fields in `sig` (and `sinks`, by identity) and the pool's
-    buffers of the layer (which never change), so a layer call reads them instead of deriving them. The sinks'
-    values are not among them: `cols` are refilled from the sinks on every call (an in-place update of the sinks,
-    e.g. a weight load into the parameter they view, shows at once)."""
+    """One layer's dense-call constants: made from the fields in `sig` (the sinks' storage among them, and the sinks
+    by identity) and the pool's buffers of the layer (which never change), so a layer call reads them instead of
+    deriving them. The sinks' values are not among them: `cols` are refilled from the sinks on every call (an
+    in-place update of the sinks, e.g. a weight load into the parameter they view, shows at once)."""
 
     sig: Tuple[Any, ...]
     sinks: Optional[torch.Tensor]
@@ -165,7 +165,7 @@ class TorchCPUBackend(KernelSetBackend):
         new object at a dead one's address is a new key."""
         kit = self._kits.get(layer)
         sig = (layer.layer_id, layer.num_heads, layer.head_dim, layer.scaling, layer.sliding_window,
-               layer.logit_cap, layer.k_scale, layer.v_scale)
+               layer.logit_cap, layer.k_scale, layer.v_scale, storage_key(layer.sinks))  # (the columns' source view)
         if kit is not None and kit.sig == sig and kit.sinks is layer.sinks:
             return kit
         kit = self._kits[layer] = _LayerKit.make(layer, sig, *self.kv_buffers(layer))

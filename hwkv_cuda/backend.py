@@ -12,7 +12,7 @@ import torch
 
 from hwkv import ops
 from hwkv.backend import KernelSetBackend
-from hwkv.layer import AttentionLayer
+from hwkv.layer import AttentionLayer, storage_key
 from hwkv.metadata import ForwardMetadata, KVIndexList
 from hwkv.pages import register_page_ops
 from hwkv_cuda import kernels as _kernels
@@ -89,9 +89,11 @@ class TritonBackend(KernelSetBackend):
 
     def _decode_layer(self, layer: AttentionLayer, k_buf: torch.Tensor, v_buf: torch.Tensor) -> Any:
         """The layer's part of its decode launches, made at its first decode and kept while the layer object, its
-        buffers, sinks and scalars stay the ones it was made from (identity and value compares)."""
+        buffers, sinks (and their storage) and scalars stay the ones it was made from (identity and value
+        compares)."""
         kept = self._decode_layers.get(layer.layer_id)
-        values = (layer.scaling, layer.sliding_window, layer.logit_cap, layer.k_scale, layer.v_scale)
+        values = (layer.scaling, layer.sliding_window, layer.logit_cap, layer.k_scale, layer.v_scale,
+                  storage_key(layer.sinks))  # (the launch's spec holds the sinks' alignment and dtype)
         if (kept is None or kept[0] is not layer or kept[1] is not k_buf or kept[2] is not v_buf
                 or kept[3] is not layer.sinks or kept[4] != values):
             part = _kernels.decode_layer(k_buf, v_buf, layer.sinks, layer.scaling, layer.window, layer.logit_cap,
