@@ -659,7 +659,7 @@ class AttentionBackend(DraftMetadataMixin):
         # picking it refuses an SWA-group layer whose window the backend was not built for, before the store
         kmd = md if md.tree_decode is None else md.tree_decode
         try:
-            kv = kmd.list_for(layer, geo[2], self.hybrid)
+            kv = kmd.list_for(layer, geo[2])
         except ConfigError:
             self._refuse_list(layer, md, save_kv_cache and geo[2])
             raise

@@ -75,18 +75,18 @@ class ForwardMetadata:
     tree_decode: Optional["ForwardMetadata"] = None  # decode-like tree verify: one decode per draft token
     outputs: Optional[LayerOutputs] = None  # eager decode: the layers' outputs, one allocation
 
-    def list_for(self, layer: Any, swa_group: bool, hybrid: bool = False) -> KVIndexList:
-        """The index list a layer reads: its window's list when it has one, else the full list. Over a hybrid pool
-        the window lists hold SWA slots: a windowed layer of the full pool reads the full list (its slots are the
-        full pool's), which the kernel's window mask trims."""
+    def list_for(self, layer: Any, swa_group: bool) -> KVIndexList:
+        """The index list a layer reads: its window's list when it has one, else the full list. A windowed layer of
+        the full pool over a window list of SWA slots (a hybrid pool's) reads the full list: its slots are the full
+        pool's, and the kernel's window mask trims it."""
         w = layer.window
         if w is None:
             if swa_group:
                 raise ConfigError(f"layer {layer.layer_id} sits in the SWA pool but has no sliding_window")
             return self.full
-        if hybrid and not swa_group:
-            return self.full
         lst = self.windows.get(w)
+        if lst is not None and lst.is_swa_slots and not swa_group:
+            return self.full
         if lst is None:
             if swa_group:
                 raise ConfigError(f"layer {layer.layer_id} has sliding_window={w} but the backend was built for "
