@@ -80,11 +80,39 @@ def parallel_map(fn: Callable[[T], R], items: Sequence[T]) -> List[R]:
     For the duration of the call torch.set_num_threads(1) holds process-wide; the caller's
     setting is restored before returning, also on error (the first error is re-raised once
     every thread has stopped). Calls from several threads at once stay correct but may run
-    with fewer threads.
+    with fewer threads; the setting found by the first of them comes back when the last
+    returns (each restoring what it had read left the process at one thread).
     """
     threads = min(torch.get_num_threads(), len(items))
     if threads <= 1:
         return [fn(x) for x in items]
+    _single_threaded(True)
+    try:
+        return _parallel_map(fn, items, threads)
+    finally:
+        _single_threaded(False)
+
+
+_ACTIVE = [0, 1]  # parallel_map calls in flight, and the thread count the first of them found
+_ACTIVE_LOCK = threading.Lock()
+
+
+def _single_threaded(enter: bool) -> None:
+    """torch's thread count held at 1 from the first parallel_map call in flight to the last."""
+    with _ACTIVE_LOCK:
+        if enter:
+            if _ACTIVE[0] == 0:
+                _ACTIVE[1] = torch.get_num_threads()
+                torch.set_num_threads(1)
+            _ACTIVE[0] += 1
+        else:
+            _ACTIVE[0] -= 1
+            if _ACTIVE[0] == 0:
+                torch.set_num_threads(_ACTIVE[1])
+
+
+def _parallel_map(fn: Callable[[T], R], items: Sequence[T], threads: int) -> List[R]:
+    """`parallel_map`'s body, torch's thread count at 1."""
     global _POOL
     if _POOL is None or _POOL._max_workers < threads - 1:  # noqa: SLF001 (the pool's own size)
         _POOL = ThreadPoolExecutor(threads - 1, thread_name_prefix="hwkv_cpu")
@@ -108,14 +136,9 @@ def parallel_map(fn: Callable[[T], R], items: Sequence[T]) -> List[R]:
                 except BaseException as e:  # noqa: BLE001 - re-raised below in the caller's thread
                     errors.append(e)
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        helpers = [_POOL.submit(drain) for _ in range(threads - 1)]
-        drain()
-        wait(helpers)
-    finally:
-        torch.set_num_threads(previous)
+    helpers = [_POOL.submit(drain) for _ in range(threads - 1)]
+    drain()
+    wait(helpers)
     if errors:
         raise errors[0]
     return results  # type: ignore[return-value]
