@@ -22,7 +22,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from hwkv.allocator import SWATokenToKVPoolAllocator, same_snapshot  # noqa: E402
+from hwkv.allocator import same_snapshot  # noqa: E402
 from hwkv.cache import HybridPrefixCache  # noqa: E402
 from hwkv.errors import HwkvError, LocError, NotAllocatedError  # noqa: E402
 from hwkv.req_to_token import ReqToTokenPool  # noqa: E402
@@ -41,24 +41,12 @@ def T(xs):
 
 
 def hybrid(ops="torch", immediate=False, size=128):
-    a = SWATokenToKVPoolAllocator(size, size, P, "cpu", None)
-    if ops == "triton":
-        pytest.importorskip("triton")
-        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available():
-            pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET=1")
-        from hwkv_cuda.kernels.alloc import TritonPageOps
-        a._ops = a.swa_attn_allocator._ops = TritonPageOps()
-    a.immediate = immediate
-    return a
-
-
-def _shared_row(a):
-    """24 tokens in row 0, every page also held (SWA too) by a second holder, as a prefix cache holds them."""
-    loc = a.alloc_extend([0], [24], [0], 24)
-    a.share(loc)
-    rtt = torch.zeros(2, 32, dtype=I64)
-    rtt[0, :24] = loc
-    return loc, rtt
+    """test_review20_pages' hybrid CPU allocator with the torch ops or the Triton kernels (interpreted)."""
+    from test_review20_pages import make, triton_ops
+    from hwkv.torch_page_ops import TORCH_OPS
+    if ops == "triton" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available():
+        pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET=1")
+    return make(TORCH_OPS if ops == "torch" else triton_ops, immediate, size, size)
 
 
 # ---- 1. a release with a frontier off the page grid (deferred) ------------------------------------------------
@@ -161,13 +149,9 @@ def step_by_path(how, frontier_rows, bucket=1, window=1):
     """One deferred decode step of request row 0 (10 tokens, to 11) in a bucket of `bucket` lanes, the others padded
     onto row 1, page size 4, by `how` (one of STEP_PATHS), with the frontiers of `frontier_rows` ({row: value}) set
     first. Returns (allocator, rtt, frontiers, the allocator's snapshot before the step)."""
-    from test_review20_pages import make, triton_ops
     from hwkv.ops import TORCH_STEP
-    from hwkv.torch_page_ops import TORCH_OPS
     from hwkv_cuda.kernels import step as step_kernels
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available():
-        pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET=1")
-    a = make(TORCH_OPS if how == "torch" else triton_ops, immediate=False)
+    a = hybrid("torch" if how == "torch" else "triton", immediate=False, size=64)
     rtt, frontiers = torch.zeros(2, 32, dtype=I64), torch.zeros(2, dtype=I64)  # row 1: the padding row
     rtt[0, :10] = a.alloc_extend(T([0]), T([10]), T([0]), 10, prefix_lens_cpu=T([0]), seq_lens_cpu=T([10]))
     a.check_integrity()
