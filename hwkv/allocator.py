@@ -563,14 +563,19 @@ class PagedTokenToKVPoolAllocator:
         mapping[(fp[gone, None] * p + np.arange(p)).reshape(-1)] = 0
         _push_on_host(swa, sp[gone])
 
+    @property
+    def shares_checkable(self) -> bool:
+        """Whether `check_share(..., host_too=True)` checks: checks are immediate (CPU, HWKV_DEBUG=1), or the pool is
+        on the CPU, where reading its counts waits for nothing (a prefix cache must not keep what a share refused)."""
+        return self.immediate or self.device.type == "cpu"
+
     def check_share(self, loc: torch.Tensor, with_swa: bool = True, *, host_too: bool = False) -> None:
         """Raise what `share(loc, with_swa)` would refuse, changing nothing: for a share taken in several calls,
         checked whole before the first (CPU, HWKV_DEBUG=1; with deferred checks the device op records it, unless
-        `host_too` and the pool is on the CPU, where the check waits for nothing). A loc whose page is not live is
-        named as such (NotAllocatedError `loc ... is not live`), where `share` itself still raises the free's
-        DoubleFreeError."""
+        `host_too` and `shares_checkable`). A loc whose page is not live is named as such (NotAllocatedError `loc
+        ... is not live`), where `share` itself still raises the free's DoubleFreeError."""
         loc = _check_loc_tensor(loc)
-        if (self.immediate or (host_too and self.device.type == "cpu")) and loc.numel():
+        if (self.shares_checkable if host_too else self.immediate) and loc.numel():
             self._check_free(loc, swa_required=with_swa and self._swa is not None, sharing=True, not_live=True)
 
     def _check_free(self, loc: torch.Tensor, swa_required: bool, sharing: bool = False,

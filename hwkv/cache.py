@@ -409,7 +409,7 @@ class HybridPrefixCache:
         mode; on accelerators with deferred checks the device op records a problem instead: a host check would
         wait for the device)."""
         a = self.allocator
-        if not (a.immediate or a.device.type == "cpu"):
+        if not a.shares_checkable:
             return
         a.check_share(torch.cat([full.reshape(-1), swa.reshape(-1)]), with_swa=False, host_too=True)  # all live
         try:

@@ -38,6 +38,13 @@ def is_bool(x: Any) -> bool:
     return isinstance(x, (bool, np.bool_)) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool)
 
 
+def as_layer_id(x: Any) -> Optional[int]:
+    """A layer id as an int >= 0 (Python, numpy and 0-d tensor integers); None for anything else: a bool or float
+    would find another layer in a pool."""
+    i = as_int(x)
+    return i if i is not None and i >= 0 else None
+
+
 def as_int(x: Any) -> Optional[int]:
     """An integer value as an int (Python, numpy and 0-d tensor integers); None for anything else, a bool of any
     kind included (`is_bool`: True would read as 1)."""

@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from hwkv.checks import LOGIT_CAP_LIMITS, as_int, logit_cap_ok, scale_value, values_checkable
+from hwkv.checks import LOGIT_CAP_LIMITS, as_layer_id, logit_cap_ok, scale_value, values_checkable
 from hwkv.errors import ConfigError
 from hwkv.window import no_window
 
@@ -46,9 +46,10 @@ class AttentionLayer:
     sinks_checked: Optional[Tuple[int, torch.dtype]] = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if as_int(self.layer_id) is None or as_int(self.layer_id) < 0:  # True or 1.0 would find layer 1 in a pool
+        layer_id = as_layer_id(self.layer_id)
+        if layer_id is None:  # True or 1.0 would find layer 1 in a pool
             raise ConfigError(f"layer_id={self.layer_id!r} must be an int >= 0")
-        self.layer_id = as_int(self.layer_id)
+        self.layer_id = layer_id
         # geometry first: 1/sqrt(head_dim) below, and W = 0 would silently mean full attention
         for name, or_none in (("num_heads", None), ("num_kv_heads", None), ("head_dim", None),
                               ("v_head_dim", "head_dim"), ("sliding_window", "full attention")):

@@ -8,7 +8,8 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 import torch
 
 from hwkv import ops
-from hwkv.checks import as_int, check_device, check_index_tensor, check_loc, check_scale, check_shape, is_int
+from hwkv.checks import (as_int, as_layer_id, check_device, check_index_tensor, check_loc, check_scale, check_shape,
+                         is_int)
 from hwkv.errors import CapacityError, ConfigError, LocError, MissingSWALocError, ShapeError
 from hwkv.loc import KVWriteLoc, ListRefill, LocRuns
 
@@ -221,8 +222,8 @@ def _layer_ids(name: str, ids: object) -> List[int]:
         raise ConfigError(f"{name}={ids!r} must be a sequence of layer ids (ints >= 0)")
     out = []
     for x in ids:
-        i = as_int(x)
-        if i is None or i < 0:
+        i = as_layer_id(x)
+        if i is None:
             raise ConfigError(f"{name} holds {x!r}: layer ids must be ints >= 0 (AttentionLayer's layer_id)")
         out.append(i)
     return out
