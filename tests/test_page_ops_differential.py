@@ -344,6 +344,27 @@ class PageOpsMachine(RuleBasedStateMachine):
                 s, [row], [self.reqs[row]], frontiers=torch.zeros(1, dtype=I64, device=DEVICE)))
 
     @precondition(lambda self: self.reqs)
+    @rule(pick=st.integers(0, 7), off=st.integers(-9, 9).filter(bool), by_row=st.booleans())
+    def off_grid_frontier(self, pick, off, by_row):
+        """A frontier off the page grid (or negative) in a release batch beside a good row: recorded
+        (ERR_FRONTIER) alike, that row releasing nothing and its frontier kept; then set back."""
+        rows = sorted(self.reqs)
+        row = rows[pick % len(rows)]
+        good = self.frontier(row)
+        bad = good + off if good + off < 0 or (good + off) % self.page else -abs(off)
+        seq = [self.reqs[r] for r in rows]
+        for s in self.sys:
+            s.frontiers[row] = bad
+        if by_row:
+            self.both("release over a bad frontier, by row", lambda s: release_out_of_window_batch(
+                s.a, s.rtt, T(rows), T(seq), s.frontiers, self.window, by_row=True))
+        else:
+            self.both("release over a bad frontier", lambda s: self._release(s, rows, seq))
+        assert self.frontier(row) == bad, "the bad row's frontier moved"
+        for s in self.sys:
+            s.frontiers[row] = good
+
+    @precondition(lambda self: self.reqs)
     @rule(pick=st.integers(0, 7))
     def release_twice_in_one_batch(self, pick):
         """One request named twice in a release batch: each page it passes is dropped twice, with one holder."""

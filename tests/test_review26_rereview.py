@@ -118,7 +118,7 @@ def test_a_padded_lanes_frontier_is_judged_alike_by_every_step_path():
     raise "request row 1's release frontier is negative or not a multiple of page_size 4" (the pad row), the
     one-launch alloc_step records nothing."""
     pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available():
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET=1")
     got = {how: _step_with_a_padded_lane(how, 2) for how in ("torch", "triton three launches", "triton one launch")}
     assert got["torch"][0] == [4, 2]
