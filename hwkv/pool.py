@@ -74,6 +74,12 @@ def check_fits(what: str, nbytes: int, device: torch.device) -> None:
                           f"{free} bytes ({_fmt_bytes(free)}) free")
 
 
+def default_swa_v_head_dim(head_dim: int, v_head_dim: int, swa_head_dim: int) -> int:
+    """The SWA layers' V head dim where none is given: the full layers' V head dim when the SWA layers keep the full
+    layers' K head dim, else their own K head dim (one rule for the pool, ModelShape and a Hugging Face config)."""
+    return v_head_dim if swa_head_dim == head_dim else swa_head_dim
+
+
 def _group_bytes(size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int, v_head_dim: int,
                  layer_num: int) -> int:
     return layer_num * (size + page_size) * head_num * (head_dim + v_head_dim) * dtype.itemsize
@@ -254,7 +260,8 @@ class SWAKVPool:
         self.device = check_device(device)
         swa_h = head_num if swa_head_num is None else swa_head_num
         swa_d = swa_head_dim if swa_head_dim is not None else head_dim
-        swa_vd = swa_v_head_dim if swa_v_head_dim is not None else (v_head_dim if swa_head_dim is None else swa_d)
+        swa_vd = swa_v_head_dim if swa_v_head_dim is not None else default_swa_v_head_dim(
+            head_dim, head_dim if v_head_dim is None else v_head_dim, swa_d)
         full_group = (size, page_size, dtype, head_num, head_dim, len(full_ids), device, v_head_dim)
         swa_group = (size_swa, page_size, dtype, swa_h, swa_d, len(swa_ids), device, swa_vd)
         try:  # sizes of both groups, checked against the device before either allocates

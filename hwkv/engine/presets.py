@@ -11,6 +11,7 @@ from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 from hwkv import checks
 from hwkv.errors import ConfigError
+from hwkv.pool import default_swa_v_head_dim
 
 KV_DTYPE_BYTES: Dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 SINKS_CHOICES = ("none", "all", "swa")
@@ -29,7 +30,8 @@ class LayerGeometry(NamedTuple):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Attention geometry of one model; `swa_*` fields left None take the full layers' values."""
+    """Attention geometry of one model; `swa_*` fields left None take the full layers' values (`swa_v_head_dim`:
+    `hwkv.pool.default_swa_v_head_dim`, the full layers' V head dim unless the SWA K head dim differs)."""
 
     name: str
     layer_is_swa: Tuple[bool, ...]
@@ -56,7 +58,8 @@ class ModelShape:
         s(self, "swa_num_heads", self.num_heads if self.swa_num_heads is None else self.swa_num_heads)
         s(self, "swa_num_kv_heads", self.num_kv_heads if self.swa_num_kv_heads is None else self.swa_num_kv_heads)
         s(self, "swa_head_dim", self.head_dim if self.swa_head_dim is None else self.swa_head_dim)
-        s(self, "swa_v_head_dim", self.swa_head_dim if self.swa_v_head_dim is None else self.swa_v_head_dim)
+        if self.swa_v_head_dim is None:
+            s(self, "swa_v_head_dim", default_swa_v_head_dim(self.head_dim, self.v_head_dim, self.swa_head_dim))
         s(self, "swa_sinks", self.sinks if self.swa_sinks is None else bool(self.swa_sinks))
         self._validate()
 
@@ -277,7 +280,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--swa-heads", type=int, help="query heads of SWA layers (default: --heads)")
     g.add_argument("--swa-kv-heads", type=int, help="KV heads of SWA layers (default: --kv-heads)")
     g.add_argument("--swa-head-dim", type=int, help="K head dim of SWA layers (default: --head-dim)")
-    g.add_argument("--swa-v-head-dim", type=int, help="V head dim of SWA layers (default: --swa-head-dim)")
+    g.add_argument("--swa-v-head-dim", type=int, help="V head dim of SWA layers (default: --v-head-dim where "
+                   "the SWA layers keep --head-dim, else --swa-head-dim)")
     g.add_argument("--logit-cap", type=float, help="attention logit soft-cap (0 = off)")
     g.add_argument("--sinks", choices=SINKS_CHOICES, help="which layers carry attention sinks")
     g.add_argument("--kv-dtype", choices=sorted(KV_DTYPE_BYTES),
@@ -318,9 +322,12 @@ def shape_from_args(args: argparse.Namespace) -> ModelShape:
 
 
 _DERIVED = (("v_head_dim", "head_dim"), ("swa_num_heads", "num_heads"), ("swa_num_kv_heads", "num_kv_heads"),
-            ("swa_head_dim", "head_dim"), ("swa_v_head_dim", "swa_head_dim"), ("swa_sinks", "sinks"))
+            ("swa_head_dim", "head_dim"), ("swa_sinks", "sinks"))
 
 
 def _derived_as_unset(shape: ModelShape) -> Dict[str, None]:
     """The fields that merely copy their default source, as None, so they follow an overridden source."""
-    return {d: None for d, src in _DERIVED if getattr(shape, d) == getattr(shape, src)}
+    unset = {d: None for d, src in _DERIVED if getattr(shape, d) == getattr(shape, src)}
+    if shape.swa_v_head_dim == default_swa_v_head_dim(shape.head_dim, shape.v_head_dim, shape.swa_head_dim):
+        unset["swa_v_head_dim"] = None
+    return unset

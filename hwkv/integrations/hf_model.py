@@ -14,6 +14,7 @@ from hwkv.engine.pools import (CPU_MEMORY_CAP, CPU_MEMORY_FRACTION, DEFAULT_MEMO
                                Cache, PoolPlan, available_ram_bytes, build_cache, default_memory_cap,
                                free_device_bytes, kv_bytes_needed, plan_pools)
 from hwkv.engine.presets import ModelShape
+from hwkv.pool import default_swa_v_head_dim
 from hwkv.errors import ConfigError
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -82,7 +83,7 @@ def model_shape(config: Any, dtype: torch.dtype, name: Optional[str] = None) -> 
                               f"its SWA layers with {multiple} x num_key_value_heads = {multiple * kv_heads}")
         swa_kv_heads = multiple * kv_heads
     swa_head_dim = _positive(cfg, "swa_head_dim") or head_dim
-    swa_v_head_dim = _positive(cfg, "swa_v_head_dim") or (v_head_dim if swa_head_dim == head_dim else swa_head_dim)
+    swa_v_head_dim = _positive(cfg, "swa_v_head_dim") or default_swa_v_head_dim(head_dim, v_head_dim, swa_head_dim)
     kinds = layer_kinds(cfg)
     window = int(cfg.sliding_window) if any(kinds) else 0
     return ModelShape(name=name or model_type, layer_is_swa=kinds, window=window,
