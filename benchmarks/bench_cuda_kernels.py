@@ -2,7 +2,7 @@
 
     python3 benchmarks/bench_cuda_kernels.py --out results.json [--sweep] [--no-check]
         [--layout random|contiguous] [--page-size 16] [--seed 0] [--only all|extend|decode|tree]
-        [--decode-config field=value,... [--rounds N]] [--decode-cells BxC[xW],...]
+        [--decode-config field=value,... [--rounds N]] [--decode-cells BxC[xW],...] [--profile-decode BxC[xW]]
 
 Measures, each as the median over repeats of a CUDA graph replay:
   * device copy bandwidth (4 GiB device-to-device copy, bytes read + written),
@@ -30,6 +30,11 @@ cases rotate over several disjoint KV sets inside one graph so that the L2 cache
 also times each decode case under the config its dispatch picks with those fields changed, beside that config, in
 --rounds interleaved rounds (medians; each variant's ratio to the dispatched config, < 1 faster), with no code edit.
 Prints a Markdown table last and writes every number as JSON to --out.
+--profile-decode BxC[xW] runs only hwkv's decode and cuDNN's SDPA over the same K/V once each (after three warm-up
+calls) between cudaProfilerStart and Stop, for a profiler that starts with profiling off:
+
+    ncu --profile-from-start off --clock-control none --set full python3 benchmarks/bench_cuda_kernels.py \
+        --profile-decode 24x4096
 """
 from __future__ import annotations
 
@@ -789,6 +794,9 @@ def parse_args(argv=None):
                     help="time these decode cells (batch x context [x window]) in place of the recorded ones, e.g. "
                          "8x4096,32x4096,1x32768x128")
     ap.add_argument("--rounds", type=int, default=3, help="--decode-config: interleaved rounds (median reported)")
+    ap.add_argument("--profile-decode", metavar="BxC[xW]",
+                    help="only run hwkv's decode and cuDNN's SDPA on this cell once each between cudaProfilerStart "
+                         "and Stop (for ncu --profile-from-start off)")
     args = ap.parse_args(argv)
     if args.page_size < 1:
         ap.error("--page-size must be at least 1")
@@ -802,6 +810,15 @@ def parse_args(argv=None):
             args.decode_cases = parse_decode_cells(args.decode_cells)
         except ValueError as e:
             ap.error(str(e))
+    args.profile_cell = None
+    if args.profile_decode is not None:
+        try:
+            cells = parse_decode_cells(args.profile_decode)
+        except ValueError as e:
+            ap.error(str(e).replace("--decode-cells", "--profile-decode"))
+        if len(cells) != 1:
+            ap.error(f"--profile-decode {args.profile_decode!r}: one cell (BxC[xW])")
+        args.profile_cell = cells[0]
     args.decode_changes = []
     for spec in args.decode_config or ():
         if args.only not in ("all", "decode"):
@@ -813,10 +830,36 @@ def parse_args(argv=None):
     return args
 
 
+def profile_decode(bs, ctx, window):
+    """hwkv's decode and cuDNN's SDPA over the same K/V, once each between cudaProfilerStart and Stop (three
+    warm-up calls of each first, so the profile sees neither compiling nor the first launch)."""
+    s = DecodeSetup(bs, ctx, window)
+    cfg = s.config()
+    ws = make_decode_workspace(bs, H, D, decode_num_splits(bs, KVH, s.list_len, DEV, cfg, head_dim=D), DEV)
+    q4, (k, v) = s.q.view(bs, H, 1, D), s.dense[0]
+
+    def cudnn():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            F.scaled_dot_product_attention(q4, k, v, scale=1 / 8, enable_gqa=True)
+    for _ in range(3):
+        s.run(0, cfg, ws)
+        cudnn()
+    torch.cuda.synchronize()
+    print(f"decode {bs} x {ctx}" + (f" W={window}" if window else "") + f": {cfg}", flush=True)
+    torch.cuda.profiler.start()
+    s.run(0, cfg, ws)
+    cudnn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
 def main():
     args = parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_cuda_kernels needs a CUDA GPU")
+    if args.profile_cell is not None:
+        profile_decode(*args.profile_cell[:3])
+        return
     torch.manual_seed(args.seed)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layout": args.layout,
               "page_size": args.page_size, "seed": args.seed, "peak_bf16_tflops": H200_BF16_TFLOPS,

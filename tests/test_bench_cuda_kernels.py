@@ -163,6 +163,16 @@ def test_decode_cells_replace_the_recorded_cases(bench):
             bench.parse_args(bad)
 
 
+def test_profile_decode_takes_one_cell(bench):
+    """--profile-decode BxC[xW]: the one cell the profiler target runs; a bad or second cell is a usage error."""
+    assert bench.parse_args([]).profile_cell is None
+    assert bench.parse_args(["--profile-decode", "24x4096"]).profile_cell == (24, 4096, None, False)
+    assert bench.parse_args(["--profile-decode", "1x32768x128"]).profile_cell == (1, 32768, 128, False)
+    for bad in (["--profile-decode", "24x"], ["--profile-decode", "1x4096,2x4096"], ["--profile-decode", ""]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
 def test_decode_variants_are_timed_in_interleaved_rounds_beside_the_dispatched_config(bench):
     """time_variants: each round times the dispatched config, then every variant; medians and the ratio to the
     dispatched config's; a variant that fails is a result row and the others still run."""
