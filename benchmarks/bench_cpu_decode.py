@@ -89,6 +89,11 @@ def decode_case(args, dtype: torch.dtype, label: str, with_naive: bool, with_fp3
              and label in name else None) for name, t in times.items()]
 
 
+def extend_repeats(args: argparse.Namespace) -> int:
+    """The extend rows' repeats: a third of --repeats, at least 3 (an extend case takes ~15x a decode case's time)."""
+    return max(3, args.repeats // 3)
+
+
 def extend_case(args) -> List[Tuple]:
     r, new, pre, h, kvh, d = args.ext_requests, args.ext_new, args.ext_prefix, args.heads, args.kv_heads, args.head_dim
     label = args.ext_dtype
@@ -116,7 +121,7 @@ def extend_case(args) -> List[Tuple]:
     err = (ours().float() - sdpa().float()).abs().max().item()
     sdpa_name = f"torch SDPA dense, causal mask ({label})"
     fns = {f"hwkv paged ({label} pool)": ours, sdpa_name: sdpa}
-    times = interleaved(fns, max(3, args.repeats // 3))
+    times = interleaved(fns, extend_repeats(args))
     ref = statistics.median(times[sdpa_name])
     case = f"extend {r} x {new} new over {pre} prefix, {label}"
     return [(case, name, statistics.median(t), min(t), statistics.median(t) / ref, err if name.startswith("hwkv")
@@ -179,7 +184,7 @@ def main() -> None:
           f"{torch.get_num_threads()} threads ({torch.backends.cpu.get_cpu_capability()})")
     print(f"hwkv_cpu path: {path} ({why})")
     print(f"heads {args.heads} / KV heads {args.kv_heads}, head dim {args.head_dim}; page size 1, random slots; "
-          f"{args.repeats} interleaved repeats; load average {load0[0]:.1f} before, "
+          f"{args.repeats} interleaved repeats (extend: {extend_repeats(args)}); load average {load0[0]:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after ({time.time() - t0:.0f} s)\n")
     print("| case | implementation | median ms | min ms | / SDPA (median) | max abs diff vs SDPA |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")

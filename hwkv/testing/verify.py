@@ -209,7 +209,8 @@ def run_verify(args: argparse.Namespace) -> int:
             for test, (outcome, msg) in results.items()]
     _print_table(name, rows)
     failed = sum(r[1] == "FAIL" for r in rows)
-    print(f"{len(rows) - failed}/{len(rows)} contract checks passed on {name}")
+    passed, skipped = sum(r[1] == "PASS" for r in rows), sum(r[1] == "SKIP" for r in rows)
+    print(f"{passed}/{len(rows)} contract checks passed on {name}" + (f", {skipped} skipped" if skipped else ""))
     return 0 if failed == 0 and code == 0 else 1
 
 
