@@ -55,10 +55,9 @@ def make_backend(pool: Any, req_to_token_pool: Any, device: Union[None, str, Any
                 raise DeviceError(f"no available device plugin serves pools on {pool_type!r}")
             spec = max(matching, key=lambda s: s.priority)
     elif isinstance(device, str):
-        specs = devices.discover()
-        if device not in specs:
-            raise DeviceError(f"unknown device {device!r}; known devices: {sorted(specs)}")
-        spec = specs[device]
+        spec = devices.discover(only=device).get(device)   # its own plugin only: another's failure cannot block it
+        if spec is None:
+            raise DeviceError(f"unknown device {device!r}; known devices: {sorted(devices.discover())}")
     elif isinstance(device, devices.DeviceSpec):
         spec = device
     else:

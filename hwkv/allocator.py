@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from hwkv.checks import as_int, check_device, check_int_dtype, check_loc, is_bool, is_int
+from hwkv.checks import as_int, check_device, check_flag, check_int_dtype, check_loc, is_bool, is_int
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, LocError, NotAllocatedError, OutOfSlotsError
 from hwkv.pages import ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_SWA_RELEASED, NEVER, PageRing, page_ops_for
@@ -52,6 +52,8 @@ def _host_ints(name: str, x: IntsLike, host: Optional[torch.Tensor] = None) -> n
     if not isinstance(x, torch.Tensor):
         _count(name, x)
     if host is not None:
+        if not isinstance(host, torch.Tensor):
+            raise LocError(f"{name}'s host copy must be a CPU tensor, got {type(host).__name__} {host!r}")
         check_int_dtype(f"{name}'s host copy", host)
         if host.numel() != _count(name, x):  # (the steps size from the host copy, the kernels read x)
             raise LocError(f"{name} has {_count(name, x)} entries, its host copy {host.numel()}")
@@ -59,6 +61,8 @@ def _host_ints(name: str, x: IntsLike, host: Optional[torch.Tensor] = None) -> n
     if isinstance(x, torch.Tensor):
         if x.dtype == I64 and x.dim() == 1 and x.device.type == "cpu" and not x.requires_grad:
             return x.numpy()  # already what the general path would give (a view): one call
+        if x.is_meta:
+            raise LocError(f"{name} is on meta: it holds no values to read")
         return x.reshape(-1).to("cpu", I64).numpy()
     try:
         values = [operator.index(v) for v in x]  # int(6.9) would be 6
@@ -101,10 +105,18 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 1 else t.reshape(-1)
 
 
-def _check_loc_tensor(loc: object) -> torch.Tensor:
+def _check_loc_tensor(loc: object, device: torch.device) -> torch.Tensor:
+    """loc as a flat int64 tensor on the allocator's device or the CPU (a meta tensor holds no values)."""
     if not isinstance(loc, torch.Tensor) or loc.dtype != I64:
         raise LocError(f"loc must be an int64 tensor, got {getattr(loc, 'dtype', type(loc).__name__)}")
+    _check_device("loc", loc, device)
     return _flat(loc)
+
+
+def _check_device(name: str, x: object, device: torch.device) -> None:
+    """A tensor argument is on the allocator's device or the CPU (host copies): a LocError naming both otherwise."""
+    if isinstance(x, torch.Tensor) and x.device.type not in ("cpu", device.type):
+        raise LocError(f"{name} is on {x.device}, the allocator is on {device}")
 
 
 class _Batch:
@@ -234,9 +246,9 @@ class PagedTokenToKVPoolAllocator:
         """`need_size` slots in whole pages (a multiple of page_size), pages in ring order. An integer (Python or numpy,
         as `reserve` takes), never a bool (True had taken one slot at page_size 1) or a tensor (a device read)."""
         n = _count_arg(need_size)
-        if n is None or n < 0 or n % self.page_size:
+        if n is None or n < 0 or n % self.page_size or n >= 2 ** 63:
             raise ConfigError(f"alloc({need_size!r}) must be a non-negative multiple of page_size={self.page_size} "
-                              "(a Python or numpy int; a bool is no count)")
+                              "below 2**63 (a Python or numpy int; a bool is no count)")
         return self.alloc_extend([0], [n], [0], n)
 
     def alloc_extend(self, prefix_lens: IntsLike, seq_lens: IntsLike, last_loc: IntsLike, extend_num_tokens: int, *,
@@ -246,6 +258,8 @@ class PagedTokenToKVPoolAllocator:
 
         Device tensors need their host copies (`*_cpu`) to stay free of host syncs; lists work too.
         """
+        for name, x in (("prefix_lens", prefix_lens), ("seq_lens", seq_lens), ("last_loc", last_loc)):
+            _check_device(name, x, self.device)
         pre_cpu = _host_ints("prefix_lens", prefix_lens, prefix_lens_cpu)
         seq_cpu = _host_ints("seq_lens", seq_lens, seq_lens_cpu)
         n_last = _count("last_loc", last_loc)
@@ -267,6 +281,8 @@ class PagedTokenToKVPoolAllocator:
 
         At page size 1 nothing is read from the device even without `seq_lens_cpu`.
         """
+        _check_device("seq_lens", seq_lens, self.device)
+        _check_device("last_loc", last_loc, self.device)
         bs, n_last = _count("seq_lens", seq_lens), _count("last_loc", last_loc)
         if n_last != bs:
             raise LocError(f"seq_lens ({bs}) and last_loc ({n_last}) must have one entry per request")
@@ -507,16 +523,20 @@ class PagedTokenToKVPoolAllocator:
         it still has one (a holder passes False for pages its out-of-window release already dropped);
         pages reaching 0 go back. With False, a page whose last full reference goes while its SWA page is still
         held is refused (LocError before any change; deferred: recorded as ERR_SWA_HELD, the page skipped)."""
+        if with_swa is not True and with_swa is not False:   # a truthy "no" would drop the SWA references
+            check_flag("with_swa", with_swa)
         self._change(loc, -1, -1 if with_swa else 0)
 
     def share(self, loc: torch.Tensor, with_swa: bool = True, *, checked: bool = False) -> None:
         """Take one more reference to each live full page holding `loc` and, with `with_swa`, to its SWA
         page (which must be there): a cached prefix or a second request now holds them too. `checked`: the
         caller ran `check_share` over these pages (or more) since the last change, so it is not run again."""
+        if with_swa is not True and with_swa is not False:
+            check_flag("with_swa", with_swa)
         self._change(loc, 1, 1 if with_swa else 0, checked)
 
     def _change(self, loc: torch.Tensor, full_delta: int, swa_delta: int, checked: bool = False) -> None:
-        loc = _check_loc_tensor(loc)
+        loc = _check_loc_tensor(loc, self.device)
         if loc.numel() == 0:
             return
         pages = None
@@ -574,7 +594,7 @@ class PagedTokenToKVPoolAllocator:
         checked whole before the first (CPU, HWKV_DEBUG=1; with deferred checks the device op records it, unless
         `host_too` and `shares_checkable`). A loc whose page is not live is named as such (NotAllocatedError `loc
         ... is not live`), where `share` itself still raises the free's DoubleFreeError."""
-        loc = _check_loc_tensor(loc)
+        loc = _check_loc_tensor(loc, self.device)
         if (self.shares_checkable if host_too else self.immediate) and loc.numel():
             self._check_free(loc, swa_required=with_swa and self._swa is not None, sharing=True, not_live=True)
 
@@ -713,11 +733,15 @@ class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
 
     def __init__(self, size: int, size_swa: int, page_size: int, device: Union[str, torch.device],
                  kvcache: object) -> None:
+        if kvcache is not None and not callable(getattr(kvcache, "register_mapping", None)):
+            raise ConfigError(f"kvcache must be a pool (SWAKVPool, or one with register_mapping) or None, got "
+                              f"{type(kvcache).__name__}")
         _check_pool_device(check_device(device), kvcache)  # before its table replaces the pool's
+        if all(map(is_int, (size, size_swa, page_size))):  # before any ring is made (else the constructor refuses)
+            _check_fits_pool(size, size_swa, page_size, kvcache)
         super().__init__(size, page_size, device, "full")
         if not is_int(size_swa) or size_swa < 0 or size_swa % page_size:
             raise ConfigError(f"size_swa={size_swa} must be a non-negative multiple of page_size={page_size}")
-        _check_fits_pool(size, size_swa, page_size, kvcache)
         self.size_swa = size_swa
         self.swa_attn_allocator = PagedTokenToKVPoolAllocator(size_swa, page_size, device, "SWA")
         self._ring_set = (self.pages, self.swa_attn_allocator.pages)

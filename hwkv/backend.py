@@ -25,6 +25,7 @@ from hwkv.env import HWKV_DEBUG
 from hwkv.errors import CapacityError, ConfigError, EvictedSlotError, MissingSWALocError, ShapeError
 from hwkv.layer import AttentionLayer, check_sink_values, storage_key
 from hwkv.loc import KVWriteLoc, ListRefill, LocRuns, SWALocCache
+from hwkv.pool import check_memory_fits
 from hwkv.metadata import (ForwardMetadata, GraphViews, KeptRange, KVIndexList, LayerOutputs, StaticBuffers,
                            aligned_width, alloc_static, check_fits, cumsum_into, fill_list, window_pos0)
 from hwkv.spec_plan import TreePlanner
@@ -181,6 +182,9 @@ class AttentionBackend(DraftMetadataMixin):
     # ---- eager metadata ----------------------------------------------------------------------
     def init_forward_metadata(self, batch: ForwardBatch) -> ForwardMetadata:
         """Translate the write locs once and build every index list once, for any forward mode."""
+        if not isinstance(batch, ForwardBatch):
+            raise ConfigError(f"batch must be a ForwardBatch, got {type(batch).__name__}")
+        batch.check_devices(self.device)
         if not isinstance(batch.forward_mode, ForwardMode):  # e.g. "decode": its methods are missing below
             members = ", ".join(f"ForwardMode.{m}" for m in ForwardMode.__members__)
             raise ConfigError(f"batch.forward_mode is {batch.forward_mode!r} ({type(batch.forward_mode).__name__}), "
@@ -418,6 +422,9 @@ class AttentionBackend(DraftMetadataMixin):
                               "static lists hold) or None (req_to_token's width)")
         max_bs, max_num_tokens = bs, tokens
         st = self.static
+        if st is None:   # the full list alone is max_bs x context int64s: sized before anything is allocated
+            check_memory_fits(f"graph state (max_bs={bs}, max_num_tokens={tokens}, context {ctx})",
+                              8 * (bs * ctx + 4 * tokens), self.device, "its static lists")
         if st is not None:
             # graphs already captured point into these buffers: reallocating them would leave
             # those graphs reading freed memory, so a second runner (e.g. verify beside decode) shares them
@@ -448,12 +455,15 @@ class AttentionBackend(DraftMetadataMixin):
         st = self.static
         if st is None:
             raise ConfigError("init_graph_state(max_bs, max_num_tokens) must run before graph metadata")
+        if not isinstance(batch, ForwardBatch):
+            raise ConfigError(f"batch must be a ForwardBatch, got {type(batch).__name__}")
         bs, n = batch.batch_size, batch.num_tokens
         tree_size = self.tree_planner.check(batch, None)  # before the refill: a refused tree changes no buffer
         check_fits("batch size", bs, st.max_bs)
         check_fits("tokens", n, st.max_num_tokens)
         self._check_graph_context(batch.checkable_seq_lens())
         self._check_graph_lens(batch)
+        batch.check_devices(self.device)   # (after the host-copy checks, which read no batch tensor)
         if max_q_len is not None and (isinstance(max_q_len, bool) or not isinstance(max_q_len, int) or max_q_len < 1):
             raise ConfigError(f"max_q_len={max_q_len!r} must be an int >= 1")
         decode = batch.forward_mode.is_decode_or_idle()
@@ -631,12 +641,19 @@ class AttentionBackend(DraftMetadataMixin):
         md = self.forward_metadata
         if md is None:
             raise ConfigError("init_forward_metadata(batch) must run before forward")
+        if save_kv_cache is not True and save_kv_cache is not False:   # a truthy "no" would write
+            check_flag("save_kv_cache", save_kv_cache)
         t = batch.num_tokens
-        h, kvh, d, dv = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.v_head_dim
+        try:   # (attribute reads: a try costs nothing where they succeed)
+            h, kvh, d, dv = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.v_head_dim
+        except AttributeError:
+            raise ConfigError(f"layer must be an AttentionLayer, got {type(layer).__name__}") from None
         # every check before the K/V write: attribute compares only (the group's geometry read once per layer id)
         geo = self._layer_geometry.get(layer.layer_id) or self._read_geometry(layer)
         if (kvh, d, dv) != geo[0]:
             self._refuse_geometry(layer, geo[0])
+        if not isinstance(q, torch.Tensor):
+            raise ShapeError(f"q must be a torch.Tensor, got {type(q).__name__}")
         if q.dim() == 2:
             if q.shape != (t, h * d):
                 check_shape("q", q, (t, h * d))
@@ -664,8 +681,9 @@ class AttentionBackend(DraftMetadataMixin):
             self._refuse_list(layer, md, save_kv_cache and geo[2])
             raise
         if save_kv_cache:
-            if k is None or v is None:
-                raise ShapeError(f"layer {layer.layer_id}: save_kv_cache=True needs k and v")
+            if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+                raise ShapeError(f"layer {layer.layer_id}: save_kv_cache=True needs k and v tensors, got "
+                                 f"{type(k).__name__} and {type(v).__name__}")
             if k.dim() == 2:
                 if k.shape != (t, kvh * d):
                     check_shape("k", k, (t, kvh * d))

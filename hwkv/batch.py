@@ -9,7 +9,7 @@ from typing import Any, List, Optional
 import torch
 
 from hwkv.checks import as_int, check_int_dtype, check_rows, values_checkable
-from hwkv.errors import ConfigError, ShapeError
+from hwkv.errors import ConfigError, LocError, ShapeError
 
 
 class ForwardMode(enum.IntEnum):
@@ -82,8 +82,8 @@ class ForwardBatch:
         if bs is None or bs < 0:
             raise ShapeError(f"batch_size must be an integer >= 0 (the number of requests), got {self.batch_size!r}")
         self.batch_size = bs  # numpy and 0-d tensor integers become ints
-        for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "extend_seq_lens", "seq_lens_cpu",
-                     "extend_seq_lens_cpu"):   # a list here would fail below as an AttributeError
+        for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "extend_seq_lens", "extend_prefix_lens",
+                     "seq_lens_cpu", "extend_seq_lens_cpu"):   # a list here would fail below as an AttributeError
             t = getattr(self, name)
             if not (isinstance(t, torch.Tensor) or (t is None and name not in _REQUIRED)):
                 raise ShapeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -94,7 +94,8 @@ class ForwardBatch:
             raise ShapeError(f"IDLE is a forward without requests: batch_size is {self.batch_size} and out_cache_loc "
                              f"has {self.out_cache_loc.shape[0]} entries, both must be 0")
         # shapes only (host attributes): the values are checked where host copies exist (init_forward_metadata)
-        for name in ("req_pool_indices", "seq_lens", "extend_seq_lens", "seq_lens_cpu", "extend_seq_lens_cpu"):
+        for name in ("req_pool_indices", "seq_lens", "extend_seq_lens", "extend_prefix_lens", "seq_lens_cpu",
+                     "extend_seq_lens_cpu"):
             t = getattr(self, name)
             if t is not None and (t.dim() != 1 or t.shape[0] != self.batch_size):
                 got = f"{t.shape[0]} entries" if t.dim() == 1 else f"shape {list(t.shape)}"
@@ -112,6 +113,15 @@ class ForwardBatch:
             per = "one token" if steps == 1 else f"{steps} tokens (MultiStepDraft)"
             raise ShapeError(f"DECODE writes {per} per request: out_cache_loc has "
                              f"{self.out_cache_loc.shape[0]} entries, batch_size is {self.batch_size}")
+
+    def check_devices(self, device: torch.device) -> None:
+        """The batch's tensors are on the backend's device or the CPU (host copies): a LocError naming the device
+        otherwise (a meta tensor holds no values; another device's cannot be indexed), before any is read."""
+        for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "extend_seq_lens", "extend_prefix_lens",
+                     "positions"):
+            t = getattr(self, name)
+            if t is not None and t.device.type not in ("cpu", device.type):
+                raise LocError(f"{name} is on {t.device}, the backend is on {device}")
 
     @property
     def num_tokens(self) -> int:

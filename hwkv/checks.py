@@ -64,6 +64,8 @@ def check_window(window: Any) -> int:
     w = as_int(window)
     if w is None:
         raise ConfigError(f"window={window!r} must be an integer (the model's sliding_window W; None or 0: no window)")
+    if w >= 2 ** 63:   # positions are int64: such a window covers every list, and numpy/torch cannot hold it
+        raise ConfigError(f"window={w} must be below 2**63 (positions are int64)")
     return max(w, 0)
 
 

@@ -70,7 +70,7 @@ class DeviceSpec:
     attention_path: str = ""
 
     def __post_init__(self) -> None:
-        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+        if not isinstance(self.name, str) or not self.name.replace("_", "").replace("-", "").isalnum():
             raise ConfigError(f"DeviceSpec.name must be a non-empty word, got {self.name!r}")
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             raise ConfigError(f"DeviceSpec {self.name!r}: priority must be an int, got {self.priority!r}")
@@ -80,7 +80,7 @@ class DeviceSpec:
                                        ("graph_adapter", self.graph_adapter, True),
                                        ("layer_paths", self.layer_paths, True),
                                        ("attention_path", self.attention_path, True)):
-            if not (optional and value == "") and value.count(":") != 1:
+            if not isinstance(value, str) or (not (optional and value == "") and value.count(":") != 1):
                 raise ConfigError(f"DeviceSpec {self.name!r}: {field} must be 'module:attr'"
                                   f"{' or empty' if optional else ''}, got {value!r}")
 
@@ -189,11 +189,15 @@ def _checked(obj: Any, name: str, origin: str) -> DeviceSpec:
     return obj
 
 
-def discover() -> dict[str, DeviceSpec]:
-    """Every known device: entry points of `hwkv.devices`, in-tree specs not installed, registered specs."""
+def discover(only: Optional[str] = None) -> dict[str, DeviceSpec]:
+    """Every known device: entry points of `hwkv.devices`, in-tree specs not installed, registered specs. `only`:
+    that device's alone (a device named or forced: no other plugin is loaded, so one that fails to import cannot
+    keep it from being used)."""
     specs: dict[str, DeviceSpec] = {}
     seen: dict[str, tuple[str, str]] = {}  # name -> (entry-point value, origin)
     for ep in _entry_points():
+        if only is not None and ep.name != only:
+            continue
         dist = getattr(ep, "dist", None)
         origin = f"{ep.value!r} from {dist.name if dist is not None else 'an unknown distribution'}"
         if ep.name in seen:
@@ -208,10 +212,19 @@ def discover() -> dict[str, DeviceSpec]:
         specs[ep.name] = _checked(obj, ep.name, origin)
         seen[ep.name] = (ep.value, origin)
     for name, target in IN_TREE.items():
-        if name not in specs:
+        if name not in specs and only in (None, name):
             specs[name] = _checked(import_string(target, f"in-tree device {name!r}"), name, repr(target))
-    specs.update(_REGISTERED)
+    specs.update((n, s) for n, s in _REGISTERED.items() if only in (None, n))
     return specs
+
+
+def named(name: str) -> DeviceSpec:
+    """The device `name`, loading only its own plugin where it is known and available; otherwise what `select`
+    says of it over every device (unknown, or unavailable, with the known and available ones named)."""
+    spec = discover(only=name).get(name)
+    if spec is not None and spec.unavailable_reason() is None:
+        return spec
+    return select(discover(), name)
 
 
 def report(specs: dict[str, DeviceSpec], show_probe_errors: bool = False) -> list[tuple[DeviceSpec, Optional[str]]]:
@@ -261,8 +274,9 @@ def select(specs: dict[str, DeviceSpec], forced: Optional[str] = None) -> Device
 
 
 def resolve_current_device() -> DeviceSpec:
-    """Discover and select now (uncached), honouring `HWKV_DEVICE`."""
-    return select(discover(), HWKV_DEVICE.get().strip() or None)
+    """Discover and select now (uncached), honouring `HWKV_DEVICE` (a forced device loads only its own plugin)."""
+    forced = HWKV_DEVICE.get().strip() or None
+    return named(forced) if forced else select(discover())
 
 
 @functools.lru_cache(maxsize=1)

@@ -66,12 +66,27 @@ def device_free_bytes(device: Union[str, torch.device], meminfo: str = "/proc/me
         return None
 
 
-def check_fits(what: str, nbytes: int, device: torch.device) -> None:
+def check_memory_fits(what: str, nbytes: int, device: torch.device, holding: str = "its K/V buffers") -> None:
     """ConfigError before allocating `nbytes` on `device` when it has less free (what it needs vs has)."""
     free = device_free_bytes(device)
     if free is not None and nbytes > free:
-        raise ConfigError(f"{what} needs {nbytes} bytes ({_fmt_bytes(nbytes)}) for its K/V buffers; {device} has "
+        raise ConfigError(f"{what} needs {nbytes} bytes ({_fmt_bytes(nbytes)}) for {holding}; {device} has "
                           f"{free} bytes ({_fmt_bytes(free)}) free")
+
+
+_NOT_A_LAYER = "layer must be an attention layer with a layer_id (hwkv.AttentionLayer), got {}"
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' bytes overlap (same storage, intersecting spans)."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t: torch.Tensor) -> Tuple[int, int]:
+        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def default_swa_v_head_dim(head_dim: int, v_head_dim: int, swa_head_dim: int) -> int:
@@ -106,7 +121,7 @@ class MHATokenToKVPool:
         self.layer_num = layer_num
         self.device = check_device(device)
         if not _prechecked:
-            check_fits(f"MHATokenToKVPool(size={size}, {layer_num} layers)", _group_bytes(
+            check_memory_fits(f"MHATokenToKVPool(size={size}, {layer_num} layers)", _group_bytes(
                 size, page_size, dtype, head_num, head_dim, self.v_head_dim, layer_num), self.device)
         self.kv_dtypes = writable_dtypes(dtype)
         rows = size + page_size  # slot 0 (page 0) is the padding slot
@@ -161,7 +176,10 @@ class MHATokenToKVPool:
         """
         if isinstance(loc, KVWriteLoc):
             loc = loc.loc
-        layer_id = self._layer(layer_id_override if layer_id_override is not None else layer.layer_id)
+        try:
+            layer_id = self._layer(layer_id_override if layer_id_override is not None else layer.layer_id)
+        except AttributeError:
+            raise ConfigError(_NOT_A_LAYER.format(type(layer).__name__)) from None
         if torch.compiler.is_compiling() or loc is not self._checked_loc:
             check_loc(self.loc_name, loc, self.size + self.page_size, self._buffer_device)
         n, dev, dtypes = loc.shape[0], self._buffer_device, self.kv_dtypes
@@ -269,7 +287,7 @@ class SWAKVPool:
                          for n, p, dt, h, d, layers, _, vd in (full_group, swa_group))
         except (TypeError, RuntimeError, AttributeError):
             nbytes = 0  # a bad argument: the group's own checks below name it
-        check_fits(f"SWAKVPool(size={size}, size_swa={size_swa}, {len(full_ids)} full + {len(swa_ids)} SWA layers)",
+        check_memory_fits(f"SWAKVPool(size={size}, size_swa={size_swa}, {len(full_ids)} full + {len(swa_ids)} SWA layers)",
                    nbytes, self.device)
         self.full_kv_pool = MHATokenToKVPool(*full_group, _prechecked=True)
         self.swa_kv_pool = MHATokenToKVPool(*swa_group, _prechecked=True)
@@ -341,6 +359,9 @@ class SWAKVPool:
                       ndim=None if out is None else 1)
         if out is None:
             return mapping[loc]
+        if not torch.compiler.is_compiling() and _overlap(loc, out):
+            raise LocError("out= overlaps loc: the translation gathers from loc while it writes out (give a buffer of "
+                           "its own)")
         n, cap = loc.shape[0], out.shape[0]
         if cap < n:
             raise CapacityError(f"{n} locs do not fit out= of {cap} entries")
@@ -384,6 +405,8 @@ class SWAKVPool:
             loc = loc.loc
         try:
             local, is_swa = self.layers_mapping[layer.layer_id]
+        except AttributeError:
+            raise ConfigError(_NOT_A_LAYER.format(type(layer).__name__)) from None
         except KeyError:
             raise ConfigError(f"layer_id {layer.layer_id!r} is in neither group of the pool; its layer ids are "
                               f"{sorted(self.layers_mapping)}") from None

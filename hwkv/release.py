@@ -120,6 +120,10 @@ def _check_release(a: SWATokenToKVPoolAllocator, rtt: torch.Tensor, rows: torch.
     if f.min() < 0 or r.min() < 0 or r.max() >= rtt.shape[0] or s.max() > rtt.shape[1]:
         raise LocError(f"a request row is outside [0, {rtt.shape[0]}), a length beyond {rtt.shape[1]} "
                        "or a frontier negative")
+    if s.min() < 0 or (f > s).any():   # a frontier past its length releases nothing, ever: its pages would leak
+        i = int(np.argmax((s < 0) | (f > s)))
+        raise LocError(f"request row {int(r[i])}: frontier {int(f[i])} must be in [0, seq_len {int(s[i])}] and the "
+                       "length >= 0")
     dead = s - window + 1
     new_f = np.maximum(f, np.maximum((dead // p) * p - p, 0))
     cnt = (new_f - f) // p
@@ -182,12 +186,19 @@ def _release_on_host(swa: PageRing, mapping: torch.Tensor, new_f: np.ndarray, fp
 def release_out_of_window(allocator: SWATokenToKVPoolAllocator, token_row: torch.Tensor, seq_len: int,
                           frontier: int, window: int) -> int:
     """One request's out-of-window release (see `release_out_of_window_batch`); returns the new frontier."""
+    if not isinstance(allocator, SWATokenToKVPoolAllocator):
+        raise ConfigError(f"allocator must be a SWATokenToKVPoolAllocator, got {type(allocator).__name__}")
+    if not isinstance(token_row, torch.Tensor) or token_row.dim() != 1:
+        shape = list(token_row.shape) if isinstance(token_row, torch.Tensor) else type(token_row).__name__
+        raise LocError(f"token_row must be one request's req_to_token row (a 1-D tensor), got {shape}")
     p = allocator.page_size
     if not check_window(window):
         return frontier
     for name, value in (("frontier", frontier), ("seq_len", seq_len)):
         if as_int(value) is None:
             raise LocError(f"{name} {value!r} must be an integer")
+        if not -2 ** 63 <= as_int(value) < 2 ** 63:
+            raise LocError(f"{name} {value} must fit int64 (below 2**63)")
     if frontier % p:
         raise LocError(f"frontier {frontier} is not a multiple of page_size {p}")
     dev = allocator.device

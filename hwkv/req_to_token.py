@@ -10,6 +10,7 @@ import torch
 
 from hwkv.checks import as_int, check_device, check_int_dtype
 from hwkv.errors import ConfigError, DoubleFreeError, LocError, OutOfSlotsError
+from hwkv.pool import check_memory_fits
 from hwkv.torch_page_ops import I64
 
 
@@ -21,6 +22,7 @@ class ReqToTokenPool:
         if n is None or ctx is None or n < 1 or ctx < 1:
             raise ConfigError(f"size={size!r} and max_context_len={max_context_len!r} must be integers >= 1")
         self.size, self.max_context_len, self.device = n, ctx, check_device(device)
+        check_memory_fits(f"ReqToTokenPool(size={n}, max_context_len={ctx})", 8 * n * ctx, self.device, "its table")
         self.req_to_token = torch.zeros(n, ctx, dtype=I64, device=self.device)
         self._free = list(range(n - 1, -1, -1))
         self._free_set = set(self._free)  # (a free checks against it: no set of the whole list built per call)
@@ -70,6 +72,8 @@ class ReqToTokenPool:
             got = f"shape {list(locs.shape)}" if isinstance(locs, torch.Tensor) else type(locs).__name__
             raise LocError(f"locs must be a 1-D tensor, got {got}")
         check_int_dtype("locs", locs)
+        if locs.device.type not in ("cpu", self.device.type):
+            raise LocError(f"locs is on {locs.device}, the table is on {self.device}")
         if as_int(start) is None:
             raise LocError(f"start {start!r} of a write to request row {row} must be an integer")
         end = start + int(locs.shape[0])

@@ -320,6 +320,10 @@ def test_release_frontier_formula_by_hand(page, window, seq, expect):
     m = a.full_to_swa_index_mapping
     assert (m[loc[:expect]] == 0).all() and (m[loc[expect:]] > 0).all()
     ahead = torch.tensor([expect + page])                 # a frontier already past the formula stays
+    if expect + page > seq:   # ... where it is still within the length: past it, it is refused (it would leak)
+        with pytest.raises(LocError, match="must be in"):
+            release_out_of_window_batch(a, rows, torch.tensor([0]), torch.tensor([seq]), ahead, window)
+        return
     release_out_of_window_batch(a, rows, torch.tensor([0]), torch.tensor([seq]), ahead, window)
     assert int(ahead[0]) == expect + page
 
