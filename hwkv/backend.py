@@ -652,9 +652,11 @@ class AttentionBackend(DraftMetadataMixin):
         geo = self._layer_geometry.get(layer.layer_id) or self._read_geometry(layer)
         if (kvh, d, dv) != geo[0]:
             self._refuse_geometry(layer, geo[0])
-        if not isinstance(q, torch.Tensor):
-            raise ShapeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-        if q.dim() == 2:
+        try:
+            q_dim = q.dim()
+        except AttributeError:
+            raise ShapeError(f"q must be a torch.Tensor, got {type(q).__name__}") from None
+        if q_dim == 2:
             if q.shape != (t, h * d):
                 check_shape("q", q, (t, h * d))
             q = q.view(t, h, d)
@@ -681,14 +683,16 @@ class AttentionBackend(DraftMetadataMixin):
             self._refuse_list(layer, md, save_kv_cache and geo[2])
             raise
         if save_kv_cache:
-            if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+            try:
+                k_dim, v_dim = k.dim(), v.dim()
+            except AttributeError:
                 raise ShapeError(f"layer {layer.layer_id}: save_kv_cache=True needs k and v tensors, got "
-                                 f"{type(k).__name__} and {type(v).__name__}")
-            if k.dim() == 2:
+                                 f"{type(k).__name__} and {type(v).__name__}") from None
+            if k_dim == 2:
                 if k.shape != (t, kvh * d):
                     check_shape("k", k, (t, kvh * d))
                 k = k.view(t, kvh, d)
-            if v.dim() == 2:
+            if v_dim == 2:
                 if v.shape != (t, kvh * dv):
                     check_shape("v", v, (t, kvh * dv))
                 v = v.view(t, kvh, dv)
