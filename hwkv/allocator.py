@@ -23,7 +23,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from hwkv.checks import as_int, check_device, check_flag, check_int_dtype, check_loc, is_bool, is_int
+from hwkv.checks import (as_int, check_device, check_flag, check_int_dtype, check_loc, check_on_device, is_bool,
+                         is_int)
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, LocError, NotAllocatedError, OutOfSlotsError
 from hwkv.pages import ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_SWA_RELEASED, NEVER, PageRing, page_ops_for
@@ -109,14 +110,8 @@ def _check_loc_tensor(loc: object, device: torch.device) -> torch.Tensor:
     """loc as a flat int64 tensor on the allocator's device or the CPU (a meta tensor holds no values)."""
     if not isinstance(loc, torch.Tensor) or loc.dtype != I64:
         raise LocError(f"loc must be an int64 tensor, got {getattr(loc, 'dtype', type(loc).__name__)}")
-    _check_device("loc", loc, device)
+    check_on_device("loc", loc, device, "allocator")
     return _flat(loc)
-
-
-def _check_device(name: str, x: object, device: torch.device) -> None:
-    """A tensor argument is on the allocator's device or the CPU (host copies): a LocError naming both otherwise."""
-    if isinstance(x, torch.Tensor) and x.device.type not in ("cpu", device.type):
-        raise LocError(f"{name} is on {x.device}, the allocator is on {device}")
 
 
 class _Batch:
@@ -259,7 +254,7 @@ class PagedTokenToKVPoolAllocator:
         Device tensors need their host copies (`*_cpu`) to stay free of host syncs; lists work too.
         """
         for name, x in (("prefix_lens", prefix_lens), ("seq_lens", seq_lens), ("last_loc", last_loc)):
-            _check_device(name, x, self.device)
+            check_on_device(name, x, self.device, "allocator")
         pre_cpu = _host_ints("prefix_lens", prefix_lens, prefix_lens_cpu)
         seq_cpu = _host_ints("seq_lens", seq_lens, seq_lens_cpu)
         n_last = _count("last_loc", last_loc)
@@ -281,8 +276,8 @@ class PagedTokenToKVPoolAllocator:
 
         At page size 1 nothing is read from the device even without `seq_lens_cpu`.
         """
-        _check_device("seq_lens", seq_lens, self.device)
-        _check_device("last_loc", last_loc, self.device)
+        check_on_device("seq_lens", seq_lens, self.device, "allocator")
+        check_on_device("last_loc", last_loc, self.device, "allocator")
         bs, n_last = _count("seq_lens", seq_lens), _count("last_loc", last_loc)
         if n_last != bs:
             raise LocError(f"seq_lens ({bs}) and last_loc ({n_last}) must have one entry per request")

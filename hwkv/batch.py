@@ -8,8 +8,8 @@ from typing import Any, List, Optional
 
 import torch
 
-from hwkv.checks import as_int, check_int_dtype, check_rows, values_checkable
-from hwkv.errors import ConfigError, LocError, ShapeError
+from hwkv.checks import as_int, check_int_dtype, check_on_device, check_rows, values_checkable
+from hwkv.errors import ConfigError, ShapeError
 
 
 class ForwardMode(enum.IntEnum):
@@ -119,9 +119,7 @@ class ForwardBatch:
         otherwise (a meta tensor holds no values; another device's cannot be indexed), before any is read."""
         for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "extend_seq_lens", "extend_prefix_lens",
                      "positions"):
-            t = getattr(self, name)
-            if t is not None and t.device.type not in ("cpu", device.type):
-                raise LocError(f"{name} is on {t.device}, the backend is on {device}")
+            check_on_device(name, getattr(self, name), device, "backend")
 
     @property
     def num_tokens(self) -> int:

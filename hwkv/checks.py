@@ -56,6 +56,13 @@ def as_int(x: Any) -> Optional[int]:
         return None
 
 
+def check_on_device(name: str, x: Any, device: torch.device, holder: str) -> None:
+    """A tensor argument lies on its holder's device type or on the CPU (host copies): a LocError naming both
+    otherwise (a meta tensor holds no values; another device's cannot be indexed), before any value is read."""
+    if isinstance(x, torch.Tensor) and x.device.type not in ("cpu", device.type):
+        raise LocError(f"{name} is on {x.device}, the {holder} is on {device}")
+
+
 def check_window(window: Any) -> int:
     """A model's sliding window W as an int, 0 for none (None or <= 0); a value that is no integer (a float, a
     string, a bool) is a ConfigError naming it."""

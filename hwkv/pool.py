@@ -287,8 +287,8 @@ class SWAKVPool:
                          for n, p, dt, h, d, layers, _, vd in (full_group, swa_group))
         except (TypeError, RuntimeError, AttributeError):
             nbytes = 0  # a bad argument: the group's own checks below name it
-        check_memory_fits(f"SWAKVPool(size={size}, size_swa={size_swa}, {len(full_ids)} full + {len(swa_ids)} SWA layers)",
-                   nbytes, self.device)
+        check_memory_fits(f"SWAKVPool(size={size}, size_swa={size_swa}, {len(full_ids)} full + {len(swa_ids)} SWA "
+                          "layers)", nbytes, self.device)
         self.full_kv_pool = MHATokenToKVPool(*full_group, _prechecked=True)
         self.swa_kv_pool = MHATokenToKVPool(*swa_group, _prechecked=True)
         self.swa_kv_pool.loc_name = "swa_loc"

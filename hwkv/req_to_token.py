@@ -8,7 +8,7 @@ from typing import List, Sequence, Union
 
 import torch
 
-from hwkv.checks import as_int, check_device, check_int_dtype
+from hwkv.checks import as_int, check_device, check_int_dtype, check_on_device
 from hwkv.errors import ConfigError, DoubleFreeError, LocError, OutOfSlotsError
 from hwkv.pool import check_memory_fits
 from hwkv.torch_page_ops import I64
@@ -72,8 +72,7 @@ class ReqToTokenPool:
             got = f"shape {list(locs.shape)}" if isinstance(locs, torch.Tensor) else type(locs).__name__
             raise LocError(f"locs must be a 1-D tensor, got {got}")
         check_int_dtype("locs", locs)
-        if locs.device.type not in ("cpu", self.device.type):
-            raise LocError(f"locs is on {locs.device}, the table is on {self.device}")
+        check_on_device("locs", locs, self.device, "table")
         if as_int(start) is None:
             raise LocError(f"start {start!r} of a write to request row {row} must be an integer")
         end = start + int(locs.shape[0])
