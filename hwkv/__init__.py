@@ -55,9 +55,7 @@ def make_backend(pool: Any, req_to_token_pool: Any, device: Union[None, str, Any
                 raise DeviceError(f"no available device plugin serves pools on {pool_type!r}")
             spec = max(matching, key=lambda s: s.priority)
     elif isinstance(device, str):
-        spec = devices.discover(only=device).get(device)   # its own plugin only: another's failure cannot block it
-        if spec is None:
-            raise DeviceError(f"unknown device {device!r}; known devices: {sorted(devices.discover())}")
+        spec = devices.by_name(device)
     elif isinstance(device, devices.DeviceSpec):
         spec = device
     else:

@@ -218,6 +218,15 @@ def discover(only: Optional[str] = None) -> dict[str, DeviceSpec]:
     return specs
 
 
+def by_name(name: str) -> DeviceSpec:
+    """The device plugin called `name`, loading only its own (another plugin that fails to import cannot keep it from
+    being used); DeviceError naming the known ones where there is none (available or not: callers ask)."""
+    spec = discover(only=name).get(name)
+    if spec is None:
+        raise DeviceError(f"unknown device {name!r}; known devices: {', '.join(sorted(discover()))}")
+    return spec
+
+
 def named(name: str) -> DeviceSpec:
     """The device `name`, loading only its own plugin where it is known and available; otherwise what `select`
     says of it over every device (unknown, or unavailable, with the known and available ones named)."""

@@ -84,6 +84,8 @@ class DecodeStepGraph(GraphRunner):
         # padded requests write here, never into a live row: the caller's reserved row, or one taken now
         self._own_pad = pad_row is None
         self.pad_row = rtt_pool.alloc(1)[0] if pad is None else pad
+        if frontiers is not None:   # it holds no pages: a frontier left by the row's last request would stand past
+            frontiers[self.pad_row] = 0   # the padded lanes' length (refused where releases are checked)
         dev, b = backend.device, self.buckets[-1]
         # what the host sends each step, one copy: [head_full, head_swa, live requests, the allocation's op number]
         # then (row, length) pairs

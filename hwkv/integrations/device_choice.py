@@ -16,10 +16,7 @@ def available_spec(name: Optional[str]) -> DeviceSpec:
     `verify` and `generate` all pick their device through this."""
     if name is None:
         return devices.current_device()
-    specs = devices.discover()
-    spec = specs.get(name)
-    if spec is None:
-        raise DeviceError(f"unknown device {name!r}; known devices: {', '.join(sorted(specs))}")
+    spec = devices.by_name(name)
     reason = spec.unavailable_reason()
     if reason is not None:
         raise DeviceError(f"device {spec.name!r} is unavailable: {reason}")
@@ -29,15 +26,12 @@ def available_spec(name: Optional[str]) -> DeviceSpec:
 def resolve_spec(name: Optional[str], torch_device: str) -> DeviceSpec:
     """The plugin called `name`, or the detected one when it serves `torch_device` tensors, else the
     highest-priority available plugin that does; it must run on the model's device type."""
-    specs = devices.discover()
     if name is not None:
-        if name not in specs:
-            raise DeviceError(f"unknown device {name!r}; known devices: {', '.join(sorted(specs))}")
-        spec = specs[name]
+        spec = devices.by_name(name)
     else:
         spec = devices.current_device()
         if spec.torch_device != torch_device:
-            matching = [s for s in specs.values() if s.torch_device == torch_device and s.is_available()]
+            matching = [s for s in devices.discover().values() if s.torch_device == torch_device and s.is_available()]
             if not matching:
                 raise DeviceError(f"no available device plugin runs on {torch_device!r} tensors")
             spec = max(matching, key=lambda s: s.priority)
