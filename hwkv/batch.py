@@ -38,6 +38,8 @@ class ForwardMode(enum.IntEnum):
 
 _REQUIRED = ("req_pool_indices", "seq_lens", "out_cache_loc")  # ForwardBatch fields that are never None
 _INTEGERS = ("extend_prefix_lens", "positions")  # integer fields beside the tensors checked one by one below
+# the fields a metadata step reads on the backend's device (or the CPU)
+_DEVICE_FIELDS = ("req_pool_indices", "seq_lens", "out_cache_loc", "extend_seq_lens", "extend_prefix_lens", "positions")
 
 
 def check_seq_lens(seq_h: List[int], max_context_len: int) -> None:
@@ -117,9 +119,12 @@ class ForwardBatch:
     def check_devices(self, device: torch.device) -> None:
         """The batch's tensors are on the backend's device or the CPU (host copies): a LocError naming the device
         otherwise (a meta tensor holds no values; another device's cannot be indexed), before any is read."""
-        for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "extend_seq_lens", "extend_prefix_lens",
-                     "positions"):
-            check_on_device(name, getattr(self, name), device, "backend")
+        ok = ("cpu", device.type)
+        for t in (self.req_pool_indices, self.seq_lens, self.out_cache_loc, self.extend_seq_lens,
+                  self.extend_prefix_lens, self.positions):   # (per step: attribute reads, a call only to refuse)
+            if t is not None and t.device.type not in ok:
+                for name in _DEVICE_FIELDS:
+                    check_on_device(name, getattr(self, name), device, "backend")
 
     @property
     def num_tokens(self) -> int:
