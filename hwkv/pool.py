@@ -242,7 +242,8 @@ class MHATokenToKVPool:
 def _layer_ids(name: str, ids: object) -> List[int]:
     """A pool's layer ids as ints >= 0, the ids `AttentionLayer` takes (ConfigError naming the bad one: a string
     would be iterated into characters, a bool or float id no layer can have)."""
-    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+    if (isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__")
+            or (isinstance(ids, torch.Tensor) and ids.dim() == 0)):   # (a 0-d tensor has __iter__ but no items)
         raise ConfigError(f"{name}={ids!r} must be a sequence of layer ids (ints >= 0)")
     out = []
     for x in ids:
@@ -287,6 +288,8 @@ class SWAKVPool:
                          for n, p, dt, h, d, layers, _, vd in (full_group, swa_group))
         except (TypeError, RuntimeError, AttributeError):
             nbytes = 0  # a bad argument: the group's own checks below name it
+        if not isinstance(nbytes, int):   # e.g. a complex size multiplies through: the groups' checks name it
+            nbytes = 0
         check_memory_fits(f"SWAKVPool(size={size}, size_swa={size_swa}, {len(full_ids)} full + {len(swa_ids)} SWA "
                           "layers)", nbytes, self.device)
         self.full_kv_pool = MHATokenToKVPool(*full_group, _prechecked=True)

@@ -284,6 +284,17 @@ def test_forward_save_kv_cache_takes_a_bool_only():
     _refused(s, lambda: s.backend.forward(q, q, q, AttentionLayer(1, 2, 2, 8), b, save_kv_cache="no"), ConfigError)
 
 
+@pytest.mark.parametrize("case", ["complex_size", "0d_tensor_layer_ids"])
+def test_swa_pool_odd_sizes_and_layer_ids_are_config_errors(case):
+    """SWAKVPool(size=1j) (a TypeError comparing the complex byte count with the free memory) and
+    swa_attention_layer_ids=torch.tensor(0) (a 0-d tensor: 'iteration over a 0-d tensor'): ConfigErrors naming them."""
+    with pytest.raises(ConfigError, match="size" if case == "complex_size" else "swa_attention_layer_ids"):
+        if case == "complex_size":
+            SWAKVPool(1j, 32, P, torch.float32, 2, 8, [0], [1], "cpu")
+        else:
+            SWAKVPool(64, 32, P, torch.float32, 2, 8, torch.tensor(0), [1], "cpu")
+
+
 # ------------------------------------------------------------------------------------------ device detection
 
 
