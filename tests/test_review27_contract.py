@@ -7,6 +7,7 @@ forced device that cannot be reached.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 from pathlib import Path
@@ -298,12 +299,24 @@ def test_swa_pool_odd_sizes_and_layer_ids_are_config_errors(case):
 # ------------------------------------------------------------------------------------------ device detection
 
 
-def _install_broken_plugin(root: Path) -> None:
-    info = root / "hwkv_broken27_plugin-0.0.dist-info"
+@contextlib.contextmanager
+def cpu_forced_beside_a_broken_plugin(tmp_path: Path, monkeypatch, name: str = "broken27"):
+    """A third-party `hwkv.devices` plugin `name` whose module raises on import, installed on sys.path, with
+    HWKV_DEVICE=cpu and the device cache cleared around the block."""
+    info = tmp_path / f"hwkv_{name}_plugin-0.0.dist-info"
     info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: hwkv_broken27_plugin\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text(f"[{devices.ENTRY_POINT_GROUP}]\nbroken27 = hwkv_broken27:DEVICE\n")
-    (root / "hwkv_broken27.py").write_text("raise RuntimeError('vendor SDK missing')\n")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: hwkv_{name}_plugin\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text(f"[{devices.ENTRY_POINT_GROUP}]\n{name} = hwkv_{name}:DEVICE\n")
+    (tmp_path / f"hwkv_{name}.py").write_text("raise RuntimeError('vendor SDK missing')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    monkeypatch.setenv("HWKV_DEVICE", "cpu")
+    devices.current_device.cache_clear()
+    try:
+        yield
+    finally:
+        devices.current_device.cache_clear()
+        sys.modules.pop(f"hwkv_{name}", None)
 
 
 def test_forcing_cpu_works_beside_a_third_party_plugin_that_fails_to_import(tmp_path, monkeypatch):
@@ -312,18 +325,10 @@ def test_forcing_cpu_works_beside_a_third_party_plugin_that_fails_to_import(tmp_
     a plugin whose module raises on import makes every device unreachable: HWKV_DEVICE=cpu, and
     make_backend(..., device='cpu'), raise `device plugin entry point 'broken27' ... failed to load` (discover()
     loads every entry point). Forcing a device needs only that device's entry point."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-    _install_broken_plugin(tmp_path)
-    importlib.invalidate_caches()
-    monkeypatch.setenv("HWKV_DEVICE", "cpu")
-    devices.current_device.cache_clear()
-    try:
+    with cpu_forced_beside_a_broken_plugin(tmp_path, monkeypatch):
         assert devices.current_device().name == "cpu"
         s_pool, rtt = _pool(), hwkv.ReqToTokenPool(2, 16, "cpu")
         assert hwkv.make_backend(s_pool, rtt, device="cpu", sliding_window=W) is not None
-    finally:
-        devices.current_device.cache_clear()
-        sys.modules.pop("hwkv_broken27", None)
 
 
 @pytest.mark.parametrize("field, value", [("name", 5), ("backend", None), ("graph_adapter", None)])

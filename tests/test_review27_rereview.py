@@ -1,8 +1,6 @@
 """Re-review of review 27's input checks: legitimate flows the new checks refuse.
 
 CPU only, fast, deterministic."""
-import importlib
-import sys
 from pathlib import Path
 
 import pytest
@@ -82,14 +80,6 @@ def test_a_step_graph_whose_own_padding_row_last_held_a_request_still_replays_a_
 # ------------------------------------------------------------------------------------------ device by name
 
 
-def _install_broken_plugin(root):
-    info = root / "hwkv_broken27r_plugin-0.0.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: hwkv_broken27r_plugin\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text("[hwkv.devices]\nbroken27r = hwkv_broken27r:DEVICE\n")
-    (root / "hwkv_broken27r.py").write_text("raise RuntimeError('vendor SDK missing')\n")
-
-
 @pytest.mark.parametrize("how", ["HybridRunner(device=None) under HWKV_DEVICE=cpu", "--device cpu"])
 def test_a_named_or_forced_cpu_is_reachable_beside_a_broken_plugin_through_the_integration_too(tmp_path, monkeypatch,
                                                                                                 how):
@@ -100,20 +90,13 @@ def test_a_named_or_forced_cpu_is_reachable_beside_a_broken_plugin_through_the_i
     `discover()` first, so under HWKV_DEVICE=cpu (or with --device cpu) they still raise `device plugin entry point
     'broken27r' ... failed to load`."""
     from hwkv.integrations.device_choice import available_spec, resolve_spec
-    monkeypatch.syspath_prepend(str(tmp_path))
-    _install_broken_plugin(tmp_path)
-    importlib.invalidate_caches()
-    monkeypatch.setenv("HWKV_DEVICE", "cpu")
-    devices.current_device.cache_clear()
-    try:
+    from test_review27_contract import cpu_forced_beside_a_broken_plugin
+    with cpu_forced_beside_a_broken_plugin(tmp_path, monkeypatch, "broken27r"):
         assert devices.current_device().name == "cpu"   # fixed by review 27
         if how.startswith("HybridRunner"):
             assert resolve_spec(None, "cpu").name == "cpu"     # HybridRunner(model) on a CPU model
         else:
             assert available_spec("cpu").name == "cpu"        # hwkv generate / bench / verify --device cpu
-    finally:
-        devices.current_device.cache_clear()
-        sys.modules.pop("hwkv_broken27r", None)
 
 
 # ------------------------------------------------------------------------------------------ docs
