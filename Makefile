@@ -31,7 +31,7 @@ $(BIN)/hwkv: pyproject.toml
 	else \
 	  $(BIN)/pip install -q "torch==$(TORCH_VERSION)"; \
 	fi
-	$(BIN)/pip install -q -e ".[cpu,test,bench]"
+	$(BIN)/pip install -q -e ".[cpu,test,bench,interpret]"
 	touch $(BIN)/hwkv
 
 install: $(BIN)/hwkv

@@ -38,7 +38,7 @@ def test_cpu_machines_take_the_cpu_wheel_index(tmp_path):
     out = _dry_run(tmp_path, nvidia=False)
     assert '"torch==2.13.0" ' + CPU_INDEX in out
     assert "--dry-run --no-index --no-deps" in out  # a local wheel of that version wins (this machine's case)
-    assert out.index("torch==2.13.0") < out.index('-e ".[cpu,test,bench]"')  # torch before the extras
+    assert out.index("torch==2.13.0") < out.index('-e ".[cpu,test,bench,interpret]"')  # torch before the extras
 
 
 def test_nvidia_machines_take_pypi_and_overrides_win(tmp_path):

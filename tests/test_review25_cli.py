@@ -49,7 +49,7 @@ def test_every_command_but_verify_runs_without_pytest():
     assert res == {"version": 0, "verify": 2, "plan": 0}, res
     assert "Traceback" not in err
     assert "hwkv verify: error: verify runs the contract suite under pytest, which is not installed here: pip " \
-           "install pytest (or hwkv[test])" in err
+           "install pytest (or 'hwkv[test]')" in err
 
 
 class _Full:

@@ -195,7 +195,7 @@ def _check_plot_path(path: Optional[str]) -> None:
     import os
 
     if importlib.util.find_spec("matplotlib") is None:
-        raise ConfigError("--plot needs matplotlib: pip install hwkv[bench]")
+        raise ConfigError("--plot needs matplotlib: pip install 'hwkv[bench]'")
     from hwkv.bench.report import plot_format
 
     plot_format(path)
@@ -461,7 +461,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     try:
         import transformers  # noqa: F401
     except ImportError:
-        raise ConfigError("the serve workload runs a transformers model: pip install hwkv[transformers]") from None
+        raise ConfigError("the serve workload runs a transformers model: pip install 'hwkv[transformers]'") from None
     from hwkv.integrations.generate_cli import check_model_path, load_local_model
 
     if args.serve_model:

@@ -280,7 +280,12 @@ def serve_transformers(model: Any, trace: List[TraceRequest], w: ServeWorkload) 
     """The trace through transformers' continuous batching manager (paged cache), requests added at their
     arrival, results collected as they finish (`collect_results`, the warm-up's too); token times from its
     own timestamps."""
-    from transformers import ContinuousBatchingConfig, GenerationConfig
+    import transformers
+    from transformers import GenerationConfig
+    ContinuousBatchingConfig = getattr(transformers, "ContinuousBatchingConfig", None)
+    if ContinuousBatchingConfig is None:   # the hwkv[transformers] floor (4.56) runs hwkv, not this baseline
+        raise ImportError(f"this baseline needs transformers >= 5.5 (its ContinuousBatchingConfig; 5.3 has none), "
+                          f"installed: {getattr(transformers, '__version__', 'unknown')}")
 
     cfg = GenerationConfig(max_new_tokens=w.new_tokens, min_new_tokens=w.new_tokens, do_sample=False,
                            eos_token_id=-1, pad_token_id=0)

@@ -186,7 +186,7 @@ def run_verify(args: argparse.Namespace) -> int:
     try:
         if pytest is None:
             raise ConfigError("verify runs the contract suite under pytest, which is not installed here: pip install "
-                              "pytest (or hwkv[test])")
+                              "pytest (or 'hwkv[test]')")
         check_select(args.select)
         name = _device_name(args.device)
     except (ConfigError, DeviceError) as e:
