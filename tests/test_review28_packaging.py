@@ -140,3 +140,19 @@ def test_serve_baseline_on_a_transformers_without_continuous_batching_config_say
     err = res.rows[-1].error
     assert err is not None  # the baseline cannot run on this transformers
     assert re.search(r"transformers\s*>=?\s*\d", err), f"the row does not say which transformers it needs: {err!r}"
+
+
+# --- 6. the caller's PYTEST_ADDOPTS -------------------------------------------------------------------------------
+
+def test_verify_runs_its_own_selection_whatever_pytest_addopts_says(capsys, monkeypatch):
+    """An engine's CI exports PYTEST_ADDOPTS for its own suite (`-m cuda`, say); `hwkv verify` ran pytest in-process
+    and took it: every contract check deselected, and a misleading "no contract check matched -k". Verify sets it
+    aside for its run and puts it back."""
+    from hwkv.cli import main
+
+    monkeypatch.setenv("PYTEST_ADDOPTS", "-m cuda")
+    code = main(["verify", "--device", "cpu", "-q", "-k", "writes_exactly_the_swa_loc"])
+    out = capsys.readouterr().out
+    assert code == 0 and "1/1 contract checks passed on cpu" in out
+    import os
+    assert os.environ["PYTEST_ADDOPTS"] == "-m cuda"

@@ -125,16 +125,22 @@ def _noting_interrupts() -> Any:
 
 
 def _pytest_main(args: List[str], plugin: "ContractPlugin") -> int:
-    """pytest.main's exit code; INTERRUPTED also where pytest failed while it handled a Ctrl-C."""
-    with _noting_interrupts() as noted:
-        try:
-            return int(pytest.main(args, plugins=[plugin]))
-        except KeyboardInterrupt:
-            raise
-        except Exception:
-            if noted["interrupted"]:
-                return int(pytest.ExitCode.INTERRUPTED)
-            raise
+    """pytest.main's exit code; INTERRUPTED also where pytest failed while it handled a Ctrl-C. The caller's
+    PYTEST_ADDOPTS (a `-m cuda` for its own suite, say) is set aside meanwhile: verify runs its own selection."""
+    addopts = os.environ.pop("PYTEST_ADDOPTS", None)
+    try:
+        with _noting_interrupts() as noted:
+            try:
+                return int(pytest.main(args, plugins=[plugin]))
+            except KeyboardInterrupt:
+                raise
+            except Exception:
+                if noted["interrupted"]:
+                    return int(pytest.ExitCode.INTERRUPTED)
+                raise
+    finally:
+        if addopts is not None:
+            os.environ["PYTEST_ADDOPTS"] = addopts
 
 
 def run_contract(targets: List[ContractTarget], select: Optional[str] = None, verbose: bool = False,
