@@ -210,6 +210,10 @@ class Engine:
             raise ConfigError(f"this {type(self).__name__} is closed (the model has its own attention back): make a "
                               "new one")
 
+    def _check_model(self) -> None:
+        """Before each step, what the model must still be for this engine's forwards (a replayed graph runs what it
+        captured, not the model's Python): nothing to check for a plain callable."""
+
     def add_request(self, prompt: Sequence[int], params: SamplingParams = SamplingParams()) -> int:
         """Queue a request (it joins the next forward that has room); returns its id. A `params.seed` of None
         samples with the request id as its seed, so requests added with the same parameters draw different
@@ -331,6 +335,7 @@ class Engine:
         flight until its tokens are read, so Ctrl-C in the wait for them loses none: the next step reads them. What
         runs between the two on the host (caching prompt pages, the out-of-window release) is not undone."""
         self._check_open()
+        self._check_model()
         # inference mode, not no_grad: tensors made here skip version counting and view tracking (1.07x tokens/s
         # for the tiny model at batch 1 on the CPU); everything the engine keeps across steps was made in it too
         self._in_step = True

@@ -110,6 +110,15 @@ class HybridRunner(Engine):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def _check_model(self) -> None:
+        """The model's attention is still hwkv's (one read a step): a graph replay would run the hwkv attention it
+        captured whatever the model says now, and an eager forward another attention over the packed row."""
+        impl = self.model.config._attn_implementation
+        if impl != ATTN_IMPLEMENTATION:
+            raise ConfigError(f"the model's attention implementation is {impl!r}, not {ATTN_IMPLEMENTATION!r} "
+                              "(set_attn_implementation was called while this runner is open?): "
+                              f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r}) before the next step")
+
     def _run_model(self, batch: ForwardBatch, ids: torch.Tensor, pos: torch.Tensor,
                    keep: Union[int, torch.Tensor]) -> torch.Tensor:
         """The HF model over one packed row; logits [K, V] at `keep` (0: every token)."""
