@@ -165,7 +165,7 @@ def key_range(n: int, pos0: int, q_lo: int, q_hi: int, window: int) -> Tuple[int
 def neg_inf_where(hide: torch.Tensor) -> torch.Tensor:
     """fp32 0 / -inf from a bool mask: an additive bias (add_ with broadcasting measured ~15x
     faster than masked_fill_ with a broadcast mask)."""
-    return torch.zeros(hide.shape, device="cpu").masked_fill_(hide, float("-inf"))
+    return torch.zeros(hide.shape, dtype=torch.float32, device="cpu").masked_fill_(hide, float("-inf"))
 
 
 def chunks(lo: int, hi: int, size: int):
@@ -432,12 +432,14 @@ def _decode_columns(qs: torch.Tensor, part: ColumnPart, k_buf: torch.Tensor, v_b
 
 
 def _merge(states, rows: int, g: int, dv: int, sinks: Optional[torch.Tensor]) -> torch.Tensor:
-    """Normalized output [rows, g, Dv] from partial (m, l, acc) states covering leading rows."""
-    m = torch.full((rows, g, 1), NEG_BIG, device="cpu") if sinks is None else sinks.clone()
+    """Normalized output [rows, g, Dv] from partial (m, l, acc) states covering leading rows. The state is fp32 whatever
+    torch's default dtype (a caller's set_default_dtype between steps must not round it)."""
+    f32 = dict(dtype=torch.float32, device="cpu")
+    m = torch.full((rows, g, 1), NEG_BIG, **f32) if sinks is None else sinks.to(torch.float32, copy=True)
     for m_w, _, _ in states:
         torch.maximum(m[:m_w.shape[0]], m_w, out=m[:m_w.shape[0]])
-    l = torch.zeros(rows, g, 1, device="cpu") if sinks is None else (sinks - m).exp_()
-    acc = torch.zeros(rows, g, dv, device="cpu")
+    l = torch.zeros(rows, g, 1, **f32) if sinks is None else (sinks - m).exp_()
+    acc = torch.zeros(rows, g, dv, **f32)
     for m_w, l_w, acc_w in states:
         n = m_w.shape[0]
         f = (m_w - m[:n]).exp_()

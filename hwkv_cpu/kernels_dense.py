@@ -123,7 +123,7 @@ def plan_dense(indptr: torch.Tensor, indices: torch.Tensor, pos0: torch.Tensor, 
         if not bool(real.all()):
             return None  # a query with no visible key gets zeros: the chunked kernels' contract
         per_row = 1 if decode else g
-        bias = torch.zeros(bs, 1, tq, 1, keys, device=table.device).masked_fill_(hide.view(bs, 1, tq, 1, keys), float("-inf"))
+        bias = torch.zeros(bs, 1, tq, 1, keys, dtype=torch.float32, device=table.device).masked_fill_(hide.view(bs, 1, tq, 1, keys), float("-inf"))
         bias = bias.expand(bs, kvh, tq, per_row, keys).reshape(bs * kvh, tq * per_row, keys)
     return DensePlan(bs, kvh, g, tq, keys, rows, bias, q_src, out_b, out_t, decode)
 

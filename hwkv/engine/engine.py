@@ -13,6 +13,7 @@ transformers integration (`hwkv.integrations.runner.HybridRunner`) is one.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -91,6 +92,7 @@ class Engine:
                  graph_batch_sizes: Optional[Sequence[int]] = None, overlap: Optional[bool] = None,
                  prefix_cache: bool = True, whole_step: Optional[bool] = None, draft: Optional[Drafter] = None,
                  num_draft: int = 4) -> None:
+        self._step_lock = threading.Lock()   # one step at a time: from a drafter or callback inside it, or a thread
         pool_plan = cache.plan
         # every argument is checked before anything is taken from the cache (the padding row, below)
         check_switches(overlap, prefix_cache, whole_step)
@@ -276,8 +278,12 @@ class Engine:
         forward's). Once the last prompt finished, what is still in flight is read (one wait): the statistics then
         count exactly the tokens the results hold. Requests queued with `add_request` that finish meanwhile keep
         their Result in `self.unclaimed`. A closed engine, a prompt that is not token ids (see `prompt_ids`) or
-        params that are not SamplingParams raise ConfigError before any prompt is queued."""
+        params that are not SamplingParams raise ConfigError before any prompt is queued, as does a call made while a
+        step runs (from inside it, or another thread)."""
         self._check_open()
+        if self._step_lock.locked():
+            raise ConfigError("generate() while a step of this engine runs (called from inside it, by a drafter or a "
+                              "callback, or from another thread): one step at a time")
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, np.ndarray, torch.Tensor)):
             raise ConfigError(f"prompts must be a sequence of prompts, got {shown(prompts)}")
         all_ids = []
@@ -335,15 +341,20 @@ class Engine:
         flight until its tokens are read, so Ctrl-C in the wait for them loses none: the next step reads them. What
         runs between the two on the host (caching prompt pages, the out-of-window release) is not undone."""
         self._check_open()
-        self._check_model()
-        # inference mode, not no_grad: tensors made here skip version counting and view tracking (1.07x tokens/s
-        # for the tiny model at batch 1 on the CPU); everything the engine keeps across steps was made in it too
-        self._in_step = True
+        if not self._step_lock.acquire(blocking=False):
+            raise ConfigError("step() while a step of this engine runs (called from inside it, by a drafter or a "
+                              "callback, or from another thread): one step at a time")
         try:
+            self._check_model()
+            # inference mode, not no_grad: tensors made here skip version counting and view tracking (1.07x
+            # tokens/s for the tiny model at batch 1 on the CPU); everything the engine keeps across steps was made
+            # in it too
+            self._in_step = True
             with torch.inference_mode():
                 return self._step()
         finally:
             self._in_step = False
+            self._step_lock.release()
 
     def _step(self) -> List[Result]:
         t0 = time.perf_counter()
@@ -581,7 +592,8 @@ class Engine:
         return done, used_all
 
     def clear_prefix_cache(self) -> int:
-        """Evict everything the prefix cache holds that no running request uses; returns the tokens evicted."""
+        """Evict everything the prefix cache holds that no running request uses; returns the tokens evicted. Call it
+        after the model's weights change: the cached K/V are the old weights'."""
         if self._prefixing is None:
             return 0
         with torch.inference_mode():

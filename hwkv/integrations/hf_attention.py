@@ -41,6 +41,11 @@ class LayerTable:
             self.layers[layer_id] = layer
         elif scaling is not None and scaling != layer.scaling:
             raise ConfigError(f"layer {layer_id}: scaling {scaling} differs from its first call's {layer.scaling}")
+        elif sinks is not None and (layer.sinks is None or sinks.data_ptr() != layer.sinks.data_ptr()
+                                    or sinks.dtype != layer.sinks.dtype):
+            # the weights were replaced, not copied into (load_state_dict(assign=True), param.data = ...): the layer
+            # attends with the model's sinks as they are now (the backends key their kept state on the sinks)
+            layer.sinks = sinks.detach()
         return layer
 
     def _make(self, layer_id: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -74,6 +74,11 @@ class HybridRunner(Engine):
                                page_size=page_size, memory=memory, device=dev, prefix_cache=cached)
         cache = build_cache(self.shape, pool_plan, model.dtype, dev, backend_device=self.spec)
         self.table = LayerTable(self.shape.layer_is_swa, self.shape.window, self.shape)
+        # what the pools and graphs were made for, read back before every step (_check_model): the input embeddings,
+        # their rows (resize_token_embeddings), dtype and device (model.to / .float() / .half() change them)
+        self._embed = model.get_input_embeddings()
+        w = self._embed.weight
+        self._built_for = (tuple(w.shape), w.dtype, w.device, model.dtype)
         choice = graph_choice(graphs)  # every check that needs no engine before the model is touched
         self._open_on = _OPEN.get(model)
         if self._open_on is None:
@@ -113,11 +118,23 @@ class HybridRunner(Engine):
     def _check_model(self) -> None:
         """The model's attention is still hwkv's (one read a step): a graph replay would run the hwkv attention it
         captured whatever the model says now, and an eager forward another attention over the packed row."""
-        impl = self.model.config._attn_implementation
+        # the config's attribute reads cost ~3 us (its __getattribute__); its stored value is a dict read
+        impl = self.model.config.__dict__.get("_attn_implementation_internal") or \
+            self.model.config._attn_implementation
         if impl != ATTN_IMPLEMENTATION:
             raise ConfigError(f"the model's attention implementation is {impl!r}, not {ATTN_IMPLEMENTATION!r} "
                               "(set_attn_implementation was called while this runner is open?): "
                               f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r}) before the next step")
+        shape, dtype, device, pools = self._built_for
+        w = self._embed.weight   # resize_token_embeddings and .to() change this module's weight in place
+        if w.shape != shape:
+            raise ConfigError(f"the model's input embeddings changed from {list(shape)} to {list(w.shape)} while this "
+                              "runner is open (resize_token_embeddings?); its token checks and graphs were made for "
+                              "the old vocabulary: open a new runner")
+        if w.dtype != dtype or w.device != device:
+            raise ConfigError(f"the model moved from {dtype} on {device} to {w.dtype} on {w.device} while this runner "
+                              f"is open; its pools hold {pools} K/V on {device} (the new model's K/V rounded into them "
+                              "would change its tokens): move it back, or open a new runner")
 
     def _run_model(self, batch: ForwardBatch, ids: torch.Tensor, pos: torch.Tensor,
                    keep: Union[int, torch.Tensor]) -> torch.Tensor:
