@@ -88,10 +88,9 @@ def test_weights_replaced_under_an_open_runner_act_as_weights_copied_in_place(gr
 
 
 # ---- 2. the model's dtype changed under an open runner --------------------------------------------------------------
-def _decode_logits(runner, steps: int = 3) -> torch.Tensor:
-    """The logits of the runner's `steps`-th step (a decode step for PROMPTS at the default chunk), fp32 on the host."""
-    for q in PROMPTS:
-        runner.add_request(q, SamplingParams(max_new_tokens=8))
+def _spy(runner) -> List[torch.Tensor]:
+    """The logits of every forward the runner runs from now on (fp32 copies): every path, the graphs' functions too,
+    calls the model through `model_step`."""
     seen, run = [], runner.model_step
 
     def spy(*args):
@@ -99,7 +98,15 @@ def _decode_logits(runner, steps: int = 3) -> torch.Tensor:
         seen.append(out.detach().float().clone())
         return out
 
-    runner.model_step = spy  # every path, the graphs' functions too, calls the model through it
+    runner.model_step = spy
+    return seen
+
+
+def _decode_logits(runner, steps: int = 3) -> torch.Tensor:
+    """The logits of the runner's `steps`-th step (a decode step for PROMPTS at the default chunk), fp32 on the host."""
+    for q in PROMPTS:
+        runner.add_request(q, SamplingParams(max_new_tokens=8))
+    seen = _spy(runner)
     for _ in range(steps):
         runner.step()
     return seen[-1]
@@ -198,14 +205,7 @@ def test_the_default_dtype_changed_between_steps_leaves_fp32_graph_decode_exact(
                 r.add_request(q, SamplingParams(max_new_tokens=8))
             r.step()
             r.step()
-            seen, run = [], r.model_step
-
-            def spy(*args):
-                out = run(*args)
-                seen.append(out.detach().float().clone())
-                return out
-
-            r.model_step = spy  # every path, the graphs' functions too, calls the model through it
+            seen = _spy(r)
             before = torch.get_default_dtype()
             torch.set_default_dtype(dtype)
             try:
