@@ -86,6 +86,7 @@ class Engine:
 
     closed = False
     _in_step = False  # a step is running (`abort` refuses then)
+    _in_callback = False  # generate's on_step is running (step and generate refuse then: its results would go astray)
 
     def __init__(self, cache: Cache, model_step: ModelStep, *, stats: RunnerStats, vocab_size: int,
                  window: Optional[int], graph_adapter: Any = None, graph_choice: str = "off",
@@ -281,9 +282,9 @@ class Engine:
         params that are not SamplingParams raise ConfigError before any prompt is queued, as does a call made while a
         step runs (from inside it, or another thread)."""
         self._check_open()
-        if self._step_lock.locked():
-            raise ConfigError("generate() while a step of this engine runs (called from inside it, by a drafter or a "
-                              "callback, or from another thread): one step at a time")
+        if self._step_lock.locked() or self._in_callback:
+            raise ConfigError("generate() while a step or a generate() of this engine runs (called from inside it, by "
+                              "a drafter or on_step, or from another thread): one at a time")
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, np.ndarray, torch.Tensor)):
             raise ConfigError(f"prompts must be a sequence of prompts, got {shown(prompts)}")
         all_ids = []
@@ -317,8 +318,12 @@ class Engine:
                     results[index[res.rid]] = res
                 else:
                     self.unclaimed[res.rid] = res
-            if on_step is not None:
-                on_step(self.stats.generated_tokens - before)
+            if on_step is not None:   # between steps, but inside this run: a step or generate from it is refused
+                self._in_callback = True
+                try:
+                    on_step(self.stats.generated_tokens - before)
+                finally:
+                    self._in_callback = False
         # what is still in flight when the last prompt finished (with overlap the forward issued before that
         # read-back: its tokens for finished requests are dropped; or a verify's free counts) is read now, the run's
         # one wait past its steps: the counters hold the results' tokens, the memory statistics are complete, and
@@ -341,9 +346,9 @@ class Engine:
         flight until its tokens are read, so Ctrl-C in the wait for them loses none: the next step reads them. What
         runs between the two on the host (caching prompt pages, the out-of-window release) is not undone."""
         self._check_open()
-        if not self._step_lock.acquire(blocking=False):
-            raise ConfigError("step() while a step of this engine runs (called from inside it, by a drafter or a "
-                              "callback, or from another thread): one step at a time")
+        if self._in_callback or not self._step_lock.acquire(blocking=False):
+            raise ConfigError("step() while a step or a generate() of this engine runs (called from inside it, by a "
+                              "drafter or on_step, or from another thread): one at a time")
         try:
             self._check_model()
             # inference mode, not no_grad: tensors made here skip version counting and view tracking (1.07x

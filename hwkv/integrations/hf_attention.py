@@ -16,7 +16,7 @@ import torch
 
 from hwkv.batch import ForwardBatch
 from hwkv.errors import ConfigError, ShapeError
-from hwkv.layer import AttentionLayer
+from hwkv.layer import AttentionLayer, check_sink_values, storage_key
 
 ATTN_IMPLEMENTATION = "hwkv"
 _registered = False
@@ -30,6 +30,7 @@ class LayerTable:
     window: int
     shape: Any = None  # the ModelShape the pools were built for: each layer's K/V geometry is checked against it
     layers: Dict[int, AttentionLayer] = field(default_factory=dict)
+    frozen: bool = False  # the runner replays captured graphs (device graphs, torch.compile): weights are addresses
 
     def get(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: Optional[float],
             sliding_window: Optional[int], softcap: Optional[float], sinks: Optional[torch.Tensor]) -> AttentionLayer:
@@ -44,8 +45,16 @@ class LayerTable:
         elif sinks is not None and (layer.sinks is None or sinks.data_ptr() != layer.sinks.data_ptr()
                                     or sinks.dtype != layer.sinks.dtype):
             # the weights were replaced, not copied into (load_state_dict(assign=True), param.data = ...): the layer
-            # attends with the model's sinks as they are now (the backends key their kept state on the sinks)
+            # attends with the model's sinks as they are now (the backends key their kept state on the sinks), their
+            # values checked here (a graph forward's backend reads none); under captured graphs, which replay the
+            # old sinks' address, refused
+            if self.frozen:
+                raise ConfigError(f"layer {layer_id}: its sinks were replaced (load_state_dict(assign=True), "
+                                  "param.data = ...) while this runner holds graphs that read the old ones: update "
+                                  "the weights in place (load_state_dict(sd), copy_), or open a new runner")
+            check_sink_values(sinks, f"layer {layer_id}: ")
             layer.sinks = sinks.detach()
+            layer.sinks_checked = storage_key(layer.sinks)
         return layer
 
     def _make(self, layer_id: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -11,6 +11,7 @@ tokens from another attention.
 """
 from __future__ import annotations
 
+import operator
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
@@ -23,6 +24,7 @@ from hwkv.engine.engine import Engine, Result, check_switches
 from hwkv.engine.pools import build_cache, plan_pools
 from hwkv.engine.stats import RunnerStats
 from hwkv.errors import ConfigError
+from hwkv.graph import EagerAdapter
 from hwkv.integrations.device_choice import graph_adapter, graph_choice, resolve_spec
 from hwkv.integrations.hf_attention import ATTN_IMPLEMENTATION, ForwardContext, LayerTable, register
 from hwkv.integrations.hf_model import model_shape
@@ -77,6 +79,10 @@ class HybridRunner(Engine):
         # what the pools and graphs were made for, read back before every step (_check_model): the input embeddings,
         # their rows (resize_token_embeddings), dtype and device (model.to / .float() / .half() change them)
         self._embed = model.get_input_embeddings()
+        # where the model holds it (get_input_embeddings costs ~6 us, an attribute path ~1): set_input_embeddings
+        # puts a new module there
+        self._embed_at = next((operator.attrgetter(name) for name, mod in model.named_modules()
+                               if mod is self._embed and name), None)
         w = self._embed.weight
         self._built_for = (tuple(w.shape), w.dtype, w.device, model.dtype)
         choice = graph_choice(graphs)  # every check that needs no engine before the model is touched
@@ -90,10 +96,14 @@ class HybridRunner(Engine):
         self.closed = False
         try:  # from here on a refusal closes this runner (the model's own attention back if it was the last)
             model.set_attn_implementation(register())
+            adapter = graph_adapter(self.spec, choice)
+            # a replay of captured graphs (device graphs, torch.compile) runs the tensors they captured: a layer's
+            # sinks replaced under them are refused (hwkv's own "eager" replays call the model and follow them)
+            self.table.frozen = adapter is not None and not isinstance(adapter, EagerAdapter)
             super().__init__(cache, self._run_model, stats=RunnerStats(self.shape, pool_plan),
                              vocab_size=int(model.get_output_embeddings().weight.shape[0]),
                              window=self.shape.window if self.shape.swa_layer_ids else None,
-                             graph_adapter=graph_adapter(self.spec, choice), graph_choice=choice,
+                             graph_adapter=adapter, graph_choice=choice,
                              graph_batch_sizes=graph_batch_sizes, overlap=overlap, prefix_cache=cached,
                              whole_step=whole_step, draft=draft, num_draft=num_draft)
         except BaseException:
@@ -127,6 +137,11 @@ class HybridRunner(Engine):
                               "(set_attn_implementation was called while this runner is open?): "
                               f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r}) before the next step")
         shape, dtype, device, pools = self._built_for
+        now = self._embed_at(self.model) if self._embed_at is not None else self.model.get_input_embeddings()
+        if now is not self._embed:
+            raise ConfigError(f"the model's input embeddings were replaced while this runner is open "
+                              f"(set_input_embeddings: {type(now).__name__}); its token checks and graphs were made "
+                              "for the old ones: open a new runner")
         w = self._embed.weight   # resize_token_embeddings and .to() change this module's weight in place
         if w.shape != shape:
             raise ConfigError(f"the model's input embeddings changed from {list(shape)} to {list(w.shape)} while this "
