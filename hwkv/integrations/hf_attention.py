@@ -42,12 +42,12 @@ class LayerTable:
             self.layers[layer_id] = layer
         elif scaling is not None and scaling != layer.scaling:
             raise ConfigError(f"layer {layer_id}: scaling {scaling} differs from its first call's {layer.scaling}")
-        elif sinks is not None and (layer.sinks is None or sinks.data_ptr() != layer.sinks.data_ptr()
-                                    or sinks.dtype != layer.sinks.dtype):
+        elif sinks is not None and not torch.compiler.is_compiling() and (
+                layer.sinks is None or sinks.data_ptr() != layer.sinks.data_ptr() or sinks.dtype != layer.sinks.dtype):
             # the weights were replaced, not copied into (load_state_dict(assign=True), param.data = ...): the layer
             # attends with the model's sinks as they are now (the backends key their kept state on the sinks), their
             # values checked here (a graph forward's backend reads none); under captured graphs, which replay the
-            # old sinks' address, refused
+            # old sinks' address, refused (at the eager forwards: torch.compile traces no data pointer)
             if self.frozen:
                 raise ConfigError(f"layer {layer_id}: its sinks were replaced (load_state_dict(assign=True), "
                                   "param.data = ...) while this runner holds graphs that read the old ones: update "
