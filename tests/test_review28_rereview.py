@@ -4,8 +4,6 @@ Tiny random models as tests/test_review28_between_steps.py builds them (CPU, fp3
 """
 from __future__ import annotations
 
-from typing import List
-
 import pytest
 import torch
 
@@ -16,31 +14,8 @@ from hwkv.integrations.transformers import HybridRunner, SamplingParams  # noqa:
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.3,
-              tie_word_embeddings=False, eos_token_id=None, pad_token_id=None, bos_token_id=None)
-ROPE = {"rope_type": "default", "rope_theta": 10000.0}
-_gen = torch.Generator().manual_seed(1)
-PROMPTS = [torch.randint(0, 128, (n,), generator=_gen).tolist() for n in (3, 11, 20, 29)]
-KW = dict(max_running=4, context=64, page_size=4)
-
-
-def _model(arch: str = "gemma2", seed: int = 2, dtype: torch.dtype = torch.float32):
-    cfg = {"gpt_oss": lambda: transformers.GptOssConfig(**COMMON, sliding_window=8, num_local_experts=4,
-                                                        num_experts_per_tok=2, rope_parameters=ROPE),
-           "gemma2": lambda: transformers.Gemma2Config(**COMMON, sliding_window=8, query_pre_attn_scalar=32,
-                                                       attn_logit_softcapping=5.0)}[arch]()
-    torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="eager").eval()
-
-
-def _hf_greedy(model, prompts: List[List[int]], new: int) -> List[List[int]]:
-    out = []
-    for p in prompts:
-        seq = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.int64),
-                             max_new_tokens=new, do_sample=False, pad_token_id=0)
-        out.append(seq[0, len(p):].tolist())
-    return out
+# the tiny models, prompts and runner sizes of the between-steps review (one definition)
+from test_review28_between_steps import KW, PROMPTS, _model  # noqa: E402
 
 
 # ---- 1. generate() from on_step: not inside a step, so the new lock lets it through, and the outer run loses results
@@ -50,7 +25,7 @@ def test_generate_from_on_step_is_refused_or_keeps_the_outer_results():
     run's requests to completion in its own steps; their Results go to `self.unclaimed` (not in the inner index), the
     outer loop then sees none of its rids in `self.requests` and returns a short list, silently. Expected: refused
     with a ConfigError (as a nested generate inside a step now is), or the outer list complete."""
-    m = _model()
+    m = _model("gemma2")
     p = SamplingParams(max_new_tokens=8)
     with HybridRunner(m, graphs="off", **KW) as r:
         inner = []
@@ -74,7 +49,7 @@ def test_input_embeddings_swapped_by_set_input_embeddings_are_checked_too():
     what custom resizers and PEFT's trainable-token wrappers do) is not seen: the stale module still reports [128, H],
     add_request takes id 120 and the step raises torch's raw IndexError from the new embedding (the case the change
     turned into a ConfigError for resize_token_embeddings). Expected: a typed HwkvError."""
-    m = _model()
+    m = _model("gemma2")
     with HybridRunner(m, graphs="off", **KW) as r:
         r.add_request(PROMPTS[0], SamplingParams(max_new_tokens=4))
         r.step()
