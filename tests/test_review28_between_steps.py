@@ -136,7 +136,7 @@ def test_a_model_moved_to_another_dtype_under_an_open_runner_is_refused_or_serve
 # ---- 3. a step (or generate) inside a step: from a callback, or from a second thread -------------------------------
 @pytest.mark.parametrize("inner", ["step", "generate", "step-from-a-second-thread"])
 def test_a_step_inside_a_running_step_is_refused_as_abort_is(inner):
-    """`abort` inside a step is a ConfigError (`_in_step`), but `step()` and `generate()` do not look at it: called
+    """`abort` inside a step is a ConfigError (a step was running), but `step()` and `generate()` do not look at it: called
     from inside a step (a drafter here; a second thread serving the same runner is the same case) the nested step
     runs the same scheduled rows again. Measured: the nested step leaves the outer generate with wrong tokens
     ([19, 93, 34, 82, 91, 86, 107, 126] where greedy decoding gives [19, 93, 34, 82, 91, 45, 23, 100]); a nested

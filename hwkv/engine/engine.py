@@ -85,7 +85,6 @@ class Engine:
     gives back what was taken, so a refused constructor leaves the cache as it was."""
 
     closed = False
-    _in_step = False  # a step is running (`abort` refuses then)
     _in_callback = False  # generate's on_step is running (step and generate refuse then: its results would go astray)
 
     def __init__(self, cache: Cache, model_step: ModelStep, *, stats: RunnerStats, vocab_size: int,
@@ -250,7 +249,7 @@ class Engine:
         `on_step`) leaves it out of generate's list. ConfigError for an id this engine never gave, a closed engine,
         or a call from inside a step (the model, a drafter): nothing changed then."""
         self._check_open()
-        if self._in_step:
+        if self._step_lock.locked():   # a step is running (from inside it, or another thread)
             raise ConfigError(f"abort({rid!r}) inside a step: abort runs between steps")
         if isinstance(rid, bool) or not isinstance(rid, (int, np.integer)) or not 0 <= rid < self._next_rid:
             given = f"ids run from 0 to {self._next_rid - 1}" if self._next_rid else "it has given none yet"
@@ -354,11 +353,9 @@ class Engine:
             # inference mode, not no_grad: tensors made here skip version counting and view tracking (1.07x
             # tokens/s for the tiny model at batch 1 on the CPU); everything the engine keeps across steps was made
             # in it too
-            self._in_step = True
             with torch.inference_mode():
                 return self._step()
         finally:
-            self._in_step = False
             self._step_lock.release()
 
     def _step(self) -> List[Result]:
