@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Union
 
+from hwkv.checks import normal_tensors as _normal_tensors
 from hwkv.req_to_token import ReqToTokenPool
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.layer import AttentionLayer
@@ -27,6 +28,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'hwkv' has no attribute {name!r}")
 
 
+@_normal_tensors   # a backend built under torch.inference_mode() still steps outside it
 def make_backend(pool: Any, req_to_token_pool: Any, device: Union[None, str, Any] = None,
                  **options: Any) -> "AttentionBackend":
     """Build the attention backend of `device`: a plugin name, a DeviceSpec, a torch.device (the pool's: the plugin

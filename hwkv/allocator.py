@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from hwkv.checks import (as_int, check_device, check_flag, check_int_dtype, check_loc, check_on_device, is_bool,
+from hwkv.checks import (normal_tensors, as_int, check_device, check_flag, check_int_dtype, check_loc, check_on_device, is_bool,
                          is_int)
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, LocError, NotAllocatedError, OutOfSlotsError
@@ -154,6 +154,7 @@ class _Batch:
 class PagedTokenToKVPoolAllocator:
     """Slots in pages of `page_size`; page 0 (slots [0, page_size)) is the padding page."""
 
+    @normal_tensors
     def __init__(self, size: int, page_size: int, device: Union[str, torch.device], name: str = "full") -> None:
         if not is_int(page_size) or not is_int(size) or page_size < 1 or size < 0 or size % page_size:
             raise ConfigError(f"size={size} must be a non-negative multiple of page_size={page_size} >= 1")
@@ -726,6 +727,7 @@ def _check_pool_device(device: torch.device, kvcache: object) -> None:
 class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     """Allocates each token a full slot and an SWA slot (equal in-page offsets) and owns the table."""
 
+    @normal_tensors
     def __init__(self, size: int, size_swa: int, page_size: int, device: Union[str, torch.device],
                  kvcache: object) -> None:
         if kvcache is not None and not callable(getattr(kvcache, "register_mapping", None)):

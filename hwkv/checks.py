@@ -1,16 +1,31 @@
 """Argument checks at the boundary: each names the argument, what was expected and what came."""
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import operator
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Optional, Sequence, Tuple, TypeVar, Union
 
 import numpy as np
 import torch
 
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, DeviceError, LocError, ShapeError
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def normal_tensors(make: F) -> F:
+    """Decorates a constructor of long-lived state (pools, allocators, request table, backend): its tensors are made
+    as normal tensors even under `torch.inference_mode()`, so steps run later in any grad mode may update them in
+    place (an inference tensor refuses that outside inference mode, with torch's raw error)."""
+    @functools.wraps(make)
+    def made(*args: Any, **kwargs: Any) -> Any:
+        with torch.inference_mode(False):
+            return make(*args, **kwargs)
+    return made  # type: ignore[return-value]
 
 
 def values_checkable(t: torch.Tensor) -> bool:

@@ -160,7 +160,10 @@ def store_kv_torch(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, 
     """Reference store: k_buf[loc] = k / k_scale, v_buf[loc] = v / v_scale. Where nothing is quantized (the
     pool's dtype, no scale) the rows are copied straight in: one index_copy_ each, no cast or indexing
     machinery (a layer's store on CPU, ~4x fewer dispatches); index_copy_ takes int64 indices only, so an int32 loc
-    (which `check_store` allows) is widened first."""
+    (which `check_store` allows) is widened first. K/V from a forward in grad mode are stored detached: the pools
+    never join the caller's autograd graph (which would keep every step's activations alive)."""
+    if k.requires_grad or v.requires_grad:
+        k, v = k.detach(), v.detach()
     if k.dtype == k_buf.dtype and v.dtype == v_buf.dtype and k_scale in (None, 1.0) and v_scale in (None, 1.0) \
             and k_buf.dtype not in FP8_DTYPES:
         if loc.dtype != torch.int64:

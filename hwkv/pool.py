@@ -8,7 +8,7 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 import torch
 
 from hwkv import ops
-from hwkv.checks import (as_int, as_layer_id, check_device, check_index_tensor, check_loc, check_scale, check_shape,
+from hwkv.checks import (normal_tensors, as_int, as_layer_id, check_device, check_index_tensor, check_loc, check_scale, check_shape,
                          is_int)
 from hwkv.errors import CapacityError, ConfigError, LocError, MissingSWALocError, ShapeError
 from hwkv.loc import KVWriteLoc, ListRefill, LocRuns
@@ -103,6 +103,7 @@ def _group_bytes(size: int, page_size: int, dtype: torch.dtype, head_num: int, h
 class MHATokenToKVPool:
     """K/V buffers of one layer group: `k_buffer[i]`, `v_buffer[i]` are [size + page_size, H, D]."""
 
+    @normal_tensors
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int,
                  layer_num: int, device: Union[str, torch.device], v_head_dim: Optional[int] = None,
                  _prechecked: bool = False) -> None:
@@ -259,6 +260,7 @@ class SWAKVPool:
 
     translates_lists = True  # translate_loc_from_full_to_swa takes lists= (a graph refill's one launch)
 
+    @normal_tensors
     def __init__(self, size: int, size_swa: int, page_size: int, dtype: torch.dtype, head_num: int,
                  head_dim: int, swa_attention_layer_ids: Sequence[int], full_attention_layer_ids: Sequence[int],
                  device: Union[str, torch.device], swa_head_num: Optional[int] = None,

@@ -47,6 +47,14 @@ def attention(
     qf = q.detach().float().cpu()
     kf = k.detach().float().cpu().repeat_interleave(h // kvh, dim=1)
     vf = v.detach().float().cpu().repeat_interleave(h // kvh, dim=1)
+    with torch.autocast("cpu", enabled=False):   # fp32 whatever the caller's autocast (it ran the einsums in bf16)
+        return _attention_fp32(qf, kf, vf, q_pos, k_pos, scale, window, logit_cap, sinks, mask)
+
+
+def _attention_fp32(qf: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                    scale: float, window: Optional[int], logit_cap: float, sinks: Optional[torch.Tensor],
+                    mask: Optional[torch.Tensor]) -> torch.Tensor:
+    tq, h = qf.shape[:2]
     logits = torch.einsum("qhd,khd->hqk", qf, kf) * scale
     if logit_cap:
         logits = logit_cap * torch.tanh(logits / logit_cap)

@@ -8,7 +8,7 @@ from typing import List, Sequence, Union
 
 import torch
 
-from hwkv.checks import as_int, check_device, check_int_dtype, check_on_device
+from hwkv.checks import normal_tensors, as_int, check_device, check_int_dtype, check_on_device
 from hwkv.errors import ConfigError, DoubleFreeError, LocError, OutOfSlotsError
 from hwkv.pool import check_memory_fits
 from hwkv.torch_page_ops import I64
@@ -17,6 +17,7 @@ from hwkv.torch_page_ops import I64
 class ReqToTokenPool:
     """Rows of locs per request: `req_to_token[row, pos]` is the full-pool loc of token `pos`."""
 
+    @normal_tensors
     def __init__(self, size: int, max_context_len: int, device: Union[str, torch.device]) -> None:
         n, ctx = as_int(size), as_int(max_context_len)
         if n is None or ctx is None or n < 1 or ctx < 1:

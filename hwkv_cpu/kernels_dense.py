@@ -159,7 +159,22 @@ def dense_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, p
 
     qk_scale: scaling * k_scale (divided by cap when soft-capping: s = cap * tanh(q.k * qk_scale));
     v_scale multiplies the output; sinks [H] (one raw logit per head in the denominator) or None;
-    sink_col: the column ahead (`kept_sink_column`, refilled with the sinks' current values; else made here)."""
+    sink_col: the column ahead (`kept_sink_column`, refilled with the sinks' current values; else made here).
+    Inference only, in the pool's compute dtype whatever the caller's autocast: a q that requires grad is read
+    detached (the decode's `bmm(out=)` refuses autograd), and an autocast region is left for the products (it ran
+    them in bf16 over fp32 pools: an error into an fp32 `out`, 1e-2 off on extend)."""
+    if q.requires_grad:
+        q = q.detach()
+    if torch.is_autocast_enabled("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            _dense_attention(q, k_buf, v_buf, plan, out, qk_scale, cap, v_scale, sinks, sink_col)
+        return
+    _dense_attention(q, k_buf, v_buf, plan, out, qk_scale, cap, v_scale, sinks, sink_col)
+
+
+def _dense_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, plan: DensePlan, out: torch.Tensor,
+                     qk_scale: float, cap: float, v_scale: float, sinks: Optional[torch.Tensor],
+                     sink_col: Optional[torch.Tensor]) -> None:
     bs, kvh, g, tq, keys = plan.bs, plan.kvh, plan.g, plan.tq, plan.keys
     d, dv = k_buf.shape[2], v_buf.shape[2]
     cdt = compute_dtype(k_buf.dtype)

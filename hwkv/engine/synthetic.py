@@ -61,7 +61,7 @@ class SyntheticModel:
         gen = torch.Generator(device="cpu").manual_seed(seed)
 
         def randn(*size: int, scale: float = 1.0) -> torch.Tensor:  # drawn on the host: the same on every device
-            return (torch.randn(*size, generator=gen, device="cpu") * scale).to(self.device)
+            return (torch.randn(*size, generator=gen, dtype=torch.float32, device="cpu") * scale).to(self.device)
 
         self.layers: List[AttentionLayer] = []
         self._tables: Dict[Geometry, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
