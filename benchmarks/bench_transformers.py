@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from hwkv.bench.serve import continuous_batching_config
 from hwkv.integrations.transformers import HybridRunner, SamplingParams
 
 
@@ -122,8 +123,8 @@ def hf_cb_method(model: Any, prompts: List[List[int]], new: int, device: str, ar
     fields = getattr(ContinuousBatchingConfig, "__dataclass_fields__", {})
     no_sharing = {"allow_block_sharing": False} if "allow_block_sharing" in fields else {}
     if blocks is not None:
-        cbc = ContinuousBatchingConfig(num_blocks=blocks, page_size=args.cb_page_size,
-                                       max_batch_tokens=args.cb_batch_tokens, **no_sharing)
+        cbc = continuous_batching_config(ContinuousBatchingConfig, args.cb_page_size, num_blocks=blocks,
+                                         max_batch_tokens=args.cb_batch_tokens, **no_sharing)
     else:
         cbc = ContinuousBatchingConfig(max_memory_percent=args.cb_memory, max_batch_tokens=args.cb_batch_tokens,
                                        **no_sharing)

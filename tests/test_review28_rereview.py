@@ -92,10 +92,10 @@ def test_replaced_sinks_under_graph_replays_are_refused():
     """hf_attention.py LayerTable.get adopts replaced sinks only when Python runs a layer (eager forwards, CPU
     "eager" graphs). A CUDA decode graph replays the address it captured, so a runner holding device graphs refuses a
     replacement at the first forward that runs the model (here the new request's prefill), with what to do instead,
-    and gives back what that step allocated; an in-place update (load_state_dict(sd)) runs on. (Not run on a GPU in
-    the session that wrote it.)"""
-    new = {k: v.clone() for k, v in _model("gpt_oss", seed=5).state_dict().items()}
-    m = _model("gpt_oss").cuda()
+    and gives back what that step allocated; an in-place update (load_state_dict(sd)) runs on. In bf16: the fp32
+    tiny GPT-OSS's grouped_mm experts copy through the host, which a CUDA graph cannot capture (its first GPU run)."""
+    new = {k: v.clone() for k, v in _model("gpt_oss", seed=5, dtype=torch.bfloat16).state_dict().items()}
+    m = _model("gpt_oss", dtype=torch.bfloat16).cuda()
     with HybridRunner(m, graphs="on", **KW) as r:
         assert r.table.frozen
         r.add_request(PROMPTS[0], SamplingParams(max_new_tokens=8))

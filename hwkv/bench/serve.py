@@ -276,6 +276,13 @@ def collect_results(manager: Any, ids: List[str], what: str) -> Dict[str, Any]:
     return got
 
 
+def continuous_batching_config(config_class: Any, page_size: int, **fields: Any) -> Any:
+    """transformers' ContinuousBatchingConfig with pages of `page_size` tokens: 5.17 names the page `block_size`,
+    later releases `page_size` (the serve and bench_transformers baselines both build one)."""
+    size = "page_size" if "page_size" in inspect.signature(config_class).parameters else "block_size"
+    return config_class(**{size: page_size}, **fields)
+
+
 def serve_transformers(model: Any, trace: List[TraceRequest], w: ServeWorkload) -> ServeRow:
     """The trace through transformers' continuous batching manager (paged cache), requests added at their
     arrival, results collected as they finish (`collect_results`, the warm-up's too); token times from its
@@ -292,10 +299,8 @@ def serve_transformers(model: Any, trace: List[TraceRequest], w: ServeWorkload) 
     # its cache sized as hwkv's pools are, for max_running requests of the longest context (by default it takes
     # most of the free memory: 8 GiB of this machine's RAM for the tiny model)
     pages = -(-w.context // w.page_size) + 1
-    # transformers 5.17 names the page `block_size`, later releases `page_size`
-    size = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
-    cbc = ContinuousBatchingConfig(num_blocks=w.max_running * pages, max_batch_tokens=max(w.chunk, w.prompt_len),
-                                   **{size: w.page_size})
+    cbc = continuous_batching_config(ContinuousBatchingConfig, w.page_size, num_blocks=w.max_running * pages,
+                                     max_batch_tokens=max(w.chunk, w.prompt_len))
     manager = model.init_continuous_batching(generation_config=cfg, continuous_batching_config=cbc)
     manager.start()
     try:
