@@ -23,8 +23,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from hwkv.checks import (normal_tensors, as_int, check_device, check_flag, check_int_dtype, check_loc, check_on_device, is_bool,
-                         is_int)
+from hwkv.checks import (as_int, check_device, check_flag, check_int_dtype, check_loc, check_on_device, is_bool,
+                         is_int, normal_tensors)
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, LocError, NotAllocatedError, OutOfSlotsError
 from hwkv.pages import ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_SWA_RELEASED, NEVER, PageRing, page_ops_for

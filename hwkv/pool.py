@@ -8,8 +8,8 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 import torch
 
 from hwkv import ops
-from hwkv.checks import (normal_tensors, as_int, as_layer_id, check_device, check_index_tensor, check_loc, check_scale, check_shape,
-                         is_int)
+from hwkv.checks import (as_int, as_layer_id, check_device, check_index_tensor, check_loc, check_scale, check_shape,
+                         is_int, normal_tensors)
 from hwkv.errors import CapacityError, ConfigError, LocError, MissingSWALocError, ShapeError
 from hwkv.loc import KVWriteLoc, ListRefill, LocRuns
 

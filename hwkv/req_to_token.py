@@ -8,7 +8,7 @@ from typing import List, Sequence, Union
 
 import torch
 
-from hwkv.checks import normal_tensors, as_int, check_device, check_int_dtype, check_on_device
+from hwkv.checks import as_int, check_device, check_int_dtype, check_on_device, normal_tensors
 from hwkv.errors import ConfigError, DoubleFreeError, LocError, OutOfSlotsError
 from hwkv.pool import check_memory_fits
 from hwkv.torch_page_ops import I64
