@@ -108,8 +108,9 @@ class SWALocCache:
             self.current = None
             return None
         self.translations += 1
-        if lists is None:
-            self.current = self.pool.translate_loc_from_full_to_swa(loc)
+        if lists is None:   # (a pool without a list refill need not take `lists=`)
+            self.current = (self.pool.translate_loc_from_full_to_swa(loc) if out is None else
+                            self.pool.translate_loc_from_full_to_swa(loc, out=out))
         else:
             self.current = self.pool.translate_loc_from_full_to_swa(loc, out=out, lists=lists)
         return self.current

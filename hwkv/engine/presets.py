@@ -129,7 +129,8 @@ class ModelShape:
         if context < 1:
             raise ConfigError(f"context must be >= 1, got {context}")
         hybrid = self.bytes_per_token_full_group * context
-        hybrid += self.bytes_per_token_swa_group * min(self.window, context)
+        if self.swa_layer_ids:   # (a shape of full layers only may have no window: nothing to add)
+            hybrid += self.bytes_per_token_swa_group * min(self.window, context)
         return self.bytes_per_token_all_full * context / hybrid
 
     def layer(self, layer_id: int) -> LayerGeometry:
