@@ -19,7 +19,7 @@ import torch
 
 from hwkv import ops
 from hwkv.batch import ForwardBatch, ForwardMode, check_seq_lens
-from hwkv.checks import as_int, check_flag, check_rows, check_shape, is_bool, values_checkable
+from hwkv.checks import as_int, check_flag, check_rows, check_shape, is_bool, normal_tensors, values_checkable
 from hwkv.draft import DraftMetadataMixin
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import CapacityError, ConfigError, EvictedSlotError, MissingSWALocError, ShapeError
@@ -408,6 +408,7 @@ class AttentionBackend(DraftMetadataMixin):
                                    f"{int(swa_slots[bad[0]])}: an in-window token was released")
 
     # ---- graph metadata ----------------------------------------------------------------------
+    @normal_tensors
     def init_graph_state(self, max_bs: int, max_num_tokens: int, max_context_len: Optional[int] = None) -> None:
         """Pre-allocate every static buffer (the int64 swa_out_cache_loc buffer included). `max_context_len`: the
         keys a request's static lists hold (None: req_to_token's width); graph metadata for longer requests is a

@@ -12,7 +12,7 @@ import torch
 
 from hwkv import ops
 from hwkv.batch import ForwardBatch, ForwardMode
-from hwkv.checks import as_int
+from hwkv.checks import as_int, normal_tensors
 from hwkv.errors import CapacityError, ConfigError, ShapeError
 from hwkv.graph import GraphAdapter, GraphRunner, ModelFn, PreparedStep
 from hwkv.loc import KVWriteLoc
@@ -133,6 +133,7 @@ class DraftMetadataMixin:
         return steps
 
     # ---- graph mode ---------------------------------------------------------------------------
+    @normal_tensors
     def init_draft_graph_state(self, max_bs: int, draft_steps: int, max_context_len: Optional[int] = None) -> None:
         """Static buffers for drafts of up to `draft_steps` steps of up to `max_bs` requests, allocated once
         and shared by every runner: the base state (write locs for max_bs * draft_steps tokens), then
@@ -355,6 +356,7 @@ class DraftGraphRunner(DraftReplay, GraphRunner):
     at row i * bucket + b) and are passed whole; a batch whose lengths, rows or write locs the eager draft step
     refuses is refused (the same errors) before any static buffer changes."""
 
+    @normal_tensors
     def __init__(self, backend: Any, fn: ModelFn, batch_sizes: Sequence[int],
                  input_shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], draft_steps: int,
                  adapter: Optional[GraphAdapter] = None, writes_swa: bool = True) -> None:

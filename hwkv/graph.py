@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 import torch
 
 from hwkv.batch import ForwardBatch, ForwardMode
-from hwkv.checks import check_rows, values_checkable
+from hwkv.checks import check_rows, normal_tensors, values_checkable
 from hwkv.errors import ConfigError, ShapeError
 from hwkv.spec import DraftTree, MultiStepDraft, check_tree
 
@@ -68,6 +68,7 @@ class GraphRunner:
 
     steps: int = 1  # forward steps one replay runs, tokens step-major (a DraftGraphRunner's k)
 
+    @normal_tensors
     def __init__(self, backend: Any, fn: ModelFn, batch_sizes: Sequence[int],
                  input_shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]],
                  adapter: Optional[GraphAdapter] = None, mode: ForwardMode = ForwardMode.DECODE,

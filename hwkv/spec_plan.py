@@ -111,9 +111,10 @@ class TreePlanner:
             # largest bucket first, so this one is the largest (a later, larger one is a CapacityError)
             st, ctx = be.static, be.graph_max_context_len
             tokens = st.max_num_tokens if mode == "decode" else num_tokens
-            static.update({w: alloc_tree_decode(tokens, ctx if w is None else min(ctx, w), be.device)
-                           for w in [None, *be.windows]})
-            self._token_arange = torch.arange(st.max_num_tokens + 1, dtype=torch.int32, device=be.device)
+            with torch.inference_mode(False):   # kept by the graphs: normal tensors, refilled in any grad mode
+                static.update({w: alloc_tree_decode(tokens, ctx if w is None else min(ctx, w), be.device)
+                               for w in [None, *be.windows]})
+                self._token_arange = torch.arange(st.max_num_tokens + 1, dtype=torch.int32, device=be.device)
 
         def one(lst: KVIndexList) -> KVIndexList:
             buf = static.get(lst.window)

@@ -27,7 +27,7 @@ import torch
 from hwkv import ops
 from hwkv.release import release_out_of_window_batch
 from hwkv.batch import ForwardBatch, ForwardMode
-from hwkv.checks import as_int, check_int_dtype, check_rows, release_window
+from hwkv.checks import as_int, check_int_dtype, check_rows, normal_tensors, release_window
 from hwkv.draft import DraftReplay, check_draft_steps
 from hwkv.errors import ConfigError, LocError, ShapeError
 from hwkv.graph import EagerAdapter, GraphAdapter, GraphRunner, ModelFn, _Captured
@@ -53,6 +53,7 @@ class DecodeStepGraph(GraphRunner):
     # one step: a decode, one token per request (VerifyStepGraph and DraftStepGraph change these)
     _MODE, _TOKENS, _TREE, _WHAT = ForwardMode.DECODE, 1, False, "decode"
 
+    @normal_tensors
     def __init__(self, backend: Any, allocator: Any, fn: ModelFn, batch_sizes: Sequence[int],
                  input_shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], adapter: Optional[GraphAdapter] = None,
                  frontiers: Optional[torch.Tensor] = None, window: Optional[int] = None,
@@ -397,6 +398,7 @@ class VerifyStepGraph(DecodeStepGraph):
 
     _MODE, _WHAT = ForwardMode.TARGET_VERIFY, "verify"
 
+    @normal_tensors
     def __init__(self, backend: Any, allocator: Any, fn: ModelFn, batch_sizes: Sequence[int],
                  input_shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], drafts: int,
                  adapter: Optional[GraphAdapter] = None, pad_row: Optional[int] = None) -> None:
@@ -434,6 +436,7 @@ class DraftStepGraph(DraftReplay, DecodeStepGraph):
 
     _WHAT = "draft"
 
+    @normal_tensors
     def __init__(self, backend: Any, allocator: Any, fn: ModelFn, batch_sizes: Sequence[int],
                  input_shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], draft_steps: int,
                  adapter: Optional[GraphAdapter] = None, pad_row: Optional[int] = None, writes_swa: bool = True) -> None:

@@ -137,7 +137,7 @@ def sink_column(sinks: torch.Tensor, plan: DensePlan, cdt: torch.dtype) -> torch
     """The sinks [H] as the scores' extra column [bs * kvh, tq * g, 1] in `cdt` (rows KV-head-major as the
     scores'), made from their current values (a column kept across calls: `kept_sink_column`)."""
     bs, kvh, g, tq = plan.bs, plan.kvh, plan.g, plan.tq
-    return sinks.to(cdt).view(1, kvh, 1, g).expand(bs, kvh, tq, g).reshape(bs * kvh, tq * g, 1).contiguous()
+    return sinks.detach().to(cdt).view(1, kvh, 1, g).expand(bs, kvh, tq, g).reshape(bs * kvh, tq * g, 1).contiguous()
 
 
 def kept_sink_column(sinks: torch.Tensor, plan: DensePlan,
@@ -149,7 +149,7 @@ def kept_sink_column(sinks: torch.Tensor, plan: DensePlan,
     with torch.inference_mode(False):  # normal tensors: refilled in and out of inference mode alike
         col = torch.empty(plan.bs * plan.kvh, plan.g, 1, dtype=cdt, device=sinks.device)
         dst = col.view(plan.bs, plan.kvh, plan.g)
-    return col, dst, sinks.view(1, plan.kvh, plan.g)
+    return col, dst, sinks.detach().view(1, plan.kvh, plan.g)   # (detached: sinks may be a parameter)
 
 
 def dense_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, plan: DensePlan, out: torch.Tensor,

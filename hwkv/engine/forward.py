@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from hwkv.checks import normal_tensors
 from hwkv.release import release_out_of_window_batch
 from hwkv.req_to_token import ReqToTokenPool
 from hwkv.batch import ForwardBatch, ForwardMode
@@ -113,6 +114,7 @@ class ForwardSlots:
     `frontiers` (int64 [rows] on the device) is what the release moves and a whole-step graph takes;
     `frontiers_cpu` (numpy int64 [rows]) is the host's copy, moved by the same rule, read by the prefix cache."""
 
+    @normal_tensors
     def __init__(self, allocator: Any, rtt: ReqToTokenPool, window: Optional[int]) -> None:
         self.allocator, self.rtt, self.window = allocator, rtt, window
         self.device = rtt.req_to_token.device

@@ -59,6 +59,11 @@ class SyntheticModel:
         self.device = torch.device(device)
         self.rows, self.positions, self.rope_base = tables, positions, float(rope_base)
         gen = torch.Generator(device="cpu").manual_seed(seed)
+        try:   # the device type autocast may run on (None: one torch has no autocast for)
+            torch.is_autocast_enabled(self.device.type)
+            self._amp: Optional[str] = self.device.type
+        except (RuntimeError, ValueError):
+            self._amp = None
 
         def randn(*size: int, scale: float = 1.0) -> torch.Tensor:  # drawn on the host: the same on every device
             return (torch.randn(*size, generator=gen, dtype=torch.float32, device="cpu") * scale).to(self.device)
@@ -123,7 +128,15 @@ class SyntheticModel:
 
     def __call__(self, batch: ForwardBatch, ids: torch.Tensor, pos: torch.Tensor,
                  keep: Union[int, torch.Tensor]) -> torch.Tensor:
-        """Every layer stores and attends through the backend; logits [K, vocab] fp32 at `keep` (0: every token)."""
+        """Every layer stores and attends through the backend; logits [K, vocab] fp32 at `keep` (0: every token),
+        whatever the caller's autocast (it ran the readouts in bf16: other greedy tokens)."""
+        if self._amp is not None and torch.is_autocast_enabled(self._amp):
+            with torch.autocast(self._amp, enabled=False):
+                return self._forward(batch, ids, pos, keep)
+        return self._forward(batch, ids, pos, keep)
+
+    def _forward(self, batch: ForwardBatch, ids: torch.Tensor, pos: torch.Tensor,
+                 keep: Union[int, torch.Tensor]) -> torch.Tensor:
         self.forwards += 1
         pick = self.check.pick(batch, ids) if self.check is not None and self.check.due(self.forwards - 1) else None
         outs: List[torch.Tensor] = []  # the checked queries' outputs, per layer
