@@ -305,25 +305,30 @@ def test_synthetic_model_built_under_another_default_dtype_is_the_fp32_model(dty
     expected m1 and m2 to have the same dtype` (synthetic.py `__call__`, the fp32 layer output @ a float64 readout;
     with graphs="eager" it surfaces as a ConfigError blaming the graph capture), and even a matching matmul would
     draw other values (float64 draws are another stream). Expected: the model is the one its seed and dtype name."""
+    from hwkv.engine.sampling import SamplingParams
+
+    def tokens(build_dtype):
+        with default_dtype(build_dtype):
+            e = synthetic_engine()
+        return [r.tokens for r in e.generate([[1, 2, 3, 4, 5], [9, 8, 7]], SamplingParams(max_new_tokens=5))]
+    want = tokens(torch.float32)
+    assert tokens(dtype) == want
+
+
+def synthetic_engine():
+    """A tiny SyntheticModel engine on the CPU (one SWA and one full layer, sinks, fp32 pools, no prefix cache)."""
     from hwkv.engine.engine import Engine
     from hwkv.engine.pools import build_cache, plan_pools
     from hwkv.engine.presets import ModelShape
-    from hwkv.engine.sampling import SamplingParams
     from hwkv.engine.stats import RunnerStats
     from hwkv.engine.synthetic import SyntheticModel
 
     cpu = torch.device("cpu")
     shape = ModelShape(name="tiny", layer_is_swa=(True, False), window=8, num_heads=4, num_kv_heads=2, head_dim=16,
                        swa_sinks=True, dtype_bytes=4)
-
-    def tokens(build_dtype):
-        with default_dtype(build_dtype):
-            plan = plan_pools(shape, context=64, max_running=2, chunk=24, page_size=4, memory=None, device=cpu,
-                              prefix_cache=False)
-            cache = build_cache(shape, plan, torch.float32, cpu, backend_device="cpu")
-            model = SyntheticModel(shape, cache.backend, vocab_size=97, dtype=torch.float32, device=cpu,
-                                   positions=cache.rtt.max_context_len, seed=3)
-            e = Engine(cache, model, stats=RunnerStats(shape, plan), vocab_size=97, window=8, prefix_cache=False)
-        return [r.tokens for r in e.generate([[1, 2, 3, 4, 5], [9, 8, 7]], SamplingParams(max_new_tokens=5))]
-    want = tokens(torch.float32)
-    assert tokens(dtype) == want
+    plan = plan_pools(shape, context=64, max_running=2, chunk=24, page_size=4, memory=None, device=cpu,
+                      prefix_cache=False)
+    cache = build_cache(shape, plan, torch.float32, cpu, backend_device="cpu")
+    model = SyntheticModel(shape, cache.backend, vocab_size=97, dtype=torch.float32, device=cpu,
+                           positions=cache.rtt.max_context_len, seed=3)
+    return Engine(cache, model, stats=RunnerStats(shape, plan), vocab_size=97, window=8, prefix_cache=False)

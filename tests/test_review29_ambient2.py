@@ -273,24 +273,11 @@ def test_synthetic_engine_under_autocast_gives_the_tokens_it_gives_without_it():
     `acc @ self._unembed`) run in bf16 and return bf16 logits, so a greedy Engine.generate picks other tokens
     (request 2 of this run differs from its 4th token on) while hwkv's attention under it is exact (ReferenceCheck
     passes). Expected: the same tokens (the model leaves autocast, as hwkv's dense path and reference now do)."""
-    from hwkv.engine.engine import Engine
-    from hwkv.engine.pools import build_cache, plan_pools
-    from hwkv.engine.presets import ModelShape
     from hwkv.engine.sampling import SamplingParams
-    from hwkv.engine.stats import RunnerStats
-    from hwkv.engine.synthetic import SyntheticModel
-
-    cpu = torch.device("cpu")
-    shape = ModelShape(name="tiny", layer_is_swa=(True, False), window=8, num_heads=4, num_kv_heads=2, head_dim=16,
-                       swa_sinks=True, dtype_bytes=4)
+    from test_review29_ambient import synthetic_engine
 
     def tokens(ctx):
-        plan = plan_pools(shape, context=64, max_running=2, chunk=24, page_size=4, memory=None, device=cpu,
-                          prefix_cache=False)
-        cache = build_cache(shape, plan, torch.float32, cpu, backend_device="cpu")
-        model = SyntheticModel(shape, cache.backend, vocab_size=97, dtype=torch.float32, device=cpu,
-                               positions=cache.rtt.max_context_len, seed=3)
-        e = Engine(cache, model, stats=RunnerStats(shape, plan), vocab_size=97, window=8, prefix_cache=False)
+        e = synthetic_engine()
         with ctx():
             return [r.tokens for r in e.generate([[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [9, 8, 7, 9, 8, 7, 9, 8]],
                                                  SamplingParams(max_new_tokens=8))]
