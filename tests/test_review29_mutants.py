@@ -471,19 +471,24 @@ def test_the_last_runner_closed_forgets_the_model():
     assert model.impl == "eager" and model not in _OPEN
 
 
-def test_runner_default_context_is_the_models_positions_capped_at_4096():
-    """runner.py:72  `min(int(getattr(cfg, "max_position_embeddings", 4096) or 4096), 4096)` -> `max(...)`. A model of
-    256 positions got pools for 4096-token requests (16 x the KV memory it can use)."""
+def _tiny_gpt_oss(positions: int):
+    """A tiny random GPT-OSS (2 layers, one of them sliding, window 8) of `positions` positions, eager attention."""
     transformers = pytest.importorskip("transformers", reason="hwkv's test extra")
-    from hwkv.integrations.transformers import HybridRunner
-
     cfg = transformers.GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
                                     num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                    max_position_embeddings=256, sliding_window=8, num_local_experts=2,
+                                    max_position_embeddings=positions, sliding_window=8, num_local_experts=2,
                                     num_experts_per_tok=1, tie_word_embeddings=False, eos_token_id=None,
                                     pad_token_id=None, bos_token_id=None)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+
+
+def test_runner_default_context_is_the_models_positions_capped_at_4096():
+    """runner.py:72  `min(int(getattr(cfg, "max_position_embeddings", 4096) or 4096), 4096)` -> `max(...)`. A model of
+    256 positions got pools for 4096-token requests (16 x the KV memory it can use)."""
+    from hwkv.integrations.transformers import HybridRunner
+
+    model = _tiny_gpt_oss(positions=256)
     with HybridRunner(model, max_running=2, page_size=4, graphs="off") as runner:
         assert runner.stats.plan.context == 256
 
@@ -492,17 +497,10 @@ def test_runner_refuses_a_step_after_the_model_left_hwkv_attention_before_runnin
     """runner.py:135  `if impl != ATTN_IMPLEMENTATION:` -> `if False:`. A step after `set_attn_implementation("eager")`
     ran the model's whole forward under another attention (caught only afterwards by the layer count; a graph replay
     would not have been caught at all) instead of being refused before the model was touched."""
-    transformers = pytest.importorskip("transformers", reason="hwkv's test extra")
     from hwkv.errors import ConfigError
     from hwkv.integrations.transformers import HybridRunner, SamplingParams
 
-    cfg = transformers.GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                                    num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                    max_position_embeddings=64, sliding_window=8, num_local_experts=2,
-                                    num_experts_per_tok=1, tie_word_embeddings=False, eos_token_id=None,
-                                    pad_token_id=None, bos_token_id=None)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    model = _tiny_gpt_oss(positions=64)
     forwards = []
     model.register_forward_hook(lambda *a: forwards.append(1))
     with HybridRunner(model, max_running=2, page_size=4, graphs="off") as runner:
@@ -517,17 +515,10 @@ def test_runner_refuses_a_step_after_the_model_moved_to_another_device():
     """runner.py:150  drops ` or w.device != device`. A model moved to another device (here its input embeddings to
     "meta") under an open runner went on to a forward over pools on the old device, not the ConfigError naming
     the move."""
-    transformers = pytest.importorskip("transformers", reason="hwkv's test extra")
     from hwkv.errors import ConfigError
     from hwkv.integrations.transformers import HybridRunner, SamplingParams
 
-    cfg = transformers.GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                                    num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                    max_position_embeddings=64, sliding_window=8, num_local_experts=2,
-                                    num_experts_per_tok=1, tie_word_embeddings=False, eos_token_id=None,
-                                    pad_token_id=None, bos_token_id=None)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    model = _tiny_gpt_oss(positions=64)
     with HybridRunner(model, max_running=2, page_size=4, graphs="off") as runner:
         runner.add_request([1, 2, 3], SamplingParams(max_new_tokens=2))
         model.get_input_embeddings().to("meta")
