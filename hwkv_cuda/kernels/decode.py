@@ -291,6 +291,20 @@ def _gather(buf, rows, cols, mask_c, C: tl.constexpr, BLOCK_C: tl.constexpr, EVI
 
 
 @triton.jit
+def _row_heads(kvh0, GROUP: tl.constexpr, HPP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr,
+               BATCHED: tl.constexpr):
+    """A program's rows as the helpers below order them: (the q head of each row, whether it is a real one).
+    Block-diagonal: the HPP groups' heads in a row, padded once at the end; batched: head-major, each kv head's
+    group padded to BLOCK_G rows (`_batched_heads` builds the same order as [HPP, BLOCK_G] for its loads)."""
+    if BATCHED:
+        r = tl.arange(0, HPP * BLOCK_G)
+        return (kvh0 + r // BLOCK_G) * GROUP + r % BLOCK_G, r % BLOCK_G < GROUP
+    else:
+        r = tl.arange(0, BLOCK_H)
+        return kvh0 * GROUP + r, r < HPP * GROUP
+
+
+@triton.jit
 def _block_diagonal_heads(q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, kv_indices, kv_start, s_lo, s_hi, b,
                           kvh0, qk_scale, cap, GROUP: tl.constexpr, HPP: tl.constexpr, D: tl.constexpr,
                           DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -302,8 +316,7 @@ def _block_diagonal_heads(q, s_qb, s_qh, k_buf, v_buf, s_kb, s_kh, s_vb, s_vh, k
     group fill the tile. Returns (acc [BLOCK_H, HPP * BLOCK_DV], m, l, the rows' q heads, their mask, the
     columns' dims, the mask of each row's own columns)."""
     offs_h = tl.arange(0, BLOCK_H)
-    heads = kvh0 * GROUP + offs_h
-    mask_h = offs_h < HPP * GROUP
+    heads, mask_h = _row_heads(kvh0, GROUP, HPP, BLOCK_H, 1, False)
     row_kv = offs_h // GROUP
     offs_c = tl.arange(0, HPP * BLOCK_D)       # K columns: local kv head c // BLOCK_D, dim c % BLOCK_D
     col_d = offs_c % BLOCK_D
@@ -407,16 +420,9 @@ def _decode_split_kernel(
         per = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
         s_lo = lo + split * per
         s_hi = tl.minimum(s_lo + per, hi)
-    if DIRECT and HAS_SINKS:   # the rows' sinks (rows ordered as the helpers return them) loaded before the loop,
-        # not on the epilogue's path (H100: 24 x 4K at W=16 5.7 -> 5.5 us, other cells within 0.3%)
-        ROWS: tl.constexpr = HPP * BLOCK_G if BATCHED else BLOCK_H
-        r = tl.arange(0, ROWS)
-        if BATCHED:
-            r_head = (kvh0 + r // BLOCK_G) * GROUP + r % BLOCK_G
-            r_ok = r % BLOCK_G < GROUP
-        else:
-            r_head = kvh0 * GROUP + r
-            r_ok = r < HPP * GROUP
+    if DIRECT and HAS_SINKS:   # the rows' sinks loaded before the loop, not on the epilogue's path (H100: 24 x 4K
+        # at W=16 5.7 -> 5.5 us, other cells within 0.3%)
+        r_head, r_ok = _row_heads(kvh0, GROUP, HPP, BLOCK_H, BLOCK_G, BATCHED)
         sink0 = tl.load(sinks + r_head, mask=r_ok, other=0.0).to(tl.float32) * LOG2E
     if BATCHED:
         acc, m, l_sum, heads, mask_h = _batched_heads(
