@@ -8,9 +8,11 @@ pad, metadata refill) and `replay` are its two halves, for callers that time the
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -362,11 +364,27 @@ class PreparedStep:
     inputs: Optional[Dict[str, torch.Tensor]] = None
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's garbage collector off for the block, back on after it if it was on before."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 class TorchDeviceGraphAdapter:
     """Graphs through `torch.<module>`'s graph class and capture context (CUDA, HIP, MUSA, XPU, NPU).
 
     One memory pool is shared by every bucket (captured largest first); capture runs on a side
     stream. The vendor's torch module is looked up on `torch` at use time: the core imports nothing.
+    Python's garbage collector is paused while a capture runs: a collection then could destroy an
+    unreachable graph of an earlier runner, a call the driver forbids during capture, and the capture
+    would fail ("operation failed due to a previous error during capture"); torch stopped collecting
+    before captures in 2.9, so stale graphs in reference cycles are common.
     """
 
     module: str = "cuda"
@@ -383,7 +401,7 @@ class TorchDeviceGraphAdapter:
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> Tuple[Any, torch.Tensor]:
         g = getattr(self._mod, self.graph_class)()
-        with self._mod.graph(g, pool=self._pool, stream=self._stream):
+        with gc_paused(), self._mod.graph(g, pool=self._pool, stream=self._stream):
             out = fn()
         if self._pool is None:
             self._pool = g.pool()
