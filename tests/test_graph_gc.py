@@ -94,35 +94,31 @@ class _Cycle:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
-def test_a_stale_graph_in_a_cycle_does_not_break_a_later_capture():
-    """An earlier capture's graph, unreachable in a cycle, with a collection due on every allocation:
-    the capture must succeed (the collector waits until it is over) and the graph replay correctly."""
+def test_a_graph_left_unreachable_during_a_capture_does_not_break_it():
+    """An earlier capture's graph becomes unreachable (in a cycle) while a later capture runs, with a collection
+    due at every allocation: the capture must succeed (the collector waits until it is over) and replay."""
     from hwkv_cuda.graph import CUDAGraphAdapter
 
     old = CUDAGraphAdapter()
-    handle, _ = old.capture(lambda: torch.ones(4, device="cuda") * 2)
-    thresholds = gc.get_threshold()
-    gc.disable()
-    _Cycle(handle)   # the earlier graph now lives only in a cycle
-    del handle, old
+    holder = [old.capture(lambda: torch.ones(4, device="cuda") * 2)[0]]
+    del old
     x = torch.arange(4.0, device="cuda")
     adapter = CUDAGraphAdapter()
+    thresholds = gc.get_threshold()
+
+    def fn():
+        _Cycle(holder.pop())   # the earlier graph now lives only in a cycle, mid-capture
+        junk = [[i] for i in range(5000)]   # container allocations: each one may start a collection
+        del junk
+        return x * 3
+
     try:
         gc.set_threshold(1, 1, 1)
-        gc.enable()
-
-        def fn():
-            junk = [[i] for i in range(1000)]  # allocations that would trigger collections
-            del junk
-            return x * 3
-
         graph, out = adapter.capture(fn)
-        assert gc.isenabled()
-        x.copy_(torch.full((4,), 5.0, device="cuda"))
-        adapter.replay(graph)
-        torch.cuda.synchronize()
-        assert out.tolist() == [15.0] * 4
     finally:
         gc.set_threshold(*thresholds)
-        gc.enable()
-        gc.collect()
+    gc.collect()   # the earlier graph goes now, outside any capture
+    x.copy_(torch.full((4,), 5.0, device="cuda"))
+    adapter.replay(graph)
+    torch.cuda.synchronize()
+    assert out.tolist() == [15.0] * 4
