@@ -265,33 +265,39 @@ class DecodeStepGraph(GraphRunner):
         fresh = None if inputs is None else self._check_step_inputs(inputs, bs, bucket)
         pages = self._pages(seq_h)
         heads = self._reserve(pages)  # raises before anything changed when the step might not fit
-        if fresh:
-            self._stage_inputs(fresh, bs, bucket)
-        if not self._records:  # an eager 'replay' reads the host lengths; a device graph never does
-            self._stage_host_lens(bs, seq_lens_cpu)
-        if rows_h is not None and seq_lens.is_cpu:
-            seq_s = seq_h if seq_lens is seq_lens_cpu else seq_lens.numpy()
-            if pages == 0 and self._sent == (bs, bucket, self._op) and np.array_equal(self._sent_seq[:bs], seq_s) \
-                    and np.array_equal(self._sent_rows[:bs], rows_h):
-                # the same rows, one token on, no page, no op between: the last replay left exactly this staged (the
-                # heads are read only where a page opens; it moved the op number on by its ops), so nothing is copied
-                self._host = (bs, pages, heads)
+        try:
+            if fresh:
+                self._stage_inputs(fresh, bs, bucket)
+            if not self._records:  # an eager 'replay' reads the host lengths; a device graph never does
+                self._stage_host_lens(bs, seq_lens_cpu)
+            if rows_h is not None and seq_lens.is_cpu:
+                seq_s = seq_h if seq_lens is seq_lens_cpu else seq_lens.numpy()
+                if pages == 0 and self._sent == (bs, bucket, self._op) \
+                        and np.array_equal(self._sent_seq[:bs], seq_s) and np.array_equal(self._sent_rows[:bs], rows_h):
+                    # the same rows, one token on, no page, no op between: the last replay left exactly this staged
+                    # (the heads are read only where a page opens; it moved the op number on by its ops), so nothing
+                    # is copied
+                    self._host = (bs, pages, heads)
+                else:
+                    self._set_ctl(bs, pages, heads, rows_h, seq_s, bucket)
+                sent = None
+                if self._advances.get(bucket):  # what the replay will leave staged
+                    self._sent_rows[:bs] = rows_h
+                    np.add(seq_s, 1, out=self._sent_seq[:bs])
+                    sent = (bs, bucket, self._op + self._ops)  # (the launch moved the op number on by the step's ops)
+                self._sent = None  # until the replay has run: a replay that raises leaves nothing it claims
             else:
-                self._set_ctl(bs, pages, heads, rows_h, seq_s, bucket)
-            sent = None
-            if self._advances.get(bucket):  # what the replay will leave staged
-                self._sent_rows[:bs] = rows_h
-                np.add(seq_s, 1, out=self._sent_seq[:bs])
-                sent = (bs, bucket, self._op + self._ops)  # (the launch moved the op number on by the step's ops)
-            self._sent = None  # until the replay has run: a replay that raises leaves nothing it claims
-        else:
-            sent = None
-            self._set_ctl(bs, pages, heads)
-            self.rows_in[:bs].copy_(rows)
-            self.seq_in[:bs].copy_(seq_lens)
-        graph = self.graphs[bucket].graph
-        self.adapter.pre_replay(graph)
-        out = self.adapter.replay(graph)  # the whole step; nothing else to do on the host
+                sent = None
+                self._set_ctl(bs, pages, heads)
+                self.rows_in[:bs].copy_(rows)
+                self.seq_in[:bs].copy_(seq_lens)
+            graph = self.graphs[bucket].graph
+            self.adapter.pre_replay(graph)
+            out = self.adapter.replay(graph)  # the whole step; nothing else to do on the host
+        except BaseException:  # staging, the host update or the launch raised (Ctrl-C, a vendor error): a claim whose
+            self._sent = None   # allocation never ran goes back; one that ran is the caller's to undo (its pages live)
+            self.allocator.cancel_reserve(pages, self._ops)
+            raise
         self._sent = sent
         self.replays += 1
         last, n, view = self._live_out
