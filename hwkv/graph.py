@@ -285,6 +285,9 @@ class GraphRunner:
         self._check_lens_and_rows(batch)  # as the eager step would (which a batch past every bucket takes)
         self._check_write_locs(batch.out_cache_loc)
         bs_pad = self.buckets[i]
+        if bs_pad not in self.graphs:   # (a capture that stopped part way): refused before anything is staged
+            raise ConfigError(f"a batch of {bs} replays bucket {bs_pad}, which is not captured (captured: "
+                              f"{sorted(self.graphs) or 'none'}): call capture() before run()")
         self._take_inputs(inputs, n)  # first: a bad input leaves the static batch as it was
         self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
         self.seq_lens[:bs].copy_(batch.seq_lens)
@@ -334,8 +337,9 @@ class GraphRunner:
     def replay(self, step: "PreparedStep") -> torch.Tensor:
         """The layers of a prepared step: replay its bucket's graph (or run the eager fallback)."""
         if step.bucket is None:
-            self.eager_runs += 1
-            return self._live(self.fn(step.batch, step.inputs), step)
+            out = self.fn(step.batch, step.inputs)
+            self.eager_runs += 1   # (counted once it ran, as replays are)
+            return self._live(out, step)
         cap = self.graphs[step.bucket]
         self.adapter.pre_replay(cap.graph)
         before = self._translations()

@@ -398,12 +398,16 @@ class Engine:
             except BaseException:
                 self._undo(rows, None if batch is None else batch.out_cache_loc, head)
                 raise
-            if self._prefixing is not None:
-                self._prefixing.cache_prompts(rows, lock=False)  # with the chunk's SWA, which the release drops
-            self._release(lens.rows, lens.seq, batch.req_pool_indices, batch.seq_lens)
-            if self._prefixing is not None:
-                self._prefixing.cache_prompts(rows, lock=True)
             mode = batch.forward_mode
+            try:
+                if self._prefixing is not None:
+                    self._prefixing.cache_prompts(rows, lock=False)  # with the chunk's SWA, which the release drops
+                self._release(lens.rows, lens.seq, batch.req_pool_indices, batch.seq_lens)
+                if self._prefixing is not None:
+                    self._prefixing.cache_prompts(rows, lock=True)
+            except BaseException:  # (Ctrl-C) the forward ran: its lengths move on all the same, or the next step
+                self._send(rows, sampled, where, mode, tokens)  # would allocate its positions again (a leak); what
+                raise  # was not cached or released is caught up by the next step's caching and release
         self._send(rows, sampled, where, mode, tokens)
         # the earlier steps' tokens (with overlap: while this one runs; without, this one's too), counted as read
         finished = self._read_back(keep=1 if self.overlap else 0)
@@ -532,7 +536,12 @@ class Engine:
             self._undo(rows, None if batch is None else batch.out_cache_loc, head, k + 1)
             raise
         self._pools_changed = True
-        done, used_all = self._accept(rows, k, drafts, pred, rows_dev)
+        try:
+            done, used_all = self._accept(rows, k, drafts, pred, rows_dev, batch, head)
+        except BaseException:  # (Ctrl-C) the requests the read-back finished keep their results
+            for res in earlier:
+                self.unclaimed[res.rid] = res
+            raise
         return earlier + self._finish(done), used_all
 
     def _propose(self, rows: List[Row], k: int) -> Optional[List[List[int]]]:
@@ -557,36 +566,42 @@ class Engine:
         return drafts
 
     def _accept(self, rows: List[Row], k: int, drafts: List[List[int]], pred: List[List[int]],
-                rows_dev: torch.Tensor) -> Tuple[List[Request], int]:
+                rows_dev: torch.Tensor, batch: Optional[ForwardBatch], head: int) -> Tuple[List[Request], int]:
         """Keep each row's longest draft prefix greedy decoding agrees with and the model's next token (a stop
         ends it there), free the rest of the drafts' slots, release out of window on the accepted lengths; returns
-        the finished requests and the tokens added."""
+        the finished requests and the tokens added. Where the drafts' slots are kept or freed (`accept_draft_tokens`)
+        raises (Ctrl-C), the verify is undone as a forward that raised (`batch`, `head`: its allocation) and no output
+        moved; once that ran, the tokens are the requests' whatever the release does."""
         bs = len(rows)
-        accepted, done, used_all = [], [], 0
+        taken, accepted, used_all = [], [], 0
         for r, d, pr in zip(rows, drafts, pred):
             a = 0
             while a < k and d[a] == pr[a]:
                 a += 1
-            used = 0
-            for t in d[:a] + [pr[a]]:
-                used += 1
-                if r.req.add_token(t):
-                    done.append(r.req)
-                    break
-            accepted.append(used - 1)
-            used_all += used
+            toks = r.req.tokens_to_finish(d[:a] + [pr[a]])   # up to a stop or max_new_tokens; nothing appended yet
+            taken.append(toks)
+            accepted.append(len(toks) - 1)
+            used_all += len(toks)
         # the drafts' start (after the last token), the accepted counts and each row's last token: one copy
         (host,), ((pre_dev, acc_dev, last_dev),) = pack(
-            [(bs, [[r.prefix + 1 for r in rows], accepted, [r.req.output[-1] for r in rows]])], self.device)
+            [(bs, [[r.prefix + 1 for r in rows], accepted, [t[-1] for t in taken]])], self.device)
         pre, acc = host[0], host[1]
         c = self.cache
         index = torch.arange(k, dtype=I64, device=self.device).expand(bs, k).contiguous()
-        seq = accept_draft_tokens(c.allocator, c.pool, c.rtt.req_to_token, rows_dev, pre_dev, index,
-                                  acc_dev, prefix_lens_cpu=pre, accept_lens_cpu=acc, chain=True)
-        self._release([r.req.row for r in rows], [r.prefix + 1 + a for r, a in zip(rows, accepted)], rows_dev, seq)
-        for r, a in zip(rows, accepted):
+        try:
+            seq = accept_draft_tokens(c.allocator, c.pool, c.rtt.req_to_token, rows_dev, pre_dev, index,
+                                      acc_dev, prefix_lens_cpu=pre, accept_lens_cpu=acc, chain=True)
+        except BaseException:
+            self._undo(rows, None if batch is None else batch.out_cache_loc, head, k + 1)
+            raise
+        done = []
+        for r, toks, a in zip(rows, taken, accepted):
+            for t in toks:
+                if r.req.add_token(t):
+                    done.append(r.req)
             r.req.kv_len = r.prefix + 1 + a
         self.next_ids[rows_dev] = last_dev
+        self._release([r.req.row for r in rows], [r.prefix + 1 + a for r, a in zip(rows, accepted)], rows_dev, seq)
         # the free counts after the release travel to the host without a wait: read with the next step's tokens
         # (or the next verify's, or at the end of `generate`)
         self.readback.send([], None, ForwardMode.TARGET_VERIFY, self._held())

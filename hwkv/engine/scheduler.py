@@ -84,6 +84,16 @@ class Request:
             return self.prompt_np[self.kv_len:self.kv_len + n]
         return np.full(n, -1, dtype=np.int64)
 
+    def tokens_to_finish(self, tokens: List[int]) -> List[int]:
+        """The first of `tokens` that `add_token` would take: all, or up to the one that finishes the request (a
+        stop token, max_new_tokens). Nothing changes."""
+        room = self.params.max_new_tokens - len(self.output)
+        stops = self.params.stop_token_ids
+        for i, t in enumerate(tokens):
+            if t in stops or i + 1 >= room:
+                return tokens[:i + 1]
+        return tokens
+
     def add_token(self, token: int) -> bool:
         """Append a sampled token; True when the request is now finished."""
         self.output.append(token)
