@@ -279,7 +279,8 @@ class Engine:
         count exactly the tokens the results hold. Requests queued with `add_request` that finish meanwhile keep
         their Result in `self.unclaimed`. A closed engine, a prompt that is not token ids (see `prompt_ids`) or
         params that are not SamplingParams raise ConfigError before any prompt is queued, as does a call made while a
-        step runs (from inside it, or another thread)."""
+        step runs (from inside it, or another thread). A run that raises (the model, `on_step`, Ctrl-C) aborts the
+        requests it queued that are still there (their ids never reached the caller) before the error propagates."""
         self._check_open()
         if self._step_lock.locked() or self._in_callback:
             raise ConfigError("generate() while a step or a generate() of this engine runs (called from inside it, by "
@@ -310,25 +311,31 @@ class Engine:
                 index[self._add(ids, p)] = i
             except HwkvError as e:  # refused up front: reported in its own Result
                 results[i] = Result(-1, ids, error=e, seed=p.seed)
-        while any(rid in self.requests for rid in index):
-            before = self.stats.generated_tokens
-            for res in self.step():
-                if res.rid in index:
-                    results[index[res.rid]] = res
-                else:
-                    self.unclaimed[res.rid] = res
-            if on_step is not None:   # between steps, but inside this run: a step or generate from it is refused
-                self._in_callback = True
-                try:
-                    on_step(self.stats.generated_tokens - before)
-                finally:
-                    self._in_callback = False
-        # what is still in flight when the last prompt finished (with overlap the forward issued before that
-        # read-back: its tokens for finished requests are dropped; or a verify's free counts) is read now, the run's
-        # one wait past its steps: the counters hold the results' tokens, the memory statistics are complete, and
-        # nothing of this run is left to read (a request queued by add_request that finishes here goes to unclaimed)
-        for res in self._read_back():
-            self.unclaimed[res.rid] = res
+        try:
+            while any(rid in self.requests for rid in index):
+                before = self.stats.generated_tokens
+                for res in self.step():
+                    if res.rid in index:
+                        results[index[res.rid]] = res
+                    else:
+                        self.unclaimed[res.rid] = res
+                if on_step is not None:   # between steps, but inside this run: a step or generate from it is refused
+                    self._in_callback = True
+                    try:
+                        on_step(self.stats.generated_tokens - before)
+                    finally:
+                        self._in_callback = False
+            # what is still in flight when the last prompt finished (with overlap the forward issued before that
+            # read-back: its tokens for finished requests are dropped; or a verify's free counts) is read now, the run's
+            # one wait past its steps: the counters hold the results' tokens, the memory statistics are complete, and
+            # nothing of this run is left to read (a request queued by add_request that finishes here goes to unclaimed)
+            for res in self._read_back():
+                self.unclaimed[res.rid] = res
+        except BaseException:  # (the model, on_step, Ctrl-C) the caller never gets these ids: the requests this run
+            for rid in index:  # queued leave, as aborted ones do, rather than run on holding rows and pages
+                if rid in self.requests:
+                    self.abort(rid)
+            raise
         return [r for r in results if r is not None]
 
     # ---- one forward ---------------------------------------------------------------------------
@@ -343,7 +350,9 @@ class Engine:
         A forward that raises (the model's own error, Ctrl-C) gives back the pages its step allocated before the
         error propagates (`_undo`): nothing leaks, and the next step runs the same rows again. A forward stays in
         flight until its tokens are read, so Ctrl-C in the wait for them loses none: the next step reads them. What
-        runs between the two on the host (caching prompt pages, the out-of-window release) is not undone."""
+        runs between the two on the host (caching prompt pages, the out-of-window release) is not undone: if it
+        raises, the forward's lengths still move on and the next step's caching and release catch up. A verify
+        interrupted before its drafts' slots are settled is undone whole (no output moved)."""
         self._check_open()
         if self._in_callback or not self._step_lock.acquire(blocking=False):
             raise ConfigError("step() while a step or a generate() of this engine runs (called from inside it, by a "

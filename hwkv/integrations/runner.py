@@ -106,6 +106,8 @@ class HybridRunner(Engine):
                              graph_adapter=adapter, graph_choice=choice,
                              graph_batch_sizes=graph_batch_sizes, overlap=overlap, prefix_cache=cached,
                              whole_step=whole_step, draft=draft, num_draft=num_draft)
+            if self.graph is None and self.verify_graph is None:  # graphs='auto' fell back to eager decode: no
+                self.table.frozen = False                         # replay reads the weights' addresses
         except BaseException:
             self.close()
             raise
