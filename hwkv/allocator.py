@@ -397,20 +397,18 @@ class PagedTokenToKVPoolAllocator:
             r.op += ops
         return heads
 
-    def cancel_reserve(self, pages: int, ops: int = 1) -> bool:
-        """Give back the last `reserve(pages, ops)` where its allocation never ran (a replay that raised before it,
-        or whose launch failed): each ring's head and op count move back, unless one of the pages it claimed is live
-        (the allocation ran: the caller's undo frees those). Returns whether anything moved back. Nothing else may
-        have taken from the rings since that `reserve`. The error path only: it reads the device."""
+    def cancel_reserve(self, pages: int) -> bool:
+        """Give back the pages of the last `reserve(pages, ...)` where its allocation never ran (a replay that raised
+        before it, or whose launch failed): each ring's head moves back, unless one of the pages it claimed there is
+        live (the allocation ran: the caller's undo frees those). The ops `reserve` numbered stay numbered (a gap in
+        the numbers ranks errors as before; reusing a number that ran could not). Returns whether a head moved. Nothing
+        else may have taken from the rings since that `reserve`. The error path only: it reads the device."""
         moved = False
-        for r in self._ring_set:
-            if pages:
-                at = (r.head - pages + torch.arange(pages, dtype=torch.int64)) % max(r.num_pages, 1)
-                if bool((r.refs[r.ring[at.to(r.ring.device)]] >= 1).any()):
-                    continue
+        for r in self._ring_set if pages else ():
+            at = (r.head - pages + torch.arange(pages, dtype=torch.int64)) % max(r.num_pages, 1)
+            if not bool((r.refs[r.ring[at.to(r.ring.device)]] >= 1).any()):
                 r.head -= pages
-            r.op -= ops
-            moved = True
+                moved = True
         return moved
 
     @property

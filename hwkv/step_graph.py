@@ -296,7 +296,7 @@ class DecodeStepGraph(GraphRunner):
             out = self.adapter.replay(graph)  # the whole step; nothing else to do on the host
         except BaseException:  # staging, the host update or the launch raised (Ctrl-C, a vendor error): a claim whose
             self._sent = None   # allocation never ran goes back; one that ran is the caller's to undo (its pages live)
-            self.allocator.cancel_reserve(pages, self._ops)
+            self.allocator.cancel_reserve(pages)
             raise
         self._sent = sent
         self.replays += 1

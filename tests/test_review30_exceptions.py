@@ -43,6 +43,24 @@ class HostUpdateFails(EagerAdapter):
             raise RuntimeError("the graph's host update failed")
 
 
+def _drain_interrupted(e, rids, limit=3):
+    """Steps until no work, as a server loop that survives Ctrl-C of one step does: (each request's tokens, the
+    errors other than KeyboardInterrupt its steps raised and the integrity failures after each step)."""
+    out, errors = {}, []
+    while e.has_work() and len(errors) < limit:
+        try:
+            out.update((r.rid, r.tokens) for r in e.step())
+        except KeyboardInterrupt:
+            pass
+        except Exception as err:  # noqa: BLE001 - reported
+            errors.append(repr(err))
+        try:
+            e.check_integrity()
+        except AssertionError as err:
+            errors.append(str(err))
+    return [out.get(r) for r in rids], errors
+
+
 def _drain(e, rids):
     out = {}
     while e.has_work():
@@ -164,20 +182,10 @@ def test_ctrl_c_in_a_verify_steps_acceptance_keeps_greedy_tokens_and_leaks_nothi
         return original(*args, **kwargs)
 
     monkeypatch.setattr(engine_mod, "accept_draft_tokens", interrupted)
-    rids = [e.add_request(p, SamplingParams(max_new_tokens=10)) for p in prompts]
-    out, integrity = {}, []
-    while e.has_work():
-        try:
-            out.update((r.rid, r.tokens) for r in e.step())
-        except KeyboardInterrupt:
-            pass
-        try:
-            e.check_integrity()
-        except AssertionError as err:
-            integrity.append(str(err))
+    got, errors = _drain_interrupted(e, [e.add_request(p, SamplingParams(max_new_tokens=10)) for p in prompts])
     assert len(fired) == 2
-    assert [out.get(r) for r in rids] == want, "tokens differ from greedy decoding after the interrupted verify"
-    assert not integrity, integrity[0]
+    assert got == want, "tokens differ from greedy decoding after the interrupted verify"
+    assert not errors, errors[0]
     e.clear_prefix_cache()
     assert e.cache.held_slots() == (0, 0)
 
@@ -401,3 +409,61 @@ def test_pinned_a_capture_retried_after_it_failed_part_way_replays_correctly(com
     for bs in (1, 2, 3, 4):
         x = torch.arange(bs, dtype=torch.float32).view(bs, 1) + 1
         assert torch.equal(runner.run(_decode(row, bs), {"x": x}), x * 2)
+
+
+def test_pinned_cancel_reserve_gives_back_a_claim_that_never_ran_and_keeps_one_that_did():
+    """`Allocator.cancel_reserve`: a claim whose allocation never ran goes back whole (both rings' free counts and
+    the integrity snapshot as before the reserve); one whose allocation ran is left to the caller (nothing moves)."""
+    from hwkv.allocator import SWATokenToKVPoolAllocator, same_snapshot
+    from hwkv.torch_page_ops import TORCH_OPS
+    from test_captured_op_order import T, _scene
+
+    a = SWATokenToKVPoolAllocator(64, 64, 4, "cpu", None)
+    a._ops = a.swa_attn_allocator._ops = TORCH_OPS
+    rtt = _scene(a)
+    before, free = a.integrity_snapshot(), a.available_size()
+    a.reserve(2)
+    assert a.available_size() == free - 2 * 4
+    assert a.cancel_reserve(2)
+    assert a.available_size() == free and same_snapshot(before, a.integrity_snapshot())
+    a.check_integrity()
+    heads = a.reserve(1)
+    a.alloc_reserved(T([10]), T([13]), rtt[0, 9:10].clone(), torch.zeros(3, dtype=torch.int64), heads, 1)
+    after = a.integrity_snapshot()
+    assert not a.cancel_reserve(1)
+    assert same_snapshot(after, a.integrity_snapshot())
+    a.check_integrity()
+    assert not a.cancel_reserve(0)
+
+
+def test_pinned_interrupts_held_raises_a_ctrl_c_once_the_block_is_over():
+    """`interrupts_held`: a SIGINT inside the block is raised after it (the block ran to its end); the block's own
+    error wins over a held Ctrl-C; the default handler is back after either; off the main thread it holds nothing."""
+    import os
+    import signal
+    import threading
+
+    from hwkv.engine.engine import interrupts_held
+
+    ran = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            ran.append("after the signal")
+    assert ran == ["after the signal"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(ValueError, match="its own"):
+        with interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            raise ValueError("its own")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    seen = []
+
+    def off_main():
+        with interrupts_held() as held:
+            seen.append(held.held)
+
+    t = threading.Thread(target=off_main)
+    t.start()
+    t.join()
+    assert seen == [False]

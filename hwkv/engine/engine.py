@@ -13,6 +13,7 @@ transformers integration (`hwkv.integrations.runner.HybridRunner`) is one.
 """
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -61,6 +62,36 @@ def check_switches(overlap: Optional[bool], prefix_cache: bool, whole_step: Opti
     check_flag("overlap", overlap, none=True)
     check_flag("prefix_cache", prefix_cache)
     check_flag("whole_step", whole_step, none=True)
+
+
+
+class interrupts_held:
+    """Ctrl-C (SIGINT) held until the block is over, then raised: the block's changes land whole (a verify's kept
+    and freed drafts with the outputs and lengths that name them). Off the main thread, or where SIGINT is not
+    Python's default handler (the caller installed its own), the block runs as it is. Cost: a getsignal and two
+    signal.signal calls, ~8 us a block on a 2-core CI CPU (once a verify step)."""
+
+    __slots__ = ("caught", "held")
+
+    def _hold(self, *sig: Any) -> None:
+        self.caught = True
+
+    def __enter__(self) -> "interrupts_held":
+        self.caught = self.held = False
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            try:
+                signal.signal(signal.SIGINT, self._hold)
+                self.held = True
+            except ValueError:  # not the main thread (whose handler alone Python runs): nothing to hold there
+                pass
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> bool:
+        if self.held:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            if self.caught and exc_type is None:
+                raise KeyboardInterrupt
+        return False
 
 
 class Engine:
@@ -143,6 +174,8 @@ class Engine:
         self._pools_changed = False  # this step moved a page (the KV held may have changed)
         self.requests: Dict[int, Request] = {}
         self.unclaimed: Dict[int, Result] = {}  # finished inside generate(), queued by add_request: pop them
+        self._carry: List[Result] = []       # finished in a step that raised after they did: the next step's
+        self._verified: List[Request] = []   # requests a verify's kept tokens finished, until it returns
         self._next_rid = 0
         self.whole_step = False
         self.verify_graph: Any = None  # a VerifyStepGraph of num_draft drafts, with the whole-step graph
@@ -306,12 +339,12 @@ class Engine:
             raise ConfigError(f"{len(per)} SamplingParams for {len(prompts)} prompts")
         results: List[Optional[Result]] = [None] * len(prompts)
         index: Dict[int, int] = {}
-        for i, (ids, p) in enumerate(zip(all_ids, per)):
-            try:
-                index[self._add(ids, p)] = i
-            except HwkvError as e:  # refused up front: reported in its own Result
-                results[i] = Result(-1, ids, error=e, seed=p.seed)
         try:
+            for i, (ids, p) in enumerate(zip(all_ids, per)):
+                try:
+                    index[self._add(ids, p)] = i
+                except HwkvError as e:  # refused up front: reported in its own Result
+                    results[i] = Result(-1, ids, error=e, seed=p.seed)
             while any(rid in self.requests for rid in index):
                 before = self.stats.generated_tokens
                 for res in self.step():
@@ -334,7 +367,10 @@ class Engine:
         except BaseException:  # (the model, on_step, Ctrl-C) the caller never gets these ids: the requests this run
             for rid in index:  # queued leave, as aborted ones do, rather than run on holding rows and pages
                 if rid in self.requests:
-                    self.abort(rid)
+                    try:
+                        self.abort(rid)
+                    except Exception:  # noqa: BLE001 - the run's own error is the one to propagate
+                        break
             raise
         return [r for r in results if r is not None]
 
@@ -352,7 +388,9 @@ class Engine:
         flight until its tokens are read, so Ctrl-C in the wait for them loses none: the next step reads them. What
         runs between the two on the host (caching prompt pages, the out-of-window release) is not undone: if it
         raises, the forward's lengths still move on and the next step's caching and release catch up. A verify
-        interrupted before its drafts' slots are settled is undone whole (no output moved)."""
+        that raises before its drafts' slots are settled is undone whole (no output moved); Ctrl-C while they settle
+        is raised once the verify has landed. Results of requests a step finished before it raised come with the
+        next step."""
         self._check_open()
         if self._in_callback or not self._step_lock.acquire(blocking=False):
             raise ConfigError("step() while a step or a generate() of this engine runs (called from inside it, by a "
@@ -362,8 +400,13 @@ class Engine:
             # inference mode, not no_grad: tensors made here skip version counting and view tracking (1.07x
             # tokens/s for the tiny model at batch 1 on the CPU); everything the engine keeps across steps was made
             # in it too
-            with torch.inference_mode():
-                return self._step()
+            carried, self._carry = self._carry, []
+            try:
+                with torch.inference_mode():
+                    return carried + self._step() if carried else self._step()
+            except BaseException:
+                self._carry[:0] = carried
+                raise
         finally:
             self._step_lock.release()
 
@@ -389,10 +432,8 @@ class Engine:
         if k:
             verified = self._verify(rows, k)
             if verified is not None:
-                finished, tokens = verified
                 self.stats.record_step(ForwardMode.TARGET_VERIFY, 0, time.perf_counter() - t0)
-                self.stats.record_tokens(ForwardMode.TARGET_VERIFY, tokens)  # read already: a verify waits for them
-                return finished
+                return verified[0]   # (its tokens were counted as they joined the outputs)
         if self._prefixing is not None:
             self._prefixing.make_room(rows)
         if self.whole_step and self.scheduler.decoding == len(rows):  # every row decodes
@@ -425,7 +466,7 @@ class Engine:
 
     def has_work(self) -> bool:
         """Whether requests wait or run, or a forward's tokens are still to be read back."""
-        return self.scheduler.has_work() or bool(self.readback.inflight)
+        return self.scheduler.has_work() or bool(self.readback.inflight) or bool(self._carry)
 
     def tokens_of(self, row: int) -> List[int]:
         """The token ids of the running request in request row `row`: its prompt and the outputs the host has read
@@ -530,7 +571,7 @@ class Engine:
         bs = len(rows)
         ids = [t for r, d in zip(rows, drafts) for t in [r.req.output[-1]] + d]
         graph = self.verify_graph
-        head, batch = self.cache.allocator.pages.head, None
+        head, batch, earlier, settled = self.cache.allocator.pages.head, None, [], False
         try:  # as a plain step's forward: one that raises gives back what it allocated
             if graph is not None and k == graph.drafts and bs <= graph.buckets[-1]:  # one replay: slots, metadata,
                 logits, rows_dev = self.slots.replay_verify(graph, [r.req.row for r in rows],  # layers
@@ -541,17 +582,22 @@ class Engine:
                 logits, rows_dev = self._logits(batch, ids_dev, pos_dev, 0), batch.req_pool_indices
             pred = logits.argmax(dim=-1).view(bs, k + 1).tolist()  # the one wait
             earlier = self._read_back()  # the previous verify's free counts, copied before that wait: no wait
+            self._pools_changed = True
+            taken, accepted, dev = self._acceptance(rows, k, drafts, pred)
+            with interrupts_held():  # from here the verify lands whole: a Ctrl-C is raised once it has
+                seq = self._keep_drafts(rows, k, rows_dev, accepted, dev)
+                settled = True
+                used_all = self._commit(rows, k, taken, accepted, rows_dev, dev[2], seq)
+            return earlier + self._finish(self._verified), used_all
         except BaseException:
-            self._undo(rows, None if batch is None else batch.out_cache_loc, head, k + 1)
+            if not settled:  # (before `accept_draft_tokens`, or refused by it before it changed anything)
+                self._undo(rows, None if batch is None else batch.out_cache_loc, head, k + 1)
+            # the requests the read-back finished, and those whose kept tokens finished them: their results come with
+            # the next step
+            self._carry += earlier + self._finish(self._verified)
             raise
-        self._pools_changed = True
-        try:
-            done, used_all = self._accept(rows, k, drafts, pred, rows_dev, batch, head)
-        except BaseException:  # (Ctrl-C) the requests the read-back finished keep their results
-            for res in earlier:
-                self.unclaimed[res.rid] = res
-            raise
-        return earlier + self._finish(done), used_all
+        finally:
+            self._verified = []
 
     def _propose(self, rows: List[Row], k: int) -> Optional[List[List[int]]]:
         """Each row's k drafts (short proposals padded with its last token), once the pools have room for them
@@ -574,48 +620,53 @@ class Engine:
             self._prefixing.make_room_for(pages)
         return drafts
 
-    def _accept(self, rows: List[Row], k: int, drafts: List[List[int]], pred: List[List[int]],
-                rows_dev: torch.Tensor, batch: Optional[ForwardBatch], head: int) -> Tuple[List[Request], int]:
-        """Keep each row's longest draft prefix greedy decoding agrees with and the model's next token (a stop
-        ends it there), free the rest of the drafts' slots, release out of window on the accepted lengths; returns
-        the finished requests and the tokens added. Where the drafts' slots are kept or freed (`accept_draft_tokens`)
-        raises (Ctrl-C), the verify is undone as a forward that raised (`batch`, `head`: its allocation) and no output
-        moved; once that ran, the tokens are the requests' whatever the release does."""
-        bs = len(rows)
-        taken, accepted, used_all = [], [], 0
+    def _acceptance(self, rows: List[Row], k: int, drafts: List[List[int]], pred: List[List[int]]
+                    ) -> Tuple[List[List[int]], List[int], Tuple[torch.Tensor, ...]]:
+        """Each row's tokens to keep: its longest draft prefix greedy decoding agrees with and the model's next token,
+        up to a stop or max_new_tokens (nothing appended yet); their counts less one (accepted drafts); and on the
+        device, in one copy, the drafts' start (after the last token), those counts and each row's last token."""
+        taken, accepted = [], []
         for r, d, pr in zip(rows, drafts, pred):
             a = 0
             while a < k and d[a] == pr[a]:
                 a += 1
-            toks = r.req.tokens_to_finish(d[:a] + [pr[a]])   # up to a stop or max_new_tokens; nothing appended yet
+            toks = r.req.tokens_to_finish(d[:a] + [pr[a]])
             taken.append(toks)
             accepted.append(len(toks) - 1)
-            used_all += len(toks)
-        # the drafts' start (after the last token), the accepted counts and each row's last token: one copy
-        (host,), ((pre_dev, acc_dev, last_dev),) = pack(
-            [(bs, [[r.prefix + 1 for r in rows], accepted, [t[-1] for t in taken]])], self.device)
-        pre, acc = host[0], host[1]
-        c = self.cache
+        (host,), (dev,) = pack([(len(rows), [[r.prefix + 1 for r in rows], accepted, [t[-1] for t in taken]])],
+                               self.device)
+        return taken, accepted, (*dev, host[0], host[1])
+
+    def _keep_drafts(self, rows: List[Row], k: int, rows_dev: torch.Tensor, accepted: List[int],
+                     dev: Tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The accepted drafts' slots kept at their positions, the rest freed (`accept_draft_tokens`); returns the
+        new lengths on the device."""
+        pre_dev, acc_dev, _, pre, acc = dev
+        c, bs = self.cache, len(rows)
         index = torch.arange(k, dtype=I64, device=self.device).expand(bs, k).contiguous()
-        try:
-            seq = accept_draft_tokens(c.allocator, c.pool, c.rtt.req_to_token, rows_dev, pre_dev, index,
-                                      acc_dev, prefix_lens_cpu=pre, accept_lens_cpu=acc, chain=True)
-        except BaseException:
-            self._undo(rows, None if batch is None else batch.out_cache_loc, head, k + 1)
-            raise
-        done = []
+        return accept_draft_tokens(c.allocator, c.pool, c.rtt.req_to_token, rows_dev, pre_dev, index, acc_dev,
+                                   prefix_lens_cpu=pre, accept_lens_cpu=acc, chain=True)
+
+    def _commit(self, rows: List[Row], k: int, taken: List[List[int]], accepted: List[int], rows_dev: torch.Tensor,
+                last_dev: torch.Tensor, seq: torch.Tensor) -> int:
+        """A verify whose drafts are settled: the kept tokens into the outputs (counted), lengths and next ids
+        moved, then the out-of-window release on the accepted lengths; returns the tokens added. The requests they
+        finished go to `_verified` with their last token, so a release that raises still finishes them."""
+        used_all = 0
         for r, toks, a in zip(rows, taken, accepted):
             for t in toks:
                 if r.req.add_token(t):
-                    done.append(r.req)
+                    self._verified.append(r.req)
             r.req.kv_len = r.prefix + 1 + a
+            used_all += len(toks)
         self.next_ids[rows_dev] = last_dev
+        self.stats.record_drafts(len(rows), len(rows) * k, sum(accepted))
+        self.stats.record_tokens(ForwardMode.TARGET_VERIFY, used_all)  # read already: a verify waits for them
         self._release([r.req.row for r in rows], [r.prefix + 1 + a for r, a in zip(rows, accepted)], rows_dev, seq)
         # the free counts after the release travel to the host without a wait: read with the next step's tokens
         # (or the next verify's, or at the end of `generate`)
         self.readback.send([], None, ForwardMode.TARGET_VERIFY, self._held())
-        self.stats.record_drafts(bs, bs * k, sum(accepted))
-        return done, used_all
+        return used_all
 
     def clear_prefix_cache(self) -> int:
         """Evict everything the prefix cache holds that no running request uses; returns the tokens evicted. Call it
