@@ -175,7 +175,7 @@ class Engine:
         self.requests: Dict[int, Request] = {}
         self.unclaimed: Dict[int, Result] = {}  # finished inside generate(), queued by add_request: pop them
         self._carry: List[Result] = []       # finished in a step that raised after they did: the next step's
-        self._verified: List[Request] = []   # requests a verify's kept tokens finished, until it returns
+        self._verified: List[Request] = []   # requests a verify's kept tokens finished, until it finishes them
         self._next_rid = 0
         self.whole_step = False
         self.verify_graph: Any = None  # a VerifyStepGraph of num_draft drafts, with the whole-step graph
@@ -371,6 +371,7 @@ class Engine:
                         self.abort(rid)
                     except Exception:  # noqa: BLE001 - the run's own error is the one to propagate
                         break
+            self._carry = [r for r in self._carry if r.rid not in index]   # nor come back with a later step
             raise
         return [r for r in results if r is not None]
 
@@ -389,8 +390,8 @@ class Engine:
         runs between the two on the host (caching prompt pages, the out-of-window release) is not undone: if it
         raises, the forward's lengths still move on and the next step's caching and release catch up. A verify
         that raises before its drafts' slots are settled is undone whole (no output moved); Ctrl-C while they settle
-        is raised once the verify has landed. Results of requests a step finished before it raised come with the
-        next step."""
+        is raised once the verify has landed. Results of requests a verify finished (or read back) before it raised
+        come with the next step."""
         self._check_open()
         if self._in_callback or not self._step_lock.acquire(blocking=False):
             raise ConfigError("step() while a step or a generate() of this engine runs (called from inside it, by a "
@@ -571,7 +572,7 @@ class Engine:
         bs = len(rows)
         ids = [t for r, d in zip(rows, drafts) for t in [r.req.output[-1]] + d]
         graph = self.verify_graph
-        head, batch, earlier, settled = self.cache.allocator.pages.head, None, [], False
+        head, batch, earlier, settled, finished = self.cache.allocator.pages.head, None, [], False, []
         try:  # as a plain step's forward: one that raises gives back what it allocated
             if graph is not None and k == graph.drafts and bs <= graph.buckets[-1]:  # one replay: slots, metadata,
                 logits, rows_dev = self.slots.replay_verify(graph, [r.req.row for r in rows],  # layers
@@ -584,20 +585,20 @@ class Engine:
             earlier = self._read_back()  # the previous verify's free counts, copied before that wait: no wait
             self._pools_changed = True
             taken, accepted, dev = self._acceptance(rows, k, drafts, pred)
-            with interrupts_held():  # from here the verify lands whole: a Ctrl-C is raised once it has
-                seq = self._keep_drafts(rows, k, rows_dev, accepted, dev)
+            with interrupts_held():  # from here the verify lands whole, its finished requests too: a Ctrl-C is
+                seq = self._keep_drafts(rows, k, rows_dev, accepted, dev)   # raised once it has
                 settled = True
                 used_all = self._commit(rows, k, taken, accepted, rows_dev, dev[2], seq)
-            return earlier + self._finish(self._verified), used_all
+                done, self._verified = self._verified, []
+                finished = self._finish(done)
         except BaseException:
             if not settled:  # (before `accept_draft_tokens`, or refused by it before it changed anything)
                 self._undo(rows, None if batch is None else batch.out_cache_loc, head, k + 1)
-            # the requests the read-back finished, and those whose kept tokens finished them: their results come with
-            # the next step
-            self._carry += earlier + self._finish(self._verified)
+            done, self._verified = self._verified, []   # (a release that raised: they finish all the same)
+            # the results of requests the read-back or the verify finished come with the next step
+            self._carry += earlier + finished + self._finish(done)
             raise
-        finally:
-            self._verified = []
+        return earlier + finished, used_all
 
     def _propose(self, rows: List[Row], k: int) -> Optional[List[List[int]]]:
         """Each row's k drafts (short proposals padded with its last token), once the pools have room for them
