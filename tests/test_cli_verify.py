@@ -10,7 +10,7 @@ from hwkv.testing.verify import run_contract
 
 
 def test_verify_passes_on_cpu_and_prints_a_table():
-    out = subprocess.run([sys.executable, "-m", "hwkv.cli", "verify", "-k", "write or translat"],
+    out = subprocess.run([sys.executable, "-m", "hwkv.cli", "verify", "--device", "cpu", "-k", "write or translat"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "PASS" in out.stdout and "contract checks passed on cpu" in out.stdout
