@@ -87,7 +87,8 @@ class DecodeConfig:
     # num_stages (sm_90 builds: one K and one V buffer at 3 and 4 stages); with it, num_stages - 1 tiles are in flight
     slots_ahead: bool = False
     # the K/V gathers load with L2's evict-first hint: each key is read once a step, so the hint leaves L2 to the
-    # lists, the query and the partials that are read again
+    # lists, the query and the partials that are read again (Triton 3.9 emits it on the cp.async gathers; Triton 3.6
+    # drops it there, so on 3.6 this changes nothing: tests/test_decode_build.py)
     evict_first: bool = False
     # splits rounded down rather than up, so the programs never exceed ctas_per_sm x SMs: one even wave of at most
     # ctas_per_sm programs an SM, where rounding up leaves a partial second wave or SMs holding one more program
