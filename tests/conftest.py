@@ -8,6 +8,7 @@ if not torch.cuda.is_available():
 
 
 import importlib.util  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
 import types  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -92,3 +93,14 @@ def tiny_gemma2_config():
                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                                      max_position_embeddings=128, sliding_window=8, query_pre_attn_scalar=16,
                                      eos_token_id=None, pad_token_id=None, bos_token_id=None)
+
+
+@pytest.fixture
+def python_sigint():
+    """SIGINT handled as in a terminal (Python's handler: KeyboardInterrupt) for one test, for tests that send a real
+    Ctrl-C: a run started in the background by a non-interactive shell (CI) inherits SIGINT ignored."""
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, outer)

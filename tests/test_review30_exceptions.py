@@ -436,7 +436,7 @@ def test_pinned_cancel_reserve_gives_back_a_claim_that_never_ran_and_keeps_one_t
     assert not a.cancel_reserve(0)
 
 
-def test_pinned_interrupts_held_raises_a_ctrl_c_once_the_block_is_over():
+def test_pinned_interrupts_held_raises_a_ctrl_c_once_the_block_is_over(python_sigint):
     """`interrupts_held`: a SIGINT inside the block is raised after it (the block ran to its end); the block's own
     error wins over a held Ctrl-C; the default handler is back after either; off the main thread it holds nothing."""
     import os

@@ -72,8 +72,9 @@ def test_ctrl_c_in_a_verifys_release_strands_the_requests_it_finished():
     Result is never returned, its row and pages stay held, and has_work() stays True for ever (a server loop and
     generate() spin). The docstring says "once that ran, the tokens are the requests' whatever the release does"."""
     e, _ = _engine(draft=prompt_lookup())
-    want, _ = _run(*(lambda x: (x, [x.add_request(p, SamplingParams(max_new_tokens=10, stop_token_ids=[76])) for p in _draft_prompts()]))(
-        _engine(draft=prompt_lookup())[0]))
+    w = _engine(draft=prompt_lookup())[0]
+    params = SamplingParams(max_new_tokens=10, stop_token_ids=[76])
+    want, _ = _run(w, [w.add_request(p, params) for p in _draft_prompts()])
     _mark_verify(e)
     fired = _interrupt_verify_release(e, lambda e: any(r.finish_reason for r in e.scheduler.running))
     rids = [e.add_request(p, SamplingParams(max_new_tokens=10, stop_token_ids=[76])) for p in _draft_prompts()]
@@ -105,15 +106,17 @@ def test_ctrl_c_in_a_verifys_release_leaves_its_tokens_uncounted():
 
 
 @pytest.mark.parametrize("graphs", [None, "whole-step"])
-def test_ctrl_c_late_in_accept_draft_tokens_undoes_a_verify_whose_drafts_were_already_settled(graphs, monkeypatch):
+def test_ctrl_c_late_in_accept_draft_tokens_undoes_a_verify_whose_drafts_were_already_settled(graphs, monkeypatch,
+                                                                                              python_sigint):
     """hwkv/engine/engine.py:600-605 (`_accept`): any exception out of `accept_draft_tokens` is handled by undoing
     the whole verify (`_undo(rows, batch.out_cache_loc or None, head, k + 1)`), as if nothing of it ran. But
     accept_draft_tokens (hwkv/spec.py:275) is not atomic: it clears the rejected draft positions in req_to_token
-    and then frees their pages (spec.py:345-346 page size 1, 366-368 otherwise); Ctrl-C landing after that (in `allocator.free`'s last lines or
-    the final `prefix_lens + accept_lens`) reaches the handler with the rejected drafts already given back, and the
-    undo gives back the verify's whole allocation again (a double free, or a page read as 0 in req_to_token and
-    never freed). Simulated here by an accept_draft_tokens that ran and then raised KeyboardInterrupt: the engine
-    must go on to give greedy decoding's tokens and leave nothing held or freed twice."""
+    and then frees their pages (spec.py:345-346 page size 1, 366-368 otherwise); Ctrl-C landing after that (in
+    `allocator.free`'s last lines or the final `prefix_lens + accept_lens`) reaches the handler with the rejected
+    drafts already given back, and the undo gives back the verify's whole allocation again (a double free, or a
+    page read as 0 in req_to_token and never freed). Here a real SIGINT once accept_draft_tokens ran (the engine now
+    holds it until the verify landed): the engine must go on to give greedy decoding's tokens and leave nothing held
+    or freed twice."""
     from hwkv.graph import EagerAdapter
     import hwkv.engine.engine as engine_mod
     kw = dict(graphs=EagerAdapter(), whole_step=True) if graphs else {}

@@ -46,7 +46,7 @@ def _sigint_after_commit_that_finished(e):
     return fired
 
 
-def test_generate_interrupted_in_a_verify_leaks_its_finished_results_into_later_calls():
+def test_generate_interrupted_in_a_verify_leaks_its_finished_results_into_later_calls(python_sigint):
     """hwkv/engine/engine.py:597 (`_verify` handler: `self._carry += earlier + self._finish(self._verified)`) with
     engine.py:367-374 (`generate`'s abort of what it queued). Ctrl-C during a generate() lands (held) in a verify that
     finished one of generate's requests: the handler finishes it into `_carry`, generate aborts its other requests
@@ -68,7 +68,7 @@ def test_generate_interrupted_in_a_verify_leaks_its_finished_results_into_later_
     assert not e.unclaimed, f"the interrupted generate()'s results {sorted(e.unclaimed)} filed in unclaimed"
 
 
-def test_ctrl_c_in_a_verifys_finish_finishes_its_requests_twice():
+def test_ctrl_c_in_a_verifys_finish_finishes_its_requests_twice(python_sigint):
     """hwkv/engine/engine.py:591 and 597: `return earlier + self._finish(self._verified)` now runs inside the try
     whose handler runs `self._finish(self._verified)` again. `_finish` is plain host code after interrupts_held has
     ended (prefix-cache release, slots.free, scheduler.finish, `del self.requests[rid]`, the Results), so a Ctrl-C
