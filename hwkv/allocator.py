@@ -405,8 +405,7 @@ class PagedTokenToKVPoolAllocator:
         else may have taken from the rings since that `reserve`. The error path only: it reads the device."""
         moved = False
         for r in self._ring_set if pages else ():
-            at = (r.head - pages + torch.arange(pages, dtype=torch.int64)) % max(r.num_pages, 1)
-            if not bool((r.refs[r.ring[at.to(r.ring.device)]] >= 1).any()):
+            if not bool((r.refs[r.popped(r.head - pages, pages)] >= 1).any()):
                 r.head -= pages
                 moved = True
         return moved

@@ -143,6 +143,12 @@ class PageRing:
         self._snap_event.record()
         self._snap_pending = True
 
+    def popped(self, start: int, k: int) -> torch.Tensor:
+        """The k pages the ring gave from position `start` (pages ever popped before them) on, in order, on its
+        device: what an allocation from that head took (the error paths' check of what a replay claimed)."""
+        at = (start + torch.arange(k, dtype=torch.int64, device=self.device)) % max(self.num_pages, 1)
+        return self.ring[at]
+
     def take(self, k: int) -> int:
         """Claim k pages from the head (the caller checked `has_room`); returns the old head mod num_pages."""
         h = self.head % max(self.num_pages, 1)

@@ -173,8 +173,7 @@ class ForwardSlots:
             if not taken or taken != opened.numel():
                 return False  # raised before the replay's allocation (or a step that opened no page)
             loc = rtt[row_of, pos_t]
-            at = (head + torch.arange(taken, dtype=I64, device="cpu")) % ring.num_pages
-            given = ring.ring[at.to(ring.ring.device)]
+            given = ring.popped(head, taken)
             got = torch.sort(loc[opened] // p).values
             if not torch.equal(got.cpu(), torch.sort(given).values.cpu()) or \
                     not bool((ring.refs[got.to(ring.refs.device)] == 1).all()):
