@@ -13,7 +13,6 @@ transformers integration (`hwkv.integrations.runner.HybridRunner`) is one.
 """
 from __future__ import annotations
 
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from hwkv.engine.sampling import RowSampling, SamplingParams
 from hwkv.engine.scheduler import Request, Row, Scheduler
 from hwkv.engine.stats import RunnerStats
 from hwkv.errors import ConfigError, HwkvError, ShapeError
+from hwkv.sigint import interrupts_held
 from hwkv.spec import accept_draft_tokens
 
 I64 = torch.int64
@@ -64,34 +64,6 @@ def check_switches(overlap: Optional[bool], prefix_cache: bool, whole_step: Opti
     check_flag("whole_step", whole_step, none=True)
 
 
-
-class interrupts_held:
-    """Ctrl-C (SIGINT) held until the block is over, then raised: the block's changes land whole (a verify's kept
-    and freed drafts with the outputs and lengths that name them). Off the main thread, or where SIGINT is not
-    Python's default handler (the caller installed its own), the block runs as it is. Cost: a getsignal and two
-    signal.signal calls, ~8 us a block on a 2-core CI CPU (once a verify step)."""
-
-    __slots__ = ("caught", "held")
-
-    def _hold(self, *sig: Any) -> None:
-        self.caught = True
-
-    def __enter__(self) -> "interrupts_held":
-        self.caught = self.held = False
-        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            try:
-                signal.signal(signal.SIGINT, self._hold)
-                self.held = True
-            except ValueError:  # not the main thread (whose handler alone Python runs): nothing to hold there
-                pass
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: Any) -> bool:
-        if self.held:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            if self.caught and exc_type is None:
-                raise KeyboardInterrupt
-        return False
 
 
 class Engine:

@@ -7,9 +7,8 @@ import io
 import os
 import signal
 import sys
-import threading
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, TextIO, Tuple
+from typing import Any, List, Optional, TextIO, Tuple
 
 try:
     import pytest
@@ -17,6 +16,7 @@ except ImportError:  # (the test extra's): `hwkv verify` alone needs it, and say
     pytest = None  # type: ignore[assignment]
 
 from hwkv.errors import ConfigError, DeviceError
+from hwkv.sigint import python_sigint_here
 from hwkv.testing import ContractTarget, available_targets
 
 EXIT_USAGE = 2  # an unknown or unavailable device, or -k matching no check; the message goes to stderr
@@ -108,8 +108,7 @@ def _noting_interrupts() -> Any:
     interrupted traceback, which fails with a TypeError where the signal lands in a frame without a line number.)
     Nothing changes where SIGINT is ignored or handled by someone else, or off the main thread."""
     noted = {"interrupted": False}
-    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
-    if previous is not signal.default_int_handler:
+    if not python_sigint_here():
         yield noted
         return
 
@@ -121,7 +120,7 @@ def _noting_interrupts() -> Any:
     try:
         yield noted
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _pytest_main(args: List[str], plugin: "ContractPlugin") -> int:
