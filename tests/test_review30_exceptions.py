@@ -43,11 +43,17 @@ class HostUpdateFails(EagerAdapter):
             raise RuntimeError("the graph's host update failed")
 
 
-def _drain_interrupted(e, rids, limit=3):
+def _drain_interrupted(e, rids, limit=3, max_steps=500):
     """Steps until no work, as a server loop that survives Ctrl-C of one step does: (each request's tokens, the
-    errors other than KeyboardInterrupt its steps raised and the integrity failures after each step)."""
-    out, errors = {}, []
+    errors other than KeyboardInterrupt its steps raised and the integrity failures after each step). Bounded: a
+    request stranded as running would keep the engine busy for ever (reported as an error)."""
+    out, errors, steps = {}, [], 0
     while e.has_work() and len(errors) < limit:
+        steps += 1
+        if steps > max_steps:
+            errors.append(f"still has work after {max_steps} steps: " + str(
+                [(r.rid, r.finish_reason, len(r.output)) for r in e.scheduler.running]))
+            break
         try:
             out.update((r.rid, r.tokens) for r in e.step())
         except KeyboardInterrupt:

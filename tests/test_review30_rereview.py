@@ -21,17 +21,19 @@ def _draft_prompts():
     return [p + p[:9] for p in _prompts()]  # repeats: prompt_lookup proposes, verify steps run
 
 
-def _run(e, rids, limit=200):
-    """Step until no work (bounded: a request stranded as running would loop for ever); KeyboardInterrupt from a
-    step is swallowed as a server loop that survives Ctrl-C of one step does."""
-    out, steps = {}, 0
-    while e.has_work() and steps < limit:
-        steps += 1
-        try:
-            out.update((r.rid, r.tokens) for r in e.step())
-        except KeyboardInterrupt:
-            pass
-    return [out.get(r) for r in rids], steps
+def _want(params, **kw):
+    """Each request's tokens from an engine whose steps nothing interrupts."""
+    w = _engine(draft=prompt_lookup(), **kw)[0]
+    return _drain_interrupted(w, [w.add_request(p, params) for p in _draft_prompts()])[0]
+
+
+def _recovered(e, fired, got, errors, want):
+    """The interrupt fired, the engine went on to greedy decoding's tokens, and nothing is held once it ends."""
+    assert fired, "the interrupt never fired (the test's setup)"
+    assert not errors, errors[0]
+    assert got == want
+    e.clear_prefix_cache()
+    assert e.cache.held_slots() == (0, 0)
 
 
 def _interrupt_verify_release(e, when):
@@ -71,21 +73,14 @@ def test_ctrl_c_in_a_verifys_release_strands_the_requests_it_finished():
     self.requests: `schedule` never gives it a row again (Request.decodes is False), `_finish` never runs, so its
     Result is never returned, its row and pages stay held, and has_work() stays True for ever (a server loop and
     generate() spin). The docstring says "once that ran, the tokens are the requests' whatever the release does"."""
-    e, _ = _engine(draft=prompt_lookup())
-    w = _engine(draft=prompt_lookup())[0]
     params = SamplingParams(max_new_tokens=10, stop_token_ids=[76])
-    want, _ = _run(w, [w.add_request(p, params) for p in _draft_prompts()])
+    want = _want(params)
+    e, _ = _engine(draft=prompt_lookup())
     _mark_verify(e)
     fired = _interrupt_verify_release(e, lambda e: any(r.finish_reason for r in e.scheduler.running))
-    rids = [e.add_request(p, SamplingParams(max_new_tokens=10, stop_token_ids=[76])) for p in _draft_prompts()]
-    got, steps = _run(e, rids)
-    assert fired, "no verify finished a request (the test's setup)"
-    assert not e.has_work(), f"still has work after {steps} steps: " + str(
-        [(r.rid, r.finish_reason, len(r.output)) for r in e.scheduler.running])
-    assert got == want
-    e.check_integrity()
-    e.clear_prefix_cache()
-    assert e.cache.held_slots() == (0, 0)
+    got, errors = _drain_interrupted(e, [e.add_request(p, params) for p in _draft_prompts()])
+    assert not e.has_work()
+    _recovered(e, fired, got, errors, want)
 
 
 def test_ctrl_c_in_a_verifys_release_leaves_its_tokens_uncounted():
@@ -99,7 +94,7 @@ def test_ctrl_c_in_a_verifys_release_leaves_its_tokens_uncounted():
     _mark_verify(e)
     fired = _interrupt_verify_release(e, lambda e: True)
     rids = [e.add_request(p, SamplingParams(max_new_tokens=10, stop_token_ids=[76])) for p in _draft_prompts()]
-    got, _ = _run(e, rids)
+    got, _ = _drain_interrupted(e, rids)
     assert fired
     assert None not in got
     assert e.stats.generated_tokens == sum(len(t) for t in got), "tokens appended by the interrupted verify uncounted"
@@ -121,8 +116,7 @@ def test_ctrl_c_late_in_accept_draft_tokens_undoes_a_verify_whose_drafts_were_al
     import hwkv.engine.engine as engine_mod
     kw = dict(graphs=EagerAdapter(), whole_step=True) if graphs else {}
     params = SamplingParams(max_new_tokens=10)
-    want, _ = _run(*(lambda x: (x, [x.add_request(p, params) for p in _draft_prompts()]))(
-        _engine(draft=prompt_lookup(), **kw)[0]))
+    want = _want(params, **kw)
     e, _ = _engine(draft=prompt_lookup(), **kw)
     original, fired = engine_mod.accept_draft_tokens, []
 
@@ -135,11 +129,7 @@ def test_ctrl_c_late_in_accept_draft_tokens_undoes_a_verify_whose_drafts_were_al
 
     monkeypatch.setattr(engine_mod, "accept_draft_tokens", ran_then_interrupted)
     got, errors = _drain_interrupted(e, [e.add_request(p, params) for p in _draft_prompts()])
-    assert fired
-    assert not errors, errors[0]
-    assert got == want
-    e.clear_prefix_cache()
-    assert e.cache.held_slots() == (0, 0)
+    _recovered(e, fired, got, errors, want)
 
 
 @pytest.mark.parametrize("where", ["tokens_to_finish", "pack"])
@@ -154,8 +144,7 @@ def test_ctrl_c_in_a_verifys_acceptance_before_accept_draft_tokens_leaks_its_dra
     import hwkv.engine.engine as engine_mod
     from hwkv.engine.scheduler import Request
     params = SamplingParams(max_new_tokens=10)
-    want, _ = _run(*(lambda x: (x, [x.add_request(p, params) for p in _draft_prompts()]))(
-        _engine(draft=prompt_lookup())[0]))
+    want = _want(params)
     e, _ = _engine(draft=prompt_lookup())
     fired = []
     if where == "pack":
@@ -172,11 +161,7 @@ def test_ctrl_c_in_a_verifys_acceptance_before_accept_draft_tokens_leaks_its_dra
 
     monkeypatch.setattr(target, name, interrupted)
     got, errors = _drain_interrupted(e, [e.add_request(p, params) for p in _draft_prompts()])
-    assert fired
-    assert not errors, errors[0]
-    assert got == want
-    e.clear_prefix_cache()
-    assert e.cache.held_slots() == (0, 0)
+    _recovered(e, fired, got, errors, want)
 
 
 def test_ctrl_c_while_generate_queues_its_prompts_leaves_the_queued_ones_running():
