@@ -104,3 +104,14 @@ def python_sigint():
         yield
     finally:
         signal.signal(signal.SIGINT, outer)
+
+
+def triton_page_ops_on_cpu():
+    """The Triton page-op kernels for an allocator over CPU tensors. Triton runs kernels on CPU tensors only in its
+    interpreter; a GPU machine compiles them, so the test skips there (the device runs cover them on the GPU)."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton page ops over CPU tensors run in Triton's interpreter only (TRITON_INTERPRET=1)")
+    from hwkv_cuda.kernels.alloc import TritonPageOps
+    return TritonPageOps()
+

@@ -1,10 +1,10 @@
 """Bad input to the allocators and ReqToTokenPool: a typed error naming the value and the limit, and every
 pool, table, ring and request row unchanged (snapshots before and after). CPU, immediate checks unless a
 test says deferred (what accelerators run: recorded on the device, raised at the next sync)."""
-import os
 
 import pytest
 import torch
+from conftest import triton_page_ops_on_cpu
 
 from hwkv.allocator import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator, same_snapshot
 from hwkv.release import release_out_of_window_batch
@@ -95,11 +95,7 @@ def deferred(ops, make=None):
     a = (make or hybrid)()
     a.immediate = False
     if ops == "triton":
-        pytest.importorskip("triton")
-        if os.environ.get("TRITON_INTERPRET") != "1":   # (a GPU machine: the device runs cover the kernels there)
-            pytest.skip("the Triton page ops over CPU tensors run in Triton's interpreter only (TRITON_INTERPRET=1)")
-        from hwkv_cuda.kernels.alloc import TritonPageOps
-        a._ops = TritonPageOps()
+        a._ops = triton_page_ops_on_cpu()
         if hasattr(a, "swa_attn_allocator"):
             a.swa_attn_allocator._ops = a._ops
     return a

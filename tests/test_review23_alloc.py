@@ -4,27 +4,21 @@ req_to_token entry outside the pool is recorded (ERR_RANGE), not a bare IndexErr
 torch ops and the Triton kernels agree on each."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from conftest import triton_page_ops_on_cpu
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from hwkv.allocator import SWATokenToKVPoolAllocator  # noqa: E402
-from hwkv.errors import HwkvError, LocError  # noqa: E402
-from hwkv.release import release_out_of_window_batch  # noqa: E402
-from hwkv.torch_page_ops import TORCH_OPS  # noqa: E402
+from hwkv.allocator import SWATokenToKVPoolAllocator
+from hwkv.errors import HwkvError, LocError
+from hwkv.release import release_out_of_window_batch
+from hwkv.torch_page_ops import TORCH_OPS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 T = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
 
 
 def _ops(name):
-    if name == "torch":
-        return TORCH_OPS
-    from hwkv_cuda.kernels.alloc import TritonPageOps
-    return TritonPageOps()
+    return TORCH_OPS if name == "torch" else triton_page_ops_on_cpu()
 
 
 def _make(p, ops=None, n=16):

@@ -7,6 +7,7 @@ past the vocabulary and accepted as the model's next token."""
 import numpy as np
 import pytest
 import torch
+from conftest import triton_page_ops_on_cpu
 
 from hwkv.engine.engine import Engine
 from hwkv.engine.pools import build_cache, plan_pools
@@ -52,12 +53,12 @@ def test_logits_wider_than_the_vocabulary_are_refused_on_every_path_and_the_step
 def _device_release_engine(model_cls=None):
     """A whole-step engine whose allocator takes the device's page-op kernels (interpreted here) with deferred checks,
     so the step graph releases out-of-window slots in the allocation's launch, before the layers (as on a GPU)."""
-    from hwkv_cuda.kernels.alloc import TritonPageOps
+    ops = triton_page_ops_on_cpu()
     plan = plan_pools(SHAPE, context=96, max_running=4, chunk=24, page_size=4, memory=None, device=CPU,
                       prefix_cache=False)
     cache = build_cache(SHAPE, plan, torch.float32, CPU, backend_device="cpu")
     a = cache.allocator
-    a._ops = a.swa_attn_allocator._ops = TritonPageOps()
+    a._ops = a.swa_attn_allocator._ops = ops
     a.immediate = False
     model = SyntheticModel(SHAPE, cache.backend, vocab_size=VOCAB, dtype=torch.float32, device=CPU,
                            positions=cache.rtt.max_context_len, seed=3)
