@@ -106,12 +106,16 @@ def python_sigint():
         signal.signal(signal.SIGINT, outer)
 
 
-def triton_page_ops_on_cpu():
-    """The Triton page-op kernels for an allocator over CPU tensors. Triton runs kernels on CPU tensors only in its
-    interpreter; a GPU machine compiles them, so the test skips there (the device runs cover them on the GPU)."""
+def triton_runs_cpu_tensors():
+    """Skips the test unless Triton runs kernels over CPU tensors: only its interpreter does (TRITON_INTERPRET=1, set
+    above without a GPU); a GPU machine compiles them, and its device runs cover the kernels there."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the Triton page ops over CPU tensors run in Triton's interpreter only (TRITON_INTERPRET=1)")
+        pytest.skip("Triton kernels over CPU tensors run in Triton's interpreter only (TRITON_INTERPRET=1)")
+
+
+def triton_page_ops_on_cpu():
+    """The Triton page-op kernels for an allocator over CPU tensors (the test skips where Triton compiles them)."""
+    triton_runs_cpu_tensors()
     from hwkv_cuda.kernels.alloc import TritonPageOps
     return TritonPageOps()
-

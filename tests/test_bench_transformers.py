@@ -1,4 +1,5 @@
-"""`benchmarks/bench_transformers.py --tiny` is a smoke run: seconds and well under a GB, every method's rows."""
+"""`benchmarks/bench_transformers.py --tiny` is a smoke run: well under a GB, every method's rows (its time is a
+benchmark's figure, not asserted: about 10 s on a shared 2-core CPU, 68-77 s before --tiny sized its caches)."""
 from __future__ import annotations
 
 import json
@@ -6,7 +7,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +15,7 @@ pytest.importorskip("transformers", reason="transformers is in hwkv's test extra
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_RSS = 1.5 * 2**30   # measured 0.54 GB (the imports alone 0.26 GB); 4.7-12.5 GB before --tiny sized its caches
-MAX_SECONDS = 120       # measured 10 s on a shared 2-core CPU; 68-77 s before
+HANG_SECONDS = 600      # only a hang is killed (a GPU machine's run compiles kernels, beside other test processes)
 
 
 def _run_measured(cmd, tmp_path, timeout):
@@ -37,9 +37,7 @@ def _run_measured(cmd, tmp_path, timeout):
 
 def test_tiny_is_tiny(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_transformers.py"), "--tiny", "--json"]
-    t0 = time.perf_counter()
-    code, stdout, stderr, rss = _run_measured(cmd, tmp_path, 2 * MAX_SECONDS)
-    wall = time.perf_counter() - t0
+    code, stdout, stderr, rss = _run_measured(cmd, tmp_path, HANG_SECONDS)
     assert code == 0, stderr[-2000:]
     data = json.loads(stdout)
     setup = data["setup"]
@@ -49,4 +47,4 @@ def test_tiny_is_tiny(tmp_path):
     assert {("hwkv", 1), ("hwkv", 8), ("hf-generate", 1), ("hf-generate", 8)} <= methods
     hwkv8 = next(row for row in data["rows"] if (row["method"], row["batch"]) == ("hwkv", 8))
     assert hwkv8["kv_held_bytes"] < hwkv8["kv_all_full_bytes"]  # W=8, page 4: the SWA layers gave slots back
-    assert wall < MAX_SECONDS and rss < MAX_RSS, (wall, rss)
+    assert rss < MAX_RSS, rss

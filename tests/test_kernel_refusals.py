@@ -9,6 +9,7 @@ The planned per-layer calls compare tuples only: no value check is added there.
 """
 import pytest
 import torch
+from conftest import triton_runs_cpu_tensors
 
 from hwkv import csr_checks
 from hwkv.errors import LocError, ShapeError
@@ -132,6 +133,8 @@ def test_decode_refuses_decreasing_kv_indptr(kern):
 
 def test_entries_past_the_list_stay_unspecified(kern):
     """kv_indices past kv_indptr[-1] (and before kv_indptr[0]) are not read, so they are not checked."""
+    if kern is triton_kernels:
+        triton_runs_cpu_tensors()
     a = decode_args(kv_indptr=torch.tensor([1, 6], dtype=I32), kv_indices=torch.tensor([-5, 1, 2, 3, 4, 5, 10 ** 6]))
     run_decode(kern, a)
     assert torch.equal(a["big"][1:], torch.full_like(a["big"][1:], 7.0))
@@ -143,6 +146,7 @@ def test_entries_past_the_list_stay_unspecified(kern):
 def test_a_bad_call_after_a_good_one_of_its_kind_is_refused():
     """Triton's public decode keeps a plan per call signature: a call like a checked one still has its values
     and dtypes checked."""
+    triton_runs_cpu_tensors()
     run_decode(triton_kernels, decode_args())
     refused(run_decode, triton_kernels, decode_args(kv_indices=torch.tensor([1, 2, 3, 4, 99])), LocError,
             "outside the pool")
@@ -218,6 +222,7 @@ def test_triton_store_refuses_slots_outside_the_pool(bad):
 
 def test_plans_refuse_and_planned_calls_add_no_check(monkeypatch):
     """plan_decode / plan_extend check values as the checked calls do; the planned per-layer calls do not."""
+    triton_runs_cpu_tensors()
     a = decode_args(kv_indices=torch.tensor([1, 2, 3, 4, 99]))
     with pytest.raises(LocError, match="outside the pool"):
         triton_kernels.plan_decode(a["q"], a["k_buf"], a["v_buf"], a["kv_indptr"], a["kv_indices"], a["kv_pos0"],

@@ -24,7 +24,8 @@ def _script():
 
 
 def _generate(capsys, *argv: str) -> dict:
-    code = cli.main(["generate", *argv, "--max-new-tokens", "4", "--page-size", "4", "--no-progress", "--json"])
+    code = cli.main(["generate", *argv, "--max-new-tokens", "4", "--page-size", "4", "--no-progress", "--json",
+                     "--device", "cpu"])  # (a GPU machine detects its GPU)
     out, err = capsys.readouterr()
     assert code == 0, err
     return json.loads(out)

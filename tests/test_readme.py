@@ -70,7 +70,8 @@ def test_readme_generate_output_is_what_the_command_prints(tmp_path, monkeypatch
     _tiny_model(tmp_path / model)
     monkeypatch.chdir(tmp_path)
     capsys.readouterr()
-    assert cli.main([*argv, "--no-progress"]) == 0
+    assert cli.main([*argv, "--no-progress", "--device", "cpu"]) == 0  # the block is a CPU run (a GPU machine
+    # detects its GPU)
     out = capsys.readouterr().out.splitlines()
     prompts = [argv[i + 1] for i, a in enumerate(argv) if a == "--prompt"]
     assert len(out) == len(printed) == len(prompts) + 3
