@@ -91,7 +91,7 @@ def test_release_runs_only_when_a_host_frontier_moves_and_both_copies_agree(monk
     called in exactly the forwards where one of them moves; finished requests give every slot back."""
     calls = []
     real = forward.release_out_of_window_batch
-    monkeypatch.setattr(forward, "release_out_of_window_batch", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(forward, "release_out_of_window_batch", lambda *a, **k: calls.append(1) or real(*a, **k))
     s = _slots()
     rng = random.Random(0)
     seq = {r: 0 for r in s.new_rows(4)}

@@ -146,6 +146,9 @@ class Engine:
         self._pools_changed = False  # this step moved a page (the KV held may have changed)
         self.requests: Dict[int, Request] = {}
         self.unclaimed: Dict[int, Result] = {}  # finished inside generate(), queued by add_request: pop them
+        # requests whose last token was read and whose hand-over (prefix cache, rows) a Ctrl-C kept from running:
+        # the next step finishes them (`_finish_pending`)
+        self._finishing: List[Request] = []
         self._carry: List[Result] = []       # finished in a step that raised after they did: the next step's
         self._verified: List[Request] = []   # requests a verify's kept tokens finished, until it finishes them
         self._next_rid = 0
@@ -376,6 +379,8 @@ class Engine:
             carried, self._carry = self._carry, []
             try:
                 with torch.inference_mode():
+                    if self._finishing:
+                        carried += self._finish_pending()
                     return carried + self._step() if carried else self._step()
             except BaseException:
                 self._carry[:0] = carried
@@ -439,7 +444,7 @@ class Engine:
 
     def has_work(self) -> bool:
         """Whether requests wait or run, or a forward's tokens are still to be read back."""
-        return self.scheduler.has_work() or bool(self.readback.inflight) or bool(self._carry)
+        return self.scheduler.has_work() or bool(self.readback.inflight) or bool(self._carry) or bool(self._finishing)
 
     def tokens_of(self, row: int) -> List[int]:
         """The token ids of the running request in request row `row`: its prompt and the outputs the host has read
@@ -484,7 +489,6 @@ class Engine:
         n = len(rec.sampled)
         if rec.heads is not None:
             self._record_held(values[n:], rec.heads, rec.cached)
-        done: List[Request] = []
         dropped = 0
         for r, tok in zip(rec.sampled, values[:n]):
             req = r.req
@@ -492,9 +496,19 @@ class Engine:
             if req.finish_reason is not None:  # sampled after its stop token (overlap): dropped, never counted
                 dropped += 1
             elif req.add_token(tok):
-                done.append(req)
+                self._finishing.append(req)
         self.stats.record_tokens(rec.mode, n - dropped, dropped)  # counted as read: what the outputs hold
-        return self._finish(done)
+        return self._finish_pending() if self._finishing else []
+
+    def _finish_pending(self) -> List[Result]:
+        """The hand-over of the requests whose last token was read (`_finish`), with Ctrl-C held; they stay listed
+        until it is done, so a request a Ctrl-C (as tokens were read) or a hand-over refused before it changed
+        anything kept from it is finished by the next step, not left running for ever. Only steps where a request
+        finishes pay the hold."""
+        with interrupts_held():
+            results = self._finish([r for r in self._finishing if r.rid in self.requests])  # (not aborted since)
+            self._finishing = []
+            return results
 
     def _record_held(self, tails: Sequence[int], heads: Sequence[int], cached: Tuple[int, int]) -> None:
         """The memory peaks from the rings' tails (read back) and heads: what the pools hold less what only the

@@ -262,28 +262,37 @@ class ForwardSlots:
                 seq_dev: Optional[torch.Tensor] = None) -> bool:
         """One out-of-window release for a forward's requests (host `rows`, their lengths `seq_lens`; on the device
         `rows_dev`, `seq_dev`, or one copy of the host lists when None), only when some frontier moves; whether
-        it ran. The others have nothing to release."""
-        if not self.move_frontiers(rows, seq_lens):
+        it ran. The others have nothing to release. The device frontiers move in place with the release (by row:
+        no gather or scatter around it) and the host's copy only after it: a release interrupted before it ran
+        (Ctrl-C) is run again by the next step that moves those frontiers, none of its pages left held."""
+        moved = self._frontiers_after(rows, seq_lens)
+        if moved is None:
             return False
         if rows_dev is None or seq_dev is None:
             _, ((rows_dev, seq_dev),) = pack([(len(rows), [list(rows), list(seq_lens)])], self.device)
-        f = self.frontiers[rows_dev]
-        release_out_of_window_batch(self.allocator, self.rtt.req_to_token, rows_dev, seq_dev, f, self.window)
-        self.frontiers[rows_dev] = f
+        release_out_of_window_batch(self.allocator, self.rtt.req_to_token, rows_dev, seq_dev, self.frontiers,
+                                    self.window, by_row=True)
+        self.frontiers_cpu[moved[0]] = moved[1]
         return True
 
     def move_frontiers(self, rows: Sequence[int], seq_lens: Sequence[int]) -> bool:
-        """The host's copy of each row's frontier after a forward (`release_out_of_window_batch`'s rule on the
-        host lengths: the page-aligned frontier kept one page behind seq_len - W + 1); whether any moved."""
+        """The host's copy of each row's frontier after a forward whose release ran on the device (a step graph's);
+        whether any moved."""
+        moved = self._frontiers_after(rows, seq_lens)
+        if moved is not None:
+            self.frontiers_cpu[moved[0]] = moved[1]
+        return moved is not None
+
+    def _frontiers_after(self, rows: Sequence[int], seq_lens: Sequence[int]
+                         ) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+        """(rows, frontiers) of the host's copy after a forward (`release_out_of_window_batch`'s rule on the host
+        lengths: the page-aligned frontier kept one page behind seq_len - W + 1); None where none moves."""
         if self.window is None:
-            return False
+            return None
         p, at = self.page_size, np.asarray(rows, dtype=np.int64)
         old = self.frontiers_cpu[at]
         new = np.maximum(old, (np.asarray(seq_lens, dtype=np.int64) - self.window + 1) // p * p - p)
-        if np.array_equal(new, old):
-            return False
-        self.frontiers_cpu[at] = new
-        return True
+        return None if np.array_equal(new, old) else (at, new)
 
     def replay_decode(self, graph: Any, rows: List[int], prefix: List[int],
                       inputs: Optional[Dict[str, torch.Tensor]] = None) -> Tuple[torch.Tensor, bool]:
