@@ -97,11 +97,17 @@ def test_bench_names_every_flag_behind_a_request_that_fits_nowhere(capsys):
 
 
 def test_generate_names_the_flags_behind_a_refused_budget(capsys, tiny_model):  # noqa: F811
-    code, out, err = _gen(capsys, "--model", tiny_model, "--prompt", "1,2", "--max-new-tokens", "99999999999999")
+    code, out, err = _gen(capsys, "--model", tiny_model, "--prompt", "1,2", "--context", "99999999999999")
     assert code == 2 and out == ""
     line = one_line(err, "hwkv generate: error:")
-    assert "the longest prompt + --max-new-tokens 99999999999999 - 1" in line
+    assert "--context 99999999999999" in line
     assert "the default budget; --memory sets it" in line and "--page-size 16" in line
+    code, out, err = _gen(capsys, "--model", tiny_model, "--prompt", "1,2", "--max-new-tokens", "64",
+                          "--memory", "1KiB")
+    assert code == 2 and out == ""
+    line = one_line(err, "hwkv generate: error:")
+    assert "the longest prompt + --max-new-tokens 64 - 1, at most the model's positions" in line
+    assert "--memory 1KiB" in line and "--page-size 16" in line
 
 
 def test_generate_refuses_a_drafter_beside_sampling(capsys, tiny_model):  # noqa: F811

@@ -293,7 +293,8 @@ def _generate(monkeypatch, *argv, tokenizer=None):
     from hwkv.integrations import generate_cli, transformers as hwkv_transformers
 
     model = SimpleNamespace(get_output_embeddings=lambda: SimpleNamespace(weight=torch.empty(64, 1)),
-                            generation_config=SimpleNamespace(eos_token_id=[5, 6]), dtype=torch.float32)
+                            generation_config=SimpleNamespace(eos_token_id=[5, 6]), dtype=torch.float32,
+                            config=SimpleNamespace())  # (no max_position_embeddings: the context is not capped)
     monkeypatch.setattr(generate_cli, "_load", lambda args: (SimpleNamespace(name="cpu", torch_device="cpu"), model,
                                                              tokenizer))
     monkeypatch.setattr(hwkv_transformers, "HybridRunner", _FakeRunner)

@@ -46,7 +46,7 @@ def _cli(*argv: str):
     return code, out.getvalue(), err.getvalue()
 
 
-def _tiny_gemma4(global_head_dim: int):
+def _tiny_gemma4(global_head_dim: int, **extra):
     """A tiny Gemma 4 text model: sliding and full layers, the full ones with their own head_dim (as every released
     Gemma 4 has: head_dim 256 sliding, global_head_dim 512 full), which transformers keeps as a per-layer config."""
     cfg = transformers.Gemma4TextConfig(
@@ -54,7 +54,7 @@ def _tiny_gemma4(global_head_dim: int):
         num_key_value_heads=2, head_dim=16, global_head_dim=global_head_dim, sliding_window=8,
         layer_types=["sliding_attention", "full_attention"], vocab_size_per_layer_input=128,
         hidden_size_per_layer_input=8, max_position_embeddings=256, initializer_range=0.3,
-        eos_token_id=None, pad_token_id=None, bos_token_id=None)
+        eos_token_id=None, pad_token_id=None, bos_token_id=None, **extra)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,
                                                          attn_implementation="eager").eval()
@@ -67,24 +67,24 @@ needs_gemma4 = pytest.mark.skipif(not hasattr(transformers, "Gemma4TextConfig"),
 # ---- defects --------------------------------------------------------------------------------------------------------
 
 @needs_gemma4
-def test_a_gemma4_model_is_served_or_refused_with_a_typed_error():
-    """Defect: `HybridRunner(gemma4_model)` raises transformers' AmbiguousGlobalPerLayerAttributeError (a
+@pytest.mark.parametrize("k_eq_v", [False, True], ids=["kv", "k_eq_v"])
+def test_a_gemma4_model_is_served(k_eq_v):
+    """Defect (fixed): `HybridRunner(gemma4_model)` raised transformers' AmbiguousGlobalPerLayerAttributeError (a
     RuntimeError), not an hwkv error. Gemma 4 keeps head_dim (and with attention_k_eq_v the KV heads) per layer;
-    `hf_model._positive` reads `getattr(cfg, "head_dim", None)` from the global config (hf_model.py:58, called from
-    model_shape at hf_model.py:76), whose attribute access raises for a per-layer field, and getattr only swallows
-    AttributeError. Expected: the runner serves the model (its full layers' geometry as ModelShape's head_dim, the
-    sliding ones' as swa_head_dim, both of which hwkv's pools support) with transformers' greedy tokens, or refuses it
-    with a ConfigError naming the per-layer field; either way the model keeps its own attention."""
-    model = _tiny_gemma4(global_head_dim=32)
-    prompt = [5, 9, 17, 33, 2, 71, 40, 11, 3, 90, 64]
-    want = _hf_greedy(model, prompt, 4)
-    try:
-        with HybridRunner(model, max_running=2, chunk=8, page_size=4, context=32) as runner:
-            got = runner.generate([prompt], SamplingParams(max_new_tokens=4))[0].tokens
-    except HwkvError:
-        pass
-    else:
-        assert got == want
+    `hf_model._positive` read `getattr(cfg, "head_dim", None)` from the global config, whose attribute access raises
+    for a per-layer field, and getattr only swallows AttributeError. Now the full layers' geometry is ModelShape's
+    head_dim / num_kv_heads and the sliding ones' swa_head_dim / swa_num_kv_heads: transformers' greedy tokens, and the
+    model keeps its own attention afterwards."""
+    kv = dict(attention_k_eq_v=True, num_global_key_value_heads=1) if k_eq_v else {}
+    model = _tiny_gemma4(global_head_dim=32, **kv)
+    prompts = [[5, 9, 17, 33, 2, 71, 40, 11, 3, 90, 64], [7, 8, 9], list(range(20, 40))]
+    want = [_hf_greedy(model, p, 4) for p in prompts]
+    with HybridRunner(model, max_running=3, chunk=8, page_size=4, context=32) as runner:
+        shape = runner.shape
+        assert (shape.head_dim, shape.swa_head_dim) == (32, 16)
+        assert (shape.num_kv_heads, shape.swa_num_kv_heads) == ((1, 2) if k_eq_v else (2, 2))
+        got = [r.tokens for r in runner.generate(prompts, SamplingParams(max_new_tokens=4))]
+    assert got == want
     assert model.config._attn_implementation == "eager"
 
 

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any, List, Optional, Tuple
 
-from hwkv.errors import BudgetError, ConfigError, HwkvError
+from hwkv.errors import BudgetError, ConfigError, HwkvError, OutOfSlotsError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 EXIT_OK, EXIT_ERROR = 0, 2
@@ -41,7 +41,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                                     "80%% of an accelerator's free memory, or on the CPU a quarter of the available "
                                     "RAM and at most 4 GiB)")
     p.add_argument("--context", type=int, help="KV tokens the cache holds per request (default: the longest prompt + "
-                   "--max-new-tokens - 1); a prompt that needs more is refused with its error, the others run")
+                   "--max-new-tokens - 1, at most the model's positions); a prompt that needs more is refused with "
+                   "its error, the others run")
     p.add_argument("--max-running", type=int, help="concurrent requests (default and most: every prompt at once; one with "
                    "--conversation, whose turns run one after another)")
     p.add_argument("--chunk", type=int, default=512, help="prefill tokens per forward (default 512)")
@@ -76,8 +77,9 @@ def parse_token_ids(text: str, vocab_size: int) -> List[int]:
         if not re.fullmatch(r"\d+", s):
             raise ConfigError(f"prompt item {s!r} is not a token id; the model folder has no tokenizer, so the "
                               "prompt must be comma- or space-separated integers")
-        if int(s) >= vocab_size:
-            raise ConfigError(f"token id {s} is outside the vocabulary [0, {vocab_size})")
+        if len(s.lstrip("0")) > len(str(vocab_size)) or int(s) >= vocab_size:  # (int() refuses 4,300+ digits)
+            shown = s if len(s) <= 24 else f"{s[:12]}... ({len(s)} digits)"
+            raise ConfigError(f"token id {shown} is outside the vocabulary [0, {vocab_size})")
         ids.append(int(s))
     return ids
 
@@ -109,6 +111,12 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.memory is not None:
         parse_bytes(args.memory)
+    for i, p in enumerate(args.prompt):
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError:  # bytes the terminal's encoding did not decode (kept as lone surrogates)
+            raise ConfigError(f"--prompt [{i}] {p!r} holds bytes that are not UTF-8 text (the terminal's encoding?)") \
+                from None
     if args.num_draft is not None and not args.draft:
         raise ConfigError(f"--num-draft {args.num_draft} needs --draft (no drafter runs without it)")
     if args.draft and args.temperature > 0:  # (the engine drafts for greedy requests only: none would be drafted)
@@ -204,6 +212,7 @@ def _progress(enabled: bool, total: int) -> Tuple[Any, Any]:
 def _generate(args: argparse.Namespace) -> Tuple[dict, int]:
     """Load, run every prompt, and return the JSON-ready result and the exit code."""
     from hwkv.engine.drafters import prompt_lookup
+    from hwkv.integrations.hf_model import model_positions
     from hwkv.integrations.transformers import HybridRunner, SamplingParams
 
     spec, model, tokenizer = _load(args)
@@ -214,9 +223,10 @@ def _generate(args: argparse.Namespace) -> Tuple[dict, int]:
                              seed=args.seed + i, stop_token_ids=stops) for i in range(len(prompts))]
     if args.conversation:  # every turn in one context: all the user turns and every reply
         longest = sum(len(p) for p in prompts) + len(prompts) * args.max_new_tokens
-    else:
-        longest = max(len(p) for p in prompts) + args.max_new_tokens - 1
-    context = args.context if args.context is not None else longest
+    else:  # (at least 1: an empty prompt is refused as one, not as a context of 0)
+        longest = max(1, max(len(p) for p in prompts) + args.max_new_tokens - 1)
+    positions = model_positions(model.config)  # never past the model's positions: a prompt needing more is refused
+    context = args.context if args.context is not None else min(longest, positions or longest)
     # never more running requests than can run at once: the pools are sized (and allocated) for them
     most = 1 if args.conversation else len(prompts)
     running = most if args.max_running is None else min(args.max_running, most)
@@ -247,11 +257,15 @@ def _generate(args: argparse.Namespace) -> Tuple[dict, int]:
                 results = runner.generate(prompts, params, on_step=advance)
         wall = time.perf_counter() - t0
         stats = runner.stats
+    capped = args.context is None and context < longest  # a refusal's "context" is then the model's positions
     rows = []
     for text, ids, res in zip(args.prompt, prompts, results):
+        error = _error_text(res)
+        if capped and isinstance(res.error, OutOfSlotsError):
+            error += f" (the context stops at the model's {positions} positions, max_position_embeddings)"
         rows.append({"prompt": text, "prompt_ids": ids, "tokens": res.tokens, "finish_reason": res.finish_reason,
                      "text": tokenizer.decode(res.tokens) if tokenizer is not None and res.error is None else None,
-                     "error": _error_text(res)})
+                     "error": error})
     for text, ids in list(zip(args.prompt, prompts))[len(results):]:  # every prompt is listed, run or not
         rows.append({"prompt": text, "prompt_ids": ids, "tokens": [], "finish_reason": None, "text": None,
                      "error": not_run})
@@ -272,16 +286,23 @@ def _budget_flags(args: argparse.Namespace, context: int) -> str:
     elif args.conversation:
         how = f"context {context}: every turn and --max-new-tokens {args.max_new_tokens} per reply"
     else:
-        how = f"context {context}: the longest prompt + --max-new-tokens {args.max_new_tokens} - 1"
+        how = f"context {context}: the longest prompt + --max-new-tokens {args.max_new_tokens} - 1, at most the " \
+              "model's positions"
     budget = f"--memory {args.memory}" if args.memory else "the default budget; --memory sets it"
     return f"{how}; --page-size {args.page_size}; {budget}"
+
+
+def _say(line: str) -> None:
+    """print, with what stdout's encoding cannot hold escaped ('\\xe9') rather than a UnicodeEncodeError."""
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+    print(line.encode(encoding, "backslashreplace").decode(encoding))
 
 
 def _print_plain(data: dict) -> None:
     for i, r in enumerate(data["results"]):
         out = r["error"] or (r["text"] if r["text"] is not None else ",".join(map(str, r["tokens"])))
         why = "" if r["error"] else f"  [{len(r['tokens'])} tokens, {r['finish_reason']}]"
-        print(f"[{i}] {r['prompt']!r} -> {out}{why}")
+        _say(f"[{i}] {r['prompt']!r} -> {out}{why}")
     s = data["stats"]
     print(f"{s['generated_tokens']} tokens in {s['seconds']:.2f} s: {s['tokens_per_second']:.1f} tokens/s "
           f"({s['prefill_tokens']} prompt tokens computed; {data['device']}, {data['backend']}, "

@@ -26,6 +26,13 @@ def text_config(config: Any) -> Any:
     return get() if callable(get) else config
 
 
+def model_positions(config: Any) -> Optional[int]:
+    """The positions the model was built for (`max_position_embeddings`; None where the config names none): a
+    context past them would index past a learned position table (GPT-2, OPT)."""
+    value = getattr(text_config(config), "max_position_embeddings", None)
+    return int(value) if value else None
+
+
 def layer_kinds(config: Any) -> Tuple[bool, ...]:
     """Per layer: is it sliding-window? From `layer_types`, else `use_sliding_window` / `sliding_window`
     (Mistral-style: a window and no layer types means every layer slides)."""
@@ -63,28 +70,52 @@ def _positive(cfg: Any, name: str) -> Optional[int]:
     return value
 
 
+def _by_kind(cfg: Any, name: str, kinds: Tuple[bool, ...]) -> Tuple[Optional[int], Optional[int]]:
+    """(full layers', sliding layers') value of a config field, each an integer >= 1 or None (not set): the config's
+    one value, or each kind's own where transformers keeps the field per layer (`per_layer_attributes`: Gemma 4's
+    head_dim, 256 on its sliding layers and 512 on its full ones, which the config refuses to give as one value).
+    ConfigError where layers of one kind differ: hwkv keeps one geometry a pool."""
+    if name not in (getattr(cfg, "per_layer_attributes", None) or ()):
+        value = _positive(cfg, name)
+        return value, value
+    layers = cfg.per_layer_config
+    full_swa = []
+    for swa in (False, True):
+        values = {_positive(layers[i], name) for i, k in enumerate(kinds) if k == swa} - {None}
+        if len(values) > 1:
+            raise ConfigError(f"config {name} differs across the {'sliding' if swa else 'full'}-attention layers "
+                              f"({sorted(values)}): hwkv keeps one {name} for each kind of layer")
+        full_swa.append(next(iter(values), None))
+    full, swa = full_swa
+    return full or swa, swa or full
+
+
 def model_shape(config: Any, dtype: torch.dtype, name: Optional[str] = None) -> ModelShape:
     """The attention geometry of a Hugging Face config as `hwkv plan`'s ModelShape (KV in `dtype`).
 
     Full layers: `num_key_value_heads`, `head_dim` (K) and `v_head_dim` (V, when the config has one, as
     MiMo-V2 does). SWA layers: `swa_num_key_value_heads` / `swa_head_dim` / `swa_v_head_dim` where the config
-    names them, else the model type's rule (`SWA_KV_HEADS_MULTIPLE`), else the full layers' values."""
+    names them, else the model type's rule (`SWA_KV_HEADS_MULTIPLE`), else the sliding layers' own values where the
+    config keeps a field per layer (Gemma 4), else the full layers' values."""
     cfg = text_config(config)
     model_type = str(getattr(cfg, "model_type", "model"))
     heads = int(cfg.num_attention_heads)
-    kv_heads = _positive(cfg, "num_key_value_heads") or heads
-    head_dim = _positive(cfg, "head_dim") or cfg.hidden_size // heads
+    kinds = layer_kinds(cfg)
+    kv_heads, layer_swa_kv_heads = _by_kind(cfg, "num_key_value_heads", kinds)
+    kv_heads = kv_heads or heads
+    head_dim, layer_swa_head_dim = _by_kind(cfg, "head_dim", kinds)
+    head_dim = head_dim or cfg.hidden_size // heads
     v_head_dim = _positive(cfg, "v_head_dim") or head_dim
-    swa_kv_heads = _positive(cfg, "swa_num_key_value_heads")
+    swa_kv_heads = _positive(cfg, "swa_num_key_value_heads") or (
+        layer_swa_kv_heads if layer_swa_kv_heads not in (None, kv_heads) else None)
     multiple = SWA_KV_HEADS_MULTIPLE.get(model_type)
     if multiple is not None:
         if swa_kv_heads is not None and swa_kv_heads != multiple * kv_heads:
             raise ConfigError(f"{model_type}: swa_num_key_value_heads={swa_kv_heads}, but transformers' model builds "
                               f"its SWA layers with {multiple} x num_key_value_heads = {multiple * kv_heads}")
         swa_kv_heads = multiple * kv_heads
-    swa_head_dim = _positive(cfg, "swa_head_dim") or head_dim
+    swa_head_dim = _positive(cfg, "swa_head_dim") or layer_swa_head_dim or head_dim
     swa_v_head_dim = _positive(cfg, "swa_v_head_dim") or default_swa_v_head_dim(head_dim, v_head_dim, swa_head_dim)
-    kinds = layer_kinds(cfg)
     window = int(cfg.sliding_window) if any(kinds) else 0
     return ModelShape(name=name or model_type, layer_is_swa=kinds, window=window,
                       num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim,

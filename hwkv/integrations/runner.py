@@ -27,7 +27,7 @@ from hwkv.errors import ConfigError
 from hwkv.graph import EagerAdapter
 from hwkv.integrations.device_choice import graph_adapter, graph_choice, resolve_spec
 from hwkv.integrations.hf_attention import ATTN_IMPLEMENTATION, ForwardContext, LayerTable, register
-from hwkv.integrations.hf_model import model_shape
+from hwkv.integrations.hf_model import model_positions, model_shape
 
 GraphsOption = Union[bool, str]
 __all__ = ["HybridRunner", "Result"]
@@ -67,9 +67,8 @@ class HybridRunner(Engine):
         self.model = model
         dev = next(model.parameters()).device
         self.spec = resolve_spec(device, dev.type)
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         if context is None:
-            context = min(int(getattr(cfg, "max_position_embeddings", 4096) or 4096), 4096)
+            context = min(model_positions(model.config) or 4096, 4096)
         self.shape = model_shape(model.config, model.dtype)
         cached = prefix_cache and bool(self.shape.swa_layer_ids)  # the prefix cache serves the hybrid pools
         pool_plan = plan_pools(self.shape, context=context, max_running=max_running, chunk=chunk,
