@@ -16,13 +16,12 @@ keeps its lengths even when its prompt caching or release raises (the next step'
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import pytest
 import torch
 
 import hwkv.engine.forward as forward_mod
-from hwkv.engine.drafters import prompt_lookup
 from hwkv.engine.engine import Engine
 from hwkv.engine.pools import build_cache, plan_pools
 from hwkv.engine.presets import ModelShape, layer_pattern
@@ -30,6 +29,8 @@ from hwkv.engine.sampling import SamplingParams
 from hwkv.engine.stats import RunnerStats
 from hwkv.engine.synthetic import ReferenceCheck, SyntheticModel, engine_history
 from hwkv.graph import EagerAdapter
+from test_engine_defects import _run as _run_checked
+from test_review30_exceptions import _drain_interrupted
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for this module
 
@@ -69,42 +70,7 @@ def _prompts(n: int = 3, system: int = 13, user: int = 7, step: int = 5, seed: i
 def _run(e: Engine, prompts: Sequence[Sequence[int]], new: int = 10) -> List[List[int]]:
     """Every prompt to the end, integrity checked after every step; the pools hold nothing once the cache is
     cleared."""
-    out: Dict[int, List[int]] = {}
-    rids = [e.add_request(list(p), SamplingParams(max_new_tokens=new)) for p in prompts]
-    while e.has_work():
-        for r in e.step():
-            out[r.rid] = r.tokens
-        e.check_integrity()
-    e.clear_prefix_cache()
-    assert e.cache.held_slots() == (0, 0)
-    return [out[r] for r in rids]
-
-
-def _drain_interrupted(e: Engine, rids: Sequence[int], max_steps: int = 200
-                       ) -> Tuple[Dict[int, List[int]], List[str]]:
-    """Steps until no work, as a server loop that survives a Ctrl-C of one step does: each finished request's tokens,
-    and what went wrong besides the KeyboardInterrupt itself (other errors, integrity failures after a step, a run
-    that never ends)."""
-    out: Dict[int, List[int]] = {}
-    errors: List[str] = []
-    steps = 0
-    while e.has_work() and len(errors) < 4:
-        steps += 1
-        if steps > max_steps:
-            errors.append(f"still has work after {max_steps} steps; running: " + str(
-                [(r.rid, r.finish_reason, r.kv_len, len(r.output)) for r in e.scheduler.running]))
-            break
-        try:
-            out.update((r.rid, r.tokens) for r in e.step())
-        except KeyboardInterrupt:
-            pass
-        except Exception as err:  # noqa: BLE001 - reported
-            errors.append(f"step raised {type(err).__name__}: {str(err)[:300]}")
-        try:
-            e.check_integrity()
-        except AssertionError as err:
-            errors.append(f"check_integrity after step {steps}: {err}")
-    return out, errors
+    return _run_checked(e, None, prompts, new=new)
 
 
 # ---- 1. Ctrl-C inside the out-of-window release: the host's frontiers say released, the pages say not ------------
@@ -135,10 +101,10 @@ def test_ctrl_c_inside_the_out_of_window_release_leaves_no_swa_page_behind(monke
 
     monkeypatch.setattr(forward_mod, "release_out_of_window_batch", interrupted)
     rid = e.add_request(prompt, SamplingParams(max_new_tokens=3))
-    out, errors = _drain_interrupted(e, [rid])
+    got, errors = _drain_interrupted(e, [rid], limit=4, max_steps=200)
     assert fired, "the release was never reached"
     assert not errors, "\n".join(errors)
-    assert [out.get(rid)] == want
+    assert got == want
     e.clear_prefix_cache()
     assert e.cache.held_slots() == (0, 0)
 
@@ -167,10 +133,10 @@ def test_ctrl_c_while_a_finished_request_goes_to_the_prefix_cache_does_not_stran
 
     monkeypatch.setattr(e.prefix, "release_requests", interrupted)
     rids = [e.add_request(p, SamplingParams(max_new_tokens=6)) for p in prompts]
-    out, errors = _drain_interrupted(e, rids)
+    got, errors = _drain_interrupted(e, rids, limit=4, max_steps=200)
     assert fired
     assert not errors, "\n".join(errors)
-    assert [out.get(r) for r in rids] == want
+    assert got == want
     e.clear_prefix_cache()
     assert e.cache.held_slots() == (0, 0)
 
