@@ -67,8 +67,12 @@ class HybridRunner(Engine):
         self.model = model
         dev = next(model.parameters()).device
         self.spec = resolve_spec(device, dev.type)
+        positions = model_positions(model.config)
         if context is None:
-            context = min(model_positions(model.config) or 4096, 4096)
+            context = min(positions or 4096, 4096)
+        elif positions is not None and isinstance(context, int) and context > positions:  # (a learned position
+            raise ConfigError(f"context={context} is past the model's {positions} positions "  # table ends there)
+                              "(max_position_embeddings): give at most that, or a config made for longer contexts")
         self.shape = model_shape(model.config, model.dtype)
         cached = prefix_cache and bool(self.shape.swa_layer_ids)  # the prefix cache serves the hybrid pools
         pool_plan = plan_pools(self.shape, context=context, max_running=max_running, chunk=chunk,
