@@ -106,7 +106,7 @@ def test_generate_names_the_flags_behind_a_refused_budget(capsys, tiny_model):  
                           "--memory", "1KiB")
     assert code == 2 and out == ""
     line = one_line(err, "hwkv generate: error:")
-    assert "the longest prompt + --max-new-tokens 64 - 1, at most the model's positions" in line
+    assert "the longest prompt + --max-new-tokens 64 - 1;" in line
     assert "--memory 1KiB" in line and "--page-size 16" in line
 
 

@@ -57,7 +57,8 @@ def test_hybrid_runner_with_an_explicit_context_past_the_models_positions_raises
 
     model = load_model(str(tiny_gpt2))
     attention = model.config._attn_implementation
-    with pytest.raises(ConfigError, match=r"context=64 is past the model's 16 positions \(max_position_embeddings\)"):
+    with pytest.raises(ConfigError, match=r"context=64 is past the model's 16 positions \(max_position_embeddings, a "
+                       r"learned position table\)"):
         HybridRunner(model, max_running=2, context=64, graphs="off")
     assert model.config._attn_implementation == attention  # refused before the model was touched
     HybridRunner(model, max_running=2, context=16, graphs="off").close()  # the model's own length is taken

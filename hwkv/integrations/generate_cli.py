@@ -41,7 +41,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                                     "80%% of an accelerator's free memory, or on the CPU a quarter of the available "
                                     "RAM and at most 4 GiB)")
     p.add_argument("--context", type=int, help="KV tokens the cache holds per request (default: the longest prompt + "
-                   "--max-new-tokens - 1, at most the model's positions); a prompt that needs more is refused with "
+                   "--max-new-tokens - 1, at most a learned position table's length); a prompt that needs more is refused with "
                    "its error, the others run")
     p.add_argument("--max-running", type=int, help="concurrent requests (default and most: every prompt at once; one with "
                    "--conversation, whose turns run one after another)")
@@ -212,7 +212,7 @@ def _progress(enabled: bool, total: int) -> Tuple[Any, Any]:
 def _generate(args: argparse.Namespace) -> Tuple[dict, int]:
     """Load, run every prompt, and return the JSON-ready result and the exit code."""
     from hwkv.engine.drafters import prompt_lookup
-    from hwkv.integrations.hf_model import model_positions
+    from hwkv.integrations.hf_model import position_limit
     from hwkv.integrations.transformers import HybridRunner, SamplingParams
 
     spec, model, tokenizer = _load(args)
@@ -225,7 +225,7 @@ def _generate(args: argparse.Namespace) -> Tuple[dict, int]:
         longest = sum(len(p) for p in prompts) + len(prompts) * args.max_new_tokens
     else:  # (at least 1: an empty prompt is refused as one, not as a context of 0)
         longest = max(1, max(len(p) for p in prompts) + args.max_new_tokens - 1)
-    positions = model_positions(model.config)  # never past the model's positions: a prompt needing more is refused
+    positions = position_limit(model)  # never past a learned position table: a prompt needing more is refused
     context = args.context if args.context is not None else min(longest, positions or longest)
     # never more running requests than can run at once: the pools are sized (and allocated) for them
     most = 1 if args.conversation else len(prompts)
@@ -262,7 +262,7 @@ def _generate(args: argparse.Namespace) -> Tuple[dict, int]:
     for text, ids, res in zip(args.prompt, prompts, results):
         error = _error_text(res)
         if capped and isinstance(res.error, OutOfSlotsError):
-            error += f" (the context stops at the model's {positions} positions, max_position_embeddings)"
+            error += f" (the context stops at the model's {positions} positions: a learned position table)"
         rows.append({"prompt": text, "prompt_ids": ids, "tokens": res.tokens, "finish_reason": res.finish_reason,
                      "text": tokenizer.decode(res.tokens) if tokenizer is not None and res.error is None else None,
                      "error": error})
@@ -286,8 +286,7 @@ def _budget_flags(args: argparse.Namespace, context: int) -> str:
     elif args.conversation:
         how = f"context {context}: every turn and --max-new-tokens {args.max_new_tokens} per reply"
     else:
-        how = f"context {context}: the longest prompt + --max-new-tokens {args.max_new_tokens} - 1, at most the " \
-              "model's positions"
+        how = f"context {context}: the longest prompt + --max-new-tokens {args.max_new_tokens} - 1"
     budget = f"--memory {args.memory}" if args.memory else "the default budget; --memory sets it"
     return f"{how}; --page-size {args.page_size}; {budget}"
 

@@ -33,6 +33,19 @@ def model_positions(config: Any) -> Optional[int]:
     return int(value) if value else None
 
 
+def position_limit(model: Any) -> Optional[int]:
+    """The context past which the model cannot run: its positions where it looks them up in a learned table (GPT-2's
+    wpe, OPT's table of positions + 2 rows); None where positions are computed (rotary, ALiBi), which run past
+    max_position_embeddings as transformers' own generate() does."""
+    positions = model_positions(model.config)
+    if positions is None:
+        return None
+    embed = model.get_input_embeddings()
+    learned = any(isinstance(m, torch.nn.Embedding) and m is not embed and positions <= m.num_embeddings <= positions + 2
+                  for m in model.modules())
+    return positions if learned else None
+
+
 def layer_kinds(config: Any) -> Tuple[bool, ...]:
     """Per layer: is it sliding-window? From `layer_types`, else `use_sliding_window` / `sliding_window`
     (Mistral-style: a window and no layer types means every layer slides)."""

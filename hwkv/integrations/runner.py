@@ -27,7 +27,7 @@ from hwkv.errors import ConfigError
 from hwkv.graph import EagerAdapter
 from hwkv.integrations.device_choice import graph_adapter, graph_choice, resolve_spec
 from hwkv.integrations.hf_attention import ATTN_IMPLEMENTATION, ForwardContext, LayerTable, register
-from hwkv.integrations.hf_model import model_positions, model_shape
+from hwkv.integrations.hf_model import model_positions, model_shape, position_limit
 
 GraphsOption = Union[bool, str]
 __all__ = ["HybridRunner", "Result"]
@@ -67,12 +67,13 @@ class HybridRunner(Engine):
         self.model = model
         dev = next(model.parameters()).device
         self.spec = resolve_spec(device, dev.type)
-        positions = model_positions(model.config)
         if context is None:
-            context = min(positions or 4096, 4096)
-        elif positions is not None and isinstance(context, int) and context > positions:  # (a learned position
-            raise ConfigError(f"context={context} is past the model's {positions} positions "  # table ends there)
-                              "(max_position_embeddings): give at most that, or a config made for longer contexts")
+            context = min(model_positions(model.config) or 4096, 4096)
+        else:
+            limit = position_limit(model)
+            if limit is not None and isinstance(context, int) and context > limit:
+                raise ConfigError(f"context={context} is past the model's {limit} positions (max_position_embeddings, "
+                                  "a learned position table): give at most that")
         self.shape = model_shape(model.config, model.dtype)
         cached = prefix_cache and bool(self.shape.swa_layer_ids)  # the prefix cache serves the hybrid pools
         pool_plan = plan_pools(self.shape, context=context, max_running=max_running, chunk=chunk,
