@@ -265,15 +265,21 @@ class Engine:
         req = self.requests.get(int(rid))
         if req is None:
             return None
-        req.finish_reason = "abort"
+        if req.finish_reason is None:  # (one already finished whose hand-over a Ctrl-C kept from it keeps its reason)
+            req.finish_reason = "abort"
         if req.row < 0:  # still queued: no row, reservation or slot yet
             self.scheduler.drop(req)
             del self.requests[req.rid]
             if self._prefixing is not None:
                 self._prefixing.refused_at = None  # the queue's new head was never tried
             return Result(req.rid, req.prompt, req.output, req.finish_reason, seed=req.params.seed)
+        if req not in self._finishing:
+            self._finishing.append(req)  # listed until its hand-over is done: a Ctrl-C leaves it to the next step
         with torch.inference_mode():
-            return self._finish([req])[0]
+            results = self._finish_pending()
+        mine = [r for r in results if r.rid == req.rid]
+        self._carry += [r for r in results if r.rid != req.rid]  # others a Ctrl-C had kept: with the next step
+        return mine[0]
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: Union[SamplingParams, Sequence[SamplingParams]] = SamplingParams(),
@@ -428,11 +434,14 @@ class Engine:
                 raise
             mode = batch.forward_mode
             try:
-                if self._prefixing is not None:
+                if self._prefixing is None:
+                    self._release(lens.rows, lens.seq, batch.req_pool_indices, batch.seq_lens)
+                else:
                     self._prefixing.cache_prompts(rows, lock=False)  # with the chunk's SWA, which the release drops
-                self._release(lens.rows, lens.seq, batch.req_pool_indices, batch.seq_lens)
-                if self._prefixing is not None:
-                    self._prefixing.cache_prompts(rows, lock=True)
+                    try:
+                        self._release(lens.rows, lens.seq, batch.req_pool_indices, batch.seq_lens)
+                    finally:  # the lock moves over what was cached even when the release raised (no later step
+                        self._prefixing.cache_prompts(rows, lock=True)  # does it for a prompt's last chunk)
             except BaseException:  # (Ctrl-C) the forward ran: its lengths move on all the same, or the next step
                 self._send(rows, sampled, where, mode, tokens)  # would allocate its positions again (a leak); what
                 raise  # was not cached or released is caught up by the next step's caching and release
@@ -480,8 +489,12 @@ class Engine:
         appended, stops checked, finished requests free their slots and rows at once. A forward leaves the list
         only once its tokens are read, so an interrupted wait (Ctrl-C) loses none: the next step reads it."""
         finished: List[Result] = []
-        while len(self.readback.inflight) > keep:
-            finished += self._read_one()
+        try:
+            while len(self.readback.inflight) > keep:
+                finished += self._read_one()
+        except BaseException:  # (Ctrl-C in a later wait) the requests the earlier reads finished: the next step's
+            self._carry += finished
+            raise
         return finished
 
     def _read_one(self) -> List[Result]:
@@ -504,11 +517,17 @@ class Engine:
         """The hand-over of the requests whose last token was read (`_finish`), with Ctrl-C held; they stay listed
         until it is done, so a request a Ctrl-C (as tokens were read) or a hand-over refused before it changed
         anything kept from it is finished by the next step, not left running for ever. Only steps where a request
-        finishes pay the hold."""
-        with interrupts_held():
-            results = self._finish([r for r in self._finishing if r.rid in self.requests])  # (not aborted since)
-            self._finishing = []
-            return results
+        finishes pay the hold. A Ctrl-C held through it is raised after it, the results then coming with the next
+        step (`_carry`)."""
+        results: List[Result] = []
+        try:
+            with interrupts_held():
+                results = self._finish([r for r in self._finishing if r.rid in self.requests])  # (not aborted since)
+                self._finishing = []
+        except BaseException:  # a Ctrl-C held through it is raised here: the requests left, their results come with
+            self._carry += results  # the next step
+            raise
+        return results
 
     def _record_held(self, tails: Sequence[int], heads: Sequence[int], cached: Tuple[int, int]) -> None:
         """The memory peaks from the rings' tails (read back) and heads: what the pools hold less what only the
