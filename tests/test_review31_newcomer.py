@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import io
-from pathlib import Path
 
 import pytest
-import torch
 
 transformers = pytest.importorskip("transformers")
 
 from hwkv import cli  # noqa: E402
+from test_review31_transformers import tiny_gpt2  # noqa: E402,F401 (the fixture: GPT-2, 16 learned positions)
 from hwkv.errors import ConfigError  # noqa: E402
 
 
@@ -31,17 +30,6 @@ def _run_cli(*argv: str):
             code = "traceback"
             err.write(f"Traceback: {type(e).__name__}: {e}")
     return code, out.getvalue(), err.getvalue()
-
-
-@pytest.fixture(scope="module")
-def tiny_gpt2(tmp_path_factory) -> Path:
-    """A tiny GPT-2 folder: learned absolute positions, n_positions = 16 (max_position_embeddings 16)."""
-    folder = tmp_path_factory.mktemp("tiny-gpt2-r31n")
-    cfg = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2, n_positions=16,
-                                  bos_token_id=None, eos_token_id=None)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
-    return folder
 
 
 def test_hybrid_runner_with_an_explicit_context_past_the_models_positions_raises_a_bare_index_error(tiny_gpt2):

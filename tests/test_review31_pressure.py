@@ -17,46 +17,27 @@ path").
 """
 from __future__ import annotations
 
-import dataclasses
 import random
 import signal
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import pytest
-import torch
 
 import hwkv.engine.forward as forward_mod
 from hwkv.engine.engine import Engine
-from hwkv.engine.pools import build_cache, plan_pools
-from hwkv.engine.presets import ModelShape, layer_pattern
 from hwkv.engine.sampling import SamplingParams
-from hwkv.engine.stats import RunnerStats
-from hwkv.engine.synthetic import SyntheticModel
+from test_engine_defects import _run as _run_checked
+from test_review30_exceptions import _drain_interrupted
+from test_review31_windows import VOCAB, _engine as _window_engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for this module
 
-VOCAB = 97
-CPU = torch.device("cpu")
 
 
-def _shape(window: int) -> ModelShape:
-    return ModelShape(name="tiny", layer_is_swa=layer_pattern(4, "sf"), window=window, num_heads=4, num_kv_heads=2,
-                      head_dim=16, swa_sinks=True, logit_cap=30.0, dtype_bytes=4)
-
-
-def _engine(window: int = 8, page_size: int = 4, prefix_cache: bool = True, chunk: int = 24, max_running: int = 4,
-            context: int = 96, full_pages: Optional[int] = None, overlap: bool = False) -> Engine:
-    """An engine over the synthetic model; `full_pages`: a full pool of that many pages (memory pressure)."""
-    shape = _shape(window)
-    plan = plan_pools(shape, context=context, max_running=max_running, chunk=chunk, page_size=page_size, memory=None,
-                      device=CPU, prefix_cache=prefix_cache)
-    if full_pages is not None:
-        plan = dataclasses.replace(plan, size=full_pages * page_size)
-    cache = build_cache(shape, plan, torch.float32, CPU, backend_device="cpu")
-    model = SyntheticModel(shape, cache.backend, vocab_size=VOCAB, dtype=torch.float32, device=CPU,
-                           positions=cache.rtt.max_context_len, seed=3)
-    return Engine(cache, model, stats=RunnerStats(shape, plan), vocab_size=VOCAB, window=window,
-                  prefix_cache=prefix_cache, overlap=overlap)
+def _engine(**kw) -> Engine:
+    """review 31's window engine over the synthetic model without its reference check (`full_pages`: a full pool of
+    that many pages, memory pressure)."""
+    return _window_engine(check=False, **kw)
 
 
 def _tokens(n: int, seed: int) -> List[int]:
@@ -66,44 +47,14 @@ def _tokens(n: int, seed: int) -> List[int]:
 
 def _run(e: Engine, prompts: Sequence[Sequence[int]], new: int = 10) -> List[List[int]]:
     """Every prompt to the end, integrity checked after every step; nothing held once the cache is cleared."""
-    out: Dict[int, List[int]] = {}
-    rids = [e.add_request(list(p), SamplingParams(max_new_tokens=new)) for p in prompts]
-    steps = 0
-    while e.has_work():
-        steps += 1
-        assert steps < 500, "the run never ends"
-        for r in e.step():
-            out[r.rid] = r.tokens
-        e.check_integrity()
-    e.clear_prefix_cache()
-    assert e.cache.held_slots() == (0, 0)
-    return [out[r] for r in rids]
+    return _run_checked(e, None, prompts, new=new)
 
 
-def _drain(e: Engine, max_steps: int = 60) -> Tuple[Dict[int, List[int]], List[str]]:
-    """Steps until no work, as a server loop that survives a Ctrl-C of one step does: each finished request's tokens,
-    and what went wrong besides the KeyboardInterrupt itself (other errors, integrity failures, a run that never
-    ends)."""
-    out: Dict[int, List[int]] = {}
-    errors: List[str] = []
-    steps = 0
-    while e.has_work() and len(errors) < 3:
-        steps += 1
-        if steps > max_steps:
-            errors.append(f"still has work after {max_steps} steps; running: " + str(
-                [(r.rid, r.finish_reason, r.kv_len, len(r.output)) for r in e.scheduler.running]))
-            break
-        try:
-            out.update((r.rid, r.tokens) for r in e.step())
-        except KeyboardInterrupt:
-            pass
-        except Exception as err:  # noqa: BLE001 - reported
-            errors.append(f"step raised {type(err).__name__}: {str(err)[:200]}")
-        try:
-            e.check_integrity()
-        except AssertionError as err:
-            errors.append(f"check_integrity after step {steps}: {err}")
-    return out, errors
+def _drain(e: Engine) -> Tuple[Dict[int, List[int]], List[str]]:
+    """review 30's interrupted run over every request the engine holds: (each one's tokens by id, the errors)."""
+    rids = sorted(e.requests)
+    got, errors = _drain_interrupted(e, rids, limit=3, max_steps=60)
+    return dict(zip(rids, got)), errors
 
 
 # ---- 1. Ctrl-C inside the last prompt chunk's release: its cache nodes stay unlocked, admission over-commits -------
@@ -183,7 +134,8 @@ def test_ctrl_c_in_aborts_hand_over_does_not_strand_the_request(monkeypatch, whe
     assert e.cache.held_slots() == (0, 0)
 
 
-def test_a_real_ctrl_c_inside_aborts_hand_over_leaves_a_request_that_can_neither_leave_nor_be_aborted_again():
+def test_a_real_ctrl_c_inside_aborts_hand_over_leaves_a_request_that_can_neither_leave_nor_be_aborted_again(
+        python_sigint):
     """The same hand-over (`Engine.abort` -> `_finish`, hwkv/engine/engine.py:276) runs with Ctrl-C live: a SIGINT
     arriving after `HybridPrefixCache.release_requests` unlocked the request's lock and dropped some of its references
     (here: right after the hand-over's first allocator free, hwkv/cache.py:561) raises there. The request stays in
@@ -229,7 +181,7 @@ def test_a_real_ctrl_c_inside_aborts_hand_over_leaves_a_request_that_can_neither
 
 
 # ---- 3. a Ctrl-C held through a finished request's hand-over discards its Result --------------------------------
-def test_a_ctrl_c_held_through_the_hand_over_does_not_lose_the_finished_requests_result():
+def test_a_ctrl_c_held_through_the_hand_over_does_not_lose_the_finished_requests_result(python_sigint):
     """`_finish_pending` (hwkv/engine/engine.py:503-511) runs the finished requests' hand-over under
     `interrupts_held`: a Ctrl-C arriving then is raised when the block ends, i.e. after `_finish` removed the requests
     from `self.requests` and `_finishing` was cleared, and the `return results` it raises over is lost. `step`'s

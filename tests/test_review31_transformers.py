@@ -19,7 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is in hwkv's test extra")
 
 from hwkv import cli  # noqa: E402
-from hwkv.errors import ConfigError, HwkvError, OutOfSlotsError  # noqa: E402
+from hwkv.errors import ConfigError, OutOfSlotsError  # noqa: E402
 from hwkv.integrations.generate_cli import parse_token_ids  # noqa: E402
 from hwkv.integrations.transformers import HybridRunner, SamplingParams  # noqa: E402
 

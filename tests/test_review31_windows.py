@@ -16,6 +16,7 @@ keeps its lengths even when its prompt caching or release raises (the next step'
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List, Optional, Sequence
 
 import pytest
@@ -46,10 +47,12 @@ def _shape(window: int) -> ModelShape:
 
 def _engine(window: int = 8, page_size: int = 4, prefix_cache: bool = True, chunk: int = 24, max_running: int = 4,
             context: int = 96, whole_step: Optional[bool] = None, graphs: bool = False, draft=None, num_draft: int = 4,
-            overlap: bool = False, check: bool = True) -> Engine:
+            overlap: bool = False, check: bool = True, full_pages: Optional[int] = None) -> Engine:
     shape = _shape(window)
     plan = plan_pools(shape, context=context, max_running=max_running, chunk=chunk, page_size=page_size, memory=None,
                       device=CPU, prefix_cache=prefix_cache)
+    if full_pages is not None:  # a full pool of that many pages (memory pressure)
+        plan = dataclasses.replace(plan, size=full_pages * page_size)
     cache = build_cache(shape, plan, torch.float32, CPU, backend_device="cpu")
     model = SyntheticModel(shape, cache.backend, vocab_size=VOCAB, dtype=torch.float32, device=CPU,
                            positions=cache.rtt.max_context_len, seed=3)
