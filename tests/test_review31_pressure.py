@@ -28,7 +28,7 @@ from hwkv.engine.engine import Engine
 from hwkv.engine.sampling import SamplingParams
 from test_engine_defects import _run as _run_checked
 from test_review30_exceptions import _drain_interrupted
-from test_review31_windows import VOCAB, _engine as _window_engine
+from test_review31_windows import VOCAB, _engine as _window_engine, _interrupt_first_call
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for this module
 
@@ -77,15 +77,7 @@ def test_ctrl_c_in_the_last_prompt_chunks_release_does_not_over_commit_the_full_
     want = _run(_engine(chunk=48, full_pages=26, max_running=2, prefix_cache=False), [a, b], new=20)
     assert _run(_engine(chunk=48, full_pages=26, max_running=2), [a, b], new=20) == want  # uninterrupted: fine
     e = _engine(chunk=48, full_pages=26, max_running=2)
-    original, fired = forward_mod.release_out_of_window_batch, []
-
-    def interrupted(*args, **kwargs):
-        if not fired:  # A's prompt (one chunk, its last), interrupted before the release changed anything
-            fired.append(1)
-            raise KeyboardInterrupt()
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(forward_mod, "release_out_of_window_batch", interrupted)
+    fired = _interrupt_first_call(monkeypatch, forward_mod, "release_out_of_window_batch")
     rids = [e.add_request(p, SamplingParams(max_new_tokens=20)) for p in (a, b)]
     out, errors = _drain(e)
     assert fired, "the release was never reached"
@@ -116,15 +108,7 @@ def test_ctrl_c_in_aborts_hand_over_does_not_strand_the_request(monkeypatch, whe
         e.check_integrity()
     req = e.requests[rid]
     assert req.prefilling == (when == "prefilling") and req.finish_reason is None
-    original, fired = e.prefix.release_requests, []
-
-    def interrupted(*args, **kwargs):
-        if not fired:
-            fired.append(1)
-            raise KeyboardInterrupt()
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(e.prefix, "release_requests", interrupted)
+    assert not _interrupt_first_call(monkeypatch, e.prefix, "release_requests")  # (armed)
     with pytest.raises(KeyboardInterrupt):
         e.abort(rid)
     out, errors = _drain(e)

@@ -76,6 +76,21 @@ def _run(e: Engine, prompts: Sequence[Sequence[int]], new: int = 10) -> List[Lis
     return _run_checked(e, None, prompts, new=new)
 
 
+def _interrupt_first_call(monkeypatch, owner, name: str) -> List[int]:
+    """`owner.name` raising KeyboardInterrupt at its first call (a Ctrl-C before it changed anything), itself after;
+    the list it appends to when it fired."""
+    original, fired = getattr(owner, name), []
+
+    def interrupted(*args, **kwargs):
+        if not fired:
+            fired.append(1)
+            raise KeyboardInterrupt()
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, interrupted)
+    return fired
+
+
 # ---- 1. Ctrl-C inside the out-of-window release: the host's frontiers say released, the pages say not ------------
 def test_ctrl_c_inside_the_out_of_window_release_leaves_no_swa_page_behind(monkeypatch):
     """`ForwardSlots.release` (hwkv/engine/forward.py:266) first moves the host's copy of the rows' frontiers
@@ -94,15 +109,7 @@ def test_ctrl_c_inside_the_out_of_window_release_leaves_no_swa_page_behind(monke
     prompt = _prompts(n=1, system=13, user=27)[0]
     want = _run(_engine(page_size=16, chunk=48), [prompt], new=3)
     e = _engine(page_size=16, chunk=48)
-    original, fired = forward_mod.release_out_of_window_batch, []
-
-    def interrupted(*args, **kwargs):
-        if not fired:  # the first release (the prompt's), interrupted before it changed anything
-            fired.append(1)
-            raise KeyboardInterrupt()
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(forward_mod, "release_out_of_window_batch", interrupted)
+    fired = _interrupt_first_call(monkeypatch, forward_mod, "release_out_of_window_batch")
     rid = e.add_request(prompt, SamplingParams(max_new_tokens=3))
     got, errors = _drain_interrupted(e, [rid], limit=4, max_steps=200)
     assert fired, "the release was never reached"
@@ -126,15 +133,7 @@ def test_ctrl_c_while_a_finished_request_goes_to_the_prefix_cache_does_not_stran
     prompts = _prompts()
     want = _run(_engine(), prompts, new=6)
     e = _engine()
-    original, fired = e.prefix.release_requests, []
-
-    def interrupted(*args, **kwargs):
-        if not fired:
-            fired.append(1)
-            raise KeyboardInterrupt()
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(e.prefix, "release_requests", interrupted)
+    fired = _interrupt_first_call(monkeypatch, e.prefix, "release_requests")
     rids = [e.add_request(p, SamplingParams(max_new_tokens=6)) for p in prompts]
     got, errors = _drain_interrupted(e, rids, limit=4, max_steps=200)
     assert fired
