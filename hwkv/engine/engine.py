@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -437,11 +438,14 @@ class Engine:
                 if self._prefixing is None:
                     self._release(lens.rows, lens.seq, batch.req_pool_indices, batch.seq_lens)
                 else:
-                    self._prefixing.cache_prompts(rows, lock=False)  # with the chunk's SWA, which the release drops
-                    try:
-                        self._release(lens.rows, lens.seq, batch.req_pool_indices, batch.seq_lens)
-                    finally:  # the lock moves over what was cached even when the release raised (no later step
-                        self._prefixing.cache_prompts(rows, lock=True)  # does it for a prompt's last chunk)
+                    # a prompt chunk's caching and its lock land together (no later step locks a last chunk's nodes):
+                    # Ctrl-C held on prefill steps, and the lock taken even when the release between them raised
+                    with interrupts_held() if self.scheduler.prefill_tokens else nullcontext():
+                        self._prefixing.cache_prompts(rows, lock=False)  # with the chunk's SWA the release drops
+                        try:
+                            self._release(lens.rows, lens.seq, batch.req_pool_indices, batch.seq_lens)
+                        finally:
+                            self._prefixing.cache_prompts(rows, lock=True)
             except BaseException:  # (Ctrl-C) the forward ran: its lengths move on all the same, or the next step
                 self._send(rows, sampled, where, mode, tokens)  # would allocate its positions again (a leak); what
                 raise  # was not cached or released is caught up by the next step's caching and release

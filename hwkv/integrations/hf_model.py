@@ -112,8 +112,10 @@ def model_shape(config: Any, dtype: torch.dtype, name: Optional[str] = None) -> 
     config keeps a field per layer (Gemma 4), else the full layers' values."""
     cfg = text_config(config)
     model_type = str(getattr(cfg, "model_type", "model"))
-    heads = int(cfg.num_attention_heads)
     kinds = layer_kinds(cfg)
+    heads = _by_kind(cfg, "num_attention_heads", kinds)[0]  # (the full layers': Step 3.7 keeps them per layer;
+    if heads is None:                                        # the pools hold KV heads, read per kind below)
+        raise ConfigError("config num_attention_heads is not set")
     kv_heads, layer_swa_kv_heads = _by_kind(cfg, "num_key_value_heads", kinds)
     kv_heads = kv_heads or heads
     head_dim, layer_swa_head_dim = _by_kind(cfg, "head_dim", kinds)
