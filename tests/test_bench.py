@@ -220,7 +220,8 @@ def test_harness_releases_a_batch_in_one_call(monkeypatch):
 
     calls = []
     real = forward.release_out_of_window_batch
-    monkeypatch.setattr(forward, "release_out_of_window_batch", lambda *a, **k: calls.append(a[2].numel()) or real(*a, **k))
+    monkeypatch.setattr(forward, "release_out_of_window_batch",
+                        lambda *a, **k: calls.append(a[2].numel()) or real(*a, **k))
     g = ModelGeometry(num_layers=2, swa_every=2, window=4, num_heads=2, num_kv_heads=1, head_dim=8)
     h = Harness(TorchCPUBackend, "cpu", g, size=256, size_swa=64, page_size=2)
     rids = [h.add_request() for _ in range(3)]

@@ -28,8 +28,8 @@ def _dry_run(tmp_path: Path, nvidia: bool, *overrides: str) -> str:
     env = {**os.environ, "PATH": path}
     venv = tmp_path / "venv"
     # make by its own path: where nvidia-smi sits beside it (/usr/bin on a GPU machine) its folder is off PATH
-    r = subprocess.run([shutil.which("make"), "-n", "-B", f"VENV={venv}", *overrides, f"{venv}/bin/hwkv"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run([shutil.which("make"), "-n", "-B", f"VENV={venv}", *overrides, f"{venv}/bin/hwkv"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     return r.stdout
 

@@ -69,7 +69,8 @@ def test_hwkv_generate_with_an_explicit_context_past_the_models_positions_is_a_t
 def test_hwkv_bench_serve_on_a_model_with_few_positions_is_a_traceback(tiny_gpt2):
     """Defect: `hwkv bench --workload serve --serve-model <GPT-2 folder, 16 positions>` (README: "`--serve-model
     PATH`" takes any local model folder) ends in an `IndexError: index out of range in self` traceback: the serve
-    workload sizes HybridRunner for `--serve-prompt-len` (64 on CPU) + `--serve-new` tokens (hwkv/bench/serve.py:198, and its pre-check `check_pools_fit`, serve.py:108-117, asks only whether the pools fit;
+    workload sizes HybridRunner for `--serve-prompt-len` (64 on CPU) + `--serve-new` tokens
+    (hwkv/bench/serve.py:198, and its pre-check `check_pools_fit`, serve.py:108-117, asks only whether the pools fit;
     `context=w.context`) without looking at the model's max_position_embeddings, and HybridRunner takes the context
     unchecked (runner.py:70-74). Expected: exit 2 with one line naming the model's 16 positions (docs/bad-inputs.md:
     "2 for a usage, configuration or capacity error"); actual: a traceback (exit 1)."""

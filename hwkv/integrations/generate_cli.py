@@ -41,8 +41,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                                     "80%% of an accelerator's free memory, or on the CPU a quarter of the available "
                                     "RAM and at most 4 GiB)")
     p.add_argument("--context", type=int, help="KV tokens the cache holds per request (default: the longest prompt + "
-                   "--max-new-tokens - 1, at most a learned position table's length); a prompt that needs more is refused with "
-                   "its error, the others run")
+                   "--max-new-tokens - 1, at most a learned position table's length); a prompt that needs more is "
+                   "refused with its error, the others run")
     p.add_argument("--max-running", type=int, help="concurrent requests (default and most: every prompt at once; one with "
                    "--conversation, whose turns run one after another)")
     p.add_argument("--chunk", type=int, default=512, help="prefill tokens per forward (default 512)")

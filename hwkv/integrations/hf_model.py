@@ -27,8 +27,8 @@ def text_config(config: Any) -> Any:
 
 
 def model_positions(config: Any) -> Optional[int]:
-    """The positions the model was built for (`max_position_embeddings`; None where the config names none): a
-    context past them would index past a learned position table (GPT-2, OPT)."""
+    """The positions the model was built for (`max_position_embeddings`; None where the config names none): the
+    runner's default context stops there."""
     value = getattr(text_config(config), "max_position_embeddings", None)
     return int(value) if value else None
 
@@ -41,8 +41,8 @@ def position_limit(model: Any) -> Optional[int]:
     if positions is None:
         return None
     embed = model.get_input_embeddings()
-    learned = any(isinstance(m, torch.nn.Embedding) and m is not embed and positions <= m.num_embeddings <= positions + 2
-                  for m in model.modules())
+    learned = any(isinstance(m, torch.nn.Embedding) and m is not embed
+                  and positions <= m.num_embeddings <= positions + 2 for m in model.modules())
     return positions if learned else None
 
 
