@@ -78,3 +78,16 @@ def test_hwkv_bench_serve_on_a_model_with_few_positions_is_a_traceback(tiny_gpt2
                             "--serve-rate", "0", "--no-baseline")
     assert code == 2, (code, err[-300:])
     assert "Traceback" not in err and "past the model's 16 positions" in err
+
+
+@pytest.mark.parametrize("flag, value, lo", [("--max-running", "0", 1), ("--chunk", "0", 1), ("--page-size", "0", 1),
+                                             ("--context", "0", 1), ("--eviction-margin-pages", "-1", 0)])
+def test_hwkv_plan_names_the_flag_not_the_planners_parameter(flag, value, lo):
+    """Defect (reviewer's note): `hwkv plan --max-running 0` said `max_running must be an integer >= 1 or None, got 0`
+    (the planner's parameter, and a None no command-line user can give) where `hwkv generate` says `--max-running
+    must be >= 1, got 0`; --chunk, --page-size, --context and --eviction-margin-pages likewise. Now one check of
+    the flags (`hwkv.engine.plan.check_flag_minimums`) serves both commands."""
+    argv = ["plan", "--model", "gpt-oss-20b", "--memory", "8GiB", "--context", "4096", flag, value]
+    code, out, err = _run_cli(*argv)
+    assert code == 2 and out == ""
+    assert err.strip() == f"hwkv plan: error: {flag} must be >= {lo}, got {value}"

@@ -6,7 +6,7 @@ import json
 import sys
 from typing import Any, List, Tuple
 
-from hwkv.engine.plan import Plan, cache_lock_tokens, format_bytes, parse_bytes, plan
+from hwkv.engine.plan import Plan, cache_lock_tokens, check_flag_minimums, format_bytes, parse_bytes, plan
 from hwkv.engine.presets import ModelShape, add_model_arguments, shape_from_args
 from hwkv.errors import ConfigError
 
@@ -45,7 +45,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     """Run `hwkv plan`; a bad value prints the error to stderr and returns 2."""
-    try:
+    try:  # the flags first, named as typed (the planner's own errors name its parameters)
+        check_flag_minimums((("--context", args.context, 1), ("--page-size", args.page_size, 1),
+                             ("--max-running", args.max_running, 1), ("--chunk", args.chunk, 1),
+                             ("--eviction-margin-pages", args.eviction_margin_pages, 0)))
         shape = shape_from_args(args)
         result = plan(shape, parse_bytes(args.memory), args.context, page_size=args.page_size,
                       max_running=args.max_running, chunk=args.chunk,

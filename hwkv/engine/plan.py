@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 from fractions import Fraction
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 from hwkv.checks import as_int, check_flag, check_int_option, is_int
 from hwkv.engine.presets import ModelShape
@@ -36,6 +36,14 @@ from hwkv.errors import BudgetError, ConfigError
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def check_flag_minimums(flags: Sequence[Tuple[str, Optional[int], int]]) -> None:
+    """Refuse a command-line value below its minimum, naming the flag as the user typed it: (flag, value or None
+    when not given, minimum) -> ConfigError '--flag must be >= minimum, got value'."""
+    for flag, value, lo in flags:
+        if value is not None and value < lo:
+            raise ConfigError(f"{flag} must be >= {lo}, got {value}")
 
 
 def parse_bytes(value: Union[str, int]) -> int:

@@ -93,14 +93,12 @@ def _stop_tokens(model: Any) -> Tuple[int, ...]:
 
 def _check_args(args: argparse.Namespace) -> None:
     """Refuse bad flag values before the model loads (seconds), each naming the flag, its value and the limit."""
-    from hwkv.engine.plan import parse_bytes
+    from hwkv.engine.plan import check_flag_minimums, parse_bytes
 
-    for flag, value, lo in (("--max-new-tokens", args.max_new_tokens, 1), ("--max-running", args.max_running, 1),
-                            ("--context", args.context, 1), ("--chunk", args.chunk, 1),
-                            ("--page-size", args.page_size, 1), ("--seed", args.seed, 0),
-                            ("--num-draft", args.num_draft, 1)):
-        if value is not None and value < lo:
-            raise ConfigError(f"{flag} must be >= {lo}, got {value}")
+    check_flag_minimums((("--max-new-tokens", args.max_new_tokens, 1), ("--max-running", args.max_running, 1),
+                         ("--context", args.context, 1), ("--chunk", args.chunk, 1),
+                         ("--page-size", args.page_size, 1), ("--seed", args.seed, 0),
+                         ("--num-draft", args.num_draft, 1)))
     last = 2**32 - len(args.prompt)  # prompt i samples with seed + i, each below 2**32 (SamplingParams)
     if args.seed > last:
         raise ConfigError(f"--seed must be in [0, {last}] with {len(args.prompt)} prompt(s) (prompt i samples with "
