@@ -43,6 +43,21 @@ class HostUpdateFails(EagerAdapter):
             raise RuntimeError("the graph's host update failed")
 
 
+def _interrupt_first_call(monkeypatch, owner, name):
+    """`owner.name` raising KeyboardInterrupt at its first call (a Ctrl-C before it changed anything), itself after;
+    the list it appends to when it fired."""
+    original, fired = getattr(owner, name), []
+
+    def interrupted(*args, **kwargs):
+        if not fired:
+            fired.append(1)
+            raise KeyboardInterrupt()
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, interrupted)
+    return fired
+
+
 def _drain_interrupted(e, rids, limit=3, max_steps=500):
     """Steps until no work, as a server loop that survives Ctrl-C of one step does: (each request's tokens, the
     errors other than KeyboardInterrupt its steps raised and the integrity failures after each step). Bounded: a

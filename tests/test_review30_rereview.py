@@ -12,7 +12,7 @@ import pytest
 from hwkv.engine.drafters import prompt_lookup
 from hwkv.engine.sampling import SamplingParams
 from test_engine_defects import _engine, _prompts
-from test_review30_exceptions import _drain_interrupted
+from test_review30_exceptions import _drain_interrupted, _interrupt_first_call
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for this module
 
@@ -146,20 +146,8 @@ def test_ctrl_c_in_a_verifys_acceptance_before_accept_draft_tokens_leaks_its_dra
     params = SamplingParams(max_new_tokens=10)
     want = _want(params)
     e, _ = _engine(draft=prompt_lookup())
-    fired = []
-    if where == "pack":
-        target, name = engine_mod, "pack"
-    else:
-        target, name = Request, "tokens_to_finish"
-    original = getattr(target, name)
-
-    def interrupted(*args, **kwargs):
-        if not fired:
-            fired.append(1)
-            raise KeyboardInterrupt()
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(target, name, interrupted)
+    target, name = (engine_mod, "pack") if where == "pack" else (Request, "tokens_to_finish")
+    fired = _interrupt_first_call(monkeypatch, target, name)
     got, errors = _drain_interrupted(e, [e.add_request(p, params) for p in _draft_prompts()])
     _recovered(e, fired, got, errors, want)
 

@@ -27,8 +27,8 @@ import hwkv.engine.forward as forward_mod
 from hwkv.engine.engine import Engine
 from hwkv.engine.sampling import SamplingParams
 from test_engine_defects import _run as _run_checked
-from test_review30_exceptions import _drain_interrupted
-from test_review31_windows import VOCAB, _engine as _window_engine, _interrupt_first_call
+from test_review30_exceptions import _drain_interrupted, _interrupt_first_call
+from test_review31_windows import VOCAB, _engine as _window_engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for this module
 

@@ -31,7 +31,7 @@ from hwkv.engine.stats import RunnerStats
 from hwkv.engine.synthetic import ReferenceCheck, SyntheticModel, engine_history
 from hwkv.graph import EagerAdapter
 from test_engine_defects import _run as _run_checked
-from test_review30_exceptions import _drain_interrupted
+from test_review30_exceptions import _drain_interrupted, _interrupt_first_call
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for this module
 
@@ -74,21 +74,6 @@ def _run(e: Engine, prompts: Sequence[Sequence[int]], new: int = 10) -> List[Lis
     """Every prompt to the end, integrity checked after every step; the pools hold nothing once the cache is
     cleared."""
     return _run_checked(e, None, prompts, new=new)
-
-
-def _interrupt_first_call(monkeypatch, owner, name: str) -> List[int]:
-    """`owner.name` raising KeyboardInterrupt at its first call (a Ctrl-C before it changed anything), itself after;
-    the list it appends to when it fired."""
-    original, fired = getattr(owner, name), []
-
-    def interrupted(*args, **kwargs):
-        if not fired:
-            fired.append(1)
-            raise KeyboardInterrupt()
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, interrupted)
-    return fired
 
 
 # ---- 1. Ctrl-C inside the out-of-window release: the host's frontiers say released, the pages say not ------------
