@@ -37,8 +37,8 @@ def _sigint_after_commit_that_finished(e):
 
     def commit(*args, **kwargs):
         out = original(*args, **kwargs)
-        if not fired and e._verified:
-            fired.append([r.rid for r in e._verified])
+        if not fired and e._finishing:
+            fired.append([r.rid for r in e._finishing])
             os.kill(os.getpid(), signal.SIGINT)
         return out
 
@@ -84,7 +84,7 @@ def test_ctrl_c_in_a_verifys_finish_finishes_its_requests_twice(python_sigint):
 
     def commit(*args, **kwargs):
         out = original_commit(*args, **kwargs)
-        if e._verified and not fired:
+        if e._finishing and not fired:
             armed.append(1)   # this verify finishes a request: its `_finish` follows
         return out
 

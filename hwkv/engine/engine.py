@@ -151,7 +151,6 @@ class Engine:
         # the next step finishes them (`_finish_pending`)
         self._finishing: List[Request] = []
         self._carry: List[Result] = []       # finished in a step that raised after they did: the next step's
-        self._verified: List[Request] = []   # requests a verify's kept tokens finished, until it finishes them
         self._next_rid = 0
         self.whole_step = False
         self.verify_graph: Any = None  # a VerifyStepGraph of num_draft drafts, with the whole-step graph
@@ -582,6 +581,7 @@ class Engine:
         ids = [t for r, d in zip(rows, drafts) for t in [r.req.output[-1]] + d]
         graph = self.verify_graph
         head, batch, earlier, settled, finished = self.cache.allocator.pages.head, None, [], False, []
+        handing = False
         try:  # as a plain step's forward: one that raises gives back what it allocated
             if graph is not None and k == graph.drafts and bs <= graph.buckets[-1]:  # one replay: slots, metadata,
                 logits, rows_dev = self.slots.replay_verify(graph, [r.req.row for r in rows],  # layers
@@ -598,14 +598,15 @@ class Engine:
                 seq = self._keep_drafts(rows, k, rows_dev, accepted, dev)   # raised once it has
                 settled = True
                 used_all = self._commit(rows, k, taken, accepted, rows_dev, dev[2], seq)
-                done, self._verified = self._verified, []
-                finished = self._finish(done)
+                handing = True  # from here a failure is the hand-over's: `_finish_pending` keeps its own results
+                finished = self._finish_pending()
         except BaseException:
             if not settled:  # (before `accept_draft_tokens`, or refused by it before it changed anything)
                 self._undo(rows, None if batch is None else batch.out_cache_loc, head, k + 1)
-            done, self._verified = self._verified, []   # (a release that raised: they finish all the same)
             # the results of requests the read-back or the verify finished come with the next step
-            self._carry += earlier + finished + self._finish(done)
+            self._carry += earlier + finished
+            if settled and not handing and self._finishing:  # a release that raised: they finish all the same
+                self._carry += self._finish_pending()
             raise
         return earlier + finished, used_all
 
@@ -661,12 +662,13 @@ class Engine:
                 last_dev: torch.Tensor, seq: torch.Tensor) -> int:
         """A verify whose drafts are settled: the kept tokens into the outputs (counted), lengths and next ids
         moved, then the out-of-window release on the accepted lengths; returns the tokens added. The requests they
-        finished go to `_verified` with their last token, so a release that raises still finishes them."""
+        finished are listed for hand-over (`_finishing`) with their last token, so a release that raises still
+        finishes them."""
         used_all = 0
         for r, toks, a in zip(rows, taken, accepted):
             for t in toks:
                 if r.req.add_token(t):
-                    self._verified.append(r.req)
+                    self._finishing.append(r.req)
             r.req.kv_len = r.prefix + 1 + a
             used_all += len(toks)
         self.next_ids[rows_dev] = last_dev
