@@ -20,6 +20,7 @@ import torch
 from hwkv import ops
 from hwkv.batch import ForwardBatch, ForwardMode, check_seq_lens
 from hwkv.checks import as_int, check_flag, check_rows, check_shape, is_bool, normal_tensors, values_checkable
+from hwkv.csr_checks import check_slots
 from hwkv.draft import DraftMetadataMixin
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import CapacityError, ConfigError, EvictedSlotError, MissingSWALocError, ShapeError
@@ -98,6 +99,8 @@ class AttentionBackend(DraftMetadataMixin):
     # the kernels read each list as a dense [bs, L] table too (the CPU's dense kernels): where the table costs little
     # more than the list, the eager lists are one gather of req_to_token into it (`_table_list`), on the CPU
     dense_list_tables: ClassVar[bool] = False
+    # the kernels read q of any strides; False: a q whose last dim is strided is refused before the K/V store
+    strided_query: ClassVar[bool] = True
 
     def __init__(self, pool: Any, req_to_token_pool: Any, **options: Any) -> None:
         for name, value, needs in (("pool", pool, ("device", "get_key_buffer")),
@@ -215,6 +218,7 @@ class AttentionBackend(DraftMetadataMixin):
                 q_pos0 = seq - ext
                 qo_indptr = cumsum_into(ext, torch.empty(bs + 1, dtype=torch.int32, device=self.device))
             full, windows = self._eager_lists(batch, seq, q_pos0, seq_h, win_lens)
+        check_slots(self._FULL_LIST, full.indices, self.pool.size + self.pool.page_size)   # (values checkable only)
         md = ForwardMetadata(write_loc, write_loc.swa_loc, qo_indptr, q_pos0, full, windows, max(ext_h, default=0),
                              bs, decode, seq_lens_cpu=seq_cpu, extend_lens_cpu=ext_cpu,
                              outputs=LayerOutputs(self._layer_count) if decode and self._layer_count else None)
@@ -400,6 +404,28 @@ class AttentionBackend(DraftMetadataMixin):
             return self.pool.translate_loc_from_full_to_swa(locs)
         return self.pool.translate_loc_from_full_to_swa(locs, out=out)
 
+    # the rows' history, where values are checkable (CPU tensors; debug mode): a slot outside the pool (-1, the
+    # table's "no loc") is refused before any layer stores (a window list's is refused by its translation)
+    _FULL_LIST: ClassVar[str] = "the full list (req_to_token)"
+
+    def _check_list_values(self, batch: ForwardBatch, full: KVIndexList, windows: Dict[int, KVIndexList]) -> None:
+        """A graph refill's lists, where values are checkable: the full list's slots in the pool, and in debug mode
+        no window entry on an evicted SWA slot (what the eager lists check as they are built). A padding row's
+        entries are the padding slot, whose SWA slot is 0 as an evicted one's: told apart by their full slot."""
+        bs = batch.batch_size
+        check_slots(self._FULL_LIST, full.indices[:int(full.indptr[bs])], self.pool.size + self.pool.page_size)
+        if not (self.debug and self.hybrid):
+            return
+        rtt = self.req_to_token_pool.req_to_token
+        for w, lst in windows.items():
+            starts = lst.indptr[:bs].to(torch.int64)
+            counts = lst.indptr[1:bs + 1].to(torch.int64) - starts
+            n = int(counts.sum())
+            offset = torch.arange(n, dtype=torch.int64, device=self.device) - starts.repeat_interleave(counts)
+            locs = rtt[batch.req_pool_indices.to(torch.int64).repeat_interleave(counts),
+                       lst.pos0[:bs].repeat_interleave(counts) + offset]
+            self._check_not_evicted(torch.where(locs == 0, 1, lst.indices[:n]), w)
+
     @staticmethod
     def _check_not_evicted(swa_slots: torch.Tensor, window: int) -> None:
         bad = torch.nonzero(swa_slots <= 0)
@@ -480,6 +506,8 @@ class AttentionBackend(DraftMetadataMixin):
                 self._refill_fused(batch, kernels, views)
         else:
             views = self._refill_torch(batch, max_q)
+        if values_checkable(views.full.indptr):  # (CPU tensors; debug mode outside a capture) as the eager lists
+            self._check_list_values(batch, views.full, views.windows)
         ext = None if decode else batch.extend_seq_lens
         tree = self.tree_planner.mask(batch, ext, views.qo_indptr, views.q_pos0, tree_size, graph=True)
         md = ForwardMetadata(write_loc, swa, views.qo_indptr, views.q_pos0, views.full, views.windows, max_q, bs,
@@ -665,6 +693,8 @@ class AttentionBackend(DraftMetadataMixin):
             check_shape("q", q, (t, h, d))
         if not q.is_floating_point() or q.device != geo[1]:
             self._refuse_query(q, geo[1])
+        if not self.strided_query and q.stride(-1) != 1 and d > 1 and t:   # (the kernels' own check comes after
+            raise ShapeError(f"q must have a contiguous last dimension, got strides {q.stride()}")   # the store)
         sinks = layer.sinks  # (checked at construction; again here, as a caller may assign another tensor since)
         if sinks is not None:
             if (sinks.device != geo[1] or not sinks.is_floating_point() or sinks.shape != (h,)

@@ -36,6 +36,7 @@ class TritonBackend(KernelSetBackend):
 
     name = "triton"
     kernels = _kernels
+    strided_query = False  # its kernels read q rows of unit stride
     # the graph refill is device launches into static buffers (one for a hybrid pool) and the layers' plans are fixed per
     # bucket: GraphRunner captures the refill with the layers (no host work per replay but input copies)
     metadata_in_graph = True

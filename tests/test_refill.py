@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 triton = pytest.importorskip("triton")
 
-from hwkv import checks, ops  # noqa: E402
+from hwkv import backend as backend_module, checks, csr_checks, ops  # noqa: E402
 from hwkv.errors import HwkvError  # noqa: E402
 from hwkv.loc import translations_of  # noqa: E402
 from hwkv.metadata import cumsum_into, window_pos0  # noqa: E402
@@ -66,7 +66,8 @@ def launches(monkeypatch):
             return inner(self, *args, **kwargs)
 
     monkeypatch.setattr(cls, "run", run)
-    monkeypatch.setattr(checks, "values_checkable", lambda t: False)  # a GPU without HWKV_DEBUG
+    for module in (checks, backend_module, csr_checks):   # a GPU without HWKV_DEBUG (each module's own name)
+        monkeypatch.setattr(module, "values_checkable", lambda t: False)
     return counter
 
 
