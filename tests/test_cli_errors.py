@@ -575,6 +575,23 @@ def test_bench_serve_zero_values_are_refused_not_replaced_by_defaults(capsys, no
     assert one_line(err, f"hwkv bench: error: {flag} must be >= 1, got 0")
 
 
+@pytest.mark.parametrize("workload, flag, value, least", [
+    ("decode", "--check-requests", "-1", 0), ("decode", "--warmup", "-1", 0), ("decode", "--steps", "0", 1),
+    ("decode", "--prompt-len", "0", 1), ("chat", "--system-len", "0", 1), ("chat", "--check-every", "-1", 0),
+    ("chat", "--concurrency", "0", 1), ("serve", "--serve-system-len", "-1", 0)])
+def test_bench_names_the_flag_below_its_minimum(capsys, no_bench_run, no_model_load, monkeypatch, workload, flag,
+                                               value, least):
+    """A value below a flag's least is refused naming the flag as typed, for every workload (the workloads' own
+    checks name their fields: `check_requests must be an integer >= 0`)."""
+    import hwkv.bench.chat as chat
+
+    monkeypatch.setattr(chat, "run_chat", lambda *a, **k: pytest.fail("the chat workload ran before its checks"))
+    extra = ["--no-baseline"] if workload == "serve" else ["--no-graph"] if workload == "decode" else []
+    code, out, err = _main(capsys, "bench", "--workload", workload, "--device", "cpu", *extra, flag, value)
+    assert code == 2 and out == ""
+    assert one_line(err, f"hwkv bench: error: {flag} must be >= {least}, got {value}")
+
+
 def test_bench_absurd_batch_size_is_refused_without_listing_its_prompts(capsys, no_bench_run, monkeypatch):
     """The memory check asks its exact estimate (a list of every request's prompt length) only about batch sizes
     that could fit: 10**14 is refused at once, with the same answer for how many fit."""

@@ -11,6 +11,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from hwkv.bench.presets import ModelShape, add_model_arguments, shape_from_args
+from hwkv.engine.plan import check_flag_minimums
 from hwkv.errors import ConfigError, HwkvError, ReferenceMismatchError
 
 if TYPE_CHECKING:  # hwkv.bench.run imports torch: loaded only when `bench` runs
@@ -453,11 +454,6 @@ def _chat(args: argparse.Namespace, target: Target, dev: str) -> int:
 def _run_serve(args: argparse.Namespace) -> int:
     from hwkv.bench.serve import ServeWorkload, check_trace_fits, random_gpt_oss, run_serve
 
-    for flag, value in (("--serve-requests", args.serve_requests), ("--serve-prompt-len", args.serve_prompt_len),
-                        ("--serve-new", args.serve_new), ("--serve-running", args.serve_running),
-                        ("--chunk", args.chunk), ("--page-size", args.page_size)):
-        if value is not None and value < 1:
-            raise ConfigError(f"{flag} must be >= 1, got {value}")
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -541,6 +537,20 @@ def check_shared_flags(args: argparse.Namespace) -> None:
         raise ConfigError(f"--seed must be in [0, 2**63 - 1 = {SEED_LIMIT - 1}], got {args.seed}")
 
 
+# each integer flag's least value, as its workload's own check has it (there under the field's name)
+_FLAG_MINIMUMS = (("--prompt-len", 1), ("--chunk", 1), ("--steps", 1), ("--warmup", 0), ("--repeats", 1),
+                  ("--check-every", 0), ("--check-requests", 0), ("--check-queries", 0), ("--page-size", 1),
+                  ("--conversations", 1), ("--turns", 1), ("--system-len", 1), ("--user-len", 1), ("--reply-len", 1),
+                  ("--concurrency", 1), ("--serve-requests", 1), ("--serve-prompt-len", 1), ("--serve-new", 1),
+                  ("--serve-system-len", 0), ("--serve-running", 1))
+
+
+def check_flag_values(args: argparse.Namespace) -> None:
+    """Refuse an integer flag below its least value before any work, naming the flag as typed (the workloads'
+    own checks name their fields, which no command-line user gives)."""
+    check_flag_minimums([(flag, getattr(args, flag[2:].replace("-", "_"), None), lo) for flag, lo in _FLAG_MINIMUMS])
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run `hwkv bench`: tables or JSON on stdout, the plot on request; exit code as the module says."""
     from hwkv.bench import report
@@ -549,6 +559,7 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         check_shared_flags(args)
         check_workload_flags(args, workload)
+        check_flag_values(args)
         if workload == CHAT:
             return _run_chat(args)
         if workload == SERVE:
