@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gc
 import json
 import os
 import time
@@ -447,7 +448,9 @@ def run_bad_inputs(sc: Scenario, rank: int, world: int, probe: Probe) -> Dict[st
                  lambda: save(layer=AttentionLayer(99, sc.num_heads, kvh, d, v_head_dim=sc.v_head_dim)))
     # what the others see: they wait in the K/V gather until the group's timeout, then the collective raises
     quick = dist.new_group(backend="gloo", timeout=timedelta(seconds=1))
-    quick_plan = cp_plan(wl, group=quick, pool=eng.pool)
+    # planned on WORLD (its 60 s timeout): `quick`'s 1 s is for the one gather meant to time out, not for a
+    # collective every rank must reach within a second of the others on a loaded machine
+    quick_plan = cp_plan(wl, pool=eng.pool)
     waited = None
     if bad:
         with pytest.raises(ShapeError, match="raised on this rank only"):
@@ -457,8 +460,11 @@ def run_bad_inputs(sc: Scenario, rank: int, world: int, probe: Probe) -> Dict[st
         with pytest.raises(RuntimeError) as e:
             cp_allgather_and_save_kv(eng.pool, swa_layer, wl, k_mine, v_mine, quick, shards=quick_plan)
         waited = [type(e.value).__name__, round(time.monotonic() - t0, 1), str(e.value)[:200]]
+        del e  # its traceback (a cycle through this frame) held `quick` and the failed gather's work past teardown
     assert unchanged()
     dist.barrier()  # WORLD is still in step; `quick` is not used again
+    dist.destroy_process_group(quick)  # on every rank, here, not whenever the garbage collector frees it
+    del quick
     # the pool's own refusal of an SWA write without swa_loc stays (a local call: no collective)
     with pytest.raises(MissingSWALocError):
         eng.pool.set_kv_buffer(swa_layer, KVWriteLoc(wl.loc), k, v)
@@ -488,6 +494,10 @@ def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         # to it aborted that process in gloo's teardown ("terminate called without an active exception")
         dist.barrier()
     finally:
+        # exceptions the checks caught sit in reference cycles (traceback -> frame -> exception) that keep process
+        # groups and failed works alive: free them now, so every group's gloo context is torn down here, after the
+        # barrier, and none at interpreter exit in whatever order the ranks finalize
+        gc.collect()
         dist.destroy_process_group()
 
 
