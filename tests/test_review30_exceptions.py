@@ -43,13 +43,14 @@ class HostUpdateFails(EagerAdapter):
             raise RuntimeError("the graph's host update failed")
 
 
-def _interrupt_first_call(monkeypatch, owner, name):
-    """`owner.name` raising KeyboardInterrupt at its first call (a Ctrl-C before it changed anything), itself after;
-    the list it appends to when it fired."""
-    original, fired = getattr(owner, name), []
+def _interrupt_first_call(monkeypatch, owner, name, nth=1):
+    """`owner.name` raising KeyboardInterrupt at its first (`nth`) call (a Ctrl-C before it changed anything), itself
+    otherwise; the list it appends to when it fired."""
+    original, fired, calls = getattr(owner, name), [], []
 
     def interrupted(*args, **kwargs):
-        if not fired:
+        calls.append(1)
+        if len(calls) == nth:
             fired.append(1)
             raise KeyboardInterrupt()
         return original(*args, **kwargs)

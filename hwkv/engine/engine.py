@@ -402,11 +402,13 @@ class Engine:
                 for req, row in zip(admitted, self.slots.new_rows(len(admitted))):
                     req.row = row
         else:  # each from its longest cached prefix (`req.reused` tokens)
-            admitted = self.scheduler.admit(self._prefixing.start)
-        if admitted:
-            for req in admitted:
-                self.stats.record_prompt(len(req.prompt), req.reused)
-            self.sampling.admit([r.row for r in admitted], [r.params for r in admitted])
+            admitted = []
+            try:
+                self.scheduler.admit(self._prefixing.start, admitted)
+            except BaseException:  # a later start raised: those admitted before it run, with their constants
+                self._admitted(admitted)
+                raise
+        self._admitted(admitted)
         rows = self.scheduler.schedule()
         if not rows:  # nothing to run: what is still in flight finishes
             return self._read_back()
@@ -480,6 +482,13 @@ class Engine:
             self.next_ids[where] = tokens
         # slots are taken and given back only by allocator calls: where none ran, the counts are as before
         self.readback.send(sampled, tokens, mode, self._held() if self._pools_changed else None)
+
+    def _admitted(self, admitted: List[Request]) -> None:
+        """Admitted requests' prompts counted and their rows' sampling constants written."""
+        if admitted:
+            for req in admitted:
+                self.stats.record_prompt(len(req.prompt), req.reused)
+            self.sampling.admit([r.row for r in admitted], [r.params for r in admitted])
 
     def _held(self) -> Held:
         """The allocator's free counts now (the rings' tails, on the device, and host heads) with the slots only

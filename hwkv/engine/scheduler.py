@@ -158,11 +158,13 @@ class Scheduler:
         self.reserve(req)
         self.waiting.append(req)
 
-    def admit(self, start: Optional[Callable[[Request], bool]] = None) -> List[Request]:
+    def admit(self, start: Optional[Callable[[Request], bool]] = None,
+              admitted: Optional[List[Request]] = None) -> List[Request]:
         """Move waiting requests to running, first come first served, while their reservations fit. With a
         prefix cache, `start(req)` settles the full pool's room (free plus evictable) and starts the request
-        from its cached prefix; False leaves it waiting."""
-        admitted = []
+        from its cached prefix; False leaves it waiting. `admitted`: the list each one joins as it is admitted, so
+        a `start` that raises (Ctrl-C in its device read) leaves the caller those admitted before it."""
+        admitted = [] if admitted is None else admitted
         while self.waiting:
             req = self.waiting[0]
             if (len(self.running) >= self.rows_capacity or self.reserved_swa + req.swa_pages > self.swa_capacity
