@@ -408,23 +408,24 @@ class AttentionBackend(DraftMetadataMixin):
     # table's "no loc") is refused before any layer stores (a window list's is refused by its translation)
     _FULL_LIST: ClassVar[str] = "the full list (req_to_token)"
 
-    def _check_list_values(self, batch: ForwardBatch, full: KVIndexList, windows: Dict[int, KVIndexList]) -> None:
+    def _check_list_values(self, full: Optional[KVIndexList], windows: Dict[int, KVIndexList], write0: torch.Tensor
+                           ) -> None:
         """A graph refill's lists, where values are checkable: the full list's slots in the pool, and in debug mode
-        no window entry on an evicted SWA slot (what the eager lists check as they are built). A padding row's
-        entries are the padding slot, whose SWA slot is 0 as an evicted one's: told apart by their full slot."""
-        bs = batch.batch_size
-        check_slots(self._FULL_LIST, full.indices[:int(full.indptr[bs])], self.pool.size + self.pool.page_size)
-        if not (self.debug and self.hybrid):
-            return
-        rtt = self.req_to_token_pool.req_to_token
-        for w, lst in windows.items():
-            starts = lst.indptr[:bs].to(torch.int64)
-            counts = lst.indptr[1:bs + 1].to(torch.int64) - starts
-            n = int(counts.sum())
-            offset = torch.arange(n, dtype=torch.int64, device=self.device) - starts.repeat_interleave(counts)
-            locs = rtt[batch.req_pool_indices.to(torch.int64).repeat_interleave(counts),
-                       lst.pos0[:bs].repeat_interleave(counts) + offset]
-            self._check_not_evicted(torch.where(locs == 0, 1, lst.indices[:n]), w)
+        no window entry on an evicted SWA slot (what the eager lists check as they are built). `write0`: each row's
+        first write loc; a padding row writes to the padding slot 0, and its entries (another row's) are skipped."""
+        bs = write0.shape[0]
+        live = write0 != 0
+        if full is not None:
+            check_slots(self._FULL_LIST, self._live_entries(full, live, bs), self.pool.size + self.pool.page_size)
+        if self.debug and self.hybrid:
+            for w, lst in windows.items():
+                self._check_not_evicted(self._live_entries(lst, live, bs), w)
+
+    @staticmethod
+    def _live_entries(lst: KVIndexList, live: torch.Tensor, bs: int) -> torch.Tensor:
+        """The entries of `lst`'s first bs rows whose row is live."""
+        counts = (lst.indptr[1:bs + 1] - lst.indptr[:bs]).to(torch.int64)
+        return lst.indices[:int(lst.indptr[bs])][live.repeat_interleave(counts)]
 
     @staticmethod
     def _check_not_evicted(swa_slots: torch.Tensor, window: int) -> None:
@@ -507,7 +508,7 @@ class AttentionBackend(DraftMetadataMixin):
         else:
             views = self._refill_torch(batch, max_q)
         if values_checkable(views.full.indptr):  # (CPU tensors; debug mode outside a capture) as the eager lists
-            self._check_list_values(batch, views.full, views.windows)
+            self._check_list_values(views.full, views.windows, batch.out_cache_loc[views.qo_indptr[:bs].long()])
         ext = None if decode else batch.extend_seq_lens
         tree = self.tree_planner.mask(batch, ext, views.qo_indptr, views.q_pos0, tree_size, graph=True)
         md = ForwardMetadata(write_loc, swa, views.qo_indptr, views.q_pos0, views.full, views.windows, max_q, bs,

@@ -12,7 +12,8 @@ import torch
 
 from hwkv import ops
 from hwkv.batch import ForwardBatch, ForwardMode
-from hwkv.checks import as_int, normal_tensors
+from hwkv.checks import as_int, normal_tensors, values_checkable
+from hwkv.csr_checks import check_slots
 from hwkv.errors import CapacityError, ConfigError, ShapeError
 from hwkv.graph import GraphAdapter, GraphRunner, ModelFn, PreparedStep
 from hwkv.loc import KVWriteLoc
@@ -128,6 +129,8 @@ class DraftMetadataMixin:
             self.init_kernel_metadata(md, step, graph=False)
             batches.append(step)
             mds.append(md)
+        if bs and values_checkable(full.indices):  # the last step's full list holds every step's (eager lists)
+            check_slots(self._FULL_LIST, full.indices, self.pool.size + self.pool.page_size)
         steps = DraftSteps(self, batches, mds)
         steps.select(0)
         return steps
@@ -184,6 +187,9 @@ class DraftMetadataMixin:
         batches, mds = [], []
         for i, st in enumerate(ds.steps[:k]):
             views = self._refill_draft_step(st, rows, seq, i, blocks, ds.rows[:bs], kernels)
+            if bs and values_checkable(views.full.indptr):   # as a graph refill's (the last step's full list holds
+                self._check_list_values(views.full if i == k - 1 else None, views.windows,   # every step's)
+                                        batch.out_cache_loc[:bs])
             loc_i = batch.out_cache_loc[i * bs:(i + 1) * bs]
             swa_i = None if write_all.swa_loc is None else write_all.swa_loc[i * bs:(i + 1) * bs]
             host = None if batch.seq_lens_cpu is None else batch.seq_lens_cpu + i   # host ints: no sync

@@ -396,19 +396,19 @@ class Engine:
 
     def _step(self) -> List[Result]:
         t0 = time.perf_counter()
-        if self._prefixing is None:
-            admitted = self.scheduler.admit()
-            if admitted:
-                for req, row in zip(admitted, self.slots.new_rows(len(admitted))):
-                    req.row = row
-        else:  # each from its longest cached prefix (`req.reused` tokens)
-            admitted = []
-            try:
-                self.scheduler.admit(self._prefixing.start, admitted)
-            except BaseException:  # a later start raised: those admitted before it run, with their constants
-                self._admitted(admitted)
-                raise
-        self._admitted(admitted)
+        admitted: List[Request] = []
+        if self.scheduler.waiting:
+            with interrupts_held():  # rows, sampling constants and prompt counts land with the admission
+                if self._prefixing is None:
+                    admitted = self.scheduler.admit()
+                    for req, row in zip(admitted, self.slots.new_rows(len(admitted))):
+                        req.row = row
+                    self._admitted(admitted)
+                else:  # each from its longest cached prefix (`req.reused` tokens); those admitted before a
+                    try:  # `start` that raised run too
+                        self.scheduler.admit(self._prefixing.start, admitted)
+                    finally:
+                        self._admitted(admitted)
         rows = self.scheduler.schedule()
         if not rows:  # nothing to run: what is still in flight finishes
             return self._read_back()
