@@ -36,6 +36,7 @@ from hwkv.allocator import SWATokenToKVPoolAllocator
 from hwkv.req_to_token import ReqToTokenPool
 from hwkv.checks import as_int
 from hwkv.errors import CacheError, ConfigError, LocError, NotAllocatedError
+from hwkv.sigint import interrupts_held
 
 TokenIds = Union[torch.Tensor, np.ndarray, Sequence[int]]
 Rank = Tuple[int, int]
@@ -642,12 +643,13 @@ class HybridPrefixCache:
         freed = 0
         gone: Dict[bool, List[torch.Tensor]] = {True: [], False: []}
         ok = lambda nd: nd.parent is not None and not nd.children and nd.lock_full == 0  # noqa: E731
-        while freed < num_tokens:
-            node, _, _ = self._pop(self._full_heap, ok, lambda nd: (self._full_rank(nd), 0))
-            gone[node.swa].append(node.locs)
-            self._detach(node)
-            freed += len(node.key)
-        self._free(gone)
+        with interrupts_held():  # the nodes leave the tree and their pages go back together (a Ctrl-C after)
+            while freed < num_tokens:
+                node, _, _ = self._pop(self._full_heap, ok, lambda nd: (self._full_rank(nd), 0))
+                gone[node.swa].append(node.locs)
+                self._detach(node)
+                freed += len(node.key)
+            self._free(gone)
         return freed
 
     def _free(self, gone: Dict[bool, List[torch.Tensor]]) -> None:
@@ -667,14 +669,15 @@ class HybridPrefixCache:
         freed = 0
         drop: List[torch.Tensor] = []
         ok = lambda nd: nd.parent is not None and nd.swa and nd.lock_swa == 0  # noqa: E731
-        while freed < num_tokens:
-            node, rank, keep_from = self._pop(self._swa_heap, ok, self._swa_rank)
-            if rank[0] == 0 and keep_from < node.end:  # only the head: the rest still serves a window
-                node = self._split(node, keep_from)
-            drop.append(node.locs)
-            freed += self._tombstone(node)
-        if drop:
-            self.allocator.free_swa(torch.cat(drop) if len(drop) > 1 else drop[0])
+        with interrupts_held():  # the tombstones and the SWA pages' release land together (a Ctrl-C after)
+            while freed < num_tokens:
+                node, rank, keep_from = self._pop(self._swa_heap, ok, self._swa_rank)
+                if rank[0] == 0 and keep_from < node.end:  # only the head: the rest still serves a window
+                    node = self._split(node, keep_from)
+                drop.append(node.locs)
+                freed += self._tombstone(node)
+            if drop:
+                self.allocator.free_swa(torch.cat(drop) if len(drop) > 1 else drop[0])
         return freed
 
     def _tombstone(self, node: _Node) -> int:

@@ -397,8 +397,8 @@ class Engine:
     def _step(self) -> List[Result]:
         t0 = time.perf_counter()
         admitted: List[Request] = []
-        if self.scheduler.waiting:
-            with interrupts_held():  # rows, sampling constants and prompt counts land with the admission
+        if self.scheduler.waiting:  # rows, sampling constants and prompt counts land with the admission (steps
+            with interrupts_held() if self.scheduler.can_admit() else nullcontext():   # admitting nothing: no hold)
                 if self._prefixing is None:
                     admitted = self.scheduler.admit()
                     for req, row in zip(admitted, self.slots.new_rows(len(admitted))):
@@ -417,13 +417,13 @@ class Engine:
         k = self._draft_len(rows)
         if k:
             verified = self._verify(rows, k)
-            if verified is not None:
-                self.stats.record_step(ForwardMode.TARGET_VERIFY, 0, time.perf_counter() - t0)
-                return verified[0]   # (its tokens were counted as they joined the outputs)
+            if verified is not None:  # (its tokens were counted as they joined the outputs)
+                return self._recorded(verified[0], ForwardMode.TARGET_VERIFY, 0, t0)
         if self._prefixing is not None:
             self._prefixing.make_room(rows)
         if self.whole_step and self.scheduler.decoding == len(rows):  # every row decodes
             mode, where, tokens = ForwardMode.DECODE, *self._decode_whole(rows)
+            self._send(rows, sampled, where, mode, tokens)
         else:
             head, batch = self.cache.allocator.pages.head, None
             try:  # a forward that raises (the model, Ctrl-C) gives back what it allocated: the step can run again
@@ -447,13 +447,22 @@ class Engine:
                             self._release(lens.rows, lens.seq, batch.req_pool_indices, batch.seq_lens)
                         finally:
                             self._prefixing.cache_prompts(rows, lock=True)
+                self._send(rows, sampled, where, mode, tokens)
             except BaseException:  # (Ctrl-C) the forward ran: its lengths move on all the same, or the next step
-                self._send(rows, sampled, where, mode, tokens)  # would allocate its positions again (a leak); what
-                raise  # was not cached or released is caught up by the next step's caching and release
-        self._send(rows, sampled, where, mode, tokens)
+                if not self._sent(sampled):  # would allocate its positions again (a leak); what was not cached or
+                    self._send(rows, sampled, where, mode, tokens)  # released is caught up by the next step's
+                raise  # caching and release
         # the earlier steps' tokens (with overlap: while this one runs; without, this one's too), counted as read
         finished = self._read_back(keep=1 if self.overlap else 0)
-        self.stats.record_step(mode, self.scheduler.prefill_tokens, time.perf_counter() - t0)
+        return self._recorded(finished, mode, self.scheduler.prefill_tokens, t0)
+
+    def _recorded(self, finished: List[Result], mode: ForwardMode, prefill: int, t0: float) -> List[Result]:
+        """The step's time recorded; `finished`, the Results it returns, come with the next step if that raises."""
+        try:
+            self.stats.record_step(mode, prefill, time.perf_counter() - t0)
+        except BaseException:
+            self._carry += finished
+            raise
         return finished
 
     def has_work(self) -> bool:
@@ -471,17 +480,22 @@ class Engine:
 
     def _send(self, rows: List[Row], sampled: List[Row], where: torch.Tensor, mode: ForwardMode,
               tokens: torch.Tensor) -> None:
-        """After a forward is issued: lengths forward, the sampled tokens into `next_ids` (device; `where`: the
-        sampling rows' request rows there) and on their way to the host (`ReadBack.send`: one async copy, with the
-        allocator's free counts when pages moved)."""
-        for r in rows:
-            r.req.kv_len += r.n
-        for r in sampled:
-            r.req.pending += 1
+        """After a forward is issued: the sampled tokens into `next_ids` (device; `where`: the sampling rows' request
+        rows there) and on their way to the host (`ReadBack.send`: one async copy, with the allocator's free counts
+        when pages moved), then the lengths forward: the device work that can fail first, and the host counts
+        only once its record is listed (`_sent`), so a step whose `_send` raised sends once more."""
         if sampled:
             self.next_ids[where] = tokens
         # slots are taken and given back only by allocator calls: where none ran, the counts are as before
         self.readback.send(sampled, tokens, mode, self._held() if self._pools_changed else None)
+        for r in rows:
+            r.req.kv_len += r.n
+        for r in sampled:
+            r.req.pending += 1
+
+    def _sent(self, sampled: List[Row]) -> bool:
+        """Whether the last record in flight is this forward's (`sampled`: its rows, one list a forward)."""
+        return bool(self.readback.inflight) and self.readback.inflight[-1].sampled is sampled
 
     def _admitted(self, admitted: List[Request]) -> None:
         """Admitted requests' prompts counted and their rows' sampling constants written."""
@@ -510,19 +524,24 @@ class Engine:
         return finished
 
     def _read_one(self) -> List[Result]:
+        """The oldest forward's tokens appended (stops checked) and its statistics recorded; it leaves the list once
+        they are, and an interrupted read goes on from the row it reached (`Inflight.done`), so none is lost."""
         rec, values = self.readback.read_oldest()
         n = len(rec.sampled)
-        if rec.heads is not None:
-            self._record_held(values[n:], rec.heads, rec.cached)
-        dropped = 0
-        for r, tok in zip(rec.sampled, values[:n]):
-            req = r.req
-            req.pending -= 1
+        if rec.done < 0:
+            if rec.heads is not None:
+                self._record_held(values[n:], rec.heads, rec.cached)
+            rec.done = 0
+        for i in range(rec.done, n):
+            req = rec.sampled[i].req
             if req.finish_reason is not None:  # sampled after its stop token (overlap): dropped, never counted
-                dropped += 1
-            elif req.add_token(tok):
+                rec.dropped += 1
+            elif req.add_token(values[i]):
                 self._finishing.append(req)
-        self.stats.record_tokens(rec.mode, n - dropped, dropped)  # counted as read: what the outputs hold
+            rec.done = i + 1
+            req.pending -= 1
+        self.readback.inflight.pop(0)
+        self.stats.record_tokens(rec.mode, n - rec.dropped, rec.dropped)  # counted as read: what the outputs hold
         return self._finish_pending() if self._finishing else []
 
     def _finish_pending(self) -> List[Result]:

@@ -28,6 +28,8 @@ class Inflight:
     heads: Optional[List[int]]
     mode: ForwardMode
     cached: Tuple[int, int] = (0, 0)  # (full, SWA) slots only the prefix cache held then (evictable)
+    done: int = -1     # the rows the engine has read so far (-1: not started, its free counts not yet recorded)
+    dropped: int = 0   # of those, tokens sampled after their request's stop (never counted)
 
 
 class ReadBack:
@@ -55,13 +57,11 @@ class ReadBack:
 
     def read_oldest(self) -> Tuple[Inflight, List[int]]:
         """The oldest forward in flight and its values (its tokens, then the tails where it holds heads), waiting
-        for its copy; it leaves the list once they are read."""
+        for its copy; it stays listed: the reader takes it off once its values are applied."""
         rec = self.inflight[0]
         if rec.event is not None:
             rec.event.synchronize()
-        values = rec.buf[:len(rec.sampled) + (0 if rec.heads is None else len(rec.heads))].tolist()
-        self.inflight.pop(0)
-        return rec, values
+        return rec, rec.buf[:len(rec.sampled) + (0 if rec.heads is None else len(rec.heads))].tolist()
 
     def _block(self) -> torch.Tensor:
         """The pinned block a forward's values are copied into: the next of the blocks, or one more where that one

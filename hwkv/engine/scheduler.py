@@ -165,11 +165,8 @@ class Scheduler:
         from its cached prefix; False leaves it waiting. `admitted`: the list each one joins as it is admitted, so
         a `start` that raises (Ctrl-C in its device read) leaves the caller those admitted before it."""
         admitted = [] if admitted is None else admitted
-        while self.waiting:
+        while self.can_admit():
             req = self.waiting[0]
-            if (len(self.running) >= self.rows_capacity or self.reserved_swa + req.swa_pages > self.swa_capacity
-                    or (not self.cached and self.reserved_full + req.full_pages > self.full_capacity)):
-                break
             if start is not None and not start(req):
                 break
             self.waiting.popleft()
@@ -183,6 +180,15 @@ class Scheduler:
             raise OutOfSlotsError(f"request {self.waiting[0].rid} fits no empty cache: its reservation was checked "
                                   "when it was added, so this is a scheduler bug")
         return admitted
+
+    def can_admit(self) -> bool:
+        """Whether the queue's head fits a row and its reservations now (with a prefix cache, `start` settles the
+        full pool's room)."""
+        if not self.waiting:
+            return False
+        req = self.waiting[0]
+        return (len(self.running) < self.rows_capacity and self.reserved_swa + req.swa_pages <= self.swa_capacity
+                and (self.cached or self.reserved_full + req.full_pages <= self.full_capacity))
 
     def full_pages_left(self) -> int:
         """Full pages the running requests will still allocate (each one's worst case, less what it holds)."""
