@@ -532,14 +532,18 @@ class Engine:
             if rec.heads is not None:
                 self._record_held(values[n:], rec.heads, rec.cached)
             rec.done = 0
-        for i in range(rec.done, n):
-            req = rec.sampled[i].req
-            if req.finish_reason is not None:  # sampled after its stop token (overlap): dropped, never counted
-                rec.dropped += 1
-            elif req.add_token(values[i]):
-                self._finishing.append(req)
-            rec.done = i + 1
-            req.pending -= 1
+        i, dropped = rec.done, 0
+        try:
+            for r, tok in zip(rec.sampled[i:] if i else rec.sampled, values[i:n] if i else values):
+                req = r.req
+                if req.finish_reason is not None:  # sampled after its stop token (overlap): dropped, never counted
+                    dropped += 1
+                elif req.add_token(tok):
+                    self._finishing.append(req)
+                i += 1
+                req.pending -= 1
+        finally:  # (an interrupted read goes on from here)
+            rec.done, rec.dropped = i, rec.dropped + dropped
         self.readback.inflight.pop(0)
         self.stats.record_tokens(rec.mode, n - rec.dropped, rec.dropped)  # counted as read: what the outputs hold
         return self._finish_pending() if self._finishing else []
