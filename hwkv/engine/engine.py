@@ -418,12 +418,22 @@ class Engine:
         if k:
             verified = self._verify(rows, k)
             if verified is not None:  # (its tokens were counted as they joined the outputs)
-                return self._recorded(verified[0], ForwardMode.TARGET_VERIFY, 0, t0)
+                try:
+                    self.stats.record_step(ForwardMode.TARGET_VERIFY, 0, time.perf_counter() - t0)
+                except BaseException:  # the Results it finished come with the next step
+                    self._carry += verified[0]
+                    raise
+                return verified[0]
         if self._prefixing is not None:
             self._prefixing.make_room(rows)
         if self.whole_step and self.scheduler.decoding == len(rows):  # every row decodes
             mode, where, tokens = ForwardMode.DECODE, *self._decode_whole(rows)
-            self._send(rows, sampled, where, mode, tokens)
+            try:
+                self._send(rows, sampled, where, mode, tokens)
+            except BaseException:  # the replay ran: as the eager path's handler, its record sent once
+                if not self._sent(sampled):
+                    self._send(rows, sampled, where, mode, tokens)
+                raise
         else:
             head, batch = self.cache.allocator.pages.head, None
             try:  # a forward that raises (the model, Ctrl-C) gives back what it allocated: the step can run again
@@ -454,13 +464,9 @@ class Engine:
                 raise  # caching and release
         # the earlier steps' tokens (with overlap: while this one runs; without, this one's too), counted as read
         finished = self._read_back(keep=1 if self.overlap else 0)
-        return self._recorded(finished, mode, self.scheduler.prefill_tokens, t0)
-
-    def _recorded(self, finished: List[Result], mode: ForwardMode, prefill: int, t0: float) -> List[Result]:
-        """The step's time recorded; `finished`, the Results it returns, come with the next step if that raises."""
         try:
-            self.stats.record_step(mode, prefill, time.perf_counter() - t0)
-        except BaseException:
+            self.stats.record_step(mode, self.scheduler.prefill_tokens, time.perf_counter() - t0)
+        except BaseException:  # the Results it finished come with the next step
             self._carry += finished
             raise
         return finished
@@ -544,8 +550,8 @@ class Engine:
                 req.pending -= 1
         finally:  # (an interrupted read goes on from here)
             rec.done, rec.dropped = i, rec.dropped + dropped
-        self.readback.inflight.pop(0)
         self.stats.record_tokens(rec.mode, n - rec.dropped, rec.dropped)  # counted as read: what the outputs hold
+        self.readback.inflight.pop(0)
         return self._finish_pending() if self._finishing else []
 
     def _finish_pending(self) -> List[Result]:
