@@ -59,20 +59,22 @@ def _interrupt_first_call(monkeypatch, owner, name, nth=1):
     return fired
 
 
-def _drain_interrupted(e, rids, limit=3, max_steps=500):
-    """Steps until no work, as a server loop that survives Ctrl-C of one step does: (each request's tokens, the
-    errors other than KeyboardInterrupt its steps raised and the integrity failures after each step). Bounded: a
-    request stranded as running would keep the engine busy for ever (reported as an error)."""
+def _drain_interrupted(e, rids, limit=3, max_steps=500, survive=(KeyboardInterrupt,), once=False):
+    """Steps until no work, as a server loop that survives Ctrl-C of one step does (`survive`: the errors it
+    survives): (each request's tokens, the other errors its steps raised and the integrity failures after each step).
+    `once`: a request with other than exactly one Result gives the list of them. Bounded: a request stranded as
+    running would keep the engine busy for ever (reported as an error)."""
     out, errors, steps = {}, [], 0
     while e.has_work() and len(errors) < limit:
         steps += 1
         if steps > max_steps:
             errors.append(f"still has work after {max_steps} steps: " + str(
-                [(r.rid, r.finish_reason, len(r.output)) for r in e.scheduler.running]))
+                [(r.rid, r.finish_reason, len(r.output), r.pending) for r in e.scheduler.running]))
             break
         try:
-            out.update((r.rid, r.tokens) for r in e.step())
-        except KeyboardInterrupt:
+            for r in e.step():
+                out.setdefault(r.rid, []).append(r.tokens)
+        except survive:
             pass
         except Exception as err:  # noqa: BLE001 - reported
             errors.append(repr(err))
@@ -80,7 +82,9 @@ def _drain_interrupted(e, rids, limit=3, max_steps=500):
             e.check_integrity()
         except AssertionError as err:
             errors.append(str(err))
-    return [out.get(r) for r in rids], errors
+    if once:
+        return [out[r][0] if len(out.get(r, [])) == 1 else out.get(r) for r in rids], errors
+    return [out[r][-1] if r in out else None for r in rids], errors
 
 
 def _drain(e, rids):

@@ -92,6 +92,26 @@ def _unchanged(before: List[torch.Tensor], pool) -> bool:
     return all(torch.equal(a, b) for a, b in zip(before, after))
 
 
+def _debug_graph(backend_name: str, window: int, buckets: List[int]):
+    """A hybrid pool (page 1) with one SWA layer of `window`, its backend in debug mode and a GraphRunner over the
+    layer captured for `buckets` (EagerAdapter: CPU tensors): (allocator, rows, backend, the layer's fn, runner)."""
+    from hwkv.graph import EagerAdapter, GraphRunner
+
+    pool = SWAKVPool(64, 32, 1, torch.float32, KVH, D, [1], [0], "cpu")
+    alloc = SWATokenToKVPoolAllocator(64, 32, 1, "cpu", pool)
+    r2t = hwkv.ReqToTokenPool(3, 64, "cpu")
+    backend = BACKENDS[backend_name]()(pool, r2t, sliding_window=window, debug=True)
+    layer = AttentionLayer(1, H, KVH, D, sliding_window=window)
+
+    def fn(batch, inputs):
+        x = inputs["x"]
+        return backend.forward(x, x[:, :KVH], x[:, :KVH], layer, batch)
+
+    runner = GraphRunner(backend, fn, buckets, {"x": ((H, D), torch.float32)}, EagerAdapter())
+    runner.capture()
+    return alloc, r2t, backend, fn, runner
+
+
 # ---- D1: the Triton backend refuses a strided q after it stored the layer's K/V ----------------------------------
 @pytest.mark.parametrize("mode", ["decode", "extend"])
 @pytest.mark.parametrize("layer", LAYERS, ids=["full-layer", "swa-layer"])
@@ -162,20 +182,8 @@ def test_debug_mode_refuses_an_evicted_in_window_token_in_graph_mode_too(backend
     DESIGN.md, Lessons: "An evicted token translates to 0 and silently aliases the padding slot. hwkv's debug mode
     (`HWKV_DEBUG=1`) makes that an error"; Contracts: translation "for every forward mode, eager and graph"."""
     from hwkv.errors import EvictedSlotError
-    from hwkv.graph import EagerAdapter, GraphRunner
 
-    pool = SWAKVPool(64, 32, 1, torch.float32, KVH, D, [1], [0], "cpu")
-    alloc = SWATokenToKVPoolAllocator(64, 32, 1, "cpu", pool)
-    r2t = hwkv.ReqToTokenPool(3, 64, "cpu")
-    backend = BACKENDS[backend_name]()(pool, r2t, sliding_window=8, debug=True)
-    layer = AttentionLayer(1, H, KVH, D, sliding_window=8)
-
-    def fn(batch, inputs):
-        x = inputs["x"]
-        return backend.forward(x, x[:, :KVH], x[:, :KVH], layer, batch)
-
-    runner = GraphRunner(backend, fn, [1], {"x": ((H, D), torch.float32)}, EagerAdapter())
-    runner.capture()
+    alloc, r2t, backend, _, runner = _debug_graph(backend_name, 8, [1])
     row = r2t.alloc(1)[0]
     loc = alloc.alloc_extend([0], [6], [0], 6)
     r2t.write(row, 0, loc)

@@ -3,7 +3,7 @@
 
 Every test here failed on ecc711c and shows one defect; the whole-step send-back and the read's counters are fixed,
 the others are open (strict xfail: a fix makes them pass, and the mark must go). As in test_review32_injection.py a Ctrl-C is a real SIGINT
-(`_once`: raised at the call, before it runs), the server loop (`_drain`) catches it and keeps stepping with
+(`_once`: raised at the call, before it runs), the server loop (`_drain_interrupted`) catches it and keeps stepping with
 `check_integrity()` after every step, and the tokens are compared with the uninterrupted run. Where no call sits in
 the window (the bookkeeping right after a call returned), the SIGINT is sent as the call returns: a Ctrl-C that
 arrives during the call's last bytecodes is raised at the next eval-breaker check, which is no earlier than that.
@@ -18,7 +18,7 @@ from typing import List
 import pytest
 
 import hwkv.engine.scheduler as scheduler_mod
-from test_review32_injection import GREEDY, DeviceError, _engine, _once, _run, _want
+from test_review32_injection import DeviceError, _engine, _once, _same_as_uninterrupted, _want
 
 pytestmark = pytest.mark.usefixtures("one_thread", "python_sigint")  # conftest
 
@@ -83,10 +83,7 @@ def test_a_failure_as_a_whole_step_decodes_tokens_are_sent_back_leaks_nothing(mo
 
     monkeypatch.setattr(e, "_decode_whole", noted)
     fired = _once(monkeypatch, e.readback, "send", when=lambda: len(replays) >= 2, exc=exc)
-    got, errors = _run(e, GREEDY)
-    assert fired
-    assert not errors, "\n".join(errors)
-    assert got == want
+    _same_as_uninterrupted(e, fired, want)
 
 
 # ---- 2. a Ctrl-C once the record is listed, before the lengths moved: `_sent` says sent, nothing sends -----------
@@ -106,10 +103,7 @@ def test_a_ctrl_c_after_a_forwards_record_is_listed_still_moves_its_lengths(monk
     want = _want()
     e = _engine()
     fired = _as_it_returns(monkeypatch, e.readback, "send")
-    got, errors = _run(e, GREEDY)
-    assert fired
-    assert not errors, "\n".join(errors)
-    assert got == want
+    _same_as_uninterrupted(e, fired, want)
 
 
 # ---- 3. `_read_one`'s resumable read: a row counts as read only after its token was appended and listed ---------
@@ -148,10 +142,7 @@ def test_a_ctrl_c_inside_a_rows_read_neither_duplicates_its_token_nor_strands_it
                     _sigint()
                 super().append(item)
         e._finishing = Finishing()
-    got, errors = _run(e, GREEDY)
-    assert fired
-    assert not errors, "\n".join(errors)
-    assert got == want
+    _same_as_uninterrupted(e, fired, want)
 
 
 # ---- 4. the read's statistics are recorded after the record left the list: a Ctrl-C there loses them ------------
@@ -168,11 +159,8 @@ def test_a_ctrl_c_as_a_read_records_its_tokens_keeps_the_counters_equal_to_the_o
     want = _want()
     e = _engine()
     fired = _once(monkeypatch, e.stats, "record_tokens")
-    got, errors = _run(e, GREEDY)
-    assert fired
-    assert not errors, "\n".join(errors)
-    assert got == want
-    assert e.stats.generated_tokens == _tokens_in(got), "generated_tokens misses tokens the outputs hold"
+    _same_as_uninterrupted(e, fired, want)
+    assert e.stats.generated_tokens == _tokens_in(want), "generated_tokens misses tokens the outputs hold"
 
 
 # ---- 6. without the prefix cache, an interrupted out-of-window release wedges the engine -------------------------
@@ -194,7 +182,4 @@ def test_an_interrupted_out_of_window_release_is_caught_up_before_the_next_alloc
     want = _want(prefix_cache=False)
     e = _engine(prefix_cache=False)
     fired = _nth(monkeypatch, e, "_release", 4)
-    got, errors = _run(e, GREEDY)
-    assert fired
-    assert not errors, "\n".join(errors)
-    assert got == want
+    _same_as_uninterrupted(e, fired, want)

@@ -28,6 +28,7 @@ import pytest
 
 from hwkv.engine.engine import Engine
 from hwkv.engine.sampling import SamplingParams
+from test_review30_exceptions import _drain_interrupted
 from test_review31_windows import VOCAB, _engine as _window_engine
 
 pytestmark = pytest.mark.usefixtures("one_thread", "python_sigint")  # conftest
@@ -79,36 +80,11 @@ class DeviceError(RuntimeError):
     """A device error a callee raises before it changed anything (a failed launch or copy)."""
 
 
-def _drain(e: Engine, rids: List[int], max_steps: int = 200):
-    """review 30's `_drain_interrupted` for either injected error: steps until no work as a server loop that survives
-    one failed step does, `check_integrity()` after each; (each request's tokens: exactly one Result each, else
-    the list of them; the other errors and integrity failures)."""
-    out, errors, steps = {}, [], 0
-    while e.has_work() and len(errors) < 3:
-        steps += 1
-        if steps > max_steps:
-            errors.append(f"still has work after {max_steps} steps: " + str(
-                [(r.rid, r.finish_reason, len(r.output), r.pending) for r in e.scheduler.running]))
-            break
-        try:
-            for r in e.step():
-                out.setdefault(r.rid, []).append(r.tokens)
-        except (KeyboardInterrupt, DeviceError):
-            pass
-        except Exception as err:  # noqa: BLE001 - reported
-            errors.append(repr(err))
-        try:
-            e.check_integrity()
-        except AssertionError as err:
-            errors.append(str(err))
-    return [out[r][0] if len(out.get(r, [])) == 1 else out.get(r) for r in rids], errors
-
-
 def _run(e: Engine, params: List[SamplingParams], prompts=None):
     """The interrupted server loop over the prompts: (each one's tokens, errors); nothing may stay held after."""
     prompts = prompts or _prompts()
     rids = [e.add_request(p, s) for p, s in zip(prompts, params)]
-    got, errors = _drain(e, rids)
+    got, errors = _drain_interrupted(e, rids, max_steps=200, survive=(KeyboardInterrupt, DeviceError), once=True)
     if not errors:
         e.clear_prefix_cache()
         held = e.cache.held_slots()
@@ -118,6 +94,14 @@ def _run(e: Engine, params: List[SamplingParams], prompts=None):
 
 
 GREEDY = [SamplingParams(max_new_tokens=9)] * 5
+
+
+def _same_as_uninterrupted(e: Engine, fired: List[int], want, params: List[SamplingParams] = GREEDY) -> None:
+    """The interrupted run (`_run`) gives the uninterrupted run's tokens, with no error, once the injection fired."""
+    got, errors = _run(e, params)
+    assert fired, "the injection never fired (the test's setup)"
+    assert not errors, "\n".join(errors)
+    assert got == want
 
 
 def _want(params=GREEDY, **kw):
@@ -143,10 +127,7 @@ def test_a_failure_while_a_forwards_tokens_are_sent_back_does_not_strand_its_req
     want = _want()
     e = _engine()
     fired = _once(monkeypatch, e.cache, "free_counts_async", exc=exc)
-    got, errors = _run(e, GREEDY)
-    assert fired
-    assert not errors, "\n".join(errors)
-    assert got == want
+    _same_as_uninterrupted(e, fired, want)
 
 
 # ---- 2. a Ctrl-C after a forward's record left the read-back list loses its tokens ------------------------------
@@ -164,10 +145,7 @@ def test_a_ctrl_c_after_a_forwards_tokens_were_read_does_not_lose_them(monkeypat
     want = _want()
     e = _engine()
     fired = _once(monkeypatch, e.cache, "held_from")
-    got, errors = _run(e, GREEDY)
-    assert fired
-    assert not errors, "\n".join(errors)
-    assert got == want
+    _same_as_uninterrupted(e, fired, want)
 
 
 # ---- 3. a Ctrl-C as a step records its statistics discards the Results it finished ------------------------------
@@ -204,10 +182,7 @@ def test_a_ctrl_c_as_a_step_records_its_time_does_not_discard_the_results_it_fin
         return left and verified == verify
 
     fired = _once(monkeypatch, e.stats, "record_step", when=finished_one)
-    got, errors = _run(e, GREEDY)
-    assert fired
-    assert not errors, "\n".join(errors)
-    assert got == want, "a finished request's Result never came"
+    _same_as_uninterrupted(e, fired, want)
 
 
 # ---- 4. a failure at the end of a prefix-cache admission leaks the request row and the lock it took --------------
@@ -238,10 +213,7 @@ def test_a_failure_at_the_end_of_a_prefix_cache_admission_leaks_no_row_or_lock(m
 
         monkeypatch.setattr(e.prefix, "acquire", acquire_noted)
         fired = _once(monkeypatch, e.prefix, "unlock", when=lambda: bool(acquired))
-    got, errors = _run(e, GREEDY)
-    assert fired
-    assert not errors, "\n".join(errors)
-    assert got == want
+    _same_as_uninterrupted(e, fired, want)
 
 
 # ---- 5. an eviction whose allocator call fails drops the cache's nodes and keeps their pages -----------------------
@@ -274,10 +246,7 @@ def test_an_eviction_whose_free_fails_loses_no_pages(monkeypatch, evict, free, f
 
     monkeypatch.setattr(e.prefix, evict, noted)
     fired = _once(monkeypatch, e.cache.allocator, free, when=lambda: bool(evicting), exc=exc)
-    got, errors = _run(e, GREEDY)
-    assert fired
-    assert not errors, "\n".join(errors)
-    assert got == want
+    _same_as_uninterrupted(e, fired, want)
 
 
 # ---- 6. an acquire that fails after its first share keeps the references it took ---------------------------------
@@ -321,10 +290,7 @@ def test_an_acquire_that_fails_part_way_gives_back_the_references_it_took(monkey
     fired: List[int] = []
     monkeypatch.setattr(e.prefix, "acquire", noted)
     monkeypatch.setattr(a, "share", share_noted)
-    got, errors = _run(e, GREEDY)
-    assert fired
-    assert not errors, "\n".join(errors)
-    assert got == want
+    _same_as_uninterrupted(e, fired, want)
 
 
 # ---- 7. a failure in an admission's bookkeeping leaves the admitted requests without their sampling constants ------
@@ -346,10 +312,7 @@ def test_a_failure_in_the_admitted_requests_bookkeeping_keeps_their_sampling(mon
     want = _want(SAMPLING)
     e = _engine()
     fired = _once(monkeypatch, e.stats if where == "record_prompt" else e.sampling, where, exc=exc)
-    got, errors = _run(e, SAMPLING)
-    assert fired
-    assert not errors, "\n".join(errors)
-    assert got == want, "a sampling request did not get its seeded samples"
+    _same_as_uninterrupted(e, fired, want, SAMPLING)
 
 
 # ---- 8. a Ctrl-C between a forward's bookkeeping block and `_send`: the forward's positions are allocated again ----
@@ -365,10 +328,7 @@ def test_a_ctrl_c_after_a_forward_ran_and_before_its_lengths_moved_leaks_nothing
     want = _want()
     e = _engine()
     fired = _once(monkeypatch, e, "_send")
-    got, errors = _run(e, GREEDY)
-    assert fired
-    assert not errors, "\n".join(errors)
-    assert got == want
+    _same_as_uninterrupted(e, fired, want)
 
 
 # ---- 9. an allocation interrupted after it popped its pages: the undo cannot find them -----------------------------
@@ -402,10 +362,7 @@ def test_an_allocation_interrupted_after_it_took_its_pages_gives_them_back(monke
 
     monkeypatch.setattr(a, "alloc_extend", noted)
     fired = _once(monkeypatch, a, "_next_op", when=lambda: bool(allocating))
-    got, errors = _run(e, GREEDY)
-    assert fired
-    assert not errors, "\n".join(errors)
-    assert got == want
+    _same_as_uninterrupted(e, fired, want)
 
 
 # ---- 10. without the prefix cache, a failure as admitted requests get their rows leaves them running row-less ------
@@ -423,10 +380,7 @@ def test_a_failure_as_admitted_requests_get_their_rows_leaves_none_running_witho
     want = _want(prefix_cache=False)
     e = _engine(prefix_cache=False)
     fired = _once(monkeypatch, e.slots, "new_rows", exc=exc)
-    got, errors = _run(e, GREEDY)
-    assert fired
-    assert not errors, "\n".join(errors)
-    assert got == want
+    _same_as_uninterrupted(e, fired, want)
 
 
 # ---- 11. a device error in the prefix cache's second allocator call of a running request's caching or hand-over ---
@@ -468,7 +422,4 @@ def test_a_device_error_in_the_caches_second_allocator_call_leaves_no_page_or_re
         return free(loc, *args, **kwargs)
 
     monkeypatch.setattr(a, "free", failing_free)
-    got, errors = _run(e, GREEDY)
-    assert fired
-    assert not errors, "\n".join(errors)
-    assert got == want
+    _same_as_uninterrupted(e, fired, want)

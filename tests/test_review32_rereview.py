@@ -22,17 +22,13 @@ from typing import List
 import pytest
 import torch
 
-import hwkv
-from hwkv.allocator import SWATokenToKVPoolAllocator
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.engine.sampling import SamplingParams
 from hwkv.errors import EvictedSlotError, HwkvError
-from hwkv.layer import AttentionLayer
-from hwkv.pool import SWAKVPool
 from hwkv.testing.harness import Harness
 from hwkv.testing.spec_harness import draft_batch, draft_model
 from test_review30_exceptions import _drain_interrupted
-from test_review32_contract import BACKENDS
+from test_review32_contract import BACKENDS, _debug_graph
 from test_review31_windows import VOCAB, _engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -55,20 +51,7 @@ def test_debug_graph_refill_does_not_refuse_a_padded_batch_whose_padding_row_is_
     Expected: the padded replay runs (a padding row is not the live request's history: check only the batch's
     live rows, e.g. rows [:live] of the GraphRunner's static batch, or check before the padding in `prepare`), and
     gives the eager step's output."""
-    from hwkv.graph import EagerAdapter, GraphRunner
-
-    pool = SWAKVPool(64, 32, 1, torch.float32, KVH, D, [1], [0], "cpu")
-    alloc = SWATokenToKVPoolAllocator(64, 32, 1, "cpu", pool)
-    r2t = hwkv.ReqToTokenPool(3, 64, "cpu")
-    backend = BACKENDS[backend_name]()(pool, r2t, sliding_window=4, debug=True)
-    layer = AttentionLayer(1, H, KVH, D, sliding_window=4)
-
-    def fn(batch, inputs):
-        x = inputs["x"]
-        return backend.forward(x, x[:, :KVH], x[:, :KVH], layer, batch)
-
-    runner = GraphRunner(backend, fn, [2], {"x": ((H, D), torch.float32)}, EagerAdapter())
-    runner.capture()
+    alloc, r2t, backend, fn, runner = _debug_graph(backend_name, 4, [2])
     row = r2t.alloc(1)[0]
     assert row == 0
     loc = alloc.alloc_extend([0], [10], [0], 10)
