@@ -92,7 +92,7 @@ def test_a_failure_as_a_whole_step_decodes_tokens_are_sent_back_leaks_nothing(mo
 def test_a_ctrl_c_after_a_forwards_record_is_listed_still_moves_its_lengths(monkeypatch):
     """`Engine._send` (hwkv/engine/engine.py:481-494) appends the forward's `Inflight` (`ReadBack.send`) and only
     then moves each row's `kv_len` and each sampling row's `pending` in two host loops. The step's handler
-    (engine.py:451-454) sends again only `if not self._sent(sampled)`, i.e. when the record is not listed; a Ctrl-C
+    (engine.py:451-454) sends again (`_resend`) only when the record is not listed; a Ctrl-C
     that lands after the append (arriving as `send` finishes, it is raised at the first loop's backward jump at the
     latest) leaves the record listed and some or all `kv_len`/`pending` unmoved, and nothing moves them: the next
     step allocates the forward's positions again ("a leak" in `check_integrity`), its token's `pending -= 1`

@@ -430,9 +430,8 @@ class Engine:
             mode, where, tokens = ForwardMode.DECODE, *self._decode_whole(rows)
             try:
                 self._send(rows, sampled, where, mode, tokens)
-            except BaseException:  # the replay ran: as the eager path's handler, its record sent once
-                if not self._sent(sampled):
-                    self._send(rows, sampled, where, mode, tokens)
+            except BaseException:  # the replay ran: as the eager path's handler
+                self._resend(rows, sampled, where, mode, tokens)
                 raise
         else:
             head, batch = self.cache.allocator.pages.head, None
@@ -459,9 +458,8 @@ class Engine:
                             self._prefixing.cache_prompts(rows, lock=True)
                 self._send(rows, sampled, where, mode, tokens)
             except BaseException:  # (Ctrl-C) the forward ran: its lengths move on all the same, or the next step
-                if not self._sent(sampled):  # would allocate its positions again (a leak); what was not cached or
-                    self._send(rows, sampled, where, mode, tokens)  # released is caught up by the next step's
-                raise  # caching and release
+                self._resend(rows, sampled, where, mode, tokens)  # would allocate its positions again (a leak);
+                raise  # what was not cached or released is caught up by the next step's caching and release
         # the earlier steps' tokens (with overlap: while this one runs; without, this one's too), counted as read
         finished = self._read_back(keep=1 if self.overlap else 0)
         try:
@@ -489,7 +487,7 @@ class Engine:
         """After a forward is issued: the sampled tokens into `next_ids` (device; `where`: the sampling rows' request
         rows there) and on their way to the host (`ReadBack.send`: one async copy, with the allocator's free counts
         when pages moved), then the lengths forward: the device work that can fail first, and the host counts
-        only once its record is listed (`_sent`), so a step whose `_send` raised sends once more."""
+        only once its record is listed, so a step whose `_send` raised sends once more (`_resend`)."""
         if sampled:
             self.next_ids[where] = tokens
         # slots are taken and given back only by allocator calls: where none ran, the counts are as before
@@ -499,9 +497,12 @@ class Engine:
         for r in sampled:
             r.req.pending += 1
 
-    def _sent(self, sampled: List[Row]) -> bool:
-        """Whether the last record in flight is this forward's (`sampled`: its rows, one list a forward)."""
-        return bool(self.readback.inflight) and self.readback.inflight[-1].sampled is sampled
+    def _resend(self, rows: List[Row], sampled: List[Row], where: torch.Tensor, mode: ForwardMode,
+                tokens: torch.Tensor) -> None:
+        """In a step's handler, after its forward ran: `_send` once more where the last record in flight is not
+        this forward's (`sampled`: its rows, one list a forward)."""
+        if not (self.readback.inflight and self.readback.inflight[-1].sampled is sampled):
+            self._send(rows, sampled, where, mode, tokens)
 
     def _admitted(self, admitted: List[Request]) -> None:
         """Admitted requests' prompts counted and their rows' sampling constants written."""
