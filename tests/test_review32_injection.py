@@ -1,21 +1,20 @@
-"""Review 32 (a systematic injection search over the engine's step, abort and generate).
-
-Every test here failed on the code it was written against (27a8ec8) and shows one defect; those marked
-DEVICE_ERROR_OPEN and the interrupted host-path allocation are open (strict xfail). A Ctrl-C is injected as a real
-SIGINT at the call, so an `interrupts_held` region defers it as it would a user's. The search: for each method the engine calls during
-its steps (the engine's own, the scheduler's, EnginePrefix's and the prefix cache's, the allocator's and its page
-rings', the request rows', ForwardSlots', the read-back's, sampling's, the statistics', the step graphs' and their
-adapter's, the model, the drafter, `accept_draft_tokens`, the out-of-window release) and for call indices spread over
-every distinct call site of it, a KeyboardInterrupt (and, separately, a RuntimeError: a device error) raised at that
-call before it ran, then a server loop that catches it and keeps stepping, `check_integrity()` after every step, the
-tokens compared with the uninterrupted run, and nothing held once the prefix cache is cleared. Workloads: five
-prompts sharing a system prompt (one a prefix of another), a prompt-lookup drafter or sampling requests beside greedy
-ones, a full pool tight enough for the prefix cache to evict (full and SWA), chunked prefill, an abort mid-run; eager,
-whole-step graph with verify graph, the layers' graph runner, overlap, and no prefix cache. Injections inside
-`interrupts_held` regions were dropped for KeyboardInterrupt (SIGINT is deferred there). Each test below injects at a
-call made outside those regions (checked: `signal.getsignal(SIGINT)` is Python's default handler at the injection),
-or, for a device error, at a callee that runs a device op. Coverage: 198 methods, 9,041 injected runs over 8
-workloads (up to 2-4 call indices per distinct call stack of each method), plus 444 injections into `generate()`.
+"""Review 32 (a systematic injection search over the engine's step, abort and generate). Every test here failed on the
+code it was written against (27a8ec8) and shows one defect; those marked DEVICE_ERROR_OPEN and the interrupted host-
+path allocation are open (strict xfail). A Ctrl-C is injected as a real SIGINT at the call, so an `interrupts_held`
+region defers it as it would a user's. The search: for each method the engine calls during its steps (the engine's
+own, the scheduler's, EnginePrefix's and the prefix cache's, the allocator's and its page rings', the request rows',
+ForwardSlots', the read-back's, sampling's, the statistics', the step graphs' and their adapter's, the model, the
+drafter, `accept_draft_tokens`, the out-of-window release) and for call indices spread over every distinct call site
+of it, a KeyboardInterrupt (and, separately, a RuntimeError: a device error) raised at that call before it ran, then
+a server loop that catches it and keeps stepping, `check_integrity()` after every step, the tokens compared with the
+uninterrupted run, and nothing held once the prefix cache is cleared. Workloads: five prompts sharing a system
+prompt (one a prefix of another), a prompt-lookup drafter or sampling requests beside greedy ones, a full pool tight
+enough for the prefix cache to evict (full and SWA), chunked prefill, an abort mid-run; eager, whole-step graph with
+verify graph, the layers' graph runner, overlap, and no prefix cache. Injections inside `interrupts_held` regions
+were dropped for KeyboardInterrupt (SIGINT is deferred there). Each test below injects at a call made outside those
+regions (checked: `signal.getsignal(SIGINT)` is Python's default handler at the injection), or, for a device error,
+at a callee that runs a device op. Coverage: 198 methods, 9,041 injected runs over 8 workloads (up to 2-4 call
+indices per distinct call stack of each method), plus 444 injections into `generate()`.
 """
 from __future__ import annotations
 
@@ -298,7 +297,8 @@ SAMPLING = [SamplingParams(max_new_tokens=9, temperature=1.0, seed=5 + i) if i i
             else SamplingParams(max_new_tokens=9) for i in range(5)]
 
 
-@pytest.mark.parametrize("where,exc", [("record_prompt", KeyboardInterrupt), pytest.param("admit", DeviceError, marks=DEVICE_ERROR_OPEN)])
+@pytest.mark.parametrize("where,exc", [("record_prompt", KeyboardInterrupt),
+                                       pytest.param("admit", DeviceError, marks=DEVICE_ERROR_OPEN)])
 def test_a_failure_in_the_admitted_requests_bookkeeping_keeps_their_sampling(monkeypatch, where, exc):
     """`Engine._step` admits (the requests join `scheduler.running` with their rows), then calls
     `self._admitted(admitted)` (hwkv/engine/engine.py:411), which counts each prompt (`stats.record_prompt`,

@@ -59,7 +59,8 @@ def test_an_interrupted_hand_over_inside_a_verify_does_not_strand_the_finished_r
     (hwkv/engine/engine.py:601-602: `done, self._verified = self._verified, []`, then `finished = self._finish(done)`),
     not through `_finishing` / `_finish_pending` as a read-back (engine.py:515-518, 520-534) and `abort` do since review
     31. When that hand-over raises before it changed anything (a refusal, or a KeyboardInterrupt raised as the prefix
-    cache's `release_requests` starts: the interruption review 31's tests use), the handler (engine.py:606-608) rebinds `done` to the now
+    cache's `release_requests` starts: the interruption review 31's tests use), the handler (engine.py:606-608)
+    rebinds `done` to the now
     empty `_verified` and calls `_finish([])`: the requests it had taken are in no list any more. Each stays in
     `scheduler.running` with `finish_reason == "length"`, its row, reservation, cache lock and pages; it never decodes
     again and nothing finishes it, so its Result never comes and `has_work()` stays True for ever (`generate` would
@@ -101,7 +102,8 @@ def test_ctrl_c_in_admission_does_not_leave_an_admitted_request_without_its_samp
     params = [SamplingParams(max_new_tokens=8, temperature=1.0, seed=7), SamplingParams(max_new_tokens=4)]
 
     def run(e: Engine, interrupt: bool):
-        fired = _interrupt_first_call(monkeypatch, e.cache.allocator, "full_available_size", nth=2) if interrupt else [1]
+        fired = (_interrupt_first_call(monkeypatch, e.cache.allocator, "full_available_size", nth=2) if interrupt
+                 else [1])
         rids = [e.add_request(p, s) for p, s in zip((a, b), params)]
         got, errors = _drain_interrupted(e, rids, limit=3, max_steps=60)
         assert fired and not errors, "\n".join(errors)
