@@ -1,13 +1,13 @@
 """Review 32's final re-review (30a32fe, ecc711c: `_send`/`_sent`, `_recorded`, `_read_one`'s resumable read,
 `read_oldest` no longer popping, `can_admit`, eviction under `interrupts_held`).
 
-Every test here failed on ecc711c and shows one defect; the whole-step send-back and the read's counters are fixed,
-the others are open (strict xfail: a fix makes them pass, and the mark must go). As in test_review32_injection.py a
-Ctrl-C is a real SIGINT (`_once`: raised at the call, before it runs), the server loop (`_drain_interrupted`)
-catches it and keeps stepping with `check_integrity()` after every step, and the tokens are compared with the
-uninterrupted run. Where no call sits in the window (the bookkeeping right after a call returned), the SIGINT is
-sent as the call returns: a Ctrl-C that arrives during the call's last bytecodes is raised at the next eval-breaker
-check, which is no earlier than that.
+Every test here failed on ecc711c and shows one defect; the whole-step send-back, the read's counters and the
+cut-short release are fixed; the others are open (strict xfail: a fix makes them pass, and the mark must go). As in
+test_review32_injection.py a Ctrl-C is a real SIGINT (`_once`: raised at the call, before it runs), the server loop
+(`_drain_interrupted`) catches it and keeps stepping with `check_integrity()` after every step, and the tokens are
+compared with the uninterrupted run. Where no call sits in the window (the bookkeeping right after a call returned),
+the SIGINT is sent as the call returns: a Ctrl-C that arrives during the call's last bytecodes is raised at the next
+eval-breaker check, which is no earlier than that.
 """
 from __future__ import annotations
 
@@ -167,8 +167,6 @@ def test_a_ctrl_c_as_a_read_records_its_tokens_keeps_the_counters_equal_to_the_o
 
 
 # ---- 6. without the prefix cache, an interrupted out-of-window release wedges the engine -------------------------
-@pytest.mark.xfail(strict=True, reason="open: without the prefix cache an interrupted out-of-window release is caught "
-                   "up only after the next step's allocation, which the reservations counted on it")
 def test_an_interrupted_out_of_window_release_is_caught_up_before_the_next_allocation(monkeypatch):
     """`_step`'s handler (hwkv/engine/engine.py:451-454) lets a Ctrl-C in the out-of-window release
     (`self._release(...)`, engine.py:440) propagate with the forward's lengths moved, on the word that "what was not

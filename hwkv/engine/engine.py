@@ -151,6 +151,7 @@ class Engine:
         # the next step finishes them (`_finish_pending`)
         self._finishing: List[Request] = []
         self._carry: List[Result] = []       # finished in a step that raised after they did: the next step's
+        self._release_owed = False           # an out-of-window release was cut short: the next step runs it first
         self._next_rid = 0
         self.whole_step = False
         self.verify_graph: Any = None  # a VerifyStepGraph of num_draft drafts, with the whole-step graph
@@ -413,6 +414,9 @@ class Engine:
         if not rows:  # nothing to run: what is still in flight finishes
             return self._read_back()
         self._pools_changed = bool(admitted)
+        if self._release_owed:  # a release an error (Ctrl-C) cut short runs before this step allocates: admission
+            self._release([r.row for r in self.scheduler.running if r.row >= 0],   # reserved on the pages it frees
+                          [r.kv_len for r in self.scheduler.running if r.row >= 0])
         sampled = [r for r in rows if r.samples]
         k = self._draft_len(rows)
         if k:
@@ -444,6 +448,7 @@ class Engine:
                 self._undo(rows, None if batch is None else batch.out_cache_loc, head)
                 raise
             mode = batch.forward_mode
+            self._release_owed = True   # (cleared once the release below returns)
             try:
                 if self._prefixing is None:
                     self._release(lens.rows, lens.seq, batch.req_pool_indices, batch.seq_lens)
@@ -713,6 +718,7 @@ class Engine:
         self.next_ids[rows_dev] = last_dev
         self.stats.record_drafts(len(rows), len(rows) * k, sum(accepted))
         self.stats.record_tokens(ForwardMode.TARGET_VERIFY, used_all)  # read already: a verify waits for them
+        self._release_owed = True
         self._release([r.req.row for r in rows], [r.prefix + 1 + a for r, a in zip(rows, accepted)], rows_dev, seq)
         # the free counts after the release travel to the host without a wait: read with the next step's tokens
         # (or the next verify's, or at the end of `generate`)
@@ -859,11 +865,14 @@ class Engine:
         self.slots.undo([r.req.row for r in rows], [r.prefix for r in rows],
                         [r.n if new is None else new for r in rows], loc, head)
 
-    def _release(self, rows: List[int], seq_lens: List[int], rows_dev: torch.Tensor, seq_dev: torch.Tensor) -> None:
+    def _release(self, rows: List[int], seq_lens: List[int], rows_dev: Optional[torch.Tensor] = None,
+                 seq_dev: Optional[torch.Tensor] = None) -> None:
         """The forward's out-of-window release (`ForwardSlots.release`: in the steps where some request's frontier
-        moves) over its rows and lengths, host and device (a verify's: the accepted lengths)."""
+        moves) over its rows and lengths, host and device (a verify's: the accepted lengths). Owed from the forward
+        on until it returns: where it did not, the next step runs one over the running requests first (`_step`)."""
         if self.slots.release(rows, seq_lens, rows_dev, seq_dev):
             self._pools_changed = True
+        self._release_owed = False
 
     def check_integrity(self) -> None:
         """Allocator, pools, request rows, reservations and the prefix cache are consistent, and every page the
