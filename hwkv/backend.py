@@ -218,7 +218,7 @@ class AttentionBackend(DraftMetadataMixin):
                 q_pos0 = seq - ext
                 qo_indptr = cumsum_into(ext, torch.empty(bs + 1, dtype=torch.int32, device=self.device))
             full, windows = self._eager_lists(batch, seq, q_pos0, seq_h, win_lens)
-        check_slots(self._FULL_LIST, full.indices, self.pool.size + self.pool.page_size)   # (values checkable only)
+        self._check_full_list(full.indices)
         md = ForwardMetadata(write_loc, write_loc.swa_loc, qo_indptr, q_pos0, full, windows, max(ext_h, default=0),
                              bs, decode, seq_lens_cpu=seq_cpu, extend_lens_cpu=ext_cpu,
                              outputs=LayerOutputs(self._layer_count) if decode and self._layer_count else None)
@@ -404,9 +404,10 @@ class AttentionBackend(DraftMetadataMixin):
             return self.pool.translate_loc_from_full_to_swa(locs)
         return self.pool.translate_loc_from_full_to_swa(locs, out=out)
 
-    # the rows' history, where values are checkable (CPU tensors; debug mode): a slot outside the pool (-1, the
-    # table's "no loc") is refused before any layer stores (a window list's is refused by its translation)
-    _FULL_LIST: ClassVar[str] = "the full list (req_to_token)"
+    def _check_full_list(self, indices: torch.Tensor) -> None:
+        """The rows' history, where values are checkable (CPU tensors; debug mode): a slot outside the pool (-1, the
+        table's "no loc") is refused before any layer stores (a window list's is refused by its translation)."""
+        check_slots("the full list (req_to_token)", indices, self.pool.size + self.pool.page_size)
 
     def _check_list_values(self, full: Optional[KVIndexList], windows: Dict[int, KVIndexList], write0: torch.Tensor
                            ) -> None:
@@ -416,7 +417,7 @@ class AttentionBackend(DraftMetadataMixin):
         bs = write0.shape[0]
         live = write0 != 0
         if full is not None:
-            check_slots(self._FULL_LIST, self._live_entries(full, live, bs), self.pool.size + self.pool.page_size)
+            self._check_full_list(self._live_entries(full, live, bs))
         if self.debug and self.hybrid:
             for w, lst in windows.items():
                 self._check_not_evicted(self._live_entries(lst, live, bs), w)

@@ -13,7 +13,6 @@ import torch
 from hwkv import ops
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.checks import as_int, normal_tensors, values_checkable
-from hwkv.csr_checks import check_slots
 from hwkv.errors import CapacityError, ConfigError, ShapeError
 from hwkv.graph import GraphAdapter, GraphRunner, ModelFn, PreparedStep
 from hwkv.loc import KVWriteLoc
@@ -129,8 +128,8 @@ class DraftMetadataMixin:
             self.init_kernel_metadata(md, step, graph=False)
             batches.append(step)
             mds.append(md)
-        if bs and values_checkable(full.indices):  # the last step's full list holds every step's (eager lists)
-            check_slots(self._FULL_LIST, full.indices, self.pool.size + self.pool.page_size)
+        if bs:  # the last step's full list holds every step's (eager lists)
+            self._check_full_list(full.indices)
         steps = DraftSteps(self, batches, mds)
         steps.select(0)
         return steps
