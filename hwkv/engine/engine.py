@@ -419,15 +419,23 @@ class Engine:
                           [r.kv_len for r in self.scheduler.running if r.row >= 0])
         sampled = [r for r in rows if r.samples]
         k = self._draft_len(rows)
-        if k:
-            verified = self._verify(rows, k)
-            if verified is not None:  # (its tokens were counted as they joined the outputs)
-                try:
-                    self.stats.record_step(ForwardMode.TARGET_VERIFY, 0, time.perf_counter() - t0)
-                except BaseException:  # the Results it finished come with the next step
-                    self._carry += verified[0]
-                    raise
-                return verified[0]
+        verified = self._verify(rows, k) if k else None   # (its tokens were counted as they joined the outputs)
+        if verified is not None:
+            finished, mode = verified[0], ForwardMode.TARGET_VERIFY
+        else:
+            mode = self._forward_step(rows, sampled)
+            # the earlier steps' tokens (with overlap: while this one runs; without, this one's too), counted as read
+            finished = self._read_back(keep=1 if self.overlap else 0)
+        try:
+            self.stats.record_step(mode, self.scheduler.prefill_tokens, time.perf_counter() - t0)
+        except BaseException:  # the Results it finished come with the next step
+            self._carry += finished
+            raise
+        return finished
+
+    def _forward_step(self, rows: List[Row], sampled: List[Row]) -> ForwardMode:
+        """A plain step's forward (the whole-step graph's replay, or allocation and the layers), its release and
+        prompt caching, and its send-back; returns its mode. Its tokens are read by a later `_read_back`."""
         if self._prefixing is not None:
             self._prefixing.make_room(rows)
         if self.whole_step and self.scheduler.decoding == len(rows):  # every row decodes
@@ -465,14 +473,7 @@ class Engine:
             except BaseException:  # (Ctrl-C) the forward ran: its lengths move on all the same, or the next step
                 self._resend(rows, sampled, where, mode, tokens)  # would allocate its positions again (a leak);
                 raise  # what was not cached or released is caught up by the next step's caching and release
-        # the earlier steps' tokens (with overlap: while this one runs; without, this one's too), counted as read
-        finished = self._read_back(keep=1 if self.overlap else 0)
-        try:
-            self.stats.record_step(mode, self.scheduler.prefill_tokens, time.perf_counter() - t0)
-        except BaseException:  # the Results it finished come with the next step
-            self._carry += finished
-            raise
-        return finished
+        return mode
 
     def has_work(self) -> bool:
         """Whether requests wait or run, or a forward's tokens are still to be read back."""
