@@ -28,6 +28,7 @@ import pytest
 from hwkv.engine.engine import Engine
 from hwkv.engine.sampling import SamplingParams
 from test_review30_exceptions import _drain_interrupted
+from test_review32_spec import _oracle
 from test_review31_windows import VOCAB, _engine as _window_engine
 
 pytestmark = pytest.mark.usefixtures("one_thread", "python_sigint")  # conftest
@@ -68,6 +69,22 @@ def _once(monkeypatch, owner, name, when=lambda: True, exc=KeyboardInterrupt):
 
     monkeypatch.setattr(owner, name, injected)
     return fired
+
+
+def _inside(monkeypatch, owner, name, on_enter=lambda: None):
+    """`owner.name` wrapped so the list returned is non-empty while a call of it runs (`on_enter` at each call)."""
+    inside, inner = [], getattr(owner, name)
+
+    def noted(*args, **kwargs):
+        inside.append(1)
+        on_enter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(owner, name, noted)
+    return inside
 
 
 # open defects (strict: a fix makes them pass, and the mark must go): a device error that a callee raises part way
@@ -162,15 +179,7 @@ def test_a_ctrl_c_as_a_step_records_its_time_does_not_discard_the_results_it_fin
     want = _want()
     kw = {}
     if verify:
-        full = [p + w for p, w in zip(_prompts(), want)]
-
-        def oracle(history, k):
-            h = list(history)
-            for f in full:
-                if len(f) > len(h) and f[:len(h)] == h:
-                    return f[len(h):len(h) + k]
-            return []
-        kw = dict(draft=oracle)
+        kw = dict(draft=_oracle(_prompts(), want))
     e = _engine(**kw)
     seen = {"requests": len(_prompts()), "verify_rows": 0}
 
@@ -234,16 +243,7 @@ def test_an_eviction_whose_free_fails_loses_no_pages(monkeypatch, evict, free, f
     kw = dict(full_pages=full_pages, max_running=3, chunk=8, context=64)
     want = _want(**kw)
     e = _engine(**kw)
-    evicting, inner = [], getattr(e.prefix, evict)
-
-    def noted(*args, **kwargs):
-        evicting.append(1)
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            evicting.pop()
-
-    monkeypatch.setattr(e.prefix, evict, noted)
+    evicting = _inside(monkeypatch, e.prefix, evict)
     fired = _once(monkeypatch, e.cache.allocator, free, when=lambda: bool(evicting), exc=exc)
     _same_as_uninterrupted(e, fired, want)
 
@@ -263,18 +263,10 @@ def test_an_acquire_that_fails_part_way_gives_back_the_references_it_took(monkey
     acquire whose first share took references."""
     want = _want()
     e = _engine()
-    acquiring, acquire = [], e.prefix.acquire
     a = e.cache.allocator
     share = a.share
-    shared = []
-
-    def noted(*args, **kwargs):
-        acquiring.append(1)
-        shared.clear()
-        try:
-            return acquire(*args, **kwargs)
-        finally:
-            acquiring.pop()
+    shared: List[int] = []
+    acquiring = _inside(monkeypatch, e.prefix, "acquire", on_enter=shared.clear)
 
     def share_noted(loc, *args, **kwargs):
         if acquiring and not fired and shared and shared[0] > 0:
@@ -287,7 +279,6 @@ def test_an_acquire_that_fails_part_way_gives_back_the_references_it_took(monkey
         return share(loc, *args, **kwargs)
 
     fired: List[int] = []
-    monkeypatch.setattr(e.prefix, "acquire", noted)
     monkeypatch.setattr(a, "share", share_noted)
     _same_as_uninterrupted(e, fired, want)
 
@@ -351,16 +342,7 @@ def test_an_allocation_interrupted_after_it_took_its_pages_gives_them_back(monke
     want = _want()
     e = _engine()
     a = e.cache.allocator
-    allocating, alloc_extend = [], a.alloc_extend
-
-    def noted(*args, **kwargs):
-        allocating.append(1)
-        try:
-            return alloc_extend(*args, **kwargs)
-        finally:
-            allocating.pop()
-
-    monkeypatch.setattr(a, "alloc_extend", noted)
+    allocating = _inside(monkeypatch, a, "alloc_extend")
     fired = _once(monkeypatch, a, "_next_op", when=lambda: bool(allocating))
     _same_as_uninterrupted(e, fired, want)
 
@@ -402,16 +384,7 @@ def test_a_device_error_in_the_caches_second_allocator_call_leaves_no_page_or_re
     the first `free` inside the operation (after its first share / its unlocks)."""
     want = _want()
     e = _engine()
-    inside, inner = [], getattr(e.prefix, op)
-
-    def noted(*args, **kwargs):
-        inside.append(1)
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            inside.pop()
-
-    monkeypatch.setattr(e.prefix, op, noted)
+    inside = _inside(monkeypatch, e.prefix, op)
     a = e.cache.allocator
     free, fired = a.free, []
 
