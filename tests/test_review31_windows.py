@@ -47,8 +47,9 @@ def _shape(window: int) -> ModelShape:
 
 def _engine(window: int = 8, page_size: int = 4, prefix_cache: bool = True, chunk: int = 24, max_running: int = 4,
             context: int = 96, whole_step: Optional[bool] = None, graphs: bool = False, draft=None, num_draft: int = 4,
-            overlap: bool = False, check: bool = True, full_pages: Optional[int] = None) -> Engine:
-    shape = _shape(window)
+            overlap: bool = False, check: bool = True, full_pages: Optional[int] = None,
+            engine_window: Optional[int] = None) -> Engine:
+    shape = _shape(window)  # (the engine keeps `engine_window` where given, the model's `window` otherwise)
     plan = plan_pools(shape, context=context, max_running=max_running, chunk=chunk, page_size=page_size, memory=None,
                       device=CPU, prefix_cache=prefix_cache)
     if full_pages is not None:  # a full pool of that many pages (memory pressure)
@@ -56,7 +57,7 @@ def _engine(window: int = 8, page_size: int = 4, prefix_cache: bool = True, chun
     cache = build_cache(shape, plan, torch.float32, CPU, backend_device="cpu")
     model = SyntheticModel(shape, cache.backend, vocab_size=VOCAB, dtype=torch.float32, device=CPU,
                            positions=cache.rtt.max_context_len, seed=3)
-    e = Engine(cache, model, stats=RunnerStats(shape, plan), vocab_size=VOCAB, window=window,
+    e = Engine(cache, model, stats=RunnerStats(shape, plan), vocab_size=VOCAB, window=engine_window or window,
                prefix_cache=prefix_cache, overlap=overlap, graph_adapter=EagerAdapter() if graphs else None,
                graph_choice="eager" if graphs else "off", whole_step=whole_step, draft=draft, num_draft=num_draft)
     if check:  # every query of every request of every forward against the dense reference

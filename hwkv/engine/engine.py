@@ -638,11 +638,11 @@ class Engine:
             pred = logits.argmax(dim=-1).view(bs, k + 1).tolist()  # the one wait
             earlier = self._read_back()  # the previous verify's free counts, copied before that wait: no wait
             self._pools_changed = True
-            taken, accepted, dev = self._acceptance(rows, k, drafts, pred)
+            taken, accepted, kept, dev = self._acceptance(rows, k, drafts, pred)
             with interrupts_held():  # from here the verify lands whole, its finished requests too: a Ctrl-C is
                 seq = self._keep_drafts(rows, k, rows_dev, accepted, dev)   # raised once it has
                 settled = True
-                used_all = self._commit(rows, k, taken, accepted, rows_dev, dev[2], seq)
+                used_all = self._commit(rows, k, taken, accepted, kept, rows_dev, dev[2], seq)
                 handing = True  # from here a failure is the hand-over's: `_finish_pending` keeps its own results
                 finished = self._finish_pending()
         except BaseException:
@@ -677,11 +677,13 @@ class Engine:
         return drafts
 
     def _acceptance(self, rows: List[Row], k: int, drafts: List[List[int]], pred: List[List[int]]
-                    ) -> Tuple[List[List[int]], List[int], Tuple[torch.Tensor, ...]]:
+                    ) -> Tuple[List[List[int]], List[int], int, Tuple[torch.Tensor, ...]]:
         """Each row's tokens to keep: its longest draft prefix greedy decoding agrees with and the model's next token,
-        up to a stop or max_new_tokens (nothing appended yet); their counts less one (accepted drafts); and on the
-        device, in one copy, the drafts' start (after the last token), those counts and each row's last token."""
-        taken, accepted = [], []
+        up to a stop or max_new_tokens (nothing appended yet); their counts less one (the K/V kept past the last
+        token); the drafts among them (all of them where a stop or max_new_tokens ends the run inside the drafts); and
+        on the device, in one copy, the drafts' start (after the last token), those counts and each row's last
+        token."""
+        taken, accepted, kept = [], [], 0
         for r, d, pr in zip(rows, drafts, pred):
             a = 0
             while a < k and d[a] == pr[a]:
@@ -689,9 +691,10 @@ class Engine:
             toks = r.req.tokens_to_finish(d[:a] + [pr[a]])
             taken.append(toks)
             accepted.append(len(toks) - 1)
+            kept += min(a, len(toks))
         (host,), (dev,) = pack([(len(rows), [[r.prefix + 1 for r in rows], accepted, [t[-1] for t in taken]])],
                                self.device)
-        return taken, accepted, (*dev, host[0], host[1])
+        return taken, accepted, kept, (*dev, host[0], host[1])
 
     def _keep_drafts(self, rows: List[Row], k: int, rows_dev: torch.Tensor, accepted: List[int],
                      dev: Tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -703,12 +706,12 @@ class Engine:
         return accept_draft_tokens(c.allocator, c.pool, c.rtt.req_to_token, rows_dev, pre_dev, index, acc_dev,
                                    prefix_lens_cpu=pre, accept_lens_cpu=acc, chain=True)
 
-    def _commit(self, rows: List[Row], k: int, taken: List[List[int]], accepted: List[int], rows_dev: torch.Tensor,
-                last_dev: torch.Tensor, seq: torch.Tensor) -> int:
-        """A verify whose drafts are settled: the kept tokens into the outputs (counted), lengths and next ids
-        moved, then the out-of-window release on the accepted lengths; returns the tokens added. The requests they
-        finished are listed for hand-over (`_finishing`) with their last token, so a release that raises still
-        finishes them."""
+    def _commit(self, rows: List[Row], k: int, taken: List[List[int]], accepted: List[int], kept: int,
+                rows_dev: torch.Tensor, last_dev: torch.Tensor, seq: torch.Tensor) -> int:
+        """A verify whose drafts are settled: the kept tokens (`kept` of them drafts) into the outputs (counted),
+        lengths and next ids moved, then the out-of-window release on the accepted lengths; returns the tokens added.
+        The requests they finished are listed for hand-over (`_finishing`) with their last token, so a release that
+        raises still finishes them."""
         used_all = 0
         for r, toks, a in zip(rows, taken, accepted):
             for t in toks:
@@ -717,7 +720,7 @@ class Engine:
             r.req.kv_len = r.prefix + 1 + a
             used_all += len(toks)
         self.next_ids[rows_dev] = last_dev
-        self.stats.record_drafts(len(rows), len(rows) * k, sum(accepted))
+        self.stats.record_drafts(len(rows), len(rows) * k, kept)
         self.stats.record_tokens(ForwardMode.TARGET_VERIFY, used_all)  # read already: a verify waits for them
         self._release_owed = True
         self._release([r.req.row for r in rows], [r.prefix + 1 + a for r, a in zip(rows, accepted)], rows_dev, seq)

@@ -124,6 +124,7 @@ class Scheduler:
         # with a prefix cache, the full pool's room is settled per admission on what is free or evictable (the
         # runner's `start`), and a request's SWA bound includes the window its cache lock keeps
         self.cached = cached
+        self.window = window
         self.swa_locked = ((window + p - 1) // p + 1) if cached and window else 0
         self.full_capacity = plan.size // p
         self.hybrid = window is not None and plan.size_swa > 0
@@ -148,11 +149,18 @@ class Scheduler:
         req.swa_pages = min(req.full_pages, self.swa_bound) if self.hybrid else 0
         if self.hybrid and self.swa_locked:  # the window its cache lock keeps (at most its prompt)
             req.swa_pages += min(self.swa_locked, _pages(len(req.prompt), self.page_size))
-        if kv > self.plan.context or req.full_pages > self.full_capacity or req.swa_pages > self.swa_capacity:
+        if kv > self.plan.context or req.full_pages > self.full_capacity:
             raise OutOfSlotsError(
                 f"request {req.rid}: prompt {len(req.prompt)} + max_new_tokens {req.params.max_new_tokens} needs "
                 f"{kv} KV slots; the cache holds at most {self.plan.context} per request (context) in a full pool "
                 f"of {self.plan.size} slots and an SWA pool of {self.plan.size_swa}: size it for a longer context")
+        if req.swa_pages > self.swa_capacity:  # within context: the SWA pool is short of what this window keeps
+            lock = f", its cache lock up to {self.swa_locked} more" if self.swa_locked else ""
+            raise OutOfSlotsError(
+                f"request {req.rid}: needs {req.swa_pages} SWA pages of {self.page_size} slots (window {self.window} "
+                f"keeps up to {self.swa_bound}{lock}), past the {self.swa_capacity} that an SWA pool of "
+                f"{self.plan.size_swa} slots leaves a request beside a chunk: plan the pools for this window (one "
+                "wider than the model's keeps more than they were planned for)")
 
     def add(self, req: Request) -> None:
         self.reserve(req)
