@@ -359,7 +359,8 @@ class DraftGraphRunner(DraftReplay, GraphRunner):
     step-major [k * bs, ...]; `run` returns [k, bs, ...]. Larger batches run eagerly (never dropped).
     Inputs the caller writes into `self.inputs` itself go step-major at the bucket's width (step i of request b
     at row i * bucket + b) and are passed whole; a batch whose lengths, rows or write locs the eager draft step
-    refuses is refused (the same errors) before any static buffer changes."""
+    refuses is refused (the same errors) before any static buffer changes; the refilled lists' values are checked
+    after the refill, as `GraphRunner.prepare` says."""
 
     @normal_tensors
     def __init__(self, backend: Any, fn: ModelFn, batch_sizes: Sequence[int],

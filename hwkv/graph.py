@@ -256,7 +256,9 @@ class GraphRunner:
         eager metadata instead (and `replay` runs it eagerly: it is never dropped). A batch the eager metadata
         step would refuse (rows, lengths: `_check_lens_and_rows`; write locs outside the pool: `_check_write_locs`;
         in debug mode a malformed DraftTree: `check_tree`), or one of another forward mode than the runner's
-        (`_check_mode`), is refused before any static buffer changes."""
+        (`_check_mode`), is refused before any static buffer changes. The refilled lists' values (history slots in
+        the pool; in debug mode, no evicted window slot) are checked where the refill runs on the host, after it: such
+        a refusal leaves the pools unchanged and the static buffers refilled, and returns no PreparedStep to replay."""
         bs = batch.batch_size
         if isinstance(batch.spec_info, MultiStepDraft):
             raise ConfigError("a MultiStepDraft batch runs through hwkv.draft.DraftGraphRunner, not GraphRunner")
