@@ -27,7 +27,9 @@ from hwkv.checks import (as_int, check_device, check_flag, check_int_dtype, chec
                          is_int, normal_tensors)
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, LocError, NotAllocatedError, OutOfSlotsError
-from hwkv.pages import ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_SWA_RELEASED, NEVER, PageRing, page_ops_for
+from hwkv.sigint import interrupts_held
+from hwkv.pages import (ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_SWA_RELEASED, FREE, NEVER, PageRing,
+                        page_ops_for)
 from hwkv.torch_page_ops import I64, TORCH_OPS, TorchPageOps, _bad_continuation, _record
 
 IntsLike = Union[torch.Tensor, Sequence[int]]
@@ -315,16 +317,34 @@ class PagedTokenToKVPoolAllocator:
             return out
         if plan.n == 0:
             return torch.empty(0, dtype=I64, device=self.device)
-        if self._on_host():
-            if decode and plan.cont is not None and plan.cont.dtype == np.bool_:
-                return self._alloc_decode_on_host(last, plan.cont, plan.pages)
-            return self._alloc_on_host(prefix, seq, last, plan.n, plan.pages)
-        out = torch.empty(plan.n, dtype=I64, device=self.device)
-        heads = [r.take(plan.pages) for r in self._rings()]
-        self._next_op()
-        ops = self._ops or TORCH_OPS
-        ops.alloc_extend(self.pages, self._swa, self._mapping, prefix, seq, last, out, plan.pages, heads, decode)
-        return out
+        marks = [r.head for r in self._rings()]
+        try:  # (free of cost until it raises) an allocation that raises part way gives back the pages it took
+            if self._on_host():
+                if decode and plan.cont is not None and plan.cont.dtype == np.bool_:
+                    return self._alloc_decode_on_host(last, plan.cont, plan.pages)
+                return self._alloc_on_host(prefix, seq, last, plan.n, plan.pages)
+            out = torch.empty(plan.n, dtype=I64, device=self.device)
+            heads = [r.take(plan.pages) for r in self._rings()]
+            self._next_op()
+            ops = self._ops or TORCH_OPS
+            ops.alloc_extend(self.pages, self._swa, self._mapping, prefix, seq, last, out, plan.pages, heads, decode)
+            return out
+        except BaseException:
+            self._untake(marks)
+            raise
+
+    def _untake(self, marks: List[int]) -> None:
+        """The error path of an allocation: each ring's pages popped since its head was at `marks` back in the ring,
+        free (a Ctrl-C after the host path popped them, which nobody would hold or give back otherwise)."""
+        with interrupts_held():
+            for r, m in zip(self._rings(), marks):
+                if r.head != m:
+                    pages = r.popped(m, r.head - m)
+                    r.refs[pages] = FREE
+                    if r is self.pages and self._mapping is not None:  # the full pages map no SWA slot again
+                        p = self.page_size
+                        self._mapping[(pages[:, None] * p + torch.arange(p, device=pages.device)).reshape(-1)] = 0
+                    r.head = m
 
     def _alloc_on_host(self, prefix: Optional[torch.Tensor], seq: torch.Tensor, last: torch.Tensor, n: int,
                        k: int) -> torch.Tensor:

@@ -323,9 +323,6 @@ def test_a_ctrl_c_after_a_forward_ran_and_before_its_lengths_moved_leaks_nothing
 
 
 # ---- 9. an allocation interrupted after it popped its pages: the undo cannot find them -----------------------------
-@pytest.mark.xfail(strict=True, reason="open: ForwardSlots.undo cannot find pages an interrupted host-path "
-                   "allocation popped before it wrote them into req_to_token (holding Ctrl-C around every "
-                   "allocation costs ~8 us a step)")
 def test_an_allocation_interrupted_after_it_took_its_pages_gives_them_back(monkeypatch):
     """The eager forward's handler undoes with `self._undo(rows, None if batch is None else batch.out_cache_loc, head)`
     (hwkv/engine/engine.py:429-436): when the failure is inside `ForwardSlots.allocate` (hwkv/engine/forward.py:

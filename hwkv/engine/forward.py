@@ -28,6 +28,7 @@ from hwkv.req_to_token import ReqToTokenPool
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.errors import LocError, ShapeError
 from hwkv.metadata import aligned_width
+from hwkv.sigint import interrupts_held
 
 I64 = torch.int64
 HOST = dict(dtype=torch.int64, device="cpu")  # host values: never on the default device a user set
@@ -245,17 +246,23 @@ class ForwardSlots:
         last = rtt[s.rows_dev, s.before_dev]  # the slot of each request's token prefix - 1
         if s.fresh:
             last = torch.where(s.prefix_dev > 0, last, -1)
-        bs = len(s.rows)
-        if s.mode == ForwardMode.DECODE:
-            loc = self.allocator.alloc_decode(s.seq_dev, last, seq_lens_cpu=s.seq_cpu)
-            rtt[s.rows_dev, s.prefix_dev] = loc
-            return ForwardBatch(ForwardMode.DECODE, bs, s.rows_dev, s.seq_dev, loc, positions=s.pos_dev,
-                                seq_lens_cpu=s.seq_cpu)
-        loc = self.allocator.alloc_extend(s.prefix_dev, s.seq_dev, last, s.num_tokens, prefix_lens_cpu=s.prefix_cpu,
-                                          seq_lens_cpu=s.seq_cpu)
-        rtt[s.row_of_dev, s.pos_dev] = loc
-        return ForwardBatch(s.mode, bs, s.rows_dev, s.seq_dev, loc, s.prefix_dev, s.ext_dev, positions=s.pos_dev,
-                            seq_lens_cpu=s.seq_cpu, extend_seq_lens_cpu=s.ext_cpu)
+        bs, loc = len(s.rows), None
+        try:  # (free of cost until it raises) an allocation that raises gives its pages back itself; what raises
+            if s.mode == ForwardMode.DECODE:  # after it returned (the scatter) gives them back here
+                loc = self.allocator.alloc_decode(s.seq_dev, last, seq_lens_cpu=s.seq_cpu)
+                rtt[s.rows_dev, s.prefix_dev] = loc
+                return ForwardBatch(ForwardMode.DECODE, bs, s.rows_dev, s.seq_dev, loc, positions=s.pos_dev,
+                                    seq_lens_cpu=s.seq_cpu)
+            loc = self.allocator.alloc_extend(s.prefix_dev, s.seq_dev, last, s.num_tokens,
+                                              prefix_lens_cpu=s.prefix_cpu, seq_lens_cpu=s.seq_cpu)
+            rtt[s.row_of_dev, s.pos_dev] = loc
+            return ForwardBatch(s.mode, bs, s.rows_dev, s.seq_dev, loc, s.prefix_dev, s.ext_dev, positions=s.pos_dev,
+                                seq_lens_cpu=s.seq_cpu, extend_seq_lens_cpu=s.ext_cpu)
+        except BaseException:
+            if loc is not None:
+                with interrupts_held():
+                    self.undo(s.rows, s.prefix_cpu.tolist(), (s.seq_cpu - s.prefix_cpu).tolist(), loc, None)
+            raise
 
     # ---- out-of-window release ------------------------------------------------------------------------
     def release(self, rows: Sequence[int], seq_lens: Sequence[int], rows_dev: Optional[torch.Tensor] = None,
