@@ -1,6 +1,6 @@
 """Review 32 (a systematic injection search over the engine's step, abort and generate). Every test here failed on the
-code it was written against (27a8ec8) and shows one defect; those marked DEVICE_ERROR_OPEN and the interrupted host-
-path allocation are open (strict xfail). A Ctrl-C is injected as a real SIGINT at the call, so an `interrupts_held`
+code it was written against (27a8ec8) and shows one defect; those marked DEVICE_ERROR_OPEN are open (strict xfail;
+the interrupted host-path allocation was fixed in session 33). A Ctrl-C is injected as a real SIGINT at the call, so an `interrupts_held`
 region defers it as it would a user's. The search: for each method the engine calls during its steps (the engine's
 own, the scheduler's, EnginePrefix's and the prefix cache's, the allocator's and its page rings', the request rows',
 ForwardSlots', the read-back's, sampling's, the statistics', the step graphs' and their adapter's, the model, the
