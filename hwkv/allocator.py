@@ -212,6 +212,10 @@ class PagedTokenToKVPoolAllocator:
     # ---- sizes --------------------------------------------------------------------------------------
     def clear(self) -> None:
         """Forget every allocation: all pages free, never allocated."""
+        with interrupts_held():  # every ring (and the SWA allocator's table after it) or none
+            self._clear()
+
+    def _clear(self) -> None:
         for r in self._rings():
             r.reset()
 
@@ -335,12 +339,14 @@ class PagedTokenToKVPoolAllocator:
 
     def _untake(self, marks: List[int]) -> None:
         """The error path of an allocation: each ring's pages popped since its head was at `marks` back in the ring,
-        free (a Ctrl-C after the host path popped them, which nobody would hold or give back otherwise)."""
+        free (a Ctrl-C after the host path popped them, which nobody would hold or give back otherwise), their
+        counts as before: a page the ring gave from its first pass (position < num_pages) was never allocated."""
         with interrupts_held():
             for r, m in zip(self._rings(), marks):
                 if r.head != m:
+                    at = torch.arange(m, r.head, dtype=I64, device=r.refs.device)
                     pages = r.popped(m, r.head - m)
-                    r.refs[pages] = FREE
+                    r.refs[pages] = torch.where(at < r.num_pages, NEVER, FREE)
                     if r is self.pages and self._mapping is not None:  # the full pages map no SWA slot again
                         p = self.page_size
                         self._mapping[(pages[:, None] * p + torch.arange(p, device=pages.device)).reshape(-1)] = 0
@@ -411,10 +417,15 @@ class PagedTokenToKVPoolAllocator:
             raise ConfigError(f"reserve(ops={ops!r}) needs an int >= 1")
         if pages:  # no page always fits (most decode steps open none)
             self._check_room(pages)
-        heads = []
-        for r in self._ring_set:  # claimed and numbered in one pass (`_next_op`'s numbering)
-            heads.append(r.take(pages))
-            r.op += ops
+        heads: List[int] = []
+        with interrupts_held() as held:  # every ring claims, or (a Ctrl-C here) none: the caller gets no heads
+            for r in self._ring_set:  # claimed and numbered in one pass (`_next_op`'s numbering)
+                heads.append(r.take(pages))
+                r.op += ops
+            if held.caught:
+                for r in self._ring_set:
+                    r.head -= pages
+                    r.op -= ops
         return heads
 
     def cancel_reserve(self, pages: int) -> bool:
@@ -423,12 +434,12 @@ class PagedTokenToKVPoolAllocator:
         live (the allocation ran: the caller's undo frees those). The ops `reserve` numbered stay numbered (a gap in
         the numbers ranks errors as before; reusing a number that ran could not). Returns whether a head moved. Nothing
         else may have taken from the rings since that `reserve`. The error path only: it reads the device."""
-        moved = False
-        for r in self._ring_set if pages else ():
-            if not bool((r.refs[r.popped(r.head - pages, pages)] >= 1).any()):
-                r.head -= pages
-                moved = True
-        return moved
+        live = [bool((r.refs[r.popped(r.head - pages, pages)] >= 1).any()) for r in self._ring_set] if pages else []
+        with interrupts_held():  # every ring's head back, or none
+            for r, ran in zip(self._ring_set, live):
+                if not ran:
+                    r.head -= pages
+        return not all(live)
 
     @property
     def op_number(self) -> int:
@@ -453,8 +464,9 @@ class PagedTokenToKVPoolAllocator:
         if isinstance(heads, torch.Tensor) and not self.allocates_in_graph:
             raise ConfigError("heads on the device need the device's page-op kernels: the torch ops take reserve's "
                               "host list (they size themselves from host values)")
-        (self._ops or TORCH_OPS).alloc_extend(self.pages, self._swa, self._mapping, prefix, seq, last, out, pages,
-                                              heads, False)
+        with interrupts_held():  # (the torch ops' several steps: counts, table rows and give-backs together)
+            (self._ops or TORCH_OPS).alloc_extend(self.pages, self._swa, self._mapping, prefix, seq, last, out, pages,
+                                                  heads, False)
 
     @property
     def allocates_step_in_one(self) -> bool:
@@ -574,12 +586,13 @@ class PagedTokenToKVPoolAllocator:
                                      sharing=full_delta > 0)
             if full_delta < 0 and not swa_delta and self._swa is not None:
                 self._check_keeps_swa(loc, pages)
-        self._next_op()
-        if self._on_host():
-            self._change_on_host(loc, full_delta, swa_delta if self._swa is not None else 0, pages)
-            return
-        (self._ops or TORCH_OPS).change_refs(self.pages, self._swa, self._mapping, loc, full_delta,
-                                             swa_delta if self._swa is not None else 0)
+        with interrupts_held():  # the counts, the table rows and the pushes land together
+            self._next_op()
+            if self._on_host():
+                self._change_on_host(loc, full_delta, swa_delta if self._swa is not None else 0, pages)
+                return
+            (self._ops or TORCH_OPS).change_refs(self.pages, self._swa, self._mapping, loc, full_delta,
+                                                 swa_delta if self._swa is not None else 0)
 
     def _change_on_host(self, loc: torch.Tensor, full_delta: int, swa_delta: int,
                         fp: Optional[np.ndarray] = None) -> None:
@@ -816,8 +829,8 @@ class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     def available_size(self) -> int:
         return min(self.full_available_size(), self.swa_available_size())
 
-    def clear(self) -> None:
-        super().clear()
+    def _clear(self) -> None:
+        super()._clear()
         self.full_to_swa_index_mapping[:-1].zero_()
 
     def translate_loc_from_full_to_swa(self, loc: torch.Tensor) -> torch.Tensor:

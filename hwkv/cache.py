@@ -169,14 +169,16 @@ class HybridPrefixCache:
         up = _Node(node.key[:k].copy(), node.locs[:k].clone(), node.parent, node.start, node.swa)
         up.lock_full, up.t_full, up.t_swa, up.changed = node.lock_full, node.t_full, node.t_swa, node.changed
         up.swa_locks = Counter({s: c for s, c in node.swa_locks.items() if s < at})
-        node.parent.children[tuple(node.key[:self.page_size].tolist())] = up
-        node.key, node.locs, node.start, node.parent = node.key[k:].copy(), node.locs[k:].clone(), at, up
-        up.children[tuple(node.key[:self.page_size].tolist())] = node
-        if up.swa and node.lock_swa and not up.lock_swa:  # no lock's window reaches the upper part
-            self.evictable_swa += k
-        self._nodes_count += 1
-        self._push_swa(up)
-        self._push_swa(node)
+        key, locs = node.key[k:].copy(), node.locs[k:].clone()
+        with interrupts_held():  # linked, counted and in the heaps together
+            node.parent.children[tuple(node.key[:self.page_size].tolist())] = up
+            node.key, node.locs, node.start, node.parent = key, locs, at, up
+            up.children[tuple(key[:self.page_size].tolist())] = node
+            if up.swa and node.lock_swa and not up.lock_swa:  # no lock's window reaches the upper part
+                self.evictable_swa += k
+            self._nodes_count += 1
+            self._push_swa(up)
+            self._push_swa(node)
         return up
 
     def _touch(self, node: _Node, swa_from: int) -> int:
@@ -282,7 +284,11 @@ class HybridPrefixCache:
         self._own(match, PrefixMatch, "lock")
         if match.node is not self.root and match.stamp:
             self._check_current(match)
-        return self._lock(match.node, match.swa_start)
+        with interrupts_held() as held:  # a Ctrl-C here is raised with nothing locked (a split may stay)
+            lock = self._lock(match.node, match.swa_start)
+            if held.caught:
+                self.unlock(lock)
+        return lock
 
     def _lock(self, target: _Node, swa_start: int) -> PrefixLock:
         node = target
@@ -307,21 +313,22 @@ class HybridPrefixCache:
         self._own(lock, PrefixLock, "unlock")
         if not lock.active:
             raise CacheError("this prefix lock was already released")
-        lock.active = False
-        node = lock.node
-        while node is not self.root:
-            node.lock_full -= 1
-            if node.lock_full == 0:
-                self.evictable_full += len(node.key)
-                self._push_full(node)
-            if lock.swa_start in node.swa_locks:
-                node.swa_locks[lock.swa_start] -= 1
-                if node.swa_locks[lock.swa_start] == 0:
-                    del node.swa_locks[lock.swa_start]
-                if node.swa and node.lock_swa == 0:
-                    self.evictable_swa += len(node.key)
-                    self._push_swa(node)
-            node = node.parent
+        with interrupts_held():  # the handle and its whole path released together
+            lock.active = False
+            node = lock.node
+            while node is not self.root:
+                node.lock_full -= 1
+                if node.lock_full == 0:
+                    self.evictable_full += len(node.key)
+                    self._push_full(node)
+                if lock.swa_start in node.swa_locks:
+                    node.swa_locks[lock.swa_start] -= 1
+                    if node.swa_locks[lock.swa_start] == 0:
+                        del node.swa_locks[lock.swa_start]
+                    if node.swa and node.lock_swa == 0:
+                        self.evictable_swa += len(node.key)
+                        self._push_swa(node)
+                node = node.parent
 
     # ---- insert -------------------------------------------------------------------------------
     def insert(self, token_ids: TokenIds, locs: torch.Tensor, swa_start: int) -> int:
@@ -356,6 +363,13 @@ class HybridPrefixCache:
         if m == n and not revive:
             self._touch(self._node_at(path, n), window_start(n, self.window, p))
             return 0
+        with interrupts_held():  # the references and the nodes that hold them land together
+            return self._insert_checked(ids, locs, n, path, m, cut, revive, new_cut)
+
+    def _insert_checked(self, ids: np.ndarray, locs: torch.Tensor, n: int, path: List[_Node], m: int, cut: int,
+                        revive: List[_Node], new_cut: int) -> int:
+        """`insert` once every check passed: the references taken, tombstones revived, new nodes added."""
+        p = self.page_size
         t = next(self._clock)
         old, revived = [], []
         for nd in revive:  # the parts of tombstones in [cut, m): take the request's locs (with SWA) instead
@@ -431,10 +445,20 @@ class HybridPrefixCache:
         if m:
             self._check_current(match)
             self._precheck(match.locs, match.locs[s0:m], s0)
-            req_to_token_pool.write(row, 0, match.locs)
-            self.allocator.share(match.locs[:s0], with_swa=False, checked=True)
-            self.allocator.share(match.locs[s0:m], with_swa=True, checked=True)
-        return self._lock(match.node, s0), s0
+        with interrupts_held() as held:  # a Ctrl-C here is raised with everything as before
+            if m:
+                was = req_to_token_pool.req_to_token[row, :m].clone()
+                req_to_token_pool.write(row, 0, match.locs)
+                self.allocator.share(match.locs[:s0], with_swa=False, checked=True)
+                self.allocator.share(match.locs[s0:m], with_swa=True, checked=True)
+            lock = self._lock(match.node, s0)
+            if held.caught:
+                self.unlock(lock)
+                if m:
+                    self.allocator.free(match.locs[:s0], with_swa=False)
+                    self.allocator.free(match.locs[s0:m], with_swa=True)
+                    req_to_token_pool.req_to_token[row, :m] = was
+        return lock, s0
 
     def cache_running(self, token_ids: TokenIds, req_to_token_pool: ReqToTokenPool, row: int, seq_len: int,
                       frontier: int, lock: Optional[PrefixLock] = None) -> PrefixLock:
@@ -465,19 +489,24 @@ class HybridPrefixCache:
         # changed the tree, so a wrong frontier has to be refused here
         self._precheck(locs[:n], locs[min(frontier, n):n], frontier)
         before = next(self._clock)
-        self.insert(ids, locs, frontier)
-        path, m = self._walk(ids[:n])
-        node = self._node_at(path, m)
-        f = min(frontier, m)
-        nd = node
-        while nd is not self.root and nd.start >= f:  # the node the frontier falls in: split there first, so the
-            nd = nd.parent                            # part from the frontier on is adopted (with its SWA)
-        if nd is not self.root and nd.start < f < nd.end:
-            self._split(nd, f)
-        self._adopt(node, locs, frontier, before)
-        new = self._lock(node, f)
-        if lock is not None:
-            self.unlock(lock)
+        with interrupts_held() as held:  # cached and locked whole; a Ctrl-C here is raised after, the request's
+            self.insert(ids, locs, frontier)  # lock (`lock`, the handle it passed, now the new one) kept
+            path, m = self._walk(ids[:n])
+            node = self._node_at(path, m)
+            f = min(frontier, m)
+            nd = node
+            while nd is not self.root and nd.start >= f:  # the node the frontier falls in: split there first, so
+                nd = nd.parent                            # the part from the frontier on is adopted (with its SWA)
+            if nd is not self.root and nd.start < f < nd.end:
+                self._split(nd, f)
+            self._adopt(node, locs, frontier, before)
+            new = self._lock(node, f)
+            if lock is not None:
+                self.unlock(lock)
+                if held.caught:  # the caller never gets `new`: its own handle takes it over
+                    lock.node, lock.swa_start, lock.active = new.node, new.swa_start, True
+            elif held.caught:  # no handle to carry it: the new nodes stay cached, unlocked
+                self.unlock(new)
         return new
 
     def _adopt(self, node: _Node, locs: torch.Tensor, frontier: int, since: int) -> None:
@@ -538,6 +567,13 @@ class HybridPrefixCache:
             # every page it holds, with SWA from its frontier on: the frees below would drop references it lacks
             self._precheck(locs, locs[f:], f)
             checked.append((ids, locs, f, lock))
+        with interrupts_held():  # every request cached, unlocked and its references dropped together
+            return self._release_checked(checked, cache)
+
+    def _release_checked(self, checked: List[Tuple[np.ndarray, torch.Tensor, int, Optional[PrefixLock]]],
+                         cache: bool) -> int:
+        """`release_requests` once every request passed its checks."""
+        p = self.page_size
         added, rounds, alone, seen = 0, [], [], {}
         for ids, locs, f, lock in checked:
             added += self.insert(ids, locs, f) if cache else 0
@@ -644,12 +680,14 @@ class HybridPrefixCache:
         gone: Dict[bool, List[torch.Tensor]] = {True: [], False: []}
         ok = lambda nd: nd.parent is not None and not nd.children and nd.lock_full == 0  # noqa: E731
         with interrupts_held():  # the nodes leave the tree and their pages go back together (a Ctrl-C after)
-            while freed < num_tokens:
-                node, _, _ = self._pop(self._full_heap, ok, lambda nd: (self._full_rank(nd), 0))
-                gone[node.swa].append(node.locs)
-                self._detach(node)
-                freed += len(node.key)
-            self._free(gone)
+            try:
+                while freed < num_tokens:
+                    node, _, _ = self._pop(self._full_heap, ok, lambda nd: (self._full_rank(nd), 0))
+                    gone[node.swa].append(node.locs)
+                    self._detach(node)
+                    freed += len(node.key)
+            finally:  # (a heap found broken part way: what left the tree is freed all the same)
+                self._free(gone)
         return freed
 
     def _free(self, gone: Dict[bool, List[torch.Tensor]]) -> None:
@@ -670,14 +708,16 @@ class HybridPrefixCache:
         drop: List[torch.Tensor] = []
         ok = lambda nd: nd.parent is not None and nd.swa and nd.lock_swa == 0  # noqa: E731
         with interrupts_held():  # the tombstones and the SWA pages' release land together (a Ctrl-C after)
-            while freed < num_tokens:
-                node, rank, keep_from = self._pop(self._swa_heap, ok, self._swa_rank)
-                if rank[0] == 0 and keep_from < node.end:  # only the head: the rest still serves a window
-                    node = self._split(node, keep_from)
-                drop.append(node.locs)
-                freed += self._tombstone(node)
-            if drop:
-                self.allocator.free_swa(torch.cat(drop) if len(drop) > 1 else drop[0])
+            try:
+                while freed < num_tokens:
+                    node, rank, keep_from = self._pop(self._swa_heap, ok, self._swa_rank)
+                    if rank[0] == 0 and keep_from < node.end:  # only the head: the rest still serves a window
+                        node = self._split(node, keep_from)
+                    drop.append(node.locs)
+                    freed += self._tombstone(node)
+            finally:  # (a heap found broken part way: the tombstones made so far release their SWA all the same)
+                if drop:
+                    self.allocator.free_swa(torch.cat(drop) if len(drop) > 1 else drop[0])
         return freed
 
     def _tombstone(self, node: _Node) -> int:
@@ -703,11 +743,12 @@ class HybridPrefixCache:
                              f"{locked[0].lock_full} running request(s)")
         freed = 0
         gone: Dict[bool, List[torch.Tensor]] = {True: [], False: []}
-        for nd in reversed(subtree):  # leaves first
-            gone[nd.swa].append(nd.locs)
-            self._detach(nd)
-            freed += len(nd.key)
-        self._free(gone)
+        with interrupts_held():  # the nodes leave the tree and their pages go back together
+            for nd in reversed(subtree):  # leaves first
+                gone[nd.swa].append(nd.locs)
+                self._detach(nd)
+                freed += len(nd.key)
+            self._free(gone)
         return freed
 
     def _detach(self, node: _Node) -> None:

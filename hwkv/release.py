@@ -13,6 +13,7 @@ from hwkv.allocator import SWATokenToKVPoolAllocator, _distinct, _host_view, _pu
 from hwkv.checks import as_int, check_int_dtype, check_rows, check_window, values_checkable
 from hwkv.errors import ConfigError, DoubleFreeError, LocError
 from hwkv.pages import PageRing
+from hwkv.sigint import interrupts_held
 from hwkv.torch_page_ops import I64, TORCH_OPS
 
 
@@ -73,25 +74,27 @@ def release_out_of_window_batch(allocator: SWATokenToKVPoolAllocator, req_to_tok
         table = frontiers  # the batch's own frontiers, released as usual, then put back in their rows
         check_rows(req_pool_indices, req_to_token.shape[0])   # the gather below reads them (a bare IndexError)
         f = table[req_pool_indices]
-        release_out_of_window_batch(allocator, req_to_token, req_pool_indices, seq_lens, f, window, op_word=op_word)
-        table[req_pool_indices] = f
+        with interrupts_held():  # the pages and the rows' frontiers move together
+            release_out_of_window_batch(allocator, req_to_token, req_pool_indices, seq_lens, f, window,
+                                        op_word=op_word)
+            table[req_pool_indices] = f
         return table
     if checks:
         checked = _check_release(allocator, req_to_token, req_pool_indices, seq_lens, frontiers, window)
         if allocator._on_host():  # checked on the host: applied there too
-            allocator._next_op()
-            _release_on_host(allocator._swa, allocator._mapping, *checked)
-            frontiers.copy_(torch.from_numpy(checked[0]))
+            with interrupts_held():  # counts, table rows, pushes and frontiers together
+                allocator._next_op()
+                _release_on_host(allocator._swa, allocator._mapping, *checked)
+                frontiers.copy_(torch.from_numpy(checked[0]))
             return frontiers
-    if op_word is None:
-        allocator._next_op()
-        more = {}
-    else:  # numbered by the caller's reserve, read by the kernel
-        more = {"op_word": op_word}
+    more = {} if op_word is None else {"op_word": op_word}  # (op_word: numbered by the caller's reserve)
     if by_row:
         more["by_row"] = True
-    ops.release_window(allocator.pages, allocator._swa, allocator._mapping, req_to_token, req_pool_indices,
-                       seq_lens, frontiers, window, **more)
+    with interrupts_held():  # (the torch ops' several steps land together)
+        if op_word is None:
+            allocator._next_op()
+        ops.release_window(allocator.pages, allocator._swa, allocator._mapping, req_to_token, req_pool_indices,
+                           seq_lens, frontiers, window, **more)
     return frontiers
 
 

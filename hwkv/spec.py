@@ -26,6 +26,7 @@ from hwkv.checks import as_int, check_rows, check_shape, values_checkable
 from hwkv.errors import CapacityError, DoubleFreeError, ShapeError
 from hwkv.metadata import KVIndexList, cumsum_into
 from hwkv.pages import ERR_ACCEPT_INDEX, ERR_ACCEPTED
+from hwkv.sigint import interrupts_held
 
 
 @dataclass(frozen=True)
@@ -342,8 +343,9 @@ def accept_draft_tokens(allocator: Any, pool: Any, req_to_token: torch.Tensor, r
         free = _unless_left(left, locs, 0).view(-1)[order]
         if allocator.immediate:
             allocator._check_free(free, swa_required=False)          # raise before the row changes
-        req_to_token[rows, pos] = _unless_left(left, torch.where(valid, kept_locs, 0), locs)
-        allocator.free(free)
+        with interrupts_held():  # the rows and the free land together
+            req_to_token[rows, pos] = _unless_left(left, torch.where(valid, kept_locs, 0), locs)
+            allocator.free(free)
     else:
         new_end = ((pre_cpu + acc_cpu + page - 1) // page) * page   # first position of the first page to free
         old_end = pre_cpu + n
@@ -361,11 +363,12 @@ def accept_draft_tokens(allocator: Any, pool: Any, req_to_token: torch.Tensor, r
                 free = torch.where(left[req, 0], 0, free)
             if allocator.immediate:
                 allocator._check_free(free, swa_required=False)      # raise before anything moves
-        if not chain:  # (a chain's drafts stay where they are: kept_locs is locs)
-            pool.move_kv(kept_locs.view(-1), locs.view(-1))         # (a request left as it is: onto itself)
-        req_to_token[rows, pos] = _unless_left(left, torch.where(valid, locs, 0), locs)
-        if free is not None:
-            allocator.free(free)
+        with interrupts_held():  # the K/V moves, the rows and the free land together
+            if not chain:  # (a chain's drafts stay where they are: kept_locs is locs)
+                pool.move_kv(kept_locs.view(-1), locs.view(-1))     # (a request left as it is: onto itself)
+            req_to_token[rows, pos] = _unless_left(left, torch.where(valid, locs, 0), locs)
+            if free is not None:
+                allocator.free(free)
     return prefix_lens.to(torch.int64) + accept_lens.to(torch.int64)
 
 

@@ -114,6 +114,17 @@ def triton_runs_cpu_tensors():
         pytest.skip("Triton kernels over CPU tensors run in Triton's interpreter only (TRITON_INTERPRET=1)")
 
 
+def triton_device() -> torch.device:
+    """Where Triton runs the kernels a CPU-versus-Triton differential test compares: the CPU under its interpreter
+    (TRITON_INTERPRET=1, CI), else the GPU (a device run); the test skips where it has neither."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        pytest.skip("Triton runs kernels in its interpreter (TRITON_INTERPRET=1) or on a GPU: neither here")
+    return torch.device("cuda")
+
+
 def triton_page_ops_on_cpu():
     """The Triton page-op kernels for an allocator over CPU tensors (the test skips where Triton compiles them)."""
     triton_runs_cpu_tensors()

@@ -15,6 +15,7 @@ from hwkv.errors import LocError
 from hwkv.pool import SWAKVPool
 from hwkv.release import release_out_of_window_batch
 from hwkv.req_to_token import ReqToTokenPool
+from conftest import triton_runs_cpu_tensors
 
 P = 4
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -210,12 +211,15 @@ def test_rocm_converts_only_the_lists_aiter_layers_read(standin_aiter, monkeypat
         assert seen.fills >= 4, "each decode replay refills the full list's int32 twin"
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 @pytest.mark.parametrize("fits", [None, "full"], ids=["no-layer-fits", "full-layers-fit"])
 def test_xpu_builds_ipex_plans_only_for_lists_ipex_layers_read(monkeypatch, graph, fits):
     """XPUBackend(ipex=True) had planned IPEX tables for every list of every forward, whichever layer would read
     them. IPEX is stood in for (no Intel GPU here): its reason is cleared, the layer check says which layers fit,
-    and the varlen call records the plan it was handed."""
+    and the varlen call records the plan it was handed. The layers IPEX does not take run the Triton kernels over CPU
+    tensors: Triton's interpreter only."""
+    triton_runs_cpu_tensors()
     from hwkv_intel import ipex
     planned, ran = [], []
     plan = ipex.plan_list

@@ -28,7 +28,7 @@ from hwkv.step_graph import DecodeStepGraph, DraftStepGraph, VerifyStepGraph
 from hwkv.testing.spec_harness import draft_batch, draft_graphs, draft_model
 from test_accept_draft import N, Setup
 from test_spec_refusals import CTX, ROWS, assert_unchanged, draft, harness, snapshot
-from test_step_graph import D, Engine, H, KVH, W
+from test_step_graph import D, DEVICE, Engine, H, KVH, W
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -204,7 +204,7 @@ def test_accept_takes_frontiers_of_the_batch_shape():
 
 def _auto_verify(chain_pays, verify_pays):
     e = Engine(4)
-    e.backend = hwkv.make_backend(e.pool, e.rtt, device="cpu", sliding_window=W, tree_verify="auto")
+    e.backend = hwkv.make_backend(e.pool, e.rtt, device=DEVICE, sliding_window=W, tree_verify="auto")
     e.backend.decode_like_chain_pays = chain_pays
     e.backend.decode_like_verify_pays = verify_pays
     seen = []
@@ -247,7 +247,7 @@ def test_auto_verify_follows_the_chain_rule_not_the_tree_rule():
 
 def test_the_planner_rule_decides_chains_and_trees_apart():
     e = Engine(4)
-    planner = hwkv.make_backend(e.pool, e.rtt, device="cpu", sliding_window=W, tree_verify="auto").tree_planner
+    planner = hwkv.make_backend(e.pool, e.rtt, device=DEVICE, sliding_window=W, tree_verify="auto").tree_planner
     planner.backend.decode_like_chain_pays = lambda requests, tokens: requests <= 2
     planner.backend.decode_like_verify_pays = lambda requests, tokens: requests <= 8
     assert planner.decode_like(2, 6, chain=True) and not planner.decode_like(4, 12, chain=True)

@@ -29,6 +29,7 @@ from hwkv.testing.harness import Harness, ModelGeometry
 from hwkv.testing.spec_harness import draft_batch, draft_model
 from hwkv_cpu import kernels as cpu_kernels
 from hwkv_cpu.backend import CPUOptions, TorchCPUBackend
+from conftest import triton_device
 
 pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("one_thread")]
 
@@ -233,9 +234,10 @@ def _kv(dtype_k=torch.float32, dtype_v=torch.float32):
     return torch.randn(S, KVH, D, generator=g).to(dtype_k), torch.randn(S, KVH, D, generator=g).to(dtype_v)
 
 
-def _extend_unseen(kernels: Any, sinks: Any) -> torch.Tensor:
+def _extend_unseen(kernels: Any, sinks: Any, dev: torch.device = torch.device("cpu")) -> torch.Tensor:
     """Request 0: keys at 0..2, queries at 10 and 11 with W=2 (none visible); request 1: keys at 3..5 after its
-    query at 2 (none visible); request 2: an empty list; request 3: a query seeing its keys."""
+    query at 2 (none visible); request 2: an empty list; request 3: a query seeing its keys. On `dev`; returned on the
+    CPU."""
     k_buf, v_buf = _kv()
     q = torch.randn(5, H, D, generator=torch.Generator().manual_seed(1))
     kv_indptr = torch.tensor([0, 3, 6, 6, 9], dtype=torch.int32)
@@ -244,18 +246,18 @@ def _extend_unseen(kernels: Any, sinks: Any) -> torch.Tensor:
     qo_indptr = torch.tensor([0, 2, 3, 4, 5], dtype=torch.int32)
     q_pos0 = torch.tensor([10, 2, 0, 2])
     out = torch.full((5, H, D), 7.0)
-    kernels.extend_attention(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, 2, D ** -0.5, 2,
-                             0.0, sinks, None, None)
-    return out
+    args = [t.to(dev) for t in (q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out)]
+    kernels.extend_attention(*args, 2, D ** -0.5, 2, 0.0, None if sinks is None else sinks.to(dev), None, None)
+    return args[-1].cpu()
 
 
 @pytest.mark.parametrize("sinks", [None, torch.zeros(H)], ids=["no-sinks", "sinks"])
 def test_cpu_extend_gives_zeros_to_queries_without_a_visible_key(sinks: Any) -> None:
     out = _extend_unseen(cpu_kernels, sinks)
     assert out[:4].abs().max().item() == 0.0 and out[4].abs().max().item() > 0
-    pytest.importorskip("triton")
+    dev = triton_device()
     from hwkv_cuda import kernels as triton_kernels
-    assert torch.allclose(out, _extend_unseen(triton_kernels, sinks), atol=1e-5)
+    assert torch.allclose(out, _extend_unseen(triton_kernels, sinks, dev), atol=1e-5)
 
 
 # ---- 5a. store_kv with an int32 loc ------------------------------------------------------------------------------
@@ -287,24 +289,25 @@ def test_cpu_kernels_take_k_and_v_of_different_dtypes_as_triton_does(dk: torch.d
     keys = [k_buf[1:4].float(), k_buf[4:9].float()]
     vals = [v_buf[1:4].float(), v_buf[4:9].float()]
 
-    def run(kernels: Any) -> torch.Tensor:
+    def run(kernels: Any, dev: torch.device = torch.device("cpu")) -> torch.Tensor:
+        """(q, out) on the CPU; the kernel ran on `dev`."""
+        n = 2 if op == "decode" else 4
+        q, out = torch.randn(n, H, D, generator=torch.Generator().manual_seed(3)), torch.zeros(n, H, D)
+        common, o = [t.to(dev) for t in (q, k_buf, v_buf, indptr, indices, pos0)], out.to(dev)
         if op == "decode":
-            q, out = torch.randn(2, H, D, generator=torch.Generator().manual_seed(3)), torch.zeros(2, H, D)
-            kernels.decode_attention(q, k_buf, v_buf, indptr, indices, pos0, torch.tensor([2, 4]), out, D ** -0.5, 3,
-                                     0.0, None, None, None)
+            kernels.decode_attention(*common, torch.tensor([2, 4], device=dev), o, D ** -0.5, 3, 0.0, None, None, None)
         else:
-            q, out = torch.randn(4, H, D, generator=torch.Generator().manual_seed(3)), torch.zeros(4, H, D)
-            kernels.extend_attention(q, k_buf, v_buf, indptr, indices, pos0, torch.tensor([0, 1, 4], dtype=torch.int32),
-                                     torch.tensor([2, 2]), out, 3, D ** -0.5, 3, 0.0, None, None, None)
-        return q, out
+            kernels.extend_attention(*common, torch.tensor([0, 1, 4], dtype=torch.int32, device=dev),
+                                     torch.tensor([2, 2], device=dev), o, 3, D ** -0.5, 3, 0.0, None, None, None)
+        return q, o.cpu()
 
     q, out = run(cpu_kernels)
     ext = [1, 1] if op == "decode" else [1, 3]
     ref = reference.batch_attention(q, keys, vals, [3, 5], ext, window=3)
     assert torch.allclose(out, ref, atol=2e-2), (out - ref).abs().max()
-    pytest.importorskip("triton")
+    dev = triton_device()
     from hwkv_cuda import kernels as triton_kernels
-    _, t_out = run(triton_kernels)
+    _, t_out = run(triton_kernels, dev)
     assert torch.allclose(out, t_out, atol=2e-2), (out - t_out).abs().max()
 
 

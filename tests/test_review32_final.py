@@ -2,7 +2,8 @@
 `read_oldest` no longer popping, `can_admit`, eviction under `interrupts_held`).
 
 Every test here failed on ecc711c and shows one defect; the whole-step send-back, the read's counters and the
-cut-short release are fixed; the others are open (strict xfail: a fix makes them pass, and the mark must go). As in
+cut-short release are fixed; the bytecode windows of `_send` and `_read_one` were fixed in session 33 (held, now that a
+hold costs ~0.7 us). As in
 test_review32_injection.py a Ctrl-C is a real SIGINT (`_once`: raised at the call, before it runs), the server loop
 (`_drain_interrupted`) catches it and keeps stepping with `check_integrity()` after every step, and the tokens are
 compared with the uninterrupted run. Where no call sits in the window (the bookkeeping right after a call returned),
@@ -88,9 +89,6 @@ def test_a_failure_as_a_whole_step_decodes_tokens_are_sent_back_leaks_nothing(mo
 
 
 # ---- 2. a Ctrl-C once the record is listed, before the lengths moved: `_sent` says sent, nothing sends -----------
-@pytest.mark.xfail(strict=True, reason="open: a Ctrl-C between two bytecodes of the host's bookkeeping (here: after "
-                   "the record is listed, before the lengths move); "
-                   "closing it needs Ctrl-C held there on every step (~5-8 us a step on this CPU)")
 def test_a_ctrl_c_after_a_forwards_record_is_listed_still_moves_its_lengths(monkeypatch):
     """`Engine._send` (hwkv/engine/engine.py:481-494) appends the forward's `Inflight` (`ReadBack.send`) and only
     then moves each row's `kv_len` and each sampling row's `pending` in two host loops. The step's handler
@@ -109,9 +107,6 @@ def test_a_ctrl_c_after_a_forwards_record_is_listed_still_moves_its_lengths(monk
 
 
 # ---- 3. `_read_one`'s resumable read: a row counts as read only after its token was appended and listed ---------
-@pytest.mark.xfail(strict=True, reason="open: a Ctrl-C between two bytecodes of the host's bookkeeping (here: inside "
-                   "a row's read, after its token joined the output); "
-                   "closing it needs Ctrl-C held there on every step (~5-8 us a step on this CPU)")
 @pytest.mark.parametrize("where", ["inside add_token", "finishing.append"])
 def test_a_ctrl_c_inside_a_rows_read_neither_duplicates_its_token_nor_strands_its_request(monkeypatch, where):
     """ecc711c's `_read_one` (hwkv/engine/engine.py:535-546) resumes an interrupted read from `rec.done`, the rows

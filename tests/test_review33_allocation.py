@@ -37,8 +37,7 @@ def _sigint_in(monkeypatch, owner, name: str, when: Callable[..., bool] = lambda
 
 
 def _allocator(call: str, host: bool) -> Tuple[SWATokenToKVPoolAllocator, Callable[[], torch.Tensor]]:
-    """An SWA allocator whose pages were all allocated once and freed (a rolled-back page is free, allocated once:
-    FREE, not NEVER), two requests holding 8 and 4 slots (page 4),
+    """An SWA allocator whose pages were all allocated once and freed (the rings past their first pass), two requests holding 8 and 4 slots (page 4),
     and the allocation `call` makes for them: each opens a page (extend: 5 tokens each, a page continued and two
     opened; decode: the token at 8 and at 4)."""
     _, a = make(size=64, size_swa=32, page=4)

@@ -496,12 +496,13 @@ class Engine:
         only once its record is listed, so a step whose `_send` raised sends once more (`_resend`)."""
         if sampled:
             self.next_ids[where] = tokens
-        # slots are taken and given back only by allocator calls: where none ran, the counts are as before
-        self.readback.send(sampled, tokens, mode, self._held() if self._pools_changed else None)
-        for r in rows:
-            r.req.kv_len += r.n
-        for r in sampled:
-            r.req.pending += 1
+        with interrupts_held():  # the record listed and the counts moved together (`_resend` keys on the record)
+            # slots are taken and given back only by allocator calls: where none ran, the counts are as before
+            self.readback.send(sampled, tokens, mode, self._held() if self._pools_changed else None)
+            for r in rows:
+                r.req.kv_len += r.n
+            for r in sampled:
+                r.req.pending += 1
 
     def _resend(self, rows: List[Row], sampled: List[Row], where: torch.Tensor, mode: ForwardMode,
                 tokens: torch.Tensor) -> None:
@@ -546,19 +547,20 @@ class Engine:
                 self._record_held(values[n:], rec.heads, rec.cached)
             rec.done = 0
         i, dropped = rec.done, 0
-        try:
-            for r, tok in zip(rec.sampled[i:] if i else rec.sampled, values[i:n] if i else values):
-                req = r.req
-                if req.finish_reason is not None:  # sampled after its stop token (overlap): dropped, never counted
-                    dropped += 1
-                elif req.add_token(tok):
-                    self._finishing.append(req)
-                i += 1
-                req.pending -= 1
-        finally:  # (an interrupted read goes on from here)
-            rec.done, rec.dropped = i, rec.dropped + dropped
-        self.stats.record_tokens(rec.mode, n - rec.dropped, rec.dropped)  # counted as read: what the outputs hold
-        self.readback.inflight.pop(0)
+        with interrupts_held():  # each row's token, finish and count land together (a Ctrl-C raised after)
+            try:
+                for r, tok in zip(rec.sampled[i:] if i else rec.sampled, values[i:n] if i else values):
+                    req = r.req
+                    if req.finish_reason is not None:  # sampled after its stop token (overlap): dropped, not counted
+                        dropped += 1
+                    elif req.add_token(tok):
+                        self._finishing.append(req)
+                    i += 1
+                    req.pending -= 1
+            finally:  # (a read an error cut short goes on from here)
+                rec.done, rec.dropped = i, rec.dropped + dropped
+            self.stats.record_tokens(rec.mode, n - rec.dropped, rec.dropped)  # counted as read: what outputs hold
+            self.readback.inflight.pop(0)
         return self._finish_pending() if self._finishing else []
 
     def _finish_pending(self) -> List[Result]:

@@ -10,6 +10,7 @@ from typing import Any, Callable, List, Optional, Tuple
 from hwkv.cache import HybridPrefixCache, window_start
 from hwkv.engine.forward import ForwardSlots
 from hwkv.engine.pools import Cache
+from hwkv.sigint import interrupts_held
 from hwkv.engine.scheduler import Request, Row, Scheduler
 from hwkv.errors import OutOfSlotsError
 
@@ -77,10 +78,11 @@ class EnginePrefix:
     def clear(self) -> int:
         """Evict everything the cache holds that no running request uses; returns the tokens evicted."""
         n = 0
-        while self.tree.evictable_full:
-            n += self.tree.evict(self.tree.evictable_full)
-        while self.tree.evictable_swa:
-            self.tree.evict_swa(self.tree.evictable_swa)
+        with interrupts_held():  # all of it (a Ctrl-C raised after)
+            while self.tree.evictable_full:
+                n += self.tree.evict(self.tree.evictable_full)
+            while self.tree.evictable_swa:
+                self.tree.evict_swa(self.tree.evictable_swa)
         return n
 
     def evict(self, swa_tokens: int, full_tokens: int) -> None:
