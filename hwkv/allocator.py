@@ -27,10 +27,10 @@ from hwkv.checks import (as_int, check_device, check_flag, check_int_dtype, chec
                          is_int, normal_tensors)
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, LocError, NotAllocatedError, OutOfSlotsError
-from hwkv.sigint import interrupts_held
+from hwkv.sigint import held_or_undone, interrupts_held
 from hwkv.pages import (ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_SWA_RELEASED, FREE, NEVER, PageRing,
                         page_ops_for)
-from hwkv.torch_page_ops import I64, TORCH_OPS, TorchPageOps, _bad_continuation, _record
+from hwkv.torch_page_ops import I64, TORCH_OPS, TorchPageOps, _bad_continuation, _record, _unmap
 
 IntsLike = Union[torch.Tensor, Sequence[int]]
 _REEXPORTED = (TorchPageOps,)  # its old home: `hwkv.allocator.TorchPageOps` keeps working
@@ -322,6 +322,7 @@ class PagedTokenToKVPoolAllocator:
         if plan.n == 0:
             return torch.empty(0, dtype=I64, device=self.device)
         marks = [r.head for r in self._rings()]
+        self._counts_were: Union[None, bool, List[np.ndarray]] = None
         try:  # (free of cost until it raises) an allocation that raises part way gives back the pages it took
             if self._on_host():
                 if decode and plan.cont is not None and plan.cont.dtype == np.bool_:
@@ -331,6 +332,7 @@ class PagedTokenToKVPoolAllocator:
             heads = [r.take(plan.pages) for r in self._rings()]
             self._next_op()
             ops = self._ops or TORCH_OPS
+            self._counts_were = True  # (the device op writes them: what they were is not kept)
             ops.alloc_extend(self.pages, self._swa, self._mapping, prefix, seq, last, out, plan.pages, heads, decode)
             return out
         except BaseException:
@@ -339,18 +341,25 @@ class PagedTokenToKVPoolAllocator:
 
     def _untake(self, marks: List[int]) -> None:
         """The error path of an allocation: each ring's pages popped since its head was at `marks` back in the ring,
-        free (a Ctrl-C after the host path popped them, which nobody would hold or give back otherwise), their
-        counts as before: a page the ring gave from its first pass (position < num_pages) was never allocated."""
-        with interrupts_held():
-            for r, m in zip(self._rings(), marks):
-                if r.head != m:
-                    at = torch.arange(m, r.head, dtype=I64, device=r.refs.device)
-                    pages = r.popped(m, r.head - m)
-                    r.refs[pages] = torch.where(at < r.num_pages, NEVER, FREE)
-                    if r is self.pages and self._mapping is not None:  # the full pages map no SWA slot again
-                        p = self.page_size
-                        self._mapping[(pages[:, None] * p + torch.arange(p, device=pages.device)).reshape(-1)] = 0
-                    r.head = m
+        free (a Ctrl-C after the host path popped them, which nobody would hold or give back otherwise), with the
+        counts they had (`_counts_were`: kept by the host path before it wrote them; None: none written yet), and no
+        full page mapping an SWA page. After a device op that raised part way, a page from the ring's first pass
+        (position < num_pages) is taken for never allocated, any other for free."""
+        was = self._counts_were
+        with interrupts_held() as held:
+            for i, (r, m) in enumerate(zip(self._rings(), marks)):
+                if r.head == m:
+                    continue
+                pages = r.popped(m, r.head - m)
+                if was is True:
+                    r.refs[pages] = torch.where(torch.arange(m, r.head, dtype=I64, device=r.refs.device) < r.num_pages,
+                                                NEVER, FREE)
+                elif was is not None and i < len(was):
+                    r.refs[pages] = torch.from_numpy(was[i])
+                if r is self.pages and self._mapping is not None:  # (a free full page maps nothing)
+                    _unmap(self._mapping, pages, torch.ones_like(pages, dtype=torch.bool), self.page_size)
+                r.head = m
+            held.drop()  # (the allocation's own error is the one raised)
 
     def _alloc_on_host(self, prefix: Optional[torch.Tensor], seq: torch.Tensor, last: torch.Tensor, n: int,
                        k: int) -> torch.Tensor:
@@ -387,12 +396,13 @@ class PagedTokenToKVPoolAllocator:
         behind the full ones; returns the full pages in ring order."""
         p = self.page_size
         heads = [ring.take(k) for ring in self._rings()]
-        full = self.pages
+        full, swa = self.pages, self._swa
         fpages = full.ring_np[(heads[0] + np.arange(k)) % full.num_pages]
+        spages = swa.ring_np[(heads[1] + np.arange(k)) % swa.num_pages] if swa is not None else None
+        # the counts they had, for `_untake` (an allocation that raises from here gives them back as they were)
+        self._counts_were = [full.refs_np[fpages]] + ([swa.refs_np[spages]] if swa is not None else [])
         full.refs_np[fpages] = 1
-        swa = self._swa
         if swa is not None:
-            spages = swa.ring_np[(heads[1] + np.arange(k)) % swa.num_pages]
             swa.refs_np[spages] = 1
             off = np.arange(p)
             self._mapping_view()[(fpages[:, None] * p + off).reshape(-1)] = (spages[:, None] * p + off).reshape(-1)
@@ -417,16 +427,18 @@ class PagedTokenToKVPoolAllocator:
             raise ConfigError(f"reserve(ops={ops!r}) needs an int >= 1")
         if pages:  # no page always fits (most decode steps open none)
             self._check_room(pages)
-        heads: List[int] = []
-        with interrupts_held() as held:  # every ring claims, or (a Ctrl-C here) none: the caller gets no heads
+        def claim() -> List[int]:
+            heads = []
             for r in self._ring_set:  # claimed and numbered in one pass (`_next_op`'s numbering)
                 heads.append(r.take(pages))
                 r.op += ops
-            if held.caught:
-                for r in self._ring_set:
-                    r.head -= pages
-                    r.op -= ops
-        return heads
+            return heads
+
+        def unclaim(heads: List[int]) -> None:
+            for r in self._ring_set:
+                r.head -= pages
+                r.op -= ops
+        return held_or_undone(claim, unclaim)  # every ring claims, or (a Ctrl-C: no heads for the caller) none
 
     def cancel_reserve(self, pages: int) -> bool:
         """Give back the pages of the last `reserve(pages, ...)` where its allocation never ran (a replay that raised

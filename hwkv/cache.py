@@ -36,7 +36,7 @@ from hwkv.allocator import SWATokenToKVPoolAllocator
 from hwkv.req_to_token import ReqToTokenPool
 from hwkv.checks import as_int
 from hwkv.errors import CacheError, ConfigError, LocError, NotAllocatedError
-from hwkv.sigint import interrupts_held
+from hwkv.sigint import held_or_undone, interrupts_held
 
 TokenIds = Union[torch.Tensor, np.ndarray, Sequence[int]]
 Rank = Tuple[int, int]
@@ -284,11 +284,8 @@ class HybridPrefixCache:
         self._own(match, PrefixMatch, "lock")
         if match.node is not self.root and match.stamp:
             self._check_current(match)
-        with interrupts_held() as held:  # a Ctrl-C here is raised with nothing locked (a split may stay)
-            lock = self._lock(match.node, match.swa_start)
-            if held.caught:
-                self.unlock(lock)
-        return lock
+        # a Ctrl-C here is raised with nothing locked (a split may stay)
+        return held_or_undone(lambda: self._lock(match.node, match.swa_start), self.unlock)
 
     def _lock(self, target: _Node, swa_start: int) -> PrefixLock:
         node = target
@@ -445,20 +442,22 @@ class HybridPrefixCache:
         if m:
             self._check_current(match)
             self._precheck(match.locs, match.locs[s0:m], s0)
-        with interrupts_held() as held:  # a Ctrl-C here is raised with everything as before
+        was = req_to_token_pool.req_to_token[row, :m].clone() if m else None
+
+        def start() -> PrefixLock:
             if m:
-                was = req_to_token_pool.req_to_token[row, :m].clone()
                 req_to_token_pool.write(row, 0, match.locs)
                 self.allocator.share(match.locs[:s0], with_swa=False, checked=True)
                 self.allocator.share(match.locs[s0:m], with_swa=True, checked=True)
-            lock = self._lock(match.node, s0)
-            if held.caught:
-                self.unlock(lock)
-                if m:
-                    self.allocator.free(match.locs[:s0], with_swa=False)
-                    self.allocator.free(match.locs[s0:m], with_swa=True)
-                    req_to_token_pool.req_to_token[row, :m] = was
-        return lock, s0
+            return self._lock(match.node, s0)
+
+        def undo(lock: PrefixLock) -> None:
+            self.unlock(lock)
+            if m:
+                self.allocator.free(match.locs[:s0], with_swa=False)
+                self.allocator.free(match.locs[s0:m], with_swa=True)
+                req_to_token_pool.req_to_token[row, :m] = was
+        return held_or_undone(start, undo), s0  # a Ctrl-C here is raised with everything as before
 
     def cache_running(self, token_ids: TokenIds, req_to_token_pool: ReqToTokenPool, row: int, seq_len: int,
                       frontier: int, lock: Optional[PrefixLock] = None) -> PrefixLock:
@@ -489,8 +488,9 @@ class HybridPrefixCache:
         # changed the tree, so a wrong frontier has to be refused here
         self._precheck(locs[:n], locs[min(frontier, n):n], frontier)
         before = next(self._clock)
-        with interrupts_held() as held:  # cached and locked whole; a Ctrl-C here is raised after, the request's
-            self.insert(ids, locs, frontier)  # lock (`lock`, the handle it passed, now the new one) kept
+
+        def cache() -> PrefixLock:
+            self.insert(ids, locs, frontier)
             path, m = self._walk(ids[:n])
             node = self._node_at(path, m)
             f = min(frontier, m)
@@ -503,11 +503,14 @@ class HybridPrefixCache:
             new = self._lock(node, f)
             if lock is not None:
                 self.unlock(lock)
-                if held.caught:  # the caller never gets `new`: its own handle takes it over
-                    lock.node, lock.swa_start, lock.active = new.node, new.swa_start, True
-            elif held.caught:  # no handle to carry it: the new nodes stay cached, unlocked
+            return new
+
+        def keep(new: PrefixLock) -> None:  # the caller never gets `new`: its own handle takes it over, or without
+            if lock is None:                # one the new nodes stay cached, unlocked
                 self.unlock(new)
-        return new
+            else:
+                lock.node, lock.swa_start, lock.active = new.node, new.swa_start, True
+        return held_or_undone(cache, keep)  # cached and locked whole, a Ctrl-C raised after
 
     def _adopt(self, node: _Node, locs: torch.Tensor, frontier: int, since: int) -> None:
         """The nodes up to `node` that this insert did not make take the running request's locs: the full

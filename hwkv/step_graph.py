@@ -218,8 +218,8 @@ class DecodeStepGraph(GraphRunner):
         """`allocator.reserve` for one step's page ops, numbered there; the allocation's number is kept for the
         control words (`_op`)."""
         heads = self.allocator.reserve(pages, self._ops)
-        self._op = self.allocator.op_number - self._ops + 1
-        return heads
+        self._op = self.allocator.pages.op - self._ops + 1  # (`op_number`; no call between the claim and the return,
+        return heads                                         # where a Ctrl-C would leave the caller without heads)
 
     # ---- one step on the host --------------------------------------------------------------------
     def step(self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
@@ -264,8 +264,9 @@ class DecodeStepGraph(GraphRunner):
                               f"{sorted(self.graphs) or 'none'}): call capture() before step()")
         fresh = None if inputs is None else self._check_step_inputs(inputs, bs, bucket)
         pages = self._pages(seq_h)
-        heads = self._reserve(pages)  # raises before anything changed when the step might not fit
+        heads = None
         try:
+            heads = self._reserve(pages)  # raises before anything changed when the step might not fit
             if fresh:
                 self._stage_inputs(fresh, bs, bucket)
             if not self._records:  # an eager 'replay' reads the host lengths; a device graph never does
@@ -296,7 +297,8 @@ class DecodeStepGraph(GraphRunner):
             out = self.adapter.replay(graph)  # the whole step; nothing else to do on the host
         except BaseException:  # staging, the host update or the launch raised (Ctrl-C, a vendor error): a claim whose
             self._sent = None   # allocation never ran goes back; one that ran is the caller's to undo (its pages live)
-            self.allocator.cancel_reserve(pages)
+            if heads is not None:
+                self.allocator.cancel_reserve(pages)
             raise
         self._sent = sent
         self.replays += 1

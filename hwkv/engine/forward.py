@@ -260,8 +260,9 @@ class ForwardSlots:
                                 seq_lens_cpu=s.seq_cpu, extend_seq_lens_cpu=s.ext_cpu)
         except BaseException:
             if loc is not None:
-                with interrupts_held():
+                with interrupts_held() as held:
                     self.undo(s.rows, s.prefix_cpu.tolist(), (s.seq_cpu - s.prefix_cpu).tolist(), loc, None)
+                    held.drop()  # (the error being handled is the one raised)
             raise
 
     # ---- out-of-window release ------------------------------------------------------------------------
