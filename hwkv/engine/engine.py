@@ -849,6 +849,9 @@ class Engine:
             logits, released = self.slots.replay_decode(self.graph, row_ids, prefix)
             where = self.graph.req_pool_indices[:len(rows)]
             tokens = self._sample(where, logits)
+            # a page moved (else every token continued its page), or the graph released what the host rule says
+            if released or self.scheduler.new_pages(prefix, 1):  # moved (inside the try: from its end to the
+                self._pools_changed = True                       # caller's send-back nothing is called)
         except BaseException:  # given back where the replay allocated: a recorded device graph runs no Python,
             # so what raises after its allocation is an eager adapter's replay (or a batch past the buckets)
             self._undo(rows, None, head)
@@ -856,9 +859,6 @@ class Engine:
                 self.slots.sync_frontiers(row_ids)
             raise
         self.stats.graph_replays = self.graph.replays
-        # a page moved (else every token continued its page), or the graph released what the host rule says moved
-        if released or self.scheduler.new_pages(prefix, 1):
-            self._pools_changed = True
         return where, tokens
 
     def _undo(self, rows: List[Row], loc: Optional[torch.Tensor], head: int, new: Optional[int] = None) -> None:

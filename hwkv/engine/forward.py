@@ -271,16 +271,17 @@ class ForwardSlots:
         """One out-of-window release for a forward's requests (host `rows`, their lengths `seq_lens`; on the device
         `rows_dev`, `seq_dev`, or one copy of the host lists when None), only when some frontier moves; whether
         it ran. The others have nothing to release. The device frontiers move in place with the release (by row:
-        no gather or scatter around it) and the host's copy only after it: a release interrupted before it ran
-        (Ctrl-C) is run again by the next step that moves those frontiers, none of its pages left held."""
+        no gather or scatter around it) and the host's copy with them, Ctrl-C held: a release that raised before it
+        ran is run again by the next step that moves those frontiers, none of its pages left held."""
         moved = self._frontiers_after(rows, seq_lens)
         if moved is None:
             return False
         if rows_dev is None or seq_dev is None:
             _, ((rows_dev, seq_dev),) = pack([(len(rows), [list(rows), list(seq_lens)])], self.device)
-        release_out_of_window_batch(self.allocator, self.rtt.req_to_token, rows_dev, seq_dev, self.frontiers,
-                                    self.window, by_row=True)
-        self.frontiers_cpu[moved[0]] = moved[1]
+        with interrupts_held():  # (the release holds its own changes: the host's copy joins them)
+            release_out_of_window_batch(self.allocator, self.rtt.req_to_token, rows_dev, seq_dev, self.frontiers,
+                                        self.window, by_row=True)
+            self.frontiers_cpu[moved[0]] = moved[1]
         return True
 
     def move_frontiers(self, rows: Sequence[int], seq_lens: Sequence[int]) -> bool:
