@@ -52,6 +52,15 @@ class Setup:
             release_out_of_window_batch(self.a, self.rtt.req_to_token, t([row]), t([len(ids)]), fr, self.w)
         return dict(ids=ids, row=row, seq=len(ids), frontier=int(fr), lock=lock, reused=m.length)
 
+    def recompute(self, n):
+        """A request that computed its first n tokens itself (no cache match), released out of window: (row,
+        frontier)."""
+        row = self.rtt.alloc(1)[0]
+        self.rtt.write(row, 0, self.a.alloc_extend([0], [n], t([0]), n))
+        fr = t([0])
+        release_out_of_window_batch(self.a, self.rtt.req_to_token, t([row]), t([n]), fr, self.w)
+        return row, int(fr)
+
     def finish(self, r, cache=True):
         self.c.release_request(r["ids"], self.rtt, r["row"], r["seq"], r["frontier"], r["lock"], cache=cache)
         self.rtt.free(r["row"])
@@ -349,19 +358,16 @@ def test_cache_running_with_a_frontier_below_the_requests_changes_nothing():
     s.finish(s.run(ids, release=False))                     # [0, 16) cached with its SWA
     ids2 = ids + list(range(500, 508))
     n = len(ids2)
-    row = s.rtt.alloc(1)[0]
-    s.rtt.write(row, 0, s.a.alloc_extend([0], [n], t([0]), n))   # the same 16 tokens recomputed, and 8 more
-    fr = t([0])
-    release_out_of_window_batch(s.a, s.rtt.req_to_token, t([row]), t([n]), fr, s.w)
-    assert int(fr) == 12
+    row, fr = s.recompute(n)   # the same 16 tokens recomputed, and 8 more
+    assert fr == 12
     before = s.snapshot()
     with pytest.raises(LocError, match="no SWA slot.*swa_start 0"):
         s.c.cache_running(ids2, s.rtt, row, n, 0, None)
     assert s.same(before, s.snapshot())
     s.check()
-    lock = s.c.cache_running(ids2, s.rtt, row, n, int(fr), None)   # the real frontier is taken
+    lock = s.c.cache_running(ids2, s.rtt, row, n, fr, None)   # the real frontier is taken
     s.check()
-    s.c.release_request(ids2, s.rtt, row, n, int(fr), lock)
+    s.c.release_request(ids2, s.rtt, row, n, fr, lock)
     s.rtt.free(row)
     assert s.empty()
 

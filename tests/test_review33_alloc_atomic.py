@@ -23,6 +23,7 @@ from hwkv.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator, 
 from hwkv.release import release_out_of_window_batch
 from hwkv.spec import accept_draft_tokens
 from test_allocator import make
+from test_review33_allocation import _allocator
 from test_review32_injection import DEVICE_ERROR_OPEN
 
 pytestmark = pytest.mark.usefixtures("one_thread", "python_sigint")  # conftest
@@ -337,19 +338,10 @@ def test_a_rolled_back_allocation_leaves_never_allocated_pages_never_allocated(m
     as tests/test_review33_allocation.py does, but without first churning every page. Left: `_untake`
     (allocator.py:343) writes `refs[pages] = FREE` (0) over pages that were NEVER (-1): the snapshot differs, and a
     later free of such a page is reported as a double free ("already free") instead of NotAllocatedError ("never
-    allocated"). test_review33_allocation.py sidesteps this on purpose ("FREE, not NEVER"). Expected: each popped page
-    gets back the count it had (e.g. kept from `marks` time: `r.refs[pages].clone()` before the op, or the NEVER/FREE
-    bit saved in `_pop_on_host`)."""
-    def case():
-        _, a = make(size=64, size_swa=32, page=4)
-        a.host_ops = host
-        first, second = a.alloc_extend([0], [8], [-1], 8), a.alloc_extend([0], [4], [-1], 4)
-        last = [int(first[-1]), int(second[-1])]
-        if call == "extend":
-            return a, lambda: a.alloc_extend([8, 4], [13, 9], last, 10)
-        return a, lambda: a.alloc_decode([9, 5], last)
-    a, alloc = case()
-    b, alloc_b = case()
+    allocated"). Expected: each popped page gets back the count it had (fixed: the host path keeps them before it
+    writes, `_counts_were`)."""
+    a, alloc = _allocator(call, host, churned=False)
+    b, alloc_b = _allocator(call, host, churned=False)
     alloc_b()
     before = a.integrity_snapshot()
     fired = _inject(monkeypatch, a.swa_attn_allocator.pages, "take")

@@ -36,12 +36,13 @@ def _sigint_in(monkeypatch, owner, name: str, when: Callable[..., bool] = lambda
     return fired
 
 
-def _allocator(call: str, host: bool) -> Tuple[SWATokenToKVPoolAllocator, Callable[[], torch.Tensor]]:
-    """An SWA allocator whose pages were all allocated once and freed (the rings past their first pass), two requests holding 8 and 4 slots (page 4),
-    and the allocation `call` makes for them: each opens a page (extend: 5 tokens each, a page continued and two
-    opened; decode: the token at 8 and at 4)."""
+def _allocator(call: str, host: bool, churned: bool = True
+               ) -> Tuple[SWATokenToKVPoolAllocator, Callable[[], torch.Tensor]]:
+    """An SWA allocator (`churned`: whose pages were all allocated once and freed, the rings past their first pass),
+    two requests holding 8 and 4 slots (page 4), and the allocation `call` makes for them: each opens a page (extend:
+    5 tokens each, a page continued and two opened; decode: the token at 8 and at 4)."""
     _, a = make(size=64, size_swa=32, page=4)
-    for _ in range(2):  # (16 full pages, 8 SWA: every page of both rings taken and given back)
+    for _ in range(2 if churned else 0):  # (16 full pages, 8 SWA: every page of both rings taken and given back)
         a.free(a.alloc(a.swa_available_size()))
     a.host_ops = host
     first, second = a.alloc_extend([0], [8], [-1], 8), a.alloc_extend([0], [4], [-1], 4)

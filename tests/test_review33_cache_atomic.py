@@ -29,28 +29,13 @@ import hwkv.allocator as allocator_mod
 import hwkv.torch_page_ops as torch_page_ops
 from hwkv.allocator import same_snapshot
 from hwkv.cache import _Node
-from hwkv.release import release_out_of_window_batch
 from test_allocator import make
-from test_cache_defects import Setup, t
+from test_cache_defects import Setup
+from test_review32_injection import _inside
 
 pytestmark = pytest.mark.usefixtures("one_thread", "python_sigint")  # conftest
 
 H = list(range(100, 140))  # a 40-token prompt: page 4, window 8
-
-
-def _during(monkeypatch, owner, name: str) -> List[int]:
-    """`owner.name` wrapped so the list returned is non-empty while a call of it runs."""
-    inside, inner = [], getattr(owner, name)
-
-    def noted(*args, **kwargs):
-        inside.append(1)
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            inside.pop()
-
-    monkeypatch.setattr(owner, name, noted)
-    return inside
 
 
 def _sigint_at(monkeypatch, owner, name: str, nth: int = 1, inside: Optional[List[int]] = None) -> List[int]:
@@ -188,7 +173,7 @@ def test_a_ctrl_c_inside_match_prefixs_split_leaves_the_tree_evictable(monkeypat
         return s, lambda: s.c.match_prefix(H[:37]), []     # ends at 36, inside [28, 40)
 
     _atomic(monkeypatch, build, lambda s: _sigint_at_property(monkeypatch, _Node, "lock_swa",
-                                                               _during(monkeypatch, s.c, "match_prefix")))
+                                                               _inside(monkeypatch, s.c, "match_prefix")))
 
 
 # ---- 2. lock: a lock cut short keeps a count with no handle to release it -----------------------------------------
@@ -205,7 +190,7 @@ def test_a_ctrl_c_inside_lock_leaves_no_lock_count_without_a_handle(monkeypatch)
         return s, lambda: s.c.lock(m), []
 
     _atomic(monkeypatch, build, lambda s: _sigint_at_property(monkeypatch, _Node, "lock_swa",
-                                                               _during(monkeypatch, s.c, "lock")))
+                                                               _inside(monkeypatch, s.c, "lock")))
 
 
 # ---- 3. unlock: a release cut short marks the handle released and keeps the rest of the path locked --------------
@@ -247,7 +232,7 @@ def test_a_ctrl_c_inside_insert_leaves_no_reference_held_by_nobody(monkeypatch, 
         return s, lambda: s.c.insert(ids, s.rtt.req_to_token[r["row"], :len(ids)], r["frontier"]), [r["lock"]]
 
     def inject(s):
-        inserting = _during(monkeypatch, s.c, "insert")
+        inserting = _inside(monkeypatch, s.c, "insert")
         if case == "new":
             return _sigint_at(monkeypatch, s.a, "share", nth=2, inside=inserting)
         return _sigint_at(monkeypatch, s.a, "free", inside=inserting)
@@ -271,7 +256,7 @@ def test_a_ctrl_c_inside_acquire_leaves_the_row_and_the_references_as_they_were(
         return s, lambda: s.c.acquire(m, s.rtt, row), []
 
     _atomic(monkeypatch, build,
-            lambda s: _sigint_at(monkeypatch, s.a, "share", nth=2, inside=_during(monkeypatch, s.c, "acquire")))
+            lambda s: _sigint_at(monkeypatch, s.a, "share", nth=2, inside=_inside(monkeypatch, s.c, "acquire")))
 
 
 # ---- 6. cache_running: the new lock taken and lost, the old one kept -----------------------------------------------
@@ -308,15 +293,12 @@ released, the nodes cached and unlocked."""
         s.finish(s.run(H))                                  # [0, 28) tombstones, [28, 40) SWA
         ids = H + list(range(500, 506))
         n = len(ids)
-        row = s.rtt.alloc(1)[0]
-        s.rtt.write(row, 0, s.a.alloc_extend([0], [n], t([0]), n))   # the same 40 tokens recomputed, and 6 more
-        fr = t([0])
-        release_out_of_window_batch(s.a, s.rtt.req_to_token, t([row]), t([n]), fr, s.w)
-        return s, lambda: s.c.cache_running(ids, s.rtt, row, n, int(fr), None), []
+        row, fr = s.recompute(n)   # the same 40 tokens recomputed, and 6 more
+        return s, lambda: s.c.cache_running(ids, s.rtt, row, n, fr, None), []
 
     _lands_then_unlocked(monkeypatch, build,   # (the first free of this cache_running is _adopt's: its insert
                          lambda s: _sigint_at(monkeypatch, s.a, "free",  # revives nothing)
-                                              inside=_during(monkeypatch, s.c, "cache_running")),
+                                              inside=_inside(monkeypatch, s.c, "cache_running")),
                          lambda s, handles: None)
 
 
@@ -419,7 +401,7 @@ def test_a_ctrl_c_inside_clear_prefix_cache_clears_all_or_nothing(monkeypatch):
     after = Setup.snapshot(ref)
     s, call, _ = build()
     before = Setup.snapshot(s)
-    fired = _sigint_at(monkeypatch, s.a, "free", inside=_during(monkeypatch, s.c, "evict"))
+    fired = _sigint_at(monkeypatch, s.a, "free", inside=_inside(monkeypatch, s.c, "evict"))
     with pytest.raises(KeyboardInterrupt):
         call()
     monkeypatch.undo()
