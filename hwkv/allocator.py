@@ -27,7 +27,7 @@ from hwkv.checks import (as_int, check_device, check_flag, check_int_dtype, chec
                          is_int, normal_tensors)
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, LocError, NotAllocatedError, OutOfSlotsError
-from hwkv.sigint import interrupts_held
+from hwkv.sigint import held_or_undone, interrupts_held
 from hwkv.pages import (ERR_CONT_RELEASED, ERR_DOUBLE_FREE, ERR_NEVER, ERR_SWA_RELEASED, FREE, NEVER, PageRing,
                         page_ops_for)
 from hwkv.torch_page_ops import I64, TORCH_OPS, TorchPageOps, _bad_continuation, _record, _unmap
@@ -427,20 +427,20 @@ class PagedTokenToKVPoolAllocator:
             raise ConfigError(f"reserve(ops={ops!r}) needs an int >= 1")
         if pages:  # no page always fits (most decode steps open none)
             self._check_room(pages)
-        heads: List[int] = []
-        try:  # every ring claims, or none (`held_or_undone`'s rule, inline: a step's graph claims every step)
-            with interrupts_held():
-                for r in self._ring_set:  # claimed and numbered in one pass (`_next_op`'s numbering)
-                    heads.append(r.take(pages))
-                    r.op += ops
-        except KeyboardInterrupt:  # (raised by the hold once every ring claimed: the caller gets no heads)
-            with interrupts_held() as held:
-                for r in self._ring_set[:len(heads)]:
-                    r.head -= pages
-                    r.op -= ops
-                held.drop()
-            raise
+        return held_or_undone(self._claim, self._unclaim, pages, ops)  # every ring claims, or (a Ctrl-C) none
+
+    def _claim(self, pages: int, ops: int) -> List[int]:
+        heads = []
+        for r in self._ring_set:  # claimed and numbered in one pass (`_next_op`'s numbering)
+            heads.append(r.take(pages))
+            r.op += ops
         return heads
+
+    def _unclaim(self, heads: List[int], pages: int, ops: int) -> None:
+        """`_claim` undone: the caller never got its heads."""
+        for r in self._ring_set:
+            r.head -= pages
+            r.op -= ops
 
     def cancel_reserve(self, pages: int) -> bool:
         """Give back the pages of the last `reserve(pages, ...)` where its allocation never ran (a replay that raised

@@ -56,19 +56,20 @@ class interrupts_held:
         return False
 
 
-def held_or_undone(do: Callable[[], T], undo: Callable[[T], None]) -> T:
-    """`do()` with Ctrl-C held, for a call whose result the caller must keep (a lock, a claim): where a Ctrl-C came
-    while it ran, `undo(result)` runs (held) before the KeyboardInterrupt is raised, so a caller that never gets the
-    result is left as before. (Decided on the KeyboardInterrupt the hold raises, not on a flag read inside it: a
-    Ctrl-C between the two would be raised with nothing undone.)"""
+def held_or_undone(do: Callable[..., T], undo: Callable[..., None], *args: Any) -> T:
+    """`do(*args)` with Ctrl-C held, for a call whose result the caller must keep (a lock, a claim): where a Ctrl-C
+    came while it ran, `undo(result, *args)` runs (held) before the KeyboardInterrupt is raised, so a caller that
+    never gets the result is left as before. (Decided on the KeyboardInterrupt the hold raises, not on a flag read
+    inside it: a Ctrl-C between the two would be raised with nothing undone.) `args` spare a caller on a step's path
+    the closures."""
     got = _UNSET
     try:
         with interrupts_held():
-            got = do()
+            got = do(*args)
     except KeyboardInterrupt:
         if got is not _UNSET:
             with interrupts_held() as held:
-                undo(got)
+                undo(got, *args)
                 held.drop()  # (a second Ctrl-C during the undo: the first is raised all the same)
         raise
     return got
