@@ -106,6 +106,19 @@ def _swa(host: bool, size: int = 64, size_swa: int = 32, page: int = 4):
 
 
 # ---- free ---------------------------------------------------------------------------------------------------------
+def _on_sixteen_slots(host: bool, method: str):
+    """An SWA allocator holding 16 slots, the call `method(those slots)` on it, and the snapshot the same call leaves
+    on a twin allocator."""
+    def case():
+        a = _swa(host)
+        x = a.alloc(16)
+        return a, lambda: getattr(a, method)(x)
+    a, call = case()
+    b, call_b = case()
+    call_b()
+    return a, call, b.integrity_snapshot()
+
+
 def _free_case(which: str, host: bool):
     if which == "token":
         a = _churned(TokenToKVPoolAllocator(32, "cpu"), 32)
@@ -158,20 +171,14 @@ def test_share_cut_short_between_the_full_and_the_swa_references(monkeypatch, ho
     `_change_swa` (hwkv/torch_page_ops.py:159, after the full `_s` at :153). Left: each full page one holder more, its
     SWA page not: the caller, told the share failed, holds neither, so the extra full reference is never dropped (the
     pages leak). Expected: both references taken, or neither."""
-    def case():
-        a = _swa(host)
-        x = a.alloc(16)
-        return a, lambda: a.share(x)
-    a, call = case()
-    b, call_b = case()
-    call_b()
+    a, call, after = _on_sixteen_slots(host, "share")
     before = a.integrity_snapshot()
     if host:
         fired = _inject(monkeypatch, a, "_mapping_view", caller="_change_on_host")
     else:
         fired = _inject(monkeypatch, tops, "_change_swa")
     _cut_short(monkeypatch, fired, call)
-    _whole_or_nothing(a, before, b.integrity_snapshot())
+    _whole_or_nothing(a, before, after)
 
 
 # ---- free_swa ------------------------------------------------------------------------------------------------------
@@ -181,17 +188,11 @@ def test_free_swa_cut_short_before_its_pages_are_pushed(monkeypatch, host):
     (hwkv/allocator.py:613, after the SWA counts dropped at :608 and the rows were unmapped at :612); torch ops
     `_change_swa` -> `_push` (hwkv/torch_page_ops.py:210, after `_unmap` at :209). Left: SWA pages at 0 references,
     unmapped, never on the SWA ring ("SWA: a page is lost"). Expected: the release lands whole or not at all."""
-    def case():
-        a = _swa(host)
-        x = a.alloc(16)
-        return a, lambda: a.free_swa(x)
-    a, call = case()
-    b, call_b = case()
-    call_b()
+    a, call, after = _on_sixteen_slots(host, "free_swa")
     before = a.integrity_snapshot()
     fired = _inject(monkeypatch, allocator_mod, "_push_on_host") if host else _inject(monkeypatch, tops, "_push")
     _cut_short(monkeypatch, fired, call)
-    _whole_or_nothing(a, before, b.integrity_snapshot())
+    _whole_or_nothing(a, before, after)
 
 
 # ---- out-of-window release -------------------------------------------------------------------------------------------
