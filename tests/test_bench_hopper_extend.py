@@ -88,7 +88,6 @@ def test_config_specs_name_tile_configs_and_refuse_what_is_not_one(bench):
                       ("causal:depth=2", "no field 'depth'"), ("causal:stages=four", "not an integer"),
                       ("causal:q_regs=yes", "not 1, 0, true or false"), ("defaults:block_n=64", "needs stages"),
                       ("causal:stages=4,stages=6", "stages given twice"), ("causal:stages=0", "not an integer >= 1"),
-                      ("causal:pingpong=1", "ping-pong takes 2 consumer"),
                       ("causal:consumers=5", "takes 2, 3 or 4 consumer")]:
         with pytest.raises(ValueError, match=why):
             bench.parse_config(spec, 64)

@@ -140,6 +140,13 @@ VARIANTS = {   # the sweep's schedule switches, each against the reference
     "pingpong": extend_hopper.HopperConfig(128, 4, pingpong=True),
     "q_regs": extend_hopper.HopperConfig(128, 4, q_regs=True),
     "pingpong_q_regs_64_keys": extend_hopper.HopperConfig(64, 3, pingpong=True, q_regs=True),
+    # the proxy fence in the producer, a tile and three tiles behind its copies
+    "producer_fence_1": extend_hopper._CLEAN[64]._replace(fence_lag=1),
+    "producer_fence_3": extend_hopper._CLEAN_WINDOW[64]._replace(fence_lag=3),
+    # the turns rotating among three and four consumers
+    "pingpong_three_consumers": extend_hopper._CLEAN[64]._replace(pingpong=True),
+    "pingpong_four_consumers": extend_hopper._CLEAN_WINDOW[64]._replace(pingpong=True, consumers=4,
+                                                                         consumer_regs=104),
     "three_consumers": extend_hopper.HopperConfig(64, 4, 152, consumers=3),
     "window_tiles": extend_hopper._CLEAN_WINDOW[64],   # 32 keys a tile, 8 stages (Triton releases but 3.6)
     "causal_tiles": extend_hopper._CLEAN[64],          # 3 consumers x 64 keys, 6 stages (Triton releases but 3.6)
@@ -460,9 +467,10 @@ def test_a_consumer_count_the_kernel_has_no_partitions_for_is_refused():
                                torch.device("cpu"))
     assert extend_hopper._plan(8, 8, 64, 1024, extend_hopper.HopperConfig(32, 4, 104, consumers=4),
                                torch.device("cpu")).consts["NC"] == 4
-    with pytest.raises(ConfigError, match="pingpong with consumers=3"):   # the turns pass between two only
-        extend_hopper._plan(8, 8, 64, 1024, extend_hopper.HopperConfig(64, 6, 152, pingpong=True, consumers=3),
-                           torch.device("cpu"))
+    for lag in (-1, 4):   # the producer may hold back stages - 1 tiles at most
+        with pytest.raises(ConfigError, match=f"fence_lag={lag}: .* 0 to stages - 1 = 3"):
+            extend_hopper._plan(8, 8, 64, 1024, extend_hopper.HopperConfig(32, 4, 104, fence_lag=lag),
+                               torch.device("cpu"))
 
 
 def test_a_scale_that_is_not_positive_keeps_the_portable_kernel():
@@ -514,6 +522,9 @@ def _compile_reason():
                                                         (64, True, False, "one_request"),
                                                         (64, False, True, "sums_mma_causal_tiles"),
                                                         (64, False, True, "lean_causal_tiles"),
+                                                        (64, False, False, "pingpong_three_consumers"),
+                                                        (64, False, False, "producer_fence_1"),
+                                                        (64, True, False, "producer_fence_3"),
                                                         (64, True, False, "lean_window_tiles"),
                                                         (64, False, True, "exact_tanh_causal_tiles"),
                                                         (64, True, True, "exact_tanh_window_tiles"),
@@ -531,8 +542,10 @@ def test_compiles_for_sm90_without_a_gpu(d, window, cap_sinks, variant):
     k = extend_hopper.compile_for_sm90(d, 8, window=window, cap=cap_sinks, sinks=cap_sinks, config=config,
                                        one_req=variant == "one_request")
     ptx = k.asm["ptx"]
-    for needle in ("wgmma.mma_async", "cp.async.cg", "cp.async.mbarrier.arrive.noinc", "cp.async.bulk.tensor.3d",
-                   "setmaxnreg"):
+    # the copies complete a stage on their own (noinc arrives), or with `fence_lag` through the producer's waits
+    lag = (config or extend_hopper.CONFIGS[d]).fence_lag
+    arrive = "cp.async.wait_group" if lag else "cp.async.mbarrier.arrive.noinc"
+    for needle in ("wgmma.mma_async", "cp.async.cg", arrive, "cp.async.bulk.tensor.3d", "setmaxnreg"):
         assert needle in ptx, needle
     assert ".local" not in ptx
     sass = _sass(k.asm["cubin"])

@@ -40,7 +40,8 @@ triangle. Warp-specialised partitions of one warpgroup each:
                          the mask. A build that keeps it after the softmax (a block boundary between them)
                          measured 1-14% slower. So the overlap comes from the consumers' streams interleaving on
                          the SM: the softmax of one runs under another's products. An explicit ping-pong
-                         (`pingpong`, two consumers) measured slower.
+                         (`pingpong`: the turns rotate among the consumers) measured slower, with two consumers
+                         and with three or four (H100: 8 x 1024 206.3 against 202.9 us, W=128 103.9 against 92.2).
   epilogue               sinks folded into the denominator, O scaled by v_scale / l and stored by TMA from the
                          consumer's own O tile (its previous store waited for first) when all BT tokens belong
                          to the request, by masked stores otherwise (the first block's rows start before the
@@ -93,7 +94,7 @@ class HopperConfig(NamedTuple):
     stages: int       # K/V shared-memory stages
     consumer_regs: int = 224   # setmaxnreg of each consumer warpgroup; the producer (default partition) keeps the rest
     persistent: bool = True    # one program per SM walking the work items (False: one program per item)
-    pingpong: bool = False     # the two consumers take turns issuing their products (FA3's ping-pong)
+    pingpong: bool = False     # the consumers take turns issuing their products, in rotation (FA3's ping-pong)
     q_regs: bool = False       # Q read into registers once per item (S = Q K^T from registers, not shared memory)
     consumers: int = 2         # consumer warpgroups (2 to 4) sharing each key tile: 64 query rows each
     sums_mma: bool = False     # the softmax's row sums by the tensor cores (P times an [8, keys] tile of ones)
@@ -104,6 +105,13 @@ class HopperConfig(NamedTuple):
     # error below 2**-10.9) rather than the Triton kernels' exact form (an exp and a division a score); the dispatch's
     # tiles take it (see CONFIGS)
     fast_tanh: bool = False
+    # the proxy fence (cp.async's writes before wgmma reads them) in the producer rather than in every consumer: each
+    # producer thread commits a tile's copies as a group, waits for the group `fence_lag` tiles back, fences and
+    # arrives for that tile (0: the consumers fence after their wait, the copies arriving on their own completion).
+    # H100, 7 interleaved rounds: 8 x 1024 199.6 us at lag 1 against 202.0, W=128 90.5 at lag 2 (window tile) against
+    # 91.6; the long cases within their spread, lag 2 slower on 4 x 2048 over 2048 (1,020 against 995). Not yet the
+    # dispatch's: its tiles with it have not run the GPU tests (docs/benchmarks.md, thirty-fourth session)
+    fence_lag: int = 0
 
 
 PRODUCER_WARPS = 4
@@ -252,8 +260,17 @@ if gluon is not None:
             _load_q(q_desc, q3_smem, q_ready.index(3), q_free.index(3), n_q, row + 3 * BT, col)
 
     @gluon.jit
+    def _copies_done(ready, done, upto, STAGES: gl.constexpr):
+        """The producer's fence (`HopperConfig.fence_lag`): this thread's copies of tiles done .. upto - 1 have
+        landed; fence them for the consumers' products and complete those tiles' stages. Returns upto."""
+        fence_async_shared()
+        for t in range(done, upto):
+            mbarrier.arrive(ready.index(t % STAGES), count=1)
+        return upto
+
+    @gluon.jit
     def _producer(shared, n_kvh: gl.constexpr, WARPS: gl.constexpr, HAS_WINDOW: gl.constexpr, NC: gl.constexpr,
-                  LEAN: gl.constexpr):
+                  LEAN: gl.constexpr, LAG: gl.constexpr, Q_REGS: gl.constexpr):
         """For every item: every consumer's Q tile (TMA, after the item's first key tile), then every key tile's
         K and V rows gathered into the ring of stages (cp.async, 16 bytes a thread; any page size, pages in any
         order), each tile's slots loaded one tile ahead so the gather never waits on them."""
@@ -271,6 +288,7 @@ if gluon is not None:
         rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
         it = 0
+        done = 0   # with LAG: the tiles whose copies this program has fenced and arrived for
         n_q = 0
         loads = _item_loads(_item_index(0, n_items), kv_indptr, qo_indptr, kv_pos0, q_pos0, n_kvh, bs)
         for i in range((n_items + gl.num_programs(0) - 1) // gl.num_programs(0)):
@@ -310,16 +328,33 @@ if gluon is not None:
                             # masked rows are zero-filled (src-size 0): finite values under P = 0
                             _cp_async(k_smem.index(stage), k_head + (slot64 * s_kb)[:, None], mask=ok[:, None])
                             _cp_async(v_smem.index(stage), v_head + (slot64 * s_vb)[:, None], mask=ok[:, None])
-                        async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
+                        if LAG > 0:   # this thread's copies of the tile LAG back are done: fence, then arrive
+                            async_copy.commit_group()
+                            if it + 1 - LAG > done:
+                                async_copy.wait_group(LAG)
+                                done = _copies_done(ready, done, it + 1 - LAG, STAGES)
+                        else:
+                            async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
                         slot = nxt
                         it += 1
                         if j == 0:
+                            # consumers holding Q in shared memory free it after the last item's last tile: every
+                            # tile before this one must reach them first, or the Q load below waits on itself
+                            if (LAG > 1) & (not Q_REGS):
+                                async_copy.wait_group(1)
+                                done = _copies_done(ready, done, it - 1, STAGES)
                             _load_qs(q_desc, q0_smem, q1_smem, q2_smem, q3_smem, q_ready, q_free, n_q, q_start + first,
                                      kvh * GROUP, BT, NC)
                     if n_tiles == 0:
+                        if (LAG > 0) & (not Q_REGS):   # as above, with no tile of this item in flight
+                            async_copy.wait_group(0)
+                            done = _copies_done(ready, done, it, STAGES)
                         _load_qs(q_desc, q0_smem, q1_smem, q2_smem, q3_smem, q_ready, q_free, n_q, q_start + first,
                                  kvh * GROUP, BT, NC)
                     n_q += 1
+        if LAG > 0:   # the tiles still held back
+            async_copy.wait_group(0)
+            _copies_done(ready, done, it, STAGES)
 
     @gluon.jit
     def _softmax_tile(s, m, l_sum, start, hi, q_rel, lo_all, hi_all, qk_scale, cap, window,
@@ -388,21 +423,22 @@ if gluon is not None:
 
     @gluon.jit
     def _turn(turns, n_b, C: gl.constexpr, PINGPONG: gl.constexpr):
-        """Ping-pong: wait until it is consumer C's turn to issue its products (consumer 0 goes first)."""
+        """Ping-pong: wait until it is consumer C's turn to issue its products (consumer 0 goes first, the turns
+        rotate 0, 1, .., NC - 1)."""
         if PINGPONG:
-            mbarrier.wait(turns.index(C), (n_b & 1) ^ (1 - C))
+            mbarrier.wait(turns.index(C), (n_b & 1) ^ (1 if C == 0 else 0))
 
     @gluon.jit
     def _pass(turns, n_b, C: gl.constexpr, PINGPONG: gl.constexpr):
-        """Ping-pong: hand the tensor cores to the other consumer; returns the count of turns taken."""
+        """Ping-pong: hand the tensor cores to the next consumer; returns the count of turns taken."""
         if PINGPONG:
-            mbarrier.arrive(turns.index(1 - C), count=1)
+            mbarrier.arrive(turns.index((C + 1) % turns.shape[0]), count=1)
         return n_b + 1
 
     @gluon.jit
     def _consumer(C: gl.constexpr, shared, n_kvh: gl.constexpr, HAS_CAP: gl.constexpr, HAS_WINDOW: gl.constexpr,
                   HAS_SINKS: gl.constexpr, PINGPONG: gl.constexpr, Q_REGS: gl.constexpr, NC: gl.constexpr,
-                  SUMS_MMA: gl.constexpr):
+                  SUMS_MMA: gl.constexpr, LAG: gl.constexpr):
         """Consumer C's 64 query rows of every item (tokens first + C * BT .. + BT - 1, all GROUP heads), in its own
         Q and O tiles: see the module doc."""
         (q_desc, o_desc, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, q0_smem, q1_smem, q2_smem,
@@ -472,7 +508,8 @@ if gluon is not None:
                     for j in range(n_tiles):
                         stage = it % STAGES
                         mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
-                        fence_async_shared()   # cp.async wrote the stage through the generic proxy; wgmma reads it
+                        if LAG == 0:
+                            fence_async_shared()   # cp.async wrote the stage through the generic proxy; wgmma reads it
                         start = lo + j * BLOCK_N
                         _turn(turns, n_b, C, PINGPONG)
                         s_tok = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False,
@@ -547,7 +584,8 @@ if gluon is not None:
                               HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, Q_REGS: gl.constexpr,
                               NC: gl.constexpr, ONE_REQ: gl.constexpr, SUMS_MMA: gl.constexpr,
-                              LEAN: gl.constexpr = False, FAST_TANH: gl.constexpr = False):
+                              LEAN: gl.constexpr = False, FAST_TANH: gl.constexpr = False,
+                              FENCE_LAG: gl.constexpr = 0):
         if ONE_REQ:     # one request: a compile-time batch size (every item's bounds load from fixed addresses)
             bs = gl.constexpr(1)
         dtype: gl.constexpr = q_desc.dtype
@@ -584,14 +622,15 @@ if gluon is not None:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
         q_free = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
-        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turns = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=PRODUCER_WARPS * 32)   # one noinc arrive per producer thread
+            # one noinc arrive per producer thread, or with FENCE_LAG one arrive (after the producer's barrier)
+            mbarrier.init(ready.index(i), count=1 if FENCE_LAG > 0 else PRODUCER_WARPS * 32)
             mbarrier.init(empty.index(i), count=NC)                    # one arrive per consumer
         for i in gl.static_range(NC):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_free.index(i), count=1)
-        for i in gl.static_range(2):
+        for i in gl.static_range(NC):
             mbarrier.init(turns.index(i), count=1)
 
         # the producer runs in the default partition (it gets the registers the consumers leave). Gluon takes the
@@ -604,31 +643,31 @@ if gluon is not None:
                   turns, out, sinks, bs, n_items, window, s_kb, s_kh, s_vb, s_vh, s_ot, s_oh, qk_scale, v_scale,
                   cap, ones_smem)
         if NC == 4:
-            gl.warp_specialize([(_producer, (shared, n_kvh, PRODUCER_WARPS, HAS_WINDOW, NC, LEAN)),
+            gl.warp_specialize([(_producer, (shared, n_kvh, PRODUCER_WARPS, HAS_WINDOW, NC, LEAN, FENCE_LAG, Q_REGS)),
                                 (_consumer, (0, shared, n_kvh, CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
-                                              SUMS_MMA)),
+                                              SUMS_MMA, FENCE_LAG)),
                                 (_consumer, (1, shared, n_kvh, CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
-                                              SUMS_MMA)),
+                                              SUMS_MMA, FENCE_LAG)),
                                 (_consumer, (2, shared, n_kvh, CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
-                                              SUMS_MMA)),
+                                              SUMS_MMA, FENCE_LAG)),
                                 (_consumer, (3, shared, n_kvh, CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
-                                              SUMS_MMA))],
+                                              SUMS_MMA, FENCE_LAG))],
                                [4, 4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
         elif NC == 3:
-            gl.warp_specialize([(_producer, (shared, n_kvh, PRODUCER_WARPS, HAS_WINDOW, NC, LEAN)),
+            gl.warp_specialize([(_producer, (shared, n_kvh, PRODUCER_WARPS, HAS_WINDOW, NC, LEAN, FENCE_LAG, Q_REGS)),
                                 (_consumer, (0, shared, n_kvh, CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
-                                              SUMS_MMA)),
+                                              SUMS_MMA, FENCE_LAG)),
                                 (_consumer, (1, shared, n_kvh, CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
-                                              SUMS_MMA)),
+                                              SUMS_MMA, FENCE_LAG)),
                                 (_consumer, (2, shared, n_kvh, CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
-                                              SUMS_MMA))],
+                                              SUMS_MMA, FENCE_LAG))],
                                [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
         else:
-            gl.warp_specialize([(_producer, (shared, n_kvh, PRODUCER_WARPS, HAS_WINDOW, NC, LEAN)),
+            gl.warp_specialize([(_producer, (shared, n_kvh, PRODUCER_WARPS, HAS_WINDOW, NC, LEAN, FENCE_LAG, Q_REGS)),
                                 (_consumer, (0, shared, n_kvh, CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
-                                              SUMS_MMA)),
+                                              SUMS_MMA, FENCE_LAG)),
                                 (_consumer, (1, shared, n_kvh, CAP, HAS_WINDOW, HAS_SINKS, PINGPONG, Q_REGS, NC,
-                                              SUMS_MMA))],
+                                              SUMS_MMA, FENCE_LAG))],
                                [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -728,12 +767,12 @@ def _consts(group: int, d: int, cfg: HopperConfig, kv_heads: int) -> Dict[str, A
     kv-head count is one (fixed per model: the work items' index math divides by it)."""
     if cfg.consumers not in (2, 3, 4):   # the kernel has a partition list for each of these only
         raise ConfigError(f"consumers={cfg.consumers}: the Gluon extend kernel takes 2, 3 or 4 consumer warpgroups")
-    if cfg.pingpong and cfg.consumers != 2:   # the turns pass between two consumers only
-        raise ConfigError(f"pingpong with consumers={cfg.consumers}: the ping-pong takes 2 consumer warpgroups")
+    if not 0 <= cfg.fence_lag < cfg.stages:   # the producer holds back at most stages - 1 tiles, or it waits on itself
+        raise ConfigError(f"fence_lag={cfg.fence_lag}: the producer's fence takes 0 to stages - 1 = {cfg.stages - 1}")
     return dict(n_kvh=kv_heads, GROUP=group, D=d, BLOCK_N=cfg.block_n, STAGES=cfg.stages, PRODUCER_WARPS=PRODUCER_WARPS,
                 CONSUMER_REGS=cfg.consumer_regs, PINGPONG=cfg.pingpong, Q_REGS=cfg.q_regs,
                 NC=cfg.consumers, SUMS_MMA=cfg.sums_mma, LEAN=cfg.lean_gather,
-                FAST_TANH=cfg.fast_tanh)
+                FAST_TANH=cfg.fast_tanh, FENCE_LAG=cfg.fence_lag)
 
 
 @functools.lru_cache(maxsize=None)
