@@ -338,8 +338,8 @@ if gluon is not None:
                         slot = nxt
                         it += 1
                         if j == 0:
-                            # consumers holding Q in shared memory free it after the last item's last tile: every
-                            # tile before this one must reach them first, or the Q load below waits on itself
+                            # consumers holding Q in shared memory free it after their previous item's last
+                            # product: that item's tiles must reach them first, or the Q load below waits on itself
                             if (LAG > 1) & (not Q_REGS):
                                 async_copy.wait_group(1)
                                 done = _copies_done(ready, done, it - 1, STAGES)
