@@ -423,6 +423,17 @@ class AttentionBackend(DraftMetadataMixin):
                 self._check_not_evicted(self._live_entries(lst, live, bs), w)
 
     @staticmethod
+    def _first_write_locs(batch: ForwardBatch, qo_indptr: torch.Tensor) -> torch.Tensor:
+        """Each row's first write loc for `_check_list_values` (values checkable: no sync). A request with no new
+        tokens writes none: it reads 1, a live row (padding rows write to slot 0, and take tokens)."""
+        bs, n = batch.batch_size, batch.num_tokens
+        qo = qo_indptr[:bs + 1].long()
+        if n == 0:
+            return torch.ones(bs, dtype=batch.out_cache_loc.dtype, device=batch.out_cache_loc.device)
+        first = batch.out_cache_loc[qo[:-1].clamp(max=n - 1)]
+        return torch.where(qo[1:] > qo[:-1], first, torch.ones_like(first))
+
+    @staticmethod
     def _live_entries(lst: KVIndexList, live: torch.Tensor, bs: int) -> torch.Tensor:
         """The entries of `lst`'s first bs rows whose row is live."""
         counts = (lst.indptr[1:bs + 1] - lst.indptr[:bs]).to(torch.int64)
@@ -490,11 +501,11 @@ class AttentionBackend(DraftMetadataMixin):
         tree_size = self.tree_planner.check(batch, None)  # before the refill: a refused tree changes no buffer
         check_fits("batch size", bs, st.max_bs)
         check_fits("tokens", n, st.max_num_tokens)
-        self._check_graph_context(batch.checkable_seq_lens())
-        self._check_graph_lens(batch)
-        batch.check_devices(self.device)   # (after the host-copy checks, which read no batch tensor)
         if max_q_len is not None and (isinstance(max_q_len, bool) or not isinstance(max_q_len, int) or max_q_len < 1):
             raise ConfigError(f"max_q_len={max_q_len!r} must be an int >= 1")
+        self._check_graph_context(batch.checkable_seq_lens())
+        self._check_graph_lens(batch, max_q_len)
+        batch.check_devices(self.device)   # (after the host-copy checks, which read no batch tensor)
         decode = batch.forward_mode.is_decode_or_idle()
         kernels = ops.graph_refill_kernels(self.device.type) if self._fusable_refill else None
         one_launch = kernels is not None and self._refills_in_one(kernels)
@@ -509,7 +520,7 @@ class AttentionBackend(DraftMetadataMixin):
         else:
             views = self._refill_torch(batch, max_q)
         if values_checkable(views.full.indptr):  # (CPU tensors; debug mode outside a capture) as the eager lists
-            self._check_list_values(views.full, views.windows, batch.out_cache_loc[views.qo_indptr[:bs].long()])
+            self._check_list_values(views.full, views.windows, self._first_write_locs(batch, views.qo_indptr))
         ext = None if decode else batch.extend_seq_lens
         tree = self.tree_planner.mask(batch, ext, views.qo_indptr, views.q_pos0, tree_size, graph=True)
         md = ForwardMetadata(write_loc, swa, views.qo_indptr, views.q_pos0, views.full, views.windows, max_q, bs,
@@ -520,10 +531,11 @@ class AttentionBackend(DraftMetadataMixin):
         self.forward_metadata = md
         return md
 
-    def _check_graph_lens(self, batch: ForwardBatch) -> None:
-        """The eager step's checks (`ForwardBatch.check_lens`: 1 <= seq_lens, 0 <= extend lens <= seq_lens, rows inside
-        req_to_token) on what the host reads with no sync, before any static buffer is written: a few numpy reductions
-        over the host copies, and the lists `check_lens` names the request from only where one of them fails."""
+    def _check_graph_lens(self, batch: ForwardBatch, max_q_len: Optional[int] = None) -> None:
+        """The eager step's checks (`ForwardBatch.check_lens`: 1 <= seq_lens, 0 <= extend lens <= seq_lens summing to
+        the write locs, rows inside req_to_token) on what the host reads with no sync, before any static buffer is
+        written: a few numpy reductions over the host copies, and the lists `check_lens` names the request from only
+        where one of them fails. Then no request's new tokens past `max_q_len` (the extend grids' bound)."""
         rows, ctx = self.req_to_token_pool.req_to_token.shape
         seq = batch.checkable_seq_lens()
         if seq is not None and seq.numel() and not torch.compiler.is_compiling():
@@ -534,9 +546,14 @@ class AttentionBackend(DraftMetadataMixin):
                 if e is None and batch.extend_seq_lens is not None and values_checkable(batch.extend_seq_lens):
                     e = batch.extend_seq_lens
                 ext = None if e is None else (e.numpy() if e.is_cpu else e.cpu().numpy())
-            bad = s.min() < 1 or (ext is not None and (ext.size != s.size or ext.min() < 0 or (s - ext).min() < 0))
+            bad = s.min() < 1 or (ext is not None and (ext.size != s.size or ext.min() < 0 or (s - ext).min() < 0
+                                                       or ext.sum() != batch.num_tokens))
             if bad:
                 batch.check_lens(s.tolist(), [1] * s.size if ext is None else ext.tolist(), rows, ctx)
+            if ext is not None and max_q_len is not None and ext.max() > max_q_len:
+                i = int(ext.argmax())
+                raise CapacityError(f"request {i} extends by {int(ext[i])} new tokens; the graph's max_q_len "
+                                    f"(the extend kernels' bound on a request's new tokens) is {max_q_len}")
         check_rows(batch.req_pool_indices, rows)
 
     def _check_graph_context(self, seq: Optional[torch.Tensor], steps: int = 1) -> None:

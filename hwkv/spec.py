@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from hwkv import ops
-from hwkv.checks import as_int, check_rows, check_shape, values_checkable
+from hwkv.checks import as_int, check_flag, check_rows, check_shape, values_checkable
 from hwkv.errors import CapacityError, DoubleFreeError, ShapeError
 from hwkv.metadata import KVIndexList, cumsum_into
 from hwkv.pages import ERR_ACCEPT_INDEX, ERR_ACCEPTED
@@ -44,6 +44,7 @@ class MultiStepDraft:
         steps = as_int(self.num_steps)  # numpy and 0-d tensor integers kept as an int; a bool is none (True read as 1)
         if steps is None or steps < 1:
             raise ShapeError(f"MultiStepDraft.num_steps={self.num_steps!r} must be an integer >= 1 (a bool is none)")
+        check_flag("MultiStepDraft.writes_swa", self.writes_swa)
         object.__setattr__(self, "num_steps", steps)
 
 
@@ -76,6 +77,8 @@ class DraftTree:
             raise ShapeError(f"DraftTree.mask must be a 1-D bool tensor (each request's [n, n] block "
                              f"flattened), got {getattr(self.mask, 'dtype', type(self.mask))} "
                              f"of shape {tuple(getattr(self.mask, 'shape', ()))}")
+        _check_dense_mask("DraftTree.mask", self.mask)
+        check_flag("DraftTree.chain", self.chain)
 
     @staticmethod
     def from_parents(parents: "list[list[int]]", device: Optional[torch.device] = None) -> "DraftTree":
@@ -304,6 +307,7 @@ def accept_draft_tokens(allocator: Any, pool: Any, req_to_token: torch.Tensor, r
     verifies them), so no K/V moves: without it a page size above 1 copies every layer's accepted K/V onto itself.
     Checked on the host where the allocator checks eagerly (ShapeError); elsewhere the caller's word.
     """
+    check_flag("chain", chain)
     bs, n, pre_cpu, acc_cpu = _check_accept_args(req_to_token, req_pool_indices, prefix_lens, accept_index,
                                                  accept_lens, prefix_lens_cpu, accept_lens_cpu, frontiers)
     dev = req_to_token.device
@@ -447,6 +451,14 @@ def _check_accept(idx: torch.Tensor, valid: torch.Tensor, n: int, frontiers: Opt
                          "before the accept; run accept_draft_tokens first")
 
 
+def _check_dense_mask(name: str, mask: torch.Tensor) -> None:
+    """A 1-D mask the kernels read by offset from its start: its elements one apart (a strided view, e.g. big[::2],
+    would have them read the bits in between). Refused rather than copied: a graph replays its captured address."""
+    if mask.numel() > 1 and mask.stride(0) != 1:
+        raise ShapeError(f"{name} has stride {mask.stride(0)}; the kernels read a dense 1-D mask (stride 1): pass "
+                         "mask.contiguous()")
+
+
 def check_tree_mask(tree: TreeMask, q: torch.Tensor, qo_indptr: torch.Tensor, q_pos0: torch.Tensor) -> None:
     """A verify tree's kernel form against the batch: mask bool [*], mask_indptr int64 [bs + 1],
     q_positions int64 [T], on q's device (CPU); request b's block holds n_b^2 bits inside the mask and
@@ -462,6 +474,7 @@ def check_tree_mask(tree: TreeMask, q: torch.Tensor, qo_indptr: torch.Tensor, q_
         check_shape(name, t, shape)
         if t.device != q.device:
             raise ShapeError(f"{name} is on {t.device}, q is on {q.device}")
+    _check_dense_mask("tree.mask", tree.mask)
     if bs > 0 and values_checkable(tree.mask_indptr):
         _check_tree_values(tree, qo_indptr.cpu().to(torch.int64), q_pos0.cpu().to(torch.int64))
 

@@ -48,6 +48,27 @@ def test_a_block_is_not_rewritten_before_the_device_read_it():
     assert outs[:, 0].tolist() == list(range(64)) and outs[:, 1].tolist() == [-s for s in range(64)]
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs HWKV_TEST_DEVICE=cuda and two GPUs")
+def test_a_ring_for_another_gpu_waits_on_that_gpus_copies():
+    """A ring bound to cuda:1 while cuda:0 is current (review 34): each block's event is recorded on cuda:1's stream,
+    where its copy runs (recorded on the current device's stream, it would complete before the copy, and the block
+    could be rewritten under it), and 64 steps behind a busy cuda:1 still deliver each step's values."""
+    with torch.cuda.device(0):
+        ring = StagingRing(2, torch.device("cuda:1"), slots=4)
+        outs = torch.zeros(64, 2, dtype=torch.int64, device="cuda:1")
+        with torch.cuda.device(1):
+            torch.cuda._sleep(200_000_000)
+        for step in range(64):
+            block = ring.next()
+            block[0], block[1] = step, -step
+            ring.send(outs[step])
+            assert ring._events[ring._i].device == torch.device("cuda:1")
+        torch.cuda.synchronize(1)
+    assert outs[:, 0].tolist() == list(range(64)) and outs[:, 1].tolist() == [-s for s in range(64)]
+
+
 def test_host_blocks_stay_on_the_host_under_a_default_device():
     """Users call torch.set_default_device: the staging blocks and the sampling parameters' host copies are
     host tensors whatever it is."""

@@ -11,6 +11,7 @@ import torch
 from hwkv.batch import ForwardMode
 from hwkv.engine.forward import HOST
 from hwkv.engine.scheduler import Row
+from hwkv.staging import record_on
 
 # what the free counts add to a forward's block: the rings' tails (device), their host heads, and the (full, SWA)
 # slots only the prefix cache held then (evictable)
@@ -77,6 +78,6 @@ class ReadBack:
         """An event after the copies just issued (None on the CPU, where they are done)."""
         if self.device.type == "cpu":
             return None
-        event = torch.Event(device=self.device.type)
-        event.record()
+        event = torch.Event(device=self.device)
+        record_on(event, self.device)
         return event
