@@ -165,9 +165,10 @@ class GraphRunner:
 
     def _check_tokens_per_request(self, batch: ForwardBatch) -> None:
         """The static batch gives every request `tpr` new tokens: a batch whose requests differ would run
-        with the wrong lengths. Checked on the engine's host copies (no sync), or on the device in debug mode."""
+        with the wrong lengths. Checked on the engine's host copies, or the lengths themselves where their values are
+        checkable (on the CPU: free; on a device in debug mode, outside a capture)."""
         ext = batch.extend_seq_lens_cpu
-        if ext is None and getattr(self.backend, "debug", False) and batch.extend_seq_lens is not None:
+        if ext is None and batch.extend_seq_lens is not None and values_checkable(batch.extend_seq_lens):
             ext = batch.extend_seq_lens.cpu()
         if ext is not None and bool((ext != self.tpr).any()):
             raise ShapeError(f"graph mode needs {self.tpr} new token(s) per request; extend_seq_lens are "

@@ -73,12 +73,7 @@ class DraftTree:
     chain: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.mask, torch.Tensor) or self.mask.dtype != torch.bool or self.mask.dim() != 1:
-            raise ShapeError(f"DraftTree.mask must be a 1-D bool tensor (each request's [n, n] block "
-                             f"flattened), got {getattr(self.mask, 'dtype', type(self.mask))} "
-                             f"of shape {tuple(getattr(self.mask, 'shape', ()))}")
-        _check_dense_mask("DraftTree.mask", self.mask)
-        check_flag("DraftTree.chain", self.chain)
+        check_draft_tree(self)
 
     @staticmethod
     def from_parents(parents: "list[list[int]]", device: Optional[torch.device] = None) -> "DraftTree":
@@ -449,6 +444,18 @@ def _check_accept(idx: torch.Tensor, valid: torch.Tensor, n: int, frontiers: Opt
     if frontiers is not None and bool((frontiers.cpu() > prefix_cpu).any()):
         raise ShapeError("an SWA frontier passed its request's prefix: release ran on the drafted length "
                          "before the accept; run accept_draft_tokens first")
+
+
+def check_draft_tree(tree: DraftTree) -> None:
+    """A DraftTree's fields as the kernels read them: a dense 1-D bool mask and a bool `chain` (ShapeError,
+    ConfigError). At construction, and again by the metadata step before it builds or stores anything (the
+    dataclass is mutable: a field set since would otherwise reach the kernels after a layer's K/V store)."""
+    if not isinstance(tree.mask, torch.Tensor) or tree.mask.dtype != torch.bool or tree.mask.dim() != 1:
+        raise ShapeError(f"DraftTree.mask must be a 1-D bool tensor (each request's [n, n] block "
+                         f"flattened), got {getattr(tree.mask, 'dtype', type(tree.mask))} "
+                         f"of shape {tuple(getattr(tree.mask, 'shape', ()))}")
+    _check_dense_mask("DraftTree.mask", tree.mask)
+    check_flag("DraftTree.chain", tree.chain)
 
 
 def _check_dense_mask(name: str, mask: torch.Tensor) -> None:

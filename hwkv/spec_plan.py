@@ -19,7 +19,7 @@ from hwkv.checks import value_range, values_checkable
 from hwkv.errors import ConfigError, ShapeError
 from hwkv.metadata import ForwardMetadata, KVIndexList
 from hwkv.spec import (DraftTree, MultiStepDraft, TreeDecodeBuffers, TreeMask, alloc_tree_decode, build_tree_mask,
-                       check_tree, tree_decode_list)
+                       check_draft_tree, check_tree, tree_decode_list)
 
 
 class TreePlanner:
@@ -56,6 +56,7 @@ class TreePlanner:
                               "init_draft_metadata")
         if batch.forward_mode != ForwardMode.TARGET_VERIFY:
             raise ConfigError(f"a DraftTree belongs to a TARGET_VERIFY forward, not {batch.forward_mode.name}")
+        check_draft_tree(info)
         if info.mask.device.type != self.backend.device.type:
             raise ShapeError(f"DraftTree.mask lives on {info.mask.device}, the pool on {self.backend.device}")
         if ext_cpu is not None:

@@ -16,8 +16,9 @@ import torch
 
 def record_on(event: torch.Event, device: torch.device) -> None:
     """Record `event` on `device`'s current stream, where a copy into or out of its memory was just issued (the
-    event's own default, the current device's stream, misses that copy when another device is current)."""
-    event.record(torch.accelerator.current_stream(device))
+    event's own default, the current device's stream, misses that copy when another device is current). `device`:
+    the copied tensor's, which names its index."""
+    event.record(torch.get_device_module(device).current_stream(device))
 
 
 class StagingRing:
@@ -37,7 +38,7 @@ class StagingRing:
         if not self.pinned:
             self._blocks = [torch.zeros(n, dtype=torch.int64, device="cpu")]
         self._events: List[Optional[torch.Event]] = [
-            torch.Event(device=self.device) if self.pinned else None for _ in self._blocks]
+            torch.Event(device=self.device.type) if self.pinned else None for _ in self._blocks]
         self._recorded = [False] * len(self._blocks)
         self._arrays = [b.numpy() for b in self._blocks]
         # each block's leading views by length, made once: a tensor slice per step costs more than the copy
@@ -59,5 +60,5 @@ class StagingRing:
             src = self._heads[i][k] = self._blocks[i][:k]
         dst.copy_(src, non_blocking=self.pinned)
         if self.pinned:
-            record_on(self._events[i], self.device)
+            record_on(self._events[i], dst.device)
             self._recorded[i] = True

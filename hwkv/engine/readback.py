@@ -48,13 +48,16 @@ class ReadBack:
         """A forward's sampled tokens (one per `sampled` row; None: none) and, with `held`, the free counts' tails,
         on their way to the host in one block: copies issued after the forward's work, not waited for."""
         buf, n = self._block(), len(sampled)
+        source = self.device   # the copies' device, with its index where a tensor names it
         if tokens is not None:
             buf[:n].copy_(tokens, non_blocking=True)
+            source = tokens.device
         heads, cached = None, (0, 0)
         if held is not None:
             tails, heads, cached = held
             buf[n:n + len(heads)].copy_(tails, non_blocking=True)
-        self.inflight.append(Inflight(sampled, buf, self._event(), heads, mode, cached))
+            source = tails.device
+        self.inflight.append(Inflight(sampled, buf, self._event(source), heads, mode, cached))
 
     def read_oldest(self) -> Tuple[Inflight, List[int]]:
         """The oldest forward in flight and its values (its tokens, then the tails where it holds heads), waiting
@@ -74,10 +77,10 @@ class ReadBack:
         self._sent += 1
         return buf
 
-    def _event(self) -> Any:
-        """An event after the copies just issued (None on the CPU, where they are done)."""
+    def _event(self, source: torch.device) -> Any:
+        """An event after the copies just issued from `source` (None on the CPU, where they are done)."""
         if self.device.type == "cpu":
             return None
-        event = torch.Event(device=self.device)
-        record_on(event, self.device)
+        event = torch.Event(device=self.device.type)
+        record_on(event, source)
         return event
