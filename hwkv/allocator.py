@@ -281,7 +281,8 @@ class PagedTokenToKVPoolAllocator:
                      seq_lens_cpu: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One slot per request for token seq_len-1 (seq_lens are lengths after this step).
 
-        At page size 1 nothing is read from the device even without `seq_lens_cpu`.
+        At page size 1 nothing is read from the device even without `seq_lens_cpu` (lengths on the CPU, free to
+        read, are checked as at any page size).
         """
         check_on_device("seq_lens", seq_lens, self.device, "allocator")
         check_on_device("last_loc", last_loc, self.device, "allocator")
@@ -290,7 +291,8 @@ class PagedTokenToKVPoolAllocator:
             raise LocError(f"seq_lens ({bs}) and last_loc ({n_last}) must have one entry per request")
         check_int_dtype("seq_lens", seq_lens)  # the tensor fast paths below skip `_host_ints`
         check_int_dtype("last_loc", last_loc)
-        if self.page_size == 1 and seq_lens_cpu is None and isinstance(seq_lens, torch.Tensor):
+        if self.page_size == 1 and seq_lens_cpu is None and isinstance(seq_lens, torch.Tensor) \
+                and seq_lens.device.type != "cpu":
             seq_cpu, plan = None, _Batch(bs, bs, None)  # every token takes a fresh page: nothing to read
         else:
             seq_cpu = _host_ints("seq_lens", seq_lens, seq_lens_cpu)

@@ -245,7 +245,7 @@ def translate_into(mapping: torch.Tensor, loc: torch.Tensor, out: torch.Tensor) 
         kernels.translate_into(mapping, loc, out)
         return
     n = loc.shape[0]
-    torch.index_select(mapping, 0, loc, out=out[:n])
+    torch.take(mapping, loc, out=out[:n])   # as mapping[loc]: -1 ("no loc") reads mapping[-1] (-1)
     out[n:].zero_()
 
 

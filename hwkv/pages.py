@@ -173,7 +173,7 @@ class PageRing:
         if found is None:
             return
         self.err.zero_()
-        raise error_for(found[0], found[1], self.page_size, self.name)
+        raise error_for(found[0], found[1], self.page_size, self.name, self.num_pages)
 
     def state(self) -> Dict[str, Any]:
         """Host copy of everything (tests compare these to prove an error changed nothing): head, tail,
@@ -210,15 +210,16 @@ class PageRing:
         assert int(self.err[1]) == 0, f"{self.name}: an allocation launch left its arrival count (a launch cut short?)"
 
 
-def error_for(code: int, page: int, page_size: int, pool: str) -> HwkvError:
-    """The typed error of a device-side error record."""
+def error_for(code: int, page: int, page_size: int, pool: str, num_pages: Optional[int] = None) -> HwkvError:
+    """The typed error of a device-side error record (`num_pages`: the pool's, named by a range error)."""
     slots = f"(slots {page * page_size}..)"
     if code == ERR_DOUBLE_FREE:
         return DoubleFreeError(f"{pool} page {page} {slots} is already free")
     if code == ERR_NEVER:
         return NotAllocatedError(f"{pool} page {page} {slots} was never allocated")
     if code == ERR_RANGE:
-        return LocError(f"a loc to free lies on page {page}, outside the {pool} pool's pages [1, n]")
+        return LocError(f"a loc to free lies on page {page}, outside the {pool} pool's pages "
+                        f"[1, {'n' if num_pages is None else num_pages}]")
     if code == ERR_SWA_RELEASED:
         return DoubleFreeError(f"the SWA slots of full page {page} (locs {page * page_size}..) are already released")
     if code == ERR_CONT_RELEASED:
@@ -251,9 +252,10 @@ _OPS: Dict[str, Any] = {}
 
 
 def register_page_ops(device_type: str, ops: Any) -> None:
-    """Use `ops` (alloc_extend, free_pages, release_window: see hwkv.torch_page_ops)
-    for allocators on `device_type`. Ops whose alloc_extend reads the ring heads from a device tensor (so that a
-    graph can capture it) set `reads_heads_on_device = True`."""
+    """Use `ops` (alloc_extend, change_refs, release_window: see hwkv.torch_page_ops; optionally alloc_step, a whole
+    decode step's allocation in one launch) for allocators on `device_type`. Ops whose alloc_extend reads the ring
+    heads from a device tensor (so that a graph can capture it) set `reads_heads_on_device = True`, and ops whose
+    release numbers itself from a device op word set `reads_op_word = True`."""
     _OPS[device_type] = ops
 
 

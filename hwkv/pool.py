@@ -9,8 +9,8 @@ import torch
 
 from hwkv import ops
 from hwkv.checks import (as_int, as_layer_id, check_device, check_index_tensor, check_loc, check_scale, check_shape,
-                         is_int, normal_tensors)
-from hwkv.errors import CapacityError, ConfigError, LocError, MissingSWALocError, ShapeError
+                         is_int, normal_tensors, values_checkable)
+from hwkv.errors import CapacityError, ConfigError, EvictedSlotError, LocError, MissingSWALocError, ShapeError
 from hwkv.loc import KVWriteLoc, ListRefill, LocRuns
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16) + ops.FP8_DTYPES
@@ -224,6 +224,12 @@ class MHATokenToKVPool:
             check_loc(name, t, self.size + self.page_size, self._buffer_device)
         if src_loc.shape != dst_loc.shape:
             raise LocError(f"move_kv: src_loc has {tuple(src_loc.shape)} entries, dst_loc {tuple(dst_loc.shape)}")
+        if dst_loc.numel() > 1 and values_checkable(dst_loc):   # index_copy_ keeps one of a repeated dst's sources,
+            flat = dst_loc.reshape(-1)                            # which one unspecified on accelerators
+            ordered = flat.sort().values
+            twice = ordered[1:][ordered[1:] == ordered[:-1]]
+            if twice.numel():
+                raise LocError(f"move_kv: dst_loc names slot {int(twice[0])} twice (one source a slot)")
 
     def move_prechecked(self, src_loc: torch.Tensor, dst_loc: torch.Tensor) -> None:
         """`move_kv` for locs `check_move` accepted."""
@@ -372,8 +378,8 @@ class SWAKVPool:
             raise CapacityError(f"{n} locs do not fit out= of {cap} entries")
         if lists is not None:
             ops.fill_translated(mapping, loc, out, lists)
-        elif cap == n:
-            return torch.index_select(mapping, 0, loc, out=out)
+        elif cap == n:   # take, as mapping[loc]: -1 ("no loc") reads mapping[-1] (-1), where index_select refuses it
+            return torch.take(mapping, loc, out=out)
         else:
             ops.translate_into(mapping, loc, out)
         return out[:n]
@@ -440,6 +446,13 @@ class SWAKVPool:
         both = self.translate_loc_from_full_to_swa(torch.cat([src_loc, dst_loc]))
         n = src_loc.shape[0]
         swa_src, swa_dst = both[:n], both[n:]
+        if values_checkable(both):   # a released SWA page maps to 0: its layers would move the padding slot's K/V
+            gone = torch.nonzero((both <= 0) & (torch.cat([src_loc, dst_loc]) > 0)).flatten()
+            if gone.numel():
+                i = int(gone[0])
+                name, j = ("src_loc", i) if i < n else ("dst_loc", i - n)
+                raise EvictedSlotError(f"move_kv: {name}[{j}] (full slot {int(torch.cat([src_loc, dst_loc])[i])}) has "
+                                       "no SWA slot: its SWA page was released")
         self.swa_kv_pool.check_move(swa_src, swa_dst)
         self.full_kv_pool.move_prechecked(src_loc, dst_loc)
         self.swa_kv_pool.move_prechecked(swa_src, swa_dst)

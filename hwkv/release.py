@@ -51,6 +51,8 @@ def release_out_of_window_batch(allocator: SWATokenToKVPoolAllocator, req_to_tok
         raise LocError(f"frontiers must be int64 [bs], one per request, got shape {list(frontiers.shape)}")
     for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens)):
         check_int_dtype(name, t)
+        if t.dim() != 1:   # (a column [bs, 1] the kernels read flat and the torch ops index by shape: refused alike)
+            raise LocError(f"{name} must be 1-D [bs], got shape {list(t.shape)}")
         if t.numel() != bs:
             raise LocError(f"{name} has {t.numel()} entries, {'req_pool_indices' if by_row else 'frontiers'} has {bs}")
     for name, t in (("req_to_token", req_to_token), ("req_pool_indices", req_pool_indices),
@@ -120,9 +122,16 @@ def _check_release(a: SWATokenToKVPoolAllocator, rtt: torch.Tensor, rows: torch.
     f, s, r = _host_view(frontiers), np.asarray(_host_view(seq), np.int64), np.asarray(_host_view(rows), np.int64)
     if (f % p).any():
         raise LocError(f"frontier {int(f[(f % p) != 0][0])} is not a multiple of page_size {p}")
-    if f.min() < 0 or r.min() < 0 or r.max() >= rtt.shape[0] or s.max() > rtt.shape[1]:
-        raise LocError(f"a request row is outside [0, {rtt.shape[0]}), a length beyond {rtt.shape[1]} "
-                       "or a frontier negative")
+    if r.min() < 0 or r.max() >= rtt.shape[0]:
+        i = int(np.argmax((r < 0) | (r >= rtt.shape[0])))
+        raise LocError(f"request {i}: row {int(r[i])} is outside req_to_token's rows [0, {rtt.shape[0]})")
+    if s.max() > rtt.shape[1]:
+        i = int(np.argmax(s > rtt.shape[1]))
+        raise LocError(f"request row {int(r[i])}: length {int(s[i])} is beyond req_to_token's {rtt.shape[1]} "
+                       "positions")
+    if f.min() < 0:
+        i = int(np.argmax(f < 0))
+        raise LocError(f"request row {int(r[i])}: frontier {int(f[i])} is negative")
     if s.min() < 0 or (f > s).any():   # a frontier past its length releases nothing, ever: its pages would leak
         i = int(np.argmax((s < 0) | (f > s)))
         raise LocError(f"request row {int(r[i])}: frontier {int(f[i])} must be in [0, seq_len {int(s[i])}] and the "

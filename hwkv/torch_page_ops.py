@@ -174,7 +174,7 @@ class TorchPageOps:
             flat = _g(rows.to(I64), r) * req_to_token.stride(0) + (_g(frontiers, r) + j * p) * req_to_token.stride(1)
             loc = torch.take(req_to_token, flat) if req_to_token.is_contiguous() else \
                 req_to_token[_g(rows.to(I64), r), _g(frontiers, r) + j * p]
-            fp = torch.div(loc, p, rounding_mode="floor")
+            fp = torch.div(loc.to(I64), p, rounding_mode="floor")   # (an int32 table, SGLang's: int64 keys below)
             inr = (fp >= 1) & (fp <= full.num_pages)  # a corrupt entry: recorded as a bad loc to free is
             _record(full, ~inr, fp, ERR_RANGE)
             fp = torch.where(inr, fp, 0)

@@ -58,7 +58,7 @@ def test_batched_release_refuses_a_negative_frontier_and_changes_nothing():
     a, rtt = _one_row()
     snap = a.integrity_snapshot(), rtt.clone()
     f = torch.tensor([-4], dtype=I64)
-    with pytest.raises(LocError, match="frontier negative"):
+    with pytest.raises(LocError, match=r"frontier -\d+ is negative"):
         release_out_of_window_batch(a, rtt, torch.tensor([1]), torch.tensor([32]), f, 2)
     assert _unchanged(a, rtt, snap) and f.tolist() == [-4]
     # the page of positions 28..31 is still mapped
@@ -72,7 +72,7 @@ def test_batched_release_refuses_the_row_one_past_req_to_token_with_a_loc_error(
     a, rtt = _one_row()
     snap = a.integrity_snapshot(), rtt.clone()
     seq = 32 if releases else 4
-    with pytest.raises(LocError, match=r"request row is outside \[0, 4\)"):
+    with pytest.raises(LocError, match=r"request 0: row 4 is outside req_to_token's rows \[0, 4\)"):
         release_out_of_window_batch(a, rtt, torch.tensor([4]), torch.tensor([seq]), torch.zeros(1, dtype=I64), 2)
     assert _unchanged(a, rtt, snap)
 
