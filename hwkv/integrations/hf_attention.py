@@ -81,15 +81,32 @@ class LayerTable:
                               logit_cap=float(softcap or 0.0), sinks=None if sinks is None else sinks.detach())
 
 
+class _Running:
+    """The model class a HybridRunner step is running (None outside one): a layer that reaches hwkv attention without
+    hwkv_forward= inside a step dropped the forward's keyword arguments, outside one was not run through a runner.
+    A plain attribute, which torch.compile traces in a compiled step (a ContextVar adds frames)."""
+
+    model: Optional[str] = None
+
+
+RUNNING = _Running()
+
+
 @dataclass
 class ForwardContext:
-    """What one forward hands every layer: the backend (metadata initialised for `batch`) and the layers; `calls`
-    counts the layer calls hwkv served (the runner refuses a forward with none: the model ran another attention)."""
+    """What one forward hands every layer: the backend (metadata initialised for `batch`) and the layers; `served`
+    marks the layer ids hwkv served (the runner refuses a forward that missed some: the model ran another attention;
+    a layer served twice is refused at its second call, before it overwrites the K/V the first call stored)."""
 
     backend: Any
     batch: ForwardBatch
     table: LayerTable
-    calls: int = 0
+    served: int = 0   # a bit a layer id (an int, which torch.compile traces without a graph break, as a set is not)
+
+    @property
+    def calls(self) -> int:
+        """The attention layers this forward served."""
+        return self.served.bit_count()
 
     def attend(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: Optional[float], sliding_window: Optional[int], softcap: Optional[float],
@@ -99,7 +116,13 @@ class ForwardContext:
         if query.shape[0] != 1:
             raise ShapeError(f"hwkv attention takes the batch packed into one row (B=1), got query {list(query.shape)}")
         layer = self.table.get(module, query, key, value, scaling, sliding_window, softcap, sinks)
-        self.calls += 1
+        bit = 1 << layer.layer_id
+        if self.served & bit:
+            raise ConfigError(f"layer {layer.layer_id} ({type(module).__name__}) ran attention twice in one forward: "
+                              "hwkv keeps one K/V a layer and token, which the second call would overwrite (a model "
+                              "that attends more than once a layer, or runs a layer module more than once, is not "
+                              "served)")
+        self.served |= bit
         out = self.backend.forward(_tokens_major(query), _tokens_major(key), _tokens_major(value), layer, self.batch)
         return out.unsqueeze(0)
 
@@ -121,6 +144,11 @@ def hwkv_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
     that pass none get none, as in transformers' own kernels); sinks arrive as `s_aux` (GPT-OSS).
     """
     if hwkv_forward is None:
+        running = RUNNING.model
+        if running is not None:
+            raise ConfigError(f"{running}'s attention ({type(module).__name__}) reached hwkv attention without "
+                              "hwkv_forward= during a HybridRunner step: its layers do not pass the forward's keyword "
+                              "arguments on to their attention function, so hwkv cannot serve this model")
         raise ConfigError(f"attention implementation {ATTN_IMPLEMENTATION!r} was called without hwkv_forward=: "
                           "run the model through hwkv.integrations.transformers.HybridRunner, or switch it back "
                           "with model.set_attn_implementation('sdpa')")

@@ -26,7 +26,7 @@ from hwkv.engine.stats import RunnerStats
 from hwkv.errors import ConfigError
 from hwkv.graph import EagerAdapter
 from hwkv.integrations.device_choice import graph_adapter, graph_choice, resolve_spec
-from hwkv.integrations.hf_attention import ATTN_IMPLEMENTATION, ForwardContext, LayerTable, register
+from hwkv.integrations.hf_attention import ATTN_IMPLEMENTATION, RUNNING, ForwardContext, LayerTable, register
 from hwkv.integrations.hf_model import model_positions, model_shape, position_limit
 
 GraphsOption = Union[bool, str]
@@ -100,6 +100,10 @@ class HybridRunner(Engine):
         self.closed = False
         try:  # from here on a refusal closes this runner (the model's own attention back if it was the last)
             model.set_attn_implementation(register())
+            if model.config._attn_implementation != ATTN_IMPLEMENTATION:   # transformers only warns where it cannot
+                raise ConfigError(f"{type(model).__name__} kept its {model.config._attn_implementation!r} attention "
+                                  f"after set_attn_implementation({ATTN_IMPLEMENTATION!r}): its attention does not go "
+                                  "through transformers' attention interface, so hwkv cannot serve it")
             adapter = graph_adapter(self.spec, choice)
             # a replay of captured graphs (device graphs, torch.compile) runs the tensors they captured: a layer's
             # sinks replaced under them are refused (hwkv's own "eager" replays call the model and follow them)
@@ -162,8 +166,12 @@ class HybridRunner(Engine):
                    keep: Union[int, torch.Tensor]) -> torch.Tensor:
         """The HF model over one packed row; logits [K, V] at `keep` (0: every token)."""
         ctx = ForwardContext(self.cache.backend, batch, self.table)
-        out = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep,
-                         hwkv_forward=ctx)
+        outer, RUNNING.model = RUNNING.model, type(self.model).__name__
+        try:
+            out = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep,
+                             hwkv_forward=ctx)
+        finally:
+            RUNNING.model = outer
         if ctx.calls < self.shape.num_layers:  # a host count: some layers ran another attention (wrong tokens)
             raise ConfigError(f"the model's forward ran, but {ctx.calls} of its {self.shape.num_layers} attention "
                               "layers ran hwkv attention: its attention "
