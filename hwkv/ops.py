@@ -245,7 +245,8 @@ def translate_into(mapping: torch.Tensor, loc: torch.Tensor, out: torch.Tensor) 
         kernels.translate_into(mapping, loc, out)
         return
     n = loc.shape[0]
-    torch.take(mapping, loc, out=out[:n])   # as mapping[loc]: -1 ("no loc") reads mapping[-1] (-1)
+    torch.take(mapping, loc.long(), out=out[:n])   # as mapping[loc]: -1 ("no loc") reads mapping[-1] (-1); take
+    #                                                 wants int64 indices, the kernels take int32 too
     out[n:].zero_()
 
 

@@ -225,8 +225,9 @@ class MHATokenToKVPool:
         if src_loc.shape != dst_loc.shape:
             raise LocError(f"move_kv: src_loc has {tuple(src_loc.shape)} entries, dst_loc {tuple(dst_loc.shape)}")
         if dst_loc.numel() > 1 and values_checkable(dst_loc):   # index_copy_ keeps one of a repeated dst's sources,
-            flat = dst_loc.reshape(-1)                            # which one unspecified on accelerators
-            ordered = flat.sort().values
+            flat = dst_loc.reshape(-1)                            # which one unspecified on accelerators; the padding
+            ordered = flat[flat != 0].sort().values               # slot 0 may repeat (a request left as it is moves
+            #                                                       its cleared positions, 0, onto themselves)
             twice = ordered[1:][ordered[1:] == ordered[:-1]]
             if twice.numel():
                 raise LocError(f"move_kv: dst_loc names slot {int(twice[0])} twice (one source a slot)")

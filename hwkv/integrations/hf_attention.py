@@ -9,6 +9,7 @@ reused after: a layer call compares a few host values and launches the backend's
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -81,10 +82,11 @@ class LayerTable:
                               logit_cap=float(softcap or 0.0), sinks=None if sinks is None else sinks.detach())
 
 
-class _Running:
-    """The model class a HybridRunner step is running (None outside one): a layer that reaches hwkv attention without
-    hwkv_forward= inside a step dropped the forward's keyword arguments, outside one was not run through a runner.
-    A plain attribute, which torch.compile traces in a compiled step (a ContextVar adds frames)."""
+class _Running(threading.local):
+    """The model class a HybridRunner step is running in this thread (None outside one): a layer that reaches hwkv
+    attention without hwkv_forward= inside a step dropped the forward's keyword arguments, outside one was not run
+    through a runner. An attribute of a thread-local, which torch.compile traces in a compiled step (a ContextVar
+    adds frames)."""
 
     model: Optional[str] = None
 
