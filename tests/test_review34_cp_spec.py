@@ -38,16 +38,8 @@ def test_a_strided_draft_tree_mask_is_refused():
     strided mask is refused with a typed error when the DraftTree is made / the metadata step starts. The fix
     refuses it (DraftTree and check_tree_mask: a graph replays the address it captured, so no copy is made)."""
     pytest.importorskip("triton")
-    from hwkv_cuda.backend import TritonBackend as factory  # on the CPU, its kernels in Triton's interpreter
-    geom = ModelGeometry(num_layers=2, swa_every=2, window=4, num_heads=2, num_kv_heads=1, head_dim=8)
-    h = Harness(factory, "cpu", geom, size=256, size_swa=128, page_size=1, max_reqs=4, max_context_len=32)
-    rids = [h.add_request() for _ in range(2)]
-    h.forward(rids, [6, 9], ForwardMode.EXTEND)
-    n = 4
-    good = DraftTree.from_parents([[-1, 0, 0, 1], [-1, -1, 1, 2]]).mask
-    big = torch.ones(2 * good.numel(), dtype=torch.bool, device="cpu")
-    big[::2] = good
-    strided = big[::2]
+    from hwkv_cuda.backend import TritonBackend  # on the CPU, its kernels in Triton's interpreter
+    h, rids, n, good, strided = two_requests_with_trees(TritonBackend)
     assert torch.equal(strided, good) and not strided.is_contiguous()
     with pytest.raises(ShapeError, match="DraftTree.mask has stride 2; the kernels read a dense 1-D mask"):
         DraftTree(strided)
@@ -72,6 +64,19 @@ def test_a_strided_draft_tree_mask_is_refused():
                                       layer.logit_cap, None, mask=see)
             err = (out[b * n:(b + 1) * n] - ref).abs().max().item()
             assert err < 1e-4, f"triton: layer {i} request {b}: |out - reference| = {err}"
+
+
+def two_requests_with_trees(factory) -> tuple:
+    """Two requests (6 and 9 tokens) prefilled on `factory`'s backend (2 layers, one of them SWA with W=4), and a
+    4-draft tree a request: (harness, rids, drafts a request, the trees' dense mask, the same values at stride 2)."""
+    geom = ModelGeometry(num_layers=2, swa_every=2, window=4, num_heads=2, num_kv_heads=1, head_dim=8)
+    h = Harness(factory, "cpu", geom, size=256, size_swa=128, page_size=1, max_reqs=4, max_context_len=32)
+    rids = [h.add_request() for _ in range(2)]
+    h.forward(rids, [6, 9], ForwardMode.EXTEND)
+    good = DraftTree.from_parents([[-1, 0, 0, 1], [-1, -1, 1, 2]]).mask
+    big = torch.ones(2 * good.numel(), dtype=torch.bool, device="cpu")
+    big[::2] = good
+    return h, rids, 4, good, big[::2]
 
 
 # ---- 2. the speculative API's on/off options take any truthy value ------------------------------------------------

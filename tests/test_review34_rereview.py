@@ -24,11 +24,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from hwkv import reference  # noqa: E402
 from hwkv.batch import ForwardMode  # noqa: E402
 from hwkv.errors import ShapeError  # noqa: E402
-from hwkv.spec import DraftTree, tree_visible  # noqa: E402
+from hwkv.spec import DraftTree  # noqa: E402
 from hwkv.staging import record_on  # noqa: E402
+from test_review34_cp_spec import two_requests_with_trees  # noqa: E402
 from hwkv.testing.harness import Harness, ModelGeometry  # noqa: E402
 from hwkv.testing.reference_backend import ReferenceBackend  # noqa: E402
 from hwkv_cpu.backend import TorchCPUBackend  # noqa: E402
@@ -52,43 +52,15 @@ def test_a_draft_tree_mask_reassigned_to_a_strided_view_is_refused_before_any_kv
     Expected: the metadata step refuses the strided mask before anything is written (TreePlanner.check, as it checks
     the mask's device and length; or a frozen DraftTree), or the forward runs exactly, as before the fix. (The backend
     re-checks `layer.sinks` per forward for the same reason: "a caller may assign another tensor since".)"""
-    geom = ModelGeometry(num_layers=2, swa_every=2, window=4, num_heads=2, num_kv_heads=1, head_dim=8)
-    h = Harness(TorchCPUBackend, "cpu", geom, size=256, size_swa=128, page_size=1, max_reqs=4, max_context_len=32)
-    rids = [h.add_request() for _ in range(2)]
-    h.forward(rids, [6, 9], ForwardMode.EXTEND)
-    n = 4
-    good = DraftTree.from_parents([[-1, 0, 0, 1], [-1, -1, 1, 2]]).mask
-    big = torch.ones(2 * good.numel(), dtype=torch.bool, device="cpu")
-    big[::2] = good
-    prefix = [h.requests[r].seq_len for r in rids]
+    h, rids, n, good, strided = two_requests_with_trees(TorchCPUBackend)
     batch = h.make_batch(rids, [n, n], ForwardMode.TARGET_VERIFY)
     tree = DraftTree(good.clone())
-    tree.mask = big[::2]          # the same values, stride 2
+    tree.mask = strided          # the same values, stride 2
     batch.spec_info = tree
-    inputs = h.random_inputs(batch.num_tokens)
     kv = _kv(h)
-    try:
+    with pytest.raises(ShapeError, match="DraftTree.mask has stride 2"):   # the metadata step, before any store
         h.backend.init_forward_metadata(batch)
-    except ShapeError:
-        assert all(torch.equal(a, b) for a, b in zip(kv, _kv(h))), "refused, but the pools changed"
-        return
-    try:
-        outs = h.split_outputs(h.model_step(batch, inputs))
-    except ShapeError as e:
-        changed = not all(torch.equal(a, b) for a, b in zip(kv, _kv(h)))
-        pytest.fail(f"the metadata step took the strided mask; layer forward refused it ({e}) after the K/V store "
-                    f"(pools changed: {changed})")
-    h._record(rids, [n, n], inputs)
-    blocks = good.view(2, n, n)
-    for layer, out in zip(h.layers, outs):
-        i = layer.layer_id
-        for b, rid in enumerate(rids):
-            r, p = h.requests[rid], prefix[b]
-            see, q_pos = tree_visible(p, blocks[b], layer.window)
-            ref = reference.attention(inputs[f"q{i}"][b * n:(b + 1) * n].float(), torch.cat(r.k[i]),
-                                      torch.cat(r.v[i]), q_pos, torch.arange(p + n, device="cpu"), layer.scaling,
-                                      layer.window, layer.logit_cap, None, mask=see)
-            assert (out[b * n:(b + 1) * n] - ref).abs().max().item() < 1e-4
+    assert all(torch.equal(a, b) for a, b in zip(kv, _kv(h))), "refused, but the pools changed"
 
 
 # ---- 2. a verify graph replays ragged extend lengths it can read for free as tpr each ----------------------------
