@@ -501,8 +501,11 @@ class AttentionBackend(DraftMetadataMixin):
         tree_size = self.tree_planner.check(batch, None)  # before the refill: a refused tree changes no buffer
         check_fits("batch size", bs, st.max_bs)
         check_fits("tokens", n, st.max_num_tokens)
-        if max_q_len is not None and (isinstance(max_q_len, bool) or not isinstance(max_q_len, int) or max_q_len < 1):
-            raise ConfigError(f"max_q_len={max_q_len!r} must be an int >= 1")
+        if max_q_len is not None:   # numpy and 0-d tensor integers taken as ints, as sizes are elsewhere
+            bound = as_int(max_q_len)
+            if bound is None or bound < 1:
+                raise ConfigError(f"max_q_len={max_q_len!r} must be an int >= 1")
+            max_q_len = bound
         self._check_graph_context(batch.checkable_seq_lens())
         self._check_graph_lens(batch, max_q_len)
         batch.check_devices(self.device)   # (after the host-copy checks, which read no batch tensor)

@@ -25,10 +25,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from hwkv.batch import ForwardBatch, ForwardMode  # noqa: E402
-from hwkv.errors import CapacityError, ShapeError  # noqa: E402
+from hwkv.errors import CapacityError, ConfigError, ShapeError  # noqa: E402
 from hwkv.testing.harness import Harness, ModelGeometry  # noqa: E402
 from hwkv.testing.reference_backend import ReferenceBackend  # noqa: E402
 from hwkv_cpu.backend import TorchCPUBackend  # noqa: E402
@@ -118,3 +119,19 @@ def test_graph_refill_refuses_a_max_q_len_below_the_batch_extend_lens():
     h.backend.init_forward_metadata_graph(batch, max_q_len=20)   # the bound that holds: exact
     flat = h.model_step(batch, inputs)
     h.complete(rids, [20, 20], inputs, flat)
+
+
+def test_graph_refill_takes_a_numpy_max_q_len_as_an_int():
+    """`max_q_len` as a numpy or 0-d tensor integer is the int it holds, as sizes are elsewhere (`as_int`): a bound
+    that holds is taken, one below the batch's extends refused as the int's is; a bool stays refused (True is no
+    bound). It had refused every numpy integer with "must be an int >= 1"."""
+    h, rids = _prefilled()
+    batch, inputs = h.prepare(rids, [3, 2], ForwardMode.EXTEND)
+    for bad in (True, np.int64(0), 2.0):
+        with pytest.raises(ConfigError, match="max_q_len=.* must be an int >= 1"):
+            h.backend.init_forward_metadata_graph(batch, max_q_len=bad)
+    with pytest.raises(CapacityError, match="extends by 3 new tokens; the graph's max_q_len .* is 2"):
+        h.backend.init_forward_metadata_graph(batch, max_q_len=np.int64(2))
+    md = h.backend.init_forward_metadata_graph(batch, max_q_len=torch.tensor(3))
+    assert md.max_q_len == 3 and type(md.max_q_len) is int
+    h.complete(rids, [3, 2], inputs, h.model_step(batch, inputs))
