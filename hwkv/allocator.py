@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from hwkv.checks import (as_int, check_device, check_flag, check_int_dtype, check_loc, check_on_device, is_bool,
-                         is_int, normal_tensors)
+                         first_repeat, is_int, normal_tensors)
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, LocError, NotAllocatedError, OutOfSlotsError
 from hwkv.sigint import held_or_undone, interrupts_held
@@ -896,11 +896,8 @@ def _last_of_runs(a: np.ndarray) -> np.ndarray:
 
 
 def _distinct(a: np.ndarray) -> bool:
-    """Whether a host array holds no value twice: one sort and one compare in numpy, no Python per value."""
-    if a.size < 2:
-        return True
-    b = np.sort(a)
-    return bool((b[1:] != b[:-1]).all())
+    """Whether a host array holds no value twice (`hwkv.checks.first_repeat`)."""
+    return first_repeat(a) is None
 
 
 def _push_on_host(ring: PageRing, pages: np.ndarray) -> None:

@@ -162,6 +162,10 @@ class HybridPrefixCache:
             node = self._split(nd, m) if nd.end > m else nd
         return node
 
+    def _edge(self, key: np.ndarray) -> tuple:
+        """The child key a node with token key `key` sits under in its parent: its first page's ids."""
+        return tuple(key[:self.page_size].tolist())
+
     def _split(self, node: _Node, at: int) -> _Node:
         """Split `node` at absolute position `at` (page-aligned, strictly inside); returns the upper part.
         Both parts own copies of their keys and locs, so neither pins the other's storage."""
@@ -171,9 +175,9 @@ class HybridPrefixCache:
         up.swa_locks = Counter({s: c for s, c in node.swa_locks.items() if s < at})
         key, locs = node.key[k:].copy(), node.locs[k:].clone()
         with interrupts_held():  # linked, counted and in the heaps together
-            node.parent.children[tuple(node.key[:self.page_size].tolist())] = up
+            node.parent.children[self._edge(node.key)] = up
             node.key, node.locs, node.start, node.parent = key, locs, at, up
-            up.children[tuple(key[:self.page_size].tolist())] = node
+            up.children[self._edge(key)] = node
             if up.swa and node.lock_swa and not up.lock_swa:  # no lock's window reaches the upper part
                 self.evictable_swa += k
             self._nodes_count += 1
@@ -403,7 +407,7 @@ class HybridPrefixCache:
     def _add_child(self, parent: _Node, key: np.ndarray, locs: torch.Tensor, start: int, swa: bool, t: int) -> _Node:
         child = _Node(key, locs, parent, start, swa)
         child.t_full = child.t_swa = child.changed = t
-        parent.children[tuple(key[:self.page_size].tolist())] = child
+        parent.children[self._edge(key)] = child
         self._nodes_count += 1
         n = len(key)
         self.full_tokens += n
@@ -756,7 +760,7 @@ class HybridPrefixCache:
 
     def _detach(self, node: _Node) -> None:
         parent = node.parent
-        del parent.children[tuple(node.key[:self.page_size].tolist())]
+        del parent.children[self._edge(node.key)]
         n = len(node.key)
         self._nodes_count -= 1
         self.full_tokens -= n
@@ -794,7 +798,7 @@ class HybridPrefixCache:
             n = len(nd.key)
             assert n and n % p == 0 and nd.locs.numel() == n, f"node [{nd.start}, {nd.end}) is not whole pages"
             assert nd.locs.untyped_storage().nbytes() == 8 * n, f"node [{nd.start}, {nd.end}) pins a larger storage"
-            assert nd.parent.children.get(tuple(nd.key[:p].tolist())) is nd, "a node is not under its first page"
+            assert nd.parent.children.get(self._edge(nd.key)) is nd, "a node is not under its first page"
             assert nd.start == nd.parent.end, f"node at {nd.start} does not continue its parent ({nd.parent.end})"
             assert nd.lock_full <= nd.parent.lock_full or nd.parent is self.root, "a lock does not cover its path"
             assert all(c > 0 for c in nd.swa_locks.values()), "an SWA lock count is not positive"

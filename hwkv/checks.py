@@ -226,6 +226,16 @@ def check_rows(req_pool_indices: torch.Tensor, rows: int, distinct: Optional[str
         raise repeat_error(f"req_pool_indices name request row {int(a[i])} twice (entries {i} and {j}): {distinct}")
 
 
+def first_repeat(a: np.ndarray) -> Optional[int]:
+    """The smallest value a host array holds twice, or None: one sort and one compare in numpy, no Python per
+    value."""
+    if a.size < 2:
+        return None
+    b = np.sort(a, axis=None)
+    same = b[1:] == b[:-1]
+    return int(b[1:][same][0]) if same.any() else None
+
+
 def check_shape(name: str, t: torch.Tensor, expected: Sequence[Optional[int]]) -> None:
     """`t.shape` must match `expected` (None = any size in that dimension)."""
     ok = t.dim() == len(expected) and all(e is None or e == s for e, s in zip(expected, t.shape))

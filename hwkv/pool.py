@@ -9,7 +9,7 @@ import torch
 
 from hwkv import ops
 from hwkv.checks import (as_int, as_layer_id, check_device, check_index_tensor, check_loc, check_scale, check_shape,
-                         is_int, normal_tensors, values_checkable)
+                         first_repeat, is_int, normal_tensors, values_checkable)
 from hwkv.errors import CapacityError, ConfigError, EvictedSlotError, LocError, MissingSWALocError, ShapeError
 from hwkv.loc import KVWriteLoc, ListRefill, LocRuns
 
@@ -225,12 +225,10 @@ class MHATokenToKVPool:
         if src_loc.shape != dst_loc.shape:
             raise LocError(f"move_kv: src_loc has {tuple(src_loc.shape)} entries, dst_loc {tuple(dst_loc.shape)}")
         if dst_loc.numel() > 1 and values_checkable(dst_loc):   # index_copy_ keeps one of a repeated dst's sources,
-            flat = dst_loc.reshape(-1)                            # which one unspecified on accelerators; the padding
-            ordered = flat[flat != 0].sort().values               # slot 0 may repeat (a request left as it is moves
-            #                                                       its cleared positions, 0, onto themselves)
-            twice = ordered[1:][ordered[1:] == ordered[:-1]]
-            if twice.numel():
-                raise LocError(f"move_kv: dst_loc names slot {int(twice[0])} twice (one source a slot)")
+            flat = dst_loc.reshape(-1).cpu().numpy()              # which one unspecified on accelerators; the padding
+            twice = first_repeat(flat[flat != 0])                 # slot 0 may repeat (a request left as it is moves
+            if twice is not None:                                 # its cleared positions, 0, onto themselves)
+                raise LocError(f"move_kv: dst_loc names slot {twice} twice (one source a slot)")
 
     def move_prechecked(self, src_loc: torch.Tensor, dst_loc: torch.Tensor) -> None:
         """`move_kv` for locs `check_move` accepted."""
@@ -444,16 +442,17 @@ class SWAKVPool:
         (accepted draft tokens are recent, so both ends are mapped). Both groups' locs are checked (and
         the SWA ones translated) before either group moves, so a refused call moves nothing."""
         self.full_kv_pool.check_move(src_loc, dst_loc)
-        both = self.translate_loc_from_full_to_swa(torch.cat([src_loc, dst_loc]))
+        full = torch.cat([src_loc, dst_loc])
+        both = self.translate_loc_from_full_to_swa(full)
         n = src_loc.shape[0]
         swa_src, swa_dst = both[:n], both[n:]
         if values_checkable(both):   # a released SWA page maps to 0: its layers would move the padding slot's K/V
-            gone = torch.nonzero((both <= 0) & (torch.cat([src_loc, dst_loc]) > 0)).flatten()
+            gone = torch.nonzero((both <= 0) & (full > 0)).flatten()
             if gone.numel():
                 i = int(gone[0])
                 name, j = ("src_loc", i) if i < n else ("dst_loc", i - n)
-                raise EvictedSlotError(f"move_kv: {name}[{j}] (full slot {int(torch.cat([src_loc, dst_loc])[i])}) has "
-                                       "no SWA slot: its SWA page was released")
+                raise EvictedSlotError(f"move_kv: {name}[{j}] (full slot {int(full[i])}) has no SWA slot: its SWA "
+                                       "page was released")
         self.swa_kv_pool.check_move(swa_src, swa_dst)
         self.full_kv_pool.move_prechecked(src_loc, dst_loc)
         self.swa_kv_pool.move_prechecked(swa_src, swa_dst)

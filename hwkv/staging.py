@@ -8,17 +8,24 @@ is the simple alternative and costs a pinned allocation each time (about 16 us o
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+import functools
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
+
+
+@functools.lru_cache(maxsize=None)
+def _device_module(device_type: str) -> Any:
+    """torch's module for a device type (torch.cuda, torch.xpu, ...), looked up once: `record_on` runs every step."""
+    return torch.get_device_module(device_type)
 
 
 def record_on(event: torch.Event, device: torch.device) -> None:
     """Record `event` on `device`'s current stream, where a copy into or out of its memory was just issued (the
     event's own default, the current device's stream, misses that copy when another device is current). `device`:
     the copied tensor's, which names its index."""
-    event.record(torch.get_device_module(device).current_stream(device))
+    event.record(_device_module(device.type).current_stream(device))
 
 
 class StagingRing:
