@@ -21,7 +21,9 @@ triangle. Warp-specialised partitions of one warpgroup each:
   the registers the      ahead; every key tile of BLOCK_N list entries: its slots loaded a tile ahead, then,
   consumers leave)       once the stage is free, K and V rows gathered (any page size, pages in any order) by
                          cp.async into the stage's NVMMA-swizzled buffers, each thread's
-                         `cp.async.mbarrier.arrive.noinc` completing the stage's `ready` barrier; after the
+                         `cp.async.mbarrier.arrive.noinc` completing the stage's `ready` barrier (the tuned
+                         D=64 tiles, `fence_lag` 1: each thread waits for its copies a tile behind, fences them
+                         for the products and arrives itself, so no consumer fences); after the
                          item's first tile, each consumer's Q tile by TMA once that consumer has released the
                          previous one (`q_free`).
   consumer 0 .. NC-1     for every key tile j, in the built kernel's order (ptxas's, see below): issue S_j =
@@ -108,9 +110,10 @@ class HopperConfig(NamedTuple):
     # the proxy fence (cp.async's writes before wgmma reads them) in the producer rather than in every consumer: each
     # producer thread commits a tile's copies as a group, waits for the group `fence_lag` tiles back, fences and
     # arrives for that tile (0: the consumers fence after their wait, the copies arriving on their own completion).
-    # H100, 7 interleaved rounds: 8 x 1024 199.6 us at lag 1 against 202.0, W=128 90.5 at lag 2 (window tile) against
-    # 91.6; the long cases within their spread, lag 2 slower on 4 x 2048 over 2048 (1,020 against 995). Not yet the
-    # dispatch's: its tiles with it have not run the GPU tests (docs/benchmarks.md, thirty-fourth session)
+    # The D=64 tiles tuned on Triton 3.6 take lag 1 (H100, 9 interleaved rounds, us: 8 x 1024 200.5 against 203.4,
+    # W=128 88.5 against 89.4 (window tile), 4 x 2048 over 2048 1,002.6 against 1,008.0, 1 x 8192 inside its spread);
+    # lag 2 is no better and slower over a prefix; D=128 is 3-9% slower with it on causal cases, so keeps lag 0
+    # (docs/benchmarks.md, thirty-fourth and thirty-fifth sessions)
     fence_lag: int = 0
 
 
@@ -149,8 +152,9 @@ _CLEAN = {64: HopperConfig(block_n=64, stages=6, consumer_regs=152, consumers=3,
           128: HopperConfig(block_n=64, stages=4, consumer_regs=152, consumers=3, **_FAST)}
 _CLEAN_WINDOW = {64: HopperConfig(block_n=32, stages=8, consumer_regs=152, consumers=3, **_FAST),
                  128: HopperConfig(block_n=32, stages=4, consumer_regs=152, consumers=3, **_FAST)}
-_TUNED = {64: _CLEAN[64]._replace(stages=8, q_regs=True, sums_mma=True), 128: _CLEAN[128]}
-_TUNED_WINDOW = {64: _CLEAN_WINDOW[64]._replace(consumer_regs=104, q_regs=True, consumers=4, sums_mma=True),
+_TUNED = {64: _CLEAN[64]._replace(stages=8, q_regs=True, sums_mma=True, fence_lag=1), 128: _CLEAN[128]}
+_TUNED_WINDOW = {64: _CLEAN_WINDOW[64]._replace(consumer_regs=104, q_regs=True, consumers=4, sums_mma=True,
+                                                fence_lag=1),
                  128: _CLEAN_WINDOW[128]._replace(q_regs=True, sums_mma=True)}
 TUNED_TRITON = (3, 6)
 
