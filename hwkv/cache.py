@@ -94,6 +94,12 @@ class PrefixLock:
     cache: Optional["HybridPrefixCache"] = field(default=None, repr=False, compare=False)
 
 
+def _one_dim(shape: Sequence[int]) -> None:
+    """One sequence's token ids are 1-D: a [B, L] batch is not one prefix (LocError naming the shape)."""
+    if len(shape) != 1:
+        raise LocError(f"token ids must be 1-D (one sequence), got shape {list(shape)}")
+
+
 class HybridPrefixCache:
     """Radix tree of cached prefixes over an `SWATokenToKVPoolAllocator`'s pools (see module doc)."""
 
@@ -124,7 +130,8 @@ class HybridPrefixCache:
         if isinstance(token_ids, torch.Tensor):
             if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
                 raise LocError(f"token ids must be an integer tensor, got {token_ids.dtype}")
-            return token_ids.reshape(-1).to("cpu", torch.int64).numpy()
+            _one_dim(token_ids.shape)
+            return token_ids.to("cpu", torch.int64).numpy()
         if isinstance(token_ids, (list, tuple)):
             try:   # a C loop that takes ints only (a float, None or str element, or one past int64, raises)
                 return np.frombuffer(array.array("q", token_ids), dtype=np.int64)
@@ -133,7 +140,8 @@ class HybridPrefixCache:
         arr = np.asarray(token_ids)
         if arr.size and (arr.dtype.kind not in "iu" or (arr.dtype == np.uint64 and int(arr.max()) >= 2 ** 63)):
             raise LocError(f"token ids must be integers below 2**63, got dtype {arr.dtype}")
-        return arr.reshape(-1).astype(np.int64, copy=False)
+        _one_dim(arr.shape)
+        return arr.astype(np.int64, copy=False)
 
     def _walk(self, ids: np.ndarray) -> Tuple[List[_Node], int]:
         """Nodes matched from the root (the last possibly partly, page-aligned) and the matched length."""

@@ -5,7 +5,7 @@ import functools
 import math
 import numbers
 import operator
-from typing import Any, Callable, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
 import numpy as np
 import torch
@@ -69,6 +69,27 @@ def as_int(x: Any) -> Optional[int]:
         return operator.index(x)
     except TypeError:
         return None
+
+
+def items_of(value: Any) -> Optional[List[Any]]:
+    """Any iterable's items (a generator's too), None for text, a mapping or what does not iterate."""
+    if isinstance(value, (str, bytes, bytearray, Mapping)):
+        return None
+    try:
+        return list(value)
+    except TypeError:
+        return None
+
+
+def check_batch_sizes(name: str, value: Any, empty: bool = False) -> List[int]:
+    """Graph bucket sizes as ints: an iterable (non-empty unless `empty`) of integers >= 1 (numpy and 0-d tensor
+    integers taken; a bool, a float or text is none), else a ConfigError naming `name`, before anything is built."""
+    items = items_of(value)
+    sizes = [as_int(b) for b in items] if items is not None and (items or empty) else [None]
+    if any(b is None or b < 1 for b in sizes):
+        raise ConfigError(f"{name} must be integers >= 1 (a list, tuple or set{'' if empty else ', non-empty'}), got "
+                          f"{items if items is not None else value!r}")
+    return sizes  # type: ignore[return-value]
 
 
 def check_on_device(name: str, x: Any, device: torch.device, holder: str) -> None:

@@ -402,6 +402,7 @@ class DraftGraphRunner(DraftReplay, GraphRunner):
         """Copy the draft batch and inputs into the static buffers step by step, pad to the smallest
         bucket that fits, refill every step's metadata; a batch larger than every bucket: eager metadata.
         Everything is checked before the first copy (lengths, rows, write locs, inputs: as the eager step)."""
+        batch.check_devices(self.backend.device)   # as the eager step: before any tensor is read or copied
         info = _draft_info(batch)   # the eager draft step's rule: a DECODE batch (an EXTEND one had replayed as decodes)
         k = self.steps
         if info.num_steps > k:
@@ -413,7 +414,7 @@ class DraftGraphRunner(DraftReplay, GraphRunner):
         i = bisect.bisect_left(self.buckets, bs)
         if i == len(self.buckets):
             return PreparedStep(None, batch.num_tokens, self._eager(batch), inputs)
-        bs_pad = self.buckets[i]
+        bs_pad = self._captured(bs, i)
         self._check_lens_and_rows(batch)   # as the eager draft step (every step), also where the refill is recorded
         self._check_write_locs(batch.out_cache_loc)
         fresh = self._check_step_inputs(inputs, bs, bs_pad)  # first: a bad input changes nothing

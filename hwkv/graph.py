@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequ
 import torch
 
 from hwkv.batch import ForwardBatch, ForwardMode
-from hwkv.checks import check_rows, normal_tensors, values_checkable
+from hwkv.checks import check_batch_sizes, check_rows, normal_tensors, values_checkable
 from hwkv.errors import ConfigError, ShapeError
 from hwkv.spec import DraftTree, MultiStepDraft, check_tree
 
@@ -75,8 +75,7 @@ class GraphRunner:
                  input_shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]],
                  adapter: Optional[GraphAdapter] = None, mode: ForwardMode = ForwardMode.DECODE,
                  tokens_per_req: int = 1, tree: bool = False) -> None:
-        if not batch_sizes or min(batch_sizes) < 1:
-            raise ConfigError(f"batch_sizes={list(batch_sizes)} must be non-empty and >= 1")
+        batch_sizes = check_batch_sizes("batch_sizes", batch_sizes)
         if tree and mode != ForwardMode.TARGET_VERIFY:
             raise ConfigError(f"tree=True is for TARGET_VERIFY graphs, not {mode.name}")
         if mode == ForwardMode.DECODE and tokens_per_req != 1:
@@ -251,6 +250,15 @@ class GraphRunner:
         for v in self.inputs.values():
             v[live * self.tpr:bs_pad * self.tpr].zero_()
 
+    def _captured(self, bs: int, i: int) -> int:
+        """The bucket (index i) a batch of bs requests replays; a ConfigError where it was never captured (or a capture
+        stopped part way), before anything is staged."""
+        bs_pad = self.buckets[i]
+        if bs_pad not in self.graphs:
+            raise ConfigError(f"a batch of {bs} replays bucket {bs_pad}, which is not captured (captured: "
+                              f"{sorted(self.graphs) or 'none'}): call capture() before run()")
+        return bs_pad
+
     def prepare(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> "PreparedStep":
         """Everything before the layers: copy the batch and inputs into the static buffers, pad to the
         smallest bucket that fits, refill the static metadata. A batch larger than every bucket gets
@@ -263,6 +271,7 @@ class GraphRunner:
         bs = batch.batch_size
         if isinstance(batch.spec_info, MultiStepDraft):
             raise ConfigError("a MultiStepDraft batch runs through hwkv.draft.DraftGraphRunner, not GraphRunner")
+        batch.check_devices(self.backend.device)   # as the eager step: before any tensor is read or copied
         self._check_mode(batch.forward_mode)
         if batch.num_tokens != bs * self.tpr:
             raise ShapeError(f"graph mode needs {self.tpr} token(s) per request: {batch.num_tokens} tokens "
@@ -287,10 +296,7 @@ class GraphRunner:
             check_tree(tree, self.extend_seq_lens_cpu[:bs], values_checkable(tree.mask))
         self._check_lens_and_rows(batch)  # as the eager step would (which a batch past every bucket takes)
         self._check_write_locs(batch.out_cache_loc)
-        bs_pad = self.buckets[i]
-        if bs_pad not in self.graphs:   # (a capture that stopped part way): refused before anything is staged
-            raise ConfigError(f"a batch of {bs} replays bucket {bs_pad}, which is not captured (captured: "
-                              f"{sorted(self.graphs) or 'none'}): call capture() before run()")
+        bs_pad = self._captured(bs, i)
         self._take_inputs(inputs, n)  # first: a bad input leaves the static batch as it was
         self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
         self.seq_lens[:bs].copy_(batch.seq_lens)

@@ -410,8 +410,11 @@ class VerifyStepGraph(DecodeStepGraph):
     def __init__(self, backend: Any, allocator: Any, fn: ModelFn, batch_sizes: Sequence[int],
                  input_shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], drafts: int,
                  adapter: Optional[GraphAdapter] = None, pad_row: Optional[int] = None) -> None:
-        if isinstance(drafts, bool) or not isinstance(drafts, int) or drafts < 1:
-            raise ConfigError(f"a verify step checks drafts >= 1 per request, got drafts={drafts!r}")
+        k = as_int(drafts)
+        if k is None or k < 1:
+            raise ConfigError(f"a verify step checks drafts >= 1 per request (an integer; a bool is none), got "
+                              f"drafts={drafts!r}")
+        drafts = k
         self._TOKENS = drafts + 1
         self._TREE = getattr(getattr(backend, "options", None), "tree_verify", "extend") != "extend"
         super().__init__(backend, allocator, fn, batch_sizes, input_shapes, adapter, pad_row=pad_row)

@@ -478,7 +478,8 @@ def test_graph_runner_refuses_a_bucket_of_zero_requests():
     from hwkv.testing.harness import Harness, ModelGeometry
     from hwkv.testing.reference_backend import ReferenceBackend
     h = Harness(ReferenceBackend, geometry=ModelGeometry(), size=512, size_swa=128)
-    with pytest.raises(ConfigError, match=r"batch_sizes=\[0, 2\] must be non-empty and >= 1"):
+    with pytest.raises(ConfigError,
+                       match=r"batch_sizes must be integers >= 1 \(a list, tuple or set, non-empty\), got \[0, 2\]"):
         GraphRunner(h.backend, h.model_step, [0, 2], h._input_shapes())
 
 

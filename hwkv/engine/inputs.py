@@ -6,12 +6,12 @@ Each refusal is a ConfigError naming the value, raised before the engine queues 
 from __future__ import annotations
 
 import operator
-from typing import Any, List, Mapping, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from hwkv.checks import as_int, is_bool, release_window as _release_window
+from hwkv.checks import as_int, check_batch_sizes, is_bool, items_of, release_window as _release_window
 from hwkv.engine.stats import RunnerStats
 from hwkv.errors import ConfigError
 
@@ -20,16 +20,6 @@ def shown(value: Any) -> str:
     """A value's type and (shortened) repr, for messages."""
     text = repr(value)
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
-
-
-def _items(value: Any) -> Optional[List[Any]]:
-    """Any iterable's items (a generator's too), None for text, a mapping or what does not iterate."""
-    if isinstance(value, (str, bytes, bytearray, Mapping)):
-        return None
-    try:
-        return list(value)
-    except TypeError:
-        return None
 
 
 def prompt_ids(prompt: Any) -> List[int]:
@@ -50,7 +40,7 @@ def token_ids(value: Any, what: str) -> List[int]:
         if value.ndim != 1:
             raise ConfigError(f"a {what} must be 1-D, got shape {list(value.shape)}")
         return value.tolist()
-    items = _items(value)
+    items = items_of(value)
     if items is None:
         hint = ": tokenize text first" if what == "prompt" and isinstance(value, (str, bytes, bytearray)) else ""
         raise ConfigError(f"a {what} must be a sequence of token ids (a list, tuple, or 1-D integer array or "
@@ -69,13 +59,7 @@ def token_ids(value: Any, what: str) -> List[int]:
 
 def batch_sizes(value: Any) -> Optional[List[int]]:
     """`graph_batch_sizes` as ints (None: the default buckets); ConfigError unless each is an integer >= 1."""
-    if value is None:
-        return None
-    items = _items(value)
-    sizes = [as_int(b) for b in items] if items is not None else [None]
-    if any(b is None or b < 1 for b in sizes):
-        raise ConfigError(f"graph_batch_sizes must be integers >= 1 (a list, tuple or set), got {items if items is not None else value!r}")
-    return sizes
+    return None if value is None else check_batch_sizes("graph_batch_sizes", value, empty=True)
 
 
 def release_window(window: Any, hybrid: bool, model_window: int, context: int, page_size: int,
