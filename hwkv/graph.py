@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequ
 import torch
 
 from hwkv.batch import ForwardBatch, ForwardMode
-from hwkv.checks import check_batch_sizes, check_rows, normal_tensors, values_checkable
+from hwkv.checks import as_int, check_batch_sizes, check_rows, normal_tensors, values_checkable
 from hwkv.errors import ConfigError, ShapeError
 from hwkv.spec import DraftTree, MultiStepDraft, check_tree
 
@@ -78,6 +78,11 @@ class GraphRunner:
         batch_sizes = check_batch_sizes("batch_sizes", batch_sizes)
         if tree and mode != ForwardMode.TARGET_VERIFY:
             raise ConfigError(f"tree=True is for TARGET_VERIFY graphs, not {mode.name}")
+        tpr = as_int(tokens_per_req)
+        if tpr is None or tpr < 1:
+            raise ConfigError(f"tokens_per_req must be an integer >= 1 (tokens a request runs a step), got "
+                              f"{tokens_per_req!r}")
+        tokens_per_req = tpr
         if mode == ForwardMode.DECODE and tokens_per_req != 1:
             raise ConfigError(f"DECODE graphs run one token per request, not tokens_per_req={tokens_per_req}")
         self.backend, self.fn, self.mode, self.tpr = backend, fn, mode, tokens_per_req
@@ -339,6 +344,10 @@ class GraphRunner:
             if src is None or src.shape[0] < n or src.shape[1:] != v.shape[1:]:
                 raise ShapeError(f"input {k!r} must be [{n}, {', '.join(map(str, v.shape[1:]))}]{what}, got "
                                  f"{None if src is None else list(src.shape)}")
+            if src.dtype != v.dtype and torch.promote_types(src.dtype, v.dtype) != v.dtype:  # the copy would round
+                raise ShapeError(f"input {k!r} is {src.dtype}, its static buffer {v.dtype}{what}: a replay would "
+                                 f"round what the eager step computes with; pass {v.dtype} or capture with "
+                                 f"{src.dtype}")
             if src.data_ptr() != v.data_ptr():
                 fresh.append((v, src))
         return fresh

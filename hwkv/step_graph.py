@@ -83,7 +83,7 @@ class DecodeStepGraph(GraphRunner):
         self._records = bool(getattr(self.adapter, "records_device_work", False))
         self.rtt = rtt_pool.req_to_token
         # padded requests write here, never into a live row: the caller's reserved row, or one taken now
-        self._own_pad = pad_row is None
+        self._own_pad, self._pad_freed = pad_row is None, False
         self.pad_row = rtt_pool.alloc(1)[0] if pad is None else pad
         if frontiers is not None:   # it holds no pages: a frontier left by the row's last request would stand past
             frontiers[self.pad_row] = 0   # the padded lanes' length (refused where releases are checked)
@@ -141,6 +141,7 @@ class DecodeStepGraph(GraphRunner):
         if self._own_pad:
             self.backend.req_to_token_pool.free(self.pad_row)
             self._own_pad = False
+            self._pad_freed = True   # the row may be a live request's now: padded lanes must never write it again
 
     # ---- the step, as captured -------------------------------------------------------------------
     def _refill_and_run(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
@@ -232,6 +233,9 @@ class DecodeStepGraph(GraphRunner):
         integers (a float, a bool: their dtype, a host attribute) are a LocError, as everything else, before
         anything is staged or claimed; so is a seq_lens_cpu that is not on the host (LocError naming its device);
         rows or lengths that are not 1-D (a [bs, 1] column, a 0-d tensor) are a ShapeError naming the shapes."""
+        if self._pad_freed:
+            raise ConfigError("this graph gave its padding row back (release_rows): it runs no more steps, since its "
+                              "padded requests would write that row, which the pool may have handed on")
         if not rows.dtype == seq_lens.dtype == seq_lens_cpu.dtype == torch.int64:  # (the common case: one compare)
             for name, t in (("rows", rows), ("seq_lens", seq_lens), ("seq_lens_cpu", seq_lens_cpu)):
                 check_int_dtype(name, t)

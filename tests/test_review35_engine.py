@@ -8,8 +8,8 @@ runner, overlap, prompt-lookup drafts; tight full pools forcing evictions; the r
 in the small-context runs), ~300 runs of interleaved add_request / abort / clear_prefix_cache / step with sampling
 and stop tokens, and ~200 random sequences of direct HybridPrefixCache calls (run, cache_running, release, evict,
 evict_swa, out-of-window release) checking that every eviction frees exactly the tokens it reports in each pool.
-No leak, mismatch or over-reported eviction was found there. The one defect below is a refusal gap in the prefix
-cache's token-id boundary.
+No leak, mismatch or over-reported eviction was found there. The defects below: a refusal gap in the prefix
+cache's token-id boundary, and (the reviewer's unconfirmed note, confirmed) clear_prefix_cache from inside a step.
 """
 from __future__ import annotations
 
@@ -43,3 +43,21 @@ def test_a_2d_batch_of_token_ids_is_refused_not_flattened_into_one_prefix(make):
     with pytest.raises(LocError, match="1-D|shape"):
         s.c.insert(make([[20, 21, 22, 23], [24, 25, 26, 27]]), s.rtt.req_to_token[row, :8], 0)
     assert s.same(before, s.snapshot())
+
+
+def test_clear_prefix_cache_runs_between_steps_of_an_open_engine_only():
+    """The reviewer's note, confirmed: `Engine.clear_prefix_cache()` evicted from inside a step (a model or drafter
+    calling it: the step lock held), where `abort` refuses. Now a ConfigError, with the cache's nodes and the pools
+    as they were."""
+    from hwkv.errors import ConfigError
+    from test_engine_defects import _engine, _prompts
+    from hwkv.engine.sampling import SamplingParams
+    e, _ = _engine()
+    e.generate(_prompts(2), SamplingParams(max_new_tokens=2))
+    held = e.cache.held_slots()
+    assert held != (0, 0)   # the finished prompts' pages stay cached
+    with e._step_lock:   # as inside a step
+        with pytest.raises(ConfigError, match="inside a step"):
+            e.clear_prefix_cache()
+    assert e.cache.held_slots() == held
+    assert e.clear_prefix_cache() > 0 and e.cache.held_slots() == (0, 0)   # between steps: evicts

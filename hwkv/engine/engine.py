@@ -733,7 +733,10 @@ class Engine:
 
     def clear_prefix_cache(self) -> int:
         """Evict everything the prefix cache holds that no running request uses; returns the tokens evicted. Call it
-        after the model's weights change: the cached K/V are the old weights'."""
+        after the model's weights change: the cached K/V are the old weights'. Between steps, as `abort`: a
+        ConfigError from inside a step (the model, a drafter), nothing evicted."""
+        if self._step_lock.locked():   # a step is running (from inside it, or another thread)
+            raise ConfigError("clear_prefix_cache() inside a step: it runs between steps")
         if self._prefixing is None:
             return 0
         with torch.inference_mode():
