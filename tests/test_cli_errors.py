@@ -17,6 +17,7 @@ from typing import Any, Dict, List
 import pytest
 
 from hwkv import cli
+from hwkv.engine.sampling import F32_MAX
 
 REPO = Path(__file__).resolve().parents[1]
 PLAN = ["plan", "--model", "gemma-3-27b", "--memory", "80GiB", "--context", "512"]
@@ -283,8 +284,10 @@ def needs_transformers():
     ("--chunk", "0", "--chunk must be >= 1, got 0"),
     ("--page-size", "0", "--page-size must be >= 1, got 0"),
     ("--seed", "-1", "--seed must be >= 0, got -1"),
-    ("--temperature", "-1", "--temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
-    ("--temperature", "inf", "--temperature must be a finite number >= 0 (0 = greedy), got inf"),
+    ("--temperature", "-1", f"--temperature must be a number in [0, {F32_MAX!r}] (0 = greedy; the sampler reads it "
+                            "as float32), got -1.0"),
+    ("--temperature", "inf", f"--temperature must be a number in [0, {F32_MAX!r}] (0 = greedy; the sampler reads "
+                             "it as float32), got inf"),
     ("--top-p", "0", "--top-p must be in (0, 1], got 0.0"),
     ("--memory", "lots", "cannot read memory size 'lots'"),
 ])

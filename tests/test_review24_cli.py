@@ -27,11 +27,13 @@ def test_pools_cap_the_chunk_at_every_rows_context():
 
 
 def test_plan_names_the_chunk_when_its_reserve_does_not_fit(capsys):
+    # (no forward carries more than the running requests' whole contexts: 8 x 4096 of the 10M, as the engine caps it)
     code, out, err = _main(capsys, "plan", "--model", "gemma-2-27b", "--memory", "8GiB", "--context", "4096",
-                           "--chunk", "10000000")
+                           "--chunk", "10000000", "--max-running", "8")
     assert code == 2 and out == ""
-    line = one_line(err, "hwkv plan: error: gemma-2-27b: 1 request(s) of context 4096 need")
-    assert "the chunk of 10000000 tokens alone holds" in line and "a smaller chunk frees it" in line
+    line = one_line(err, "hwkv plan: error: gemma-2-27b: 8 request(s) of context 4096 need")
+    assert "the chunk of 10000000 tokens, at most 8 x 4096 a forward, alone holds" in line
+    assert "a smaller chunk frees it" in line
     code, out, err = _main(capsys, "plan", "--model", "gemma-2-27b", "--memory", "1GiB", "--context", "4096",
                            "--max-running", "40")
     assert code == 2 and "chunk" not in err

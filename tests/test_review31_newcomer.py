@@ -5,31 +5,13 @@ and where. CPU only, tiny models built offline.
 """
 from __future__ import annotations
 
-import contextlib
-import io
-
 import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from hwkv import cli  # noqa: E402
+from test_review35_newcomer import _run_cli  # noqa: E402 (`hwkv ARGV` in-process)
 from test_review31_transformers import tiny_gpt2  # noqa: E402,F401 (the fixture: GPT-2, 16 learned positions)
 from hwkv.errors import ConfigError  # noqa: E402
-
-
-def _run_cli(*argv: str):
-    """`hwkv ARGV` in-process: (exit code, stdout, stderr). An exception escaping cli.main is what a user sees as a
-    traceback: it is returned as the exit code 'traceback' with its type and message in stderr."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = cli.main(list(argv))
-        except SystemExit as e:
-            code = e.code
-        except Exception as e:  # noqa: BLE001 - the traceback a user would see
-            code = "traceback"
-            err.write(f"Traceback: {type(e).__name__}: {e}")
-    return code, out.getvalue(), err.getvalue()
 
 
 def test_hybrid_runner_with_an_explicit_context_past_the_models_positions_raises_a_bare_index_error(tiny_gpt2):

@@ -451,6 +451,18 @@ def _chat(args: argparse.Namespace, target: Target, dev: str) -> int:
     return 0
 
 
+def _check_serve_flags(rate: float, shared: float, system_len: Optional[int], prompt_len: int) -> None:
+    """The serve workload's float flags and its system prompt, named as typed (the workload's own checks name its
+    fields)."""
+    if not rate >= 0:   # (NaN too)
+        raise ConfigError(f"--serve-rate must be >= 0 requests a second, got {rate}")
+    if not 0 <= shared <= 1:
+        raise ConfigError(f"--serve-shared must be in [0, 1], got {shared}")
+    if system_len is not None and system_len >= prompt_len:
+        raise ConfigError(f"--serve-system-len must be below the prompt length ({prompt_len}, --serve-prompt-len), "
+                          f"got {system_len}")
+
+
 def _run_serve(args: argparse.Namespace) -> int:
     from hwkv.bench.serve import ServeWorkload, check_trace_fits, random_gpt_oss, run_serve
 
@@ -468,6 +480,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     v = {k: getattr(args, f"serve_{k}") for k in ("requests", "rate", "shared", "running")}
     v = {k: x if x is not None else _SERVE[k] for k, x in v.items()}
     prompt_len = args.serve_prompt_len if args.serve_prompt_len is not None else 64 if cpu else 1024
+    _check_serve_flags(v["rate"], v["shared"], args.serve_system_len, prompt_len)
     w = ServeWorkload(requests=v["requests"], rate=v["rate"], prompt_len=prompt_len,
                       new_tokens=args.serve_new if args.serve_new is not None else 32 if cpu else 128,
                       shared=v["shared"],

@@ -70,7 +70,7 @@ def _tokens_bytes(tokens: int, nbytes: int) -> str:
 def _rows(shape: ModelShape, r: Plan) -> List[Tuple[str, str]]:
     saving = f"{r.saving_requests:.2f}x" if r.saving_requests is not None else "n/a (all-full fits no request)"
     lock = cache_lock_tokens(shape.window, r.page_size, r.context) if r.prefix_cache and shape.swa_layer_ids else 0
-    swa = (f"SWA {r.swa_tokens_per_request:,} tokens ({r.swa_tokens_per_request - lock:,} window + {lock:,} "
+    swa = (f"SWA {r.swa_tokens_per_request:,} tokens ({r.swa_tokens_per_request - lock:,} its own + {lock:,} "
            f"prefix-cache lock; + {r.chunk_reserve_tokens:,} chunk tokens once)" if lock else
            f"SWA {r.swa_tokens_per_request:,} tokens (+ {r.chunk_reserve_tokens:,} chunk tokens once)")
     return [

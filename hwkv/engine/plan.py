@@ -13,12 +13,14 @@ min(round_up(kv, P), the window bound) per request, the same rule). This bound i
 allocator. A request being prefilled also holds its new chunk
 until the step's release, round_up(chunk, P) more slots; the chunk budget (like SGLang's
 chunked_prefill_size) bounds the new tokens of one forward over the whole batch, so it is
-reserved once per pool, not once per request:
+reserved once per pool, not once per request, and no forward carries more new tokens than the
+running requests' whole contexts (the engine's rule too):
 
-    size_swa = R * swa_tokens_per_request + round_up(chunk, P)
+    size_swa = R * swa_tokens_per_request + round_up(min(chunk, R * context), P)
 
 R (running requests) is --max-running or the largest R whose pools fit; the full pool then gets
-all memory left, rounded down to pages. Each pool's buffers carry P extra rows (slot 0 is the
+all memory left, rounded down to pages. A model whose every layer slides keeps no K/V in the full
+pool: it holds locs only, one context a request. Each pool's buffers carry P extra rows (slot 0 is the
 padding slot, buffers are [size + P, H, D]), and those bytes are counted. The all-full baseline
 puts every layer in one pool of the same budget, with the same padding.
 """
@@ -152,13 +154,38 @@ def _check_inputs(shape: ModelShape, memory_bytes: int, context: int, page_size:
                   max_running: Optional[int], chunk: int, margin: int, prefix_cache: bool) -> None:
     if not isinstance(shape, ModelShape):
         raise ConfigError(f"shape must be a ModelShape, got {shape!r}")
-    if not shape.full_layer_ids:
-        raise ConfigError(f"{shape.name}: plan needs at least one full-attention layer (the full pool holds the locs)")
     for name, value, lo in (("memory_bytes", memory_bytes, 1), ("context", context, 1), ("page_size", page_size, 1),
                             ("chunk", chunk, 1), ("eviction_margin_pages", margin, 0)):
         check_int_option(name, value, lo)
     check_int_option("max_running", max_running, 1, none=True)
     check_flag("prefix_cache", prefix_cache)
+
+
+def _request_tokens(shape: ModelShape, context: int, page_size: int, margin: int,
+                    prefix_cache: bool) -> Tuple[int, int]:
+    """(full, SWA) slots one running request holds at worst (see the module doc)."""
+    if not shape.swa_layer_ids:
+        return round_up(context, page_size), 0
+    swa = swa_tokens_per_request(shape.window, page_size, margin, context)
+    return round_up(context, page_size), swa + (cache_lock_tokens(shape.window, page_size, context)
+                                                 if prefix_cache else 0)
+
+
+def chunk_reserve_tokens(shape: ModelShape, chunk: int, running: int, context: int, page_size: int) -> int:
+    """SWA slots kept once for a forward's new tokens: the chunk, but no more than `running` requests' whole
+    contexts (no forward carries more); none without SWA layers."""
+    return round_up(min(chunk, running * context), page_size) if shape.swa_layer_ids else 0
+
+
+def bytes_needed(shape: ModelShape, context: int, page_size: int, running: int, chunk: int,
+                 eviction_margin_pages: int = 1, prefix_cache: bool = False) -> int:
+    """KV bytes `running` requests of `context` tokens need: the least budget `plan` accepts for them (the pools'
+    padding rows, the chunk reserve once, each request's full and SWA slots)."""
+    p, full_b, swa_b = page_size, shape.bytes_per_token_full_group, shape.bytes_per_token_swa_group
+    full, swa = _request_tokens(shape, context, p, eviction_margin_pages, prefix_cache)
+    swa_pad = p if shape.swa_layer_ids else 0
+    return (p * full_b + (chunk_reserve_tokens(shape, chunk, running, context, p) + swa_pad) * swa_b
+            + running * (full * full_b + swa * swa_b))
 
 
 def plan(shape: ModelShape, memory_bytes: int, context: int, page_size: int = 16,
@@ -169,27 +196,40 @@ def plan(shape: ModelShape, memory_bytes: int, context: int, page_size: int = 16
     _check_inputs(shape, memory_bytes, context, page_size, max_running, chunk, eviction_margin_pages, prefix_cache)
     P, full_b, swa_b = page_size, shape.bytes_per_token_full_group, shape.bytes_per_token_swa_group
     has_swa = bool(shape.swa_layer_ids)
-    full_need = round_up(context, P)
-    swa_need = swa_tokens_per_request(shape.window, P, eviction_margin_pages, context) if has_swa else 0
-    if has_swa and prefix_cache:
-        swa_need += cache_lock_tokens(shape.window, P, context)
-    chunk_reserve = round_up(chunk, P) if has_swa else 0
+    full_need, swa_need = _request_tokens(shape, context, P, eviction_margin_pages, prefix_cache)
     swa_pad = P if has_swa else 0
-    fixed = P * full_b + (chunk_reserve + swa_pad) * swa_b      # padding rows + the chunk, once
     per_request = full_need * full_b + swa_need * swa_b
-    fit = max(0, (memory_bytes - fixed) // per_request)
+
+    def reserve(running: int) -> int:
+        return chunk_reserve_tokens(shape, chunk, running, context, P)
+
+    def need(running: int) -> int:
+        return bytes_needed(shape, context, P, running, chunk, eviction_margin_pages, prefix_cache)
+
+    lo, hi = 0, max(0, (memory_bytes - P * full_b - swa_pad * swa_b) // per_request)
+    while lo < hi:   # the most requests that fit (need grows with the count)
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if need(mid) <= memory_bytes else (lo, mid - 1)
+    fit = lo
     running = fit if max_running is None else max_running
     if running < 1 or running > fit:
         want = max(1, running)
+        chunk_reserve = reserve(want)
         raise BudgetError(
-            f"{shape.name}: {want} request(s) of context {context} need {fixed + want * per_request} bytes "
-            f"({format_bytes(fixed + want * per_request)}) of KV memory, given {memory_bytes} "
+            f"{shape.name}: {want} request(s) of context {context} need {need(want)} bytes "
+            f"({format_bytes(need(want))}) of KV memory, given {memory_bytes} "
             f"({format_bytes(memory_bytes)}); at most {fit} fit"
-            + (f" (the chunk of {chunk} tokens alone holds {format_bytes(chunk_reserve * swa_b)} of SWA slots: a "
-               "smaller chunk frees it)" if chunk_reserve * swa_b > per_request else ""))
+            + (f" (the chunk of {chunk} tokens"
+               + (f", at most {want} x {context} a forward," if chunk > want * context else "")
+               + f" alone holds {format_bytes(chunk_reserve * swa_b)} of SWA slots: a smaller chunk frees it)"
+               if chunk_reserve * swa_b > per_request else ""))
+    chunk_reserve = reserve(running)
     size_swa = running * swa_need + chunk_reserve
     swa_bytes = (size_swa + swa_pad) * swa_b
-    size = ((memory_bytes - swa_bytes) // full_b - P) // P * P
+    if full_b:   # the full pool gets all memory left, rounded down to pages
+        size = ((memory_bytes - swa_bytes) // full_b - P) // P * P
+    else:        # every layer slides: the full pool holds only locs (no K/V), one context a request
+        size = running * full_need
     concurrent = min(size // full_need, (size_swa - chunk_reserve) // swa_need if has_swa else size // full_need)
     all_b = shape.bytes_per_token_all_full
     all_size = max(0, (memory_bytes // all_b - P) // P * P)
@@ -199,7 +239,7 @@ def plan(shape: ModelShape, memory_bytes: int, context: int, page_size: int = 16
         eviction_margin_pages=eviction_margin_pages, full_bytes_per_token=full_b, swa_bytes_per_token=swa_b,
         all_full_bytes_per_token=all_b, full_tokens_per_request=full_need, swa_tokens_per_request=swa_need,
         chunk_reserve_tokens=chunk_reserve, max_running=running, full_pool_tokens=size,
-        full_pool_bytes=(size + P) * full_b, swa_pool_tokens=size_swa, swa_pool_bytes=swa_bytes,
+        full_pool_bytes=(size + P) * full_b if full_b else 0, swa_pool_tokens=size_swa, swa_pool_bytes=swa_bytes,
         max_concurrent_requests=concurrent, all_full_pool_tokens=all_size,
         all_full_pool_bytes=(all_size + P) * all_b if all_size else 0, all_full_requests=all_requests,
         saving_requests=concurrent / all_requests if all_requests else None,

@@ -14,7 +14,7 @@ import torch
 from hwkv import make_backend
 from hwkv.allocator import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
 from hwkv.req_to_token import ReqToTokenPool
-from hwkv.engine.plan import cache_lock_tokens, format_bytes, parse_bytes, plan, round_up, swa_tokens_per_request
+from hwkv.engine.plan import bytes_needed, format_bytes, parse_bytes, plan, round_up
 from hwkv.engine.presets import ModelShape
 from hwkv.errors import ConfigError
 from hwkv.checks import check_device, check_flag, check_int_option
@@ -60,15 +60,8 @@ class PoolPlan:
 def kv_bytes_needed(shape: ModelShape, context: int, page_size: int, max_running: int, chunk: int,
                     prefix_cache: bool = False) -> int:
     """KV bytes that `max_running` requests of `context` tokens need under `hwkv plan`'s sizing, exactly the least
-    budget `plan()` accepts for them (each request's SWA share capped at its context as there; with
-    `prefix_cache`, its cache lock window too)."""
-    p, full_b, swa_b = page_size, shape.bytes_per_token_full_group, shape.bytes_per_token_swa_group
-    has_swa = bool(shape.swa_layer_ids)
-    fixed = p * full_b + ((round_up(chunk, p) + p) * swa_b if has_swa else 0)
-    swa = swa_tokens_per_request(shape.window, p, context=context) + (
-        cache_lock_tokens(shape.window, p, context) if prefix_cache else 0)
-    per_request = round_up(context, p) * full_b + (swa * swa_b if has_swa else 0)
-    return fixed + max_running * per_request
+    budget `plan()` accepts for them (`hwkv.engine.plan.bytes_needed`)."""
+    return bytes_needed(shape, context, page_size, max_running, chunk, prefix_cache=prefix_cache)
 
 
 def available_ram_bytes(meminfo: str = MEMINFO) -> int:
@@ -128,31 +121,13 @@ def plan_pools(shape: ModelShape, *, context: int, max_running: int, chunk: int,
         if free is not None and budget > free:
             raise ConfigError(f"memory={memory!r} ({format_bytes(budget)}) is more than the {format_bytes(free)} "
                               f"{device.type} has free: give a smaller budget, or none to size it from the requests")
-    if not shape.full_layer_ids:
-        return _all_swa_plan(shape, budget, context, max_running, chunk, page_size, prefix_cache)
     fit = plan(shape, budget, context, page_size=page_size, chunk=chunk, prefix_cache=prefix_cache).max_running
     result = plan(shape, budget, context, page_size=page_size, chunk=chunk, max_running=min(fit, max_running),
                   prefix_cache=prefix_cache)
+    # the chunk the running rows can carry, which is what the SWA pool reserves for it (the scheduler's chunk_pages)
     return PoolPlan(result.full_pool_tokens, result.swa_pool_tokens, page_size, context, result.max_running,
-                    chunk, shape.bytes_per_token_full_group, shape.bytes_per_token_swa_group, budget)
-
-
-def _all_swa_plan(shape: ModelShape, budget: int, context: int, max_running: int, chunk: int,
-                  page_size: int, prefix_cache: bool = False) -> PoolPlan:
-    """Every layer slides: the SWA pool is planned as `hwkv plan` does (each request's share capped at its
-    context); the full pool holds only locs (no K/V), one context per request."""
-    p, swa_b = page_size, shape.bytes_per_token_swa_group
-    need = swa_tokens_per_request(shape.window, p, context=context) + (
-        cache_lock_tokens(shape.window, p, context) if prefix_cache else 0)
-    fixed = (round_up(chunk, p) + p) * swa_b
-    fit = max(0, (budget - fixed) // (need * swa_b))
-    running = min(fit, max_running)
-    if running < 1:
-        one = fixed + need * swa_b
-        raise ConfigError(f"{shape.name}: one request needs {one} bytes ({format_bytes(one)}) of KV memory, "
-                          f"given {budget} ({format_bytes(budget)})")
-    return PoolPlan(running * round_up(context, p), running * need + round_up(chunk, p), p, context, running, chunk,
-                    0, swa_b, budget)
+                    min(chunk, result.max_running * context), shape.bytes_per_token_full_group,
+                    shape.bytes_per_token_swa_group, budget)
 
 
 @dataclass

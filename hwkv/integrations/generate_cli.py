@@ -94,6 +94,7 @@ def _stop_tokens(model: Any) -> Tuple[int, ...]:
 def _check_args(args: argparse.Namespace) -> None:
     """Refuse bad flag values before the model loads (seconds), each naming the flag, its value and the limit."""
     from hwkv.engine.plan import check_flag_minimums, parse_bytes
+    from hwkv.engine.sampling import F32_MAX
 
     check_flag_minimums((("--max-new-tokens", args.max_new_tokens, 1), ("--max-running", args.max_running, 1),
                          ("--context", args.context, 1), ("--chunk", args.chunk, 1),
@@ -103,8 +104,11 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.seed > last:
         raise ConfigError(f"--seed must be in [0, {last}] with {len(args.prompt)} prompt(s) (prompt i samples with "
                           f"seed + i, below 2**32), got {args.seed}")
-    if not 0 <= args.temperature < float("inf"):
-        raise ConfigError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 <= args.temperature <= F32_MAX:   # the sampler's limit (SamplingParams), named as the flag
+        raise ConfigError(f"--temperature must be a number in [0, {F32_MAX!r}] (0 = greedy; the sampler reads it "
+                          f"as float32), got {args.temperature}")
+    if args.num_draft is not None and args.num_draft >= 2**63:   # the engine's limit (token counts are int64)
+        raise ConfigError(f"--num-draft must be below 2**63, got {args.num_draft}")
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.memory is not None:
