@@ -265,19 +265,31 @@ def _plan(x: object, local_num_tokens: Optional[int], group: Optional["dist.Proc
                                   accept_int)
     if refusal is not None and row[0] == cpc.Fail.OK:
         row = cpc.carried_row(refusal)
-    # beside the row, a checksum of this rank's write locs (computed where they are, read with the table): the
-    # ranks agree on their values, not only their count (another forward's locs of the same length saved silently)
-    # and whether this rank's pool stores the K/V dtype (once the ranks agree on it: else one rank's pool refused
-    # the gathered K/V while the others wrote theirs)
-    has = isinstance(x, KVWriteLoc) and row[0] == cpc.Fail.OK
-    writes = not cpc.is_pool(pool) or info["dtype"] is None or _writable(pool, info["dtype"])
-    # (host values in the row's one copy; the checksum joins it on the device, a 0 where this rank has no locs)
-    table = _agree([*row, int(has), int(writes)] + ([] if has else [0]), group, device,
-                   _loc_checksum(x).to(device) if has else None)
-    checked = [r[cpc.WIDTH:] for r in table]  # (has locs, pool takes the dtype, checksum)
+    extra, tail = _value_checks(x, row, pool, info["dtype"], device)
+    table = _agree(row + extra, group, device, tail)
+    checked = [r[cpc.WIDTH:] for r in table]
     table = [r[:cpc.WIDTH] for r in table]
     cpc.raise_first(table)
     shards = _shards_from(table, rank, device, info)
+    _raise_value_checks(checked, info["dtype"])
+    return shards
+
+
+def _value_checks(x: object, row: List[int], pool: Optional[Pool], dtype: Optional[torch.dtype],
+                  device: torch.device) -> Tuple[List[int], Optional[torch.Tensor]]:
+    """What joins this rank's plan row: whether it holds write locs and a checksum of them (computed where they are,
+    read with the table: the ranks agree on their values, not only their count, else another forward's locs of the
+    same length were saved silently), and whether its pool stores the K/V dtype (else one rank's pool refused the
+    gathered K/V while the others wrote theirs). Host values, and the device checksum as the row's tail (a 0 where
+    this rank has no locs)."""
+    has = isinstance(x, KVWriteLoc) and row[0] == cpc.Fail.OK
+    writes = not cpc.is_pool(pool) or dtype is None or _writable(pool, dtype)
+    return [int(has), int(writes)] + ([] if has else [0]), (_loc_checksum(x).to(device) if has else None)
+
+
+def _raise_value_checks(checked: List[List[int]], dtype: Optional[torch.dtype]) -> None:
+    """The same refusal on every rank where `_value_checks`' columns (has locs, pool takes the dtype, checksum)
+    disagree."""
     held = [c for h, _, c in checked if h]
     if len(set(held)) > 1:
         raise ShardError(f"ranks' write locs differ in value (ranks {[i for i, c in enumerate(checked) if c[0]]} "
@@ -285,9 +297,8 @@ def _plan(x: object, local_num_tokens: Optional[int], group: Optional["dist.Proc
                          "(this forward's backend.forward_metadata.write_loc)")
     refused = [i for i, c in enumerate(checked) if not c[1]]
     if refused:
-        raise ConfigError(f"the pools of ranks {refused} cannot store K/V of {info['dtype']} (the ranks' agreed "
+        raise ConfigError(f"the pools of ranks {refused} cannot store K/V of {dtype} (the ranks' agreed "
                           "dtype): give every rank a pool of one dtype")
-    return shards
 
 
 def _loc_checksum(wl: KVWriteLoc) -> torch.Tensor:
@@ -314,12 +325,15 @@ def _self_planned(pool: Pool, layer: AttentionLayer, write_loc: object, k: objec
     n_local = prow[4] if prow[0] == cpc.Fail.OK else 0
     fail = cpc.layer_fail(pool, layer, write_loc, k, v, n_local, None, rank, world, pool_device)
     lrow = cpc.layer_row(layer, k, fail)
-    table = _agree(prow + lrow, group, device)
-    plan_table, layer_table = [r[:cpc.WIDTH] for r in table], [r[cpc.WIDTH:] for r in table]
+    extra, tail = _value_checks(write_loc, prow, pool, info["dtype"], device)   # as cp_plan's agreement
+    table = _agree(prow + lrow + extra, group, device, tail)
+    end = cpc.WIDTH + len(lrow)
+    plan_table, layer_table = [r[:cpc.WIDTH] for r in table], [r[cpc.WIDTH:end] for r in table]
     cpc.raise_first(plan_table)
     shards = _shards_from(plan_table, rank, device, info)
     cpc.raise_first(layer_table)
     cpc.check_layer_table(layer_table)
+    _raise_value_checks([r[end:] for r in table], info["dtype"])
     return shards
 
 

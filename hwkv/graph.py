@@ -58,6 +58,14 @@ class _Captured:
     out: torch.Tensor
 
 
+def _lossless(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether copying `src` values into a `dst` buffer keeps them all: a wider type of the same kind (int32 ids into
+    int64, float16 into float32), or bools; not a float into a narrower one nor an int into a float (which rounds
+    past its mantissa)."""
+    return src == torch.bool or (torch.promote_types(src, dst) == dst
+                                 and src.is_floating_point == dst.is_floating_point)
+
+
 class GraphRunner:
     """Runs a model step (`fn(batch, inputs) -> out [T, ...]`) through captured graphs.
 
@@ -344,7 +352,7 @@ class GraphRunner:
             if src is None or src.shape[0] < n or src.shape[1:] != v.shape[1:]:
                 raise ShapeError(f"input {k!r} must be [{n}, {', '.join(map(str, v.shape[1:]))}]{what}, got "
                                  f"{None if src is None else list(src.shape)}")
-            if src.dtype != v.dtype and torch.promote_types(src.dtype, v.dtype) != v.dtype:  # the copy would round
+            if src.dtype != v.dtype and not _lossless(src.dtype, v.dtype):  # the copy would round
                 raise ShapeError(f"input {k!r} is {src.dtype}, its static buffer {v.dtype}{what}: a replay would "
                                  f"round what the eager step computes with; pass {v.dtype} or capture with "
                                  f"{src.dtype}")

@@ -182,8 +182,16 @@ class DecodeStepGraph(GraphRunner):
     def adapter_records(self) -> bool:
         return self._records
 
+    def _check_pad_row(self) -> None:
+        """Nothing runs once the padding row went back (`release_rows`): padded lanes write that row, which the pool
+        may have handed on."""
+        if self._pad_freed:
+            raise ConfigError("this graph gave its padding row back (release_rows): it runs no more steps, since its "
+                              "padded requests would write that row, which the pool may have handed on")
+
     def capture(self) -> None:
         """Capture every bucket; the allocation, the release and the refill are recorded with the layers."""
+        self._check_pad_row()   # (the warm-up and the captured steps are all padding lanes)
         if not self.adapter_records:
             self.metadata_in_graph = True  # an eager 'replay' runs the whole body too
         for bs in reversed(self.buckets):
@@ -233,9 +241,7 @@ class DecodeStepGraph(GraphRunner):
         integers (a float, a bool: their dtype, a host attribute) are a LocError, as everything else, before
         anything is staged or claimed; so is a seq_lens_cpu that is not on the host (LocError naming its device);
         rows or lengths that are not 1-D (a [bs, 1] column, a 0-d tensor) are a ShapeError naming the shapes."""
-        if self._pad_freed:
-            raise ConfigError("this graph gave its padding row back (release_rows): it runs no more steps, since its "
-                              "padded requests would write that row, which the pool may have handed on")
+        self._check_pad_row()
         if not rows.dtype == seq_lens.dtype == seq_lens_cpu.dtype == torch.int64:  # (the common case: one compare)
             for name, t in (("rows", rows), ("seq_lens", seq_lens), ("seq_lens_cpu", seq_lens_cpu)):
                 check_int_dtype(name, t)

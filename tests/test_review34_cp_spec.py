@@ -18,6 +18,7 @@ from hwkv.batch import ForwardMode
 from hwkv.errors import HwkvError, ShapeError
 from hwkv.spec import DraftTree, MultiStepDraft, TreeMask, accept_draft_tokens, check_tree_mask, tree_visible
 from hwkv.testing.harness import Harness, ModelGeometry
+from conftest import triton_runs_cpu_tensors
 from test_accept_draft import N, Setup, kv_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -37,7 +38,7 @@ def test_a_strided_draft_tree_mask_is_refused():
     Expected: every backend attends by the mask's values (the tree made contiguous once, where it is built), or a
     strided mask is refused with a typed error when the DraftTree is made / the metadata step starts. The fix
     refuses it (DraftTree and check_tree_mask: a graph replays the address it captured, so no copy is made)."""
-    pytest.importorskip("triton")
+    triton_runs_cpu_tensors()   # (a GPU machine compiles the kernels, which then cannot read these CPU tensors)
     from hwkv_cuda.backend import TritonBackend  # on the CPU, its kernels in Triton's interpreter
     h, rids, n, good, strided = two_requests_with_trees(TritonBackend)
     assert torch.equal(strided, good) and not strided.is_contiguous()

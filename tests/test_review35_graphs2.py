@@ -66,6 +66,10 @@ def test_graph_runner_takes_int32_ids_into_its_int64_buffer_and_refuses_float_id
     assert _same(before, _static(runner))
     runner.prepare(batch, dict(inputs, ids=torch.tensor([7, 8], dtype=torch.int32)))
     assert runner.inputs["ids"][:2].tolist() == [7, 8]
+    before = _static(runner)
+    with pytest.raises(ShapeError, match="input 'q0' is torch.int64, its static buffer torch.float32"):
+        runner.prepare(batch, dict(inputs, q0=(inputs["q0"] * 1000).to(torch.int64)))   # ints past 2**24 would round
+    assert _same(before, _static(runner))
 
 
 @pytest.mark.parametrize("tpr", [0, 2.5, True])

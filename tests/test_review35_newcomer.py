@@ -132,7 +132,8 @@ def test_generate_refuses_out_of_range_flags_before_the_model_loads(no_model_loa
     flag values before the model loads (seconds), each naming the flag, its value and the limit", but its limits are
     looser than the ones the run applies: --temperature only has to be finite (line 106) while SamplingParams takes
     at most float32's largest (hwkv/engine/sampling.py:41: 1e39 is refused), and --num-draft only >= 1 (line 101)
-    while the engine takes < 2**63 (hwkv/engine/inputs.py:105). Both values therefore pass the check, the model loads, and only then comes
+    while the engine takes < 2**63 (hwkv/engine/inputs.py:105). Both values therefore pass the check, the model
+    loads, and only then comes
     "temperature must be a number in [0, 3.4028234663852886e+38] ..." / "speculative verify needs num_draft to be an
     integer >= 1 and < 2**63 ...", naming the library's parameter rather than the flag. Shown here with a model
     folder that does not exist: the user is told about the folder, not the bad flag (the flag check never fired).

@@ -221,7 +221,8 @@ def plan(shape: ModelShape, memory_bytes: int, context: int, page_size: int = 16
             f"({format_bytes(memory_bytes)}); at most {fit} fit"
             + (f" (the chunk of {chunk} tokens"
                + (f", at most {want} x {context} a forward," if chunk > want * context else "")
-               + f" alone holds {format_bytes(chunk_reserve * swa_b)} of SWA slots: a smaller chunk frees it)"
+               + f" alone holds {format_bytes(chunk_reserve * swa_b)} of SWA slots: a smaller chunk"
+               + (f", below {want * context}," if chunk > want * context else "") + " frees it)"
                if chunk_reserve * swa_b > per_request else ""))
     chunk_reserve = reserve(running)
     size_swa = running * swa_need + chunk_reserve
