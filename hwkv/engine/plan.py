@@ -214,16 +214,14 @@ def plan(shape: ModelShape, memory_bytes: int, context: int, page_size: int = 16
     running = fit if max_running is None else max_running
     if running < 1 or running > fit:
         want = max(1, running)
-        chunk_reserve = reserve(want)
+        chunk_reserve, capped = reserve(want), chunk > want * context   # (capped: only a chunk below that frees)
+        hint = (f" (the chunk of {chunk} tokens{f', at most {want} x {context} a forward,' if capped else ''} alone "
+                f"holds {format_bytes(chunk_reserve * swa_b)} of SWA slots: a smaller chunk"
+                f"{f', below {want * context},' if capped else ''} frees it)")
         raise BudgetError(
             f"{shape.name}: {want} request(s) of context {context} need {need(want)} bytes "
             f"({format_bytes(need(want))}) of KV memory, given {memory_bytes} "
-            f"({format_bytes(memory_bytes)}); at most {fit} fit"
-            + (f" (the chunk of {chunk} tokens"
-               + (f", at most {want} x {context} a forward," if chunk > want * context else "")
-               + f" alone holds {format_bytes(chunk_reserve * swa_b)} of SWA slots: a smaller chunk"
-               + (f", below {want * context}," if chunk > want * context else "") + " frees it)"
-               if chunk_reserve * swa_b > per_request else ""))
+            f"({format_bytes(memory_bytes)}); at most {fit} fit" + (hint if chunk_reserve * swa_b > per_request else ""))
     chunk_reserve = reserve(running)
     size_swa = running * swa_need + chunk_reserve
     swa_bytes = (size_swa + swa_pad) * swa_b
