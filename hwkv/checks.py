@@ -328,3 +328,31 @@ def logit_cap_ok(cap: Any) -> bool:
     NaN) nor so small that the scale over it overflows; a bool is no cap."""
     return not isinstance(cap, bool) and isinstance(cap, numbers.Real) and (
         cap == 0 or FLOAT32_TINY <= cap <= FLOAT32_MAX)
+
+
+def check_sink_values(sinks: torch.Tensor, where: str = "") -> None:
+    """Refuse sinks holding NaN or +inf (ConfigError naming the head) where their values are checkable (CPU; any
+    device in debug mode): NaN makes every output row NaN, +inf gave NaN on the CPU kernels where the reference and
+    the Triton kernels give zeros. -inf (no sink) is a logit like any other."""
+    if sinks.is_floating_point() and values_checkable(sinks):
+        bad = torch.isnan(sinks) | (sinks == float("inf"))
+        if bool(bad.any()):
+            head = int(bad.nonzero()[0, 0])
+            raise ConfigError(f"{where}sinks[{head}] is {float(sinks[head])}: every sink must be a finite logit "
+                              "(or -inf for none)")
+
+
+def check_attention_options(scaling: Any, window: Any, logit_cap: Any, sinks: Optional[torch.Tensor] = None) -> None:
+    """An attention call's options by the reference's rule (ConfigError naming the value): a finite scaling (None:
+    1/sqrt(D)), window None or an integer >= 0, logit_cap None, 0 or a float32 number > 0 (`logit_cap_ok`), and the
+    sinks' values where checkable (`check_sink_values`). The kernels' public entry points run it; a layer checked the
+    same when it was made."""
+    if scaling is not None and (isinstance(scaling, bool) or not isinstance(scaling, numbers.Real)
+                                or not math.isfinite(scaling)):
+        raise ConfigError(f"scaling={scaling!r} must be a finite number (the softmax scale; None for 1/sqrt(D))")
+    if window is not None and (as_int(window) is None or as_int(window) < 0):
+        raise ConfigError(f"window={window!r} must be None or an integer >= 0 (None or 0: no window)")
+    if logit_cap is not None and not logit_cap_ok(logit_cap):
+        raise ConfigError(f"logit_cap={logit_cap!r} must be a finite number >= 0 (None or 0 = off), {LOGIT_CAP_LIMITS}")
+    if sinks is not None:
+        check_sink_values(sinks)

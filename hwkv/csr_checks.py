@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from hwkv.checks import check_shape, value_range, values_checkable
-from hwkv.errors import LocError, ShapeError
+from hwkv.errors import CapacityError, LocError, ShapeError
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -47,14 +47,21 @@ def _indptr_span(name: str, ptr: torch.Tensor, limit: int, what: str) -> Tuple[i
 
 
 def check_csr_values(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, slots: int,
-                     qo_indptr: Optional[torch.Tensor] = None, rows: int = 0) -> None:
+                     qo_indptr: Optional[torch.Tensor] = None, rows: int = 0, max_q_len: Optional[int] = None) -> None:
     """Where values are checkable: kv_indptr spans kv_indices (0 <= kv_indptr[0] <= ... <= kv_indptr[-1] <=
     kv_indices.numel()), its entries lie in the pool's slots [0, slots), and qo_indptr (extend) spans q's `rows`
-    the same way. Call after the dtype and shape checks (1-D int tensors on one device)."""
+    the same way, no run longer than `max_q_len` (the bound that sizes a grid: rows past it were never written).
+    Call after the dtype and shape checks (1-D int tensors on one device)."""
     if not values_checkable(kv_indices):
         return
     if qo_indptr is not None:
         _indptr_span("qo_indptr", qo_indptr, rows, f"q's {rows} rows")
+        if max_q_len is not None and qo_indptr.shape[0] > 1:
+            run = int((qo_indptr[1:] - qo_indptr[:-1]).max())
+            if run > max_q_len:
+                b = int(torch.argmax(qo_indptr[1:] - qo_indptr[:-1]))
+                raise CapacityError(f"request {b} has {run} query rows (qo_indptr); max_q_len={max_q_len} bounds "
+                                    "every request's (the rows past it would not be written)")
     start, end = _indptr_span("kv_indptr", kv_indptr, kv_indices.shape[0], f"kv_indices' {kv_indices.shape[0]} entries")
     _check_range("kv_indices", kv_indices, slots, start, end)
 

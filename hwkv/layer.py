@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from hwkv.checks import LOGIT_CAP_LIMITS, as_layer_id, logit_cap_ok, scale_value, values_checkable
+from hwkv.checks import LOGIT_CAP_LIMITS, as_layer_id, check_sink_values, logit_cap_ok, scale_value
 from hwkv.errors import ConfigError
 from hwkv.window import no_window
 
@@ -92,18 +92,6 @@ class AttentionLayer:
     @property
     def is_swa(self) -> bool:
         return self.window is not None
-
-
-def check_sink_values(sinks: torch.Tensor, where: str = "") -> None:
-    """Refuse sinks holding NaN or +inf (ConfigError naming the head) where their values are checkable (CPU; any
-    device in debug mode): NaN makes every output row NaN, +inf gave NaN on the CPU kernels where the reference and
-    the Triton kernels give zeros. -inf (no sink) is a logit like any other."""
-    if sinks.is_floating_point() and values_checkable(sinks):
-        bad = torch.isnan(sinks) | (sinks == float("inf"))
-        if bool(bad.any()):
-            head = int(bad.nonzero()[0, 0])
-            raise ConfigError(f"{where}sinks[{head}] is {float(sinks[head])}: every sink must be a finite logit "
-                              "(or -inf for none)")
 
 
 def storage_key(t: Optional[torch.Tensor]) -> Optional[Tuple[int, torch.dtype]]:

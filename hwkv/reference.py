@@ -6,13 +6,12 @@ per-request K/V with explicit positions, so every backend can be checked against
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from hwkv.checks import LOGIT_CAP_LIMITS, as_int, check_shape, logit_cap_ok
-from hwkv.errors import ConfigError, ShapeError
+from hwkv.checks import as_int, check_attention_options, check_shape
+from hwkv.errors import ShapeError
 from hwkv.window import first_visible
 
 
@@ -120,13 +119,7 @@ def _check_attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_p
     if sinks is not None and sinks.numel() != h:
         raise ShapeError(f"sinks has shape {list(sinks.shape)}, expected [{h}] (one per query head; k has {kvh} "
                          "KV heads)")
-    if scaling is not None and (isinstance(scaling, bool) or not isinstance(scaling, numbers.Real)
-                                or not math.isfinite(scaling)):
-        raise ConfigError(f"scaling={scaling!r} must be a finite number (the softmax scale; None for 1/sqrt(D))")
-    if window is not None and (as_int(window) is None or as_int(window) < 0):
-        raise ConfigError(f"window={window!r} must be None or an integer >= 0 (None or 0: no window)")
-    if logit_cap is not None and not logit_cap_ok(logit_cap):
-        raise ConfigError(f"logit_cap={logit_cap!r} must be a finite number >= 0 (None or 0 = off), {LOGIT_CAP_LIMITS}")
+    check_attention_options(scaling, window, logit_cap)
 
 
 def _check_batch_args(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],

@@ -19,7 +19,7 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
-from hwkv.checks import check_shape, scale_value
+from hwkv.checks import check_attention_options, check_shape, scale_value
 from hwkv.csr_checks import check_csr_values, check_float_dtypes, check_index_dtypes
 from hwkv.errors import ShapeError
 from hwkv.spec import TreeMask, check_tree_mask
@@ -186,8 +186,9 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     check_index_dtypes((("q_pos", q_pos),))
     if q.shape[0] != kv_pos0.shape[0]:
         raise ShapeError(f"q has {q.shape[0]} rows, the index list has {kv_pos0.shape[0]} requests")
-    if not _own_lists:
+    if not _own_lists:   # (the backend's per-layer calls: its layers and lists were checked once)
         check_csr_values(kv_indptr, kv_indices, k_buf.shape[0])
+        check_attention_options(scaling, window, logit_cap, sinks)
     if q.shape[0] == 0:
         return
     qk_scale, cap, v_sc, win = _scalars(q, scaling, window, logit_cap, k_scale, v_scale)
@@ -217,7 +218,8 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     check_shape("q_pos0", q_pos0, [bs])
     check_index_dtypes((("qo_indptr", qo_indptr), ("q_pos0", q_pos0)))
     if not _own_lists:
-        check_csr_values(kv_indptr, kv_indices, k_buf.shape[0], qo_indptr, q.shape[0])
+        check_csr_values(kv_indptr, kv_indices, k_buf.shape[0], qo_indptr, q.shape[0], max_q_len)
+        check_attention_options(scaling, window, logit_cap, sinks)
     if tree is not None:
         check_tree_mask(tree, q, qo_indptr, q_pos0)
     if q.shape[0] == 0 or bs == 0:

@@ -228,9 +228,9 @@ class OnlineSoftmax:
     def reset(self, sinks: Optional[torch.Tensor]) -> None:
         """sinks: None, or the sink logit of every row, broadcastable to [batch, rows, 1]."""
         self.fresh = sinks is None
-        if sinks is not None:
-            self.m.copy_(sinks)
-            self.l.fill_(1.0)
+        if sinks is not None:   # a -inf sink (none for that head) starts the max at NEG_BIG, as a chunk's max
+            self.m.copy_(sinks).clamp_min_(NEG_BIG)   # does, so a chunk with no visible key rescales by 1, not NaN
+            torch.sub(sinks, self.m, out=self.l).exp_()   # 1 for a sink, 0 for -inf
             self.acc.zero_()
 
     def step(self, qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -41,6 +41,7 @@ try:  # grid dependency control (PDL); a Triton without it keeps plain launches 
 except ImportError:
     gdc_launch_dependents = gdc_wait = None
 
+from hwkv.checks import check_attention_options
 from hwkv.csr_checks import (check_csr_values, check_dims, check_float_dtypes, check_index_dtypes,
                               check_same_device)
 from hwkv.errors import ShapeError
@@ -751,7 +752,7 @@ def _run(plan: DecodePlan, q, out, layer: DecodeLayer, lists: Tuple[torch.Tensor
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_pos0: torch.Tensor,
-                     q_pos: torch.Tensor, out: torch.Tensor, scaling: float,
+                     q_pos: torch.Tensor, out: torch.Tensor, scaling: Optional[float],
                      window: Optional[int] = None, logit_cap: float = 0.0,
                      sinks: Optional[torch.Tensor] = None, k_scale: Optional[float] = None,
                      v_scale: Optional[float] = None, max_kv_len: Optional[int] = None, *,
@@ -769,6 +770,9 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     stream, thread, max_kv_len's power of two) and reuses it for the calls like it. No host sync
     either way.
     """
+    check_attention_options(scaling, window, logit_cap, sinks)
+    if scaling is None:   # (as the CPU kernels and the layer read it)
+        scaling = q.shape[-1] ** -0.5
     if workspace is None and config is None:
         plan = _public_plan(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks, max_kv_len)
     else:

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hwkv.checks import check_attention_options
 from hwkv.csr_checks import (check_csr_values, check_dims, check_float_dtypes, check_index_dtypes,
                               check_same_device)
 from hwkv.errors import ShapeError
@@ -289,7 +290,7 @@ def _extend_kernel(
              o.to(out.dtype.element_ty), mask=mask_r[:, None] & (offs_dv[None, :] < DV))
 
 
-def _check_extend(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, sinks):
+def _check_extend(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, sinks, max_q_len):
     check_dims("q", q, [None, None, None])
     t, h, d = q.shape
     bs = kv_pos0.shape[0] if kv_pos0.dim() == 1 else -1
@@ -311,7 +312,7 @@ def _check_extend(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_
     check_index_dtypes((("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_pos0", kv_pos0),
                         ("qo_indptr", qo_indptr), ("q_pos0", q_pos0)))
     check_float_dtypes((("q", q), ("k_buf", k_buf), ("v_buf", v_buf), ("out", out), ("sinks", sinks)))
-    check_csr_values(kv_indptr, kv_indices, k_buf.shape[0], qo_indptr, t)
+    check_csr_values(kv_indptr, kv_indices, k_buf.shape[0], qo_indptr, t, max_q_len)
 
 
 # planned launches of the extend kernel: a plan is per forward, its launches outlive it (keyed by what fixes them)
@@ -397,7 +398,7 @@ def _run(plan: ExtendPlan, q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_i
 def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_pos0: torch.Tensor,
                      qo_indptr: torch.Tensor, q_pos0: torch.Tensor, out: torch.Tensor,
-                     max_q_len: int, scaling: float, window: Optional[int] = None,
+                     max_q_len: int, scaling: Optional[float], window: Optional[int] = None,
                      logit_cap: float = 0.0, sinks: Optional[torch.Tensor] = None,
                      k_scale: Optional[float] = None, v_scale: Optional[float] = None, *,
                      config: Optional[ExtendConfig] = None, tree: Optional[TreeMask] = None) -> None:
@@ -412,7 +413,10 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     hwkv.spec; its values are checked on CPU tensors and in debug mode). Other arguments as in
     decode_attention. No host sync.
     """
-    _check_extend(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, sinks)
+    _check_extend(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, sinks, max_q_len)
+    check_attention_options(scaling, window, logit_cap, sinks)
+    if scaling is None:   # (as the CPU kernels and the layer read it)
+        scaling = q.shape[-1] ** -0.5
     if tree is not None:
         check_tree_mask(tree, q, qo_indptr, q_pos0)
     plan = _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config, tree is not None, window)
@@ -428,7 +432,7 @@ def plan_extend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_in
     """Check one call's arguments as `extend_attention` does and plan it (`window`: the list's W, which
     picks the tile config); calls with the same shapes and metadata tensors (the tree's included) reuse
     the plan through `extend_attention_planned`."""
-    _check_extend(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, sinks)
+    _check_extend(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, sinks, max_q_len)
     if tree is not None:
         check_tree_mask(tree, q, qo_indptr, q_pos0)
     return _make_plan(q, k_buf, v_buf, kv_pos0, out, max_q_len, config, tree is not None, window)
