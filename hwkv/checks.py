@@ -335,11 +335,11 @@ def check_sink_values(sinks: torch.Tensor, where: str = "") -> None:
     device in debug mode): NaN makes every output row NaN, +inf gave NaN on the CPU kernels where the reference and
     the Triton kernels give zeros. -inf (no sink) is a logit like any other."""
     if sinks.is_floating_point() and values_checkable(sinks):
-        bad = torch.isnan(sinks) | (sinks == float("inf"))
+        bad = (torch.isnan(sinks) | (sinks == float("inf"))).reshape(-1)
         if bool(bad.any()):
             head = int(bad.nonzero()[0, 0])
-            raise ConfigError(f"{where}sinks[{head}] is {float(sinks[head])}: every sink must be a finite logit "
-                              "(or -inf for none)")
+            raise ConfigError(f"{where}sinks[{head}] is {float(sinks.reshape(-1)[head])}: every sink must be a finite "
+                              "logit (or -inf for none)")
 
 
 def check_attention_options(scaling: Any, window: Any, logit_cap: Any, sinks: Optional[torch.Tensor] = None) -> None:
@@ -350,8 +350,9 @@ def check_attention_options(scaling: Any, window: Any, logit_cap: Any, sinks: Op
     if scaling is not None and (isinstance(scaling, bool) or not isinstance(scaling, numbers.Real)
                                 or not math.isfinite(scaling)):
         raise ConfigError(f"scaling={scaling!r} must be a finite number (the softmax scale; None for 1/sqrt(D))")
-    if window is not None and (as_int(window) is None or as_int(window) < 0):
-        raise ConfigError(f"window={window!r} must be None or an integer >= 0 (None or 0: no window)")
+    w = None if window is None else as_int(window)
+    if window is not None and (w is None or not 0 <= w < 2 ** 63):   # (positions are int64, as the layer says)
+        raise ConfigError(f"window={window!r} must be None or an integer >= 0 and below 2**63 (None or 0: no window)")
     if logit_cap is not None and not logit_cap_ok(logit_cap):
         raise ConfigError(f"logit_cap={logit_cap!r} must be a finite number >= 0 (None or 0 = off), {LOGIT_CAP_LIMITS}")
     if sinks is not None:

@@ -770,14 +770,14 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     stream, thread, max_kv_len's power of two) and reuses it for the calls like it. No host sync
     either way.
     """
-    check_attention_options(scaling, window, logit_cap, sinks)
-    if scaling is None:   # (as the CPU kernels and the layer read it)
-        scaling = q.shape[-1] ** -0.5
     if workspace is None and config is None:
         plan = _public_plan(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks, max_kv_len)
     else:
         _check_decode(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks)
         plan = _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, config)
+    check_attention_options(scaling, window, logit_cap, sinks)   # (after the shapes: a plan's key holds them)
+    if scaling is None:   # (as the CPU kernels and the layer read it)
+        scaling = q.shape[-1] ** -0.5
     if q.shape[0] == 0:
         return
     _run(plan, q, out, decode_layer(k_buf, v_buf, sinks, scaling, window, logit_cap, k_scale, v_scale, False),
