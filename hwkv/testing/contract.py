@@ -10,7 +10,7 @@ from hwkv.loc import KVWriteLoc
 from hwkv.testing import graph_adapter
 from hwkv.testing.contract_spec import CountingTranslate
 from hwkv.testing.harness import Harness, ModelGeometry, run_scenario
-from hwkv.testing.host_reads import HostReads
+from hwkv.testing.host_reads import HostReads, StorageReads
 
 SMALL = ModelGeometry(num_layers=4, swa_every=2, window=8, num_heads=4, num_kv_heads=2, head_dim=16)
 SIZE_SWA_P16 = 80  # 5 pages of 16: the run's SWA pages diverge from its full pages
@@ -89,6 +89,7 @@ def test_one_translation_per_forward_with_many_swa_layers(hwkv_target, graph):
     h = make(hwkv_target, MANY_SWA, graph=graph)
     assert len(h.pool.layers_mapping) == 7 and sum(m[1] for m in h.pool.layers_mapping.values()) == 6
     counter = CountingTranslate(h.pool)
+    table_reads = _layers_reading_the_table(h) if not graph else None
     rids = [h.add_request() for _ in range(3)]
     h.forward(rids, [6, 9, 3], ForwardMode.EXTEND)
     per_forward = [counter.calls]
@@ -108,6 +109,23 @@ def test_one_translation_per_forward_with_many_swa_layers(hwkv_target, graph):
     assert per_forward == [2, 2, 2, 2]
     if graph:
         assert h.runner.replays == 3
+    else:   # nor through the table itself (a gather of the write locs again, a window translated in the layer)
+        assert table_reads == [0, 0, 0, 0], f"layers read the full->SWA table (ops per forward: {table_reads})"
+
+
+def _layers_reading_the_table(h):
+    """Counts, per eager forward of `h`, the ops of its layers (`model_step`) that read the pool's full->SWA table
+    (`StorageReads`): the list it returns fills as forwards run."""
+    counts, inner, table = [], h.model_step, h.pool.full_to_swa_index_mapping
+
+    def counted(batch, inputs):
+        with StorageReads(table) as r:
+            out = inner(batch, inputs)
+        counts.append(r.count)
+        return out
+
+    h.model_step = counted
+    return counts
 
 
 def test_plain_pool_translates_nothing(hwkv_target):
@@ -126,8 +144,10 @@ def test_layers_never_translate(hwkv_target):
     batch = h.make_batch([rid], [4], ForwardMode.EXTEND)
     h.backend.init_forward_metadata(batch)
     after_metadata = counter.calls
-    h.model_step(batch, h.random_inputs(4))
+    with StorageReads(h.pool.full_to_swa_index_mapping) as table:
+        h.model_step(batch, h.random_inputs(4))
     assert counter.calls == after_metadata
+    assert table.count == 0, f"the layers read the full->SWA table themselves: {table.ops}"
 
 
 # ---- host work once per forward, not per layer -----------------------------------------------------
@@ -154,6 +174,43 @@ def test_layers_read_the_device_no_more_with_more_layers(hwkv_target, geometry):
         counts.append(reads)
     assert counts[1] == counts[0], (f"device reads per forward's layers (extend, decode, extend) with 2 layers "
                                     f"{counts[0]}, with 8 {counts[1]}: some layer reads the device")
+
+
+def _graph_step_reads(target, layers):
+    """Host reads of two graph decode steps of 3 requests over `layers` layers on `target`: [(the refill,
+    `runner.prepare`; the replay)] a step."""
+    h = make(target, ModelGeometry(num_layers=layers, swa_every=2, window=8, num_heads=4, num_kv_heads=2,
+                                   head_dim=16), graph=True, page_size=2, size_swa=256)
+    rids = [h.add_request() for _ in range(3)]
+    h.forward(rids, [5, 9, 3], ForwardMode.EXTEND)
+    reads = []
+    for _ in range(2):
+        batch, inputs = h.prepare(rids, [1, 1, 1], ForwardMode.DECODE)
+        with HostReads() as refill:
+            step = h.runner.prepare(batch, inputs)
+        with HostReads() as replay:
+            flat = h.runner.replay(step)
+        h.complete(rids, [1, 1, 1], inputs, flat)
+        reads.append((refill.count, replay.count))
+    return reads
+
+
+def test_graph_steps_read_the_device_no_more_than_the_template(hwkv_target):
+    """A graph step's refill reads the device no more than the template's (`init_forward_metadata_graph`: no host
+    sync; the reference backend on the same device is the floor, its CPU value checks included), and its replay no
+    more with 8 layers than with 2 (a layer reading the device only in graph mode is a sync, or a capture error, a
+    layer)."""
+    from hwkv.graph import EagerAdapter
+    from hwkv.testing import ContractTarget
+    from hwkv.testing.reference_backend import ReferenceBackend
+    mine = {n: _graph_step_reads(hwkv_target, n) for n in (2, 8)}
+    floor = _graph_step_reads(ContractTarget("template", ReferenceBackend, hwkv_target.device, EagerAdapter), 2)
+    assert [r[1] for r in mine[8]] == [r[1] for r in mine[2]], (
+        f"device reads of a replay with 2 layers {[r[1] for r in mine[2]]}, with 8 {[r[1] for r in mine[8]]}: "
+        "some layer reads the device in graph mode")
+    assert all(r[0] <= f[0] for r, f in zip(mine[2], floor)), (
+        f"device reads of a graph refill {[r[0] for r in mine[2]]}, the template's {[f[0] for f in floor]}: the "
+        "refill syncs with the host")
 
 
 # ---- graph refill ------------------------------------------------------------------------------

@@ -43,3 +43,25 @@ class HostReads(TorchDispatchMode):
             self.count += 1
             self.ops.append(name)
         return func(*args, **kwargs)
+
+
+class StorageReads(TorchDispatchMode):
+    """`with StorageReads(t) as r: ...` counts the ops in the block that take a tensor viewing `t`'s storage
+    (`r.count`, `r.ops`): the contract's check that the layers never read the pool's full->SWA table. Kernels given
+    raw pointers (Triton launches) are not seen: the count is a lower bound."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        super().__init__()
+        self.ptr = t.untyped_storage().data_ptr()
+        self.count = 0
+        self.ops: List[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Tuple[Any, ...] = (),
+                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        kwargs = kwargs or {}
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == self.ptr:
+                self.count += 1
+                self.ops.append(str(func))
+                break
+        return func(*args, **kwargs)
