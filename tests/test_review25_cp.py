@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -96,14 +96,19 @@ def job_pool_dtypes_differ(rank: int) -> Dict[str, object]:
     return out
 
 
-def job_loc_values_differ(rank: int) -> Dict[str, object]:
-    """Same token count on every rank, but the last rank passes the write locs of another forward (the same
-    length): its pool ends up with the K/V at other slots than the others' and than one process's save."""
-    world = dist.get_world_size()
+def last_rank_passes_other_locs(rank: int) -> Tuple["Eng", Any, Any]:
+    """An engine after two forwards of the same lengths: (the engine, the first forward's write locs, the locs this
+    rank passes: the second forward's on the last rank, the first's elsewhere)."""
     eng = Eng()
     _, wl = eng.forward(EXTEND, (5, 4, 3))
     _, wl2 = eng.forward(EXTEND, (5, 4, 3))
-    mine = wl2 if rank == world - 1 else wl
+    return eng, wl, wl2 if rank == dist.get_world_size() - 1 else wl
+
+
+def job_loc_values_differ(rank: int) -> Dict[str, object]:
+    """Same token count on every rank, but the last rank passes the write locs of another forward (the same
+    length): its pool ends up with the K/V at other slots than the others' and than one process's save."""
+    eng, wl, mine = last_rank_passes_other_locs(rank)
     before = eng.snapshot()
     out = {"error": raised(lambda: cp_plan(mine, pool=eng.pool))}
     out["unchanged"] = eng.same(before)

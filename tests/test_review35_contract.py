@@ -17,8 +17,6 @@ CPU tensors, tiny shapes.
 from __future__ import annotations
 
 import pytest
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hwkv.batch import ForwardMode
 from hwkv.errors import HwkvError
@@ -26,7 +24,7 @@ from hwkv.graph import EagerAdapter
 from hwkv.metadata import KVIndexList
 from hwkv.testing import ContractTarget
 from hwkv.testing import contract
-from hwkv.testing.host_reads import HostReads
+from hwkv.testing.host_reads import HostReads, StorageReads
 from hwkv.testing.reference_backend import ReferenceBackend
 from hwkv_cpu.backend import TorchCPUBackend
 
@@ -42,19 +40,15 @@ def _contract_catches(test, *args, **kwargs):
     pytest.fail(f"GAP: hwkv.testing.contract.{test.__name__} passed a broken backend")
 
 
-class _StorageReads(TorchDispatchMode):
-    """Counts the ops that read a given tensor's storage."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        super().__init__()
-        self.ptr, self.count = t.untyped_storage().data_ptr(), 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        kwargs = kwargs or {}
-        for a in list(args) + list(kwargs.values()):
-            if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == self.ptr:
-                self.count += 1
-        return func(*args, **kwargs)
+def _layers_table_reads(target) -> int:
+    """Ops of one eager forward's layers (6 SWA of 7, MANY_SWA) that read the pool's full->SWA table."""
+    h = contract.make(target, contract.MANY_SWA)
+    rid = h.add_request()
+    batch = h.make_batch([rid], [4], ForwardMode.EXTEND)
+    h.backend.init_forward_metadata(batch)
+    with StorageReads(h.pool.full_to_swa_index_mapping) as reads:
+        h.model_step(batch, h.random_inputs(4))
+    return reads.count
 
 
 # ---- 1. every SWA layer translates its window itself, reading full_to_swa_index_mapping -------------------------
@@ -84,16 +78,10 @@ def test_layers_translating_their_window_through_the_table_fail_the_contract():
     counters (`loc_cache.translations`, `window_translations`); a layer that indexes the pool's table directly calls
     neither. Outputs equal the reference, so no other test sees it. Suggested check (hwkv/testing/contract.py:122,
     `test_layers_never_translate`): also assert that no op during `h.model_step` reads the storage of
-    `h.pool.full_to_swa_index_mapping` (a TorchDispatchMode like `_StorageReads` here, or swap the table for a
+    `h.pool.full_to_swa_index_mapping` (a TorchDispatchMode like `StorageReads`, or swap the table for a
     poisoned one while the layers run)."""
     target = ContractTarget("translates-per-layer", _TranslatesWindowPerLayer, "cpu", EagerAdapter)
-    h = contract.make(target, contract.MANY_SWA)
-    rid = h.add_request()
-    batch = h.make_batch([rid], [4], ForwardMode.EXTEND)
-    h.backend.init_forward_metadata(batch)
-    with _StorageReads(h.pool.full_to_swa_index_mapping) as reads:
-        h.model_step(batch, h.random_inputs(4))
-    assert reads.count == 6, "the bug: each of the 6 SWA layers reads the full->SWA table"
+    assert _layers_table_reads(target) == 6, "the bug: each of the 6 SWA layers reads the full->SWA table"
     _contract_catches(contract.test_layers_never_translate, target)
 
 
@@ -118,13 +106,7 @@ def test_write_locs_translated_again_per_layer_through_the_table_fail_the_contra
     object's identity, which an in-place copy keeps. Suggested check: the table-read check of the test above
     (hwkv/testing/contract.py:122), or the same inside test_one_translation_per_forward (contract.py:88)."""
     target = ContractTarget("retranslates-write-locs", _RetranslatesWriteLocsPerLayer, "cpu", EagerAdapter)
-    h = contract.make(target, contract.MANY_SWA)
-    rid = h.add_request()
-    batch = h.make_batch([rid], [4], ForwardMode.EXTEND)
-    h.backend.init_forward_metadata(batch)
-    with _StorageReads(h.pool.full_to_swa_index_mapping) as reads:
-        h.model_step(batch, h.random_inputs(4))
-    assert reads.count == 6, "the bug: each of the 6 SWA layers reads the full->SWA table"
+    assert _layers_table_reads(target) == 6, "the bug: each of the 6 SWA layers reads the full->SWA table"
     _contract_catches(contract.test_one_translation_per_forward_with_many_swa_layers, target, False)
 
 

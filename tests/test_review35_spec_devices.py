@@ -5,13 +5,12 @@ import sys
 from pathlib import Path
 from typing import Dict, List
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hwkv.distributed import cp_allgather_and_save_kv  # noqa: E402
 
-from test_review25_cp import E4M3, E5M2, EXTEND, Eng, kv_of, raised  # noqa: E402
+from test_review25_cp import E4M3, E5M2, EXTEND, Eng, kv_of, last_rank_passes_other_locs, raised  # noqa: E402
 
 
 # ---- context parallelism: the plan-less save agrees on less than cp_plan does ------------------------------------
@@ -20,10 +19,7 @@ def job_planless_loc_values_differ(rank: int) -> Dict[str, object]:
     """The plan-less save (no shards=): the last rank passes another forward's write locs of the same length."""
     import torch.distributed as dist
     world = dist.get_world_size()
-    eng = Eng()
-    _, wl = eng.forward(EXTEND, (5, 4, 3))
-    _, wl2 = eng.forward(EXTEND, (5, 4, 3))
-    mine = wl2 if rank == world - 1 else wl
+    eng, wl, mine = last_rank_passes_other_locs(rank)
     before = eng.snapshot()
     layer = eng.layers[1]
     k, v = kv_of(0, layer, len(wl))
@@ -55,7 +51,8 @@ def _spawn(job: str, tmp_path: Path, world: int = 2) -> List[Dict[str, object]]:
 
 def test_planless_save_refuses_write_locs_of_another_forward_on_every_rank(tmp_path: Path) -> None:
     """hwkv/distributed.py `_self_planned`: the plan-less `cp_allgather_and_save_kv(pool, layer, write_loc, k, v)`
-    agreed only on len(write_loc); cp_plan (`_plan`) also agrees on the locs' values by a checksum (review 25). A rank passing
+    agreed only on len(write_loc); cp_plan (`_plan`) also agrees on the locs' values by a checksum (review 25). A
+    rank passing
     another forward's write locs of the same length is saved silently and its pool diverges from the others'.
     Expected: the same ShardError on every rank, no pool written (as cp_plan raises)."""
     results = _spawn("job_planless_loc_values_differ", tmp_path, world=2)
