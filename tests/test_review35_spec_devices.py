@@ -52,8 +52,8 @@ def _spawn(job: str, tmp_path: Path, world: int = 2) -> List[Dict[str, object]]:
 def test_planless_save_refuses_write_locs_of_another_forward_on_every_rank(tmp_path: Path) -> None:
     """hwkv/distributed.py `_self_planned`: the plan-less `cp_allgather_and_save_kv(pool, layer, write_loc, k, v)`
     agreed only on len(write_loc); cp_plan (`_plan`) also agrees on the locs' values by a checksum (review 25). A
-    rank passing
-    another forward's write locs of the same length is saved silently and its pool diverges from the others'.
+    rank passing another forward's write locs of the same length was saved silently, its pool diverging from the
+    others'.
     Expected: the same ShardError on every rank, no pool written (as cp_plan raises)."""
     results = _spawn("job_planless_loc_values_differ", tmp_path, world=2)
     errors = [r["error"] for r in results]
