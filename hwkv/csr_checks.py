@@ -57,11 +57,11 @@ def check_csr_values(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, slots: i
     if qo_indptr is not None:
         _indptr_span("qo_indptr", qo_indptr, rows, f"q's {rows} rows")
         if max_q_len is not None and qo_indptr.shape[0] > 1:
-            run = int((qo_indptr[1:] - qo_indptr[:-1]).max())
-            if run > max_q_len:
-                b = int(torch.argmax(qo_indptr[1:] - qo_indptr[:-1]))
-                raise CapacityError(f"request {b} has {run} query rows (qo_indptr); max_q_len={max_q_len} bounds "
-                                    "every request's (the rows past it would not be written)")
+            runs = qo_indptr[1:] - qo_indptr[:-1]
+            b = int(torch.argmax(runs))
+            if int(runs[b]) > max_q_len:
+                raise CapacityError(f"request {b} has {int(runs[b])} query rows (qo_indptr); max_q_len={max_q_len} "
+                                    "bounds every request's (the rows past it would not be written)")
     start, end = _indptr_span("kv_indptr", kv_indptr, kv_indices.shape[0], f"kv_indices' {kv_indices.shape[0]} entries")
     _check_range("kv_indices", kv_indices, slots, start, end)
 
