@@ -1,4 +1,5 @@
-"""Re-review 3 of review 35's contract change (6ae3a4b: `StorageReads`, the table-read checks, the graph-step reads test).
+"""Re-review 3 of review 35's contract change (6ae3a4b: `StorageReads`, the table-read checks, the graph-step reads
+test).
 
 Each test below fails on the change as it stands: one false pass (a layer reading the full->SWA table that the new
 check does not see) and two false failures (correct backends the new checks fail). CPU tensors, tiny shapes.
@@ -102,7 +103,8 @@ def test_a_layer_op_on_a_jagged_nested_tensor_does_not_crash_the_table_read_chec
     storage of SparseTensorImpl"). A correct backend whose layers use an NJT fails `test_layers_never_translate` (and
     the [eager] translation test) with an error out of the checker.
     Expected: passes. Fix: skip tensors whose storage cannot be read (try/except around `untyped_storage()`, or
-    compare only `layout == torch.strided and not is_nested` tensors, unwrapping subclasses via `__tensor_flatten__`)."""
+    compare only `layout == torch.strided and not is_nested` tensors, unwrapping subclasses via
+    `__tensor_flatten__`)."""
     target = ContractTarget("jagged-layers", _PacksOutputsJagged, "cpu", EagerAdapter)
     h = contract.make(target, contract.MANY_SWA)
     rid = h.add_request()
@@ -110,7 +112,7 @@ def test_a_layer_op_on_a_jagged_nested_tensor_does_not_crash_the_table_read_chec
     contract.test_layers_never_translate(target)
 
 
-# ---- 3. false failure: a graph refill reading the runner's host copies ------------------------------------------------
+# ---- 3. false failure: a graph refill reading the runner's host copies --------------------------------------
 class _HostMaxLenInRefill(TorchCPUBackend):
     """The graph refill reads the longest length from the runner's host copy (`batch.host_lens()`: "the runner's host
     copies when the engine gave them: no sync", as NPUBackend's graph plan reads them), e.g. for a vendor op that takes
