@@ -19,12 +19,13 @@ import torch
 
 from hwkv import ops
 from hwkv.batch import ForwardBatch, ForwardMode, check_seq_lens
-from hwkv.checks import as_int, check_flag, check_rows, check_shape, is_bool, normal_tensors, values_checkable
+from hwkv.checks import (as_int, check_flag, check_rows, check_shape, check_sink_values, is_bool, normal_tensors,
+                         values_checkable)
 from hwkv.csr_checks import check_slots
 from hwkv.draft import DraftMetadataMixin
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import CapacityError, ConfigError, EvictedSlotError, MissingSWALocError, ShapeError
-from hwkv.layer import AttentionLayer, check_sink_values, storage_key
+from hwkv.layer import AttentionLayer, storage_key
 from hwkv.loc import KVWriteLoc, ListRefill, LocRuns, SWALocCache
 from hwkv.pool import check_memory_fits
 from hwkv.metadata import (ForwardMetadata, GraphViews, KeptRange, KVIndexList, LayerOutputs, StaticBuffers,

@@ -16,8 +16,9 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 
 from hwkv.batch import ForwardBatch
+from hwkv.checks import check_sink_values
 from hwkv.errors import ConfigError, ShapeError
-from hwkv.layer import AttentionLayer, check_sink_values, storage_key
+from hwkv.layer import AttentionLayer, storage_key
 
 ATTN_IMPLEMENTATION = "hwkv"
 _registered = False
