@@ -60,6 +60,13 @@ def _host_ints(name: str, x: IntsLike, host: Optional[torch.Tensor] = None) -> n
         check_int_dtype(f"{name}'s host copy", host)
         if host.numel() != _count(name, x):  # (the steps size from the host copy, the kernels read x)
             raise LocError(f"{name} has {_count(name, x)} entries, its host copy {host.numel()}")
+        if x is not host and isinstance(x, torch.Tensor) and x.device.type == "cpu":   # both readable: one values
+            mine, theirs = _host_ints(name, x), _host_ints(f"{name}'s host copy", host)
+            if not np.array_equal(mine, theirs):
+                i = int(np.argmax(mine != theirs))
+                raise LocError(f"{name}[{i}] is {int(mine[i])} but its host copy holds {int(theirs[i])}: the call would "
+                               "size from one and compute slots from the other")
+            return theirs
         x = host
     if isinstance(x, torch.Tensor):
         if x.dtype == I64 and x.dim() == 1 and x.device.type == "cpu" and not x.requires_grad:
@@ -77,7 +84,20 @@ def _host_ints(name: str, x: IntsLike, host: Optional[torch.Tensor] = None) -> n
         for v in x:  # the refusal only: name the first value that is no integer
             if as_int(v) is None:  # (the core's integer rule: a bool is none)
                 raise LocError(f"{name} must hold integers, got {type(v).__name__} {v!r}")
-    return np.asarray(values, dtype=np.int64)
+    try:
+        return np.asarray(values, dtype=np.int64)
+    except OverflowError:
+        v = next(v for v in values if not -2 ** 63 <= v < 2 ** 63)
+        raise LocError(f"{name} holds {v}: values must fit int64 (below 2**63 in magnitude)") from None
+
+
+def _claim_ran(ring: PageRing, pages: int) -> bool:
+    """Whether the allocation of the last `pages` pages the ring gave ran: one of them is live, or one is free again
+    (an allocation that opened fewer pages than it claimed pushes the rest back; never run, they stay popped)."""
+    claimed = ring.popped(ring.head - pages, pages)
+    if bool((ring.refs[claimed] >= 1).any()):
+        return True
+    return bool(torch.isin(claimed.cpu(), ring.free_list()).any())
 
 
 def _refs_view(ring: PageRing) -> np.ndarray:
@@ -111,7 +131,9 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 def _check_loc_tensor(loc: object, device: torch.device) -> torch.Tensor:
     """loc as a flat int64 tensor on the allocator's device or the CPU (a meta tensor holds no values)."""
     if not isinstance(loc, torch.Tensor) or loc.dtype != I64:
-        raise LocError(f"loc must be an int64 tensor, got {getattr(loc, 'dtype', type(loc).__name__)}")
+        got = f"{loc.dtype} tensor" if isinstance(loc, torch.Tensor) else (
+            f"{type(loc).__name__} of {loc.dtype}" if hasattr(loc, "dtype") else type(loc).__name__)
+        raise LocError(f"loc must be an int64 tensor, got {got}")
     check_on_device("loc", loc, device, "allocator")
     return _flat(loc)
 
@@ -450,12 +472,12 @@ class PagedTokenToKVPoolAllocator:
         live (the allocation ran: the caller's undo frees those). The ops `reserve` numbered stay numbered (a gap in
         the numbers ranks errors as before; reusing a number that ran could not). Returns whether a head moved. Nothing
         else may have taken from the rings since that `reserve`. The error path only: it reads the device."""
-        live = [bool((r.refs[r.popped(r.head - pages, pages)] >= 1).any()) for r in self._ring_set] if pages else []
+        ran = [_claim_ran(r, pages) for r in self._ring_set] if pages else []
         with interrupts_held():  # every ring's head back, or none
-            for r, ran in zip(self._ring_set, live):
-                if not ran:
+            for r, done in zip(self._ring_set, ran):
+                if not done:
                     r.head -= pages
-        return not all(live)
+        return not all(ran)
 
     @property
     def op_number(self) -> int:
@@ -761,15 +783,16 @@ class TokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
 
 
 def _check_fits_pool(size: int, size_swa: int, page_size: int, kvcache: object) -> None:
-    """The pool must hold every slot the allocator hands out (else the first write past it fails)."""
+    """The allocator's sizes are its pool's: the pool holds every slot it hands out, and its full->SWA table covers
+    every slot the pool takes."""
     if kvcache is None:
         return
     for name, mine in (("size", size), ("size_swa", size_swa), ("page_size", page_size)):
         theirs = getattr(kvcache, name, None)
         if not isinstance(theirs, int):
             continue
-        if (mine != theirs) if name == "page_size" else (mine > theirs):
-            raise ConfigError(f"allocator {name}={mine} does not fit its pool's {name}={theirs} "
+        if mine != theirs:   # larger: writes past the pool; smaller: the pool checks locs its table does not hold
+            raise ConfigError(f"allocator {name}={mine} is not its pool's {name}={theirs} "
                               f"({type(kvcache).__name__}); build both with the same sizes")
 
 

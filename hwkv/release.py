@@ -137,7 +137,8 @@ def _check_release(a: SWATokenToKVPoolAllocator, rtt: torch.Tensor, rows: torch.
         raise LocError(f"request row {int(r[i])}: frontier {int(f[i])} must be in [0, seq_len {int(s[i])}] and the "
                        "length >= 0")
     dead = s - window + 1
-    new_f = np.maximum(f, np.maximum((dead // p) * p - p, 0))
+    # where nothing is dead: 0 (a window near 2**63 would take (dead // p) * p - p past int64)
+    new_f = np.maximum(f, np.where(dead > 0, (dead // p) * p - p, 0).clip(min=0))
     cnt = (new_f - f) // p
     total = int(cnt.sum())
     fp = sp = np.zeros(0, dtype=np.int64)

@@ -165,7 +165,8 @@ class TorchPageOps:
         off = (frontiers < 0) | (torch.remainder(frontiers, p) != 0)  # recorded, and that row releases nothing
         _record(full, off, rows.to(I64), ERR_FRONTIER)
         dead = seq.to(I64) - window + 1
-        new_f = torch.maximum(frontiers, (torch.div(dead, p, rounding_mode="floor") * p - p).clamp(min=0))
+        aligned = torch.where(dead > 0, torch.div(dead, p, rounding_mode="floor") * p - p, 0)  # no wrap near 2**63
+        new_f = torch.maximum(frontiers, aligned.clamp(min=0))
         new_f = torch.where(off, frontiers, new_f)
         cnt = torch.div(new_f - frontiers, p, rounding_mode="floor")
         total = int(cnt.sum())  # free on CPU; one host read on a device without release kernels
