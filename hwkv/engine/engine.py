@@ -292,8 +292,9 @@ class Engine:
         every forward with the tokens the host read back in that step (with overlap, mostly the previous
         forward's). Once the last prompt finished, what is still in flight is read (one wait): the statistics then
         count exactly the tokens the results hold. Requests queued with `add_request` that finish meanwhile keep
-        their Result in `self.unclaimed`. A closed engine, a prompt that is not token ids (see `prompt_ids`) or
-        params that are not SamplingParams raise ConfigError before any prompt is queued, as does a call made while a
+        their Result in `self.unclaimed`. A closed engine, a prompt that is not token ids (see `prompt_ids`),
+        params that are not SamplingParams or an on_step that is not callable raise ConfigError before any prompt is
+        queued, as does a call made while a
         step runs (from inside it, or another thread). A run that raises (the model, `on_step`, Ctrl-C) aborts the
         requests it queued that are still there (their ids never reached the caller) before the error propagates."""
         self._check_open()
@@ -319,6 +320,8 @@ class Engine:
             raise ConfigError(f"params must be a SamplingParams or one per prompt, got {shown(params)}")
         if len(per) != len(prompts):
             raise ConfigError(f"{len(per)} SamplingParams for {len(prompts)} prompts")
+        if on_step is not None and not callable(on_step):
+            raise ConfigError(f"on_step must be callable (the step's new tokens -> None) or None, got {shown(on_step)}")
         results: List[Optional[Result]] = [None] * len(prompts)
         index: Dict[int, int] = {}
         try:

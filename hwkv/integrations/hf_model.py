@@ -6,6 +6,7 @@ Nothing here imports transformers: a config is read through its attributes only.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional, Tuple
 
 import torch
@@ -16,6 +17,7 @@ from hwkv.engine.pools import (CPU_MEMORY_CAP, CPU_MEMORY_FRACTION, DEFAULT_MEMO
 from hwkv.engine.presets import ModelShape
 from hwkv.pool import default_swa_v_head_dim
 from hwkv.errors import ConfigError
+from hwkv.engine.inputs import shown
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -24,6 +26,52 @@ def text_config(config: Any) -> Any:
     """The decoder's config (a multimodal config's text part; the config itself otherwise)."""
     get = getattr(config, "get_text_config", None)
     return get() if callable(get) else config
+
+
+_POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")   # frequencies from the forward's largest position
+
+
+def check_servable(model: Any) -> torch.device:
+    """The device of a model hwkv can serve, or a ConfigError saying why not: a transformers causal LM (a language
+    head, no encoder-decoder) whose forward takes per-token positions (the runner packs requests into one row), whose
+    rotary frequencies do not follow the forward's largest position (they would follow the batch's longest request),
+    and whose decoder attends causally. Read before the model is touched."""
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise ConfigError(f"HybridRunner needs a transformers model (load it with load_model), got {shown(model)}")
+    name = type(model).__name__
+    param = next(iter(model.parameters()), None)
+    if param is None:
+        raise ConfigError(f"{name} has no parameters: not a model hwkv can serve")
+    if getattr(model.config, "is_encoder_decoder", False) or getattr(text_config(model.config),
+                                                                     "is_encoder_decoder", False):
+        raise ConfigError(f"{name} is an encoder-decoder model: hwkv serves decoder-only causal LMs")
+    get_head = getattr(model, "get_output_embeddings", None)
+    if not callable(get_head) or getattr(get_head(), "weight", None) is None:
+        raise ConfigError(f"{name} has no language-model head: load a causal LM (AutoModelForCausalLM, load_model)")
+    try:
+        takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):   # no signature to read: the forward is trusted
+        takes_positions = True
+    if not takes_positions:
+        raise ConfigError(f"{name}.forward takes no position_ids: hwkv packs the requests of a forward into one row "
+                          "and needs each token's position, which this model would number 0.. itself")
+    get_decoder = getattr(model, "get_decoder", None)
+    try:
+        decoder = get_decoder() if callable(get_decoder) else model
+    except Exception:   # noqa: BLE001 - a model without a separable decoder: scan all of it
+        decoder = model
+    for mod in (decoder if isinstance(decoder, torch.nn.Module) else model).modules():
+        kinds = getattr(mod, "rope_type", None)
+        kinds = list(kinds.values()) if isinstance(kinds, dict) else [kinds]
+        bad = [k for k in kinds if isinstance(k, str) and any(p in k for p in _POSITION_DEPENDENT_ROPE)]
+        if bad:
+            raise ConfigError(f"{name}'s rotary embedding is {bad[0]!r}: its frequencies follow the forward's largest "
+                              "position, which in hwkv's packed forward is the batch's longest request's, so a "
+                              "request's tokens would depend on the others; hwkv cannot serve it")
+        if getattr(mod, "is_causal", True) is False and hasattr(mod, "layer_idx"):
+            raise ConfigError(f"{name}'s attention ({type(mod).__name__}) is not causal (is_causal=False): hwkv "
+                              "attention is causal")
+    return param.device
 
 
 def model_positions(config: Any) -> Optional[int]:

@@ -27,7 +27,7 @@ from hwkv.errors import ConfigError
 from hwkv.graph import EagerAdapter
 from hwkv.integrations.device_choice import graph_adapter, graph_choice, resolve_spec
 from hwkv.integrations.hf_attention import ATTN_IMPLEMENTATION, RUNNING, ForwardContext, LayerTable, register
-from hwkv.integrations.hf_model import model_positions, model_shape, position_limit
+from hwkv.integrations.hf_model import check_servable, model_positions, model_shape, position_limit
 
 GraphsOption = Union[bool, str]
 __all__ = ["HybridRunner", "Result"]
@@ -64,8 +64,8 @@ class HybridRunner(Engine):
                  overlap: Optional[bool] = None, prefix_cache: bool = True,
                  whole_step: Optional[bool] = None, draft: Optional[Drafter] = None, num_draft: int = 4) -> None:
         check_switches(overlap, prefix_cache, whole_step)  # before any of them is read (a truthy "no" is no switch)
+        dev = check_servable(model)
         self.model = model
-        dev = next(model.parameters()).device
         self.spec = resolve_spec(device, dev.type)
         if context is None:
             context = min(model_positions(model.config) or 4096, 4096)
