@@ -6,6 +6,7 @@ an unavailable device or another typed hwkv error.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -454,8 +455,8 @@ def _chat(args: argparse.Namespace, target: Target, dev: str) -> int:
 def _check_serve_flags(rate: float, shared: float, system_len: Optional[int], prompt_len: int) -> None:
     """The serve workload's float flags and its system prompt, named as typed (the workload's own checks name its
     fields)."""
-    if not rate >= 0:   # (NaN too)
-        raise ConfigError(f"--serve-rate must be >= 0 requests a second, got {rate}")
+    if not 0 <= rate < math.inf:   # (NaN too; inf would be JSON's Infinity, no JSON: 0 is "all at once")
+        raise ConfigError(f"--serve-rate must be a finite number >= 0 requests a second (0: all at once), got {rate}")
     if not 0 <= shared <= 1:
         raise ConfigError(f"--serve-shared must be in [0, 1], got {shared}")
     if system_len is not None and system_len >= prompt_len:
@@ -564,6 +565,14 @@ def check_flag_values(args: argparse.Namespace) -> None:
     check_flag_minimums([(flag, getattr(args, flag[2:].replace("-", "_"), None), lo) for flag, lo in _FLAG_MINIMUMS])
 
 
+def _out_of_memory(e: BaseException) -> bool:
+    """Whether an error is an allocation that failed (host or device): what the memory checks, which price the pools,
+    did not foresee (a forward's q of 10**12 heads), reported as a bad size rather than a traceback."""
+    text = str(e).lower()
+    return (isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError"
+            or "can't allocate memory" in text or "out of memory" in text)
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run `hwkv bench`: tables or JSON on stdout, the plot on request; exit code as the module says."""
     from hwkv.bench import report
@@ -583,6 +592,13 @@ def run_bench(args: argparse.Namespace) -> int:
         return 1
     except HwkvError as e:
         print(f"hwkv bench: error: {e}", file=sys.stderr)
+        return 2
+    except (MemoryError, RuntimeError) as e:   # torch.OutOfMemoryError is a RuntimeError
+        if not _out_of_memory(e):
+            raise
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        print(f"hwkv bench: error: out of memory ({first[:200]}): the run's tensors do not fit; give smaller sizes "
+              "(--heads, --head-dim, --batch-sizes, --prompt-len, --chunk, --memory)", file=sys.stderr)
         return 2
     if args.json:
         print(report.to_json(res))

@@ -161,8 +161,13 @@ class ServeResult:
     notes: List[str] = field(default_factory=list)
 
     def to_dict(self) -> Dict[str, Any]:
+        """The result as JSON values: a rate of inf (every arrival at once, as 0) is written 0, since JSON has no
+        Infinity."""
+        workload = asdict(self.workload)
+        if workload["rate"] == float("inf"):
+            workload["rate"] = 0.0
         return {"schema": "hwkv-bench-serve/1", "model": self.model, "device": self.device,
-                "workload": asdict(self.workload), "rows": [asdict(r) for r in self.rows],
+                "workload": workload, "rows": [asdict(r) for r in self.rows],
                 "notes": list(self.notes)}
 
 

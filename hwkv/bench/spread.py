@@ -25,7 +25,9 @@ def percentile(xs: Sequence[float], q: float) -> float:
     h = (len(s) - 1) * q
     j = math.floor(h)
     f = h - j
-    return s[j] if f == 0 else s[j] * (1 - f) + s[j + 1] * f
+    if f == 0 or s[j] == s[j + 1]:
+        return s[j]
+    return min(max(s[j] + f * (s[j + 1] - s[j]), s[j]), s[j + 1])   # the doc's form, kept between its two values
 
 
 @dataclass
