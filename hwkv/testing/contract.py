@@ -9,7 +9,7 @@ from hwkv.errors import ConfigError, EvictedSlotError, MissingSWALocError, Shape
 from hwkv.loc import KVWriteLoc
 from hwkv.testing import graph_adapter
 from hwkv.testing.contract_spec import CountingTranslate
-from hwkv.testing.harness import Harness, ModelGeometry, run_scenario
+from hwkv.testing.harness import FP32_TOLERANCE, Harness, ModelGeometry, run_scenario
 from hwkv.testing.host_reads import HostReads, StorageReads
 
 SMALL = ModelGeometry(num_layers=4, swa_every=2, window=8, num_heads=4, num_kv_heads=2, head_dim=16)
@@ -17,12 +17,9 @@ SIZE_SWA_P16 = 80  # 5 pages of 16: the run's SWA pages diverge from its full pa
 MANY_SWA = ModelGeometry(num_layers=7, swa_every=7, window=8, num_heads=4, num_kv_heads=2, head_dim=16)
 
 
-# the largest |out - reference| an fp32 run accepts: fp32 kernels err ~5e-7 here, and half-precision math (q rounded
-# to fp16) ~6e-4; a target that needs more sets `fp32_tolerance` (e.g. a ContractTarget subclass with that field)
-FP32_TOLERANCE = 1e-4
-
-
 def make(target, geometry=SMALL, graph=False, buckets=(1, 2, 4), **kw):
+    """A harness for `target`; an fp32 one accepts `target.fp32_tolerance` (default FP32_TOLERANCE, imported
+    from hwkv.testing.harness and importable from here)."""
     kw.setdefault("size", 1024)
     kw.setdefault("size_swa", 128)
     if kw.get("dtype", torch.float32) == torch.float32:
@@ -286,6 +283,27 @@ def test_outputs_match_reference(hwkv_target, name, graph):
     assert err < 1.0  # the harness raises ReferenceMismatchError past its tolerance; this guards NaN-free runs
     assert h.allocator.full_available_size() == 1024
     assert any(diverged), "the scenario's premise: some token's SWA slot differs from its full loc"
+
+
+# one request past the small shapes' tile boundaries (> 64 queries in one forward, > 128 keys), head_dim 128 (its own
+# kernel configs), sinks and a soft-cap (where page size > 1 takes other paths), an SWA and a full layer
+LONG = ModelGeometry(num_layers=2, swa_every=2, window=8, num_heads=2, num_kv_heads=1, head_dim=128, sinks=True,
+                     logit_cap=10.0)
+
+
+def test_long_prefill_matches_reference(hwkv_target):
+    """A 150-token prompt in ONE forward beside a 5-token one at page size 16 over LONG (a second query tile and key
+    tile, or a split of the keys, for the long request), then decode steps with release: every layer's output
+    against the reference (fp32)."""
+    h = make(hwkv_target, LONG, page_size=16, size_swa=256)
+    rids = [h.add_request() for _ in range(2)]
+    h.forward(rids, [150, 5], ForwardMode.EXTEND)
+    h.release()
+    for _ in range(2):
+        h.forward(rids, [1, 1], ForwardMode.DECODE)
+        h.release()
+        h.check_integrity()
+    assert h.requests[rids[0]].seq_len == 152
 
 
 def _watch_divergence(h):

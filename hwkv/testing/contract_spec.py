@@ -12,7 +12,7 @@ from hwkv.errors import CapacityError, ConfigError, MissingSWALocError, ShapeErr
 from hwkv.loc import translations_of
 from hwkv.spec import DraftTree, MultiStepDraft, accept_draft_tokens
 from hwkv.testing import graph_adapter
-from hwkv.testing.harness import Harness, ModelGeometry
+from hwkv.testing.harness import FP32_TOLERANCE, Harness, ModelGeometry
 from hwkv.testing.spec_harness import draft_batch, draft_graphs, draft_steps, tree_verify
 
 GEOM = ModelGeometry(num_layers=4, swa_every=2, window=4, num_heads=4, num_kv_heads=2, head_dim=16)
@@ -21,6 +21,9 @@ CHAIN = [-1, 0, 1, 2, 3]
 
 
 def _make(target, page_size=1, size_swa=32, **kw):
+    """A harness for `target` over GEOM, with contract.make's fp32 tolerance (`target.fp32_tolerance`)."""
+    if kw.get("dtype", torch.float32) == torch.float32:
+        kw.setdefault("tolerance", getattr(target, "fp32_tolerance", FP32_TOLERANCE))
     return Harness(target.backend_cls, target.device, GEOM, size=1024, size_swa=size_swa, page_size=page_size, **kw)
 
 

@@ -15,6 +15,7 @@ ForwardBatch), `init_metadata` and `run_layers` (the backend: eager, or a graph 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -24,6 +25,7 @@ from hwkv import reference
 from hwkv.allocator import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
 from hwkv.req_to_token import ReqToTokenPool
 from hwkv.batch import ForwardBatch, ForwardMode
+from hwkv.checks import as_int, check_int_option, is_bool
 from hwkv.engine.forward import ForwardSlots, StepLens
 from hwkv.errors import ConfigError, ReferenceMismatchError, ShapeError
 from hwkv.graph import GraphRunner, PreparedStep
@@ -32,6 +34,18 @@ from hwkv.ops import quantize
 from hwkv.pool import MHATokenToKVPool, SWAKVPool
 
 BackendFactory = Callable[..., Any]
+
+# the largest |out - reference| an fp32 run accepts: fp32 kernels err ~5e-7 here, and half-precision math (q rounded
+# to fp16) ~6e-4; a target that needs more sets `fp32_tolerance` (e.g. a ContractTarget subclass with that field).
+# The contract suites (hwkv.testing.contract, contract_spec) build their fp32 harnesses with it.
+FP32_TOLERANCE = 1e-4
+
+
+def _check_tolerance(name: str, value: Any) -> None:
+    """ConfigError unless `value` is a finite real >= 0 (a bool is none): a NaN tolerance passes every output (err >
+    nan is False), a string breaks the comparison."""
+    if is_bool(value) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"harness: {name} must be a finite number >= 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -74,6 +88,8 @@ class ModelGeometry:
         if self.layer_is_swa is not None:
             object.__setattr__(self, "layer_is_swa", tuple(bool(x) for x in self.layer_is_swa))
             object.__setattr__(self, "num_layers", len(self.layer_is_swa))
+        check_int_option("ModelGeometry: num_layers" + (" (layer_is_swa's length)" if self.layer_is_swa is not None
+                                                        else ""), self.num_layers, 1)
         if self.swa_windows is not None:
             object.__setattr__(self, "swa_windows", tuple(int(w) for w in self.swa_windows))
             if self.swa_windows and max(self.swa_windows) != self.window:
@@ -121,6 +137,10 @@ class Harness:
         `backend_options` go to the backend (`sliding_window` defaults to the geometry's windows)."""
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
             raise ConfigError(f"harness: seed must be an integer in [0, 2**63), got {seed!r}")
+        if tolerance is not None:
+            _check_tolerance("tolerance", tolerance)
+        for name, value in (("shadow_requests", shadow_requests), ("check_queries", check_queries)):
+            check_int_option(f"harness: {name}", value, 1, none=True)   # (0 would check nothing)
         g = geometry
         self.g, self.device, self.dtype, self.page_size = g, torch.device(device), dtype, page_size
         self.gen = torch.Generator().manual_seed(seed)
@@ -180,6 +200,17 @@ class Harness:
         return backend_factory(self.pool, self.rtt, **self.backend_options)
 
     # ---- requests -----------------------------------------------------------------------------
+    def check_live(self, rids: Sequence[int]) -> None:
+        """ConfigError unless every id of `rids` is a live request (handed out by `add_request`, not finished) and
+        none is named twice: called before a step or a finish allocates or frees anything."""
+        seen = set()
+        for rid in rids:
+            if as_int(rid) is None or rid not in self.requests:
+                raise ConfigError(f"request {rid!r} is not live; live ids: {sorted(self.requests)}")
+            if rid in seen:
+                raise ConfigError(f"request {rid} is named twice in one step (ids {list(rids)}); each at most once")
+            seen.add(rid)
+
     def add_request(self) -> int:
         """A new empty request (its row and frontier from the step primitives); returns its id, its row."""
         row = self.slots.new_rows(1)[0]
@@ -191,6 +222,7 @@ class Harness:
 
     def finish(self, rid: int) -> None:
         """The request leaves: its slots (released SWA slots are skipped) and its row go back."""
+        self.check_live([rid])
         r = self.requests.pop(rid)
         self.slots.free([rid], [r.seq_len])
 
@@ -223,7 +255,9 @@ class Harness:
 
     def step_lens(self, rids: Sequence[int], new_lens: Sequence[int], mode: ForwardMode) -> StepLens:
         """The scheduler's part: rows, prefix, sequence and new lengths on the host and (one copy) on the device.
-        ShapeError for a DECODE whose requests do not add one token each."""
+        ShapeError for a DECODE whose requests do not add one token each; ConfigError for an id not live, or named
+        twice."""
+        self.check_live(rids)
         prefix = [self.requests[i].seq_len for i in rids]
         new = [int(n) for n in new_lens]
         if len(new) != len(prefix):
@@ -284,7 +318,7 @@ class Harness:
                                                                                  l.v_head_dim):
                 raise ShapeError(f"layer {i}: forward returned {o.dtype} {tuple(o.shape)} on {o.device}, expected "
                                  f"{q.dtype} {(q.shape[0], l.num_heads, l.v_head_dim)} on {q.device} (q's)")
-            outs.append(o.reshape(o.shape[0], -1))
+            outs.append(o.reshape(o.shape[0], l.num_heads * l.v_head_dim))  # (-1 is ambiguous for 0 tokens)
         return torch.cat(outs, dim=1)
 
     def split_outputs(self, flat: torch.Tensor) -> List[torch.Tensor]:
@@ -298,6 +332,8 @@ class Harness:
     def forward(self, rids: Sequence[int], new_lens: Sequence[int], mode: Optional[ForwardMode] = None,
                 check: bool = True, atol: Optional[float] = None) -> List[torch.Tensor]:
         """One forward over all layers (eager, or through the graph runner when one is set)."""
+        if atol is not None:
+            _check_tolerance("atol", atol)
         batch, inputs = self.prepare(rids, new_lens, mode)
         flat = self.step(batch, inputs)
         return self.complete(rids, new_lens, inputs, flat, check, atol)
@@ -305,6 +341,7 @@ class Harness:
     def prepare(self, rids: Sequence[int], new_lens: Sequence[int],
                 mode: Optional[ForwardMode] = None) -> Tuple[ForwardBatch, Dict[str, torch.Tensor]]:
         """The engine's part of a forward: allocate, build the batch, draw the inputs."""
+        self.check_live(rids)
         if mode is None:
             mode = ForwardMode.DECODE if all(n == 1 for n in new_lens) and all(
                 self.requests[i].seq_len for i in rids) else ForwardMode.EXTEND
@@ -387,6 +424,8 @@ class Harness:
                       outs: List[torch.Tensor], atol: Optional[float] = None) -> float:
         """Compare every layer's output with hwkv.reference (the shadowed requests, each one's last
         `check_queries` queries); raise ReferenceMismatchError beyond tolerance."""
+        if atol is not None:
+            _check_tolerance("atol", atol)
         tol = atol if atol is not None else self.tolerance
         spans = self._spans(rids, new_lens)
         if not spans:
@@ -465,6 +504,7 @@ class Harness:
         """One decode step of `rids` through the step graph (`enable_step_graph`); the flat outputs. `inputs`
         None: drawn into the graph's buffers already. The host lengths move here, as `allocate` moves them; the
         host frontiers follow the graph's release (`ForwardSlots.replay_decode`)."""
+        self.check_live(rids)
         out, _ = self.slots.replay_decode(self.step_graph, list(rids), [self.requests[i].seq_len for i in rids],
                                           inputs)
         for rid in rids:

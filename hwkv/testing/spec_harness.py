@@ -8,7 +8,9 @@ import torch
 
 from hwkv import reference
 from hwkv.batch import ForwardBatch, ForwardMode
+from hwkv.checks import as_int
 from hwkv.draft import DraftGraphRunner, DraftSteps
+from hwkv.errors import ConfigError, ShapeError
 from hwkv.spec import DraftTree, MultiStepDraft, accept_draft_tokens, tree_visible
 from hwkv.testing.harness import Harness, _as_stored
 
@@ -18,8 +20,11 @@ I64 = torch.int64
 def tree_verify(h: Harness, rids: Sequence[int], parents: Sequence[Sequence[int]], accept: Sequence[Sequence[int]],
                 check: bool = True) -> List[torch.Tensor]:
     """One TARGET_VERIFY over a draft tree per request (`parents[b]`, equal lengths), eager or through the
-    harness's graph runner, then `accept_draft_tokens` keeping `accept[b]` (draft indices, path order)."""
-    n = len(parents[0])
+    harness's graph runner, then `accept_draft_tokens` keeping `accept[b]` (draft indices, path order).
+    Ids not live, trees of different sizes and accepted indices out of range are refused before anything is
+    allocated."""
+    h.check_live(rids)
+    n = _check_trees(rids, parents, accept)
     prefix_cpu = torch.tensor([h.requests[r].seq_len for r in rids], dtype=I64, device="cpu")
     tree = DraftTree.from_parents([list(p) for p in parents], device=h.device)
     batch = h.make_batch(rids, [n] * len(rids), ForwardMode.TARGET_VERIFY)
@@ -43,6 +48,24 @@ def tree_verify(h: Harness, rids: Sequence[int], parents: Sequence[Sequence[int]
                 h.compare(l, out[b * n:(b + 1) * n], ref, f"tree verify request {b}")
     _accept(h, rids, batch, prefix_cpu, n, accept)
     return outs
+
+
+def _check_trees(rids: Sequence[int], parents: Sequence[Sequence[int]], accept: Sequence[Sequence[int]]) -> int:
+    """The draft tokens per request, n: ShapeError unless there is one tree and one accepted path per request, every
+    tree has n tokens and every path names distinct drafts in [0, n) (the batch holds n tokens a request)."""
+    if len(parents) != len(rids) or len(accept) != len(rids):
+        raise ShapeError(f"tree_verify: {len(parents)} trees and {len(accept)} accepted paths for {len(rids)} "
+                         "requests (one each)")
+    n = len(parents[0]) if parents else 0
+    for b, (par, acc) in enumerate(zip(parents, accept)):
+        if len(par) != n:
+            raise ShapeError(f"tree_verify: request {b}'s tree has {len(par)} draft tokens, request 0's {n}: every "
+                             "tree of one verify has the same size")
+        bad = [a for a in acc if as_int(a) is None or not 0 <= a < n]
+        if bad or len(set(acc)) != len(acc):
+            raise ShapeError(f"tree_verify: request {b} accepts drafts {list(acc)}: each an index in [0, {n}), "
+                             "at most once")
+    return n
 
 
 def _accept(h: Harness, rids: Sequence[int], batch, prefix_cpu: torch.Tensor, n: int,
@@ -121,8 +144,14 @@ def draft_steps(h: Harness, rids: Sequence[int], num_steps: int, check: bool = T
     (step-major), metadata built once by `init_draft_metadata` or, with `runner` (from `draft_graphs`, over
     the same layers), replayed from its graphs (a DraftStepGraph allocates in its replay); each step checked
     against the reference.
-    `layers`: the draft model's layers (default: the harness's); with writes_swa=False they must be full."""
+    `layers`: the draft model's layers (default: the harness's); with writes_swa=False they must be full (else
+    ConfigError, before anything is allocated)."""
     layers = list(h.layers if layers is None else layers)
+    h.check_live(rids)
+    swa = [l.layer_id for l in layers if l.window is not None]
+    if not writes_swa and swa:
+        raise ConfigError(f"draft_steps: writes_swa=False, but layers {swa} are window layers: a draft without SWA "
+                          "slots runs full layers only (pass layers= the full ones, or writes_swa=True)")
     bs = len(rids)
     inputs = h.random_inputs(bs * num_steps)
     if runner is not None and not isinstance(runner, DraftGraphRunner):  # a DraftStepGraph allocates in its replay
