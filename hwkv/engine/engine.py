@@ -294,8 +294,7 @@ class Engine:
         count exactly the tokens the results hold. Requests queued with `add_request` that finish meanwhile keep
         their Result in `self.unclaimed`. A closed engine, a prompt that is not token ids (see `prompt_ids`),
         params that are not SamplingParams or an on_step that is not callable raise ConfigError before any prompt is
-        queued, as does a call made while a
-        step runs (from inside it, or another thread). A run that raises (the model, `on_step`, Ctrl-C) aborts the
+        queued, as does a call made while a step runs (from inside it, or another thread). A run that raises (the model, `on_step`, Ctrl-C) aborts the
         requests it queued that are still there (their ids never reached the caller) before the error propagates."""
         self._check_open()
         if self._step_lock.locked() or self._in_callback:
