@@ -72,7 +72,7 @@ def layer_paths_data(specs: dict[str, devices.DeviceSpec], name: Optional[str]) 
         return {"device": name, "geometry": "", "rows": [],
                 "assumptions": [f"the {name} plugin reports no per-kind table (DeviceSpec.layer_paths is empty): "
                                 f"every layer runs {spec.backend}"]}
-    return fn().as_dict()
+    return spec.describe_layer_paths().as_dict()
 
 
 def info_data(paths_device: Optional[str] = None) -> dict[str, Any]:

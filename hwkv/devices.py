@@ -126,6 +126,24 @@ class DeviceSpec:
                               f"strings, got {answer!r}")
         return answer
 
+    def describe_layer_paths(self) -> Any:
+        """The plugin's per-kind layer-path table (`hwkv.paths.PathTable`), from its hook imported only now; a hook that
+        raises or answers anything else is a DeviceError naming it."""
+        from hwkv.paths import PathTable
+        fn = self.load_layer_paths()
+        if fn is None:
+            raise DeviceError(f"device {self.name!r} reports no layer-path table (DeviceSpec.layer_paths is empty)")
+        try:
+            table = fn()
+        except DeviceError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a plugin's hook: reported, named
+            raise DeviceError(f"device {self.name!r}: {self.layer_paths} raised {type(e).__name__}: {e}") from None
+        if not isinstance(table, PathTable):
+            raise DeviceError(f"device {self.name!r}: {self.layer_paths} must return a hwkv.paths.PathTable, got "
+                              f"{type(table).__name__}")
+        return table
+
     def load_graph_adapter(self) -> Optional[type]:
         """Import the graph adapter class, or None when the device has none."""
         if not self.graph_adapter:

@@ -425,6 +425,10 @@ class TorchDeviceGraphAdapter:
         mod = getattr(torch, self.module, None)
         if mod is None or not hasattr(mod, self.graph_class) or not hasattr(mod, "graph"):
             raise ConfigError(f"torch.{self.module} has no {self.graph_class}/graph: graphs are unavailable here")
+        available = getattr(mod, "is_available", None)
+        if callable(available) and not available():
+            raise ConfigError(f"torch.{self.module}.is_available() is False: {self.graph_class} graphs need a visible "
+                              "device")
         self._mod = mod
         self._pool: Any = None
         self._stream = mod.Stream()

@@ -45,7 +45,9 @@ def available_targets(only: Optional[str] = None) -> List[ContractTarget]:
     from hwkv import devices
 
     out = []
-    for name, spec in sorted(devices.discover().items(), key=lambda kv: -kv[1].priority):
+    # the named device's plugin only (as the device choice loads it): a third party's plugin that fails to import
+    # does not stop `hwkv verify --device cpu`
+    for name, spec in sorted(devices.discover(only=only).items(), key=lambda kv: -kv[1].priority):
         if (only and name != only) or not spec.is_available():
             continue
         adapter_cls = spec.load_graph_adapter()
