@@ -310,6 +310,16 @@ def check_int_option(name: str, value: Any, lo: int, none: bool = False) -> None
         raise ConfigError(f"{name} must be an integer >= {lo}{' or None' if none else ''}, got {value!r}")
 
 
+def check_max_q_len(max_q_len: Any) -> None:
+    """An extend kernel's bound on a request's query rows (it sizes the grid): an integer (numpy's and torch's too, a
+    bool not) in [0, 2**63), ConfigError naming it otherwise (None had been a bare TypeError, 2**70 the op schema's
+    RuntimeError)."""
+    v = as_int(max_q_len)
+    if v is None or not 0 <= v < 2 ** 63:
+        raise ConfigError(f"max_q_len must be an integer in [0, 2**63) (the longest request's query rows), got "
+                          f"{max_q_len!r}")
+
+
 def check_flag(name: str, value: Any, none: bool = False) -> None:
     """An on/off option must be True or False (with `none`, None too: "decide for me"); ConfigError naming it
     otherwise, as `hwkv.engine.plan.plan` refuses prefix_cache: a truthy "no" or 1 would read as on."""

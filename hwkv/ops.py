@@ -152,7 +152,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scale: Optional[float]) -> tor
     if dtype in FP8_DTYPES:
         fmax = torch.finfo(dtype).max
         x = x.float().clamp(-fmax, fmax)
-    return x.to(dtype)
+    return x.to(dtype, copy=True)   # (a no-op cast would hand back x itself)
 
 
 def store_kv_torch(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
@@ -195,7 +195,8 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
              v: torch.Tensor, k_scale: Optional[float] = None, v_scale: Optional[float] = None) -> None:
     """Write K/V of the new tokens at `loc` with the device's registered kernel (checked: see
     `register_store_kv`)."""
-    if loc.numel() == 0:
+    if loc.numel() == 0:   # nothing to write: no launch, but the same refusals as a store of some rows
+        check_store(k_buf, v_buf, loc, k, v)
         return
     _STORE.get(k_buf.device.type, store_kv_checked)(k_buf, v_buf, loc, k, v, k_scale, v_scale)
 

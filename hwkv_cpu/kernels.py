@@ -19,7 +19,7 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
-from hwkv.checks import check_attention_options, check_shape, scale_value
+from hwkv.checks import check_attention_options, check_max_q_len, check_shape, scale_value
 from hwkv.csr_checks import check_csr_values, check_float_dtypes, check_index_dtypes
 from hwkv.errors import ShapeError
 from hwkv.spec import TreeMask, check_tree_mask
@@ -52,6 +52,13 @@ def _compute_dtype(k_buf: torch.Tensor, v_buf: torch.Tensor) -> torch.dtype:
     return torch.float64 if torch.float64 in (k_buf.dtype, v_buf.dtype) else torch.float32
 
 
+def _check_on_cpu(**tensors: Optional[torch.Tensor]) -> None:
+    """Every given tensor is on the CPU (a meta one would run the op's do-nothing fake and leave out unwritten)."""
+    for name, t in tensors.items():
+        if t is not None and t.device.type != "cpu":
+            raise ShapeError(f"{name} is on {t.device}; hwkv_cpu kernels take CPU tensors")
+
+
 def _check_common(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
                   kv_indices: torch.Tensor, kv_pos0: torch.Tensor, out: torch.Tensor,
                   sinks: Optional[torch.Tensor]) -> None:
@@ -69,9 +76,8 @@ def _check_common(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_
     check_shape("kv_indices", kv_indices, [None])
     if sinks is not None:
         check_shape("sinks", sinks, [h])
-    for name, t in (("q", q), ("k_buf", k_buf), ("v_buf", v_buf), ("out", out), ("kv_indices", kv_indices)):
-        if t.device.type != "cpu":
-            raise ShapeError(f"{name} is on {t.device}; hwkv_cpu kernels take CPU tensors")
+    _check_on_cpu(q=q, k_buf=k_buf, v_buf=v_buf, out=out, kv_indices=kv_indices, kv_indptr=kv_indptr,
+                  kv_pos0=kv_pos0, sinks=sinks)
     for name, t in (("k_buf", k_buf), ("v_buf", v_buf)):
         if not t.is_contiguous():
             raise ShapeError(f"{name} must be contiguous, got strides {t.stride()}")
@@ -183,6 +189,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     """
     _check_common(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, out, sinks)
     check_shape("q_pos", q_pos, [kv_pos0.shape[0]])
+    _check_on_cpu(q_pos=q_pos)
     check_index_dtypes((("q_pos", q_pos),))
     if q.shape[0] != kv_pos0.shape[0]:
         raise ShapeError(f"q has {q.shape[0]} rows, the index list has {kv_pos0.shape[0]} requests")
@@ -217,6 +224,8 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     check_shape("qo_indptr", qo_indptr, [bs + 1])
     check_shape("q_pos0", q_pos0, [bs])
     check_index_dtypes((("qo_indptr", qo_indptr), ("q_pos0", q_pos0)))
+    _check_on_cpu(qo_indptr=qo_indptr, q_pos0=q_pos0)
+    check_max_q_len(max_q_len)
     if not _own_lists:
         check_csr_values(kv_indptr, kv_indices, k_buf.shape[0], qo_indptr, q.shape[0], max_q_len)
         check_attention_options(scaling, window, logit_cap, sinks)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hwkv.checks import check_attention_options
+from hwkv.checks import check_attention_options, check_max_q_len
 from hwkv.csr_checks import (check_csr_values, check_dims, check_float_dtypes, check_index_dtypes,
                               check_same_device)
 from hwkv.errors import ShapeError
@@ -312,6 +312,7 @@ def _check_extend(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_
     check_index_dtypes((("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_pos0", kv_pos0),
                         ("qo_indptr", qo_indptr), ("q_pos0", q_pos0)))
     check_float_dtypes((("q", q), ("k_buf", k_buf), ("v_buf", v_buf), ("out", out), ("sinks", sinks)))
+    check_max_q_len(max_q_len)
     check_csr_values(kv_indptr, kv_indices, k_buf.shape[0], qo_indptr, t, max_q_len)
 
 

@@ -34,7 +34,7 @@ def _(k_buf, v_buf, loc, k, v, k_scale=None, v_scale=None) -> None:
 @torch.library.custom_op("hwkv::decode_attention", mutates_args=("out",))
 def decode_attention_op(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
                         kv_indices: torch.Tensor, kv_pos0: torch.Tensor, q_pos: torch.Tensor, out: torch.Tensor,
-                        scaling: float, window: Optional[int] = None, logit_cap: float = 0.0,
+                        scaling: Optional[float], window: Optional[int] = None, logit_cap: float = 0.0,
                         sinks: Optional[torch.Tensor] = None, k_scale: Optional[float] = None,
                         v_scale: Optional[float] = None, max_kv_len: Optional[int] = None) -> None:
     """One query per request over its listed keys into `out` (see hwkv_cuda.kernels.decode_attention)."""
@@ -51,7 +51,7 @@ def _(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, scaling, wind
 @torch.library.custom_op("hwkv::extend_attention", mutates_args=("out",))
 def extend_attention_op(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
                         kv_indices: torch.Tensor, kv_pos0: torch.Tensor, qo_indptr: torch.Tensor,
-                        q_pos0: torch.Tensor, out: torch.Tensor, max_q_len: int, scaling: float,
+                        q_pos0: torch.Tensor, out: torch.Tensor, max_q_len: int, scaling: Optional[float],
                         window: Optional[int] = None, logit_cap: float = 0.0, sinks: Optional[torch.Tensor] = None,
                         k_scale: Optional[float] = None, v_scale: Optional[float] = None,
                         tree_mask: Optional[torch.Tensor] = None, tree_mask_indptr: Optional[torch.Tensor] = None,
