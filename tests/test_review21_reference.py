@@ -155,7 +155,8 @@ def _decode_once(tree=None):
     layer = AttentionLayer(0, 2, 1, 4, sliding_window=2)
     g = torch.Generator().manual_seed(3)
     k_buf, v_buf = torch.randn(8, 1, 4, generator=g, device="cpu"), torch.randn(8, 1, 4, generator=g, device="cpu")
-    fake = types.SimpleNamespace(kv_buffers=lambda layer: (k_buf, v_buf))
+    fake = types.SimpleNamespace(kv_buffers=lambda layer: (k_buf, v_buf),
+                                 request_attention=lambda *a: ReferenceBackend.request_attention(None, *a))
     i64 = dict(dtype=torch.int64, device="cpu")
     kv = KVIndexList(indptr=torch.tensor([0, 3], dtype=torch.int32, device="cpu"),
                      indices=torch.tensor([3, 4, 5], **i64), pos0=torch.tensor([4], **i64), window=None, max_len=3)

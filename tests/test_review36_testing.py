@@ -13,16 +13,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hwkv import reference
 from hwkv.allocator import same_snapshot
 from hwkv.batch import ForwardMode
 from hwkv.errors import ConfigError, HwkvError, ReferenceMismatchError
 from hwkv.graph import EagerAdapter
 from hwkv.testing import ContractTarget, contract
 from hwkv.testing.harness import Harness, ModelGeometry
-from hwkv.testing.reference_backend import ReferenceBackend, _tree_visibility
+from hwkv.testing.reference_backend import ReferenceBackend
 from hwkv.testing.spec_harness import draft_steps, tree_verify
 from hwkv.testing.verify import run_contract
+from test_review35_contract import _contract_catches
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -34,25 +34,12 @@ class _Faulty(ReferenceBackend):
         """Returns (q, k, v, q_pos, k_pos, mask, args): args = dict(window=, logit_cap=, sinks=, scaling=)."""
         return q, k, v, q_pos, k_pos, mask, args
 
+    def request_attention(self, layer, md, q, k, v, q_pos, k_pos, mask, options):
+        return super().request_attention(layer, md, *self.fault(layer, md, q, k, v, q_pos, k_pos, mask, options))
+
     def _attend(self, q, layer, kv, md, out):
-        k_buf, v_buf = self.kv_buffers(layer)
-        indptr, qo = kv.indptr.tolist(), md.qo_indptr.tolist()
-        pos0, qpos0 = kv.pos0.tolist(), md.q_pos0.tolist()
         self.layer_hook(layer, kv, md)
-        for b in range(md.batch_size):
-            idx = kv.indices[indptr[b]:indptr[b + 1]]
-            k = k_buf[idx].float() * (layer.k_scale or 1.0)
-            v = v_buf[idx].float() * (layer.v_scale or 1.0)
-            nq = qo[b + 1] - qo[b]
-            q_pos = torch.arange(qpos0[b], qpos0[b] + nq, device="cpu")
-            k_pos = torch.arange(pos0[b], pos0[b] + idx.numel(), device="cpu")
-            mask = None if md.tree is None else _tree_visibility(md.tree, b, qo[b], nq, qpos0[b], k_pos, layer.window)
-            args = dict(window=layer.window, logit_cap=layer.logit_cap, sinks=layer.sinks, scaling=layer.scaling)
-            qb, k, v, q_pos, k_pos, mask, args = self.fault(layer, md, q[qo[b]:qo[b + 1]], k, v, q_pos, k_pos, mask,
-                                                            args)
-            o = reference.attention(qb, k, v, q_pos, k_pos, args["scaling"], args["window"], args["logit_cap"],
-                                    args["sinks"], mask=mask)
-            out[qo[b]:qo[b + 1]] = o.to(out.dtype)
+        super()._attend(q, layer, kv, md, out)
 
     def layer_hook(self, layer, kv, md):
         """Per-layer work besides the attention (none here)."""
@@ -63,15 +50,6 @@ class _Faulty(ReferenceBackend):
 
 def _target(cls):
     return ContractTarget(cls.__name__, cls, "cpu", EagerAdapter)
-
-
-def _contract_catches(test, *args, **kwargs):
-    """Run one contract test function against a broken target; fail with GAP where it passes."""
-    try:
-        test(*args, **kwargs)
-    except (AssertionError, HwkvError) as e:   # (ReferenceMismatchError, StaleCaptureError, ...)
-        return e
-    pytest.fail(f"GAP: hwkv.testing.contract.{test.__name__} passed a broken backend")
 
 
 # ---- 1. sizes and geometries the contract never checks -------------------------------------------------------

@@ -1,6 +1,8 @@
 """A slow backend whose kernels are hwkv.reference over the index lists: tests the template alone."""
 from __future__ import annotations
 
+from typing import Any, Dict, Optional
+
 import torch
 
 from hwkv import reference
@@ -27,9 +29,18 @@ class ReferenceBackend(AttentionBackend):
             q_pos = torch.arange(qpos0[b], qpos0[b] + nq, device="cpu")
             k_pos = torch.arange(pos0[b], pos0[b] + idx.numel(), device="cpu")
             mask = None if md.tree is None else _tree_visibility(md.tree, b, qo[b], nq, qpos0[b], k_pos, layer.window)
-            o = reference.attention(q[qo[b]:qo[b + 1]], k, v, q_pos, k_pos, layer.scaling, layer.window,
-                                    layer.logit_cap, layer.sinks, mask=mask)
+            o = self.request_attention(layer, md, q[qo[b]:qo[b + 1]], k, v, q_pos, k_pos, mask,
+                                       dict(scaling=layer.scaling, window=layer.window, logit_cap=layer.logit_cap,
+                                            sinks=layer.sinks))
             out[qo[b]:qo[b + 1]] = o.to(out.dtype)
+
+    def request_attention(self, layer: AttentionLayer, md: ForwardMetadata, q: torch.Tensor, k: torch.Tensor,
+                          v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, mask: Optional[torch.Tensor],
+                          options: Dict[str, Any]) -> torch.Tensor:
+        """One request's attention (its keys dequantized fp32, positions, tree mask, the layer's `options`): where a
+        test's deliberately broken backend puts its one fault."""
+        return reference.attention(q, k, v, q_pos, k_pos, options["scaling"], options["window"],
+                                   options["logit_cap"], options["sinks"], mask=mask)
 
     forward_decode = _attend
     forward_extend = _attend
