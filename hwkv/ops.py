@@ -146,13 +146,14 @@ def step_kernels(device_type: str) -> StepKernels:
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, scale: Optional[float]) -> torch.Tensor:
-    """x / scale cast to `dtype` (clamped to the fp8 range); always a new tensor, x is untouched."""
+    """x / scale cast to `dtype` (clamped to the fp8 range). x is never written; where nothing changes (x's own dtype,
+    no scale) the result is x itself, so a caller must not write into it (the stores only read it, every layer)."""
     if scale is not None and scale != 1.0:
         x = x.float() / scale  # out of place: never divide the caller's tensor
     if dtype in FP8_DTYPES:
         fmax = torch.finfo(dtype).max
         x = x.float().clamp(-fmax, fmax)
-    return x.to(dtype, copy=True)   # (a no-op cast would hand back x itself)
+    return x.to(dtype)
 
 
 def store_kv_torch(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,

@@ -109,12 +109,17 @@ def test_torch_op_decode_takes_scaling_none_as_the_kernel_does():
 
 
 # ---- hwkv.ops.quantize -----------------------------------------------------------------------------------------
-def test_quantize_returns_a_new_tensor_as_documented():
-    """quantize's docstring: 'always a new tensor, x is untouched'; with x's own dtype and no scale it returns x
-    itself (x.to(dtype) is a no-op), so a caller editing the result in place edits x."""
+def test_quantize_does_what_its_docstring_says():
+    """quantize's docstring had said 'always a new tensor', but with x's own dtype and no scale it returns x itself
+    (x.to(dtype) is a no-op, which the NPU store relies on every layer: a copy there cost 100x). The docstring now
+    says so; a scaled or cast result is new, and x is never written."""
+    assert "the result is x itself" in ops.quantize.__doc__
     x = torch.randn(4, KVH, D)
-    y = ops.quantize(x, torch.float32, None)
-    assert y is not x and y.data_ptr() != x.data_ptr()
+    before = x.clone()
+    assert ops.quantize(x, torch.float32, None) is x
+    for dtype, scale in ((torch.float32, 0.5), (torch.bfloat16, None), (torch.float8_e4m3fn, 2.0)):
+        assert ops.quantize(x, dtype, scale).data_ptr() != x.data_ptr()
+    assert torch.equal(x, before)
 
 
 # ---- hwkv.reference ------------------------------------------------------------------------------------------

@@ -359,7 +359,8 @@ def _decode(h: Harness, arms: Sequence[_Arm], rids: Sequence[int], w: Workload, 
             if arm.step_graph is not None:  # one call: the host's copy and the replay of the whole step
                 inputs = h.random_inputs(len(rids), arm.step_graph.inputs)
                 calls = counter.calls
-                flat, t_step = _timed(sync, h.step_graph_decode, rids)  # the inputs are in its buffers
+                h.check_live(rids)   # untimed, as the eager steps' checks
+                flat, t_step = _timed(sync, h.step_graph_decode, rids, None, False)  # the inputs are in its buffers
                 translations = counter.calls - calls
                 _check(h, arm, rids, ones, inputs, flat, arm.due(w.check_every, last=s == n - 1), f"decode step {s}")
                 if s >= w.warmup:

@@ -300,7 +300,8 @@ class ForwardSlots:
             return None
         p, at = self.page_size, np.asarray(rows, dtype=np.int64)
         old = self.frontiers_cpu[at]
-        new = np.maximum(old, (np.asarray(seq_lens, dtype=np.int64) - self.window + 1) // p * p - p)
+        dead = np.asarray(seq_lens, dtype=np.int64) - self.window + 1
+        new = np.maximum(old, np.where(dead > 0, dead // p * p - p, 0))   # (no int64 wrap for a window near 2**63)
         return None if np.array_equal(new, old) else (at, new)
 
     def replay_decode(self, graph: Any, rows: List[int], prefix: List[int],

@@ -31,47 +31,88 @@ def text_config(config: Any) -> Any:
 _POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")   # frequencies from the forward's largest position
 
 
+def _base(model: Any) -> Any:
+    """The model under a `torch.compile` wrapper (whose forward takes *args, **kwargs and whose name is its own)."""
+    return getattr(model, "_orig_mod", model)
+
+
+def _decoder_modules(model: Any) -> Any:
+    """The decoder's modules (a multimodal model's language model; its vision tower attends bidirectionally)."""
+    get_decoder = getattr(model, "get_decoder", None)
+    try:
+        decoder = get_decoder() if callable(get_decoder) else model
+    except Exception:   # noqa: BLE001 - a model without a separable decoder: scan all of it
+        decoder = model
+    return (decoder if isinstance(decoder, torch.nn.Module) else model).modules()
+
+
 def check_servable(model: Any) -> torch.device:
     """The device of a model hwkv can serve, or a ConfigError saying why not: a transformers causal LM (a language
-    head, no encoder-decoder) whose forward takes per-token positions (the runner packs requests into one row), whose
-    rotary frequencies do not follow the forward's largest position (they would follow the batch's longest request),
-    and whose decoder attends causally. Read before the model is touched."""
+    head, no encoder-decoder) whose forward takes per-token positions (the runner packs requests into one row) and
+    whose decoder attends causally. Read before the model is touched (`check_rope_context` follows, with the
+    context)."""
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         raise ConfigError(f"HybridRunner needs a transformers model (load it with load_model), got {shown(model)}")
-    name = type(model).__name__
+    base = _base(model)
+    name = type(base).__name__
     param = next(iter(model.parameters()), None)
     if param is None:
         raise ConfigError(f"{name} has no parameters: not a model hwkv can serve")
     if getattr(model.config, "is_encoder_decoder", False) or getattr(text_config(model.config),
                                                                      "is_encoder_decoder", False):
         raise ConfigError(f"{name} is an encoder-decoder model: hwkv serves decoder-only causal LMs")
-    get_head = getattr(model, "get_output_embeddings", None)
+    get_head = getattr(base, "get_output_embeddings", None)
     if not callable(get_head) or getattr(get_head(), "weight", None) is None:
         raise ConfigError(f"{name} has no language-model head: load a causal LM (AutoModelForCausalLM, load_model)")
     try:
-        takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+        takes_positions = "position_ids" in inspect.signature(base.forward).parameters
     except (TypeError, ValueError):   # no signature to read: the forward is trusted
         takes_positions = True
     if not takes_positions:
         raise ConfigError(f"{name}.forward takes no position_ids: hwkv packs the requests of a forward into one row "
                           "and needs each token's position, which this model would number 0.. itself")
-    get_decoder = getattr(model, "get_decoder", None)
-    try:
-        decoder = get_decoder() if callable(get_decoder) else model
-    except Exception:   # noqa: BLE001 - a model without a separable decoder: scan all of it
-        decoder = model
-    for mod in (decoder if isinstance(decoder, torch.nn.Module) else model).modules():
-        kinds = getattr(mod, "rope_type", None)
-        kinds = list(kinds.values()) if isinstance(kinds, dict) else [kinds]
-        bad = [k for k in kinds if isinstance(k, str) and any(p in k for p in _POSITION_DEPENDENT_ROPE)]
-        if bad:
-            raise ConfigError(f"{name}'s rotary embedding is {bad[0]!r}: its frequencies follow the forward's largest "
-                              "position, which in hwkv's packed forward is the batch's longest request's, so a "
-                              "request's tokens would depend on the others; hwkv cannot serve it")
+    for mod in _decoder_modules(base):
         if getattr(mod, "is_causal", True) is False and hasattr(mod, "layer_idx"):
             raise ConfigError(f"{name}'s attention ({type(mod).__name__}) is not causal (is_causal=False): hwkv "
                               "attention is causal")
     return param.device
+
+
+def _rope_bound(mod: Any, kind: str, layer_type: Optional[str]) -> int:
+    """The largest forward length (max position + 1) whose frequencies a position-dependent rotary embedding keeps at
+    their original ones (transformers: longrope past `original_max_position_embeddings` takes its long factors,
+    dynamic past `original_max_seq_len` rescales); 0 where it names none."""
+    if kind == "longrope":
+        params = getattr(getattr(mod, "config", None), "rope_parameters", None) or {}
+        if layer_type is not None:
+            params = params.get(layer_type) or {}
+        bound = params.get("original_max_position_embeddings") if isinstance(params, dict) else None
+    else:
+        bound = getattr(mod, "original_max_seq_len", None)
+    return int(bound) if isinstance(bound, int) and not isinstance(bound, bool) else 0
+
+
+def check_rope_context(model: Any, context: Any) -> None:
+    """ConfigError where the model's rotary frequencies follow the forward's largest position (transformers' dynamic
+    and longrope RoPE) and `context` lets a position pass the bound where they change: in hwkv's packed forward that
+    position is the batch's longest request's, so a request's tokens would depend on the others. Within the bound
+    every forward keeps the original frequencies, as transformers' own generate() does."""
+    if not isinstance(context, int) or isinstance(context, bool):
+        return   # (the pool planner refuses it, naming it)
+    base = _base(model)
+    for mod in _decoder_modules(base):
+        kinds = getattr(mod, "rope_type", None)
+        pairs = list(kinds.items()) if isinstance(kinds, dict) else [(None, kinds)]
+        for layer_type, kind in pairs:
+            if not isinstance(kind, str):
+                continue
+            for dependent in _POSITION_DEPENDENT_ROPE:
+                if dependent in kind and context > _rope_bound(mod, dependent, layer_type):
+                    raise ConfigError(
+                        f"context={context} is past {_rope_bound(mod, dependent, layer_type)} positions, where "
+                        f"{type(base).__name__}'s {kind!r} rotary embedding changes its frequencies with the "
+                        "forward's largest position: in hwkv's packed forward that is the batch's longest request's, "
+                        "so a request's tokens would depend on the others; give a context of at most that")
 
 
 def model_positions(config: Any) -> Optional[int]:

@@ -27,7 +27,8 @@ from hwkv.errors import ConfigError
 from hwkv.graph import EagerAdapter
 from hwkv.integrations.device_choice import graph_adapter, graph_choice, resolve_spec
 from hwkv.integrations.hf_attention import ATTN_IMPLEMENTATION, RUNNING, ForwardContext, LayerTable, register
-from hwkv.integrations.hf_model import check_servable, model_positions, model_shape, position_limit
+from hwkv.integrations.hf_model import (check_rope_context, check_servable, model_positions, model_shape,
+                                        position_limit)
 
 GraphsOption = Union[bool, str]
 __all__ = ["HybridRunner", "Result"]
@@ -74,6 +75,7 @@ class HybridRunner(Engine):
             if limit is not None and isinstance(context, int) and context > limit:
                 raise ConfigError(f"context={context} is past the model's {limit} positions (max_position_embeddings, "
                                   "a learned position table): give at most that")
+        check_rope_context(model, context)
         self.shape = model_shape(model.config, model.dtype)
         cached = prefix_cache and bool(self.shape.swa_layer_ids)  # the prefix cache serves the hybrid pools
         pool_plan = plan_pools(self.shape, context=context, max_running=max_running, chunk=chunk,
