@@ -168,6 +168,10 @@ class Engine:
         the reason in `stats.graph_error` (e.g. fp32 grouped_mm MoE experts copy through the host on CUDA);
         with "on" it raises ConfigError."""
         if adapter is None:
+            if whole_step:
+                raise ConfigError("whole_step=True needs a graph adapter (graphs off runs decode eagerly; "
+                                  "graphs='eager' runs the whole step on the CPU; whole_step=None decides by the "
+                                  "device)")
             return None
         from hwkv.graph import GraphRunner
         from hwkv.step_graph import DecodeStepGraph, VerifyStepGraph
@@ -294,8 +298,9 @@ class Engine:
         count exactly the tokens the results hold. Requests queued with `add_request` that finish meanwhile keep
         their Result in `self.unclaimed`. A closed engine, a prompt that is not token ids (see `prompt_ids`),
         params that are not SamplingParams or an on_step that is not callable raise ConfigError before any prompt is
-        queued, as does a call made while a step runs (from inside it, or another thread). A run that raises (the model, `on_step`, Ctrl-C) aborts the
-        requests it queued that are still there (their ids never reached the caller) before the error propagates."""
+        queued, as does a call made while a step runs (from inside it, or another thread). A run that raises (the model,
+        `on_step`, Ctrl-C) aborts the requests it queued that are still there (their ids never reached the caller)
+        before the error propagates."""
         self._check_open()
         if self._step_lock.locked() or self._in_callback:
             raise ConfigError("generate() while a step or a generate() of this engine runs (called from inside it, by "
@@ -501,6 +506,9 @@ class Engine:
         with interrupts_held():  # the record listed and the counts moved together (`_resend` keys on the record)
             # slots are taken and given back only by allocator calls: where none ran, the counts are as before
             self.readback.send(sampled, tokens, mode, self._held() if self._pools_changed else None)
+            if sampled and self.scheduler.non_greedy:   # the draws counted with the tokens they drew: a step undone
+                self.sampling.advance(where)            # before this point reruns them as drawn
+
             for r in rows:
                 r.req.kv_len += r.n
             for r in sampled:
@@ -817,10 +825,13 @@ class Engine:
         or its rerun sees them, and the undo syncs the frontiers). Shapes only: no device read."""
         logits = self.model_step(batch, ids, pos, keep)
         rows = ids.shape[0] if isinstance(keep, int) else keep.shape[0]
-        if logits.dim() != 2 or logits.shape[0] != rows or logits.shape[1] > self.vocab_size:
+        if not isinstance(logits, torch.Tensor):
+            raise ShapeError(f"model_step returned {shown(logits)}, expected a logits tensor [{rows}, V] (the step is "
+                             "undone)")
+        if logits.dim() != 2 or logits.shape[0] != rows or not 1 <= logits.shape[1] <= self.vocab_size:
             raise ShapeError(f"model_step returned logits of shape {list(logits.shape)}, expected [{rows}, V] with "
-                             f"V <= vocab_size {self.vocab_size} (one row per kept token; the step is undone, a "
-                             f"graph capture refused)")
+                             f"V <= vocab_size {self.vocab_size} and V >= 1 (one row per kept token; the step is "
+                             f"undone, a graph capture refused)")
         return logits
 
     def _sample(self, where: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

@@ -189,7 +189,7 @@ class RowSampling:
     `admit` writes a sampling request's row once (one copy for all the step admits); a greedy request needs its
     row's temperature to be 0, written only where a sampling request left that row (the host keeps which rows
     those are), so greedy runs never copy anything. `sample` gathers the forward's rows on the device and moves
-    their draw counts on. A free row's values are never read (no forward holds it)."""
+    nothing; `advance` moves their draw counts on. A free row's values are never read (no forward holds it)."""
 
     def __init__(self, rows: int, device: torch.device) -> None:
         self.device = device
@@ -216,8 +216,11 @@ class RowSampling:
 
     def sample(self, logits: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
         """The next token of each row of `logits` [K, V], whose request rows are `where` (device, K distinct rows):
-        `sample` with each row's constants (argmax where its temperature is 0); their draw counts move on by one."""
+        `sample` with each row's constants (argmax where its temperature is 0). Their draw counts stay: `advance`
+        moves them once the step's tokens are sent (a step undone after sampling reruns the same draw)."""
         f, i = self.floats[where], self.ints[where]
-        tokens = sample(logits, f[:, 0], f[:, 1], i[:, 0], i[:, 1], True)
-        self.ints[where, 1] = i[:, 1] + 1
-        return tokens
+        return sample(logits, f[:, 0], f[:, 1], i[:, 0], i[:, 1], True)
+
+    def advance(self, where: torch.Tensor) -> None:
+        """The rows `where` (device, distinct) drew a token: their draw counts move on by one."""
+        self.ints[where, 1] += 1
