@@ -7,7 +7,6 @@ Tiny random transformers models, fp32 on the CPU, nothing downloaded (as tests/t
 from __future__ import annotations
 
 import types
-from typing import List
 
 import pytest
 import torch
@@ -18,29 +17,13 @@ from hwkv.errors import ConfigError  # noqa: E402
 from hwkv.integrations.transformers import HybridRunner, SamplingParams  # noqa: E402
 from hwkv.layer import AttentionLayer  # noqa: E402
 from hwkv.testing.harness import Harness  # noqa: E402
+from test_review36_hf import _build, _hf_greedy, _prompts  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one thread for this module
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.3,
             tie_word_embeddings=False, eos_token_id=None, pad_token_id=None, bos_token_id=None)
-
-
-def _prompts(lens, seed: int = 1) -> List[List[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 128, (n,), generator=g).tolist() for n in lens]
-
-
-def _build(cfg, seed: int = 2):
-    torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-def _hf_greedy(model, prompt: List[int], new: int) -> List[int]:
-    """transformers' own generate(), greedy, one prompt (an explicit all-ones mask: no padding)."""
-    gen = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
-                         max_new_tokens=new, do_sample=False, pad_token_id=0)
-    return gen[0, len(prompt):].tolist()
 
 
 # ---- check_servable: a position-dependent RoPE inside the window where it is not --------------------------------
