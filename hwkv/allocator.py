@@ -64,8 +64,8 @@ def _host_ints(name: str, x: IntsLike, host: Optional[torch.Tensor] = None) -> n
             mine, theirs = _host_ints(name, x), _host_ints(f"{name}'s host copy", host)
             if not np.array_equal(mine, theirs):
                 i = int(np.argmax(mine != theirs))
-                raise LocError(f"{name}[{i}] is {int(mine[i])} but its host copy holds {int(theirs[i])}: the call would "
-                               "size from one and compute slots from the other")
+                raise LocError(f"{name}[{i}] is {int(mine[i])} but its host copy holds {int(theirs[i])}: the call "
+                               "would size from one and compute slots from the other")
             return theirs
         x = host
     if isinstance(x, torch.Tensor):

@@ -225,8 +225,8 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     check_shape("q_pos0", q_pos0, [bs])
     check_index_dtypes((("qo_indptr", qo_indptr), ("q_pos0", q_pos0)))
     _check_on_cpu(qo_indptr=qo_indptr, q_pos0=q_pos0)
-    check_max_q_len(max_q_len)
-    if not _own_lists:
+    if not _own_lists:   # (a backend's per-layer call: its plan made max_q_len and the lists, checked once)
+        check_max_q_len(max_q_len)
         check_csr_values(kv_indptr, kv_indices, k_buf.shape[0], qo_indptr, q.shape[0], max_q_len)
         check_attention_options(scaling, window, logit_cap, sinks)
     if tree is not None:
