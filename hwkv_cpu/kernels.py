@@ -20,7 +20,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 
 from hwkv.checks import check_attention_options, check_max_q_len, check_shape, scale_value
-from hwkv.csr_checks import check_csr_values, check_float_dtypes, check_index_dtypes
+from hwkv.csr_checks import check_csr_values, check_float_dtypes, check_index_dtypes, check_same_device
 from hwkv.errors import ShapeError
 from hwkv.spec import TreeMask, check_tree_mask
 from hwkv_cpu import amx
@@ -52,13 +52,6 @@ def _compute_dtype(k_buf: torch.Tensor, v_buf: torch.Tensor) -> torch.dtype:
     return torch.float64 if torch.float64 in (k_buf.dtype, v_buf.dtype) else torch.float32
 
 
-def _check_on_cpu(**tensors: Optional[torch.Tensor]) -> None:
-    """Every given tensor is on the CPU (a meta one would run the op's do-nothing fake and leave out unwritten)."""
-    for name, t in tensors.items():
-        if t is not None and t.device.type != "cpu":
-            raise ShapeError(f"{name} is on {t.device}; hwkv_cpu kernels take CPU tensors")
-
-
 def _check_common(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
                   kv_indices: torch.Tensor, kv_pos0: torch.Tensor, out: torch.Tensor,
                   sinks: Optional[torch.Tensor]) -> None:
@@ -76,8 +69,11 @@ def _check_common(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_
     check_shape("kv_indices", kv_indices, [None])
     if sinks is not None:
         check_shape("sinks", sinks, [h])
-    _check_on_cpu(q=q, k_buf=k_buf, v_buf=v_buf, out=out, kv_indices=kv_indices, kv_indptr=kv_indptr,
-                  kv_pos0=kv_pos0, sinks=sinks)
+    if q.device.type != "cpu":
+        raise ShapeError(f"q is on {q.device}; hwkv_cpu kernels take CPU tensors")
+    # every other tensor on q's device, the Triton kernels' rule (a meta one would run the op's do-nothing fake)
+    check_same_device(q=q, k_buf=k_buf, v_buf=v_buf, out=out, kv_indices=kv_indices, kv_indptr=kv_indptr,
+                      kv_pos0=kv_pos0, sinks=sinks)
     for name, t in (("k_buf", k_buf), ("v_buf", v_buf)):
         if not t.is_contiguous():
             raise ShapeError(f"{name} must be contiguous, got strides {t.stride()}")
@@ -189,7 +185,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     """
     _check_common(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, out, sinks)
     check_shape("q_pos", q_pos, [kv_pos0.shape[0]])
-    _check_on_cpu(q_pos=q_pos)
+    check_same_device(q=q, q_pos=q_pos)
     check_index_dtypes((("q_pos", q_pos),))
     if q.shape[0] != kv_pos0.shape[0]:
         raise ShapeError(f"q has {q.shape[0]} rows, the index list has {kv_pos0.shape[0]} requests")
@@ -224,7 +220,7 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     check_shape("qo_indptr", qo_indptr, [bs + 1])
     check_shape("q_pos0", q_pos0, [bs])
     check_index_dtypes((("qo_indptr", qo_indptr), ("q_pos0", q_pos0)))
-    _check_on_cpu(qo_indptr=qo_indptr, q_pos0=q_pos0)
+    check_same_device(q=q, qo_indptr=qo_indptr, q_pos0=q_pos0)
     if not _own_lists:   # (a backend's per-layer call: its plan made max_q_len and the lists, checked once)
         check_max_q_len(max_q_len)
         check_csr_values(kv_indptr, kv_indices, k_buf.shape[0], qo_indptr, q.shape[0], max_q_len)
