@@ -28,9 +28,13 @@ def as_scale(scale: Union[None, float, int, torch.Tensor], name: str = "k_scale/
     return scale_value(name, scale)
 
 
+_TRUE = ("1", "true", "yes", "on", "y")   # what Triton's getenv_bool takes for on
+
+
 def interpreting() -> bool:
-    """True when Triton runs kernels in its numpy interpreter (read at call time, not import time)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton runs kernels in its numpy interpreter (read at call time, not import time), by Triton's own
+    reading of TRITON_INTERPRET: 1, true, yes, on or y in any case; anything else ("false", "off", "2") is off."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in _TRUE
 
 
 def request_block(bs: int) -> "tuple[int, int]":
