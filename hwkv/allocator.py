@@ -23,8 +23,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from hwkv.checks import (as_int, check_device, check_flag, check_int_dtype, check_loc, check_on_device, is_bool,
-                         first_repeat, is_int, normal_tensors)
+from hwkv.checks import (as_int, check_device, check_flag, check_host_copy, check_int_dtype, check_loc, check_on_device,
+                         first_repeat, is_bool, is_int, normal_tensors)
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, LocError, NotAllocatedError, OutOfSlotsError
 from hwkv.sigint import held_or_undone, interrupts_held
@@ -60,13 +60,8 @@ def _host_ints(name: str, x: IntsLike, host: Optional[torch.Tensor] = None) -> n
         check_int_dtype(f"{name}'s host copy", host)
         if host.numel() != _count(name, x):  # (the steps size from the host copy, the kernels read x)
             raise LocError(f"{name} has {_count(name, x)} entries, its host copy {host.numel()}")
-        if isinstance(x, torch.Tensor) and x.device.type == "cpu" and not _same_view(x, host):   # both readable
-            mine, theirs = _host_ints(name, x), _host_ints(f"{name}'s host copy", host)
-            if not np.array_equal(mine, theirs):
-                i = int(np.argmax(mine != theirs))
-                raise LocError(f"{name}[{i}] is {int(mine[i])} but its host copy holds {int(theirs[i])}: the call "
-                               "would size from one and compute slots from the other")
-            return theirs
+        if isinstance(x, torch.Tensor):
+            check_host_copy(name, x, host)
         x = host
     if isinstance(x, torch.Tensor):
         if x.dtype == I64 and x.dim() == 1 and x.device.type == "cpu" and not x.requires_grad:
@@ -89,12 +84,6 @@ def _host_ints(name: str, x: IntsLike, host: Optional[torch.Tensor] = None) -> n
     except OverflowError:
         v = next(v for v in values if not -2 ** 63 <= v < 2 ** 63)
         raise LocError(f"{name} holds {v}: values must fit int64 (below 2**63 in magnitude)") from None
-
-
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors view the same memory the same way (their values cannot disagree)."""
-    return a is b or (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
-                      and a.stride() == b.stride())
 
 
 def _claim_ran(ring: PageRing, pages: int) -> bool:

@@ -92,6 +92,25 @@ def check_batch_sizes(name: str, value: Any, empty: bool = False) -> List[int]:
     return sizes  # type: ignore[return-value]
 
 
+def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors view the same memory the same way (their values cannot disagree)."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+                      and a.stride() == b.stride())
+
+
+def check_host_copy(name: str, x: torch.Tensor, host: torch.Tensor) -> None:
+    """Where both are readable for free (x on the CPU), x's values equal its host copy's, entry for entry (same
+    count, checked by the caller): a LocError naming the first difference, as a call sizing from the host copy
+    and computing slots from x would go wrong."""
+    if x.device.type != "cpu" or same_view(x, host):
+        return
+    mine, theirs = x.reshape(-1).to(torch.int64), host.reshape(-1).to("cpu", torch.int64)
+    if not torch.equal(mine, theirs):
+        i = int(torch.argmax((mine != theirs).to(torch.int8)))
+        raise LocError(f"{name}[{i}] is {int(mine[i])} but its host copy holds {int(theirs[i])}: the call "
+                       "would size from one and compute slots from the other")
+
+
 def check_on_device(name: str, x: Any, device: torch.device, holder: str) -> None:
     """A tensor argument lies on its holder's device type or on the CPU (host copies): a LocError naming both
     otherwise (a meta tensor holds no values; another device's cannot be indexed), before any value is read."""

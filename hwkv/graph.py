@@ -19,7 +19,7 @@ import torch
 from hwkv.batch import ForwardBatch, ForwardMode
 from hwkv.checks import as_int, check_batch_sizes, check_rows, normal_tensors, values_checkable
 from hwkv.errors import ConfigError, ShapeError
-from hwkv.spec import DraftTree, MultiStepDraft, check_tree
+from hwkv.spec import DraftTree, MultiStepDraft, check_draft_tree, check_tree
 
 ModelFn = Callable[[ForwardBatch, Dict[str, torch.Tensor]], torch.Tensor]
 
@@ -293,6 +293,8 @@ class GraphRunner:
         tree = batch.spec_info if isinstance(batch.spec_info, DraftTree) else None
         if tree is not None and self.tree_mask is None:
             raise ConfigError("this batch carries a DraftTree: capture its graphs with GraphRunner(..., tree=True)")
+        if tree is not None:
+            check_draft_tree(tree, self.backend.device)   # as the eager step: before any static buffer changes
         if tree is not None and tree.mask.shape[0] != bs * self.tpr * self.tpr:
             raise ShapeError(f"DraftTree.mask has {tree.mask.shape[0]} entries; {bs} requests of {self.tpr} "
                              f"draft tokens need {bs * self.tpr * self.tpr}")

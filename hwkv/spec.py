@@ -17,12 +17,13 @@ kernel is window-exact over the list with no mask at all (`tree_decode_list`, on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, NoReturn, Optional
 
 import torch
 
 from hwkv import ops
-from hwkv.checks import as_int, check_flag, check_rows, check_shape, values_checkable
+from hwkv.checks import (as_int, check_flag, check_host_copy, check_on_device, check_rows, check_shape, items_of,
+                         values_checkable)
 from hwkv.errors import CapacityError, DoubleFreeError, ShapeError
 from hwkv.metadata import KVIndexList, cumsum_into
 from hwkv.pages import ERR_ACCEPT_INDEX, ERR_ACCEPTED
@@ -80,7 +81,13 @@ class DraftTree:
         """Build from each request's parent lists (parents[b][i] < i, or -1 for a root): a host
         helper for tests and engines that keep trees as parent arrays."""
         blocks = []
-        for par in parents:
+        lists = items_of(parents)
+        if lists is None:
+            _no_lists(parents)
+        for b, par in enumerate(lists):
+            par = items_of(par)
+            if par is None:
+                _no_lists(lists, b)
             n = len(par)
             m = torch.zeros(n, n, dtype=torch.bool, device="cpu")
             for i, parent in enumerate(par):
@@ -94,6 +101,13 @@ class DraftTree:
             blocks.append(m.reshape(-1))
         flat = torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.bool, device="cpu")
         return DraftTree(flat.to(device) if device is not None else flat)
+
+
+def _no_lists(parents: Any, b: Optional[int] = None) -> NoReturn:
+    """DraftTree.from_parents' refusal of what is no list of parent lists (ShapeError naming what was given)."""
+    what = f"parents[{b}] is {parents[b]!r}" if b is not None else f"got {type(parents).__name__} {parents!r}"
+    raise ShapeError(f"parents must be one list of parent indices a request (e.g. [[-1, 0, 0]] for one request of "
+                     f"three draft tokens): {what}")
 
 
 def check_tree(tree: DraftTree, ext_cpu: torch.Tensor, debug: bool) -> int:
@@ -391,6 +405,10 @@ def _check_accept_args(req_to_token: torch.Tensor, req_pool_indices: torch.Tenso
             raise ShapeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
             raise ShapeError(f"{name} must hold integers, got {t.dtype}")
+    if req_pool_indices.dim() != 1:
+        raise ShapeError(f"req_pool_indices must be 1-D (one row a request), got shape {tuple(req_pool_indices.shape)}")
+    for name, t in args[:4] + (("frontiers", frontiers),):   # (host copies may live anywhere: they are read once)
+        check_on_device(name, t, req_to_token.device, "req_to_token")
     bs = int(req_pool_indices.shape[0])
     if accept_index.dim() != 2 or accept_index.shape[0] != bs or accept_index.dtype != torch.int64:
         raise ShapeError(f"accept_index must be int64 [batch {bs}, drafts], got {accept_index.dtype} "
@@ -406,6 +424,8 @@ def _check_accept_args(req_to_token: torch.Tensor, req_pool_indices: torch.Tenso
         raise ShapeError(f"frontiers must be an int64 tensor of shape ({bs},) (each request's SWA frontier, as "
                          f"req_pool_indices), got {got}")
     pre_cpu, acc_cpu = prefix_lens_cpu.to(torch.int64).cpu(), accept_lens_cpu.to(torch.int64).cpu()
+    check_host_copy("prefix_lens", prefix_lens, prefix_lens_cpu)   # the frees size from these, the rows from those
+    check_host_copy("accept_lens", accept_lens, accept_lens_cpu)
     if not bs:
         return bs, n, pre_cpu, acc_cpu
     if int(acc_cpu.max()) > n or int(acc_cpu.min()) < 0:
@@ -446,14 +466,17 @@ def _check_accept(idx: torch.Tensor, valid: torch.Tensor, n: int, frontiers: Opt
                          "before the accept; run accept_draft_tokens first")
 
 
-def check_draft_tree(tree: DraftTree) -> None:
-    """A DraftTree's fields as the kernels read them: a dense 1-D bool mask and a bool `chain` (ShapeError,
-    ConfigError). At construction, and again by the metadata step before it builds or stores anything (the
-    dataclass is mutable: a field set since would otherwise reach the kernels after a layer's K/V store)."""
+def check_draft_tree(tree: DraftTree, device: Optional[torch.device] = None) -> None:
+    """A DraftTree's fields as the kernels read them: a dense 1-D bool mask (on `device`'s type, when given) and a
+    bool `chain` (ShapeError, ConfigError). At construction, and again by the metadata steps, eager and graph, before
+    they build or store anything (the dataclass is mutable: a field set since would otherwise reach the kernels
+    after a layer's K/V store)."""
     if not isinstance(tree.mask, torch.Tensor) or tree.mask.dtype != torch.bool or tree.mask.dim() != 1:
         raise ShapeError(f"DraftTree.mask must be a 1-D bool tensor (each request's [n, n] block "
                          f"flattened), got {getattr(tree.mask, 'dtype', type(tree.mask))} "
                          f"of shape {tuple(getattr(tree.mask, 'shape', ()))}")
+    if device is not None and tree.mask.device.type != device.type:
+        raise ShapeError(f"DraftTree.mask lives on {tree.mask.device}, the pool on {device}")
     _check_dense_mask("DraftTree.mask", tree.mask)
     check_flag("DraftTree.chain", tree.chain)
 

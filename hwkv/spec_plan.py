@@ -56,9 +56,7 @@ class TreePlanner:
                               "init_draft_metadata")
         if batch.forward_mode != ForwardMode.TARGET_VERIFY:
             raise ConfigError(f"a DraftTree belongs to a TARGET_VERIFY forward, not {batch.forward_mode.name}")
-        check_draft_tree(info)
-        if info.mask.device.type != self.backend.device.type:
-            raise ShapeError(f"DraftTree.mask lives on {info.mask.device}, the pool on {self.backend.device}")
+        check_draft_tree(info, self.backend.device)
         if ext_cpu is not None:
             return check_tree(info, ext_cpu, self.backend.debug)
         if batch.extend_seq_lens_cpu is not None:  # graph mode with the host lengths: the eager step's exact check
