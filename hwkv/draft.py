@@ -345,8 +345,9 @@ class DraftReplay:
 
     def _stage_inputs(self, fresh: List[Tuple[torch.Tensor, torch.Tensor]], bs: int, bucket: int) -> None:
         """Step-major at the caller's width into step-major at the bucket's."""
-        for buf, src in fresh:
-            _by_step(buf, self.steps, bucket)[:, :bs].copy_(_by_step(src, self.steps, bs))
+        with torch.no_grad():   # a static buffer never joins the caller's autograd graph
+            for buf, src in fresh:
+                _by_step(buf, self.steps, bucket)[:, :bs].copy_(_by_step(src, self.steps, bs))
 
     def _by_step_rows(self, out: torch.Tensor, bs: int) -> torch.Tensor:
         """A step-major output [k * bucket, ...] as [k, bs, ...] of the live requests."""
@@ -402,6 +403,8 @@ class DraftGraphRunner(DraftReplay, GraphRunner):
         """Copy the draft batch and inputs into the static buffers step by step, pad to the smallest
         bucket that fits, refill every step's metadata; a batch larger than every bucket: eager metadata.
         Everything is checked before the first copy (lengths, rows, write locs, inputs: as the eager step)."""
+        if not isinstance(batch, ForwardBatch):   # as the eager step
+            raise ConfigError(f"batch must be a ForwardBatch, got {type(batch).__name__}")
         batch.check_devices(self.backend.device)   # as the eager step: before any tensor is read or copied
         info = _draft_info(batch)   # the eager draft step's rule: a DECODE batch (an EXTEND one had replayed as decodes)
         k = self.steps

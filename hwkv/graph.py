@@ -12,12 +12,12 @@ import contextlib
 import gc
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 
 from hwkv.batch import ForwardBatch, ForwardMode
-from hwkv.checks import as_int, check_batch_sizes, check_rows, normal_tensors, values_checkable
+from hwkv.checks import as_int, check_batch_sizes, check_rows, items_of, normal_tensors, values_checkable
 from hwkv.errors import ConfigError, ShapeError
 from hwkv.spec import DraftTree, MultiStepDraft, check_draft_tree, check_tree
 
@@ -62,8 +62,31 @@ def _lossless(src: torch.dtype, dst: torch.dtype) -> bool:
     """Whether copying `src` values into a `dst` buffer keeps them all: a wider type of the same kind (int32 ids into
     int64, float16 into float32), or bools; not a float into a narrower one nor an int into a float (which rounds
     past its mantissa)."""
-    return src == torch.bool or (torch.promote_types(src, dst) == dst
-                                 and src.is_floating_point == dst.is_floating_point)
+    if src == torch.bool:
+        return True
+    try:
+        wider = torch.promote_types(src, dst) == dst
+    except RuntimeError:   # no promotion rule (float8, unsigned ints): not known to keep every value
+        return False
+    return wider and src.is_floating_point == dst.is_floating_point
+
+
+def _check_input_shapes(input_shapes: Any) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+    """`input_shapes` as {name: (trailing shape of ints >= 0, torch dtype)}: a ConfigError naming the entry
+    otherwise, before anything is built."""
+    if not isinstance(input_shapes, Mapping):
+        raise ConfigError(f"input_shapes must map each input's name to (trailing shape, dtype), got "
+                          f"{type(input_shapes).__name__}")
+    out = {}
+    for k, entry in input_shapes.items():
+        pair = items_of(entry)
+        dims = items_of(pair[0]) if pair is not None and len(pair) == 2 else None
+        sizes = None if dims is None else [as_int(d) for d in dims]
+        if sizes is None or any(d is None or d < 0 for d in sizes) or not isinstance(pair[1], torch.dtype):
+            raise ConfigError(f"input_shapes[{k!r}] must be (trailing shape: ints >= 0, torch dtype), e.g. "
+                              f"((4096,), torch.bfloat16), got {entry!r}")
+        out[k] = (tuple(sizes), pair[1])
+    return out
 
 
 class GraphRunner:
@@ -93,6 +116,7 @@ class GraphRunner:
         tokens_per_req = tpr
         if mode == ForwardMode.DECODE and tokens_per_req != 1:
             raise ConfigError(f"DECODE graphs run one token per request, not tokens_per_req={tokens_per_req}")
+        input_shapes = _check_input_shapes(input_shapes)   # before the backend's graph state is built
         self.backend, self.fn, self.mode, self.tpr = backend, fn, mode, tokens_per_req
         self.buckets: List[int] = sorted(set(batch_sizes))
         self.adapter = adapter if adapter is not None else EagerAdapter()
@@ -234,10 +258,11 @@ class GraphRunner:
             self.fn(self._arg(batch), inputs)  # warm-up outside the graph (kernel compilation, autotuning)
             if self.metadata_in_graph:  # the refill's launches are recorded too: a replay refills itself
                 before = self._translations()
-                graph, out = self.adapter.capture(lambda b=batch, i=inputs: self._refill_and_run(b, i))
+                # (the static batch of the replay's host-lengths choice: an adapter that reruns Python hands fn that)
+                graph, out = self.adapter.capture(lambda k=bs, i=inputs: self._refill_and_run(self._bucket_batch(k), i))
                 self.recorded_translations[bs] = tuple(a - b for a, b in zip(self._translations(), before))
             else:
-                graph, out = self.adapter.capture(lambda b=batch, i=inputs: self.fn(self._arg(b), i))
+                graph, out = self.adapter.capture(lambda k=bs, i=inputs: self.fn(self._arg(self._bucket_batch(k)), i))
             self.graphs[bs] = _Captured(graph, out)
 
     def _translations(self) -> Tuple[int, int]:
@@ -281,6 +306,8 @@ class GraphRunner:
         (`_check_mode`), is refused before any static buffer changes. The refilled lists' values (history slots in
         the pool; in debug mode, no evicted window slot) are checked where the refill runs on the host, after it: such
         a refusal leaves the pools unchanged and the static buffers refilled, and returns no PreparedStep to replay."""
+        if not isinstance(batch, ForwardBatch):   # as the eager step
+            raise ConfigError(f"batch must be a ForwardBatch, got {type(batch).__name__}")
         bs = batch.batch_size
         if isinstance(batch.spec_info, MultiStepDraft):
             raise ConfigError("a MultiStepDraft batch runs through hwkv.draft.DraftGraphRunner, not GraphRunner")
@@ -338,20 +365,23 @@ class GraphRunner:
     def _take_inputs(self, inputs: Dict[str, torch.Tensor], n: int) -> None:
         """Check every input for `n` tokens, then copy those not already in the static buffers (an engine that
         writes them there copies nothing); checked whole before the first copy, so a bad input changes nothing."""
-        for v, src in self._check_inputs(inputs, n):
-            v[:n].copy_(src[:n])
+        with torch.no_grad():   # a static buffer never joins the caller's autograd graph (it would hold it alive)
+            for v, src in self._check_inputs(inputs, n):
+                v[:n].copy_(src[:n])
 
     def _check_inputs(self, inputs: Dict[str, torch.Tensor], n: int,
                       what: str = "") -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """ShapeError unless every input holds `n` tokens of its static buffer's trailing shape; returns the
         (buffer, input) pairs whose input is not already that buffer (those a replay copies)."""
+        if not isinstance(inputs, Mapping):
+            raise ShapeError(f"inputs must map each input's name to its tensor{what}, got {type(inputs).__name__}")
         fresh = []
         for k, v in self.inputs.items():
             src = inputs.get(k)
             if src is not None and (not isinstance(src, torch.Tensor) or src.device.type not in (v.device.type, "cpu")):
                 got = f"a tensor on {src.device}" if isinstance(src, torch.Tensor) else type(src).__name__
                 raise ShapeError(f"input {k!r} must be a tensor on {v.device} (or the CPU){what}, got {got}")
-            if src is None or src.shape[0] < n or src.shape[1:] != v.shape[1:]:
+            if src is None or src.dim() == 0 or src.shape[0] < n or src.shape[1:] != v.shape[1:]:
                 raise ShapeError(f"input {k!r} must be [{n}, {', '.join(map(str, v.shape[1:]))}]{what}, got "
                                  f"{None if src is None else list(src.shape)}")
             if src.dtype != v.dtype and not _lossless(src.dtype, v.dtype):  # the copy would round

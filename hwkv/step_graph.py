@@ -81,6 +81,8 @@ class DecodeStepGraph(GraphRunner):
         self.allocator, self.frontiers, self.window = allocator, frontiers, window
         self.new = self.tpr * self.steps  # tokens a step allocates per request (a draft's k steps of one each)
         self._records = bool(getattr(self.adapter, "records_device_work", False))
+        # a recorded step never stages host lengths (a device graph reads none): fn sees no stale host copy
+        self._host_lens = not self._records
         self.rtt = rtt_pool.req_to_token
         # padded requests write here, never into a live row: the caller's reserved row, or one taken now
         self._own_pad, self._pad_freed = pad_row is None, False
@@ -201,6 +203,13 @@ class DecodeStepGraph(GraphRunner):
             graph, out = self.adapter.capture(lambda b=batch, i=inputs: self._refill_and_run(b, i))
             self.graphs[bs] = _Captured(graph, out)
 
+    def prepare(self, batch: Any, inputs: Any) -> Any:
+        """Refused: a whole-step graph's replay runs the rows and slots `step` staged, never a batch's."""
+        raise ConfigError("a whole-step graph runs through step(rows, seq_lens, seq_lens_cpu, inputs), not "
+                          "prepare/run/replay (its replay would rerun the last staged step with other inputs)")
+
+    run = replay = prepare
+
     def _set_ctl(self, live: int, pages: int, heads: list, rows: Optional[np.ndarray] = None,
                  seq: Optional[np.ndarray] = None, bucket: Optional[int] = None) -> None:
         """Send [head_full, head_swa, live, op number, pages claimed] and, when given, the live (row, length) pairs for
@@ -242,6 +251,10 @@ class DecodeStepGraph(GraphRunner):
         anything is staged or claimed; so is a seq_lens_cpu that is not on the host (LocError naming its device);
         rows or lengths that are not 1-D (a [bs, 1] column, a 0-d tensor) are a ShapeError naming the shapes."""
         self._check_pad_row()
+        if not (type(rows) is type(seq_lens) is type(seq_lens_cpu) is torch.Tensor):   # (one compare when they are)
+            for name, t in (("rows", rows), ("seq_lens", seq_lens), ("seq_lens_cpu", seq_lens_cpu)):
+                if not isinstance(t, torch.Tensor):
+                    raise LocError(f"{name} must be a torch.Tensor of integers, got {type(t).__name__}")
         if not rows.dtype == seq_lens.dtype == seq_lens_cpu.dtype == torch.int64:  # (the common case: one compare)
             for name, t in (("rows", rows), ("seq_lens", seq_lens), ("seq_lens_cpu", seq_lens_cpu)):
                 check_int_dtype(name, t)
@@ -336,8 +349,9 @@ class DecodeStepGraph(GraphRunner):
     def _stage_inputs(self, fresh: List[Tuple[torch.Tensor, torch.Tensor]], bs: int, bucket: int) -> None:
         """The checked inputs into the static buffers (token order: each request's tokens together)."""
         n = bs * self.tpr
-        for buf, src in fresh:
-            buf[:n].copy_(src[:n])
+        with torch.no_grad():   # a static buffer never joins the caller's autograd graph
+            for buf, src in fresh:
+                buf[:n].copy_(src[:n])
 
     def _stage_host_lens(self, bs: int, seq_lens_cpu: torch.Tensor) -> None:
         self.seq_lens_cpu[:bs].copy_(seq_lens_cpu)
