@@ -34,7 +34,7 @@ import torch
 
 from hwkv.allocator import SWATokenToKVPoolAllocator
 from hwkv.req_to_token import ReqToTokenPool
-from hwkv.checks import as_int
+from hwkv.checks import as_int, check_flag
 from hwkv.errors import CacheError, ConfigError, LocError, NotAllocatedError
 from hwkv.sigint import held_or_undone, interrupts_held
 
@@ -69,7 +69,7 @@ class _Node:
         return sum(self.swa_locks.values())
 
 
-@dataclass
+@dataclass(eq=False)   # (matches compare by identity: a field-wise compare would read the locs tensor's truth)
 class PrefixMatch:
     """The longest reusable cached prefix of a prompt: `length` tokens (a multiple of the page size)
     whose full-pool locs are `locs` (on the pool's device); SWA KV is there from `swa_start` on.
@@ -108,8 +108,9 @@ class HybridPrefixCache:
             raise ConfigError(f"allocator must be an SWATokenToKVPoolAllocator (hybrid pools), got "
                               f"{type(allocator).__name__}: the prefix cache evicts SWA KV apart from full KV")
         w = as_int(window)
-        if w is None or w < 1:
-            raise ConfigError(f"window={window!r} must be an integer >= 1 (the model's sliding_window W)")
+        if w is None or not 1 <= w < 2 ** 63:   # (int64 position math: as the engine refuses it)
+            raise ConfigError(f"window={window!r} must be an integer >= 1 and below 2**63 (the model's sliding_window "
+                              "W)")
         self.allocator, self.window, self.page_size = allocator, w, allocator.page_size
         self.device = allocator.device
         self.root = _Node(np.zeros(0, dtype=np.int64), torch.zeros(0, dtype=torch.int64, device=self.device),
@@ -562,6 +563,7 @@ class HybridPrefixCache:
         reference per distinct page, so requests that may hold the same page (taken from the cache: the same
         tokens from position 0, so the same first page) go to different rounds, and one whose ids do not cover
         its first page to a round of its own. Returns tokens newly cached."""
+        check_flag("cache", cache)   # ("no" would read as on), before anything changes
         p, checked, locks, rows = self.page_size, [], set(), set()
         for token_ids, row, seq_len, frontier, lock in requests:
             if lock is not None:

@@ -26,6 +26,7 @@ import pytest
 import hwkv.engine.forward as forward_mod
 from hwkv.engine.engine import Engine
 from hwkv.engine.sampling import SamplingParams
+from hwkv.errors import ConfigError
 from test_engine_defects import _run as _run_checked
 from test_review30_exceptions import _drain_interrupted, _interrupt_first_call
 from test_review31_windows import VOCAB, _engine as _window_engine
@@ -201,7 +202,7 @@ def test_a_ctrl_c_held_through_the_hand_over_does_not_lose_the_finished_requests
 def test_pinned_queueing_with_tiny_pools_aborts_and_clears_match_the_run_without_the_prefix_cache():
     """Prompts sharing a system prompt (and one a prefix of another) that cannot all fit at once in a full pool of
     one context plus a little: queued, admitted from the cache under eviction; one request aborted while
-    prefilling, one while decoding and one while queued, each queued again; the prefix cache cleared mid-run. The
+    prefilling, one while decoding and one while queued, each queued again; the prefix cache clear refused mid-run. The
     tokens equal the run without the prefix cache, integrity holds after every step, nothing stays held."""
     head = _tokens(19, 7)
     prompts = [head + _tokens(5 + 6 * i, 10 + i) for i in range(5)]
@@ -227,8 +228,11 @@ def test_pinned_queueing_with_tiny_pools_aborts_and_clears_match_the_run_without
                 aborted.add(i)
                 del rid_of[rid]
                 rid_of[e.add_request(prompts[i], SamplingParams(max_new_tokens=9))] = i
-        if steps == 12:
-            e.clear_prefix_cache()
+        if steps == 12:   # refused while requests run (they would cache their K/V again: review 37), nothing evicted
+            cached = (e.prefix.full_tokens, e.prefix.swa_tokens)
+            with pytest.raises(ConfigError, match="while .* request"):
+                e.clear_prefix_cache()
+            assert (e.prefix.full_tokens, e.prefix.swa_tokens) == cached
             e.check_integrity()
         for r in e.step():
             if r.rid in rid_of:

@@ -742,11 +742,17 @@ class Engine:
         return used_all
 
     def clear_prefix_cache(self) -> int:
-        """Evict everything the prefix cache holds that no running request uses; returns the tokens evicted. Call it
-        after the model's weights change: the cached K/V are the old weights'. Between steps, as `abort`: a
-        ConfigError from inside a step (the model, a drafter), nothing evicted."""
+        """Evict everything the prefix cache holds; returns the full-pool tokens evicted. Call it after the model's
+        weights change: the cached K/V are the old weights'. Between steps with no request running (as SGLang's
+        flush): a running request's prompt is locked in the cache and would be cached again when it finishes, so
+        later requests would reuse the old weights' K/V. A ConfigError otherwise (or from inside a step), nothing
+        evicted."""
         if self._step_lock.locked():   # a step is running (from inside it, or another thread)
             raise ConfigError("clear_prefix_cache() inside a step: it runs between steps")
+        if self._prefixing is not None and self.scheduler.running:
+            raise ConfigError(f"clear_prefix_cache() while {len(self.scheduler.running)} request(s) run: their K/V "
+                              "(the weights' of their prefill) stay locked in the cache and are cached again when "
+                              "they finish; let them finish (or abort them) first, nothing was evicted")
         if self._prefixing is None:
             return 0
         with torch.inference_mode():
