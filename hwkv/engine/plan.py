@@ -173,18 +173,32 @@ def _request_tokens(shape: ModelShape, context: int, page_size: int, margin: int
 
 def chunk_reserve_tokens(shape: ModelShape, chunk: int, running: int, context: int, page_size: int) -> int:
     """SWA slots kept once for a forward's new tokens: the chunk, but no more than `running` requests' whole
-    contexts (no forward carries more); none without SWA layers."""
+    contexts (no forward carries more); none without SWA layers. Each count an integer >= 1 (ConfigError)."""
+    check_int_option("running", running, 1)
+    _check_inputs(shape, 1, context, page_size, running, chunk, 0, False)
+    return _chunk_reserve(shape, chunk, running, context, page_size)
+
+
+def _chunk_reserve(shape: ModelShape, chunk: int, running: int, context: int, page_size: int) -> int:
     return round_up(min(chunk, running * context), page_size) if shape.swa_layer_ids else 0
 
 
 def bytes_needed(shape: ModelShape, context: int, page_size: int, running: int, chunk: int,
                  eviction_margin_pages: int = 1, prefix_cache: bool = False) -> int:
     """KV bytes `running` requests of `context` tokens need: the least budget `plan` accepts for them (the pools'
-    padding rows, the chunk reserve once, each request's full and SWA slots)."""
+    padding rows, the chunk reserve once, each request's full and SWA slots). Checked as `plan` checks its inputs
+    (ConfigError)."""
+    check_int_option("running", running, 1)
+    _check_inputs(shape, 1, context, page_size, running, chunk, eviction_margin_pages, prefix_cache)
+    return _bytes_needed(shape, context, page_size, running, chunk, eviction_margin_pages, prefix_cache)
+
+
+def _bytes_needed(shape: ModelShape, context: int, page_size: int, running: int, chunk: int,
+                  eviction_margin_pages: int, prefix_cache: bool) -> int:
     p, full_b, swa_b = page_size, shape.bytes_per_token_full_group, shape.bytes_per_token_swa_group
     full, swa = _request_tokens(shape, context, p, eviction_margin_pages, prefix_cache)
     swa_pad = p if shape.swa_layer_ids else 0
-    return (p * full_b + (chunk_reserve_tokens(shape, chunk, running, context, p) + swa_pad) * swa_b
+    return (p * full_b + (_chunk_reserve(shape, chunk, running, context, p) + swa_pad) * swa_b
             + running * (full * full_b + swa * swa_b))
 
 
@@ -201,10 +215,10 @@ def plan(shape: ModelShape, memory_bytes: int, context: int, page_size: int = 16
     per_request = full_need * full_b + swa_need * swa_b
 
     def reserve(running: int) -> int:
-        return chunk_reserve_tokens(shape, chunk, running, context, P)
+        return _chunk_reserve(shape, chunk, running, context, P)
 
     def need(running: int) -> int:
-        return bytes_needed(shape, context, P, running, chunk, eviction_margin_pages, prefix_cache)
+        return _bytes_needed(shape, context, P, running, chunk, eviction_margin_pages, prefix_cache)
 
     lo, hi = 0, max(0, (memory_bytes - P * full_b - swa_pad * swa_b) // per_request)
     while lo < hi:   # the most requests that fit (need grows with the count)

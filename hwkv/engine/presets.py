@@ -53,14 +53,20 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         s = object.__setattr__
-        s(self, "layer_is_swa", tuple(bool(x) for x in self.layer_is_swa))
+        flags = checks.items_of(self.layer_is_swa)   # (text is none: "ff" would be two truthy characters)
+        if flags is None or not all(checks.is_bool(x) and getattr(x, "ndim", 0) == 0 for x in flags):
+            raise ConfigError(f"{self.name}: layer_is_swa must hold one bool a layer (True: sliding window; e.g. "
+                              f"layer_pattern(4, 'sf')), got {self.layer_is_swa!r}")
+        checks.check_flag(f"{self.name}: sinks", self.sinks)
+        checks.check_flag(f"{self.name}: swa_sinks", self.swa_sinks, none=True)
+        s(self, "layer_is_swa", tuple(bool(x) for x in flags))
         s(self, "v_head_dim", self.head_dim if self.v_head_dim is None else self.v_head_dim)
         s(self, "swa_num_heads", self.num_heads if self.swa_num_heads is None else self.swa_num_heads)
         s(self, "swa_num_kv_heads", self.num_kv_heads if self.swa_num_kv_heads is None else self.swa_num_kv_heads)
         s(self, "swa_head_dim", self.head_dim if self.swa_head_dim is None else self.swa_head_dim)
         if self.swa_v_head_dim is None:
             s(self, "swa_v_head_dim", default_swa_v_head_dim(self.head_dim, self.v_head_dim, self.swa_head_dim))
-        s(self, "swa_sinks", self.sinks if self.swa_sinks is None else bool(self.swa_sinks))
+        s(self, "swa_sinks", self.sinks if self.swa_sinks is None else self.swa_sinks)
         self._validate()
 
     def _validate(self) -> None:
@@ -126,8 +132,7 @@ class ModelShape:
         paging, release margin, prefill chunk or padding slot is counted, so real plans land
         slightly below it.
         """
-        if context < 1:
-            raise ConfigError(f"context must be >= 1, got {context}")
+        checks.check_int_option("context", context, 1)
         hybrid = self.bytes_per_token_full_group * context
         if self.swa_layer_ids:   # (a shape of full layers only may have no window: nothing to add)
             hybrid += self.bytes_per_token_swa_group * min(self.window, context)
@@ -135,8 +140,10 @@ class ModelShape:
 
     def layer(self, layer_id: int) -> LayerGeometry:
         """Geometry of global layer `layer_id`."""
-        if not 0 <= layer_id < self.num_layers:
-            raise ConfigError(f"{self.name}: layer_id {layer_id} outside [0, {self.num_layers})")
+        lid = checks.as_int(layer_id)
+        if lid is None or not 0 <= lid < self.num_layers:
+            raise ConfigError(f"{self.name}: layer_id {layer_id!r} outside [0, {self.num_layers})")
+        layer_id = lid
         if self.layer_is_swa[layer_id]:
             return LayerGeometry(self.swa_num_heads, self.swa_num_kv_heads, self.swa_head_dim,
                                  self.swa_v_head_dim, self.window, self.swa_sinks)
@@ -169,6 +176,12 @@ def layer_pattern(num_layers: int, pattern: Optional[str] = None,
 
     Neither given: alternating, sliding first ("sf"). Both given: ConfigError.
     """
+    layers, every = checks.as_int(num_layers), checks.as_int(full_every)   # numpy integers taken; bools, floats not
+    if layers is None:
+        raise ConfigError(f"layers must be an integer >= 1, got {num_layers!r}")
+    if full_every is not None and every is None:
+        raise ConfigError(f"--full-every must be an integer >= 1, got {full_every!r}")
+    num_layers, full_every = layers, every
     if num_layers < 1:
         raise ConfigError(f"layers must be >= 1, got {num_layers}")
     if num_layers > MAX_LAYERS:  # (one flag a layer is built below: 10**11 of them would fill the host's memory)
