@@ -431,4 +431,5 @@ class DraftGraphRunner(DraftReplay, GraphRunner):
         self._pad(bs_pad, bs)
         if not self.metadata_in_graph:
             self._refill(self._bucket_batch(bs_pad))
-        return PreparedStep(bs_pad, batch.num_tokens)
+        self.staged += 1
+        return PreparedStep(bs_pad, batch.num_tokens, staged=self.staged)

@@ -217,3 +217,12 @@ def test_a_whole_step_graph_refuses_the_inherited_run_instead_of_replaying_the_l
     assert torch.equal(e.pool.get_key_buffer(1)[prev], k_prev), "the previous step's K/V were overwritten"
     assert not ran or torch.equal(e.pool.get_key_buffer(1)[loc], inputs["k"]), \
         "the run was accepted but the batch's slots did not get its K/V"
+
+
+def test_a_step_prepared_before_another_is_not_replayed_with_the_later_batch():
+    """prepare(A), prepare(B), replay(A's step) replayed B's staged batch silently (A's slots got no K/V)."""
+    h, runner, rids, batch, inputs = _decoding()
+    first = runner.prepare(batch, inputs)
+    runner.prepare(batch, inputs)
+    with pytest.raises(ConfigError, match="staged before the last prepare"):
+        runner.replay(first)
