@@ -98,14 +98,16 @@ def test_ops_store_kv_checks_k_and_v_against_an_empty_loc():
 def test_torch_op_decode_takes_scaling_none_as_the_kernel_does():
     """docs/architecture.md: the custom ops take the kernels' arguments; decode_attention(scaling=None) means
     1/sqrt(D), but torch.ops.hwkv.decode_attention declares `float scaling` and raises a bare RuntimeError."""
-    pytest.importorskip("triton")
+    from conftest import triton_device
+    dev = triton_device()   # the interpreter over CPU tensors (CI), else the GPU (a device run)
     from hwkv_cuda.kernels import torch_ops  # noqa: F401  (registers torch.ops.hwkv.*)
 
     c = _decode_case(1)
-    out = torch.zeros(2, H, D)
-    torch.ops.hwkv.decode_attention(c["q"], c["k_buf"], c["v_buf"], c["kv_indptr"], c["kv_indices"], c["kv_pos0"],
-                                    c["q_pos"], out, None, 3)
-    torch.testing.assert_close(out, _decode_ref(c, 1 / math.sqrt(D), 3), atol=2e-5, rtol=2e-5)
+    d = {k: v.to(dev) for k, v in c.items()}
+    out = torch.zeros(2, H, D, device=dev)
+    torch.ops.hwkv.decode_attention(d["q"], d["k_buf"], d["v_buf"], d["kv_indptr"], d["kv_indices"], d["kv_pos0"],
+                                    d["q_pos"], out, None, 3)
+    torch.testing.assert_close(out.cpu(), _decode_ref(c, 1 / math.sqrt(D), 3), atol=2e-5, rtol=2e-5)
 
 
 # ---- hwkv.ops.quantize -----------------------------------------------------------------------------------------
