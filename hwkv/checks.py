@@ -333,10 +333,20 @@ def check_max_q_len(max_q_len: Any) -> None:
     """An extend kernel's bound on a request's query rows (it sizes the grid): an integer (numpy's and torch's too, a
     bool not) in [0, 2**63), ConfigError naming it otherwise (None had been a bare TypeError, 2**70 the op schema's
     RuntimeError)."""
-    v = as_int(max_q_len)
+    _check_len_bound("max_q_len", max_q_len, "the longest request's query rows")
+
+
+def check_max_kv_len(max_kv_len: Any) -> None:
+    """A decode kernel's bound on a request's key list (it sizes the split grid), as `check_max_q_len`, or None
+    (unknown): inf had been a bare OverflowError, text a TypeError."""
+    if max_kv_len is not None:
+        _check_len_bound("max_kv_len", max_kv_len, "the longest key list; None: unknown")
+
+
+def _check_len_bound(name: str, value: Any, what: str) -> None:
+    v = as_int(value)
     if v is None or not 0 <= v < 2 ** 63:
-        raise ConfigError(f"max_q_len must be an integer in [0, 2**63) (the longest request's query rows), got "
-                          f"{max_q_len!r}")
+        raise ConfigError(f"{name} must be an integer in [0, 2**63) ({what}), got {value!r}")
 
 
 def check_flag(name: str, value: Any, none: bool = False) -> None:

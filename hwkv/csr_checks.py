@@ -8,7 +8,7 @@ outside [kv_indptr[0], kv_indptr[-1]) are never read, so they are not checked (d
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
@@ -32,7 +32,7 @@ def check_float_dtypes(named: Sequence[Tuple[str, Optional[torch.Tensor]]]) -> N
             raise ShapeError(f"{name} must be a floating-point tensor, got {t.dtype}")
 
 
-def _indptr_span(name: str, ptr: torch.Tensor, limit: int, what: str) -> Tuple[int, int]:
+def indptr_span(name: str, ptr: torch.Tensor, limit: int, what: str) -> Tuple[int, int]:
     """(first, last) of an indptr that starts at >= 0, never decreases and ends at <= limit."""
     vals = ptr.tolist()
     first, last = vals[0], vals[-1]
@@ -55,14 +55,14 @@ def check_csr_values(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, slots: i
     if not values_checkable(kv_indices):
         return
     if qo_indptr is not None:
-        _indptr_span("qo_indptr", qo_indptr, rows, f"q's {rows} rows")
+        indptr_span("qo_indptr", qo_indptr, rows, f"q's {rows} rows")
         if max_q_len is not None and qo_indptr.shape[0] > 1:
             runs = qo_indptr[1:] - qo_indptr[:-1]
             b = int(torch.argmax(runs))
             if int(runs[b]) > max_q_len:
                 raise CapacityError(f"request {b} has {int(runs[b])} query rows (qo_indptr); max_q_len={max_q_len} "
                                     "bounds every request's (the rows past it would not be written)")
-    start, end = _indptr_span("kv_indptr", kv_indptr, kv_indices.shape[0], f"kv_indices' {kv_indices.shape[0]} entries")
+    start, end = indptr_span("kv_indptr", kv_indptr, kv_indices.shape[0], f"kv_indices' {kv_indices.shape[0]} entries")
     _check_range("kv_indices", kv_indices, slots, start, end)
 
 
@@ -92,6 +92,14 @@ def check_dims(name: str, t: torch.Tensor, expected: Sequence[Optional[int]]) ->
         raise ShapeError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
 
 
+def check_tensors(**named: Any) -> None:
+    """Each named argument is a torch.Tensor (`sinks` may be None): a ShapeError naming the first that is not (a list
+    or an ndarray had been a bare AttributeError in the kernels' shape checks)."""
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor) and not (t is None and name == "sinks"):
+            raise ShapeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
 def check_same_device(**tensors: Optional[torch.Tensor]) -> None:
     """Every given tensor lives on the device of the first one."""
     items = [(n, t) for n, t in tensors.items() if t is not None]
@@ -106,6 +114,7 @@ def check_store(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: 
     """A K/V store's arguments (`hwkv.ops.store_kv`, every device's): loc a 1-D int64 (or int32) list of unit
     stride with values in the pool's slots (where checkable), k [n, KVH, D] and v [n, KVH, Dv] matching the
     buffers, all on one device. LocError / ShapeError before anything is written."""
+    check_tensors(k_buf=k_buf, v_buf=v_buf, loc=loc, k=k, v=v)
     if loc.dtype not in (torch.int64, torch.int32) or loc.dim() != 1:
         raise LocError(f"loc must be a 1-D int64 (or int32) tensor, got {loc.dtype} {list(loc.shape)}")
     if loc.stride(0) != 1 and loc.shape[0] > 1:  # a kernel reads loc + row: a strided view would name other slots

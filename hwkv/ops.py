@@ -42,7 +42,8 @@ def register_store_kv(device_type: str, fn: Callable[..., None],
 
 
 def register_fill_kv_indices(device_type: str, fn: Callable[..., None]) -> None:
-    """Use `fn(req_to_token, req_pool_indices, pos0, indptr, out)` on `device_type`."""
+    """Use `fn(req_to_token, req_pool_indices, pos0, indptr, out)` on `device_type` (over the core's own lists: no
+    argument checks needed)."""
     _FILL[device_type] = fn
 
 

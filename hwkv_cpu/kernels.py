@@ -20,7 +20,8 @@ from typing import Any, Optional, Tuple, Union
 import torch
 
 from hwkv.checks import check_attention_options, check_max_q_len, check_shape, scale_value
-from hwkv.csr_checks import check_csr_values, check_float_dtypes, check_index_dtypes, check_same_device
+from hwkv.csr_checks import (check_csr_values, check_float_dtypes, check_index_dtypes, check_same_device,
+                             check_tensors)
 from hwkv.errors import ShapeError
 from hwkv.spec import TreeMask, check_tree_mask
 from hwkv_cpu import amx
@@ -55,6 +56,8 @@ def _compute_dtype(k_buf: torch.Tensor, v_buf: torch.Tensor) -> torch.dtype:
 def _check_common(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
                   kv_indices: torch.Tensor, kv_pos0: torch.Tensor, out: torch.Tensor,
                   sinks: Optional[torch.Tensor]) -> None:
+    check_tensors(q=q, k_buf=k_buf, v_buf=v_buf, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_pos0=kv_pos0,
+                  out=out, sinks=sinks)
     check_shape("k_buf", k_buf, [None, None, None])
     slots, kvh, d = k_buf.shape
     check_shape("v_buf", v_buf, [slots, kvh, None])

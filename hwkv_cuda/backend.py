@@ -22,7 +22,7 @@ from hwkv_cuda.kernels.common import next_pow2, num_sms
 for _dev in ("cuda", "musa"):
     register_page_ops(_dev, TritonPageOps())
     ops.register_store_kv(_dev, _kernels.store_kv, prechecked=_kernels.store_kv_prechecked)
-    ops.register_fill_kv_indices(_dev, _kernels.fill_kv_indices)
+    ops.register_fill_kv_indices(_dev, _kernels.index.fill_kv_indices_prechecked)
     ops.register_graph_refill(_dev, _kernels.refill.KERNELS)
     ops.register_tree_decode(_dev, _kernels.tree.tree_decode_fill)
     ops.register_step_kernels(_dev, _kernels.step.KERNELS)

@@ -28,7 +28,7 @@ from hwkv_cuda.backend import TritonBackend
 from hwkv_intel import ipex
 
 ops.register_store_kv("xpu", kernels.store_kv, prechecked=kernels.store_kv_prechecked)
-ops.register_fill_kv_indices("xpu", kernels.fill_kv_indices)
+ops.register_fill_kv_indices("xpu", kernels.index.fill_kv_indices_prechecked)
 ops.register_graph_refill("xpu", kernels.refill.KERNELS)
 ops.register_tree_decode("xpu", kernels.tree.tree_decode_fill)
 ops.register_step_kernels("xpu", kernels.step.KERNELS)

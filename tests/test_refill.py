@@ -25,7 +25,8 @@ from hwkv.metadata import cumsum_into, window_pos0  # noqa: E402
 from hwkv.batch import ForwardBatch, ForwardMode  # noqa: E402
 from hwkv.testing.harness import Harness, ModelGeometry  # noqa: E402
 from hwkv.testing.reference_backend import ReferenceBackend  # noqa: E402
-from hwkv_cuda.kernels import fill_kv_indices, refill  # noqa: E402
+from hwkv_cuda.kernels import refill  # noqa: E402
+from hwkv_cuda.kernels.index import fill_kv_indices_prechecked as fill_kv_indices  # noqa: E402 (what GPUs register)
 
 pytestmark = [pytest.mark.interpret,
               pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",

@@ -88,7 +88,7 @@ def test_store_and_fill_kernels_are_registered_per_device_type():
     from hwkv import ops
     from hwkv_cuda import kernels
 
-    assert ops._STORE["xpu"] is kernels.store_kv and ops._FILL["xpu"] is kernels.fill_kv_indices
+    assert ops._STORE["xpu"] is kernels.store_kv and ops._FILL["xpu"] is kernels.index.fill_kv_indices_prechecked
     assert ops._STORE["cuda"] is kernels.store_kv  # ROCm torch answers "cuda"
     assert ops._STORE_PRECHECKED["npu"] is npu_ops.store_kv  # (the checked entry: it behind the core's checks)
     assert ops._STORE["npu"] is not npu_ops.store_kv

@@ -41,9 +41,9 @@ try:  # grid dependency control (PDL); a Triton without it keeps plain launches 
 except ImportError:
     gdc_launch_dependents = gdc_wait = None
 
-from hwkv.checks import check_attention_options
+from hwkv.checks import check_attention_options, check_int_option, check_max_kv_len
 from hwkv.csr_checks import (check_csr_values, check_dims, check_float_dtypes, check_index_dtypes,
-                              check_same_device)
+                              check_same_device, check_tensors)
 from hwkv.errors import ShapeError
 from hwkv_cuda.kernels.launch import Launch, current_stream, launch, spec
 from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, build_for_sm90, cdiv,
@@ -221,6 +221,9 @@ def make_decode_workspace(max_bs: int, num_heads: int, v_head_dim: int, num_spli
     Made while a CUDA graph is being captured it holds no counters (its calls take the merge kernel): the
     zeroing would run only inside that graph's replays, and a workspace outlives the graph that made it
     (other graphs and eager calls share it) while its memory holds whatever was there before."""
+    for name, value, lo in (("max_bs", max_bs, 0), ("num_heads", num_heads, 1), ("v_head_dim", v_head_dim, 1),
+                            ("num_splits", num_splits, 1)):
+        check_int_option(name, value, lo)
     device = torch.device(device)
     counts = None if _capturing(device) else torch.zeros(max_bs, num_heads, dtype=torch.int32, device=device)
     return DecodeWorkspace(
@@ -527,6 +530,8 @@ def _decode_merge_kernel(
 
 
 def _check_decode(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks) -> None:
+    check_tensors(q=q, k_buf=k_buf, v_buf=v_buf, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_pos0=kv_pos0,
+                  q_pos=q_pos, out=out, sinks=sinks)
     bs, h, d = q.shape if q.dim() == 3 else (None, None, None)
     check_dims("q", q, [None, None, None])
     check_dims("k_buf", k_buf, [None, None, d])
@@ -552,10 +557,16 @@ def _check_decode(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, s
 def _workspace(workspace, bs, h, kvh, d, dv, max_kv_len, device, cfg) -> DecodeWorkspace:
     """Split-K scratch: the caller's (checked), a fresh one, or (out-free) dummies for 1 split."""
     if workspace is not None:
-        splits = workspace.num_splits
-        if workspace.lse.shape[0] < bs or tuple(workspace.acc.shape[1:]) != (h, splits, dv):
-            raise ShapeError(f"workspace acc has shape {list(workspace.acc.shape)}, expected "
-                             f"[>={bs}, {h}, {splits}, {dv}]")
+        acc, lse = workspace.acc, workspace.lse
+        splits = workspace.num_splits if lse.dim() == 3 else 0
+        if splits < 1:   # (the split range divides by the count: nothing would be written)
+            raise ShapeError(f"workspace lse has shape {list(lse.shape)}: a workspace holds >= 1 split")
+        # every row the kernels write lies inside them (an acc of fewer rows had taken partials past its end)
+        for name, t, want in (("acc", acc, (h, splits, dv)), ("lse", lse, (h, splits))):
+            if (t.dim() != len(want) + 1 or t.shape[0] < bs or tuple(t.shape[1:]) != want
+                    or t.dtype != torch.float32 or t.device != device):
+                raise ShapeError(f"workspace {name} is {t.dtype} of shape {list(t.shape)} on {t.device}, expected "
+                                 f"torch.float32 [>={bs}, {', '.join(map(str, want))}] on {device}")
         counts = workspace.counts
         if counts is not None and (counts.dim() != 2 or counts.shape[0] < bs or counts.shape[1] < kvh
                                    or counts.dtype != torch.int32 or counts.device != device):
@@ -774,6 +785,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         plan = _public_plan(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks, max_kv_len)
     else:
         _check_decode(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks)
+        check_max_kv_len(max_kv_len)
         plan = _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, config)
     check_attention_options(scaling, window, logit_cap, sinks)   # (after the shapes: a plan's key holds them)
     if scaling is None:   # (as the CPU kernels and the layer read it)
@@ -802,16 +814,15 @@ def _public_plan(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, si
     shares). Host work: one tuple of C-level reads and one dict lookup instead of ~20 check helpers and three
     scratch allocations; the key holds the dtypes `_check_decode` checks, and the list values (which change
     between calls of one kind) are checked on every call where they are checkable (CPU, HWKV_DEBUG)."""
-    dev = q.device
-    bound = None if max_kv_len is None else next_pow2(max_kv_len)
-    key = (q.shape, k_buf.shape, v_buf.shape, out.shape, kv_indptr.shape, kv_indices.dim(), kv_pos0.shape,
-           q_pos.shape, sinks.shape if sinks is not None else None, q.stride(-1), out.stride(-1), k_buf.stride(),
-           v_buf.stride(), kv_indptr.stride(-1), kv_indices.stride(-1), kv_pos0.stride(-1), q_pos.stride(-1),
-           sinks.stride(-1) if sinks is not None else None, dev, k_buf.get_device(), v_buf.get_device(),
-           kv_indptr.get_device(), kv_indices.get_device(), kv_pos0.get_device(), q_pos.get_device(),
-           out.get_device(), sinks.get_device() if sinks is not None else None, bound, current_stream(dev),
-           threading.get_ident(), q.dtype, k_buf.dtype, v_buf.dtype, out.dtype, kv_indptr.dtype, kv_indices.dtype,
-           kv_pos0.dtype, q_pos.dtype, sinks.dtype if sinks is not None else None)
+    if max_kv_len is not None and (type(max_kv_len) is not int or max_kv_len < 0):
+        check_max_kv_len(max_kv_len)
+    try:
+        dev = q.device
+        bound = None if max_kv_len is None else next_pow2(max_kv_len)
+        key = _public_key(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks, dev, bound)
+    except (AttributeError, IndexError, TypeError, RuntimeError):   # no tensor, a 0-d one: the checks name it
+        _check_decode(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks)
+        raise
     plan = _PUBLIC_PLANS.get(key)
     if plan is not None and not _capturing(dev):
         check_csr_values(kv_indptr, kv_indices, k_buf.shape[0])  # the dtypes are the key's; values change
@@ -823,6 +834,18 @@ def _public_plan(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, si
             _PUBLIC_PLANS.clear()
         _PUBLIC_PLANS[key] = plan
     return plan
+
+
+def _public_key(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks, dev, bound) -> Tuple[Any, ...]:
+    """What fixes a public call's plan (see `_public_plan`)."""
+    return (q.shape, k_buf.shape, v_buf.shape, out.shape, kv_indptr.shape, kv_indices.dim(), kv_pos0.shape,
+            q_pos.shape, sinks.shape if sinks is not None else None, q.stride(-1), out.stride(-1), k_buf.stride(),
+            v_buf.stride(), kv_indptr.stride(-1), kv_indices.stride(-1), kv_pos0.stride(-1), q_pos.stride(-1),
+            sinks.stride(-1) if sinks is not None else None, dev, k_buf.get_device(), v_buf.get_device(),
+            kv_indptr.get_device(), kv_indices.get_device(), kv_pos0.get_device(), q_pos.get_device(),
+            out.get_device(), sinks.get_device() if sinks is not None else None, bound, current_stream(dev),
+            threading.get_ident(), q.dtype, k_buf.dtype, v_buf.dtype, out.dtype, kv_indptr.dtype, kv_indices.dtype,
+            kv_pos0.dtype, q_pos.dtype, sinks.dtype if sinks is not None else None)
 
 
 def plan_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
@@ -840,6 +863,7 @@ def plan_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_in
         return kind._replace(lists=lists, forward_args=forward_args,
                              forward_spec=spec(_decode_split_kernel, forward_args, _FORWARD_AT))
     _check_decode(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, q_pos, out, sinks)
+    check_max_kv_len(max_kv_len)
     return _make_plan(q, k_buf, v_buf, out, max_kv_len, workspace, config, lists)
 
 

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from hwkv.checks import check_attention_options, check_max_q_len
 from hwkv.csr_checks import (check_csr_values, check_dims, check_float_dtypes, check_index_dtypes,
-                              check_same_device)
+                              check_same_device, check_tensors)
 from hwkv.errors import ShapeError
 from hwkv.spec import TreeMask, check_tree_mask
 from hwkv_cuda.kernels import extend_hopper
@@ -291,6 +291,8 @@ def _extend_kernel(
 
 
 def _check_extend(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, qo_indptr, q_pos0, out, sinks, max_q_len):
+    check_tensors(q=q, k_buf=k_buf, v_buf=v_buf, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_pos0=kv_pos0,
+                  qo_indptr=qo_indptr, q_pos0=q_pos0, out=out, sinks=sinks)
     check_dims("q", q, [None, None, None])
     t, h, d = q.shape
     bs = kv_pos0.shape[0] if kv_pos0.dim() == 1 else -1

@@ -7,8 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
+from hwkv.checks import check_rows, values_checkable
+from hwkv.csr_checks import check_dims, check_index_dtypes, check_same_device, check_tensors, indptr_span
 from hwkv.errors import LocError
-from hwkv.csr_checks import check_dims, check_same_device
 from hwkv_cuda.kernels.common import interpreting
 from hwkv_cuda.kernels.launch import Launch, launch
 
@@ -35,6 +36,7 @@ def fill_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, 
     One program per request, looping over blocks; entries of `out` past indptr[bs] are left
     as they were. Nothing is read back to the host.
     """
+    check_tensors(req_to_token=req_to_token, req_pool_indices=req_pool_indices, pos0=pos0, indptr=indptr, out=out)
     check_dims("req_to_token", req_to_token, [None, None])
     bs = req_pool_indices.shape[0] if req_pool_indices.dim() == 1 else -1
     check_dims("req_pool_indices", req_pool_indices, [bs])
@@ -45,12 +47,39 @@ def fill_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, 
         raise LocError(f"out must be an int64 (or int32) tensor, got {out.dtype}")
     check_same_device(req_to_token=req_to_token, req_pool_indices=req_pool_indices, pos0=pos0,
                       indptr=indptr, out=out)
+    check_index_dtypes((("req_to_token", req_to_token), ("req_pool_indices", req_pool_indices), ("pos0", pos0),
+                        ("indptr", indptr)))
+    if bs and values_checkable(indptr):   # (CPU, debug mode: a device read elsewhere) every access in bounds
+        _check_fill_values(req_to_token, req_pool_indices, pos0, indptr, out)
+    fill_kv_indices_prechecked(req_to_token, req_pool_indices, pos0, indptr, out)
+
+
+def fill_kv_indices_prechecked(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, pos0: torch.Tensor,
+                               indptr: torch.Tensor, out: torch.Tensor) -> None:
+    """`fill_kv_indices` without its checks: the core's own per-forward lists (`hwkv.ops.fill_kv_indices`), built
+    in bounds, take no host work beyond the launch."""
+    bs = req_pool_indices.shape[0]
     if bs == 0:
         return
     block, warps = (16, 1) if interpreting() else (1024, 4)
     launch(_LAUNCHES, bs, _fill_kv_indices_kernel, (bs,),
            (req_to_token, req_pool_indices, pos0, indptr, out, req_to_token.stride(0)),
            dict(BLOCK=block, num_warps=warps))
+
+
+def _check_fill_values(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, pos0: torch.Tensor,
+                       indptr: torch.Tensor, out: torch.Tensor) -> None:
+    """LocError unless indptr ends inside out and every run lies inside its req_to_token row."""
+    indptr_span("indptr", indptr, out.shape[0], f"out's {out.shape[0]} entries")
+    check_rows(req_pool_indices, req_to_token.shape[0])
+    lens = indptr[1:].to(torch.int64) - indptr[:-1].to(torch.int64)
+    start = pos0.to(torch.int64)
+    end = start + lens
+    bad = (start < 0) | (end > req_to_token.shape[1])
+    if bool(bad.any()):
+        b = int(bad.to(torch.int8).argmax())
+        raise LocError(f"request {b} reads positions {int(start[b])}..{int(end[b])} of its req_to_token row, outside "
+                       f"[0, {req_to_token.shape[1]}]")
 
 
 _LAUNCHES: Dict[int, Launch] = {}  # planned launches, by request count
