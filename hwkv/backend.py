@@ -336,7 +336,8 @@ class AttentionBackend(DraftMetadataMixin):
         bs, rtt = batch.batch_size, self.req_to_token_pool.req_to_token
         n = max(seq_h, default=0)
         if (bs == 0 or n <= 0 or min(seq_h) != n or n > rtt.shape[1] or self.device.type != "cpu"
-                or any(min(lens) != max(lens) for lens in win_lens.values())):
+                or any(min(lens) != max(lens) or not lens[0] for lens in win_lens.values())):   # (empty windows:
+            # no equal-length table; W = 1 over no new token lists nothing)
             return self._csr_lists(batch, seq, q_pos0, seq_h, win_lens)
         i32, i64 = dict(dtype=torch.int32, device=self.device), dict(dtype=torch.int64, device=self.device)
         table = self._full_table(batch, n)
@@ -693,6 +694,10 @@ class AttentionBackend(DraftMetadataMixin):
         md = self.forward_metadata
         if md is None:
             raise ConfigError("init_forward_metadata(batch) must run before forward")
+        if batch.out_cache_loc is not md.write_loc.loc and not md.graph:   # (one identity compare a layer)
+            raise ConfigError("this batch is not the one the last metadata step took (its out_cache_loc differs): "
+                              "run init_forward_metadata(batch) for it first (a layer would store its K/V at that "
+                              "forward's slots)")
         if save_kv_cache is not True and save_kv_cache is not False:   # a truthy "no" would write
             check_flag("save_kv_cache", save_kv_cache)
         t = batch.num_tokens

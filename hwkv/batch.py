@@ -8,7 +8,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from hwkv.checks import as_int, check_int_dtype, check_on_device, check_rows, values_checkable
+from hwkv.checks import as_int, check_host_copy, check_int_dtype, check_on_device, check_rows, values_checkable
 from hwkv.errors import ConfigError, ShapeError
 
 
@@ -166,6 +166,10 @@ class ForwardBatch:
         for name, lens in (("seq_lens", seq_h), ("extend_seq_lens", ext_h)):
             if len(lens) != bs:  # a host copy that disagrees with the batch (a field changed after construction)
                 raise ShapeError(f"{name} has {len(lens)} entries (its host copy), batch_size is {bs}")
+        for name in ("req_pool_indices", "seq_lens", "extend_seq_lens"):   # (a field set since: attribute reads)
+            t = getattr(self, name)
+            if t is not None and t.shape != (bs,):
+                raise ShapeError(f"{name} has shape {list(t.shape)}, batch_size is {bs}")
         check_seq_lens(seq_h, max_context_len)
         if bs and not self.forward_mode.is_decode_or_idle():  # (DECODE's token count: checked at construction)
             if min(ext_h) < 0 or min(map(operator.sub, seq_h, ext_h)) < 0:
@@ -176,3 +180,9 @@ class ForwardBatch:
                 raise ShapeError(f"extend_seq_lens sum to {sum(ext_h)} new tokens, out_cache_loc has "
                                  f"{self.num_tokens}")
         check_rows(self.req_pool_indices, rows)
+        # a host copy that disagrees with its tensor sizes the lists from one and fills them from the other: compared
+        # where both are readable for free (the tensor on the CPU)
+        if self.seq_lens_cpu is not None:
+            check_host_copy("seq_lens", self.seq_lens, self.seq_lens_cpu)
+        if self.extend_seq_lens_cpu is not None and self.extend_seq_lens is not None:
+            check_host_copy("extend_seq_lens", self.extend_seq_lens, self.extend_seq_lens_cpu)
