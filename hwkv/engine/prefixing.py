@@ -30,8 +30,9 @@ class EnginePrefix:
     def start(self, req: Request) -> bool:
         """Admit `req` from its longest cached prefix when its worst case fits: the running requests' pages
         still to come and its own new pages within the free full slots plus what the cache can evict (its
-        match locked first, so that is not counted). Nothing is evicted between the match and the acquire. Once
-        started, `req.reused` is the length of its match and `req.stale` its `stale_bound`."""
+        match locked first, so that is not counted). Nothing the match names is evicted before the acquire (the
+        room made between them comes from other nodes: the match is locked). Once started, `req.reused` is the
+        length of its match and `req.stale` its `stale_bound`."""
         c, a, p = self.tree, self.cache.allocator, self.cache.plan.page_size
         # free + evictable - need grows only when a request leaves (running requests' allocations and evictions
         # move both sides alike; locks only lower it) or the cache gains K/V (new or revived: a longer match):
