@@ -74,9 +74,10 @@ class DecodeStepGraph(GraphRunner):
             raise ConfigError(f"pad_row={pad_row!r} must be an integer request row in [0, {rtt_pool.size}) (the "
                               "req_to_token row padded requests write; None: the graph takes one from the pool)")
         self.device_alloc = allocator.allocates_in_graph
-        if not self.fits(allocator, adapter):
+        if not self.fits(allocator, adapter, backend):
             raise ConfigError(f"a whole-step graph on {backend.device.type} needs the device's page-op kernels "
-                              "(hwkv.pages.register_page_ops); run the step through GraphRunner instead")
+                              "(hwkv.pages.register_page_ops) and, under a recording adapter, a backend whose refill "
+                              "runs inside graphs (metadata_in_graph); run the step through GraphRunner instead")
         super().__init__(backend, fn, batch_sizes, input_shapes, adapter, self._MODE, self._TOKENS, self._TREE)
         self.allocator, self.frontiers, self.window = allocator, frontiers, window
         self.new = self.tpr * self.steps  # tokens a step allocates per request (a draft's k steps of one each)
@@ -127,15 +128,20 @@ class DecodeStepGraph(GraphRunner):
         self.req_pool_indices.fill_(self.pad_row)
 
     @staticmethod
-    def fits(allocator: Any, adapter: Optional[GraphAdapter]) -> bool:
+    def fits(allocator: Any, adapter: Optional[GraphAdapter], backend: Any = None) -> bool:
         """Whether the whole step can be one replay here. The allocation reads its ring heads on the device only
         through a device's page-op kernels (`allocator.allocates_in_graph`); the torch ops size themselves from
         host values, so they serve only a replay that calls the step as it is (`calls_step`, as EagerAdapter's,
-        recording nothing), never a recorded or compiled one."""
+        recording nothing), never a recorded or compiled one. A recorded step also records the metadata refill,
+        which a backend declaring `metadata_in_graph = False` (ROCm, XPU: not verified inside their graphs) keeps
+        out of graphs."""
+        adapter = adapter if adapter is not None else EagerAdapter()
+        records = bool(getattr(adapter, "records_device_work", False))
+        if records and backend is not None and not getattr(backend, "metadata_in_graph", True):
+            return False
         if allocator.allocates_in_graph:
             return True
-        adapter = adapter if adapter is not None else EagerAdapter()
-        return bool(getattr(adapter, "calls_step", False)) and not getattr(adapter, "records_device_work", False)
+        return bool(getattr(adapter, "calls_step", False)) and not records
 
     def release_rows(self) -> None:
         """Give the padding row back to the req_to_token pool (the graph is done with); a row the caller passed

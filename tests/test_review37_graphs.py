@@ -226,3 +226,16 @@ def test_a_step_prepared_before_another_is_not_replayed_with_the_later_batch():
     runner.prepare(batch, inputs)
     with pytest.raises(ConfigError, match="staged before the last prepare"):
         runner.replay(first)
+
+
+def test_a_whole_step_graph_keeps_the_refill_out_of_graphs_where_the_backend_does():
+    """ROCm and XPU declare metadata_in_graph=False (their refill not verified inside their graphs), yet a recorded
+    whole-step graph captured that refill anyway; under an adapter that records device work it now does not fit."""
+    from types import SimpleNamespace
+
+    from hwkv.step_graph import DecodeStepGraph
+    alloc = SimpleNamespace(allocates_in_graph=True)
+    recording = SimpleNamespace(records_device_work=True)
+    assert not DecodeStepGraph.fits(alloc, recording, SimpleNamespace(metadata_in_graph=False))
+    assert DecodeStepGraph.fits(alloc, recording, SimpleNamespace(metadata_in_graph=True))
+    assert DecodeStepGraph.fits(alloc, EagerAdapter(), SimpleNamespace(metadata_in_graph=False))  # nothing recorded

@@ -178,11 +178,11 @@ class Engine:
 
         top = self.cache.plan.max_running
         buckets = sorted({b for b in (batch_sizes or [1 << i for i in range(12)]) if b <= top} | {top})
-        able = DecodeStepGraph.fits(self.cache.allocator, adapter)
+        able = DecodeStepGraph.fits(self.cache.allocator, adapter, self.cache.backend)
         if whole_step and not able:
             raise ConfigError(f"whole_step=True: a whole-step graph on {self.device.type} needs the device's page-op "
-                              "kernels (hwkv.pages.register_page_ops) or graphs='eager'; whole_step=None uses it "
-                              "where it can")
+                              "kernels (hwkv.pages.register_page_ops) and a refill verified inside its graphs "
+                              "(backend.metadata_in_graph), or graphs='eager'; whole_step=None uses it where it can")
         self.whole_step = able if whole_step is None else bool(whole_step)
         # verify steps of num_draft drafts as one graph each too, in the buckets the forward's token budget admits
         # (`_draft_len`: batch x (k + 1) <= chunk); other draft lengths run eagerly. The graphs share the backend's

@@ -116,7 +116,7 @@ def draft_graphs(h: Harness, batch_sizes: Sequence[int], adapter: Any, num_steps
     if whole_step:
         from hwkv.graph import EagerAdapter
         from hwkv.step_graph import DraftStepGraph
-        adapter = adapter if DraftStepGraph.fits(h.allocator, adapter) else EagerAdapter()
+        adapter = adapter if DraftStepGraph.fits(h.allocator, adapter, h.backend) else EagerAdapter()
         runner: Any = DraftStepGraph(h.backend, h.allocator, draft_model(h, layers), batch_sizes, shapes, num_steps,
                                      adapter, writes_swa=writes_swa)
     else:
