@@ -694,7 +694,7 @@ class AttentionBackend(DraftMetadataMixin):
         md = self.forward_metadata
         if md is None:
             raise ConfigError("init_forward_metadata(batch) must run before forward")
-        if batch.out_cache_loc is not md.write_loc.loc and not md.graph:   # (one identity compare a layer)
+        if batch.out_cache_loc is not md.write_loc.loc:   # (one identity compare a layer; a graph's static batch too)
             raise ConfigError("this batch is not the one the last metadata step took (its out_cache_loc differs): "
                               "run init_forward_metadata(batch) for it first (a layer would store its K/V at that "
                               "forward's slots)")

@@ -63,7 +63,7 @@ def as_layer_id(x: Any) -> Optional[int]:
 def as_int(x: Any) -> Optional[int]:
     """An integer value as an int (Python, numpy and 0-d tensor integers); None for anything else, a bool of any
     kind included (`is_bool`: True would read as 1)."""
-    if is_bool(x):
+    if is_bool(x) or (isinstance(x, torch.Tensor) and x.dim() != 0):   # (index() takes any one-element tensor)
         return None
     try:
         return operator.index(x)
@@ -104,6 +104,8 @@ def check_host_copy(name: str, x: torch.Tensor, host: torch.Tensor) -> None:
     and computing slots from x would go wrong."""
     if x.device.type != "cpu" or same_view(x, host):
         return
+    if host.is_meta:
+        raise LocError(f"{name}'s host copy is on meta: it holds no values to read")
     mine, theirs = x.reshape(-1).to(torch.int64), host.reshape(-1).to("cpu", torch.int64)
     if not torch.equal(mine, theirs):
         i = int(torch.argmax((mine != theirs).to(torch.int8)))

@@ -119,8 +119,8 @@ def check_store(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: 
         raise LocError(f"loc must be a 1-D int64 (or int32) tensor, got {loc.dtype} {list(loc.shape)}")
     if loc.stride(0) != 1 and loc.shape[0] > 1:  # a kernel reads loc + row: a strided view would name other slots
         raise LocError(f"loc has stride {loc.stride(0)}; the store reads it with stride 1: pass loc.contiguous()")
-    n, kvh = loc.shape[0], k_buf.shape[1]
     check_dims("k_buf", k_buf, [None, None, None])
+    n, kvh = loc.shape[0], k_buf.shape[1]
     check_dims("v_buf", v_buf, [k_buf.shape[0], kvh, None])
     check_dims("k", k, [n, kvh, k_buf.shape[2]])
     check_dims("v", v, [n, kvh, v_buf.shape[2]])

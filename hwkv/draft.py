@@ -431,5 +431,4 @@ class DraftGraphRunner(DraftReplay, GraphRunner):
         self._pad(bs_pad, bs)
         if not self.metadata_in_graph:
             self._refill(self._bucket_batch(bs_pad))
-        self.staged += 1
-        return PreparedStep(bs_pad, batch.num_tokens, staged=self.staged)
+        return PreparedStep(bs_pad, batch.num_tokens, staged=self._new_staging())

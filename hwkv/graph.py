@@ -149,7 +149,6 @@ class GraphRunner:
                                       and getattr(self.adapter, "records_device_work", False))
         self.eager_runs = 0
         self.replays = 0
-        self.staged = 0   # steps staged into the static buffers (`prepare`): a replay runs only the last one
         # one static batch per (bucket, host lengths): captures and refills see the same objects every replay
         # (no batch built per step; torch.compile's guards on what the step reads keep holding)
         self._batches: Dict[Tuple[int, bool], ForwardBatch] = {}
@@ -289,6 +288,13 @@ class GraphRunner:
         for v in self.inputs.values():
             v[live * self.tpr:bs_pad * self.tpr].zero_()
 
+    def _new_staging(self) -> int:
+        """Count one more batch staged into the backend's static buffers and lists (every runner over the backend
+        shares them): a prepared step replays only while it is the last one staged."""
+        n = getattr(self.backend, "graph_stagings", 0) + 1
+        self.backend.graph_stagings = n
+        return n
+
     def _captured(self, bs: int, i: int) -> int:
         """The bucket (index i) a batch of bs requests replays; a ConfigError where it was never captured (or a capture
         stopped part way), before anything is staged."""
@@ -361,8 +367,7 @@ class GraphRunner:
         self._pad(bs_pad, bs)
         if not self.metadata_in_graph:
             self._refill(self._bucket_batch(bs_pad))
-        self.staged += 1
-        return PreparedStep(bs_pad, n, staged=self.staged)
+        return PreparedStep(bs_pad, n, staged=self._new_staging())
 
     def _take_inputs(self, inputs: Dict[str, torch.Tensor], n: int) -> None:
         """Check every input for `n` tokens, then copy those not already in the static buffers (an engine that
@@ -400,9 +405,10 @@ class GraphRunner:
             out = self.fn(step.batch, step.inputs)
             self.eager_runs += 1   # (counted once it ran, as replays are)
             return self._live(out, step)
-        if step.staged != self.staged:   # the static buffers hold a later prepare's batch: its replay would run that
-            raise ConfigError(f"this step was staged before the last prepare() (staged {step.staged}, now "
-                              f"{self.staged}): the graph's static buffers hold that later batch; prepare again")
+        now = getattr(self.backend, "graph_stagings", 0)
+        if step.staged != now:   # the static buffers hold a later prepare's batch: its replay would run that
+            raise ConfigError(f"this step was staged before the last prepare() over this backend's graph state (staged "
+                              f"{step.staged}, now {now}): its static buffers hold that later batch; prepare again")
         cap = self.graphs[step.bucket]
         self.adapter.pre_replay(cap.graph)
         before = self._translations()
@@ -429,7 +435,7 @@ class PreparedStep:
     num_tokens: int
     batch: Any = None
     inputs: Optional[Dict[str, torch.Tensor]] = None
-    staged: int = 0   # the runner's count of staged steps when this one was staged (a later prepare overwrote it)
+    staged: int = 0   # the backend's count of staged batches when this one was staged (a later one overwrote it)
 
 
 @contextlib.contextmanager

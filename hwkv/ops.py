@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Callable, Dict, NamedTuple, Optional
 
 import torch
 
-from hwkv.csr_checks import check_store
+from hwkv.csr_checks import check_store, check_tensors
 from hwkv.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -197,6 +197,8 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
              v: torch.Tensor, k_scale: Optional[float] = None, v_scale: Optional[float] = None) -> None:
     """Write K/V of the new tokens at `loc` with the device's registered kernel (checked: see
     `register_store_kv`)."""
+    if type(loc) is not torch.Tensor or type(k_buf) is not torch.Tensor:   # (what the dispatch reads: typed first)
+        check_tensors(k_buf=k_buf, v_buf=v_buf, loc=loc, k=k, v=v)
     if loc.numel() == 0:   # nothing to write: no launch, but the same refusals as a store of some rows
         check_store(k_buf, v_buf, loc, k, v)
         return

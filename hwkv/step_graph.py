@@ -321,6 +321,7 @@ class DecodeStepGraph(GraphRunner):
                 self._set_ctl(bs, pages, heads)
                 self.rows_in[:bs].copy_(rows)
                 self.seq_in[:bs].copy_(seq_lens)
+            self._new_staging()   # its replay refills the static lists: a step another runner prepared is stale
             graph = self.graphs[bucket].graph
             self.adapter.pre_replay(graph)
             out = self.adapter.replay(graph)  # the whole step; nothing else to do on the host

@@ -187,6 +187,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     whose lists are the forward's own, with the backend's forward counter: `hwkv_cpu.host_plan`.)
     """
     _check_common(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, out, sinks)
+    check_tensors(q_pos=q_pos)
     check_shape("q_pos", q_pos, [kv_pos0.shape[0]])
     check_same_device(q=q, q_pos=q_pos)
     check_index_dtypes((("q_pos", q_pos),))
@@ -219,6 +220,7 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     j's position is inside t's window (see hwkv.spec).
     """
     _check_common(q, k_buf, v_buf, kv_indptr, kv_indices, kv_pos0, out, sinks)
+    check_tensors(qo_indptr=qo_indptr, q_pos0=q_pos0)
     bs = kv_pos0.shape[0]
     check_shape("qo_indptr", qo_indptr, [bs + 1])
     check_shape("q_pos0", q_pos0, [bs])
