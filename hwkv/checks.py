@@ -61,14 +61,21 @@ def as_layer_id(x: Any) -> Optional[int]:
 
 
 def as_int(x: Any) -> Optional[int]:
-    """An integer value as an int (Python, numpy and 0-d tensor integers); None for anything else, a bool of any
-    kind included (`is_bool`: True would read as 1)."""
-    if is_bool(x) or (isinstance(x, torch.Tensor) and x.dim() != 0):   # (index() takes any one-element tensor)
+    """An integer value as an int (Python, numpy and one-element tensor integers); None for anything else, a bool of
+    any kind included (`is_bool`: True would read as 1). Where a tensor may stand for something else (a one-token
+    loc is no token count), `as_count` takes scalars only."""
+    if is_bool(x):
         return None
     try:
         return operator.index(x)
     except TypeError:
         return None
+
+
+def as_count(x: Any) -> Optional[int]:
+    """`as_int` of a scalar: a tensor of any dimension other than 0 is None (`operator.index` takes a one-element
+    1-D tensor, so `cp_plan(loc)` of one token had read its slot as a count)."""
+    return None if isinstance(x, torch.Tensor) and x.dim() != 0 else as_int(x)
 
 
 def items_of(value: Any) -> Optional[List[Any]]:

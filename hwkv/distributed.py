@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from hwkv import cp_checks as cpc
-from hwkv.checks import as_int, check_flag, items_of
+from hwkv.checks import as_count, check_flag, items_of
 from hwkv.cp_checks import Dims, Pool
 from hwkv.env import HWKV_DEBUG
 from hwkv.errors import ConfigError, DeviceError, HwkvError, MissingSWALocError, ShapeError, ShardError
@@ -102,10 +102,10 @@ class CPShards:
 
     def __post_init__(self, _planned: bool) -> None:
         items = items_of(self.sizes)
-        sizes = None if items is None else [as_int(s) for s in items]   # numpy integers taken, as everywhere
+        sizes = None if items is None else [as_count(s) for s in items]   # numpy integers taken, as everywhere
         if sizes is None or not all(s is not None and s >= 0 for s in sizes):
             raise ShardError(f"CPShards: sizes must be ints >= 0, got {items if items is not None else self.sizes!r}")
-        world, rank = len(sizes), as_int(self.rank)
+        world, rank = len(sizes), as_count(self.rank)
         if rank is None or not 0 <= rank < world:
             raise ShardError(f"CPShards: rank {self.rank!r} is outside [0, {world}) (one per shard size)")
         check_flag("CPShards.check_ranks", self.check_ranks)   # read by truth per layer: "no" would run a collective
@@ -351,10 +351,10 @@ def _plan_row(x: object, local_num_tokens: Optional[int], rank: int, world: int,
     call's, whose dtype is k's. A `pool` that is no KV pool is read as none (its refusal: cp_plan's row here, the
     plan-less call's its own)."""
     given, pool = pool, pool if cpc.is_pool(pool) else None
-    if not isinstance(x, KVWriteLoc) and as_int(x) is not None:   # numpy and 0-d tensor integers, as everywhere
-        x = as_int(x)
-    if local_num_tokens is not None and as_int(local_num_tokens) is not None:
-        local_num_tokens = as_int(local_num_tokens)
+    if not isinstance(x, KVWriteLoc) and as_count(x) is not None:   # numpy and 0-d tensor integers, as everywhere
+        x = as_count(x)
+    if local_num_tokens is not None and as_count(local_num_tokens) is not None:
+        local_num_tokens = as_count(local_num_tokens)
     pool_device = None if pool is None else torch.device(getattr(pool, "device", "cpu"))
     if isinstance(x, KVWriteLoc):
         n: Optional[int] = len(x)
