@@ -120,6 +120,14 @@ def check_host_copy(name: str, x: torch.Tensor, host: torch.Tensor) -> None:
                        "would size from one and compute slots from the other")
 
 
+def check_tensors(**named: Any) -> None:
+    """Each named argument is a torch.Tensor (`sinks` and `mask` may be None): a ShapeError naming the first that is
+    not (a list or an ndarray had been a bare AttributeError in the kernels' and the reference's shape checks)."""
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor) and not (t is None and name in ("sinks", "mask")):
+            raise ShapeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
 def check_on_device(name: str, x: Any, device: torch.device, holder: str) -> None:
     """A tensor argument lies on its holder's device type or on the CPU (host copies): a LocError naming both
     otherwise (a meta tensor holds no values; another device's cannot be indexed), before any value is read."""

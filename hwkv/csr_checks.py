@@ -8,11 +8,11 @@ outside [kv_indptr[0], kv_indptr[-1]) are never read, so they are not checked (d
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
-from hwkv.checks import check_shape, value_range, values_checkable
+from hwkv.checks import check_shape, check_tensors, value_range, values_checkable
 from hwkv.errors import CapacityError, LocError, ShapeError
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -90,14 +90,6 @@ def check_dims(name: str, t: torch.Tensor, expected: Sequence[Optional[int]]) ->
     check_shape(name, t, expected)
     if t.numel() and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ShapeError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
-
-
-def check_tensors(**named: Any) -> None:
-    """Each named argument is a torch.Tensor (`sinks` may be None): a ShapeError naming the first that is not (a list
-    or an ndarray had been a bare AttributeError in the kernels' shape checks)."""
-    for name, t in named.items():
-        if not isinstance(t, torch.Tensor) and not (t is None and name == "sinks"):
-            raise ShapeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
 def check_same_device(**tensors: Optional[torch.Tensor]) -> None:

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Callable, Dict, NamedTuple, Optional
 
 import torch
 
-from hwkv.csr_checks import check_store, check_tensors
+from hwkv.checks import check_tensors
+from hwkv.csr_checks import check_store
 from hwkv.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from hwkv.checks import as_int, check_attention_options, check_shape
+from hwkv.checks import as_int, check_attention_options, check_shape, check_tensors
 from hwkv.errors import ShapeError
 from hwkv.window import first_visible
 
@@ -104,9 +104,7 @@ def _check_attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_p
     """`attention`'s arguments against each other (host attributes only, no value read): ShapeError / ConfigError
     naming the value and the limit, where a bare RuntimeError from view or einsum had come, or a bad option had
     silently read as off."""
-    for name, t in (("q", q), ("k", k), ("v", v), ("q_pos", q_pos), ("k_pos", k_pos), ("sinks", sinks), ("mask", mask)):
-        if not isinstance(t, torch.Tensor) and not (t is None and name in ("sinks", "mask")):   # (those optional)
-            raise ShapeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_tensors(q=q, k=k, v=v, q_pos=q_pos, k_pos=k_pos, sinks=sinks, mask=mask)
     check_shape("q", q, [None, None, None])
     tq, h, d = q.shape
     check_shape("k", k, [None, None, d])

@@ -19,9 +19,8 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
-from hwkv.checks import check_attention_options, check_max_q_len, check_shape, scale_value
-from hwkv.csr_checks import (check_csr_values, check_float_dtypes, check_index_dtypes, check_same_device,
-                             check_tensors)
+from hwkv.checks import check_attention_options, check_max_q_len, check_shape, check_tensors, scale_value
+from hwkv.csr_checks import check_csr_values, check_float_dtypes, check_index_dtypes, check_same_device
 from hwkv.errors import ShapeError
 from hwkv.spec import TreeMask, check_tree_mask
 from hwkv_cpu import amx

@@ -41,9 +41,9 @@ try:  # grid dependency control (PDL); a Triton without it keeps plain launches 
 except ImportError:
     gdc_launch_dependents = gdc_wait = None
 
-from hwkv.checks import check_attention_options, check_int_option, check_max_kv_len
+from hwkv.checks import check_attention_options, check_int_option, check_max_kv_len, check_tensors
 from hwkv.csr_checks import (check_csr_values, check_dims, check_float_dtypes, check_index_dtypes,
-                              check_same_device, check_tensors)
+                              check_same_device)
 from hwkv.errors import ShapeError
 from hwkv_cuda.kernels.launch import Launch, current_stream, launch, spec
 from hwkv_cuda.kernels.common import (LOG2E, NEG_BIG, as_scale, build_for_sm90, cdiv,

@@ -28,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from hwkv.checks import check_attention_options, check_max_q_len
+from hwkv.checks import check_attention_options, check_max_q_len, check_tensors
 from hwkv.csr_checks import (check_csr_values, check_dims, check_float_dtypes, check_index_dtypes,
-                              check_same_device, check_tensors)
+                              check_same_device)
 from hwkv.errors import ShapeError
 from hwkv.spec import TreeMask, check_tree_mask
 from hwkv_cuda.kernels import extend_hopper

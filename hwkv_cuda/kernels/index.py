@@ -7,8 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hwkv.checks import check_rows, values_checkable
-from hwkv.csr_checks import check_dims, check_index_dtypes, check_same_device, check_tensors, indptr_span
+from hwkv.checks import check_rows, check_tensors, values_checkable
+from hwkv.csr_checks import check_dims, check_index_dtypes, check_same_device, indptr_span
 from hwkv.errors import LocError
 from hwkv_cuda.kernels.common import interpreting
 from hwkv_cuda.kernels.launch import Launch, launch
