@@ -550,9 +550,11 @@ class HybridPrefixCache:
         """A request ends: optionally cache its tokens, drop its lock and its own page references
         (full pages of [0, seq_len), SWA pages from its frontier on). `token_ids`: the request's tokens from
         position 0 (those of [0, seq_len) are cached; fewer cache fewer), cached or not: their first page keys the
-        release's free rounds, so wrong ones can drop too few references. Returns tokens newly cached. A refusal
-        (a bad row or length, a frontier off the page grid, past seq_len or below the request's, another cache's
-        lock) changes nothing."""
+        release's free rounds, so wrong ones can drop too few references. Returns tokens newly cached; the row's
+        entries [0, seq_len) are cleared to 0 (the padding page), so releasing it again is refused where the allocator
+        checks shares (the CPU, debug mode) rather than dropping the references the cache took. A refusal (a bad row
+        or length, a frontier off the page grid, past seq_len or below the request's, another cache's lock) changes
+        nothing."""
         return self.release_requests([(token_ids, row, seq_len, frontier, lock)], req_to_token_pool, cache)
 
     def release_requests(self, requests: Sequence[Tuple[TokenIds, int, int, int, Optional[PrefixLock]]],
@@ -613,6 +615,8 @@ class HybridPrefixCache:
                 parts = [t for t in parts if t.numel()]
                 if parts:
                     self.allocator.free(torch.cat(parts) if len(parts) > 1 else parts[0], with_swa=with_swa)
+        for _, locs, _, _ in checked:  # the rows name no page now (0: the padding page), so a second release of one
+            locs.zero_()               # is refused where the allocator checks shares, not a drop of the cache's own
         return added
 
     # ---- eviction order -----------------------------------------------------------------------

@@ -312,6 +312,12 @@ def _drop_stdout() -> None:
     os.close(devnull)
 
 
+def _flush_stdout() -> None:
+    """Flush stdout, where there is one: a shell that closed it (`hwkv ... >&-`) leaves sys.stdout None."""
+    if sys.stdout is not None:
+        sys.stdout.flush()
+
+
 def _from_rich_broken_pipe(e: BaseException) -> bool:
     """Whether `e` came out of rich's Console.on_broken_pipe (which already pointed stdout at /dev/null)."""
     tb = e.__traceback__
@@ -337,7 +343,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for var in ENV_VARS:  # a bad value (HWKV_DEBUG=maybe) fails here, not deep inside a run
             var.get()
         code = COMMANDS[args.command].run(args)
-        sys.stdout.flush()  # a write error surfaces here, inside the handlers, not at interpreter exit
+        _flush_stdout()  # a write error surfaces here, inside the handlers, not at interpreter exit
         return code
     except KeyboardInterrupt:
         _report(prog, "interrupted")
@@ -350,7 +356,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             return EXIT_BROKEN_PIPE
         if e.code in (0, None):  # argparse's --help and --version: their text is output too (> /dev/full)
             try:
-                sys.stdout.flush()
+                _flush_stdout()
             except BrokenPipeError:
                 _drop_stdout()
                 return EXIT_BROKEN_PIPE
