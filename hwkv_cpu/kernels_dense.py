@@ -85,6 +85,12 @@ def plan_dense(indptr: torch.Tensor, indices: torch.Tensor, pos0: torch.Tensor, 
         col = torch.arange(keys, dtype=I64, device=indices.device)
         start = indptr[:-1].to(I64)
         table = indices[(start[:, None] + col).clamp_(max=n - 1)]  # padding reads listed slots, masked below
+    elif not (decode and all_visible):  # the metadata's table: a shorter request's row past its length holds stale
+        # locs (a finished request's, whose K/V may be anything, inf included: 0 x inf is NaN), so it repeats the
+        # request's first listed slot there instead (a real key, masked below)
+        col = torch.arange(keys, dtype=I64, device=table.device)
+        lens = indptr[1:].to(I64) - indptr[:-1].to(I64)
+        table = torch.where(col < lens[:, None], table[:, :keys], table[:, :1])
     if bs == 1:  # the slots themselves: [L, KVH, D] gathered whole, the heads split by views
         rows = table.reshape(-1)
     else:

@@ -173,11 +173,14 @@ def _extend_tile(qt, k_buf, v_buf, kv_indices, kv_start, start, hi, q_rel, m, l_
         else:
             if MASK32:
                 # int32 offsets inside the tile: one compare per element instead of int64 arithmetic
+                # (each row's bounds clamped to [-1, BLOCK_N] in int64 first: a query 2**31 or more past the tile
+                # must not wrap, and the clamped compares are the exact ones inside the tile)
                 ar = tl.arange(0, BLOCK_N)
-                dq = (q_rel - start).to(tl.int32)
+                dq = tl.minimum(tl.maximum(q_rel - start, -1), BLOCK_N).to(tl.int32)
                 vis = (ar[None, :] < (hi - start).to(tl.int32)) & (ar[None, :] <= dq[:, None])
                 if HAS_WINDOW:
-                    vis = vis & (ar[None, :] > dq[:, None] - window)
+                    dw = tl.minimum(tl.maximum(q_rel - start - window, -1), BLOCK_N).to(tl.int32)
+                    vis = vis & (ar[None, :] > dw[:, None])
             else:
                 vis = mask_n[None, :] & (offs_n[None, :] <= q_rel[:, None])
                 if HAS_WINDOW:
