@@ -15,7 +15,8 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as hwkv.cli.EXIT_INTERRUPTED
 
 def _interrupted() -> int:
     try:
-        print("hwkv: interrupted", file=sys.stderr, flush=True)
+        if sys.stderr is not None:   # (closed by the shell: print would fall back to stdout)
+            print("hwkv: interrupted", file=sys.stderr, flush=True)
     except (OSError, ValueError):  # stderr itself is gone
         pass
     return EXIT_INTERRUPTED

@@ -312,10 +312,13 @@ def _drop_stdout() -> None:
     os.close(devnull)
 
 
-def _flush_stdout() -> None:
-    """Flush stdout, where there is one: a shell that closed it (`hwkv ... >&-`) leaves sys.stdout None."""
-    if sys.stdout is not None:
-        sys.stdout.flush()
+def _open_missing_streams() -> None:
+    """A stream the shell closed (`hwkv ... >&-`, `2>&-`) is None in sys: it becomes /dev/null, so writes, flushes,
+    isatty() and pytest's fileno() (`hwkv verify`) work as with an open one, and `print(file=sys.stderr)` does not
+    fall back to stdout (an error line in --json output)."""
+    for name in ("stdout", "stderr"):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "w"))
 
 
 def _from_rich_broken_pipe(e: BaseException) -> bool:
@@ -337,13 +340,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     another write error is one line and exit 2. Nothing ends in a traceback but a bug.
     """
     prog = "hwkv"
+    _open_missing_streams()
     try:
         args = build_parser().parse_args(argv)  # imports the subcommands' modules
         prog = f"hwkv {args.command}"
         for var in ENV_VARS:  # a bad value (HWKV_DEBUG=maybe) fails here, not deep inside a run
             var.get()
         code = COMMANDS[args.command].run(args)
-        _flush_stdout()  # a write error surfaces here, inside the handlers, not at interpreter exit
+        sys.stdout.flush()  # a write error surfaces here, inside the handlers, not at interpreter exit
         return code
     except KeyboardInterrupt:
         _report(prog, "interrupted")
@@ -356,7 +360,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             return EXIT_BROKEN_PIPE
         if e.code in (0, None):  # argparse's --help and --version: their text is output too (> /dev/full)
             try:
-                _flush_stdout()
+                sys.stdout.flush()
             except BrokenPipeError:
                 _drop_stdout()
                 return EXIT_BROKEN_PIPE

@@ -376,7 +376,7 @@ def _run(args: argparse.Namespace) -> BenchResult:
     layers = args.run_layers if args.run_layers is not None else default_run_layers(shape, target.torch_device)
     _check_memory(shape, layers, w, len(configs), target.torch_device)
     total = len(w.batch_sizes) * w.repeats * (w.warmup + w.steps) * len(configs)
-    bar, tick = _progress(sys.stdout is not None and sys.stdout.isatty() and not args.json, total)
+    bar, tick = _progress(sys.stdout.isatty() and not args.json, total)
     if bar is None:
         res = run_benchmark(target, shape, configs, w, layers, tick)
     else:

@@ -367,9 +367,9 @@ def run_serve(model: Any, w: ServeWorkload, device: str, model_name: str, baseli
     check_pools_fit(model, w)
     trace = make_trace(w, int(model.config.get_text_config().vocab_size))
     res = ServeResult(model_name, device, w)
-    res.rows.append(serve_hwkv(model, trace, w))
+    res.rows.append(serve_hwkv(model, trace, w, device=device))   # the plugin --device named, not the detected one
     if compare_no_cache:
-        res.rows.append(serve_hwkv(model, trace, w, prefix_cache=False))
+        res.rows.append(serve_hwkv(model, trace, w, prefix_cache=False, device=device))
     if baseline:
         try:
             res.rows.append(serve_transformers(model, trace, w))
