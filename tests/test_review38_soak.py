@@ -36,20 +36,25 @@ def _cache_snapshot(a, rtt, c):
 
 
 # ---- 1. a request released twice (no lock) frees the pages the cache took from it ---------------------------------
-@pytest.mark.parametrize("cache_again", [True, False])
-def test_a_request_released_twice_is_refused_and_leaves_the_cached_pages_live(cache_again):
-    """`HybridPrefixCache.release_requests` (hwkv/cache.py:558) checks only that the row's pages are live
-    (`_precheck`), and after the first release they are: the cache holds them. So releasing the same request again
-    (lock=None, the default; e.g. an abort racing a finish in the caller) drops the cache's own references: the
-    cached pages go free while the tree still names them (`check_integrity`: "a cached full page is not live"), and
-    the next allocation hands them to another request while a later match still reads them. `accept_draft_tokens`
-    guards the same mistake (its cleared positions make a second accept a DoubleFreeError), and one release naming a
-    row twice is refused (bad-inputs row 185). Expected: the second release is a typed error before any change."""
+@pytest.mark.parametrize("cache_again, row_freed", [(True, False), (False, False), (True, True)])
+def test_a_request_released_twice_is_refused_and_leaves_the_cached_pages_live(cache_again, row_freed):
+    """A second release_request of one request (lock=None) frees the cache's pages instead of raising a typed error."""
+    # `HybridPrefixCache.release_requests` (hwkv/cache.py:558) checks only that the row's pages are live (`_precheck`,
+    # cache.py:585), and after the first release they are: the cache holds them. So releasing the same request again
+    # (lock=None, the default; e.g. an abort racing a finish in the caller) drops the cache's own references: the
+    # cached pages go free while the tree still names them (`check_integrity`: "a cached full page is not live"), and
+    # the next allocation hands them to another request while a later match still reads them. `accept_draft_tokens`
+    # guards the same mistake (its cleared positions make a second accept a DoubleFreeError), one release naming a row
+    # twice is refused (bad-inputs row 185), and bad-inputs row 99 says `cache=False` with a row the request does not
+    # hold is a LocError. Also after the row went back to the ReqToTokenPool (a release naming a free row).
+    # Expected: the second release is a typed error (DoubleFreeError / NotAllocatedError / LocError), nothing changed.
     a, rtt, c = _cache_world()
     ids = list(range(100, 108))
     row = rtt.alloc(1)[0]
     rtt.write(row, 0, a.alloc_extend([0], [8], [0], 8))
     assert c.release_request(ids, rtt, row, 8, 0, None, cache=True) == 8   # the cache now holds both pages alone
+    if row_freed:  # as the engine does after a release: the row goes back (a second release names a free row)
+        rtt.free(row)
     c.check_integrity()
     before = _cache_snapshot(a, rtt, c)
     with pytest.raises((DoubleFreeError, NotAllocatedError, LocError)):
