@@ -26,7 +26,7 @@ from hwkv.batch import ForwardMode  # noqa: E402
 from hwkv.testing.harness import Harness, ModelGeometry  # noqa: E402
 from hwkv_cpu.backend import TorchCPUBackend  # noqa: E402
 
-from conftest import triton_runs_cpu_tensors  # noqa: E402
+from conftest import triton_device  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -41,7 +41,7 @@ def test_triton_extend_sees_keys_of_a_query_2_31_positions_past_them(window):
     # extend.py `dq = (q_rel - start).to(tl.int32)` in the MASK32 tile mask wraps negative, so every key of the tile
     # reads as after the query; decode (`_visible_range`: int64, then clamped), the CPU kernels and the NPU torch path
     # see the keys. Reached only by direct kernel calls (the backend's positions stay below max_context_len).
-    triton_runs_cpu_tensors()
+    dev = triton_device()   # the interpreter's CPU here, the GPU on a device run
     from hwkv_cuda.kernels import decode_attention, extend_attention
     g = torch.Generator().manual_seed(0)
     h, kvh, d, n = 4, 2, 16, 20
@@ -50,13 +50,14 @@ def test_triton_extend_sees_keys_of_a_query_2_31_positions_past_them(window):
     q_pos = 2 ** 31 + 100          # keys at positions 0..19: all visible, or 11..19 inside the window
     q = torch.randn(1, h, d, generator=g)
     want = reference.attention(q, k_buf[slots], v_buf[slots], torch.tensor([q_pos]), torch.arange(n), 0.25, window)
-    args = (k_buf, v_buf, torch.tensor([0, n], dtype=I32), slots, torch.zeros(1, dtype=I64))
-    dec = torch.full((1, h, d), float("nan"))
-    decode_attention(q, *args, torch.tensor([q_pos]), dec, 0.25, window)
-    assert (dec - want).abs().max().item() < 1e-5, "decode sees them (the extend kernel's counterpart)"
-    ext = torch.full((1, h, d), float("nan"))
-    extend_attention(q, *args, torch.tensor([0, 1], dtype=I32), torch.tensor([q_pos]), ext, 1, 0.25, window)
-    err = (ext - want).abs().max().item()
+    args = tuple(t.to(dev) for t in (k_buf, v_buf, torch.tensor([0, n], dtype=I32), slots, torch.zeros(1, dtype=I64)))
+    q, pos = q.to(dev), torch.tensor([q_pos], device=dev)
+    dec = torch.full((1, h, d), float("nan"), device=dev)
+    decode_attention(q, *args, pos, dec, 0.25, window)
+    assert (dec.cpu() - want).abs().max().item() < 1e-5, "decode sees them (the extend kernel's counterpart)"
+    ext = torch.full((1, h, d), float("nan"), device=dev)
+    extend_attention(q, *args, torch.tensor([0, 1], dtype=I32, device=dev), pos, ext, 1, 0.25, window)
+    err = (ext.cpu() - want).abs().max().item()
     assert err < 1e-5, f"extend at position {q_pos}: max |out - reference| = {err:.3g} (tolerance 1e-5)"
 
 
