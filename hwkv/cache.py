@@ -584,7 +584,13 @@ class HybridPrefixCache:
                 raise LocError(f"frontier {frontier!r} must be an integer multiple of page_size {p} in [0, seq_len "
                                f"{locs.numel()}] (the request's release frontier)")
             # every page it holds, with SWA from its frontier on: the frees below would drop references it lacks
-            self._precheck(locs, locs[f:], f)
+            try:
+                self._precheck(locs, locs[f:], f)
+            except (LocError, NotAllocatedError) as e:  # (raised only where shares are checked: reading is fine)
+                if locs.numel() and not bool(locs.any()):
+                    raise LocError(f"request row {key} holds no slot (0) in [0, {locs.numel()}): a release clears "
+                                   "its row, so this request was released already") from None
+                raise e
             checked.append((ids, locs, f, lock))
         with interrupts_held():  # every request cached, unlocked and its references dropped together
             return self._release_checked(checked, cache)

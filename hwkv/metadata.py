@@ -23,7 +23,8 @@ class KVIndexList:
     is_swa_slots: bool = False
     min_len: int = 0       # host-side lower bound on any request's list length (eager lists: exact)
     # eager lists of backends that build them so (CPU): int64 [bs, max_len], row b = request b's slots, then
-    # arbitrary valid slots of the same pool past its length; None elsewhere
+    # whatever its req_to_token row holds past its length (stale slots of the same pool, whose K/V may be anything:
+    # a reader repeats a listed slot there, as plan_dense does); None elsewhere
     table: Optional[torch.Tensor] = None
 
 

@@ -133,7 +133,7 @@ def test_serve_baseline_on_a_transformers_without_continuous_batching_config_say
     monkeypatch.setattr(serve, "check_trace_fits", lambda w: None)
     monkeypatch.setattr(serve, "check_pools_fit", lambda model, w: None)
     monkeypatch.setattr(serve, "make_trace", lambda w, vocab: [])
-    monkeypatch.setattr(serve, "serve_hwkv", lambda model, trace, w, prefix_cache=True: serve.ServeRow("hwkv", 0))
+    monkeypatch.setattr(serve, "serve_hwkv", lambda model, trace, w, prefix_cache=True, **kw: serve.ServeRow("hwkv", 0))
     model = types.SimpleNamespace(config=types.SimpleNamespace(
         get_text_config=lambda: types.SimpleNamespace(vocab_size=16)))
     res = serve.run_serve(model, serve.ServeWorkload(requests=1), "cpu", "stub")

@@ -241,9 +241,10 @@ def _visible_range(kv_indptr, kv_pos0, q_pos, b, window):
     """List entries [lo, hi) of request b that its query may see, and the list's start."""
     kv_start = tl.load(kv_indptr + b).to(tl.int64)
     kv_len = tl.load(kv_indptr + b + 1).to(tl.int64) - kv_start
-    rel = tl.load(q_pos + b).to(tl.int64) - tl.load(kv_pos0 + b).to(tl.int64)  # query pos - pos0
+    pos0 = tl.load(kv_pos0 + b).to(tl.int64)
+    rel = tl.load(q_pos + b).to(tl.int64) - pos0  # query pos - pos0
     hi = tl.minimum(kv_len, rel + 1)
-    lo = tl.zeros_like(hi)
+    lo = tl.maximum(-pos0, 0)   # entries at negative positions (a list start given below 0) are no keys
     if window > 0:
         lo = tl.maximum(lo, rel - window + 1)
     hi = tl.maximum(hi, lo)

@@ -234,7 +234,7 @@ def _extend_kernel(
         # bound holds, the window applies as usual).
         tok_ok = tok < q_len
         q_rel = tl.load(q_positions + q_start + tok, mask=tok_ok, other=0).to(tl.int64) - pos0
-        lo = tl.zeros_like(rel0)
+        lo = tl.maximum(tl.zeros_like(rel0), -pos0)   # entries at negative positions are no keys
         if HAS_WINDOW:
             lo = tl.maximum(lo, tl.min(tl.where(tok_ok, q_rel, tl.max(q_rel, 0)), 0) - window + 1)
         hi = tl.minimum(kv_len, rel0 + q_len)
@@ -254,7 +254,7 @@ def _extend_kernel(
                                          BLOCK_D, BLOCK_DV, BLOCK_N, HAS_CAP, HAS_WINDOW, True, F32, True)
     else:
         # List entries some query of the block may see, [lo, hi), and those all of them see, [full_lo, full_hi).
-        lo = tl.zeros_like(rel0)
+        lo = tl.maximum(tl.zeros_like(rel0), -pos0)   # entries at negative positions are no keys
         full_lo = lo
         if HAS_WINDOW:
             lo = tl.maximum(lo, rel0 + first - window + 1)
