@@ -588,8 +588,8 @@ class HybridPrefixCache:
                 self._precheck(locs, locs[f:], f)
             except (LocError, NotAllocatedError) as e:  # (raised only where shares are checked: reading is fine)
                 if locs.numel() and not bool(locs.any()):
-                    raise LocError(f"request row {key} holds no slot (0) in [0, {locs.numel()}): a release clears "
-                                   "its row, so this request was released already") from None
+                    raise LocError(f"{e}: request row {key} holds no slot in [0, {locs.numel()}), so it is no running "
+                                   "request's (a release clears its row: released already?)") from None
                 raise e
             checked.append((ids, locs, f, lock))
         with interrupts_held():  # every request cached, unlocked and its references dropped together
