@@ -125,6 +125,7 @@ class AttentionBackend(DraftMetadataMixin):
         self.window_translations = 0
         self.forward_metadata: Optional[ForwardMetadata] = None
         self.static: Optional[StaticBuffers] = None
+        self.graph_stagings = 0  # batches staged into the static buffers (GraphRunner.prepare): the last replays
         self._views: Dict[Tuple[int, int], GraphViews] = {}
         self.tree_planner = TreePlanner(self)  # a verify tree's metadata (mask, decode-like lists)
         self.draft_static = None  # hwkv.draft.DraftStatic, made by init_draft_graph_state

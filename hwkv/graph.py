@@ -291,9 +291,8 @@ class GraphRunner:
     def _new_staging(self) -> int:
         """Count one more batch staged into the backend's static buffers and lists (every runner over the backend
         shares them): a prepared step replays only while it is the last one staged."""
-        n = getattr(self.backend, "graph_stagings", 0) + 1
-        self.backend.graph_stagings = n
-        return n
+        self.backend.graph_stagings += 1
+        return self.backend.graph_stagings
 
     def _captured(self, bs: int, i: int) -> int:
         """The bucket (index i) a batch of bs requests replays; a ConfigError where it was never captured (or a capture
@@ -405,7 +404,7 @@ class GraphRunner:
             out = self.fn(step.batch, step.inputs)
             self.eager_runs += 1   # (counted once it ran, as replays are)
             return self._live(out, step)
-        now = getattr(self.backend, "graph_stagings", 0)
+        now = self.backend.graph_stagings
         if step.staged != now:   # the static buffers hold a later prepare's batch: its replay would run that
             raise ConfigError(f"this step was staged before the last prepare() over this backend's graph state (staged "
                               f"{step.staged}, now {now}): its static buffers hold that later batch; prepare again")
